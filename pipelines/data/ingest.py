@@ -1,0 +1,197 @@
+"""Ingest: JSONL (plain, .gz, .zst) → ``docs.parquet`` + ``quarantine.jsonl``.
+
+Every non-blank input line ends up in exactly one of the two outputs:
+
+* ``docs.parquet``: ``idx`` (int64, dense, input order), ``id`` (the record's id field as a
+  string, or ``<file>:<line>`` when it has none), ``text``, ``source`` (input file name).
+* ``quarantine.jsonl``: ``{source, line, reason, detail, raw | raw_b64}`` with reason one of
+  ``invalid_utf8``, ``invalid_json``, ``not_an_object``, ``missing_text``, ``text_not_string``,
+  ``empty_text``. The raw line is kept (base64 when it is not UTF-8), so nothing is lost.
+
+``counts``: ``lines`` = ``docs`` + ``quarantined`` (+ ``blank_lines`` that hold no record).
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import gzip
+import io
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipelines.manifest import Manifest, StageDir, file_ref, run_stage, write_report
+from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
+from pipelines.progress import progress
+
+DOCS_SCHEMA = pa.schema([
+    ("idx", pa.int64()), ("id", pa.string()), ("text", pa.string()), ("source", pa.string()),
+])
+_BATCH = 2048
+
+
+class IngestError(RuntimeError):
+    pass
+
+
+def open_binary(path: Path) -> BinaryIO:
+    """Open plain, gzip or zstd files by extension, as a binary line stream."""
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".zst") or name.endswith(".zstd"):
+        import zstandard
+
+        raw = open(path, "rb")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    return open(path, "rb")
+
+
+def classify(line: bytes, text_field: str, min_chars: int) -> tuple[str | None, dict | str]:
+    """Return (None, record) for a good line, else (reason, detail)."""
+    try:
+        s = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return "invalid_utf8", f"{e.reason} at byte {e.start}"
+    try:
+        rec = json.loads(s)
+    except json.JSONDecodeError as e:
+        return "invalid_json", f"{e.msg} at char {e.pos}"
+    if not isinstance(rec, dict):
+        return "not_an_object", f"got {type(rec).__name__}"
+    if text_field not in rec:
+        return "missing_text", f"no {text_field!r} field (fields: {sorted(rec)[:8]})"
+    text = rec[text_field]
+    if not isinstance(text, str):
+        return "text_not_string", f"{text_field!r} is {type(text).__name__}"
+    if len(text.strip()) < min_chars:
+        return "empty_text", f"{len(text.strip())} chars after strip"
+    # Lone surrogates (valid JSON escapes, invalid Unicode) cannot be written as UTF-8 later.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return "invalid_utf8", f"lone surrogate in text: {e.reason}"
+    return None, rec
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    with open_binary(path) as f:
+        for n, line in enumerate(f, start=1):
+            yield n, line.rstrip(b"\r\n")
+
+
+def ingest(inputs: list[Path], out_dir: Path, text_field: str = "text", id_field: str = "id",
+           max_docs: int | None = None, min_chars: int = 1) -> dict:
+    """Write docs.parquet and quarantine.jsonl under out_dir; return counts."""
+    counts: Counter = Counter()
+    reasons: Counter = Counter()
+    idx = 0
+    writer = pq.ParquetWriter(out_dir / "docs.parquet", DOCS_SCHEMA, compression="zstd")
+    batch: dict[str, list] = {k: [] for k in DOCS_SCHEMA.names}
+
+    def flush() -> None:
+        if batch["idx"]:
+            writer.write_table(pa.table(batch, schema=DOCS_SCHEMA))
+            for v in batch.values():
+                v.clear()
+
+    with open(out_dir / "quarantine.jsonl", "w", encoding="utf-8") as qf, \
+            progress(desc="ingest", unit="doc") as bar:
+        for path in inputs:
+            src = path.name
+            for line_no, line in iter_lines(path):
+                if max_docs is not None and counts["docs"] >= max_docs:
+                    break
+                if not line.strip():
+                    counts["blank_lines"] += 1
+                    continue
+                counts["lines"] += 1
+                reason, rec = classify(line, text_field, min_chars)
+                if reason is not None:
+                    q = {"source": src, "line": line_no, "reason": reason, "detail": rec}
+                    try:
+                        q["raw"] = line.decode("utf-8")
+                    except UnicodeDecodeError:
+                        q["raw_b64"] = base64.b64encode(line).decode("ascii")
+                    qf.write(json.dumps(q, ensure_ascii=False) + "\n")
+                    counts["quarantined"] += 1
+                    reasons[reason] += 1
+                    continue
+                rid = rec.get(id_field)
+                batch["idx"].append(idx)
+                batch["id"].append(str(rid) if rid is not None else f"{src}:{line_no}")
+                batch["text"].append(rec[text_field])
+                batch["source"].append(src)
+                idx += 1
+                counts["docs"] += 1
+                bar.update(1)
+                if len(batch["idx"]) >= _BATCH:
+                    flush()
+    flush()
+    writer.close()
+    out = dict(counts)
+    for k in ("lines", "docs", "quarantined", "blank_lines"):
+        out.setdefault(k, 0)
+    out["quarantine_reasons"] = dict(sorted(reasons.items()))
+    assert out["lines"] == out["docs"] + out["quarantined"], out
+    return out
+
+
+def check_inputs(paths: list[str]) -> list[Path]:
+    if not paths:
+        raise IngestError("data.inputs is empty: list at least one JSONL file in the spec")
+    resolved = [resolve_path(p) for p in paths]
+    missing = [str(p) for p in resolved if not p.is_file()]
+    if missing:
+        raise IngestError(
+            "input file(s) not found: " + ", ".join(missing)
+            + " — fix data.inputs in the spec (relative paths resolve against the project root)"
+        )
+    return resolved
+
+
+def run(spec: JobSpec, out_dir: str | None = None) -> Manifest:
+    inputs = check_inputs(spec.data.inputs)
+    cfg = spec.data.ingest
+    sd = StageDir(resolve_path(spec.run.root), "ingest", spec.stage_hash("ingest"),
+                  [file_ref(p) for p in inputs], force=spec.run.force, out_dir=out_dir)
+
+    def body(tmp: Path) -> Manifest:
+        counts = ingest(inputs, tmp, cfg.text_field, cfg.id_field, cfg.max_docs, cfg.min_chars)
+        return sd.commit({"docs": "docs.parquet", "quarantine": "quarantine.jsonl"}, counts=counts)
+
+    return run_stage(sd, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m pipelines.data.ingest",
+        description="Read JSONL (plain/.gz/.zst) into docs.parquet; bad records go to quarantine.jsonl with a reason.",
+    )
+    add_spec_args(ap)
+    ap.add_argument("--input", action="append", default=None, help="Input file (repeatable); overrides data.inputs.")
+    ap.add_argument("--output", default=None, help="Output directory (default: content-addressed under run.root).")
+    ap.add_argument("--report", default=None, help="Write {stage, manifest} JSON here (for orchestrators).")
+    args = ap.parse_args(argv)
+    spec = spec_from_args(args)
+    if args.input:
+        spec.data.inputs = args.input
+    try:
+        m = run(spec, args.output)
+    except IngestError as e:
+        print(f"ingest: error: {e}", file=sys.stderr)
+        return 2
+    write_report(args.report, m)
+    c = m.counts
+    print(f"ingest: {c['lines']} records → {c['docs']} docs, {c['quarantined']} quarantined "
+          f"{c['quarantine_reasons']}; manifest {m.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

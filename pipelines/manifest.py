@@ -1,0 +1,264 @@
+"""The manifest contract every stage follows, and the atomic, idempotent stage directory.
+
+A stage writes its outputs into a staging directory, writes ``manifest.json`` last, then renames
+the staging directory to its final, content-addressed place::
+
+    <run.root>/<stage>/<key>/           key = sha256(stage, config_hash, input sha256s)[:16]
+        ...outputs...
+        manifest.json                   {stage, version, config_hash, inputs, outputs, counts, ...}
+
+A stage is done iff its manifest exists and every output checksum verifies; then a re-run with
+the same config and inputs returns the existing manifest instead of recomputing.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+MANIFEST_NAME = "manifest.json"
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_path(path: str | os.PathLike) -> str:
+    """sha256 of a file, or of a directory as the hash of its sorted (relative path, file hash) list."""
+    p = Path(path)
+    if p.is_file():
+        return sha256_file(p)
+    if not p.is_dir():
+        raise FileNotFoundError(f"{p} does not exist")
+    h = hashlib.sha256()
+    for f in sorted(x for x in p.rglob("*") if x.is_file() and not _ignorable(x)):
+        h.update(f.relative_to(p).as_posix().encode())
+        h.update(b"\0")
+        h.update(sha256_file(f).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _ignorable(p: Path) -> bool:
+    # Spark's per-file CRCs and the _SUCCESS marker carry no data of their own.
+    return p.name.startswith(".") and p.name.endswith(".crc") or p.name == "_SUCCESS"
+
+
+def path_bytes(path: str | os.PathLike) -> int:
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    return sum(x.stat().st_size for x in p.rglob("*") if x.is_file() and not _ignorable(x))
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def code_version() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+            capture_output=True, text=True, timeout=5,
+        )
+        return out.stdout.strip() or "unknown"
+    except Exception:  # pragma: no cover - git missing
+        return "unknown"
+
+
+@dataclass
+class Manifest:
+    stage: str
+    config_hash: str
+    inputs: list[dict] = field(default_factory=list)
+    outputs: list[dict] = field(default_factory=list)
+    counts: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    version: int = 1
+    started: str = ""
+    finished: str = ""
+    code_version: str = ""
+    path: Optional[str] = None  # where it was read from / written to (not serialised)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d.pop("path")
+        return json.dumps(d, indent=2, sort_keys=False)
+
+    @property
+    def dir(self) -> Path:
+        assert self.path, "manifest has no location yet"
+        return Path(self.path).parent
+
+    def output(self, name: str) -> Path:
+        """Absolute path of the output called ``name``."""
+        for o in self.outputs:
+            if o["name"] == name:
+                return self.dir / o["path"]
+        raise KeyError(f"{self.stage} manifest has no output {name!r}; it has {[o['name'] for o in self.outputs]}")
+
+    def output_sha(self, name: str) -> str:
+        for o in self.outputs:
+            if o["name"] == name:
+                return o["sha256"]
+        raise KeyError(name)
+
+    @property
+    def digest(self) -> str:
+        """Identity of this stage's result: hash over its output checksums and config hash."""
+        h = hashlib.sha256(self.config_hash.encode())
+        for o in sorted(self.outputs, key=lambda o: o["name"]):
+            h.update(f"{o['name']}={o['sha256']}".encode())
+        return h.hexdigest()
+
+
+def load_manifest(path: str | os.PathLike) -> Manifest:
+    p = Path(path)
+    if p.is_dir():
+        p = p / MANIFEST_NAME
+    if not p.is_file():
+        raise FileNotFoundError(f"no manifest at {p}: run the upstream stage first")
+    d = json.loads(p.read_text())
+    m = Manifest(**d)
+    m.path = str(p.resolve())
+    return m
+
+
+def verify_manifest(m: Manifest) -> list[str]:
+    """Return a list of problems (empty = every output exists and its checksum matches)."""
+    problems = []
+    for o in m.outputs:
+        p = m.dir / o["path"]
+        if not p.exists():
+            problems.append(f"{o['name']}: {p} is missing")
+            continue
+        got = sha256_path(p)
+        if got != o["sha256"]:
+            problems.append(f"{o['name']}: sha256 {got[:12]}… != manifest {o['sha256'][:12]}…")
+    return problems
+
+
+def input_ref(m: Manifest) -> dict:
+    """How a downstream manifest records an upstream stage as its input."""
+    return {"uri": Path(m.path).resolve().as_uri(), "stage": m.stage, "sha256": m.digest}
+
+
+def file_ref(path: str | os.PathLike) -> dict:
+    p = Path(path).resolve()
+    return {"uri": p.as_uri(), "sha256": sha256_path(p)}
+
+
+def stage_key(stage: str, config_hash: str, inputs: Iterable[dict]) -> str:
+    h = hashlib.sha256(f"{stage}:{config_hash}".encode())
+    for i in inputs:
+        h.update(i["sha256"].encode())
+    return h.hexdigest()[:16]
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+
+
+class StageDir:
+    """Staging area for one stage run; :meth:`commit` publishes it atomically.
+
+    Usage::
+
+        sd = StageDir(root, "ingest", config_hash, inputs)
+        if (done := sd.existing()) is not None: return done
+        ... write files under sd.tmp ...
+        return sd.commit(outputs={"docs": "docs.parquet"}, counts=..., metrics=...)
+    """
+
+    def __init__(self, root: str | os.PathLike, stage: str, config_hash: str, inputs: list[dict],
+                 force: bool = False, out_dir: str | os.PathLike | None = None):
+        self.stage = stage
+        self.config_hash = config_hash
+        self.inputs = inputs
+        self.force = force
+        self.final = Path(out_dir).resolve() if out_dir else (
+            Path(root).resolve() / stage / stage_key(stage, config_hash, inputs))
+        self.tmp = self.final.with_name(f".{self.final.name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.started = now_iso()
+
+    def existing(self) -> Optional[Manifest]:
+        """The committed manifest if it exists, matches, verifies and ``force`` is off."""
+        if self.force or not (self.final / MANIFEST_NAME).is_file():
+            return None
+        try:
+            m = load_manifest(self.final)
+        except (ValueError, TypeError):
+            return None
+        if m.config_hash != self.config_hash or verify_manifest(m):
+            return None
+        return m
+
+    def __enter__(self) -> "StageDir":
+        self.tmp.mkdir(parents=True, exist_ok=False)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.tmp.exists():  # failure, or commit already moved it
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def commit(self, outputs: dict[str, str], counts: dict | None = None, metrics: dict | None = None,
+               extra: dict | None = None) -> Manifest:
+        outs = []
+        for name, rel in outputs.items():
+            p = self.tmp / rel
+            if not p.exists():
+                raise FileNotFoundError(f"{self.stage}: declared output {name!r} was not written ({p})")
+            outs.append({
+                "name": name, "path": rel, "uri": (self.final / rel).as_uri(),
+                "sha256": sha256_path(p), "bytes": path_bytes(p),
+            })
+        m = Manifest(
+            stage=self.stage, config_hash=self.config_hash, inputs=self.inputs, outputs=outs,
+            counts=counts or {}, metrics=metrics or {}, extra=extra or {},
+            started=self.started, finished=now_iso(), code_version=code_version(),
+        )
+        atomic_write_text(self.tmp / MANIFEST_NAME, m.to_json())  # written last
+        if self.final.exists():
+            trash = self.final.with_name(f".{self.final.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(self.final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.tmp, self.final)
+        m.path = str(self.final / MANIFEST_NAME)
+        return m
+
+
+def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str], None] = print) -> Manifest:
+    """Skip if done, else run ``body(tmp_dir)`` inside the staging dir (which calls sd.commit)."""
+    done = sd.existing()
+    if done is not None:
+        log(f"[{sd.stage}] up to date: {done.path} (use run.force=true to recompute)")
+        return done
+    with sd:
+        return body(sd.tmp)
+
+
+def write_report(path: Optional[str], manifest: Manifest) -> None:
+    """CLI ``--report FILE``: where an orchestrator reads the manifest location back."""
+    if path:
+        atomic_write_text(path, json.dumps({"stage": manifest.stage, "manifest": manifest.path}))

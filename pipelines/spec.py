@@ -1,0 +1,347 @@
+"""The job spec: one typed config that every stage reads.
+
+A YAML file (see ``configs/``) is validated into :class:`JobSpec`. Every section has embedded
+defaults, so ``JobSpec()`` alone describes a laptop run: all state under ``./var``, Spark
+``local[*]``, ``torchrun`` with 2 gloo processes, MLflow on ``sqlite:///var/mlflow.db`` and an
+embedded S3-compatible endpoint on 127.0.0.1 for the L2 tier.
+
+Overrides come in three layers, later wins: the YAML file, ``--set section.key=value`` pairs
+(what Airflow Params turn into), and environment variables for the ``services`` section
+(``SPARK_MASTER``, ``S3_ENDPOINT_URL``, ``S3_BUCKET``, ``MLFLOW_TRACKING_URI``).
+
+Each stage hashes only the sections it reads (:meth:`JobSpec.stage_hash`), so changing the
+number of training steps does not invalidate the dedup output.
+
+The spec lives at ``pipelines/spec.py`` rather than ``pipelines/train/`` because the data and
+eval planes read it as much as training does.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+def project_home() -> Path:
+    """Root that relative paths in the spec resolve against.
+
+    ``LLMP_HOME`` if set, else the checkout this package lives in (editable install), so a
+    stage resolves ``var/...`` to the same place whatever the working directory of the Airflow
+    task that launched it.
+    """
+    env = os.environ.get("LLMP_HOME")
+    if env:
+        return Path(env).resolve()
+    return Path(__file__).resolve().parent.parent
+
+
+def resolve_path(p: str | os.PathLike) -> Path:
+    path = Path(os.path.expanduser(str(p)))
+    return path if path.is_absolute() else (project_home() / path)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunCfg(_Section):
+    name: str = Field("llm-pipeline", description="Run / MLflow experiment name.")
+    seed: int = 1234
+    root: str = Field("var/runs", description="Where stage outputs are written.")
+    force: bool = Field(False, description="Re-run stages even when a verified manifest exists.")
+    mlflow_run_id: Optional[str] = Field(None, description="MLflow run the stages log into (set by the DAG).")
+
+
+class IngestCfg(_Section):
+    text_field: str = "text"
+    id_field: str = "id"
+    max_docs: Optional[int] = Field(None, ge=1, description="Stop after this many good docs.")
+    min_chars: int = Field(1, ge=1, description="Docs shorter than this (after strip) are quarantined.")
+
+
+class DedupCfg(_Section):
+    ngram: int = Field(5, ge=1, description="Word n-gram shingle size.")
+    num_perm: int = Field(128, ge=8, le=1024)
+    threshold: float = Field(0.8, gt=0.0, lt=1.0, description="Target Jaccard similarity.")
+    bands: Optional[int] = Field(None, ge=1, description="LSH bands; None = chosen from threshold.")
+    rows: Optional[int] = Field(None, ge=1, description="Rows per band; None = chosen from threshold.")
+    seed: int = 42
+    partitions: int = Field(8, ge=1, description="Spark partitions for the signature step.")
+
+    @model_validator(mode="after")
+    def _bands_rows(self) -> "DedupCfg":
+        if (self.bands is None) != (self.rows is None):
+            raise ValueError("set both dedup.bands and dedup.rows, or neither (then threshold picks them)")
+        if self.bands is not None and self.bands * self.rows > self.num_perm:
+            raise ValueError(
+                f"dedup.bands × dedup.rows = {self.bands}×{self.rows} = {self.bands * self.rows} "
+                f"exceeds dedup.num_perm = {self.num_perm}; lower bands or rows, or raise num_perm"
+            )
+        return self
+
+
+class FilterCfg(_Section):
+    """Gopher-style quality rules (Rae et al. 2021, appendix A) with their published defaults."""
+
+    min_words: int = 50
+    max_words: int = 100_000
+    min_mean_word_len: float = 3.0
+    max_mean_word_len: float = 10.0
+    max_symbol_word_ratio: float = Field(0.1, description="'#' and '...' per word.")
+    max_bullet_lines_ratio: float = 0.9
+    max_ellipsis_lines_ratio: float = 0.3
+    min_alpha_words_ratio: float = Field(0.8, description="Share of words with an alphabetic char.")
+    max_dup_line_ratio: float = Field(0.3, description="Share of lines that duplicate an earlier line.")
+    max_dup_line_char_ratio: float = 0.2
+    stop_words_min: int = Field(2, description="At least this many English stop words.")
+
+
+class DataCfg(_Section):
+    inputs: list[str] = Field(
+        default_factory=lambda: [
+            "data/sample/c4_en_train_1k.jsonl.gz",
+            "data/sample/cc_wet_2019_30_sample.jsonl.gz",
+        ],
+        description="JSONL files (plain, .gz or .zst) with a text field.",
+    )
+    ingest: IngestCfg = Field(default_factory=IngestCfg)
+    dedup: DedupCfg = Field(default_factory=DedupCfg)
+    filters: FilterCfg = Field(default_factory=FilterCfg)
+
+
+class TokenizerCfg(_Section):
+    model_path: Optional[str] = Field(None, description="Use this SentencePiece model instead of training one.")
+    vocab_size: int = Field(4096, ge=64)
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    sample_docs: int = Field(20_000, ge=1, description="Docs sampled to train the tokenizer.")
+    character_coverage: float = 0.9995
+    shard_tokens: int = Field(1 << 24, ge=1024, description="Max tokens per .bin shard.")
+    heldout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+
+
+class ModelCfg(_Section):
+    n_layers: int = Field(4, ge=1)
+    d_model: int = Field(128, ge=8)
+    n_heads: int = Field(4, ge=1)
+    n_kv_heads: Optional[int] = Field(None, description="Grouped-query attention; defaults to n_heads.")
+    ffn_mult: float = Field(8 / 3, description="SwiGLU hidden = ffn_mult × d_model, rounded up to 32.")
+    seq_len: int = Field(128, ge=8)
+    vocab_size: Optional[int] = Field(None, description="Defaults to the tokenizer's vocab.")
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelCfg":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("model.d_model / model.n_heads must be even for RoPE")
+        return self
+
+
+class TrainCfg(_Section):
+    steps: int = Field(200, ge=1)
+    micro_batch: int = Field(8, ge=1, description="Sequences per rank per micro step.")
+    grad_accum: int = Field(1, ge=1)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    ckpt_every: int = Field(100, ge=1, description="Save a checkpoint to L0 every N steps (and at the end).")
+    log_every: int = Field(10, ge=1)
+    dtype: Literal["fp32", "bf16"] = "fp32"
+
+
+class LauncherCfg(_Section):
+    kind: Literal["local"] = "local"
+    nproc_per_node: int = Field(2, ge=1)
+    nnodes: int = Field(1, ge=1)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    threads_per_proc: int = Field(1, ge=1, description="OMP/torch threads per rank on CPU.")
+
+
+class TiersCfg(_Section):
+    l0: str = "var/tiers/nvme"
+    l1: str = "var/tiers/shared"
+    l2_prefix: str = Field("checkpoints", description="Key prefix in services.s3_bucket.")
+    multipart_threshold_mb: int = Field(8, ge=5)
+    multipart_chunk_mb: int = Field(8, ge=5)
+
+
+class EvalCfg(_Section):
+    max_tokens: Optional[int] = Field(None, description="Cap on held-out tokens scored.")
+    batch_size: int = 16
+
+
+class RegistryCfg(_Section):
+    model_name: str = "llm-pipeline-gpt"
+    alias: str = "champion"
+    gate_metric: Literal["heldout_loss", "heldout_bpb"] = "heldout_loss"
+
+
+class ServicesCfg(_Section):
+    spark_master: str = "local[*]"
+    spark_driver_memory: str = "2g"
+    s3_endpoint_url: Optional[str] = Field(
+        None, description="None = the embedded S3-compatible endpoint on 127.0.0.1; 'aws' = AWS's own "
+        "endpoint; a URL = that S3-compatible endpoint."
+    )
+    s3_bucket: str = "llm-pipeline"
+    s3_region: str = "us-east-1"
+    mlflow_tracking_uri: str = "sqlite:///var/mlflow.db"
+    mlflow_artifact_root: str = "var/mlartifacts"
+
+
+ENV_OVERRIDES = {
+    "SPARK_MASTER": ("services", "spark_master"),
+    "S3_ENDPOINT_URL": ("services", "s3_endpoint_url"),
+    "S3_BUCKET": ("services", "s3_bucket"),
+    "MLFLOW_TRACKING_URI": ("services", "mlflow_tracking_uri"),
+}
+
+# Which sections each stage's output depends on (its config hash).
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "ingest": ("data.inputs", "data.ingest"),
+    "dedup": ("data.dedup",),
+    "filter": ("data.filters",),
+    "tokenize": ("tokenizer", "run.seed"),
+    "train": ("model", "train", "launcher", "run.seed"),
+    "promote": ("checkpoint",),
+    "eval": ("eval", "model"),
+    "register": ("registry",),
+}
+
+
+class JobSpec(_Section):
+    run: RunCfg = Field(default_factory=RunCfg)
+    data: DataCfg = Field(default_factory=DataCfg)
+    tokenizer: TokenizerCfg = Field(default_factory=TokenizerCfg)
+    model: ModelCfg = Field(default_factory=ModelCfg)
+    train: TrainCfg = Field(default_factory=TrainCfg)
+    launcher: LauncherCfg = Field(default_factory=LauncherCfg)
+    checkpoint: TiersCfg = Field(default_factory=TiersCfg)
+    eval: EvalCfg = Field(default_factory=EvalCfg)
+    registry: RegistryCfg = Field(default_factory=RegistryCfg)
+    services: ServicesCfg = Field(default_factory=ServicesCfg)
+
+    @property
+    def world_size(self) -> int:
+        return self.launcher.nproc_per_node * self.launcher.nnodes
+
+    @property
+    def global_batch(self) -> int:
+        return self.train.micro_batch * self.train.grad_accum * self.world_size
+
+    def _get(self, dotted: str) -> Any:
+        obj: Any = self
+        for part in dotted.split("."):
+            obj = getattr(obj, part)
+        return obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj
+
+    def stage_hash(self, stage: str) -> str:
+        """sha256 over the sections ``stage`` reads (canonical JSON)."""
+        sections = STAGE_SECTIONS[stage]
+        payload = {s: self._get(s) for s in sections}
+        return sha256_json(payload)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class SpecError(ValueError):
+    """A spec that cannot be used; the message says what to fix."""
+
+
+def _parse_scalar(text: str) -> Any:
+    """``--set`` values are parsed as YAML scalars/lists (``10`` → int, ``[a, b]`` → list)."""
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(raw: dict, overrides: dict[str, Any] | list[str] | None) -> dict:
+    if not overrides:
+        return raw
+    items = overrides.items() if isinstance(overrides, dict) else (_split_kv(o) for o in overrides)
+    for key, value in items:
+        node = raw
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise SpecError(f"override {key!r}: {p!r} is not a section")
+        node[parts[-1]] = value
+    return raw
+
+
+def _split_kv(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise SpecError(f"override {item!r} must look like section.key=value")
+    k, v = item.split("=", 1)
+    return k.strip(), _parse_scalar(v)
+
+
+def load_spec(
+    path: str | os.PathLike | None = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+    env: Optional[dict[str, str]] = None,
+) -> JobSpec:
+    """Read a YAML spec (or defaults when ``path`` is None), apply overrides and env, validate."""
+    raw: dict = {}
+    if path is not None:
+        p = resolve_path(path)
+        if not p.is_file():
+            raise SpecError(f"spec file {p} does not exist; pass an existing YAML file (see configs/)")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise SpecError(f"spec file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded
+    raw = apply_overrides(raw, overrides)
+    env = os.environ if env is None else env
+    for var, (section, key) in ENV_OVERRIDES.items():
+        if env.get(var):
+            raw.setdefault(section, {})[key] = env[var]
+    try:
+        return JobSpec.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            lines.append(f"  {loc}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""))
+        where = f" in {path}" if path else ""
+        raise SpecError(f"invalid job spec{where}:\n" + "\n".join(lines)) from None
+
+
+def add_spec_args(parser) -> None:
+    """The spec flags every stage CLI takes."""
+    parser.add_argument("--spec", default=None, help="Job spec YAML (default: embedded defaults).")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="Override a spec value, e.g. --set train.steps=50 (repeatable).",
+    )
+
+
+def spec_from_args(args) -> JobSpec:
+    return load_spec(args.spec, args.overrides)
+
+
+if __name__ == "__main__":  # pragma: no cover - convenience: print the effective spec
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Validate a job spec and print it with defaults filled in.")
+    add_spec_args(ap)
+    a = ap.parse_args()
+    print(spec_from_args(a).to_yaml())

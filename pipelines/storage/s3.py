@@ -1,0 +1,268 @@
+"""S3 access for the L2 tier, and the embedded S3-compatible endpoint used on a laptop.
+
+The same boto3 code talks to AWS or to a local endpoint:
+
+* ``services.s3_endpoint_url`` (or env ``S3_ENDPOINT_URL``) = a URL → that endpoint; ``aws`` →
+  AWS's own endpoint. Both use the standard AWS credential chain (env, profile, IRSA on EKS).
+* unset → the *embedded* endpoint: moto's S3 server on 127.0.0.1, started by
+  ``python -m pipelines.storage.s3 start`` (the DAG's setup task does this) and stopped by
+  ``… stop`` (its teardown task). Its address is kept in ``var/s3/endpoint.json``.
+
+moto keeps objects in memory, so the embedded server snapshots every bucket to
+``var/s3/store/<bucket>/<key>`` when stopped and loads the snapshot when started: L2 copies
+outlive the DAG run that made them, as they would on S3.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
+
+STATE_DIR = "var/s3"
+_EMBEDDED_CREDS = {"aws_access_key_id": "embedded", "aws_secret_access_key": "embedded-secret"}
+
+
+class S3ConfigError(RuntimeError):
+    pass
+
+
+def _state_dir() -> Path:
+    return resolve_path(STATE_DIR)
+
+
+def _endpoint_file() -> Path:
+    return _state_dir() / "endpoint.json"
+
+
+def _alive(url: str, timeout: float = 1.0) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/moto-api/", timeout=timeout) as r:  # noqa: S310 - loopback
+            return r.status < 500
+    except Exception:
+        return False
+
+
+def embedded_endpoint() -> Optional[str]:
+    f = _endpoint_file()
+    if not f.is_file():
+        return None
+    url = json.loads(f.read_text())["url"]
+    return url if _alive(url) else None
+
+
+def endpoint_url(spec: JobSpec) -> Optional[str]:
+    """The endpoint to use, or None for AWS's own. Raises if the embedded one is needed but down."""
+    configured = spec.services.s3_endpoint_url
+    if configured == "aws":
+        return None  # boto3's own regional endpoint
+    if configured:
+        return configured
+    url = embedded_endpoint()
+    if url is None:
+        raise S3ConfigError(
+            "no S3 endpoint: start the embedded one with `python -m pipelines.storage.s3 start`, "
+            "or set S3_ENDPOINT_URL (and AWS credentials) / services.s3_endpoint_url for a real one"
+        )
+    return url
+
+
+def client(spec: JobSpec):
+    import boto3
+    from botocore.config import Config
+
+    url = endpoint_url(spec)
+    kw: dict = {"region_name": spec.services.s3_region,
+                "config": Config(retries={"max_attempts": 5, "mode": "standard"})}
+    if url:
+        kw["endpoint_url"] = url
+        if url == embedded_endpoint():
+            kw.update(_EMBEDDED_CREDS)
+    return boto3.client("s3", **kw)
+
+
+def ensure_bucket(s3, bucket: str, region: str = "us-east-1") -> None:
+    from botocore.exceptions import ClientError
+
+    try:
+        s3.head_bucket(Bucket=bucket)
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
+            raise
+        kw = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+        s3.create_bucket(Bucket=bucket, **kw)
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    if not uri.startswith("s3://"):
+        raise ValueError(f"not an s3:// URI: {uri}")
+    bucket, _, key = uri[5:].partition("/")
+    return bucket, key
+
+
+# ----------------------------------------------------------------------------- embedded server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _snapshot(url: str, store: Path) -> int:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", **_EMBEDDED_CREDS)
+    n = 0
+    for b in s3.list_buckets().get("Buckets", []):
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=b["Name"]):
+            for o in page.get("Contents", []):
+                dest = store / b["Name"] / o["Key"]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_name(dest.name + ".part")
+                s3.download_file(b["Name"], o["Key"], str(tmp))
+                os.replace(tmp, dest)
+                n += 1
+    return n
+
+
+def _restore(url: str, store: Path) -> int:
+    import boto3
+
+    if not store.is_dir():
+        return 0
+    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", **_EMBEDDED_CREDS)
+    n = 0
+    for bdir in sorted(p for p in store.iterdir() if p.is_dir()):
+        ensure_bucket(s3, bdir.name)
+        for f in sorted(p for p in bdir.rglob("*") if p.is_file() and not p.name.endswith(".part")):
+            s3.upload_file(str(f), bdir.name, f.relative_to(bdir).as_posix())
+            n += 1
+    return n
+
+
+def serve(port: int) -> None:
+    """Run moto's S3 server in the foreground until SIGTERM/SIGINT, then snapshot to disk."""
+    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+
+    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    srv.start()
+    url = f"http://127.0.0.1:{port}"
+    store = _state_dir() / "store"
+    restored = _restore(url, store)
+    print(f"embedded S3 on {url} (restored {restored} objects from {store})", flush=True)
+    stop = {"flag": False}
+
+    def _handler(*_):
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGINT, _handler)
+    while not stop["flag"]:
+        time.sleep(0.2)
+    saved = _snapshot(url, store)
+    print(f"embedded S3 stopping: {saved} objects saved to {store}", flush=True)
+    srv.stop()
+
+
+def start(wait_s: float = 30.0) -> str:
+    """Start the embedded endpoint in a detached process (idempotent); return its URL."""
+    url = embedded_endpoint()
+    if url:
+        return url
+    sd = _state_dir()
+    sd.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    log = open(sd / "server.log", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.storage.s3", "serve", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        cwd=str(resolve_path(".")),
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"embedded S3 server exited with {proc.returncode}; see {sd / 'server.log'}")
+        if _alive(url, 0.5):
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        raise RuntimeError(f"embedded S3 server did not answer on {url} within {wait_s:.0f}s")
+    tmp = _endpoint_file().with_suffix(".tmp")
+    tmp.write_text(json.dumps({"url": url, "pid": proc.pid}))
+    os.replace(tmp, _endpoint_file())
+    return url
+
+
+def stop(wait_s: float = 60.0) -> bool:
+    f = _endpoint_file()
+    if not f.is_file():
+        return False
+    info = json.loads(f.read_text())
+    pid = info["pid"]
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        f.unlink(missing_ok=True)
+        return False
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+            # reap if it is our child
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    f.unlink(missing_ok=True)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipelines.storage.s3",
+                                 description="Manage the embedded S3-compatible endpoint (moto) on 127.0.0.1.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("start", help="start it in the background (idempotent) and print its URL")
+    sub.add_parser("stop", help="stop it, saving its objects under var/s3/store")
+    sub.add_parser("status", help="print its URL, or exit 1 when it is not running")
+    sv = sub.add_parser("serve", help="run in the foreground (what `start` launches)")
+    sv.add_argument("--port", type=int, default=9878)
+    ls = sub.add_parser("ls", help="list objects under an s3:// prefix (any endpoint)")
+    add_spec_args(ls)
+    ls.add_argument("uri")
+    args = ap.parse_args(argv)
+    if args.cmd == "start":
+        print(start())
+    elif args.cmd == "stop":
+        print("stopped" if stop() else "not running")
+    elif args.cmd == "status":
+        url = embedded_endpoint()
+        print(url or "not running")
+        return 0 if url else 1
+    elif args.cmd == "serve":
+        serve(args.port)
+    elif args.cmd == "ls":
+        spec = spec_from_args(args)
+        s3 = client(spec)
+        bucket, prefix = split_uri(args.uri)
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for o in page.get("Contents", []):
+                print(f"{o['Size']:>12}  s3://{bucket}/{o['Key']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

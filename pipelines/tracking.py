@@ -1,0 +1,90 @@
+"""MLflow plumbing shared by the stages.
+
+One MLflow run per pipeline run: the DAG's first task creates it and passes its id to every
+stage as ``run.mlflow_run_id``; each stage logs its counts as metrics ``<stage>.<count>`` and its
+plots as artifacts under ``<stage>/``; training logs its curves into the same run; ``register``
+logs the model there. Stages run on their own (no run id) log nothing except training, which
+then opens a run of its own.
+"""
+from __future__ import annotations
+
+import numbers
+import os
+from pathlib import Path
+from typing import Iterable
+
+from pipelines.spec import JobSpec, project_home, resolve_path
+
+
+def tracking_uri(spec: JobSpec) -> str:
+    """``sqlite:///var/mlflow.db`` is relative to the project root, whatever the cwd."""
+    uri = spec.services.mlflow_tracking_uri
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        rel = uri[len(prefix):]
+        path = project_home() / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return prefix + str(path)
+    return uri
+
+
+def client(spec: JobSpec):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = tracking_uri(spec)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def experiment_id(spec: JobSpec) -> str:
+    c = client(spec)
+    exp = c.get_experiment_by_name(spec.run.name)
+    if exp is not None:
+        return exp.experiment_id
+    art = resolve_path(spec.services.mlflow_artifact_root)
+    location = (art / spec.run.name).resolve().as_uri() if "://" not in spec.services.mlflow_artifact_root \
+        else f"{spec.services.mlflow_artifact_root.rstrip('/')}/{spec.run.name}"
+    try:
+        return c.create_experiment(spec.run.name, artifact_location=location)
+    except Exception:  # created concurrently
+        return c.get_experiment_by_name(spec.run.name).experiment_id
+
+
+def start_run(spec: JobSpec, run_name: str | None = None, tags: dict | None = None) -> str:
+    c = client(spec)
+    r = c.create_run(experiment_id(spec), run_name=run_name, tags=tags or {})
+    c.log_text(r.info.run_id, spec.to_yaml(), "spec.yaml")
+    return r.info.run_id
+
+
+def _numeric_items(d: dict, prefix: str) -> Iterable[tuple[str, float]]:
+    for k, v in d.items():
+        if isinstance(v, bool):
+            v = int(v)
+        if isinstance(v, numbers.Number):
+            yield f"{prefix}.{k}", float(v)
+        elif isinstance(v, dict):
+            yield from _numeric_items(v, f"{prefix}.{k}")
+
+
+def log_stage(spec: JobSpec, manifest, artifacts: Iterable[str] = ()) -> None:
+    """Log a stage's counts/metrics and named output files to the pipeline's MLflow run, if any."""
+    run_id = spec.run.mlflow_run_id
+    if not run_id:
+        return
+    import time
+
+    from mlflow.entities import Metric
+
+    c = client(spec)
+    ts = int(time.time() * 1000)
+    items = list(_numeric_items(manifest.counts, manifest.stage)) + \
+        list(_numeric_items(manifest.metrics, manifest.stage))
+    c.log_batch(run_id, metrics=[Metric(k, v, ts, 0) for k, v in items])
+    c.set_tag(run_id, f"{manifest.stage}.manifest", manifest.path)
+    for name in artifacts:
+        p = manifest.output(name)
+        if Path(p).is_file():
+            c.log_artifact(run_id, str(p), artifact_path=manifest.stage)

@@ -1,0 +1,136 @@
+"""Launch training: the ``train`` stage.
+
+``launcher.kind = local`` runs ``torchrun`` as a subprocess (``--standalone`` on one node, or
+c10d rendezvous on 127.0.0.1 for ``nnodes > 1`` on this machine), streams its output, and on
+success writes the stage manifest: the L0 location of the final checkpoint, the loss curve (JSON
+and PNG, the PNG also logged to MLflow) and throughput.
+
+    python -m pipelines.train.launch --tokenize-manifest M [--spec S] [--set train.steps=50]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, run_stage, write_report
+from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
+
+
+class TrainError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmds(spec: JobSpec, trainer_args: list[str]) -> list[list[str]]:
+    """One torchrun command per node (all on this machine for a local multi-node run)."""
+    L = spec.launcher
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(L.nproc_per_node),
+            "--max-restarts", "0"]
+    if L.nnodes == 1:
+        return [base + ["--standalone", "-m", "pipelines.train.trainer", *trainer_args]]
+    port = _free_port()
+    return [base + ["--nnodes", str(L.nnodes), "--node-rank", str(n), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"llmp-{port}",
+                    "-m", "pipelines.train.trainer", *trainer_args] for n in range(L.nnodes)]
+
+
+def run_torchrun(spec: JobSpec, trainer_args: list[str]) -> None:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(spec.launcher.threads_per_proc))
+    env["PYTHONUNBUFFERED"] = "1"
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in torchrun_cmds(spec, trainer_args)]
+    tail: deque[str] = deque(maxlen=40)
+    # Stream node 0's output; other nodes' output is kept for the error message.
+    for line in procs[0].stdout:  # type: ignore[union-attr]
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        tail.append(line)
+    codes = [p.wait() for p in procs]
+    for p in procs[1:]:
+        tail.extend((p.stdout.read() or "").splitlines(keepends=True)[-10:])  # type: ignore[union-attr]
+    if any(codes):
+        raise TrainError(f"torchrun exited with {codes}; last output:\n" + "".join(tail))
+
+
+def plot_losses(losses: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if losses:
+        xs, ys = zip(*losses)
+        ax.plot(xs, ys, lw=1.2, color="#c0392b")
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (nats/token)")
+    ax.set_title("Training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
+    sd = StageDir(resolve_path(spec.run.root), "train", spec.stage_hash("train"), [input_ref(tok)],
+                  force=spec.run.force, out_dir=out_dir)
+    rel_root = f"{spec.run.name}/{sd.final.name}"
+
+    def body(tmp: Path) -> Manifest:
+        ckpt_root = resolve_path(spec.checkpoint.l0) / rel_root
+        spec_file = tmp / "spec.yaml"
+        spec_file.write_text(spec.to_yaml())
+        run_torchrun(spec, ["--spec", str(spec_file), "--tokenize-manifest", tok.path, "--out", str(tmp),
+                            "--ckpt-root", str(ckpt_root)])
+        result = json.loads((tmp / "result.json").read_text())
+        plot_losses(json.loads((tmp / "losses.json").read_text()), tmp / "loss_curve.png")
+        return sd.commit(
+            {"losses": "losses.json", "result": "result.json", "loss_curve": "loss_curve.png", "spec": "spec.yaml"},
+            counts={"steps": result["steps"], "tokens_seen": result["tokens_seen"]},
+            metrics={"final_loss": result["final_loss"], "tokens_per_s": result["tokens_per_s"],
+                     "params": result["params"]},
+            extra={"checkpoint": f"{rel_root}/{result['checkpoint']}", "mlflow_run_id": result["mlflow_run_id"],
+                   "world_size": result["world_size"], "backend": result["backend"]},
+        )
+
+    m = run_stage(sd, body)
+    from pipelines.tracking import log_stage
+
+    log_stage(spec, m, artifacts=["loss_curve"])
+    return m
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipelines.train.launch",
+                                 description="Train on the token shards with torchrun (launcher.nproc_per_node ranks).")
+    add_spec_args(ap)
+    ap.add_argument("--tokenize-manifest", required=True, help="Manifest of the tokenize stage.")
+    ap.add_argument("--output", default=None)
+    ap.add_argument("--report", default=None)
+    args = ap.parse_args(argv)
+    spec = spec_from_args(args)
+    try:
+        m = run(spec, load_manifest(args.tokenize_manifest), args.output)
+    except TrainError as e:
+        print(f"train: error: {e}", file=sys.stderr)
+        return 2
+    write_report(args.report, m)
+    print(f"train: {m.counts['steps']} steps, final loss {m.metrics['final_loss']:.3f}, "
+          f"{m.metrics['tokens_per_s']:,.0f} tokens/s, checkpoint {m.extra['checkpoint']}; manifest {m.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

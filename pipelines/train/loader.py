@@ -1,0 +1,80 @@
+"""Deterministic, resumable, DP-sliced sampling over memory-mapped token shards.
+
+* A *sample* is ``seq_len + 1`` consecutive tokens inside one shard (inputs + shifted targets);
+  shard s holds ``(tokens_s − 1) // seq_len`` samples, numbered globally in shard order.
+* The global order for epoch e is a permutation drawn from ``(seed, e)``; global batch k is
+  positions ``[k·G, (k+1)·G)`` of the concatenated epoch orders (G = micro × accum × DP).
+* Rank r of D takes the contiguous slice ``[r·G/D, (r+1)·G/D)`` of each global batch
+  (Megatron style). The whole position is one integer, ``consumed_samples``, so resuming on a
+  different DP size keeps the same global sample order.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pipelines.data.shards import Shard
+
+
+class TokenSamples:
+    def __init__(self, shard_prefixes: list[Path], seq_len: int):
+        self.shards = [Shard.open(p) for p in shard_prefixes]
+        self.seq_len = seq_len
+        per = np.array([max(0, (s.num_tokens - 1) // seq_len) for s in self.shards], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(per)])
+        if self.offsets[-1] == 0:
+            raise ValueError(f"no sample of {seq_len + 1} tokens fits in the shards; lower model.seq_len")
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        s = int(np.searchsorted(self.offsets, i, side="right") - 1)
+        start = (i - int(self.offsets[s])) * self.seq_len
+        return np.asarray(self.shards[s].tokens[start:start + self.seq_len + 1], dtype=np.int64)
+
+
+class DPSampler:
+    """Yields this rank's sample ids per global batch; state is ``consumed_samples``."""
+
+    def __init__(self, num_samples: int, global_batch: int, dp_rank: int, dp_size: int, seed: int):
+        if global_batch % dp_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by DP size {dp_size}")
+        self.n, self.G, self.rank, self.D, self.seed = num_samples, global_batch, dp_rank, dp_size, seed
+        self.consumed_samples = 0
+        self._cache: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._cache:
+            self._cache = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)}
+        return self._cache[epoch]
+
+    def global_batch(self, consumed: int) -> np.ndarray:
+        ids = np.empty(self.G, dtype=np.int64)
+        for j in range(self.G):
+            pos = consumed + j
+            ids[j] = self._order(pos // self.n)[pos % self.n]
+        return ids
+
+    def next_local(self) -> np.ndarray:
+        per = self.G // self.D
+        batch = self.global_batch(self.consumed_samples)
+        self.consumed_samples += self.G
+        return batch[self.rank * per:(self.rank + 1) * per]
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "global_batch": self.G}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd["global_batch"] != self.G or sd["seed"] != self.seed:
+            raise ValueError("loader state was saved with a different global batch or seed")
+        self.consumed_samples = int(sd["consumed_samples"])
+
+
+def batch_tensors(samples: TokenSamples, ids: np.ndarray):
+    import torch
+
+    arr = np.stack([samples[int(i)] for i in ids])
+    t = torch.from_numpy(arr)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()

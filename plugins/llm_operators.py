@@ -1,0 +1,139 @@
+"""Airflow operators that run pipeline stages: the control plane decides, the stages compute.
+
+* ``StageOperator`` runs a stage's ``python -m`` CLI in a subprocess (same interpreter), streams
+  its output into the task log, and returns the stage manifest's path (XCom) read from the
+  ``--report`` file the CLI writes.
+* ``SparkStageOperator`` submits a Spark stage with ``spark-submit`` through the Spark provider's
+  ``SparkSubmitOperator``; the master comes from the job spec (``services.spark_master``, env
+  ``SPARK_MASTER``), exposed to the hook as the connection ``spark_pipeline``. For a non-local
+  master the ``pipelines`` package is shipped with ``--py-files``.
+
+Both take the spec path and ``--set`` overrides (templated, so DAG Params flow in).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from pathlib import Path
+from typing import Any, Sequence
+
+from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+try:
+    from airflow.sdk import BaseOperator
+    from airflow.sdk.exceptions import AirflowException
+except ImportError:  # pragma: no cover - Airflow 2 layout
+    from airflow.exceptions import AirflowException
+    from airflow.models import BaseOperator
+
+
+def _code_root() -> Path:
+    """The checkout holding ``pipelines/`` (this file lives in its ``plugins/``)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def _project_root() -> Path:
+    """Where relative spec paths resolve and state lives (``LLMP_HOME``, default the checkout)."""
+    return Path(os.environ.get("LLMP_HOME") or _code_root())
+
+
+def spec_cli_args(spec: str | None, overrides: Sequence[str]) -> list[str]:
+    out = ["--spec", spec] if spec else []
+    for o in overrides:
+        if o and not o.rstrip().endswith("="):  # an unset Param renders as "key=": skip it
+            out += ["--set", o]
+    return out
+
+
+def _read_report(path: str) -> str:
+    try:
+        return json.loads(Path(path).read_text())["manifest"]
+    except (OSError, ValueError, KeyError) as e:
+        raise AirflowException(f"the stage exited 0 but wrote no report at {path}: {e}") from e
+
+
+class StageOperator(BaseOperator):
+    """Run ``python -m <module> --spec … --set … <stage_args> --report FILE``; return the manifest path."""
+
+    template_fields: Sequence[str] = ("spec", "overrides", "stage_args")
+    ui_color = "#e8f1fb"
+
+    def __init__(self, *, module: str, spec: str | None = None, overrides: Sequence[str] = (),
+                 stage_args: Sequence[str] = (), **kwargs: Any):
+        super().__init__(**kwargs)
+        self.module = module
+        self.spec = spec
+        self.overrides = list(overrides)
+        self.stage_args = list(stage_args)
+
+    def execute(self, context) -> str:
+        with tempfile.TemporaryDirectory(prefix="llmp-") as tmp:
+            report = os.path.join(tmp, "report.json")
+            cmd = [sys.executable, "-m", self.module, *spec_cli_args(self.spec, self.overrides),
+                   *self.stage_args, "--report", report]
+            self.log.info("running %s", " ".join(cmd))
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMP_HOME": str(_project_root())}
+            tail: deque[str] = deque(maxlen=30)
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                  cwd=str(_project_root())) as p:
+                self._proc = p
+                for line in p.stdout:  # type: ignore[union-attr]
+                    line = line.rstrip("\n")
+                    tail.append(line)
+                    self.log.info("%s", line)
+            if p.returncode != 0:
+                raise AirflowException(f"{self.module} exited with {p.returncode}:\n" + "\n".join(tail))
+            manifest = _read_report(report)
+        self.log.info("manifest: %s", manifest)
+        return manifest
+
+    def on_kill(self) -> None:
+        p = getattr(self, "_proc", None)
+        if p is not None and p.poll() is None:
+            p.terminate()
+
+
+class SparkStageOperator(SparkSubmitOperator):
+    """spark-submit a stage script whose master comes from the job spec; return its manifest path."""
+
+    template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "spec", "overrides", "stage_args")
+    ui_color = "#fdf1e6"
+
+    def __init__(self, *, script: str, spec: str | None = None, overrides: Sequence[str] = (),
+                 stage_args: Sequence[str] = (), conn_id: str = "spark_pipeline", **kwargs: Any):
+        super().__init__(application=str(_code_root() / script), conn_id=conn_id, **kwargs)
+        self.spec = spec
+        self.overrides = list(overrides)
+        self.stage_args = list(stage_args)
+
+    def execute(self, context) -> str:
+        if str(_code_root()) not in sys.path:
+            sys.path.insert(0, str(_code_root()))
+        from pipelines.data.spark import package_zip
+        from pipelines.spec import load_spec
+
+        cli = spec_cli_args(self.spec, self.overrides)
+        spec = load_spec(self.spec, [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"])
+        master = spec.services.spark_master
+        os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps({"conn_type": "spark", "host": master})
+        tmp = tempfile.mkdtemp(prefix="llmp-spark-")
+        report = os.path.join(tmp, "report.json")
+        self.application_args = [*cli, *self.stage_args, "--report", report]
+        self.conf = {**(self.conf or {}), "spark.pyspark.python": sys.executable,
+                     "spark.pyspark.driver.python": sys.executable,
+                     "spark.driver.memory": spec.services.spark_driver_memory}
+        if not master.startswith("local"):
+            self.py_files = str(package_zip(Path(tmp) / "pipelines.zip"))
+        bin_dir = os.path.dirname(sys.executable)
+        self.env_vars = {**(self.env_vars or {}), "PYSPARK_PYTHON": sys.executable,
+                         "PYSPARK_DRIVER_PYTHON": sys.executable, "LLMP_HOME": str(_project_root()),
+                         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+                         "PYTHONWARNINGS": "ignore::FutureWarning"}
+        self.log.info("spark-submit to master %s", master)
+        self._hook = None
+        super().execute(context)
+        return _read_report(report)
