@@ -2,7 +2,7 @@
 
 Wiring only: every task runs a stage of ``pipelines/`` (a ``python -m`` CLI, or spark-submit for
 dedup) and passes the stage manifest's path to the next task through XCom. Params (a form in the
-UI's "Trigger DAG") feed the job spec as ``--set`` overrides.
+UI's "Trigger DAG") feed the job spec as ``--set`` overrides; a Param left empty keeps the spec's value.
 
     setup_services ─► ingest ─► dedup ─► filter ─► tokenize ─► train ─► promote ─► evaluate ─► register
          (setup)                (spark-submit)                (torchrun)                           │
@@ -43,14 +43,14 @@ with DAG(
     doc_md=__doc__,
     params={
         "spec": Param("configs/demo.yaml", type="string", description="Job spec YAML (relative to the project root)."),
-        "corpus": Param(
-            ["data/sample/c4_en_train_1k.jsonl.gz", "data/sample/cc_wet_2019_30_sample.jsonl.gz"],
-            type="array", description="Input JSONL files (plain, .gz or .zst) with a `text` field."),
-        "steps": Param(300, type="integer", minimum=1, description="Training steps."),
-        "n_layers": Param(4, type="integer", minimum=1, description="Transformer layers."),
-        "d_model": Param(128, type="integer", minimum=16, description="Model width."),
-        "n_heads": Param(4, type="integer", minimum=1, description="Attention heads."),
-        "nproc": Param(2, type="integer", minimum=1, description="torchrun processes per node."),
+        # Empty = take the value from the spec file.
+        "corpus": Param(None, type=["null", "array"],
+                        description="Input JSONL files (plain, .gz or .zst) with a `text` field."),
+        "steps": Param(None, type=["null", "integer"], minimum=1, description="Training steps."),
+        "n_layers": Param(None, type=["null", "integer"], minimum=1, description="Transformer layers."),
+        "d_model": Param(None, type=["null", "integer"], minimum=16, description="Model width."),
+        "n_heads": Param(None, type=["null", "integer"], minimum=1, description="Attention heads."),
+        "nproc": Param(None, type=["null", "integer"], minimum=1, description="torchrun processes per node."),
         "force": Param(False, type="boolean", description="Recompute stages even if their manifests verify."),
     },
 ) as dag:

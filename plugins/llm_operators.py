@@ -44,7 +44,8 @@ def _project_root() -> Path:
 def spec_cli_args(spec: str | None, overrides: Sequence[str]) -> list[str]:
     out = ["--spec", spec] if spec else []
     for o in overrides:
-        if o and not o.rstrip().endswith("="):  # an unset Param renders as "key=": skip it
+        value = o.partition("=")[2].strip()
+        if o and value not in ("", "None", "null"):  # an empty Param keeps the spec's value
             out += ["--set", o]
     return out
 

@@ -165,7 +165,11 @@ def run(spec: JobSpec, out_dir: str | None = None) -> Manifest:
         counts = ingest(inputs, tmp, cfg.text_field, cfg.id_field, cfg.max_docs, cfg.min_chars)
         return sd.commit({"docs": "docs.parquet", "quarantine": "quarantine.jsonl"}, counts=counts)
 
-    return run_stage(sd, body)
+    m = run_stage(sd, body)
+    from pipelines.tracking import log_stage
+
+    log_stage(spec, m, artifacts=["quarantine"])
+    return m
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,10 +51,17 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
 
     client = tracking.client(spec)
     model = load_model(ckpt_dir)
-    example = torch.randint(0, model.args.vocab_size, (2, min(16, model.args.seq_len))).numpy()
+    import numpy as np
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Schema, TensorSpec
+
+    # -1 dims are exported as dynamic: any batch, any length up to seq_len
+    sig = ModelSignature(inputs=Schema([TensorSpec(np.dtype("int64"), (-1, -1), "tokens")]),
+                         outputs=Schema([TensorSpec(np.dtype("float32"), (-1, -1, model.args.vocab_size))]))
+    example = torch.randint(0, model.args.vocab_size, (2, max(2, min(16, model.args.seq_len // 2)))).numpy()
     with mlflow.start_run(run_id=run_id):
         info = mlflow.pytorch.log_model(
-            model, name="model", input_example=example, pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+            model, name="model", input_example=example, signature=sig, pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
             extra_files=[str(ckpt_dir / "tokenizer.model"), str(ckpt_dir / "model_args.json")],
         )
     name, alias, gm = spec.registry.model_name, spec.registry.alias, spec.registry.gate_metric

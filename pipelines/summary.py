@@ -1,0 +1,70 @@
+"""Print where a pipeline run's results are: the registered model version, its metrics and lineage.
+
+    python -m pipelines.summary [--spec configs/demo.yaml]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipelines.spec import add_spec_args, spec_from_args
+
+
+def summarize(spec) -> dict:
+    from mlflow.exceptions import MlflowException
+
+    from pipelines import tracking
+
+    c = tracking.client(spec)
+    name, alias = spec.registry.model_name, spec.registry.alias
+    versions = c.search_model_versions(f"name='{name}'")
+    if not versions:
+        raise LookupError(f"no registered versions of {name!r} in {tracking.tracking_uri(spec)}")
+    latest = max(versions, key=lambda v: int(v.version))
+    try:
+        champ = c.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        champ = None
+    run = c.get_run(latest.run_id)
+    m = run.data.metrics
+    return {"tracking_uri": tracking.tracking_uri(spec), "model": name, "latest_version": int(latest.version),
+            "champion_version": int(champ.version) if champ else None, "tags": dict(latest.tags),
+            "run_id": latest.run_id, "metrics": m}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipelines.summary", description=__doc__.splitlines()[0])
+    add_spec_args(ap)
+    args = ap.parse_args(argv)
+    spec = spec_from_args(args)
+    try:
+        s = summarize(spec)
+    except LookupError as e:
+        print(f"summary: {e}", file=sys.stderr)
+        return 1
+    m, t = s["metrics"], s["tags"]
+
+    def g(k, fmt="{:,.0f}"):
+        return fmt.format(m[k]) if k in m else "n/a"
+
+    print("\n=== llm-pipeline results ===")
+    print(f"MLflow tracking URI : {s['tracking_uri']}")
+    print(f"registered model    : {s['model']} v{s['latest_version']}  "
+          f"(alias '{spec.registry.alias}' → v{s['champion_version']})")
+    print(f"MLflow run          : {s['run_id']}")
+    print(f"docs                : {g('ingest.lines')} in → {g('ingest.quarantined')} quarantined, "
+          f"{g('dedup.removed')} duplicates, {g('filter.removed')} filtered, {g('tokenize.docs')} kept")
+    print(f"tokens              : {g('tokenize.train_tokens')} train + {g('tokenize.heldout_tokens')} held-out")
+    print(f"training            : {g('train.steps')} steps, final loss {g('train.final_loss', '{:.3f}')}, "
+          f"{g('train.tokens_per_s')} tokens/s, {g('train.params')} params")
+    print(f"held-out            : loss {g('eval.heldout_loss', '{:.4f}')} nats/token, "
+          f"ppl {g('eval.heldout_ppl', '{:.1f}')}, {g('eval.heldout_bpb', '{:.4f}')} bits/byte")
+    print("lineage tags        : " + ", ".join(f"{k}={t[k][:12]}…" for k in
+                                             ("data_manifest_hash", "tokenizer_hash", "config_hash") if k in t))
+    print(f"checkpoint (L2)     : {t.get('checkpoint_uri', 'n/a')}")
+    print(f"browse              : .venv/bin/mlflow ui --backend-store-uri {s['tracking_uri']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

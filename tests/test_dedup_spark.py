@@ -1,0 +1,91 @@
+"""Dedup on a real Spark (local[2]); one session for the module."""
+import random
+
+import pyarrow.dataset as ds
+import pytest
+
+from pipelines.data import dedup, ingest
+from pipelines.data.minhash import jaccard, shingles
+from pipelines.data.spark import connected_components
+from pipelines.spec import load_spec
+
+from conftest import c4_docs, write_jsonl
+
+pytestmark = pytest.mark.spark
+
+
+def _mutate(text: str, frac: float, seed: int) -> str:
+    rng = random.Random(seed)
+    words = text.split()
+    for i in rng.sample(range(len(words)), int(len(words) * frac)):
+        words[i] = f"zz{rng.randrange(10**6)}"
+    return " ".join(words)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    docs = [d for d in c4_docs(400) if len(d["text"].split()) > 300][:40]
+    base, other = docs[0]["text"], docs[1]["text"]
+    near = _mutate(base, 0.01, 1)
+    recs = [{"id": f"c4-{i}", "text": d["text"]} for i, d in enumerate(docs)]
+    recs += [
+        {"id": "near-of-c4-0", "text": near},
+        {"id": "exact-of-c4-1", "text": other},
+        {"id": "short-a", "text": "Log in with OpenID"},
+        {"id": "short-b", "text": "Log in with OpenID"},
+        {"id": "short-unique", "text": "Processing Feedback ..."},
+    ]
+    return recs, jaccard(shingles(base, 5), shingles(near, 5))
+
+
+def _table(path):
+    return {r["id"]: r for r in ds.dataset(str(path), format="parquet").to_table().to_pylist()}
+
+
+def test_near_and_exact_duplicates_cluster_distinct_docs_stay_apart(home, spark, corpus):
+    recs, j_near = corpus
+    assert j_near >= 0.85  # the injected variant really is a near-duplicate
+    src = write_jsonl(home / "in.jsonl", recs)
+    spec = load_spec(None, [f"data.inputs=[{src}]"], env={})
+    m = dedup.run(spec, ingest.run(spec), spark=spark)
+    cl = _table(m.output("clusters"))
+    assert cl["near-of-c4-0"]["cluster"] == cl["c4-0"]["cluster"] == cl["c4-0"]["idx"]
+    assert cl["exact-of-c4-1"]["cluster"] == cl["c4-1"]["cluster"]
+    assert cl["short-a"]["cluster"] == cl["short-b"]["cluster"]  # exact dups, though too short to shingle
+    assert cl["short-unique"]["cluster_size"] == 1
+    distinct = {cl[f"c4-{i}"]["cluster"] for i in range(40)}
+    assert len(distinct) == 40  # no two originals merged
+    removed = _table(m.output("removed"))
+    assert set(removed) == {"near-of-c4-0", "exact-of-c4-1", "short-b"}
+    assert removed["near-of-c4-0"]["reason"] == "near_duplicate" and removed["near-of-c4-0"]["dup_of_id"] == "c4-0"
+    assert removed["exact-of-c4-1"]["reason"] == "exact_duplicate"
+    c = m.counts
+    assert c["docs_in"] == len(recs) and c["kept"] + c["removed"] == c["docs_in"] and c["removed"] == 3
+    assert len(_table(m.output("kept"))) == c["kept"]
+    assert m.output("cluster_sizes_plot").stat().st_size > 1000
+
+
+def test_connected_components_on_a_long_chain_is_one_component(spark):
+    rng = random.Random(3)
+    chain = [(i, i + 1) for i in range(200)]          # 0-1-2-…-200
+    chain += [(1000 + i, 1001 + i) for i in range(5)]  # a second component
+    rng.shuffle(chain)
+    edges = spark.createDataFrame([(max(a, b), min(a, b)) if rng.random() < .5 else (a, b) for a, b in chain],
+                                  "src long, dst long")
+    comps, rounds = connected_components(edges)
+    got = {r["node"]: r["root"] for r in comps.collect()}
+    assert {got[i] for i in range(201)} == {0}
+    assert {got[i] for i in range(1000, 1006)} == {1000}
+    assert len(got) == 207 and rounds < 30
+
+
+def test_cli_interface_preserves_ids(home, spark, corpus, capsys):
+    recs, _ = corpus
+    src = write_jsonl(home / "cli.jsonl", recs + [{"id": "bad", "text": ""}])
+    out = home / "out"
+    assert dedup.main(["--input", str(src), "--output", str(out), "--threshold", "0.7", "--num-perm", "64"]) == 0
+    cl = _table(out / "clusters")
+    assert set(cl) == {r["id"] for r in recs}  # the empty doc was quarantined, every other id is there
+    kept = _table(out / "kept")
+    assert "c4-0" in kept and "near-of-c4-0" not in kept
+    assert "1 quarantined" in capsys.readouterr().out

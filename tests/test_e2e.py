@@ -1,0 +1,73 @@
+"""The whole DAG via `airflow dags test`, on real Spark, torchrun, the embedded S3 endpoint and MLflow."""
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, c4_docs, write_jsonl
+
+pytestmark = pytest.mark.e2e
+
+TINY = """
+run: {{name: e2e, seed: 7}}
+data:
+  inputs: [{inputs}]
+tokenizer: {{vocab_size: 512, heldout_fraction: 0.1}}
+model: {{n_layers: 2, d_model: 32, n_heads: 4, seq_len: 64}}
+train: {{steps: 16, micro_batch: 4, warmup_steps: 2, ckpt_every: 8, lr: 0.01, log_every: 4}}
+launcher: {{nproc_per_node: 2}}
+registry: {{model_name: e2e-model}}
+"""
+
+
+def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
+    docs = c4_docs(160)
+    recs = [{"id": f"c4-{i}", "text": d["text"]} for i, d in enumerate(docs)]
+    recs.append({"id": "dup-of-c4-3", "text": docs[3]["text"]})
+    good = write_jsonl(tmp_path / "good.jsonl", recs)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "broken\n{"id": 1}\n' + json.dumps({"text": docs[5]["text"]}).encode() + b"\n")
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY.format(inputs=f"{good}, {bad}"))
+    env = {**os.environ, "LLMP_HOME": str(tmp_path), "AIRFLOW_HOME": str(tmp_path / "airflow"),
+           "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"), "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+           "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    airflow = str(Path(sys.executable).parent / "airflow")
+    subprocess.run([airflow, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
+    r = subprocess.run([airflow, "dags", "test", "llm_pipeline", "-c", json.dumps({"spec": str(spec)})],
+                       env=env, capture_output=True, text=True, timeout=1200)
+    log = r.stdout + r.stderr
+    (tmp_path / "dag.log").write_text(log)
+    assert r.returncode == 0 and "state=success" in log, log[-5000:]
+
+    # a registered version with lineage tags, champion alias on it
+    db = sqlite3.connect(tmp_path / "var" / "mlflow.db")
+    tags = dict(db.execute("select key, value from model_version_tags where name='e2e-model' and version=1"))
+    for k in ("data_manifest_hash", "tokenizer_hash", "config_hash", "checkpoint_uri", "heldout_loss"):
+        assert k in tags, tags
+    assert tags["checkpoint_uri"].startswith("s3://")
+    alias = db.execute("select version from registered_model_aliases where name='e2e-model' and alias='champion'")
+    assert alias.fetchone() == (1,)
+
+    # every manifest's counts add up: docs in = kept + removed + quarantined
+    runs = tmp_path / "var" / "runs"
+    man = {d.name: json.loads(next(d.glob("*/manifest.json")).read_text()) for d in runs.iterdir()}
+    ing, dd, fl, tk = (man[s]["counts"] for s in ("ingest", "dedup", "filter", "tokenize"))
+    assert ing["lines"] == len(recs) + 3 and ing["quarantined"] == 2
+    assert ing["lines"] == ing["docs"] + ing["quarantined"]
+    assert dd["docs_in"] == ing["docs"] and dd["kept"] + dd["removed"] == dd["docs_in"]
+    assert dd["removed_exact"] >= 2  # dup-of-c4-3 and the copy of c4-5 in bad.jsonl
+    assert fl["docs_in"] == dd["kept"] and fl["kept"] + fl["removed"] == fl["docs_in"]
+    assert tk["docs"] == fl["kept"]
+    assert ing["lines"] == tk["docs"] + fl["removed"] + dd["removed"] + ing["quarantined"]
+    assert tk["tokens"] == sum(s["tokens"] for s in man["tokenize"]["extra"]["shards"])
+    assert man["eval"]["extra"]["loaded_from"] == "L2"
+    assert man["promote"]["extra"]["actions"]["L2"] == "uploaded"
+    # the embedded S3 endpoint was stopped and its objects saved to disk
+    assert not (tmp_path / "var/s3/endpoint.json").exists()
+    assert list((tmp_path / "var/s3/store").rglob("COMMIT"))

@@ -1,0 +1,42 @@
+import pytest
+
+from pipelines.spec import JobSpec, SpecError, load_spec
+
+
+def test_defaults_describe_a_laptop_run():
+    s = JobSpec()
+    assert s.services.spark_master == "local[*]"
+    assert s.launcher.nproc_per_node == 2 and s.launcher.kind == "local"
+    assert s.services.mlflow_tracking_uri == "sqlite:///var/mlflow.db"
+    assert s.services.s3_endpoint_url is None  # embedded endpoint
+    assert s.checkpoint.l0 == "var/tiers/nvme" and s.checkpoint.l1 == "var/tiers/shared"
+
+
+def test_yaml_overrides_and_env(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("train:\n  steps: 7\nmodel:\n  d_model: 64\n  n_heads: 4\n")
+    s = load_spec(p, ["train.lr=0.01", "data.inputs=[a.jsonl, b.jsonl]"], env={"SPARK_MASTER": "spark://h:7077"})
+    assert s.train.steps == 7 and s.model.d_model == 64 and s.train.lr == 0.01
+    assert s.data.inputs == ["a.jsonl", "b.jsonl"]
+    assert s.services.spark_master == "spark://h:7077"
+
+
+def test_errors_name_the_key_to_fix(tmp_path):
+    with pytest.raises(SpecError, match=r"train\.steps"):
+        load_spec(None, ["train.steps=0"], env={})
+    with pytest.raises(SpecError, match=r"model\.d_model=100 is not divisible by model\.n_heads=3"):
+        load_spec(None, ["model.d_model=100", "model.n_heads=3"], env={})
+    with pytest.raises(SpecError, match="exceeds dedup.num_perm"):
+        load_spec(None, ["data.dedup.bands=20", "data.dedup.rows=10"], env={})
+    with pytest.raises(SpecError, match="does not exist"):
+        load_spec(tmp_path / "missing.yaml", env={})
+    with pytest.raises(SpecError, match=r"trian"):
+        load_spec(None, ["trian.steps=3"], env={})  # unknown section
+
+
+def test_stage_hash_depends_only_on_the_sections_a_stage_reads():
+    a, b = JobSpec(), load_spec(None, ["train.steps=999"], env={})
+    assert a.stage_hash("dedup") == b.stage_hash("dedup")
+    assert a.stage_hash("train") != b.stage_hash("train")
+    c = load_spec(None, ["data.dedup.num_perm=64"], env={})
+    assert a.stage_hash("dedup") != c.stage_hash("dedup")
