@@ -26,7 +26,7 @@ install: $(STAMP)
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/pip install -r requirements.lock
+	$(BIN)/pip install -q -r requirements.lock
 	@# apache-airflow-providers-apache-spark pulls pyspark-client, whose python files overwrite
 	@# pyspark's: put back the ones that match pyspark's 4.3.0 jars.
 	$(BIN)/pip install -q --no-deps --force-reinstall pyspark==4.3.0
