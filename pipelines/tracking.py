@@ -9,7 +9,6 @@ then opens a run of its own.
 from __future__ import annotations
 
 import numbers
-import os
 from pathlib import Path
 from typing import Iterable
 

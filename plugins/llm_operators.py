@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -136,5 +137,8 @@ class SparkStageOperator(SparkSubmitOperator):
                          "PYTHONWARNINGS": "ignore::FutureWarning"}
         self.log.info("spark-submit to master %s", master)
         self._hook = None
-        super().execute(context)
-        return _read_report(report)
+        try:
+            super().execute(context)
+            return _read_report(report)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

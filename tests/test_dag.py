@@ -1,5 +1,4 @@
 """DAG integrity: it parses, tasks are wired in the designed order, params render into spec overrides."""
-from pathlib import Path
 
 import pytest
 

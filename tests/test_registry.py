@@ -42,6 +42,6 @@ def test_register_tags_lineage_and_the_champion_only_moves_to_no_worse_models(ho
     # the registered model loads back and runs
     import mlflow.pytorch
 
-    m = mlflow.pytorch.load_model(f"models:/reg-test@champion")
+    m = mlflow.pytorch.load_model("models:/reg-test@champion")
     for shape in [(2, 8), (3, 5), (1, 16)]:  # batch and length are dynamic in the export
         assert tuple(m(torch.randint(0, 64, shape)).shape) == (*shape, 64)

@@ -34,12 +34,12 @@ if __package__ in (None, ""):
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
     sys.path.insert(0, os.path.dirname(os.path.dirname(_here)))
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, run_stage, write_report  # noqa: E402
-from pipelines.spec import DedupCfg, JobSpec, add_spec_args, resolve_path, spec_from_args  # noqa: E402
+from pipelines.cli import run_and_log, stage_parser  # noqa: E402
+from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, write_report  # noqa: E402
+from pipelines.spec import DedupCfg, JobSpec, resolve_path, spec_from_args  # noqa: E402
 
 
 def effective_bands_rows(cfg: DedupCfg) -> tuple[int, int]:
@@ -212,29 +212,20 @@ def run(spec: JobSpec, ingest: Manifest, out_dir: str | None = None, spark=None)
             extra={"bands": stats["bands"], "rows": stats["rows"], "cluster_size_hist": stats["cluster_size_hist"]},
         )
 
-    m = run_stage(sd, body)
-    from pipelines.tracking import log_stage
-
-    log_stage(spec, m, artifacts=["cluster_sizes_plot", "stats"])
-    return m
+    return run_and_log(spec, sd, body, artifacts=["cluster_sizes_plot", "stats"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m pipelines.data.dedup",
-        description="MinHash-LSH near-duplicate removal on Spark. Give either --input-manifest (an ingest "
-                    "manifest, as the DAG does) or --input JSONL (ingested first into OUTPUT/ingest).",
-    )
-    add_spec_args(ap)
+    ap = stage_parser("pipelines.data.dedup",
+                      "MinHash-LSH near-duplicate removal on Spark. Give either --input-manifest (an ingest manifest, "
+                      "as the DAG does) or --input JSONL (ingested first under run.root, bad lines quarantined).")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--input-manifest", help="Manifest of the ingest stage.")
     src.add_argument("--input", help="JSONL (plain/.gz/.zst) with a text field; an 'id' field is preserved.")
-    ap.add_argument("--output", default=None, help="Output directory (default: content-addressed under run.root).")
     ap.add_argument("--threshold", type=float, default=None,
                     help="Jaccard threshold: picks bands × rows minimising FP+FN area of the S-curve.")
     ap.add_argument("--num-perm", type=int, default=None, help="Number of MinHash permutations (default 128).")
     ap.add_argument("--ngram", type=int, default=None, help="Word n-gram size (default 5).")
-    ap.add_argument("--report", default=None, help="Write {stage, manifest} JSON here (for orchestrators).")
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
     if args.threshold is not None:

@@ -9,7 +9,6 @@ Stage: dedup's ``kept/`` → ``kept.parquet`` + ``removed.parquet`` (+ ``filter_
 """
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections import Counter
@@ -22,9 +21,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, run_stage, write_report
+from pipelines.cli import run_and_log, stage_parser
+from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, write_report
 from pipelines.progress import progress
-from pipelines.spec import FilterCfg, JobSpec, add_spec_args, resolve_path, spec_from_args
+from pipelines.spec import FilterCfg, JobSpec, resolve_path, spec_from_args
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
 BULLETS = ("•", "*", "-", "–", "—", "‣", "◦", "●", "·")
@@ -160,20 +160,12 @@ def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None) -> Manifest:
         counts = filter_docs(dedup.output("kept"), tmp, spec.data.filters)
         return sd.commit({"kept": "kept.parquet", "removed": "removed.parquet"}, counts=counts)
 
-    m = run_stage(sd, body)
-    from pipelines.tracking import log_stage
-
-    log_stage(spec, m)
-    return m
+    return run_and_log(spec, sd, body)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.data.filters",
-                                 description="Gopher quality/repetition filters; removed docs keep a filter_reason.")
-    add_spec_args(ap)
-    ap.add_argument("--input-manifest", required=True, help="Manifest of the dedup stage.")
-    ap.add_argument("--output", default=None, help="Output directory (default: content-addressed under run.root).")
-    ap.add_argument("--report", default=None, help="Write {stage, manifest} JSON here (for orchestrators).")
+    ap = stage_parser("pipelines.data.filters", "Gopher quality/repetition filters; removed docs keep a filter_reason.",
+                      {"--input-manifest": "Manifest of the dedup stage."})
     args = ap.parse_args(argv)
     m = run(spec_from_args(args), load_manifest(args.input_manifest), args.output)
     write_report(args.report, m)

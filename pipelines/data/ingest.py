@@ -12,7 +12,6 @@ Every non-blank input line ends up in exactly one of the two outputs:
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import gzip
 import io
@@ -25,8 +24,9 @@ from typing import BinaryIO, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.manifest import Manifest, StageDir, file_ref, run_stage, write_report
-from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
+from pipelines.cli import run_and_log, stage_parser
+from pipelines.manifest import Manifest, StageDir, file_ref, write_report
+from pipelines.spec import JobSpec, resolve_path, spec_from_args
 from pipelines.progress import progress
 
 DOCS_SCHEMA = pa.schema([
@@ -165,22 +165,13 @@ def run(spec: JobSpec, out_dir: str | None = None) -> Manifest:
         counts = ingest(inputs, tmp, cfg.text_field, cfg.id_field, cfg.max_docs, cfg.min_chars)
         return sd.commit({"docs": "docs.parquet", "quarantine": "quarantine.jsonl"}, counts=counts)
 
-    m = run_stage(sd, body)
-    from pipelines.tracking import log_stage
-
-    log_stage(spec, m, artifacts=["quarantine"])
-    return m
+    return run_and_log(spec, sd, body, artifacts=["quarantine"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m pipelines.data.ingest",
-        description="Read JSONL (plain/.gz/.zst) into docs.parquet; bad records go to quarantine.jsonl with a reason.",
-    )
-    add_spec_args(ap)
+    ap = stage_parser("pipelines.data.ingest", "Read JSONL (plain/.gz/.zst) into docs.parquet; bad records go to "
+                                               "quarantine.jsonl with a reason.")
     ap.add_argument("--input", action="append", default=None, help="Input file (repeatable); overrides data.inputs.")
-    ap.add_argument("--output", default=None, help="Output directory (default: content-addressed under run.root).")
-    ap.add_argument("--report", default=None, help="Write {stage, manifest} JSON here (for orchestrators).")
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
     if args.input:

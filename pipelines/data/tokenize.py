@@ -13,7 +13,6 @@ and the UTF-8 bytes of its source text (for bits-per-byte).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import shutil
 import sys
@@ -24,9 +23,10 @@ import numpy as np
 import pyarrow.dataset as ds
 
 from pipelines.data.shards import ShardWriter, token_dtype
-from pipelines.manifest import Manifest, StageDir, file_ref, input_ref, load_manifest, run_stage, sha256_file, write_report
+from pipelines.cli import run_and_log, stage_parser
+from pipelines.manifest import Manifest, StageDir, file_ref, input_ref, load_manifest, sha256_file, write_report
 from pipelines.progress import progress
-from pipelines.spec import JobSpec, TokenizerCfg, add_spec_args, resolve_path, spec_from_args
+from pipelines.spec import JobSpec, TokenizerCfg, resolve_path, spec_from_args
 
 SPLITS = ("train", "heldout")
 
@@ -173,20 +173,12 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None) -> Manifest:
             "tokenizer_sha256": sha256_file(tmp / "tokenizer.model"),
         })
 
-    m = run_stage(sd, body)
-    from pipelines.tracking import log_stage
-
-    log_stage(spec, m)
-    return m
+    return run_and_log(spec, sd, body)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.data.tokenize",
-                                 description="Train/take a SentencePiece model and write mmap token shards.")
-    add_spec_args(ap)
-    ap.add_argument("--input-manifest", required=True, help="Manifest of the filter stage.")
-    ap.add_argument("--output", default=None, help="Output directory (default: content-addressed under run.root).")
-    ap.add_argument("--report", default=None, help="Write {stage, manifest} JSON here (for orchestrators).")
+    ap = stage_parser("pipelines.data.tokenize", "Train/take a SentencePiece model and write mmap token shards.",
+                      {"--input-manifest": "Manifest of the filter stage."})
     args = ap.parse_args(argv)
     try:
         m = run(spec_from_args(args), load_manifest(args.input_manifest), args.output)

@@ -10,14 +10,14 @@ Metrics:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from pathlib import Path
 
-from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, run_stage, write_report
-from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
+from pipelines.cli import run_and_log, stage_parser
+from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, write_report
+from pipelines.spec import JobSpec, resolve_path, spec_from_args
 
 
 def load_model(ckpt_dir: Path):
@@ -95,21 +95,14 @@ def run(spec: JobSpec, promote: Manifest, tok: Manifest, out_dir: str | None = N
                          extra={"loaded_from": res["loaded_from"], "checkpoint_uri": res["checkpoint_uri"],
                                 "checkpoint": promote.extra["checkpoint"]})
 
-    m = run_stage(sd, body)
-    from pipelines.tracking import log_stage
-
-    log_stage(spec, m)
-    return m
+    return run_and_log(spec, sd, body)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.eval.evaluate",
-                                 description="Held-out loss / perplexity / bits-per-byte of the promoted checkpoint, loaded from L2.")
-    add_spec_args(ap)
-    ap.add_argument("--promote-manifest", required=True)
-    ap.add_argument("--tokenize-manifest", required=True)
-    ap.add_argument("--output", default=None)
-    ap.add_argument("--report", default=None)
+    ap = stage_parser("pipelines.eval.evaluate",
+                      "Held-out loss / perplexity / bits-per-byte of the promoted checkpoint, loaded from L2.",
+                      {"--promote-manifest": "Manifest of the promote stage.",
+                       "--tokenize-manifest": "Manifest of the tokenize stage (held-out shards)."})
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
     m = run(spec, load_manifest(args.promote_manifest), load_manifest(args.tokenize_manifest), args.output)

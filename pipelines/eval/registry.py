@@ -12,13 +12,13 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from pipelines.cli import stage_parser
 from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, run_stage, write_report
-from pipelines.spec import JobSpec, add_spec_args, resolve_path, sha256_json, spec_from_args
+from pipelines.spec import JobSpec, resolve_path, sha256_json, spec_from_args
 
 
 def lineage_config_hash(spec: JobSpec) -> str:
@@ -104,15 +104,11 @@ def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.eval.registry",
-                                 description="Log the evaluated model to MLflow, register a version with lineage tags, "
-                                             "and move the champion alias only if it is no worse.")
-    add_spec_args(ap)
-    ap.add_argument("--eval-manifest", required=True)
-    ap.add_argument("--train-manifest", required=True)
-    ap.add_argument("--tokenize-manifest", required=True)
-    ap.add_argument("--output", default=None)
-    ap.add_argument("--report", default=None)
+    ap = stage_parser("pipelines.eval.registry",
+                      "Log the evaluated model to MLflow, register a version with lineage tags, and move the "
+                      "champion alias only if it is no worse.",
+                      {"--eval-manifest": "Manifest of the evaluate stage.", "--train-manifest": "Manifest of the train stage.",
+                       "--tokenize-manifest": "Manifest of the tokenize stage."})
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
     m = run(spec, load_manifest(args.eval_manifest), load_manifest(args.train_manifest),

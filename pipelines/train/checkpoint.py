@@ -20,7 +20,6 @@ no checksum, the object is downloaded and hashed.
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import json
@@ -31,8 +30,9 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
+from pipelines.cli import stage_parser
 from pipelines.manifest import Manifest, StageDir, atomic_write_text, input_ref, load_manifest, run_stage, sha256_file, write_report
-from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
+from pipelines.spec import JobSpec, resolve_path, spec_from_args
 
 CKPT_MANIFEST = "MANIFEST.json"
 COMMIT = "COMMIT"
@@ -296,13 +296,9 @@ def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.train.checkpoint",
-                                 description="Promote the final checkpoint of a train stage L0 → L1 → L2 (S3), "
-                                             "verifying checksums at every tier, COMMIT marker last.")
-    add_spec_args(ap)
-    ap.add_argument("--input-manifest", required=True, help="Manifest of the train stage.")
-    ap.add_argument("--output", default=None)
-    ap.add_argument("--report", default=None)
+    ap = stage_parser("pipelines.train.checkpoint",
+                      "Promote the final checkpoint of a train stage L0 → L1 → L2 (S3), verifying checksums at every "
+                      "tier, COMMIT marker last.", {"--input-manifest": "Manifest of the train stage."})
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
     try:

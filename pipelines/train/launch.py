@@ -9,7 +9,6 @@ and PNG, the PNG also logged to MLflow) and throughput.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -18,8 +17,9 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, run_stage, write_report
-from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
+from pipelines.cli import run_and_log, stage_parser
+from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, write_report
+from pipelines.spec import JobSpec, resolve_path, spec_from_args
 
 
 class TrainError(RuntimeError):
@@ -105,20 +105,12 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
                    "world_size": result["world_size"], "backend": result["backend"]},
         )
 
-    m = run_stage(sd, body)
-    from pipelines.tracking import log_stage
-
-    log_stage(spec, m, artifacts=["loss_curve"])
-    return m
+    return run_and_log(spec, sd, body, artifacts=["loss_curve"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.train.launch",
-                                 description="Train on the token shards with torchrun (launcher.nproc_per_node ranks).")
-    add_spec_args(ap)
-    ap.add_argument("--tokenize-manifest", required=True, help="Manifest of the tokenize stage.")
-    ap.add_argument("--output", default=None)
-    ap.add_argument("--report", default=None)
+    ap = stage_parser("pipelines.train.launch", "Train on the token shards with torchrun (launcher.nproc_per_node ranks).",
+                      {"--tokenize-manifest": "Manifest of the tokenize stage."})
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
     try:
