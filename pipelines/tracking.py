@@ -8,7 +8,9 @@ then opens a run of its own.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -28,13 +30,33 @@ def tracking_uri(spec: JobSpec) -> str:
 
 
 def client(spec: JobSpec):
-    import mlflow
+    """An MlflowClient bound to the spec's store. It does not touch MLflow's process-global URI:
+    ``mlflow.set_tracking_uri`` also exports ``MLFLOW_TRACKING_URI``, which every later
+    subprocess (and so every later spec load) would inherit."""
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri(spec)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+@contextlib.contextmanager
+def fluent(spec: JobSpec):
+    """Point MLflow's fluent API (``mlflow.start_run``, ``log_model``) at the spec's store for a
+    block, then put the exported environment variables back as they were."""
+    import mlflow
+
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    uri = tracking_uri(spec)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def experiment_id(spec: JobSpec) -> str:

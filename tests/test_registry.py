@@ -1,5 +1,6 @@
 """Registration on a real MLflow (SQLite backend, local artifacts)."""
 import json
+import os
 
 import torch
 
@@ -42,6 +43,8 @@ def test_register_tags_lineage_and_the_champion_only_moves_to_no_worse_models(ho
     # the registered model loads back and runs
     import mlflow.pytorch
 
-    m = mlflow.pytorch.load_model("models:/reg-test@champion")
+    with tracking.fluent(spec):
+        m = mlflow.pytorch.load_model("models:/reg-test@champion")
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # nothing leaks into later subprocesses
     for shape in [(2, 8), (3, 5), (1, 16)]:  # batch and length are dynamic in the export
         assert tuple(m(torch.randint(0, 64, shape)).shape) == (*shape, 64)

@@ -59,7 +59,7 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
     sig = ModelSignature(inputs=Schema([TensorSpec(np.dtype("int64"), (-1, -1), "tokens")]),
                          outputs=Schema([TensorSpec(np.dtype("float32"), (-1, -1, model.args.vocab_size))]))
     example = torch.randint(0, model.args.vocab_size, (2, max(2, min(16, model.args.seq_len // 2)))).numpy()
-    with mlflow.start_run(run_id=run_id):
+    with tracking.fluent(spec), mlflow.start_run(run_id=run_id):
         info = mlflow.pytorch.log_model(
             model, name="model", input_example=example, signature=sig, pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
             extra_files=[str(ckpt_dir / "tokenizer.model"), str(ckpt_dir / "model_args.json")],
