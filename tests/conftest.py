@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import socket
 import sys
@@ -22,6 +23,7 @@ os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(ROOT / "dags"))
 os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", str(ROOT / "plugins"))
 os.environ.setdefault("LLMP_PROGRESS", "0")
+logging.getLogger("py4j").setLevel(logging.WARNING)  # no "closing down" chatter at interpreter exit
 # Hermetic: a developer's shell pointing at real services must not leak into the tests.
 for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "S3_ENDPOINT_URL", "S3_BUCKET", "SPARK_MASTER", "LLMP_HOME"):
     os.environ.pop(_var, None)
