@@ -71,6 +71,7 @@ class DedupCfg(_Section):
     bands: Optional[int] = Field(None, ge=1, description="LSH bands; None = chosen from threshold.")
     rows: Optional[int] = Field(None, ge=1, description="Rows per band; None = chosen from threshold.")
     seed: int = 42
+    verify: bool = Field(True, description="Check each LSH candidate pair's exact Jaccard ≥ threshold before union.")
     partitions: int = Field(8, ge=1, description="Spark partitions for the signature step.")
 
     @model_validator(mode="after")

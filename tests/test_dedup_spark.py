@@ -89,3 +89,21 @@ def test_cli_interface_preserves_ids(home, spark, corpus, capsys):
     kept = _table(out / "kept")
     assert "c4-0" in kept and "near-of-c4-0" not in kept
     assert "1 quarantined" in capsys.readouterr().out
+
+
+def test_verification_rejects_lsh_candidates_below_the_threshold(home, spark, corpus):
+    recs, _ = corpus
+    base = recs[5]["text"]
+    mid = _mutate(base, 0.08, 2)  # 5-gram Jaccard ≈ 0.5: a likely candidate for a permissive 32×4 LSH
+    j = jaccard(shingles(base, 5), shingles(mid, 5))
+    assert 0.3 < j < 0.75, j
+    src = write_jsonl(home / "v.jsonl", [recs[5], {"id": "mid", "text": mid}] + recs[10:20])
+    common = [f"data.inputs=[{src}]", "data.dedup.bands=32", "data.dedup.rows=4", "data.dedup.threshold=0.8"]
+    loose = load_spec(None, common + ["data.dedup.verify=false"], env={})
+    strict = load_spec(None, common + ["data.dedup.verify=true"], env={})
+    ing = ingest.run(loose)
+    m_loose = dedup.run(loose, ing, out_dir=str(home / "loose"), spark=spark)
+    m_strict = dedup.run(strict, ing, out_dir=str(home / "strict"), spark=spark)
+    assert m_loose.counts["removed"] == 1  # LSH alone merges the J≈0.5 pair
+    assert m_strict.counts["removed"] == 0 and m_strict.counts["rejected_edges"] >= 1
+    assert m_strict.counts["verified_edges"] + m_strict.counts["rejected_edges"] == m_strict.counts["candidate_edges"]

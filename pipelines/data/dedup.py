@@ -8,6 +8,9 @@ Pipeline (all on executors; the driver only plans and counts):
    duplicates but are never near-duplicate candidates.
 2. ``groupBy(band, key)``: every bucket with ≥ 2 docs becomes a *star*: each member → the
    bucket's smallest ``idx``. Edges are deduplicated; no all-pairs expansion.
+   With ``dedup.verify`` (default on) each LSH candidate edge is kept only if the exact Jaccard
+   of the two shingle sets is ≥ ``threshold`` (``array_intersect``/``array_union`` in Spark, no
+   Python UDF); the manifest counts ``candidate_edges``, ``verified_edges``, ``rejected_edges``.
 3. Connected components on Spark (large-star / small-star, ``pipelines.data.spark``).
 4. Keeper policy ``min_idx``: each cluster keeps its smallest ``idx`` (the earliest doc in input
    order); every other member is removed with ``dup_of`` = the keeper.
@@ -53,13 +56,16 @@ def effective_bands_rows(cfg: DedupCfg) -> tuple[int, int]:
 
 
 EXACT_BAND = -1
+SIG_SCHEMA = "idx long, exact long, keys array<long>, sh array<long>"
 
 
-def _band_fn(ngram: int, num_perm: int, seed: int, bands: int, rows: int):
-    """mapInArrow body: (idx, text) batches → (idx, band, key) rows.
+def _signature_fn(ngram: int, num_perm: int, seed: int, bands: int, rows: int):
+    """mapInArrow body: (idx, text) batches → one row per doc: (idx, exact, keys, sh).
 
-    Band ``-1`` holds a 64-bit hash of the whole normalised text, so exact duplicates (even docs
-    too short to shingle) meet in one bucket; bands 0..b-1 are the MinHash LSH bands.
+    ``exact``: a 64-bit hash of the whole normalised text (exact duplicates meet on it, even docs
+    too short to shingle); ``keys``: the b LSH band keys (null when the doc has no shingles);
+    ``sh``: the sorted distinct 32-bit shingle hashes, for exact-Jaccard verification.
+    Docs whose normalised text is empty emit nothing.
     """
     def fn(batches):
         import hashlib
@@ -70,29 +76,40 @@ def _band_fn(ngram: int, num_perm: int, seed: int, bands: int, rows: int):
         from pipelines.data.minhash import band_keys, hash_shingles, normalize, permutations, shingles, signature
 
         a, b = permutations(num_perm, seed)
-        band_ids = np.arange(bands, dtype=np.int32)
         for rb in batches:
             idxs = rb.column(0).to_pylist()
             texts = rb.column(1).to_pylist()
-            oi, ob, ok = [], [], []
+            oi, oe, ok, osh = [], [], [], []
             for i, t in zip(idxs, texts):
                 norm = normalize(t or "")
                 if not norm:
                     continue
-                oi.append(np.array([i], dtype=np.int64))
-                ob.append(np.array([EXACT_BAND], dtype=np.int32))
-                ok.append(np.frombuffer(hashlib.sha1(norm.encode()).digest()[:8], dtype="<i8"))
+                oi.append(i)
+                oe.append(int.from_bytes(hashlib.sha1(norm.encode()).digest()[:8], "little", signed=True))
                 sh = shingles(norm, ngram)
-                if not sh:
-                    continue
-                oi.append(np.full(bands, i, dtype=np.int64))
-                ob.append(band_ids)
-                ok.append(band_keys(signature(hash_shingles(sh), a, b), bands, rows))
+                if sh:
+                    hv = np.unique(hash_shingles(sh))
+                    ok.append(band_keys(signature(hv, a, b), bands, rows))
+                    osh.append(hv.astype(np.int64))
+                else:
+                    ok.append(None)
+                    osh.append(None)
             if oi:
                 yield pa.RecordBatch.from_arrays(
-                    [pa.array(np.concatenate(oi)), pa.array(np.concatenate(ob)), pa.array(np.concatenate(ok))],
-                    names=["idx", "band", "key"])
+                    [pa.array(oi, pa.int64()), pa.array(oe, pa.int64()),
+                     pa.array(ok, pa.list_(pa.int64())), pa.array(osh, pa.list_(pa.int64()))],
+                    names=["idx", "exact", "keys", "sh"])
     return fn
+
+
+def _star_edges(bk):
+    """Each bucket (band, key) with ≥ 2 members → edges member → bucket minimum."""
+    from pyspark.sql import functions as F
+
+    roots = (bk.groupBy("band", "key").agg(F.min("idx").alias("root"), F.count("*").alias("n"))
+             .where(F.col("n") > 1).select("band", "key", "root"))
+    return (bk.join(roots, ["band", "key"]).where(F.col("idx") != F.col("root"))
+            .select(F.col("idx").alias("src"), F.col("root").alias("dst")).distinct())
 
 
 def _finalize_parquet_dir(d: Path) -> None:
@@ -107,6 +124,7 @@ def _finalize_parquet_dir(d: Path) -> None:
 
 def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     """Run the dedup job on ``docs_path`` (parquet with idx, id, text, source); write under ``out``."""
+    from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
     from pipelines.data.spark import connected_components
@@ -114,17 +132,27 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     bands, rows = effective_bands_rows(cfg)
     docs = spark.read.parquet(str(docs_path))
     n_in = docs.count()
-    bk = (docs.select("idx", "text").repartition(cfg.partitions)
-          .mapInArrow(_band_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows),
-                      "idx long, band int, key long")
-          .persist())
-    n_shingled = bk.where(F.col("band") != EXACT_BAND).select("idx").distinct().count()
-    buckets = (bk.groupBy("band", "key").agg(F.min("idx").alias("root"), F.count("*").alias("n"))
-               .where(F.col("n") > 1))
-    edges = (bk.join(buckets.select("band", "key", "root"), ["band", "key"])
-             .where(F.col("idx") != F.col("root"))
-             .select(F.col("idx").alias("src"), F.col("root").alias("dst")).distinct().persist())
+    sig = (docs.select("idx", "text").repartition(cfg.partitions)
+           .mapInArrow(_signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows), SIG_SCHEMA)
+           .persist(StorageLevel.MEMORY_AND_DISK))
+    n_shingled = sig.where(F.col("keys").isNotNull()).count()
+    exact_edges = _star_edges(sig.select("idx", F.lit(EXACT_BAND).alias("band"), F.col("exact").alias("key")))
+    lsh = sig.where(F.col("keys").isNotNull()).select("idx", F.posexplode("keys").alias("band", "key"))
+    cand = _star_edges(lsh).persist()
+    n_cand = cand.count()
+    if cfg.verify:
+        # Exact Jaccard of each candidate pair on the shingle-hash sets, natively in Spark.
+        shs = sig.where(F.col("sh").isNotNull()).select("idx", "sh")
+        scored = (cand.join(shs.select(F.col("idx").alias("src"), F.col("sh").alias("a")), "src")
+                  .join(shs.select(F.col("idx").alias("dst"), F.col("sh").alias("b")), "dst")
+                  .withColumn("j", F.size(F.array_intersect("a", "b")) / F.size(F.array_union("a", "b"))))
+        near = scored.where(F.col("j") >= cfg.threshold).select("src", "dst")
+    else:
+        near = cand
+    edges = exact_edges.unionByName(near).distinct().persist()
     n_edges = edges.count()
+    n_exact_edges = exact_edges.count()
+    n_verified = near.count() if cfg.verify else n_cand
     if n_edges:
         comps, rounds = connected_components(edges)
     else:
@@ -141,7 +169,7 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     removed = (docs.join(assign.where(F.col("idx") != F.col("cluster")).select("idx", "cluster"), "idx")
                .join(docs.select(F.col("idx").alias("cluster"), F.col("id").alias("dup_of_id")), "cluster")
                .withColumnRenamed("cluster", "dup_of"))
-    exact = bk.where(F.col("band") == EXACT_BAND).select("idx", "key")
+    exact = sig.select("idx", F.col("exact").alias("key"))
     removed = (removed.join(exact, "idx", "left")
                .join(exact.select(F.col("idx").alias("dup_of"), F.col("key").alias("dup_key")), "dup_of", "left")
                .withColumn("reason", F.when(F.col("key") == F.col("dup_key"), F.lit("exact_duplicate"))
@@ -157,11 +185,12 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
             sizes.where(F.col("cluster_size") > 1).groupBy("cluster_size").count().collect()}
     n_removed = sum((s - 1) * c for s, c in hist.items())
     n_kept = n_in - n_removed
-    bk.unpersist(), edges.unpersist(), assign.unpersist()
+    sig.unpersist(), cand.unpersist(), edges.unpersist(), assign.unpersist()
     stats = {
         "docs_in": n_in, "kept": n_kept, "removed": n_removed, "no_shingles": n_in - n_shingled,
         "removed_exact": by_reason.get("exact_duplicate", 0), "removed_near": by_reason.get("near_duplicate", 0),
-        "candidate_edges": n_edges, "clusters_multi": sum(hist.values()),
+        "candidate_edges": n_cand, "verified_edges": n_verified, "rejected_edges": n_cand - n_verified,
+        "exact_edges": n_exact_edges, "edges": n_edges, "clusters_multi": sum(hist.values()),
         "largest_cluster": max(hist) if hist else 1, "cc_rounds": rounds,
         "bands": bands, "rows": rows, "num_perm": cfg.num_perm, "ngram": cfg.ngram,
         "cluster_size_hist": {str(k): v for k, v in sorted(hist.items())},
@@ -203,7 +232,7 @@ def run(spec: JobSpec, ingest: Manifest, out_dir: str | None = None, spark=None)
                                spec.services.spark_driver_memory, shuffle_partitions=cfg.partitions)
         stats = dedup_docs(s, ingest.output("docs"), tmp, cfg)
         counts = {k: stats[k] for k in ("docs_in", "kept", "removed", "removed_exact", "removed_near",
-                                        "no_shingles", "candidate_edges",
+                                        "no_shingles", "candidate_edges", "verified_edges", "rejected_edges",
                                         "clusters_multi", "largest_cluster")}
         return sd.commit(
             {"clusters": "clusters", "kept": "kept", "removed": "removed", "stats": "stats.json",
