@@ -135,6 +135,8 @@ class SparkStageOperator(SparkSubmitOperator):
                          "PYSPARK_DRIVER_PYTHON": sys.executable, "LLMP_HOME": str(_project_root()),
                          "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
                          "PYTHONWARNINGS": "ignore::FutureWarning"}
+        if master.startswith("local"):
+            self.env_vars.setdefault("SPARK_LOCAL_IP", os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"))
         self.log.info("spark-submit to master %s", master)
         self._hook = None
         try:

@@ -21,13 +21,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def _under_spark_submit() -> bool:
-    from pyspark import SparkConf
-
-    return SparkConf().contains("spark.master")
+    """spark-submit starts the JVM first and hands the Python driver its gateway through these
+    variables; the master and conf it was given live in that JVM and must not be overridden."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
 def get_spark(master: str = "local[*]", app: str = "llm-pipeline", driver_memory: str = "2g",
               shuffle_partitions: int = 8) -> "SparkSession":
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # laptop default: stay on loopback
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
