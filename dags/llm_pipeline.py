@@ -1,11 +1,11 @@
 """llm_pipeline: raw web text → deduplicated, filtered, tokenized → trained → promoted → evaluated → registered.
 
 Wiring only: every task runs a stage of ``pipelines/`` (a ``python -m`` CLI, or spark-submit for
-dedup) and passes the stage manifest's path to the next task through XCom. Params (a form in the
+dedup and filter) and passes the stage manifest's path to the next task through XCom. Params (a form in the
 UI's "Trigger DAG") feed the job spec as ``--set`` overrides; a Param left empty keeps the spec's value.
 
     setup_services ─► ingest ─► dedup ─► filter ─► tokenize ─► train ─► promote ─► evaluate ─► register
-         (setup)                (spark-submit)                (torchrun)                           │
+         (setup)                (spark-submit ×2)             (torchrun)                           │
          teardown_services ◄───────────────────────────────────────────────────────────────────────┘
 """
 from __future__ import annotations
@@ -89,10 +89,10 @@ with DAG(
     setup = setup_services()
 
     ingest = StageOperator(task_id="ingest", module="pipelines.data.ingest", spec=SPEC, overrides=OVERRIDES)
-    dedup = SparkStageOperator(task_id="dedup", script="pipelines/data/dedup.py", name="llm-pipeline-dedup",
+    dedup = SparkStageOperator(task_id="dedup", module="pipelines.data.dedup", name="llm-pipeline-dedup",
                                spec=SPEC, overrides=OVERRIDES, stage_args=["--input-manifest", manifest_of("ingest")])
-    filt = StageOperator(task_id="filter", module="pipelines.data.filters", spec=SPEC, overrides=OVERRIDES,
-                         stage_args=["--input-manifest", manifest_of("dedup")])
+    filt = SparkStageOperator(task_id="filter", module="pipelines.data.filters", name="llm-pipeline-filter",
+                              spec=SPEC, overrides=OVERRIDES, stage_args=["--input-manifest", manifest_of("dedup")])
     tokenize = StageOperator(task_id="tokenize", module="pipelines.data.tokenize", spec=SPEC, overrides=OVERRIDES,
                              stage_args=["--input-manifest", manifest_of("filter")])
     train = StageOperator(task_id="train", module="pipelines.train.launch", spec=SPEC, overrides=OVERRIDES,

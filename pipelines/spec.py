@@ -72,6 +72,9 @@ class DedupCfg(_Section):
     rows: Optional[int] = Field(None, ge=1, description="Rows per band; None = chosen from threshold.")
     seed: int = 42
     verify: bool = Field(True, description="Check each LSH candidate pair's exact Jaccard ≥ threshold before union.")
+    lsh_threshold: Optional[float] = Field(
+        None, gt=0.0, lt=1.0, description="Similarity the LSH bands × rows are tuned for; None = threshold − 0.2 "
+        "when verify is on (permissive LSH for recall, verification for precision), else threshold.")
     partitions: int = Field(8, ge=1, description="Spark partitions for the signature step.")
 
     @model_validator(mode="after")
@@ -86,9 +89,18 @@ class DedupCfg(_Section):
         return self
 
 
-class FilterCfg(_Section):
-    """Gopher-style quality rules (Rae et al. 2021, appendix A) with their published defaults."""
+class LanguageCfg(_Section):
+    """Language ID with py3langid (its model ships inside the PyPI package)."""
 
+    enabled: bool = True
+    languages: list[str] = Field(default_factory=lambda: ["en"], description="ISO 639-1 codes to keep.")
+    min_score: float = Field(0.65, ge=0.0, le=1.0, description="Minimum normalised probability.")
+
+
+class GopherQualityCfg(_Section):
+    """Rae et al. 2021 ("Gopher"), appendix A.1.1, published thresholds."""
+
+    enabled: bool = True
     min_words: int = 50
     max_words: int = 100_000
     min_mean_word_len: float = 3.0
@@ -97,9 +109,59 @@ class FilterCfg(_Section):
     max_bullet_lines_ratio: float = 0.9
     max_ellipsis_lines_ratio: float = 0.3
     min_alpha_words_ratio: float = Field(0.8, description="Share of words with an alphabetic char.")
-    max_dup_line_ratio: float = Field(0.3, description="Share of lines that duplicate an earlier line.")
-    max_dup_line_char_ratio: float = 0.2
     stop_words_min: int = Field(2, description="At least this many English stop words.")
+
+
+class GopherRepetitionCfg(_Section):
+    """Gopher repetition rules (Rae et al. 2021, table A1)."""
+
+    enabled: bool = True
+    max_dup_line_ratio: float = 0.3
+    max_dup_para_ratio: float = 0.3
+    max_dup_line_char_ratio: float = 0.2
+    max_dup_para_char_ratio: float = 0.2
+    top_ngram_max_share: dict[int, float] = Field(default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
+    dup_ngram_max_share: dict[int, float] = Field(
+        default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
+
+
+class C4Cfg(_Section):
+    """C4 rules (Raffel et al. 2020), as DataTrove's C4QualityFilter applies them: bad lines are
+    dropped from the doc, then the doc is dropped if it trips a doc-level rule."""
+
+    enabled: bool = True
+    drop_no_terminal_punct_lines: bool = True
+    min_words_per_line: int = 3
+    max_word_length: int = 1000
+    drop_javascript_lines: bool = True
+    drop_policy_lines: bool = True
+    filter_lorem_ipsum: bool = True
+    filter_curly_bracket: bool = True
+    min_sentences: int = 5
+
+
+class FineWebCfg(_Section):
+    """FineWeb's own rules (Penedo et al. 2024), DataTrove's FineWebQualityFilter defaults."""
+
+    enabled: bool = True
+    min_line_punct_ratio: float = Field(0.12, description="Lines ending in punctuation / lines.")
+    max_short_line_ratio: float = Field(0.67, description="Lines ≤ short_line_chars / lines.")
+    short_line_chars: int = 30
+    max_dup_line_char_ratio: float = Field(0.01, description="Chars in duplicated lines / chars.")
+    max_newline_per_word: float = 0.3
+
+
+class FilterCfg(_Section):
+    """Quality filters, applied in ``steps`` order; the first step that rejects a doc names its reason."""
+
+    steps: list[Literal["language", "gopher_repetition", "gopher_quality", "c4", "fineweb"]] = Field(
+        default_factory=lambda: ["language", "gopher_repetition", "gopher_quality", "c4", "fineweb"])
+    language: LanguageCfg = Field(default_factory=LanguageCfg)
+    gopher_repetition: GopherRepetitionCfg = Field(default_factory=GopherRepetitionCfg)
+    gopher_quality: GopherQualityCfg = Field(default_factory=GopherQualityCfg)
+    c4: C4Cfg = Field(default_factory=C4Cfg)
+    fineweb: FineWebCfg = Field(default_factory=FineWebCfg)
+    partitions: int = Field(8, ge=1, description="Spark partitions for the filter pass.")
 
 
 class DataCfg(_Section):

@@ -100,14 +100,16 @@ class StageOperator(BaseOperator):
 
 
 class SparkStageOperator(SparkSubmitOperator):
-    """spark-submit a stage script whose master comes from the job spec; return its manifest path."""
+    """spark-submit a stage module (through ``pipelines/spark_entry.py``) with the job spec's master;
+    return its manifest path."""
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "spec", "overrides", "stage_args")
     ui_color = "#fdf1e6"
 
-    def __init__(self, *, script: str, spec: str | None = None, overrides: Sequence[str] = (),
+    def __init__(self, *, module: str, spec: str | None = None, overrides: Sequence[str] = (),
                  stage_args: Sequence[str] = (), conn_id: str = "spark_pipeline", **kwargs: Any):
-        super().__init__(application=str(_code_root() / script), conn_id=conn_id, **kwargs)
+        super().__init__(application=str(_code_root() / "pipelines" / "spark_entry.py"), conn_id=conn_id, **kwargs)
+        self.module = module
         self.spec = spec
         self.overrides = list(overrides)
         self.stage_args = list(stage_args)
@@ -124,7 +126,7 @@ class SparkStageOperator(SparkSubmitOperator):
         os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps({"conn_type": "spark", "host": master})
         tmp = tempfile.mkdtemp(prefix="llmp-spark-")
         report = os.path.join(tmp, "report.json")
-        self.application_args = [*cli, *self.stage_args, "--report", report]
+        self.application_args = [self.module, *cli, *self.stage_args, "--report", report]
         self.conf = {**(self.conf or {}), "spark.pyspark.python": sys.executable,
                      "spark.pyspark.driver.python": sys.executable,
                      "spark.driver.memory": spec.services.spark_driver_memory}

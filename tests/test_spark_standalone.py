@@ -68,7 +68,7 @@ def test_dedup_runs_on_a_standalone_cluster_via_spark_submit(cluster, tmp_path):
     zip_path = package_zip(tmp_path / "pipelines.zip")
     cmd = [str(BIN / "spark-submit"), "--master", master, "--py-files", str(zip_path),
            "--conf", f"spark.pyspark.python={sys.executable}", "--conf", "spark.executor.memory=1g",
-           str(ROOT / "pipelines" / "data" / "dedup.py"), "--input", str(src), "--output", str(out)]
+           str(ROOT / "pipelines" / "spark_entry.py"), "pipelines.data.dedup", "--input", str(src), "--output", str(out)]
     r = subprocess.run(cmd, env={**env, "LLMP_HOME": str(tmp_path)}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     state = json.loads(urllib.request.urlopen(api).read())

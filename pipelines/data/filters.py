@@ -1,177 +1,321 @@
-"""Quality filters (Gopher quality + repetition rules) with a reason for every removed doc.
+"""Quality filters as composable steps, run on Spark executors, a reason for every removed doc.
 
-Rules follow Rae et al. 2021 ("Scaling Language Models: Methods, Analysis & Insights from Training
-Gopher", appendix A.1.1) with their published thresholds as defaults (``FilterCfg``). Each rule is a
-pure function ``doc stats → reason | None``; the first rule that fires names the removal reason,
-written as ``filter_reason`` on the removed doc and counted in the manifest.
+Steps (``data.filters.steps``, in order; defaults follow FineWeb's pipeline order):
 
-Stage: dedup's ``kept/`` → ``kept.parquet`` + ``removed.parquet`` (+ ``filter_reason``).
+* ``language``: py3langid (model inside the PyPI package, nothing downloaded); keeps docs whose
+  language is in ``languages`` with normalised probability ≥ ``min_score``; every doc gets
+  ``language`` and ``language_score`` columns.
+* ``gopher_repetition``: duplicate lines / paragraphs (share and chars), top 2–4-gram char share,
+  duplicated 5–10-gram char share (Rae et al. 2021, table A1 thresholds).
+* ``gopher_quality``: word count, mean word length, symbol/word ratio, bullet and ellipsis lines,
+  alphabetic words, stop words (Rae et al. 2021, A.1.1).
+* ``c4``: C4's rules as DataTrove's ``C4QualityFilter`` applies them: lines that have no terminal
+  punctuation, < 3 words, a 1,000-char word, "javascript" or cookie/privacy-policy text are
+  *dropped from the doc*; a doc with "lorem ipsum", a ``{``, or < 5 sentences left is removed.
+* ``fineweb``: share of lines ending in punctuation < 0.12, share of short lines > 0.67,
+  duplicated-line chars > 1 %, newlines per word > 0.3 (Penedo et al. 2024).
+
+The first step that rejects a doc sets ``filter_reason = "<step>.<rule>"`` (e.g.
+``gopher_quality.word_count``, ``language``); kept docs carry the text as the steps left it.
+Stage: dedup's ``kept/`` → ``kept/`` + ``removed/`` (parquet), counts per reason and per language.
 """
 from __future__ import annotations
 
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.dataset as ds
-import pyarrow.parquet as pq
-
 from pipelines.cli import run_and_log, stage_parser
 from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, write_report
-from pipelines.progress import progress
 from pipelines.spec import FilterCfg, JobSpec, resolve_path, spec_from_args
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
 BULLETS = ("•", "*", "-", "–", "—", "‣", "◦", "●", "·")
+END_PUNCT = (".", "?", "!", '"', "'")
+POLICY_SUBSTRINGS = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies",
+                     "use cookies")
+_CITATION_RE = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]")
+_SENTENCE_RE = re.compile(r"[^.!?]+[.!?]+")
 _WORD_RE = re.compile(r"\S+")
 _ALPHA_RE = re.compile(r"[^\W\d_]")
 
 
 @dataclass
-class DocStats:
-    words: list[str]
-    lines: list[str]
+class Doc:
+    """A doc as the steps see it; ``text`` may be rewritten by a step (C4 drops lines)."""
 
-    @classmethod
-    def of(cls, text: str) -> "DocStats":
-        return cls(words=_WORD_RE.findall(text), lines=[ln for ln in text.split("\n") if ln.strip()])
+    text: str
+    info: dict = field(default_factory=dict)
 
+    @property
+    def words(self) -> list[str]:
+        return _WORD_RE.findall(self.text)
 
-Rule = Callable[[DocStats, FilterCfg], Optional[str]]
-
-
-def word_count(s: DocStats, c: FilterCfg) -> Optional[str]:
-    n = len(s.words)
-    return None if c.min_words <= n <= c.max_words else "gopher_word_count"
+    @property
+    def lines(self) -> list[str]:
+        return [ln for ln in self.text.split("\n") if ln.strip()]
 
 
-def mean_word_length(s: DocStats, c: FilterCfg) -> Optional[str]:
-    if not s.words:
-        return "gopher_mean_word_len"
-    m = sum(len(w) for w in s.words) / len(s.words)
-    return None if c.min_mean_word_len <= m <= c.max_mean_word_len else "gopher_mean_word_len"
+Step = Callable[[Doc, object], Optional[str]]
 
 
-def symbol_ratio(s: DocStats, c: FilterCfg) -> Optional[str]:
-    if not s.words:
-        return None
-    n = sum(w.count("#") + w.count("...") + w.count("…") for w in s.words)
-    return "gopher_symbol_ratio" if n / len(s.words) > c.max_symbol_word_ratio else None
+# ----------------------------------------------------------------------------- language
+_LID = None
 
 
-def bullet_lines(s: DocStats, c: FilterCfg) -> Optional[str]:
-    if not s.lines:
-        return None
-    n = sum(ln.lstrip().startswith(BULLETS) for ln in s.lines)
-    return "gopher_bullet_lines" if n / len(s.lines) > c.max_bullet_lines_ratio else None
+def _identifier():
+    global _LID
+    if _LID is None:
+        from py3langid.langid import MODEL_FILE, LanguageIdentifier
+
+        _LID = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+    return _LID
 
 
-def ellipsis_lines(s: DocStats, c: FilterCfg) -> Optional[str]:
-    if not s.lines:
-        return None
-    n = sum(ln.rstrip().endswith(("...", "…")) for ln in s.lines)
-    return "gopher_ellipsis_lines" if n / len(s.lines) > c.max_ellipsis_lines_ratio else None
+def language(doc: Doc, c) -> Optional[str]:
+    lang, score = _identifier().classify(doc.text[:20_000].replace("\n", " "))
+    doc.info["language"], doc.info["language_score"] = lang, float(score)
+    return None if lang in c.languages and score >= c.min_score else "language"
 
 
-def alpha_words(s: DocStats, c: FilterCfg) -> Optional[str]:
-    if not s.words:
-        return None
-    n = sum(bool(_ALPHA_RE.search(w)) for w in s.words)
-    return "gopher_alpha_words" if n / len(s.words) < c.min_alpha_words_ratio else None
-
-
-def stop_words(s: DocStats, c: FilterCfg) -> Optional[str]:
-    n = sum(w.lower().strip(".,;:!?\"'()") in STOP_WORDS for w in s.words)
-    return None if n >= c.stop_words_min else "gopher_stop_words"
-
-
-def duplicate_lines(s: DocStats, c: FilterCfg) -> Optional[str]:
-    if not s.lines:
-        return None
+# ----------------------------------------------------------------------------- gopher repetition
+def _dup_stats(items: list[str]) -> tuple[int, int]:
     seen: set[str] = set()
-    dup_lines = dup_chars = 0
-    for ln in s.lines:
-        if ln in seen:
-            dup_lines += 1
-            dup_chars += len(ln)
-        seen.add(ln)
-    if dup_lines / len(s.lines) > c.max_dup_line_ratio:
-        return "gopher_dup_lines"
-    total = sum(len(ln) for ln in s.lines)
-    if total and dup_chars / total > c.max_dup_line_char_ratio:
-        return "gopher_dup_line_chars"
+    n = chars = 0
+    for x in items:
+        if x in seen:
+            n += 1
+            chars += len(x)
+        seen.add(x)
+    return n, chars
+
+
+def _top_ngram_share(words: list[str], n: int) -> float:
+    if len(words) < n:
+        return 0.0
+    grams = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+    gram, count = grams.most_common(1)[0]
+    return sum(len(w) for w in gram) * count / max(1, sum(len(w) for w in words))
+
+
+def _dup_ngram_share(words: list[str], n: int) -> float:
+    if len(words) < n:
+        return 0.0
+    seen: set[tuple] = set()
+    dup = bytearray(len(words))
+    for i in range(len(words) - n + 1):
+        g = tuple(words[i:i + n])
+        if g in seen:
+            dup[i:i + n] = b"\x01" * n
+        else:
+            seen.add(g)
+    total = sum(len(w) for w in words)
+    return sum(len(w) for w, d in zip(words, dup) if d) / max(1, total)
+
+
+def gopher_repetition(doc: Doc, c) -> Optional[str]:
+    text = doc.text
+    lines = doc.lines
+    paras = [p for p in re.split(r"\n{2,}", text.strip()) if p.strip()]
+    if lines:
+        n, chars = _dup_stats(lines)
+        if n / len(lines) > c.max_dup_line_ratio:
+            return "gopher_repetition.dup_line_ratio"
+        if chars / max(1, len(text)) > c.max_dup_line_char_ratio:
+            return "gopher_repetition.dup_line_char_ratio"
+    if paras:
+        n, chars = _dup_stats(paras)
+        if n / len(paras) > c.max_dup_para_ratio:
+            return "gopher_repetition.dup_para_ratio"
+        if chars / max(1, len(text)) > c.max_dup_para_char_ratio:
+            return "gopher_repetition.dup_para_char_ratio"
+    words = [w.lower() for w in doc.words]
+    for n, thr in sorted(c.top_ngram_max_share.items()):
+        if _top_ngram_share(words, int(n)) > thr:
+            return f"gopher_repetition.top_{n}gram"
+    for n, thr in sorted(c.dup_ngram_max_share.items()):
+        if _dup_ngram_share(words, int(n)) > thr:
+            return f"gopher_repetition.dup_{n}gram"
     return None
 
 
-RULES: list[Rule] = [word_count, mean_word_length, symbol_ratio, bullet_lines, ellipsis_lines,
-                     alpha_words, stop_words, duplicate_lines]
+# ----------------------------------------------------------------------------- gopher quality
+def gopher_quality(doc: Doc, c) -> Optional[str]:
+    words, lines = doc.words, doc.lines
+    if not c.min_words <= len(words) <= c.max_words:
+        return "gopher_quality.word_count"
+    mean = sum(len(w) for w in words) / len(words)
+    if not c.min_mean_word_len <= mean <= c.max_mean_word_len:
+        return "gopher_quality.mean_word_len"
+    sym = sum(w.count("#") + w.count("...") + w.count("…") for w in words)
+    if sym / len(words) > c.max_symbol_word_ratio:
+        return "gopher_quality.symbol_ratio"
+    if lines and sum(ln.lstrip().startswith(BULLETS) for ln in lines) / len(lines) > c.max_bullet_lines_ratio:
+        return "gopher_quality.bullet_lines"
+    if lines and sum(ln.rstrip().endswith(("...", "…")) for ln in lines) / len(lines) > c.max_ellipsis_lines_ratio:
+        return "gopher_quality.ellipsis_lines"
+    if sum(bool(_ALPHA_RE.search(w)) for w in words) / len(words) < c.min_alpha_words_ratio:
+        return "gopher_quality.alpha_words"
+    if sum(w.lower().strip(".,;:!?\"'()") in STOP_WORDS for w in words) < c.stop_words_min:
+        return "gopher_quality.stop_words"
+    return None
 
 
-def filter_reason(text: str, cfg: FilterCfg, rules: list[Rule] = RULES) -> Optional[str]:
-    """The first rule that rejects ``text``, or None when the doc is kept."""
-    st = DocStats.of(text)
-    for r in rules:
-        reason = r(st, cfg)
+# ----------------------------------------------------------------------------- C4
+def c4(doc: Doc, c) -> Optional[str]:
+    kept, sentences, dropped = [], 0, 0
+    for raw in doc.text.split("\n"):
+        line = _CITATION_RE.sub("", raw.strip())
+        if not line:
+            continue
+        words = line.split()
+        low = line.lower()
+        if any(len(w) > c.max_word_length for w in words):
+            dropped += 1
+            continue
+        if c.drop_no_terminal_punct_lines and (not line.endswith(END_PUNCT) or line.endswith("...")):
+            dropped += 1
+            continue
+        if len(words) < c.min_words_per_line:
+            dropped += 1
+            continue
+        if c.filter_lorem_ipsum and "lorem ipsum" in low:
+            return "c4.lorem_ipsum"
+        if c.drop_javascript_lines and "javascript" in low:
+            dropped += 1
+            continue
+        if c.filter_curly_bracket and "{" in line:
+            return "c4.curly_bracket"
+        if c.drop_policy_lines and any(p in low for p in POLICY_SUBSTRINGS):
+            dropped += 1
+            continue
+        sentences += max(1, len(_SENTENCE_RE.findall(line)))
+        kept.append(line)
+    doc.info["c4_lines_dropped"] = dropped
+    if sentences < c.min_sentences:
+        return "c4.too_few_sentences"
+    doc.text = "\n".join(kept)
+    return None
+
+
+# ----------------------------------------------------------------------------- FineWeb
+def fineweb(doc: Doc, c) -> Optional[str]:
+    lines = doc.lines
+    if not lines:
+        return "fineweb.empty"
+    if sum(ln.rstrip().endswith(END_PUNCT) for ln in lines) / len(lines) < c.min_line_punct_ratio:
+        return "fineweb.line_punct_ratio"
+    if sum(len(ln) <= c.short_line_chars for ln in lines) / len(lines) > c.max_short_line_ratio:
+        return "fineweb.short_line_ratio"
+    _, dup_chars = _dup_stats(lines)
+    if dup_chars / max(1, len(doc.text.replace("\n", ""))) > c.max_dup_line_char_ratio:
+        return "fineweb.char_dup_ratio"
+    words = doc.words
+    if doc.text.count("\n") / max(1, len(words)) > c.max_newline_per_word:
+        return "fineweb.newline_ratio"
+    return None
+
+
+STEPS: dict[str, Step] = {"language": language, "gopher_repetition": gopher_repetition,
+                          "gopher_quality": gopher_quality, "c4": c4, "fineweb": fineweb}
+
+
+def apply_filters(text: str, cfg: FilterCfg) -> tuple[Optional[str], Doc]:
+    """Run the enabled steps in order; return (first reason or None, the doc as the steps left it)."""
+    doc = Doc(text)
+    for name in cfg.steps:
+        step_cfg = getattr(cfg, name)
+        if not step_cfg.enabled:
+            continue
+        reason = STEPS[name](doc, step_cfg)
         if reason:
-            return reason
-    return None
+            return reason, doc
+    return None, doc
 
 
-def filter_docs(src: Path, out: Path, cfg: FilterCfg) -> dict:
-    dataset = ds.dataset(str(src), format="parquet")
-    schema = dataset.schema
-    rm_schema = schema.append(pa.field("filter_reason", pa.string()))
-    kept_w = pq.ParquetWriter(out / "kept.parquet", schema, compression="zstd")
-    rm_w = pq.ParquetWriter(out / "removed.parquet", rm_schema, compression="zstd")
-    reasons: Counter = Counter()
-    n_in = n_kept = 0
-    with progress(desc="filter", unit="doc", total=dataset.count_rows()) as bar:
-        for batch in dataset.to_batches(batch_size=2048):
-            tbl = pa.Table.from_batches([batch], schema=schema)
-            why = [filter_reason(t, cfg) for t in tbl.column("text").to_pylist()]
-            keep = pa.array([w is None for w in why])
-            kept = tbl.filter(keep)
-            rm = tbl.filter(pc.invert(keep))
-            rm = rm.append_column("filter_reason", pa.array([w for w in why if w is not None], pa.string()))
-            if kept.num_rows:
-                kept_w.write_table(kept)
-            if rm.num_rows:
-                rm_w.write_table(rm)
-            reasons.update(w for w in why if w)
-            n_in += tbl.num_rows
-            n_kept += kept.num_rows
-            bar.update(tbl.num_rows)
-    kept_w.close()
-    rm_w.close()
-    return {"docs_in": n_in, "kept": n_kept, "removed": n_in - n_kept,
-            "removed_by_reason": dict(sorted(reasons.items()))}
+def filter_reason(text: str, cfg: FilterCfg) -> Optional[str]:
+    return apply_filters(text, cfg)[0]
 
 
-def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None) -> Manifest:
+# ----------------------------------------------------------------------------- Spark stage
+OUT_SCHEMA = ("idx long, id string, text string, source string, filter_reason string, "
+              "language string, language_score double")
+
+
+def _filter_fn(cfg_dict: dict):
+    def fn(batches):
+        import pyarrow as pa
+
+        cfg = FilterCfg.model_validate(cfg_dict)
+        for rb in batches:
+            cols = {n: rb.column(n).to_pylist() for n in ("idx", "id", "text", "source")}
+            texts, reasons, langs, scores = [], [], [], []
+            for t in cols["text"]:
+                reason, doc = apply_filters(t or "", cfg)
+                texts.append(doc.text if reason is None else t)  # removed docs keep their original text
+                reasons.append(reason)
+                langs.append(doc.info.get("language"))
+                scores.append(doc.info.get("language_score"))
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(cols["idx"], pa.int64()), pa.array(cols["id"], pa.string()), pa.array(texts, pa.string()),
+                 pa.array(cols["source"], pa.string()), pa.array(reasons, pa.string()),
+                 pa.array(langs, pa.string()), pa.array(scores, pa.float64())],
+                names=["idx", "id", "text", "source", "filter_reason", "language", "language_score"])
+    return fn
+
+
+def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg) -> dict:
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    from pipelines.data.dedup import _finalize_parquet_dir
+
+    docs = spark.read.parquet(str(src)).select("idx", "id", "text", "source")
+    res = (docs.repartition(cfg.partitions).mapInArrow(_filter_fn(cfg.model_dump()), OUT_SCHEMA)
+           .persist(StorageLevel.MEMORY_AND_DISK))
+    res.where(F.col("filter_reason").isNull()).drop("filter_reason").orderBy("idx").write.parquet(str(out / "kept"))
+    res.where(F.col("filter_reason").isNotNull()).orderBy("idx").write.parquet(str(out / "removed"))
+    reasons = {r["filter_reason"]: int(r["count"]) for r in
+               res.where(F.col("filter_reason").isNotNull()).groupBy("filter_reason").count().collect()}
+    langs = {r["language"] or "none": int(r["count"]) for r in res.groupBy("language").count().collect()}
+    n_in = res.count()
+    res.unpersist()
+    for d in ("kept", "removed"):
+        _finalize_parquet_dir(out / d)
+    n_removed = sum(reasons.values())
+    return {"docs_in": n_in, "kept": n_in - n_removed, "removed": n_removed,
+            "removed_by_reason": dict(sorted(reasons.items())),
+            "languages": dict(sorted(langs.items(), key=lambda kv: -kv[1])[:15])}
+
+
+def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
     sd = StageDir(resolve_path(spec.run.root), "filter", spec.stage_hash("filter"), [input_ref(dedup)],
                   force=spec.run.force, out_dir=out_dir)
 
     def body(tmp: Path) -> Manifest:
-        counts = filter_docs(dedup.output("kept"), tmp, spec.data.filters)
-        return sd.commit({"kept": "kept.parquet", "removed": "removed.parquet"}, counts=counts)
+        from pipelines.data.spark import get_spark
+
+        s = spark or get_spark(spec.services.spark_master, "llm-pipeline-filter", spec.services.spark_driver_memory,
+                               shuffle_partitions=spec.data.filters.partitions)
+        counts = filter_docs(s, dedup.output("kept"), tmp, spec.data.filters)
+        return sd.commit({"kept": "kept", "removed": "removed"}, counts=counts)
 
     return run_and_log(spec, sd, body)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = stage_parser("pipelines.data.filters", "Gopher quality/repetition filters; removed docs keep a filter_reason.",
+    ap = stage_parser("pipelines.data.filters",
+                      "Language ID + Gopher/C4/FineWeb quality filters on Spark; removed docs keep a filter_reason.",
                       {"--input-manifest": "Manifest of the dedup stage."})
     args = ap.parse_args(argv)
     m = run(spec_from_args(args), load_manifest(args.input_manifest), args.output)
     write_report(args.report, m)
     c = m.counts
     print(f"filter: {c['docs_in']} docs → {c['kept']} kept, {c['removed']} removed {c['removed_by_reason']}; "
-          f"manifest {m.path}")
+          f"languages {c['languages']}; manifest {m.path}")
     return 0
 
 

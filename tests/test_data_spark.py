@@ -1,15 +1,15 @@
-"""Dedup on a real Spark (local[2]); one session for the module."""
+"""Dedup and filter stages on a real Spark (local[2]); one session for the module."""
 import random
 
 import pyarrow.dataset as ds
 import pytest
 
-from pipelines.data import dedup, ingest
+from pipelines.data import dedup, filters, ingest
 from pipelines.data.minhash import jaccard, shingles
 from pipelines.data.spark import connected_components
 from pipelines.spec import load_spec
 
-from conftest import c4_docs, write_jsonl
+from conftest import BUNDLED, SHARED, c4_docs, write_jsonl
 
 pytestmark = pytest.mark.spark
 
@@ -107,3 +107,29 @@ def test_verification_rejects_lsh_candidates_below_the_threshold(home, spark, co
     assert m_loose.counts["removed"] == 1  # LSH alone merges the J≈0.5 pair
     assert m_strict.counts["removed"] == 0 and m_strict.counts["rejected_edges"] >= 1
     assert m_strict.counts["verified_edges"] + m_strict.counts["rejected_edges"] == m_strict.counts["candidate_edges"]
+
+
+def _idx(path) -> list[int]:
+    return ds.dataset(str(path), format="parquet").to_table(columns=["idx"]).column("idx").to_pylist()
+
+
+def test_nothing_lost_on_the_raw_common_crawl_sample(home, spark):
+    """docs in = kept + removed (each with a reason) + quarantined, on raw multilingual WET text."""
+    src = SHARED / "corpus" / "cc_wet_2019_30_sample.jsonl.gz"
+    src = src if src.exists() else BUNDLED / "cc_wet_2019_30_sample.jsonl.gz"
+    spec = load_spec(None, [f"data.inputs=[{src}]"], env={})
+    ing = ingest.run(spec)
+    dd = dedup.run(spec, ing, spark=spark)
+    fl = filters.run(spec, dd, spark=spark)
+    lines = ing.counts["lines"]
+    assert lines == 414 and ing.counts["quarantined"] > 0
+    assert lines == fl.counts["kept"] + fl.counts["removed"] + dd.counts["removed"] + ing.counts["quarantined"]
+    kept, f_rm, d_rm = _idx(fl.output("kept")), _idx(fl.output("removed")), _idx(dd.output("removed"))
+    assert sorted(kept + f_rm + d_rm) == list(range(ing.counts["docs"]))  # each doc exactly once
+    f_removed = ds.dataset(str(fl.output("removed")), format="parquet").to_table().to_pylist()
+    assert all(r["filter_reason"] for r in f_removed)
+    assert all(r["reason"] for r in ds.dataset(str(dd.output("removed")), format="parquet").to_table().to_pylist())
+    assert sum(fl.counts["removed_by_reason"].values()) == fl.counts["removed"]
+    assert fl.counts["removed_by_reason"]["language"] > 100 and len(fl.counts["languages"]) >= 10
+    kept_rows = ds.dataset(str(fl.output("kept")), format="parquet").to_table().to_pylist()
+    assert all(r["language"] == "en" and r["language_score"] >= 0.65 for r in kept_rows)
