@@ -15,10 +15,11 @@ export PYTHONWARNINGS := ignore::FutureWarning
 
 DEMO_SPEC ?= configs/demo.yaml
 
-.PHONY: demo test install airflow-db clean help
+.PHONY: demo test bench install airflow-db clean help
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
 	@echo "make test   - run the test suite"
+	@echo "make bench  - install the anchors (benchmarks/requirements.in) and run benchmarks/dedup_bench.py"
 	@echo "make clean  - remove ./var (all run state: Airflow DB, MLflow DB, tiers, S3 snapshot)"
 
 install: $(STAMP)
@@ -49,6 +50,10 @@ demo: airflow-db
 
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/pip install -q -r benchmarks/requirements.in -c requirements.lock
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/dedup_bench.py $(BENCH_ARGS)
 
 clean:
 	@if [ -f var/s3/endpoint.json ]; then $(BIN)/python -m pipelines.storage.s3 stop || true; fi

@@ -76,6 +76,13 @@ class DedupCfg(_Section):
         None, gt=0.0, lt=1.0, description="Similarity the LSH bands × rows are tuned for; None = threshold − 0.2 "
         "when verify is on (permissive LSH for recall, verification for precision), else threshold.")
     partitions: int = Field(8, ge=1, description="Spark partitions for the signature step.")
+    keeper: Literal["cover", "min_idx", "longest"] = Field(
+        "cover", description="Which docs a cluster keeps: 'cover' = a small dominating set of the verified "
+        "similarity graph (every removed doc has a kept doc with J ≥ threshold), 'min_idx' = the earliest doc, "
+        "'longest' = the longest text (ties: earliest).")
+    cover_max_cluster: int = Field(
+        256, ge=2, description="Components up to this size get an all-pairs greedy cover on one executor; "
+        "larger ones keep every verified star centre (distributed, still a cover).")
 
     @model_validator(mode="after")
     def _bands_rows(self) -> "DedupCfg":

@@ -98,7 +98,8 @@ def test_verification_rejects_lsh_candidates_below_the_threshold(home, spark, co
     j = jaccard(shingles(base, 5), shingles(mid, 5))
     assert 0.3 < j < 0.75, j
     src = write_jsonl(home / "v.jsonl", [recs[5], {"id": "mid", "text": mid}] + recs[10:20])
-    common = [f"data.inputs=[{src}]", "data.dedup.bands=32", "data.dedup.rows=4", "data.dedup.threshold=0.8"]
+    common = [f"data.inputs=[{src}]", "data.dedup.bands=32", "data.dedup.rows=4", "data.dedup.threshold=0.8",
+              "data.dedup.keeper=min_idx"]  # (cover compares members exactly itself, whatever verify says)
     loose = load_spec(None, common + ["data.dedup.verify=false"], env={})
     strict = load_spec(None, common + ["data.dedup.verify=true"], env={})
     ing = ingest.run(loose)
@@ -133,3 +134,41 @@ def test_nothing_lost_on_the_raw_common_crawl_sample(home, spark):
     assert fl.counts["removed_by_reason"]["language"] > 100 and len(fl.counts["languages"]) >= 10
     kept_rows = ds.dataset(str(fl.output("kept")), format="parquet").to_table().to_pylist()
     assert all(r["language"] == "en" and r["language_score"] >= 0.65 for r in kept_rows)
+
+
+@pytest.fixture(scope="module")
+def chain(corpus):
+    """a ← b ← c: J(a,b) and J(b,c) above 0.8, J(a,c) below it, plus unrelated docs."""
+    recs, _ = corpus
+    a = recs[7]["text"]
+    b = _mutate(a, 0.016, 11)  # J(a,b) 0.855, J(b,c) 0.856, J(a,c) 0.736
+    c = _mutate(b, 0.016, 12)
+    sa, sb, sc = (shingles(t, 5) for t in (a, b, c))
+    assert jaccard(sa, sb) >= 0.82 and jaccard(sb, sc) >= 0.82 and jaccard(sa, sc) < 0.8
+    docs = [{"id": "a", "text": a}, {"id": "b", "text": b}, {"id": "c", "text": c}] + recs[20:30]
+    return docs, {"a": sa, "b": sb, "c": sc}
+
+
+@pytest.mark.parametrize("keeper,cover_max", [("min_idx", 256), ("cover", 256), ("cover", 2), ("longest", 256)])
+def test_keeper_policies_on_a_transitive_chain(home, spark, chain, keeper, cover_max):
+    docs, sh = chain
+    src = write_jsonl(home / "chain.jsonl", docs)
+    spec = load_spec(None, [f"data.inputs=[{src}]", f"data.dedup.keeper={keeper}",
+                            f"data.dedup.cover_max_cluster={cover_max}"], env={})
+    m = dedup.run(spec, ingest.run(spec), spark=spark)
+    cl, removed = _table(m.output("clusters")), _table(m.output("removed"))
+    assert {cl[k]["component"] for k in "abc"} == {cl["a"]["idx"]} and cl["a"]["component_size"] == 3
+    assert m.counts["kept"] + m.counts["removed"] == len(docs)
+    for r in removed.values():  # the reported Jaccard is the real one, to the doc named as dup_of
+        assert r["jaccard"] == pytest.approx(jaccard(sh[r["id"]], sh[r["dup_of_id"]]), abs=0.01)
+    if keeper == "min_idx":  # keeps a, removes c as a duplicate of a doc it is not similar to
+        assert set(removed) == {"b", "c"} and removed["c"]["dup_of_id"] == "a" and removed["c"]["jaccard"] < 0.8
+    elif keeper == "longest":
+        longest = max("abc", key=lambda k: (len(docs["abc".index(k)]["text"]), -"abc".index(k)))
+        assert longest not in removed and len(removed) == 2
+        assert {r["dup_of_id"] for r in removed.values()} == {longest}
+    elif cover_max > 3:  # all-pairs greedy cover: b covers a and c
+        assert set(removed) == {"a", "c"} and all(r["dup_of_id"] == "b" for r in removed.values())
+    else:  # component larger than cover_max: star centres kept; still every removal is covered
+        assert 1 <= len(removed) <= 2 and all(r["jaccard"] >= 0.8 for r in removed.values())
+    assert all(cl[r["id"]]["cluster"] == cl[r["dup_of_id"]]["idx"] for r in removed.values())

@@ -52,3 +52,65 @@ def test_optimal_bands_rows_minimises_error_area():
     assert 0.7 < mh.threshold_point(b, r) < 0.9
     with pytest.raises(ValueError):
         mh.optimal_bands_rows(1.5, 128)
+
+
+TEXTS = ["The quick brown fox jumps over the lazy dog, again and again, said the Fox.",
+         "", "too short", "Ünïcödé ｔｅｘｔ — with punctuation; and repeated words words words words words words",
+         "the quick brown fox jumps over the lazy dog again and again said the fox"]
+
+
+def test_batch_shingle_hashes_equal_per_doc_and_per_shingle_string():
+    norms = [mh.normalize(t) for t in TEXTS] * 3
+    x, off = mh.shingle_hash_batch(norms, 3)
+    assert off[0] == 0 and off[-1] == x.size and np.all(np.diff(off) >= 0)
+    for d, t in enumerate(norms):
+        got = x[off[d]:off[d + 1]]
+        assert np.array_equal(got, mh.shingle_hashes(t, 3))
+        assert np.all(np.diff(got.astype(np.int64)) > 0)  # sorted, distinct
+        # the same value from each shingle string: what a datasketch hashfunc sees
+        assert set(got.tolist()) == {mh.shingle_hash(s) for s in mh.shingles(t, 3)}
+    assert off[2] - off[1] == 0 and off[3] - off[2] == 0  # empty and too-short docs have none
+    # chunked processing (long batches) gives identical output
+    old = mh._CHUNK_CHARS
+    try:
+        mh._CHUNK_CHARS = 40
+        x2, off2 = mh.shingle_hash_batch(norms, 3)
+    finally:
+        mh._CHUNK_CHARS = old
+    assert np.array_equal(x, x2) and np.array_equal(off, off2)
+
+
+@pytest.mark.parametrize("engine", ["numpy", "numba"])
+def test_batch_signatures_equal_the_exact_reference(engine):
+    if engine == "numba":
+        pytest.importorskip("numba")
+    rng = np.random.default_rng(3)
+    sets = [np.unique(rng.integers(0, 1 << 32, size=n, dtype=np.uint64)) for n in (1, 5, 300, 2000, 17)]
+    sets[1][:] = (1 << 32) - 1 - np.arange(5, dtype=np.uint64)[::-1]  # the largest hash values
+    a, b = mh.permutations(64, 11)
+    got = mh.signatures(sets, a, b, engine=engine)
+    p = (1 << 61) - 1
+    for row, hs in zip(got, sets):
+        assert np.array_equal(row, mh.signature(hs, a, b))
+        want = [min((int(ak) * int(x) + int(bk)) % p for x in hs) for ak, bk in zip(a, b)]  # Python big ints
+        assert [int(v) for v in row] == want
+
+
+def test_datasketch_legacy_equivalence_is_documented_exactly():
+    """Same seeds, same shingle hashes: datasketch's legacy MinHash equals the same formula computed in
+    uint64 with wraparound (a·x + b can exceed 2^64) and cut to 32 bits; ours is the exact value."""
+    from datasketch import MinHash
+
+    norm = mh.normalize(TEXTS[0] + " " + TEXTS[3])
+    shingle_strs = sorted(mh.shingles(norm, 3))
+    ds = MinHash(num_perm=32, seed=5, scheme="legacy", hashfunc=lambda s: mh.shingle_hash(s.decode()))
+    for s in shingle_strs:
+        ds.update(s.encode())
+    a, b = mh.permutations(32, 5)
+    hs = mh.shingle_hashes(norm, 3)
+    p, m64 = (1 << 61) - 1, (1 << 64) - 1
+    wrapped = [min((((int(ak) * int(x) + int(bk)) & m64) % p) & 0xFFFFFFFF for x in hs) for ak, bk in zip(a, b)]
+    exact = [min((int(ak) * int(x) + int(bk)) % p for x in hs) for ak, bk in zip(a, b)]
+    assert [int(v) for v in ds.hashvalues] == wrapped
+    assert [int(v) for v in mh.signatures([hs], a, b)[0]] == exact
+    assert wrapped != exact  # the products do overflow uint64: datasketch issue #99

@@ -84,13 +84,15 @@ def connected_components(edges: "DataFrame", max_iter: int = 64) -> tuple["DataF
                  .where(F.col("x") != F.col("m"))
                  .select(F.greatest("x", "m").alias("u"), F.least("x", "m").alias("v")).distinct()
                  .localCheckpoint())
-        # Done when the graph is a star forest: every u has one parent and no parent has a parent.
-        n_edges = small.count()
-        n_children = small.select("u").distinct().count()
-        parents_with_parent = small.select(F.col("v").alias("u")).distinct().join(
-            small.select("u").distinct(), "u").limit(1).count()
+        # Done when the graph is a star forest: every child u has one parent and no parent has a parent.
+        # One job: per node, how many parents it has and whether it is somebody's parent.
+        chk = (small.select(F.col("u").alias("n"), F.lit(1).alias("c"), F.lit(0).alias("p"))
+               .unionByName(small.select(F.col("v").alias("n"), F.lit(0).alias("c"), F.lit(1).alias("p")))
+               .groupBy("n").agg(F.sum("c").alias("c"), F.max("p").alias("p"))
+               .agg(F.max("c").alias("max_parents"),
+                    F.count(F.when((F.col("c") > 0) & (F.col("p") > 0), 1)).alias("chained")).first())
         e = small
-        if n_edges == n_children and parents_with_parent == 0:
+        if (chk["max_parents"] or 0) <= 1 and chk["chained"] == 0:
             return e.select(F.col("u").alias("node"), F.col("v").alias("root")).unionByName(
                 e.select(F.col("v").alias("node"), F.col("v").alias("root"))).distinct(), it
     raise RuntimeError(f"connected components did not converge in {max_iter} rounds")
