@@ -115,13 +115,14 @@ def _signature_fn(ngram: int, num_perm: int, seed: int, bands: int, rows: int):
 
 
 def _star_edges(bk):
-    """Each bucket (band, key) with ≥ 2 members → edges member → bucket minimum."""
+    """Each bucket (band, key) with ≥ 2 members → edges member → bucket minimum (repeats across
+    bands are left in: the caller deduplicates all stars in one aggregation)."""
     from pyspark.sql import functions as F
 
     roots = (bk.groupBy("band", "key").agg(F.min("idx").alias("root"), F.count("*").alias("n"))
              .where(F.col("n") > 1).select("band", "key", "root"))
     return (bk.join(roots, ["band", "key"]).where(F.col("idx") != F.col("root"))
-            .select(F.col("idx").alias("src"), F.col("root").alias("dst")).distinct())
+            .select(F.col("idx").alias("src"), F.col("root").alias("dst")))
 
 
 def jaccard_matrix(exact, shs):
@@ -322,9 +323,8 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     sig = (docs.select("idx", "id", "text").repartition(cfg.partitions)
            .mapInArrow(_signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows), SIG_SCHEMA)
            .persist(StorageLevel.MEMORY_AND_DISK))
-    c = sig.agg(F.count("*").alias("live"), F.count("keys").alias("shingled")).first()
+    n_shingled = sig.where(F.col("keys").isNotNull()).count()
     n_in = docs.count()
-    n_shingled = int(c["shingled"])
     mark("signatures")
 
     # Candidate edges: stars of the exact-text buckets (x = 1, J = 1 by definition) and of the LSH band

@@ -6,9 +6,11 @@
 * Shingle hash (pipeline): ``shingle_hash_batch`` hashes every word of a batch of docs at once (a
   polynomial in its UTF-8 bytes mod 2^64 from one prefix sum, then splitmix64), folds each n-gram's
   word hashes with splitmix64 and keeps 32 bits; no Python loop per word or per shingle
-  (``shingle_hash`` gives the same for one shingle string, e.g. as a datasketch ``hashfunc``). ``hash_shingles`` is the reference SHA-1 hash
-  (first 4 bytes, little-endian, as datasketch's ``sha1_hash32``).
-* Signatures of many docs at once: ``signatures`` (numba kernel when installed, else chunked numpy),
+  (``shingle_hash`` gives the same for one shingle string, e.g. as a datasketch ``hashfunc``).
+  ``hash_shingles`` is the reference SHA-1 hash (first 4 bytes, little-endian, as datasketch's
+  ``sha1_hash32``).
+* Signatures of many docs at once: ``signatures`` / ``signatures_flat`` (numba kernel when installed,
+  else chunked numpy),
   equal to the per-doc reference ``signature``.
 * Permutations: ``h_i(x) = (a_i·x + b_i) mod (2^61 − 1)`` with (a_i, b_i) drawn exactly as
   datasketch draws them for the same seed. The product ``a_i·x`` (up to 2^93) is computed by
@@ -156,23 +158,10 @@ def shingle_hashes(norm: str, n: int) -> np.ndarray:
     return shingle_hash_batch([norm], n)[0]
 
 
-def batch_shingle_hashes(norms: list[str], n: int) -> list[np.ndarray]:
-    """``shingle_hash_batch`` split into one array per doc."""
-    x, off = shingle_hash_batch(norms, n)
-    return [x[a:b] for a, b in zip(off[:-1].tolist(), off[1:].tolist())]
-
-
 def shingle_hash(shingle: str) -> int:
     """The 32-bit hash the pipeline gives the shingle "w1 w2 … wn" (a datasketch ``hashfunc``)."""
     x, _ = shingle_hash_batch([shingle], len(shingle.split(" ")))
     return int(x[0])
-
-
-def _fold61(x: np.ndarray) -> np.ndarray:
-    """x mod (2^61 − 1) for any uint64 x, by 2^61 ≡ 1: (x & p) + (x >> 61), then one subtraction."""
-    r = (x & MERSENNE_61) + (x >> np.uint64(61))
-    r -= MERSENNE_61 * (r >= MERSENNE_61)
-    return r
 
 
 def _signatures_numpy(x: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray,
@@ -325,11 +314,7 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
 
 def band_keys(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:
     """One int64 key per band (band index mixed in, so equal keys mean same band, same values)."""
-    m = sig[: bands * rows].reshape(bands, rows)
-    h = _splitmix64(np.arange(bands, dtype=np.uint64))
-    for j in range(rows):
-        h = _splitmix64(h ^ m[:, j])
-    return h.view(np.int64)
+    return band_keys_batch(sig[None, :], bands, rows)[0]
 
 
 def candidate_probability(s: float, bands: int, rows: int) -> float:
