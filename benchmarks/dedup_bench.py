@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pipelines.data.minhash import normalize, shingles  # noqa: E402
+from pipelines.data.minhash import jaccard, normalize, shingles  # noqa: E402
 
 SHARED_C4 = ROOT.parent / "shared" / "data" / "corpus" / "c4_en_train_1k.jsonl"
 BUNDLED_C4 = ROOT / "data" / "sample" / "c4_en_train_1k.jsonl.gz"
@@ -66,10 +66,6 @@ class Corpus:
 
     def __len__(self) -> int:
         return len(self.ids)
-
-
-def _jac(a: set, b: set) -> float:
-    return len(a & b) / len(a | b) if a and b else 0.0
 
 
 def _sentences(text: str) -> list[str]:
@@ -117,10 +113,10 @@ def make_variant(text: str, target: float, rng: random.Random, vocab: list[str])
                 else:
                     words[i] = rng.choice(vocab)
         nxt = " ".join(words)
-        j = _jac(base, shingles(nxt, NGRAM))
+        j = jaccard(base, shingles(nxt, NGRAM))
         if j < target:
             # overshoot: keep whichever of before/after is closer to the target
-            return nxt if abs(j - target) < abs(_jac(base, shingles(cur, NGRAM)) - target) else cur
+            return nxt if abs(j - target) < abs(jaccard(base, shingles(cur, NGRAM)) - target) else cur
         cur = nxt
     return cur
 
@@ -202,7 +198,6 @@ def _min_dominating_set_size(nodes: list[int], adj: dict[int, set[int]], exact_u
 
 def evaluate(c: Corpus, cluster: np.ndarray, removed: np.ndarray, threshold: float = THRESHOLD) -> dict:
     """Quality of a dedup result: ``cluster[i]`` a label per doc, ``removed[i]`` True if doc i was dropped."""
-    n = len(c)
     sel = c.pjac >= threshold
     ti, tj, tjac = c.pi[sel], c.pj[sel], c.pjac[sel]
     same = cluster[ti] == cluster[tj]
