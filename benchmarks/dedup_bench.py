@@ -361,11 +361,11 @@ def run_datatrove(c: Corpus, work: Path, workers: int = 2, bands: int = 16,
     tok = _datatrove_tokenizer()
     logs = str(work / "logs")
     t0 = time.perf_counter()
-    LocalPipelineExecutor([JsonlReader(str(inp)), MinhashDedupSignature(str(work / "sigs"), cfg, language=tok)],
+    LocalPipelineExecutor([JsonlReader(str(inp)), MinhashDedupSignature(str(work / "sigs"), config=cfg, language=tok)],
                           tasks=tasks, workers=workers, logging_dir=f"{logs}/1").run()
-    LocalPipelineExecutor([MinhashDedupBuckets(str(work / "sigs"), str(work / "buckets"), cfg)],
+    LocalPipelineExecutor([MinhashDedupBuckets(str(work / "sigs"), str(work / "buckets"), config=cfg)],
                           tasks=bands, workers=workers, logging_dir=f"{logs}/2").run()
-    LocalPipelineExecutor([MinhashDedupCluster(str(work / "buckets"), str(work / "rm"), cfg, save_cluster_id=True)],
+    LocalPipelineExecutor([MinhashDedupCluster(str(work / "buckets"), str(work / "rm"), config=cfg, save_cluster_id=True)],
                           tasks=1, logging_dir=f"{logs}/3").run()
     LocalPipelineExecutor([JsonlReader(str(inp)),
                            MinhashDedupFilter(str(work / "rm"), exclusion_writer=JsonlWriter(str(work / "removed")),
@@ -402,7 +402,8 @@ def write_docs_parquet(c: Corpus, path: Path) -> None:
 
     path.mkdir(parents=True)
     pq.write_table(pa.table({"idx": pa.array(range(len(c)), pa.int64()), "id": c.ids, "text": c.texts,
-                             "source": ["bench"] * len(c)}), path / "part-0.parquet")
+                             "source": ["bench"] * len(c)}), path / "part-0.parquet",
+                   row_group_size=2048)  # as pipelines.data.ingest writes docs.parquet
 
 
 def run_ours(spark, c: Corpus, work: Path, **overrides) -> tuple[np.ndarray, np.ndarray, dict]:

@@ -81,8 +81,13 @@ class DedupCfg(_Section):
         "similarity graph (every removed doc has a kept doc with J ≥ threshold), 'min_idx' = the earliest doc, "
         "'longest' = the longest text (ties: earliest).")
     cover_max_cluster: int = Field(
-        256, ge=2, description="Components up to this size get an all-pairs greedy cover on one executor; "
-        "larger ones keep every verified star centre (distributed, still a cover).")
+        256, ge=2, description="Connected components of candidate edges up to this size are verified and "
+        "resolved whole in one Python pass (all-pairs exact Jaccard, greedy cover); larger ones are verified "
+        "in Spark joins and keep every verified star centre (distributed, still a cover).")
+    cc_single_task_max_edges: int = Field(
+        5_000_000, ge=0, description="Candidate graphs up to this many edges get their connected components in "
+        "one executor task (scipy, ≈ 50 B per edge); larger ones run large-star/small-star rounds across the "
+        "cluster. 0 = always distributed.")
 
     @model_validator(mode="after")
     def _bands_rows(self) -> "DedupCfg":
@@ -218,10 +223,65 @@ class ModelCfg(_Section):
         return self
 
 
+class ParallelCfg(_Section):
+    """How the world (launcher nodes × processes per node) is split, torchtitan-style.
+
+    ``dp_replicate × dp_shard × tp × pp × cp`` must equal the world size; one of the two DP axes may
+    be -1 (= whatever the others leave). dp_shard > 1 is FSDP2 (``fully_shard``), dp_replicate > 1
+    alone is DDP, both is HSDP. Pipeline and context parallelism are not implemented: pp and cp must
+    be 1."""
+
+    dp_replicate: int = Field(-1, description="Replicated data-parallel degree (DDP); -1 = the rest.")
+    dp_shard: int = Field(1, description="Sharded data-parallel degree (FSDP2); -1 = the rest.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (DTensor, attention heads and MLP).")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel degree (not implemented: 1).")
+    cp: int = Field(1, ge=1, description="Context-parallel degree (not implemented: 1).")
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+
+    @model_validator(mode="after")
+    def _axes(self) -> "ParallelCfg":
+        if self.dp_shard == -1 and "dp_replicate" not in self.model_fields_set:
+            self.__dict__["dp_replicate"] = 1  # "shard over the rest": FSDP, not HSDP
+        for name in ("dp_replicate", "dp_shard"):
+            v = getattr(self, name)
+            if v == 0 or v < -1:
+                raise ValueError(f"parallel.{name}={v}: use a positive degree or -1 (the rest of the world)")
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            raise ValueError("parallel.dp_replicate and parallel.dp_shard are both -1: at most one may take the rest")
+        if self.pp != 1:
+            raise ValueError(f"parallel.pp={self.pp}: pipeline parallelism is not implemented; set parallel.pp=1 "
+                             "(shard with parallel.dp_shard / parallel.tp instead)")
+        if self.cp != 1:
+            raise ValueError(f"parallel.cp={self.cp}: context parallelism is not implemented; set parallel.cp=1")
+        return self
+
+    def resolve(self, world: int) -> dict[str, int]:
+        """Concrete degrees for a world size; raises ValueError saying what does not add up."""
+        fixed = self.tp * self.pp * self.cp
+        rep, shard = self.dp_replicate, self.dp_shard
+        if rep == -1 or shard == -1:
+            known = shard if rep == -1 else rep
+            if world % (fixed * known):
+                raise ValueError(f"world size {world} is not divisible by tp×pp×cp×{'dp_shard' if rep == -1 else 'dp_replicate'}"
+                                 f" = {fixed * known}")
+            rest = world // (fixed * known)
+            rep, shard = (rest, shard) if rep == -1 else (rep, rest)
+        if rep * shard * fixed != world:
+            raise ValueError(f"parallel degrees dp_replicate×dp_shard×tp×pp×cp = {rep}×{shard}×{self.tp}×{self.pp}×"
+                             f"{self.cp} = {rep * shard * fixed} but the launcher gives world size {world} "
+                             "(nnodes × nproc_per_node); make them equal")
+        return {"dp_replicate": rep, "dp_shard": shard, "tp": self.tp, "pp": self.pp, "cp": self.cp,
+                "dp": rep * shard}
+
+
 class TrainCfg(_Section):
     steps: int = Field(200, ge=1)
     micro_batch: int = Field(8, ge=1, description="Sequences per rank per micro step.")
     grad_accum: int = Field(1, ge=1)
+    global_batch: Optional[int] = Field(
+        None, ge=1, description="Sequences per optimizer step; when set it must equal micro_batch × grad_accum × "
+        "DP degree (checked), else it is derived from them.")
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = Field(20, ge=0)
@@ -234,7 +294,8 @@ class TrainCfg(_Section):
 
 
 class LauncherCfg(_Section):
-    kind: Literal["local"] = "local"
+    kind: Literal["local", "kubernetes"] = Field(
+        "local", description="'local': torchrun subprocesses here; 'kubernetes': a Kubeflow PyTorchJob.")
     nproc_per_node: int = Field(2, ge=1)
     nnodes: int = Field(1, ge=1)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -286,7 +347,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "dedup": ("data.dedup",),
     "filter": ("data.filters",),
     "tokenize": ("tokenizer", "run.seed"),
-    "train": ("model", "train", "launcher", "run.seed"),
+    "train": ("model", "train", "parallel", "launcher", "run.seed"),
     "promote": ("checkpoint",),
     "eval": ("eval", "model"),
     "register": ("registry",),
@@ -299,19 +360,39 @@ class JobSpec(_Section):
     tokenizer: TokenizerCfg = Field(default_factory=TokenizerCfg)
     model: ModelCfg = Field(default_factory=ModelCfg)
     train: TrainCfg = Field(default_factory=TrainCfg)
+    parallel: ParallelCfg = Field(default_factory=ParallelCfg)
     launcher: LauncherCfg = Field(default_factory=LauncherCfg)
     checkpoint: TiersCfg = Field(default_factory=TiersCfg)
     eval: EvalCfg = Field(default_factory=EvalCfg)
     registry: RegistryCfg = Field(default_factory=RegistryCfg)
     services: ServicesCfg = Field(default_factory=ServicesCfg)
 
+    @model_validator(mode="after")
+    def _world(self) -> "JobSpec":
+        try:
+            deg = self.parallel.resolve(self.world_size)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        t = self.train
+        if t.global_batch is not None and t.micro_batch * t.grad_accum * deg["dp"] != t.global_batch:
+            raise ValueError(
+                f"train.global_batch={t.global_batch} but train.micro_batch × train.grad_accum × DP = "
+                f"{t.micro_batch} × {t.grad_accum} × {deg['dp']} = {t.micro_batch * t.grad_accum * deg['dp']}; "
+                "change one of them (DP = parallel.dp_replicate × parallel.dp_shard)")
+        return self
+
     @property
     def world_size(self) -> int:
         return self.launcher.nproc_per_node * self.launcher.nnodes
 
     @property
+    def degrees(self) -> dict[str, int]:
+        """Resolved parallel degrees (dp_replicate, dp_shard, tp, pp, cp, dp)."""
+        return self.parallel.resolve(self.world_size)
+
+    @property
     def global_batch(self) -> int:
-        return self.train.micro_batch * self.train.grad_accum * self.world_size
+        return self.train.micro_batch * self.train.grad_accum * self.degrees["dp"]
 
     def _get(self, dotted: str) -> Any:
         obj: Any = self
@@ -389,8 +470,9 @@ def load_spec(
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            lines.append(f"  {loc}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""))
+            loc = ".".join(str(x) for x in err["loc"]) or "spec"
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""))
         where = f" in {path}" if path else ""
         raise SpecError(f"invalid job spec{where}:\n" + "\n".join(lines)) from None
 

@@ -1,4 +1,5 @@
 """Dedup and filter stages on a real Spark (local[2]); one session for the module."""
+import json
 import random
 
 import pyarrow.dataset as ds
@@ -6,7 +7,7 @@ import pytest
 
 from pipelines.data import dedup, filters, ingest
 from pipelines.data.minhash import jaccard, shingles
-from pipelines.data.spark import connected_components
+from pipelines.data.spark import components_single_task, connected_components
 from pipelines.spec import load_spec
 
 from conftest import BUNDLED, SHARED, c4_docs, write_jsonl
@@ -77,6 +78,9 @@ def test_connected_components_on_a_long_chain_is_one_component(spark):
     assert {got[i] for i in range(201)} == {0}
     assert {got[i] for i in range(1000, 1006)} == {1000}
     assert len(got) == 207 and rounds < 30
+    # the one-task path (small graphs) labels every node the same way
+    one = {r["node"]: r["root"] for r in components_single_task(edges.repartition(3)).collect()}
+    assert one == got
 
 
 def test_cli_interface_preserves_ids(home, spark, corpus, capsys):
@@ -149,13 +153,20 @@ def chain(corpus):
     return docs, {"a": sa, "b": sb, "c": sc}
 
 
-@pytest.mark.parametrize("keeper,cover_max", [("min_idx", 256), ("cover", 256), ("cover", 2), ("longest", 256)])
-def test_keeper_policies_on_a_transitive_chain(home, spark, chain, keeper, cover_max):
+@pytest.mark.parametrize("keeper,cover_max,cc_one_task", [
+    ("min_idx", 256, 10**6), ("cover", 256, 10**6), ("cover", 256, 0), ("cover", 2, 10**6), ("cover", 2, 0),
+    ("longest", 256, 10**6)])
+def test_keeper_policies_on_a_transitive_chain(home, spark, chain, keeper, cover_max, cc_one_task):
+    """cover_max 2: the chain's component takes the distributed path (Spark verification, joins);
+    cc_one_task 0: connected components by large-star/small-star rounds instead of one task."""
     docs, sh = chain
     src = write_jsonl(home / "chain.jsonl", docs)
     spec = load_spec(None, [f"data.inputs=[{src}]", f"data.dedup.keeper={keeper}",
-                            f"data.dedup.cover_max_cluster={cover_max}"], env={})
+                            f"data.dedup.cover_max_cluster={cover_max}",
+                            f"data.dedup.cc_single_task_max_edges={cc_one_task}"], env={})
     m = dedup.run(spec, ingest.run(spec), spark=spark)
+    st = json.loads(m.output("stats").read_text())
+    assert st["cc_mode"] == ("single_task" if cc_one_task else "large_star_small_star")
     cl, removed = _table(m.output("clusters")), _table(m.output("removed"))
     assert {cl[k]["component"] for k in "abc"} == {cl["a"]["idx"]} and cl["a"]["component_size"] == 3
     assert m.counts["kept"] + m.counts["removed"] == len(docs)

@@ -80,6 +80,36 @@ def test_batch_shingle_hashes_equal_per_doc_and_per_shingle_string():
     assert np.array_equal(x, x2) and np.array_equal(off, off2)
 
 
+def _raw_texts() -> list[str]:
+    import gzip
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with gzip.open(root / "data" / "sample" / "cc_wet_2019_30_sample.jsonl.gz", "rt", encoding="utf-8") as fh:
+        cc = [json.loads(line).get("text") or "" for line in fh][:150]  # many languages and scripts
+    edge = ["", "   ", "a", "¡Hola!", "x\ud800y z", "Ｆｕｌｌ　ｗｉｄｔｈ — dash…", "İstanbul ǅ ß ﬁ", "a\u2028b\x1cc d",
+            "tab\tsep\u00a0nbsp\u3000ideo", "emoji 🙂 stays 🙂 a word"]
+    return TEXTS + edge + cc
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_fused_raw_text_path_equals_normalise_then_hash(n):
+    """The compiled path (raw text → shingle hashes, no normalised strings) gives exactly the hashes of
+    normalize + shingle_hash_batch, word counts, and exact keys that match equality of normalised text."""
+    pytest.importorskip("numba")
+    texts = _raw_texts()
+    norms = [mh.normalize(t) for t in texts]
+    x0, off0 = mh.shingle_hash_batch(norms, n)
+    x1, off1, words, exact = mh.shingle_hash_texts(texts, n)
+    assert np.array_equal(off0, off1) and np.array_equal(x0, x1)
+    assert words.tolist() == [len(t.split(" ")) if t else 0 for t in norms]
+    assert [int(v) for v in exact[:40].view(np.uint64)] == [mh._exact_ref(t) for t in norms[:40]]
+    same_text = {(i, j) for i in range(len(norms)) for j in range(len(norms)) if norms[i] == norms[j]}
+    same_key = {(i, j) for i in range(len(norms)) for j in range(len(norms)) if exact[i] == exact[j]}
+    assert same_text == same_key and len(same_text) > len(norms)  # TEXTS has two docs that normalise equal
+
+
 @pytest.mark.parametrize("engine", ["numpy", "numba"])
 def test_batch_signatures_equal_the_exact_reference(engine):
     if engine == "numba":

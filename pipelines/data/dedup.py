@@ -1,22 +1,26 @@
-"""Near-duplicate removal on Spark: MinHash → LSH bands → star edges → connected components.
+"""Near-duplicate removal on Spark: MinHash → LSH bands → star edges → connected components → keepers.
 
 Pipeline (all on executors; the driver only plans and counts):
 
 1. ``mapInArrow`` over the docs: normalise, word n-gram shingles, 64-bit-safe MinHash signature,
-   one 64-bit key per band (``pipelines.data.minhash``), plus one exact key (hash of the whole
-   normalised text). Docs too short to shingle get only the exact key: they can be exact
+   one 64-bit key per band (``pipelines.data.minhash``), plus the *exact band*: a hash of the whole
+   normalised text. Docs too short to shingle get only the exact key: they can be exact
    duplicates but are never near-duplicate candidates.
 2. ``groupBy(band, key)``: every bucket with ≥ 2 docs becomes a *star*: each member → the
-   bucket's smallest ``idx``. Edges are deduplicated; no all-pairs expansion.
-   With ``dedup.verify`` (default on) each LSH-only candidate edge is kept only if the exact
-   Jaccard of the two shingle-hash sets is ≥ ``threshold`` (``array_intersect`` in Spark, no Python
-   UDF); the manifest counts ``candidate_edges``, ``verified_edges``, ``rejected_edges``.
-3. Connected components on Spark (large-star / small-star, ``pipelines.data.spark``).
-4. Keeper policy (``dedup.keeper``), per connected component:
-   ``cover`` (default): a greedy dominating set of the component's similarity graph (all pairs
-   compared on exact Jaccard — whatever ``verify`` says — for components up to
-   ``cover_max_cluster`` docs, one Python pass per partition; above that every star centre is kept), so every removed doc has a kept doc with J ≥ threshold, which is
-   its ``dup_of``; ``min_idx``: the earliest doc; ``longest``: the longest text (ties: earliest).
+   bucket's smallest ``idx``; edges are deduplicated in one aggregation, no all-pairs expansion.
+3. Connected components of the candidate graph: in one executor task (scipy) while it has at most
+   ``cc_single_task_max_edges`` edges, else large-star / small-star rounds (``pipelines.data.spark``).
+4. Per component of up to ``cover_max_cluster`` docs, one Python pass per partition
+   (``pipelines.data.keepers``): the star edges are rebuilt from the members' keys, every pair's
+   exact Jaccard is computed on the shingle-hash sets, and with ``dedup.verify`` (default on) an
+   LSH-only edge stays only if its J ≥ ``threshold``; the manifest counts ``candidate_edges``,
+   ``verified_edges``, ``rejected_edges``. The verified edges give the *duplicate components*, and
+   the keeper policy (``dedup.keeper``) runs on each:
+   ``cover`` (default): a greedy dominating set of the component's similarity graph (all pairs on
+   exact J), so every removed doc has a kept doc with J ≥ threshold, which is its ``dup_of``;
+   ``min_idx``: the earliest doc; ``longest``: the longest text (ties: earliest).
+   Larger components stay distributed: their edges are verified in Spark (batched in Arrow, no
+   per-row UDF), components run again on the verified edges, and ``cover`` keeps every star centre.
 
 Outputs under the stage directory (parquet dirs, part files renamed ``part-NNNNN.parquet``):
 
@@ -31,7 +35,8 @@ Outputs under the stage directory (parquet dirs, part files renamed ``part-NNNNN
 Skew: a bucket with millions of members costs an aggregation (its minimum, combined map-side) and a
 join against one row per bucket, so it streams through one task without buffering its members;
 adaptive query execution splits skewed join partitions. Only components up to
-``cover_max_cluster`` docs are ever gathered in one place.
+``cover_max_cluster`` docs, and candidate graphs up to ``cc_single_task_max_edges`` edges (node ids
+only), are ever gathered in one task.
 
 Run standalone: ``python -m pipelines.data.dedup --input IN.jsonl --output DIR`` (ingests the JSONL
 first under ``run.root``, so malformed lines are quarantined, not lost), or under spark-submit:
@@ -46,6 +51,7 @@ from pathlib import Path
 
 from pipelines.cli import run_and_log, stage_parser
 from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, write_report
+from pipelines.data.keepers import hash_set_column, list_flat, pair_jaccard, resolve_partition
 from pipelines.spec import DedupCfg, JobSpec, resolve_path, spec_from_args
 
 
@@ -65,162 +71,96 @@ def effective_bands_rows(cfg: DedupCfg) -> tuple[int, int]:
     return b, r
 
 
-EXACT_BAND = -1
-SIG_SCHEMA = "idx long, id string, len int, exact long, keys array<long>, sh array<int>"
+SIG_SCHEMA = "idx long, id string, len int, keys array<long>, sh binary"
 
 
 def _signature_fn(ngram: int, num_perm: int, seed: int, bands: int, rows: int):
-    """mapInArrow body: (idx, id, text) batches → one row per doc: (idx, id, len, exact, keys, sh).
+    """mapInArrow body: (idx, id, text) batches → one row per doc: (idx, id, len, keys, sh).
 
-    ``exact``: a 64-bit hash of the whole normalised text (exact duplicates meet on it, even docs
-    too short to shingle); ``keys``: the b LSH band keys (null when the doc has no shingles);
-    ``sh``: the distinct 32-bit shingle hashes (as int32), for exact-Jaccard verification;
-    ``len``: the raw text's length (the ``longest`` keeper policy).
-    Docs whose normalised text is empty emit nothing.
+    ``keys[0]``: a 64-bit hash of the whole normalised text (the *exact band*: exact duplicates meet
+    on it, even docs too short to shingle); ``keys[1:]``: the b LSH band keys (absent when the doc
+    has no shingles); ``sh``: the distinct 32-bit shingle hashes (``keepers.hash_set_column``, null
+    without shingles) for exact Jaccard; ``len``: the raw text's length (the ``longest`` keeper policy). A doc whose
+    normalised text is empty gets null ``keys``: it is never a duplicate of anything.
     """
     def fn(batches):
-        import hashlib
-
         import numpy as np
         import pyarrow as pa
 
-        from pipelines.data.minhash import band_keys_batch, normalize, permutations, shingle_hash_batch, signatures_flat
+        from pipelines.data.minhash import band_keys_batch, permutations, shingle_hash_texts, signatures_flat
 
         a, b = permutations(num_perm, seed)
         for rb in batches:
-            idxs = rb.column(0).to_numpy(zero_copy_only=False)
-            raw = rb.column(2).to_pylist()
-            norms = [normalize(t or "") for t in raw]
-            live = np.flatnonzero([bool(t) for t in norms])
-            if not live.size:
-                continue
-            norms = [norms[k] for k in live]
-            exact = [int.from_bytes(hashlib.sha1(t.encode()).digest()[:8], "little", signed=True) for t in norms]
-            x, s_off = shingle_hash_batch(norms, ngram)
-            sizes = np.diff(s_off)
-            has = sizes > 0
+            raw = [t or "" for t in rb.column(2).to_pylist()]
+            nd = len(raw)
+            x, s_off, n_words, exact = shingle_hash_texts(raw, ngram)
+            empty = n_words == 0
+            has = np.diff(s_off) > 0
             sig = signatures_flat(x, np.concatenate((s_off[:-1][has], s_off[-1:])), a, b)
-            keys = band_keys_batch(sig, bands, rows)
-            null = pa.array(~has)
-            k_off = np.zeros(len(norms) + 1, dtype=np.int32)
-            np.cumsum(np.where(has, bands, 0), out=k_off[1:])
+            bk = band_keys_batch(sig, bands, rows)
+            width = np.where(has, bands + 1, 1)
+            width[empty] = 0
+            k_off = np.zeros(nd + 1, dtype=np.int32)
+            np.cumsum(width, out=k_off[1:])
+            flat = np.empty(int(k_off[-1]), dtype=np.int64)
+            flat[k_off[:-1][~empty]] = exact[~empty]
+            rows_with = np.flatnonzero(has)
+            if rows_with.size:  # band keys right after each shingled doc's exact key
+                pos = (k_off[rows_with] + 1)[:, None] + np.arange(bands)[None, :]
+                flat[pos.reshape(-1)] = bk.reshape(-1)
             yield pa.RecordBatch.from_arrays(
-                [pa.array(idxs[live], pa.int64()), rb.column(1).take(pa.array(live)),
-                 pa.array([len(raw[k] or "") for k in live], pa.int32()), pa.array(exact, pa.int64()),
-                 pa.ListArray.from_arrays(pa.array(k_off), pa.array(keys.reshape(-1)), mask=null),
-                 pa.ListArray.from_arrays(pa.array(s_off.astype(np.int32)),
-                                          pa.array(x.astype(np.uint32).view(np.int32)), mask=null)],
-                names=["idx", "id", "len", "exact", "keys", "sh"])
+                [rb.column(0), rb.column(1), pa.array([len(t) for t in raw], pa.int32()),
+                 pa.ListArray.from_arrays(pa.array(k_off), pa.array(flat), mask=pa.array(empty)),
+                 hash_set_column(x, s_off, has)],
+                names=["idx", "id", "len", "keys", "sh"])
     return fn
 
 
-def _star_edges(bk):
-    """Each bucket (band, key) with ≥ 2 members → edges member → bucket minimum (repeats across
-    bands are left in: the caller deduplicates all stars in one aggregation)."""
+def _star_edges(sig):
+    """Candidate edges: every bucket (band, key) with ≥ 2 members → a star, each member → the
+    bucket's smallest idx. Band 0 is the exact-text band; an edge found there has ``x`` = 1.
+    Repeats across bands are merged in one aggregation. A bucket with millions of members costs an
+    aggregation (its minimum, combined map-side) and a join against one row per bucket: it streams
+    through a task without its members ever being gathered."""
     from pyspark.sql import functions as F
 
+    bk = sig.where(F.col("keys").isNotNull()).select("idx", F.posexplode("keys").alias("band", "key"))
     roots = (bk.groupBy("band", "key").agg(F.min("idx").alias("root"), F.count("*").alias("n"))
              .where(F.col("n") > 1).select("band", "key", "root"))
     return (bk.join(roots, ["band", "key"]).where(F.col("idx") != F.col("root"))
-            .select(F.col("idx").alias("src"), F.col("root").alias("dst")))
-
-
-def jaccard_matrix(exact, shs):
-    """All-pairs exact Jaccard of one component's members (identical normalised text: 1.0)."""
-    import numpy as np
-
-    n = len(exact)
-    jm = np.eye(n)
-    for i in range(n):
-        for j in range(i + 1, n):
-            if exact[i] == exact[j]:
-                jac = 1.0
-            elif shs[i] is None or shs[j] is None:
-                jac = 0.0
-            else:
-                inter = np.intersect1d(shs[i], shs[j], assume_unique=True).size
-                jac = inter / (shs[i].size + shs[j].size - inter)
-            jm[i, j] = jm[j, i] = jac
-    return jm
-
-
-def greedy_cover(jm, threshold: float):
-    """Positions of the keeper of each member: a greedy dominating set of the graph J ≥ threshold.
-
-    Greedy: keep the member whose closed neighbourhood covers the most still-uncovered members (ties:
-    the earliest position); at the end every removed member goes to the kept neighbour it is most
-    similar to. Every removed doc thus has a kept doc with J ≥ threshold.
-    """
-    import numpy as np
-
-    adj = jm >= threshold
-    np.fill_diagonal(adj, True)
-    n = adj.shape[0]
-    kept = np.zeros(n, dtype=bool)
-    uncovered = np.ones(n, dtype=bool)
-    while uncovered.any():
-        k = int(np.argmax((adj & uncovered[None, :]).sum(axis=1)))  # first maximum = earliest
-        kept[k] = True
-        uncovered &= ~adj[k]
-    keeper = np.arange(n)
-    for m in np.flatnonzero(~kept):
-        cands = np.flatnonzero(kept & adj[m])
-        keeper[m] = cands[np.argmax(jm[m, cands])]
-    return keeper
-
-
-def choose_keepers(policy: str, threshold: float, idx, lens, exact, shs):
-    """One component (members sorted by idx) → (keeper position, Jaccard to it) for each member."""
-    import numpy as np
-
-    jm = jaccard_matrix(exact, shs)
-    if policy == "cover":
-        keeper = greedy_cover(jm, threshold)
-    elif policy == "longest":
-        keeper = np.full(len(idx), int(np.lexsort((idx, -np.asarray(lens)))[0]))
-    else:  # min_idx
-        keeper = np.zeros(len(idx), dtype=np.int64)
-    return keeper, jm[np.arange(len(idx)), keeper]
+            .groupBy(F.col("idx").alias("src"), F.col("root").alias("dst"))
+            .agg(F.max((F.col("band") == 0).cast("int")).alias("x")))
 
 
 ASSIGN_SCHEMA = ("idx long, component long, component_size long, cluster long, cluster_size long, "
-                 "dup_of_id string, jaccard double, exact_dup boolean")
+                 "dup_of_id string, jaccard double, exact_dup boolean, n_cand long, n_verified long, n_exact long")
 
 
-def _assign_fn(policy: str, threshold: float):
-    """mapInArrow body over members (component, component_size, idx, id, len, exact, sh) partitioned
-    and sorted by (component, idx): :func:`choose_keepers` per component, plus cluster sizes and the
-    keeper's id. One Python call per partition, not per component; a component that straddles two
-    Arrow batches is carried over to the next."""
+def _assign_fn(policy: str, threshold: float, verify: bool):
+    """mapInArrow body over members (cc, idx, id, len, keys, sh) partitioned and sorted by (cc, idx):
+    ``keepers.resolve_partition`` over the connected components of candidate edges, plus cluster sizes and
+    the keeper's id. One Python call per partition, not per component; a component that straddles
+    two Arrow batches is carried over to the next."""
     def fn(batches):
         import numpy as np
         import pyarrow as pa
 
+        schema = _arrow_schema(ASSIGN_SCHEMA)
+
         def emit(t):
-            comp = t.column("component").to_numpy()
+            cc = t.column("cc").to_numpy()
             idx = t.column("idx").to_numpy()
-            ids = t.column("id").to_pylist()
             lens = t.column("len").to_numpy()
-            exact = t.column("exact").to_numpy()
-            sh = t.column("sh").to_pylist()
-            starts = np.flatnonzero(np.r_[True, comp[1:] != comp[:-1]])
-            ends = np.r_[starts[1:], len(comp)]
-            keep = np.empty(len(comp), dtype=np.int64)
-            jac = np.empty(len(comp))
-            csize = np.empty(len(comp), dtype=np.int64)
-            for a, e in zip(starts, ends):
-                shs = [None if x is None else np.asarray(x, dtype=np.int32) for x in sh[a:e]]
-                k, j = choose_keepers(policy, threshold, idx[a:e], lens[a:e], exact[a:e], shs)
-                keep[a:e] = k + a
-                jac[a:e] = j
-                csize[a:e] = np.bincount(k, minlength=e - a)[k]
+            keys_col = t.column("keys").combine_chunks()
+            comp, csize, keep, jac, nc, nv, nx = resolve_partition(
+                cc, idx, lens, keys_col, t.column("sh").combine_chunks(), policy, threshold, verify)
+            clsize = np.bincount(keep, minlength=len(cc))[keep]
+            k_off, k_val, _ = list_flat(keys_col, np.int64)
+            exact = k_val[k_off[:-1]]
             return pa.RecordBatch.from_arrays(
-                [pa.array(idx), pa.array(comp), t.column("component_size").combine_chunks(),
-                 pa.array(idx[keep]), pa.array(csize), pa.array([ids[k] for k in keep], pa.string()),
-                 pa.array(jac), pa.array(exact == exact[keep])], schema=pa.schema([
-                    ("idx", pa.int64()), ("component", pa.int64()), ("component_size", pa.int64()),
-                    ("cluster", pa.int64()), ("cluster_size", pa.int64()), ("dup_of_id", pa.string()),
-                    ("jaccard", pa.float64()), ("exact_dup", pa.bool_())]))
+                [pa.array(idx), pa.array(idx[comp]), pa.array(csize), pa.array(idx[keep]), pa.array(clsize),
+                 t.column("id").combine_chunks().take(pa.array(keep)), pa.array(jac), pa.array(exact == exact[keep]),
+                 pa.array(nc), pa.array(nv), pa.array(nx)], schema=schema)
 
         carry = None
         for rb in batches:
@@ -229,8 +169,8 @@ def _assign_fn(policy: str, threshold: float):
                 t = pa.concat_tables([carry, t])
             if t.num_rows == 0:
                 continue
-            comp = t.column("component").to_numpy()
-            last = int(np.flatnonzero(comp == comp[-1])[0])  # the last component may go on in the next batch
+            cc = t.column("cc").to_numpy()
+            last = int(np.flatnonzero(cc == cc[-1])[0])  # the last component may go on in the next batch
             carry = t.slice(last)
             if last:
                 yield emit(t.slice(0, last))
@@ -239,30 +179,73 @@ def _assign_fn(policy: str, threshold: float):
     return fn
 
 
-def _assign(members, sig, edges, cfg: DedupCfg):
-    """Keeper of every member: (idx, component, component_size, cluster, cluster_size, dup_of_id,
-    jaccard, exact_dup). Components up to ``cover_max_cluster`` docs go, whole, through one Python
-    pass per partition (:func:`choose_keepers`); larger ones stay in joins and aggregations, so no
-    giant component ever sits on one task: ``cover`` keeps every verified star centre and removes
-    each other member next to its most similar centre, ``min_idx`` keeps the component's root,
-    ``longest`` its longest text. There ``jaccard`` comes from the verified edge to the keeper (null
-    when the keeper is not a direct neighbour, possible only with min_idx/longest)."""
+def _arrow_schema(ddl: str):
+    import pyarrow as pa
+
+    types = {"long": pa.int64(), "string": pa.string(), "double": pa.float64(), "boolean": pa.bool_()}
+    return pa.schema([(n, types[t]) for n, t in (f.split() for f in ddl.split(", "))])
+
+
+def _small_assign(members, sig, cfg: DedupCfg):
+    """Components up to ``cover_max_cluster`` docs: each goes whole through one compiled pass per
+    partition (``pipelines.data.keepers.resolve_partition``)."""
+    return (members.join(sig.select("idx", "id", "len", "keys", "sh"), "idx")
+            .repartition(cfg.partitions, "cc").sortWithinPartitions("cc", "idx")
+            .select("cc", "idx", "id", "len", "keys", "sh")
+            .mapInArrow(_assign_fn(cfg.keeper, cfg.threshold, cfg.verify), ASSIGN_SCHEMA))
+
+
+def _pair_jaccard_fn(batches):
+    """mapInArrow body: (src, dst, x, a, b) → (src, dst, x, j), j the exact Jaccard of sets a and b."""
+    import pyarrow as pa
+
+    for rb in batches:
+        yield pa.RecordBatch.from_arrays([rb.column(0), rb.column(1), rb.column(2),
+                                          pa.array(pair_jaccard(rb.column(3), rb.column(4)))],
+                                         names=["src", "dst", "x", "j"])
+
+
+def _big_assign(members, sig, cand, cfg: DedupCfg, cc_local_max: int):
+    """Components above ``cover_max_cluster`` docs stay in joins and aggregations, so no giant
+    component ever sits on one task: their candidate edges are verified in Spark (the shingle-hash
+    sets of both ends joined to each edge, ``keepers.pair_jaccard`` per Arrow batch), connected components run again on the verified edges, and ``cover``
+    keeps every verified star centre and removes each other member next to its most similar centre,
+    ``min_idx`` keeps the component's root, ``longest`` its longest text. ``jaccard`` comes from
+    the verified edge to the keeper (null when the keeper is not a direct neighbour, possible only
+    with min_idx/longest). Returns (assignments, edge counts)."""
+    from pyspark import StorageLevel
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    w = Window.partitionBy("component")
-    m = (members.join(sig.select("idx", "id", "len", "exact", "sh"), "idx")
-         .withColumn("component_size", F.count("*").over(w)))
-    small = (m.where(F.col("component_size") <= cfg.cover_max_cluster)
-             .repartition("component").sortWithinPartitions("component", "idx")
-             .select("component", "component_size", "idx", "id", "len", "exact", "sh")
-             .mapInArrow(_assign_fn(cfg.keeper, cfg.threshold), ASSIGN_SCHEMA))
-    big = m.where(F.col("component_size") > cfg.cover_max_cluster).select("idx", "component", "component_size",
-                                                                          "len")
+    from pipelines.data.spark import components_single_task, connected_components
+
+    nodes = members.select(F.col("idx").alias("src"))
+    e = cand.join(nodes, "src")  # both ends of an edge lie in the same component
+    if cfg.verify:
+        shs = sig.where(F.col("sh").isNotNull()).select("idx", "sh")
+        near = (e.where(F.col("x") == 0)
+                .join(shs.select(F.col("idx").alias("src"), F.col("sh").alias("a")), "src")
+                .join(shs.select(F.col("idx").alias("dst"), F.col("sh").alias("b")), "dst")
+                .select("src", "dst", "x", "a", "b")
+                .mapInArrow(_pair_jaccard_fn, "src long, dst long, x int, j double"))
+        e = e.where(F.col("x") == 1).withColumn("j", F.lit(1.0)).unionByName(near)
+    else:
+        e = e.withColumn("j", F.when(F.col("x") == 1, F.lit(1.0)))
+    e = e.persist(StorageLevel.MEMORY_AND_DISK)
+    c = e.agg(F.count(F.when(F.col("x") == 0, 1)).alias("cand"),
+              F.count(F.when((F.col("x") == 0) & (F.col("j") >= cfg.threshold), 1)).alias("ok"),
+              F.count(F.when(F.col("x") == 1, 1)).alias("x")).first()
+    counts = {"cand": int(c["cand"]), "ver": int(c["ok"]) if cfg.verify else int(c["cand"]), "exact": int(c["x"])}
+    edges = e.where((F.col("x") == 1) | (F.col("j") >= cfg.threshold)) if cfg.verify else e
+    n_edges = counts["exact"] + counts["ver"]
+    comps = (components_single_task(edges) if n_edges <= cc_local_max
+             else connected_components(edges.select("src", "dst"))[0])
+    big = (comps.select(F.col("node").alias("idx"), F.col("root").alias("component"))
+           .join(sig.select("idx", "len"), "idx")
+           .withColumn("component_size", F.count("*").over(Window.partitionBy("component"))))
     if cfg.keeper == "cover":
-        centres = edges.select(F.col("dst").alias("idx")).distinct().join(big.select("idx"), "idx")
-        leaves = (edges.join(big.select(F.col("idx").alias("src")), "src")
-                  .join(centres.select(F.col("idx").alias("src")), "src", "left_anti")
+        centres = edges.select(F.col("dst").alias("idx")).distinct()
+        leaves = (edges.join(centres.select(F.col("idx").alias("src")), "src", "left_anti")
                   .groupBy("src").agg(F.max(F.struct(F.coalesce("j", F.lit(0.0)).alias("j"),
                                                      (-F.col("dst")).alias("nd"))).alias("b"))
                   .select(F.col("src").alias("idx"), (-F.col("b.nd")).alias("cluster")))
@@ -272,18 +255,19 @@ def _assign(members, sig, edges, cfg: DedupCfg):
         pick = big.join(best, "component").select("idx", (-F.col("b.nidx")).alias("cluster"))
     else:
         pick = big.select("idx", F.col("component").alias("cluster"))
-    e = edges.select(F.col("src").alias("hi"), F.col("dst").alias("lo"), "j")
-    big_assign = (big.join(pick, "idx")
-                  .withColumn("cluster_size", F.count("*").over(Window.partitionBy("cluster")))
-                  .join(sig.select(F.col("idx").alias("cluster"), F.col("id").alias("dup_of_id"),
-                                   F.col("exact").alias("k_exact")), "cluster")
-                  .join(sig.select("idx", "exact"), "idx")
-                  .join(e, (F.greatest("idx", "cluster") == F.col("hi")) & (F.least("idx", "cluster") == F.col("lo")),
-                        "left")
-                  .select("idx", "component", "component_size", "cluster", "cluster_size", "dup_of_id",
-                          F.when(F.col("idx") == F.col("cluster"), F.lit(1.0)).otherwise(F.col("j")).alias("jaccard"),
-                          (F.col("exact") == F.col("k_exact")).alias("exact_dup")))
-    return small.unionByName(big_assign)
+    ex = sig.select("idx", F.col("keys")[0].alias("exact"))
+    el = edges.select(F.col("src").alias("hi"), F.col("dst").alias("lo"), "j")
+    out = (big.join(pick, "idx")
+           .withColumn("cluster_size", F.count("*").over(Window.partitionBy("cluster")))
+           .join(sig.select(F.col("idx").alias("cluster"), F.col("id").alias("dup_of_id"),
+                            F.col("keys")[0].alias("k_exact")), "cluster")
+           .join(ex, "idx")
+           .join(el, (F.greatest("idx", "cluster") == F.col("hi")) & (F.least("idx", "cluster") == F.col("lo")), "left")
+           .select("idx", "component", "component_size", "cluster", "cluster_size", "dup_of_id",
+                   F.when(F.col("idx") == F.col("cluster"), F.lit(1.0)).otherwise(F.col("j")).alias("jaccard"),
+                   (F.col("exact") == F.col("k_exact")).alias("exact_dup"),
+                   *(F.lit(0).cast("long").alias(k) for k in ("n_cand", "n_verified", "n_exact"))))
+    return out, counts, e
 
 
 def _finalize_parquet_dir(d: Path) -> None:
@@ -299,8 +283,8 @@ def _finalize_parquet_dir(d: Path) -> None:
 def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     """Run the dedup job on ``docs_path`` (parquet with idx, id, text, source); write under ``out``.
 
-    Only the docs that have a duplicate edge (the *members*) go through components, keepers and
-    Jaccard scoring; the full corpus is touched by the signature pass and the three output joins.
+    Only the docs that share a bucket with another (the *members*) go through components, keepers and
+    Jaccard scoring; the full corpus is touched by the signature pass and the output joins.
     ``stats["seconds"]`` times each phase (Spark is lazy: a phase is timed at its first action).
     """
     import time
@@ -308,7 +292,7 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
-    from pipelines.data.spark import connected_components
+    from pipelines.data.spark import components_single_task, connected_components
 
     marks: dict[str, float] = {}
     t_last = [time.perf_counter()]
@@ -320,67 +304,80 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
 
     bands, rows = effective_bands_rows(cfg)
     docs = spark.read.parquet(str(docs_path))
-    sig = (docs.select("idx", "id", "text").repartition(cfg.partitions)
-           .mapInArrow(_signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows), SIG_SCHEMA)
+    src = docs.select("idx", "id", "text")
+    if src.rdd.getNumPartitions() < spark.sparkContext.defaultParallelism:
+        src = src.repartition(cfg.partitions)  # e.g. one row group: spread it over the cores
+    sig = (src.mapInArrow(_signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows), SIG_SCHEMA)
            .persist(StorageLevel.MEMORY_AND_DISK))
-    n_shingled = sig.where(F.col("keys").isNotNull()).count()
-    n_in = docs.count()
+    c = sig.agg(F.count("*").alias("n"), F.count(F.when(F.size("keys") > 1, 1)).alias("sh")).first()
+    n_in, n_shingled = int(c["n"]), int(c["sh"])
     mark("signatures")
 
-    # Candidate edges: stars of the exact-text buckets (x = 1, J = 1 by definition) and of the LSH band
-    # buckets, deduplicated in one aggregation; only LSH-only edges need verifying.
-    exact_star = _star_edges(sig.select("idx", F.lit(EXACT_BAND).alias("band"), F.col("exact").alias("key")))
-    lsh_star = _star_edges(sig.where(F.col("keys").isNotNull())
-                           .select("idx", F.posexplode("keys").alias("band", "key")))
-    cand = (exact_star.withColumn("x", F.lit(1)).unionByName(lsh_star.withColumn("x", F.lit(0)))
-            .groupBy("src", "dst").agg(F.max("x").alias("x")))
-    if cfg.verify:
-        # Exact Jaccard of each LSH-only pair on the shingle-hash sets, natively in Spark.
-        shs = sig.where(F.col("sh").isNotNull()).select("idx", "sh")
-        near = (cand.where(F.col("x") == 0)
-                .join(shs.select(F.col("idx").alias("src"), F.col("sh").alias("a")), "src")
-                .join(shs.select(F.col("idx").alias("dst"), F.col("sh").alias("b")), "dst")
-                .withColumn("i", F.size(F.array_intersect("a", "b")))
-                .select("src", "dst", "x", (F.col("i") / (F.size("a") + F.size("b") - F.col("i"))).alias("j")))
-        scored = cand.where(F.col("x") == 1).withColumn("j", F.lit(1.0)).unionByName(near)
-    else:
-        scored = cand.withColumn("j", F.when(F.col("x") == 1, F.lit(1.0)))
-    scored = scored.persist(StorageLevel.MEMORY_AND_DISK)
-    c = scored.agg(F.count(F.when(F.col("x") == 0, 1)).alias("cand"),
-                   F.count(F.when((F.col("x") == 0) & (F.col("j") >= cfg.threshold), 1)).alias("ok"),
-                   F.sum("x").alias("x")).first()
-    n_cand, n_exact_edges = int(c["cand"]), int(c["x"] or 0)
-    n_verified = int(c["ok"]) if cfg.verify else n_cand
-    edges = (scored.where((F.col("x") == 1) | (F.col("j") >= cfg.threshold)) if cfg.verify else scored)
-    n_edges = n_exact_edges + n_verified
-    mark("candidates_verify")
+    cand = _star_edges(sig).persist(StorageLevel.MEMORY_AND_DISK)
+    n_cand_all = cand.count()
+    mark("candidates")
 
-    if n_edges:
-        comps, rounds = connected_components(edges.select("src", "dst"))
+    # Connected components of the candidate graph: in one executor task when it is small enough,
+    # else large-star/small-star rounds across the cluster. Verification comes after, per component.
+    if n_cand_all == 0:
+        comps, rounds, cc_mode = spark.createDataFrame([], "node long, root long"), 0, "none"
+    elif n_cand_all <= cfg.cc_single_task_max_edges:
+        comps, rounds, cc_mode = components_single_task(cand), 1, "single_task"
     else:
-        comps, rounds = spark.createDataFrame([], "node long, root long"), 0
-    members = comps.select(F.col("node").alias("idx"), F.col("root").alias("component"))
+        comps, rounds = connected_components(cand.select("src", "dst"))
+        cc_mode = "large_star_small_star"
+    members = comps.select(F.col("node").alias("idx"), F.col("root").alias("cc")).persist(StorageLevel.MEMORY_AND_DISK)
+    sizes = members.groupBy("cc").agg(F.count("*").alias("n"))
+    largest_cc = int(sizes.agg(F.max("n")).first()[0] or 0)
     mark("components")
 
-    assign = _assign(members, sig, edges, cfg).persist(StorageLevel.MEMORY_AND_DISK)
-    # every small aggregate in one job: removals by reason, cluster-size and component-size histograms
+    big_e = None
+    counts = {"cand": 0, "ver": 0, "exact": 0}
+    if largest_cc > cfg.cover_max_cluster:
+        sized = members.join(sizes, "cc")
+        assign = _small_assign(sized.where(F.col("n") <= cfg.cover_max_cluster).drop("n"), sig, cfg)
+        big, counts, big_e = _big_assign(sized.where(F.col("n") > cfg.cover_max_cluster).drop("n"), sig, cand, cfg,
+                                         cfg.cc_single_task_max_edges)
+        assign = assign.unionByName(big)
+    else:
+        assign = _small_assign(members, sig, cfg)
+    assign = assign.persist(StorageLevel.MEMORY_AND_DISK)
+    # every small aggregate in one scan and one shuffle: each row names the (what, k) bins it counts in
+    # (its removal reason, its cluster's and component's sizes when it is their keeper/root); the
+    # "edges" bin, one per row, sums the edge counts.
     rem_reason = F.when(F.col("exact_dup"), F.lit("exact_duplicate")).otherwise(F.lit("near_duplicate"))
-    agg = (assign.where(F.col("idx") != F.col("cluster"))
-           .groupBy(F.lit("reason").alias("what"), rem_reason.alias("k")).count()
-           .unionByName(assign.where(F.col("idx") == F.col("cluster"))
-                        .groupBy(F.lit("cluster").alias("what"), F.col("cluster_size").cast("string").alias("k")).count())
-           .unionByName(assign.where(F.col("idx") == F.col("component"))
-                        .groupBy(F.lit("component").alias("what"),
-                                 F.col("component_size").cast("string").alias("k")).count())
+
+    def tag(cond, what, k):
+        return F.when(cond, F.struct(F.lit(what).alias("what"), k.cast("string").alias("k")))
+
+    bins = F.array(tag(F.col("idx") != F.col("cluster"), "reason", rem_reason),
+                   tag((F.col("idx") == F.col("cluster")) & (F.col("cluster_size") > 1), "cluster", F.col("cluster_size")),
+                   tag((F.col("idx") == F.col("component")) & (F.col("component_size") > 1), "component",
+                       F.col("component_size")),
+                   F.struct(F.lit("edges").alias("what"), F.lit("").alias("k")))
+    agg = (assign.select(F.explode(F.filter(bins, lambda b: b.isNotNull())).alias("b"),
+                         "n_cand", "n_verified", "n_exact")
+           .groupBy("b.what", "b.k")
+           .agg(F.count("*").alias("count"), F.sum("n_cand").alias("c"), F.sum("n_verified").alias("v"),
+                F.sum("n_exact").alias("x"))
            .collect())
     by_reason = {r["k"]: int(r["count"]) for r in agg if r["what"] == "reason"}
-    hist = {int(r["k"]): int(r["count"]) for r in agg if r["what"] == "cluster" and int(r["k"]) > 1}
+    hist = {int(r["k"]): int(r["count"]) for r in agg if r["what"] == "cluster"}
     comp_hist = {int(r["k"]): int(r["count"]) for r in agg if r["what"] == "component"}
+    e_row = next((r for r in agg if r["what"] == "edges"), None)
+    tot = {"edges": int(e_row["c"] or 0), "edges_ver": int(e_row["v"] or 0),
+           "edges_exact": int(e_row["x"] or 0)} if e_row else {}
+    n_cand = tot.get("edges", 0) + counts["cand"]
+    n_verified = tot.get("edges_ver", 0) + counts["ver"]
+    n_exact_edges = tot.get("edges_exact", 0) + counts["exact"]
+    n_edges = n_exact_edges + n_verified
     mark("keepers")
 
     # Outputs keep the input's partitioning (no global sort): each part file sorted by idx.
     one = F.lit(1).cast("long")
-    (docs.select("idx", "id").join(assign.drop("dup_of_id", "jaccard", "exact_dup"), "idx", "left")
+    dup = assign.where(F.col("component_size") > 1)
+    (sig.select("idx", "id").join(dup.select("idx", "cluster", "cluster_size", "component", "component_size"),
+                                  "idx", "left")
      .select("idx", "id", F.coalesce("cluster", "idx").alias("cluster"),
              F.coalesce("cluster_size", one).alias("cluster_size"),
              F.coalesce("component", "idx").alias("component"),
@@ -396,14 +393,16 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     mark("write")
 
     n_removed = sum(by_reason.values())
-    for df in (sig, scored, assign):
-        df.unpersist()
+    for df in (sig, cand, members, assign, big_e):
+        if df is not None:
+            df.unpersist()
     stats = {
         "docs_in": n_in, "kept": n_in - n_removed, "removed": n_removed, "no_shingles": n_in - n_shingled,
         "removed_exact": by_reason.get("exact_duplicate", 0), "removed_near": by_reason.get("near_duplicate", 0),
         "candidate_edges": n_cand, "verified_edges": n_verified, "rejected_edges": n_cand - n_verified,
         "exact_edges": n_exact_edges, "edges": n_edges, "clusters_multi": sum(hist.values()),
-        "largest_cluster": max(hist) if hist else 1, "cc_rounds": rounds, "keeper": cfg.keeper,
+        "largest_cluster": max(hist) if hist else 1, "cc_rounds": rounds, "cc_mode": cc_mode,
+        "largest_candidate_component": largest_cc, "keeper": cfg.keeper,
         "components_multi": sum(comp_hist.values()), "largest_component": max(comp_hist) if comp_hist else 1,
         "bands": bands, "rows": rows, "num_perm": cfg.num_perm, "ngram": cfg.ngram, "threshold": cfg.threshold,
         "lsh_threshold": lsh_threshold(cfg), "s_curve": s_curve_report(lsh_threshold(cfg), bands, rows),

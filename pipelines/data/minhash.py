@@ -126,7 +126,7 @@ def _shingle_hash_chunk(norms: list[str], n: int) -> tuple[np.ndarray, np.ndarra
     offsets = np.zeros(nd + 1, dtype=np.int64)
     if nd == 0:
         return np.zeros(0, dtype=np.uint64), offsets
-    buf = np.frombuffer("\n".join(norms).encode("utf-8"), dtype=np.uint8)
+    buf = np.frombuffer("\n".join(norms).encode("utf-8", "surrogatepass"), dtype=np.uint8)
     seps = np.flatnonzero((buf == 32) | (buf == 10))
     starts = np.concatenate(([0], seps + 1))
     ends = np.concatenate((seps, [buf.size]))
@@ -151,6 +151,160 @@ def _shingle_hash_chunk(norms: list[str], n: int) -> tuple[np.ndarray, np.ndarra
         key = key[np.concatenate(([True], key[1:] != key[:-1]))]
     np.cumsum(np.bincount((key >> np.uint64(32)).astype(np.int64), minlength=nd), out=offsets[1:])
     return key & _MASK32, offsets
+
+
+# ---- fused path: raw texts → shingle hashes in one compiled pass (numba) -----------------------
+# Python does what needs Unicode tables (NFKC, lowercase); the kernel decodes the UTF-8, treats every
+# code point that ``normalize`` would turn into a word break (category P or ``str.isspace``) as one,
+# hashes the words exactly as ``_shingle_hash_chunk`` does, folds the n-grams and sorts/dedups per
+# doc. No normalised string is ever built: the same hashes for ≈ 1/4 of the time.
+_SEP_TABLE: np.ndarray | None = None
+
+
+def separator_table() -> np.ndarray:
+    """uint8[0x110000]: 1 where ``normalize`` breaks words (Unicode category P or whitespace)."""
+    global _SEP_TABLE
+    if _SEP_TABLE is None:
+        import sys
+
+        t = np.zeros(sys.maxunicode + 1, dtype=np.uint8)
+        for i in range(sys.maxunicode + 1):
+            c = chr(i)
+            if c.isspace() or unicodedata.category(c)[0] == "P":
+                t[i] = 1
+        _SEP_TABLE = t
+    return _SEP_TABLE
+
+
+def _fused_kernel_py(buf, doc_off, n, sep, x, x_off, n_words, exact):  # compiled by numba
+    P = np.uint64(0x100000001B3)
+    g0, g1, g2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+    s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
+    m32 = np.uint64(0xFFFFFFFF)
+    nd = doc_off.size - 1
+    w = np.empty(max(1, buf.size // 2 + 1), dtype=np.uint64)
+    cur = 0
+    for d in range(nd):
+        i, end = doc_off[d], doc_off[d + 1]
+        nw = 0
+        h = np.uint64(0)
+        pk = np.uint64(1)
+        ln = 0
+        while i <= end:  # i == end: a break after the last word
+            if i == end:
+                cp, ln_c = np.int64(32), 1
+            elif buf[i] < 0x80:
+                cp, ln_c = np.int64(buf[i]), 1
+            elif buf[i] < 0xE0:
+                cp, ln_c = (np.int64(buf[i] & 0x1F) << 6) | np.int64(buf[i + 1] & 0x3F), 2
+            elif buf[i] < 0xF0:
+                cp = ((np.int64(buf[i] & 0x0F) << 12) | (np.int64(buf[i + 1] & 0x3F) << 6)
+                      | np.int64(buf[i + 2] & 0x3F))
+                ln_c = 3
+            else:
+                cp = ((np.int64(buf[i] & 0x07) << 18) | (np.int64(buf[i + 1] & 0x3F) << 12)
+                      | (np.int64(buf[i + 2] & 0x3F) << 6) | np.int64(buf[i + 3] & 0x3F))
+                ln_c = 4
+            if sep[cp]:
+                if ln:
+                    z = (h + np.uint64(ln)) + g0
+                    z = (z ^ (z >> s30)) * g1
+                    z = (z ^ (z >> s27)) * g2
+                    w[nw] = z ^ (z >> s31)
+                    nw += 1
+                    h, pk, ln = np.uint64(0), np.uint64(1), 0
+            else:
+                for k in range(ln_c):
+                    h += (np.uint64(buf[i + k]) + np.uint64(1)) * pk
+                    pk *= P
+                ln += ln_c
+            i += ln_c
+        n_words[d] = nw
+        e = np.uint64(0x5851F42D4C957F2D)
+        for j in range(nw):  # the exact key: the word sequence, i.e. the normalised text
+            z = (e ^ w[j]) + g0
+            z = (z ^ (z >> s30)) * g1
+            z = (z ^ (z >> s27)) * g2
+            e = z ^ (z >> s31)
+        exact[d] = e ^ np.uint64(nw)
+        start = cur
+        for s in range(nw - n + 1):
+            hh = w[s]
+            z = hh + g0
+            z = (z ^ (z >> s30)) * g1
+            z = (z ^ (z >> s27)) * g2
+            hh = z ^ (z >> s31)
+            for j in range(1, n):
+                z = (hh ^ w[s + j]) + g0
+                z = (z ^ (z >> s30)) * g1
+                z = (z ^ (z >> s27)) * g2
+                hh = z ^ (z >> s31)
+            x[cur] = hh & m32
+            cur += 1
+        if cur > start:
+            x[start:cur].sort()
+            k = start + 1
+            for j in range(start + 1, cur):
+                if x[j] != x[k - 1]:
+                    x[k] = x[j]
+                    k += 1
+            cur = k
+        x_off[d + 1] = cur
+    return cur
+
+
+def shingle_hash_texts(texts: list[str], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Raw texts → (``x``, ``offsets``, ``n_words``, ``exact``) without building normalised strings.
+
+    ``x``/``offsets`` are exactly ``shingle_hash_batch([normalize(t) for t in texts], n)``;
+    ``n_words`` the number of words of each normalised text (0: empty); ``exact`` (int64) a 64-bit
+    hash of each normalised text (its word sequence): equal texts, equal keys. Uses the numba
+    kernel; without numba, the same values from ``normalize`` + ``shingle_hash_batch``.
+    """
+    nd = len(texts)
+    pre = [unicodedata.normalize("NFKC", t).lower() for t in texts]
+    kern = compiled(_fused_kernel_py)
+    if kern is None:
+        norms = [normalize(t) for t in texts]
+        x, off = shingle_hash_batch(norms, n)
+        words = np.array([len(t.split(" ")) if t else 0 for t in norms], dtype=np.int64)
+        ex = np.array([_exact_ref(t) for t in norms], dtype=np.uint64)
+        return x, off, words, ex.view(np.int64)
+    enc = [t.encode("utf-8", "surrogatepass") for t in pre]
+    lens = np.fromiter((len(b) for b in enc), dtype=np.int64, count=nd)
+    doc_off = np.zeros(nd + 1, dtype=np.int64)
+    np.cumsum(lens, out=doc_off[1:])
+    buf = np.frombuffer(b"".join(enc), dtype=np.uint8)
+    x = np.empty(buf.size // 2 + nd + 1, dtype=np.uint64)  # ≥ words ≥ shingles of every doc
+    x_off = np.zeros(nd + 1, dtype=np.int64)
+    words = np.zeros(nd, dtype=np.int64)
+    ex = np.zeros(nd, dtype=np.uint64)
+    used = kern(buf, doc_off, n, separator_table(), x, x_off, words, ex)
+    return x[:used].copy(), x_off, words, ex.view(np.int64)
+
+
+def _exact_ref(norm: str) -> int:
+    """The ``exact`` key of one normalised text, in Python (the kernel's reference)."""
+    if not norm:
+        e = 0x5851F42D4C957F2D
+        return e
+    w = _word_hashes(norm.split(" "))
+    e = np.uint64(0x5851F42D4C957F2D)
+    for h in w:
+        e = _splitmix64(np.array([e ^ h], dtype=np.uint64))[0]
+    return int(e ^ np.uint64(len(w)))
+
+
+def _word_hashes(words: list[str]) -> np.ndarray:
+    out = np.empty(len(words), dtype=np.uint64)
+    mask = (1 << 64) - 1
+    for k, wd in enumerate(words):
+        h, pk = 0, 1
+        for byte in wd.encode("utf-8", "surrogatepass"):
+            h = (h + (byte + 1) * pk) & mask
+            pk = (pk * 0x100000001B3) & mask
+        out[k] = (h + len(wd.encode("utf-8", "surrogatepass"))) & mask
+    return _splitmix64(out)
 
 
 def shingle_hashes(norm: str, n: int) -> np.ndarray:
@@ -193,42 +347,47 @@ def _signatures_numpy(x: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.n
 
 
 def _sig_kernel_py(x, offsets, a, b, out):  # compiled by numba when it is installed
+    """Per doc and permutation, the min over the doc's shingles: the inner loop runs over contiguous
+    shingle hashes with one running minimum, branch-free (``min(v, v − p)`` is the conditional
+    subtraction), and both products are 32 × 32 → 64-bit, so LLVM vectorises it."""
     p = np.uint64((1 << 61) - 1)
     m32 = np.uint64(0xFFFFFFFF)
     m29 = np.uint64((1 << 29) - 1)
     s61, s32, s29 = np.uint64(61), np.uint64(32), np.uint64(29)
     for d in range(offsets.size - 1):
+        lo_i, hi_i = offsets[d], offsets[d + 1]
         for k in range(a.size):
-            out[d, k] = p
-        for i in range(offsets[d], offsets[d + 1]):
-            xi = x[i]
-            for k in range(a.size):
-                ak = a[k]
-                lo = (ak & m32) * xi
+            a_lo = a[k] & m32
+            a_hi = a[k] >> s32
+            bk = b[k]
+            acc = p
+            for i in range(lo_i, hi_i):
+                xi = x[i] & m32
+                lo = a_lo * xi
                 lo = (lo & p) + (lo >> s61)
-                mid = (ak >> s32) * xi
-                v = lo + (mid >> s29) + ((mid & m29) << s32) + b[k]
+                mid = a_hi * xi
+                v = lo + (mid >> s29) + ((mid & m29) << s32) + bk
                 v = (v & p) + (v >> s61)
-                if v >= p:
-                    v -= p
-                if v < out[d, k]:
-                    out[d, k] = v
+                v = min(v, v - p)
+                acc = min(acc, v)
+            out[d, k] = acc
 
 
-_SIG_KERNEL = None
+_COMPILED: dict = {}
 
 
-def _kernel():
-    """The numba-compiled kernel (≈ 4× the numpy one), compiled once per process; None without numba."""
-    global _SIG_KERNEL
-    if _SIG_KERNEL is None:
+def compiled(py_fn):
+    """``numba.njit(nogil=True, cache=True)`` of a kernel written in plain Python/numpy, compiled once
+    per process (its machine code cached next to the module); None when numba is missing or unusable,
+    and callers then take their numpy path, which gives the same values."""
+    if py_fn not in _COMPILED:
         try:
             import numba
 
-            _SIG_KERNEL = numba.njit(nogil=True, cache=True)(_sig_kernel_py)
-        except Exception:  # numba missing or unusable here: the numpy kernel gives the same values
-            _SIG_KERNEL = False
-    return _SIG_KERNEL or None
+            _COMPILED[py_fn] = numba.njit(nogil=True, cache=True)(py_fn)
+        except Exception:
+            _COMPILED[py_fn] = None
+    return _COMPILED[py_fn]
 
 
 def signatures(hash_sets: list[np.ndarray], a: np.ndarray, b: np.ndarray, engine: str = "auto") -> np.ndarray:
@@ -252,7 +411,7 @@ def signatures_flat(x: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.nda
         return out
     x = x.astype(np.uint64, copy=False)
     offsets = offsets.astype(np.int64, copy=False)
-    kern = _kernel() if engine in ("auto", "numba") else None
+    kern = compiled(_sig_kernel_py) if engine in ("auto", "numba") else None
     if engine == "numba" and kern is None:
         raise RuntimeError("numba is not installed")
     if kern is not None:

@@ -83,7 +83,20 @@ def plot_losses(losses: list, path: Path) -> None:
     plt.close(fig)
 
 
+def check_supported(spec: JobSpec) -> None:
+    """Fail before any process starts when the spec asks for what this trainer does not run yet."""
+    if spec.launcher.kind != "local":
+        raise TrainError(f"launcher.kind={spec.launcher.kind}: only the local torchrun launcher runs jobs so far; "
+                         "set launcher.kind=local (the Kubeflow PyTorchJob launcher is not built yet)")
+    deg = spec.degrees
+    if deg["dp_shard"] > 1 or deg["tp"] > 1:
+        raise TrainError(f"parallel.dp_shard={deg['dp_shard']}, parallel.tp={deg['tp']}: the trainer runs DDP only "
+                         "so far (FSDP2 and tensor parallel are not built yet); set parallel.dp_shard=1 and "
+                         "parallel.tp=1. `python -m pipelines.train.plan` already plans memory for them.")
+
+
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
+    check_supported(spec)
     sd = StageDir(resolve_path(spec.run.root), "train", spec.stage_hash("train"), [input_ref(tok)],
                   force=spec.run.force, out_dir=out_dir)
     rel_root = f"{spec.run.name}/{sd.final.name}"

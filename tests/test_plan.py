@@ -1,0 +1,100 @@
+"""Parallel layout validation, parameter counts and the memory plan, against hand arithmetic."""
+import json
+
+import pytest
+
+from pipelines.spec import SpecError, load_spec
+from pipelines.train import plan as P
+
+GIB = 1 << 30
+
+
+def test_parallel_degrees_must_multiply_to_the_world_size():
+    s = load_spec(None, ["launcher.nproc_per_node=4", "parallel.dp_shard=-1"], env={})
+    assert s.degrees == {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "pp": 1, "cp": 1, "dp": 4}
+    s = load_spec(None, ["launcher.nproc_per_node=4", "parallel.dp_shard=2", "parallel.tp=1"], env={})
+    assert s.degrees["dp_replicate"] == 2 and s.degrees["dp"] == 4  # HSDP: replicate takes the rest
+    with pytest.raises(SpecError, match=r"2×1×1×1×1 = 2 but the launcher gives world size 4"):
+        load_spec(None, ["launcher.nproc_per_node=4", "parallel.dp_replicate=2"], env={})
+    with pytest.raises(SpecError, match="not divisible"):
+        load_spec(None, ["launcher.nproc_per_node=4", "parallel.tp=3"], env={})
+    with pytest.raises(SpecError, match=r"parallel\.pp=2: pipeline parallelism is not implemented"):
+        load_spec(None, ["parallel.pp=2"], env={})
+    with pytest.raises(SpecError, match=r"parallel\.cp=4: context parallelism is not implemented"):
+        load_spec(None, ["parallel.cp=4"], env={})
+
+
+def test_global_batch_must_equal_micro_times_accum_times_dp():
+    ok = load_spec(None, ["train.micro_batch=4", "train.grad_accum=3", "train.global_batch=24"], env={})
+    assert ok.global_batch == 24  # 4 × 3 × DP 2 (two local ranks)
+    with pytest.raises(SpecError, match=r"train\.global_batch=20 but .* 4 × 3 × 2 = 24"):
+        load_spec(None, ["train.micro_batch=4", "train.grad_accum=3", "train.global_batch=20"], env={})
+
+
+@pytest.mark.parametrize("cfg,params", [("configs/llama3_8b.yaml", 8_030_261_248),
+                                        ("configs/llama3_70b.yaml", 70_553_706_496)])
+def test_llama3_parameter_counts_match_the_published_shapes(cfg, params):
+    s = load_spec(cfg, env={})
+    shape = P.model_shape(s)
+    assert shape["ffn"] == int(3.5 * shape["d"])  # 14336 / 28672
+    assert P.param_count(shape)["total"] == params  # 8.03 B / 70.55 B ("70.6 B")
+
+
+def test_param_count_formula_matches_the_torch_model():
+    import torch  # noqa: F401
+
+    from pipelines.train.model import ModelArgs, Transformer, param_count
+
+    s = load_spec(None, ["model.n_kv_heads=2", "model.tie_embeddings=false", "model.vocab_size=1000"], env={})
+    args = ModelArgs.from_spec(s.model, 1000)
+    n_torch = sum(p.numel() for p in Transformer(args).parameters())
+    assert n_torch == param_count(args) == P.param_count(P.model_shape(s))["total"]
+
+
+def test_memory_plan_of_llama3_8b_is_the_hand_arithmetic():
+    s = load_spec("configs/llama3_8b.yaml", env={})
+    p = P.memory_plan(s, gpu_mem_gb=80)
+    n = 8_030_261_248
+    assert (p["weights_bytes"], p["grads_bytes"], p["optimizer_bytes"]) == (4 * n, 4 * n, 8 * n)
+    assert p["model_states_per_gpu_bytes"] == 16 * n // 8  # FSDP over 8 GPUs
+    # activations, by hand: s=8192, b=1, h=4096, f=14336, k=8/32, bf16, selective = 16 of 32 blocks stored
+    sbh = 8192 * 4096
+    block = 8 * sbh + 2 * sbh * (2 + 2 * 0.25) + 6 * 8192 * 14336
+    acts = 16 * block + 16 * 2 * sbh + 8192 * 128256 * (2 + 4)
+    assert p["activations_bytes"] == int(acts)
+    assert p["flops_per_token"] == 6 * (n - 128256 * 4096) + 12 * 32 * 32 * 128 * 8192
+    assert p["fits"] and p["per_gpu_bytes"] < 80 * GIB
+    assert not P.memory_plan(s, gpu_mem_gb=24)["fits"]
+
+
+def test_70b_does_not_fit_on_one_node_without_sharding_enough():
+    s = load_spec("configs/llama3_70b.yaml", ["launcher.nnodes=1", "parallel.tp=1", "parallel.dp_shard=8",
+                                              "train.global_batch=128"], env={})
+    p = P.memory_plan(s)
+    assert p["model_states_per_gpu_bytes"] == 16 * 70_553_706_496 // 8  # 131 GiB of states per GPU
+    assert not p["fits"]
+
+
+def test_plan_cli_prints_json_with_the_documented_keys(capsys):
+    assert P.main(["configs/llama3_70b.yaml", "--json", "--gpu-mem-gb", "80"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for k in ("params", "weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "per_gpu_bytes",
+              "flops_per_token", "fits", "world_size"):
+        assert k in out
+    assert out["world_size"] == 64 and out["params"] == 70_553_706_496
+    assert P.main(["configs/llama3_8b.yaml", "--set", "parallel.pp=2"]) == 2
+    assert "pipeline parallelism is not implemented" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["launcher.kind=kubernetes"], "only the local torchrun launcher"),
+    (["parallel.dp_shard=-1"], r"parallel\.dp_shard=2, parallel\.tp=1: the trainer runs DDP only"),
+    (["parallel.dp_replicate=1", "parallel.tp=2"], r"parallel\.tp=2: the trainer runs DDP only"),
+])
+def test_the_launcher_refuses_layouts_the_trainer_does_not_run_yet(sets, match):
+    from pipelines.train.launch import TrainError, check_supported
+
+    spec = load_spec(None, sets, env={})  # a valid spec...
+    with pytest.raises(TrainError, match=match):
+        check_supported(spec)  # ...that the trainer says it cannot run, before any process starts
+    check_supported(load_spec(None, [], env={}))  # the default (DDP over 2 ranks) runs
