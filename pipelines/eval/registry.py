@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     write_report(args.report, m)
     e = m.extra
     moved = f"alias '{e['alias']}' → v{e['version']}" if e["alias_moved"] else \
-        f"alias '{e['alias']}' stays on v{e['previous_champion']} ({e['gate_metric']} {e['previous_value']:.4f} < {e['value']:.4f})"
+        f"alias '{e['alias']}' stays on v{e['previous_champion']} ({e['gate_metric']} {e['previous_value']:.6f} < {e['value']:.6f})"
     print(f"register: {e['model_name']} v{e['version']} ({e['gate_metric']}={e['value']:.4f}); {moved}; "
           f"tracking {e['tracking_uri']}")
     return 0
