@@ -88,8 +88,7 @@ def test_plan_cli_prints_json_with_the_documented_keys(capsys):
 
 @pytest.mark.parametrize("sets,match", [
     (["launcher.kind=kubernetes"], "only the local torchrun launcher"),
-    (["parallel.dp_shard=-1"], r"parallel\.dp_shard=2, parallel\.tp=1: the trainer runs DDP only"),
-    (["parallel.dp_replicate=1", "parallel.tp=2"], r"parallel\.tp=2: the trainer runs DDP only"),
+    (["parallel.dp_replicate=1", "parallel.tp=2"], r"parallel\.tp=2: tensor parallel is not built yet"),
 ])
 def test_the_launcher_refuses_layouts_the_trainer_does_not_run_yet(sets, match):
     from pipelines.train.launch import TrainError, check_supported
@@ -98,3 +97,13 @@ def test_the_launcher_refuses_layouts_the_trainer_does_not_run_yet(sets, match):
     with pytest.raises(TrainError, match=match):
         check_supported(spec)  # ...that the trainer says it cannot run, before any process starts
     check_supported(load_spec(None, [], env={}))  # the default (DDP over 2 ranks) runs
+    check_supported(load_spec(None, ["parallel.dp_shard=-1"], env={}))  # FSDP2 over 2 ranks runs
+
+
+def test_mfu_uses_the_detected_gpus_peak_and_is_absent_on_cpu():
+    # 8B on 8 × H100 SXM at 3,000 tokens/s per GPU: 3000 × 57.9 GFLOP / 989 TFLOP/s = 17.6 %
+    fpt = P.memory_plan(load_spec("configs/llama3_8b.yaml", env={}))["flops_per_token"]
+    u = P.mfu(8 * 3000, fpt, 8, "NVIDIA H100 80GB HBM3")
+    assert u == pytest.approx(3000 * fpt / 989e12)
+    assert P.peak_flops("NVIDIA H100 PCIe") == 756e12 and P.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert P.mfu(1000, fpt, 1, "cpu") is None and P.peak_flops("Some Future GPU") is None

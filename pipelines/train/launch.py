@@ -88,11 +88,9 @@ def check_supported(spec: JobSpec) -> None:
     if spec.launcher.kind != "local":
         raise TrainError(f"launcher.kind={spec.launcher.kind}: only the local torchrun launcher runs jobs so far; "
                          "set launcher.kind=local (the Kubeflow PyTorchJob launcher is not built yet)")
-    deg = spec.degrees
-    if deg["dp_shard"] > 1 or deg["tp"] > 1:
-        raise TrainError(f"parallel.dp_shard={deg['dp_shard']}, parallel.tp={deg['tp']}: the trainer runs DDP only "
-                         "so far (FSDP2 and tensor parallel are not built yet); set parallel.dp_shard=1 and "
-                         "parallel.tp=1. `python -m pipelines.train.plan` already plans memory for them.")
+    if spec.degrees["tp"] > 1:
+        raise TrainError(f"parallel.tp={spec.degrees['tp']}: tensor parallel is not built yet (DDP, FSDP2 and HSDP "
+                         "are); set parallel.tp=1. `python -m pipelines.train.plan` already plans memory for it.")
 
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:

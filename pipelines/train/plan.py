@@ -67,6 +67,34 @@ def flops_per_token(shape: dict, params: dict) -> int:
     return 6 * params["matmul"] + 12 * shape["layers"] * shape["heads"] * shape["head_dim"] * shape["seq"]
 
 
+# Dense peak FLOP/s per GPU from the vendors' datasheets (no sparsity), by compute dtype.
+PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp32": 67e12},
+    "H100 SXM": {"bf16": 989e12, "fp32": 67e12},
+    "H100 PCIe": {"bf16": 756e12, "fp32": 51e12},
+    "H100 NVL": {"bf16": 835e12, "fp32": 60e12},
+    "A100": {"bf16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp32": 91.6e12},
+    "A10G": {"bf16": 70e12, "fp32": 31.2e12},
+}
+
+
+def peak_flops(device_name: str, dtype: str = "bf16") -> float | None:
+    """Peak FLOP/s of a GPU named as ``torch.cuda.get_device_name`` names it; None when unknown (or CPU)."""
+    n = device_name.upper()
+    if "H100" in n:
+        key = "H100 PCIe" if "PCIE" in n else "H100 NVL" if "NVL" in n else "H100 SXM"
+    else:
+        key = next((k for k in PEAK_FLOPS if k.upper() in n), None)
+    return PEAK_FLOPS[key][dtype] if key else None
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, n_gpus: int, device_name: str, dtype: str = "bf16") -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all GPUs (None when the peak is unknown)."""
+    peak = peak_flops(device_name, dtype)
+    return None if peak is None else tokens_per_s * flops_per_token / (peak * n_gpus)
+
+
 def activation_bytes(shape: dict, micro_batch: int, tp: int, mode: str, bytes_per: int) -> int:
     s, b, h, f, L, V = shape["seq"], micro_batch, shape["d"], shape["ffn"], shape["layers"], shape["vocab"]
     k = shape["kv_heads"] / shape["heads"]

@@ -1,7 +1,8 @@
 """The training loop, run once per rank by ``torchrun`` (see ``pipelines.train.launch``).
 
-DDP over gloo (CPU) or NCCL (GPU), AdamW (no decay on norms), linear warmup + cosine decay to
-``min_lr_ratio·lr``, gradient accumulation with ``no_sync`` on all but the last micro step,
+DDP or FSDP2 (``pipelines.train.parallel``, from the spec's ``parallel`` degrees) over gloo (CPU)
+or NCCL (GPU), AdamW (no decay on norms), linear warmup + cosine decay to ``min_lr_ratio·lr``,
+gradient accumulation without gradient sync on all but the last micro step,
 gradient clipping. Rank 0 logs loss, lr, grad norm and tokens/s to stdout (progress bar) and to
 MLflow, and writes checkpoints to the L0 tier every ``train.ckpt_every`` steps and at the end.
 A NaN/inf loss or grad norm stops the run with an error naming the step.
@@ -53,15 +54,14 @@ def _backend(spec: JobSpec) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def save_checkpoint(ckpt_dir: Path, model, opt, sampler, step: int, args_dict: dict, tokenizer: Path,
-                    losses: list) -> Path:
+def save_checkpoint(ckpt_dir: Path, model_sd: dict, optim_sd: dict, sampler, step: int, args_dict: dict,
+                    tokenizer: Path, losses: list) -> Path:
     from pipelines.train.checkpoint import commit_local
 
     tmp = ckpt_dir.with_name(f".{ckpt_dir.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    raw = model.module if hasattr(model, "module") else model
-    torch.save(raw.state_dict(), tmp / "model.pt")
-    torch.save(opt.state_dict(), tmp / "optim.pt")
+    torch.save(model_sd, tmp / "model.pt")
+    torch.save(optim_sd, tmp / "optim.pt")
     (tmp / "model_args.json").write_text(json.dumps(args_dict, indent=2))
     (tmp / "trainer_state.json").write_text(json.dumps(
         {"step": step, "loader": sampler.state_dict(), "losses": losses[-1000:]}, indent=2))
@@ -73,6 +73,7 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
     from pipelines.progress import progress
     from pipelines.train.loader import DPSampler, TokenSamples, batch_tensors
     from pipelines.train.model import ModelArgs, Transformer, param_count
+    from pipelines.train.parallel import apply_parallelism, clip_grad_norm, full_state_dicts, grad_sync
 
     dist.init_process_group(_backend(spec))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -96,12 +97,12 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
 
     model = Transformer(margs).to(device)
     n_params = param_count(margs)
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[local_rank] if device.type == "cuda" else None)
+    model, mode = apply_parallelism(model, spec, device)
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas,
                             fused=device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.dtype == "bf16")
+    # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and one rank use autocast
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=t.dtype == "bf16" and mode not in ("fsdp2", "hsdp"))
 
     mlflow_client, run_id = None, spec.run.mlflow_run_id
     if rank == 0:
@@ -115,13 +116,20 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
         params = {"params": n_params, "world_size": world, "global_batch": spec.global_batch,
                   "seq_len": margs.seq_len, "n_layers": margs.n_layers, "d_model": margs.d_model,
                   "n_heads": margs.n_heads, "vocab_size": margs.vocab_size, "steps": t.steps, "lr": t.lr,
-                  "backend": _backend(spec)}
+                  "backend": _backend(spec), "parallel": mode}
         try:
             mlflow_client.log_batch(run_id, params=[Param(f"train.{k}", str(v)) for k, v in params.items()])
         except Exception:  # params are immutable: a resumed/re-run stage logs them again
             pass
 
     tokens_per_step = spec.global_batch * margs.seq_len
+    # MFU on GPUs only: 6N + 12·L·H·d_head·T FLOPs per token over the device's peak (pipelines.train.plan)
+    from pipelines.train.plan import flops_per_token, mfu, model_shape
+    from pipelines.train.plan import param_count as shape_params
+
+    shape = {**model_shape(spec), "vocab": margs.vocab_size}
+    fpt = flops_per_token(shape, shape_params(shape))
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     losses: list[tuple[int, float]] = []
     pending = []
     ckpt_name = None
@@ -137,17 +145,16 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
         for m in range(t.grad_accum):
             x, y = batch_tensors(samples, micro[m])
             x, y = x.to(device), y.to(device)
-            sync = m == t.grad_accum - 1 or world == 1
-            ctx = model.no_sync() if (world > 1 and not sync) else _null()
-            with ctx, autocast:
-                loss = model(x, y) / t.grad_accum
-            loss.backward()
+            with grad_sync(model, mode, m == t.grad_accum - 1):
+                with autocast:
+                    loss = model(x, y) / t.grad_accum
+                loss.backward()
             loss_sum += loss.detach()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        gnorm = clip_grad_norm(model, t.grad_clip)
         if world > 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)  # gloo has no AVG
             loss_sum /= world
-        lval, gval = float(loss_sum), float(gnorm)
+        lval, gval = float(loss_sum), gnorm
         if not (math.isfinite(lval) and math.isfinite(gval)):
             opt.zero_grad(set_to_none=True)
             raise TrainingDiverged(f"step {step}: loss={lval} grad_norm={gval} is not finite — lower train.lr, "
@@ -162,14 +169,18 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
             tps = tokens_per_step / dt
             bar.update(1)
             bar.set_postfix(loss=f"{lval:.3f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}")
-            pending.append((step + 1, {"train/loss": lval, "train/lr": lr, "train/grad_norm": gval,
-                                       "train/tokens_per_s": tps}))
+            metrics = {"train/loss": lval, "train/lr": lr, "train/grad_norm": gval, "train/tokens_per_s": tps}
+            u = mfu(tps, fpt, world, dev_name, t.dtype) if dev_name else None
+            if u is not None:
+                metrics["train/mfu"] = u
+            pending.append((step + 1, metrics))
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
                 _flush(mlflow_client, run_id, pending)
         if (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps:
             ckpt_name = f"step-{step + 1:06d}"
+            model_sd, optim_sd = full_state_dicts(model, opt)  # collective
             if rank == 0:
-                save_checkpoint(ckpt_root / ckpt_name, model, opt, sampler, step + 1, margs.to_dict(),
+                save_checkpoint(ckpt_root / ckpt_name, model_sd, optim_sd, sampler, step + 1, margs.to_dict(),
                                 tok.output("tokenizer"), losses)
             dist.barrier()
     if bar is not None:
@@ -178,7 +189,9 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
     result = {
         "steps": t.steps, "final_loss": losses[-1][1] if losses else None, "params": n_params,
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "tokens_seen": tokens_per_step * t.steps,
+        "flops_per_token": fpt, "device": dev_name or "cpu",
         "world_size": world, "backend": _backend(spec), "checkpoint": ckpt_name, "mlflow_run_id": run_id,
+        "parallel": mode,
     }
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
@@ -186,14 +199,6 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
     dist.barrier()
     dist.destroy_process_group()
     return result
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _flush(client, run_id, pending) -> None:
