@@ -373,6 +373,11 @@ class JobSpec(_Section):
             deg = self.parallel.resolve(self.world_size)
         except ValueError as e:
             raise ValueError(str(e)) from None
+        m, tp = self.model, deg["tp"]
+        kv = m.n_kv_heads or m.n_heads
+        if tp > 1 and (m.n_heads % tp or kv % tp):
+            raise ValueError(f"parallel.tp={tp} must divide model.n_heads={m.n_heads} and the KV heads ({kv}): "
+                             "each TP rank computes whole heads")
         t = self.train
         if t.global_batch is not None and t.micro_batch * t.grad_accum * deg["dp"] != t.global_batch:
             raise ValueError(

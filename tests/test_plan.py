@@ -88,7 +88,8 @@ def test_plan_cli_prints_json_with_the_documented_keys(capsys):
 
 @pytest.mark.parametrize("sets,match", [
     (["launcher.kind=kubernetes"], "only the local torchrun launcher"),
-    (["parallel.dp_replicate=1", "parallel.tp=2"], r"parallel\.tp=2: tensor parallel is not built yet"),
+    (["launcher.nproc_per_node=4", "parallel.dp_replicate=2", "parallel.tp=2"],
+     r"parallel\.tp=2 with DDP \(parallel\.dp_replicate=2\): tensor parallel combines with FSDP2"),
 ])
 def test_the_launcher_refuses_layouts_the_trainer_does_not_run_yet(sets, match):
     from pipelines.train.launch import TrainError, check_supported
@@ -98,6 +99,9 @@ def test_the_launcher_refuses_layouts_the_trainer_does_not_run_yet(sets, match):
         check_supported(spec)  # ...that the trainer says it cannot run, before any process starts
     check_supported(load_spec(None, [], env={}))  # the default (DDP over 2 ranks) runs
     check_supported(load_spec(None, ["parallel.dp_shard=-1"], env={}))  # FSDP2 over 2 ranks runs
+    check_supported(load_spec(None, ["parallel.dp_replicate=1", "parallel.tp=2"], env={}))  # TP over 2 ranks runs
+    with pytest.raises(SpecError, match=r"parallel\.tp=2 must divide model\.n_heads=4 and the KV heads \(1\)"):
+        load_spec(None, ["parallel.dp_replicate=1", "parallel.tp=2", "model.n_kv_heads=1"], env={})
 
 
 def test_mfu_uses_the_detected_gpus_peak_and_is_absent_on_cpu():

@@ -88,9 +88,11 @@ def check_supported(spec: JobSpec) -> None:
     if spec.launcher.kind != "local":
         raise TrainError(f"launcher.kind={spec.launcher.kind}: only the local torchrun launcher runs jobs so far; "
                          "set launcher.kind=local (the Kubeflow PyTorchJob launcher is not built yet)")
-    if spec.degrees["tp"] > 1:
-        raise TrainError(f"parallel.tp={spec.degrees['tp']}: tensor parallel is not built yet (DDP, FSDP2 and HSDP "
-                         "are); set parallel.tp=1. `python -m pipelines.train.plan` already plans memory for it.")
+    deg = spec.degrees
+    if deg["tp"] > 1 and deg["dp_replicate"] > 1 and deg["dp_shard"] == 1:
+        raise TrainError(f"parallel.tp={deg['tp']} with DDP (parallel.dp_replicate={deg['dp_replicate']}): tensor "
+                         "parallel combines with FSDP2, not DDP; set parallel.dp_shard to the data-parallel degree "
+                         "and parallel.dp_replicate=1")
 
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:

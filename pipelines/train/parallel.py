@@ -1,5 +1,6 @@
 """Parallelism applied to a plain model, in one place and one fixed order.
 
+0. tensor parallel (DTensor ``parallelize_module``) when ``parallel.tp`` > 1;
 1. activation checkpointing (``parallel.activation_checkpointing``: none / selective = every other
    block / full = every block), wrapping each block with ``checkpoint_wrapper``;
 2. ``torch.compile`` per block (``parallel.compile``);
@@ -8,7 +9,8 @@
    a ``MixedPrecisionPolicy`` (bf16 parameters for compute under ``train.dtype = bf16``, fp32
    gradient reduction, fp32 sharded master weights); else DDP when the world has > 1 rank.
 
-Tensor parallelism (``parallel.tp`` > 1) is not built yet; the launcher refuses such a spec first.
+Tensor parallelism (``parallel.tp`` > 1) comes first, on the innermost mesh dimension
+(:func:`apply_tensor_parallel`), so FSDP2 then shards the TP-sharded DTensors along the DP axis (2-D).
 The helpers below hide the DDP/FSDP2 differences from the training loop: gradient sync on/off for
 accumulation, the gradient norm as a plain float, and a full (unsharded) state dict on CPU for the
 checkpoint.
@@ -34,30 +36,61 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
             model.layers[i] = checkpoint_wrapper(blk, preserve_rng_state=False)
 
 
+TP_PLAN = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
+           "ffn.w1": "colwise", "ffn.w3": "colwise", "ffn.w2": "rowwise"}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """Megatron-style TP per block with DTensor: Q/K/V and the SwiGLU's w1/w3 split by output features
+    (each rank computes heads / tp attention heads and f / tp hidden units), ``wo``/``w2`` by input
+    features with one all-reduce each. Embeddings, norms and the head stay replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for blk in model.layers:
+        parallelize_module(blk, tp_mesh, {name: styles[s]() for name, s in TP_PLAN.items()})
+
+
+def dp_coords(spec: JobSpec, rank: int) -> tuple[int, int]:
+    """(DP rank, DP size) of a global rank: ranks are laid out (dp_replicate, dp_shard, tp), TP fastest,
+    so the ranks of one TP group read the same samples."""
+    deg = spec.degrees
+    return rank // deg["tp"], deg["dp"]
+
+
 def apply_parallelism(model: nn.Module, spec: JobSpec, device: torch.device) -> tuple[nn.Module, str]:
     """Wrap ``model`` (already on ``device``) as the spec says; returns (model, mode) with mode one of
-    ``single``, ``ddp``, ``fsdp2``, ``hsdp``."""
+    ``single``, ``ddp``, ``fsdp2``, ``hsdp``, ``tp``, ``fsdp2+tp``, ``hsdp+tp``."""
     deg = spec.degrees
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mesh = None
+    if deg["tp"] > 1 or deg["dp_shard"] > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (deg["dp_replicate"], deg["dp_shard"], deg["tp"]),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     if deg["tp"] > 1:
-        raise NotImplementedError("parallel.tp > 1: tensor parallel is not built yet; set parallel.tp=1")
+        if deg["dp_replicate"] > 1 and deg["dp_shard"] == 1:
+            raise NotImplementedError("parallel.tp > 1 with DDP (dp_replicate > 1, dp_shard = 1) is not supported: "
+                                      "shard the data-parallel axis instead (parallel.dp_shard)")
+        apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, spec.parallel.activation_checkpointing)
     if spec.parallel.compile:
         for i, blk in enumerate(model.layers):
             model.layers[i] = torch.compile(blk)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp = "+tp" if deg["tp"] > 1 else ""
     if deg["dp_shard"] > 1:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(device.type, (deg["dp_replicate"], deg["dp_shard"]),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
-        dp_mesh = mesh if deg["dp_replicate"] > 1 else mesh["dp_shard"]
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if deg["dp_replicate"] > 1 else mesh["dp_shard"]
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if spec.train.dtype == "bf16" else torch.float32,
                                   reduce_dtype=torch.float32)
         for blk in model.layers:
             fully_shard(blk, mesh=dp_mesh, mp_policy=mp)
         fully_shard(model, mesh=dp_mesh, mp_policy=mp)
-        return model, "hsdp" if deg["dp_replicate"] > 1 else "fsdp2"
+        return model, ("hsdp" if deg["dp_replicate"] > 1 else "fsdp2") + tp
+    if deg["tp"] > 1:
+        return model, "tp"
     if world > 1:
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids), "ddp"
@@ -68,17 +101,38 @@ def grad_sync(model: nn.Module, mode: str, sync: bool):
     """Context for one micro step: gradients are reduced only when ``sync`` (the last micro step)."""
     if mode == "ddp" and not sync:
         return model.no_sync()
-    if mode in ("fsdp2", "hsdp"):
+    if mode.startswith(("fsdp2", "hsdp")):
         model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip and return the total gradient norm over all ranks' shards as a float."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
-        norm = norm.full_tensor()
-    return float(norm)
+    """Clip gradients to a total norm of ``max_norm``; return the norm before clipping as a float.
+
+    Plain tensors (one rank, DDP) go through ``torch.nn.utils.clip_grad_norm_``. DTensor gradients
+    (FSDP2 shards, TP shards, or both, next to replicated plain ones) are summed as squares of their
+    local shards, all-reduced over exactly the mesh dimensions they are sharded on."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for g in grads:
+        if isinstance(g, DTensor):
+            local = g.to_local().float().pow(2).sum()
+            for dim, placement in enumerate(g.placements):
+                if placement.is_shard():
+                    dist.all_reduce(local, group=g.device_mesh.get_group(dim))
+            total_sq += local
+        else:
+            total_sq += g.float().pow(2).sum()
+    norm = float(total_sq.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 def full_state_dicts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:

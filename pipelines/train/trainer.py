@@ -73,7 +73,7 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
     from pipelines.progress import progress
     from pipelines.train.loader import DPSampler, TokenSamples, batch_tensors
     from pipelines.train.model import ModelArgs, Transformer, param_count
-    from pipelines.train.parallel import apply_parallelism, clip_grad_norm, full_state_dicts, grad_sync
+    from pipelines.train.parallel import apply_parallelism, clip_grad_norm, dp_coords, full_state_dicts, grad_sync
 
     dist.init_process_group(_backend(spec))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -93,7 +93,8 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
                          f"{tok.extra['vocab_size']}")
     samples = TokenSamples(shards, margs.seq_len)
     t = spec.train
-    sampler = DPSampler(len(samples), spec.global_batch, rank, world, spec.run.seed)
+    dp_rank, dp_size = dp_coords(spec, rank)  # the ranks of one TP group read the same samples
+    sampler = DPSampler(len(samples), spec.global_batch, dp_rank, dp_size, spec.run.seed)
 
     model = Transformer(margs).to(device)
     n_params = param_count(margs)
@@ -102,7 +103,7 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
                             fused=device.type == "cuda")
     # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and one rank use autocast
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
-                              enabled=t.dtype == "bf16" and mode not in ("fsdp2", "hsdp"))
+                              enabled=t.dtype == "bf16" and not mode.startswith(("fsdp2", "hsdp")))
 
     mlflow_client, run_id = None, spec.run.mlflow_run_id
     if rank == 0:
