@@ -300,6 +300,17 @@ class LauncherCfg(_Section):
     nnodes: int = Field(1, ge=1)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     threads_per_proc: int = Field(1, ge=1, description="OMP/torch threads per rank on CPU.")
+    # kind = kubernetes: the Kubeflow PyTorchJob the launcher renders (pipelines.train.k8s)
+    image: str = Field("ghcr.io/llm-pipeline/trainer:latest", description="Container image with this package.")
+    namespace: str = "llm-pipeline"
+    efa_per_node: int = Field(0, ge=0, description="EFA interfaces per node (vpc.amazonaws.com/efa); 32 on p5.48xlarge.")
+    shared_fs_claim: Optional[str] = Field(
+        "fsx-checkpoints", description="PersistentVolumeClaim of the shared filesystem (L1 tier), mounted at /fsx.")
+    node_selector: dict[str, str] = Field(
+        default_factory=lambda: {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+        description="Pod node selector (the GPU node group).")
+    min_nodes: Optional[int] = Field(None, ge=1, description="Elastic: fewest nodes the job may shrink to (None = nnodes).")
+    max_restarts: int = Field(3, ge=0, description="Elastic restarts torchrun may take before the job fails.")
 
 
 class TiersCfg(_Section):

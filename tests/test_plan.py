@@ -111,3 +111,44 @@ def test_mfu_uses_the_detected_gpus_peak_and_is_absent_on_cpu():
     assert u == pytest.approx(3000 * fpt / 989e12)
     assert P.peak_flops("NVIDIA H100 PCIe") == 756e12 and P.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert P.mfu(1000, fpt, 1, "cpu") is None and P.peak_flops("Some Future GPU") is None
+
+
+def _crd():
+    from conftest import SHARED
+
+    path = SHARED / "k8s" / "kubeflow.org_pytorchjobs.yaml"
+    if not path.exists():
+        pytest.skip("../shared/data/k8s (the Kubeflow PyTorchJob CRD) is absent in this checkout")
+    return path
+
+
+@pytest.mark.parametrize("cfg", ["configs/llama3_8b.yaml", "configs/llama3_70b.yaml"])
+def test_rendered_pytorchjob_validates_against_the_kubeflow_crd(cfg):
+    from pipelines.train import k8s
+
+    spec = load_spec(cfg, env={})
+    job = k8s.render_pytorchjob(spec, "Run_42", ["--spec", "/fsx/s.yaml"])
+    assert k8s.validate_pytorchjob(job, _crd(), spec) == []
+    assert job["metadata"]["name"] == f"{spec.run.name}-run-42"  # DNS-1123
+    master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    c = master["containers"][0]
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
+    assert c["command"][:1] == ["torchrun"] and "pipelines.train.trainer" in c["command"]
+    assert {"name": "FI_PROVIDER", "value": "efa"} in c["env"]
+    assert any(v.get("persistentVolumeClaim") for v in master["volumes"])
+    workers = job["spec"]["pytorchReplicaSpecs"].get("Worker", {}).get("replicas", 0)
+    assert 1 + workers == spec.launcher.nnodes
+    assert ("elasticPolicy" in job["spec"]) == (spec.launcher.min_nodes is not None)
+
+
+def test_pytorchjob_validation_catches_schema_and_operator_errors():
+    from pipelines.train import k8s
+
+    spec = load_spec("configs/llama3_70b.yaml", env={})
+    job = k8s.render_pytorchjob(spec, "r", [])
+    job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "seven"           # schema: integer
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["name"] = "main"
+    errs = k8s.validate_pytorchjob(job, _crd(), spec)
+    assert any("Worker.replicas" in e and "integer" in e for e in errs)
+    assert any("no container named 'pytorch'" in e for e in errs)
+    assert "replicas add up to 1 nodes, the spec asks for launcher.nnodes=8" in errs  # "seven" is no node count

@@ -117,3 +117,23 @@ def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
         sd = torch.load(ckdir / "model.pt", map_location="cpu")
         args = ModelArgs(**json.loads((ckdir / "model_args.json").read_text()))
         Transformer(args).load_state_dict(sd)  # strict: every name and shape matches
+
+
+def test_two_node_torchrun_on_loopback_trains_like_one_node(home):
+    """--nnodes 2 with c10d rendezvous on 127.0.0.1 (one rank per "node") gives the same run as one node with
+    two ranks: same world size, same global batch, same loss curve."""
+    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
+    common = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",
+              "model.seq_len=32", "train.steps=6", "train.warmup_steps=2", "train.ckpt_every=6", "train.lr=0.01",
+              "train.micro_batch=4"]
+    two_nodes = load_spec(None, common + ["launcher.nnodes=2", "launcher.nproc_per_node=1"], env={})
+    one_node = load_spec(None, common + ["launcher.nnodes=1", "launcher.nproc_per_node=2"], env={})
+    cmds = launch.torchrun_cmds(two_nodes, ["--x"])
+    assert len(cmds) == 2 and all("--rdzv-backend" in c and "c10d" in c for c in cmds)
+    assert [c[c.index("--node-rank") + 1] for c in cmds] == ["0", "1"]
+    tok = tokenize.run(one_node, _filter_manifest(home, docs))
+    m2, m1 = launch.run(two_nodes, tok), launch.run(one_node, tok)
+    assert m2.extra["world_size"] == 2 and m2.counts["steps"] == 6
+    c2 = [loss for _, loss in json.loads(m2.output("losses").read_text())]
+    c1 = [loss for _, loss in json.loads(m1.output("losses").read_text())]
+    np.testing.assert_allclose(c2, c1, rtol=0, atol=1e-6)
