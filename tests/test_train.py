@@ -137,3 +137,27 @@ def test_two_node_torchrun_on_loopback_trains_like_one_node(home):
     c2 = [loss for _, loss in json.loads(m2.output("losses").read_text())]
     c1 = [loss for _, loss in json.loads(m1.output("losses").read_text())]
     np.testing.assert_allclose(c2, c1, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("slow_rank", [None, 1])
+def test_preflight_measures_allreduce_names_a_straggler_and_checks_the_loss_drops(home, slow_rank, monkeypatch):
+    from pipelines.train import preflight
+
+    if slow_rank is not None:  # fault injection: rank 1 sleeps 0.3 s in each timed step
+        monkeypatch.setenv("LLMP_PREFLIGHT_SLOW_RANK", str(slow_rank))
+        monkeypatch.setenv("LLMP_PREFLIGHT_DELAY_S", "0.3")
+    sets = ["model.vocab_size=256", "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=32",
+            "train.micro_batch=4", "train.lr=0.01"]
+    out = home / "pf"
+    # factor 3: two ranks share two busy cores here; the injected 0.3 s dwarfs a ≈ 5 ms step either way
+    args = ["--launch", "--out", str(out), "--size-mb", "4", "--straggler-factor", "3"] + \
+        [a for kv in sets for a in ("--set", kv)]
+    code = preflight.main(args)
+    res = json.loads((out / "preflight.json").read_text())
+    assert res["world_size"] == 2 and res["allreduce"]["busbw_GBps"] > 0 and res["loss_dropped"]
+    assert res["smoke_losses"][-1] < res["smoke_losses"][0]
+    if slow_rank is None:
+        assert code == 0 and res["stragglers"] == [] and res["failures"] == []
+    else:
+        assert code == 1 and res["stragglers"] == [1] and "straggler rank(s) [1]" in res["failures"][0]
+        assert res["step_seconds_by_rank"][1] > 0.3

@@ -32,25 +32,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_cmds(spec: JobSpec, trainer_args: list[str]) -> list[list[str]]:
+def torchrun_cmds(spec: JobSpec, trainer_args: list[str], module: str = "pipelines.train.trainer") -> list[list[str]]:
     """One torchrun command per node (all on this machine for a local multi-node run)."""
     L = spec.launcher
     base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(L.nproc_per_node),
             "--max-restarts", "0"]
     if L.nnodes == 1:
-        return [base + ["--standalone", "-m", "pipelines.train.trainer", *trainer_args]]
+        return [base + ["--standalone", "-m", module, *trainer_args]]
     port = _free_port()
     return [base + ["--nnodes", str(L.nnodes), "--node-rank", str(n), "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"llmp-{port}",
-                    "-m", "pipelines.train.trainer", *trainer_args] for n in range(L.nnodes)]
+                    "-m", module, *trainer_args] for n in range(L.nnodes)]
 
 
-def run_torchrun(spec: JobSpec, trainer_args: list[str]) -> None:
+def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipelines.train.trainer") -> None:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(spec.launcher.threads_per_proc))
     env["PYTHONUNBUFFERED"] = "1"
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in torchrun_cmds(spec, trainer_args)]
+             for cmd in torchrun_cmds(spec, trainer_args, module)]
     tail: deque[str] = deque(maxlen=40)
     # Stream node 0's output; other nodes' output is kept for the error message.
     for line in procs[0].stdout:  # type: ignore[union-attr]
