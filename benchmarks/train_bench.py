@@ -53,7 +53,7 @@ def minimal_loop(spec, tok, steps: int, threads: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)
+        loss.detach().item()  # wait for the step, as nanoGPT does when it logs
         times.append(time.perf_counter() - t0)
     steady = times[5:] or times
     return B * T * len(steady) / sum(steady)

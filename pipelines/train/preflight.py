@@ -93,16 +93,9 @@ def smoke_steps(spec: JobSpec, vocab: int, steps: int, device: torch.device) -> 
 
 def preflight(spec: JobSpec, out: Path, size_mb: float = 16.0, iters: int = 10, timing_steps: int = 5,
               n_smoke: int = 8, straggler_factor: float = 1.5) -> dict:
-    from pipelines.train.trainer import _backend
+    from pipelines.train.trainer import _backend, init_distributed
 
-    dist.init_process_group(_backend(spec))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}") if _backend(spec) == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(spec.launcher.threads_per_proc)
+    rank, world, device = init_distributed(spec)
     vocab = spec.model.vocab_size or spec.tokenizer.vocab_size
     bw = allreduce_bandwidth(size_mb, iters, device)
     mine = statistics.median(local_step_times(spec, vocab, timing_steps, device))

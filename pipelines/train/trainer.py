@@ -54,6 +54,18 @@ def _backend(spec: JobSpec) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def init_distributed(spec: JobSpec) -> tuple[int, int, torch.device]:
+    """Join the torchrun process group (NCCL on GPUs, gloo on CPU); returns (rank, world size, device)."""
+    dist.init_process_group(_backend(spec))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local_rank}") if _backend(spec) == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(spec.launcher.threads_per_proc)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
 def save_checkpoint(ckpt_dir: Path, model_sd: dict, optim_sd: dict, sampler, step: int, args_dict: dict,
                     tokenizer: Path, losses: list) -> Path:
     from pipelines.train.checkpoint import commit_local
@@ -75,14 +87,7 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
     from pipelines.train.model import ModelArgs, Transformer, param_count
     from pipelines.train.parallel import apply_parallelism, clip_grad_norm, dp_coords, full_state_dicts, grad_sync
 
-    dist.init_process_group(_backend(spec))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}") if _backend(spec) == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(spec.launcher.threads_per_proc)
+    rank, world, device = init_distributed(spec)
     torch.manual_seed(spec.run.seed)
 
     tok = load_manifest(tok_manifest_path)
