@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipelines.data.minhash import jaccard, normalize, shingles  # noqa: E402
+from pipelines.manifest import atomic_write_text  # noqa: E402
 
 SHARED_C4 = ROOT.parent / "shared" / "data" / "corpus" / "c4_en_train_1k.jsonl"
 BUNDLED_C4 = ROOT / "data" / "sample" / "c4_en_train_1k.jsonl.gz"
@@ -501,10 +502,8 @@ def main(argv: list[str] | None = None) -> int:
               "num_perm": NUM_PERM, "ngram": NGRAM, "threshold": THRESHOLD, "rows": rows}
     print()
     print(table(result))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\nwritten {out}")
+    atomic_write_text(args.out, json.dumps(result, indent=2))  # parents made, temp + rename
+    print(f"\nwritten {args.out}")
     if spark is not None:
         spark.stop()
     return 0

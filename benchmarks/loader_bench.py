@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipelines.data.shards import ShardWriter  # noqa: E402
+from pipelines.manifest import atomic_write_text  # noqa: E402
 from pipelines.train.loader import DPSampler, TokenSamples, batch_tensors  # noqa: E402
 
 
@@ -99,10 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         result["headroom_vs_trainer"] = round(ours * args.seq_len / demo_tps, 1)
         print(f"| last local training run's consumption ({demo_tps:,.0f} tokens/s) | {need:,.1f} | "
               f"{ours / need:,.0f} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"written {out}")
+    atomic_write_text(args.out, json.dumps(result, indent=2))  # parents made, temp + rename
+    print(f"written {args.out}")
     return 0
 
 

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "train.json"))
     args = ap.parse_args(argv)
 
-    from pipelines.manifest import load_manifest
+    from pipelines.manifest import atomic_write_text, load_manifest
     from pipelines.spec import load_spec
     from pipelines.train import launch
 
@@ -103,10 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|")
     for r in rows:
         print(f"| {r['trainer']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / loop:.2f} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"written {out}")
+    atomic_write_text(args.out, json.dumps(result, indent=2))  # parents made, temp + rename
+    print(f"written {args.out}")
     return 0
 
 

@@ -205,7 +205,21 @@ def _pair_jaccard_fn(batches):
                                          names=["src", "dst", "x", "j"])
 
 
-def _big_assign(members, sig, cand, cfg: DedupCfg, cc_local_max: int):
+def _components(spark, edges, n_edges: int, cfg: DedupCfg):
+    """Connected components (node, root) of ``edges`` (src, dst): in one executor task when the graph
+    has at most ``cc_single_task_max_edges`` edges, else large-star/small-star rounds across the
+    cluster. Returns (components, rounds, mode)."""
+    from pipelines.data.spark import components_single_task, connected_components
+
+    if n_edges == 0:
+        return spark.createDataFrame([], "node long, root long"), 0, "none"
+    if n_edges <= cfg.cc_single_task_max_edges:
+        return components_single_task(edges), 1, "single_task"
+    comps, rounds = connected_components(edges.select("src", "dst"))
+    return comps, rounds, "large_star_small_star"
+
+
+def _big_assign(members, sig, cand, cfg: DedupCfg):
     """Components above ``cover_max_cluster`` docs stay in joins and aggregations, so no giant
     component ever sits on one task: their candidate edges are verified in Spark (the shingle-hash
     sets of both ends joined to each edge, ``keepers.pair_jaccard`` per Arrow batch), connected components run again on the verified edges, and ``cover``
@@ -216,8 +230,6 @@ def _big_assign(members, sig, cand, cfg: DedupCfg, cc_local_max: int):
     from pyspark import StorageLevel
     from pyspark.sql import Window
     from pyspark.sql import functions as F
-
-    from pipelines.data.spark import components_single_task, connected_components
 
     nodes = members.select(F.col("idx").alias("src"))
     e = cand.join(nodes, "src")  # both ends of an edge lie in the same component
@@ -237,9 +249,7 @@ def _big_assign(members, sig, cand, cfg: DedupCfg, cc_local_max: int):
               F.count(F.when(F.col("x") == 1, 1)).alias("x")).first()
     counts = {"cand": int(c["cand"]), "ver": int(c["ok"]) if cfg.verify else int(c["cand"]), "exact": int(c["x"])}
     edges = e.where((F.col("x") == 1) | (F.col("j") >= cfg.threshold)) if cfg.verify else e
-    n_edges = counts["exact"] + counts["ver"]
-    comps = (components_single_task(edges) if n_edges <= cc_local_max
-             else connected_components(edges.select("src", "dst"))[0])
+    comps = _components(sig.sparkSession, edges, counts["exact"] + counts["ver"], cfg)[0]
     big = (comps.select(F.col("node").alias("idx"), F.col("root").alias("component"))
            .join(sig.select("idx", "len"), "idx")
            .withColumn("component_size", F.count("*").over(Window.partitionBy("component"))))
@@ -292,8 +302,6 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
-    from pipelines.data.spark import components_single_task, connected_components
-
     marks: dict[str, float] = {}
     t_last = [time.perf_counter()]
 
@@ -317,15 +325,8 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     n_cand_all = cand.count()
     mark("candidates")
 
-    # Connected components of the candidate graph: in one executor task when it is small enough,
-    # else large-star/small-star rounds across the cluster. Verification comes after, per component.
-    if n_cand_all == 0:
-        comps, rounds, cc_mode = spark.createDataFrame([], "node long, root long"), 0, "none"
-    elif n_cand_all <= cfg.cc_single_task_max_edges:
-        comps, rounds, cc_mode = components_single_task(cand), 1, "single_task"
-    else:
-        comps, rounds = connected_components(cand.select("src", "dst"))
-        cc_mode = "large_star_small_star"
+    # Connected components of the candidate graph; verification comes after, per component.
+    comps, rounds, cc_mode = _components(spark, cand, n_cand_all, cfg)
     members = comps.select(F.col("node").alias("idx"), F.col("root").alias("cc")).persist(StorageLevel.MEMORY_AND_DISK)
     sizes = members.groupBy("cc").agg(F.count("*").alias("n"))
     largest_cc = int(sizes.agg(F.max("n")).first()[0] or 0)
@@ -336,8 +337,7 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     if largest_cc > cfg.cover_max_cluster:
         sized = members.join(sizes, "cc")
         assign = _small_assign(sized.where(F.col("n") <= cfg.cover_max_cluster).drop("n"), sig, cfg)
-        big, counts, big_e = _big_assign(sized.where(F.col("n") > cfg.cover_max_cluster).drop("n"), sig, cand, cfg,
-                                         cfg.cc_single_task_max_edges)
+        big, counts, big_e = _big_assign(sized.where(F.col("n") > cfg.cover_max_cluster).drop("n"), sig, cand, cfg)
         assign = assign.unionByName(big)
     else:
         assign = _small_assign(members, sig, cfg)

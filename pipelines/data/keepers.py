@@ -159,9 +159,6 @@ def resolve_component(policy: str, threshold: float, verify: bool, idx, lens, ke
     keeper = np.arange(n)
     for c in np.flatnonzero(np.bincount(comp, minlength=n) > 1):
         mem = np.flatnonzero(comp == c)
-        if mem.size == 2 and (policy == "min_idx" or (policy == "cover" and jm[mem[0], mem[1]] >= threshold)):
-            keeper[mem[1]] = mem[0]
-            continue
         keeper[mem] = mem[choose_keepers(policy, threshold, idx[mem], lens[mem], jm[np.ix_(mem, mem)])]
     return comp, size, keeper, jm[np.arange(n), keeper], n_cand, n_ver, n_exact
 

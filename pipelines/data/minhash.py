@@ -285,10 +285,7 @@ def shingle_hash_texts(texts: list[str], n: int) -> tuple[np.ndarray, np.ndarray
 
 def _exact_ref(norm: str) -> int:
     """The ``exact`` key of one normalised text, in Python (the kernel's reference)."""
-    if not norm:
-        e = 0x5851F42D4C957F2D
-        return e
-    w = _word_hashes(norm.split(" "))
+    w = _word_hashes(norm.split(" ") if norm else [])
     e = np.uint64(0x5851F42D4C957F2D)
     for h in w:
         e = _splitmix64(np.array([e ^ h], dtype=np.uint64))[0]

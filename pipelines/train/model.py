@@ -43,7 +43,9 @@ class ModelArgs:
 
     @property
     def ffn_hidden(self) -> int:
-        return int(math.ceil(self.ffn_mult * self.d_model / 32) * 32)
+        from pipelines.train.plan import ffn_hidden
+
+        return ffn_hidden(self.ffn_mult, self.d_model)
 
     @classmethod
     def from_spec(cls, model_cfg, vocab_size: int) -> "ModelArgs":
@@ -56,10 +58,10 @@ class ModelArgs:
 
 
 def param_count(a: ModelArgs) -> int:
-    d, L, V, f = a.d_model, a.n_layers, a.vocab_size, a.ffn_hidden
-    kv = a.kv_heads * a.head_dim
-    per_layer = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
-    return V * d * (1 if a.tie_embeddings else 2) + L * per_layer + d
+    from pipelines.train import plan
+
+    return plan.param_count({"vocab": a.vocab_size, "d": a.d_model, "layers": a.n_layers, "kv_heads": a.kv_heads,
+                             "head_dim": a.head_dim, "ffn": a.ffn_hidden, "tied": a.tie_embeddings})["total"]
 
 
 class RMSNorm(nn.Module):

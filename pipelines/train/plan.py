@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from pipelines.spec import JobSpec, SpecError, load_spec
@@ -39,20 +40,23 @@ from pipelines.spec import JobSpec, SpecError, load_spec
 GIB = 1 << 30
 
 
+def ffn_hidden(ffn_mult: float, d_model: int) -> int:
+    """SwiGLU width: ffn_mult × d_model rounded up to a multiple of 32 (3.5 × 4096 = 14336)."""
+    return int(math.ceil(ffn_mult * d_model / 32) * 32)
+
+
 def model_shape(spec: JobSpec) -> dict:
     m = spec.model
     vocab = m.vocab_size or spec.tokenizer.vocab_size
     d, heads = m.d_model, m.n_heads
     kv = m.n_kv_heads or heads
-    import math
-
-    f = int(math.ceil(m.ffn_mult * d / 32) * 32)
     return {"vocab": vocab, "d": d, "layers": m.n_layers, "heads": heads, "kv_heads": kv, "head_dim": d // heads,
-            "ffn": f, "seq": m.seq_len, "tied": m.tie_embeddings}
+            "ffn": ffn_hidden(m.ffn_mult, d), "seq": m.seq_len, "tied": m.tie_embeddings}
 
 
 def param_count(shape: dict) -> dict:
-    """Parameters of the Llama-style model (same formula as ``pipelines.train.model.param_count``)."""
+    """Parameters of the Llama-style model (``pipelines.train.model.param_count`` uses this; a test
+    checks it against the torch module's own count)."""
     d, L, V, f = shape["d"], shape["layers"], shape["vocab"], shape["ffn"]
     kvd = shape["kv_heads"] * shape["head_dim"]
     block = 2 * d * d + 2 * d * kvd + 3 * d * f + 2 * d
