@@ -4,9 +4,13 @@ Wiring only: every task runs a stage of ``pipelines/`` (a ``python -m`` CLI, or 
 dedup and filter) and passes the stage manifest's path to the next task through XCom. Params (a form in the
 UI's "Trigger DAG") feed the job spec as ``--set`` overrides; a Param left empty keeps the spec's value.
 
-    setup_services ─► ingest ─► dedup ─► filter ─► tokenize ─► train ─► promote ─► evaluate ─► register
-         (setup)                (spark-submit ×2)             (torchrun)                           │
-         teardown_services ◄───────────────────────────────────────────────────────────────────────┘
+    setup_services ─► ingest ─► dedup ─► filter ─► tokenize ─► preflight ─► train ─► promote ─► evaluate ─► register
+         (setup)                (spark-submit ×2)             (torchrun, or a PyTorchJob on Kubernetes) │
+         teardown_services ◄─────────────────────────────────────────────────────────────────────────────┘
+
+``preflight`` and ``train`` run on the ranks the spec's ``launcher`` names: ``torchrun`` here, or a Kubeflow
+PyTorchJob that the stage submits and polls (``launcher.kind: kubernetes``), its state changes and the master
+pod's log streamed into the task log; clearing or killing the task deletes the job.
 """
 from __future__ import annotations
 
@@ -95,6 +99,8 @@ with DAG(
                               spec=SPEC, overrides=OVERRIDES, stage_args=["--input-manifest", manifest_of("dedup")])
     tokenize = StageOperator(task_id="tokenize", module="pipelines.data.tokenize", spec=SPEC, overrides=OVERRIDES,
                              stage_args=["--input-manifest", manifest_of("filter")])
+    preflight = StageOperator(task_id="preflight", module="pipelines.train.preflight", spec=SPEC, overrides=OVERRIDES,
+                              stage_args=["--tokenize-manifest", manifest_of("tokenize")])
     train = StageOperator(task_id="train", module="pipelines.train.launch", spec=SPEC, overrides=OVERRIDES,
                           stage_args=["--tokenize-manifest", manifest_of("tokenize")])
     promote = StageOperator(task_id="promote", module="pipelines.train.checkpoint", spec=SPEC, overrides=OVERRIDES,
@@ -108,4 +114,4 @@ with DAG(
                                          "--tokenize-manifest", manifest_of("tokenize")])
     teardown = teardown_services(setup).as_teardown(setups=setup)
 
-    setup >> ingest >> dedup >> filt >> tokenize >> train >> promote >> evaluate >> register >> teardown
+    setup >> ingest >> dedup >> filt >> tokenize >> preflight >> train >> promote >> evaluate >> register >> teardown

@@ -285,6 +285,12 @@ class TrainCfg(_Section):
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = Field(20, ge=0)
+    schedule: Literal["cosine", "wsd"] = Field(
+        "cosine", description="After linear warmup: 'cosine' decays to min_lr_ratio·lr over the remaining steps; "
+        "'wsd' (warmup-stable-decay) holds lr, then decays linearly to min_lr_ratio·lr over the last "
+        "decay_fraction of the steps.")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of train.steps spent decaying.")
+    prefetch: int = Field(2, ge=0, description="Steps of batches a loader thread prepares ahead (0 = inline).")
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
@@ -305,7 +311,21 @@ class LauncherCfg(_Section):
     namespace: str = "llm-pipeline"
     efa_per_node: int = Field(0, ge=0, description="EFA interfaces per node (vpc.amazonaws.com/efa); 32 on p5.48xlarge.")
     shared_fs_claim: Optional[str] = Field(
-        "fsx-checkpoints", description="PersistentVolumeClaim of the shared filesystem (L1 tier), mounted at /fsx.")
+        "fsx-checkpoints", description="PersistentVolumeClaim of the shared filesystem (L1 tier), mounted at "
+        "launcher.shared_fs_mount in the pods.")
+    shared_fs_mount: str = Field(
+        "/fsx", description="Where the shared filesystem is mounted, in the pods and on the Airflow workers alike: "
+        "run.root and checkpoint.l0 must be under it so the stage and the pods see the same paths.")
+    service_account: Optional[str] = Field(
+        None, description="Service account of the training pods (IRSA: checkpoints read/write); None = the "
+        "namespace's default.")
+    kubeconfig: Optional[str] = Field(
+        None, description="kubeconfig file; None = in-cluster credentials when running in a pod, else $KUBECONFIG "
+        "or ~/.kube/config.")
+    kube_context: Optional[str] = Field(None, description="kubeconfig context (None = its current context).")
+    poll_seconds: float = Field(10.0, gt=0, description="How often the launcher polls the PyTorchJob's status.")
+    timeout_minutes: Optional[float] = Field(
+        None, gt=0, description="Delete the PyTorchJob and fail when it has not finished by then (None = no limit).")
     node_selector: dict[str, str] = Field(
         default_factory=lambda: {"node.kubernetes.io/instance-type": "p5.48xlarge"},
         description="Pod node selector (the GPU node group).")
@@ -358,6 +378,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "dedup": ("data.dedup",),
     "filter": ("data.filters",),
     "tokenize": ("tokenizer", "run.seed"),
+    "preflight": ("model", "train", "parallel", "launcher", "run.seed"),
     "train": ("model", "train", "parallel", "launcher", "run.seed"),
     "promote": ("checkpoint",),
     "eval": ("eval", "model"),
@@ -389,6 +410,10 @@ class JobSpec(_Section):
         if tp > 1 and (m.n_heads % tp or kv % tp):
             raise ValueError(f"parallel.tp={tp} must divide model.n_heads={m.n_heads} and the KV heads ({kv}): "
                              "each TP rank computes whole heads")
+        if tp > 1 and deg["dp_replicate"] > 1 and deg["dp_shard"] == 1:
+            raise ValueError(f"parallel.tp={tp} with DDP (parallel.dp_replicate={deg['dp_replicate']}): tensor "
+                             "parallel combines with FSDP2, not DDP; set parallel.dp_shard to the data-parallel "
+                             "degree and parallel.dp_replicate=1")
         t = self.train
         if t.global_batch is not None and t.micro_batch * t.grad_accum * deg["dp"] != t.global_batch:
             raise ValueError(

@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"docs                : {g('ingest.lines')} in → {g('ingest.quarantined')} quarantined, "
           f"{g('dedup.removed')} duplicates, {g('filter.removed')} filtered, {g('tokenize.docs')} kept")
     print(f"tokens              : {g('tokenize.train_tokens')} train + {g('tokenize.heldout_tokens')} held-out")
+    print(f"preflight           : {g('preflight.world_size')} ranks, all-reduce "
+          f"{g('preflight.allreduce_busbw_GBps', '{:.2f}')} GB/s bus bandwidth, {g('preflight.stragglers')} stragglers")
     print(f"training            : {g('train.steps')} steps, final loss {g('train.final_loss', '{:.3f}')}, "
           f"{g('train.tokens_per_s')} tokens/s, {g('train.params')} params")
     print(f"held-out            : loss {g('eval.heldout_loss', '{:.4f}')} nats/token, "

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import ROOT
 
-ORDER = ["setup_services", "ingest", "dedup", "filter", "tokenize", "train", "promote", "evaluate", "register",
+ORDER = ["setup_services", "ingest", "dedup", "filter", "tokenize", "preflight", "train", "promote", "evaluate", "register",
          "teardown_services"]
 
 

@@ -66,6 +66,8 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     assert tk["docs"] == fl["kept"]
     assert ing["lines"] == tk["docs"] + fl["removed"] + dd["removed"] + ing["quarantined"]
     assert tk["tokens"] == sum(s["tokens"] for s in man["tokenize"]["extra"]["shards"])
+    assert man["preflight"]["counts"] == {"world_size": 2, "stragglers": 0}
+    assert man["preflight"]["metrics"]["smoke_loss_last"] < man["preflight"]["metrics"]["smoke_loss_first"]
     assert man["eval"]["extra"]["loaded_from"] == "L2"
     assert man["promote"]["extra"]["actions"]["L2"] == "uploaded"
     # the embedded S3 endpoint was stopped and its objects saved to disk

@@ -86,20 +86,13 @@ def test_plan_cli_prints_json_with_the_documented_keys(capsys):
     assert "pipeline parallelism is not implemented" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("sets,match", [
-    (["launcher.kind=kubernetes"], "only the local torchrun launcher"),
-    (["launcher.nproc_per_node=4", "parallel.dp_replicate=2", "parallel.tp=2"],
-     r"parallel\.tp=2 with DDP \(parallel\.dp_replicate=2\): tensor parallel combines with FSDP2"),
-])
-def test_the_launcher_refuses_layouts_the_trainer_does_not_run_yet(sets, match):
-    from pipelines.train.launch import TrainError, check_supported
-
-    spec = load_spec(None, sets, env={})  # a valid spec...
-    with pytest.raises(TrainError, match=match):
-        check_supported(spec)  # ...that the trainer says it cannot run, before any process starts
-    check_supported(load_spec(None, [], env={}))  # the default (DDP over 2 ranks) runs
-    check_supported(load_spec(None, ["parallel.dp_shard=-1"], env={}))  # FSDP2 over 2 ranks runs
-    check_supported(load_spec(None, ["parallel.dp_replicate=1", "parallel.tp=2"], env={}))  # TP over 2 ranks runs
+def test_tensor_parallel_with_ddp_is_refused_by_the_spec():
+    with pytest.raises(SpecError, match=r"parallel\.tp=2 with DDP \(parallel\.dp_replicate=2\): tensor parallel "
+                       "combines with FSDP2"):
+        load_spec(None, ["launcher.nproc_per_node=4", "parallel.dp_replicate=2", "parallel.tp=2"], env={})
+    load_spec(None, ["launcher.nproc_per_node=4", "parallel.dp_shard=2", "parallel.dp_replicate=1", "parallel.tp=2"],
+              env={})  # FSDP2 × TP is fine
+    load_spec(None, ["parallel.dp_replicate=1", "parallel.tp=2"], env={})  # TP over 2 ranks is fine
     with pytest.raises(SpecError, match=r"parallel\.tp=2 must divide model\.n_heads=4 and the KV heads \(1\)"):
         load_spec(None, ["parallel.dp_replicate=1", "parallel.tp=2", "model.n_kv_heads=1"], env={})
 
@@ -152,3 +145,47 @@ def test_pytorchjob_validation_catches_schema_and_operator_errors():
     assert any("Worker.replicas" in e and "integer" in e for e in errs)
     assert any("no container named 'pytorch'" in e for e in errs)
     assert "replicas add up to 1 nodes, the spec asks for launcher.nnodes=8" in errs  # "seven" is no node count
+
+
+def test_lr_schedules_warm_up_then_cosine_or_hold_and_decay_to_the_floor():
+    from pipelines.train.trainer import lr_at
+
+    base = ["train.steps=100", "train.warmup_steps=10", "train.lr=0.001", "train.min_lr_ratio=0.1"]
+    cos = load_spec(None, base, env={})
+    wsd = load_spec(None, base + ["train.schedule=wsd", "train.decay_fraction=0.2"], env={})
+    for spec in (cos, wsd):
+        assert lr_at(0, spec) == pytest.approx(1e-4) and lr_at(9, spec) == pytest.approx(1e-3)  # linear warmup
+        assert lr_at(99, spec) == pytest.approx(1e-4, rel=0.01)  # (about) the floor at the last step
+    cos_lrs = [lr_at(s, cos) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(cos_lrs, cos_lrs[1:])) and lr_at(55, cos) == pytest.approx(5.5e-4)
+    # WSD: flat at the peak through step 79, then linear to the floor over the last 20 steps
+    assert all(lr_at(s, wsd) == 1e-3 for s in range(10, 80))
+    assert lr_at(89, wsd) == pytest.approx(1e-3 - 0.9e-3 * 10 / 20)
+    decay = [lr_at(s, wsd) for s in range(80, 100)]
+    assert decay[-1] == pytest.approx(1e-4)
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+    with pytest.raises(SpecError, match="decay_fraction"):
+        load_spec(None, ["train.decay_fraction=0"], env={})
+
+
+def test_gpu_mfu_benchmark_runs_its_cpu_smoke_and_refuses_without_a_gpu(tmp_path, capsys):
+    import importlib.util
+
+    import torch
+
+    from conftest import ROOT
+
+    mod = importlib.util.spec_from_file_location("gpu_mfu", ROOT / "benchmarks" / "gpu_mfu.py")
+    gm = importlib.util.module_from_spec(mod)
+    mod.loader.exec_module(gm)
+    out = tmp_path / "gpu_mfu.json"
+    assert gm.main(["--cpu-smoke", "--steps", "3", "--warmup", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["impl"] for r in res["rows"]] == ["ours (trainer step)", "nanoGPT-style step"]
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in res["rows"])  # no MFU on CPU
+    assert res["ratio"] == pytest.approx(res["rows"][0]["tokens_per_s"] / res["rows"][1]["tokens_per_s"])
+    plan = P.memory_plan(load_spec("configs/gpu_350m.yaml", env={}))
+    assert 350e6 <= plan["params"] <= 1e9 and plan["fits"]  # the measured config is in the range
+    if not torch.cuda.is_available():
+        assert gm.main(["--out", str(tmp_path / "x.json")]) == 2 and not (tmp_path / "x.json").exists()
+        assert "no CUDA device here" in capsys.readouterr().err

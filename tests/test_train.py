@@ -44,6 +44,46 @@ def test_dp_ranks_take_disjoint_slices_whose_union_is_the_global_batch():
         assert len(set(np.concatenate(parts).tolist())) == G
 
 
+def test_global_batches_follow_the_per_epoch_permutations_across_epoch_boundaries():
+    n, G, seed = 10, 4, 3
+    s = DPSampler(n, G, 0, 1, seed=seed)
+    stream = np.concatenate([np.random.default_rng([seed, e]).permutation(n) for e in range(5)])
+    for k in range(12):  # 48 positions: crosses four epoch boundaries, some inside a batch
+        assert np.array_equal(s.next_local(), stream[k * G:(k + 1) * G])
+
+
+def test_prefetcher_gives_the_inline_batches_and_keeps_the_position_exact(tmp_path):
+    from pipelines.data.shards import ShardWriter
+    from pipelines.train.loader import Prefetcher, TokenSamples
+
+    rng = np.random.default_rng(0)
+    prefixes = []
+    for i, ntok in enumerate([501, 333]):
+        w = ShardWriter(tmp_path / f"s{i}", np.uint16)
+        w.add(rng.integers(0, 60000, ntok))
+        w.close()
+        prefixes.append(tmp_path / f"s{i}")
+    samples = TokenSamples(prefixes, seq_len=16)
+    assert len(samples) == 500 // 16 + 332 // 16
+    ref_sampler = DPSampler(len(samples), 8, 1, 2, seed=4)
+    inline = Prefetcher(samples, ref_sampler, grad_accum=2, depth=0)
+    sampler = DPSampler(len(samples), 8, 1, 2, seed=4)
+    ahead = Prefetcher(samples, sampler, grad_accum=2, depth=3)
+    for step in range(10):
+        a, b = inline.next_step(), ahead.next_step()
+        assert len(b) == 2 and all(x.shape == (2, 16) and y.shape == (2, 16) for x, y in b)
+        for (xa, ya), (xb, yb) in zip(a, b):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+            assert torch.equal(xb[:, 1:], yb[:, :-1])  # targets are the inputs shifted by one
+        # the thread has read ahead, but the checkpointable position is exactly the steps taken
+        assert sampler.state_dict()["consumed_samples"] == 8 * (step + 1)
+    ahead.close()
+    resumed = DPSampler(len(samples), 8, 1, 2, seed=4)
+    resumed.load_state_dict(sampler.state_dict())
+    nxt = Prefetcher(samples, resumed, grad_accum=2, depth=2).next_step()
+    assert all(torch.equal(x, xi) for (x, _), (xi, _) in zip(nxt, inline.next_step()))
+
+
 def test_resuming_at_k_on_a_different_dp_size_keeps_the_global_order():
     a = DPSampler(50, 8, 0, 1, seed=9)
     order = [a.next_local() for _ in range(10)]
@@ -141,23 +181,34 @@ def test_two_node_torchrun_on_loopback_trains_like_one_node(home):
 
 @pytest.mark.parametrize("slow_rank", [None, 1])
 def test_preflight_measures_allreduce_names_a_straggler_and_checks_the_loss_drops(home, slow_rank, monkeypatch):
+    from pipelines.manifest import load_manifest
     from pipelines.train import preflight
 
     if slow_rank is not None:  # fault injection: rank 1 sleeps 0.3 s in each timed step
         monkeypatch.setenv("LLMP_PREFLIGHT_SLOW_RANK", str(slow_rank))
         monkeypatch.setenv("LLMP_PREFLIGHT_DELAY_S", "0.3")
-    sets = ["model.vocab_size=256", "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=32",
-            "train.micro_batch=4", "train.lr=0.01"]
-    out = home / "pf"
+    sets = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",
+            "model.seq_len=32", "train.micro_batch=4", "train.lr=0.01"]
+    spec = load_spec(None, sets, env={})
+    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
+    tok = tokenize.run(spec, _filter_manifest(home, docs))
+    report = home / "pf-report.json"
     # factor 3: two ranks share two busy cores here; the injected 0.3 s dwarfs a ≈ 5 ms step either way
-    args = ["--launch", "--out", str(out), "--size-mb", "4", "--straggler-factor", "3"] + \
+    args = ["--tokenize-manifest", tok.path, "--size-mb", "4", "--straggler-factor", "3", "--report", str(report)] + \
         [a for kv in sets for a in ("--set", kv)]
     code = preflight.main(args)
-    res = json.loads((out / "preflight.json").read_text())
-    assert res["world_size"] == 2 and res["allreduce"]["busbw_GBps"] > 0 and res["loss_dropped"]
-    assert res["smoke_losses"][-1] < res["smoke_losses"][0]
     if slow_rank is None:
-        assert code == 0 and res["stragglers"] == [] and res["failures"] == []
+        assert code == 0
+        m = load_manifest(json.loads(report.read_text())["manifest"])
+        res = json.loads(m.output("report").read_text())
+        assert m.stage == "preflight" and m.counts == {"world_size": 2, "stragglers": 0}
+        assert m.metrics["allreduce_busbw_GBps"] == res["allreduce"]["busbw_GBps"] > 0
+        assert res["stragglers"] == [] and res["failures"] == [] and res["loss_dropped"]
+        assert res["smoke_losses"][-1] < res["smoke_losses"][0]
+        assert preflight.main(args) == 0 and load_manifest(m.path).finished != m.finished  # re-measured, not skipped
     else:
-        assert code == 1 and res["stragglers"] == [1] and "straggler rank(s) [1]" in res["failures"][0]
-        assert res["step_seconds_by_rank"][1] > 0.3
+        assert code == 1 and not report.exists()
+        with pytest.raises(preflight.PreflightFailed, match=r"straggler rank\(s\) \[1\]") as ei:
+            preflight.run(spec, tok, size_mb=4, straggler_factor=3)
+        res = ei.value.result
+        assert res["stragglers"] == [1] and res["step_seconds_by_rank"][1] > 0.3 and res["loss_dropped"]

@@ -1,13 +1,19 @@
-"""Kubernetes launch: the job spec rendered as a Kubeflow ``PyTorchJob`` (kubeflow.org/v1) and validated.
+"""Kubernetes launch: the job spec as a Kubeflow ``PyTorchJob`` (kubeflow.org/v1), submitted and watched.
 
 :func:`render_pytorchjob` turns the spec's ``launcher`` (nodes, processes per node, image, EFA, shared
 filesystem, node selector, elastic range) into one manifest: a Master and ``nnodes − 1`` Workers that
-each run ``torchrun -m pipelines.train.trainer`` (the training operator passes the rendezvous to
-torchrun through ``PET_*`` variables), with GPU and EFA limits, the FSx claim mounted at ``/fsx``
-(the L1 checkpoint tier), a memory-backed ``/dev/shm`` for NCCL, and NCCL/EFA environment.
+each run ``torchrun -m <module>`` (the trainer or the preflight; the training operator passes the
+rendezvous to torchrun through ``PET_*`` variables), with GPU and EFA limits, the shared-FS claim
+mounted at ``launcher.shared_fs_mount`` (the L1 checkpoint tier, and where run.root lives), a
+memory-backed ``/dev/shm`` for NCCL, and NCCL/EFA environment.
 :func:`validate_pytorchjob` checks a manifest against the ``openAPIV3Schema`` of the operator's CRD
 (``kubeflow.org_pytorchjobs.yaml``), plus what the schema cannot say (the container must be named
 ``pytorch``; replicas must add up to the spec's nodes).
+:func:`run_pytorchjob` submits it with the kubernetes client (a job of the same name left by an
+earlier try is adopted while it runs or has succeeded, replaced when it failed), polls it every
+``launcher.poll_seconds`` to a terminal condition, printing each state change (conditions and
+replica counts) and the master pod's new log lines (so they reach the Airflow task log), and deletes
+the job on timeout, SIGTERM (Airflow's kill) or Ctrl-C.
 
     python -m pipelines.train.k8s SPEC.yaml [--crd CRD.yaml] [--run-id ID]   # prints the manifest (YAML)
 """
@@ -15,9 +21,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import re
+import signal
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -37,24 +47,24 @@ def job_name(spec: JobSpec, run_id: str) -> str:
     return base[:63].rstrip("-")
 
 
-def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str]) -> dict:
+def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
+                      module: str = "pipelines.train.trainer", extra_env: dict[str, str] | None = None) -> dict:
     L = spec.launcher
     gpus = L.nproc_per_node
     env = {**NCCL_ENV, **(EFA_ENV if L.efa_per_node else {}), "OMP_NUM_THREADS": str(L.threads_per_proc),
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     limits = {"nvidia.com/gpu": gpus}
     if L.efa_per_node:
         limits["vpc.amazonaws.com/efa"] = L.efa_per_node
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     if L.shared_fs_claim:
-        mounts.append({"name": "shared-fs", "mountPath": "/fsx"})
+        mounts.append({"name": "shared-fs", "mountPath": L.shared_fs_mount})
         volumes.append({"name": "shared-fs", "persistentVolumeClaim": {"claimName": L.shared_fs_claim}})
     container = {
         "name": "pytorch",  # the training operator finds the container by this name
         "image": L.image,
-        "command": ["torchrun", "--max-restarts", str(L.max_restarts), "-m", "pipelines.train.trainer",
-                    *trainer_args],
+        "command": ["torchrun", "--max-restarts", str(L.max_restarts), "-m", module, *trainer_args],
         "env": [{"name": k, "value": v} for k, v in env.items()],
         "resources": {"limits": limits, "requests": dict(limits)},
         "volumeMounts": mounts,
@@ -63,6 +73,8 @@ def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str]) -> di
                                         "llm-pipeline/run": job_name(spec, run_id)}},
                 "spec": {"containers": [container], "volumes": volumes, "nodeSelector": dict(L.node_selector),
                          "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}}
+    if L.service_account:
+        template["spec"]["serviceAccountName"] = L.service_account
     specs = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
     if L.nnodes > 1:
         specs["Worker"] = {"replicas": L.nnodes - 1, "restartPolicy": "OnFailure", "template": copy.deepcopy(template)}
@@ -110,6 +122,224 @@ def validate_pytorchjob(job: dict, crd_path: Path, spec: JobSpec | None = None) 
     return errors
 
 
+GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+
+
+class JobFailed(RuntimeError):
+    """The PyTorchJob was rejected, failed, or did not finish in time; the message says which and why."""
+
+
+def api_clients(spec: JobSpec):
+    """(CustomObjectsApi, CoreV1Api) from ``launcher.kubeconfig``/``kube_context``, or in-cluster credentials."""
+    from kubernetes import client, config
+
+    L = spec.launcher
+    if L.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+    else:
+        try:
+            config.load_kube_config(config_file=os.path.expanduser(L.kubeconfig) if L.kubeconfig else None,
+                                    context=L.kube_context)
+        except (config.ConfigException, OSError) as e:
+            raise JobFailed(f"cannot load Kubernetes credentials ({e}); set launcher.kubeconfig (and "
+                            "launcher.kube_context), or run inside the cluster") from None
+    return client.CustomObjectsApi(), client.CoreV1Api()
+
+
+def job_state(obj: dict) -> tuple[str, str]:
+    """(state, message) from the job's conditions: Succeeded/Failed win, else the newest true condition,
+    else Pending."""
+    true = [c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("status") == "True"]
+    for terminal in ("Failed", "Succeeded"):
+        for c in true:
+            if c.get("type") == terminal:
+                return terminal, c.get("message", "")
+    if not true:
+        return "Pending", ""
+    return true[-1].get("type", "Unknown"), true[-1].get("message", "")
+
+
+def _replicas(obj: dict) -> str:
+    rs = (obj.get("status") or {}).get("replicaStatuses") or {}
+    parts = []
+    for role, st in sorted(rs.items()):
+        counts = ", ".join(f"{k} {st[k]}" for k in ("active", "succeeded", "failed") if st.get(k))
+        parts.append(f"{role}: {counts or '-'}")
+    return "; ".join(parts)
+
+
+def _api_error(e) -> str:
+    import json
+
+    try:
+        return json.loads(e.body).get("message") or str(e.body)
+    except (TypeError, ValueError, AttributeError):
+        return str(getattr(e, "body", "") or e)
+
+
+def submit(custom, job: dict, log: Callable[[str], None] = print) -> str:
+    """Create the job; returns 'created', 'adopted' (same name, still running or succeeded) or 'replaced'."""
+    from kubernetes.client.exceptions import ApiException
+
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    try:
+        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
+        log(f"pytorchjob {ns}/{name}: submitted")
+        return "created"
+    except ApiException as e:
+        if e.status != 409:
+            raise JobFailed(f"the API server refused PyTorchJob {ns}/{name} ({e.status} {e.reason}): "
+                            f"{_api_error(e)}") from None
+    existing = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+    state, _ = job_state(existing)
+    same = _commands(existing) == _commands(job)
+    if same and state != "Failed":
+        log(f"pytorchjob {ns}/{name}: already exists ({state}) with the same command, following it")
+        return "adopted"
+    if state not in ("Failed", "Succeeded"):
+        raise JobFailed(f"PyTorchJob {ns}/{name} from an earlier try is still {state} with another command; wait "
+                        f"for it or delete it (kubectl delete pytorchjob -n {ns} {name})")
+    log(f"pytorchjob {ns}/{name}: replacing the earlier {state} job")
+    delete(custom, ns, name, wait_s=120)
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
+    return "replaced"
+
+
+def _commands(job: dict) -> list:
+    specs = (job.get("spec") or {}).get("pytorchReplicaSpecs") or {}
+    return [c.get("command") for _, rs in sorted(specs.items())
+            for c in rs.get("template", {}).get("spec", {}).get("containers", [])]
+
+
+def delete(custom, ns: str, name: str, wait_s: float = 0) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name,
+                                               body={"propagationPolicy": "Foreground"})
+    except ApiException as e:
+        if e.status != 404:
+            raise
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        except ApiException as e:
+            if e.status == 404:
+                return
+            raise
+        time.sleep(1)
+
+
+_EXC = re.compile(r"\b[A-Za-z_.]*(?:Error|Exception|Diverged)\b: .*$")
+
+
+class _LogFollower:
+    """New lines of the master pod's ``pytorch`` container since the last poll. Lines carry the kubelet's
+    timestamps; those at or before the newest one already shown are skipped (counting equal stamps)."""
+
+    def __init__(self, core, ns: str, pod: str, window_s: int):
+        self.core, self.ns, self.pod, self.window = core, ns, pod, window_s
+        self.last_ts, self.n_at_last = "", 0
+        self.tail: list[str] = []
+
+    def poll(self) -> list[str]:
+        from kubernetes.client.exceptions import ApiException
+
+        try:  # raw bytes: with content preloading the client hands back str(bytes) for a non-JSON body
+            resp = self.core.read_namespaced_pod_log(self.pod, self.ns, container="pytorch", timestamps=True,
+                                                     since_seconds=self.window, _preload_content=False)
+            text = resp.data.decode("utf-8", "replace")
+        except ApiException:  # not started yet, or gone
+            return []
+        new, k, prev = [], 0, None
+        for line in (text or "").splitlines():
+            ts, _, rest = line.partition(" ")
+            k = k + 1 if ts == prev else 0
+            prev = ts
+            if ts < self.last_ts or (ts == self.last_ts and k < self.n_at_last):
+                continue
+            if ts == self.last_ts:
+                self.n_at_last += 1
+            else:
+                self.last_ts, self.n_at_last = ts, 1
+            new.append(rest)
+        self.tail = (self.tail + new)[-400:]
+        return new
+
+    def errors(self) -> list[str]:
+        """Distinct exception lines the ranks printed (torchrun's own ChildFailedError left out)."""
+        seen: list[str] = []
+        for line in self.tail:
+            m = _EXC.search(line)
+            if m and "ChildFailedError" not in line and m.group(0) not in seen:
+                seen.append(m.group(0))
+        return seen[-5:]
+
+
+def watch(custom, core, ns: str, name: str, poll_s: float, timeout_s: float | None,
+          log: Callable[[str], None] = print) -> dict:
+    """Poll to Succeeded (returns the job) or Failed/timeout (raises :class:`JobFailed`)."""
+    follower = _LogFollower(core, ns, f"{name}-master-0", window_s=int(poll_s * 3) + 30)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    last = None
+    while True:
+        obj = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        state, msg = job_state(obj)
+        line = f"{state}" + (f" [{_replicas(obj)}]" if _replicas(obj) else "") + (f": {msg}" if msg else "")
+        if line != last:
+            log(f"pytorchjob {ns}/{name}: {line}")
+            last = line
+        for out in follower.poll():
+            log(f"[{name}-master-0] {out}")
+        if state == "Succeeded":
+            return obj
+        if state == "Failed":
+            errs = follower.errors()
+            raise JobFailed(f"PyTorchJob {ns}/{name} failed: {msg or 'no message'}"
+                            + (f"\nerrors in the master pod's log:\n  " + "\n  ".join(errs) if errs else "")
+                            + "\nlast master log lines:\n" + "\n".join(follower.tail[-15:]))
+        if deadline is not None and time.monotonic() > deadline:
+            delete(custom, ns, name)
+            raise JobFailed(f"PyTorchJob {ns}/{name} did not finish within launcher.timeout_minutes="
+                            f"{timeout_s / 60:g}; it was deleted")
+        time.sleep(poll_s)
+
+
+def run_pytorchjob(spec: JobSpec, run_id: str, module: str, args: list[str],
+                   log: Callable[[str], None] = print) -> dict:
+    """Render, submit and watch one PyTorchJob running ``torchrun -m module args``; the job is deleted
+    when this process is told to stop (SIGTERM from Airflow, Ctrl-C) or times out."""
+    from pipelines.spec import project_home
+
+    job = render_pytorchjob(spec, run_id, args, module, extra_env={"LLMP_HOME": str(project_home())})
+    custom, core = api_clients(spec)
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    submit(custom, job, log)
+
+    def _term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, _term) if _in_main_thread() else None
+    try:
+        t = spec.launcher.timeout_minutes
+        return watch(custom, core, ns, name, spec.launcher.poll_seconds, None if t is None else t * 60, log)
+    except KeyboardInterrupt:
+        log(f"pytorchjob {ns}/{name}: stopping: deleting the job")
+        delete(custom, ns, name)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipelines.train.k8s",
                                  description="Render a job spec as a Kubeflow PyTorchJob; validate it against the CRD.")
@@ -123,9 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"k8s: error: {e}", file=sys.stderr)
         return 2
-    job = render_pytorchjob(spec, args.run_id, ["--spec", "/fsx/specs/spec.yaml", "--tokenize-manifest",
-                                                "/fsx/runs/tokenize/manifest.json", "--out", "/fsx/runs/train",
-                                                "--ckpt-root", "/fsx/checkpoints"])
+    fs = spec.launcher.shared_fs_mount.rstrip("/")
+    job = render_pytorchjob(spec, args.run_id, ["--spec", f"{fs}/specs/spec.yaml", "--tokenize-manifest",
+                                                f"{fs}/runs/tokenize/manifest.json", "--out", f"{fs}/runs/train",
+                                                "--ckpt-root", f"{fs}/checkpoints"])
     if args.crd:
         errs = validate_pytorchjob(job, Path(args.crd), spec)
         if errs:

@@ -1,8 +1,10 @@
 """Launch training: the ``train`` stage.
 
-``launcher.kind = local`` runs ``torchrun`` as a subprocess (``--standalone`` on one node, or
-c10d rendezvous on 127.0.0.1 for ``nnodes > 1`` on this machine), streams its output, and on
-success writes the stage manifest: the L0 location of the final checkpoint, the loss curve (JSON
+:func:`run_ranks` is the one launcher interface (the preflight stage uses it too), chosen by
+``launcher.kind``: ``local`` runs ``torchrun`` as a subprocess (``--standalone`` on one node, or
+c10d rendezvous on 127.0.0.1 for ``nnodes > 1`` on this machine) and streams its output;
+``kubernetes`` submits a Kubeflow PyTorchJob and watches it (``pipelines.train.k8s``). On
+success the stage writes its manifest: the L0 location of the final checkpoint, the loss curve (JSON
 and PNG, the PNG also logged to MLflow) and throughput.
 
     python -m pipelines.train.launch --tokenize-manifest M [--spec S] [--set train.steps=50]
@@ -84,15 +86,49 @@ def plot_losses(losses: list, path: Path) -> None:
 
 
 def check_supported(spec: JobSpec) -> None:
-    """Fail before any process starts when the spec asks for what this trainer does not run yet."""
-    if spec.launcher.kind != "local":
-        raise TrainError(f"launcher.kind={spec.launcher.kind}: only the local torchrun launcher runs jobs so far; "
-                         "set launcher.kind=local (the Kubeflow PyTorchJob launcher is not built yet)")
-    deg = spec.degrees
-    if deg["tp"] > 1 and deg["dp_replicate"] > 1 and deg["dp_shard"] == 1:
-        raise TrainError(f"parallel.tp={deg['tp']} with DDP (parallel.dp_replicate={deg['dp_replicate']}): tensor "
-                         "parallel combines with FSDP2, not DDP; set parallel.dp_shard to the data-parallel degree "
-                         "and parallel.dp_replicate=1")
+    """Fail before anything starts when the ranks could not see the stage's files: on Kubernetes the pods
+    read and write run.root and checkpoint.l0 through the shared filesystem, at the same paths."""
+    if spec.launcher.kind != "kubernetes":
+        return
+    mount = Path(spec.launcher.shared_fs_mount)
+    for key, value in (("run.root", spec.run.root), ("checkpoint.l0", spec.checkpoint.l0)):
+        p = resolve_path(value).resolve()
+        if p != mount and mount not in p.parents:
+            raise TrainError(f"launcher.kind=kubernetes: {key} resolves to {p}, outside launcher.shared_fs_mount="
+                             f"{mount}; the pods would not see it. Put {key} under {mount} (mount the shared "
+                             "filesystem on the Airflow workers at the same path)")
+
+
+def rank_workdir(spec: JobSpec, sd: StageDir, tmp: Path) -> Path:
+    """Where the ranks write: the stage's temp dir locally; on Kubernetes a directory named by the stage key,
+    so a retried task's job has the same command as the one it adopts."""
+    if spec.launcher.kind != "kubernetes":
+        return tmp
+    work = sd.final.with_name(f".{sd.final.name}.work")
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def collect(work: Path, tmp: Path, names: list[str]) -> None:
+    if work == tmp:
+        return
+    for n in names:
+        if not (work / n).is_file():
+            raise TrainError(f"the ranks finished but wrote no {n} in {work}")
+        (tmp / n).write_bytes((work / n).read_bytes())
+
+
+def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str) -> None:
+    """Run ``module`` on every rank the spec asks for: torchrun here, or a PyTorchJob on Kubernetes."""
+    if spec.launcher.kind == "kubernetes":
+        from pipelines.train.k8s import JobFailed, run_pytorchjob
+
+        try:
+            run_pytorchjob(spec, run_id, module, args, log=lambda m: print(m, flush=True))
+        except JobFailed as e:
+            raise TrainError(str(e)) from None
+    else:
+        run_torchrun(spec, args, module)
 
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
@@ -103,10 +139,13 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
 
     def body(tmp: Path) -> Manifest:
         ckpt_root = resolve_path(spec.checkpoint.l0) / rel_root
-        spec_file = tmp / "spec.yaml"
+        work = rank_workdir(spec, sd, tmp)
+        spec_file = work / "spec.yaml"
         spec_file.write_text(spec.to_yaml())
-        run_torchrun(spec, ["--spec", str(spec_file), "--tokenize-manifest", tok.path, "--out", str(tmp),
-                            "--ckpt-root", str(ckpt_root)])
+        run_ranks(spec, "pipelines.train.trainer", ["--spec", str(spec_file), "--tokenize-manifest", tok.path,
+                                                     "--out", str(work), "--ckpt-root", str(ckpt_root)],
+                  run_id=f"train-{sd.final.name[:8]}")
+        collect(work, tmp, ["result.json", "losses.json", "spec.yaml"])
         result = json.loads((tmp / "result.json").read_text())
         plot_losses(json.loads((tmp / "losses.json").read_text()), tmp / "loss_curve.png")
         return sd.commit(

@@ -7,6 +7,9 @@
 * Rank r of D takes the contiguous slice ``[r·G/D, (r+1)·G/D)`` of each global batch
   (Megatron style). The whole position is one integer, ``consumed_samples``, so resuming on a
   different DP size keeps the same global sample order.
+* :class:`Prefetcher` builds the next steps' micro-batch tensors in a thread while the current step
+  computes (pinned memory on CUDA); it reads positions ahead but advances ``consumed_samples`` only
+  when the trainer takes a step's batches, so a checkpoint's loader state is exact.
 """
 from __future__ import annotations
 
@@ -51,17 +54,23 @@ class DPSampler:
         return self._cache[epoch]
 
     def global_batch(self, consumed: int) -> np.ndarray:
+        pos = np.arange(consumed, consumed + self.G, dtype=np.int64)
+        epochs = pos // self.n
         ids = np.empty(self.G, dtype=np.int64)
-        for j in range(self.G):
-            pos = consumed + j
-            ids[j] = self._order(pos // self.n)[pos % self.n]
+        for e in np.unique(epochs):  # at most two epochs meet inside one global batch (unless G > n)
+            sel = epochs == e
+            ids[sel] = self._order(int(e))[pos[sel] % self.n]
         return ids
 
-    def next_local(self) -> np.ndarray:
+    def local_at(self, consumed: int) -> np.ndarray:
+        """This rank's slice of the global batch that starts at position ``consumed``."""
         per = self.G // self.D
-        batch = self.global_batch(self.consumed_samples)
+        return self.global_batch(consumed)[self.rank * per:(self.rank + 1) * per]
+
+    def next_local(self) -> np.ndarray:
+        batch = self.local_at(self.consumed_samples)
         self.consumed_samples += self.G
-        return batch[self.rank * per:(self.rank + 1) * per]
+        return batch
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "global_batch": self.G}
@@ -78,3 +87,68 @@ def batch_tensors(samples: TokenSamples, ids: np.ndarray):
     arr = np.stack([samples[int(i)] for i in ids])
     t = torch.from_numpy(arr)
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+class Prefetcher:
+    """Yields one step's micro-batches ``[(x, y)] × grad_accum`` for this rank, prepared ``depth`` steps
+    ahead in a daemon thread (``depth=0``: built inline). ``sampler.consumed_samples`` moves forward
+    by one global batch per :meth:`next_step`, never by what is only prefetched."""
+
+    def __init__(self, samples: TokenSamples, sampler: DPSampler, grad_accum: int, depth: int = 2,
+                 pin_memory: bool = False):
+        import queue
+        import threading
+
+        self.samples, self.sampler, self.accum, self.pin = samples, sampler, grad_accum, pin_memory
+        self.depth = depth
+        self._q: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._work, args=(sampler.consumed_samples,), daemon=True,
+                                            name="llmp-prefetch")
+            self._thread.start()
+
+    def _build(self, consumed: int) -> list:
+        micro = self.sampler.local_at(consumed).reshape(self.accum, -1)
+        out = []
+        for ids in micro:
+            x, y = batch_tensors(self.samples, ids)
+            if self.pin:
+                x, y = x.pin_memory(), y.pin_memory()
+            out.append((x, y))
+        return out
+
+    def _work(self, consumed: int) -> None:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                item = (consumed, self._build(consumed), None)
+            except BaseException as e:  # surfaced to the trainer on its next_step
+                item = (consumed, None, e)
+            while not self._stop.is_set():
+                try:
+                    self._q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+            consumed += self.sampler.G
+
+    def next_step(self) -> list:
+        if self._thread is None:
+            batches = self._build(self.sampler.consumed_samples)
+        else:
+            consumed, batches, err = self._q.get()
+            if err is not None:
+                raise err
+            assert consumed == self.sampler.consumed_samples, "prefetch position out of step with the sampler"
+        self.sampler.consumed_samples += self.sampler.G
+        return batches
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

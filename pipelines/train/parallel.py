@@ -69,10 +69,7 @@ def apply_parallelism(model: nn.Module, spec: JobSpec, device: torch.device) -> 
 
         mesh = init_device_mesh(device.type, (deg["dp_replicate"], deg["dp_shard"], deg["tp"]),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    if deg["tp"] > 1:
-        if deg["dp_replicate"] > 1 and deg["dp_shard"] == 1:
-            raise NotImplementedError("parallel.tp > 1 with DDP (dp_replicate > 1, dp_shard = 1) is not supported: "
-                                      "shard the data-parallel axis instead (parallel.dp_shard)")
+    if deg["tp"] > 1:  # (TP with DDP is refused by the spec validator)
         apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, spec.parallel.activation_checkpointing)
     if spec.parallel.compile:

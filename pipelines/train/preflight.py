@@ -9,14 +9,19 @@
 3. **Smoke steps**: ``smoke_steps`` optimizer steps on one fixed batch through the parallel wrapping
    the run will use (DDP / FSDP2 / TP); the loss must drop, or the preflight fails.
 
-Rank 0 writes ``preflight.json``; the process exits non-zero when a check fails, naming it.
+Rank 0 writes ``preflight.json``; a rank exits non-zero when a check fails, naming it.
 
-    torchrun --nproc-per-node 2 -m pipelines.train.preflight --out DIR [--spec S] [--set …]
-    python -m pipelines.train.preflight --launch --out DIR [--spec S]   # starts torchrun itself
+As a stage (the DAG's ``preflight`` task, before ``train``), it launches the ranks through the
+train stage's launcher (torchrun here, a PyTorchJob on Kubernetes) with the model shape and vocab
+of the tokenize stage's output, and commits a manifest with the measurements; a failed check fails
+the stage with the checks' messages. A health check of the machines of *now*, it is never skipped
+as already done.
+
+    python -m pipelines.train.preflight --tokenize-manifest M [--spec S] [--set …] [--report R]
+    torchrun --nproc-per-node 2 -m pipelines.train.preflight --rank-out DIR --vocab-size V   # one rank
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,11 +32,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipelines.spec import JobSpec, add_spec_args, spec_from_args
+from pipelines.spec import JobSpec, spec_from_args
 
 
 class PreflightFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, result: dict | None = None):
+        super().__init__(message)
+        self.result = result
 
 
 def allreduce_bandwidth(size_mb: float, iters: int, device: torch.device) -> dict:
@@ -91,12 +98,13 @@ def smoke_steps(spec: JobSpec, vocab: int, steps: int, device: torch.device) -> 
     return losses
 
 
-def preflight(spec: JobSpec, out: Path, size_mb: float = 16.0, iters: int = 10, timing_steps: int = 5,
+def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters: int = 10, timing_steps: int = 5,
               n_smoke: int = 8, straggler_factor: float = 1.5) -> dict:
+    """One rank's part (under torchrun)."""
     from pipelines.train.trainer import _backend, init_distributed
 
     rank, world, device = init_distributed(spec)
-    vocab = spec.model.vocab_size or spec.tokenizer.vocab_size
+    vocab = spec.model.vocab_size or vocab
     bw = allreduce_bandwidth(size_mb, iters, device)
     mine = statistics.median(local_step_times(spec, vocab, timing_steps, device))
     all_times = [None] * world
@@ -126,28 +134,80 @@ def preflight(spec: JobSpec, out: Path, size_mb: float = 16.0, iters: int = 10, 
     return result
 
 
+def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
+        straggler_factor: float = 1.5):
+    """The stage: launch the ranks, commit the measurements, or raise :class:`PreflightFailed`."""
+    from pipelines.cli import run_and_log
+    from pipelines.manifest import StageDir, input_ref
+    from pipelines.spec import resolve_path
+    from pipelines.train.launch import TrainError, check_supported, collect, rank_workdir, run_ranks
+
+    check_supported(spec)
+    sd = StageDir(resolve_path(spec.run.root), "preflight", spec.stage_hash("preflight"), [input_ref(tok)],
+                  force=True, out_dir=out_dir)
+
+    def body(tmp: Path):
+        work = rank_workdir(spec, sd, tmp)
+        spec_file = work / "spec.yaml"
+        spec_file.write_text(spec.to_yaml())
+        report = work / "preflight.json"
+        report.unlink(missing_ok=True)
+        try:
+            run_ranks(spec, "pipelines.train.preflight",
+                      ["--spec", str(spec_file), "--rank-out", str(work), "--vocab-size", str(tok.extra["vocab_size"]),
+                       "--size-mb", str(size_mb), "--straggler-factor", str(straggler_factor)],
+                      run_id=f"preflight-{sd.final.name[:8]}")
+        except TrainError as e:
+            if not report.is_file():
+                raise PreflightFailed(f"the preflight ranks did not finish: {e}") from None
+        res = json.loads(report.read_text())
+        if res["failures"]:
+            raise PreflightFailed("preflight failed: " + "; ".join(res["failures"]), res)
+        collect(work, tmp, ["preflight.json", "spec.yaml"])
+        bw = res["allreduce"]
+        return sd.commit({"report": "preflight.json"},
+                         counts={"world_size": res["world_size"], "stragglers": len(res["stragglers"])},
+                         metrics={"allreduce_busbw_GBps": bw["busbw_GBps"], "allreduce_algbw_GBps": bw["algbw_GBps"],
+                                  "median_step_seconds": res["median_step_seconds"],
+                                  "smoke_loss_first": res["smoke_losses"][0],
+                                  "smoke_loss_last": res["smoke_losses"][-1]},
+                         extra={"backend": res["backend"]})
+
+    return run_and_log(spec, sd, body)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.train.preflight",
-                                 description="All-reduce bandwidth, straggler screen and smoke steps on the run's ranks.")
-    add_spec_args(ap)
-    ap.add_argument("--out", required=True, help="Directory for preflight.json.")
-    ap.add_argument("--launch", action="store_true", help="Start torchrun with the spec's launcher settings.")
-    ap.add_argument("--size-mb", type=float, default=16.0)
-    ap.add_argument("--straggler-factor", type=float, default=1.5)
+    from pipelines.cli import stage_parser
+
+    ap = stage_parser("pipelines.train.preflight",
+                      "All-reduce bandwidth, straggler screen and smoke steps on the ranks the training run will use.")
+    ap.add_argument("--tokenize-manifest", help="Manifest of the tokenize stage (stage mode).")
+    ap.add_argument("--rank-out", help="One rank under torchrun: write preflight.json here (rank 0).")
+    ap.add_argument("--vocab-size", type=int, help="One rank: the tokenizer's vocab (when model.vocab_size is unset).")
+    ap.add_argument("--size-mb", type=float, default=16.0, help="All-reduce message size (MiB).")
+    ap.add_argument("--straggler-factor", type=float, default=1.5,
+                    help="A rank slower than this × the lower median step time is a straggler.")
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
-    if args.launch:
-        from pipelines.train.launch import TrainError, run_torchrun
+    if args.rank_out:
+        vocab = args.vocab_size or spec.model.vocab_size or spec.tokenizer.vocab_size
+        res = preflight(spec, Path(args.rank_out), vocab, size_mb=args.size_mb, straggler_factor=args.straggler_factor)
+        return 1 if res["failures"] else 0
+    if not args.tokenize_manifest:
+        ap.error("give --tokenize-manifest (stage) or --rank-out (one rank under torchrun)")
+    from pipelines.manifest import load_manifest, write_report
+    from pipelines.train.launch import TrainError
 
-        fwd = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--launch"]
-        try:
-            run_torchrun(spec, fwd, module="pipelines.train.preflight")
-        except TrainError as e:
-            print(f"preflight: error: {e}", file=sys.stderr)
-            return 1
-        return 0
-    res = preflight(spec, Path(args.out), size_mb=args.size_mb, straggler_factor=args.straggler_factor)
-    return 1 if res["failures"] else 0
+    try:
+        m = run(spec, load_manifest(args.tokenize_manifest), args.output, args.size_mb, args.straggler_factor)
+    except (PreflightFailed, TrainError) as e:
+        print(f"preflight: error: {e}", file=sys.stderr)
+        return 1
+    write_report(args.report, m)
+    print(f"preflight: ok: {m.counts['world_size']} ranks, all-reduce {m.metrics['allreduce_busbw_GBps']:.2f} GB/s, "
+          f"step {m.metrics['median_step_seconds'] * 1e3:.1f} ms, smoke loss {m.metrics['smoke_loss_first']:.3f} → "
+          f"{m.metrics['smoke_loss_last']:.3f}; manifest {m.path}")
+    return 0
 
 
 if __name__ == "__main__":

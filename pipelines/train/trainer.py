@@ -31,12 +31,21 @@ class TrainingDiverged(RuntimeError):
 
 
 def lr_at(step: int, spec: JobSpec) -> float:
+    """Linear warmup, then cosine to ``min_lr_ratio·lr`` or WSD (hold, then linear decay over the last
+    ``decay_fraction`` of the steps); step is 0-based."""
     t = spec.train
     if t.warmup_steps and step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
+    floor = t.lr * t.min_lr_ratio
+    if t.schedule == "wsd":
+        decay_steps = max(1, round(t.decay_fraction * t.steps))
+        decay_start = max(t.warmup_steps, t.steps - decay_steps)
+        if step < decay_start:
+            return t.lr
+        progress = min(1.0, (step + 1 - decay_start) / max(1, t.steps - decay_start))
+        return t.lr - (t.lr - floor) * progress
     span = max(1, t.steps - t.warmup_steps)
     progress = min(1.0, (step - t.warmup_steps) / span)
-    floor = t.lr * t.min_lr_ratio
     return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
@@ -83,7 +92,7 @@ def save_checkpoint(ckpt_dir: Path, model_sd: dict, optim_sd: dict, sampler, ste
 
 def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> dict:
     from pipelines.progress import progress
-    from pipelines.train.loader import DPSampler, TokenSamples, batch_tensors
+    from pipelines.train.loader import DPSampler, Prefetcher, TokenSamples
     from pipelines.train.model import ModelArgs, Transformer, param_count
     from pipelines.train.parallel import apply_parallelism, clip_grad_norm, dp_coords, full_state_dicts, grad_sync
 
@@ -141,16 +150,15 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
     ckpt_name = None
     bar = progress(desc=f"train ({world} ranks)", total=t.steps, unit="step") if rank == 0 else None
     t_last, step_times = time.perf_counter(), []
+    loader = Prefetcher(samples, sampler, t.grad_accum, depth=t.prefetch, pin_memory=device.type == "cuda")
     for step in range(t.steps):
         lr = lr_at(step, spec)
         for g in opt.param_groups:
             g["lr"] = lr
-        local_ids = sampler.next_local()
-        micro = local_ids.reshape(t.grad_accum, t.micro_batch)
+        batches = loader.next_step()
         loss_sum = torch.zeros((), device=device)
-        for m in range(t.grad_accum):
-            x, y = batch_tensors(samples, micro[m])
-            x, y = x.to(device), y.to(device)
+        for m, (x, y) in enumerate(batches):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with grad_sync(model, mode, m == t.grad_accum - 1):
                 with autocast:
                     loss = model(x, y) / t.grad_accum
@@ -189,6 +197,7 @@ def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> 
                 save_checkpoint(ckpt_root / ckpt_name, model_sd, optim_sd, sampler, step + 1, margs.to_dict(),
                                 tok.output("tokenizer"), losses)
             dist.barrier()
+    loader.close()
     if bar is not None:
         bar.close()
     steady = step_times[min(len(step_times) - 1, 5):] or step_times

@@ -1,0 +1,133 @@
+"""The Kubernetes launcher: the real kubernetes client against an API server stand-in on loopback
+(``fake_kube``; no cluster can run here), whose "operator" runs the job's real torchrun command."""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from pipelines.data import tokenize
+from pipelines.spec import load_spec
+from pipelines.train import k8s, launch
+
+from conftest import SHARED, c4_docs
+from fake_kube import FakeKube
+from test_tokenize import _filter_manifest
+
+CRD = SHARED / "k8s" / "kubeflow.org_pytorchjobs.yaml"
+TINY = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=32",
+        "train.steps=6", "train.micro_batch=4", "train.warmup_steps=2", "train.ckpt_every=6", "train.lr=0.01",
+        "train.log_every=3", "launcher.nproc_per_node=2"]
+
+
+@pytest.fixture
+def kube(home):
+    fake = FakeKube(crd=CRD if CRD.exists() else None)
+    yield fake, fake.kubeconfig(home / "kubeconfig")
+    fake.close()
+
+
+def kube_sets(home, kubeconfig, *more):
+    return [*TINY, "launcher.kind=kubernetes", f"launcher.kubeconfig={kubeconfig}", f"launcher.shared_fs_mount={home}",
+            "launcher.poll_seconds=0.3", *more]
+
+
+def test_train_stage_submits_a_pytorchjob_watches_it_and_matches_the_local_run(home, kube, capsys):
+    fake, cfg = kube
+    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
+    spec_k = load_spec(None, kube_sets(home, cfg), env={})
+    tok = tokenize.run(spec_k, _filter_manifest(home, docs))
+    m = launch.run(spec_k, tok)
+    out = capsys.readouterr().out
+    assert m.stage == "train" and m.extra["world_size"] == 2 and m.counts["steps"] == 6
+    # the job went through the API server: created once, polled, never deleted
+    posts = [p for verb, p in fake.requests if verb == "POST"]
+    assert posts == ["/apis/kubeflow.org/v1/namespaces/llm-pipeline/pytorchjobs"]
+    (ns, name), = fake.jobs
+    job = fake.jobs[(ns, name)].obj
+    cmd = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[:2] == ["torchrun", "--max-restarts"] and "pipelines.train.trainer" in cmd
+    assert k8s.job_state(job)[0] == "Succeeded"
+    # state changes and the master pod's log reached stdout (the Airflow task log)
+    for s in ("submitted", "Created", "Running [Master: active 1]", "Succeeded [Master: succeeded 1]"):
+        assert f"pytorchjob llm-pipeline/{name}: {s}" in out, out[-3000:]
+    assert f"[{name}-master-0]" in out
+    # the same job spec on the local launcher gives the same loss curve
+    local = launch.run(load_spec(None, TINY, env={}), tok)
+    curve = lambda mm: [loss for _, loss in json.loads(mm.output("losses").read_text())]  # noqa: E731
+    np.testing.assert_allclose(curve(m), curve(local), rtol=0, atol=1e-6)
+
+
+def test_a_failed_job_fails_the_stage_with_the_masters_last_log_lines(home, kube):
+    fake, cfg = kube
+    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
+    # launcher.max_restarts=0: torchrun would otherwise start the failing ranks again (and on CPU with gloo and
+    # the static rendezvous the restarted ranks hang in init_process_group: seen here with torch 2.13)
+    spec = load_spec(None, kube_sets(home, cfg, "model.vocab_size=100", "launcher.max_restarts=0"), env={})
+    tok = tokenize.run(spec, _filter_manifest(home, docs))
+    with pytest.raises(launch.TrainError, match=r"(?s)PyTorchJob llm-pipeline/\S+ failed: PyTorchJob has failed "
+                       r"because 1 Master replica\(s\) failed.*errors in the master pod's log:\n  ValueError: "
+                       r"model\.vocab_size=100 is smaller than the tokenizer's 500\n"):
+        launch.run(spec, tok)
+
+
+def _job(spec, command):
+    job = k8s.render_pytorchjob(spec, "unit", [])
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"] = command
+    return job
+
+
+def test_timeout_deletes_the_job_and_stops_its_processes(home, kube):
+    fake, cfg = kube
+    spec = load_spec(None, kube_sets(home, cfg), env={})
+    custom, core = k8s.api_clients(spec)
+    job = _job(spec, [sys.executable, "-c", "import time; print('working', flush=True); time.sleep(120)"])
+    lines = []
+    assert k8s.submit(custom, job, lines.append) == "created"
+    with pytest.raises(k8s.JobFailed, match=r"did not finish within launcher\.timeout_minutes=0\.03.*deleted"):
+        k8s.watch(custom, core, "llm-pipeline", "llm-pipeline-unit", poll_s=0.2, timeout_s=1.8, log=lines.append)
+    assert ("DELETE", "/apis/kubeflow.org/v1/namespaces/llm-pipeline/pytorchjobs/llm-pipeline-unit") in fake.requests
+    assert fake.jobs == {}
+    assert "[llm-pipeline-unit-master-0] working" in lines  # the pod's log was streamed while it ran
+
+
+def test_a_retried_task_adopts_its_running_job_and_refuses_a_clash(home, kube):
+    fake, cfg = kube
+    spec = load_spec(None, kube_sets(home, cfg), env={})
+    custom, core = k8s.api_clients(spec)
+    sleeper = _job(spec, [sys.executable, "-c", "import time; time.sleep(6)"])
+    assert k8s.submit(custom, sleeper, print) == "created"
+    assert k8s.submit(custom, sleeper, print) == "adopted"  # same name, same command: follow it
+    other = _job(spec, [sys.executable, "-c", "print('other')"])
+    with pytest.raises(k8s.JobFailed, match=r"still (Created|Running) with another command.*kubectl delete "
+                       r"pytorchjob -n llm-pipeline llm-pipeline-unit"):
+        k8s.submit(custom, other, print)
+    k8s.watch(custom, core, "llm-pipeline", "llm-pipeline-unit", poll_s=0.2, timeout_s=60, log=print)
+    assert k8s.submit(custom, other, print) == "replaced"  # a finished job of the same name gives way
+    assert k8s.job_state(k8s.watch(custom, core, "llm-pipeline", "llm-pipeline-unit", 0.2, 60, print))[0] == \
+        "Succeeded"
+
+
+def test_the_api_servers_schema_rejection_is_reported(home, kube):
+    fake, cfg = kube
+    if fake.crd is None:
+        pytest.skip("../shared/data/k8s (the PyTorchJob CRD the stand-in validates with) is absent")
+    spec = load_spec(None, kube_sets(home, cfg), env={})
+    custom, _ = k8s.api_clients(spec)
+    job = _job(spec, ["true"])
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = "one"
+    with pytest.raises(k8s.JobFailed, match=r"refused PyTorchJob llm-pipeline/llm-pipeline-unit \(422 "
+                       r"Unprocessable.*Master\.replicas: 'one' is not of type 'integer'"):
+        k8s.submit(custom, job, print)
+
+
+def test_kubernetes_needs_the_stage_paths_on_the_shared_filesystem(home, tmp_path_factory):
+    elsewhere = tmp_path_factory.mktemp("not-shared")
+    spec = load_spec(None, [*TINY, "launcher.kind=kubernetes", "launcher.shared_fs_mount=/fsx",
+                            f"run.root={elsewhere}"], env={})
+    with pytest.raises(launch.TrainError, match=rf"run\.root resolves to {elsewhere}, outside "
+                       r"launcher\.shared_fs_mount=/fsx; the pods would not see it"):
+        launch.check_supported(spec)
+    bad_cfg = load_spec(None, kube_sets(home, home / "no-such-kubeconfig"), env={})
+    with pytest.raises(k8s.JobFailed, match="cannot load Kubernetes credentials.*set launcher.kubeconfig"):
+        k8s.api_clients(bad_cfg)
