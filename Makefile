@@ -15,10 +15,11 @@ export PYTHONWARNINGS := ignore::FutureWarning
 
 DEMO_SPEC ?= configs/demo.yaml
 
-.PHONY: demo test bench install airflow-db clean help
+.PHONY: demo test bench install airflow-db clean help tf-check
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
-	@echo "make test   - run the test suite"
+	@echo "make test   - run the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
+	@echo "make tf-check - terraform fmt -check and checkov over infra/terraform"
 	@echo "make bench  - install the anchors (benchmarks/requirements.in) and run benchmarks/dedup_bench.py"
 	@echo "make clean  - remove ./var (all run state: Airflow DB, MLflow DB, tiers, S3 snapshot)"
 
@@ -48,7 +49,17 @@ demo: airflow-db
 	if [ $$rc -ne 0 ] || grep -q "state=failed" var/demo-dag.log; then echo "DAG run FAILED (see var/demo-dag.log)"; exit 1; fi
 	$(BIN)/python -m pipelines.summary --spec $(DEMO_SPEC)
 
-test: $(STAMP)
+# checkov in a venv of its own: it ships a fork of python-hcl2's `hcl2` module, which the tests also import.
+CHECKOV := .venv-checkov/bin/checkov
+$(CHECKOV):
+	@test -x .venv-checkov/bin/python || $(PYTHON) -m venv .venv-checkov
+	.venv-checkov/bin/pip install -q checkov==3.3.30
+
+tf-check: $(CHECKOV)
+	terraform fmt -check -recursive infra/terraform
+	$(CHECKOV) -d infra/terraform --compact --quiet
+
+test: $(STAMP) $(CHECKOV)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -1,0 +1,30 @@
+variable "region" {
+  type        = string
+  description = "AWS region."
+}
+
+variable "azs" {
+  type        = list(string)
+  description = "Availability zones (the first hosts the GPU nodes and FSx)."
+}
+
+variable "endpoint_public_cidrs" {
+  type        = list(string)
+  description = "CIDRs allowed to reach the EKS API's public endpoint (your office/VPN); empty = private only."
+  default     = []
+}
+
+variable "airflow_image" {
+  type        = object({ repository = string, tag = string })
+  description = "Airflow image with this project installed (built from the repository, pushed to ECR)."
+}
+
+variable "trainer_image" {
+  type        = string
+  description = "Training image (this package + CUDA torch): the job spec's launcher.image."
+}
+
+variable "tags" {
+  type        = map(string)
+  description = "Tags on every resource (also the AWS provider's default tags)."
+}

@@ -1,0 +1,124 @@
+variable "name" {
+  type        = string
+  description = "Cluster name."
+}
+
+variable "kubernetes_version" {
+  type        = string
+  description = "EKS Kubernetes version."
+  default     = "1.31"
+}
+
+variable "vpc_id" {
+  type        = string
+  description = "VPC of the cluster."
+}
+
+variable "vpc_cidr" {
+  type        = string
+  description = "VPC CIDR (the API endpoint and node-to-node traffic are allowed from it)."
+}
+
+variable "private_subnet_ids" {
+  type        = list(string)
+  description = "Private subnets for the control plane ENIs and the system nodes; GPU nodes use the first."
+}
+
+variable "endpoint_public_cidrs" {
+  type        = list(string)
+  description = "CIDRs that may reach the API server's public endpoint; empty = private endpoint only."
+  default     = []
+}
+
+variable "kms_key_arn" {
+  type        = string
+  description = "KMS key for envelope encryption of Kubernetes secrets and the control-plane log group."
+}
+
+variable "log_retention_days" {
+  type        = number
+  description = "Days to keep control-plane logs."
+  default     = 365
+}
+
+variable "system_instance_types" {
+  type        = list(string)
+  description = "Instance types of the system node group (Airflow, MLflow, Spark driver/executors, add-ons)."
+  default     = ["m6i.2xlarge"]
+}
+
+variable "system_nodes" {
+  type        = object({ min = number, desired = number, max = number })
+  description = "System node group size."
+  default     = { min = 2, desired = 2, max = 6 }
+}
+
+variable "gpu_instance_type" {
+  type        = string
+  description = "GPU node instance type (p5.48xlarge: 8 × H100, 32 EFA; p4d.24xlarge: 8 × A100, 4 EFA)."
+  default     = "p5.48xlarge"
+}
+
+variable "gpu_efa_interfaces" {
+  type        = number
+  description = "EFA network interfaces per GPU node (32 on p5.48xlarge, 4 on p4d.24xlarge, 0 = none)."
+  default     = 32
+}
+
+variable "gpu_nodes" {
+  type        = object({ min = number, desired = number, max = number })
+  description = "GPU node group size (min 0 lets it scale to zero between runs)."
+  default     = { min = 0, desired = 0, max = 8 }
+}
+
+variable "gpu_capacity_type" {
+  type        = string
+  description = "ON_DEMAND or CAPACITY_BLOCK (an EC2 Capacity Block reservation) for the GPU nodes."
+  default     = "ON_DEMAND"
+}
+
+variable "gpu_volume_gib" {
+  type        = number
+  description = "Root volume of a GPU node (images, local NVMe is separate and holds the L0 tier)."
+  default     = 500
+}
+
+variable "training_operator_version" {
+  type        = string
+  description = "Kubeflow training-operator release whose standalone manifests are applied (PyTorchJob v1)."
+  default     = "v1.8.1"
+}
+
+variable "fsx" {
+  type = object({
+    file_system_id = string
+    dns_name       = string
+    mount_name     = string
+    capacity_gib   = number
+  })
+  description = "The FSx for Lustre filesystem exposed as the PersistentVolume + claim the training pods mount."
+}
+
+variable "pipeline_namespace" {
+  type        = string
+  description = "Namespace of the training and Spark pods (the job spec's launcher.namespace)."
+  default     = "llm-pipeline"
+}
+
+variable "airflow_namespace" {
+  type        = string
+  description = "Namespace of the Airflow release (its workers mount FSx too)."
+  default     = "airflow"
+}
+
+variable "shared_fs_claim" {
+  type        = string
+  description = "Name of the PersistentVolumeClaim for FSx (the job spec's launcher.shared_fs_claim)."
+  default     = "fsx-checkpoints"
+}
+
+variable "tags" {
+  type        = map(string)
+  description = "Tags added to every resource."
+  default     = {}
+}

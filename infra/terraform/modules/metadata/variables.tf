@@ -1,0 +1,112 @@
+variable "name" {
+  type        = string
+  description = "Name prefix."
+}
+
+variable "vpc_id" {
+  type        = string
+  description = "VPC of the cluster."
+}
+
+variable "vpc_cidr" {
+  type        = string
+  description = "CIDR allowed to reach PostgreSQL (the cluster's pods)."
+}
+
+variable "private_subnet_ids" {
+  type        = list(string)
+  description = "Private subnets for the DB subnet group (two AZs or more)."
+}
+
+variable "kms_key_arn" {
+  type        = string
+  description = "KMS key for storage, Performance Insights and the master-password secret."
+}
+
+variable "instance_class" {
+  type        = string
+  description = "RDS instance class."
+  default     = "db.t4g.medium"
+}
+
+variable "allocated_storage_gib" {
+  type        = number
+  description = "Initial storage (autoscaling up to 5×)."
+  default     = 50
+}
+
+variable "multi_az" {
+  type        = bool
+  description = "Standby in a second AZ (prod)."
+  default     = true
+}
+
+variable "deletion_protection" {
+  type        = bool
+  description = "Refuse to delete the database (turn off only to tear down dev)."
+  default     = true
+}
+
+variable "backup_retention_days" {
+  type        = number
+  description = "Automated backup retention."
+  default     = 14
+}
+
+variable "mlflow_bucket" {
+  type        = string
+  description = "Bucket of MLflow's artifact store."
+}
+
+variable "irsa_role_arns" {
+  type        = map(string)
+  description = "IRSA role by plane (airflow, mlflow) from the iam module."
+}
+
+variable "mlflow_image" {
+  type        = string
+  description = "MLflow server image (must carry psycopg2 and boto3)."
+  default     = "ghcr.io/mlflow/mlflow:v3.1.0"
+}
+
+variable "airflow_chart_version" {
+  type        = string
+  description = "apache-airflow Helm chart version (Airflow 3.x)."
+  default     = "1.18.0"
+}
+
+variable "airflow_image" {
+  type = object({
+    repository = string
+    tag        = string
+  })
+  description = "Airflow image with this project installed (pip install . plus its providers): the DAG and stages run from it."
+}
+
+variable "tags" {
+  type        = map(string)
+  description = "Tags added to every resource."
+  default     = {}
+}
+
+variable "pipeline_env" {
+  type        = map(string)
+  description = "Environment of the Airflow pods that points the job spec at this stack (SPARK_MASTER, S3_ENDPOINT_URL, S3_BUCKET, MLFLOW_TRACKING_URI, LLMP_HOME): config only, no code change."
+  default     = {}
+}
+
+variable "airflow_namespace" {
+  type        = string
+  description = "Namespace for the Airflow release (created by the eks module, with the FSx claim)."
+}
+
+variable "shared_fs_claim" {
+  type        = string
+  description = "FSx PersistentVolumeClaim in the Airflow namespace."
+}
+
+variable "shared_fs_mount" {
+  type        = string
+  description = "Where the workers mount FSx: the job spec's launcher.shared_fs_mount."
+  default     = "/fsx"
+}

@@ -1,0 +1,92 @@
+variable "name" {
+  type        = string
+  description = "Name prefix of every resource in the environment (e.g. llmp-dev)."
+}
+
+variable "region" {
+  type        = string
+  description = "AWS region (the pipeline's S3 settings and the Airflow connection use it)."
+}
+
+variable "azs" {
+  type        = list(string)
+  description = "Availability zones; the first hosts the GPU nodes and FSx."
+}
+
+variable "endpoint_public_cidrs" {
+  type        = list(string)
+  description = "CIDRs allowed to reach the EKS API's public endpoint (office/VPN); empty = private only."
+  default     = []
+}
+
+variable "single_nat_gateway" {
+  type        = bool
+  description = "One NAT gateway for all AZs (dev) instead of one per AZ (prod)."
+}
+
+variable "force_destroy_buckets" {
+  type        = bool
+  description = "Let terraform destroy delete non-empty buckets (dev only)."
+  default     = false
+}
+
+variable "fsx_capacity_gib" {
+  type        = number
+  description = "FSx for Lustre capacity (1200, 2400, or a multiple of 2400)."
+}
+
+variable "fsx_throughput_per_tib" {
+  type        = number
+  description = "FSx PERSISTENT_2 throughput, MB/s per TiB."
+}
+
+variable "system_nodes" {
+  type        = object({ min = number, desired = number, max = number })
+  description = "System node group size."
+}
+
+variable "gpu_instance_type" {
+  type        = string
+  description = "GPU node instance type."
+}
+
+variable "gpu_efa_interfaces" {
+  type        = number
+  description = "EFA interfaces per GPU node (32 on p5.48xlarge, 0 without EFA)."
+}
+
+variable "gpu_nodes" {
+  type        = object({ min = number, desired = number, max = number })
+  description = "GPU node group size."
+}
+
+variable "db_instance_class" {
+  type        = string
+  description = "RDS instance class of the metadata database."
+}
+
+variable "db_multi_az" {
+  type        = bool
+  description = "Multi-AZ standby for the metadata database."
+}
+
+variable "db_deletion_protection" {
+  type        = bool
+  description = "Refuse to delete the metadata database."
+}
+
+variable "airflow_image" {
+  type        = object({ repository = string, tag = string })
+  description = "Airflow image with this project installed (built from the repository, pushed to ECR)."
+}
+
+variable "trainer_image" {
+  type        = string
+  description = "Training image (this package + CUDA torch): the job spec's launcher.image."
+}
+
+variable "tags" {
+  type        = map(string)
+  description = "Tags on every resource."
+  default     = {}
+}

@@ -1,0 +1,170 @@
+# The pipeline's object storage (the L2 tier and the data plane): one bucket per purpose, all with
+# SSE-KMS under one customer-managed key (rotated), versioning, public access blocked, a TLS-only
+# bucket policy, access logs to a log bucket, and lifecycle rules; checkpoints move to Standard-IA
+# and then Glacier. Incomplete multipart uploads are aborted everywhere.
+
+data "aws_caller_identity" "current" {}
+data "aws_region" "current" {}
+data "aws_partition" "current" {}
+
+locals {
+  account = data.aws_caller_identity.current.account_id
+}
+
+data "aws_iam_policy_document" "kms" {
+  # checkov:skip=CKV_AWS_111:A key policy's "*" resource means this key only; the account root is the standard key administrator.
+  # checkov:skip=CKV_AWS_356:A key policy's "*" resource means this key only.
+  # checkov:skip=CKV_AWS_109:The account root administers its own key (AWS's default key policy); IAM policies then scope access.
+  statement {
+    sid       = "AccountAdmin"
+    actions   = ["kms:*"]
+    resources = ["*"] # "*" in a key policy is this key
+    principals {
+      type        = "AWS"
+      identifiers = ["arn:${data.aws_partition.current.partition}:iam::${local.account}:root"]
+    }
+  }
+  statement {
+    sid       = "CloudWatchLogs"
+    actions   = ["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"]
+    resources = ["*"]
+    principals {
+      type        = "Service"
+      identifiers = ["logs.${data.aws_region.current.name}.amazonaws.com"]
+    }
+    condition {
+      test     = "ArnLike"
+      variable = "kms:EncryptionContext:aws:logs:arn"
+      values   = ["arn:${data.aws_partition.current.partition}:logs:${data.aws_region.current.name}:${local.account}:*"]
+    }
+  }
+}
+
+resource "aws_kms_key" "this" {
+  description             = "${var.name}: pipeline buckets, logs, EKS secrets, RDS"
+  enable_key_rotation     = true
+  deletion_window_in_days = 30
+  policy                  = data.aws_iam_policy_document.kms.json
+  tags                    = var.tags
+}
+
+resource "aws_kms_alias" "this" {
+  name          = "alias/${var.name}"
+  target_key_id = aws_kms_key.this.key_id
+}
+
+# ---- access-log bucket (SSE-S3: S3 server access logging cannot write to SSE-KMS buckets)
+resource "aws_s3_bucket" "logs" {
+  # checkov:skip=CKV_AWS_145:S3 server access logging can only deliver to a bucket with SSE-S3, not SSE-KMS.
+  # checkov:skip=CKV_AWS_144:Access logs stay in-region; replicating them is a per-deployment audit choice.
+  # checkov:skip=CKV_AWS_18:This is the access-log bucket; logging it to itself would loop.
+  # checkov:skip=CKV2_AWS_62:Nothing consumes events of the access-log bucket.
+  bucket        = "${var.name}-access-logs-${local.account}"
+  force_destroy = var.force_destroy
+  tags          = var.tags
+}
+
+resource "aws_s3_bucket_public_access_block" "logs" {
+  bucket                  = aws_s3_bucket.logs.id
+  block_public_acls       = true
+  block_public_policy     = true
+  ignore_public_acls      = true
+  restrict_public_buckets = true
+}
+
+resource "aws_s3_bucket_versioning" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  versioning_configuration {
+    status = "Enabled"
+  }
+}
+
+resource "aws_s3_bucket_server_side_encryption_configuration" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  rule {
+    apply_server_side_encryption_by_default {
+      sse_algorithm = "AES256"
+    }
+  }
+}
+
+resource "aws_s3_bucket_lifecycle_configuration" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  rule {
+    id     = "expire-access-logs"
+    status = "Enabled"
+    filter {}
+    expiration {
+      days = 365
+    }
+    noncurrent_version_expiration {
+      noncurrent_days = var.noncurrent_expiry_days
+    }
+    abort_incomplete_multipart_upload {
+      days_after_initiation = var.abort_multipart_days
+    }
+  }
+}
+
+data "aws_iam_policy_document" "logs" {
+  statement {
+    sid       = "S3ServerAccessLogs"
+    actions   = ["s3:PutObject"]
+    resources = ["${aws_s3_bucket.logs.arn}/*"]
+    principals {
+      type        = "Service"
+      identifiers = ["logging.s3.amazonaws.com"]
+    }
+    condition {
+      test     = "StringEquals"
+      variable = "aws:SourceAccount"
+      values   = [local.account]
+    }
+  }
+  statement {
+    sid       = "TLSOnly"
+    effect    = "Deny"
+    actions   = ["s3:*"]
+    resources = [aws_s3_bucket.logs.arn, "${aws_s3_bucket.logs.arn}/*"]
+    principals {
+      type        = "*"
+      identifiers = ["*"]
+    }
+    condition {
+      test     = "Bool"
+      variable = "aws:SecureTransport"
+      values   = ["false"]
+    }
+  }
+}
+
+resource "aws_s3_bucket_policy" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  policy = data.aws_iam_policy_document.logs.json
+}
+
+# ---- the pipeline buckets: the bucket/ submodule once per purpose; checkpoints also get cold-tier transitions
+locals {
+  cold_tiers = {
+    checkpoints = { ia_days = var.checkpoint_ia_days, glacier_days = var.checkpoint_glacier_days }
+  }
+}
+
+module "bucket" {
+  source               = "./bucket"
+  for_each             = toset(["raw", "curated", "checkpoints", "mlflow"])
+  bucket               = "${var.name}-${each.key}-${local.account}"
+  purpose              = each.key
+  kms_key_arn          = aws_kms_key.this.arn
+  log_bucket           = aws_s3_bucket.logs.id
+  noncurrent_days      = var.noncurrent_expiry_days
+  abort_multipart_days = var.abort_multipart_days
+  ia_days              = try(local.cold_tiers[each.key].ia_days, null)
+  glacier_days         = try(local.cold_tiers[each.key].glacier_days, null)
+  force_destroy        = var.force_destroy
+  tags                 = var.tags
+}
+
+locals {
+  buckets = module.bucket
+}

@@ -1,0 +1,40 @@
+variable "name" {
+  type        = string
+  description = "Name prefix; buckets are named <name>-<purpose>-<account id>."
+}
+
+variable "checkpoint_ia_days" {
+  type        = number
+  description = "Days after which checkpoint objects move to S3 Standard-IA."
+  default     = 30
+}
+
+variable "checkpoint_glacier_days" {
+  type        = number
+  description = "Days after which checkpoint objects move to Glacier Flexible Retrieval."
+  default     = 90
+}
+
+variable "noncurrent_expiry_days" {
+  type        = number
+  description = "Days after which noncurrent (overwritten or deleted) object versions expire."
+  default     = 30
+}
+
+variable "abort_multipart_days" {
+  type        = number
+  description = "Days after which incomplete multipart uploads are aborted (checkpoint uploads are multipart)."
+  default     = 3
+}
+
+variable "force_destroy" {
+  type        = bool
+  description = "Let terraform destroy delete non-empty buckets (dev only)."
+  default     = false
+}
+
+variable "tags" {
+  type        = map(string)
+  description = "Tags added to every resource."
+  default     = {}
+}

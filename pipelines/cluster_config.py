@@ -1,0 +1,129 @@
+"""Terraform outputs → the job spec and Airflow connections that point the same DAG at the AWS stack.
+
+Reads ``terraform output -json`` of ``infra/terraform/envs/<env>`` (a file, or runs terraform there) and
+writes:
+
+* a job spec (YAML) that layers the cluster onto a base spec (default ``configs/demo.yaml``):
+  ``launcher.kind: kubernetes`` with the trainer image, namespace, FSx claim and mount, service account
+  and EFA count; ``run.root`` / checkpoint tiers on FSx; ``services``: Spark master ``k8s://…``, S3 on
+  AWS with the checkpoint bucket, the in-cluster MLflow URI. Trigger the DAG with
+  ``{"spec": "<that file>"}``: no code change, only config.
+* an env file of Airflow connections (``AIRFLOW_CONN_*``, JSON form): ``kubernetes_default``
+  (in-cluster), ``spark_pipeline`` (the Spark master the SparkStageOperator uses), ``aws_default``
+  (region; credentials come from the worker's IRSA role).
+
+    python -m pipelines.cluster_config --env dev --out configs/aws-dev.yaml --env-file var/aws-dev.env
+    python -m pipelines.cluster_config --outputs tf-outputs.json --out configs/aws-dev.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from pipelines.manifest import atomic_write_text
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = ("region", "spark_master", "buckets", "mlflow_tracking_uri", "pipeline_namespace", "shared_fs_claim",
+            "service_accounts", "trainer_image", "gpu_efa_interfaces")
+
+
+class WiringError(ValueError):
+    pass
+
+
+def read_outputs(path: str | None, env: str | None) -> dict:
+    """``{name: value}`` from ``terraform output -json`` (a file, or run in infra/terraform/envs/<env>)."""
+    if path:
+        raw = json.loads(Path(path).read_text())
+    else:
+        d = ROOT / "infra" / "terraform" / "envs" / str(env)
+        if not d.is_dir():
+            raise WiringError(f"no Terraform environment at {d}; use --env dev|prod or --outputs FILE")
+        try:
+            raw = json.loads(subprocess.run(["terraform", f"-chdir={d}", "output", "-json"], check=True,
+                                            capture_output=True, text=True).stdout)
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise WiringError(f"`terraform output -json` failed in {d} (run `terraform apply` there first): {e}") \
+                from None
+    out = {k: (v["value"] if isinstance(v, dict) and "value" in v else v) for k, v in raw.items()}
+    if isinstance(out.get("stack"), dict):  # envs/* export the stack module's outputs as one object
+        out = out["stack"]
+    missing = [k for k in REQUIRED if k not in out]
+    if missing:
+        raise WiringError(f"Terraform outputs lack {', '.join(missing)}: is this an infra/terraform/envs/* state?")
+    return out
+
+
+def cluster_spec(out: dict, base: dict, shared_mount: str = "/fsx") -> dict:
+    spec = json.loads(json.dumps(base))  # deep copy
+    home = f"{shared_mount}/llm-pipeline"
+    sa = out["service_accounts"]["trainer"].split(":")
+    spec.setdefault("run", {})["root"] = f"{home}/var/runs"
+    spec.setdefault("checkpoint", {}).update({"l0": f"{home}/var/tiers/nvme", "l1": f"{home}/var/tiers/shared"})
+    launcher = spec.setdefault("launcher", {})
+    launcher.update({
+        "kind": "kubernetes", "image": out["trainer_image"], "namespace": out["pipeline_namespace"],
+        "shared_fs_claim": out["shared_fs_claim"], "shared_fs_mount": shared_mount, "service_account": sa[1],
+        "efa_per_node": int(out["gpu_efa_interfaces"]),
+    })
+    spec["services"] = {**spec.get("services", {}), "spark_master": out["spark_master"], "s3_endpoint_url": "aws",
+                        "s3_bucket": out["buckets"]["checkpoints"], "s3_region": out["region"],
+                        "mlflow_tracking_uri": out["mlflow_tracking_uri"],
+                        "mlflow_artifact_root": f"s3://{out['buckets']['mlflow']}/artifacts"}
+    return spec
+
+
+def airflow_connections(out: dict) -> dict[str, str]:
+    return {
+        "AIRFLOW_CONN_KUBERNETES_DEFAULT": json.dumps({"conn_type": "kubernetes",
+                                                       "extra": {"in_cluster": True,
+                                                                 "namespace": out["pipeline_namespace"]}}),
+        "AIRFLOW_CONN_SPARK_PIPELINE": json.dumps({"conn_type": "spark", "host": out["spark_master"],
+                                                   "extra": {"deploy-mode": "client",
+                                                             "namespace": out["pipeline_namespace"]}}),
+        "AIRFLOW_CONN_AWS_DEFAULT": json.dumps({"conn_type": "aws", "extra": {"region_name": out["region"]}}),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipelines.cluster_config", description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--env", help="Run `terraform output -json` in infra/terraform/envs/ENV.")
+    src.add_argument("--outputs", help="A saved `terraform output -json`.")
+    ap.add_argument("--base", default=str(ROOT / "configs" / "demo.yaml"), help="Spec the cluster settings layer onto.")
+    ap.add_argument("--out", required=True, help="Job spec YAML to write.")
+    ap.add_argument("--env-file", help="Write the Airflow connections here (KEY='JSON' lines).")
+    args = ap.parse_args(argv)
+    try:
+        out = read_outputs(args.outputs, args.env)
+    except WiringError as e:
+        print(f"cluster_config: error: {e}", file=sys.stderr)
+        return 2
+    base = yaml.safe_load(Path(args.base).read_text()) or {}
+    spec = cluster_spec(out, base)
+    from pipelines.spec import SpecError, load_spec
+
+    text = f"# Written by pipelines.cluster_config from Terraform outputs (region {out['region']}).\n" + \
+        yaml.safe_dump(spec, sort_keys=False)
+    atomic_write_text(args.out, text)
+    try:
+        load_spec(args.out, env={})  # the result must be a valid spec
+    except SpecError as e:
+        print(f"cluster_config: error: the written spec does not validate: {e}", file=sys.stderr)
+        return 2
+    print(f"cluster_config: wrote {args.out} (launcher.kind=kubernetes, Spark {out['spark_master']}, "
+          f"MLflow {out['mlflow_tracking_uri']})")
+    if args.env_file:
+        conns = airflow_connections(out)
+        atomic_write_text(args.env_file, "".join(f"{k}='{v}'\n" for k, v in conns.items()))
+        print(f"cluster_config: wrote {len(conns)} Airflow connections to {args.env_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

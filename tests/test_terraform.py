@@ -1,0 +1,276 @@
+"""Terraform (infra/terraform) without the registry: fmt, checkov, and HCL-level assertions of the security
+properties (python-hcl2 parses every file here; checkov runs from its own venv, .venv-checkov, because it
+ships a fork of the same `hcl2` module)."""
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+hcl2 = pytest.importorskip("hcl2")
+
+TF = ROOT / "infra" / "terraform"
+MODULES = ["network", "storage", "fsx", "eks", "iam", "metadata", "stack"]
+FILES = sorted(TF.rglob("*.tf"))
+
+
+def _unq(x):
+    """python-hcl2 keeps HCL's quotes on strings and block labels; drop them (recursively)."""
+    if isinstance(x, str):
+        return x[1:-1] if len(x) >= 2 and x[0] == x[-1] == '"' else x
+    if isinstance(x, list):
+        return [_unq(v) for v in x]
+    if isinstance(x, dict):
+        return {_unq(k): _unq(v) for k, v in x.items() if k not in ("__is_block__", "__comments__")}
+    return x
+
+
+def parse(path: Path) -> dict:
+    with open(path) as f:
+        return _unq(hcl2.load(f))
+
+
+def blocks(kind: str, files=FILES):
+    """(file, type, name, body) for every resource/data block, or (file, name, body) for variable/output."""
+    for f in files:
+        for item in parse(f).get(kind, []):
+            for label, body in item.items():
+                if kind in ("resource", "data"):
+                    for name, b in body.items():
+                        yield f, label, name, b
+                else:
+                    yield f, label, body
+
+
+def resources(rtype: str | None = None, files=FILES):
+    return [(f, t, n, b) for f, t, n, b in blocks("resource", files) if rtype is None or t == rtype]
+
+
+def one(rtype: str, module: str):
+    found = resources(rtype, sorted((TF / "modules" / module).rglob("*.tf")))
+    assert found, f"no {rtype} in modules/{module}"
+    return found[0][3]
+
+
+def test_every_file_parses_and_every_module_has_its_files_and_readme():
+    assert len(FILES) > 30
+    for f in FILES:
+        parse(f)  # raises on a syntax error
+    for m in MODULES:
+        d = TF / "modules" / m
+        assert {p.name for p in d.glob("*.tf")} >= {"main.tf", "variables.tf", "outputs.tf", "versions.tf"}, m
+        readme = (d / "README.md").read_text()
+        for f, name, _ in blocks("variable", [d / "variables.tf"]):
+            assert f"`{name}`" in readme, f"modules/{m}/README.md does not list variable {name}"
+        for f, name, _ in blocks("output", [d / "outputs.tf"]):
+            assert f"`{name}`" in readme, f"modules/{m}/README.md does not list output {name}"
+
+
+def test_every_variable_is_typed_and_described_and_every_output_described():
+    n = 0
+    for f, name, body in blocks("variable"):
+        assert "type" in body, f"{f.relative_to(TF)}: variable {name} has no type"
+        assert len(body.get("description", "")) >= 8, f"{f.relative_to(TF)}: variable {name} has no description"
+        n += 1
+    for f, name, body in blocks("output"):
+        assert len(body.get("description", "")) >= 8, f"{f.relative_to(TF)}: output {name} has no description"
+    assert n > 60
+
+
+# aws_* resource types that take no tags (companion/association resources); every other aws_* resource must
+# carry `tags` (the envs add provider default_tags on top).
+UNTAGGABLE = {
+    "aws_route", "aws_route_table_association", "aws_kms_alias", "aws_iam_role_policy",
+    "aws_iam_role_policy_attachment", "aws_s3_bucket_public_access_block", "aws_s3_bucket_ownership_controls",
+    "aws_s3_bucket_versioning", "aws_s3_bucket_server_side_encryption_configuration", "aws_s3_bucket_logging",
+    "aws_s3_bucket_lifecycle_configuration", "aws_s3_bucket_policy", "aws_s3_bucket_notification",
+}
+
+
+def test_every_taggable_resource_is_tagged():
+    checked = 0
+    for f, t, n, b in resources():
+        if not t.startswith("aws_") or t in UNTAGGABLE:
+            continue
+        assert "tags" in b, f"{f.relative_to(TF)}: {t}.{n} has no tags"
+        checked += 1
+    assert checked > 40
+
+
+def test_buckets_are_kms_encrypted_versioned_private_tls_only_with_lifecycle():
+    bucket_mod = TF / "modules" / "storage" / "bucket"
+    sse = one("aws_s3_bucket_server_side_encryption_configuration", "storage/bucket")
+    rule = sse["rule"][0]["apply_server_side_encryption_by_default"][0]
+    assert rule["sse_algorithm"] == "aws:kms" and rule["kms_master_key_id"] == "${var.kms_key_arn}"
+    pab = one("aws_s3_bucket_public_access_block", "storage/bucket")
+    assert all(pab[k] is True for k in ("block_public_acls", "block_public_policy", "ignore_public_acls",
+                                        "restrict_public_buckets"))
+    assert one("aws_s3_bucket_versioning", "storage/bucket")["versioning_configuration"][0]["status"] == "Enabled"
+    lc = one("aws_s3_bucket_lifecycle_configuration", "storage/bucket")["rule"][0]
+    assert lc["abort_incomplete_multipart_upload"][0]["days_after_initiation"] == "${var.abort_multipart_days}"
+    text = (bucket_mod / "main.tf").read_text()
+    assert '"STANDARD_IA"' in text and '"GLACIER"' in text
+    pol = [b for f, t, n, b in blocks("data", [bucket_mod / "main.tf"]) if t == "aws_iam_policy_document"][0]
+    st = pol["statement"][0]
+    assert st["effect"] == "Deny" and st["actions"] == ["s3:*"]
+    assert st["condition"][0]["variable"] == "aws:SecureTransport" and st["condition"][0]["values"] == ["false"]
+    # the storage module instantiates it once per purpose; checkpoints get the cold-tier transitions
+    storage = parse(TF / "modules" / "storage" / "main.tf")
+    call = storage["module"][0]["bucket"]
+    assert call["source"] == "./bucket"
+    assert set(re.findall(r'"(\w+)"', call["for_each"])) == {"raw", "curated", "checkpoints", "mlflow"}
+    cold = [loc for loc in storage["locals"] if "cold_tiers" in loc][0]["cold_tiers"]
+    assert set(cold) == {"checkpoints"} and set(cold["checkpoints"]) == {"ia_days", "glacier_days"}
+    assert one("aws_kms_key", "storage")["enable_key_rotation"] is True
+
+
+def _as_list(v):
+    return v if isinstance(v, list) else [v]
+
+
+def test_no_wildcard_actions_on_wildcard_resources():
+    key_policies = {("storage", "kms")}  # a key policy's "*" resource is the key itself
+    n = 0
+    for f, t, name, body in blocks("data"):
+        if t != "aws_iam_policy_document":
+            continue
+        module = f.parent.name
+        for st in body.get("statement", []):
+            n += 1
+            actions = _as_list(st.get("actions", []))
+            res = _as_list(st.get("resources", []))
+            assert "*" not in actions, f"{f.relative_to(TF)}: {name} allows action '*'"
+            if st.get("effect", "Allow") == "Allow" and "*" in res and (module, name) not in key_policies:
+                wild = [a for a in actions if a.endswith(":*")]
+                assert not wild, f"{f.relative_to(TF)}: {name} allows {wild} on '*'"
+    assert n > 10
+    # the IRSA roles trust one service account each, through the cluster's OIDC provider
+    iam = [b for f, t, n, b in blocks("data", [TF / "modules/iam/main.tf"]) if n == "assume"][0]
+    conds = {c["variable"]: c for c in iam["statement"][0]["condition"]}
+    assert set(conds) == {"${var.oidc_issuer}:sub", "${var.oidc_issuer}:aud"}
+
+
+def test_databases_clusters_filesystems_logs_and_nodes_are_encrypted_and_private():
+    db = one("aws_db_instance", "metadata")
+    assert db["storage_encrypted"] is True and db["publicly_accessible"] is False
+    assert db["manage_master_user_password"] is True and db["kms_key_id"] == "${var.kms_key_arn}"
+    assert "password" not in db  # the password never appears in the configuration
+    eks = one("aws_eks_cluster", "eks")
+    assert eks["encryption_config"][0]["resources"] == ["secrets"]
+    assert eks["vpc_config"][0]["endpoint_private_access"] is True
+    assert eks["enabled_cluster_log_types"] == "${local.log_types}"
+    log_types = parse(TF / "modules/eks/main.tf")["locals"][0]["log_types"]
+    assert set(log_types) == {"api", "audit", "authenticator", "controllerManager", "scheduler"}
+    fsx = one("aws_fsx_lustre_file_system", "fsx")
+    assert fsx["deployment_type"] == "PERSISTENT_2" and fsx["kms_key_id"] == "${var.kms_key_arn}"
+    dra = one("aws_fsx_data_repository_association", "fsx")
+    s3 = dra["s3"][0]
+    assert s3["auto_import_policy"][0]["events"] == s3["auto_export_policy"][0]["events"] == ["NEW", "CHANGED",
+                                                                                             "DELETED"]
+    for f, t, n, b in resources("aws_cloudwatch_log_group"):
+        assert b.get("kms_key_id"), f"{t}.{n} is not KMS-encrypted"
+    for f, t, n, b in resources("aws_launch_template"):
+        assert b["metadata_options"][0]["http_tokens"] == "required", n  # IMDSv2 only
+        assert b["block_device_mappings"][0]["ebs"][0]["encrypted"] is True, n
+    gpu = [b for f, t, n, b in resources("aws_launch_template") if n == "gpu"][0]
+    assert gpu["placement"][0]["group_name"] == "${aws_placement_group.gpu.name}"
+    assert "efa" in json.dumps(gpu["dynamic"])
+    assert one("aws_placement_group", "eks")["strategy"] == "cluster"
+
+
+def test_envs_use_a_locked_encrypted_s3_backend_and_the_stack_of_all_modules():
+    stack = {k: v for item in parse(TF / "modules/stack/main.tf")["module"] for k, v in item.items()}
+    assert set(stack) == set(MODULES) - {"stack"}
+    envs = {}
+    for env in ("dev", "prod"):
+        d = TF / "envs" / env
+        backend = parse(d / "backend.tf")["terraform"][0]["backend"][0]["s3"]
+        assert backend["encrypt"] is True and backend["use_lockfile"] is True and env in backend["key"]
+        (call,) = parse(d / "main.tf")["module"]
+        envs[env] = call["stack"]
+        assert envs[env]["source"] == "../../modules/stack"
+        assert set(parse(d / "terraform.tfvars")) >= {"region", "azs", "airflow_image", "trainer_image", "tags"}
+    dev, prod = envs["dev"], envs["prod"]
+    assert dev["single_nat_gateway"] is True and prod["single_nat_gateway"] is False
+    assert dev["db_multi_az"] is False and prod["db_multi_az"] is True and prod["db_deletion_protection"] is True
+    assert dev["force_destroy_buckets"] is True and prod["force_destroy_buckets"] is False
+    assert prod["gpu_instance_type"] == "p5.48xlarge" and prod["gpu_efa_interfaces"] == 32
+    assert dev["gpu_nodes"]["max"] == 1 and dev["gpu_efa_interfaces"] == 0
+
+
+def test_every_checkov_skip_is_justified():
+    n = 0
+    for f in FILES:
+        for line in f.read_text().splitlines():
+            if "checkov:skip=" in line:
+                m = re.search(r"checkov:skip=(CKV2?_[A-Z0-9_]+):(.*)$", line)
+                assert m and len(m.group(2).strip()) >= 30, f"{f.relative_to(TF)}: unjustified skip: {line.strip()}"
+                n += 1
+    assert n >= 1
+
+
+@pytest.mark.skipif(shutil.which("terraform") is None, reason="the terraform binary is not installed")
+def test_terraform_fmt_check():
+    r = subprocess.run(["terraform", "fmt", "-check", "-recursive", str(TF)], capture_output=True, text=True)
+    assert r.returncode == 0, f"terraform fmt would change: {r.stdout}"
+
+
+def test_checkov_reports_no_failed_checks():
+    checkov = ROOT / ".venv-checkov" / "bin" / "checkov"
+    if not checkov.exists():
+        pytest.skip("checkov is not installed in .venv-checkov (`make test` installs it)")
+    r = subprocess.run([str(checkov), "-d", str(TF), "--compact", "--quiet"], capture_output=True, text=True,
+                       timeout=900)
+    summary = re.findall(r"Passed checks: (\d+), Failed checks: (\d+), Skipped checks: (\d+)", r.stdout)
+    assert summary, r.stdout[-3000:] + r.stderr[-2000:]
+    failed = sum(int(s[1]) for s in summary)
+    assert failed == 0, r.stdout[-5000:]
+    assert sum(int(s[0]) for s in summary) > 300
+
+
+def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
+    from pipelines import cluster_config as cc
+    from pipelines.spec import load_spec
+    from pipelines.train import k8s, launch
+
+    # what `terraform output -json` of envs/prod prints: one object, the stack module's outputs
+    assert [name for _, name, _ in blocks("output", [TF / "envs/prod/outputs.tf"])] == ["stack"]
+    names = [name for _, name, _ in blocks("output", [TF / "modules/stack/outputs.tf"])]
+    values = {
+        "region": "us-east-1", "cluster_name": "llmp-prod", "cluster_endpoint": "https://ABC.gr7.us-east-1.eks.amazonaws.com",
+        "spark_master": "k8s://https://ABC.gr7.us-east-1.eks.amazonaws.com",
+        "buckets": {"raw": "llmp-prod-raw-1", "curated": "llmp-prod-curated-1", "checkpoints": "llmp-prod-checkpoints-1",
+                    "mlflow": "llmp-prod-mlflow-1"},
+        "mlflow_tracking_uri": "http://mlflow.mlflow.svc.cluster.local:5000", "pipeline_namespace": "llm-pipeline",
+        "shared_fs_claim": "fsx-checkpoints", "irsa_role_arns": {"trainer": "arn:aws:iam::1:role/llmp-prod-trainer"},
+        "service_accounts": {"airflow": "airflow:airflow-worker", "spark": "llm-pipeline:spark",
+                             "trainer": "llm-pipeline:trainer", "mlflow": "mlflow:mlflow"},
+        "trainer_image": "1.dkr.ecr.us-east-1.amazonaws.com/llm-pipeline-trainer:1.0.0", "gpu_efa_interfaces": 32,
+        "cluster_ca": "LS0tLS1CRUdJTi...",
+    }
+    assert set(values) == set(names), "the test's outputs drifted from envs/prod/outputs.tf"
+    outputs = tmp_path / "tf.json"
+    outputs.write_text(json.dumps({"stack": {"value": values, "type": ["object", {}], "sensitive": False}}))
+    spec_path, env_file = tmp_path / "aws-prod.yaml", tmp_path / "aws.env"
+    assert cc.main(["--outputs", str(outputs), "--out", str(spec_path), "--env-file", str(env_file)]) == 0
+    spec = load_spec(spec_path, env={})
+    assert spec.launcher.kind == "kubernetes" and spec.launcher.efa_per_node == 32
+    assert spec.launcher.service_account == "trainer" and spec.launcher.shared_fs_claim == "fsx-checkpoints"
+    assert spec.services.spark_master.startswith("k8s://https://") and spec.services.s3_endpoint_url == "aws"
+    assert spec.services.s3_bucket == "llmp-prod-checkpoints-1"
+    launch.check_supported(spec)  # run.root and checkpoint.l0 lie on the shared filesystem
+    job = k8s.render_pytorchjob(spec, "r1", [])
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "trainer"
+    assert {"name": "shared-fs", "mountPath": "/fsx"} in pod["containers"][0]["volumeMounts"]
+    conns = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+    spark = json.loads(conns["AIRFLOW_CONN_SPARK_PIPELINE"].strip("'"))
+    assert spark["host"] == values["spark_master"]
+    assert json.loads(conns["AIRFLOW_CONN_KUBERNETES_DEFAULT"].strip("'"))["extra"]["in_cluster"] is True
+    # missing outputs fail with a message naming them
+    outputs.write_text(json.dumps({"region": {"value": "us-east-1"}}))
+    assert cc.main(["--outputs", str(outputs), "--out", str(tmp_path / "x.yaml")]) == 2
