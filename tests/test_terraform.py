@@ -179,6 +179,7 @@ def test_databases_clusters_filesystems_logs_and_nodes_are_encrypted_and_private
     gpu = [b for f, t, n, b in resources("aws_launch_template") if n == "gpu"][0]
     assert gpu["placement"][0]["group_name"] == "${aws_placement_group.gpu.name}"
     assert "efa" in json.dumps(gpu["dynamic"])
+    assert "subnet_id" not in json.dumps(gpu["dynamic"])  # a managed node group refuses a subnet in its template
     assert one("aws_placement_group", "eks")["strategy"] == "cluster"
 
 

@@ -201,14 +201,14 @@ resource "aws_launch_template" "gpu" {
   placement {
     group_name = aws_placement_group.gpu.name
   }
-  # p5.48xlarge: 32 EFA interfaces over the network cards; the first is also the primary ENI.
+  # p5.48xlarge: 32 EFA interfaces over the network cards; the first is also the primary ENI. No subnet here:
+  # a managed node group takes its subnets from the node group, and fails when the launch template names one.
   dynamic "network_interfaces" {
     for_each = range(var.gpu_efa_interfaces)
     content {
       device_index          = network_interfaces.value == 0 ? 0 : 1
       network_card_index    = network_interfaces.value
       interface_type        = "efa"
-      subnet_id             = local.gpu_subnet
       security_groups       = [aws_security_group.efa.id, aws_eks_cluster.this.vpc_config[0].cluster_security_group_id]
       delete_on_termination = true
     }
