@@ -145,8 +145,6 @@ resource "kubernetes_secret_v1" "db" {
 
 # `airflow` exists (db_name); create `mlflow` once, idempotently.
 resource "kubernetes_job_v1" "create_mlflow_db" {
-  # checkov:skip=CKV_K8S_43:A one-shot createdb job on the public postgres:16-alpine image; pin a digest in a fork if your policy requires it.
-  # checkov:skip=CKV_K8S_35:psql reads the DSN from its environment; the job runs once and exits.
   metadata {
     name      = "create-mlflow-db"
     namespace = kubernetes_namespace_v1.mlflow.metadata[0].name
