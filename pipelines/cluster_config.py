@@ -28,7 +28,7 @@ import yaml
 from pipelines.manifest import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUIRED = ("region", "spark_master", "buckets", "mlflow_tracking_uri", "pipeline_namespace", "shared_fs_claim",
+REQUIRED = ("region", "spark_master", "spark_image", "buckets", "mlflow_tracking_uri", "pipeline_namespace", "shared_fs_claim",
             "service_accounts", "trainer_image", "gpu_efa_interfaces")
 
 
@@ -72,6 +72,8 @@ def cluster_spec(out: dict, base: dict, shared_mount: str = "/fsx") -> dict:
         "efa_per_node": int(out["gpu_efa_interfaces"]),
     })
     spec["services"] = {**spec.get("services", {}), "spark_master": out["spark_master"], "s3_endpoint_url": "aws",
+                        "spark_image": out["spark_image"], "spark_namespace": out["pipeline_namespace"],
+                        "spark_service_account": out["service_accounts"]["spark"].split(":")[1],
                         "s3_bucket": out["buckets"]["checkpoints"], "s3_region": out["region"],
                         "mlflow_tracking_uri": out["mlflow_tracking_uri"],
                         "mlflow_artifact_root": f"s3://{out['buckets']['mlflow']}/artifacts"}

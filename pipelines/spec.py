@@ -355,6 +355,10 @@ class RegistryCfg(_Section):
 class ServicesCfg(_Section):
     spark_master: str = "local[*]"
     spark_driver_memory: str = "2g"
+    spark_image: Optional[str] = Field(
+        None, description="k8s:// master: executor image (Java 17 + pyspark + this package); required there.")
+    spark_namespace: str = Field("llm-pipeline", description="k8s:// master: namespace of the executor pods.")
+    spark_service_account: str = Field("spark", description="k8s:// master: service account of the executors (IRSA).")
     s3_endpoint_url: Optional[str] = Field(
         None, description="None = the embedded S3-compatible endpoint on 127.0.0.1; 'aws' = AWS's own "
         "endpoint; a URL = that S3-compatible endpoint."

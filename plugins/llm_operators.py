@@ -99,6 +99,26 @@ class StageOperator(BaseOperator):
             p.terminate()
 
 
+def kubernetes_conf(spec) -> dict[str, str]:
+    """Spark conf for a ``k8s://`` master (client mode from the Airflow worker pod): the executor image,
+    namespace and service account, and the driver's pod address for the executors to call back."""
+    svc = spec.services
+    if not svc.spark_master.startswith("k8s://"):
+        return {}
+    if not svc.spark_image:
+        raise AirflowException(f"services.spark_master={svc.spark_master} needs services.spark_image (an image with "
+                               "Java 17, pyspark and this package for the executor pods)")
+    conf = {"spark.kubernetes.container.image": svc.spark_image,
+            "spark.kubernetes.namespace": svc.spark_namespace,
+            "spark.kubernetes.authenticate.serviceAccountName": svc.spark_service_account,
+            "spark.kubernetes.executor.podNamePrefix": f"{spec.run.name}-spark"[:40],
+            "spark.pyspark.python": "python3"}  # the executor image's interpreter, not this worker's
+    pod_ip = os.environ.get("POD_IP") or os.environ.get("MY_POD_IP")
+    if pod_ip:
+        conf.update({"spark.driver.host": pod_ip, "spark.driver.bindAddress": "0.0.0.0"})
+    return conf
+
+
 class SparkStageOperator(SparkSubmitOperator):
     """spark-submit a stage module (through ``pipelines/spark_entry.py``) with the job spec's master;
     return its manifest path."""
@@ -132,6 +152,7 @@ class SparkStageOperator(SparkSubmitOperator):
                      "spark.driver.memory": spec.services.spark_driver_memory}
         if not master.startswith("local"):
             self.py_files = str(package_zip(Path(tmp) / "pipelines.zip"))
+        self.conf.update(kubernetes_conf(spec))
         bin_dir = os.path.dirname(sys.executable)
         self.env_vars = {**(self.env_vars or {}), "PYSPARK_PYTHON": sys.executable,
                          "PYSPARK_DRIVER_PYTHON": sys.executable, "LLMP_HOME": str(_project_root()),

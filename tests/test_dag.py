@@ -45,3 +45,18 @@ def test_dag_file_has_no_heavy_imports_at_top_level():
     src = (ROOT / "dags" / "llm_pipeline.py").read_text()
     top = [l for l in src.splitlines() if l.startswith(("import ", "from "))]
     assert not [l for l in top if any(h in l for h in ("torch", "pyspark", "mlflow", "pipelines"))], top
+
+
+def test_a_kubernetes_spark_master_gets_executor_settings_or_a_clear_error(monkeypatch):
+    from llm_operators import AirflowException, kubernetes_conf
+    from pipelines.spec import load_spec
+
+    assert kubernetes_conf(load_spec(None, [], env={})) == {}  # local[*]: nothing to add
+    k8s = ["services.spark_master=k8s://https://api.example:443"]
+    with pytest.raises(AirflowException, match=r"needs services\.spark_image"):
+        kubernetes_conf(load_spec(None, k8s, env={}))
+    monkeypatch.setenv("POD_IP", "10.0.3.7")
+    conf = kubernetes_conf(load_spec(None, k8s + ["services.spark_image=repo/spark:1"], env={}))
+    assert conf["spark.kubernetes.container.image"] == "repo/spark:1"
+    assert conf["spark.kubernetes.authenticate.serviceAccountName"] == "spark"
+    assert conf["spark.driver.host"] == "10.0.3.7"

@@ -81,6 +81,14 @@ def test_every_variable_is_typed_and_described_and_every_output_described():
     assert n > 60
 
 
+def test_every_variable_is_used():
+    dirs = {f.parent for f in FILES}
+    for d in dirs:
+        text = "\n".join(p.read_text() for p in d.glob("*.tf") if p.name != "variables.tf")
+        for _, name, _ in blocks("variable", [d / "variables.tf"] if (d / "variables.tf").exists() else []):
+            assert f"var.{name}" in text, f"{d.relative_to(TF)}: variable {name} is declared but never used"
+
+
 # aws_* resource types that take no tags (companion/association resources); every other aws_* resource must
 # carry `tags` (the envs add provider default_tags on top).
 UNTAGGABLE = {
@@ -194,13 +202,28 @@ def test_envs_use_a_locked_encrypted_s3_backend_and_the_stack_of_all_modules():
         (call,) = parse(d / "main.tf")["module"]
         envs[env] = call["stack"]
         assert envs[env]["source"] == "../../modules/stack"
-        assert set(parse(d / "terraform.tfvars")) >= {"region", "azs", "airflow_image", "trainer_image", "tags"}
+        assert set(parse(d / "terraform.tfvars")) >= {"region", "azs", "airflow_image", "spark_image", "trainer_image",
+                                                      "tags"}
     dev, prod = envs["dev"], envs["prod"]
     assert dev["single_nat_gateway"] is True and prod["single_nat_gateway"] is False
     assert dev["db_multi_az"] is False and prod["db_multi_az"] is True and prod["db_deletion_protection"] is True
     assert dev["force_destroy_buckets"] is True and prod["force_destroy_buckets"] is False
     assert prod["gpu_instance_type"] == "p5.48xlarge" and prod["gpu_efa_interfaces"] == 32
     assert dev["gpu_nodes"]["max"] == 1 and dev["gpu_efa_interfaces"] == 0
+
+
+def test_airflow_workers_get_the_pipeline_env_the_shared_fs_and_their_pod_ip():
+    airflow = one("helm_release", "metadata")
+    values = airflow["values"][0]
+    for needle in ("var.pipeline_env", "status.podIP", "var.shared_fs_mount", "var.shared_fs_claim",
+                   'var.irsa_role_arns["airflow"]', "KubernetesExecutor"):
+        assert needle in values, needle
+    stack = parse(TF / "modules/stack/main.tf")
+    env = [loc for loc in stack["locals"] if "pipeline_env" in loc][0]["pipeline_env"]
+    from pipelines.spec import ENV_OVERRIDES
+
+    assert set(env) - {"LLMP_HOME"} <= set(ENV_OVERRIDES)  # only names the job spec reads
+    assert env["S3_ENDPOINT_URL"] == "aws" and env["SPARK_MASTER"].startswith("k8s://")
 
 
 def test_every_checkov_skip_is_justified():
@@ -251,7 +274,7 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
         "service_accounts": {"airflow": "airflow:airflow-worker", "spark": "llm-pipeline:spark",
                              "trainer": "llm-pipeline:trainer", "mlflow": "mlflow:mlflow"},
         "trainer_image": "1.dkr.ecr.us-east-1.amazonaws.com/llm-pipeline-trainer:1.0.0", "gpu_efa_interfaces": 32,
-        "cluster_ca": "LS0tLS1CRUdJTi...",
+        "cluster_ca": "LS0tLS1CRUdJTi...", "spark_image": "1.dkr.ecr.us-east-1.amazonaws.com/llm-pipeline-spark:1.0.0",
     }
     assert set(values) == set(names), "the test's outputs drifted from envs/prod/outputs.tf"
     outputs = tmp_path / "tf.json"
@@ -262,7 +285,12 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
     assert spec.launcher.kind == "kubernetes" and spec.launcher.efa_per_node == 32
     assert spec.launcher.service_account == "trainer" and spec.launcher.shared_fs_claim == "fsx-checkpoints"
     assert spec.services.spark_master.startswith("k8s://https://") and spec.services.s3_endpoint_url == "aws"
-    assert spec.services.s3_bucket == "llmp-prod-checkpoints-1"
+    assert spec.services.s3_bucket == "llmp-prod-checkpoints-1" and spec.services.spark_service_account == "spark"
+    from llm_operators import kubernetes_conf
+
+    conf = kubernetes_conf(spec)  # what the SparkStageOperator adds to spark-submit for the k8s:// master
+    assert conf["spark.kubernetes.container.image"] == values["spark_image"]
+    assert conf["spark.kubernetes.namespace"] == "llm-pipeline" and conf["spark.pyspark.python"] == "python3"
     launch.check_supported(spec)  # run.root and checkpoint.l0 lie on the shared filesystem
     job = k8s.render_pytorchjob(spec, "r1", [])
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]

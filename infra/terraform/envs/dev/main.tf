@@ -19,6 +19,7 @@ module "stack" {
   db_multi_az            = false
   db_deletion_protection = false
   airflow_image          = var.airflow_image
+  spark_image            = var.spark_image
   trainer_image          = var.trainer_image
   tags                   = var.tags
 }

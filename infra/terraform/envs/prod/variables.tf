@@ -19,6 +19,11 @@ variable "airflow_image" {
   description = "Airflow image with this project installed (built from the repository, pushed to ECR)."
 }
 
+variable "spark_image" {
+  type        = string
+  description = "Spark executor image (Java 17 + pyspark + this package)."
+}
+
 variable "trainer_image" {
   type        = string
   description = "Training image (this package + CUDA torch): the job spec's launcher.image."

@@ -317,6 +317,10 @@ resource "helm_release" "airflow" {
     postgresql               = { enabled = false }
     data                     = { metadataSecretName = kubernetes_secret_v1.db["airflow"].metadata[0].name }
     nodeSelector             = { "llm-pipeline/pool" = "system" }
+    # the job spec's environment overrides (SPARK_MASTER, S3_*, MLFLOW_TRACKING_URI, LLMP_HOME) for every pod
+    env = [for k, v in var.pipeline_env : { name = k, value = v }]
+    # the pod's IP for Spark's client-mode driver (the executors call back to it)
+    extraEnv = yamlencode([{ name = "POD_IP", valueFrom = { fieldRef = { fieldPath = "status.podIP" } } }])
     workers = {
       serviceAccount = {
         name        = "airflow-worker"

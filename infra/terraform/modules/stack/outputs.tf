@@ -48,6 +48,11 @@ output "service_accounts" {
   value       = module.iam.service_accounts
 }
 
+output "spark_image" {
+  description = "Spark executor image (services.spark_image)."
+  value       = var.spark_image
+}
+
 output "trainer_image" {
   description = "Training image (launcher.image)."
   value       = var.trainer_image
