@@ -108,10 +108,18 @@ def test_torchrun_two_ranks_trains_and_checkpoints_to_l0(home):
     assert np.mean([l for _, l in losses[-4:]]) < np.mean([l for _, l in losses[:4]]) - 0.5  # it learns
     ckdir = home / "var/tiers/nvme" / m.extra["checkpoint"]
     man = ck.verify_local(ckdir)
-    assert man["step"] == 24 and set(man["files"]) >= {"model.pt", "optim.pt", "tokenizer.model", "model_args.json"}
-    assert ck.is_valid_local(ckdir.parent / "step-000010") and ck.is_valid_local(ckdir.parent / "step-000020")
+    # a sharded DCP checkpoint: one shard file per rank, the metadata, the run's state, COMMIT last
+    assert man["step"] == 24 and set(man["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng.pt",
+                                                       "trainer_state.json", "tokenizer.model", "model_args.json"}
+    # retention (keep_l0=2): step 10 left L0 once promoted to L1, where steps 10, 20 and 24 all verify
+    assert not (ckdir.parent / "step-000010").exists() and ck.is_valid_local(ckdir.parent / "step-000020")
+    l1 = home / "var/tiers/shared" / m.extra["checkpoint"]
+    assert all(ck.is_valid_local(l1.parent / f"step-0000{s}") for s in (10, 20, 24))
+    assert m.extra["promoted_during_run"] == {"10": {"L1": "copied"}, "20": {"L1": "copied"}, "24": {"L1": "copied"}}
+    assert m.extra["resumed_from"] is None
     state = json.loads((ckdir / "trainer_state.json").read_text())
-    assert state["loader"]["consumed_samples"] == 24 * spec.global_batch
+    assert state["loader"]["consumed_samples"] == 24 * spec.global_batch and state["step"] == 24
+    assert len(torch.load(ckdir / "rng.pt", weights_only=False)) == 2  # every rank's RNG states
     # the MLflow run got the curve
     from pipelines import tracking
 
@@ -151,12 +159,17 @@ def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
         np.testing.assert_allclose(curves[name], curves["one"], rtol=0, atol=2e-4, err_msg=name)
     assert abs(curves["tp"][0] - curves["one"][0]) < 1e-5  # the first step's loss: TP forward = plain forward
     print({k: float(np.abs(c - curves["one"]).max()) for k, c in curves.items()})
-    # sharded runs' checkpoints hold full tensors under the plain model's names
+    # sharded runs' DCP checkpoints load into a plain model (resharded), and export to a plain state dict
     for name in ("fsdp2", "fsdp2+tp"):
         ckdir = home / "var/tiers/nvme" / runs[name].extra["checkpoint"]
-        sd = torch.load(ckdir / "model.pt", map_location="cpu")
+        plain = ck.load_plain_model(ckdir)
+        out = home / f"{name}.pt"
+        assert ck.main(["export", str(ckdir), str(out)]) == 0
         args = ModelArgs(**json.loads((ckdir / "model_args.json").read_text()))
-        Transformer(args).load_state_dict(sd)  # strict: every name and shape matches
+        model = Transformer(args)
+        model.load_state_dict(torch.load(out, map_location="cpu"))  # strict: every name and shape matches
+        for (k, a), b in zip(plain.state_dict().items(), model.state_dict().values()):
+            assert torch.equal(a, b), k
 
 
 def test_two_node_torchrun_on_loopback_trains_like_one_node(home):

@@ -20,18 +20,6 @@ from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, wri
 from pipelines.spec import JobSpec, resolve_path, spec_from_args
 
 
-def load_model(ckpt_dir: Path):
-    import torch
-
-    from pipelines.train.model import ModelArgs, Transformer
-
-    args = ModelArgs(**json.loads((ckpt_dir / "model_args.json").read_text()))
-    model = Transformer(args)
-    model.load_state_dict(torch.load(ckpt_dir / "model.pt", map_location="cpu", weights_only=True))
-    model.eval()
-    return model
-
-
 def heldout_loss(model, shard_prefixes: list[Path], batch_size: int = 16, max_tokens: int | None = None) -> tuple[float, int]:
     """(mean loss in nats, tokens scored) over non-overlapping windows of the shards."""
     import numpy as np
@@ -68,10 +56,10 @@ def heldout_loss(model, shard_prefixes: list[Path], batch_size: int = 16, max_to
 
 
 def evaluate(spec: JobSpec, promote: Manifest, tok: Manifest, workdir: Path) -> dict:
-    from pipelines.train.checkpoint import fetch
+    from pipelines.train.checkpoint import fetch, load_plain_model
 
     tier, ckpt = fetch(spec, promote.extra["checkpoint"], cache=workdir / "checkpoint", prefer=("L2",))
-    model = load_model(ckpt)
+    model = load_plain_model(ckpt)  # the sharded DCP checkpoint, resharded into one plain model
     shards = [tok.dir / s["prefix"] for s in tok.extra["shards"] if s["split"] == "heldout"]
     loss, n = heldout_loss(model, shards, spec.eval.batch_size, spec.eval.max_tokens)
     c = tok.counts

@@ -47,10 +47,10 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
     import torch
 
     from pipelines import tracking
-    from pipelines.eval.evaluate import load_model
+    from pipelines.train.checkpoint import load_plain_model
 
     client = tracking.client(spec)
-    model = load_model(ckpt_dir)
+    model = load_plain_model(ckpt_dir)
     import numpy as np
     from mlflow.models import ModelSignature
     from mlflow.types.schema import Schema, TensorSpec

@@ -1,22 +1,32 @@
-"""Checkpoints that are valid only when complete, and their promotion across storage tiers.
+"""Checkpoints that are valid only when complete, their promotion across storage tiers, restore, retention.
 
-A checkpoint is a directory (or S3 prefix) of files plus::
+A checkpoint is a directory (or S3 prefix) ``step-NNNNNN`` of files plus::
 
     MANIFEST.json   {"files": {name: {"sha256", "bytes"}}, "step": …}
     COMMIT          sha256 of MANIFEST.json, written last
 
 A reader trusts a copy only if COMMIT exists, matches MANIFEST.json, and every file matches its
-sha256, so a half-written or half-copied checkpoint is never taken for a good one.
+sha256, so a half-written or half-copied checkpoint is never taken for a good one. The training
+checkpoints (``pipelines.train.checkpointer``) are ``torch.distributed.checkpoint`` (DCP) directories:
+``.metadata`` + one ``__<rank>_0.distcp`` shard file per writing rank, plus ``trainer_state.json``,
+``rng.pt`` (per-rank RNG states), ``model_args.json`` and ``tokenizer.model``.
 
 Tiers: L0 node-local (``checkpoint.l0``) → L1 shared FS (``checkpoint.l1``) → L2 S3
 (``s3://services.s3_bucket/checkpoint.l2_prefix/…``). ``promote`` copies L0 → L1 → L2, checking
 every file at every tier, COMMIT last; a tier that already holds a verified copy is skipped.
-``fetch`` restores from the nearest tier whose copy verifies.
+:func:`find_restore` picks the newest step whose copy verifies on the nearest tier, falling back
+tier by tier, then step by step, and says why it skipped each copy. :func:`prune` applies the
+per-tier retention and never deletes a copy of the newest verified step.
 
 S3 verification uses S3's own SHA-256 checksums (``ChecksumAlgorithm=SHA256``): for a single-part
 upload the object checksum is the file's sha256; for multipart it is the composite
-sha256(part digests)-N, which we recompute locally from the same part size. If an endpoint returns
-no checksum, the object is downloaded and hashed.
+sha256(part digests)-N, which we recompute locally with the part size the transfer really used
+(s3transfer raises the configured chunk size for files that would need more than 10,000 parts). If
+an endpoint returns no checksum, the object is downloaded and hashed. Multipart uploads left by an
+interrupted promotion are aborted before the next upload to the same prefix.
+
+    python -m pipelines.train.checkpoint --input-manifest TRAIN_MANIFEST   # the promote stage
+    python -m pipelines.train.checkpoint export SRC OUT.pt                  # plain {name: tensor} weights
 """
 from __future__ import annotations
 
@@ -27,8 +37,10 @@ import os
 import shutil
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pipelines.cli import stage_parser
 from pipelines.manifest import Manifest, StageDir, atomic_write_text, input_ref, load_manifest, run_stage, sha256_file, write_report
@@ -36,29 +48,51 @@ from pipelines.spec import JobSpec, resolve_path, spec_from_args
 
 CKPT_MANIFEST = "MANIFEST.json"
 COMMIT = "COMMIT"
+TIERS = ("L0", "L1", "L2")
 
 
 class CheckpointError(RuntimeError):
     pass
 
 
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def parse_step(name: str) -> Optional[int]:
+    """``step-000120`` → 120; anything else (temp dirs, other files) → None."""
+    if not name.startswith("step-") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def _hash_files(root: Path, rels: list[str]) -> dict[str, str]:
+    """sha256 of many files in parallel (hashlib releases the GIL on large buffers)."""
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(rels)))) as ex:
+        return dict(zip(rels, ex.map(lambda r: sha256_file(root / r), rels)))
+
+
 # ----------------------------------------------------------------------------- local tiers
 def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Path:
     """Hash every file in ``tmp_dir``, write MANIFEST + COMMIT, then rename to ``final_dir``."""
-    files = {}
-    for f in sorted(p for p in tmp_dir.rglob("*") if p.is_file()):
-        rel = f.relative_to(tmp_dir).as_posix()
-        if rel in (CKPT_MANIFEST, COMMIT):
-            continue
-        files[rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    rels = [f.relative_to(tmp_dir).as_posix() for f in sorted(p for p in tmp_dir.rglob("*") if p.is_file())]
+    rels = [r for r in rels if r not in (CKPT_MANIFEST, COMMIT)]
+    sums = _hash_files(tmp_dir, rels)
+    files = {r: {"sha256": sums[r], "bytes": (tmp_dir / r).stat().st_size} for r in rels}
     body = json.dumps({"files": files, **(meta or {})}, indent=2, sort_keys=True)
     atomic_write_text(tmp_dir / CKPT_MANIFEST, body)
     atomic_write_text(tmp_dir / COMMIT, hashlib.sha256(body.encode()).hexdigest())
     if final_dir.exists():
-        shutil.rmtree(final_dir)
+        remove_local(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp_dir, final_dir)
     return final_dir
+
+
+def remove_local(d: Path) -> None:
+    """COMMIT first, so a half-removed copy is never read as a checkpoint."""
+    (d / COMMIT).unlink(missing_ok=True)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def read_local_manifest(d: Path) -> dict:
@@ -73,13 +107,13 @@ def read_local_manifest(d: Path) -> dict:
 def verify_local(d: Path) -> dict:
     """Raise CheckpointError unless every file matches; return the manifest."""
     man = read_local_manifest(d)
+    missing = [rel for rel in man["files"] if not (d / rel).is_file()]
+    if missing:
+        raise CheckpointError(f"{d}: {missing[0]} is missing")
+    sums = _hash_files(d, list(man["files"]))
     for rel, info in man["files"].items():
-        p = d / rel
-        if not p.is_file():
-            raise CheckpointError(f"{d}: {rel} is missing")
-        got = sha256_file(p)
-        if got != info["sha256"]:
-            raise CheckpointError(f"{d}: {rel} sha256 {got[:12]}… does not match the manifest's "
+        if sums[rel] != info["sha256"]:
+            raise CheckpointError(f"{d}: {rel} sha256 {sums[rel][:12]}… does not match the manifest's "
                                   f"{info['sha256'][:12]}… — refusing this checkpoint")
     return man
 
@@ -98,24 +132,33 @@ def copy_local(src: Path, dst: Path) -> Path:
     tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
-        for rel, info in man["files"].items():
+        for rel in man["files"]:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src / rel, tmp / rel)
-            if sha256_file(tmp / rel) != info["sha256"]:
-                raise CheckpointError(f"copy of {rel} to {dst} does not match its checksum")
+        sums = _hash_files(tmp, list(man["files"]))
+        bad = [rel for rel, info in man["files"].items() if sums[rel] != info["sha256"]]
+        if bad:
+            raise CheckpointError(f"copy of {bad[0]} to {dst} does not match its checksum")
         shutil.copyfile(src / CKPT_MANIFEST, tmp / CKPT_MANIFEST)
         shutil.copyfile(src / COMMIT, tmp / COMMIT)  # last
         if dst.exists():
-            shutil.rmtree(dst)
+            remove_local(dst)
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    verify_local(dst)
     return dst
 
 
 # ----------------------------------------------------------------------------- S3 tier
+def part_size_used(size: int, chunk: int) -> int:
+    """The part size s3transfer really uses for a ``size``-byte upload configured with ``chunk``: it raises
+    the chunk size (doubling) when the file would need more than 10,000 parts."""
+    from s3transfer.utils import ChunksizeAdjuster
+
+    return ChunksizeAdjuster().adjust_chunksize(chunk, size)
+
+
 def _composite_sha256(path: Path, part_size: int) -> str:
     digests = []
     with open(path, "rb") as f:
@@ -131,7 +174,8 @@ def _s3_object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part
         head = s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     except ClientError:
         return False
-    if head["ContentLength"] != path.stat().st_size:
+    size = path.stat().st_size
+    if head["ContentLength"] != size:
         return False
     remote = head.get("ChecksumSHA256")
     if remote:
@@ -139,10 +183,10 @@ def _s3_object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part
             return True  # single-part (or full-object) checksum
         etag = head.get("ETag", "").strip('"')
         n_parts = int(etag.rsplit("-", 1)[1]) if "-" in etag else None
-        size = path.stat().st_size
-        if n_parts and -(-size // part_size) == n_parts:
+        part = part_size_used(size, part_size)
+        if n_parts and -(-size // part) == n_parts:
             # composite: base64(sha256(concat(part sha256s))), with or without the "-N" suffix
-            return remote.split("-")[0] == _composite_sha256(path, part_size).split("-")[0]
+            return remote.split("-")[0] == _composite_sha256(path, part).split("-")[0]
     h = hashlib.sha256()
     for chunk in s3.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 20):
         h.update(chunk)
@@ -166,6 +210,16 @@ def s3_commit_body(s3, bucket: str, prefix: str) -> Optional[str]:
         return None
 
 
+def abort_multipart(s3, bucket: str, prefix: str) -> int:
+    """Abort the multipart uploads an interrupted promotion left under ``prefix``; returns how many."""
+    n = 0
+    for page in s3.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+        for up in page.get("Uploads", []):
+            s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+            n += 1
+    return n
+
+
 def upload_checkpoint(spec: JobSpec, src: Path, uri: str) -> str:
     """Upload a verified local checkpoint to ``uri`` (s3://bucket/prefix); COMMIT last. Idempotent."""
     from pipelines.storage.s3 import client, ensure_bucket, split_uri
@@ -181,6 +235,9 @@ def upload_checkpoint(spec: JobSpec, src: Path, uri: str) -> str:
             for rel, info in man["files"].items()):
         return "already-verified"
     s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")  # invalidate any older copy first
+    aborted = abort_multipart(s3, bucket, prefix)
+    if aborted:
+        print(f"[ckpt] aborted {aborted} unfinished multipart upload(s) under {uri}", flush=True)
     cfg = _transfer_config(spec)
     for rel, info in man["files"].items():
         key = f"{prefix}/{rel}"
@@ -215,12 +272,47 @@ def download_checkpoint(spec: JobSpec, uri: str, dest: Path) -> Path:
         (tmp / COMMIT).write_text(commit)
         verify_local(tmp)
         if dest.exists():
-            shutil.rmtree(dest)
+            remove_local(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def verify_s3(spec: JobSpec, uri: str) -> dict:
+    """Check an S3 copy without downloading it (COMMIT, manifest, each object's size and S3 checksum against
+    the manifest's sha256); returns the manifest or raises CheckpointError."""
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    commit = s3_commit_body(s3, bucket, prefix)
+    if commit is None:
+        raise CheckpointError(f"{uri}: no COMMIT marker")
+    body = s3.get_object(Bucket=bucket, Key=f"{prefix}/{CKPT_MANIFEST}")["Body"].read()
+    if hashlib.sha256(body).hexdigest() != commit:
+        raise CheckpointError(f"{uri}: MANIFEST.json does not match its COMMIT marker")
+    man = json.loads(body)
+    for rel, info in man["files"].items():
+        head = s3.head_object(Bucket=bucket, Key=f"{prefix}/{rel}", ChecksumMode="ENABLED")
+        remote = head.get("ChecksumSHA256")
+        whole = base64.b64encode(bytes.fromhex(info["sha256"])).decode()
+        if head["ContentLength"] != info["bytes"] or (remote and "-" not in head["ETag"] and remote != whole):
+            raise CheckpointError(f"{uri}: {rel} does not match the manifest")
+    return man
+
+
+def remove_s3(spec: JobSpec, uri: str) -> None:
+    """COMMIT first, then the rest of the prefix."""
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+        for o in page.get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=o["Key"])
 
 
 # ----------------------------------------------------------------------------- tier layout
@@ -233,29 +325,168 @@ def tier_locations(spec: JobSpec, rel: str) -> dict[str, str]:
     }
 
 
-def fetch(spec: JobSpec, rel: str, cache: Optional[Path] = None, prefer: tuple[str, ...] = ("L0", "L1", "L2")) -> tuple[str, Path]:
+def l2_available(spec: JobSpec) -> Optional[str]:
+    """None when an S3 endpoint is configured or running, else the reason L2 cannot be used now."""
+    from pipelines.storage.s3 import S3ConfigError, endpoint_url
+
+    try:
+        endpoint_url(spec)
+        return None
+    except S3ConfigError as e:
+        return str(e)
+
+
+def list_steps(spec: JobSpec, rel_root: str, tiers: tuple[str, ...] = TIERS) -> dict[str, list[int]]:
+    """Steps that have a COMMIT marker at each tier (not yet verified), oldest first."""
+    out: dict[str, list[int]] = {}
+    for tier in tiers:
+        loc = tier_locations(spec, rel_root)[tier]
+        if tier != "L2":
+            root = Path(loc)
+            names = [p.name for p in root.iterdir() if (p / COMMIT).is_file()] if root.is_dir() else []
+        elif l2_available(spec) is None:
+            names = _s3_committed_names(spec, loc)
+        else:
+            names = []
+        out[tier] = sorted(s for s in map(parse_step, names) if s is not None)
+    return out
+
+
+def _s3_committed_names(spec: JobSpec, uri: str) -> list[str]:
+    from botocore.exceptions import ClientError
+
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    names = []
+    try:
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+            for o in page.get("Contents", []):
+                parts = o["Key"][len(prefix) + 1:].split("/")
+                if len(parts) == 2 and parts[1] == COMMIT:
+                    names.append(parts[0])
+    except ClientError:  # no bucket yet: nothing promoted
+        return []
+    return names
+
+
+def verify_copy(spec: JobSpec, tier: str, loc: str) -> None:
+    """Raise CheckpointError unless the copy at ``loc`` verifies (L2: checksums held by S3, no download)."""
+    try:
+        verify_s3(spec, loc) if tier == "L2" else verify_local(Path(loc))
+    except (FileNotFoundError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{loc}: {e}") from None
+
+
+def fetch(spec: JobSpec, rel: str, cache: Optional[Path] = None, prefer: tuple[str, ...] = TIERS) -> tuple[str, Path]:
     """Restore from the nearest tier whose copy verifies; returns (tier, local dir)."""
     locs = tier_locations(spec, rel)
     errors = []
     for tier in prefer:
         loc = locs[tier]
-        if tier == "L2":
-            dest = cache or resolve_path("var/tiers/cache") / rel
-            try:
-                return tier, download_checkpoint(spec, loc, dest)
-            except Exception as e:  # noqa: BLE001 - report every tier's reason
-                errors.append(f"{tier} {loc}: {e}")
-        else:
-            try:
-                verify_local(Path(loc))
-                return tier, Path(loc)
-            except (CheckpointError, FileNotFoundError) as e:
-                errors.append(f"{tier} {loc}: {e}")
+        try:
+            if tier == "L2":
+                return tier, download_checkpoint(spec, loc, cache or resolve_path("var/tiers/cache") / rel)
+            verify_local(Path(loc))
+            return tier, Path(loc)
+        except Exception as e:  # noqa: BLE001 - report every tier's reason
+            errors.append(f"{tier} {loc}: {e}")
     raise CheckpointError("no tier holds a verified copy of the checkpoint:\n  " + "\n  ".join(errors))
 
 
-# ----------------------------------------------------------------------------- promote stage
-def promote(spec: JobSpec, rel: str) -> dict:
+@dataclass
+class RestorePoint:
+    step: int
+    tier: str
+    path: str  # local directory holding the verified copy (an L2 copy is downloaded into L0 first)
+    skipped: list[str] = field(default_factory=list)  # why newer steps / nearer tiers were not used
+
+
+def find_restore(spec: JobSpec, rel_root: str, step: Optional[int] = None,
+                 log: Callable[[str], None] = print) -> Optional[RestorePoint]:
+    """The newest step (or exactly ``step``) whose copy verifies, L0 → L1 → L2, falling back tier by tier and
+    then to older steps. An L2 copy is downloaded into the L0 location first. None when nothing is there."""
+    by_tier = list_steps(spec, rel_root)
+    steps = sorted({s for v in by_tier.values() for s in v}, reverse=True)
+    if step is not None:
+        steps = [step]
+    skipped: list[str] = []
+    for s in steps:
+        locs = tier_locations(spec, f"{rel_root}/{step_name(s)}")
+        for tier in TIERS:
+            if s not in by_tier[tier]:
+                skipped.append(f"{step_name(s)} {tier}: no committed copy")
+                continue
+            try:
+                path = Path(locs[tier])
+                if tier == "L2":
+                    path = download_checkpoint(spec, locs["L2"], Path(locs["L0"]))
+                else:
+                    verify_local(path)
+            except Exception as e:  # noqa: BLE001 - every reason is reported
+                skipped.append(f"{step_name(s)} {tier}: {e}")
+                continue
+            for why in skipped:
+                log(f"[ckpt] restore: skipped {why}")
+            log(f"[ckpt] restore: using {step_name(s)} from {tier} ({path})")
+            return RestorePoint(s, tier, str(path), skipped)
+    for why in skipped:
+        log(f"[ckpt] restore: skipped {why}")
+    return None
+
+
+# ----------------------------------------------------------------------------- retention
+def retention_plan(by_tier: dict[str, list[int]], keep: dict[str, int], l2_every: int,
+                   protect: set[int]) -> dict[str, list[int]]:
+    """Steps to delete per tier: L0/L1 keep their last ``keep[tier]`` steps; L2 keeps the last ``keep['L2']``
+    plus every step that is a multiple of ``l2_every`` (0 = keeps every L2 step); ``protect`` is never deleted."""
+    out = {}
+    for tier, steps in by_tier.items():
+        steps = sorted(steps)
+        kept = set(steps[-keep[tier]:]) if keep[tier] > 0 else set(steps)
+        if tier == "L2":
+            kept |= {s for s in steps if not l2_every or s % l2_every == 0}
+        out[tier] = [s for s in steps if s not in kept and s not in protect]
+    return out
+
+
+def newest_verified(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]]) -> Optional[int]:
+    """The newest step with a copy that verifies at some tier (L2 checked through S3's checksums)."""
+    for s in sorted({s for v in by_tier.values() for s in v}, reverse=True):
+        locs = tier_locations(spec, f"{rel_root}/{step_name(s)}")
+        for tier in TIERS:
+            if s in by_tier.get(tier, []):
+                try:
+                    verify_copy(spec, tier, locs[tier])
+                    return s
+                except CheckpointError:
+                    continue
+    return None
+
+
+def prune(spec: JobSpec, rel_root: str, upto: Optional[int] = None, tiers: tuple[str, ...] = TIERS) -> dict[str, list[int]]:
+    """Apply ``checkpoint.keep_l0/keep_l1/keep_l2`` and ``l2_keep_every`` to this run's checkpoints. Only steps
+    ≤ ``upto`` are touched (newer ones may still be waiting for promotion), and no copy of the newest step that
+    verifies anywhere is ever deleted. Returns the steps deleted per tier."""
+    c = spec.checkpoint
+    by_tier = list_steps(spec, rel_root, tiers)
+    plan = retention_plan(by_tier, {"L0": c.keep_l0, "L1": c.keep_l1, "L2": c.keep_l2}, c.l2_keep_every, set())
+    plan = {t: [s for s in v if upto is None or s <= upto] for t, v in plan.items()}
+    if not any(plan.values()):
+        return plan
+    guard = newest_verified(spec, rel_root, by_tier)
+    plan = {t: [s for s in v if s != guard] for t, v in plan.items()}
+    for tier, steps in plan.items():
+        for s in steps:
+            loc = tier_locations(spec, f"{rel_root}/{step_name(s)}")[tier]
+            remove_s3(spec, loc) if tier == "L2" else remove_local(Path(loc))
+    return plan
+
+
+# ----------------------------------------------------------------------------- promote
+def promote(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2")) -> dict:
+    """Copy checkpoint ``rel`` L0 → L1 (→ L2), each copy verified, COMMIT last; a verified copy is kept."""
     locs = tier_locations(spec, rel)
     l0, l1 = Path(locs["L0"]), Path(locs["L1"])
     report = {"checkpoint": rel, "tiers": locs, "actions": {}}
@@ -266,11 +497,47 @@ def promote(spec: JobSpec, rel: str) -> dict:
             raise CheckpointError(f"L0 copy {l0} is gone and L1 holds no verified copy: nothing to promote")
         copy_local(l0, l1)  # verify_local(l0) inside: refuses a corrupt L0
         report["actions"]["L1"] = "copied"
-    report["actions"]["L2"] = upload_checkpoint(spec, l1, locs["L2"])
+    if "L2" in tiers:
+        report["actions"]["L2"] = upload_checkpoint(spec, l1, locs["L2"])
     report["commit"] = (l1 / COMMIT).read_text().strip()
     return report
 
 
+# ----------------------------------------------------------------------------- consumers
+def load_plain_model(ckpt_dir: Path):
+    """A plain ``Transformer`` (eval mode, CPU) from a committed checkpoint directory: a DCP checkpoint
+    (resharded from whatever layout wrote it; no process group needed) or a legacy ``model.pt``."""
+    import torch
+
+    from pipelines.train.model import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs(**json.loads((ckpt_dir / "model_args.json").read_text())))
+    if (ckpt_dir / ".metadata").is_file():
+        import torch.distributed.checkpoint as dcp
+
+        sd = model.state_dict()
+        dcp.load({"model": sd}, checkpoint_id=str(ckpt_dir), no_dist=True)
+        model.load_state_dict(sd)  # strict: every name and shape matched
+    else:
+        model.load_state_dict(torch.load(ckpt_dir / "model.pt", map_location="cpu", weights_only=True))
+    return model.eval()
+
+
+def export(src: Path, out: Path) -> int:
+    """Write ``{name: tensor}`` (what ``Transformer.load_state_dict`` takes, strictly) from a committed local
+    checkpoint; returns the number of tensors."""
+    import torch
+
+    verify_local(src)
+    sd = load_plain_model(src).state_dict()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    torch.save(sd, tmp)
+    os.replace(tmp, out)
+    return len(sd)
+
+
+# ----------------------------------------------------------------------------- promote stage
 def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
     rel = train.extra["checkpoint"]
     sd = StageDir(resolve_path(spec.run.root), "promote", spec.stage_hash("promote"), [input_ref(train)],
@@ -295,10 +562,32 @@ def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
     return run_stage(sd, body)
 
 
+def export_main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m pipelines.train.checkpoint export",
+                                 description="Write a consolidated plain state dict ({name: tensor}, loadable strictly "
+                                 "by Transformer.load_state_dict) from a committed local checkpoint directory.")
+    ap.add_argument("src", help="A committed checkpoint directory (step-NNNNNN with MANIFEST.json and COMMIT).")
+    ap.add_argument("out", help="Output .pt file.")
+    a = ap.parse_args(argv)
+    try:
+        n = export(Path(a.src), Path(a.out))
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"export: {n} tensors → {a.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     ap = stage_parser("pipelines.train.checkpoint",
                       "Promote the final checkpoint of a train stage L0 → L1 → L2 (S3), verifying checksums at every "
-                      "tier, COMMIT marker last.", {"--input-manifest": "Manifest of the train stage."})
+                      "tier, COMMIT marker last. (`… export SRC OUT.pt` writes plain weights from a checkpoint.)",
+                      {"--input-manifest": "Manifest of the train stage."})
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
     try:

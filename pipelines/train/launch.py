@@ -34,11 +34,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_cmds(spec: JobSpec, trainer_args: list[str], module: str = "pipelines.train.trainer") -> list[list[str]]:
-    """One torchrun command per node (all on this machine for a local multi-node run)."""
+def torchrun_cmds(spec: JobSpec, trainer_args: list[str], module: str = "pipelines.train.trainer",
+                  restarts: bool = True) -> list[list[str]]:
+    """One torchrun command per node (all on this machine for a local multi-node run). With ``restarts``
+    torchrun restarts the ranks up to ``launcher.max_restarts`` times when one dies (they resume from the
+    newest checkpoint); a health check (preflight) runs once."""
     L = spec.launcher
     base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(L.nproc_per_node),
-            "--max-restarts", "0"]
+            "--max-restarts", str(L.max_restarts if restarts else 0)]
     if L.nnodes == 1:
         return [base + ["--standalone", "-m", module, *trainer_args]]
     port = _free_port()
@@ -47,23 +50,29 @@ def torchrun_cmds(spec: JobSpec, trainer_args: list[str], module: str = "pipelin
                     "-m", module, *trainer_args] for n in range(L.nnodes)]
 
 
-def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipelines.train.trainer") -> None:
+def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipelines.train.trainer",
+                 restarts: bool = True) -> None:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(spec.launcher.threads_per_proc))
     env["PYTHONUNBUFFERED"] = "1"
+    # each restarted worker group gets a store of its own (a shared one hung a restart now and then on gloo)
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in torchrun_cmds(spec, trainer_args, module)]
+             for cmd in torchrun_cmds(spec, trainer_args, module, restarts)]
     tail: deque[str] = deque(maxlen=40)
+    errors: list[str] = []  # the ranks' own "train: error: …" lines, put first in the message
     # Stream node 0's output; other nodes' output is kept for the error message.
     for line in procs[0].stdout:  # type: ignore[union-attr]
         sys.stdout.write(line)
         sys.stdout.flush()
         tail.append(line)
+        if ": error: " in line and line not in errors:
+            errors.append(line)
     codes = [p.wait() for p in procs]
     for p in procs[1:]:
         tail.extend((p.stdout.read() or "").splitlines(keepends=True)[-10:])  # type: ignore[union-attr]
     if any(codes):
-        raise TrainError(f"torchrun exited with {codes}; last output:\n" + "".join(tail))
+        raise TrainError("".join(errors) + f"torchrun exited with {codes}; last output:\n" + "".join(tail))
 
 
 def plot_losses(losses: list, path: Path) -> None:
@@ -118,7 +127,7 @@ def collect(work: Path, tmp: Path, names: list[str]) -> None:
         (tmp / n).write_bytes((work / n).read_bytes())
 
 
-def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str) -> None:
+def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts: bool = True) -> None:
     """Run ``module`` on every rank the spec asks for: torchrun here, or a PyTorchJob on Kubernetes."""
     if spec.launcher.kind == "kubernetes":
         from pipelines.train.k8s import JobFailed, run_pytorchjob
@@ -128,7 +137,7 @@ def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str) -> None:
         except JobFailed as e:
             raise TrainError(str(e)) from None
     else:
-        run_torchrun(spec, args, module)
+        run_torchrun(spec, args, module, restarts)
 
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
@@ -152,9 +161,11 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
             {"losses": "losses.json", "result": "result.json", "loss_curve": "loss_curve.png", "spec": "spec.yaml"},
             counts={"steps": result["steps"], "tokens_seen": result["tokens_seen"]},
             metrics={"final_loss": result["final_loss"], "tokens_per_s": result["tokens_per_s"],
-                     "params": result["params"]},
+                     "params": result["params"], "rollbacks": result["rollbacks"],
+                     "ckpt_stall_s_mean": result["ckpt"]["stall_s_mean"]},
             extra={"checkpoint": f"{rel_root}/{result['checkpoint']}", "mlflow_run_id": result["mlflow_run_id"],
-                   "world_size": result["world_size"], "backend": result["backend"]},
+                   "world_size": result["world_size"], "backend": result["backend"],
+                   "resumed_from": result["resumed_from"], "promoted_during_run": result["ckpt"]["promoted"]},
         )
 
     return run_and_log(spec, sd, body, artifacts=["loss_curve"])
@@ -171,8 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train: error: {e}", file=sys.stderr)
         return 2
     write_report(args.report, m)
+    tps = m.metrics["tokens_per_s"]
+    resumed = m.extra.get("resumed_from")
     print(f"train: {m.counts['steps']} steps, final loss {m.metrics['final_loss']:.3f}, "
-          f"{m.metrics['tokens_per_s']:,.0f} tokens/s, checkpoint {m.extra['checkpoint']}; manifest {m.path}")
+          + (f"{tps:,.0f} tokens/s, " if tps else "") + f"checkpoint {m.extra['checkpoint']}"
+          + (f" (resumed from step {resumed['step']} on {resumed['tier']})" if resumed else "") + f"; manifest {m.path}")
     return 0
 
 

@@ -10,6 +10,8 @@
 * :class:`Prefetcher` builds the next steps' micro-batch tensors in a thread while the current step
   computes (pinned memory on CUDA); it reads positions ahead but advances ``consumed_samples`` only
   when the trainer takes a step's batches, so a checkpoint's loader state is exact.
+* ``skip``: global batch start positions never trained on (the batches a loss-spike rollback skipped);
+  saved with the position, so a resumed run skips them too.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class DPSampler:
             raise ValueError(f"global batch {global_batch} is not divisible by DP size {dp_size}")
         self.n, self.G, self.rank, self.D, self.seed = num_samples, global_batch, dp_rank, dp_size, seed
         self.consumed_samples = 0
+        self.skip: set[int] = set()
         self._cache: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -67,18 +70,27 @@ class DPSampler:
         per = self.G // self.D
         return self.global_batch(consumed)[self.rank * per:(self.rank + 1) * per]
 
+    def skip_to(self, consumed: int) -> int:
+        """The first global batch position at or after ``consumed`` that is not skipped."""
+        while consumed in self.skip:
+            consumed += self.G
+        return consumed
+
     def next_local(self) -> np.ndarray:
-        batch = self.local_at(self.consumed_samples)
-        self.consumed_samples += self.G
-        return batch
+        pos = self.skip_to(self.consumed_samples)
+        self.consumed_samples = pos + self.G
+        return self.local_at(pos)
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "global_batch": self.G}
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "global_batch": self.G,
+                "skip": sorted(self.skip)}
 
     def load_state_dict(self, sd: dict) -> None:
         if sd["global_batch"] != self.G or sd["seed"] != self.seed:
-            raise ValueError("loader state was saved with a different global batch or seed")
+            raise ValueError(f"loader state was saved with global batch {sd['global_batch']} and seed {sd['seed']}, "
+                             f"this run has {self.G} and {self.seed}")
         self.consumed_samples = int(sd["consumed_samples"])
+        self.skip = set(sd.get("skip", []))
 
 
 def batch_tensors(samples: TokenSamples, ids: np.ndarray):
@@ -101,6 +113,7 @@ class Prefetcher:
 
         self.samples, self.sampler, self.accum, self.pin = samples, sampler, grad_accum, pin_memory
         self.depth = depth
+        self.position = -1  # global batch position of the step last handed out
         self._q: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread = None
@@ -123,6 +136,7 @@ class Prefetcher:
         import queue
 
         while not self._stop.is_set():
+            consumed = self.sampler.skip_to(consumed)
             try:
                 item = (consumed, self._build(consumed), None)
             except BaseException as e:  # surfaced to the trainer on its next_step
@@ -138,14 +152,16 @@ class Prefetcher:
             consumed += self.sampler.G
 
     def next_step(self) -> list:
+        pos = self.sampler.skip_to(self.sampler.consumed_samples)
         if self._thread is None:
-            batches = self._build(self.sampler.consumed_samples)
+            batches = self._build(pos)
         else:
             consumed, batches, err = self._q.get()
             if err is not None:
                 raise err
-            assert consumed == self.sampler.consumed_samples, "prefetch position out of step with the sampler"
-        self.sampler.consumed_samples += self.sampler.G
+            assert consumed == pos, "prefetch position out of step with the sampler"
+        self.position = pos
+        self.sampler.consumed_samples = pos + self.sampler.G
         return batches
 
     def close(self) -> None:

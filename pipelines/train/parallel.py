@@ -12,8 +12,8 @@
 Tensor parallelism (``parallel.tp`` > 1) comes first, on the innermost mesh dimension
 (:func:`apply_tensor_parallel`), so FSDP2 then shards the TP-sharded DTensors along the DP axis (2-D).
 The helpers below hide the DDP/FSDP2 differences from the training loop: gradient sync on/off for
-accumulation, the gradient norm as a plain float, and a full (unsharded) state dict on CPU for the
-checkpoint.
+accumulation and the gradient norm as a plain float. (Checkpoints are sharded DCP state dicts:
+``pipelines.train.checkpointer``.)
 """
 from __future__ import annotations
 
@@ -51,17 +51,23 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         parallelize_module(blk, tp_mesh, {name: styles[s]() for name, s in TP_PLAN.items()})
 
 
+def runtime_degrees(spec: JobSpec) -> dict[str, int]:
+    """The parallel degrees for the world torchrun really gave (an elastic job may run on fewer nodes than the
+    launcher section names); the spec's own world size outside a process group."""
+    return spec.parallel.resolve(dist.get_world_size() if dist.is_initialized() else spec.world_size)
+
+
 def dp_coords(spec: JobSpec, rank: int) -> tuple[int, int]:
     """(DP rank, DP size) of a global rank: ranks are laid out (dp_replicate, dp_shard, tp), TP fastest,
     so the ranks of one TP group read the same samples."""
-    deg = spec.degrees
+    deg = runtime_degrees(spec)
     return rank // deg["tp"], deg["dp"]
 
 
 def apply_parallelism(model: nn.Module, spec: JobSpec, device: torch.device) -> tuple[nn.Module, str]:
     """Wrap ``model`` (already on ``device``) as the spec says; returns (model, mode) with mode one of
     ``single``, ``ddp``, ``fsdp2``, ``hsdp``, ``tp``, ``fsdp2+tp``, ``hsdp+tp``."""
-    deg = spec.degrees
+    deg = runtime_degrees(spec)
     world = dist.get_world_size() if dist.is_initialized() else 1
     mesh = None
     if deg["tp"] > 1 or deg["dp_shard"] > 1:
@@ -130,14 +136,3 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
         for g in grads:
             g.mul_(coef)
     return norm
-
-
-def full_state_dicts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts, unsharded, on CPU, with the plain model's parameter names (no
-    DDP ``module.`` or checkpoint-wrapper prefixes), whatever the wrapping: a checkpoint loads into a
-    plain ``Transformer``. Collective: every rank calls it; rank 0 gets the tensors."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, opt, options=opts)

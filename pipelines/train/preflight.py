@@ -156,7 +156,7 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
             run_ranks(spec, "pipelines.train.preflight",
                       ["--spec", str(spec_file), "--rank-out", str(work), "--vocab-size", str(tok.extra["vocab_size"]),
                        "--size-mb", str(size_mb), "--straggler-factor", str(straggler_factor)],
-                      run_id=f"preflight-{sd.final.name[:8]}")
+                      run_id=f"preflight-{sd.final.name[:8]}", restarts=False)
         except TrainError as e:
             if not report.is_file():
                 raise PreflightFailed(f"the preflight ranks did not finish: {e}") from None

@@ -1,29 +1,42 @@
 """The training loop, run once per rank by ``torchrun`` (see ``pipelines.train.launch``).
 
-DDP or FSDP2 (``pipelines.train.parallel``, from the spec's ``parallel`` degrees) over gloo (CPU)
-or NCCL (GPU), AdamW (no decay on norms), linear warmup + cosine decay to ``min_lr_ratio·lr``,
-gradient accumulation without gradient sync on all but the last micro step,
-gradient clipping. Rank 0 logs loss, lr, grad norm and tokens/s to stdout (progress bar) and to
-MLflow, and writes checkpoints to the L0 tier every ``train.ckpt_every`` steps and at the end.
-A NaN/inf loss or grad norm stops the run with an error naming the step.
+DDP or FSDP2 (``pipelines.train.parallel``, from the spec's ``parallel`` degrees resolved against the world
+torchrun really gives) over gloo (CPU) or NCCL (GPU), AdamW (no decay on norms), linear warmup + cosine (or
+WSD) decay, gradient accumulation without gradient sync on all but the last micro step, gradient clipping.
+Rank 0 logs loss, lr, grad norm and tokens/s to stdout (progress bar) and to MLflow.
 
-    torchrun --nproc-per-node 2 -m pipelines.train.trainer --tokenize-manifest M --out DIR [--spec S]
+Surviving failure (``pipelines.train.checkpointer``, ``pipelines.train.resilience``):
+
+* **resume**: at start every rank restores the newest step that verifies on the nearest tier (L0 → L1 → L2;
+  ``train.resume``) — model, optimizer, step, loader position, skipped batches, RNG states, loss history — so a
+  ``torchrun`` restart, an Airflow retry or a rescheduled pod continues where the last checkpoint left off;
+  on another world size DCP reshards and grad accumulation changes to keep the global batch;
+* **sharded async checkpoints** every ``train.ckpt_every`` steps (or the Young/Daly interval with ``auto``) and
+  at the end, promoted L0 → L1 → L2 during the run;
+* **loss spikes**: a non-finite loss / grad norm, or a loss above mean + k·σ of the trailing window, is not
+  applied; the run rolls back to the last checkpoint, skips that global batch (recorded in the checkpoint) and
+  goes on; after ``train.max_rollbacks`` it fails naming the step.
+
+    torchrun --nproc-per-node 2 -m pipelines.train.trainer --tokenize-manifest M --out DIR --ckpt-root L0/RUN [--spec S]
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from pipelines.manifest import load_manifest
-from pipelines.spec import JobSpec, add_spec_args, spec_from_args
+from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 
 
 class TrainingDiverged(RuntimeError):
@@ -64,8 +77,10 @@ def _backend(spec: JobSpec) -> str:
 
 
 def init_distributed(spec: JobSpec) -> tuple[int, int, torch.device]:
-    """Join the torchrun process group (NCCL on GPUs, gloo on CPU); returns (rank, world size, device)."""
-    dist.init_process_group(_backend(spec))
+    """Join the torchrun process group (NCCL on GPUs, gloo on CPU) with a collective timeout that covers a
+    checkpoint stall (``checkpoint.collective_timeout_minutes``); returns (rank, world size, device)."""
+    timeout = datetime.timedelta(minutes=spec.checkpoint.collective_timeout_minutes)
+    dist.init_process_group(_backend(spec), timeout=timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}") if _backend(spec) == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -75,156 +90,364 @@ def init_distributed(spec: JobSpec) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def save_checkpoint(ckpt_dir: Path, model_sd: dict, optim_sd: dict, sampler, step: int, args_dict: dict,
-                    tokenizer: Path, losses: list) -> Path:
-    from pipelines.train.checkpoint import commit_local
-
-    tmp = ckpt_dir.with_name(f".{ckpt_dir.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    torch.save(model_sd, tmp / "model.pt")
-    torch.save(optim_sd, tmp / "optim.pt")
-    (tmp / "model_args.json").write_text(json.dumps(args_dict, indent=2))
-    (tmp / "trainer_state.json").write_text(json.dumps(
-        {"step": step, "loader": sampler.state_dict(), "losses": losses[-1000:]}, indent=2))
-    (tmp / "tokenizer.model").write_bytes(tokenizer.read_bytes())
-    return commit_local(tmp, ckpt_dir, meta={"step": step})
-
-
-def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> dict:
-    from pipelines.progress import progress
-    from pipelines.train.loader import DPSampler, Prefetcher, TokenSamples
-    from pipelines.train.model import ModelArgs, Transformer, param_count
-    from pipelines.train.parallel import apply_parallelism, clip_grad_norm, dp_coords, full_state_dicts, grad_sync
-
-    rank, world, device = init_distributed(spec)
-    torch.manual_seed(spec.run.seed)
-
-    tok = load_manifest(tok_manifest_path)
-    shards = [tok.dir / s["prefix"] for s in tok.extra["shards"] if s["split"] == "train"]
-    margs = ModelArgs.from_spec(spec.model, tok.extra["vocab_size"])
-    if margs.vocab_size < tok.extra["vocab_size"]:
-        raise ValueError(f"model.vocab_size={margs.vocab_size} is smaller than the tokenizer's "
-                         f"{tok.extra['vocab_size']}")
-    samples = TokenSamples(shards, margs.seq_len)
+def runtime_batch(spec: JobSpec, dp: int, saved_global: Optional[int]) -> tuple[int, int]:
+    """(global batch, grad accumulation) for this world's DP size. The global batch is the checkpoint's when
+    resuming, else ``train.global_batch``, else micro × accum × DP; accumulation makes up the difference, so an
+    elastic resume on another world size keeps the batch (and the sample order)."""
     t = spec.train
-    dp_rank, dp_size = dp_coords(spec, rank)  # the ranks of one TP group read the same samples
-    sampler = DPSampler(len(samples), spec.global_batch, dp_rank, dp_size, spec.run.seed)
+    G = saved_global or t.global_batch or t.micro_batch * t.grad_accum * dp
+    if G % (t.micro_batch * dp):
+        raise ValueError(f"global batch {G} is not divisible by train.micro_batch × DP = {t.micro_batch} × {dp} "
+                         f"on this world; pick a train.micro_batch that divides {G // math.gcd(G, dp) if G % dp == 0 else G}")
+    return G, G // (t.micro_batch * dp)
 
-    model = Transformer(margs).to(device)
-    n_params = param_count(margs)
-    model, mode = apply_parallelism(model, spec, device)
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas,
-                            fused=device.type == "cuda")
-    # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and one rank use autocast
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
-                              enabled=t.dtype == "bf16" and not mode.startswith(("fsdp2", "hsdp")))
 
-    mlflow_client, run_id = None, spec.run.mlflow_run_id
-    if rank == 0:
+@dataclass
+class Progress:
+    """What a checkpoint's ``trainer_state.json`` holds besides the loader position."""
+    step: int = 0
+    losses: list = field(default_factory=list)  # [(step, loss)]
+    rollbacks: int = 0
+    resumed_from: Optional[dict] = None
+    mlflow_run_id: Optional[str] = None
+
+
+def run_identity(spec: JobSpec, margs) -> dict:
+    return {"spec_hash": spec.stage_hash("train"), "model_args": margs.to_dict()}
+
+
+class Tracker:
+    """Rank 0's MLflow logging: params once, step metrics batched, background events (checkpoint stalls,
+    promotions) flushed with them."""
+
+    def __init__(self, spec: JobSpec, run_id: Optional[str]):
         from pipelines import tracking
 
-        mlflow_client = tracking.client(spec)
-        if run_id is None:
-            run_id = tracking.start_run(spec, run_name=f"{spec.run.name}-train")
+        self.client = tracking.client(spec)
+        self.run_id = run_id or tracking.start_run(spec, run_name=f"{spec.run.name}-train")
+        self.pending: list[tuple[str, float, int]] = []
+
+    def params(self, params: dict) -> None:
         from mlflow.entities import Param
 
-        params = {"params": n_params, "world_size": world, "global_batch": spec.global_batch,
-                  "seq_len": margs.seq_len, "n_layers": margs.n_layers, "d_model": margs.d_model,
-                  "n_heads": margs.n_heads, "vocab_size": margs.vocab_size, "steps": t.steps, "lr": t.lr,
-                  "backend": _backend(spec), "parallel": mode}
         try:
-            mlflow_client.log_batch(run_id, params=[Param(f"train.{k}", str(v)) for k, v in params.items()])
+            self.client.log_batch(self.run_id, params=[Param(f"train.{k}", str(v)) for k, v in params.items()])
         except Exception:  # params are immutable: a resumed/re-run stage logs them again
             pass
 
-    tokens_per_step = spec.global_batch * margs.seq_len
-    # MFU on GPUs only: 6N + 12·L·H·d_head·T FLOPs per token over the device's peak (pipelines.train.plan)
-    from pipelines.train.plan import flops_per_token, mfu, model_shape
-    from pipelines.train.plan import param_count as shape_params
+    def add(self, step: int, metrics: dict) -> None:
+        self.pending.extend((k, float(v), step) for k, v in metrics.items())
 
-    shape = {**model_shape(spec), "vocab": margs.vocab_size}
-    fpt = flops_per_token(shape, shape_params(shape))
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    losses: list[tuple[int, float]] = []
-    pending = []
-    ckpt_name = None
-    bar = progress(desc=f"train ({world} ranks)", total=t.steps, unit="step") if rank == 0 else None
-    t_last, step_times = time.perf_counter(), []
-    loader = Prefetcher(samples, sampler, t.grad_accum, depth=t.prefetch, pin_memory=device.type == "cuda")
-    for step in range(t.steps):
-        lr = lr_at(step, spec)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        batches = loader.next_step()
-        loss_sum = torch.zeros((), device=device)
+    def flush(self, events: list[tuple[str, float, int]] = ()) -> None:
+        from mlflow.entities import Metric
+
+        self.pending.extend(events)
+        if self.pending:
+            ts = int(time.time() * 1000)
+            self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, s in self.pending])
+        self.pending.clear()
+
+
+class ResumeError(RuntimeError):
+    pass
+
+
+def _rel_root(spec: JobSpec, ckpt_root: Path) -> str:
+    l0 = resolve_path(spec.checkpoint.l0).resolve()
+    try:
+        return ckpt_root.resolve().relative_to(l0).as_posix()
+    except ValueError:
+        raise ResumeError(f"--ckpt-root {ckpt_root} is not under checkpoint.l0={l0}; the tiers mirror the path "
+                          "below checkpoint.l0, so pass a directory under it") from None
+
+
+class Trainer:
+    """One rank's run: set up (restoring when a checkpoint verifies), :meth:`fit`, then :meth:`finish`."""
+
+    def __init__(self, spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path):
+        from pipelines.train.checkpointer import Checkpointer
+        from pipelines.train.resilience import Faults, SpikeGuard
+
+        self.spec, self.out, t = spec, out, spec.train
+        self.rank, self.world, self.device = init_distributed(spec)
+        self.log = (lambda m: print(m, flush=True)) if self.rank == 0 else (lambda m: None)
+        torch.manual_seed(spec.run.seed)
+        self._data(tok_manifest_path)
+        self.rel_root = _rel_root(spec, ckpt_root)
+        restore, state = self._find_restore()
+        self._model(state)
+        self.ckpt = Checkpointer(spec, self.rel_root, self.rank, self.world, self.log, files={
+            "model_args.json": json.dumps(self.margs.to_dict(), indent=2).encode(),
+            "tokenizer.model": self.tok.output("tokenizer").read_bytes()})
+        self.prog = Progress()
+        if restore is not None:
+            self._restore(restore)
+        self.guard = SpikeGuard(t.spike_window, t.spike_sigma, t.spike_min_history)
+        self.guard.reset([loss for _, loss in self.prog.losses])
+        self.faults = Faults.from_env()
+        self.tracker = Tracker(spec, spec.run.mlflow_run_id or self.prog.mlflow_run_id) if self.rank == 0 else None
+        self.step_times: list[float] = []
+        self.next_save = self.prog.step + spec.checkpoint.probe_step
+        self.loader = self._loader()
+
+    def _data(self, tok_manifest_path: str) -> None:
+        from pipelines.train.loader import TokenSamples
+        from pipelines.train.model import ModelArgs
+
+        self.tok = load_manifest(tok_manifest_path)
+        shards = [self.tok.dir / s["prefix"] for s in self.tok.extra["shards"] if s["split"] == "train"]
+        self.margs = ModelArgs.from_spec(self.spec.model, self.tok.extra["vocab_size"])
+        if self.margs.vocab_size < self.tok.extra["vocab_size"]:
+            raise ValueError(f"model.vocab_size={self.margs.vocab_size} is smaller than the tokenizer's "
+                             f"{self.tok.extra['vocab_size']}")
+        self.samples = TokenSamples(shards, self.margs.seq_len)
+
+    def _find_restore(self) -> tuple[Optional[dict], Optional[dict]]:
+        """Rank 0 finds the restore point and reads its trainer state; every rank gets both."""
+        from pipelines.train.checkpoint import find_restore
+
+        resume, box = self.spec.train.resume, [None]
+        if resume != "never" and self.rank == 0:
+            rp = find_restore(self.spec, self.rel_root, None if resume == "auto" else resume, self.log)
+            if rp is not None:
+                state = json.loads((Path(rp.path) / "trainer_state.json").read_text())
+                box = [({"step": rp.step, "tier": rp.tier, "path": rp.path}, state)]
+            elif resume != "auto":
+                box = [f"train.resume={resume}: no tier holds a verified copy of step {resume} (see the log above)"]
+            else:
+                self.log("[ckpt] restore: no checkpoint of this run on any tier; starting at step 0")
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise ResumeError(box[0])
+        if box[0] is None:
+            return None, None
+        restore, state = box[0]
+        if state["model_args"] != self.margs.to_dict():
+            raise ResumeError(f"the checkpoint at {restore['path']} was written for another model "
+                              f"({state['model_args']}); set train.resume=never or use another checkpoint.l0")
+        return restore, state
+
+    def _model(self, state: Optional[dict]) -> None:
+        from pipelines.train.loader import DPSampler
+        from pipelines.train.model import Transformer, param_count
+        from pipelines.train.parallel import apply_parallelism, dp_coords
+
+        spec, t = self.spec, self.spec.train
+        dp_rank, dp = dp_coords(spec, self.rank)  # the ranks of one TP group read the same samples
+        self.G, self.accum = runtime_batch(spec, dp, state["loader"]["global_batch"] if state else None)
+        if self.accum != t.grad_accum:
+            self.log(f"[train] world size {self.world}: grad_accum {self.accum} keeps the global batch of {self.G}")
+        self.sampler = DPSampler(len(self.samples), self.G, dp_rank, dp, spec.run.seed)
+        self.n_params = param_count(self.margs)
+        self.model, self.mode = apply_parallelism(Transformer(self.margs).to(self.device), spec, self.device)
+        self.opt = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=t.betas,
+                                     fused=self.device.type == "cuda")
+        # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and one rank use autocast
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                       enabled=t.dtype == "bf16" and not self.mode.startswith(("fsdp2", "hsdp")))
+
+    def _restore(self, restore: dict) -> None:
+        st = self.ckpt.load(restore["path"], self.model, self.opt)
+        self.sampler.load_state_dict(st["loader"])
+        self.prog = Progress(step=st["step"], losses=[tuple(x) for x in st["losses"]], rollbacks=st["rollbacks"],
+                             resumed_from={"step": restore["step"], "tier": restore["tier"]},
+                             mlflow_run_id=st.get("mlflow_run_id"))
+        self.log(f"[train] resumed at step {st['step']} from {restore['tier']} (sample position "
+                 f"{st['loader']['consumed_samples']}, saved by {st['world_size']} ranks, now {self.world})")
+
+    def _loader(self):
+        from pipelines.train.loader import Prefetcher
+
+        return Prefetcher(self.samples, self.sampler, self.accum, depth=self.spec.train.prefetch,
+                          pin_memory=self.device.type == "cuda")
+
+    def _state(self) -> dict:
+        return {"step": self.prog.step, "tokens_seen": self.prog.step * self.G * self.margs.seq_len,
+                "loader": self.sampler.state_dict(), "losses": self.prog.losses, "rollbacks": self.prog.rollbacks,
+                "mlflow_run_id": self.tracker.run_id if self.tracker else None, "world_size": self.world,
+                "parallel": {"mode": self.mode, "grad_accum": self.accum}, **run_identity(self.spec, self.margs)}
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> None:
+        from pipelines.progress import progress
+
+        t = self.spec.train
+        self._log_params()
+        bar = progress(desc=f"train ({self.world} ranks)", total=t.steps, initial=self.prog.step, unit="step") \
+            if self.rank == 0 else None
+        while self.prog.step < t.steps:
+            t0 = time.perf_counter()
+            lr = lr_at(self.prog.step, self.spec)
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+            batches = self.loader.next_step()
+            loss, gnorm = self._forward_backward(batches, self.loader.position)
+            why = self.guard.check(loss, gnorm)
+            if why is not None:
+                self._rollback(why, self.loader.position)
+                continue
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.guard.accept(loss)
+            self.prog.step += 1
+            self.prog.losses.append((self.prog.step, loss))
+            time.sleep(self.faults.step_delay_s)
+            self.step_times.append(time.perf_counter() - t0)
+            self._report(bar, loss, gnorm, lr)
+            if self._due():
+                self._save()
+        self.loader.close()
+        if bar is not None:
+            bar.close()
+
+    def _forward_backward(self, batches: list, position: int) -> tuple[float, float]:
+        from pipelines.train.parallel import clip_grad_norm, grad_sync
+
+        loss_sum = torch.zeros((), device=self.device)
         for m, (x, y) in enumerate(batches):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with grad_sync(model, mode, m == t.grad_accum - 1):
-                with autocast:
-                    loss = model(x, y) / t.grad_accum
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with grad_sync(self.model, self.mode, m == self.accum - 1):
+                with self.autocast:
+                    loss = self.faults.scale_loss(position, self.model(x, y) / self.accum)
                 loss.backward()
             loss_sum += loss.detach()
-        gnorm = clip_grad_norm(model, t.grad_clip)
-        if world > 1:
+        gnorm = clip_grad_norm(self.model, self.spec.train.grad_clip)
+        if self.world > 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)  # gloo has no AVG
-            loss_sum /= world
-        lval, gval = float(loss_sum), gnorm
-        if not (math.isfinite(lval) and math.isfinite(gval)):
-            opt.zero_grad(set_to_none=True)
-            raise TrainingDiverged(f"step {step}: loss={lval} grad_norm={gval} is not finite — lower train.lr, "
-                                   "check the data, or restart from the last checkpoint")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        now = time.perf_counter()
-        dt, t_last = now - t_last, now
-        step_times.append(dt)
-        if rank == 0:
-            losses.append((step + 1, lval))
-            tps = tokens_per_step / dt
-            bar.update(1)
-            bar.set_postfix(loss=f"{lval:.3f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}")
-            metrics = {"train/loss": lval, "train/lr": lr, "train/grad_norm": gval, "train/tokens_per_s": tps}
-            u = mfu(tps, fpt, world, dev_name, t.dtype) if dev_name else None
+            loss_sum /= self.world
+        return float(loss_sum), gnorm
+
+    def _due(self) -> bool:
+        every, step = self.spec.train.ckpt_every, self.prog.step
+        if step == self.spec.train.steps:
+            return True
+        return step == self.next_save if every == "auto" else step % every == 0
+
+    def _save(self) -> None:
+        from pipelines.train.resilience import young_daly_steps
+
+        self.ckpt.save(self.prog.step, self.model, self.opt, self._state())
+        if self.spec.train.ckpt_every == "auto" and self.prog.step < self.spec.train.steps:
+            recent = sorted(self.step_times[-50:])
+            nodes = max(1, self.world // int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+            stall = sum(self.ckpt.stalls) / len(self.ckpt.stalls)
+            every = young_daly_steps(stall, self.spec.checkpoint.mtbf_hours, nodes, recent[len(recent) // 2],
+                                     self.spec.train.steps)
+            self.next_save = self.prog.step + every
+            self.log(f"[ckpt] Young/Daly interval: {every} steps (stall {stall * 1000:.0f} ms, MTBF "
+                     f"{self.spec.checkpoint.mtbf_hours:g} h / {nodes} node(s), step {recent[len(recent) // 2]:.3f} s)")
+            if self.tracker:
+                self.tracker.add(self.prog.step, {"ckpt/interval_steps": every})
+        if self.faults.exit_at_step == self.prog.step:  # fault injection: the job dies right after a commit
+            self.ckpt.wait()
+            dist.barrier()
+            self.log(f"[fault] exiting every rank after step {self.prog.step} (LLMP_FAULT_EXIT_AT_STEP)")
+            os._exit(17)
+
+    def _rollback(self, why: str, position: int) -> None:
+        """Do not apply this step; go back to the last checkpoint and never train on this global batch again."""
+        t, step = self.spec.train, self.prog.step + 1
+        self.opt.zero_grad(set_to_none=True)
+        self.prog.rollbacks += 1
+        if self.tracker:
+            self.tracker.add(step, {"train/rollbacks": self.prog.rollbacks, "train/nonfinite": int("non-finite" in why)})
+        if self.prog.rollbacks > t.max_rollbacks:
+            raise TrainingDiverged(f"step {step}: {why}; {t.max_rollbacks} rollback(s) already (train.max_rollbacks) "
+                                   f"— lower train.lr, check the data near sample position {position}, or raise "
+                                   "train.max_rollbacks")
+        self.sampler.skip.add(position)
+        self.loader.close()
+        self.ckpt.wait()
+        dist.barrier()
+        last = self.ckpt.last_saved
+        if last is None:
+            self.log(f"[train] step {step}: {why}; no checkpoint yet: update not applied, global batch at sample "
+                     f"position {position} skipped")
+        else:
+            skip = set(self.sampler.skip)
+            st = self.ckpt.load(self.ckpt.path(last), self.model, self.opt)
+            self.sampler.load_state_dict(st["loader"])
+            self.sampler.skip |= skip
+            self.prog.step, self.prog.losses = st["step"], [tuple(x) for x in st["losses"]]
+            self.guard.reset([loss for _, loss in self.prog.losses])
+            self.log(f"[train] step {step}: {why}; rolled back to step {last}, global batch at sample position "
+                     f"{position} skipped ({self.prog.rollbacks}/{t.max_rollbacks} rollbacks)")
+        self.loader = self._loader()
+
+    # ------------------------------------------------------------------ logging and the end
+    def _log_params(self) -> None:
+        if self.tracker is None:
+            return
+        m = self.margs
+        self.tracker.params({"params": self.n_params, "world_size": self.world, "global_batch": self.G,
+                             "seq_len": m.seq_len, "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
+                             "vocab_size": m.vocab_size, "steps": self.spec.train.steps, "lr": self.spec.train.lr,
+                             "backend": _backend(self.spec), "parallel": self.mode})
+        if self.prog.resumed_from:
+            self.tracker.add(self.prog.step, {"ckpt/resumed_step": self.prog.resumed_from["step"]})
+
+    def _report(self, bar, loss: float, gnorm: float, lr: float) -> None:
+        if self.rank != 0:
+            return
+        from pipelines.train.plan import mfu
+
+        tps = self.G * self.margs.seq_len / self.step_times[-1]
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}")
+        metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": gnorm, "train/tokens_per_s": tps}
+        if self.device.type == "cuda":
+            u = mfu(tps, self._flops_per_token(), self.world, torch.cuda.get_device_name(self.device),
+                    self.spec.train.dtype)
             if u is not None:
                 metrics["train/mfu"] = u
-            pending.append((step + 1, metrics))
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
-                _flush(mlflow_client, run_id, pending)
-        if (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps:
-            ckpt_name = f"step-{step + 1:06d}"
-            model_sd, optim_sd = full_state_dicts(model, opt)  # collective
-            if rank == 0:
-                save_checkpoint(ckpt_root / ckpt_name, model_sd, optim_sd, sampler, step + 1, margs.to_dict(),
-                                tok.output("tokenizer"), losses)
-            dist.barrier()
-    loader.close()
-    if bar is not None:
-        bar.close()
-    steady = step_times[min(len(step_times) - 1, 5):] or step_times
-    result = {
-        "steps": t.steps, "final_loss": losses[-1][1] if losses else None, "params": n_params,
-        "tokens_per_s": tokens_per_step * len(steady) / sum(steady), "tokens_seen": tokens_per_step * t.steps,
-        "flops_per_token": fpt, "device": dev_name or "cpu",
-        "world_size": world, "backend": _backend(spec), "checkpoint": ckpt_name, "mlflow_run_id": run_id,
-        "parallel": mode,
-    }
-    if rank == 0:
-        (out / "losses.json").write_text(json.dumps(losses))
-        (out / "result.json").write_text(json.dumps(result, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
+        self.tracker.add(self.prog.step, metrics)
+        if self.prog.step % self.spec.train.log_every == 0 or self.prog.step == self.spec.train.steps:
+            self.tracker.flush(self.ckpt.events.take())
+
+    def _flops_per_token(self) -> float:
+        # 6N + 12·L·H·d_head·T FLOPs per token (pipelines.train.plan)
+        from pipelines.train.plan import flops_per_token, model_shape
+        from pipelines.train.plan import param_count as shape_params
+
+        shape = {**model_shape(self.spec), "vocab": self.margs.vocab_size}
+        return flops_per_token(shape, shape_params(shape))
+
+    def finish(self) -> dict:
+        """Wait for the last save and the promotions, write ``losses.json``/``result.json`` (rank 0)."""
+        from pipelines.train.checkpoint import step_name
+
+        t = self.spec.train
+        self.ckpt.close(t.steps)
+        dist.barrier()
+        steady = self.step_times[min(len(self.step_times) - 1, 5):] if self.step_times else []
+        stalls = self.ckpt.stalls
+        result = {
+            "steps": t.steps, "final_loss": self.prog.losses[-1][1] if self.prog.losses else None,
+            "params": self.n_params, "tokens_per_s": self.G * self.margs.seq_len * len(steady) / sum(steady) if steady else None,
+            "tokens_seen": self.prog.step * self.G * self.margs.seq_len, "flops_per_token": self._flops_per_token(),
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "world_size": self.world, "backend": _backend(self.spec), "checkpoint": step_name(t.steps),
+            "mlflow_run_id": self.tracker.run_id if self.tracker else None, "parallel": self.mode,
+            "global_batch": self.G, "grad_accum": self.accum, "resumed_from": self.prog.resumed_from,
+            "rollbacks": self.prog.rollbacks, "skipped_batches": sorted(self.sampler.skip),
+            "consumed_samples": self.sampler.consumed_samples,
+            "ckpt": {"saves": len(stalls), "stall_s_mean": sum(stalls) / len(stalls) if stalls else None,
+                     "stall_s_max": max(stalls, default=None),
+                     "promoted": {str(k): v for k, v in (self.ckpt.promoter.done if self.ckpt.promoter else {}).items()}},
+        }
+        if self.rank == 0:
+            self.tracker.flush(self.ckpt.events.take())
+            (self.out / "losses.json").write_text(json.dumps(self.prog.losses))
+            (self.out / "result.json").write_text(json.dumps(result, indent=2))
+        dist.barrier()
+        dist.destroy_process_group()
+        return result
 
 
-def _flush(client, run_id, pending) -> None:
-    if client is None or not pending:
-        pending.clear()
-        return
-    from mlflow.entities import Metric
-
-    ts = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, v, ts, s) for s, d in pending for k, v in d.items()])
-    pending.clear()
+def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> dict:
+    trainer = Trainer(spec, tok_manifest_path, out, ckpt_root)
+    trainer.fit()
+    return trainer.finish()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,12 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     add_spec_args(ap)
     ap.add_argument("--tokenize-manifest", required=True)
     ap.add_argument("--out", required=True, help="Directory for losses.json / result.json (rank 0).")
-    ap.add_argument("--ckpt-root", required=True, help="L0 directory for this run's checkpoints.")
+    ap.add_argument("--ckpt-root", required=True, help="This run's checkpoint directory under checkpoint.l0.")
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
     try:
         train(spec, args.tokenize_manifest, Path(args.out), Path(args.ckpt_root))
-    except TrainingDiverged as e:
+    except (TrainingDiverged, ResumeError) as e:
         print(f"train: error: {e}", file=sys.stderr)
         return 3
     return 0

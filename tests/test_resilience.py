@@ -1,0 +1,372 @@
+"""Training that survives failure (issue 12): real torchrun/gloo processes, real SIGKILLs, a real S3 endpoint.
+
+* kill -9 one rank → torchrun restarts the ranks, they resume; kill the whole launcher → the same command
+  resumes: both end bitwise equal (model and optimizer) to the uninterrupted run;
+* a corrupt or missing copy → restore falls back L0 → L1 → L2, then to an older step, and says why;
+* a promotion killed mid-upload leaves no COMMIT; the next completes it and aborts the leftover parts;
+* elastic: 2 → 1 and 1 → 2 ranks (DDP, FSDP2) continue the same global sample order and loss curve;
+* loss spikes / non-finite steps roll back, skip the batch, and the run completes;
+* retention never removes the newest verified copy; an async save returns before its COMMIT.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from pipelines.data import tokenize
+from pipelines.spec import load_spec
+from pipelines.train import checkpoint as ck
+from pipelines.train.resilience import SpikeGuard, young_daly_steps
+
+from conftest import ROOT, c4_docs
+from test_tokenize import _filter_manifest
+
+TINY = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=32",
+        "train.micro_batch=4", "train.warmup_steps=2", "train.lr=0.01", "train.log_every=5"]
+
+
+def _tok(home, sets=TINY):
+    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
+    return tokenize.run(load_spec(None, sets, env={}), _filter_manifest(home, docs))
+
+
+def _launch_cmd(tok, root: Path, sets: list[str]) -> list[str]:
+    """The contract: python -m pipelines.train.launch --tokenize-manifest M --output DIR --set … (all under root)."""
+    roots = [f"run.root={root}", f"checkpoint.l0={root}/l0", f"checkpoint.l1={root}/l1"]
+    return [sys.executable, "-m", "pipelines.train.launch", "--tokenize-manifest", tok.path, "--output",
+            str(root / "train")] + [a for kv in TINY + sets + roots for a in ("--set", kv)]
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "LLMP_PROGRESS": "0", **extra}
+
+
+def _wait_for(pred, timeout: float, what: str):
+    end = time.time() + timeout
+    while time.time() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _commit_of(root: Path, step: int):
+    return lambda: next(iter((root / "l0").glob(f"*/*/step-{step:06d}/COMMIT")), None)
+
+
+def _trainer_ranks(proc: subprocess.Popen) -> list[psutil.Process]:
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    return [k for k in kids if "pipelines.train.trainer" in " ".join(k.cmdline()) and "torch.distributed.run"
+            not in " ".join(k.cmdline())]
+
+
+def _final_state(root: Path, name: str) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    step_dir = next((root / "l0").glob(f"*/*/{name}"))
+    ck.verify_local(step_dir)
+    dcp_to_torch_save(step_dir, root / "final.pt")
+    return torch.load(root / "final.pt", weights_only=False)
+
+
+def _assert_bitwise_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    else:
+        assert a == b, where
+
+
+def test_kill_a_rank_or_the_whole_launcher_and_resume_to_the_same_bits(home):
+    tok = _tok(home)
+    sets = ["train.steps=60", "train.ckpt_every=10", "launcher.nproc_per_node=2", "launcher.max_restarts=2"]
+    ref, killed_rank, killed_all = home / "ref", home / "rank", home / "all"
+    assert subprocess.run(_launch_cmd(tok, ref, sets), env=_env(), cwd=ROOT, capture_output=True).returncode == 0
+
+    # 1. kill -9 one trainer rank after the first COMMIT: torchrun restarts both ranks, they resume
+    p = subprocess.Popen(_launch_cmd(tok, killed_rank, sets), env=_env(LLMP_FAULT_STEP_DELAY_S="0.05"), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(_commit_of(killed_rank, 10), 120, "the first COMMIT")
+    victim = _wait_for(lambda: _trainer_ranks(p)[-1:], 10, "a trainer rank")[0]
+    victim.send_signal(signal.SIGKILL)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+    assert "exitcode: -9" in out or "Signals.SIGKILL" in out  # torchrun saw the kill and restarted the ranks
+    resumed = json.loads((killed_rank / "train/manifest.json").read_text())["extra"]["resumed_from"]
+    assert resumed["tier"] == "L0" and resumed["step"] >= 10
+
+    # 2. kill -9 the whole process tree (launcher, torchrun, ranks), then re-run the same command (an Airflow retry)
+    cmd = _launch_cmd(tok, killed_all, sets)
+    p = subprocess.Popen(cmd, env=_env(LLMP_FAULT_STEP_DELAY_S="0.05"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    _wait_for(_commit_of(killed_all, 20), 120, "the COMMIT of step 20")
+    tree = [psutil.Process(p.pid)] + psutil.Process(p.pid).children(recursive=True)
+    for proc in tree:
+        proc.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    psutil.wait_procs(tree, timeout=30)
+    assert not (killed_all / "train/manifest.json").exists()
+    rerun = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "resumed from step" in rerun.stdout
+    m = json.loads((killed_all / "train/manifest.json").read_text())
+    assert m["extra"]["resumed_from"]["step"] >= 20 and m["extra"]["checkpoint"].endswith("step-000060")
+
+    want = _final_state(ref, "step-000060")
+    assert set(want) == {"model", "optim"} and want["optim"]["state"]
+    for run in (killed_rank, killed_all):
+        _assert_bitwise_equal(want, _final_state(run, "step-000060"), run.name)
+        assert json.loads((run / "train/losses.json").read_text()) == json.loads((ref / "train/losses.json").read_text())
+
+
+def _trained_with_tiers(home, s3_server, bucket: str):
+    """20 steps, 2 ranks, checkpoints at the probe step (10) and the end (the Young/Daly interval for a
+    5,000 h MTBF is far beyond the run), promoted to L1 and L2 during the run."""
+    from pipelines.train import launch
+
+    sets = TINY + ["train.steps=20", "train.ckpt_every=auto", "launcher.nproc_per_node=2",
+                   f"services.s3_endpoint_url={s3_server}", f"services.s3_bucket={bucket}"]
+    spec = load_spec(None, sets, env={})
+    m = launch.run(spec, _tok(home))
+    return spec, m, m.extra["checkpoint"].rsplit("/", 1)[0]
+
+
+def test_restore_falls_back_tier_by_tier_then_to_an_older_step(home, s3_server):
+    spec, m, rel_root = _trained_with_tiers(home, s3_server, "ckpt-restore")
+    assert m.extra["promoted_during_run"] == {"10": {"L1": "copied", "L2": "uploaded"},
+                                              "20": {"L1": "copied", "L2": "uploaded"}}
+    assert ck.list_steps(spec, rel_root) == {"L0": [10, 20], "L1": [10, 20], "L2": [10, 20]}
+    from pipelines import tracking
+
+    hist = tracking.client(spec).get_metric_history(m.extra["mlflow_run_id"], "ckpt/interval_steps")
+    assert [h.value for h in hist] == [20.0]  # Young/Daly, clamped to the run length
+    stalls = tracking.client(spec).get_metric_history(m.extra["mlflow_run_id"], "ckpt/stall_s")
+    assert sorted(h.step for h in stalls) == [10, 20]
+
+    def flip(path: Path):
+        with open(path, "r+b") as f:
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 0xFF]))
+
+    locs = ck.tier_locations(spec, f"{rel_root}/step-000020")
+    flip(Path(locs["L0"]) / "__1_0.distcp")
+    logs = []
+    rp = ck.find_restore(spec, rel_root, log=logs.append)
+    assert (rp.step, rp.tier) == (20, "L1") and "__1_0.distcp sha256" in rp.skipped[0]
+    assert any("skipped step-000020 L0" in line for line in logs)
+
+    ck.remove_local(Path(locs["L1"]))
+    rp = ck.find_restore(spec, rel_root)
+    assert (rp.step, rp.tier) == (20, "L2") and Path(rp.path) == Path(locs["L0"])  # downloaded into L0
+    ck.verify_local(Path(locs["L0"]))
+
+    from pipelines.storage.s3 import client, split_uri
+
+    bucket, prefix = split_uri(locs["L2"])
+    client(spec).put_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp", Body=b"not the shard")
+    flip(Path(locs["L0"]) / "__0_0.distcp")
+    rp = ck.find_restore(spec, rel_root)
+    assert (rp.step, rp.tier) == (10, "L0")
+    assert [r.split(":")[0] for r in rp.skipped] == ["step-000020 L0", "step-000020 L1", "step-000020 L2"]
+
+    # the promote stage finds the final checkpoint that the run promoted already
+    ck.remove_local(Path(locs["L0"]))
+    with pytest.raises(ck.CheckpointError, match="L0 copy .* is gone"):
+        ck.promote(spec, f"{rel_root}/step-000020")
+    rep = ck.promote(spec, f"{rel_root}/step-000010")
+    assert rep["actions"] == {"L1": "already-verified", "L2": "already-verified"}
+
+
+_SLOW_PROMOTE = """
+import sys, time
+from pipelines.spec import load_spec
+from pipelines.storage import s3
+from pipelines.train import checkpoint as ck
+spec = load_spec(None, sys.argv[2:], env={})
+real = s3.client
+def slow_client(spec):
+    c = real(spec)
+    c.meta.events.register("before-call.s3.UploadPart", lambda **kw: time.sleep(2))
+    return c
+s3.client = slow_client
+ck.promote(spec, sys.argv[1])
+"""
+
+
+def test_a_promotion_killed_mid_upload_leaves_no_commit_and_the_next_completes_it(home, s3_server):
+    sets = [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=ckpt-killed",
+            "checkpoint.multipart_threshold_mb=5", "checkpoint.multipart_chunk_mb=5"]
+    spec = load_spec(None, sets, env={})
+    rel = "run/key/step-000010"
+    tmp = home / "staged"
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(os.urandom(16 * 1024 * 1024))  # multipart: 4 parts of 5 MB
+    ck.commit_local(tmp, Path(ck.tier_locations(spec, rel)["L0"]), meta={"step": 10})
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_PROMOTE, rel] + sets, cwd=ROOT, env=_env(LLMP_HOME=str(home)))
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(ck.tier_locations(spec, rel)["L2"])
+    _wait_for(lambda: bucket in {b["Name"] for b in s3.list_buckets()["Buckets"]}
+              and s3.list_multipart_uploads(Bucket=bucket).get("Uploads"), 60, "the multipart upload to start")
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    assert ck.s3_commit_body(s3, bucket, prefix) is None  # no committed copy at L2
+    assert len(s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1  # the leftover
+    with pytest.raises(ck.CheckpointError, match="no COMMIT"):
+        ck.verify_s3(spec, f"s3://{bucket}/{prefix}")
+    rep = ck.promote(spec, rel)
+    assert rep["actions"] == {"L1": "already-verified", "L2": "uploaded"}
+    assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")  # aborted
+    ck.verify_s3(spec, f"s3://{bucket}/{prefix}")
+    got = ck.download_checkpoint(spec, f"s3://{bucket}/{prefix}", home / "back")
+    assert (got / "__0_0.distcp").read_bytes() == (tmp.parent / "var/tiers/nvme" / rel / "__0_0.distcp").read_bytes()
+
+
+def _torchrun_trainer(spec_file, tok, out: Path, ckpt_root: Path, nproc: int, env=None):
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "pipelines.train.trainer", "--spec", str(spec_file), "--tokenize-manifest", tok.path,
+           "--out", str(out), "--ckpt-root", str(ckpt_root)]
+    return subprocess.run(cmd, env=_env(**(env or {})), cwd=ROOT, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("layout,before,after", [("ddp", 2, 1), ("fsdp2", 1, 2), ("fsdp2", 2, 1)])
+def test_elastic_resume_on_another_world_size_keeps_the_sample_order_and_the_loss(home, layout, before, after):
+    """A job that lost (or gained) a node: the same spec, torchrun gives another world size. Degrees resolve
+    against it, DCP reshards, grad accumulation keeps the global batch of 8, the loader continues."""
+    tok = _tok(home)
+    par = ["parallel.dp_shard=-1"] if layout == "fsdp2" else []
+    spec = load_spec(None, TINY + par + ["train.steps=20", "train.ckpt_every=10", "train.global_batch=8",
+                                         "launcher.nproc_per_node=2", "train.grad_accum=1"], env={})
+    spec_file = home / "spec.yaml"
+    spec_file.write_text(spec.to_yaml())
+    l0 = home / "var/tiers/nvme"
+    ref = _torchrun_trainer(spec_file, tok, home / "ref", l0 / "ref", 2)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    first = _torchrun_trainer(spec_file, tok, home / "a", l0 / "elastic", before, {"LLMP_FAULT_EXIT_AT_STEP": "10"})
+    assert first.returncode != 0 and "exiting every rank after step 10" in first.stdout
+    second = _torchrun_trainer(spec_file, tok, home / "b", l0 / "elastic", after)
+    assert second.returncode == 0, second.stderr[-3000:]
+    res, want = (json.loads((home / d / "result.json").read_text()) for d in ("b", "ref"))
+    assert res["resumed_from"] == {"step": 10, "tier": "L0"} and res["world_size"] == after
+    assert res["global_batch"] == 8 and res["grad_accum"] == 2 // after
+    assert res["parallel"] == ("single" if after == 1 else {"ddp": "ddp", "fsdp2": "fsdp2"}[layout])
+    assert res["consumed_samples"] == want["consumed_samples"] == 20 * 8
+    got, ref_losses = (np.array(json.loads((home / d / "losses.json").read_text())) for d in ("b", "ref"))
+    assert got.shape == (20, 2) and np.array_equal(got[:, 0], np.arange(1, 21))
+    np.testing.assert_allclose(got[:, 1], ref_losses[:, 1], rtol=0, atol=2e-4)  # the curve continues
+
+
+def test_spikes_and_non_finite_steps_roll_back_skip_the_batch_and_the_run_completes(home):
+    from pipelines import tracking
+    from pipelines.train import launch
+
+    tok = _tok(home)
+    G = 8
+    sets = TINY + ["train.steps=30", "train.ckpt_every=5", "launcher.nproc_per_node=2", "train.spike_min_history=5",
+                   "launcher.max_restarts=0"]
+    env = {"LLMP_FAULT_BAD_BATCH": f"{G * 12}:spike,{G * 21}:nan"}
+    os.environ.update(env)
+    try:
+        m = launch.run(load_spec(None, sets, env={}), tok)
+        res = json.loads(m.output("result").read_text())
+        assert res["rollbacks"] == 2 and res["skipped_batches"] == [G * 12, G * 21]
+        assert res["consumed_samples"] == (30 + 2) * G and m.counts["steps"] == 30
+        losses = json.loads(m.output("losses").read_text())
+        assert [s for s, _ in losses] == list(range(1, 31)) and all(np.isfinite([x for _, x in losses]))
+        state = json.loads((home / "var/tiers/nvme" / m.extra["checkpoint"] / "trainer_state.json").read_text())
+        assert state["loader"]["skip"] == [G * 12, G * 21]  # a resume skips them too
+        hist = tracking.client(load_spec(None, sets, env={})).get_metric_history(m.extra["mlflow_run_id"],
+                                                                                 "train/rollbacks")
+        assert [h.value for h in hist] == [1.0, 2.0]
+        # one rollback allowed, two bad batches: the run fails and says what to do
+        with pytest.raises(launch.TrainError, match=r"train\.max_rollbacks"):
+            launch.run(load_spec(None, sets + ["train.max_rollbacks=1"], env={}), tok)
+    finally:
+        for k in env:
+            os.environ.pop(k)
+
+
+def test_retention_keeps_windows_and_never_removes_the_newest_verified_copy(home):
+    spec = load_spec(None, ["checkpoint.keep_l0=2"], env={})
+    assert ck.retention_plan({"L0": [10, 20, 30, 40], "L1": [10, 20, 30], "L2": [10, 20, 30, 40, 50]},
+                             {"L0": 2, "L1": 5, "L2": 1}, 20, set()) == {"L0": [10, 20], "L1": [], "L2": [10, 30]}
+    rel_root = "run/key"
+    for s in (10, 20, 30, 40, 50):
+        tmp = home / f"t{s}"
+        tmp.mkdir()
+        (tmp / "__0_0.distcp").write_bytes(os.urandom(1000))
+        ck.commit_local(tmp, Path(ck.tier_locations(spec, f"{rel_root}/step-0000{s}")["L0"]), meta={"step": s})
+    for s in (40, 50):  # the two newest are corrupt: step 30 is the newest that verifies
+        (Path(ck.tier_locations(spec, f"{rel_root}/step-0000{s}")["L0"]) / "__0_0.distcp").write_bytes(b"x")
+    deleted = ck.prune(spec, rel_root, tiers=("L0",))
+    assert deleted == {"L0": [10, 20]}
+    assert ck.list_steps(spec, rel_root, ("L0",)) == {"L0": [30, 40, 50]}
+    assert ck.find_restore(spec, rel_root).step == 30
+
+
+def test_async_save_returns_before_the_commit_and_keeps_the_state_of_its_step(home, monkeypatch):
+    import threading
+
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from pipelines.train import checkpointer
+    from pipelines.train.model import ModelArgs, Transformer
+
+    spec = load_spec(None, ["checkpoint.promote_during_run=false"], env={})
+    gate = threading.Event()
+    real_commit = ck.commit_local
+    monkeypatch.setattr(ck, "commit_local", lambda *a, **k: gate.wait(30) and real_commit(*a, **k))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = Transformer(ModelArgs(vocab_size=300, n_layers=2, d_model=64, n_heads=4, seq_len=16))
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)).backward()
+        opt.step()
+        saver = checkpointer.Checkpointer(spec, "run/key", 0, 1, print, files={"model_args.json": json.dumps(
+            model.args.to_dict()).encode()})
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        stall = saver.save(7, model, opt, {"step": 7})
+        final = saver.path(7)
+        assert not (final / "COMMIT").exists()  # save returned; persistence has not ended
+        with torch.no_grad():  # training goes on and changes the weights
+            for p in model.parameters():
+                p.add_(1.0)
+        gate.set()
+        saver.wait()
+        assert (final / "COMMIT").exists() and ck.verify_local(final)["step"] == 7 and stall < 5
+        saver.close(None)
+    finally:
+        dist.destroy_process_group()
+    restored = ck.load_plain_model(final).state_dict()
+    for k, v in before.items():
+        assert torch.equal(restored[k], v), k  # the state of step 7, not the weights changed afterwards
+
+
+def test_young_daly_interval_and_spike_guard_and_the_real_part_size():
+    # τ = √(2·C·MTBF_job): C = 0.5 s, 5,000 h per node over 2 nodes → 3,000 s; at 0.1 s per step, 30,000 steps
+    assert young_daly_steps(0.5, 5000, 2, 0.1, 10 ** 9) == 30000
+    assert young_daly_steps(0.5, 5000, 2, 0.1, 500) == 500
+    g = SpikeGuard(window=10, sigma=3, min_history=5)
+    for x in (4.0, 4.1, 3.9, 4.0, 4.05):
+        assert g.check(x, 1.0) is None
+        g.accept(x)
+    assert g.check(4.2, 1.0) is None and "spike" in g.check(9.0, 1.0) and "non-finite" in g.check(4.0, float("inf"))
+    # s3transfer raises an 8 MB chunk to 32 MB for a 200 GB file (≤ 10,000 parts): verification must follow
+    assert ck.part_size_used(200 << 30, 8 << 20) == 32 << 20 and ck.part_size_used(100 << 20, 8 << 20) == 8 << 20
