@@ -69,7 +69,12 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     assert man["preflight"]["counts"] == {"world_size": 2, "stragglers": 0}
     assert man["preflight"]["metrics"]["smoke_loss_last"] < man["preflight"]["metrics"]["smoke_loss_first"]
     assert man["eval"]["extra"]["loaded_from"] == "L2"
-    assert man["promote"]["extra"]["actions"]["L2"] == "uploaded"
+    # the train stage's promoter took every checkpoint to L1 and L2 during the run (ckpt_every 8 of 16 steps);
+    # the promote task finds the final one there and verified
+    assert man["train"]["extra"]["promoted_during_run"] == {"8": {"L1": "copied", "L2": "uploaded"},
+                                                           "16": {"L1": "copied", "L2": "uploaded"}}
+    assert man["promote"]["extra"]["actions"] == {"L1": "already-verified", "L2": "already-verified"}
+    assert man["train"]["extra"]["resumed_from"] is None
     # the embedded S3 endpoint was stopped and its objects saved to disk
     assert not (tmp_path / "var/s3/endpoint.json").exists()
     assert list((tmp_path / "var/s3/store").rglob("COMMIT"))

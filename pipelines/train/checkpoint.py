@@ -89,6 +89,14 @@ def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Pa
     return final_dir
 
 
+def missing_shards(d: Path) -> list[str]:
+    """Shard files that the DCP metadata in ``d`` names but ``d`` lacks (e.g. written on another node's disk)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    named = {info.relative_path for info in FileSystemReader(str(d)).read_metadata().storage_data.values()}
+    return sorted(n for n in named if not (d / n).is_file())
+
+
 def remove_local(d: Path) -> None:
     """COMMIT first, so a half-removed copy is never read as a checkpoint."""
     (d / COMMIT).unlink(missing_ok=True)
@@ -482,6 +490,17 @@ def prune(spec: JobSpec, rel_root: str, upto: Optional[int] = None, tiers: tuple
             loc = tier_locations(spec, f"{rel_root}/{step_name(s)}")[tier]
             remove_s3(spec, loc) if tier == "L2" else remove_local(Path(loc))
     return plan
+
+
+def clear_run(spec: JobSpec, rel_root: str) -> dict[str, list[int]]:
+    """Remove every committed step of this run from every tier (a run that starts over, ``train.resume=never``,
+    must not leave older steps of the same key to be mixed with its own by retention or a later resume)."""
+    by_tier = list_steps(spec, rel_root)
+    for tier, steps in by_tier.items():
+        for s in steps:
+            loc = tier_locations(spec, f"{rel_root}/{step_name(s)}")[tier]
+            remove_s3(spec, loc) if tier == "L2" else remove_local(Path(loc))
+    return by_tier
 
 
 # ----------------------------------------------------------------------------- promote

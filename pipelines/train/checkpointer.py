@@ -168,12 +168,14 @@ class Checkpointer:
         else:
             written = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), process_group=self.pg,
                                      async_stager=self.stager)
+        self.last_saved = step
+        self._pending = self.bg.submit(self._commit, step, tmp, written, t0) if self.rank == 0 else written
+        if self.spec.checkpoint.async_mode == "sync":
+            self.wait()  # the write, the hashing and the COMMIT all block training
         stall = time.perf_counter() - t0
         self.stalls.append(stall)
-        self.last_saved = step
-        self._pending = self.bg.submit(self._commit, step, tmp, written, t0, stall) if self.rank == 0 else written
-        if self.spec.checkpoint.async_mode == "sync":
-            self.wait()
+        self.events.add("ckpt/stall_s", stall, step)
+        self.log(f"[ckpt] step {step}: training blocked {stall * 1000:.0f} ms ({self.spec.checkpoint.async_mode} save)")
         return stall
 
     def _write_small_files(self, tmp: Path, state: dict, rngs: list) -> None:
@@ -183,13 +185,16 @@ class Checkpointer:
         for name, data in self.files.items():
             (tmp / name).write_bytes(data)
 
-    def _commit(self, step: int, tmp: Path, written: Future, t0: float, stall: float) -> None:
+    def _commit(self, step: int, tmp: Path, written: Future, t0: float) -> None:
         written.result()
+        missing = ck.missing_shards(tmp)
+        if missing:
+            raise ck.CheckpointError(f"step {step}: shard(s) {missing} are not in {tmp}; every rank must write where rank 0 "
+                                     "commits (put checkpoint.l0 on a filesystem that all ranks of the job share)")
         ck.commit_local(tmp, self.path(step), meta={"step": step, "format": "dcp", "world_size": self.world})
         save_s = time.perf_counter() - t0
-        self.events.add("ckpt/stall_s", stall, step)
         self.events.add("ckpt/save_s", save_s, step)
-        self.log(f"[ckpt] step {step}: committed to L0 in {save_s:.2f} s (training blocked {stall * 1000:.0f} ms)")
+        self.log(f"[ckpt] step {step}: committed to L0 {save_s:.2f} s after the save began")
         if self.promoter is not None:
             self.promoter.submit(step)
 

@@ -150,7 +150,10 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
         ckpt_root = resolve_path(spec.checkpoint.l0) / rel_root
         work = rank_workdir(spec, sd, tmp)
         spec_file = work / "spec.yaml"
-        spec_file.write_text(spec.to_yaml())
+        ranks_spec = spec.model_copy(deep=True)
+        if spec.run.force:  # recompute = start over, not resume this key's checkpoints
+            ranks_spec.train.resume = "never"
+        spec_file.write_text(ranks_spec.to_yaml())
         run_ranks(spec, "pipelines.train.trainer", ["--spec", str(spec_file), "--tokenize-manifest", tok.path,
                                                      "--out", str(work), "--ckpt-root", str(ckpt_root)],
                   run_id=f"train-{sd.final.name[:8]}")

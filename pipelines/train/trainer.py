@@ -204,9 +204,13 @@ class Trainer:
 
     def _find_restore(self) -> tuple[Optional[dict], Optional[dict]]:
         """Rank 0 finds the restore point and reads its trainer state; every rank gets both."""
-        from pipelines.train.checkpoint import find_restore
+        from pipelines.train.checkpoint import clear_run, find_restore
 
         resume, box = self.spec.train.resume, [None]
+        if resume == "never" and self.rank == 0:
+            gone = {t: v for t, v in clear_run(self.spec, self.rel_root).items() if v}
+            if gone:
+                self.log(f"[ckpt] train.resume=never: removed this run's earlier checkpoints {gone}")
         if resume != "never" and self.rank == 0:
             rp = find_restore(self.spec, self.rel_root, None if resume == "auto" else resume, self.log)
             if rp is not None:
@@ -275,6 +279,7 @@ class Trainer:
         self._log_params()
         bar = progress(desc=f"train ({self.world} ranks)", total=t.steps, initial=self.prog.step, unit="step") \
             if self.rank == 0 else None
+        start, first = time.perf_counter(), self.prog.step
         while self.prog.step < t.steps:
             t0 = time.perf_counter()
             lr = lr_at(self.prog.step, self.spec)
@@ -296,6 +301,7 @@ class Trainer:
             self._report(bar, loss, gnorm, lr)
             if self._due():
                 self._save()
+        self.fit_s, self.fit_steps = time.perf_counter() - start, self.prog.step - first  # wall, stalls included
         self.loader.close()
         if bar is not None:
             bar.close()
@@ -431,6 +437,7 @@ class Trainer:
             "global_batch": self.G, "grad_accum": self.accum, "resumed_from": self.prog.resumed_from,
             "rollbacks": self.prog.rollbacks, "skipped_batches": sorted(self.sampler.skip),
             "consumed_samples": self.sampler.consumed_samples,
+            "goodput_tokens_per_s": self.fit_steps * self.G * self.margs.seq_len / self.fit_s if self.fit_steps else None,
             "ckpt": {"saves": len(stalls), "stall_s_mean": sum(stalls) / len(stalls) if stalls else None,
                      "stall_s_max": max(stalls, default=None),
                      "promoted": {str(k): v for k, v in (self.ckpt.promoter.done if self.ckpt.promoter else {}).items()}},

@@ -1,0 +1,189 @@
+"""Checkpointing: save stall, promotion throughput and goodput, each beside its anchor, in one run.
+
+1. **Stall** for models of ≈ 10 M, 100 M and 350 M params (fp32 weights + AdamW moments, one gloo rank on
+   this machine): the anchor is a *synchronous* save (``checkpoint.async_mode=sync``: DCP write, hashing,
+   COMMIT, all while training waits); ours is the async save's stall (``thread``: training waits only while the
+   state is copied into reused host buffers). Ratio = stall ÷ sync save (target ≤ 0.25).
+2. **Promotion** of the 100 M checkpoint L0 → L1 → L2 (``checkpoint.promote``: copy, sha256 of every file,
+   S3 upload with SHA-256 checksums verified, COMMIT last) against a plain ``shutil.copyfile`` + boto3
+   ``upload_file`` of the same bytes with the same transfer settings (no checksums). Ratio = our MB/s ÷ plain
+   MB/s (target ≥ 0.8). L2 is the embedded S3 endpoint (moto on 127.0.0.1).
+3. **Goodput**: wall-clock tokens/s of a 2-rank demo-model run (``pipelines.train.launch``) that checkpoints at
+   the Young/Daly interval (``train.ckpt_every=auto``, ``checkpoint.mtbf_hours`` = 1 h per node, pessimistic),
+   and every 10 steps, against the same run with no checkpoint but the final one. Ratio = with ÷ without
+   (target ≥ 0.97).
+
+    python benchmarks/ckpt_bench.py [--tokenize-manifest M] [--steps 150] [--sizes 10m,100m,350m]
+
+Writes ``var/bench/ckpt.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZES = {"10m": dict(d_model=256, n_layers=4, n_heads=4), "100m": dict(d_model=768, n_layers=12, n_heads=12),
+         "350m": dict(d_model=1024, n_layers=24, n_heads=16)}
+VOCAB = 32000
+
+
+def _model_and_opt(size: str):
+    import torch
+
+    from pipelines.train.model import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs(vocab_size=VOCAB, seq_len=256, **SIZES[size]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()  # real AdamW state (two moments per parameter)
+    return model, opt
+
+
+def stall_rows(sizes: list[str], base: Path) -> tuple[list[dict], Path]:
+    from pipelines.spec import load_spec
+    from pipelines.train.checkpointer import Checkpointer
+    from pipelines.train.model import param_count
+
+    rows, keep = [], None
+    for size in sizes:
+        model, opt = _model_and_opt(size)
+        row = {"model": size, "params": param_count(model.args)}
+        for mode in ("sync", "thread"):
+            spec = load_spec(None, [f"checkpoint.l0={base}/l0", f"checkpoint.l1={base}/l1", f"checkpoint.async_mode={mode}",
+                                    "checkpoint.promote_during_run=false"], env={})
+            saver = Checkpointer(spec, f"{size}-{mode}", 0, 1, lambda m: None,
+                                 files={"model_args.json": json.dumps(model.args.to_dict()).encode()})
+            saver.save(1, model, opt, {"step": 1})  # warm-up: staging buffers allocated, pages touched
+            saver.wait()
+            t0 = time.perf_counter()
+            stall = saver.save(2, model, opt, {"step": 2})
+            saver.wait()
+            total = time.perf_counter() - t0
+            row[mode] = {"stall_s": round(stall, 4), "save_s": round(total, 4)}
+            saver.close(None)
+        row["bytes"] = sum(f.stat().st_size for f in (base / "l0" / f"{size}-thread" / "step-000002").iterdir())
+        row["ratio"] = round(row["thread"]["stall_s"] / row["sync"]["save_s"], 4)
+        rows.append(row)
+        print(f"  {size}: sync save {row['sync']['save_s']:.2f} s, async stall {row['thread']['stall_s']:.3f} s "
+              f"(ratio {row['ratio']:.3f}), {row['bytes'] / 1e9:.2f} GB", flush=True)
+        if size == "100m" or keep is None:
+            keep = base / "l0" / f"{size}-thread" / "step-000002"
+    return rows, keep
+
+
+def promotion_row(ckpt: Path, base: Path) -> dict:
+    from pipelines.spec import load_spec
+    from pipelines.storage import s3
+    from pipelines.train import checkpoint as ck
+
+    url = s3.start()
+    try:
+        spec = load_spec(None, [f"checkpoint.l0={base}/l0", f"checkpoint.l1={base}/l1", f"services.s3_endpoint_url={url}",
+                                "services.s3_bucket=bench-ckpt"], env={})
+        rel = ckpt.relative_to(base / "l0").as_posix()
+        nbytes = sum(f.stat().st_size for f in ckpt.iterdir())
+        t0 = time.perf_counter()
+        rep = ck.promote(spec, rel)
+        ours = time.perf_counter() - t0
+        client = s3.client(spec)
+        plain = base / "plain-l1"
+        t0 = time.perf_counter()
+        for f in ckpt.iterdir():
+            plain.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, plain / f.name)
+            client.upload_file(str(plain / f.name), "bench-ckpt", f"plain/{f.name}", Config=ck._transfer_config(spec))
+        anchor = time.perf_counter() - t0
+    finally:
+        s3.stop()
+    row = {"bytes": nbytes, "actions": rep["actions"], "ours_s": round(ours, 3), "plain_s": round(anchor, 3),
+           "ours_MBps": round(nbytes / ours / 1e6, 1), "plain_MBps": round(nbytes / anchor / 1e6, 1),
+           "ratio": round(anchor / ours, 3)}
+    print(f"  promotion: ours {row['ours_MBps']} MB/s, plain {row['plain_MBps']} MB/s (ratio {row['ratio']})", flush=True)
+    return row
+
+
+def goodput_rows(tok_path: str, steps: int) -> list[dict]:
+    from pipelines.manifest import load_manifest
+    from pipelines.spec import load_spec
+    from pipelines.train import launch
+
+    tok = load_manifest(tok_path)
+    base = [f"train.steps={steps}", "run.root=var/bench/ckpt-runs", "run.force=true", "train.resume=never",
+            "launcher.nproc_per_node=2", "checkpoint.l0=var/bench/ckpt-runs/l0", "checkpoint.l1=var/bench/ckpt-runs/l1"]
+    rows = []
+    for label, extra in [("no checkpoint until the end", [f"train.ckpt_every={steps}"]),
+                         ("Young/Daly (ckpt_every=auto, MTBF 1 h/node)", ["train.ckpt_every=auto", "checkpoint.mtbf_hours=1"]),
+                         ("every 10 steps", ["train.ckpt_every=10"])]:
+        m = launch.run(load_spec(str(ROOT / "configs" / "demo.yaml"), base + extra, env={}), tok)
+        res = json.loads(m.output("result").read_text())
+        rows.append({"run": label, "goodput_tokens_per_s": round(res["goodput_tokens_per_s"], 1),
+                     "saves": res["ckpt"]["saves"], "stall_s_mean": res["ckpt"]["stall_s_mean"]})
+        print(f"  goodput, {label}: {rows[-1]['goodput_tokens_per_s']:,.0f} tokens/s ({res['ckpt']['saves']} saves)",
+              flush=True)
+    for r in rows:
+        r["ratio"] = round(r["goodput_tokens_per_s"] / rows[0]["goodput_tokens_per_s"], 4)
+    return rows
+
+
+def _newest_tokenize_manifest() -> str | None:
+    found = sorted((ROOT / "var" / "runs" / "tokenize").glob("*/manifest.json"), key=os.path.getmtime)
+    return str(found[-1]) if found else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenize-manifest", default=None, help="For the goodput runs (default: the newest under var/runs).")
+    ap.add_argument("--steps", type=int, default=150, help="Steps of each goodput run.")
+    ap.add_argument("--sizes", default="10m,100m,350m")
+    ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "ckpt.json"))
+    args = ap.parse_args(argv)
+    tok = args.tokenize_manifest or _newest_tokenize_manifest()
+    if tok is None:
+        print("ckpt_bench: no tokenize manifest under var/runs; run `make demo` first or pass --tokenize-manifest",
+              file=sys.stderr)
+        return 2
+    import torch
+    import torch.distributed as dist
+
+    from pipelines.manifest import atomic_write_text
+
+    torch.set_num_threads(2)
+    base = ROOT / "var" / "bench" / "ckpt-sizes"
+    shutil.rmtree(base, ignore_errors=True)
+    port = 29500 + os.getpid() % 1000
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        stalls, ckpt = stall_rows(args.sizes.split(","), base)
+    finally:
+        dist.destroy_process_group()
+    promo = promotion_row(ckpt, base)
+    shutil.rmtree(base, ignore_errors=True)
+    good = goodput_rows(tok, args.steps)
+    result = {"stall": stalls, "promotion": promo, "goodput": good, "machine": {"cpus": os.cpu_count()}}
+    print("\n| checkpoint | params | bytes | sync save (anchor) | async stall (ours) | stall ÷ sync |")
+    print("|---|---|---|---|---|---|")
+    for r in stalls:
+        print(f"| {r['model']} | {r['params'] / 1e6:,.1f} M | {r['bytes'] / 1e9:.2f} GB | {r['sync']['save_s']:.2f} s | "
+              f"{r['thread']['stall_s']:.3f} s | {r['ratio']:.3f} |")
+    print(f"\n| promotion of {promo['bytes'] / 1e9:.2f} GB | MB/s | ours ÷ plain |\n|---|---|---|")
+    print(f"| ours: L0 → L1 → L2, verified, COMMIT last | {promo['ours_MBps']} | {promo['ratio']:.2f} |")
+    print(f"| plain copyfile + upload_file (anchor) | {promo['plain_MBps']} | 1.00 |")
+    print("\n| 2-rank demo run | goodput tokens/s | saves | ÷ no checkpoints |\n|---|---|---|---|")
+    for r in good:
+        print(f"| {r['run']} | {r['goodput_tokens_per_s']:,.0f} | {r['saves']} | {r['ratio']:.3f} |")
+    atomic_write_text(args.out, json.dumps(result, indent=2))
+    print(f"written {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
