@@ -354,6 +354,13 @@ def test_async_save_returns_before_the_commit_and_keeps_the_state_of_its_step(ho
         saver.close(None)
     finally:
         dist.destroy_process_group()
+    assert ck.missing_shards(final) == []
+    partial = home / "partial"  # as if a shard had been written on another node's disk
+    import shutil
+
+    shutil.copytree(final, partial)
+    (partial / "__0_0.distcp").unlink()
+    assert ck.missing_shards(partial) == ["__0_0.distcp"]
     restored = ck.load_plain_model(final).state_dict()
     for k, v in before.items():
         assert torch.equal(restored[k], v), k  # the state of step 7, not the weights changed afterwards
@@ -370,3 +377,20 @@ def test_young_daly_interval_and_spike_guard_and_the_real_part_size():
     assert g.check(4.2, 1.0) is None and "spike" in g.check(9.0, 1.0) and "non-finite" in g.check(4.0, float("inf"))
     # s3transfer raises an 8 MB chunk to 32 MB for a 200 GB file (≤ 10,000 parts): verification must follow
     assert ck.part_size_used(200 << 30, 8 << 20) == 32 << 20 and ck.part_size_used(100 << 20, 8 << 20) == 8 << 20
+
+
+def test_young_daly_interval_inside_the_run_is_the_same_on_every_rank(home):
+    """A short MTBF puts the Young/Daly interval inside the run: rank 0's interval is every rank's (a rank that
+    saved alone would wait in the save's collectives forever)."""
+    from pipelines import tracking
+    from pipelines.train import launch
+
+    sets = TINY + ["train.steps=24", "train.ckpt_every=auto", "checkpoint.probe_step=4", "checkpoint.mtbf_hours=0.0001",
+                   "launcher.nproc_per_node=2", "launcher.max_restarts=0"]
+    spec = load_spec(None, sets, env={})
+    m = launch.run(spec, _tok(home))
+    res = json.loads(m.output("result").read_text())
+    hist = tracking.client(spec).get_metric_history(m.extra["mlflow_run_id"], "ckpt/interval_steps")
+    intervals = [int(h.value) for h in sorted(hist, key=lambda h: h.step)]
+    assert len(intervals) >= 2 and all(1 <= i < 20 for i in intervals)  # √(2·C·0.36 s) ≈ a few steps here
+    assert res["ckpt"]["saves"] == len(intervals) + 1  # the probe, then one per interval, and the final step

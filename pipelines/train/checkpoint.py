@@ -134,19 +134,38 @@ def is_valid_local(d: Path) -> bool:
         return False
 
 
-def copy_local(src: Path, dst: Path) -> Path:
-    """Copy a verified checkpoint to another filesystem tier; verify the copy; COMMIT last."""
-    man = verify_local(src)
+def _copy_hashing(src: Path, dst: Path, part_size: int) -> tuple[str, list[bytes]]:
+    """Copy in one read pass, hashing what was read: (sha256 hex of the file, sha256 digest of each
+    ``part_size`` part, the parts S3 will checksum when this file is uploaded)."""
+    whole, parts = hashlib.sha256(), []
+    with open(src, "rb") as f, open(dst, "wb") as g:
+        while chunk := f.read(part_size):
+            whole.update(chunk)
+            parts.append(hashlib.sha256(chunk).digest())
+            g.write(chunk)
+    return whole.hexdigest(), parts
+
+
+def copy_local(src: Path, dst: Path, chunk: int = 8 << 20) -> dict[str, list[bytes]]:
+    """Copy a checkpoint to another filesystem tier, checking every file against the manifest as it is read
+    (a corrupt source is refused); COMMIT last. Returns each file's part digests for the S3 upload that follows
+    (parts of ``chunk`` bytes, as s3transfer will cut them)."""
+    man = read_local_manifest(src)
     tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
         for rel in man["files"]:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src / rel, tmp / rel)
-        sums = _hash_files(tmp, list(man["files"]))
-        bad = [rel for rel, info in man["files"].items() if sums[rel] != info["sha256"]]
-        if bad:
-            raise CheckpointError(f"copy of {bad[0]} to {dst} does not match its checksum")
+        rels = list(man["files"])
+        if any(not (src / rel).is_file() for rel in rels):
+            raise CheckpointError(f"{src}: {next(r for r in rels if not (src / r).is_file())} is missing")
+        with ThreadPoolExecutor(max_workers=min(8, max(1, len(rels)))) as ex:
+            got = dict(zip(rels, ex.map(lambda r: _copy_hashing(
+                src / r, tmp / r, part_size_used(man["files"][r]["bytes"], chunk)), rels)))
+        for rel, info in man["files"].items():
+            if got[rel][0] != info["sha256"]:
+                raise CheckpointError(f"{src}: {rel} sha256 {got[rel][0][:12]}… does not match the manifest's "
+                                      f"{info['sha256'][:12]}… — refusing this checkpoint")
         shutil.copyfile(src / CKPT_MANIFEST, tmp / CKPT_MANIFEST)
         shutil.copyfile(src / COMMIT, tmp / COMMIT)  # last
         if dst.exists():
@@ -155,7 +174,7 @@ def copy_local(src: Path, dst: Path) -> Path:
         os.replace(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return dst
+    return {rel: parts for rel, (_, parts) in got.items()}
 
 
 # ----------------------------------------------------------------------------- S3 tier
@@ -175,7 +194,10 @@ def _composite_sha256(path: Path, part_size: int) -> str:
     return base64.b64encode(hashlib.sha256(b"".join(digests)).digest()).decode() + f"-{len(digests)}"
 
 
-def _s3_object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part_size: int) -> bool:
+def _s3_object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part_size: int,
+                       parts: Optional[list[bytes]] = None) -> bool:
+    """Does the object hold exactly the file's bytes? A multipart object's composite checksum is compared with
+    ``parts`` (the file's part digests, when the caller hashed them already) or recomputed from the file."""
     from botocore.exceptions import ClientError
 
     try:
@@ -194,7 +216,9 @@ def _s3_object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part
         part = part_size_used(size, part_size)
         if n_parts and -(-size // part) == n_parts:
             # composite: base64(sha256(concat(part sha256s))), with or without the "-N" suffix
-            return remote.split("-")[0] == _composite_sha256(path, part).split("-")[0]
+            local = base64.b64encode(hashlib.sha256(b"".join(parts)).digest()).decode() \
+                if parts is not None and len(parts) == n_parts else _composite_sha256(path, part)
+            return remote.split("-")[0] == local.split("-")[0]
     h = hashlib.sha256()
     for chunk in s3.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 20):
         h.update(chunk)
@@ -228,18 +252,21 @@ def abort_multipart(s3, bucket: str, prefix: str) -> int:
     return n
 
 
-def upload_checkpoint(spec: JobSpec, src: Path, uri: str) -> str:
-    """Upload a verified local checkpoint to ``uri`` (s3://bucket/prefix); COMMIT last. Idempotent."""
+def upload_checkpoint(spec: JobSpec, src: Path, uri: str, parts: Optional[dict[str, list[bytes]]] = None) -> str:
+    """Upload a local checkpoint to ``uri`` (s3://bucket/prefix), each object checked against the file, COMMIT
+    last. Idempotent. ``parts``: the files' part digests from a copy that just verified ``src`` (else ``src`` is
+    verified here)."""
     from pipelines.storage.s3 import client, ensure_bucket, split_uri
 
-    man = verify_local(src)
+    man = verify_local(src) if parts is None else read_local_manifest(src)
+    parts = parts or {}
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
     ensure_bucket(s3, bucket, spec.services.s3_region)
     commit = (src / COMMIT).read_text().strip()
     part = spec.checkpoint.multipart_chunk_mb * 1024 * 1024
     if s3_commit_body(s3, bucket, prefix) == commit and all(
-            _s3_object_matches(s3, bucket, f"{prefix}/{rel}", src / rel, info["sha256"], part)
+            _s3_object_matches(s3, bucket, f"{prefix}/{rel}", src / rel, info["sha256"], part, parts.get(rel))
             for rel, info in man["files"].items()):
         return "already-verified"
     s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")  # invalidate any older copy first
@@ -251,7 +278,7 @@ def upload_checkpoint(spec: JobSpec, src: Path, uri: str) -> str:
         key = f"{prefix}/{rel}"
         s3.upload_file(str(src / rel), bucket, key, Config=cfg,
                        ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": info["sha256"]}})
-        if not _s3_object_matches(s3, bucket, key, src / rel, info["sha256"], part):
+        if not _s3_object_matches(s3, bucket, key, src / rel, info["sha256"], part, parts.get(rel)):
             raise CheckpointError(f"s3://{bucket}/{key} does not match {rel}'s sha256 after upload")
     s3.upload_file(str(src / CKPT_MANIFEST), bucket, f"{prefix}/{CKPT_MANIFEST}")
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}", Body=commit.encode())  # last
@@ -509,15 +536,16 @@ def promote(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2")) -> d
     locs = tier_locations(spec, rel)
     l0, l1 = Path(locs["L0"]), Path(locs["L1"])
     report = {"checkpoint": rel, "tiers": locs, "actions": {}}
+    parts = None
     if is_valid_local(l1):
         report["actions"]["L1"] = "already-verified"
     else:
         if not l0.exists():
             raise CheckpointError(f"L0 copy {l0} is gone and L1 holds no verified copy: nothing to promote")
-        copy_local(l0, l1)  # verify_local(l0) inside: refuses a corrupt L0
+        parts = copy_local(l0, l1, spec.checkpoint.multipart_chunk_mb << 20)  # refuses a corrupt L0
         report["actions"]["L1"] = "copied"
     if "L2" in tiers:
-        report["actions"]["L2"] = upload_checkpoint(spec, l1, locs["L2"])
+        report["actions"]["L2"] = upload_checkpoint(spec, l1, locs["L2"], parts)
     report["commit"] = (l1 / COMMIT).read_text().strip()
     return report
 

@@ -288,8 +288,8 @@ class Trainer:
             batches = self.loader.next_step()
             loss, gnorm = self._forward_backward(batches, self.loader.position)
             why = self.guard.check(loss, gnorm)
-            if why is not None:
-                self._rollback(why, self.loader.position)
+            if self._any_rank(why is not None):  # every rank rolls back together, or none does
+                self._rollback(why or "another rank saw a spike or a non-finite value", self.loader.position)
                 continue
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -323,6 +323,13 @@ class Trainer:
             loss_sum /= self.world
         return float(loss_sum), gnorm
 
+    def _any_rank(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def _due(self) -> bool:
         every, step = self.spec.train.ckpt_every, self.prog.step
         if step == self.spec.train.steps:
@@ -330,25 +337,31 @@ class Trainer:
         return step == self.next_save if every == "auto" else step % every == 0
 
     def _save(self) -> None:
-        from pipelines.train.resilience import young_daly_steps
-
         self.ckpt.save(self.prog.step, self.model, self.opt, self._state())
         if self.spec.train.ckpt_every == "auto" and self.prog.step < self.spec.train.steps:
-            recent = sorted(self.step_times[-50:])
-            nodes = max(1, self.world // int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
-            stall = sum(self.ckpt.stalls) / len(self.ckpt.stalls)
-            every = young_daly_steps(stall, self.spec.checkpoint.mtbf_hours, nodes, recent[len(recent) // 2],
-                                     self.spec.train.steps)
-            self.next_save = self.prog.step + every
-            self.log(f"[ckpt] Young/Daly interval: {every} steps (stall {stall * 1000:.0f} ms, MTBF "
-                     f"{self.spec.checkpoint.mtbf_hours:g} h / {nodes} node(s), step {recent[len(recent) // 2]:.3f} s)")
-            if self.tracker:
-                self.tracker.add(self.prog.step, {"ckpt/interval_steps": every})
+            self.next_save = self.prog.step + self._young_daly()
         if self.faults.exit_at_step == self.prog.step:  # fault injection: the job dies right after a commit
             self.ckpt.wait()
             dist.barrier()
             self.log(f"[fault] exiting every rank after step {self.prog.step} (LLMP_FAULT_EXIT_AT_STEP)")
             os._exit(17)
+
+    def _young_daly(self) -> int:
+        """Rank 0's Young/Daly interval from the measured stalls and its median step time, broadcast: every rank
+        must save at the same steps."""
+        from pipelines.train.resilience import young_daly_steps
+
+        box = [None]
+        if self.rank == 0:
+            recent = sorted(self.step_times[-50:])
+            step_s, stall = recent[len(recent) // 2], sum(self.ckpt.stalls) / len(self.ckpt.stalls)
+            nodes = max(1, self.world // int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+            box = [young_daly_steps(stall, self.spec.checkpoint.mtbf_hours, nodes, step_s, self.spec.train.steps)]
+            self.log(f"[ckpt] Young/Daly interval: {box[0]} steps (stall {stall * 1000:.0f} ms, MTBF "
+                     f"{self.spec.checkpoint.mtbf_hours:g} h / {nodes} node(s), step {step_s:.3f} s)")
+            self.tracker.add(self.prog.step, {"ckpt/interval_steps": box[0]})
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def _rollback(self, why: str, position: int) -> None:
         """Do not apply this step; go back to the last checkpoint and never train on this global batch again."""
