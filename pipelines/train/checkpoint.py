@@ -138,11 +138,12 @@ def _copy_hashing(src: Path, dst: Path, part_size: int) -> tuple[str, list[bytes
     """Copy in one read pass, hashing what was read: (sha256 hex of the file, sha256 digest of each
     ``part_size`` part, the parts S3 will checksum when this file is uploaded)."""
     whole, parts = hashlib.sha256(), []
-    with open(src, "rb") as f, open(dst, "wb") as g:
-        while chunk := f.read(part_size):
+    with open(src, "rb") as f, open(dst, "wb") as g, ThreadPoolExecutor(1) as part_hasher:
+        while chunk := f.read(part_size):  # the part's digest is computed beside the whole-file hash and the write
+            part = part_hasher.submit(lambda c: hashlib.sha256(c).digest(), chunk)
             whole.update(chunk)
-            parts.append(hashlib.sha256(chunk).digest())
             g.write(chunk)
+            parts.append(part.result())
     return whole.hexdigest(), parts
 
 
@@ -216,7 +217,7 @@ def _s3_object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part
         part = part_size_used(size, part_size)
         if n_parts and -(-size // part) == n_parts:
             # composite: base64(sha256(concat(part sha256s))), with or without the "-N" suffix
-            local = base64.b64encode(hashlib.sha256(b"".join(parts)).digest()).decode() \
+            local = _b64(hashlib.sha256(b"".join(parts)).digest()) \
                 if parts is not None and len(parts) == n_parts else _composite_sha256(path, part)
             return remote.split("-")[0] == local.split("-")[0]
     h = hashlib.sha256()
@@ -252,6 +253,32 @@ def abort_multipart(s3, bucket: str, prefix: str) -> int:
     return n
 
 
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: list[bytes], sha_hex: str) -> None:
+    """Multipart upload that sends the part digests computed while the file was copied (no second hashing
+    pass): S3 refuses a part whose bytes do not match its ``x-amz-checksum-sha256``."""
+    up = s3.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256", Metadata={"sha256": sha_hex})
+
+    def put(i: int) -> dict:
+        with open(path, "rb") as f:
+            f.seek(i * part)
+            body = f.read(part)
+        r = s3.upload_part(Bucket=bucket, Key=key, UploadId=up["UploadId"], PartNumber=i + 1, Body=body,
+                           ChecksumAlgorithm="SHA256", ChecksumSHA256=_b64(digests[i]))
+        return {"ETag": r["ETag"], "PartNumber": i + 1, "ChecksumSHA256": _b64(digests[i])}
+
+    try:
+        with ThreadPoolExecutor(max_workers=4) as ex:
+            parts = list(ex.map(put, range(len(digests))))
+        s3.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": parts})
+    except Exception:
+        s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"])
+        raise
+
+
 def upload_checkpoint(spec: JobSpec, src: Path, uri: str, parts: Optional[dict[str, list[bytes]]] = None) -> str:
     """Upload a local checkpoint to ``uri`` (s3://bucket/prefix), each object checked against the file, COMMIT
     last. Idempotent. ``parts``: the files' part digests from a copy that just verified ``src`` (else ``src`` is
@@ -275,9 +302,13 @@ def upload_checkpoint(spec: JobSpec, src: Path, uri: str, parts: Optional[dict[s
         print(f"[ckpt] aborted {aborted} unfinished multipart upload(s) under {uri}", flush=True)
     cfg = _transfer_config(spec)
     for rel, info in man["files"].items():
-        key = f"{prefix}/{rel}"
-        s3.upload_file(str(src / rel), bucket, key, Config=cfg,
-                       ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": info["sha256"]}})
+        key, size = f"{prefix}/{rel}", info["bytes"]
+        digests = parts.get(rel)
+        if digests and size >= cfg.multipart_threshold and len(digests) == -(-size // part_size_used(size, part)):
+            _upload_parts(s3, bucket, key, src / rel, part_size_used(size, part), digests, info["sha256"])
+        else:
+            s3.upload_file(str(src / rel), bucket, key, Config=cfg,
+                           ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": info["sha256"]}})
         if not _s3_object_matches(s3, bucket, key, src / rel, info["sha256"], part, parts.get(rel)):
             raise CheckpointError(f"s3://{bucket}/{key} does not match {rel}'s sha256 after upload")
     s3.upload_file(str(src / CKPT_MANIFEST), bucket, f"{prefix}/{CKPT_MANIFEST}")
