@@ -126,6 +126,9 @@ def test_kill_a_rank_or_the_whole_launcher_and_resume_to_the_same_bits(home):
 
     want = _final_state(ref, "step-000060")
     assert set(want) == {"model", "optim"} and want["optim"]["state"]
+    print(f"kill one rank: resumed from {resumed}; kill the launcher tree + re-run: resumed from "
+          f"{m['extra']['resumed_from']}; comparing {len(want['model'])} model tensors and "
+          f"{sum(len(v) for v in want['optim']['state'].values())} optimizer state tensors bitwise")
     for run in (killed_rank, killed_all):
         _assert_bitwise_equal(want, _final_state(run, "step-000060"), run.name)
         assert json.loads((run / "train/losses.json").read_text()) == json.loads((ref / "train/losses.json").read_text())

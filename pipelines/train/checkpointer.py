@@ -14,6 +14,7 @@ directory into place (:func:`pipelines.train.checkpoint.commit_local`), in its b
 from __future__ import annotations
 
 import json
+import os
 import queue
 import random
 import shutil
@@ -45,6 +46,14 @@ def set_rng_state(st: dict) -> None:
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state(st["cuda"])
+
+
+def lower_priority() -> None:
+    """Renice the calling thread (Linux threads are tasks): hashing, copies and uploads yield the CPU to training."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (OSError, AttributeError):  # not Linux, or not permitted: run at normal priority
+        pass
 
 
 class Events:
@@ -89,6 +98,7 @@ class Promoter:
         self.thread.join()
 
     def _work(self) -> None:
+        lower_priority()
         every = self.spec.checkpoint.l2_keep_every
         while (step := self.q.get()) is not None:
             if not self.q.empty() and every and step % every:
@@ -127,7 +137,8 @@ class Checkpointer:
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                    use_async_staging=False, use_non_blocking_copy=cuda))
         self.events = Events()
-        self.bg = ThreadPoolExecutor(1, thread_name_prefix="llmp-commit") if rank == 0 else None
+        self.bg = ThreadPoolExecutor(1, thread_name_prefix="llmp-commit", initializer=lower_priority) \
+            if rank == 0 else None
         self.promoter = Promoter(spec, rel_root, log, self.events) \
             if rank == 0 and spec.checkpoint.promote_during_run else None
         self._pending: Optional[Future] = None
