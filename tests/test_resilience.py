@@ -308,7 +308,7 @@ def test_spikes_and_non_finite_steps_roll_back_skip_the_batch_and_the_run_comple
 def test_retention_keeps_windows_and_never_removes_the_newest_verified_copy(home):
     spec = load_spec(None, ["checkpoint.keep_l0=2"], env={})
     assert ck.retention_plan({"L0": [10, 20, 30, 40], "L1": [10, 20, 30], "L2": [10, 20, 30, 40, 50]},
-                             {"L0": 2, "L1": 5, "L2": 1}, 20, set()) == {"L0": [10, 20], "L1": [], "L2": [10, 30]}
+                             {"L0": 2, "L1": 5, "L2": 1}, 20) == {"L0": [10, 20], "L1": [], "L2": [10, 30]}
     rel_root = "run/key"
     for s in (10, 20, 30, 40, 50):
         tmp = home / f"t{s}"

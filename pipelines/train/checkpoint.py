@@ -187,12 +187,18 @@ def part_size_used(size: int, chunk: int) -> int:
     return ChunksizeAdjuster().adjust_chunksize(chunk, size)
 
 
-def _composite_sha256(path: Path, part_size: int) -> str:
-    digests = []
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+def _composite_sha256(parts: list[bytes]) -> str:
+    """S3's checksum of a multipart object: base64(sha256(concatenated part sha256 digests))."""
+    return _b64(hashlib.sha256(b"".join(parts)).digest())
+
+
+def _part_digests(path: Path, part_size: int) -> list[bytes]:
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(part_size), b""):
-            digests.append(hashlib.sha256(chunk).digest())
-    return base64.b64encode(hashlib.sha256(b"".join(digests)).digest()).decode() + f"-{len(digests)}"
+        return [hashlib.sha256(chunk).digest() for chunk in iter(lambda: f.read(part_size), b"")]
 
 
 def _s3_object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part_size: int,
@@ -210,16 +216,16 @@ def _s3_object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part
         return False
     remote = head.get("ChecksumSHA256")
     if remote:
-        if remote == base64.b64encode(bytes.fromhex(sha_hex)).decode():
+        if remote == _b64(bytes.fromhex(sha_hex)):
             return True  # single-part (or full-object) checksum
         etag = head.get("ETag", "").strip('"')
         n_parts = int(etag.rsplit("-", 1)[1]) if "-" in etag else None
         part = part_size_used(size, part_size)
         if n_parts and -(-size // part) == n_parts:
             # composite: base64(sha256(concat(part sha256s))), with or without the "-N" suffix
-            local = _b64(hashlib.sha256(b"".join(parts)).digest()) \
-                if parts is not None and len(parts) == n_parts else _composite_sha256(path, part)
-            return remote.split("-")[0] == local.split("-")[0]
+            if parts is None or len(parts) != n_parts:
+                parts = _part_digests(path, part)
+            return remote.split("-")[0] == _composite_sha256(parts)
     h = hashlib.sha256()
     for chunk in s3.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 20):
         h.update(chunk)
@@ -251,10 +257,6 @@ def abort_multipart(s3, bucket: str, prefix: str) -> int:
             s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
             n += 1
     return n
-
-
-def _b64(digest: bytes) -> str:
-    return base64.b64encode(digest).decode()
 
 
 def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: list[bytes], sha_hex: str) -> None:
@@ -363,7 +365,7 @@ def verify_s3(spec: JobSpec, uri: str) -> dict:
     for rel, info in man["files"].items():
         head = s3.head_object(Bucket=bucket, Key=f"{prefix}/{rel}", ChecksumMode="ENABLED")
         remote = head.get("ChecksumSHA256")
-        whole = base64.b64encode(bytes.fromhex(info["sha256"])).decode()
+        whole = _b64(bytes.fromhex(info["sha256"]))
         if head["ContentLength"] != info["bytes"] or (remote and "-" not in head["ETag"] and remote != whole):
             raise CheckpointError(f"{uri}: {rel} does not match the manifest")
     return man
@@ -503,17 +505,16 @@ def find_restore(spec: JobSpec, rel_root: str, step: Optional[int] = None,
 
 
 # ----------------------------------------------------------------------------- retention
-def retention_plan(by_tier: dict[str, list[int]], keep: dict[str, int], l2_every: int,
-                   protect: set[int]) -> dict[str, list[int]]:
+def retention_plan(by_tier: dict[str, list[int]], keep: dict[str, int], l2_every: int) -> dict[str, list[int]]:
     """Steps to delete per tier: L0/L1 keep their last ``keep[tier]`` steps; L2 keeps the last ``keep['L2']``
-    plus every step that is a multiple of ``l2_every`` (0 = keeps every L2 step); ``protect`` is never deleted."""
+    plus every step that is a multiple of ``l2_every`` (0 = keeps every L2 step)."""
     out = {}
     for tier, steps in by_tier.items():
         steps = sorted(steps)
         kept = set(steps[-keep[tier]:]) if keep[tier] > 0 else set(steps)
         if tier == "L2":
             kept |= {s for s in steps if not l2_every or s % l2_every == 0}
-        out[tier] = [s for s in steps if s not in kept and s not in protect]
+        out[tier] = [s for s in steps if s not in kept]
     return out
 
 
@@ -537,27 +538,28 @@ def prune(spec: JobSpec, rel_root: str, upto: Optional[int] = None, tiers: tuple
     verifies anywhere is ever deleted. Returns the steps deleted per tier."""
     c = spec.checkpoint
     by_tier = list_steps(spec, rel_root, tiers)
-    plan = retention_plan(by_tier, {"L0": c.keep_l0, "L1": c.keep_l1, "L2": c.keep_l2}, c.l2_keep_every, set())
+    plan = retention_plan(by_tier, {"L0": c.keep_l0, "L1": c.keep_l1, "L2": c.keep_l2}, c.l2_keep_every)
     plan = {t: [s for s in v if upto is None or s <= upto] for t, v in plan.items()}
     if not any(plan.values()):
         return plan
     guard = newest_verified(spec, rel_root, by_tier)
     plan = {t: [s for s in v if s != guard] for t, v in plan.items()}
-    for tier, steps in plan.items():
+    _remove_steps(spec, rel_root, plan)
+    return plan
+
+
+def _remove_steps(spec: JobSpec, rel_root: str, steps_by_tier: dict[str, list[int]]) -> None:
+    for tier, steps in steps_by_tier.items():
         for s in steps:
             loc = tier_locations(spec, f"{rel_root}/{step_name(s)}")[tier]
             remove_s3(spec, loc) if tier == "L2" else remove_local(Path(loc))
-    return plan
 
 
 def clear_run(spec: JobSpec, rel_root: str) -> dict[str, list[int]]:
     """Remove every committed step of this run from every tier (a run that starts over, ``train.resume=never``,
     must not leave older steps of the same key to be mixed with its own by retention or a later resume)."""
     by_tier = list_steps(spec, rel_root)
-    for tier, steps in by_tier.items():
-        for s in steps:
-            loc = tier_locations(spec, f"{rel_root}/{step_name(s)}")[tier]
-            remove_s3(spec, loc) if tier == "L2" else remove_local(Path(loc))
+    _remove_steps(spec, rel_root, by_tier)
     return by_tier
 
 

@@ -98,7 +98,7 @@ def runtime_batch(spec: JobSpec, dp: int, saved_global: Optional[int]) -> tuple[
     G = saved_global or t.global_batch or t.micro_batch * t.grad_accum * dp
     if G % (t.micro_batch * dp):
         raise ValueError(f"global batch {G} is not divisible by train.micro_batch × DP = {t.micro_batch} × {dp} "
-                         f"on this world; pick a train.micro_batch that divides {G // math.gcd(G, dp) if G % dp == 0 else G}")
+                         "on this world size; pick a train.micro_batch that divides the global batch / DP")
     return G, G // (t.micro_batch * dp)
 
 
