@@ -8,6 +8,10 @@ UI's "Trigger DAG") feed the job spec as ``--set`` overrides; a Param left empty
          (setup)                (spark-submit ×2)             (torchrun, or a PyTorchJob on Kubernetes) │
          teardown_services ◄─────────────────────────────────────────────────────────────────────────────┘
 
+``evaluate`` scores the checkpoint (loaded from L2) on the fixed reference set (bits per byte) and the
+lm-evaluation-harness tasks read offline; ``register`` logs it as a servable pyfunc and moves ``champion`` only
+when it is no worse on the same reference set (else the version is ``challenger``), with an eval report.
+
 ``preflight`` and ``train`` run on the ranks the spec's ``launcher`` names: ``torchrun`` here, or a Kubeflow
 PyTorchJob that the stage submits and polls (``launcher.kind: kubernetes``), its state changes and the master
 pod's log streamed into the task log; clearing or killing the task deletes the job.

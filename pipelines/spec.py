@@ -45,6 +45,15 @@ def resolve_path(p: str | os.PathLike) -> Path:
     return path if path.is_absolute() else (project_home() / path)
 
 
+def resolve_bundled(p: str | os.PathLike) -> Path:
+    """Like :func:`resolve_path`, but a relative path that is not there falls back to the checkout's own copy:
+    the data this repository ships (``data/…``) is found wherever ``LLMP_HOME`` points."""
+    path = resolve_path(p)
+    if path.exists() or Path(os.path.expanduser(str(p))).is_absolute():
+        return path
+    return Path(__file__).resolve().parent.parent / p
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -376,14 +385,31 @@ class TiersCfg(_Section):
 
 
 class EvalCfg(_Section):
-    max_tokens: Optional[int] = Field(None, description="Cap on held-out tokens scored.")
+    reference: list[str] = Field(
+        default_factory=lambda: ["data/reference/tinystories_val_tail.txt", "data/reference/tinyshakespeare_tail.txt"],
+        min_length=1, description="The fixed reference set (plain text or JSONL with `text`): its bits-per-byte is the "
+        "gate metric, comparable across corpora and tokenizers; its sha256 is checked before two numbers are compared.")
+    tasks: list[Literal["arc_easy", "hellaswag", "lambada_openai"]] = Field(
+        default_factory=lambda: ["arc_easy", "hellaswag", "lambada_openai"],
+        description="lm-evaluation-harness tasks, read offline from eval.data_dir ([] = none).")
+    limit: Optional[int] = Field(100, ge=1, description="Items per task, in file order (None = every item).")
+    data_dir: str = Field("data/eval", description="Task files (the repo ships 500-item slices; ../shared/data/eval "
+                          "has the full sets).")
+    single_process_max_params: int = Field(
+        500_000_000, ge=0, description="Bigger models are scored on the launcher's ranks (torchrun here, a PyTorchJob "
+        "on Kubernetes), each rank a share of the windows and harness requests, not in the Airflow worker.")
+    sample_prompt: str = Field("Once upon a time", description="Prompt of the sample generation in the report.")
+    sample_max_new_tokens: int = Field(40, ge=1)
+    max_tokens: Optional[int] = Field(None, description="Cap on held-out tokens scored (diagnostic).")
     batch_size: int = 16
 
 
 class RegistryCfg(_Section):
     model_name: str = "llm-pipeline-gpt"
     alias: str = "champion"
-    gate_metric: Literal["heldout_loss", "heldout_bpb"] = "heldout_loss"
+    gate_metric: Literal["reference_bpb", "heldout_loss", "heldout_bpb"] = Field(
+        "reference_bpb", description="Lower is better. reference_bpb is compared only on the same reference set "
+        "(sha256); heldout_* are on each run's own corpus, so only comparable between runs of the same data.")
 
 
 class ServicesCfg(_Section):

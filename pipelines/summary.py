@@ -29,7 +29,18 @@ def summarize(spec) -> dict:
     m = run.data.metrics
     return {"tracking_uri": tracking.tracking_uri(spec), "model": name, "latest_version": int(latest.version),
             "champion_version": int(champ.version) if champ else None, "tags": dict(latest.tags),
-            "run_id": latest.run_id, "metrics": m}
+            "run_id": latest.run_id, "metrics": m, "prompt": spec.eval.sample_prompt}
+
+
+def sample(spec, prompt: str) -> str:
+    """A generation from the champion, loaded back from the registry (what a server would answer)."""
+    from pipelines import tracking
+    from pipelines.eval import load_registered
+    from pipelines.eval.lm import TextModel
+
+    model, sp = load_registered(f"models:/{spec.registry.model_name}@{spec.registry.alias}", tracking.tracking_uri(spec))
+    return TextModel(model, sp).generate(prompt, spec.eval.sample_max_new_tokens, temperature=0.8, top_k=50,
+                                         seed=spec.run.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,12 +70,29 @@ def main(argv: list[str] | None = None) -> int:
           f"{g('preflight.allreduce_busbw_GBps', '{:.2f}')} GB/s bus bandwidth, {g('preflight.stragglers')} stragglers")
     print(f"training            : {g('train.steps')} steps, final loss {g('train.final_loss', '{:.3f}')}, "
           f"{g('train.tokens_per_s')} tokens/s, {g('train.params')} params")
-    print(f"held-out            : loss {g('eval.heldout_loss', '{:.4f}')} nats/token, "
+    print(f"reference set       : {g('eval.reference_bpb', '{:.4f}')} bits/byte "
+          f"(set {t.get('reference_sha256', 'n/a')[:12]}: {t.get('reference_files', 'n/a')})")
+    harness = [k for k in sorted(m) if k.startswith("eval.harness.") and not k.endswith("perplexity")]
+    print(f"lm-eval (limit {t.get('eval_limit', 'n/a')}) : " + (", ".join(
+        f"{k.removeprefix('eval.harness.')} {m[k]:.3f}" for k in harness) or "n/a"))
+    print(f"held-out (own data) : loss {g('eval.heldout_loss', '{:.4f}')} nats/token, "
           f"ppl {g('eval.heldout_ppl', '{:.1f}')}, {g('eval.heldout_bpb', '{:.4f}')} bits/byte")
+    print(f"gate                : {t.get('gate', 'n/a')}")
     print("lineage tags        : " + ", ".join(f"{k}={t[k][:12]}…" for k in
                                              ("data_manifest_hash", "tokenizer_hash", "config_hash") if k in t))
     print(f"checkpoint (L2)     : {t.get('checkpoint_uri', 'n/a')}")
+    if s["champion_version"]:
+        try:
+            text = repr(sample(spec, s["prompt"]))
+        except LookupError as e:
+            text = f"n/a ({e})"
+        print(f"champion sample     : {s['prompt']!r} → {text}")
+    uri = f"models:/{s['model']}@{spec.registry.alias}"
     print(f"browse              : .venv/bin/mlflow ui --backend-store-uri {s['tracking_uri']}")
+    print(f"serve               : MLFLOW_TRACKING_URI={s['tracking_uri']} .venv/bin/mlflow models serve -m {uri} "
+          "--env-manager local --host 127.0.0.1 --port 5001")
+    print(f"lm-eval             : .venv/bin/lm_eval --model llm-pipeline --model_args uri={uri},tracking_uri="
+          f"{s['tracking_uri']} --include_path pipelines/eval/tasks --tasks arc_easy,hellaswag,lambada_openai --limit 20")
     return 0
 
 

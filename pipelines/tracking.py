@@ -40,23 +40,36 @@ def client(spec: JobSpec):
 
 
 @contextlib.contextmanager
-def fluent(spec: JobSpec):
-    """Point MLflow's fluent API (``mlflow.start_run``, ``log_model``) at the spec's store for a
-    block, then put the exported environment variables back as they were."""
+def using(uri: str):
+    """Point MLflow's fluent API (``mlflow.start_run``, ``log_model``, ``models:/`` downloads) at ``uri`` for a
+    block, then put the process-global URIs and the exported environment variables back as they were."""
     import mlflow
 
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-    uri = tracking_uri(spec)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     try:
         yield
-    finally:
+    finally:  # None = unset: MLflow resolves its default again (and creates no mlflow.db in the cwd)
+        mlflow.set_tracking_uri(saved["MLFLOW_TRACKING_URI"])
+        mlflow.set_registry_uri(saved["MLFLOW_REGISTRY_URI"])
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def fluent(spec: JobSpec):
+    """:func:`using` the spec's store."""
+    return using(tracking_uri(spec))
+
+
+def default_tracking_uri() -> str:
+    """``$MLFLOW_TRACKING_URI``, else the spec's default store (``var/mlflow.db`` under the project home)."""
+    from pipelines.spec import load_spec
+
+    return tracking_uri(load_spec(None))
 
 
 def experiment_id(spec: JobSpec) -> str:

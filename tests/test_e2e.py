@@ -20,6 +20,7 @@ tokenizer: {{vocab_size: 512, heldout_fraction: 0.1}}
 model: {{n_layers: 2, d_model: 32, n_heads: 4, seq_len: 64}}
 train: {{steps: 16, micro_batch: 4, warmup_steps: 2, ckpt_every: 8, lr: 0.01, log_every: 4}}
 launcher: {{nproc_per_node: 2}}
+eval: {{limit: 8}}
 registry: {{model_name: e2e-model}}
 """
 
@@ -48,7 +49,8 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     # a registered version with lineage tags, champion alias on it
     db = sqlite3.connect(tmp_path / "var" / "mlflow.db")
     tags = dict(db.execute("select key, value from model_version_tags where name='e2e-model' and version=1"))
-    for k in ("data_manifest_hash", "tokenizer_hash", "config_hash", "checkpoint_uri", "heldout_loss"):
+    for k in ("data_manifest_hash", "tokenizer_hash", "config_hash", "checkpoint_uri", "heldout_loss", "reference_bpb",
+              "reference_sha256", "harness.arc_easy.acc", "harness.hellaswag.acc_norm", "harness.lambada_openai.acc"):
         assert k in tags, tags
     assert tags["checkpoint_uri"].startswith("s3://")
     alias = db.execute("select version from registered_model_aliases where name='e2e-model' and alias='champion'")
@@ -69,6 +71,11 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     assert man["preflight"]["counts"] == {"world_size": 2, "stragglers": 0}
     assert man["preflight"]["metrics"]["smoke_loss_last"] < man["preflight"]["metrics"]["smoke_loss_first"]
     assert man["eval"]["extra"]["loaded_from"] == "L2"
+    assert tags["reference_sha256"] == man["eval"]["extra"]["reference_sha256"]
+    assert 0 < man["eval"]["metrics"]["reference_bpb"] < 20 and man["eval"]["extra"]["sample"]["text"]
+    assert "no 'champion' yet" in tags["gate"]
+    reg_dir = Path(man["register"]["outputs"][0]["uri"].removeprefix("file://")).parent
+    assert (reg_dir / "report.png").stat().st_size > 10_000 and "| reference_bpb |" in (reg_dir / "report.md").read_text()
     # the train stage's promoter took every checkpoint to L1 and L2 during the run (ckpt_every 8 of 16 steps);
     # the promote task finds the final one there and verified
     assert man["train"]["extra"]["promoted_during_run"] == {"8": {"L1": "copied", "L2": "uploaded"},

@@ -1,0 +1,11 @@
+"""The eval plane: reference bits-per-byte, lm-evaluation-harness tasks offline, registration and serving.
+
+``load_registered(uri, tracking_uri=None)`` → (``Transformer`` in eval mode, SentencePiece processor) of a
+registered model, without pyfunc (imports stay lazy: this package is imported by every interpreter that
+has the lm_eval plugin installed)."""
+
+
+def load_registered(uri: str, tracking_uri: str | None = None):
+    from pipelines.eval.serving import load_registered as _load
+
+    return _load(uri, tracking_uri)

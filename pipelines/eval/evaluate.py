@@ -1,103 +1,145 @@
-"""Evaluate: load the promoted checkpoint **from L2** and score the held-out shards.
+"""Evaluate: load the promoted checkpoint **from L2** and score it on fixed, versioned sets.
 
-Metrics:
+* ``reference_bpb``: bits per UTF-8 byte on ``eval.reference``, a fixed set of text files
+  (definition in ``pipelines.eval.bpb``; the set's sha256 travels with the number). Comparable across
+  corpora and tokenizers, so it is what the champion gate compares.
+* ``harness.<task>.<metric>``: lm-evaluation-harness tasks (``eval.tasks``: ARC-Easy, HellaSwag,
+  LAMBADA) with the harness's own prompts and metrics, read from local files (``eval.data_dir``),
+  the first ``eval.limit`` items of each.
+* ``heldout_loss`` / ``heldout_ppl`` / ``heldout_bpb``: next-token loss on the run's own held-out
+  shards. A diagnostic: another corpus or tokenizer scores other text.
+* a sample generation from ``eval.sample_prompt``.
 
-* ``heldout_loss``: mean next-token cross-entropy (nats) over non-overlapping windows of
-  ``seq_len + 1`` tokens covering every held-out shard (each window predicts ``seq_len`` tokens);
-* ``heldout_ppl`` = exp(loss);
-* ``heldout_bpb`` (bits per UTF-8 byte, comparable across tokenizers) =
-  loss / ln 2 × held-out tokens / held-out text bytes.
+A model above ``eval.single_process_max_params`` is scored on the launcher's ranks
+(``pipelines.eval.scorer`` under torchrun, or a PyTorchJob on Kubernetes), not in the Airflow worker.
+The reference files and task files are inputs of the stage key: change one and the stage re-runs.
 """
 from __future__ import annotations
 
 import json
-import math
+import shutil
 import sys
 from pathlib import Path
 
 from pipelines.cli import run_and_log, stage_parser
-from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, write_report
-from pipelines.spec import JobSpec, resolve_path, spec_from_args
+from pipelines.eval.scorer import Job, score
+from pipelines.manifest import Manifest, StageDir, file_ref, input_ref, load_manifest, write_report
+from pipelines.spec import JobSpec, SpecError, resolve_bundled, resolve_path, spec_from_args
 
 
-def heldout_loss(model, shard_prefixes: list[Path], batch_size: int = 16, max_tokens: int | None = None) -> tuple[float, int]:
-    """(mean loss in nats, tokens scored) over non-overlapping windows of the shards."""
-    import numpy as np
-    import torch
+def reference_files(spec: JobSpec) -> list[str]:
+    files = [resolve_bundled(p) for p in spec.eval.reference]
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise SpecError(f"eval.reference: no such file(s) {missing}; list UTF-8 text or JSONL files")
+    return [str(p) for p in files]
 
-    from pipelines.data.shards import Shard
 
-    T = model.args.seq_len
-    windows = []
-    for p in shard_prefixes:
-        toks = Shard.open(p).tokens
-        for start in range(0, max(0, toks.size - 1), T):
-            w = np.asarray(toks[start:start + T + 1], dtype=np.int64)
-            if w.size >= 2:
-                windows.append(w)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(windows), batch_size):
-            chunk = windows[i:i + batch_size]
-            # a shard's last window may be shorter: batch equal lengths together
-            groups = [[w for w in chunk if w.size == n] for n in sorted({w.size for w in chunk})]
-            for g in groups:
-                t = torch.from_numpy(np.stack(g))
-                logits = model(t[:, :-1])
-                nll = torch.nn.functional.cross_entropy(
-                    logits.float().reshape(-1, logits.size(-1)), t[:, 1:].reshape(-1), reduction="sum")
-                total += float(nll)
-                count += int(t[:, 1:].numel())
-            if max_tokens and count >= max_tokens:
-                break
-    if count == 0:
-        raise ValueError("no held-out tokens to score: raise tokenizer.heldout_fraction")
-    return total / count, count
+def task_files(spec: JobSpec) -> list[Path]:
+    from pipelines.eval.harness import FILES
+
+    d = resolve_bundled(spec.eval.data_dir)
+    files = [d / FILES[t] for t in spec.eval.tasks]
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise SpecError(f"eval.data_dir: {d} lacks {missing} (the repo ships data/eval; ../shared/data/eval has "
+                        "the full sets); or drop the task from eval.tasks")
+    return files
+
+
+def score_model_dir(spec: JobSpec, job: Job, work: Path, run_id: str) -> dict:
+    """Score in this process, or on the launcher's ranks when the model is above
+    ``eval.single_process_max_params`` (each rank loads it on its own device)."""
+    from pipelines.train.model import ModelArgs, param_count
+
+    args = ModelArgs(**json.loads((Path(job.model_dir) / "model_args.json").read_text()))
+    if param_count(args) <= spec.eval.single_process_max_params:
+        return score(spec, job)
+    from pipelines.train.launch import run_ranks
+
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "spec.yaml").write_text(spec.to_yaml())
+    (work / "job.json").write_text(json.dumps(job.__dict__))
+    out = work / "scores.json"
+    print(f"[eval] {param_count(args):,} params > eval.single_process_max_params: scoring on "
+          f"{spec.world_size} ranks ({spec.launcher.kind})", flush=True)
+    run_ranks(spec, "pipelines.eval.scorer", ["--spec", str(work / "spec.yaml"), "--job", str(work / "job.json"),
+                                              "--out", str(out)], run_id=run_id, restarts=False)
+    return json.loads(out.read_text())
+
+
+def flat_metrics(scores: dict) -> dict[str, float]:
+    """The numbers the manifest, MLflow and the version tags carry."""
+    m = {}
+    if "reference" in scores:
+        m["reference_bpb"] = scores["reference"]["bits_per_byte"]
+    m.update({k: v for k, v in scores.get("heldout", {}).items() if k != "heldout_tokens_scored"})
+    m.update(scores.get("harness", {}).get("scores", {}))
+    return m
 
 
 def evaluate(spec: JobSpec, promote: Manifest, tok: Manifest, workdir: Path) -> dict:
-    from pipelines.train.checkpoint import fetch, load_plain_model
+    from pipelines.train.checkpoint import fetch
 
     tier, ckpt = fetch(spec, promote.extra["checkpoint"], cache=workdir / "checkpoint", prefer=("L2",))
-    model = load_plain_model(ckpt)  # the sharded DCP checkpoint, resharded into one plain model
-    shards = [tok.dir / s["prefix"] for s in tok.extra["shards"] if s["split"] == "heldout"]
-    loss, n = heldout_loss(model, shards, spec.eval.batch_size, spec.eval.max_tokens)
     c = tok.counts
-    bpb = loss / math.log(2) * c["heldout_tokens"] / max(1, c["heldout_text_bytes"])
-    return {"heldout_loss": loss, "heldout_ppl": math.exp(loss), "heldout_bpb": bpb, "heldout_tokens_scored": n,
-            "loaded_from": tier, "checkpoint_uri": promote.extra["l2_uri"]}
+    job = Job(model_dir=str(ckpt), reference=reference_files(spec),
+              heldout=[str(tok.dir / s["prefix"]) for s in tok.extra["shards"] if s["split"] == "heldout"],
+              heldout_text_bytes=c["heldout_text_bytes"], heldout_tokens=c["heldout_tokens"])
+    scores = score_model_dir(spec, job, workdir / "ranks", run_id=f"eval-{promote.digest[:8]}")
+    return {**scores, "loaded_from": tier, "checkpoint_uri": promote.extra["l2_uri"]}
 
 
 def run(spec: JobSpec, promote: Manifest, tok: Manifest, out_dir: str | None = None) -> Manifest:
-    sd = StageDir(resolve_path(spec.run.root), "eval", spec.stage_hash("eval"), [input_ref(promote), input_ref(tok)],
+    refs = [file_ref(p) for p in reference_files(spec)] + [file_ref(p) for p in task_files(spec)]
+    sd = StageDir(resolve_path(spec.run.root), "eval", spec.stage_hash("eval"), [input_ref(promote), input_ref(tok), *refs],
                   force=spec.run.force, out_dir=out_dir)
 
     def body(tmp: Path) -> Manifest:
-        import shutil
-
         res = evaluate(spec, promote, tok, tmp)
         shutil.rmtree(tmp / "checkpoint", ignore_errors=True)  # a cache, not an output
-        (tmp / "metrics.json").write_text(json.dumps(res, indent=2))
-        return sd.commit({"metrics": "metrics.json"}, counts={"tokens_scored": res["heldout_tokens_scored"]},
-                         metrics={k: res[k] for k in ("heldout_loss", "heldout_ppl", "heldout_bpb")},
-                         extra={"loaded_from": res["loaded_from"], "checkpoint_uri": res["checkpoint_uri"],
-                                "checkpoint": promote.extra["checkpoint"]})
+        shutil.rmtree(tmp / "ranks", ignore_errors=True)
+        harness = res.pop("harness", {"results": {}, "scores": {}})
+        (tmp / "harness.json").write_text(json.dumps(harness["results"], indent=2))
+        (tmp / "metrics.json").write_text(json.dumps({**res, "harness": harness["scores"]}, indent=2))
+        ref = res["reference"]
+        return sd.commit(
+            {"metrics": "metrics.json", "harness": "harness.json"},
+            counts={"tokens_scored": res["heldout"]["heldout_tokens_scored"], "reference_bytes": ref["bytes"]},
+            metrics=flat_metrics({**res, "harness": harness}),
+            extra={"loaded_from": res["loaded_from"], "checkpoint_uri": res["checkpoint_uri"],
+                   "checkpoint": promote.extra["checkpoint"], "reference_sha256": ref["sha256"],
+                   "reference": {k: v for k, v in ref.items() if k != "sha256"}, "tasks": list(spec.eval.tasks),
+                   "limit": spec.eval.limit, "sample": res.get("sample"), "scored_on_ranks": res["world_size"],
+                   "params": res["params"]})
 
-    return run_and_log(spec, sd, body)
+    return run_and_log(spec, sd, body, artifacts=["harness"])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = stage_parser("pipelines.eval.evaluate",
-                      "Held-out loss / perplexity / bits-per-byte of the promoted checkpoint, loaded from L2.",
+                      "Reference bits-per-byte, lm-evaluation-harness tasks (offline) and held-out loss of the "
+                      "promoted checkpoint, loaded from L2.",
                       {"--promote-manifest": "Manifest of the promote stage.",
                        "--tokenize-manifest": "Manifest of the tokenize stage (held-out shards)."})
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
-    m = run(spec, load_manifest(args.promote_manifest), load_manifest(args.tokenize_manifest), args.output)
+    try:
+        m = run(spec, load_manifest(args.promote_manifest), load_manifest(args.tokenize_manifest), args.output)
+    except SpecError as e:
+        print(f"eval: error: {e}", file=sys.stderr)
+        return 2
     write_report(args.report, m)
     x = m.metrics
-    print(f"eval: held-out loss {x['heldout_loss']:.4f} nats/token, ppl {x['heldout_ppl']:.1f}, "
-          f"{x['heldout_bpb']:.4f} bits/byte (loaded from {m.extra['loaded_from']}); manifest {m.path}")
+    scores = ", ".join(f"{k.removeprefix('harness.')} {v:.3f}" for k, v in x.items() if k.startswith("harness.")
+                       and not k.endswith("perplexity"))
+    print(f"eval: reference {x['reference_bpb']:.4f} bits/byte (set {m.extra['reference_sha256'][:12]}); "
+          f"held-out loss {x['heldout_loss']:.4f} nats/token, {x['heldout_bpb']:.4f} bits/byte; "
+          f"loaded from {m.extra['loaded_from']}; manifest {m.path}")
+    if scores:
+        print(f"eval: harness (limit {m.extra['limit']}): {scores}")
+    if m.extra.get("sample"):
+        print(f"eval: sample: {m.extra['sample']['prompt']!r} → {m.extra['sample']['text']!r}")
     return 0
 
 

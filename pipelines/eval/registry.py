@@ -1,24 +1,30 @@
-"""Register: log the evaluated model to MLflow, register a version with lineage, gate the alias.
+"""Register: log the evaluated model as a servable pyfunc, register a version with lineage, gate the alias.
 
-* ``mlflow.pytorch.log_model`` (MLflow's default ``pt2`` serialisation, with an input example of
-  token ids, so the signature is ``int64[batch, seq] → float32[batch, seq, vocab]``), into the
-  pipeline's MLflow run;
-* a new version of ``registry.model_name`` tagged with its lineage: ``data_manifest_hash`` (the
-  token shards' manifest digest), ``tokenizer_hash`` (sha256 of ``tokenizer.model``),
-  ``config_hash`` (the job spec minus run/services), ``checkpoint_uri`` (its L2 copy), and its
-  eval metrics;
-* the alias ``registry.alias`` (``champion``) moves to the new version only if its
-  ``registry.gate_metric`` is no worse (≤) than the current champion's.
+* the model goes into the pipeline's MLflow run as a **pyfunc** (text in → generated text out;
+  ``pipelines.eval.serving``), with the plain weights, model args and tokenizer as artifacts;
+* a new version of ``registry.model_name`` is tagged with its lineage (``data_manifest_hash``,
+  ``tokenizer_hash``, ``config_hash``, ``checkpoint_uri``, ``train_manifest_hash``), the reference set
+  (``reference_sha256``) and every eval metric (``reference_bpb``, ``harness.*``, ``heldout_*``);
+* the gate: the alias ``registry.alias`` (``champion``) moves to the new version only if its
+  ``registry.gate_metric`` (``reference_bpb`` by default) is no worse (≤) than the champion's **on the same
+  reference set**. When the champion was scored on another set, it is re-scored on this one first (its
+  number is kept as a tag ``reference_bpb.<sha[:12]>`` on its version). A version that does not take the
+  alias gets ``challenger``. The decision, with both numbers, is logged, tagged on the version and on the
+  MLflow run, and heads the eval report (Markdown + PNG, next to the outputs and in MLflow).
 """
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from pipelines.cli import stage_parser
 from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, run_stage, write_report
 from pipelines.spec import JobSpec, resolve_path, sha256_json, spec_from_args
+
+CHALLENGER = "challenger"
 
 
 def lineage_config_hash(spec: JobSpec) -> str:
@@ -28,56 +34,136 @@ def lineage_config_hash(spec: JobSpec) -> str:
     return sha256_json(d)
 
 
-def gate(client, name: str, alias: str, metric: str, value: float) -> tuple[bool, str | None, float | None]:
-    """Should the new version take ``alias``? Returns (yes, current version, current value)."""
+@dataclass
+class Decision:
+    take: bool
+    reason: str
+    champion: Optional[str] = None  # its version
+    champion_value: Optional[float] = None
+    rescored: bool = False
+
+
+def champion_value(spec: JobSpec, client, cur, metric: str, sha: str, work: Path) -> tuple[Optional[float], bool, str]:
+    """(the champion's ``metric`` on reference set ``sha``, whether it was re-scored now, why None)."""
+    tags = cur.tags
+    if metric != "reference_bpb":
+        return (float(tags[metric]), False, "") if metric in tags else (None, False, f"it has no {metric} tag")
+    if tags.get("reference_sha256") == sha and "reference_bpb" in tags:
+        return float(tags["reference_bpb"]), False, ""
+    key = f"reference_bpb.{sha[:12]}"
+    if key in tags:
+        return float(tags[key]), False, ""
+    return rescore(spec, client, cur, sha, work)
+
+
+def rescore(spec: JobSpec, client, cur, sha: str, work: Path) -> tuple[Optional[float], bool, str]:
+    """Score the champion on this reference set (in this process or on the launcher's ranks)."""
+    from pipelines import tracking
+    from pipelines.eval.evaluate import reference_files, score_model_dir
+    from pipelines.eval.scorer import Job
+    from pipelines.eval.serving import download, model_dir_of
+
+    try:
+        d = model_dir_of(download(f"models:/{cur.name}/{cur.version}", tracking.tracking_uri(spec), work / "champion"))
+    except LookupError as e:
+        return None, False, f"it cannot be re-scored on the new reference set ({e})"
+    res = score_model_dir(spec, Job(model_dir=str(d), reference=reference_files(spec), parts=["reference"]),
+                          work / "champion-ranks", run_id=f"rescore-{cur.name}-{cur.version}"[:40])
+    value = res["reference"]["bits_per_byte"]
+    client.set_model_version_tag(cur.name, cur.version, f"reference_bpb.{sha[:12]}", f"{value:.6f}")
+    return value, True, ""
+
+
+def gate(spec: JobSpec, client, value: float, sha: str, work: Path) -> Decision:
+    """Should the new version (``value`` of the gate metric, on reference set ``sha``) take the alias?"""
     from mlflow.exceptions import MlflowException
 
+    name, alias, metric = spec.registry.model_name, spec.registry.alias, spec.registry.gate_metric
     try:
         cur = client.get_model_version_by_alias(name, alias)
     except MlflowException:
-        return True, None, None
-    cur_val = cur.tags.get(metric)
-    if cur_val is None:
-        return True, cur.version, None
-    return value <= float(cur_val), cur.version, float(cur_val)
+        return Decision(True, f"no '{alias}' yet: the new version takes it")
+    cv, rescored, why = champion_value(spec, client, cur, metric, sha, work)
+    if cv is None:
+        return Decision(True, f"'{alias}' v{cur.version} is not comparable ({why}): the new version takes it", cur.version)
+    on = f" on reference set {sha[:12]}" + (" (champion re-scored on it)" if rescored else "") \
+        if metric == "reference_bpb" else ""
+    if value <= cv:
+        return Decision(True, f"{metric} {value:.4f} ≤ '{alias}' v{cur.version}'s {cv:.4f}{on}: the new version "
+                        f"takes '{alias}'", cur.version, cv, rescored)
+    return Decision(False, f"{metric} {value:.4f} > '{alias}' v{cur.version}'s {cv:.4f}{on}: '{alias}' stays, the new "
+                    f"version is '{CHALLENGER}'", cur.version, cv, rescored)
 
 
-def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics: dict) -> dict:
+def version_tags(lineage: dict, metrics: dict, ev_extra: dict) -> dict[str, str]:
+    return {**lineage, **{k: f"{v:.6f}" for k, v in metrics.items()},
+            "reference_sha256": ev_extra["reference_sha256"],
+            "reference_files": ",".join(ev_extra["reference"]["files"]),
+            "eval_tasks": ",".join(ev_extra["tasks"]), "eval_limit": str(ev_extra["limit"])}
+
+
+def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics: dict, ev_extra: dict,
+             work: Path) -> dict:
+    from pipelines import tracking
+
+    name, alias, gm = spec.registry.model_name, spec.registry.alias, spec.registry.gate_metric
+    if gm not in metrics:
+        raise ValueError(f"registry.gate_metric={gm} was not measured by the evaluate stage")
+    with tracking.fluent(spec):  # the client resolves the logged model's models:/ source through the global URI
+        mv, model_uri = log_and_register(spec, ckpt_dir, run_id, version_tags(lineage, metrics, ev_extra), work)
+        client = tracking.client(spec)
+        d = gate(spec, client, metrics[gm], ev_extra["reference_sha256"], work)
+        client.set_registered_model_alias(name, alias if d.take else CHALLENGER, mv.version)
+        client.set_model_version_tag(name, mv.version, "gate", d.reason)
+        client.set_tag(run_id, "register.gate", d.reason)
+    return {"model_name": name, "version": int(mv.version), "model_uri": model_uri, "alias": alias,
+            "alias_moved": d.take, "previous_champion": d.champion, "previous_value": d.champion_value,
+            "champion_rescored": d.rescored, "reason": d.reason, "gate_metric": gm, "value": metrics[gm],
+            "tags": mv.tags, "mlflow_run_id": run_id, "tracking_uri": tracking.tracking_uri(spec)}
+
+
+def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, work: Path):
+    """Log the pyfunc into the pipeline's run and create a model version of it; returns (version, model URI)."""
     import mlflow
-    import torch
 
     from pipelines import tracking
+    from pipelines.eval.serving import log_text_model, write_model_dir
     from pipelines.train.checkpoint import load_plain_model
 
+    model_dir = write_model_dir(load_plain_model(ckpt_dir), ckpt_dir, work / "model_dir")
+    with mlflow.start_run(run_id=run_id):
+        info = log_text_model(model_dir)
     client = tracking.client(spec)
-    model = load_plain_model(ckpt_dir)
-    import numpy as np
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import Schema, TensorSpec
-
-    # -1 dims are exported as dynamic: any batch, any length up to seq_len
-    sig = ModelSignature(inputs=Schema([TensorSpec(np.dtype("int64"), (-1, -1), "tokens")]),
-                         outputs=Schema([TensorSpec(np.dtype("float32"), (-1, -1, model.args.vocab_size))]))
-    example = torch.randint(0, model.args.vocab_size, (2, max(2, min(16, model.args.seq_len // 2)))).numpy()
-    with tracking.fluent(spec), mlflow.start_run(run_id=run_id):
-        info = mlflow.pytorch.log_model(
-            model, name="model", input_example=example, signature=sig, pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-            extra_files=[str(ckpt_dir / "tokenizer.model"), str(ckpt_dir / "model_args.json")],
-        )
-    name, alias, gm = spec.registry.model_name, spec.registry.alias, spec.registry.gate_metric
-    tags = {**lineage, **{k: f"{v:.6f}" for k, v in metrics.items()}}
     try:
-        client.create_registered_model(name, description="LLM pipeline models (see tags for lineage)")
+        client.create_registered_model(spec.registry.model_name, description="LLM pipeline models (see tags for lineage)")
     except Exception:  # already exists
         pass
-    mv = client.create_model_version(name, info.model_uri, run_id=run_id, tags=tags)
-    take, cur_v, cur_val = gate(client, name, alias, gm, metrics[gm])
-    if take:
-        client.set_registered_model_alias(name, alias, mv.version)
-    return {"model_name": name, "version": int(mv.version), "model_uri": info.model_uri, "alias": alias,
-            "alias_moved": take, "previous_champion": cur_v, "previous_value": cur_val,
-            "gate_metric": gm, "value": metrics[gm], "tags": tags, "mlflow_run_id": run_id,
-            "tracking_uri": tracking.tracking_uri(spec)}
+    return client.create_model_version(spec.registry.model_name, info.model_uri, run_id=run_id, tags=tags), info.model_uri
+
+
+def eval_report(spec: JobSpec, res: dict, ev: Manifest, train: Manifest, out: Path, client) -> list[Path]:
+    """report.md + report.png: this version beside the champion it was gated against (same sets only)."""
+    from pipelines.eval import report
+
+    champ: dict = {}
+    comparable: set[str] = set()
+    if res["previous_champion"] is not None:
+        t = client.get_model_version(res["model_name"], res["previous_champion"]).tags
+        champ = {k: float(v) for k, v in t.items() if k in ev.metrics}
+        if res["previous_value"] is not None:  # the gate's own comparison (a re-scored champion included)
+            champ[res["gate_metric"]] = res["previous_value"]
+            comparable.add(res["gate_metric"])
+        same_tasks = t.get("eval_tasks") == res["tags"]["eval_tasks"] and t.get("eval_limit") == res["tags"]["eval_limit"]
+        comparable |= {k for k in ev.metrics if k.startswith("harness.") and same_tasks}
+        if t.get("data_manifest_hash") == res["tags"]["data_manifest_hash"]:
+            comparable |= {k for k in ev.metrics if k.startswith("heldout_")}
+    notes = [f"reference set {ev.extra['reference_sha256'][:12]}: " + ", ".join(ev.extra["reference"]["files"]),
+             f"harness: {', '.join(ev.extra['tasks'])}, first {ev.extra['limit']} items each, offline files",
+             "heldout_* score the run's own held-out shards: comparable only between runs of the same data"]
+    losses = json.loads(train.output("losses").read_text()) if "losses" in {o["name"] for o in train.outputs} else []
+    r = report.Report(res["model_name"], res["version"], res["reason"], report.rows(dict(ev.metrics), champ, comparable),
+                      ev.extra.get("sample"), losses, notes)
+    return list(report.write(r, out))
 
 
 def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: str | None = None) -> Manifest:
@@ -87,6 +173,7 @@ def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: st
     def body(tmp: Path) -> Manifest:
         import shutil
 
+        from pipelines import tracking
         from pipelines.train.checkpoint import fetch
 
         tier, ckpt = fetch(spec, ev.extra["checkpoint"], cache=tmp / "checkpoint")
@@ -94,19 +181,26 @@ def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: st
                    "config_hash": lineage_config_hash(spec), "checkpoint_uri": ev.extra["checkpoint_uri"],
                    "train_manifest_hash": train.digest}
         run_id = spec.run.mlflow_run_id or train.extra["mlflow_run_id"]
-        res = register(spec, ckpt, run_id, lineage, dict(ev.metrics))
+        work = tmp / "work"
+        res = register(spec, ckpt, run_id, lineage, dict(ev.metrics), ev.extra, work)
+        client = tracking.client(spec)
+        for p in eval_report(spec, res, ev, train, tmp, client):
+            client.log_artifact(run_id, str(p), artifact_path="eval_report")
         shutil.rmtree(tmp / "checkpoint", ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
         (tmp / "registration.json").write_text(json.dumps(res, indent=2))
-        return sd.commit({"registration": "registration.json"}, counts={"versions_created": 1},
-                         metrics={"alias_moved": int(res["alias_moved"])}, extra=res)
+        return sd.commit({"registration": "registration.json", "report": "report.md", "report_png": "report.png"},
+                         counts={"versions_created": 1},
+                         metrics={"alias_moved": int(res["alias_moved"]), "champion_rescored": int(res["champion_rescored"])},
+                         extra=res)
 
     return run_stage(sd, body)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = stage_parser("pipelines.eval.registry",
-                      "Log the evaluated model to MLflow, register a version with lineage tags, and move the "
-                      "champion alias only if it is no worse.",
+                      "Log the evaluated model to MLflow as a servable pyfunc, register a version with lineage tags, "
+                      "and move the champion alias only if it is no worse on the same reference set.",
                       {"--eval-manifest": "Manifest of the evaluate stage.", "--train-manifest": "Manifest of the train stage.",
                        "--tokenize-manifest": "Manifest of the tokenize stage."})
     args = ap.parse_args(argv)
@@ -115,10 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             load_manifest(args.tokenize_manifest), args.output)
     write_report(args.report, m)
     e = m.extra
-    moved = f"alias '{e['alias']}' → v{e['version']}" if e["alias_moved"] else \
-        f"alias '{e['alias']}' stays on v{e['previous_champion']} ({e['gate_metric']} {e['previous_value']:.6f} < {e['value']:.6f})"
-    print(f"register: {e['model_name']} v{e['version']} ({e['gate_metric']}={e['value']:.4f}); {moved}; "
-          f"tracking {e['tracking_uri']}")
+    print(f"register: {e['model_name']} v{e['version']} ({e['gate_metric']}={e['value']:.4f}); {e['reason']}; "
+          f"report {m.output('report')}; tracking {e['tracking_uri']}")
     return 0
 
 

@@ -595,8 +595,12 @@ def load_plain_model(ckpt_dir: Path):
     if (ckpt_dir / ".metadata").is_file():
         import torch.distributed.checkpoint as dcp
 
+        import warnings
+
         sd = model.state_dict()
-        dcp.load({"model": sd}, checkpoint_id=str(ckpt_dir), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": sd}, checkpoint_id=str(ckpt_dir), no_dist=True)
         model.load_state_dict(sd)  # strict: every name and shape matched
     else:
         model.load_state_dict(torch.load(ckpt_dir / "model.pt", map_location="cpu", weights_only=True))

@@ -1,0 +1,137 @@
+"""Score one model directory: reference bits-per-byte, held-out diagnostics, harness tasks, a sample.
+
+Runs in one process (the evaluate stage, a small model) or on every rank of the launcher
+(``python -m pipelines.eval.scorer`` under torchrun or a PyTorchJob, a model above
+``eval.single_process_max_params``): each rank loads the model onto its device, takes every
+world-th window and every world-th harness request; sums are all-reduced and rank 0 writes the
+result. The numbers do not depend on the number of ranks (up to float summation order).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipelines.spec import add_spec_args, spec_from_args
+
+PARTS = ("reference", "heldout", "harness", "sample")
+
+
+@dataclass
+class Job:
+    """What to score; the evaluate stage builds it, the ranks read it back from JSON."""
+    model_dir: str
+    reference: list[str] = field(default_factory=list)  # files (resolved)
+    heldout: list[str] = field(default_factory=list)  # held-out shard prefixes
+    heldout_text_bytes: int = 0
+    heldout_tokens: int = 0
+    parts: list[str] = field(default_factory=lambda: list(PARTS))
+
+
+class Ranks:
+    """Sum and broadcast across ranks (a no-op in one process)."""
+
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.rank, self.world = rank, world
+
+    def sum(self, values: list[float]) -> list[float]:
+        if self.world == 1:
+            return values
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t)
+        return t.cpu().tolist()
+
+
+def reference_scores(tm, files: list[str], ranks: Ranks, batch_size: int) -> dict:
+    from pipelines.eval.bpb import combine, read_text, set_sha256, window_nats
+
+    per = {}
+    for f in files:
+        text = read_text(f)
+        ids = tm.encode(text)
+        nats = ranks.sum([window_nats(tm, ids, ranks.rank, ranks.world, batch_size)])[0]
+        nb = len(text.encode("utf-8"))
+        per[Path(f).name] = {"bits_per_byte": nats / math.log(2) / nb, "nats": nats, "tokens": len(ids), "bytes": nb}
+    return {**combine(per), "sha256": set_sha256(files), "files": per}
+
+
+def heldout_scores(tm, job: Job, ranks: Ranks, batch_size: int, max_tokens: int | None) -> dict:
+    """Mean next-token loss over the held-out shards' non-overlapping windows (a diagnostic: it scores the run's
+    own corpus, so it compares runs of the same data only)."""
+    import numpy as np
+
+    from pipelines.data.shards import Shard
+    from pipelines.eval.bpb import window_nats, windows
+
+    nats, count = 0.0, 0
+    for p in job.heldout:
+        toks = np.asarray(Shard.open(p).tokens, dtype=np.int64)
+        if max_tokens:
+            toks = toks[:max(0, max_tokens - count) + 1]
+        nats += window_nats(tm, toks, ranks.rank, ranks.world, batch_size)
+        count += sum(e - s - 1 for s, e in windows(len(toks), tm.seq_len))
+        if max_tokens and count >= max_tokens:
+            break
+    nats = ranks.sum([nats])[0]
+    if count == 0:
+        raise ValueError("no held-out tokens to score: raise tokenizer.heldout_fraction")
+    loss = nats / count
+    bpb = loss / math.log(2) * job.heldout_tokens / max(1, job.heldout_text_bytes)
+    return {"heldout_loss": loss, "heldout_ppl": math.exp(loss), "heldout_bpb": bpb, "heldout_tokens_scored": count}
+
+
+def score(spec, job: Job, ranks: Ranks | None = None, device: str = "cpu") -> dict:
+    """Everything ``job.parts`` asks for; complete on rank 0 (other ranks get their partial view)."""
+    from pipelines.eval.lm import TextModel
+
+    ranks = ranks or Ranks()
+    tm = TextModel.load(job.model_dir, device)
+    E = spec.eval
+    out: dict = {"params": sum(p.numel() for p in tm.model.parameters()), "world_size": ranks.world}
+    if "reference" in job.parts:
+        out["reference"] = reference_scores(tm, job.reference, ranks, E.batch_size)
+    if "heldout" in job.parts and job.heldout:
+        out["heldout"] = heldout_scores(tm, job, ranks, E.batch_size, E.max_tokens)
+    if "harness" in job.parts and E.tasks:
+        from pipelines.eval.harness import evaluate, headline
+
+        res = evaluate(tm, list(E.tasks), E.limit, E.data_dir, E.batch_size)
+        out["harness"] = {"scores": headline(res), "results": res}
+    if "sample" in job.parts and ranks.rank == 0:
+        out["sample"] = {"prompt": E.sample_prompt, "text": tm.generate(
+            E.sample_prompt, E.sample_max_new_tokens, temperature=0.8, top_k=50, seed=spec.run.seed)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank of a multi-rank scoring run (what the evaluate stage launches for a big model)."""
+    ap = argparse.ArgumentParser(prog="python -m pipelines.eval.scorer", description=__doc__.splitlines()[0])
+    add_spec_args(ap)
+    ap.add_argument("--job", required=True, help="JSON of a scorer.Job.")
+    ap.add_argument("--out", required=True, help="Rank 0 writes the scores here.")
+    args = ap.parse_args(argv)
+    from pipelines.manifest import atomic_write_text
+    from pipelines.train.trainer import init_distributed
+
+    spec = spec_from_args(args)
+    rank, world, device = init_distributed(spec)
+    job = Job(**json.loads(Path(args.job).read_text()))
+    res = score(spec, job, Ranks(rank, world), str(device))
+    if rank == 0:
+        atomic_write_text(args.out, json.dumps(res, indent=2))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The registered model: an MLflow pyfunc that takes text and returns generated text.
+
+Artifacts (one directory, ``artifacts/model_dir``): ``model.pt`` (the plain state dict that
+``Transformer.load_state_dict`` takes strictly), ``model_args.json``, ``tokenizer.model``. The code
+is this package (``code/pipelines``), so the model loads wherever torch, sentencepiece and numpy are.
+
+    mlflow models serve -m models:/NAME@champion --env-manager local --host 127.0.0.1 --port 5001
+    curl -s 127.0.0.1:5001/invocations -H 'Content-Type: application/json' \\
+         -d '{"inputs": ["Once upon a time"], "params": {"max_new_tokens": 32, "temperature": 0.8}}'
+
+Input: strings (one prompt each). Output: one generated continuation per prompt. Params:
+``max_new_tokens`` (32), ``temperature`` (0.8; 0 = greedy), ``top_k`` (50; 0 = all), ``seed`` (0).
+
+``load_registered(uri)`` is the plain torch path: (``Transformer`` in eval mode, SentencePiece processor),
+without going through pyfunc.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow.artifacts
+import mlflow.pyfunc
+
+PARAMS = {"max_new_tokens": 32, "temperature": 0.8, "top_k": 50, "seed": 0}
+MODEL_DIR = "model_dir"  # the artifact key
+FILES = ("model.pt", "model_args.json", "tokenizer.model")
+
+
+class TextGenerator(mlflow.pyfunc.PythonModel):
+    """pyfunc: prompts in, generated text out."""
+
+    def load_context(self, context):
+        from pipelines.eval.lm import TextModel
+
+        self.tm = TextModel.load(context.artifacts[MODEL_DIR])
+
+    def predict(self, context, model_input, params=None):
+        p = {**PARAMS, **(params or {})}
+        prompts = _prompts(model_input)
+        return [self.tm.generate(t, int(p["max_new_tokens"]), float(p["temperature"]), int(p["top_k"]),
+                                 int(p["seed"])) for t in prompts]
+
+
+def _prompts(model_input) -> list[str]:
+    """A DataFrame (first column), a list, or one string → list of prompts."""
+    if hasattr(model_input, "iloc"):
+        return [str(x) for x in model_input.iloc[:, 0].tolist()]
+    if isinstance(model_input, str):
+        return [model_input]
+    return [str(x) for x in model_input]
+
+
+def signature():
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
+        params=ParamSchema([ParamSpec(k, "long" if isinstance(v, int) else "double", v) for k, v in PARAMS.items()]))
+
+
+def write_model_dir(model, ckpt_dir: Path, out: Path) -> Path:
+    """The artifact directory: the plain state dict of ``model`` plus the checkpoint's args and tokenizer."""
+    import shutil
+
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), out / "model.pt")
+    for name in ("model_args.json", "tokenizer.model"):
+        shutil.copyfile(ckpt_dir / name, out / name)
+    return out
+
+
+def log_text_model(model_dir: Path, name: str = "model"):
+    """Log the pyfunc into the active MLflow run (this package's code travels with it, no caches);
+    returns MLflow's ``ModelInfo``."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    import pipelines
+
+    with tempfile.TemporaryDirectory(prefix="llmp-code-") as tmp:
+        code = Path(tmp) / "pipelines"
+        shutil.copytree(Path(pipelines.__file__).parent, code, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        return mlflow.pyfunc.log_model(
+            name=name, python_model=TextGenerator(), artifacts={MODEL_DIR: str(model_dir)},
+            code_paths=[str(code)], signature=signature(), input_example=(["Once upon a time"], {"max_new_tokens": 8}),
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "numpy", "pyarrow",
+                              "pydantic", "pyyaml"])
+
+
+def download(uri: str, tracking_uri: str | None = None, dst: str | Path | None = None) -> Path:
+    """Local copy of a logged/registered model (``models:/NAME@ALIAS``, ``models:/NAME/V``, ``runs:/…``)."""
+    from mlflow.exceptions import MlflowException
+
+    from pipelines import tracking
+
+    tracking_uri = tracking_uri or tracking.default_tracking_uri()
+    try:
+        with tracking.using(tracking_uri):  # models:/ URIs resolve against the process-global registry URI
+            local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None)
+    except MlflowException as e:
+        raise LookupError(f"cannot load {uri} from {tracking_uri or 'the default tracking store'}: {e.message}") from None
+    return Path(local)
+
+
+def model_dir_of(local: Path) -> Path:
+    """The weights/args/tokenizer directory inside a downloaded pyfunc model."""
+    import yaml
+
+    mlmodel = yaml.safe_load((local / "MLmodel").read_text())
+    arts = mlmodel.get("flavors", {}).get("python_function", {}).get("artifacts", {})
+    if MODEL_DIR not in arts:
+        raise LookupError(f"{local} is not an llm-pipeline text model (no '{MODEL_DIR}' artifact in MLmodel); "
+                          "versions registered before the pyfunc format carry a pt2 logits export only")
+    d = local / arts[MODEL_DIR]["path"]
+    missing = [f for f in FILES if not (d / f).is_file()]
+    if missing:
+        raise LookupError(f"{d}: missing {missing}")
+    return d
+
+
+def load_registered(uri: str, tracking_uri: str | None = None):
+    """(``Transformer`` in eval mode, ``SentencePieceProcessor``) of a registered text model."""
+    import sentencepiece as spm
+
+    from pipelines.train.checkpoint import load_plain_model
+
+    d = model_dir_of(download(uri, tracking_uri))
+    return load_plain_model(d), spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+
+
+def model_args(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "model_args.json").read_text())

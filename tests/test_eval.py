@@ -1,0 +1,225 @@
+"""The eval plane on real parts: bits-per-byte by hand, lm-evaluation-harness offline, the gate on a real
+MLflow registry (re-scoring the champion), and `mlflow models serve` answering HTTP."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import c4_docs, free_port
+from pipelines.data import tokenize
+from pipelines.eval import bpb, harness, registry
+from pipelines.eval.lm import TextModel
+from pipelines.spec import TokenizerCfg, load_spec
+from pipelines.train.model import ModelArgs, Transformer
+
+
+def _model_dir(d: Path, seed: int, sp_model: Path, seq_len: int = 256) -> Path:
+    import sentencepiece as spm
+
+    d.mkdir(parents=True)
+    vocab = spm.SentencePieceProcessor(model_file=str(sp_model)).get_piece_size()
+    torch.manual_seed(seed)
+    a = ModelArgs(vocab_size=vocab, n_layers=1, d_model=32, n_heads=2, seq_len=seq_len)
+    torch.save(Transformer(a).state_dict(), d / "model.pt")
+    (d / "model_args.json").write_text(json.dumps(a.to_dict()))
+    (d / "tokenizer.model").write_bytes(sp_model.read_bytes())
+    return d
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two small random models (different seeds) sharing a SentencePiece model trained on C4 docs."""
+    root = tmp_path_factory.mktemp("models")
+    sp = tokenize.train_sentencepiece([tokenize.normalise(d["text"]) for d in c4_docs(200)], root / "sp",
+                                      TokenizerCfg(vocab_size=400), seed=1)
+    return _model_dir(root / "a", 1, sp), _model_dir(root / "b", 2, sp)
+
+
+@torch.no_grad()
+def _hand_nats(tm: TextModel, ids: list[int]) -> tuple[float, int]:
+    """The definition, one window and one token at a time."""
+    L, nats, scored = tm.seq_len, 0.0, 0
+    for start in range(0, len(ids) - 1, L):
+        w = ids[start:start + L + 1]
+        logp = F.log_softmax(tm.model(torch.tensor([w[:-1]])).float()[0], -1)
+        for j in range(1, len(w)):
+            nats -= float(logp[j - 1, w[j]])
+            scored += 1
+    return nats, scored
+
+
+def test_bits_per_byte_equals_a_hand_computation(models, tmp_path):
+    tm = TextModel.load(models[0])
+    text = "Ünïcode café\r\nand a second line. " * 50  # NFKC and \r\n normalisation, several windows, a short last one
+    f = tmp_path / "t.txt"
+    f.write_text(text, encoding="utf-8")
+    norm = tokenize.normalise(text)
+    ids = tm.encode(norm)
+    assert len(ids) > 2 * tm.seq_len and (len(ids) - 1) % tm.seq_len  # a shorter last window
+    nats, scored = _hand_nats(tm, ids)
+    assert scored == len(ids) - 1  # every token but t[0], once
+    r = bpb.bits_per_byte(tm, bpb.read_text(f))
+    assert r["tokens"] == len(ids) and r["bytes"] == len(norm.encode("utf-8"))
+    assert r["nats"] == pytest.approx(nats, rel=1e-5)
+    assert r["bits_per_byte"] == pytest.approx(nats / math.log(2) / len(norm.encode("utf-8")), rel=1e-5)
+    # the CLI prints the same object
+    out = subprocess.run([sys.executable, "-m", "pipelines.eval.bpb", "--model-uri", str(models[0]), "--text-file",
+                          str(f)], capture_output=True, text=True, check=True).stdout
+    cli = json.loads(out)
+    assert set(cli) == {"bits_per_byte", "nats", "tokens", "bytes"}
+    assert cli["nats"] == pytest.approx(nats, rel=1e-5) and cli["bytes"] == r["bytes"]
+
+
+@torch.no_grad()
+def _direct_loglikelihood(tm: TextModel, context: str, continuation: str) -> float:
+    """log p(continuation | context) from one plain forward pass over the whole encoded pair."""
+    whole, ctx = tm.encode(context + continuation), tm.encode(context)
+    assert len(whole) <= tm.seq_len + 1  # one plain forward pass, no truncation
+    logp = F.log_softmax(tm.model(torch.tensor([whole[:-1]])).float()[0], -1)
+    return sum(float(logp[i - 1, whole[i]]) for i in range(len(ctx), len(whole)))
+
+
+def test_harness_runs_the_three_tasks_offline_with_our_loglikelihoods(models):
+    from lm_eval import simple_evaluate
+
+    tm = TextModel.load(models[0])
+    res = harness.evaluate(tm, list(harness.TASKS), limit=12)
+    scores = harness.headline(res)
+    for task in harness.TASKS:
+        assert 0.0 <= scores[f"harness.{task}.acc"] <= 1.0
+        assert res["n-samples"][task]["effective"] == 12
+    assert scores["harness.lambada_openai.perplexity"] > 1.0
+    # what the harness recorded for each request equals our direct computation
+    out = simple_evaluate(model=harness.PipelineLM(text_model=tm, batch_size=3), tasks=["arc_easy", "hellaswag"],
+                          limit=4, task_manager=harness.task_manager(), log_samples=True, bootstrap_iters=0)
+    checked = 0
+    for task, samples in out["samples"].items():
+        for s in samples:
+            for (ctx, cont), resp in zip(s["arguments"], s["resps"]):
+                ctx, cont = (ctx, cont) if isinstance(ctx, str) else (ctx["arg_0"], ctx["arg_1"])
+                assert resp[0][0] == pytest.approx(_direct_loglikelihood(tm, ctx, cont), abs=1e-4)
+                checked += 1
+    assert checked >= 8 * 4 // 2
+
+
+def _rankfree_spec(home: Path, name: str, refs: list[Path], **sets):
+    return load_spec(None, [f"registry.model_name={name}", f"eval.reference={json.dumps([str(p) for p in refs])}",
+                            *[f"{k}={v}" for k, v in sets.items()]], env={})
+
+
+def _ev_extra(spec, sha: str) -> dict:
+    return {"reference_sha256": sha, "reference": {"files": {Path(p).name: {} for p in spec.eval.reference}},
+            "tasks": list(spec.eval.tasks), "limit": spec.eval.limit}
+
+
+def test_gate_moves_only_to_no_worse_on_the_same_set_and_rescores_the_champion_on_a_new_one(models, home):
+    from pipelines import tracking
+    from pipelines.eval.evaluate import reference_files
+
+    ref_a, ref_b = home / "a.txt", home / "b.txt"
+    ref_a.write_text("The cat sat on the mat. " * 20)
+    ref_b.write_text("A different reference set, with other words in it. " * 20)
+    spec = _rankfree_spec(home, "gate-test", [ref_a])
+    sha_a = bpb.set_sha256(reference_files(spec))
+    run_id = tracking.start_run(spec, run_name="t")
+    lineage = {"data_manifest_hash": "d" * 64, "tokenizer_hash": "t" * 64, "config_hash": "c" * 64}
+    reg = lambda s, ck, value, sha: registry.register(  # noqa: E731
+        s, ck, run_id, lineage, {"reference_bpb": value, "heldout_loss": 5.0}, _ev_extra(s, sha), home / "w")
+    c = tracking.client(spec)
+    champ = lambda: str(c.get_model_version_by_alias("gate-test", "champion").version)  # noqa: E731
+
+    assert reg(spec, models[0], 2.0, sha_a)["alias_moved"] and champ() == "1"
+    v1 = c.get_model_version("gate-test", "1")
+    for k, v in {**lineage, "reference_sha256": sha_a, "reference_bpb": "2.000000"}.items():
+        assert v1.tags[k] == v
+    worse = reg(spec, models[1], 2.5, sha_a)
+    assert not worse["alias_moved"] and champ() == "1" and "2.5000 > 'champion' v1's 2.0000" in worse["reason"]
+    assert str(c.get_model_version_by_alias("gate-test", "challenger").version) == "2"
+    assert reg(spec, models[1], 1.5, sha_a)["alias_moved"] and champ() == "3"
+
+    # a new reference set: the champion (v3 = models[1]) is scored on it before the comparison
+    spec_b = _rankfree_spec(home, "gate-test", [ref_b])
+    sha_b = bpb.set_sha256(reference_files(spec_b))
+    truth = bpb.bits_per_byte(TextModel.load(models[1]), bpb.read_text(ref_b))["bits_per_byte"]
+    stays = reg(spec_b, models[0], truth + 0.01, sha_b)
+    assert stays["champion_rescored"] and not stays["alias_moved"] and champ() == "3"
+    assert stays["previous_value"] == pytest.approx(truth, rel=1e-5)
+    assert float(c.get_model_version("gate-test", "3").tags[f"reference_bpb.{sha_b[:12]}"]) == pytest.approx(truth, rel=1e-5)
+    moves = reg(spec_b, models[0], truth - 0.01, sha_b)  # the tag is reused, no second re-score
+    assert moves["alias_moved"] and not moves["champion_rescored"] and champ() == "5"
+    run_tags = c.get_run(run_id).data.tags
+    assert run_tags["register.gate"] == moves["reason"]
+
+
+def test_load_registered_and_mlflow_models_serve_answer_with_generated_text(models, home):
+    from pipelines import tracking
+    from pipelines.eval import load_registered
+
+    spec = _rankfree_spec(home, "serve-test", [Path(__file__)])
+    run_id = tracking.start_run(spec, run_name="serve")
+    registry.register(spec, models[0], run_id, {}, {"reference_bpb": 3.0}, _ev_extra(spec, "s" * 64), home / "w")
+    uri, turi = "models:/serve-test@champion", tracking.tracking_uri(spec)
+    model, sp = load_registered(uri, turi)
+    assert isinstance(model, Transformer) and not model.training and sp.get_piece_size() == model.args.vocab_size
+    ref = TextModel.load(models[0])
+    for a, b in zip(model.state_dict().values(), ref.model.state_dict().values()):
+        assert torch.equal(a, b)
+    expect = ref.generate("Once upon a time", max_new_tokens=6, temperature=0.8, top_k=20, seed=3)
+
+    port = free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": turi, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", uri, "--env-manager",
+                             "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        body = json.dumps({"inputs": ["Once upon a time"],
+                           "params": {"max_new_tokens": 6, "temperature": 0.8, "top_k": 20, "seed": 3}}).encode()
+        deadline, answer = time.time() + 120, None
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", body,
+                                             {"Content-Type": "application/json"})
+                answer = json.loads(urllib.request.urlopen(req, timeout=30).read())
+                break
+            except OSError:
+                time.sleep(1)
+        assert answer is not None, proc.stdout.read1(20000).decode(errors="replace") if proc.poll() is not None else "timeout"
+        assert answer == {"predictions": [expect]} and expect.strip()
+    finally:  # the server and every process it started (uvicorn runs in a session of its own)
+        import psutil
+
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for p in tree:
+            p.terminate()
+        gone, alive = psutil.wait_procs(tree, timeout=30)
+        for p in alive:
+            p.kill()
+        proc.wait(timeout=30)
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2)
+
+
+def test_a_model_above_the_single_process_limit_is_scored_on_the_launcher_ranks(models, home):
+    from pipelines.eval.evaluate import reference_files, score_model_dir
+    from pipelines.eval.scorer import Job, score
+
+    ref = home / "r.txt"
+    ref.write_text(" ".join(d["text"] for d in c4_docs(5)))
+    spec = _rankfree_spec(home, "ranks", [ref], **{"eval.limit": 6, "eval.tasks": '["arc_easy","lambada_openai"]'})
+    job = Job(model_dir=str(models[0]), reference=reference_files(spec), parts=["reference", "harness"])
+    one = score(spec, job)
+    spec.eval.single_process_max_params = 0
+    two = score_model_dir(spec, job, home / "ranks", run_id="t")
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert two["reference"]["nats"] == pytest.approx(one["reference"]["nats"], rel=1e-6)
+    assert two["harness"]["scores"] == pytest.approx(one["harness"]["scores"], rel=1e-6)
