@@ -33,7 +33,7 @@ $(STAMP): requirements.lock pyproject.toml
 	@# pyspark's: put back the ones that match pyspark's 4.3.0 jars.
 	$(BIN)/pip install -q --no-deps --force-reinstall pyspark==4.3.0
 	$(BIN)/pip install -q --no-deps -e .
-	$(BIN)/python -m pipelines.eval.lm_eval_plugin install > /dev/null
+	$(BIN)/python -c "from pipelines.eval.lm_eval_plugin import install; install()"
 	@touch $@
 
 airflow-db: $(STAMP)

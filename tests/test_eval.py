@@ -223,3 +223,15 @@ def test_a_model_above_the_single_process_limit_is_scored_on_the_launcher_ranks(
     assert one["world_size"] == 1 and two["world_size"] == 2
     assert two["reference"]["nats"] == pytest.approx(one["reference"]["nats"], rel=1e-6)
     assert two["harness"]["scores"] == pytest.approx(one["harness"]["scores"], rel=1e-6)
+
+
+def test_the_harness_own_command_line_finds_llm_pipeline(models, tmp_path):
+    """`lm_eval --model llm-pipeline` in a fresh interpreter: the installed .pth hook registers our model."""
+    lm_eval = Path(sys.executable).parent / "lm_eval"
+    r = subprocess.run([str(lm_eval), "--model", "llm-pipeline", "--model_args", f"uri={models[0]}", "--include_path",
+                        str(harness.TASKS_DIR), "--tasks", "arc_easy", "--limit", "3", "--output_path", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
+    assert results["results"]["arc_easy"]["acc,none"] in (0.0, 1 / 3, 2 / 3, 1.0)

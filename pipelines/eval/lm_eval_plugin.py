@@ -2,7 +2,7 @@
 
 lm-evaluation-harness finds models only in its registry, which it fills when ``lm_eval.models`` is first
 imported; it reads no plugin entry points. ``install()`` writes ``llm_pipeline_lm_eval.pth`` into
-site-packages (``make`` does it; or ``python -m pipelines.eval.lm_eval_plugin install``). At interpreter
+site-packages (``make`` does it; or ``python -c "from pipelines.eval.lm_eval_plugin import install; install()"``). At interpreter
 start that file calls :func:`hook`, which imports nothing: it puts one finder on ``sys.meta_path`` that
 waits for ``lm_eval.models`` and, once it has run, registers ``llm-pipeline`` as a lazy entry
 (``pipelines.eval.harness:PipelineLM``), so our module loads only when someone asks for that model.
@@ -59,9 +59,3 @@ def install(site_dir: str | None = None) -> Path:
     path.write_text(PTH_LINE)
     return path
 
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["install"]:
-        print("usage: python -m pipelines.eval.lm_eval_plugin install", file=sys.stderr)
-        sys.exit(2)
-    print(f"lm_eval plugin: {install()}")

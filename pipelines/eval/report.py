@@ -54,7 +54,7 @@ def png(r: Report, path: Path) -> None:
     ax_t.set_title(f"{r.model} v{r.version}\n{r.decision}", fontsize=9, loc="left", wrap=True)
     if r.rows:
         tbl = ax_t.table(cellText=[list(x) for x in r.rows], colLabels=["metric", "this version", "champion (same set)"],
-                         loc="upper left", cellLoc="left")
+                         loc="upper left", cellLoc="left", colWidths=[0.5, 0.25, 0.25])
         tbl.auto_set_font_size(False)
         tbl.set_fontsize(8)
         tbl.scale(1, 1.25)
