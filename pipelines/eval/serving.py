@@ -17,7 +17,6 @@ without going through pyfunc.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import mlflow.artifacts
@@ -28,21 +27,19 @@ MODEL_DIR = "model_dir"  # the artifact key
 FILES = ("model.pt", "model_args.json", "tokenizer.model")
 
 
-with warnings.catch_warnings():  # the explicit signature below validates inputs and params; no type hints needed
-    warnings.simplefilter("ignore", UserWarning)  # "Add type hints to the `predict` method …"
+class TextGenerator(mlflow.pyfunc.PythonModel):
+    """pyfunc: prompts in, generated text out."""
 
-    class TextGenerator(mlflow.pyfunc.PythonModel):
-        """pyfunc: prompts in, generated text out."""
+    def load_context(self, context):
+        from pipelines.eval.lm import TextModel
 
-        def load_context(self, context):
-            from pipelines.eval.lm import TextModel
+        self.tm = TextModel.load(context.artifacts[MODEL_DIR])
 
-            self.tm = TextModel.load(context.artifacts[MODEL_DIR])
-
-        def predict(self, context, model_input, params=None):
-            p = {**PARAMS, **(params or {})}
-            return [self.tm.generate(t, int(p["max_new_tokens"]), float(p["temperature"]), int(p["top_k"]),
-                                     int(p["seed"])) for t in _prompts(model_input)]
+    def predict(self, context, model_input, params=None):  # the signature validates (no type hints: MLflow
+        # warns once, but its type-hint path drops the params)
+        p = {**PARAMS, **(params or {})}
+        return [self.tm.generate(t, int(p["max_new_tokens"]), float(p["temperature"]), int(p["top_k"]),
+                                 int(p["seed"])) for t in _prompts(model_input)]
 
 
 def _prompts(model_input) -> list[str]:
