@@ -202,7 +202,8 @@ class StageDir:
         self.started = now_iso()
 
     def existing(self) -> Optional[Manifest]:
-        """The committed manifest if it exists, matches, verifies and ``force`` is off."""
+        """The committed manifest if it exists, has this config hash and these inputs, verifies, and ``force`` is
+        off."""
         if self.force or not (self.final / MANIFEST_NAME).is_file():
             return None
         try:
@@ -211,6 +212,8 @@ class StageDir:
             return None
         if m.config_hash != self.config_hash or verify_manifest(m):
             return None
+        if [i["sha256"] for i in m.inputs] != [i["sha256"] for i in self.inputs]:
+            return None  # an explicit --output keeps its path when the inputs change: compare them too
         return m
 
     def __enter__(self) -> "StageDir":

@@ -40,3 +40,28 @@ def test_stage_hash_depends_only_on_the_sections_a_stage_reads():
     assert a.stage_hash("train") != b.stage_hash("train")
     c = load_spec(None, ["data.dedup.num_perm=64"], env={})
     assert a.stage_hash("dedup") != c.stage_hash("dedup")
+
+
+def test_a_stage_output_is_reused_only_for_the_same_config_and_inputs_even_with_an_explicit_output(tmp_path):
+    from pipelines.manifest import StageDir, run_stage
+
+    runs = []
+
+    def stage(inputs, config="c"):
+        sd = StageDir(tmp_path / "runs", "s", config, inputs, out_dir=str(tmp_path / "out"))
+
+        def body(tmp):
+            runs.append(1)
+            (tmp / "o.txt").write_text(str(inputs))
+            return sd.commit({"o": "o.txt"})
+
+        return run_stage(sd, body, log=lambda m: None)
+
+    a = [{"uri": "file:///a", "sha256": "1"}]
+    stage(a)
+    stage(a)
+    assert len(runs) == 1  # reused
+    stage([{"uri": "file:///a", "sha256": "2"}])  # same --output, changed input
+    assert len(runs) == 2
+    stage([{"uri": "file:///a", "sha256": "2"}], config="d")
+    assert len(runs) == 3
