@@ -15,10 +15,11 @@ export PYTHONWARNINGS := ignore::FutureWarning
 
 DEMO_SPEC ?= configs/demo.yaml
 
-.PHONY: demo test bench install airflow-db clean help tf-check
+.PHONY: demo test airflow airflow-stop bench install airflow-db clean help tf-check
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
 	@echo "make test   - run the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
+	@echo "make airflow - the Airflow UI on http://127.0.0.1:8080 with the project's DAGs (Ctrl-C or make airflow-stop)"
 	@echo "make tf-check - terraform fmt -check and checkov over infra/terraform"
 	@echo "make bench  - install the anchors (benchmarks/requirements.in) and run benchmarks/dedup_bench.py"
 	@echo "make clean  - remove ./var (all run state: Airflow DB, MLflow DB, tiers, S3 snapshot)"
@@ -49,6 +50,12 @@ demo: airflow-db
 	echo "full log: var/demo-dag.log ($$(( $$(date +%s) - start )) s)"; \
 	if [ $$rc -ne 0 ] || grep -q "state=failed" var/demo-dag.log; then echo "DAG run FAILED (see var/demo-dag.log)"; exit 1; fi
 	$(BIN)/python -m pipelines.summary --spec $(DEMO_SPEC)
+
+airflow: airflow-db
+	@PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pipelines.airflow_ui start
+
+airflow-stop:
+	@$(BIN)/python -m pipelines.airflow_ui stop
 
 # checkov in a venv of its own: it ships a fork of python-hcl2's `hcl2` module, which the tests also import.
 CHECKOV := .venv-checkov/bin/checkov
