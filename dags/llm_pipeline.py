@@ -18,10 +18,18 @@ pod's log streamed into the task log; clearing or killing the task deletes the j
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pendulum
 from airflow.sdk import DAG, Param, task
 
-from llm_operators import SparkStageOperator, StageOperator
+from llm_operators import SparkStageOperator, StageOperator, failure_summary
+
+# Transient failures (S3, spark-submit, MLflow) are retried with exponential backoff; a stage that rejects its
+# input or spec exits 2 and fails at once (StageOperator). Every task has a time limit.
+DEFAULTS = {"retries": 2, "retry_delay": timedelta(seconds=30), "retry_exponential_backoff": True,
+            "max_retry_delay": timedelta(minutes=10), "execution_timeout": timedelta(hours=6),
+            "on_failure_callback": failure_summary}
 
 SPEC = "{{ params.spec }}"
 OVERRIDES = [
@@ -47,6 +55,7 @@ with DAG(
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
+    default_args=DEFAULTS,
     tags=["llm", "spark", "torch", "mlflow"],
     doc_md=__doc__,
     params={
@@ -106,7 +115,8 @@ with DAG(
     preflight = StageOperator(task_id="preflight", module="pipelines.train.preflight", spec=SPEC, overrides=OVERRIDES,
                               stage_args=["--tokenize-manifest", manifest_of("tokenize")])
     train = StageOperator(task_id="train", module="pipelines.train.launch", spec=SPEC, overrides=OVERRIDES,
-                          stage_args=["--tokenize-manifest", manifest_of("tokenize")])
+                          stage_args=["--tokenize-manifest", manifest_of("tokenize")],
+                          execution_timeout=timedelta(days=7))  # resumes from its checkpoints when retried
     promote = StageOperator(task_id="promote", module="pipelines.train.checkpoint", spec=SPEC, overrides=OVERRIDES,
                             stage_args=["--input-manifest", manifest_of("train")])
     evaluate = StageOperator(task_id="evaluate", module="pipelines.eval.evaluate", spec=SPEC, overrides=OVERRIDES,

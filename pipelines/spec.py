@@ -592,7 +592,15 @@ def add_spec_args(parser) -> None:
 
 
 def spec_from_args(args) -> JobSpec:
-    return load_spec(args.spec, args.overrides)
+    """The spec of a stage CLI; a spec the user must fix ends the process with exit status 2 and the message
+    (which names the key), no traceback. Orchestrators do not retry status 2."""
+    try:
+        return load_spec(args.spec, args.overrides)
+    except SpecError as e:
+        import sys
+
+        print(f"spec: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":  # pragma: no cover - convenience: print the effective spec

@@ -26,10 +26,12 @@ from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOpe
 
 try:
     from airflow.sdk import BaseOperator
-    from airflow.sdk.exceptions import AirflowException
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
 except ImportError:  # pragma: no cover - Airflow 2 layout
-    from airflow.exceptions import AirflowException
+    from airflow.exceptions import AirflowException, AirflowFailException
     from airflow.models import BaseOperator
+
+USER_ERROR = 2  # what a stage CLI exits with when the input or the spec must be fixed: retrying cannot help
 
 
 def _code_root() -> Path:
@@ -87,7 +89,9 @@ class StageOperator(BaseOperator):
                     line = line.rstrip("\n")
                     tail.append(line)
                     self.log.info("%s", line)
-            if p.returncode != 0:
+            if p.returncode == USER_ERROR:  # a wrong path or spec: fail now, no retries
+                raise AirflowFailException(f"{self.module} rejected its input (exit {USER_ERROR}):\n" + "\n".join(tail))
+            if p.returncode != 0:  # possibly transient (S3, a submit, MLflow): the task's retries apply
                 raise AirflowException(f"{self.module} exited with {p.returncode}:\n" + "\n".join(tail))
             manifest = _read_report(report)
         self.log.info("manifest: %s", manifest)
@@ -167,3 +171,17 @@ class SparkStageOperator(SparkSubmitOperator):
             return _read_report(report)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def failure_summary(context) -> None:
+    """``on_failure_callback``: one paragraph in the task log that says what failed and where to look."""
+    ti, exc = context["ti"], context.get("exception")
+    first = str(exc).strip().splitlines()[0] if exc else "unknown error"
+    final = getattr(ti, "try_number", 1) > getattr(ti, "max_tries", 0)
+    ti.log.error(
+        "STAGE FAILED: task %s of DAG %s (run %s), try %s%s: %s. Stage outputs and manifests live under "
+        "%s/var/runs/<stage>/ (nothing partial is published: a stage commits by rename, manifest last); the full "
+        "error and the stage's own output are above in this log%s.",
+        ti.task_id, ti.dag_id, ti.run_id, getattr(ti, "try_number", "?"), "" if final else " (it will be retried)",
+        first, _project_root(),
+        "; fix the spec or the input and clear the task" if isinstance(exc, AirflowFailException) else "")

@@ -1,5 +1,7 @@
 """DAG integrity: it parses, tasks are wired in the designed order, params render into spec overrides."""
 
+from pathlib import Path
+
 import pytest
 
 from conftest import ROOT
@@ -60,3 +62,35 @@ def test_a_kubernetes_spark_master_gets_executor_settings_or_a_clear_error(monke
     assert conf["spark.kubernetes.container.image"] == "repo/spark:1"
     assert conf["spark.kubernetes.authenticate.serviceAccountName"] == "spark"
     assert conf["spark.driver.host"] == "10.0.3.7"
+
+
+def test_every_dag_file_parses_fast_and_without_errors(capsys):
+    """DagBag over the folder; each file's parse time is measured (Airflow's own stats) and reported."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    DagBag(dag_folder=str(ROOT / "dags"))  # warm: the first parse pays for importing Airflow itself
+    bag = DagBag(dag_folder=str(ROOT / "dags"))
+    assert bag.import_errors == {}
+    stats = {Path(s.file).name: s.duration.total_seconds() for s in bag.dagbag_stats}
+    with capsys.disabled():
+        print("\nDAG file parse times: " + ", ".join(f"{f} {t * 1000:.0f} ms" for f, t in sorted(stats.items())))
+    assert stats and all(t < 0.5 for t in stats.values()), stats
+
+
+def test_tasks_retry_transient_failures_with_backoff_have_time_limits_and_a_failure_summary(dag):
+    from llm_operators import failure_summary
+
+    for t in dag.tasks:
+        assert t.execution_timeout is not None, t.task_id
+        assert t.retries >= 1 and t.retry_exponential_backoff, t.task_id
+        assert failure_summary in (t.on_failure_callback if isinstance(t.on_failure_callback, list)
+                                   else [t.on_failure_callback]), t.task_id
+
+
+def test_a_stage_that_rejects_its_spec_fails_without_retries():
+    from llm_operators import AirflowFailException, StageOperator
+
+    bad = StageOperator(task_id="t", module="pipelines.eval.evaluate", spec=str(ROOT / "configs/demo.yaml"),
+                        overrides=["train.steps=-1"], stage_args=["--promote-manifest", "x", "--tokenize-manifest", "y"])
+    with pytest.raises(AirflowFailException, match=r"train\.steps"):
+        bad.execute({})
