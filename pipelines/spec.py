@@ -426,6 +426,8 @@ class ServicesCfg(_Section):
     s3_bucket: str = "llm-pipeline"
     s3_region: str = "us-east-1"
     mlflow_tracking_uri: str = "sqlite:///var/mlflow.db"
+    mlflow_ui_url: str = Field("http://127.0.0.1:5000", description="Where the MLflow UI is served (`mlflow ui` "
+                               "default): the Airflow tasks' extra links point there.")
     mlflow_artifact_root: str = "var/mlartifacts"
 
 

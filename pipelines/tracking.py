@@ -122,3 +122,25 @@ def log_stage(spec: JobSpec, manifest, artifacts: Iterable[str] = ()) -> None:
         p = manifest.output(name)
         if Path(p).is_file():
             c.log_artifact(run_id, str(p), artifact_path=manifest.stage)
+
+
+def stage_links(spec: JobSpec, manifest: dict, experiment: str | None) -> dict[str, str]:
+    """URLs for a stage's Airflow extra links: its MLflow run, the registered model version (register), the
+    checkpoint (promote: the S3 console on AWS, the endpoint URL of another S3 store, the L1 path locally)."""
+    ui, run_id, extra = spec.services.mlflow_ui_url.rstrip("/"), spec.run.mlflow_run_id, manifest.get("extra", {})
+    links = {}
+    if run_id and experiment:
+        links["mlflow_run"] = f"{ui}/#/experiments/{experiment}/runs/{run_id}"
+    if "model_name" in extra and "version" in extra:
+        links["model_version"] = f"{ui}/#/models/{extra['model_name']}/versions/{extra['version']}"
+    if str(extra.get("l2_uri", "")).startswith("s3://"):
+        bucket, _, key = extra["l2_uri"][5:].partition("/")
+        endpoint = spec.services.s3_endpoint_url
+        if endpoint == "aws":
+            links["checkpoint"] = (f"https://s3.console.aws.amazon.com/s3/buckets/{bucket}?region="
+                                   f"{spec.services.s3_region}&prefix={key}/")
+        elif endpoint:
+            links["checkpoint"] = f"{endpoint.rstrip('/')}/{bucket}?prefix={key}/"
+        else:  # the embedded endpoint lives only while a run does: point at the verified L1 copy
+            links["checkpoint"] = (resolve_path(spec.checkpoint.l1) / extra["checkpoint"]).as_uri()
+    return links

@@ -22,7 +22,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Sequence
 
+from airflow.plugins_manager import AirflowPlugin
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.providers.common.compat.sdk import BaseOperatorLink, XCom
 
 try:
     from airflow.sdk import BaseOperator
@@ -60,11 +62,57 @@ def _read_report(path: str) -> str:
         raise AirflowException(f"the stage exited 0 but wrote no report at {path}: {e}") from e
 
 
+class _StageLink(BaseOperatorLink):
+    """A URL the stage's task pushed (XCom ``links``) once its manifest was committed."""
+
+    name = ""
+    key = ""
+
+    def get_link(self, operator, *, ti_key) -> str:
+        return (XCom.get_value(key="links", ti_key=ti_key) or {}).get(self.key, "")
+
+
+class MlflowRunLink(_StageLink):
+    name, key = "MLflow run", "mlflow_run"
+
+
+class ModelVersionLink(_StageLink):
+    name, key = "Registered model version", "model_version"
+
+
+class CheckpointLink(_StageLink):
+    name, key = "Checkpoint", "checkpoint"
+
+
+STAGE_LINKS = (MlflowRunLink(), ModelVersionLink(), CheckpointLink())
+
+
+def push_links(op: BaseOperator, context, manifest_path: str) -> None:
+    """After a stage: its extra links' URLs into XCom (``pipelines.tracking.stage_links``)."""
+    ti = context.get("ti") if context else None
+    if ti is None:
+        return
+    try:
+        if str(_code_root()) not in sys.path:
+            sys.path.insert(0, str(_code_root()))
+        from pipelines import tracking
+        from pipelines.spec import load_spec
+
+        cli = spec_cli_args(op.spec, op.overrides)
+        spec = load_spec(op.spec, [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"])
+        run_id = spec.run.mlflow_run_id
+        exp = tracking.client(spec).get_run(run_id).info.experiment_id if run_id else None
+        ti.xcom_push(key="links", value=tracking.stage_links(spec, json.loads(Path(manifest_path).read_text()), exp))
+    except Exception as e:  # noqa: BLE001 - links are a convenience; never fail a finished stage over them
+        op.log.warning("no extra links for this task: %s", e)
+
+
 class StageOperator(BaseOperator):
     """Run ``python -m <module> --spec … --set … <stage_args> --report FILE``; return the manifest path."""
 
     template_fields: Sequence[str] = ("spec", "overrides", "stage_args")
     ui_color = "#e8f1fb"
+    operator_extra_links = STAGE_LINKS
 
     def __init__(self, *, module: str, spec: str | None = None, overrides: Sequence[str] = (),
                  stage_args: Sequence[str] = (), **kwargs: Any):
@@ -95,6 +143,7 @@ class StageOperator(BaseOperator):
                 raise AirflowException(f"{self.module} exited with {p.returncode}:\n" + "\n".join(tail))
             manifest = _read_report(report)
         self.log.info("manifest: %s", manifest)
+        push_links(self, context, manifest)
         return manifest
 
     def on_kill(self) -> None:
@@ -129,6 +178,7 @@ class SparkStageOperator(SparkSubmitOperator):
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "spec", "overrides", "stage_args")
     ui_color = "#fdf1e6"
+    operator_extra_links = (*SparkSubmitOperator.operator_extra_links, MlflowRunLink())
 
     def __init__(self, *, module: str, spec: str | None = None, overrides: Sequence[str] = (),
                  stage_args: Sequence[str] = (), conn_id: str = "spark_pipeline", **kwargs: Any):
@@ -168,7 +218,9 @@ class SparkStageOperator(SparkSubmitOperator):
         self._hook = None
         try:
             super().execute(context)
-            return _read_report(report)
+            manifest = _read_report(report)
+            push_links(self, context, manifest)
+            return manifest
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -185,3 +237,10 @@ def failure_summary(context) -> None:
         ti.task_id, ti.dag_id, ti.run_id, getattr(ti, "try_number", "?"), "" if final else " (it will be retried)",
         first, _project_root(),
         "; fix the spec or the input and clear the task" if isinstance(exc, AirflowFailException) else "")
+
+
+class LlmPipelinePlugin(AirflowPlugin):
+    """Registers the stage tasks' extra links with the API server (it renders them without the DAG's code)."""
+
+    name = "llm_pipeline"
+    operator_extra_links = list(STAGE_LINKS)

@@ -94,3 +94,23 @@ def test_a_stage_that_rejects_its_spec_fails_without_retries():
                         overrides=["train.steps=-1"], stage_args=["--promote-manifest", "x", "--tokenize-manifest", "y"])
     with pytest.raises(AirflowFailException, match=r"train\.steps"):
         bad.execute({})
+
+
+def test_extra_links_point_at_the_mlflow_run_the_model_version_and_the_checkpoint():
+    from llm_operators import LlmPipelinePlugin, StageOperator
+    from pipelines.spec import load_spec
+    from pipelines.tracking import stage_links
+
+    spec = load_spec(None, ["run.mlflow_run_id=abc123", "services.mlflow_ui_url=http://127.0.0.1:5000/"], env={})
+    reg = {"extra": {"model_name": "m", "version": 3}}
+    assert stage_links(spec, reg, "7") == {"mlflow_run": "http://127.0.0.1:5000/#/experiments/7/runs/abc123",
+                                           "model_version": "http://127.0.0.1:5000/#/models/m/versions/3"}
+    promote = {"extra": {"l2_uri": "s3://bkt/checkpoints/r/k/step-000300", "checkpoint": "r/k/step-000300"}}
+    local = stage_links(spec, promote, None)["checkpoint"]
+    assert local.startswith("file://") and local.endswith("/var/tiers/shared/r/k/step-000300")
+    aws = load_spec(None, ["services.s3_endpoint_url=aws", "services.s3_region=eu-west-1"], env={})
+    assert stage_links(aws, promote, None)["checkpoint"] == \
+        "https://s3.console.aws.amazon.com/s3/buckets/bkt?region=eu-west-1&prefix=checkpoints/r/k/step-000300/"
+    minio = load_spec(None, ["services.s3_endpoint_url=http://minio:9000"], env={})
+    assert stage_links(minio, promote, None)["checkpoint"] == "http://minio:9000/bkt?prefix=checkpoints/r/k/step-000300/"
+    assert {l.name for l in StageOperator.operator_extra_links} == {l.name for l in LlmPipelinePlugin.operator_extra_links}

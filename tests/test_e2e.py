@@ -56,6 +56,12 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     alias = db.execute("select version from registered_model_aliases where name='e2e-model' and alias='champion'")
     assert alias.fetchone() == (1,)
 
+    # the tasks pushed their extra links' URLs: the MLflow run, the model version, the checkpoint
+    links = {t: json.loads(v) for t, v in sqlite3.connect(tmp_path / "airflow" / "airflow.db").execute(
+        "select task_id, value from xcom where key='links'")}
+    assert links["register"]["model_version"].endswith("/#/models/e2e-model/versions/1")
+    assert "/runs/" in links["ingest"]["mlflow_run"] and links["promote"]["checkpoint"].startswith("file://")
+
     # every manifest's counts add up: docs in = kept + removed + quarantined
     runs = tmp_path / "var" / "runs"
     man = {d.name: json.loads(next(d.glob("*/manifest.json")).read_text()) for d in runs.iterdir()}
