@@ -235,3 +235,13 @@ def test_the_harness_own_command_line_finds_llm_pipeline(models, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
     assert results["results"]["arc_easy"]["acc,none"] in (0.0, 1 / 3, 2 / 3, 1.0)
+
+
+def test_the_harness_cli_writes_lm_evals_results_dict(models, tmp_path):
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "pipelines.eval.harness", "--model-uri", str(models[0]), "--tasks",
+                        "arc_easy,hellaswag,lambada_openai", "--limit", "4", "--output", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == set(harness.TASKS) and all("acc,none" in res[t] for t in res)

@@ -5,7 +5,7 @@ imported; it reads no plugin entry points. ``install()`` writes ``llm_pipeline_l
 site-packages (``make`` does it; or ``python -c "from pipelines.eval.lm_eval_plugin import install; install()"``). At interpreter
 start that file calls :func:`hook`, which imports nothing: it puts one finder on ``sys.meta_path`` that
 waits for ``lm_eval.models`` and, once it has run, registers ``llm-pipeline`` as a lazy entry
-(``pipelines.eval.harness:PipelineLM``), so our module loads only when someone asks for that model.
+(``pipelines.eval.lm_eval_model:PipelineLM``), so our module loads only when someone asks for that model.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sysconfig
 from pathlib import Path
 
 NAME = "llm-pipeline"
-TARGET = "pipelines.eval.harness:PipelineLM"
+TARGET = "pipelines.eval.lm_eval_model:PipelineLM"
 WATCH = "lm_eval.models"
 PTH = "llm_pipeline_lm_eval.pth"
 PTH_LINE = 'import sys; exec("try:\\n import pipelines.eval.lm_eval_plugin as p; p.hook()\\nexcept Exception: pass")\n'
