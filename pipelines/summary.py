@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"champion sample     : {s['prompt']!r} → {text}")
     uri = f"models:/{s['model']}@{spec.registry.alias}"
     print(f"browse              : .venv/bin/mlflow ui --backend-store-uri {s['tracking_uri']}")
-    print(f"serve               : MLFLOW_TRACKING_URI={s['tracking_uri']} .venv/bin/mlflow models serve -m {uri} "
+    print(f"serve               : PATH=$PWD/.venv/bin:$PATH MLFLOW_TRACKING_URI={s['tracking_uri']} mlflow models serve -m {uri} "
           "--env-manager local --host 127.0.0.1 --port 5001")
     print(f"lm-eval             : .venv/bin/lm_eval --model llm-pipeline --model_args uri={uri},tracking_uri="
           f"{s['tracking_uri']} --include_path pipelines/eval/tasks --tasks arc_easy,hellaswag,lambada_openai --limit 20")

@@ -5,6 +5,7 @@ Artifacts (one directory, ``artifacts/model_dir``): ``model.pt`` (the plain stat
 is this package (``code/pipelines``), so the model loads wherever torch, sentencepiece and numpy are.
 
     mlflow models serve -m models:/NAME@champion --env-manager local --host 127.0.0.1 --port 5001
+    (with the venv's bin on PATH: the server starts ``uvicorn`` from it)
     curl -s 127.0.0.1:5001/invocations -H 'Content-Type: application/json' \\
          -d '{"inputs": ["Once upon a time"], "params": {"max_new_tokens": 32, "temperature": 0.8}}'
 
