@@ -35,11 +35,10 @@ def summarize(spec) -> dict:
 def sample(spec, prompt: str) -> str:
     """A generation from the champion, loaded back from the registry (what a server would answer)."""
     from pipelines import tracking
-    from pipelines.eval import load_registered
     from pipelines.eval.lm import TextModel
 
-    model, sp = load_registered(f"models:/{spec.registry.model_name}@{spec.registry.alias}", tracking.tracking_uri(spec))
-    return TextModel(model, sp).generate(prompt, spec.eval.sample_max_new_tokens, temperature=0.8, top_k=50,
+    tm = TextModel.open(f"models:/{spec.registry.model_name}@{spec.registry.alias}", tracking.tracking_uri(spec))
+    return tm.generate(prompt, spec.eval.sample_max_new_tokens, temperature=0.8, top_k=50,
                                          seed=spec.run.seed)
 
 

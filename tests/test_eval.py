@@ -112,7 +112,7 @@ def test_harness_runs_the_three_tasks_offline_with_our_loglikelihoods(models):
     assert checked >= 8 * 4 // 2
 
 
-def _rankfree_spec(home: Path, name: str, refs: list[Path], **sets):
+def _spec(home: Path, name: str, refs: list[Path], **sets):
     return load_spec(None, [f"registry.model_name={name}", f"eval.reference={json.dumps([str(p) for p in refs])}",
                             *[f"{k}={v}" for k, v in sets.items()]], env={})
 
@@ -129,7 +129,7 @@ def test_gate_moves_only_to_no_worse_on_the_same_set_and_rescores_the_champion_o
     ref_a, ref_b = home / "a.txt", home / "b.txt"
     ref_a.write_text("The cat sat on the mat. " * 20)
     ref_b.write_text("A different reference set, with other words in it. " * 20)
-    spec = _rankfree_spec(home, "gate-test", [ref_a])
+    spec = _spec(home, "gate-test", [ref_a])
     sha_a = bpb.set_sha256(reference_files(spec))
     run_id = tracking.start_run(spec, run_name="t")
     lineage = {"data_manifest_hash": "d" * 64, "tokenizer_hash": "t" * 64, "config_hash": "c" * 64}
@@ -148,7 +148,7 @@ def test_gate_moves_only_to_no_worse_on_the_same_set_and_rescores_the_champion_o
     assert reg(spec, models[1], 1.5, sha_a)["alias_moved"] and champ() == "3"
 
     # a new reference set: the champion (v3 = models[1]) is scored on it before the comparison
-    spec_b = _rankfree_spec(home, "gate-test", [ref_b])
+    spec_b = _spec(home, "gate-test", [ref_b])
     sha_b = bpb.set_sha256(reference_files(spec_b))
     truth = bpb.bits_per_byte(TextModel.load(models[1]), bpb.read_text(ref_b))["bits_per_byte"]
     stays = reg(spec_b, models[0], truth + 0.01, sha_b)
@@ -165,7 +165,7 @@ def test_load_registered_and_mlflow_models_serve_answer_with_generated_text(mode
     from pipelines import tracking
     from pipelines.eval import load_registered
 
-    spec = _rankfree_spec(home, "serve-test", [Path(__file__)])
+    spec = _spec(home, "serve-test", [Path(__file__)])
     run_id = tracking.start_run(spec, run_name="serve")
     registry.register(spec, models[0], run_id, {}, {"reference_bpb": 3.0}, _ev_extra(spec, "s" * 64), home / "w")
     uri, turi = "models:/serve-test@champion", tracking.tracking_uri(spec)
@@ -215,7 +215,7 @@ def test_a_model_above_the_single_process_limit_is_scored_on_the_launcher_ranks(
 
     ref = home / "r.txt"
     ref.write_text(" ".join(d["text"] for d in c4_docs(5)))
-    spec = _rankfree_spec(home, "ranks", [ref], **{"eval.limit": 6, "eval.tasks": '["arc_easy","lambada_openai"]'})
+    spec = _spec(home, "ranks", [ref], **{"eval.limit": 6, "eval.tasks": '["arc_easy","lambada_openai"]'})
     job = Job(model_dir=str(models[0]), reference=reference_files(spec), parts=["reference", "harness"])
     one = score(spec, job)
     spec.eval.single_process_max_params = 0

@@ -27,7 +27,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pipelines.data.tokenize import normalise
 
@@ -64,13 +64,15 @@ def window_nats(tm, ids: Sequence[int], rank: int = 0, world: int = 1, batch_siz
     return total
 
 
-def bits_per_byte(tm, text: str, batch_size: int = 16) -> dict:
-    """The contract's numbers for one (already normalised) text."""
+def bits_per_byte(tm, text: str, batch_size: int = 16, rank: int = 0, world: int = 1,
+                  total: Callable[[float], float] = lambda x: x) -> dict:
+    """The contract's numbers for one (already normalised) text. On several ranks each scores its share of the
+    windows and ``total`` sums the shares (an all-reduce)."""
     ids = tm.encode(text)
     nbytes = len(text.encode("utf-8"))
     if len(ids) < 2 or nbytes == 0:
         raise ValueError("the text is too short to score: it needs at least two tokens")
-    nats = window_nats(tm, ids, batch_size=batch_size)
+    nats = total(window_nats(tm, ids, rank, world, batch_size))
     return {"bits_per_byte": nats / math.log(2) / nbytes, "nats": nats, "tokens": len(ids), "bytes": nbytes}
 
 
@@ -89,19 +91,6 @@ def combine(per_file: dict[str, dict]) -> dict:
     nbytes = sum(r["bytes"] for r in per_file.values())
     return {"bits_per_byte": nats / math.log(2) / nbytes, "nats": nats,
             "tokens": sum(r["tokens"] for r in per_file.values()), "bytes": nbytes}
-
-
-def load_text_model(uri: str, tracking_uri: str | None = None):
-    """A :class:`~pipelines.eval.lm.TextModel` from a registry URI (``models:/NAME@ALIAS``, ``runs:/…``) or a local
-    model directory."""
-    from pipelines.eval.lm import TextModel
-
-    if Path(uri).is_dir():
-        return TextModel.load(uri)
-    from pipelines.eval.serving import load_registered
-
-    model, sp = load_registered(uri, tracking_uri)
-    return TextModel(model, sp)
 
 
 def model_parser(module: str, description: str) -> argparse.ArgumentParser:
@@ -124,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bpb: --text-file {args.text_file}: no such file", file=sys.stderr)
         return 2
     try:
-        tm = load_text_model(args.model_uri, args.tracking_uri)
+        from pipelines.eval.lm import TextModel
+
+        tm = TextModel.open(args.model_uri, args.tracking_uri)
         res = bits_per_byte(tm, read_text(args.text_file), args.batch_size)
     except (LookupError, ValueError) as e:
         print(f"bpb: {e}", file=sys.stderr)

@@ -27,11 +27,16 @@ from pipelines.manifest import Manifest, StageDir, file_ref, input_ref, load_man
 from pipelines.spec import JobSpec, SpecError, resolve_bundled, resolve_path, spec_from_args
 
 
-def reference_files(spec: JobSpec) -> list[str]:
-    files = [resolve_bundled(p) for p in spec.eval.reference]
+def _require(files: list[Path], message: str) -> list[Path]:
     missing = [str(p) for p in files if not p.is_file()]
     if missing:
-        raise SpecError(f"eval.reference: no such file(s) {missing}; list UTF-8 text or JSONL files")
+        raise SpecError(message.format(missing=missing))
+    return files
+
+
+def reference_files(spec: JobSpec) -> list[str]:
+    files = _require([resolve_bundled(p) for p in spec.eval.reference],
+                     "eval.reference: no such file(s) {missing}; list UTF-8 text or JSONL files")
     return [str(p) for p in files]
 
 
@@ -39,12 +44,9 @@ def task_files(spec: JobSpec) -> list[Path]:
     from pipelines.eval.harness import FILES
 
     d = resolve_bundled(spec.eval.data_dir)
-    files = [d / FILES[t] for t in spec.eval.tasks]
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing:
-        raise SpecError(f"eval.data_dir: {d} lacks {missing} (the repo ships data/eval; ../shared/data/eval has "
-                        "the full sets); or drop the task from eval.tasks")
-    return files
+    return _require([d / FILES[t] for t in spec.eval.tasks],
+                    f"eval.data_dir: {d} lacks {{missing}} (the repo ships data/eval; ../shared/data/eval has the "
+                    "full sets); or drop the task from eval.tasks")
 
 
 def score_model_dir(spec: JobSpec, job: Job, work: Path, run_id: str) -> dict:

@@ -69,7 +69,8 @@ def headline(results: dict) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelines.eval.bpb import load_text_model, model_parser
+    from pipelines.eval.bpb import model_parser
+    from pipelines.eval.lm import TextModel
 
     ap = model_parser("pipelines.eval.harness", "Run lm-evaluation-harness tasks offline (local files) on a registered "
                       "model; writes lm-eval's results dict.")
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.manifest import atomic_write_text
 
     try:
-        res = evaluate(load_text_model(args.model_uri, args.tracking_uri), tasks, args.limit, args.data_dir,
+        res = evaluate(TextModel.open(args.model_uri, args.tracking_uri), tasks, args.limit, args.data_dir,
                        args.batch_size)
     except (LookupError, ValueError, FileNotFoundError) as e:
         print(f"harness: {e}", file=sys.stderr)

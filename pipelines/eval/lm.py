@@ -42,6 +42,15 @@ class TextModel:
         dev = torch.device(device)
         return cls(load_plain_model(d).to(dev), sp, dev)
 
+    @classmethod
+    def open(cls, uri: str, tracking_uri: str | None = None) -> "TextModel":
+        """From a registry URI (``models:/NAME@ALIAS``, ``models:/NAME/V``, ``runs:/…``) or a local model directory."""
+        if Path(uri).is_dir():
+            return cls.load(uri)
+        from pipelines.eval.serving import load_registered
+
+        return cls(*load_registered(uri, tracking_uri))
+
     @property
     def seq_len(self) -> int:
         return self.model.args.seq_len

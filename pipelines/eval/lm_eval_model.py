@@ -19,12 +19,12 @@ class PipelineLM(LM):
         super().__init__()
         import torch.distributed as dist
 
-        from pipelines.eval.bpb import load_text_model
+        from pipelines.eval.lm import TextModel
 
         if text_model is None:
             if not uri:
                 raise ValueError("llm-pipeline needs --model_args uri=models:/NAME@ALIAS (or a local model directory)")
-            text_model = load_text_model(str(uri), tracking_uri)
+            text_model = TextModel.open(str(uri), tracking_uri)
             _to_device(text_model, device)
         self.tm = text_model
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 16

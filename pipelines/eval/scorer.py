@@ -32,7 +32,7 @@ class Job:
 
 
 class Ranks:
-    """Sum and broadcast across ranks (a no-op in one process)."""
+    """This process's rank and the world, and sums across them (a no-op in one process)."""
 
     def __init__(self, rank: int = 0, world: int = 1):
         self.rank, self.world = rank, world
@@ -51,15 +51,10 @@ class Ranks:
 
 
 def reference_scores(tm, files: list[str], ranks: Ranks, batch_size: int) -> dict:
-    from pipelines.eval.bpb import combine, read_text, set_sha256, window_nats
+    from pipelines.eval.bpb import bits_per_byte, combine, read_text, set_sha256
 
-    per = {}
-    for f in files:
-        text = read_text(f)
-        ids = tm.encode(text)
-        nats = ranks.sum([window_nats(tm, ids, ranks.rank, ranks.world, batch_size)])[0]
-        nb = len(text.encode("utf-8"))
-        per[Path(f).name] = {"bits_per_byte": nats / math.log(2) / nb, "nats": nats, "tokens": len(ids), "bytes": nb}
+    per = {Path(f).name: bits_per_byte(tm, read_text(f), batch_size, ranks.rank, ranks.world,
+                                       lambda x: ranks.sum([x])[0]) for f in files}
     return {**combine(per), "sha256": set_sha256(files), "files": per}
 
 

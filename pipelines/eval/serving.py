@@ -17,7 +17,6 @@ without going through pyfunc.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlflow.artifacts
@@ -133,7 +132,3 @@ def load_registered(uri: str, tracking_uri: str | None = None):
 
     d = model_dir_of(download(uri, tracking_uri))
     return load_plain_model(d), spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
-
-
-def model_args(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / "model_args.json").read_text())
