@@ -1,22 +1,42 @@
-"""What every stage CLI shares: the spec flags, ``--output``/``--report``, and run-then-log."""
+"""Every stage's CLI, from its entry in the stage table (:mod:`pipelines.stages`).
+
+``python -m <module> [--spec S] [--set K=V …] --<upstream>-manifest M … [--output DIR] [--report FILE]``:
+the spec flags, one flag per upstream stage's manifest, the output directory (default: content-addressed
+under ``run.root``) and the report an orchestrator reads the manifest's path (or a pending job) back from.
+Exit status 2 means the input or the spec must be fixed (the message names it; no traceback, no retry).
+"""
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Iterable
+import json
+import sys
+from typing import Callable, Iterable, Optional
 
-from pipelines.manifest import Manifest, StageDir, run_stage
-from pipelines.spec import JobSpec, add_spec_args
+from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_write_text, load_manifest, run_stage
+from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
+from pipelines.stages import Stage, stage
 
 
-def stage_parser(module: str, description: str, inputs: dict[str, str] | None = None) -> argparse.ArgumentParser:
-    """``python -m <module>`` parser with --spec/--set, required upstream-manifest flags, --output, --report."""
-    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+def stage_parser(name: str, inputs_required: bool = True) -> argparse.ArgumentParser:
+    """``python -m <module>`` parser: --spec/--set, a ``--<upstream>-manifest`` per upstream stage, --output,
+    --report."""
+    st = stage(name)
+    ap = argparse.ArgumentParser(prog=f"python -m {st.module}", description=st.summary)
     add_spec_args(ap)
-    for flag, text in (inputs or {}).items():
-        ap.add_argument(flag, required=True, help=text)
+    for up in st.upstream:
+        flags = [stage(up).flag] + (["--input-manifest"] if len(st.upstream) == 1 else [])
+        ap.add_argument(*flags, dest=f"{up}_manifest", required=inputs_required, metavar="MANIFEST",
+                        help=f"Manifest of the {up} stage ({stage(up).module}).")
     ap.add_argument("--output", default=None, help="Output directory (default: content-addressed under run.root).")
     ap.add_argument("--report", default=None, help="Write {stage, manifest} JSON here (for orchestrators).")
     return ap
+
+
+def stage_dir(spec: JobSpec, name: str, inputs: list[dict], out_dir: Optional[str] = None,
+              force: Optional[bool] = None) -> StageDir:
+    """The staging directory of stage ``name`` for these inputs (its done-check compares config and inputs)."""
+    return StageDir(resolve_path(spec.run.root), name, spec.stage_hash(name), inputs,
+                    force=spec.run.force if force is None else force, out_dir=out_dir)
 
 
 def run_and_log(spec: JobSpec, sd: StageDir, body: Callable, artifacts: Iterable[str] = ()) -> Manifest:
@@ -26,3 +46,48 @@ def run_and_log(spec: JobSpec, sd: StageDir, body: Callable, artifacts: Iterable
 
     log_stage(spec, m, artifacts=artifacts)
     return m
+
+
+def upstream_manifests(st: Stage, args: argparse.Namespace) -> list[Manifest]:
+    out = []
+    for up in st.upstream:
+        path = getattr(args, f"{up}_manifest")
+        try:
+            out.append(load_manifest(path))
+        except FileNotFoundError as e:
+            raise StageError(f"{stage(up).flag} {path}: {e}") from None
+    return out
+
+
+def write_report(path: Optional[str], payload: dict) -> None:
+    if path:
+        atomic_write_text(path, json.dumps(payload))
+
+
+Call = Callable[[JobSpec, argparse.Namespace, list[Manifest]], Manifest]
+
+
+def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manifest], str],
+               argv: list[str] | None = None, add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+               call: Call | None = None, inputs_required: bool = True) -> int:
+    """Parse, run the stage (``run(spec, *upstream_manifests, out_dir=…)`` unless ``call`` is given), write the
+    report, print the one-line summary. A :class:`StageError` or :class:`SpecError` prints ``<stage>: error: …``
+    and exits with its status; :class:`Pending` (a job submitted elsewhere) reports what to wait for."""
+    ap = stage_parser(name, inputs_required)
+    if add_args:
+        add_args(ap)
+    args = ap.parse_args(argv)
+    spec = spec_from_args(args)
+    try:
+        ups = upstream_manifests(stage(name), args) if inputs_required else []
+        m = call(spec, args, ups) if call else run(spec, *ups, out_dir=args.output)
+    except Pending as p:
+        write_report(args.report, {"stage": name, "pending": p.wait})
+        print(f"{name}: submitted; waiting for {p.wait}")
+        return 0
+    except (StageError, SpecError) as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    write_report(args.report, {"stage": m.stage, "manifest": m.path})
+    print(summary(m))
+    return 0

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
+from urllib.parse import urlparse
 
 MANIFEST_NAME = "manifest.json"
 _CHUNK = 1 << 20
@@ -156,6 +157,22 @@ def input_ref(m: Manifest) -> dict:
     return {"uri": Path(m.path).resolve().as_uri(), "stage": m.stage, "sha256": m.digest}
 
 
+def lineage(path: str | os.PathLike) -> dict[str, str]:
+    """{stage: manifest path} of a manifest and of every upstream manifest it was made from (its ``inputs``, and
+    theirs), each checked against the digest its downstream recorded: a result rewritten since is refused."""
+    m = load_manifest(path)
+    out = {m.stage: str(m.path)}
+    for ref in m.inputs:
+        if "stage" not in ref:
+            continue
+        up = load_manifest(Path(urlparse(ref["uri"]).path))
+        if up.digest != ref["sha256"]:
+            raise StageError(f"{m.stage} manifest {m.path} was made from another {up.stage} result than the one now "
+                             f"at {up.path} (digest {ref['sha256'][:12]} ≠ {up.digest[:12]}): re-run from {up.stage}")
+        out.update({k: v for k, v in lineage(up.path).items() if k not in out})
+    return out
+
+
 def file_ref(path: str | os.PathLike) -> dict:
     p = Path(path).resolve()
     return {"uri": p.as_uri(), "sha256": sha256_path(p)}
@@ -177,6 +194,22 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, p)
+
+
+class StageError(RuntimeError):
+    """An input or a spec the user must fix: the stage CLI prints it as ``<stage>: error: …`` and exits with
+    ``exit_code`` (2: orchestrators do not retry it)."""
+
+    exit_code = 2
+
+
+class Pending(Exception):
+    """The stage's work runs elsewhere (a submitted job): its CLI reports ``wait`` (what to poll) and exits 0,
+    for an orchestrator that waits without holding a worker, then runs the stage again to collect."""
+
+    def __init__(self, wait: dict):
+        super().__init__(f"pending: {wait}")
+        self.wait = wait
 
 
 class StageDir:
@@ -259,9 +292,3 @@ def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str
         return done
     with sd:
         return body(sd.tmp)
-
-
-def write_report(path: Optional[str], manifest: Manifest) -> None:
-    """CLI ``--report FILE``: where an orchestrator reads the manifest location back."""
-    if path:
-        atomic_write_text(path, json.dumps({"stage": manifest.stage, "manifest": manifest.path}))

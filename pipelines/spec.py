@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 def project_home() -> Path:
@@ -196,6 +196,21 @@ class DataCfg(_Section):
     ingest: IngestCfg = Field(default_factory=IngestCfg)
     dedup: DedupCfg = Field(default_factory=DedupCfg)
     filters: FilterCfg = Field(default_factory=FilterCfg)
+    schedule: str = Field("@weekly", description="When the data_curation DAG runs: a cron expression or an Airflow "
+                          "preset (@daily, @weekly, …); read when the DAG file is parsed (spec: LLMP_SPEC or "
+                          "configs/demo.yaml).")
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron(cls, v: str) -> str:
+        presets = {"@once", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly", "@continuous"}
+        if v in presets:
+            return v
+        from croniter import croniter
+
+        if not croniter.is_valid(v):
+            raise ValueError(f"{v!r} is neither a cron expression (5 fields) nor one of {sorted(presets)}")
+        return v
 
 
 class TokenizerCfg(_Section):
@@ -438,20 +453,6 @@ ENV_OVERRIDES = {
     "MLFLOW_TRACKING_URI": ("services", "mlflow_tracking_uri"),
 }
 
-# Which sections each stage's output depends on (its config hash).
-STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "ingest": ("data.inputs", "data.ingest"),
-    "dedup": ("data.dedup",),
-    "filter": ("data.filters",),
-    "tokenize": ("tokenizer", "run.seed"),
-    "preflight": ("model", "train", "parallel", "launcher", "run.seed"),
-    "train": ("model", "train", "parallel", "launcher", "run.seed"),
-    "promote": ("checkpoint",),
-    "eval": ("eval", "model"),
-    "register": ("registry",),
-}
-
-
 class JobSpec(_Section):
     run: RunCfg = Field(default_factory=RunCfg)
     data: DataCfg = Field(default_factory=DataCfg)
@@ -509,7 +510,9 @@ class JobSpec(_Section):
 
     def stage_hash(self, stage: str) -> str:
         """sha256 over the sections ``stage`` reads (canonical JSON)."""
-        sections = STAGE_SECTIONS[stage]
+        from pipelines.stages import stage as stage_entry
+
+        sections = stage_entry(stage).sections
         payload = {s: self._get(s) for s in sections}
         return sha256_json(payload)
 

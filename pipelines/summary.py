@@ -69,13 +69,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{g('preflight.allreduce_busbw_GBps', '{:.2f}')} GB/s bus bandwidth, {g('preflight.stragglers')} stragglers")
     print(f"training            : {g('train.steps')} steps, final loss {g('train.final_loss', '{:.3f}')}, "
           f"{g('train.tokens_per_s')} tokens/s, {g('train.params')} params")
-    print(f"reference set       : {g('eval.reference_bpb', '{:.4f}')} bits/byte "
+    print(f"reference set       : {g('evaluate.reference_bpb', '{:.4f}')} bits/byte "
           f"(set {t.get('reference_sha256', 'n/a')[:12]}: {t.get('reference_files', 'n/a')})")
-    harness = [k for k in sorted(m) if k.startswith("eval.harness.") and not k.endswith("perplexity")]
+    harness = [k for k in sorted(m) if k.startswith("evaluate.harness.") and not k.endswith("perplexity")]
     print(f"lm-eval (limit {t.get('eval_limit', 'n/a')}) : " + (", ".join(
-        f"{k.removeprefix('eval.harness.')} {m[k]:.3f}" for k in harness) or "n/a"))
-    print(f"held-out (own data) : loss {g('eval.heldout_loss', '{:.4f}')} nats/token, "
-          f"ppl {g('eval.heldout_ppl', '{:.1f}')}, {g('eval.heldout_bpb', '{:.4f}')} bits/byte")
+        f"{k.removeprefix('evaluate.harness.')} {m[k]:.3f}" for k in harness) or "n/a"))
+    print(f"held-out (own data) : loss {g('evaluate.heldout_loss', '{:.4f}')} nats/token, "
+          f"ppl {g('evaluate.heldout_ppl', '{:.1f}')}, {g('evaluate.heldout_bpb', '{:.4f}')} bits/byte")
     print(f"gate                : {t.get('gate', 'n/a')}")
     print("lineage tags        : " + ", ".join(f"{k}={t[k][:12]}…" for k in
                                              ("data_manifest_hash", "tokenizer_hash", "config_hash") if k in t))

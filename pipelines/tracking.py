@@ -103,6 +103,14 @@ def _numeric_items(d: dict, prefix: str) -> Iterable[tuple[str, float]]:
             yield from _numeric_items(v, f"{prefix}.{k}")
 
 
+def airflow_ids() -> dict[str, str]:
+    """``airflow.dag_id``/``airflow.run_id``/``airflow.task_id`` of the Airflow task this process runs under
+    (the task runner exports them as ``AIRFLOW_CTX_*``); empty outside Airflow."""
+    env = {"airflow.dag_id": "AIRFLOW_CTX_DAG_ID", "airflow.run_id": "AIRFLOW_CTX_DAG_RUN_ID",
+           "airflow.task_id": "AIRFLOW_CTX_TASK_ID"}
+    return {k: os.environ[v] for k, v in env.items() if os.environ.get(v)}
+
+
 def log_stage(spec: JobSpec, manifest, artifacts: Iterable[str] = ()) -> None:
     """Log a stage's counts/metrics and named output files to the pipeline's MLflow run, if any."""
     run_id = spec.run.mlflow_run_id
@@ -118,6 +126,8 @@ def log_stage(spec: JobSpec, manifest, artifacts: Iterable[str] = ()) -> None:
         list(_numeric_items(manifest.metrics, manifest.stage))
     c.log_batch(run_id, metrics=[Metric(k, v, ts, 0) for k, v in items])
     c.set_tag(run_id, f"{manifest.stage}.manifest", manifest.path)
+    for key, value in airflow_ids().items():  # which DAG run and task produced it
+        c.set_tag(run_id, f"{manifest.stage}.{key}", value)
     for name in artifacts:
         p = manifest.output(name)
         if Path(p).is_file():

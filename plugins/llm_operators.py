@@ -41,7 +41,11 @@ def _code_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
-def _project_root() -> Path:
+if str(_code_root()) not in sys.path:  # ``pipelines`` without an install (the Spark provider's workers, say)
+    sys.path.insert(0, str(_code_root()))
+
+
+def project_root() -> Path:
     """Where relative spec paths resolve and state lives (``LLMP_HOME``, default the checkout)."""
     return Path(os.environ.get("LLMP_HOME") or _code_root())
 
@@ -84,17 +88,19 @@ class CheckpointLink(_StageLink):
     name, key = "Checkpoint", "checkpoint"
 
 
+class SparkUiLink(_StageLink):
+    name, key = "Spark UI", "spark_ui"
+
+
 STAGE_LINKS = (MlflowRunLink(), ModelVersionLink(), CheckpointLink())
 
 
-def push_links(op: BaseOperator, context, manifest_path: str) -> None:
+def push_links(op: BaseOperator, context, manifest_path: str, more: dict | None = None) -> None:
     """After a stage: its extra links' URLs into XCom (``pipelines.tracking.stage_links``)."""
     ti = context.get("ti") if context else None
     if ti is None:
         return
     try:
-        if str(_code_root()) not in sys.path:
-            sys.path.insert(0, str(_code_root()))
         from pipelines import tracking
         from pipelines.spec import load_spec
 
@@ -102,49 +108,98 @@ def push_links(op: BaseOperator, context, manifest_path: str) -> None:
         spec = load_spec(op.spec, [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"])
         run_id = spec.run.mlflow_run_id
         exp = tracking.client(spec).get_run(run_id).info.experiment_id if run_id else None
-        ti.xcom_push(key="links", value=tracking.stage_links(spec, json.loads(Path(manifest_path).read_text()), exp))
+        links = tracking.stage_links(spec, json.loads(Path(manifest_path).read_text()), exp)
+        ti.xcom_push(key="links", value={**(more or {}), **links})
     except Exception as e:  # noqa: BLE001 - links are a convenience; never fail a finished stage over them
         op.log.warning("no extra links for this task: %s", e)
 
 
+def _run_cli(op: BaseOperator, module: str, args: list[str], env: dict[str, str] | None = None) -> dict:
+    """``python -m module args --report R`` with its output streamed into the task log; returns the report
+    (``{stage, manifest}``, or ``{stage, pending}`` for a job it submitted and did not wait for)."""
+    with tempfile.TemporaryDirectory(prefix="llmp-") as tmp:
+        report = os.path.join(tmp, "report.json")
+        cmd = [sys.executable, "-m", module, *args, "--report", report]
+        op.log.info("running %s", " ".join(cmd))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMP_HOME": str(project_root()), **(env or {})}
+        tail: deque[str] = deque(maxlen=30)
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              cwd=str(project_root())) as p:
+            op._proc = p
+            for line in p.stdout:  # type: ignore[union-attr]
+                line = line.rstrip("\n")
+                tail.append(line)
+                op.log.info("%s", line)
+        if p.returncode == USER_ERROR:  # a wrong path or spec: fail now, no retries
+            raise AirflowFailException(f"{module} rejected its input (exit {USER_ERROR}):\n" + "\n".join(tail))
+        if p.returncode != 0:  # possibly transient (S3, a submit, MLflow): the task's retries apply
+            raise AirflowException(f"{module} exited with {p.returncode}:\n" + "\n".join(tail))
+        try:
+            return json.loads(Path(report).read_text())
+        except (OSError, ValueError) as e:
+            raise AirflowException(f"{module} exited 0 but wrote no report at {report}: {e}") from e
+
+
+def emit_assets(op: BaseOperator, context, manifest_path: str) -> None:
+    """The task's outlet Assets get an event whose ``extra`` says which result it is: the manifest's path and
+    digest and the manifests it was made from (``{stage: path}``)."""
+    if not op.outlets:
+        return
+    from pipelines.manifest import lineage, load_manifest
+
+    m = load_manifest(manifest_path)
+    extra = {"stage": m.stage, "manifest": m.path, "digest": m.digest, "lineage": lineage(m.path)}
+    for asset in op.outlets:
+        context["outlet_events"][asset].extra = extra
+        op.log.info("asset %s: event with %s manifest %s (digest %s)", asset.name, m.stage, m.path, m.digest[:12])
+
+
+def finish(op: BaseOperator, context, manifest: str, links: dict | None = None) -> str:
+    op.log.info("manifest: %s", manifest)
+    push_links(op, context, manifest, links)
+    emit_assets(op, context, manifest)
+    return manifest
+
+
 class StageOperator(BaseOperator):
-    """Run ``python -m <module> --spec … --set … <stage_args> --report FILE``; return the manifest path."""
+    """Run ``python -m <module> --spec … --set … <stage_args> --report FILE``; return the manifest path.
+
+    A stage that submits a job to Kubernetes (``launcher.kind: kubernetes``) is run with ``LLMP_DETACH=1``: it
+    submits the PyTorchJob and reports it pending, and the task defers to :class:`llm_triggers.PyTorchJobTrigger`
+    (the worker slot is freed; the triggerer polls the job). When the job ends the task resumes and runs the stage
+    again, which adopts the finished job, collects its outputs and commits the manifest."""
 
     template_fields: Sequence[str] = ("spec", "overrides", "stage_args")
     ui_color = "#e8f1fb"
     operator_extra_links = STAGE_LINKS
 
     def __init__(self, *, module: str, spec: str | None = None, overrides: Sequence[str] = (),
-                 stage_args: Sequence[str] = (), **kwargs: Any):
+                 stage_args: Sequence[str] = (), deferrable: bool = True, **kwargs: Any):
         super().__init__(**kwargs)
         self.module = module
         self.spec = spec
         self.overrides = list(overrides)
         self.stage_args = list(stage_args)
+        self.deferrable = deferrable
+
+    def _args(self) -> list[str]:
+        return [*spec_cli_args(self.spec, self.overrides), *self.stage_args]
 
     def execute(self, context) -> str:
-        with tempfile.TemporaryDirectory(prefix="llmp-") as tmp:
-            report = os.path.join(tmp, "report.json")
-            cmd = [sys.executable, "-m", self.module, *spec_cli_args(self.spec, self.overrides),
-                   *self.stage_args, "--report", report]
-            self.log.info("running %s", " ".join(cmd))
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMP_HOME": str(_project_root())}
-            tail: deque[str] = deque(maxlen=30)
-            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                  cwd=str(_project_root())) as p:
-                self._proc = p
-                for line in p.stdout:  # type: ignore[union-attr]
-                    line = line.rstrip("\n")
-                    tail.append(line)
-                    self.log.info("%s", line)
-            if p.returncode == USER_ERROR:  # a wrong path or spec: fail now, no retries
-                raise AirflowFailException(f"{self.module} rejected its input (exit {USER_ERROR}):\n" + "\n".join(tail))
-            if p.returncode != 0:  # possibly transient (S3, a submit, MLflow): the task's retries apply
-                raise AirflowException(f"{self.module} exited with {p.returncode}:\n" + "\n".join(tail))
-            manifest = _read_report(report)
-        self.log.info("manifest: %s", manifest)
-        push_links(self, context, manifest)
-        return manifest
+        rep = _run_cli(self, self.module, self._args(), {"LLMP_DETACH": "1" if self.deferrable else "0"})
+        if "pending" in rep:
+            from llm_triggers import PyTorchJobTrigger
+
+            self.log.info("deferring: the triggerer polls %s", rep["pending"])
+            self.defer(trigger=PyTorchJobTrigger(**rep["pending"]), method_name="execute_complete")
+        return finish(self, context, rep["manifest"])
+
+    def execute_complete(self, context, event: dict) -> str:
+        """Back from the trigger: a finished job is collected by running the stage again (it adopts the job)."""
+        if event.get("state") != "Succeeded":
+            raise AirflowException(event.get("message") or f"the job ended {event.get('state')}")
+        rep = _run_cli(self, self.module, self._args(), {"LLMP_DETACH": "0"})
+        return finish(self, context, rep["manifest"])
 
     def on_kill(self) -> None:
         p = getattr(self, "_proc", None)
@@ -178,7 +233,7 @@ class SparkStageOperator(SparkSubmitOperator):
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "spec", "overrides", "stage_args")
     ui_color = "#fdf1e6"
-    operator_extra_links = (*SparkSubmitOperator.operator_extra_links, MlflowRunLink())
+    operator_extra_links = (*SparkSubmitOperator.operator_extra_links, SparkUiLink(), MlflowRunLink())
 
     def __init__(self, *, module: str, spec: str | None = None, overrides: Sequence[str] = (),
                  stage_args: Sequence[str] = (), conn_id: str = "spark_pipeline", **kwargs: Any):
@@ -188,41 +243,83 @@ class SparkStageOperator(SparkSubmitOperator):
         self.overrides = list(overrides)
         self.stage_args = list(stage_args)
 
-    def execute(self, context) -> str:
-        if str(_code_root()) not in sys.path:
-            sys.path.insert(0, str(_code_root()))
+    def _submit_settings(self, spec, tmp: str) -> str:
+        """conf, env and --py-files for spark-submit; returns the Spark UI's URL (the driver runs here)."""
         from pipelines.data.spark import package_zip
-        from pipelines.spec import load_spec
 
-        cli = spec_cli_args(self.spec, self.overrides)
-        spec = load_spec(self.spec, [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"])
         master = spec.services.spark_master
         os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps({"conn_type": "spark", "host": master})
-        tmp = tempfile.mkdtemp(prefix="llmp-spark-")
-        report = os.path.join(tmp, "report.json")
-        self.application_args = [self.module, *cli, *self.stage_args, "--report", report]
+        ui_port = _free_port()
         self.conf = {**(self.conf or {}), "spark.pyspark.python": sys.executable,
-                     "spark.pyspark.driver.python": sys.executable,
+                     "spark.pyspark.driver.python": sys.executable, "spark.ui.port": str(ui_port),
                      "spark.driver.memory": spec.services.spark_driver_memory}
         if not master.startswith("local"):
             self.py_files = str(package_zip(Path(tmp) / "pipelines.zip"))
         self.conf.update(kubernetes_conf(spec))
         bin_dir = os.path.dirname(sys.executable)
         self.env_vars = {**(self.env_vars or {}), "PYSPARK_PYTHON": sys.executable,
-                         "PYSPARK_DRIVER_PYTHON": sys.executable, "LLMP_HOME": str(_project_root()),
+                         "PYSPARK_DRIVER_PYTHON": sys.executable, "LLMP_HOME": str(project_root()),
                          "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
                          "PYTHONWARNINGS": "ignore::FutureWarning"}
         if master.startswith("local"):
             self.env_vars.setdefault("SPARK_LOCAL_IP", os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"))
-        self.log.info("spark-submit to master %s", master)
+        host = self.conf.get("spark.driver.host") or self.env_vars.get("SPARK_LOCAL_IP") or "127.0.0.1"
+        return f"http://{host}:{ui_port}"
+
+    def execute(self, context) -> str:
+        from pipelines.spec import load_spec
+
+        cli = spec_cli_args(self.spec, self.overrides)
+        spec = load_spec(self.spec, [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"])
+        tmp = tempfile.mkdtemp(prefix="llmp-spark-")
+        report = os.path.join(tmp, "report.json")
+        self.application_args = [self.module, *cli, *self.stage_args, "--report", report]
+        spark_ui = {"spark_ui": self._submit_settings(spec, tmp)}
+        if context.get("ti") is not None:  # the link works while the stage runs (the driver serves it)
+            context["ti"].xcom_push(key="links", value=spark_ui)
+        self.log.info("spark-submit to master %s; Spark UI while it runs: %s", spec.services.spark_master,
+                      spark_ui["spark_ui"])
         self._hook = None
         try:
             super().execute(context)
-            manifest = _read_report(report)
-            push_links(self, context, manifest)
-            return manifest
+            return finish(self, context, _read_report(report), spark_ui)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def upstream_manifests(asset: str, source: str, needed: list[str], given: str | None, triggering: list,
+                       newest) -> dict[str, str]:
+    """{stage: manifest path} for ``needed``, found from one ``source`` manifest: ``given`` (a Param), else the
+    ``extra["manifest"]`` of the event that triggered the run, else of the newest event of ``asset``; the
+    others by following its inputs (each checked against the digest recorded downstream)."""
+    from pipelines.manifest import StageError, lineage
+
+    if given:
+        path, how = given, "the param"
+    elif triggering:
+        path, how = triggering[-1].extra.get("manifest"), "the triggering Asset event"
+    else:
+        try:
+            path, how = newest[-1].extra.get("manifest"), f"the newest '{asset}' Asset event"
+        except (IndexError, KeyError):
+            raise AirflowFailException(f"no '{asset}' Asset event yet and no {source}_manifest param: run the DAG "
+                                       f"that produces '{asset}' first, or trigger with {source}_manifest") from None
+    try:
+        found = lineage(path)
+    except (StageError, FileNotFoundError, TypeError) as e:
+        raise AirflowFailException(f"{source} manifest {path!r} from {how}: {e}") from None
+    missing = [s for s in needed if s not in found]
+    if missing:
+        raise AirflowFailException(f"{path} (from {how}) does not lead to a {', '.join(missing)} manifest")
+    return {s: found[s] for s in needed}
 
 
 def failure_summary(context) -> None:
@@ -235,7 +332,7 @@ def failure_summary(context) -> None:
         "%s/var/runs/<stage>/ (nothing partial is published: a stage commits by rename, manifest last); the full "
         "error and the stage's own output are above in this log%s.",
         ti.task_id, ti.dag_id, ti.run_id, getattr(ti, "try_number", "?"), "" if final else " (it will be retried)",
-        first, _project_root(),
+        first, project_root(),
         "; fix the spec or the input and clear the task" if isinstance(exc, AirflowFailException) else "")
 
 
@@ -243,4 +340,4 @@ class LlmPipelinePlugin(AirflowPlugin):
     """Registers the stage tasks' extra links with the API server (it renders them without the DAG's code)."""
 
     name = "llm_pipeline"
-    operator_extra_links = list(STAGE_LINKS)
+    operator_extra_links = [*STAGE_LINKS, SparkUiLink()]

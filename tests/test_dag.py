@@ -1,5 +1,7 @@
-"""DAG integrity: it parses, tasks are wired in the designed order, params render into spec overrides."""
+"""DAG integrity: the four DAGs parse (fast), come from the stage table, are linked by Assets, have typed forms;
+params render into spec overrides; links, retries, the Asset hand-off."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -11,11 +13,17 @@ ORDER = ["setup_services", "ingest", "dedup", "filter", "tokenize", "preflight",
 
 
 @pytest.fixture(scope="module")
-def dag():
+def bag():
     from airflow.dag_processing.dagbag import DagBag
 
     bag = DagBag(dag_folder=str(ROOT / "dags"))
     assert bag.import_errors == {}
+    assert set(bag.dags) == {"data_curation", "training", "evaluation", "llm_pipeline"}
+    return bag
+
+
+@pytest.fixture(scope="module")
+def dag(bag):
     return bag.dags["llm_pipeline"]
 
 
@@ -30,10 +38,59 @@ def test_task_order_is_as_designed(dag):
         assert isinstance(dag.get_task(t), SparkSubmitOperator)
 
 
-def test_params_give_a_trigger_form_with_spec_defaults(dag):
-    assert dag.params["spec"] == "configs/demo.yaml"
-    assert {"corpus", "steps", "n_layers", "d_model", "n_heads", "nproc", "force"} <= set(dag.params.keys())
-    assert (ROOT / dag.params["spec"]).is_file()
+def test_the_split_dags_run_the_table_s_stages_and_are_linked_by_assets(bag):
+    from pipelines.stages import DAGS, STAGES, of_dag
+
+    for dag_id in DAGS:
+        d = bag.dags[dag_id]
+        names = [s.name for s in of_dag(dag_id)]
+        assert [t for t in d.task_ids if t in STAGES] == names  # task id = stage name
+        for n in names:
+            assert d.get_task(n).module == STAGES[n].module
+    cur, tr, ev = (bag.dags[k] for k in ("data_curation", "training", "evaluation"))
+    assert type(cur.timetable).__name__ == "CronTriggerTimetable" and cur.timetable.expression == "0 0 * * 0"
+    assert cur.catchup is False
+    # the Asset each downstream DAG is scheduled on is an outlet of the upstream DAG's last task
+    for up, down, last in ((cur, tr, "tokenize"), (tr, ev, "promote")):
+        scheduled_on = {a.name for a in down.timetable.asset_condition.objects}
+        emitted = {a.name for a in up.get_task(last).outlets}
+        assert scheduled_on and scheduled_on == emitted, (down.dag_id, scheduled_on, emitted)
+        assert {a.name for a in down.get_task("upstream_assets").inlets} == emitted
+
+
+def test_the_curation_schedule_comes_from_the_spec(monkeypatch, tmp_path):
+    import llm_dags
+
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "nightly.yaml").write_text("data:\n  schedule: '30 2 * * *'\n")
+    monkeypatch.setenv("LLMP_HOME", str(tmp_path))
+    monkeypatch.setenv("LLMP_SPEC", "configs/nightly.yaml")
+    d = llm_dags.build("data_curation")
+    assert d.timetable.expression == "30 2 * * *" and d.params["spec"] == "configs/nightly.yaml"
+
+
+def test_params_give_a_typed_sectioned_trigger_form(bag, dag):
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    spec = dag.params.get_param("spec")
+    assert dag.params["spec"] == "configs/demo.yaml" and (ROOT / dag.params["spec"]).is_file()
+    assert sorted(spec.schema["examples"]) == sorted(f"configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml"))
+    assert "enum" not in spec.schema  # proposals, and any other path may be typed
+    assert {"corpus", "steps", "n_layers", "d_model", "n_heads", "nproc", "eval_limit", "force"} <= set(dag.params)
+    assert {dag.params.get_param(k).schema["section"] for k in dag.params} >= {"Run", "Data", "Model", "Training"}
+    for k in dag.params:
+        assert dag.params.get_param(k).description, k
+    def form(values: dict):
+        p = copy.deepcopy(dag.params)
+        p.update(values)  # what a submitted trigger form does
+        return p.validate()
+
+    assert form({"steps": 5, "spec": "/elsewhere/my.yaml"})["steps"] == 5
+    for bad in ({"steps": 0}, {"steps": "many"}, {"d_model": 8}, {"force": "yes"}, {"eval_limit": 10**9}):
+        with pytest.raises(ParamValidationError):
+            form(bad)
+    assert "tokenize_manifest" in bag.dags["training"].params and "promote_manifest" in bag.dags["evaluation"].params
+    assert "corpus" not in bag.dags["training"].params and "steps" not in bag.dags["data_curation"].params
 
 
 def test_empty_params_keep_the_spec_values():
@@ -43,10 +100,12 @@ def test_empty_params_keep_the_spec_values():
     assert args == ["--spec", "s.yaml", "--set", "model.d_model=64", "--set", "run.force=false"]
 
 
-def test_dag_file_has_no_heavy_imports_at_top_level():
-    src = (ROOT / "dags" / "llm_pipeline.py").read_text()
-    top = [l for l in src.splitlines() if l.startswith(("import ", "from "))]
-    assert not [l for l in top if any(h in l for h in ("torch", "pyspark", "mlflow", "pipelines"))], top
+def test_dag_files_only_wire_and_import_nothing_heavy_at_top_level():
+    for f in list((ROOT / "dags").glob("*.py")) + [ROOT / "plugins" / "llm_dags.py"]:
+        top = [l for l in f.read_text().splitlines() if l.startswith(("import ", "from "))]
+        assert not [l for l in top if any(h in l for h in ("torch", "pyspark", "mlflow", "lm_eval"))], (f, top)
+    for f in (ROOT / "dags").glob("*.py"):
+        assert len(f.read_text().splitlines()) < 12, f  # one call into the table-driven builder
 
 
 def test_a_kubernetes_spark_master_gets_executor_settings_or_a_clear_error(monkeypatch):
@@ -77,10 +136,10 @@ def test_every_dag_file_parses_fast_and_without_errors(capsys):
     assert stats and all(t < 0.5 for t in stats.values()), stats
 
 
-def test_tasks_retry_transient_failures_with_backoff_have_time_limits_and_a_failure_summary(dag):
+def test_tasks_retry_transient_failures_with_backoff_have_time_limits_and_a_failure_summary(bag):
     from llm_operators import failure_summary
 
-    for t in dag.tasks:
+    for t in (t for d in bag.dags.values() for t in d.tasks if t.task_id != "upstream_assets"):
         assert t.execution_timeout is not None, t.task_id
         assert t.retries >= 1 and t.retry_exponential_backoff, t.task_id
         assert failure_summary in (t.on_failure_callback if isinstance(t.on_failure_callback, list)
@@ -113,4 +172,5 @@ def test_extra_links_point_at_the_mlflow_run_the_model_version_and_the_checkpoin
         "https://s3.console.aws.amazon.com/s3/buckets/bkt?region=eu-west-1&prefix=checkpoints/r/k/step-000300/"
     minio = load_spec(None, ["services.s3_endpoint_url=http://minio:9000"], env={})
     assert stage_links(minio, promote, None)["checkpoint"] == "http://minio:9000/bkt?prefix=checkpoints/r/k/step-000300/"
-    assert {l.name for l in StageOperator.operator_extra_links} == {l.name for l in LlmPipelinePlugin.operator_extra_links}
+    assert {l.name for l in StageOperator.operator_extra_links} < {l.name for l in LlmPipelinePlugin.operator_extra_links}
+    assert "Spark UI" in {l.name for l in LlmPipelinePlugin.operator_extra_links}

@@ -5,7 +5,8 @@ import random
 import pyarrow.dataset as ds
 import pytest
 
-from pipelines.data import dedup, filters, ingest
+from pipelines.data import dedup, ingest
+from pipelines.data import filter as filter_stage
 from pipelines.data.minhash import jaccard, shingles
 from pipelines.data.spark import components_single_task, connected_components
 from pipelines.spec import load_spec
@@ -125,7 +126,7 @@ def test_nothing_lost_on_the_raw_common_crawl_sample(home, spark):
     spec = load_spec(None, [f"data.inputs=[{src}]"], env={})
     ing = ingest.run(spec)
     dd = dedup.run(spec, ing, spark=spark)
-    fl = filters.run(spec, dd, spark=spark)
+    fl = filter_stage.run(spec, dd, spark=spark)
     lines = ing.counts["lines"]
     assert lines == 414 and ing.counts["quarantined"] > 0
     assert lines == fl.counts["kept"] + fl.counts["removed"] + dd.counts["removed"] + ing.counts["quarantined"]

@@ -76,9 +76,9 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     assert tk["tokens"] == sum(s["tokens"] for s in man["tokenize"]["extra"]["shards"])
     assert man["preflight"]["counts"] == {"world_size": 2, "stragglers": 0}
     assert man["preflight"]["metrics"]["smoke_loss_last"] < man["preflight"]["metrics"]["smoke_loss_first"]
-    assert man["eval"]["extra"]["loaded_from"] == "L2"
-    assert tags["reference_sha256"] == man["eval"]["extra"]["reference_sha256"]
-    assert 0 < man["eval"]["metrics"]["reference_bpb"] < 20 and man["eval"]["extra"]["sample"]["text"]
+    assert man["evaluate"]["extra"]["loaded_from"] == "L2"
+    assert tags["reference_sha256"] == man["evaluate"]["extra"]["reference_sha256"]
+    assert 0 < man["evaluate"]["metrics"]["reference_bpb"] < 20 and man["evaluate"]["extra"]["sample"]["text"]
     assert "no 'champion' yet" in tags["gate"]
     reg_dir = Path(man["register"]["outputs"][0]["uri"].removeprefix("file://")).parent
     assert (reg_dir / "report.png").stat().st_size > 10_000 and "| reference_bpb |" in (reg_dir / "report.md").read_text()

@@ -10,7 +10,7 @@ from pipelines.data import tokenize
 from pipelines.spec import load_spec
 from pipelines.train import k8s, launch
 
-from conftest import SHARED, c4_docs
+from conftest import ROOT, SHARED, c4_docs
 from fake_kube import FakeKube
 from test_tokenize import _filter_manifest
 
@@ -131,3 +131,46 @@ def test_kubernetes_needs_the_stage_paths_on_the_shared_filesystem(home, tmp_pat
     bad_cfg = load_spec(None, kube_sets(home, home / "no-such-kubeconfig"), env={})
     with pytest.raises(k8s.JobFailed, match="cannot load Kubernetes credentials.*set launcher.kubeconfig"):
         k8s.api_clients(bad_cfg)
+
+
+def test_the_train_task_defers_while_the_job_runs_and_resumes_to_collect_it(home, kube):
+    """Deferrable wait: the task submits the PyTorchJob and defers (its worker slot is freed); the trigger polls
+    the job to Succeeded; the resumed task adopts the finished job (no second submit) and commits the manifest."""
+    import asyncio
+
+    sys.path.insert(0, str(ROOT / "plugins"))
+    from airflow.sdk.exceptions import TaskDeferred
+    from llm_operators import StageOperator
+    from llm_triggers import PyTorchJobTrigger
+
+    from pipelines.manifest import load_manifest
+
+    fake, cfg = kube
+    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
+    sets = kube_sets(home, cfg)
+    tok = tokenize.run(load_spec(None, sets, env={}), _filter_manifest(home, docs))
+    op = StageOperator(task_id="train", module="pipelines.train.launch", overrides=sets,
+                       stage_args=["--tokenize-manifest", tok.path])
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({})
+    trigger, (ns, name) = deferred.value.trigger, next(iter(fake.jobs))
+    assert isinstance(trigger, PyTorchJobTrigger) and deferred.value.method_name == "execute_complete"
+    assert (trigger.namespace, trigger.name) == (ns, name)
+    assert k8s.job_state(fake.jobs[(ns, name)].obj)[0] != "Succeeded"  # the task returned while the job runs
+
+    classpath, kwargs = trigger.serialize()  # what the triggerer stores and rebuilds
+    assert classpath == "llm_triggers.PyTorchJobTrigger"
+
+    async def first_event():
+        async for event in PyTorchJobTrigger(**kwargs).run():
+            return event
+
+    event = asyncio.run(asyncio.wait_for(first_event(), timeout=300))
+    assert event.payload["state"] == "Succeeded", event.payload
+    m = load_manifest(op.execute_complete({}, event.payload))
+    assert m.stage == "train" and m.counts["steps"] == 6 and m.extra["world_size"] == 2
+    assert len(fake.jobs) == 1 and "DELETE" not in {verb for verb, _ in fake.requests}  # adopted (409), not re-run
+
+    failed = {"state": "Failed", "message": "PyTorchJob llm-pipeline/x failed: OOMKilled"}
+    with pytest.raises(Exception, match="OOMKilled"):
+        op.execute_complete({}, failed)

@@ -49,10 +49,13 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.cli import run_and_log, stage_parser
-from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, write_report
+from pipelines.cli import run_and_log, stage_dir, stage_main, upstream_manifests
+from pipelines.manifest import Manifest, StageError, input_ref
 from pipelines.data.keepers import hash_set_column, list_flat, pair_jaccard, resolve_partition
-from pipelines.spec import DedupCfg, JobSpec, resolve_path, spec_from_args
+from pipelines.spec import DedupCfg, JobSpec
+from pipelines.stages import stage
+
+STAGE = stage("dedup")
 
 
 def lsh_threshold(cfg: DedupCfg) -> float:
@@ -452,8 +455,7 @@ def plot_cluster_sizes(hist: dict[int, int], path: Path, bands: int, rows: int) 
 
 def run(spec: JobSpec, ingest: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
     cfg = spec.data.dedup
-    sd = StageDir(resolve_path(spec.run.root), "dedup", spec.stage_hash("dedup"), [input_ref(ingest)],
-                  force=spec.run.force, out_dir=out_dir)
+    sd = stage_dir(spec, "dedup", [input_ref(ingest)], out_dir)
 
     def body(tmp: Path) -> Manifest:
         from pipelines.data.spark import get_spark
@@ -474,46 +476,42 @@ def run(spec: JobSpec, ingest: Manifest, out_dir: str | None = None, spark=None)
     return run_and_log(spec, sd, body, artifacts=["cluster_sizes_plot", "stats"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = stage_parser("pipelines.data.dedup",
-                      "MinHash-LSH near-duplicate removal on Spark. Give either --input-manifest (an ingest manifest, "
-                      "as the DAG does) or --input JSONL (ingested first under run.root, bad lines quarantined).")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input-manifest", help="Manifest of the ingest stage.")
-    src.add_argument("--input", help="JSONL (plain/.gz/.zst) with a text field; an 'id' field is preserved.")
+def summary(m: Manifest) -> str:
+    c = m.counts
+    return (f"dedup: {c['docs_in']} docs → {c['kept']} kept, {c['removed']} removed as duplicates "
+            f"({c['removed_exact']} exact, {c['removed_near']} near) "
+            f"({c['clusters_multi']} clusters, largest {c['largest_cluster']}, {c['no_shingles']} too short to "
+            f"shingle); clusters at {m.output('clusters')}; manifest {m.path}")
+
+
+def _options(ap) -> None:
+    ap.add_argument("--input", help="JSONL (plain/.gz/.zst) with a text field; an 'id' field is preserved. "
+                                    "Instead of --ingest-manifest: ingested first under run.root, bad lines quarantined.")
     ap.add_argument("--threshold", type=float, default=None,
                     help="Jaccard threshold: picks bands × rows minimising FP+FN area of the S-curve.")
     ap.add_argument("--num-perm", type=int, default=None, help="Number of MinHash permutations (default 128).")
     ap.add_argument("--ngram", type=int, default=None, help="Word n-gram size (default 5).")
-    args = ap.parse_args(argv)
-    spec = spec_from_args(args)
-    if args.threshold is not None:
-        spec.data.dedup.threshold = args.threshold
-    if args.num_perm is not None:
-        spec.data.dedup.num_perm = args.num_perm
-    if args.ngram is not None:
-        spec.data.dedup.ngram = args.ngram
-    if args.input:
-        from pipelines.data import ingest as ingest_mod
 
-        spec.data.inputs = [os.path.abspath(args.input)]
-        try:
-            ing = ingest_mod.run(spec)  # content-addressed under run.root
-        except ingest_mod.IngestError as e:
-            print(f"dedup: error: {e}", file=sys.stderr)
-            return 2
-        print(f"dedup: ingested {ing.counts['docs']} docs, {ing.counts['quarantined']} quarantined "
-              f"({ing.output('quarantine')})")
-        m = run(spec, ing, out_dir=args.output)
-    else:
-        m = run(spec, load_manifest(args.input_manifest), out_dir=args.output)
-    write_report(args.report, m)
-    c = m.counts
-    print(f"dedup: {c['docs_in']} docs → {c['kept']} kept, {c['removed']} removed as duplicates "
-          f"({c['removed_exact']} exact, {c['removed_near']} near) "
-          f"({c['clusters_multi']} clusters, largest {c['largest_cluster']}, {c['no_shingles']} too short to "
-          f"shingle); clusters at {m.output('clusters')}; manifest {m.path}")
-    return 0
+
+def _call(spec: JobSpec, args, ups) -> Manifest:
+    for key in ("threshold", "num_perm", "ngram"):
+        if getattr(args, key) is not None:
+            setattr(spec.data.dedup, key, getattr(args, key))
+    if bool(args.input) == bool(args.ingest_manifest):
+        raise StageError("give exactly one of --ingest-manifest (an ingest manifest) and --input (a JSONL file)")
+    if args.ingest_manifest:
+        return run(spec, *upstream_manifests(STAGE, args), out_dir=args.output)
+    from pipelines.data import ingest as ingest_mod
+
+    spec.data.inputs = [os.path.abspath(args.input)]
+    ing = ingest_mod.run(spec)  # content-addressed under run.root
+    print(f"dedup: ingested {ing.counts['docs']} docs, {ing.counts['quarantined']} quarantined "
+          f"({ing.output('quarantine')})")
+    return run(spec, ing, out_dir=args.output)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("dedup", run, summary, argv, add_args=_options, call=_call, inputs_required=False)
 
 
 if __name__ == "__main__":

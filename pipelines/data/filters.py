@@ -22,15 +22,12 @@ Stage: dedup's ``kept/`` → ``kept/`` + ``removed/`` (parquet), counts per reas
 from __future__ import annotations
 
 import re
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from pipelines.cli import run_and_log, stage_parser
-from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, write_report
-from pipelines.spec import FilterCfg, JobSpec, resolve_path, spec_from_args
+from pipelines.spec import FilterCfg
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
 BULLETS = ("•", "*", "-", "–", "—", "‣", "◦", "●", "·")
@@ -289,35 +286,3 @@ def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg) -> dict:
     return {"docs_in": n_in, "kept": n_in - n_removed, "removed": n_removed,
             "removed_by_reason": dict(sorted(reasons.items())),
             "languages": dict(sorted(langs.items(), key=lambda kv: -kv[1])[:15])}
-
-
-def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
-    sd = StageDir(resolve_path(spec.run.root), "filter", spec.stage_hash("filter"), [input_ref(dedup)],
-                  force=spec.run.force, out_dir=out_dir)
-
-    def body(tmp: Path) -> Manifest:
-        from pipelines.data.spark import get_spark
-
-        s = spark or get_spark(spec.services.spark_master, "llm-pipeline-filter", spec.services.spark_driver_memory,
-                               shuffle_partitions=spec.data.filters.partitions)
-        counts = filter_docs(s, dedup.output("kept"), tmp, spec.data.filters)
-        return sd.commit({"kept": "kept", "removed": "removed"}, counts=counts)
-
-    return run_and_log(spec, sd, body)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = stage_parser("pipelines.data.filters",
-                      "Language ID + Gopher/C4/FineWeb quality filters on Spark; removed docs keep a filter_reason.",
-                      {"--input-manifest": "Manifest of the dedup stage."})
-    args = ap.parse_args(argv)
-    m = run(spec_from_args(args), load_manifest(args.input_manifest), args.output)
-    write_report(args.report, m)
-    c = m.counts
-    print(f"filter: {c['docs_in']} docs → {c['kept']} kept, {c['removed']} removed {c['removed_by_reason']}; "
-          f"languages {c['languages']}; manifest {m.path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,9 +24,9 @@ from typing import BinaryIO, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.cli import run_and_log, stage_parser
-from pipelines.manifest import Manifest, StageDir, file_ref, write_report
-from pipelines.spec import JobSpec, resolve_path, spec_from_args
+from pipelines.cli import run_and_log, stage_dir, stage_main
+from pipelines.manifest import Manifest, StageError, file_ref
+from pipelines.spec import JobSpec, resolve_path
 from pipelines.progress import progress
 
 DOCS_SCHEMA = pa.schema([
@@ -35,7 +35,7 @@ DOCS_SCHEMA = pa.schema([
 _BATCH = 2048
 
 
-class IngestError(RuntimeError):
+class IngestError(StageError):
     pass
 
 
@@ -158,8 +158,7 @@ def check_inputs(paths: list[str]) -> list[Path]:
 def run(spec: JobSpec, out_dir: str | None = None) -> Manifest:
     inputs = check_inputs(spec.data.inputs)
     cfg = spec.data.ingest
-    sd = StageDir(resolve_path(spec.run.root), "ingest", spec.stage_hash("ingest"),
-                  [file_ref(p) for p in inputs], force=spec.run.force, out_dir=out_dir)
+    sd = stage_dir(spec, "ingest", [file_ref(p) for p in inputs], out_dir)
 
     def body(tmp: Path) -> Manifest:
         counts = ingest(inputs, tmp, cfg.text_field, cfg.id_field, cfg.max_docs, cfg.min_chars)
@@ -168,24 +167,24 @@ def run(spec: JobSpec, out_dir: str | None = None) -> Manifest:
     return run_and_log(spec, sd, body, artifacts=["quarantine"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = stage_parser("pipelines.data.ingest", "Read JSONL (plain/.gz/.zst) into docs.parquet; bad records go to "
-                                               "quarantine.jsonl with a reason.")
+def summary(m: Manifest) -> str:
+    c = m.counts
+    return (f"ingest: {c['lines']} records → {c['docs']} docs, {c['quarantined']} quarantined "
+            f"{c['quarantine_reasons']}; manifest {m.path}")
+
+
+def _inputs(ap) -> None:
     ap.add_argument("--input", action="append", default=None, help="Input file (repeatable); overrides data.inputs.")
-    args = ap.parse_args(argv)
-    spec = spec_from_args(args)
+
+
+def _call(spec: JobSpec, args, ups) -> Manifest:
     if args.input:
         spec.data.inputs = args.input
-    try:
-        m = run(spec, args.output)
-    except IngestError as e:
-        print(f"ingest: error: {e}", file=sys.stderr)
-        return 2
-    write_report(args.report, m)
-    c = m.counts
-    print(f"ingest: {c['lines']} records → {c['docs']} docs, {c['quarantined']} quarantined "
-          f"{c['quarantine_reasons']}; manifest {m.path}")
-    return 0
+    return run(spec, args.output)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("ingest", run, summary, argv, add_args=_inputs, call=_call)
 
 
 if __name__ == "__main__":

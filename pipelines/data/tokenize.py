@@ -23,15 +23,15 @@ import numpy as np
 import pyarrow.dataset as ds
 
 from pipelines.data.shards import ShardWriter, token_dtype
-from pipelines.cli import run_and_log, stage_parser
-from pipelines.manifest import Manifest, StageDir, file_ref, input_ref, load_manifest, sha256_file, write_report
+from pipelines.cli import run_and_log, stage_dir, stage_main
+from pipelines.manifest import Manifest, StageError, file_ref, input_ref, sha256_file
 from pipelines.progress import progress
-from pipelines.spec import JobSpec, TokenizerCfg, resolve_path, spec_from_args
+from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
 
 SPLITS = ("train", "heldout")
 
 
-class TokenizeError(RuntimeError):
+class TokenizeError(StageError):
     pass
 
 
@@ -159,8 +159,7 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None) -> Manifest:
     inputs = [input_ref(filt)]
     if cfg.model_path:
         inputs.append(file_ref(resolve_path(cfg.model_path)))
-    sd = StageDir(resolve_path(spec.run.root), "tokenize", spec.stage_hash("tokenize"), inputs,
-                  force=spec.run.force, out_dir=out_dir)
+    sd = stage_dir(spec, "tokenize", inputs, out_dir)
 
     def body(tmp: Path) -> Manifest:
         r = tokenize_docs(filt.output("kept"), tmp, cfg, spec.run.seed)
@@ -176,20 +175,14 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None) -> Manifest:
     return run_and_log(spec, sd, body)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = stage_parser("pipelines.data.tokenize", "Train/take a SentencePiece model and write mmap token shards.",
-                      {"--input-manifest": "Manifest of the filter stage."})
-    args = ap.parse_args(argv)
-    try:
-        m = run(spec_from_args(args), load_manifest(args.input_manifest), args.output)
-    except TokenizeError as e:
-        print(f"tokenize: error: {e}", file=sys.stderr)
-        return 2
-    write_report(args.report, m)
+def summary(m: Manifest) -> str:
     c = m.counts
-    print(f"tokenize: {c['docs']} docs → {c['train_tokens']:,} train + {c['heldout_tokens']:,} held-out tokens "
-          f"in {len(m.extra['shards'])} shards (vocab {m.extra['vocab_size']}); manifest {m.path}")
-    return 0
+    return (f"tokenize: {c['docs']} docs → {c['train_tokens']:,} train + {c['heldout_tokens']:,} held-out tokens "
+            f"in {len(m.extra['shards'])} shards (vocab {m.extra['vocab_size']}); manifest {m.path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("tokenize", run, summary, argv)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from pipelines.cli import run_and_log, stage_parser
+from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.eval.scorer import Job, score
-from pipelines.manifest import Manifest, StageDir, file_ref, input_ref, load_manifest, write_report
-from pipelines.spec import JobSpec, SpecError, resolve_bundled, resolve_path, spec_from_args
+from pipelines.manifest import Manifest, file_ref, input_ref
+from pipelines.spec import JobSpec, SpecError, resolve_bundled
 
 
 def _require(files: list[Path], message: str) -> list[Path]:
@@ -94,8 +94,7 @@ def evaluate(spec: JobSpec, promote: Manifest, tok: Manifest, workdir: Path) -> 
 
 def run(spec: JobSpec, promote: Manifest, tok: Manifest, out_dir: str | None = None) -> Manifest:
     refs = [file_ref(p) for p in reference_files(spec)] + [file_ref(p) for p in task_files(spec)]
-    sd = StageDir(resolve_path(spec.run.root), "eval", spec.stage_hash("eval"), [input_ref(promote), input_ref(tok), *refs],
-                  force=spec.run.force, out_dir=out_dir)
+    sd = stage_dir(spec, "evaluate", [input_ref(promote), input_ref(tok), *refs], out_dir)
 
     def body(tmp: Path) -> Manifest:
         res = evaluate(spec, promote, tok, tmp)
@@ -118,31 +117,22 @@ def run(spec: JobSpec, promote: Manifest, tok: Manifest, out_dir: str | None = N
     return run_and_log(spec, sd, body, artifacts=["harness"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = stage_parser("pipelines.eval.evaluate",
-                      "Reference bits-per-byte, lm-evaluation-harness tasks (offline) and held-out loss of the "
-                      "promoted checkpoint, loaded from L2.",
-                      {"--promote-manifest": "Manifest of the promote stage.",
-                       "--tokenize-manifest": "Manifest of the tokenize stage (held-out shards)."})
-    args = ap.parse_args(argv)
-    spec = spec_from_args(args)
-    try:
-        m = run(spec, load_manifest(args.promote_manifest), load_manifest(args.tokenize_manifest), args.output)
-    except SpecError as e:
-        print(f"eval: error: {e}", file=sys.stderr)
-        return 2
-    write_report(args.report, m)
+def summary(m: Manifest) -> str:
     x = m.metrics
     scores = ", ".join(f"{k.removeprefix('harness.')} {v:.3f}" for k, v in x.items() if k.startswith("harness.")
                        and not k.endswith("perplexity"))
-    print(f"eval: reference {x['reference_bpb']:.4f} bits/byte (set {m.extra['reference_sha256'][:12]}); "
-          f"held-out loss {x['heldout_loss']:.4f} nats/token, {x['heldout_bpb']:.4f} bits/byte; "
-          f"loaded from {m.extra['loaded_from']}; manifest {m.path}")
+    lines = [f"evaluate: reference {x['reference_bpb']:.4f} bits/byte (set {m.extra['reference_sha256'][:12]}); "
+             f"held-out loss {x['heldout_loss']:.4f} nats/token, {x['heldout_bpb']:.4f} bits/byte; "
+             f"loaded from {m.extra['loaded_from']}; manifest {m.path}"]
     if scores:
-        print(f"eval: harness (limit {m.extra['limit']}): {scores}")
+        lines.append(f"evaluate: harness (limit {m.extra['limit']}): {scores}")
     if m.extra.get("sample"):
-        print(f"eval: sample: {m.extra['sample']['prompt']!r} → {m.extra['sample']['text']!r}")
-    return 0
+        lines.append(f"evaluate: sample: {m.extra['sample']['prompt']!r} → {m.extra['sample']['text']!r}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("evaluate", run, summary, argv)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pipelines.cli import stage_parser
-from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, run_stage, write_report
-from pipelines.spec import JobSpec, resolve_path, sha256_json, spec_from_args
+from pipelines.manifest import Manifest
+from pipelines.spec import JobSpec, sha256_json
+from pipelines.tracking import airflow_ids
 
 CHALLENGER = "challenger"
 
@@ -99,7 +98,8 @@ def version_tags(lineage: dict, metrics: dict, ev_extra: dict) -> dict[str, str]
     return {**lineage, **{k: f"{v:.6f}" for k, v in metrics.items()},
             "reference_sha256": ev_extra["reference_sha256"],
             "reference_files": ",".join(ev_extra["reference"]["files"]),
-            "eval_tasks": ",".join(ev_extra["tasks"]), "eval_limit": str(ev_extra["limit"])}
+            "eval_tasks": ",".join(ev_extra["tasks"]), "eval_limit": str(ev_extra["limit"]),
+            **airflow_ids()}  # the DAG run and task that registered it (under Airflow)
 
 
 def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics: dict, ev_extra: dict,
@@ -164,55 +164,3 @@ def eval_report(spec: JobSpec, res: dict, ev: Manifest, train: Manifest, out: Pa
     r = report.Report(res["model_name"], res["version"], res["reason"], report.rows(dict(ev.metrics), champ, comparable),
                       ev.extra.get("sample"), losses, notes)
     return list(report.write(r, out))
-
-
-def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: str | None = None) -> Manifest:
-    sd = StageDir(resolve_path(spec.run.root), "register", spec.stage_hash("register"),
-                  [input_ref(ev), input_ref(train), input_ref(tok)], force=spec.run.force, out_dir=out_dir)
-
-    def body(tmp: Path) -> Manifest:
-        import shutil
-
-        from pipelines import tracking
-        from pipelines.train.checkpoint import fetch
-
-        tier, ckpt = fetch(spec, ev.extra["checkpoint"], cache=tmp / "checkpoint")
-        lineage = {"data_manifest_hash": tok.digest, "tokenizer_hash": tok.extra["tokenizer_sha256"],
-                   "config_hash": lineage_config_hash(spec), "checkpoint_uri": ev.extra["checkpoint_uri"],
-                   "train_manifest_hash": train.digest}
-        run_id = spec.run.mlflow_run_id or train.extra["mlflow_run_id"]
-        work = tmp / "work"
-        res = register(spec, ckpt, run_id, lineage, dict(ev.metrics), ev.extra, work)
-        client = tracking.client(spec)
-        for p in eval_report(spec, res, ev, train, tmp, client):
-            client.log_artifact(run_id, str(p), artifact_path="eval_report")
-        shutil.rmtree(tmp / "checkpoint", ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
-        (tmp / "registration.json").write_text(json.dumps(res, indent=2))
-        return sd.commit({"registration": "registration.json", "report": "report.md", "report_png": "report.png"},
-                         counts={"versions_created": 1},
-                         metrics={"alias_moved": int(res["alias_moved"]), "champion_rescored": int(res["champion_rescored"])},
-                         extra=res)
-
-    return run_stage(sd, body)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = stage_parser("pipelines.eval.registry",
-                      "Log the evaluated model to MLflow as a servable pyfunc, register a version with lineage tags, "
-                      "and move the champion alias only if it is no worse on the same reference set.",
-                      {"--eval-manifest": "Manifest of the evaluate stage.", "--train-manifest": "Manifest of the train stage.",
-                       "--tokenize-manifest": "Manifest of the tokenize stage."})
-    args = ap.parse_args(argv)
-    spec = spec_from_args(args)
-    m = run(spec, load_manifest(args.eval_manifest), load_manifest(args.train_manifest),
-            load_manifest(args.tokenize_manifest), args.output)
-    write_report(args.report, m)
-    e = m.extra
-    print(f"register: {e['model_name']} v{e['version']} ({e['gate_metric']}={e['value']:.4f}); {e['reason']}; "
-          f"report {m.output('report')}; tracking {e['tracking_uri']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,8 +25,8 @@ sha256(part digests)-N, which we recompute locally with the part size the transf
 an endpoint returns no checksum, the object is downloaded and hashed. Multipart uploads left by an
 interrupted promotion are aborted before the next upload to the same prefix.
 
-    python -m pipelines.train.checkpoint --input-manifest TRAIN_MANIFEST   # the promote stage
-    python -m pipelines.train.checkpoint export SRC OUT.pt                  # plain {name: tensor} weights
+    python -m pipelines.train.checkpoint export SRC OUT.pt   # plain {name: tensor} weights
+    (the promote stage, :mod:`pipelines.train.promote`, runs :func:`promote` on a train stage's checkpoint)
 """
 from __future__ import annotations
 
@@ -42,16 +42,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from pipelines.cli import stage_parser
-from pipelines.manifest import Manifest, StageDir, atomic_write_text, input_ref, load_manifest, run_stage, sha256_file, write_report
-from pipelines.spec import JobSpec, resolve_path, spec_from_args
+from pipelines.manifest import StageError, atomic_write_text, sha256_file
+from pipelines.spec import JobSpec, resolve_path
 
 CKPT_MANIFEST = "MANIFEST.json"
 COMMIT = "COMMIT"
 TIERS = ("L0", "L1", "L2")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StageError):
     pass
 
 
@@ -621,31 +620,6 @@ def export(src: Path, out: Path) -> int:
     return len(sd)
 
 
-# ----------------------------------------------------------------------------- promote stage
-def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
-    rel = train.extra["checkpoint"]
-    sd = StageDir(resolve_path(spec.run.root), "promote", spec.stage_hash("promote"), [input_ref(train)],
-                  force=spec.run.force, out_dir=out_dir)
-
-    def body(tmp: Path) -> Manifest:
-        rep = promote(spec, rel)
-        (tmp / "tiers.json").write_text(json.dumps(rep, indent=2))
-        return sd.commit({"tiers": "tiers.json"}, counts={"tiers": 3},
-                         extra={"checkpoint": rel, "l2_uri": rep["tiers"]["L2"], "commit": rep["commit"],
-                                "actions": rep["actions"]})
-
-    done = sd.existing()
-    if done is not None:  # the manifest says promoted; make sure L2 still verifies
-        from pipelines.storage.s3 import client, split_uri
-
-        b, p = split_uri(done.extra["l2_uri"])
-        if s3_commit_body(client(spec), b, p) == done.extra["commit"]:
-            print(f"[promote] up to date: {done.path}")
-            return done
-        sd.force = True
-    return run_stage(sd, body)
-
-
 def export_main(argv: list[str]) -> int:
     import argparse
 
@@ -666,22 +640,11 @@ def export_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["export"]:
-        return export_main(argv[1:])
-    ap = stage_parser("pipelines.train.checkpoint",
-                      "Promote the final checkpoint of a train stage L0 → L1 → L2 (S3), verifying checksums at every "
-                      "tier, COMMIT marker last. (`… export SRC OUT.pt` writes plain weights from a checkpoint.)",
-                      {"--input-manifest": "Manifest of the train stage."})
-    args = ap.parse_args(argv)
-    spec = spec_from_args(args)
-    try:
-        m = run(spec, load_manifest(args.input_manifest), args.output)
-    except CheckpointError as e:
-        print(f"promote: error: {e}", file=sys.stderr)
+    if argv[:1] != ["export"]:
+        print("usage: python -m pipelines.train.checkpoint export SRC OUT.pt\n(the promote stage is "
+              "python -m pipelines.train.promote)", file=sys.stderr)
         return 2
-    write_report(args.report, m)
-    print(f"promote: {m.extra['checkpoint']} → {m.extra['l2_uri']} ({m.extra['actions']}); manifest {m.path}")
-    return 0
+    return export_main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -131,15 +131,18 @@ class JobFailed(RuntimeError):
 
 def api_clients(spec: JobSpec):
     """(CustomObjectsApi, CoreV1Api) from ``launcher.kubeconfig``/``kube_context``, or in-cluster credentials."""
+    return api_clients_for(spec.launcher.kubeconfig, spec.launcher.kube_context)
+
+
+def api_clients_for(kubeconfig: str | None, kube_context: str | None):
     from kubernetes import client, config
 
-    L = spec.launcher
-    if L.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config()
     else:
         try:
-            config.load_kube_config(config_file=os.path.expanduser(L.kubeconfig) if L.kubeconfig else None,
-                                    context=L.kube_context)
+            config.load_kube_config(config_file=os.path.expanduser(kubeconfig) if kubeconfig else None,
+                                    context=kube_context)
         except (config.ConfigException, OSError) as e:
             raise JobFailed(f"cannot load Kubernetes credentials ({e}); set launcher.kubeconfig (and "
                             "launcher.kube_context), or run inside the cluster") from None
@@ -166,6 +169,12 @@ def _replicas(obj: dict) -> str:
         counts = ", ".join(f"{k} {st[k]}" for k in ("active", "succeeded", "failed") if st.get(k))
         parts.append(f"{role}: {counts or '-'}")
     return "; ".join(parts)
+
+
+def state_line(obj: dict) -> str:
+    """The job's state, replica counts and message, as logged on each change."""
+    state, msg = job_state(obj)
+    return f"{state}" + (f" [{_replicas(obj)}]" if _replicas(obj) else "") + (f": {msg}" if msg else "")
 
 
 def _api_error(e) -> str:
@@ -235,7 +244,7 @@ def delete(custom, ns: str, name: str, wait_s: float = 0) -> None:
 _EXC = re.compile(r"\b[A-Za-z_.]*(?:Error|Exception|Diverged)\b: .*$")
 
 
-class _LogFollower:
+class LogFollower:
     """New lines of the master pod's ``pytorch`` container since the last poll. Lines carry the kubelet's
     timestamps; those at or before the newest one already shown are skipped (counting equal stamps)."""
 
@@ -281,13 +290,13 @@ class _LogFollower:
 def watch(custom, core, ns: str, name: str, poll_s: float, timeout_s: float | None,
           log: Callable[[str], None] = print) -> dict:
     """Poll to Succeeded (returns the job) or Failed/timeout (raises :class:`JobFailed`)."""
-    follower = _LogFollower(core, ns, f"{name}-master-0", window_s=int(poll_s * 3) + 30)
+    follower = LogFollower(core, ns, f"{name}-master-0", window_s=int(poll_s * 3) + 30)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last = None
     while True:
         obj = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
         state, msg = job_state(obj)
-        line = f"{state}" + (f" [{_replicas(obj)}]" if _replicas(obj) else "") + (f": {msg}" if msg else "")
+        line = state_line(obj)
         if line != last:
             log(f"pytorchjob {ns}/{name}: {line}")
             last = line
@@ -308,15 +317,25 @@ def watch(custom, core, ns: str, name: str, poll_s: float, timeout_s: float | No
 
 
 def run_pytorchjob(spec: JobSpec, run_id: str, module: str, args: list[str],
-                   log: Callable[[str], None] = print) -> dict:
+                   log: Callable[[str], None] = print, detach: bool = False) -> dict:
     """Render, submit and watch one PyTorchJob running ``torchrun -m module args``; the job is deleted
-    when this process is told to stop (SIGTERM from Airflow, Ctrl-C) or times out."""
+    when this process is told to stop (SIGTERM from Airflow, Ctrl-C) or times out. With ``detach`` a job that
+    has not finished yet raises :class:`pipelines.manifest.Pending` with what a poller needs (a deferrable
+    Airflow task waits in the triggerer, then calls this again, which adopts the finished job)."""
     from pipelines.spec import project_home
 
     job = render_pytorchjob(spec, run_id, args, module, extra_env={"LLMP_HOME": str(project_home())})
     custom, core = api_clients(spec)
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     submit(custom, job, log)
+    if detach and job_state(custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name))[0] not in (
+            "Succeeded", "Failed"):
+        from pipelines.manifest import Pending
+
+        L, t = spec.launcher, spec.launcher.timeout_minutes
+        raise Pending({"namespace": ns, "name": name, "poll_seconds": L.poll_seconds,
+                       "timeout_s": None if t is None else t * 60, "kubeconfig": L.kubeconfig,
+                       "kube_context": L.kube_context})
 
     def _term(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")

@@ -19,13 +19,14 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from pipelines.cli import run_and_log, stage_parser
-from pipelines.manifest import Manifest, StageDir, input_ref, load_manifest, write_report
-from pipelines.spec import JobSpec, resolve_path, spec_from_args
+from pipelines.cli import run_and_log, stage_dir, stage_main
+from pipelines.manifest import Manifest, StageDir, StageError, input_ref
+from pipelines.spec import JobSpec, resolve_path
 
 
-class TrainError(RuntimeError):
-    pass
+class TrainError(StageError):
+    """The ranks failed or the spec asks for what this launcher cannot do (exit 2: not retried; a task
+    retry would resume from the newest checkpoint, which the Airflow task's own retries do)."""
 
 
 def _free_port() -> int:
@@ -127,13 +128,17 @@ def collect(work: Path, tmp: Path, names: list[str]) -> None:
         (tmp / n).write_bytes((work / n).read_bytes())
 
 
-def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts: bool = True) -> None:
-    """Run ``module`` on every rank the spec asks for: torchrun here, or a PyTorchJob on Kubernetes."""
+def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts: bool = True,
+              detachable: bool = False) -> None:
+    """Run ``module`` on every rank the spec asks for: torchrun here, or a PyTorchJob on Kubernetes (with
+    ``LLMP_DETACH=1``, as a deferrable Airflow task sets it, a ``detachable`` caller, one whose job command and
+    work dir are the same when it runs again, gets ``Pending`` after the submit instead of waiting)."""
     if spec.launcher.kind == "kubernetes":
         from pipelines.train.k8s import JobFailed, run_pytorchjob
 
         try:
-            run_pytorchjob(spec, run_id, module, args, log=lambda m: print(m, flush=True))
+            run_pytorchjob(spec, run_id, module, args, log=lambda m: print(m, flush=True),
+                           detach=detachable and os.environ.get("LLMP_DETACH") == "1")
         except JobFailed as e:
             raise TrainError(str(e)) from None
     else:
@@ -142,8 +147,7 @@ def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
     check_supported(spec)
-    sd = StageDir(resolve_path(spec.run.root), "train", spec.stage_hash("train"), [input_ref(tok)],
-                  force=spec.run.force, out_dir=out_dir)
+    sd = stage_dir(spec, "train", [input_ref(tok)], out_dir)
     rel_root = f"{spec.run.name}/{sd.final.name}"
 
     def body(tmp: Path) -> Manifest:
@@ -156,7 +160,7 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
         spec_file.write_text(ranks_spec.to_yaml())
         run_ranks(spec, "pipelines.train.trainer", ["--spec", str(spec_file), "--tokenize-manifest", tok.path,
                                                      "--out", str(work), "--ckpt-root", str(ckpt_root)],
-                  run_id=f"train-{sd.final.name[:8]}")
+                  run_id=f"train-{sd.final.name[:8]}", detachable=True)
         collect(work, tmp, ["result.json", "losses.json", "spec.yaml"])
         result = json.loads((tmp / "result.json").read_text())
         plot_losses(json.loads((tmp / "losses.json").read_text()), tmp / "loss_curve.png")
@@ -174,23 +178,17 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
     return run_and_log(spec, sd, body, artifacts=["loss_curve"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = stage_parser("pipelines.train.launch", "Train on the token shards with torchrun (launcher.nproc_per_node ranks).",
-                      {"--tokenize-manifest": "Manifest of the tokenize stage."})
-    args = ap.parse_args(argv)
-    spec = spec_from_args(args)
-    try:
-        m = run(spec, load_manifest(args.tokenize_manifest), args.output)
-    except TrainError as e:
-        print(f"train: error: {e}", file=sys.stderr)
-        return 2
-    write_report(args.report, m)
+def summary(m: Manifest) -> str:
     tps = m.metrics["tokens_per_s"]
     resumed = m.extra.get("resumed_from")
-    print(f"train: {m.counts['steps']} steps, final loss {m.metrics['final_loss']:.3f}, "
-          + (f"{tps:,.0f} tokens/s, " if tps else "") + f"checkpoint {m.extra['checkpoint']}"
-          + (f" (resumed from step {resumed['step']} on {resumed['tier']})" if resumed else "") + f"; manifest {m.path}")
-    return 0
+    return (f"train: {m.counts['steps']} steps, final loss {m.metrics['final_loss']:.3f}, "
+            + (f"{tps:,.0f} tokens/s, " if tps else "") + f"checkpoint {m.extra['checkpoint']}"
+            + (f" (resumed from step {resumed['step']} on {resumed['tier']})" if resumed else "")
+            + f"; manifest {m.path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("train", run, summary, argv)
 
 
 if __name__ == "__main__":

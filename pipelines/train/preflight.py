@@ -32,10 +32,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipelines.manifest import StageError
 from pipelines.spec import JobSpec, spec_from_args
 
 
-class PreflightFailed(RuntimeError):
+class PreflightFailed(StageError):
+    """The ranks are unhealthy (slow all-reduce, a straggler, no progress): exit 1, a retry may land elsewhere."""
+
+    exit_code = 1
+
     def __init__(self, message: str, result: dict | None = None):
         super().__init__(message)
         self.result = result
@@ -137,26 +142,25 @@ def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters
 def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
         straggler_factor: float = 1.5):
     """The stage: launch the ranks, commit the measurements, or raise :class:`PreflightFailed`."""
-    from pipelines.cli import run_and_log
-    from pipelines.manifest import StageDir, input_ref
-    from pipelines.spec import resolve_path
+    from pipelines.cli import run_and_log, stage_dir
+    from pipelines.manifest import input_ref
     from pipelines.train.launch import TrainError, check_supported, collect, rank_workdir, run_ranks
 
     check_supported(spec)
-    sd = StageDir(resolve_path(spec.run.root), "preflight", spec.stage_hash("preflight"), [input_ref(tok)],
-                  force=True, out_dir=out_dir)
+    sd = stage_dir(spec, "preflight", [input_ref(tok)], out_dir, force=True)
 
     def body(tmp: Path):
         work = rank_workdir(spec, sd, tmp)
         spec_file = work / "spec.yaml"
         spec_file.write_text(spec.to_yaml())
         report = work / "preflight.json"
-        report.unlink(missing_ok=True)
+        if spec.launcher.kind != "kubernetes":  # there the work dir is the job's: kept for an adopted job
+            report.unlink(missing_ok=True)
         try:
             run_ranks(spec, "pipelines.train.preflight",
                       ["--spec", str(spec_file), "--rank-out", str(work), "--vocab-size", str(tok.extra["vocab_size"]),
                        "--size-mb", str(size_mb), "--straggler-factor", str(straggler_factor)],
-                      run_id=f"preflight-{sd.final.name[:8]}", restarts=False)
+                      run_id=f"preflight-{sd.final.name[:8]}", restarts=False, detachable=True)
         except TrainError as e:
             if not report.is_file():
                 raise PreflightFailed(f"the preflight ranks did not finish: {e}") from None
@@ -176,38 +180,45 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
     return run_and_log(spec, sd, body)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from pipelines.cli import stage_parser
-
-    ap = stage_parser("pipelines.train.preflight",
-                      "All-reduce bandwidth, straggler screen and smoke steps on the ranks the training run will use.")
-    ap.add_argument("--tokenize-manifest", help="Manifest of the tokenize stage (stage mode).")
-    ap.add_argument("--rank-out", help="One rank under torchrun: write preflight.json here (rank 0).")
-    ap.add_argument("--vocab-size", type=int, help="One rank: the tokenizer's vocab (when model.vocab_size is unset).")
+def _options(ap) -> None:
     ap.add_argument("--size-mb", type=float, default=16.0, help="All-reduce message size (MiB).")
     ap.add_argument("--straggler-factor", type=float, default=1.5,
                     help="A rank slower than this × the lower median step time is a straggler.")
+
+
+def rank_main(argv: list[str]) -> int:
+    """One rank under torchrun (what the stage launches): measure, and rank 0 writes preflight.json."""
+    import argparse
+
+    from pipelines.spec import add_spec_args
+
+    ap = argparse.ArgumentParser(prog="python -m pipelines.train.preflight --rank-out DIR",
+                                 description="One preflight rank (launched by the preflight stage under torchrun).")
+    add_spec_args(ap)
+    ap.add_argument("--rank-out", required=True, help="Write preflight.json here (rank 0).")
+    ap.add_argument("--vocab-size", type=int, help="The tokenizer's vocab (when model.vocab_size is unset).")
+    _options(ap)
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
-    if args.rank_out:
-        vocab = args.vocab_size or spec.model.vocab_size or spec.tokenizer.vocab_size
-        res = preflight(spec, Path(args.rank_out), vocab, size_mb=args.size_mb, straggler_factor=args.straggler_factor)
-        return 1 if res["failures"] else 0
-    if not args.tokenize_manifest:
-        ap.error("give --tokenize-manifest (stage) or --rank-out (one rank under torchrun)")
-    from pipelines.manifest import load_manifest, write_report
-    from pipelines.train.launch import TrainError
+    vocab = args.vocab_size or spec.model.vocab_size or spec.tokenizer.vocab_size
+    res = preflight(spec, Path(args.rank_out), vocab, size_mb=args.size_mb, straggler_factor=args.straggler_factor)
+    return 1 if res["failures"] else 0
 
-    try:
-        m = run(spec, load_manifest(args.tokenize_manifest), args.output, args.size_mb, args.straggler_factor)
-    except (PreflightFailed, TrainError) as e:
-        print(f"preflight: error: {e}", file=sys.stderr)
-        return 1
-    write_report(args.report, m)
-    print(f"preflight: ok: {m.counts['world_size']} ranks, all-reduce {m.metrics['allreduce_busbw_GBps']:.2f} GB/s, "
-          f"step {m.metrics['median_step_seconds'] * 1e3:.1f} ms, smoke loss {m.metrics['smoke_loss_first']:.3f} → "
-          f"{m.metrics['smoke_loss_last']:.3f}; manifest {m.path}")
-    return 0
+
+def summary(m) -> str:
+    return (f"preflight: ok: {m.counts['world_size']} ranks, all-reduce {m.metrics['allreduce_busbw_GBps']:.2f} GB/s, "
+            f"step {m.metrics['median_step_seconds'] * 1e3:.1f} ms, smoke loss {m.metrics['smoke_loss_first']:.3f} → "
+            f"{m.metrics['smoke_loss_last']:.3f}; manifest {m.path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--rank-out" or a.startswith("--rank-out=") for a in argv):
+        return rank_main(argv)
+    from pipelines.cli import stage_main
+
+    return stage_main("preflight", run, summary, argv, add_args=_options,
+                      call=lambda spec, args, ups: run(spec, *ups, args.output, args.size_mb, args.straggler_factor))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,7 @@
+"""evaluation: evaluate → register, scheduled on the Airflow Asset checkpoint.
+
+Wiring only: the DAG is built from the stage table (pipelines/stages.py) by plugins/llm_dags.py.
+"""
+from llm_dags import build
+
+dag = build("evaluation")

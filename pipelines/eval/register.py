@@ -1,0 +1,59 @@
+"""The register stage: the evaluated checkpoint as a servable pyfunc in MLflow, a model version with lineage tags,
+the champion/challenger gate and the eval report (:mod:`pipelines.eval.registry`).
+
+    python -m pipelines.eval.register --evaluate-manifest E --train-manifest T --tokenize-manifest K [--spec S]
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from pipelines.cli import stage_dir, stage_main
+from pipelines.eval.registry import eval_report, lineage_config_hash, register
+from pipelines.manifest import Manifest, input_ref, run_stage
+from pipelines.spec import JobSpec
+
+
+def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: str | None = None) -> Manifest:
+    sd = stage_dir(spec, "register", [input_ref(ev), input_ref(train), input_ref(tok)], out_dir)
+
+    def body(tmp: Path) -> Manifest:
+        import shutil
+
+        from pipelines import tracking
+        from pipelines.train.checkpoint import fetch
+
+        tier, ckpt = fetch(spec, ev.extra["checkpoint"], cache=tmp / "checkpoint")
+        lineage = {"data_manifest_hash": tok.digest, "tokenizer_hash": tok.extra["tokenizer_sha256"],
+                   "config_hash": lineage_config_hash(spec), "checkpoint_uri": ev.extra["checkpoint_uri"],
+                   "train_manifest_hash": train.digest}
+        run_id = spec.run.mlflow_run_id or train.extra["mlflow_run_id"]
+        work = tmp / "work"
+        res = register(spec, ckpt, run_id, lineage, dict(ev.metrics), ev.extra, work)
+        client = tracking.client(spec)
+        for p in eval_report(spec, res, ev, train, tmp, client):
+            client.log_artifact(run_id, str(p), artifact_path="eval_report")
+        shutil.rmtree(tmp / "checkpoint", ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+        (tmp / "registration.json").write_text(json.dumps(res, indent=2))
+        return sd.commit({"registration": "registration.json", "report": "report.md", "report_png": "report.png"},
+                         counts={"versions_created": 1},
+                         metrics={"alias_moved": int(res["alias_moved"]), "champion_rescored": int(res["champion_rescored"])},
+                         extra=res)
+
+    return run_stage(sd, body)
+
+
+def summary(m: Manifest) -> str:
+    e = m.extra
+    return (f"register: {e['model_name']} v{e['version']} ({e['gate_metric']}={e['value']:.4f}); {e['reason']}; "
+            f"report {m.output('report')}; tracking {e['tracking_uri']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("register", run, summary, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The promote stage: the train stage's final checkpoint L0 → L1 → L2 (S3), verified at every tier, COMMIT last
+(:func:`pipelines.train.checkpoint.promote`). Done only while L2 still holds the committed copy.
+
+    python -m pipelines.train.promote --train-manifest M [--spec S]
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from pipelines.cli import stage_dir, stage_main
+from pipelines.manifest import Manifest, input_ref, run_stage
+from pipelines.spec import JobSpec
+from pipelines.train.checkpoint import promote, s3_commit_body
+
+
+def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
+    rel = train.extra["checkpoint"]
+    sd = stage_dir(spec, "promote", [input_ref(train)], out_dir)
+
+    def body(tmp: Path) -> Manifest:
+        rep = promote(spec, rel)
+        (tmp / "tiers.json").write_text(json.dumps(rep, indent=2))
+        return sd.commit({"tiers": "tiers.json"}, counts={"tiers": 3},
+                         extra={"checkpoint": rel, "l2_uri": rep["tiers"]["L2"], "commit": rep["commit"],
+                                "actions": rep["actions"]})
+
+    done = sd.existing()
+    if done is not None:  # the manifest says promoted; make sure L2 still verifies
+        from pipelines.storage.s3 import client, split_uri
+
+        b, p = split_uri(done.extra["l2_uri"])
+        if s3_commit_body(client(spec), b, p) == done.extra["commit"]:
+            print(f"[promote] up to date: {done.path}")
+            return done
+        sd.force = True
+    return run_stage(sd, body)
+
+
+def summary(m: Manifest) -> str:
+    return f"promote: {m.extra['checkpoint']} → {m.extra['l2_uri']} ({m.extra['actions']}); manifest {m.path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("promote", run, summary, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

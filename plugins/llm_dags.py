@@ -1,0 +1,198 @@
+"""The pipeline's DAGs, built from the stage table (``pipelines/stages.py``): a file in ``dags/`` is one call.
+
+* ``data_curation`` (ingest → dedup → filter → tokenize) runs on ``data.schedule`` (cron, default weekly,
+  no catch-up); its last task emits the Asset ``curated_shards`` with the tokenize manifest's path and digest.
+* ``training`` (preflight → train → promote) is scheduled on ``curated_shards`` and emits ``checkpoint``.
+* ``evaluation`` (evaluate → register) is scheduled on ``checkpoint``.
+* ``llm_pipeline`` runs every stage in one DAG (the one-click demo); it emits no Asset.
+
+A DAG whose stages read manifests of another DAG's stages starts with ``upstream_assets``: the manifests come
+from the Params (``<stage>_manifest``) when given, else from the Asset event that triggered the run, else from
+the newest event of that Asset, so a manual run of ``training`` or ``evaluation`` works alone.
+Every DAG opens the pipeline's services first (``setup_services``: the embedded S3 endpoint when none is
+configured, an MLflow run tagged with the DAG and run ids) and closes them last (a teardown).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pendulum
+from airflow.sdk import DAG, Asset, Param, task
+
+from llm_operators import SparkStageOperator, StageOperator, failure_summary, project_root
+from pipelines.stages import DAGS, STAGES, Stage, of_dag, stage
+
+# Transient failures (S3, spark-submit, MLflow) are retried with exponential backoff; a stage that rejects its
+# input or spec exits 2 and fails at once (StageOperator). Every task has a time limit.
+DEFAULTS = {"retries": 2, "retry_delay": timedelta(seconds=30), "retry_exponential_backoff": True,
+            "max_retry_delay": timedelta(minutes=10), "execution_timeout": timedelta(hours=1),
+            "on_failure_callback": failure_summary}
+DEFAULT_SPEC = "configs/demo.yaml"
+UPSTREAM_TASK = "upstream_assets"
+
+# Trigger-form fields that override one spec key each (empty = the spec's value), on the forms of the DAGs that
+# run the stage named: name → (key, stage, form section, JSON schema).
+OVERRIDES: dict[str, tuple[str, str, str, dict]] = {
+    "corpus": ("data.inputs", "ingest", "Data", {"type": ["null", "array"], "items": {"type": "string"},
+                                       "description": "Input JSONL files (plain, .gz or .zst) with a `text` field, "
+                                                      "one per line; paths relative to the project root."}),
+    "steps": ("train.steps", "train", "Training", {"type": ["null", "integer"], "minimum": 1, "maximum": 10_000_000,
+                                          "description": "Optimizer steps."}),
+    "nproc": ("launcher.nproc_per_node", "train", "Training", {"type": ["null", "integer"], "minimum": 1, "maximum": 64,
+                                                      "description": "Ranks per node (torchrun processes or GPUs)."}),
+    "n_layers": ("model.n_layers", "train", "Model", {"type": ["null", "integer"], "minimum": 1, "maximum": 512,
+                                             "description": "Transformer layers."}),
+    "d_model": ("model.d_model", "train", "Model", {"type": ["null", "integer"], "minimum": 16, "maximum": 65_536,
+                                           "description": "Model width (a multiple of n_heads)."}),
+    "n_heads": ("model.n_heads", "train", "Model", {"type": ["null", "integer"], "minimum": 1, "maximum": 1024,
+                                           "description": "Attention heads."}),
+    "eval_limit": ("eval.limit", "evaluate", "Evaluation", {"type": ["null", "integer"], "minimum": 1, "maximum": 100_000,
+                                                "description": "lm-evaluation-harness items per task."}),
+}
+
+
+def spec_choices() -> list[str]:
+    """The specs in ``configs/`` (the form's proposals; any other path can be typed)."""
+    return sorted(f"configs/{p.name}" for p in (project_root() / "configs").glob("*.yaml")) or [DEFAULT_SPEC]
+
+
+def default_spec() -> str:
+    return os.environ.get("LLMP_SPEC") or DEFAULT_SPEC
+
+
+def curation_schedule() -> str:
+    """``data.schedule`` of the default spec (read at parse time)."""
+    from pipelines.spec import load_spec
+
+    return load_spec(str(project_root() / default_spec())).data.schedule
+
+
+def params(stages: list[Stage], source: str | None) -> dict:
+    out = {
+        "spec": Param(default_spec(), type="string", title="Job spec", section="Run", examples=spec_choices(),
+                      description="A spec in configs/ (pick one) or the path of another YAML file (type it)."),
+        "force": Param(False, type="boolean", title="Force", section="Run",
+                       description="Recompute the stages even when their manifests verify (default: reuse)."),
+    }
+    names = {s.name for s in stages}
+    for name, (key, for_stage, section, schema) in OVERRIDES.items():
+        if for_stage in names:
+            out[name] = Param(None, section=section, title=f"{name} ({key})", **schema)
+    if source:
+        out[f"{source}_manifest"] = Param(None, type=["null", "string"], section="Inputs", title=f"{source} manifest",
+                                          description=f"Path of a {source} manifest.json (its upstream manifests are "
+                                                      f"found from it); empty: the '{asset_of(source)}' Asset event "
+                                                      "that triggered the run, else the newest one.")
+    return out
+
+
+def overrides(stages: list[Stage]) -> list[str]:
+    names = {s.name for s in stages}
+    out = [f"{key}={{{{ params.{name} | tojson }}}}" for name, (key, st, _, _) in OVERRIDES.items() if st in names]
+    return out + ["run.force={{ params.force | lower }}",
+                  "run.mlflow_run_id={{ ti.xcom_pull(task_ids='setup_services')['mlflow_run_id'] }}"]
+
+
+def asset_of(stage_name: str) -> str:
+    return DAGS[stage(stage_name).dag]["asset"]
+
+
+def manifest_of(name: str, inside: set[str]) -> str:
+    if name in inside:
+        return "{{ ti.xcom_pull(task_ids='%s') }}" % name
+    return "{{ ti.xcom_pull(task_ids='%s')['%s'] }}" % (UPSTREAM_TASK, name)
+
+
+@task
+def setup_services(params=None) -> dict:
+    """Start the embedded S3 endpoint when no external one is configured; open the MLflow run (tagged with the
+    DAG and run ids)."""
+    from airflow.sdk import get_current_context
+
+    from pipelines import tracking
+    from pipelines.spec import load_spec
+    from pipelines.storage import s3
+
+    spec = load_spec(params["spec"])
+    started = s3.start() if not spec.services.s3_endpoint_url else None
+    ctx = get_current_context()
+    run_id = tracking.start_run(spec, run_name=f"{spec.run.name}-{ctx['dag'].dag_id}-{ctx['run_id']}",
+                                tags={"airflow.dag_id": ctx["dag"].dag_id, "airflow.run_id": ctx["run_id"]})
+    return {"mlflow_run_id": run_id, "embedded_s3": started}
+
+
+@task
+def teardown_services(info: dict, params=None) -> None:
+    """Close the MLflow run and stop the embedded S3 endpoint (its objects are saved to var/s3/store)."""
+    from pipelines import tracking
+    from pipelines.spec import load_spec
+    from pipelines.storage import s3
+
+    spec = load_spec(params["spec"])
+    if info and info.get("mlflow_run_id"):
+        tracking.client(spec).set_terminated(info["mlflow_run_id"])
+    if info and info.get("embedded_s3"):
+        s3.stop()
+
+
+def upstream_assets_task(asset: Asset, source: str, needed: list[str]):
+    """{stage: manifest path} of the upstream stages this DAG reads: from the ``<source>_manifest`` Param, else the
+    Asset event that triggered the run, else the newest event of the Asset; the others by following the source
+    manifest's inputs."""
+
+    @task(task_id=UPSTREAM_TASK, inlets=[asset], retries=0)
+    def upstream_assets(params=None) -> dict:
+        from airflow.sdk import get_current_context
+
+        from llm_operators import upstream_manifests
+
+        ctx = get_current_context()
+        triggering = list((ctx.get("triggering_asset_events") or {}).get(asset, []))
+        return upstream_manifests(asset.name, source, needed, params.get(f"{source}_manifest"), triggering,
+                                  ctx["inlet_events"][asset])
+
+    return upstream_assets()
+
+
+def stage_task(s: Stage, inside: set[str], ovr: list[str], outlet: Asset | None):
+    args = [a for up in s.upstream for a in (stage(up).flag, manifest_of(up, inside))]
+    kw = dict(task_id=s.name, module=s.module, spec="{{ params.spec }}", overrides=ovr, stage_args=args,
+              execution_timeout=timedelta(hours=s.timeout_hours))
+    if outlet is not None:  # the DAG's last stage: its Asset event carries its manifest's path, digest and lineage
+        kw["outlets"] = [outlet]
+    if s.engine == "spark":
+        return SparkStageOperator(name=f"llm-pipeline-{s.name}", **kw)
+    return StageOperator(**kw)
+
+
+def build(dag_id: str) -> DAG:
+    """One DAG of the pipeline: ``llm_pipeline`` (every stage) or a key of ``pipelines.stages.DAGS``."""
+    stages = list(STAGES.values()) if dag_id == "llm_pipeline" else of_dag(dag_id)
+    inside = {s.name for s in stages}
+    external = list(dict.fromkeys(u for s in stages for u in s.upstream if u not in inside))
+    source = of_dag(stage(external[0]).dag)[-1].name if external else None  # the stage that emits our Asset
+    upstream = Asset(asset_of(source)) if source else None
+    own = DAGS.get(dag_id, {}).get("asset")
+    schedule = curation_schedule() if dag_id == "data_curation" else ([upstream] if upstream else None)
+    with DAG(dag_id=dag_id, description=DAGS.get(dag_id, {}).get("doc", "Every stage, raw web text to a registered "
+                                                                       "model, in one DAG (the demo)."),
+             schedule=schedule, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"), catchup=False, max_active_runs=1,
+             default_args=DEFAULTS, tags=["llm", *sorted({s.engine for s in stages})], params=params(stages, source),
+             doc_md=(Path(__file__).with_name("llm_dags.py").read_text().split('"""')[1])) as dag:
+        setup = setup_services()
+        prev = setup
+        if external:
+            up = upstream_assets_task(upstream, source, external)
+            setup >> up
+            prev = up
+        ovr = overrides(stages)
+        for i, s in enumerate(stages):
+            last = i == len(stages) - 1
+            outlet = Asset(own) if (last and own) else None
+            t = stage_task(s, inside, ovr, outlet)
+            prev >> t
+            prev = t
+        prev >> teardown_services(setup).as_teardown(setups=setup)
+    return dag

@@ -1,0 +1,88 @@
+"""The stage table: one declaration per stage gives the config hash, the CLI, the DAG tasks and the docs table;
+re-runs reuse work, force recomputes, changed inputs invalidate (even with --output); lineage for Asset hand-offs."""
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT, write_jsonl
+from pipelines.stages import STAGES, markdown_table
+
+
+def test_every_stage_cli_comes_from_its_table_entry():
+    import importlib
+
+    for s in STAGES.values():
+        mod = importlib.import_module(s.module)
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--help"])
+        assert e.value.code == 0
+    out = subprocess.run([sys.executable, "-m", "pipelines.eval.register", "--help"], capture_output=True, text=True,
+                         cwd=ROOT).stdout
+    assert STAGES["register"].summary.split()[0] in out
+    for up in STAGES["register"].upstream:
+        assert f"--{up}-manifest" in out
+
+
+def test_the_readme_stage_table_is_the_generated_one():
+    assert markdown_table() in (ROOT / "README.md").read_text(), "regenerate it: python -m pipelines.stages"
+
+
+def test_a_missing_upstream_manifest_is_a_user_error_without_traceback(home):
+    r = subprocess.run([sys.executable, "-m", "pipelines.data.filter", "--dedup-manifest", str(home / "nope")],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "filter: error: --dedup-manifest" in r.stderr and "no manifest at" in r.stderr
+
+
+def _ingest(home, *more):
+    cmd = [sys.executable, "-m", "pipelines.data.ingest", "--input", str(home / "in.jsonl"), "--output",
+           str(home / "out"), "--report", str(home / "r.json"), *more]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return r.stdout, json.loads((home / "out" / "manifest.json").read_text())
+
+
+def test_rerun_reuses_force_recomputes_and_a_changed_input_invalidates_even_with_output(home):
+    write_jsonl(home / "in.jsonl", [{"text": "one two three"}, {"text": "four five six"}])
+    out1, m1 = _ingest(home)
+    out2, m2 = _ingest(home)
+    assert "up to date" in out2 and m2["finished"] == m1["finished"]
+    out3, m3 = _ingest(home, "--set", "run.force=true")
+    assert "up to date" not in out3 and m3["finished"] != m1["finished"]
+    write_jsonl(home / "in.jsonl", [{"text": "one two three"}, {"text": "something else"}])
+    out4, m4 = _ingest(home)  # same --output directory, new input: recomputed
+    assert "up to date" not in out4 and m4["inputs"][0]["sha256"] != m1["inputs"][0]["sha256"]
+    assert json.loads((home / "r.json").read_text())["stage"] == "ingest"
+
+
+def test_lineage_follows_inputs_and_refuses_a_rewritten_upstream(home):
+    sys.path.insert(0, str(ROOT / "plugins"))
+    from llm_operators import AirflowFailException, upstream_manifests
+
+    from pipelines.cli import stage_dir
+    from pipelines.data import ingest
+    from pipelines.manifest import StageError, input_ref, lineage
+    from pipelines.spec import load_spec
+
+    write_jsonl(home / "in.jsonl", [{"text": "one two three"}])
+    spec = load_spec(None, [f"data.inputs=[{home / 'in.jsonl'}]"], env={})
+    ing = ingest.run(spec)
+    sd = stage_dir(spec, "dedup", [input_ref(ing)])
+    with sd:
+        (sd.tmp / "x").write_text("x")
+        dd = sd.commit({"x": "x"})
+    assert lineage(dd.path) == {"dedup": dd.path, "ingest": ing.path}
+    event = SimpleNamespace(extra={"manifest": dd.path})
+    assert upstream_manifests("a", "dedup", ["ingest", "dedup"], None, [], [event]) == {"ingest": ing.path,
+                                                                                       "dedup": dd.path}
+    assert upstream_manifests("a", "dedup", ["dedup"], dd.path, [], [])["dedup"] == dd.path  # the param wins
+    with pytest.raises(AirflowFailException, match="no 'a' Asset event yet"):
+        upstream_manifests("a", "dedup", ["dedup"], None, [], [])
+    doc = json.loads((home / "var/runs/ingest").glob("*/manifest.json").__next__().read_text())
+    doc["outputs"][0]["sha256"] = "0" * 64  # the ingest result was rewritten after dedup used it
+    (home / "var/runs/ingest").glob("*/manifest.json").__next__().write_text(json.dumps(doc))
+    with pytest.raises(StageError, match="re-run from ingest"):
+        lineage(dd.path)
