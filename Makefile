@@ -15,7 +15,7 @@ export PYTHONWARNINGS := ignore::FutureWarning
 
 DEMO_SPEC ?= configs/demo.yaml
 
-.PHONY: demo test airflow airflow-stop bench install airflow-db clean help tf-check
+.PHONY: demo test airflow airflow-stop bench install airflow-db clean help tf-check browser
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
 	@echo "make test   - run the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
@@ -67,7 +67,17 @@ tf-check: $(CHECKOV)
 	terraform fmt -check -recursive infra/terraform
 	$(CHECKOV) -d infra/terraform --compact --quiet
 
-test: $(STAMP) $(CHECKOV)
+# The browser test drives Debian's chromium through Playwright (no browser download); install it when missing and
+# this user may (root, or password-less sudo); otherwise that one test skips and says why.
+browser:
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO=sudo; else \
+	    echo "chromium missing and no root: tests/test_browser.py will skip"; exit 0; fi; \
+	  echo "installing chromium (apt) for the browser test"; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null \
+	    || echo "apt-get install chromium failed: tests/test_browser.py will skip"; }
+
+test: $(STAMP) $(CHECKOV) browser
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)

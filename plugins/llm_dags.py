@@ -116,16 +116,18 @@ def setup_services(params=None) -> dict:
     from pipelines.storage import s3
 
     spec = load_spec(params["spec"])
-    started = s3.start() if not spec.services.s3_endpoint_url else None
     ctx = get_current_context()
+    owner = f"{ctx['dag'].dag_id}/{ctx['run_id']}"
+    started = s3.acquire(owner) if not spec.services.s3_endpoint_url else None  # shared by overlapping runs
     run_id = tracking.start_run(spec, run_name=f"{spec.run.name}-{ctx['dag'].dag_id}-{ctx['run_id']}",
                                 tags={"airflow.dag_id": ctx["dag"].dag_id, "airflow.run_id": ctx["run_id"]})
-    return {"mlflow_run_id": run_id, "embedded_s3": started}
+    return {"mlflow_run_id": run_id, "embedded_s3": started, "s3_lease": owner}
 
 
 @task
 def teardown_services(info: dict, params=None) -> None:
-    """Close the MLflow run and stop the embedded S3 endpoint (its objects are saved to var/s3/store)."""
+    """Close the MLflow run and release the embedded S3 endpoint (stopped by the last run that holds it; its objects
+    are saved to var/s3/store)."""
     from pipelines import tracking
     from pipelines.spec import load_spec
     from pipelines.storage import s3
@@ -134,7 +136,7 @@ def teardown_services(info: dict, params=None) -> None:
     if info and info.get("mlflow_run_id"):
         tracking.client(spec).set_terminated(info["mlflow_run_id"])
     if info and info.get("embedded_s3"):
-        s3.stop()
+        s3.release(info["s3_lease"])  # stops the endpoint when no other run holds it
 
 
 def upstream_assets_task(asset: Asset, source: str, needed: list[str]):

@@ -13,6 +13,7 @@ Both take the spec path and ``--set`` overrides (templated, so DAG Params flow i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -319,6 +320,7 @@ def upstream_manifests(asset: str, source: str, needed: list[str], given: str | 
     missing = [s for s in needed if s not in found]
     if missing:
         raise AirflowFailException(f"{path} (from {how}) does not lead to a {', '.join(missing)} manifest")
+    print(f"upstream manifests from {how} ({source} {path}): " + ", ".join(f"{s} {found[s]}" for s in needed))
     return {s: found[s] for s in needed}
 
 
@@ -327,7 +329,9 @@ def failure_summary(context) -> None:
     ti, exc = context["ti"], context.get("exception")
     first = str(exc).strip().splitlines()[0] if exc else "unknown error"
     final = getattr(ti, "try_number", 1) > getattr(ti, "max_tries", 0)
-    ti.log.error(
+    log = context["task"].log if context.get("task") is not None else getattr(ti, "log", None)
+    log = log or logging.getLogger("airflow.task")  # (Airflow 3's RuntimeTaskInstance has no .log)
+    log.error(
         "STAGE FAILED: task %s of DAG %s (run %s), try %s%s: %s. Stage outputs and manifests live under "
         "%s/var/runs/<stage>/ (nothing partial is published: a stage commits by rename, manifest last); the full "
         "error and the stage's own output are above in this log%s.",

@@ -94,3 +94,16 @@ def spark():
     s = get_spark("local[2]", "llmp-tests", "1g", shuffle_partitions=4)
     yield s
     s.stop()
+
+
+def tiny_spec(inputs: str, name: str, model_name: str, more: str = "") -> str:
+    """A job spec YAML small enough for a whole DAG run in a test (``more``: extra lines; a line indented by two
+    spaces lands in ``data``)."""
+    return (f"run: {{name: {name}, seed: 7}}\ndata:\n  inputs: [{inputs}]\n"
+            + "".join(l + "\n" for l in more.splitlines() if l.startswith("  "))
+            + "tokenizer: {vocab_size: 512, heldout_fraction: 0.1}\n"
+            "model: {n_layers: 2, d_model: 32, n_heads: 4, seq_len: 64}\n"
+            "train: {steps: 16, micro_batch: 4, warmup_steps: 2, ckpt_every: 8, lr: 0.01, log_every: 4}\n"
+            "launcher: {nproc_per_node: 2}\neval: {limit: 8}\n"
+            f"registry: {{model_name: {model_name}}}\n"
+            + "".join(l + "\n" for l in more.splitlines() if not l.startswith("  ")))

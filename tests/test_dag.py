@@ -174,3 +174,20 @@ def test_extra_links_point_at_the_mlflow_run_the_model_version_and_the_checkpoin
     assert stage_links(minio, promote, None)["checkpoint"] == "http://minio:9000/bkt?prefix=checkpoints/r/k/step-000300/"
     assert {l.name for l in StageOperator.operator_extra_links} < {l.name for l in LlmPipelinePlugin.operator_extra_links}
     assert "Spark UI" in {l.name for l in LlmPipelinePlugin.operator_extra_links}
+
+
+def test_the_failure_summary_names_the_stage_the_error_and_where_to_look(capsys, caplog):
+    from types import SimpleNamespace
+
+    from llm_operators import AirflowFailException, StageOperator, failure_summary
+
+    op = StageOperator(task_id="dedup", module="pipelines.data.dedup")
+    ti = SimpleNamespace(task_id="dedup", dag_id="data_curation", run_id="r1", try_number=3, max_tries=2)  # no .log
+    err = AirflowFailException("pipelines.data.dedup rejected its input (exit 2):\ndedup: error: …")
+    with caplog.at_level("ERROR"):
+        failure_summary({"ti": ti, "task": op, "exception": err})
+    out = capsys.readouterr()
+    text = out.out + out.err + caplog.text
+    assert "STAGE FAILED: task dedup of DAG data_curation (run r1), try 3: pipelines.data.dedup rejected its input" \
+        in text, text
+    assert "/var/runs/<stage>/" in text and "fix the spec or the input and clear the task" in text

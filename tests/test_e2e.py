@@ -8,22 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, c4_docs, write_jsonl
+from conftest import ROOT, c4_docs, tiny_spec, write_jsonl
 
 pytestmark = pytest.mark.e2e
-
-TINY = """
-run: {{name: e2e, seed: 7}}
-data:
-  inputs: [{inputs}]
-tokenizer: {{vocab_size: 512, heldout_fraction: 0.1}}
-model: {{n_layers: 2, d_model: 32, n_heads: 4, seq_len: 64}}
-train: {{steps: 16, micro_batch: 4, warmup_steps: 2, ckpt_every: 8, lr: 0.01, log_every: 4}}
-launcher: {{nproc_per_node: 2}}
-eval: {{limit: 8}}
-registry: {{model_name: e2e-model}}
-"""
-
 
 def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     docs = c4_docs(160)
@@ -33,7 +20,7 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": "broken\n{"id": 1}\n' + json.dumps({"text": docs[5]["text"]}).encode() + b"\n")
     spec = tmp_path / "tiny.yaml"
-    spec.write_text(TINY.format(inputs=f"{good}, {bad}"))
+    spec.write_text(tiny_spec(f"{good}, {bad}", name="e2e", model_name="e2e-model"))
     env = {**os.environ, "LLMP_HOME": str(tmp_path), "AIRFLOW_HOME": str(tmp_path / "airflow"),
            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"), "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
            "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",

@@ -15,6 +15,7 @@ outlive the DAG run that made them, as they would on S3.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -202,6 +203,39 @@ def start(wait_s: float = 30.0) -> str:
     tmp.write_text(json.dumps({"url": url, "pid": proc.pid}))
     os.replace(tmp, _endpoint_file())
     return url
+
+
+@contextlib.contextmanager
+def _locked():
+    import fcntl
+
+    _state_dir().mkdir(parents=True, exist_ok=True)
+    with open(_state_dir() / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _lease(owner: str) -> Path:
+    return _state_dir() / "leases" / "".join(c if c.isalnum() or c in "-_." else "_" for c in owner)
+
+
+def acquire(owner: str) -> str:
+    """Start the embedded endpoint unless it runs, and hold a lease on it for ``owner`` (a DAG run): DAG runs
+    that overlap share one endpoint, and it stops when the last lease is released."""
+    with _locked():
+        url = start()
+        _lease(owner).parent.mkdir(parents=True, exist_ok=True)
+        _lease(owner).write_text(url)
+    return url
+
+
+def release(owner: str) -> bool:
+    """Drop ``owner``'s lease; stop the endpoint if no other lease holds it. Returns whether it was stopped."""
+    with _locked():
+        _lease(owner).unlink(missing_ok=True)
+        if any(_lease(owner).parent.iterdir()):
+            return False
+        return stop()
 
 
 def stop(wait_s: float = 60.0) -> bool:
