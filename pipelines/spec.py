@@ -502,7 +502,8 @@ class JobSpec(_Section):
     def global_batch(self) -> int:
         return self.train.micro_batch * self.train.grad_accum * self.degrees["dp"]
 
-    def _get(self, dotted: str) -> Any:
+    def value(self, dotted: str) -> Any:
+        """The value at a dotted key (``data.schedule``); a section as plain JSON."""
         obj: Any = self
         for part in dotted.split("."):
             obj = getattr(obj, part)
@@ -513,7 +514,7 @@ class JobSpec(_Section):
         from pipelines.stages import stage as stage_entry
 
         sections = stage_entry(stage).sections
-        payload = {s: self._get(s) for s in sections}
+        payload = {s: self.value(s) for s in sections}
         return sha256_json(payload)
 
     def to_yaml(self) -> str:

@@ -66,9 +66,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
 )}
 
 # The Asset-linked DAGs, in order: each runs its stages and its last stage emits the DAG's Asset, on which the
-# next DAG is scheduled. (``llm_pipeline`` runs all of them in one DAG.)
+# next DAG is scheduled; "schedule" names the spec key of a time schedule instead. (``llm_pipeline`` runs all
+# of them in one DAG.)
 DAGS: dict[str, dict] = {
-    "data_curation": {"asset": "curated_shards",
+    "data_curation": {"asset": "curated_shards", "schedule": "data.schedule",
                       "doc": "ingest → dedup → filter → tokenize, on a cron schedule (data.schedule)."},
     "training": {"asset": "checkpoint", "doc": "preflight → train → promote, when new curated shards land."},
     "evaluation": {"asset": None, "doc": "evaluate → register, when a new checkpoint is promoted."},

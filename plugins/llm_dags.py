@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from pathlib import Path
 
 import pendulum
 from airflow.sdk import DAG, Asset, Param, task
@@ -62,11 +61,11 @@ def default_spec() -> str:
     return os.environ.get("LLMP_SPEC") or DEFAULT_SPEC
 
 
-def curation_schedule() -> str:
-    """``data.schedule`` of the default spec (read at parse time)."""
+def spec_value(key: str):
+    """A value of the default spec (read at parse time), e.g. ``data.schedule``."""
     from pipelines.spec import load_spec
 
-    return load_spec(str(project_root() / default_spec())).data.schedule
+    return load_spec(str(project_root() / default_spec())).value(key)
 
 
 def params(stages: list[Stage], source: str | None) -> dict:
@@ -177,12 +176,13 @@ def build(dag_id: str) -> DAG:
     source = of_dag(stage(external[0]).dag)[-1].name if external else None  # the stage that emits our Asset
     upstream = Asset(asset_of(source)) if source else None
     own = DAGS.get(dag_id, {}).get("asset")
-    schedule = curation_schedule() if dag_id == "data_curation" else ([upstream] if upstream else None)
+    cron_key = DAGS.get(dag_id, {}).get("schedule")  # a time schedule from the spec, else the upstream Asset
+    schedule = spec_value(cron_key) if cron_key else ([upstream] if upstream else None)
     with DAG(dag_id=dag_id, description=DAGS.get(dag_id, {}).get("doc", "Every stage, raw web text to a registered "
                                                                        "model, in one DAG (the demo)."),
              schedule=schedule, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"), catchup=False, max_active_runs=1,
              default_args=DEFAULTS, tags=["llm", *sorted({s.engine for s in stages})], params=params(stages, source),
-             doc_md=(Path(__file__).with_name("llm_dags.py").read_text().split('"""')[1])) as dag:
+             doc_md=__doc__) as dag:
         setup = setup_services()
         prev = setup
         if external:
@@ -190,10 +190,8 @@ def build(dag_id: str) -> DAG:
             setup >> up
             prev = up
         ovr = overrides(stages)
-        for i, s in enumerate(stages):
-            last = i == len(stages) - 1
-            outlet = Asset(own) if (last and own) else None
-            t = stage_task(s, inside, ovr, outlet)
+        for s in stages:
+            t = stage_task(s, inside, ovr, Asset(own) if own and s is stages[-1] else None)
             prev >> t
             prev = t
         prev >> teardown_services(setup).as_teardown(setups=setup)
