@@ -48,6 +48,7 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
         "select task_id, value from xcom where key='links'")}
     assert links["register"]["model_version"].endswith("/#/models/e2e-model/versions/1")
     assert "/runs/" in links["ingest"]["mlflow_run"] and links["promote"]["checkpoint"].startswith("file://")
+    assert links["dedup"]["spark_ui"].startswith("http://127.0.0.1:")  # the driver's UI while the stage ran
 
     # every manifest's counts add up: docs in = kept + removed + quarantined
     runs = tmp_path / "var" / "runs"
