@@ -33,7 +33,7 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("ingest", "pipelines.data.ingest", ("data.inputs", "data.ingest"), (), "python",
+    Stage("ingest", "pipelines.data.ingest", ("data.ingest",), (), "python",
           ("docs", "quarantine"), "data_curation",
           "Read JSONL (plain/.gz/.zst) into docs.parquet; bad records go to quarantine.jsonl with a reason."),
     Stage("dedup", "pipelines.data.dedup", ("data.dedup",), ("ingest",), "spark",

@@ -503,7 +503,7 @@ def _call(spec: JobSpec, args, ups) -> Manifest:
         return run(spec, *upstream_manifests(STAGE, args), out_dir=args.output)
     from pipelines.data import ingest as ingest_mod
 
-    spec.data.inputs = [os.path.abspath(args.input)]
+    spec.data.inputs = [args.input if args.input.startswith("s3://") else os.path.abspath(args.input)]
     ing = ingest_mod.run(spec)  # content-addressed under run.root
     print(f"dedup: ingested {ing.counts['docs']} docs, {ing.counts['quarantined']} quarantined "
           f"({ing.output('quarantine')})")

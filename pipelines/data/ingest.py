@@ -25,8 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
-from pipelines.manifest import Manifest, StageError, file_ref
-from pipelines.spec import JobSpec, resolve_path
+from pipelines.data.sources import resolve
+from pipelines.manifest import Manifest, file_ref
+from pipelines.spec import JobSpec
 from pipelines.progress import progress
 
 DOCS_SCHEMA = pa.schema([
@@ -35,8 +36,6 @@ DOCS_SCHEMA = pa.schema([
 _BATCH = 2048
 
 
-class IngestError(StageError):
-    pass
 
 
 def open_binary(path: Path) -> BinaryIO:
@@ -85,7 +84,7 @@ def iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
             yield n, line.rstrip(b"\r\n")
 
 
-def ingest(inputs: list[Path], out_dir: Path, text_field: str = "text", id_field: str = "id",
+def ingest(inputs: list, out_dir: Path, text_field: str = "text", id_field: str = "id",
            max_docs: int | None = None, min_chars: int = 1) -> dict:
     """Write docs.parquet and quarantine.jsonl under out_dir; return counts."""
     counts: Counter = Counter()
@@ -102,9 +101,9 @@ def ingest(inputs: list[Path], out_dir: Path, text_field: str = "text", id_field
 
     with open(out_dir / "quarantine.jsonl", "w", encoding="utf-8") as qf, \
             progress(desc="ingest", unit="doc") as bar:
-        for path in inputs:
-            src = path.name
-            for line_no, line in iter_lines(path):
+        for source in inputs:  # pipelines.data.sources.Source: its name is each doc's `source`
+            src = source.name
+            for line_no, line in iter_lines(source.path):
                 if max_docs is not None and counts["docs"] >= max_docs:
                     break
                 if not line.strip():
@@ -142,23 +141,12 @@ def ingest(inputs: list[Path], out_dir: Path, text_field: str = "text", id_field
     return out
 
 
-def check_inputs(paths: list[str]) -> list[Path]:
-    if not paths:
-        raise IngestError("data.inputs is empty: list at least one JSONL file in the spec")
-    resolved = [resolve_path(p) for p in paths]
-    missing = [str(p) for p in resolved if not p.is_file()]
-    if missing:
-        raise IngestError(
-            "input file(s) not found: " + ", ".join(missing)
-            + " — fix data.inputs in the spec (relative paths resolve against the project root)"
-        )
-    return resolved
-
-
 def run(spec: JobSpec, out_dir: str | None = None) -> Manifest:
-    inputs = check_inputs(spec.data.inputs)
+    inputs = resolve(spec, spec.data.inputs)  # local files, globs, s3:// prefixes (copied into run.root/cache)
     cfg = spec.data.ingest
-    sd = stage_dir(spec, "ingest", [file_ref(p) for p in inputs], out_dir)
+    # the inputs' identity is their bytes (and order), not where they live: the same files from S3 or disk give
+    # the same stage key and digest; the manifest records where each came from
+    sd = stage_dir(spec, "ingest", [{**file_ref(s.path), "uri": s.uri} for s in inputs], out_dir)
 
     def body(tmp: Path) -> Manifest:
         counts = ingest(inputs, tmp, cfg.text_field, cfg.id_field, cfg.max_docs, cfg.min_chars)
@@ -174,7 +162,8 @@ def summary(m: Manifest) -> str:
 
 
 def _inputs(ap) -> None:
-    ap.add_argument("--input", action="append", default=None, help="Input file (repeatable); overrides data.inputs.")
+    ap.add_argument("--input", action="append", default=None,
+                    help="Input file, directory, glob or s3://bucket/prefix (repeatable); overrides data.inputs.")
 
 
 def _call(spec: JobSpec, args, ups) -> Manifest:
