@@ -71,6 +71,11 @@ class IngestCfg(_Section):
     id_field: str = "id"
     max_docs: Optional[int] = Field(None, ge=1, description="Stop after this many good docs.")
     min_chars: int = Field(1, ge=1, description="Docs shorter than this (after strip) are quarantined.")
+    extractor: Literal["resiliparse", "trafilatura"] = Field(
+        "resiliparse", description="HTML → text for WARC responses: resiliparse's main-content extractor, or "
+                                   "trafilatura (slower, often cleaner).")
+    split_mb: int = Field(64, ge=1, description="Plain JSONL files larger than this are read by several Spark "
+                                                "tasks, one per split_mb byte range.")
 
 
 class DedupCfg(_Section):
@@ -221,6 +226,8 @@ class TokenizerCfg(_Section):
     character_coverage: float = 0.9995
     shard_tokens: int = Field(1 << 24, ge=1024, description="Max tokens per .bin shard.")
     heldout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    partitions: int = Field(0, ge=0, description="Spark partitions that encode (each writes its own shards); "
+                                                 "0 = the executors' parallelism, more when the corpus is large.")
 
 
 class ModelCfg(_Section):

@@ -33,18 +33,20 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("ingest", "pipelines.data.ingest", ("data.ingest",), (), "python",
+    Stage("ingest", "pipelines.data.ingest", ("data.ingest",), (), "spark",
           ("docs", "quarantine"), "data_curation",
-          "Read JSONL (plain/.gz/.zst) into docs.parquet; bad records go to quarantine.jsonl with a reason."),
+          "Read JSONL (plain/.gz/.zst), WARC (HTML extracted to text) and WET, local or s3://, on Spark into docs/; "
+          "bad records go to quarantine.jsonl with a reason."),
     Stage("dedup", "pipelines.data.dedup", ("data.dedup",), ("ingest",), "spark",
           ("clusters", "kept", "removed", "stats", "cluster_sizes_plot"), "data_curation",
           "MinHash-LSH near-duplicate removal on Spark (exact duplicates first, connected components)."),
     Stage("filter", "pipelines.data.filter", ("data.filters",), ("dedup",), "spark",
           ("kept", "removed"), "data_curation",
           "Language ID + Gopher/C4/FineWeb quality filters on Spark; removed docs keep a filter_reason."),
-    Stage("tokenize", "pipelines.data.tokenize", ("tokenizer", "run.seed"), ("filter",), "python",
-          ("tokenizer", "<split>-NNNNN.bin/.idx"), "data_curation",
-          "Train or take a SentencePiece model and write mmap token shards (train + held-out)."),
+    Stage("tokenize", "pipelines.data.tokenize", ("tokenizer", "run.seed"), ("filter",), "spark",
+          ("tokenizer", "<split>-<partition>-NNNN.bin/.idx"), "data_curation",
+          "Train or take a SentencePiece model; every Spark partition writes its own mmap token shards "
+          "(train + held-out)."),
     Stage("preflight", "pipelines.train.preflight", ("model", "train", "parallel", "launcher", "run.seed"),
           ("tokenize",), "ranks", ("report",), "training",
           "All-reduce bandwidth, straggler screen and smoke steps on the ranks the training run will use.", 1.0),

@@ -49,7 +49,7 @@ def test_near_and_exact_duplicates_cluster_distinct_docs_stay_apart(home, spark,
     assert j_near >= 0.85  # the injected variant really is a near-duplicate
     src = write_jsonl(home / "in.jsonl", recs)
     spec = load_spec(None, [f"data.inputs=[{src}]"], env={})
-    m = dedup.run(spec, ingest.run(spec), spark=spark)
+    m = dedup.run(spec, ingest.run(spec, spark=spark), spark=spark)
     cl = _table(m.output("clusters"))
     assert cl["near-of-c4-0"]["cluster"] == cl["c4-0"]["cluster"] == cl["c4-0"]["idx"]
     assert cl["exact-of-c4-1"]["cluster"] == cl["c4-1"]["cluster"]
@@ -107,7 +107,7 @@ def test_verification_rejects_lsh_candidates_below_the_threshold(home, spark, co
               "data.dedup.keeper=min_idx"]  # (cover compares members exactly itself, whatever verify says)
     loose = load_spec(None, common + ["data.dedup.verify=false"], env={})
     strict = load_spec(None, common + ["data.dedup.verify=true"], env={})
-    ing = ingest.run(loose)
+    ing = ingest.run(loose, spark=spark)
     m_loose = dedup.run(loose, ing, out_dir=str(home / "loose"), spark=spark)
     m_strict = dedup.run(strict, ing, out_dir=str(home / "strict"), spark=spark)
     assert m_loose.counts["removed"] == 1  # LSH alone merges the J≈0.5 pair
@@ -124,7 +124,7 @@ def test_nothing_lost_on_the_raw_common_crawl_sample(home, spark):
     src = SHARED / "corpus" / "cc_wet_2019_30_sample.jsonl.gz"
     src = src if src.exists() else BUNDLED / "cc_wet_2019_30_sample.jsonl.gz"
     spec = load_spec(None, [f"data.inputs=[{src}]"], env={})
-    ing = ingest.run(spec)
+    ing = ingest.run(spec, spark=spark)
     dd = dedup.run(spec, ing, spark=spark)
     fl = filter_stage.run(spec, dd, spark=spark)
     lines = ing.counts["lines"]
@@ -165,7 +165,7 @@ def test_keeper_policies_on_a_transitive_chain(home, spark, chain, keeper, cover
     spec = load_spec(None, [f"data.inputs=[{src}]", f"data.dedup.keeper={keeper}",
                             f"data.dedup.cover_max_cluster={cover_max}",
                             f"data.dedup.cc_single_task_max_edges={cc_one_task}"], env={})
-    m = dedup.run(spec, ingest.run(spec), spark=spark)
+    m = dedup.run(spec, ingest.run(spec, spark=spark), spark=spark)
     st = json.loads(m.output("stats").read_text())
     assert st["cc_mode"] == ("single_task" if cc_one_task else "large_star_small_star")
     cl, removed = _table(m.output("clusters")), _table(m.output("removed"))

@@ -6,7 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from conftest import ROOT
 from pipelines.data import ingest
+from pipelines.manifest import load_manifest
 from pipelines.data.sources import IngestError
 from pipelines.spec import load_spec
 
@@ -28,14 +30,14 @@ def _bad_file(path):
     return path
 
 
-def test_quarantines_bad_records_with_reasons_and_loses_nothing(home):
+def test_quarantines_bad_records_with_reasons_and_loses_nothing(home, spark):
     src = _bad_file(home / "bad.jsonl")
     spec = load_spec(None, [f"data.inputs=[{src}]"], env={})
-    m = ingest.run(spec)
+    m = ingest.run(spec, spark=spark)
     c = m.counts
     assert c["lines"] == 9 and c["blank_lines"] == 1
     assert c["docs"] == 2 and c["quarantined"] == 7
-    assert c["lines"] == c["docs"] + c["quarantined"]
+    assert c["lines"] == c["records"] == c["docs"] + c["quarantined"]
     assert c["quarantine_reasons"] == {"empty_text": 1, "invalid_json": 1, "invalid_utf8": 2, "missing_text": 1,
                                        "not_an_object": 1, "text_not_string": 1}
     q = [json.loads(x) for x in m.output("quarantine").read_text().splitlines()]
@@ -48,13 +50,13 @@ def test_quarantines_bad_records_with_reasons_and_loses_nothing(home):
     assert [d["idx"] for d in docs] == [0, 1]
 
 
-def test_reads_gzip_and_zstd(home):
+def test_reads_gzip_and_zstd(home, spark):
     recs = [{"id": str(i), "text": f"document number {i}"} for i in range(5)]
     raw = "".join(json.dumps(r) + "\n" for r in recs).encode()
     (home / "a.jsonl.gz").write_bytes(gzip.compress(raw))
     (home / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
     spec = load_spec(None, [f"data.inputs=[{home / 'a.jsonl.gz'}, {home / 'b.jsonl.zst'}]"], env={})
-    m = ingest.run(spec)
+    m = ingest.run(spec, spark=spark)
     assert m.counts["docs"] == 10 and m.counts["quarantined"] == 0
 
 
@@ -64,19 +66,19 @@ def test_missing_input_fails_fast_with_the_fix(home):
         ingest.run(spec)
 
 
-def test_rerun_is_idempotent_and_skips_done_work(home):
+def test_rerun_is_idempotent_and_skips_done_work(home, spark):
     src = _bad_file(home / "bad.jsonl")
     spec = load_spec(None, [f"data.inputs=[{src}]"], env={})
-    m1 = ingest.run(spec)
+    m1 = ingest.run(spec, spark=spark)
     mtime = m1.output("docs").stat().st_mtime_ns
-    m2 = ingest.run(spec)
+    m2 = ingest.run(spec, spark=spark)
     assert m2.path == m1.path and m2.output("docs").stat().st_mtime_ns == mtime  # not rewritten
-    m1.output("docs").write_bytes(b"corrupted")  # a damaged output is recomputed, not trusted
-    m3 = ingest.run(spec)
+    next(m1.output("docs").glob("*.parquet")).write_bytes(b"corrupted")  # a damaged output is recomputed
+    m3 = ingest.run(spec, spark=spark)
     assert pq.read_table(m3.output("docs")).num_rows == 2
 
 
-def test_s3_prefix_globs_and_directories_give_the_same_result_as_the_local_files(home, s3_server):
+def test_s3_prefix_globs_and_directories_give_the_same_result_as_the_local_files(home, s3_server, spark):
     """The same bytes from S3 (through the project's client) and from disk: same stage key, same digest."""
     from pipelines.storage.s3 import client, ensure_bucket
 
@@ -94,12 +96,117 @@ def test_s3_prefix_globs_and_directories_give_the_same_result_as_the_local_files
     s3.put_object(Bucket="raw", Key="crawl/2026/_SUCCESS", Body=b"")
 
     local = ingest.run(load_spec(None, sets + [f"data.inputs=[{home / 'in' / 'a.jsonl.gz'}, "
-                                               f"{home / 'in' / 'b.jsonl.zst'}]"], env={}))
-    from_s3 = ingest.run(load_spec(None, sets + ["data.inputs=[s3://raw/crawl/2026/]", "run.force=true"], env={}))
+                                               f"{home / 'in' / 'b.jsonl.zst'}]"], env={}), spark=spark)
+    from_s3 = ingest.run(load_spec(None, sets + ["data.inputs=[s3://raw/crawl/2026/]", "run.force=true"], env={}),
+                         spark=spark)
     assert from_s3.counts["docs"] == 30 and from_s3.digest == local.digest and from_s3.path == local.path
     assert [i["uri"] for i in from_s3.inputs] == ["s3://raw/crawl/2026/a.jsonl.gz", "s3://raw/crawl/2026/b.jsonl.zst"]
     for pattern in (f"{home}/in/*.jsonl.*", f"{home}/in"):  # a glob, a directory (README.txt is not data)
-        m = ingest.run(load_spec(None, sets + [f"data.inputs=['{pattern}']"], env={}))
+        m = ingest.run(load_spec(None, sets + [f"data.inputs=['{pattern}']"], env={}), spark=spark)
         assert m.digest == local.digest, pattern
-    with pytest.raises(IngestError, match="s3://raw/nothing/here.*no JSONL objects"):
-        ingest.run(load_spec(None, sets + ["data.inputs=[s3://raw/nothing/here]"], env={}))
+    with pytest.raises(IngestError, match="s3://raw/nothing/here.*no JSONL or WARC objects"):
+        ingest.run(load_spec(None, sets + ["data.inputs=[s3://raw/nothing/here]"], env={}), spark=spark)
+
+
+SAMPLE_WARC = ROOT / "data" / "warc" / "python_docs_sample.warc.gz"
+
+
+def _warc_with_defects(path):
+    """The bundled sample's first 3 records, then: a member that is not gzip, a gzip member that is not WARC, an
+    image response, an HTML page with no text, a WET-style conversion record, then the rest of the sample."""
+    import io
+
+    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.warcwriter import WARCWriter
+
+    buf = io.BytesIO()
+    w = WARCWriter(buf, gzip=True)
+    for url, ctype, body in (("https://example.org/logo.png", "image/png", b"\x89PNG\r\n\x1a\n...."),
+                             ("https://example.org/blank.html", "text/html",
+                              b"<html><head><script>var x = 1;</script></head><body>  </body></html>")):
+        http = StatusAndHeaders("200 OK", [("Content-Type", ctype)], protocol="HTTP/1.1")
+        w.write_record(w.create_warc_record(url, "response", payload=io.BytesIO(body), http_headers=http))
+    w.write_record(w.create_warc_record("https://example.org/page", "conversion", warc_content_type="text/plain",
+                                        payload=io.BytesIO("Already extracted text, as in a WET file.".encode())))
+    raw = SAMPLE_WARC.read_bytes()
+    cut = 5552  # the sample's 4th gzip member starts here
+    path.write_bytes(raw[:cut] + b"NOT GZIP AT ALL" + gzip.compress(b"WARC/1.1\r\nthis is no header\r\n\r\n")
+                     + buf.getvalue() + raw[cut:])
+    return path
+
+
+def test_warc_records_are_extracted_and_defects_quarantined_with_nothing_lost(home, spark, capsys):
+    src = _warc_with_defects(home / "crawl.warc.gz")
+    assert ingest.main(["--input", str(src), "--output", str(home / "out")]) == 0  # the CLI contract
+    m = load_manifest(home / "out")
+    c = m.counts
+    assert c["warc_records"] == 41 + 3 + 2 and c["records"] == c["docs"] + c["quarantined"] == 46
+    assert c["docs"] == 38 + 1  # the sample's 38 pages + the conversion record
+    assert c["quarantine_reasons"] == {"bad_record": 2, "empty_text": 1, "http_status": 2, "not_html": 2}
+    assert c["skipped_records"] == {"request": 41, "warcinfo": 1}
+    q = [json.loads(x) for x in m.output("quarantine").read_text().splitlines()]
+    bad = [r for r in q if r["reason"] == "bad_record"]
+    assert [r["offset"] for r in bad] == [5552, 5552 + 15]
+    assert base64.b64decode(bad[0]["raw_b64"]) == b"NOT GZIP AT ALL"  # the bytes are kept
+    assert next(r for r in q if r["reason"] == "empty_text")["url"] == "https://example.org/blank.html"
+    assert {r["detail"] for r in q if r["reason"] == "http_status"} == {"HTTP 404", "HTTP 301"}
+    docs = pq.read_table(m.output("docs")).to_pylist()
+    assert [d["idx"] for d in docs] == list(range(39))
+    tut = next(d for d in docs if d["url"] == "https://docs.python.org/3.11/tutorial/classes.html")
+    assert tut["id"] == tut["warc_record_id"].strip() and tut["id"].startswith("<urn:uuid:")
+    assert tut["date"] == "2026-11-20T12:00:00Z" and tut["source"] == "crawl.warc.gz"
+    assert "Classes provide a means of bundling data and functionality together" in tut["text"]
+    assert "<div" not in tut["text"] and "Navigation" not in tut["text"][:200]  # main content, not the page chrome
+    assert next(d for d in docs if d["url"] == "https://example.org/page")["text"].startswith("Already extracted")
+    assert "39 docs" in capsys.readouterr().out
+
+
+def test_wet_files_and_trafilatura(home, spark):
+    """A .warc.wet.gz of conversion records is read as text; trafilatura extracts the same pages' main text."""
+    import io
+
+    from warcio.warcwriter import WARCWriter
+
+    with open(home / "sample.warc.wet.gz", "wb") as f:
+        w = WARCWriter(f, gzip=True)
+        for i in range(5):
+            w.write_record(w.create_warc_record(f"https://example.org/{i}", "conversion",
+                                                warc_content_type="text/plain",
+                                                payload=io.BytesIO(f"Page {i} of plain text.".encode())))
+    m = ingest.run(load_spec(None, [f"data.inputs=[{home / 'sample.warc.wet.gz'}]"], env={}), spark=spark)
+    assert m.counts["docs"] == 5 and [d["url"] for d in pq.read_table(m.output("docs")).to_pylist()] == \
+        [f"https://example.org/{i}" for i in range(5)]
+    t = ingest.run(load_spec(None, [f"data.inputs=[{SAMPLE_WARC}]", "data.ingest.extractor=trafilatura"], env={}),
+                   spark=spark)
+    assert t.counts["docs"] == 38
+    text = pq.read_table(t.output("docs")).column("text").to_pylist()
+    assert any("Classes provide a means of bundling data" in x for x in text)
+
+
+def test_large_files_are_split_by_record_and_ids_do_not_depend_on_the_split(home, spark):
+    """A 3 MB plain JSONL read as 1 split and as 3 (1 MB ranges): the same idx, ids, lines and quarantine."""
+    recs = []
+    for i in range(9000):
+        recs.append(json.dumps({"text": f"record {i} " + "x" * 300}) if i % 1000 else "{broken json")
+        if i % 777 == 0:
+            recs.append("")
+    (home / "big.jsonl").write_text("\n".join(recs) + "\n")
+    one = ingest.run(load_spec(None, [f"data.inputs=[{home / 'big.jsonl'}]"], env={}), spark=spark)
+    three = ingest.run(load_spec(None, [f"data.inputs=[{home / 'big.jsonl'}]", "data.ingest.split_mb=1"], env={}),
+                       spark=spark)
+    assert one.counts["splits"] == 1 and three.counts["splits"] == 3
+    for k in ("docs", "quarantined", "blank_lines", "lines"):
+        assert one.counts[k] == three.counts[k], k
+    a, b = (pq.read_table(m.output("docs")).select(["idx", "id", "text"]).to_pylist() for m in (one, three))
+    assert a == b and [d["idx"] for d in a] == list(range(8991))
+    assert a[1000]["id"] == "big.jsonl:1005"  # <file>:<line> (record 1002, after 2 blank lines)
+    assert one.output("quarantine").read_text() == three.output("quarantine").read_text()
+    assert [json.loads(x)["line"] for x in one.output("quarantine").read_text().splitlines()][:2] == [1, 1003]
+
+
+def test_a_rerun_gives_the_same_ids_and_digest(home, spark):
+    src = f"data.inputs=[{SAMPLE_WARC}, {ROOT / 'data' / 'sample' / 'cc_wet_2019_30_sample.jsonl.gz'}]"
+    two = ingest.run(load_spec(None, [src], env={}), spark=spark)
+    assert two.extra["spark_master"] == "local[2]" and two.counts["splits"] == 2
+    again = ingest.run(load_spec(None, [src, "run.force=true"], env={}), spark=spark)
+    assert again.digest == two.digest

@@ -32,24 +32,25 @@ def _wait_http(url, timeout=90):
 def cluster(tmp_path_factory):
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_WORKER_DIR": str(tmp_path_factory.mktemp("work")),
            "PYSPARK_PYTHON": sys.executable}
-    port, ui, wui = free_port(), free_port(), free_port()
+    port, ui = free_port(), free_port()
     logs = tmp_path_factory.mktemp("logs")
     master = subprocess.Popen([str(BIN / "spark-class"), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                                "--port", str(port), "--webui-port", str(ui)], env=env,
                               stdout=open(logs / "master.log", "w"), stderr=subprocess.STDOUT)
-    worker = subprocess.Popen([str(BIN / "spark-class"), "org.apache.spark.deploy.worker.Worker",
-                               f"spark://127.0.0.1:{port}", "--host", "127.0.0.1", "--cores", "2", "--memory", "2g",
-                               "--webui-port", str(wui)], env=env,
-                              stdout=open(logs / "worker.log", "w"), stderr=subprocess.STDOUT)
+    workers = [subprocess.Popen([str(BIN / "spark-class"), "org.apache.spark.deploy.worker.Worker",
+                                 f"spark://127.0.0.1:{port}", "--host", "127.0.0.1", "--cores", "1", "--memory", "1g",
+                                 "--webui-port", str(free_port()), "--work-dir", str(tmp_path_factory.mktemp("w"))],
+                                env=env, stdout=open(logs / f"worker{i}.log", "w"), stderr=subprocess.STDOUT)
+               for i in range(2)]  # two workers of one core each
     try:
         _wait_http(f"http://127.0.0.1:{ui}/json/")
         deadline = time.time() + 90
-        while b'"aliveworkers" : 1' not in urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/").read():
-            assert time.time() < deadline, (logs / "worker.log").read_text()[-3000:]
+        while b'"aliveworkers" : 2' not in urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/").read():
+            assert time.time() < deadline, (logs / "worker0.log").read_text()[-3000:]
             time.sleep(1)
         yield f"spark://127.0.0.1:{port}", env, f"http://127.0.0.1:{ui}/json/"
     finally:
-        for p in (worker, master):
+        for p in (*workers, master):
             p.terminate()
             p.wait(timeout=30)
 
@@ -73,8 +74,46 @@ def test_dedup_runs_on_a_standalone_cluster_via_spark_submit(cluster, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     state = json.loads(urllib.request.urlopen(api).read())
     apps = state["completedapps"] + state["activeapps"]  # it really ran on the cluster
-    assert [a["name"] for a in apps] == ["llm-pipeline-dedup"], state
+    assert [a["name"] for a in apps] == ["llm-pipeline-ingest"], state  # ingest + dedup, one session
     cl = {x["id"]: x for x in ds.dataset(str(out / "clusters"), format="parquet").to_table().to_pylist()}
     assert set(cl) == {x["id"] for x in recs}
     assert cl["copy-of-c4-7"]["cluster"] == cl["c4-7"]["idx"]
     assert "1 removed" in r.stdout
+
+
+def test_tokenization_is_the_same_on_local_1_local_2_and_the_standalone_cluster(cluster, tmp_path):
+    """The contract CLI on three masters: the same tokenizer, the same split and the same token ids per doc, though
+    the shard layout follows the partitions."""
+    import json
+
+    from test_tokenize import _filter_manifest
+
+    from pipelines.data import tokenize
+    from pipelines.data.shards import Shard
+    from pipelines.manifest import load_manifest
+
+    master, env, api = cluster
+    docs = [{"id": f"c4-{i}", "text": d["text"]} for i, d in enumerate(c4_docs(400))]
+    filt = _filter_manifest(tmp_path, docs, files=4)
+    outs = {}
+    for m in ("local[1]", "local[2]", master):
+        out = tmp_path / m.replace("/", "_").replace(":", "_")
+        r = subprocess.run([str(BIN / "python"), "-m", "pipelines.data.tokenize", "--input-manifest", filt.path,
+                            "--output", str(out), "--set", f"services.spark_master={m}", "--set",
+                            "tokenizer.vocab_size=800", "--set", "tokenizer.shard_tokens=30000"],
+                           env={**env, "LLMP_HOME": str(tmp_path)}, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        outs[m] = load_manifest(out)
+    assert [outs[m].extra["spark_master"] for m in outs] == list(outs)
+    assert [outs[m].extra["partitions"] for m in outs] == [1, 2, 2]
+    assert "llm-pipeline-tokenize" in [a["name"] for a in json.loads(urllib.request.urlopen(api).read())
+                                       ["completedapps"]]
+    assert len({o.extra["tokenizer_sha256"] for o in outs.values()}) == 1
+    for split in tokenize.SPLITS:
+        got = [tokenize.read_back(o, split) for o in outs.values()]
+        assert got[0] and got[0] == got[1] == got[2], split
+    for o in outs.values():  # every shard reads back; its counts are the manifest's
+        assert sum(o.counts[f"{s}_docs"] for s in tokenize.SPLITS) == 400
+        for s in o.extra["shards"]:
+            sh = Shard.open(o.dir / s["prefix"])
+            assert (sh.num_docs, sh.num_tokens) == (s["docs"], s["tokens"]) and s["tokens"] <= 30000

@@ -58,7 +58,7 @@ def test_rerun_reuses_force_recomputes_and_a_changed_input_invalidates_even_with
     assert json.loads((home / "r.json").read_text())["stage"] == "ingest"
 
 
-def test_lineage_follows_inputs_and_refuses_a_rewritten_upstream(home):
+def test_lineage_follows_inputs_and_refuses_a_rewritten_upstream(home, spark):
     sys.path.insert(0, str(ROOT / "plugins"))
     from llm_operators import AirflowFailException, upstream_manifests
 
@@ -69,7 +69,7 @@ def test_lineage_follows_inputs_and_refuses_a_rewritten_upstream(home):
 
     write_jsonl(home / "in.jsonl", [{"text": "one two three"}])
     spec = load_spec(None, [f"data.inputs=[{home / 'in.jsonl'}]"], env={})
-    ing = ingest.run(spec)
+    ing = ingest.run(spec, spark=spark)
     sd = stage_dir(spec, "dedup", [input_ref(ing)])
     with sd:
         (sd.tmp / "x").write_text("x")

@@ -11,35 +11,40 @@ from pipelines.spec import load_spec
 from conftest import c4_docs
 
 
-def _filter_manifest(home, docs) -> Manifest:
-    """A filter-stage manifest over ``docs`` (what tokenize reads), written through the real StageDir."""
+def _filter_manifest(home, docs, files: int = 1) -> Manifest:
+    """A filter-stage manifest over ``docs`` (what tokenize reads) in ``files`` parquet files, written through the
+    real StageDir."""
     sd = StageDir(home / "var/runs", "filter", "test", [{"uri": "x", "sha256": "0"}])
     with sd:
         tbl = pa.table({"idx": list(range(len(docs))), "id": [d["id"] for d in docs],
                         "text": [d["text"] for d in docs], "source": ["t"] * len(docs)})
-        pq.write_table(tbl, sd.tmp / "kept.parquet")
+        (sd.tmp / "kept").mkdir()
+        step = -(-len(docs) // files)
+        for k in range(files):
+            pq.write_table(tbl.slice(k * step, step), sd.tmp / "kept" / f"part-{k:05d}.parquet")
         pq.write_table(tbl.slice(0, 0), sd.tmp / "removed.parquet")
-        return sd.commit({"kept": "kept.parquet", "removed": "removed.parquet"})
+        return sd.commit({"kept": "kept", "removed": "removed.parquet"})
 
 
-def test_shards_round_trip_and_counts_match_the_manifest(home):
+def test_shards_round_trip_and_counts_match_the_manifest(home, spark):
     docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(250))]
     docs.append({"id": "crlf", "text": "Windows line\r\nendings and  double  spaces\tand tabs, ünïcödé ＦＵＬＬ"})
     spec = load_spec(None, ["tokenizer.vocab_size=600", "tokenizer.shard_tokens=20000",
                             "tokenizer.heldout_fraction=0.1"], env={})
-    m = tokenize.run(spec, _filter_manifest(home, docs))
+    m = tokenize.run(spec, _filter_manifest(home, docs), spark=spark)
+    assert m.extra["spark_master"] == "local[2]" and m.extra["partitions"] >= 1
     sp = spm.SentencePieceProcessor(model_file=str(m.output("tokenizer")))
     eos = m.extra["eos_id"]
     by_split = {s: [d for d in docs if tokenize.split_of(d["id"], spec.run.seed, 0.1) == s] for s in tokenize.SPLITS}
     assert by_split["heldout"] and len(by_split["train"]) > 200
     for split, expected in by_split.items():
-        shards = [Shard.open(m.dir / s["prefix"]) for s in m.extra["shards"] if s["split"] == split]
-        got = [sh.doc(i) for sh in shards for i in range(sh.num_docs)]
-        assert len(got) == len(expected)
-        for ids, d in zip(got, expected):
+        got = tokenize.read_back(m, split)  # doc id → token ids, through the shards' .ids.parquet
+        assert sorted(got) == sorted(d["id"] for d in expected)
+        for d in expected:
+            ids = got[d["id"]]
             assert ids[-1] == eos and eos not in ids[:-1]
-            assert sp.decode(ids[:-1].tolist()) == tokenize.normalise(d["text"])  # exact round trip
-        assert sum(sh.num_tokens for sh in shards) == m.counts[f"{split}_tokens"]
+            assert sp.decode(ids[:-1]) == tokenize.normalise(d["text"])  # exact round trip
+        assert sum(len(v) for v in got.values()) == m.counts[f"{split}_tokens"]
     assert len([s for s in m.extra["shards"] if s["split"] == "train"]) > 1  # sharding happened
     for s in m.extra["shards"]:
         sh = Shard.open(m.dir / s["prefix"])

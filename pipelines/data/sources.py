@@ -17,7 +17,7 @@ from pathlib import Path
 from pipelines.manifest import StageError
 from pipelines.spec import JobSpec, resolve_path
 
-DATA_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".jsonl.zstd", ".gz", ".zst", ".zstd")
+DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc")  # .jsonl.gz, .warc.gz, .warc.wet.gz …
 
 
 class IngestError(StageError):
@@ -63,7 +63,7 @@ def s3_sources(spec: JobSpec, uri: str) -> list[Source]:
         raise IngestError(f"input {uri}: cannot list it ({type(e).__name__}: {e})") from None
     objects = sorted((o for o in objects if o["Key"] == prefix or is_data_file(o["Key"])), key=lambda o: o["Key"])
     if not objects:
-        raise IngestError(f"input {uri}: no JSONL objects under it; fix data.inputs or --input")
+        raise IngestError(f"input {uri}: no JSONL or WARC objects under it; fix data.inputs or --input")
     return [Source(o["Key"].rsplit("/", 1)[-1], f"s3://{bucket}/{o['Key']}", cached_copy(s3, bucket, o, spec))
             for o in objects]
 

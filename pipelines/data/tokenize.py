@@ -1,34 +1,42 @@
-"""Tokenize: train (or take) a SentencePiece model, encode filtered docs into mmap shards.
+"""Tokenize on Spark: train (or take) a SentencePiece model, then every partition encodes its documents and writes
+its own mmap shards.
 
 * Normalisation before tokenization: Unicode NFKC, ``\\r\\n``/``\\r`` → ``\\n``. The trained model
   uses SentencePiece's ``identity`` normaliser, keeps whitespace as is, has ``\\n`` as a piece and
   byte fallback, so ``decode(encode(doc)) == normalise(doc)`` exactly.
+* Tokenizer sample: the executors rank every train-split doc by ``sha256(seed:tok:id)``; the driver takes the
+  ``sample_docs`` smallest (Spark's top-k) and trains on them. The same docs give the same sample, whatever the
+  partitioning.
 * Split: a doc goes to ``heldout`` when ``sha256(seed:id)`` falls under ``heldout_fraction``,
   else to ``train`` (stable under corpus growth: a doc never changes split).
-* Shards: ``shards/{train,heldout}-NNNNN.{bin,idx}`` (format in ``pipelines.data.shards``),
-  EOS after every doc, a new shard every ``shard_tokens`` tokens.
+* Shards: partition ``p`` writes ``shards/{train,heldout}-PPPPP-KKKK.{bin,idx}`` (format in
+  ``pipelines.data.shards``, Megatron's ``MMIDIDX``) straight into the output directory, EOS after every doc, a
+  new shard every ``shard_tokens`` tokens, and ``….ids.parquet`` with the doc ids in shard order. The number of
+  partitions is ``tokenizer.partitions``, or by default the executors' parallelism, raised so that a partition
+  holds about ``shard_tokens`` tokens (never above the input's own partitions: no shuffle of the texts).
+  The split and every doc's token ids do not depend on the partitioning; the shard layout does.
 
-Counts: docs and tokens per split; the manifest lists every shard with its token count, doc count
-and the UTF-8 bytes of its source text (for bits-per-byte).
+Counts: docs, tokens and text bytes per split; the manifest lists every shard with its split, partition, docs,
+tokens and the UTF-8 bytes of its source text (for bits-per-byte), plus ``spark_master`` and ``partitions``.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import shutil
 import sys
 import unicodedata
 from pathlib import Path
 
 import numpy as np
-import pyarrow.dataset as ds
 
 from pipelines.data.shards import ShardWriter, token_dtype
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.manifest import Manifest, StageError, file_ref, input_ref, sha256_file
-from pipelines.progress import progress
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
 
 SPLITS = ("train", "heldout")
+SHARD_SCHEMA = "split string, prefix string, partition long, docs long, tokens long, text_bytes long"
 
 
 class TokenizeError(StageError):
@@ -63,98 +71,175 @@ def train_sentencepiece(texts: list[str], out_prefix: Path, cfg: TokenizerCfg, s
         minloglevel=2,
     )
     sample.unlink()
-    return out_prefix.with_suffix(".model")
+    return portable(out_prefix.with_suffix(".model"))
 
 
-def _iter_docs(path: Path):
-    for batch in ds.dataset(str(path), format="parquet").to_batches(columns=["idx", "id", "text"],
-                                                                     batch_size=1024):
-        yield from zip(batch.column(1).to_pylist(), batch.column(2).to_pylist())
+def portable(model: Path) -> Path:
+    """Drop the trainer's file paths from the model, so that the same sample gives the same bytes anywhere."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(model.read_bytes())
+    proto.trainer_spec.ClearField("input")
+    proto.trainer_spec.ClearField("model_prefix")
+    model.write_bytes(proto.SerializeToString())
+    return model
 
 
-def tokenize_docs(docs_path: Path, out: Path, cfg: TokenizerCfg, seed: int) -> dict:
-    import sentencepiece as spm
+def sample_texts(docs, cfg: TokenizerCfg, seed: int) -> list[str]:
+    """The tokenizer's training sample: train-split docs ranked on the executors, top-k on the driver."""
+    def rank(batches):
+        import pyarrow as pa
 
-    # 1. tokenizer: given, or trained on a deterministic sample of the train split
+        for b in batches:
+            keep = [(hashlib.sha256(f"{seed}:tok:{i}".encode()).digest(), t)
+                    for i, t in zip(b.column(0).to_pylist(), b.column(1).to_pylist())
+                    if split_of(i, seed, cfg.heldout_fraction) == "train"]
+            yield pa.RecordBatch.from_arrays([pa.array([k for k, _ in keep], pa.binary()),
+                                              pa.array([t for _, t in keep], pa.string())], names=["key", "text"])
+
+    top = docs.select("id", "text").mapInArrow(rank, "key binary, text string").orderBy("key")
+    return [r.text for r in top.limit(cfg.sample_docs).collect()]
+
+
+def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int) -> bytes:
+    """``out/tokenizer.model``: the given one, or one trained on the deterministic sample; returns its bytes."""
     if cfg.model_path:
         src = resolve_path(cfg.model_path)
         if not src.is_file():
             raise TokenizeError(f"tokenizer.model_path {src} does not exist")
         shutil.copyfile(src, out / "tokenizer.model")
     else:
-        ranked = sorted(
-            ((hashlib.sha256(f"{seed}:tok:{i}".encode()).digest(), t) for i, t in _iter_docs(docs_path)
-             if split_of(i, seed, cfg.heldout_fraction) == "train"),
-            key=lambda x: x[0])[: cfg.sample_docs]
-        if not ranked:
+        texts = sample_texts(docs, cfg, seed)
+        if not texts:
             raise TokenizeError("no training docs left to train a tokenizer on (did every doc get filtered?)")
-        model = train_sentencepiece([normalise(t) for _, t in ranked], out / "tokenizer", cfg, seed)
-        for extra in (out / "tokenizer.vocab",):
-            extra.unlink(missing_ok=True)
+        model = train_sentencepiece([normalise(t) for t in texts], out / "tokenizer", cfg, seed)
+        (out / "tokenizer.vocab").unlink(missing_ok=True)
         assert model == out / "tokenizer.model"
-    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
-    vocab, eos = sp.get_piece_size(), sp.eos_id()
-    if eos < 0:
+    return (out / "tokenizer.model").read_bytes()
+
+
+class PartitionShards:
+    """One partition's shard writers: a new ``{split}-PPPPP-KKKK`` shard every ``shard_tokens`` tokens."""
+
+    def __init__(self, out: Path, part: int, dtype, shard_tokens: int):
+        self.out, self.part, self.dtype, self.limit = out, part, dtype, shard_tokens
+        self.open: dict[str, tuple[ShardWriter, list[str], list[int]]] = {}
+        self.count = {s: 0 for s in SPLITS}
+        self.done: list[dict] = []
+
+    def add(self, split: str, doc_id: str, ids: np.ndarray, text_bytes: int) -> None:
+        cur = self.open.get(split)
+        if cur is not None and cur[0].tokens + ids.size > self.limit and cur[0].lengths:
+            self.close(split)
+            cur = None
+        if cur is None:
+            name = f"{split}-{self.part:05d}-{self.count[split]:04d}"
+            cur = self.open[split] = (ShardWriter(self.out / name, self.dtype), [], [0])
+            self.count[split] += 1
+        cur[0].add(ids)
+        cur[1].append(doc_id)
+        cur[2][0] += text_bytes
+
+    def close(self, split: str) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        w, ids, nbytes = self.open.pop(split)
+        w.close()
+        pq.write_table(pa.table({"id": pa.array(ids, pa.string())}), w.prefix.with_suffix(".ids.parquet"))
+        self.done.append({"split": split, "prefix": f"shards/{w.prefix.name}", "partition": self.part,
+                          "docs": len(w.lengths), "tokens": w.tokens, "text_bytes": nbytes[0]})
+
+    def finish(self) -> list[dict]:
+        for split in list(self.open):
+            self.close(split)
+        return self.done
+
+
+def encoder(model: bytes, out: str, cfg: TokenizerCfg, seed: int):
+    """The mapInArrow function: encode a partition's docs (one thread: Spark runs a task per core) into its shards;
+    yield one row per shard written."""
+    def fn(batches):
+        import pyarrow as pa
+        import sentencepiece as spm
+        from pyspark import TaskContext
+
+        sp = spm.SentencePieceProcessor(model_proto=model)
+        eos = sp.eos_id()
+        shards = PartitionShards(Path(out), TaskContext.get().partitionId(), token_dtype(sp.get_piece_size()),
+                                 cfg.shard_tokens)
+        for b in batches:
+            texts = [normalise(t) for t in b.column(1).to_pylist()]
+            for doc_id, text, ids in zip(b.column(0).to_pylist(), texts, sp.encode(texts)):
+                ids.append(eos)
+                shards.add(split_of(doc_id, seed, cfg.heldout_fraction), doc_id, np.asarray(ids, np.int64),
+                           len(text.encode("utf-8")))
+        rows = shards.finish()
+        if rows:
+            yield pa.RecordBatch.from_pylist(rows)
+    return fn
+
+
+def text_bytes(path: Path) -> int:
+    """The uncompressed size of the docs' text column, from the parquet footers (nothing is read)."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    total = 0
+    for f in ds.dataset(str(path), format="parquet").files:
+        md = pq.ParquetFile(f).metadata
+        col = md.schema.names.index("text")
+        total += sum(md.row_group(j).column(col).total_uncompressed_size for j in range(md.num_row_groups))
+    return total
+
+
+def partitions(spark, docs, path: Path, cfg: TokenizerCfg) -> int:
+    """tokenizer.partitions, or the executors' parallelism raised to about shard_tokens tokens (~4 bytes each) a
+    partition, capped by the input's own partitions (coalesce: no shuffle of the texts)."""
+    if cfg.partitions:
+        return cfg.partitions
+    want = max(spark.sparkContext.defaultParallelism, math.ceil(text_bytes(path) / 4 / cfg.shard_tokens))
+    return min(docs.rdd.getNumPartitions(), want)
+
+
+def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: int) -> dict:
+    import sentencepiece as spm
+
+    docs = spark.read.parquet(str(docs_path)).select("id", "text")
+    model = tokenizer_model(docs, out, cfg, seed)
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    if sp.eos_id() < 0:
         raise TokenizeError("the tokenizer has no EOS id; documents need an EOS separator")
-    dtype = token_dtype(vocab)
-
-    # 2. encode into shards
     (out / "shards").mkdir()
-    counts = {f"{s}_{k}": 0 for s in SPLITS for k in ("docs", "tokens", "text_bytes")}
-    shards: list[dict] = []
-    writers: dict[str, ShardWriter | None] = {s: None for s in SPLITS}
-    shard_no = {s: 0 for s in SPLITS}
-    shard_bytes = {s: 0 for s in SPLITS}
-
-    def close(split: str) -> None:
-        w = writers[split]
-        if w is not None:
-            w.close()
-            shards.append({"split": split, "prefix": f"shards/{w.prefix.name}", "docs": len(w.lengths),
-                           "tokens": w.tokens, "text_bytes": shard_bytes[split]})
-            writers[split] = None
-            shard_no[split] += 1
-            shard_bytes[split] = 0
-
-    buf: list[tuple[str, str]] = []
-
-    def flush() -> None:
-        texts = [normalise(t) for _, t in buf]
-        encoded = sp.encode(texts, num_threads=2)
-        for (doc_id, _), text, ids in zip(buf, texts, encoded):
-            split = split_of(doc_id, seed, cfg.heldout_fraction)
-            w = writers[split]
-            if w is not None and w.tokens + len(ids) + 1 > cfg.shard_tokens and w.lengths:
-                close(split)
-                w = None
-            if w is None:
-                w = writers[split] = ShardWriter(out / "shards" / f"{split}-{shard_no[split]:05d}", dtype)
-            w.add(np.append(np.asarray(ids, dtype=np.int64), eos))
-            nbytes = len(text.encode("utf-8"))
-            shard_bytes[split] += nbytes
-            counts[f"{split}_docs"] += 1
-            counts[f"{split}_tokens"] += len(ids) + 1
-            counts[f"{split}_text_bytes"] += nbytes
-        bar.update(len(buf))
-        buf.clear()
-
-    with progress(desc="tokenize", unit="doc") as bar:
-        for doc_id, text in _iter_docs(docs_path):
-            buf.append((doc_id, text))
-            if len(buf) >= 1024:
-                flush()
-        if buf:
-            flush()
-    for s in SPLITS:
-        close(s)
+    n = partitions(spark, docs, docs_path, cfg)
+    rows = docs.coalesce(n).mapInArrow(encoder(model, str(out / "shards"), cfg, seed), SHARD_SCHEMA).collect()
+    shards = sorted((r.asDict() for r in rows), key=lambda r: (SPLITS.index(r["split"]), r["prefix"]))
+    counts = {f"{s}_{k}": sum(r[k] for r in shards if r["split"] == s) for s in SPLITS
+              for k in ("docs", "tokens", "text_bytes")}
     if counts["train_tokens"] == 0:
         raise TokenizeError("no tokens in the train split: the corpus is empty after filtering")
     counts["docs"] = counts["train_docs"] + counts["heldout_docs"]
     counts["tokens"] = counts["train_tokens"] + counts["heldout_tokens"]
-    return {"counts": counts, "shards": shards, "vocab_size": vocab, "eos_id": eos, "dtype": dtype.name}
+    return {"counts": counts, "shards": shards, "vocab_size": sp.get_piece_size(), "eos_id": sp.eos_id(),
+            "dtype": token_dtype(sp.get_piece_size()).name, "partitions": n}
 
 
-def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None) -> Manifest:
+def read_back(m: Manifest, split: str) -> dict[str, list[int]]:
+    """Every doc of a split, id → token ids (EOS included), read from the shards the manifest lists."""
+    import pyarrow.parquet as pq
+
+    from pipelines.data.shards import Shard
+
+    out: dict[str, list[int]] = {}
+    for s in (s for s in m.extra["shards"] if s["split"] == split):
+        sh = Shard.open(m.dir / s["prefix"])
+        ids = pq.read_table(m.dir / (s["prefix"] + ".ids.parquet")).column("id").to_pylist()
+        out.update((i, sh.doc(k).tolist()) for k, i in enumerate(ids))
+    return out
+
+
+def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
     cfg = spec.tokenizer
     inputs = [input_ref(filt)]
     if cfg.model_path:
@@ -162,14 +247,18 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None) -> Manifest:
     sd = stage_dir(spec, "tokenize", inputs, out_dir)
 
     def body(tmp: Path) -> Manifest:
-        r = tokenize_docs(filt.output("kept"), tmp, cfg, spec.run.seed)
+        from pipelines.data.spark import get_spark
+
+        s = spark or get_spark(spec.services.spark_master, "llm-pipeline-tokenize", spec.services.spark_driver_memory)
+        r = tokenize_docs(s, filt.output("kept"), tmp, cfg, spec.run.seed)
         outputs = {"tokenizer": "tokenizer.model"}
         for sh in r["shards"]:
-            outputs[f"{sh['prefix']}.bin"] = f"{sh['prefix']}.bin"
-            outputs[f"{sh['prefix']}.idx"] = f"{sh['prefix']}.idx"
+            for ext in (".bin", ".idx", ".ids.parquet"):
+                outputs[sh["prefix"] + ext] = sh["prefix"] + ext
         return sd.commit(outputs, counts=r["counts"], extra={
             "shards": r["shards"], "vocab_size": r["vocab_size"], "eos_id": r["eos_id"], "dtype": r["dtype"],
-            "tokenizer_sha256": sha256_file(tmp / "tokenizer.model"),
+            "tokenizer_sha256": sha256_file(tmp / "tokenizer.model"), "spark_master": s.sparkContext.master,
+            "partitions": r["partitions"],
         })
 
     return run_and_log(spec, sd, body)
@@ -178,7 +267,8 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None) -> Manifest:
 def summary(m: Manifest) -> str:
     c = m.counts
     return (f"tokenize: {c['docs']} docs → {c['train_tokens']:,} train + {c['heldout_tokens']:,} held-out tokens "
-            f"in {len(m.extra['shards'])} shards (vocab {m.extra['vocab_size']}); manifest {m.path}")
+            f"in {len(m.extra['shards'])} shards from {m.extra['partitions']} Spark partitions on "
+            f"{m.extra['spark_master']} (vocab {m.extra['vocab_size']}); manifest {m.path}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,311 @@
+"""Readers for ingest's input formats, one *split* of one file at a time (the unit of a Spark task).
+
+* **JSONL** (plain, ``.gz``, ``.zst``): one record per line. A plain file larger than ``split_mb`` is cut into byte
+  ranges; a line belongs to the range its first byte falls in (as Hadoop's line splits). Compressed files are one
+  split each (a gzip/zstd stream cannot be entered in the middle).
+* **WARC** (``.warc``, ``.warc.gz``; Common Crawl's WET files are WARC too): each gzip member is framed here, so a
+  broken member is quarantined with its offset and bytes and reading goes on at the next one; a file that ends
+  inside a member is reported, not silently cut. Records are parsed by FastWARC. ``response`` records with HTTP 200
+  and ``text/html`` are extracted to text (resiliparse's main-content extractor by default, trafilatura on
+  request); WET ``conversion`` records already hold text. ``request``, ``warcinfo``, ``metadata`` … records are
+  not documents: they are counted by type, never quarantined.
+
+A split yields :class:`Row` s: a document (``text`` set) or a quarantined record (``reason`` set). Every document
+carries ``url``, ``warc_record_id`` and ``date`` when its format has them.
+"""
+from __future__ import annotations
+
+import base64
+import gzip
+import io
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+WARC_SUFFIXES = (".warc", ".warc.gz", ".wet", ".wet.gz")
+_RAW_KEEP = 1 << 20  # quarantined WARC bytes kept inline up to this size (the offset always points at the rest)
+
+
+def fmt_of(name: str) -> str:
+    return "warc" if name.lower().endswith(WARC_SUFFIXES) else "jsonl"
+
+
+@dataclass(frozen=True)
+class Split:
+    """A byte range ``[start, end)`` of one input file (``end`` None: to its end)."""
+
+    no: int
+    name: str
+    path: str
+    fmt: str
+    start: int = 0
+    end: int | None = None
+
+
+@dataclass
+class Row:
+    loc: int                 # JSONL: line number within the split (1-based); WARC: the record's byte offset
+    text: str | None = None  # a document …
+    id: str | None = None    # None: ingest names it <file>:<line>
+    url: str | None = None
+    warc_record_id: str | None = None
+    date: str | None = None
+    reason: str | None = None  # … or a quarantined record
+    q: dict = field(default_factory=dict)  # the quarantine entry's other fields (detail, raw, …)
+
+
+def plan(sources, split_mb: int) -> list[Split]:
+    """Every input cut into splits: plain JSONL by ``split_mb``, anything else whole."""
+    out: list[Split] = []
+    step = split_mb << 20
+    for s in sources:
+        fmt, size = fmt_of(s.name), s.path.stat().st_size
+        if fmt == "jsonl" and not s.name.lower().endswith((".gz", ".zst", ".zstd")) and size > step:
+            for a in range(0, size, step):
+                out.append(Split(len(out), s.name, str(s.path), fmt, a, min(a + step, size)))
+        else:
+            out.append(Split(len(out), s.name, str(s.path), fmt))
+    return out
+
+
+# ---- JSONL -----------------------------------------------------------------------------------------------------
+
+
+def open_binary(path: Path) -> BinaryIO:
+    """Open plain, gzip or zstd files by extension, as a binary line stream."""
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".zst") or name.endswith(".zstd"):
+        import zstandard
+
+        raw = open(path, "rb")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    return open(path, "rb")
+
+
+def split_lines(split: Split) -> Iterator[bytes]:
+    """The lines (newline stripped) whose first byte lies in the split."""
+    with open_binary(Path(split.path)) as f:
+        if split.end is None:
+            for line in f:
+                yield line.rstrip(b"\r\n")
+            return
+        pos = split.start
+        if pos:
+            f.seek(pos - 1)
+            pos += len(f.readline()) - 1  # the rest of the line holding byte start-1 belongs to the split before
+        while pos < split.end:
+            line = f.readline()
+            if not line:
+                return
+            pos += len(line)
+            yield line.rstrip(b"\r\n")
+
+
+def classify(line: bytes, text_field: str, min_chars: int) -> tuple[str | None, dict | str]:
+    """Return (None, record) for a good line, else (reason, detail)."""
+    try:
+        s = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return "invalid_utf8", f"{e.reason} at byte {e.start}"
+    try:
+        rec = json.loads(s)
+    except json.JSONDecodeError as e:
+        return "invalid_json", f"{e.msg} at char {e.pos}"
+    if not isinstance(rec, dict):
+        return "not_an_object", f"got {type(rec).__name__}"
+    if text_field not in rec:
+        return "missing_text", f"no {text_field!r} field (fields: {sorted(rec)[:8]})"
+    text = rec[text_field]
+    if not isinstance(text, str):
+        return "text_not_string", f"{text_field!r} is {type(text).__name__}"
+    reason = text_problem(text, min_chars)
+    return (reason, _TEXT_DETAIL[reason](text)) if reason else (None, rec)
+
+
+_TEXT_DETAIL = {"empty_text": lambda t: f"{len(t.strip())} chars after strip",
+                "invalid_utf8": lambda t: "lone surrogate in text"}
+
+
+def text_problem(text: str, min_chars: int) -> str | None:
+    if len(text.strip()) < min_chars:
+        return "empty_text"
+    try:  # lone surrogates (valid JSON escapes, invalid Unicode) cannot be written as UTF-8 later
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "invalid_utf8"
+    return None
+
+
+def jsonl_rows(split: Split, cfg) -> Iterator[Row | None]:
+    """A Row per non-blank line; None for a blank line (no record, but a line for numbering)."""
+    for n, line in enumerate(split_lines(split), start=1):
+        if not line.strip():
+            yield None
+            continue
+        reason, rec = classify(line, cfg.text_field, cfg.min_chars)
+        if reason is not None:
+            try:
+                raw = {"raw": line.decode("utf-8")}
+            except UnicodeDecodeError:
+                raw = {"raw_b64": base64.b64encode(line).decode("ascii")}
+            yield Row(n, reason=reason, q={"detail": rec, **raw})
+            continue
+        rid, url = rec.get(cfg.id_field), rec.get("url")
+        yield Row(n, text=rec[cfg.text_field], id=str(rid) if rid is not None else None,
+                  url=url if isinstance(url, str) else None)
+
+
+# ---- WARC ------------------------------------------------------------------------------------------------------
+
+
+def gzip_members(f: BinaryIO, piece: int = 1 << 16) -> Iterator[tuple[int, int, bytes | None]]:
+    """(offset, length, decompressed bytes or None when broken) for each gzip member, streamed: a Common Crawl WARC
+    holds one record per member. A member that does not decompress ends at the next gzip magic (resync)."""
+    off = 0
+    while True:
+        f.seek(off)
+        d, out, n = zlib.decompressobj(wbits=31), [], 0
+        try:
+            while not d.eof:
+                chunk = f.read(piece)
+                if not chunk:
+                    break
+                n += len(chunk)
+                out.append(d.decompress(chunk))
+        except zlib.error:
+            nxt = next_magic(f, off + 1)
+            yield off, nxt - off, None
+            off = nxt
+            continue
+        if n == 0:
+            return
+        if not d.eof:  # the file ends inside this member
+            yield off, n, None
+            return
+        used = n - len(d.unused_data)
+        yield off, used, b"".join(out)
+        off += used
+
+
+def next_magic(f: BinaryIO, start: int, chunk: int = 1 << 20) -> int:
+    """The offset of the next gzip member header at or after start, or the file's end."""
+    f.seek(start)
+    pos, tail = start, b""
+    while True:
+        data = f.read(chunk)
+        if not data:
+            return pos + len(tail)
+        buf = tail + data
+        i = buf.find(b"\x1f\x8b\x08")
+        if i >= 0:
+            return pos + i
+        pos, tail = pos + len(buf) - 2, buf[-2:]
+
+
+def raw_at(path: Path, off: int, length: int) -> dict:
+    with open(path, "rb") as f:
+        f.seek(off)
+        raw = f.read(min(length, _RAW_KEEP))
+    return {"raw_b64": base64.b64encode(raw).decode("ascii"), "bytes": length}
+
+
+def warc_rows(split: Split, cfg) -> Iterator[Row | str]:
+    """A Row per document-like record; the record type's name for a record that is not a document."""
+    from fastwarc.warc import ArchiveIterator
+
+    path = Path(split.path)
+    if not path.name.lower().endswith(".gz"):  # plain WARC: FastWARC streams it; a bad record ends the file
+        pos = 0
+        try:
+            for rec in ArchiveIterator(str(path), parse_http=False, fsspec_args=False, stream_detect=False):
+                pos = rec.stream_pos
+                yield from warc_record(rec, pos, cfg)
+        except OSError as e:
+            yield Row(pos, reason="bad_record", q={"offset": pos, "detail": f"WARC parse error: {e}",
+                                                   **raw_at(path, pos, path.stat().st_size - pos)})
+        return
+    with open(path, "rb") as f:
+        for off, length, data in gzip_members(f):
+            if data is None:
+                yield Row(off, reason="bad_record", q={"offset": off, **raw_at(path, off, length),
+                                                       "detail": "gzip member is truncated or corrupt"})
+                continue
+            n, problem = 0, "no WARC record in this gzip member"
+            try:
+                for rec in ArchiveIterator(io.BytesIO(data), parse_http=False, fsspec_args=False,
+                                           stream_detect=False):
+                    n += 1
+                    yield from warc_record(rec, off, cfg)
+            except OSError as e:  # FastWARC: a bad header
+                n, problem = 0, f"WARC parse error: {e}"
+            if n == 0:
+                yield Row(off, reason="bad_record", q={"offset": off, **raw_at(path, off, length), "detail": problem})
+
+
+_DOC_TYPES = ("response", "conversion", "resource")
+
+
+def warc_record(rec, off: int, cfg) -> Iterator[Row | str]:
+    kind = str(rec.record_type)
+    if kind == "unknown":  # a header block without a WARC-Type FastWARC knows: keep what it holds
+        body = rec.reader.read()[:_RAW_KEEP]
+        yield Row(off, reason="bad_record", q={"offset": off, "detail": "no known WARC-Type in the record header",
+                                               "headers": [list(h) for h in rec.headers.items()],
+                                               "raw_b64": base64.b64encode(body).decode("ascii")})
+        return
+    if kind not in _DOC_TYPES:
+        yield kind
+        return
+    meta = {"url": rec.headers.get("WARC-Target-URI"), "warc_record_id": rec.record_id,
+            "date": rec.headers.get("WARC-Date")}
+    q = {"offset": off, **meta}
+    if kind == "conversion":  # WET: text already extracted
+        return (yield text_row(off, rec.reader.read().decode("utf-8", "replace"), meta, q, cfg))
+    if kind == "response":
+        try:
+            rec.parse_http()
+        except OSError as e:
+            return (yield Row(off, reason="bad_http", q={**q, "detail": f"HTTP headers: {e}"}))
+        status = rec.http_headers.status_code if rec.http_headers is not None else None
+        if status != 200:
+            return (yield Row(off, reason="http_status", q={**q, "detail": f"HTTP {status}"}))
+    ctype = (rec.http_content_type if kind == "response" else rec.headers.get("Content-Type")) or ""
+    if "html" not in ctype.lower():
+        return (yield Row(off, reason="not_html", q={**q, "detail": f"content type {ctype or 'missing'!r}"}))
+    body = rec.reader.read()
+    try:
+        text = extract(body, rec.http_charset if kind == "response" else None, cfg.extractor)
+    except Exception as e:  # noqa: BLE001 - an extractor's failure on one page quarantines that page only
+        return (yield Row(off, reason="extract_failed", q={**q, "detail": f"{type(e).__name__}: {e}",
+                                                        "raw_b64": base64.b64encode(body[:_RAW_KEEP]).decode()}))
+    yield text_row(off, text, meta, {**q, "raw_b64": base64.b64encode(body[:_RAW_KEEP]).decode()}, cfg)
+
+
+def text_row(off: int, text: str, meta: dict, q: dict, cfg) -> Row:
+    reason = text_problem(text, cfg.min_chars)
+    if reason:
+        return Row(off, reason=reason, q={**q, "detail": _TEXT_DETAIL[reason](text)})
+    return Row(off, text=text, id=meta["warc_record_id"], **meta)
+
+
+def extract(body: bytes, charset: str | None, extractor: str) -> str:
+    """HTML bytes → main-content text."""
+    from resiliparse.parse.encoding import bytes_to_str, detect_encoding
+
+    html = bytes_to_str(body, charset or detect_encoding(body))
+    if extractor == "trafilatura":
+        import trafilatura
+
+        return trafilatura.extract(html, include_comments=False, include_tables=True) or ""
+    from resiliparse.extract.html2text import extract_plain_text
+    from resiliparse.parse.html import HTMLTree
+
+    return extract_plain_text(HTMLTree.parse(html), main_content=True)
+
+
+def rows(split: Split, cfg) -> Iterator[Row | str | None]:
+    return warc_rows(split, cfg) if split.fmt == "warc" else jsonl_rows(split, cfg)
