@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"registered model    : {s['model']} v{s['latest_version']}  "
           f"(alias '{spec.registry.alias}' → v{s['champion_version']})")
     print(f"MLflow run          : {s['run_id']}")
-    print(f"docs                : {g('ingest.lines')} in → {g('ingest.quarantined')} quarantined, "
+    print(f"docs                : {g('ingest.records')} in → {g('ingest.quarantined')} quarantined, "
           f"{g('dedup.removed')} duplicates, {g('filter.removed')} filtered, {g('tokenize.docs')} kept")
     print(f"tokens              : {g('tokenize.train_tokens')} train + {g('tokenize.heldout_tokens')} held-out")
     print(f"preflight           : {g('preflight.world_size')} ranks, all-reduce "
