@@ -13,7 +13,11 @@ One run, one machine:
   process (if datatrove is installed: ``make bench`` installs it); ours runs with trafilatura (same extractor) and
   with resiliparse (our default).
 
-    python benchmarks/data_bench.py [--copies 40] [--warc-copies 8]   → var/bench/data.json
+Each master runs in a child process pinned to its cores (``os.sched_setaffinity``: local[1] on 1 core, local[2] on
+2), so the JVM that feeds the Python workers cannot borrow an idle core; the one-thread anchors run on that one
+core too. ``--no-pin`` measures unpinned.
+
+    python benchmarks/data_bench.py [--copies 30] [--warc-copies 8] [--no-pin]   → var/bench/data.json
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import argparse
 import gzip
 import io
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -127,10 +132,14 @@ def datatrove_warc(files: list[Path]) -> tuple[float, int] | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--copies", type=int, default=40, help="copies of the bundled JSONL samples (default 40)")
+    ap.add_argument("--copies", type=int, default=30, help="copies of the bundled JSONL samples (default 30)")
     ap.add_argument("--warc-copies", type=int, default=8, help="copies of the bundled WARC's pages (default 8)")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin local[N] to N cores")
     ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "data.json"))
+    ap.add_argument("--child", nargs=2, metavar=("MASTER", "WORK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child:
+        return child(*args.child, pin=not args.no_pin)
     work = Path(tempfile.mkdtemp(prefix="data-bench-"))
     try:
         result = run(args, work)
@@ -143,42 +152,60 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, work: Path) -> dict:
+    """Build the corpora and the tokenizer here; measure each master in a child process pinned to its cores."""
+    import subprocess
+
     from pipelines.data.tokenize import normalise, train_sentencepiece
     from pipelines.spec import TokenizerCfg
 
     (work / "jsonl").mkdir()
     (work / "warc").mkdir()
     res: dict = {"corpus": {"jsonl_docs": jsonl_corpus(work / "jsonl", args.copies),
-                            "warc_pages": warc_corpus(work / "warc", args.warc_copies)}}
-    jsonl, warcs = sorted((work / "jsonl").iterdir()), sorted((work / "warc").iterdir())
-    res["corpus"]["jsonl_mb"] = round(sum(f.stat().st_size for f in jsonl) / 2**20, 1)
+                            "warc_pages": warc_corpus(work / "warc", args.warc_copies)},
+                 "cores": os.cpu_count(), "pinned": not args.no_pin}
+    res["corpus"]["jsonl_mb"] = round(sum(f.stat().st_size for f in (work / "jsonl").iterdir()) / 2**20, 1)
+    texts = [json.loads(x)["text"] for x in open(work / "jsonl" / "part-0.jsonl", encoding="utf-8")][:4000]
+    train_sentencepiece([normalise(t) for t in texts], work / "tok", TokenizerCfg(), 1234)
     print(f"corpus: {res['corpus']}", flush=True)
     for master in ("local[1]", "local[2]"):
-        spark, start = spark_session(master)
-        dt, c = timed_ingest(spark, jsonl, work)
-        wt, w = timed_ingest(spark, warcs, work)
-        docs = Path(c["out"]) / "docs"
-        if master == "local[1]":  # one tokenizer model for every run, trained on the first 4,000 docs
-            import pyarrow.dataset as ds
-
-            texts = ds.dataset(str(docs), format="parquet").head(4000, columns=["text"]).column("text").to_pylist()
-            model = train_sentencepiece([normalise(t) for t in texts], work / "tok", TokenizerCfg(), 1234)
-        tt, t = timed_tokenize(spark, docs, model, work)
-        res[master] = {"session_start_s": round(start, 1), "ingest_jsonl_docs_s": round(c["docs"] / dt),
-                       "ingest_jsonl_s": round(dt, 1), "ingest_warc_docs_s": round(w["docs"] / wt, 1),
-                       "ingest_warc_s": round(wt, 1), "tokenize_tokens_s": round(t["counts"]["tokens"] / tt),
-                       "tokenize_s": round(tt, 1), "tokens": t["counts"]["tokens"], "partitions": t["partitions"]}
-        if master == "local[1]":
-            traf_t, traf = timed_ingest(spark, warcs, work, "trafilatura")
-            res["ours_trafilatura_warc_docs_s"] = round(traf["docs"] / traf_t, 1)
+        cmd = [sys.executable, __file__, "--child", master, str(work)] + (["--no-pin"] if args.no_pin else [])
+        subprocess.run(cmd, check=True)
+        res[master] = json.loads((work / f"{master}.json").read_text())
         print(f"{master}: {res[master]}", flush=True)
-        spark.stop()
-    raw_t, raw_n = raw_encode(docs, model)
-    res["raw_sp_encode_tokens_s"] = round(raw_n / raw_t)
-    res["raw_sp_encode_tokens"] = raw_n
-    dt_ = datatrove_warc(warcs)
+    res["raw_sp_encode_tokens_s"] = res["local[1]"].pop("raw_sp_encode_tokens_s")
+    res["ours_trafilatura_warc_docs_s"] = res["local[1]"].pop("ours_trafilatura_warc_docs_s")
+    if not args.no_pin:  # the anchor on one core too (last step: the parent needs no more cores)
+        os.sched_setaffinity(0, {0})
+    dt_ = datatrove_warc(sorted((work / "warc").iterdir()))
     res["datatrove_warc_docs_s"] = round(dt_[1] / dt_[0], 1) if dt_ else None
     return res
+
+
+def child(master: str, work_dir: str, pin: bool) -> int:
+    """One master's measurements, in a process (and so a JVM and Python workers) pinned to N cores for local[N];
+    local[1] also runs the one-core anchors (raw sp.encode, our trafilatura path)."""
+    work = Path(work_dir)
+    n = int(master[len("local["):-1])
+    if pin:
+        os.sched_setaffinity(0, set(range(n)))
+    jsonl, warcs, model = sorted((work / "jsonl").iterdir()), sorted((work / "warc").iterdir()), work / "tok.model"
+    spark, start = spark_session(master)
+    dt, c = timed_ingest(spark, jsonl, work)
+    wt, w = timed_ingest(spark, warcs, work)
+    docs = Path(c["out"]) / "docs"
+    tt, t = timed_tokenize(spark, docs, model, work)
+    r = {"session_start_s": round(start, 1), "ingest_jsonl_docs_s": round(c["docs"] / dt),
+         "ingest_jsonl_s": round(dt, 1), "ingest_warc_docs_s": round(w["docs"] / wt, 1), "ingest_warc_s": round(wt, 1),
+         "tokenize_tokens_s": round(t["counts"]["tokens"] / tt), "tokenize_s": round(tt, 1),
+         "tokens": t["counts"]["tokens"], "partitions": t["partitions"]}
+    if n == 1:
+        traf_t, traf = timed_ingest(spark, warcs, work, "trafilatura")
+        r["ours_trafilatura_warc_docs_s"] = round(traf["docs"] / traf_t, 1)
+        raw_t, raw_n = raw_encode(docs, model)
+        r["raw_sp_encode_tokens_s"] = round(raw_n / raw_t)
+    spark.stop()
+    (work / f"{master}.json").write_text(json.dumps(r))
+    return 0
 
 
 def table(r: dict) -> str:
@@ -198,10 +225,11 @@ def table(r: dict) -> str:
     ]
     lines = ["| measure | local[1] | local[2] | anchor (same run) | ours / anchor |", "|---|---|---|---|---|"]
     lines += [f"| {' | '.join(str(x) for x in row)} |" for row in rows]
-    lines.append(f"| scaling local[2] / local[1] | ingest JSONL {two['ingest_jsonl_docs_s'] / one['ingest_jsonl_docs_s']:.2f}×"
-                 f" · WARC {two['ingest_warc_docs_s'] / one['ingest_warc_docs_s']:.2f}× | tokenize "
-                 f"{two['tokenize_tokens_s'] / one['tokenize_tokens_s']:.2f}× | target ≥ 1.7× | "
-                 f"tokenize job {one['tokenize_s']} s / {two['tokenize_s']} s; session start {one['session_start_s']} s |")
+    ratio = {k: two[k] / one[k] for k in ("ingest_jsonl_docs_s", "ingest_warc_docs_s", "tokenize_tokens_s")}
+    lines.append(f"| scaling local[2] / local[1] | ingest JSONL {ratio['ingest_jsonl_docs_s']:.2f}× · WARC "
+                 f"{ratio['ingest_warc_docs_s']:.2f}× | tokenize {ratio['tokenize_tokens_s']:.2f}× | target ≥ 1.7× | "
+                 f"tokenize job {one['tokenize_s']} s / {two['tokenize_s']} s; session start "
+                 f"{one['session_start_s']} s |")
     return "\n".join(lines)
 
 

@@ -67,9 +67,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           "alias only if it is no worse on the same reference set."),
 )}
 
-# The Asset-linked DAGs, in order: each runs its stages and its last stage emits the DAG's Asset, on which the
-# next DAG is scheduled; "schedule" names the spec key of a time schedule instead. (``llm_pipeline`` runs all
-# of them in one DAG.)
+# The Asset-linked DAGs, in order: each runs its stages and its last task (publish) emits the DAG's Asset, on
+# which the next DAG is scheduled; "schedule" names the spec key of a time schedule instead. (``llm_pipeline``
+# runs all of them in one DAG.)
 DAGS: dict[str, dict] = {
     "data_curation": {"asset": "curated_shards", "schedule": "data.schedule",
                       "doc": "ingest → dedup → filter → tokenize, on a cron schedule (data.schedule)."},

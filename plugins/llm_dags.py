@@ -1,7 +1,8 @@
 """The pipeline's DAGs, built from the stage table (``pipelines/stages.py``): a file in ``dags/`` is one call.
 
 * ``data_curation`` (ingest → dedup → filter → tokenize) runs on ``data.schedule`` (cron, default weekly,
-  no catch-up); its last task emits the Asset ``curated_shards`` with the tokenize manifest's path and digest.
+  no catch-up); its last task, ``publish`` (after the teardown, so the services are closed before the next DAG
+  starts), emits the Asset ``curated_shards`` with the tokenize manifest's path, digest and lineage.
 * ``training`` (preflight → train → promote) is scheduled on ``curated_shards`` and emits ``checkpoint``.
 * ``evaluation`` (evaluate → register) is scheduled on ``checkpoint``.
 * ``llm_pipeline`` runs every stage in one DAG (the one-click demo); it emits no Asset.
@@ -30,6 +31,7 @@ DEFAULTS = {"retries": 2, "retry_delay": timedelta(seconds=30), "retry_exponenti
             "on_failure_callback": failure_summary}
 DEFAULT_SPEC = "configs/demo.yaml"
 UPSTREAM_TASK = "upstream_assets"
+PUBLISH_TASK = "publish"
 
 # Trigger-form fields that override one spec key each (empty = the spec's value), on the forms of the DAGs that
 # run the stage named: name → (key, stage, form section, JSON schema).
@@ -157,12 +159,27 @@ def upstream_assets_task(asset: Asset, source: str, needed: list[str]):
     return upstream_assets()
 
 
-def stage_task(s: Stage, inside: set[str], ovr: list[str], outlet: Asset | None):
+def publish_task(asset: Asset, manifest):
+    """The DAG's last task: the Asset event, whose ``extra`` says which result it is (the last stage's manifest path
+    and digest, and the manifests it was made from)."""
+
+    @task(task_id=PUBLISH_TASK, outlets=[asset])
+    def publish(manifest: str) -> dict:
+        from airflow.sdk import get_current_context
+
+        from llm_operators import asset_extra
+
+        extra = asset_extra(manifest)
+        get_current_context()["outlet_events"][asset].extra = extra
+        return extra
+
+    return publish(manifest)
+
+
+def stage_task(s: Stage, inside: set[str], ovr: list[str]):
     args = [a for up in s.upstream for a in (stage(up).flag, manifest_of(up, inside))]
     kw = dict(task_id=s.name, module=s.module, spec="{{ params.spec }}", overrides=ovr, stage_args=args,
               execution_timeout=timedelta(hours=s.timeout_hours))
-    if outlet is not None:  # the DAG's last stage: its Asset event carries its manifest's path, digest and lineage
-        kw["outlets"] = [outlet]
     if s.engine == "spark":
         return SparkStageOperator(name=f"llm-pipeline-{s.name}", **kw)
     return StageOperator(**kw)
@@ -191,8 +208,11 @@ def build(dag_id: str) -> DAG:
             prev = up
         ovr = overrides(stages)
         for s in stages:
-            t = stage_task(s, inside, ovr, Asset(own) if own and s is stages[-1] else None)
+            t = stage_task(s, inside, ovr)
             prev >> t
             prev = t
-        prev >> teardown_services(setup).as_teardown(setups=setup)
+        teardown = teardown_services(setup).as_teardown(setups=setup)
+        prev >> teardown
+        if own:
+            [prev, teardown] >> publish_task(Asset(own), prev.output)
     return dag

@@ -141,24 +141,18 @@ def _run_cli(op: BaseOperator, module: str, args: list[str], env: dict[str, str]
             raise AirflowException(f"{module} exited 0 but wrote no report at {report}: {e}") from e
 
 
-def emit_assets(op: BaseOperator, context, manifest_path: str) -> None:
-    """The task's outlet Assets get an event whose ``extra`` says which result it is: the manifest's path and
-    digest and the manifests it was made from (``{stage: path}``)."""
-    if not op.outlets:
-        return
+def asset_extra(manifest_path: str) -> dict:
+    """An Asset event's ``extra``: which result it is — the manifest's stage, path and digest, and the manifests it
+    was made from (``{stage: path}``)."""
     from pipelines.manifest import lineage, load_manifest
 
     m = load_manifest(manifest_path)
-    extra = {"stage": m.stage, "manifest": m.path, "digest": m.digest, "lineage": lineage(m.path)}
-    for asset in op.outlets:
-        context["outlet_events"][asset].extra = extra
-        op.log.info("asset %s: event with %s manifest %s (digest %s)", asset.name, m.stage, m.path, m.digest[:12])
+    return {"stage": m.stage, "manifest": m.path, "digest": m.digest, "lineage": lineage(m.path)}
 
 
 def finish(op: BaseOperator, context, manifest: str, links: dict | None = None) -> str:
     op.log.info("manifest: %s", manifest)
     push_links(op, context, manifest, links)
-    emit_assets(op, context, manifest)
     return manifest
 
 

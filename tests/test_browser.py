@@ -116,7 +116,7 @@ def test_scheduled_curation_emits_the_asset_event_and_training_then_evaluation_r
     assert cur["state"] == "success", cur
     events = api.call("/api/v2/assets/events?order_by=-timestamp")["asset_events"]
     ev = next(e for e in events if e["name"] == "curated_shards")
-    assert ev["source_dag_id"] == "data_curation" and ev["source_task_id"] == "tokenize"
+    assert ev["source_dag_id"] == "data_curation" and ev["source_task_id"] == "publish"
     extra = ev["extra"]
     assert extra["stage"] == "tokenize" and Path(extra["manifest"]).is_file() and len(extra["digest"]) == 64
     assert set(extra["lineage"]) == {"ingest", "dedup", "filter", "tokenize"}

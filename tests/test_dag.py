@@ -50,10 +50,15 @@ def test_the_split_dags_run_the_table_s_stages_and_are_linked_by_assets(bag):
     cur, tr, ev = (bag.dags[k] for k in ("data_curation", "training", "evaluation"))
     assert type(cur.timetable).__name__ == "CronTriggerTimetable" and cur.timetable.expression == "0 0 * * 0"
     assert cur.catchup is False
-    # the Asset each downstream DAG is scheduled on is an outlet of the upstream DAG's last task
+    # the Asset each downstream DAG is scheduled on is an outlet of the upstream DAG's last task, `publish`, which
+    # runs after the last stage and the teardown
     for up, down, last in ((cur, tr, "tokenize"), (tr, ev, "promote")):
         scheduled_on = {a.name for a in down.timetable.asset_condition.objects}
-        emitted = {a.name for a in up.get_task(last).outlets}
+        leaves = [t.task_id for t in up.tasks if not t.downstream_list]
+        assert leaves == ["publish"], leaves
+        assert up.get_task("publish").upstream_task_ids == {last, "teardown_services"}
+        assert not any(up.get_task(t).outlets for t in up.task_ids if t != "publish")
+        emitted = {a.name for a in up.get_task("publish").outlets}
         assert scheduled_on and scheduled_on == emitted, (down.dag_id, scheduled_on, emitted)
         assert {a.name for a in down.get_task("upstream_assets").inlets} == emitted
 

@@ -1,4 +1,5 @@
-"""Ingest on Spark: JSONL (plain, .gz, .zst), WARC and WET (local, globs, ``s3://``) → ``docs/`` + ``quarantine.jsonl``.
+"""Ingest on Spark: JSONL (plain, .gz, .zst), WARC and WET (local, globs, ``s3://``) → ``docs/`` +
+``quarantine.jsonl``.
 
 Every input is cut into splits (:mod:`pipelines.data.formats`: large plain JSONL files by byte range, anything else
 whole), one Spark task each. Two passes keep ``idx`` dense and deterministic whatever the number of executors:
@@ -194,8 +195,8 @@ def summary(m: Manifest) -> str:
 
 def _inputs(ap) -> None:
     ap.add_argument("--input", action="append", default=None,
-                    help="Input file (JSONL, .warc.gz, .warc.wet.gz …), directory, glob or s3://bucket/prefix (repeatable); "
-                         "overrides data.inputs.")
+                    help="Input file (JSONL, .warc.gz, .warc.wet.gz …), directory, glob or s3://bucket/prefix "
+                         "(repeatable); overrides data.inputs.")
 
 
 def _call(spec: JobSpec, args, ups) -> Manifest:
