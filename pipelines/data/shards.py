@@ -51,6 +51,12 @@ class ShardWriter:
         self.lengths.append(int(arr.size))
         self.tokens += int(arr.size)
 
+    def add_many(self, flat: np.ndarray, lengths: list[int]) -> None:
+        """Documents back to back in ``flat`` (already of this shard's dtype), one length each."""
+        self._bin.write(flat.astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
+        self.lengths.extend(lengths)
+        self.tokens += int(flat.size)
+
     def close(self) -> None:
         self._bin.flush()
         os.fsync(self._bin.fileno())

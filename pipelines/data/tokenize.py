@@ -22,6 +22,7 @@ tokens and the UTF-8 bytes of its source text (for bits-per-byte), plus ``spark_
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import shutil
 import sys
@@ -44,7 +45,9 @@ class TokenizeError(StageError):
 
 
 def normalise(text: str) -> str:
-    return unicodedata.normalize("NFKC", text).replace("\r\n", "\n").replace("\r", "\n")
+    if not text.isascii():  # ASCII is NFKC already (and isascii is O(1))
+        text = unicodedata.normalize("NFKC", text)
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def split_of(doc_id: str, seed: int, heldout_fraction: float) -> str:
@@ -120,26 +123,40 @@ def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int) -> bytes:
 
 
 class PartitionShards:
-    """One partition's shard writers: a new ``{split}-PPPPP-KKKK`` shard every ``shard_tokens`` tokens."""
+    """One partition's shard writers: a new ``{split}-PPPPP-KKKK`` shard every ``shard_tokens`` tokens (a doc never
+    straddles two; a doc longer than that gets a shard of its own)."""
 
     def __init__(self, out: Path, part: int, dtype, shard_tokens: int):
-        self.out, self.part, self.dtype, self.limit = out, part, dtype, shard_tokens
+        self.out, self.part, self.dtype, self.limit = out, part, np.dtype(dtype), shard_tokens
         self.open: dict[str, tuple[ShardWriter, list[str], list[int]]] = {}
         self.count = {s: 0 for s in SPLITS}
         self.done: list[dict] = []
 
-    def add(self, split: str, doc_id: str, ids: np.ndarray, text_bytes: int) -> None:
-        cur = self.open.get(split)
-        if cur is not None and cur[0].tokens + ids.size > self.limit and cur[0].lengths:
-            self.close(split)
-            cur = None
-        if cur is None:
+    def writer(self, split: str) -> tuple[ShardWriter, list[str], list[int]]:
+        if split not in self.open:
             name = f"{split}-{self.part:05d}-{self.count[split]:04d}"
-            cur = self.open[split] = (ShardWriter(self.out / name, self.dtype), [], [0])
+            self.open[split] = (ShardWriter(self.out / name, self.dtype), [], [0])
             self.count[split] += 1
-        cur[0].add(ids)
-        cur[1].append(doc_id)
-        cur[2][0] += text_bytes
+        return self.open[split]
+
+    def add(self, split: str, doc_ids: list[str], docs: list[list[int]], text_bytes: list[int]) -> None:
+        """A batch of one split's docs (token ids, EOS included), written a shard's run of docs at a time."""
+        lengths = [len(d) for d in docs]
+        i = 0
+        while i < len(docs):
+            w, ids, nbytes = self.writer(split)
+            j, take = i, 0
+            while j < len(docs) and (w.tokens + take + lengths[j] <= self.limit or (not w.lengths and j == i)):
+                take += lengths[j]
+                j += 1
+            if j > i:
+                flat = np.fromiter(itertools.chain.from_iterable(docs[i:j]), self.dtype, count=take)
+                w.add_many(flat, lengths[i:j])
+                ids.extend(doc_ids[i:j])
+                nbytes[0] += sum(text_bytes[i:j])
+            if j < len(docs):
+                self.close(split)
+            i = j
 
     def close(self, split: str) -> None:
         import pyarrow as pa
@@ -171,10 +188,16 @@ def encoder(model: bytes, out: str, cfg: TokenizerCfg, seed: int):
                                  cfg.shard_tokens)
         for b in batches:
             texts = [normalise(t) for t in b.column(1).to_pylist()]
-            for doc_id, text, ids in zip(b.column(0).to_pylist(), texts, sp.encode(texts)):
+            by_split: dict[str, tuple[list, list, list]] = {s: ([], [], []) for s in SPLITS}
+            for doc_id, text, ids in zip(b.column(0).to_pylist(), texts, sp.encode(texts, num_threads=1)):
                 ids.append(eos)
-                shards.add(split_of(doc_id, seed, cfg.heldout_fraction), doc_id, np.asarray(ids, np.int64),
-                           len(text.encode("utf-8")))
+                dest = by_split[split_of(doc_id, seed, cfg.heldout_fraction)]
+                dest[0].append(doc_id)
+                dest[1].append(ids)
+                dest[2].append(len(text.encode("utf-8")))
+            for split, (doc_ids, docs, nbytes) in by_split.items():
+                if docs:
+                    shards.add(split, doc_ids, docs, nbytes)
         rows = shards.finish()
         if rows:
             yield pa.RecordBatch.from_pylist(rows)
