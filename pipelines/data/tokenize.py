@@ -290,7 +290,7 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None) -
 def summary(m: Manifest) -> str:
     c = m.counts
     return (f"tokenize: {c['docs']} docs → {c['train_tokens']:,} train + {c['heldout_tokens']:,} held-out tokens "
-            f"in {len(m.extra['shards'])} shards from {m.extra['partitions']} Spark partitions on "
+            f"in {len(m.extra['shards'])} shards from {m.extra['partitions']} Spark partition(s) on "
             f"{m.extra['spark_master']} (vocab {m.extra['vocab_size']}); manifest {m.path}")
 
 
