@@ -37,12 +37,13 @@ class Api:
     def runs(self, dag_id: str) -> list[dict]:
         return self.call(f"/api/v2/dags/{dag_id}/dagRuns?order_by=-run_after")["dag_runs"]
 
-    def wait_run(self, dag_id: str, run_id: str | None = None, timeout: float = 900, run_type: str | None = None):
+    def wait_run(self, dag_id: str, run_id: str | None = None, timeout: float = 900, run_type: str | None = None,
+                 states: tuple[str, ...] = ("success", "failed")):
         deadline = time.time() + timeout
         while time.time() < deadline:
             runs = [r for r in self.runs(dag_id) if (run_id is None or r["dag_run_id"] == run_id)
                     and (run_type is None or r["run_type"] == run_type)]
-            if runs and runs[0]["state"] in ("success", "failed"):
+            if runs and runs[0]["state"] in states:
                 return runs[0]
             time.sleep(3)
         raise AssertionError(f"{dag_id} run {run_id or run_type} did not finish in {timeout} s: {self.runs(dag_id)}")
@@ -114,6 +115,10 @@ def test_scheduled_curation_emits_the_asset_event_and_training_then_evaluation_r
     api.call("/api/v2/dags/data_curation", {"is_paused": False}, method="PATCH")  # its schedule (from the spec) fires
     cur = api.wait_run("data_curation", run_type="scheduled")
     assert cur["state"] == "success", cur
+    # Airflow 3.3.2 answers GET /assets/events with 500 while a run that an event created is still queued (its
+    # start_date is NULL; apache/airflow#71360, fixed on main by #71379, not released): read the events once the
+    # training run that this event created has started.
+    api.wait_run("training", run_type="asset_triggered", timeout=300, states=("running", "success", "failed"))
     events = api.call("/api/v2/assets/events?order_by=-timestamp")["asset_events"]
     ev = next(e for e in events if e["name"] == "curated_shards")
     assert ev["source_dag_id"] == "data_curation" and ev["source_task_id"] == "publish"
