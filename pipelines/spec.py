@@ -447,6 +447,17 @@ class ServicesCfg(_Section):
     )
     s3_bucket: str = "llm-pipeline"
     s3_region: str = "us-east-1"
+    shards_uri: Optional[str] = Field(
+        None, description="s3://bucket/prefix: tokenize also publishes its result to <shards_uri>/<stage dir>/ "
+        "(each Spark task uploads the shards it wrote, checked with S3's SHA-256 checksums; the driver checks every "
+        "object and uploads manifest.json last). None = the stage directory only. A location, not in the hash.")
+
+    @field_validator("shards_uri")
+    @classmethod
+    def _s3_uri(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and (not v.startswith("s3://") or not v[5:].split("/")[0]):
+            raise ValueError("must be s3://bucket[/prefix]")
+        return v.rstrip("/") if v else v
     mlflow_tracking_uri: str = "sqlite:///var/mlflow.db"
     mlflow_ui_url: str = Field("http://127.0.0.1:5000", description="Where the MLflow UI is served (`mlflow ui` "
                                "default): the Airflow tasks' extra links point there.")

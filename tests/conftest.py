@@ -73,6 +73,12 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
+# Credentials for the test S3 servers (moto takes any), set before a test starts a Spark JVM: its Python workers
+# inherit the JVM's environment, and a task that uploads builds its own client.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+
+
 @pytest.fixture(scope="module")
 def s3_server():
     """moto's S3 server on 127.0.0.1 (threaded, in this process)."""
@@ -81,8 +87,6 @@ def s3_server():
     port = free_port()
     srv = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     srv.start()
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     yield f"http://127.0.0.1:{port}"
     srv.stop()
 

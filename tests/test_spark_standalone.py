@@ -1,4 +1,5 @@
 """The same dedup job, spark-submitted to a real Spark standalone cluster (master + worker on 127.0.0.1)."""
+import math
 import os
 import subprocess
 import sys
@@ -96,16 +97,22 @@ def test_tokenization_is_the_same_on_local_1_local_2_and_the_standalone_cluster(
     docs = [{"id": f"c4-{i}", "text": d["text"]} for i, d in enumerate(c4_docs(400))]
     filt = _filter_manifest(tmp_path, docs, files=4)
     outs = {}
-    for m in ("local[1]", "local[2]", master):
+    # one task writing many shards; the default (parallelism raised to ~shard_tokens a task); 3 tasks cutting
+    # across the 4 files' row groups
+    for m, parts in (("local[1]", 1), ("local[2]", 0), (master, 3)):
         out = tmp_path / m.replace("/", "_").replace(":", "_")
         r = subprocess.run([str(BIN / "python"), "-m", "pipelines.data.tokenize", "--input-manifest", filt.path,
                             "--output", str(out), "--set", f"services.spark_master={m}", "--set",
-                            "tokenizer.vocab_size=800", "--set", "tokenizer.shard_tokens=30000"],
+                            "tokenizer.vocab_size=800", "--set", "tokenizer.shard_tokens=30000",
+                            "--set", f"tokenizer.partitions={parts}"],
                            env={**env, "LLMP_HOME": str(tmp_path)}, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         outs[m] = load_manifest(out)
     assert [outs[m].extra["spark_master"] for m in outs] == list(outs)
-    assert [outs[m].extra["partitions"] for m in outs] == [1, 2, 2]
+    parts = [outs[m].extra["partitions"] for m in outs]
+    text = sum(g[3] for g in tokenize.row_groups(filt.output("kept")))  # the default: ~shard_tokens a task (the
+    assert parts == [1, max(2, math.ceil(text / 4 / 30000)), 3] and parts[1] > 2  # driver's guess: 4 bytes a token)
+    assert len({tuple(s["prefix"] for s in o.extra["shards"]) for o in outs.values()}) == 3  # three layouts
     assert "llm-pipeline-tokenize" in [a["name"] for a in json.loads(urllib.request.urlopen(api).read())
                                        ["completedapps"]]
     assert len({o.extra["tokenizer_sha256"] for o in outs.values()}) == 1

@@ -68,3 +68,64 @@ def test_idx_is_megatron_mmidx_and_uint32_for_large_vocabs(tmp_path):
     assert sh.tokens.dtype == np.uint32 and sh.num_docs == 3
     assert [sh.doc(i).tolist() for i in range(3)] == [d.tolist() for d in docs]
     assert sh.pointers.tolist() == [0, 12, 20]  # byte offsets
+
+
+def test_the_plan_covers_every_row_once_in_order_with_balanced_tasks():
+    """Row groups (file, group, rows, text bytes) cut into tasks: a big group is cut by rows, small ones are
+    packed, every row lands in one piece, in file order, and no task is far off its share."""
+    groups = [("a", 0, 1000, 800_000), ("a", 1, 10, 8_000), ("b", 0, 30, 24_000), ("c", 0, 1, 50_000),
+              ("c", 1, 500, 400_000)]
+    for n in (1, 2, 3, 7, 40):
+        tasks = tokenize.plan(groups, n)
+        assert 1 <= len(tasks) <= n
+        pieces = [p for t in tasks for p in t]
+        rows = [(p.file, p.group, r) for p in pieces for r in range(p.start, p.stop)]
+        assert rows == [(f, g, r) for f, g, k, _ in groups for r in range(k)]  # each row once, in order
+        share = sum(g[3] for g in groups) / n
+        biggest_piece = max(p.text_bytes for p in pieces)
+        assert all(abs(sum(p.text_bytes for p in t) - share) <= max(biggest_piece, 0.02 * share) for t in tasks), n
+    assert len(tokenize.plan(groups, 40)) > 30  # the 1000-row group alone is cut into ~25 pieces
+
+
+def test_shards_published_to_s3_match_the_manifest_and_a_rerun_repairs_the_copy(home, spark, s3_server, capsys):
+    """services.shards_uri: the tasks upload their shards, the driver checks every object and uploads the
+    manifest last; the S3 copy equals the stage directory byte for byte. A re-run (the stage is reused) finds a
+    missing and a rewritten object and uploads just those."""
+    import hashlib
+
+    from pipelines.storage.s3 import client, split_uri
+
+    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
+    sets = ["tokenizer.vocab_size=400", "tokenizer.shard_tokens=8000", f"services.s3_endpoint_url={s3_server}",
+            "services.shards_uri=s3://curated/shards/v1/"]
+    spec = load_spec(None, sets, env={})
+    filt = _filter_manifest(home, docs, files=2)
+    m = tokenize.run(spec, filt, spark=spark)
+    s3 = client(spec)
+    prefix = f"shards/v1/{m.dir.name}"
+
+    def remote() -> dict[str, str]:
+        objs = [o["Key"] for p in s3.get_paginator("list_objects_v2").paginate(Bucket="curated", Prefix=prefix)
+                for o in p.get("Contents", [])]
+        return {k[len(prefix) + 1:]: hashlib.sha256(s3.get_object(Bucket="curated", Key=k)["Body"].read()).hexdigest()
+                for k in objs}
+
+    out = capsys.readouterr().out
+    got = remote()
+    assert got == {**{o["path"]: o["sha256"] for o in m.outputs}, "manifest.json": sha256_of(m.path)}
+    assert len(m.extra["shards"]) > 2 and "1 uploaded by the driver" in out  # the tokenizer: the tasks did the shards
+    assert split_uri(spec.services.shards_uri) == ("curated", "shards/v1")
+
+    first = m.extra["shards"][0]["prefix"]
+    s3.delete_object(Bucket="curated", Key=f"{prefix}/{first}.bin")
+    s3.put_object(Bucket="curated", Key=f"{prefix}/{first}.idx", Body=b"not the index")
+    again = tokenize.run(spec, filt, spark=spark)
+    assert again.path == m.path and "2 uploaded by the driver" in capsys.readouterr().out
+    assert remote() == got
+
+
+def sha256_of(path) -> str:
+    import hashlib
+    from pathlib import Path
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -12,9 +12,15 @@ its own mmap shards.
 * Shards: partition ``p`` writes ``shards/{train,heldout}-PPPPP-KKKK.{bin,idx}`` (format in
   ``pipelines.data.shards``, Megatron's ``MMIDIDX``) straight into the output directory, EOS after every doc, a
   new shard every ``shard_tokens`` tokens, and ``….ids.parquet`` with the doc ids in shard order. The number of
-  partitions is ``tokenizer.partitions``, or by default the executors' parallelism, raised so that a partition
-  holds about ``shard_tokens`` tokens (never above the input's own partitions: no shuffle of the texts).
+  partitions (Spark tasks) is ``tokenizer.partitions``, or by default the executors' parallelism, raised so that a
+  partition holds about ``shard_tokens`` tokens. The driver plans them from the parquet footers: the docs' row
+  groups, in order, cut into partitions of about equal text bytes (a big row group is cut by rows); each task
+  reads its own rows with pyarrow, so the text goes from the file to the encoder without a trip through the JVM.
   The split and every doc's token ids do not depend on the partitioning; the shard layout does.
+
+* S3 (``services.shards_uri``): each task uploads the shards it wrote, checked with S3's SHA-256 checksums; after
+  the commit the driver checks every output against the manifest, uploads what is missing or different, and
+  ``manifest.json`` last (:func:`publish`).
 
 Counts: docs, tokens and text bytes per split; the manifest lists every shard with its split, partition, docs,
 tokens and the UTF-8 bytes of its source text (for bits-per-byte), plus ``spark_master`` and ``partitions``.
@@ -27,6 +33,7 @@ import math
 import shutil
 import sys
 import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +44,6 @@ from pipelines.manifest import Manifest, StageError, file_ref, input_ref, sha256
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
 
 SPLITS = ("train", "heldout")
-SHARD_SCHEMA = "split string, prefix string, partition long, docs long, tokens long, text_bytes long"
 
 
 class TokenizeError(StageError):
@@ -45,9 +51,9 @@ class TokenizeError(StageError):
 
 
 def normalise(text: str) -> str:
-    if not text.isascii():  # ASCII is NFKC already (and isascii is O(1))
+    if not text.isascii() and not unicodedata.is_normalized("NFKC", text):  # ASCII is NFKC already
         text = unicodedata.normalize("NFKC", text)
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
 def split_of(doc_id: str, seed: int, heldout_fraction: float) -> str:
@@ -174,59 +180,141 @@ class PartitionShards:
         return self.done
 
 
-def encoder(model: bytes, out: str, cfg: TokenizerCfg, seed: int):
-    """The mapInArrow function: encode a partition's docs (one thread: Spark runs a task per core) into its shards;
-    yield one row per shard written."""
-    def fn(batches):
-        import pyarrow as pa
-        import sentencepiece as spm
-        from pyspark import TaskContext
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, stop)`` of one row group of one docs file, about ``text_bytes`` of text."""
 
-        sp = spm.SentencePieceProcessor(model_proto=model)
-        eos = sp.eos_id()
-        shards = PartitionShards(Path(out), TaskContext.get().partitionId(), token_dtype(sp.get_piece_size()),
-                                 cfg.shard_tokens)
-        for b in batches:
-            texts = [normalise(t) for t in b.column(1).to_pylist()]
-            by_split: dict[str, tuple[list, list, list]] = {s: ([], [], []) for s in SPLITS}
-            for doc_id, text, ids in zip(b.column(0).to_pylist(), texts, sp.encode(texts, num_threads=1)):
-                ids.append(eos)
-                dest = by_split[split_of(doc_id, seed, cfg.heldout_fraction)]
-                dest[0].append(doc_id)
-                dest[1].append(ids)
-                dest[2].append(len(text.encode("utf-8")))
-            for split, (doc_ids, docs, nbytes) in by_split.items():
-                if docs:
-                    shards.add(split, doc_ids, docs, nbytes)
-        rows = shards.finish()
-        if rows:
-            yield pa.RecordBatch.from_pylist(rows)
-    return fn
+    file: str
+    group: int
+    start: int
+    stop: int
+    text_bytes: int
 
 
-def text_bytes(path: Path) -> int:
-    """The uncompressed size of the docs' text column, from the parquet footers (nothing is read)."""
+def row_groups(path: Path) -> list[tuple[str, int, int, int]]:
+    """(file, row group, rows, uncompressed text bytes) of every row group of the docs, in file order, from the
+    parquet footers (nothing else is read)."""
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
 
-    total = 0
-    for f in ds.dataset(str(path), format="parquet").files:
+    out = []
+    for f in sorted(ds.dataset(str(path), format="parquet").files):
         md = pq.ParquetFile(f).metadata
         col = md.schema.names.index("text")
-        total += sum(md.row_group(j).column(col).total_uncompressed_size for j in range(md.num_row_groups))
-    return total
+        out += [(f, g, md.row_group(g).num_rows, md.row_group(g).column(col).total_uncompressed_size)
+                for g in range(md.num_row_groups) if md.row_group(g).num_rows]
+    return out
 
 
-def partitions(spark, docs, path: Path, cfg: TokenizerCfg) -> int:
+def plan(groups: list[tuple[str, int, int, int]], n: int) -> list[list[Piece]]:
+    """The row groups cut into at most ``n`` tasks of about equal text bytes, in order; a row group bigger than a
+    task's share is cut by rows. Every row is in exactly one piece."""
+    target = max(1, sum(g[3] for g in groups)) / n
+    tasks: list[list[Piece]] = [[] for _ in range(n)]
+    done = 0
+    for f, g, rows, nbytes in groups:
+        k = max(1, min(rows, math.ceil(nbytes / target)))
+        for j in range(k):
+            a, b = rows * j // k, rows * (j + 1) // k
+            piece = Piece(f, g, a, b, nbytes * (b - a) // rows)
+            tasks[min(n - 1, int((done + piece.text_bytes / 2) // target))].append(piece)
+            done += piece.text_bytes
+    return [t for t in tasks if t]
+
+
+def read_pieces(pieces: list[Piece], batch_rows: int = 2048):
+    """(ids, texts) batches of a task's rows, read by the task itself (pyarrow, no JVM in the text's path)."""
+    import pyarrow.parquet as pq
+
+    for p in pieces:
+        table = pq.ParquetFile(p.file).read_row_group(p.group, columns=["id", "text"]).slice(p.start, p.stop - p.start)
+        for b in table.to_batches(max_chunksize=batch_rows):
+            yield b.column(0).to_pylist(), b.column(1).to_pylist()
+
+
+SHARD_FILES = (".bin", ".idx", ".ids.parquet")
+
+
+@dataclass(frozen=True)
+class Upload:
+    """Where the result is published on S3: ``s3://bucket/prefix/<file>`` for every file of the stage directory.
+    ``settings`` are the S3 client's (plain, so the Spark tasks build their own client)."""
+
+    settings: dict
+    bucket: str
+    prefix: str
+
+    def put(self, s3, path: Path, rel: str, sha_hex: str) -> bool:
+        """Upload one file unless the object already holds its bytes; True if it uploaded."""
+        from pipelines.storage.s3 import object_matches, upload_checked
+
+        key = f"{self.prefix}/{rel}"
+        if object_matches(s3, self.bucket, key, path, sha_hex, 8 << 20):
+            return False
+        upload_checked(s3, self.bucket, key, path, sha_hex)
+        return True
+
+
+def upload_shards(up: Upload, out: Path, rows: list[dict]) -> None:
+    """A task's shards to S3, each file checked against S3's SHA-256 after upload."""
+    from pipelines.storage.s3 import client_from
+
+    s3 = client_from(up.settings)
+    for r in rows:
+        for ext in SHARD_FILES:
+            path = out.parent / (r["prefix"] + ext)
+            up.put(s3, path, r["prefix"] + ext, sha256_file(path))
+
+
+def publish(m: Manifest, up: Upload) -> dict:
+    """Complete the S3 copy of a committed result: every output checked against the manifest's sha256 (uploaded if
+    missing or different), ``manifest.json`` last, so a reader that finds it finds every file."""
+    from pipelines.storage.s3 import client_from
+
+    s3 = client_from(up.settings)
+    uploaded = sum(up.put(s3, m.dir / o["path"], o["path"], o["sha256"]) for o in m.outputs)
+    s3.upload_file(str(m.path), up.bucket, f"{up.prefix}/manifest.json")
+    return {"uri": f"s3://{up.bucket}/{up.prefix}", "objects": len(m.outputs) + 1, "uploaded_by_driver": uploaded}
+
+
+def encoder(model: bytes, out: str, cfg: TokenizerCfg, seed: int, up: Upload | None = None):
+    """The Spark task: read a task's pieces, encode them (one thread: Spark runs a task per core) into its shards;
+    return one row per shard written."""
+    def fn(part: int, tasks):
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_proto=model)
+        eos = sp.eos_id()
+        shards = PartitionShards(Path(out), part, token_dtype(sp.get_piece_size()), cfg.shard_tokens)
+        for pieces in tasks:
+            for doc_ids, raw in read_pieces(pieces):
+                texts = [normalise(t) for t in raw]
+                by_split: dict[str, tuple[list, list, list]] = {s: ([], [], []) for s in SPLITS}
+                for doc_id, text, ids in zip(doc_ids, texts, sp.encode(texts, num_threads=1)):
+                    ids.append(eos)
+                    dest = by_split[split_of(doc_id, seed, cfg.heldout_fraction)]
+                    dest[0].append(doc_id)
+                    dest[1].append(ids)
+                    dest[2].append(len(text.encode("utf-8")))
+                for split, (ids_, docs, nbytes) in by_split.items():
+                    if docs:
+                        shards.add(split, ids_, docs, nbytes)
+        rows = shards.finish()
+        if up:
+            upload_shards(up, Path(out), rows)
+        return iter(rows)
+    return fn
+
+
+def partitions(spark, groups: list[tuple[str, int, int, int]], cfg: TokenizerCfg) -> int:
     """tokenizer.partitions, or the executors' parallelism raised to about shard_tokens tokens (~4 bytes each) a
-    partition, capped by the input's own partitions (coalesce: no shuffle of the texts)."""
+    task."""
     if cfg.partitions:
         return cfg.partitions
-    want = max(spark.sparkContext.defaultParallelism, math.ceil(text_bytes(path) / 4 / cfg.shard_tokens))
-    return min(docs.rdd.getNumPartitions(), want)
+    return max(spark.sparkContext.defaultParallelism, math.ceil(sum(g[3] for g in groups) / 4 / cfg.shard_tokens))
 
 
-def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: int) -> dict:
+def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: int, up: Upload | None = None) -> dict:
     import sentencepiece as spm
 
     docs = spark.read.parquet(str(docs_path)).select("id", "text")
@@ -235,9 +323,12 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
     if sp.eos_id() < 0:
         raise TokenizeError("the tokenizer has no EOS id; documents need an EOS separator")
     (out / "shards").mkdir()
-    n = partitions(spark, docs, docs_path, cfg)
-    rows = docs.coalesce(n).mapInArrow(encoder(model, str(out / "shards"), cfg, seed), SHARD_SCHEMA).collect()
-    shards = sorted((r.asDict() for r in rows), key=lambda r: (SPLITS.index(r["split"]), r["prefix"]))
+    groups = row_groups(docs_path)
+    tasks = plan(groups, partitions(spark, groups, cfg))
+    rows = spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitionsWithIndex(
+        encoder(model, str(out / "shards"), cfg, seed, up)).collect()
+    n = len(tasks)
+    shards = sorted(rows, key=lambda r: (SPLITS.index(r["split"]), r["prefix"]))
     counts = {f"{s}_{k}": sum(r[k] for r in shards if r["split"] == s) for s in SPLITS
               for k in ("docs", "tokens", "text_bytes")}
     if counts["train_tokens"] == 0:
@@ -262,21 +353,37 @@ def read_back(m: Manifest, split: str) -> dict[str, list[int]]:
     return out
 
 
+def upload_target(spec: JobSpec, name: str) -> Upload | None:
+    """services.shards_uri + the stage directory's name, with the bucket made if missing; None when unset."""
+    if not spec.services.shards_uri:
+        return None
+    from pipelines.storage.s3 import S3ConfigError, client_from, client_settings, ensure_bucket, split_uri
+
+    bucket, prefix = split_uri(spec.services.shards_uri)
+    try:
+        settings = client_settings(spec)
+        ensure_bucket(client_from(settings), bucket, spec.services.s3_region)
+    except S3ConfigError as e:
+        raise TokenizeError(f"services.shards_uri={spec.services.shards_uri}: {e}") from None
+    return Upload(settings, bucket, f"{prefix}/{name}".strip("/"))
+
+
 def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
     cfg = spec.tokenizer
     inputs = [input_ref(filt)]
     if cfg.model_path:
         inputs.append(file_ref(resolve_path(cfg.model_path)))
     sd = stage_dir(spec, "tokenize", inputs, out_dir)
+    up = upload_target(spec, sd.final.name)
 
     def body(tmp: Path) -> Manifest:
         from pipelines.data.spark import get_spark
 
         s = spark or get_spark(spec.services.spark_master, "llm-pipeline-tokenize", spec.services.spark_driver_memory)
-        r = tokenize_docs(s, filt.output("kept"), tmp, cfg, spec.run.seed)
+        r = tokenize_docs(s, filt.output("kept"), tmp, cfg, spec.run.seed, up)
         outputs = {"tokenizer": "tokenizer.model"}
         for sh in r["shards"]:
-            for ext in (".bin", ".idx", ".ids.parquet"):
+            for ext in SHARD_FILES:
                 outputs[sh["prefix"] + ext] = sh["prefix"] + ext
         return sd.commit(outputs, counts=r["counts"], extra={
             "shards": r["shards"], "vocab_size": r["vocab_size"], "eos_id": r["eos_id"], "dtype": r["dtype"],
@@ -284,7 +391,12 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None) -
             "partitions": r["partitions"],
         })
 
-    return run_and_log(spec, sd, body)
+    m = run_and_log(spec, sd, body)
+    if up:
+        got = publish(m, up)
+        print(f"tokenize: published to {got['uri']}/ ({got['objects']} objects, each checked against its sha256; "
+              f"{got['uploaded_by_driver']} uploaded by the driver: the tokenizer and any the Spark tasks had not)", flush=True)
+    return m
 
 
 def summary(m: Manifest) -> str:

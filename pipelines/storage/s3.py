@@ -15,7 +15,9 @@ outlive the DAG run that made them, as they would on S3.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -78,18 +80,26 @@ def endpoint_url(spec: JobSpec) -> Optional[str]:
     return url
 
 
-def client(spec: JobSpec):
-    import boto3
-    from botocore.config import Config
-
+def client_settings(spec: JobSpec) -> dict:
+    """The client's settings as a plain dict (picklable: Spark tasks build their own client from it)."""
     url = endpoint_url(spec)
-    kw: dict = {"region_name": spec.services.s3_region,
-                "config": Config(retries={"max_attempts": 5, "mode": "standard"})}
+    kw: dict = {"region_name": spec.services.s3_region}
     if url:
         kw["endpoint_url"] = url
         if url == embedded_endpoint():
             kw.update(_EMBEDDED_CREDS)
-    return boto3.client("s3", **kw)
+    return kw
+
+
+def client_from(settings: dict):
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}), **settings)
+
+
+def client(spec: JobSpec):
+    return client_from(client_settings(spec))
 
 
 def ensure_bucket(s3, bucket: str, region: str = "us-east-1") -> None:
@@ -109,6 +119,69 @@ def split_uri(uri: str) -> tuple[str, str]:
         raise ValueError(f"not an s3:// URI: {uri}")
     bucket, _, key = uri[5:].partition("/")
     return bucket, key
+
+
+# ----------------------------------------------------------------------------- integrity
+def part_size_used(size: int, chunk: int) -> int:
+    """The part size s3transfer really uses for a ``size``-byte upload configured with ``chunk``: it raises
+    the chunk size (doubling) when the file would need more than 10,000 parts."""
+    from s3transfer.utils import ChunksizeAdjuster
+
+    return ChunksizeAdjuster().adjust_chunksize(chunk, size)
+
+
+def b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+def composite_sha256(parts: list[bytes]) -> str:
+    """S3's checksum of a multipart object: base64(sha256(concatenated part sha256 digests))."""
+    return b64(hashlib.sha256(b"".join(parts)).digest())
+
+
+def part_digests(path: Path, part_size: int) -> list[bytes]:
+    with open(path, "rb") as f:
+        return [hashlib.sha256(chunk).digest() for chunk in iter(lambda: f.read(part_size), b"")]
+
+
+def object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part_size: int,
+                       parts: Optional[list[bytes]] = None) -> bool:
+    """Does the object hold exactly the file's bytes? A multipart object's composite checksum is compared with
+    ``parts`` (the file's part digests, when the caller hashed them already) or recomputed from the file."""
+    from botocore.exceptions import ClientError
+
+    try:
+        head = s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    except ClientError:
+        return False
+    size = path.stat().st_size
+    if head["ContentLength"] != size:
+        return False
+    remote = head.get("ChecksumSHA256")
+    if remote:
+        if remote == b64(bytes.fromhex(sha_hex)):
+            return True  # single-part (or full-object) checksum
+        etag = head.get("ETag", "").strip('"')
+        n_parts = int(etag.rsplit("-", 1)[1]) if "-" in etag else None
+        part = part_size_used(size, part_size)
+        if n_parts and -(-size // part) == n_parts:
+            # composite: base64(sha256(concat(part sha256s))), with or without the "-N" suffix
+            if parts is None or len(parts) != n_parts:
+                parts = part_digests(path, part)
+            return remote.split("-")[0] == composite_sha256(parts)
+    h = hashlib.sha256()
+    for chunk in s3.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 20):
+        h.update(chunk)
+    return h.hexdigest() == sha_hex
+
+
+def upload_checked(s3, bucket: str, key: str, path: Path, sha_hex: str, config=None, part_size: int = 8 << 20) -> None:
+    """Upload one file with S3's SHA-256 checksums (S3 refuses a part whose bytes do not match), its sha256 in the
+    object's metadata, then check the object against the file; raises if it does not match."""
+    s3.upload_file(str(path), bucket, key, Config=config,
+                   ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": sha_hex}})
+    if not object_matches(s3, bucket, key, path, sha_hex, part_size):
+        raise IOError(f"s3://{bucket}/{key} does not match {path}'s sha256 {sha_hex[:12]}… after upload")
 
 
 # ----------------------------------------------------------------------------- embedded server

@@ -30,7 +30,6 @@ interrupted promotion are aborted before the next upload to the same prefix.
 """
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
@@ -44,6 +43,7 @@ from typing import Callable, Optional
 
 from pipelines.manifest import StageError, atomic_write_text, sha256_file
 from pipelines.spec import JobSpec, resolve_path
+from pipelines.storage.s3 import b64, object_matches, part_size_used, upload_checked
 
 CKPT_MANIFEST = "MANIFEST.json"
 COMMIT = "COMMIT"
@@ -178,59 +178,6 @@ def copy_local(src: Path, dst: Path, chunk: int = 8 << 20) -> dict[str, list[byt
 
 
 # ----------------------------------------------------------------------------- S3 tier
-def part_size_used(size: int, chunk: int) -> int:
-    """The part size s3transfer really uses for a ``size``-byte upload configured with ``chunk``: it raises
-    the chunk size (doubling) when the file would need more than 10,000 parts."""
-    from s3transfer.utils import ChunksizeAdjuster
-
-    return ChunksizeAdjuster().adjust_chunksize(chunk, size)
-
-
-def _b64(digest: bytes) -> str:
-    return base64.b64encode(digest).decode()
-
-
-def _composite_sha256(parts: list[bytes]) -> str:
-    """S3's checksum of a multipart object: base64(sha256(concatenated part sha256 digests))."""
-    return _b64(hashlib.sha256(b"".join(parts)).digest())
-
-
-def _part_digests(path: Path, part_size: int) -> list[bytes]:
-    with open(path, "rb") as f:
-        return [hashlib.sha256(chunk).digest() for chunk in iter(lambda: f.read(part_size), b"")]
-
-
-def _s3_object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part_size: int,
-                       parts: Optional[list[bytes]] = None) -> bool:
-    """Does the object hold exactly the file's bytes? A multipart object's composite checksum is compared with
-    ``parts`` (the file's part digests, when the caller hashed them already) or recomputed from the file."""
-    from botocore.exceptions import ClientError
-
-    try:
-        head = s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
-    except ClientError:
-        return False
-    size = path.stat().st_size
-    if head["ContentLength"] != size:
-        return False
-    remote = head.get("ChecksumSHA256")
-    if remote:
-        if remote == _b64(bytes.fromhex(sha_hex)):
-            return True  # single-part (or full-object) checksum
-        etag = head.get("ETag", "").strip('"')
-        n_parts = int(etag.rsplit("-", 1)[1]) if "-" in etag else None
-        part = part_size_used(size, part_size)
-        if n_parts and -(-size // part) == n_parts:
-            # composite: base64(sha256(concat(part sha256s))), with or without the "-N" suffix
-            if parts is None or len(parts) != n_parts:
-                parts = _part_digests(path, part)
-            return remote.split("-")[0] == _composite_sha256(parts)
-    h = hashlib.sha256()
-    for chunk in s3.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 20):
-        h.update(chunk)
-    return h.hexdigest() == sha_hex
-
-
 def _transfer_config(spec: JobSpec):
     from boto3.s3.transfer import TransferConfig
 
@@ -268,8 +215,8 @@ def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: lis
             f.seek(i * part)
             body = f.read(part)
         r = s3.upload_part(Bucket=bucket, Key=key, UploadId=up["UploadId"], PartNumber=i + 1, Body=body,
-                           ChecksumAlgorithm="SHA256", ChecksumSHA256=_b64(digests[i]))
-        return {"ETag": r["ETag"], "PartNumber": i + 1, "ChecksumSHA256": _b64(digests[i])}
+                           ChecksumAlgorithm="SHA256", ChecksumSHA256=b64(digests[i]))
+        return {"ETag": r["ETag"], "PartNumber": i + 1, "ChecksumSHA256": b64(digests[i])}
 
     try:
         with ThreadPoolExecutor(max_workers=4) as ex:
@@ -294,7 +241,7 @@ def upload_checkpoint(spec: JobSpec, src: Path, uri: str, parts: Optional[dict[s
     commit = (src / COMMIT).read_text().strip()
     part = spec.checkpoint.multipart_chunk_mb * 1024 * 1024
     if s3_commit_body(s3, bucket, prefix) == commit and all(
-            _s3_object_matches(s3, bucket, f"{prefix}/{rel}", src / rel, info["sha256"], part, parts.get(rel))
+            object_matches(s3, bucket, f"{prefix}/{rel}", src / rel, info["sha256"], part, parts.get(rel))
             for rel, info in man["files"].items()):
         return "already-verified"
     s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")  # invalidate any older copy first
@@ -307,11 +254,13 @@ def upload_checkpoint(spec: JobSpec, src: Path, uri: str, parts: Optional[dict[s
         digests = parts.get(rel)
         if digests and size >= cfg.multipart_threshold and len(digests) == -(-size // part_size_used(size, part)):
             _upload_parts(s3, bucket, key, src / rel, part_size_used(size, part), digests, info["sha256"])
+            if not object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests):
+                raise CheckpointError(f"s3://{bucket}/{key} does not match {rel}'s sha256 after upload")
         else:
-            s3.upload_file(str(src / rel), bucket, key, Config=cfg,
-                           ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": info["sha256"]}})
-        if not _s3_object_matches(s3, bucket, key, src / rel, info["sha256"], part, parts.get(rel)):
-            raise CheckpointError(f"s3://{bucket}/{key} does not match {rel}'s sha256 after upload")
+            try:
+                upload_checked(s3, bucket, key, src / rel, info["sha256"], cfg, part)
+            except IOError as e:
+                raise CheckpointError(str(e)) from None
     s3.upload_file(str(src / CKPT_MANIFEST), bucket, f"{prefix}/{CKPT_MANIFEST}")
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}", Body=commit.encode())  # last
     return "uploaded"
@@ -364,7 +313,7 @@ def verify_s3(spec: JobSpec, uri: str) -> dict:
     for rel, info in man["files"].items():
         head = s3.head_object(Bucket=bucket, Key=f"{prefix}/{rel}", ChecksumMode="ENABLED")
         remote = head.get("ChecksumSHA256")
-        whole = _b64(bytes.fromhex(info["sha256"]))
+        whole = b64(bytes.fromhex(info["sha256"]))
         if head["ContentLength"] != info["bytes"] or (remote and "-" not in head["ETag"] and remote != whole):
             raise CheckpointError(f"{uri}: {rel} does not match the manifest")
     return man
