@@ -9,7 +9,7 @@ One run, one machine:
 * **Tokenize** tokens/s on local[1] and local[2] with a given SentencePiece model (the encode + shard-writing
   job; training the tokenizer is not in it), against raw ``sp.encode`` (one thread) over the same texts in one
   process: the overhead per core is ``raw / ours(local[1]) - 1``. The job runs twice: the first run (reported as
-  ``tokenize_cold_s``) also warms the JVM's JIT for the parquet → Arrow path; the second is the figure.
+  ``tokenize_cold_s``) also starts the Python workers and warms the JVM's JIT; the second is the figure.
 * **WARC extraction** docs/s against DataTrove's ``WarcReader`` + ``Trafilatura`` extractor on the same files, one
   process (if datatrove is installed: ``make bench`` installs it); ours runs with trafilatura (same extractor) and
   with resiliparse (our default).
@@ -194,7 +194,7 @@ def child(master: str, work_dir: str, pin: bool) -> int:
     dt, c = timed_ingest(spark, jsonl, work)
     wt, w = timed_ingest(spark, warcs, work)
     docs = Path(c["out"]) / "docs"
-    cold, _ = timed_tokenize(spark, docs, model, work)  # the first mapInArrow job also warms the JVM's JIT
+    cold, _ = timed_tokenize(spark, docs, model, work)  # the first job also starts the workers, warms the JIT
     tt, t = timed_tokenize(spark, docs, model, work)
     r = {"tokenize_cold_s": round(cold, 1), "session_start_s": round(start, 1), "ingest_jsonl_docs_s": round(c["docs"] / dt),
          "ingest_jsonl_s": round(dt, 1), "ingest_warc_docs_s": round(w["docs"] / wt, 1), "ingest_warc_s": round(wt, 1),

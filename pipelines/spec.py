@@ -74,8 +74,9 @@ class IngestCfg(_Section):
     extractor: Literal["resiliparse", "trafilatura"] = Field(
         "resiliparse", description="HTML → text for WARC responses: resiliparse's main-content extractor, or "
                                    "trafilatura (slower, often cleaner).")
-    split_mb: int = Field(64, ge=1, description="Plain JSONL files larger than this are read by several Spark "
-                                                "tasks, one per split_mb byte range.")
+    split_mb: int = Field(64, ge=1, description="Plain JSONL and .warc.gz files larger than this are read by "
+                                                "several Spark tasks, one per split_mb byte range (cut at line / "
+                                                "gzip-member boundaries).")
 
 
 class DedupCfg(_Section):

@@ -5,7 +5,10 @@
   split each (a gzip/zstd stream cannot be entered in the middle).
 * **WARC** (``.warc``, ``.warc.gz``; Common Crawl's WET files are WARC too): each gzip member is framed here, so a
   broken member is quarantined with its offset and bytes and reading goes on at the next one; a file that ends
-  inside a member is reported, not silently cut. Records are parsed by FastWARC. ``response`` records with HTTP 200
+  inside a member is reported, not silently cut. A ``.warc.gz`` larger than ``split_mb`` is cut into byte ranges;
+  a split owns the members from the first whole WARC member at or after its start (:func:`member_boundary`) up to
+  the first one at or after its end, so the splits of a file read exactly the members the whole file holds.
+  Plain ``.warc`` files are read whole. Records are parsed by FastWARC. ``response`` records with HTTP 200
   and ``text/html`` are extracted to text (resiliparse's main-content extractor by default, trafilatura on
   request); WET ``conversion`` records already hold text. ``request``, ``warcinfo``, ``metadata`` … records are
   not documents: they are counted by type, never quarantined.
@@ -56,13 +59,19 @@ class Row:
     q: dict = field(default_factory=dict)  # the quarantine entry's other fields (detail, raw, …)
 
 
-def plan(sources, split_mb: int) -> list[Split]:
-    """Every input cut into splits: plain JSONL by ``split_mb``, anything else whole."""
+def splittable(name: str, fmt: str) -> bool:
+    """Plain JSONL (by lines) and gzipped WARC (by gzip members) can be entered in the middle."""
+    name = name.lower()
+    return not name.endswith((".gz", ".zst", ".zstd")) if fmt == "jsonl" else name.endswith(".gz")
+
+
+def plan(sources, split_mb: int, step: int | None = None) -> list[Split]:
+    """Every input cut into splits of ``split_mb`` (or ``step`` bytes) where its format allows, else whole."""
     out: list[Split] = []
-    step = split_mb << 20
+    step = step or split_mb << 20
     for s in sources:
         fmt, size = fmt_of(s.name), s.path.stat().st_size
-        if fmt == "jsonl" and not s.name.lower().endswith((".gz", ".zst", ".zstd")) and size > step:
+        if splittable(s.name, fmt) and size > step:
             for a in range(0, size, step):
                 out.append(Split(len(out), s.name, str(s.path), fmt, a, min(a + step, size)))
         else:
@@ -162,33 +171,57 @@ def jsonl_rows(split: Split, cfg) -> Iterator[Row | None]:
 # ---- WARC ------------------------------------------------------------------------------------------------------
 
 
-def gzip_members(f: BinaryIO, piece: int = 1 << 16) -> Iterator[tuple[int, int, bytes | None]]:
-    """(offset, length, decompressed bytes or None when broken) for each gzip member, streamed: a Common Crawl WARC
-    holds one record per member. A member that does not decompress ends at the next gzip magic (resync)."""
-    off = 0
-    while True:
-        f.seek(off)
-        d, out, n = zlib.decompressobj(wbits=31), [], 0
-        try:
-            while not d.eof:
-                chunk = f.read(piece)
-                if not chunk:
-                    break
-                n += len(chunk)
-                out.append(d.decompress(chunk))
-        except zlib.error:
+def member_at(f: BinaryIO, off: int, piece: int = 1 << 16) -> tuple[int, bytes | None]:
+    """(bytes used, decompressed bytes) of the gzip member at ``off``. Not a whole member: (-1, None) when it does
+    not decompress, (bytes left, None) when the file ends inside it, (0, None) at the file's end."""
+    f.seek(off)
+    d, out, n = zlib.decompressobj(wbits=31), [], 0
+    try:
+        while not d.eof:
+            chunk = f.read(piece)
+            if not chunk:
+                break
+            n += len(chunk)
+            out.append(d.decompress(chunk))
+    except zlib.error:
+        return -1, None
+    if not d.eof:
+        return n, None
+    return n - len(d.unused_data), b"".join(out)
+
+
+def gzip_members(f: BinaryIO, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, int, bytes | None]]:
+    """(offset, length, decompressed bytes or None when broken) for each gzip member from ``start`` up to the first
+    one at or after ``stop``, streamed: a Common Crawl WARC holds one record per member. A member that does not
+    decompress ends at the next gzip magic (resync)."""
+    off = start
+    while stop is None or off < stop:
+        n, data = member_at(f, off)
+        if n < 0:
             nxt = next_magic(f, off + 1)
             yield off, nxt - off, None
             off = nxt
             continue
         if n == 0:
             return
-        if not d.eof:  # the file ends inside this member
-            yield off, n, None
+        yield off, n, data
+        if data is None:  # the file ends inside this member
             return
-        used = n - len(d.unused_data)
-        yield off, used, b"".join(out)
-        off += used
+        off += n
+
+
+def member_boundary(f: BinaryIO, pos: int) -> int:
+    """The first offset at or after ``pos`` where a whole gzip member holding a WARC record starts (or the file's
+    end): where a split of a .warc.gz begins, and where the split before it ends. A gzip magic inside compressed
+    data is skipped, since it does not decompress to a WARC record; both neighbours compute the same offset."""
+    if pos == 0:
+        return 0
+    while True:
+        cand = next_magic(f, pos)
+        n, data = member_at(f, cand)
+        if n == 0 or data is not None and data.startswith(b"WARC/"):
+            return cand
+        pos = cand + 1
 
 
 def next_magic(f: BinaryIO, start: int, chunk: int = 1 << 20) -> int:
@@ -229,7 +262,9 @@ def warc_rows(split: Split, cfg) -> Iterator[Row | str]:
                                                    **raw_at(path, pos, path.stat().st_size - pos)})
         return
     with open(path, "rb") as f:
-        for off, length, data in gzip_members(f):
+        start = member_boundary(f, split.start)
+        stop = member_boundary(f, split.end) if split.end is not None else None
+        for off, length, data in gzip_members(f, start, stop):
             if data is None:
                 yield Row(off, reason="bad_record", q={"offset": off, **raw_at(path, off, length),
                                                        "detail": "gzip member is truncated or corrupt"})

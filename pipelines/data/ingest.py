@@ -112,14 +112,15 @@ def write_docs(job: tuple[int, int, int], max_docs: int | None, parts: str, out:
 
 
 def offsets(results: list[dict]) -> list[tuple[int, int, int]]:
-    """(split no, docs before it, lines before it in the same file) for every split, in input order."""
+    """(split no, docs before it, lines before it in the same file) for every split, in input order (a WARC
+    record's location is its byte offset in the file already: no line offset)."""
     jobs, docs, lines, prev = [], 0, 0, None
     for r in sorted(results, key=lambda r: r["no"]):
         if (r["name"], r["fmt"]) != prev:
             lines, prev = 0, (r["name"], r["fmt"])
         jobs.append((r["no"], docs, lines))
         docs += r["counts"].get("docs", 0)
-        lines += r["counts"].get("physical_lines", 0)
+        lines += r["counts"].get("physical_lines", 0) if r["fmt"] == "jsonl" else 0
     return jobs
 
 
