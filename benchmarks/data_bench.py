@@ -91,7 +91,7 @@ def timed_ingest(spark, files: list[Path], work: Path, extractor: str = "resilip
 
     out = Path(tempfile.mkdtemp(dir=work))
     t = time.perf_counter()
-    counts = ingest(spark, [Source(f.name, f.as_uri(), f) for f in files], out, IngestCfg(extractor=extractor))
+    counts = ingest(spark, [Source.of_file(f) for f in files], out, IngestCfg(extractor=extractor))
     return time.perf_counter() - t, {**counts, "out": str(out)}
 
 

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -56,6 +56,19 @@ def resolve_bundled(p: str | os.PathLike) -> Path:
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # fields that say how a stage reads or where it writes, not what it computes: left out of the stage hash
+    unhashed: ClassVar[frozenset[str]] = frozenset()
+
+    def hashed(self) -> dict:
+        """The section as plain JSON, without its ``unhashed`` fields (at any depth)."""
+        d = self.model_dump(mode="json")
+        for k in type(self).model_fields:
+            v = getattr(self, k)
+            if k in self.unhashed:
+                d.pop(k)
+            elif isinstance(v, _Section):
+                d[k] = v.hashed()
+        return d
 
 
 class RunCfg(_Section):
@@ -67,6 +80,7 @@ class RunCfg(_Section):
 
 
 class IngestCfg(_Section):
+    unhashed: ClassVar[frozenset[str]] = frozenset({"s3_read"})  # the same files however the objects are read
     text_field: str = "text"
     id_field: str = "id"
     max_docs: Optional[int] = Field(None, ge=1, description="Stop after this many good docs.")
@@ -77,6 +91,10 @@ class IngestCfg(_Section):
     split_mb: int = Field(64, ge=1, description="Plain JSONL and .warc.gz files larger than this are read by "
                                                 "several Spark tasks, one per split_mb byte range (cut at line / "
                                                 "gzip-member boundaries).")
+    s3_read: Literal["copy", "direct"] = Field(
+        "copy", description="s3:// inputs: 'copy' = the driver copies each object into run.root/cache (identity = "
+        "its bytes: the same stage as the same files on disk); 'direct' = the Spark tasks read their byte ranges "
+        "from S3 themselves, nothing goes through the driver (identity = each object's ETag and size).")
 
 
 class DedupCfg(_Section):
@@ -521,11 +539,14 @@ class JobSpec(_Section):
     def global_batch(self) -> int:
         return self.train.micro_batch * self.train.grad_accum * self.degrees["dp"]
 
-    def value(self, dotted: str) -> Any:
-        """The value at a dotted key (``data.schedule``); a section as plain JSON."""
+    def value(self, dotted: str, hashed: bool = False) -> Any:
+        """The value at a dotted key (``data.schedule``); a section as plain JSON (``hashed``: as the stage hash
+        sees it)."""
         obj: Any = self
         for part in dotted.split("."):
             obj = getattr(obj, part)
+        if hashed and isinstance(obj, _Section):
+            return obj.hashed()
         return obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj
 
     def stage_hash(self, stage: str) -> str:
@@ -533,7 +554,7 @@ class JobSpec(_Section):
         from pipelines.stages import stage as stage_entry
 
         sections = stage_entry(stage).sections
-        payload = {s: self.value(s) for s in sections}
+        payload = {s: self.value(s, hashed=True) for s in sections}
         return sha256_json(payload)
 
     def to_yaml(self) -> str:

@@ -19,12 +19,12 @@ carries ``url``, ``warc_record_id`` and ``date`` when its format has them.
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import io
 import json
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import BinaryIO, Iterator
 
 WARC_SUFFIXES = (".warc", ".warc.gz", ".wet", ".wet.gz")
@@ -37,7 +37,8 @@ def fmt_of(name: str) -> str:
 
 @dataclass(frozen=True)
 class Split:
-    """A byte range ``[start, end)`` of one input file (``end`` None: to its end)."""
+    """A byte range ``[start, end)`` of one input file (``end`` None: to its end). ``path``: a local path, or an
+    s3:// URI that the task reads itself with the S3 client ``settings``."""
 
     no: int
     name: str
@@ -45,6 +46,17 @@ class Split:
     fmt: str
     start: int = 0
     end: int | None = None
+    size: int = 0
+    settings: dict | None = None
+
+
+def open_raw(split: Split) -> BinaryIO:
+    """The split's file, seekable: the local file or the S3 object (ranged GETs, 8 MB at a time)."""
+    if split.settings is None:
+        return open(split.path, "rb")
+    from pipelines.storage.s3 import open_object
+
+    return open_object(split.settings, split.path, split.size)
 
 
 @dataclass
@@ -70,34 +82,36 @@ def plan(sources, split_mb: int, step: int | None = None) -> list[Split]:
     out: list[Split] = []
     step = step or split_mb << 20
     for s in sources:
-        fmt, size = fmt_of(s.name), s.path.stat().st_size
+        fmt, size, where = fmt_of(s.name), s.size, (s.location, s.settings)
         if splittable(s.name, fmt) and size > step:
             for a in range(0, size, step):
-                out.append(Split(len(out), s.name, str(s.path), fmt, a, min(a + step, size)))
+                out.append(Split(len(out), s.name, where[0], fmt, a, min(a + step, size), size, where[1]))
         else:
-            out.append(Split(len(out), s.name, str(s.path), fmt))
+            out.append(Split(len(out), s.name, where[0], fmt, size=size, settings=where[1]))
     return out
 
 
 # ---- JSONL -----------------------------------------------------------------------------------------------------
 
 
-def open_binary(path: Path) -> BinaryIO:
+@contextlib.contextmanager
+def open_binary(split: Split) -> Iterator[BinaryIO]:
     """Open plain, gzip or zstd files by extension, as a binary line stream."""
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if name.endswith(".zst") or name.endswith(".zstd"):
-        import zstandard
+    name = split.name.lower()
+    with open_raw(split) as raw:
+        if name.endswith(".gz"):
+            yield gzip.GzipFile(fileobj=raw, mode="rb")
+        elif name.endswith(".zst") or name.endswith(".zstd"):
+            import zstandard
 
-        raw = open(path, "rb")
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
-    return open(path, "rb")
+            yield io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False))
+        else:
+            yield raw
 
 
 def split_lines(split: Split) -> Iterator[bytes]:
     """The lines (newline stripped) whose first byte lies in the split."""
-    with open_binary(Path(split.path)) as f:
+    with open_binary(split) as f:
         if split.end is None:
             for line in f:
                 yield line.rstrip(b"\r\n")
@@ -239,8 +253,8 @@ def next_magic(f: BinaryIO, start: int, chunk: int = 1 << 20) -> int:
         pos, tail = pos + len(buf) - 2, buf[-2:]
 
 
-def raw_at(path: Path, off: int, length: int) -> dict:
-    with open(path, "rb") as f:
+def raw_at(split: Split, off: int, length: int) -> dict:
+    with open_raw(split) as f:
         f.seek(off)
         raw = f.read(min(length, _RAW_KEEP))
     return {"raw_b64": base64.b64encode(raw).decode("ascii"), "bytes": length}
@@ -250,23 +264,23 @@ def warc_rows(split: Split, cfg) -> Iterator[Row | str]:
     """A Row per document-like record; the record type's name for a record that is not a document."""
     from fastwarc.warc import ArchiveIterator
 
-    path = Path(split.path)
-    if not path.name.lower().endswith(".gz"):  # plain WARC: FastWARC streams it; a bad record ends the file
+    if not split.name.lower().endswith(".gz"):  # plain WARC: FastWARC streams it; a bad record ends the file
         pos = 0
         try:
-            for rec in ArchiveIterator(str(path), parse_http=False, fsspec_args=False, stream_detect=False):
-                pos = rec.stream_pos
-                yield from warc_record(rec, pos, cfg)
+            with open_raw(split) as f:
+                for rec in ArchiveIterator(f, parse_http=False, fsspec_args=False, stream_detect=False):
+                    pos = rec.stream_pos
+                    yield from warc_record(rec, pos, cfg)
         except OSError as e:
             yield Row(pos, reason="bad_record", q={"offset": pos, "detail": f"WARC parse error: {e}",
-                                                   **raw_at(path, pos, path.stat().st_size - pos)})
+                                                   **raw_at(split, pos, split.size - pos)})
         return
-    with open(path, "rb") as f:
+    with open_raw(split) as f:
         start = member_boundary(f, split.start)
         stop = member_boundary(f, split.end) if split.end is not None else None
         for off, length, data in gzip_members(f, start, stop):
             if data is None:
-                yield Row(off, reason="bad_record", q={"offset": off, **raw_at(path, off, length),
+                yield Row(off, reason="bad_record", q={"offset": off, **raw_at(split, off, length),
                                                        "detail": "gzip member is truncated or corrupt"})
                 continue
             n, problem = 0, "no WARC record in this gzip member"
@@ -278,7 +292,7 @@ def warc_rows(split: Split, cfg) -> Iterator[Row | str]:
             except OSError as e:  # FastWARC: a bad header
                 n, problem = 0, f"WARC parse error: {e}"
             if n == 0:
-                yield Row(off, reason="bad_record", q={"offset": off, **raw_at(path, off, length), "detail": problem})
+                yield Row(off, reason="bad_record", q={"offset": off, **raw_at(split, off, length), "detail": problem})
 
 
 _DOC_TYPES = ("response", "conversion", "resource")

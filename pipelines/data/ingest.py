@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.data.formats import Split, plan, rows
 from pipelines.data.sources import resolve
-from pipelines.manifest import Manifest, file_ref
+from pipelines.manifest import Manifest
 from pipelines.spec import IngestCfg, JobSpec
 
 META = ("url", "warc_record_id", "date")
@@ -171,11 +171,11 @@ def totals(results: list[dict], written: int, splits: int) -> dict:
 
 
 def run(spec: JobSpec, out_dir: str | None = None, spark=None) -> Manifest:
-    inputs = resolve(spec, spec.data.inputs)  # local files, globs, s3:// prefixes (copied into run.root/cache)
+    inputs = resolve(spec, spec.data.inputs)  # local files, globs, s3:// prefixes (copied, or read by the tasks)
     cfg = spec.data.ingest
     # the inputs' identity is their bytes (and order), not where they live: the same files from S3 or disk give
     # the same stage key and digest; the manifest records where each came from
-    sd = stage_dir(spec, "ingest", [{**file_ref(s.path), "uri": s.uri} for s in inputs], out_dir)
+    sd = stage_dir(spec, "ingest", [s.ref() for s in inputs], out_dir)
 
     def body(tmp: Path) -> Manifest:
         from pipelines.data.spark import get_spark

@@ -18,6 +18,7 @@ import argparse
 import base64
 import contextlib
 import hashlib
+import io
 import json
 import os
 import signal
@@ -182,6 +183,43 @@ def upload_checked(s3, bucket: str, key: str, path: Path, sha_hex: str, config=N
                    ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": sha_hex}})
     if not object_matches(s3, bucket, key, path, sha_hex, part_size):
         raise IOError(f"s3://{bucket}/{key} does not match {path}'s sha256 {sha_hex[:12]}… after upload")
+
+
+class ObjectReader(io.RawIOBase):
+    """A seekable, read-only file over one S3 object, each read one ranged GET (wrap it in ``io.BufferedReader``
+    for fewer, larger requests). Built from plain settings, so a Spark task opens its own."""
+
+    def __init__(self, settings: dict, bucket: str, key: str, size: int):
+        super().__init__()
+        self.s3, self.bucket, self.key, self.size, self.pos = client_from(settings), bucket, key, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        self.pos = max(0, off if whence == 0 else self.pos + off if whence == 1 else self.size + off)
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = min(len(b), self.size - self.pos)
+        if n <= 0:
+            return 0
+        body = self.s3.get_object(Bucket=self.bucket, Key=self.key,
+                                  Range=f"bytes={self.pos}-{self.pos + n - 1}")["Body"].read()
+        b[:len(body)] = body
+        self.pos += len(body)
+        return len(body)
+
+
+def open_object(settings: dict, uri: str, size: int, buffer: int = 8 << 20) -> io.BufferedReader:
+    bucket, key = split_uri(uri)
+    return io.BufferedReader(ObjectReader(settings, bucket, key, size), buffer_size=buffer)
 
 
 # ----------------------------------------------------------------------------- embedded server
