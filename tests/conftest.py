@@ -60,6 +60,22 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
+def shard_layout(root: Path, docs: list, cuts: list[int]) -> list[str]:
+    """The same documents (token id arrays) written as uint16 shards cut before the given doc indices, as
+    tokenization's partitions cut them; the shard prefixes in order."""
+    from pipelines.data.shards import ShardWriter
+
+    root.mkdir(parents=True)
+    prefixes = []
+    for k, (a, b) in enumerate(zip([0] + cuts, cuts + [len(docs)])):
+        w = ShardWriter(root / f"train-{k:05d}-0000", "uint16")
+        for d in docs[a:b]:
+            w.add(d)
+        w.close()
+        prefixes.append(str(root / f"train-{k:05d}-0000"))
+    return prefixes
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

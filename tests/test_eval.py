@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import c4_docs, free_port
+from conftest import c4_docs, free_port, shard_layout
 from pipelines.data import tokenize
-from pipelines.eval import bpb, harness, registry
+from pipelines.eval import bpb, harness, registry, scorer
 from pipelines.eval.lm import TextModel
 from pipelines.spec import TokenizerCfg, load_spec
 from pipelines.train.model import ModelArgs, Transformer
@@ -78,6 +78,38 @@ def test_bits_per_byte_equals_a_hand_computation(models, tmp_path):
     cli = json.loads(out)
     assert set(cli) == {"bits_per_byte", "nats", "tokens", "bytes"}
     assert cli["nats"] == pytest.approx(nats, rel=1e-5) and cli["bytes"] == r["bytes"]
+
+
+class _Share(scorer.Ranks):
+    """One rank's share, not summed: the test adds the ranks' partial sums itself."""
+
+    def sum(self, values: list[float]) -> list[float]:
+        return values
+
+
+def test_heldout_loss_is_the_hand_computation_over_the_stream_whatever_the_shards(models, tmp_path):
+    sp_model = models[0] / "tokenizer.model"
+    tm = TextModel.load(_model_dir(tmp_path / "m8", 5, sp_model, seq_len=4))  # 4-token windows: several chunks
+    rng = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 400, (int(n),), generator=rng).numpy() for n in torch.randint(1, 200, (100,), generator=rng)]
+    flat = [int(t) for d in docs for t in d]
+
+    def job(name: str, cuts: list[int]) -> scorer.Job:
+        return scorer.Job(model_dir="", heldout=shard_layout(tmp_path / name, docs, cuts),
+                          heldout_text_bytes=len(flat) * 3, heldout_tokens=len(flat))
+
+    nats, scored = _hand_nats(tm, flat)
+    one, four = job("one", []), job("four", [3, 4, 30])
+    assert len(flat) > 2 * tm.seq_len * 1024  # more than two of the scorer's chunks
+    for j in (one, four):
+        r = scorer.heldout_scores(tm, j, scorer.Ranks(), 16, None)
+        assert r["heldout_tokens_scored"] == scored == len(flat) - 1
+        assert r["heldout_loss"] == pytest.approx(nats / scored, rel=1e-5)
+    shares = [scorer.heldout_scores(tm, four, _Share(r, 2), 16, None)["heldout_loss"] * scored for r in range(2)]
+    assert sum(shares) == pytest.approx(nats, rel=1e-5) and all(x > 0 for x in shares)
+    capped = scorer.heldout_scores(tm, four, scorer.Ranks(), 16, 1000)
+    assert capped["heldout_tokens_scored"] == 1000
+    assert capped["heldout_loss"] == pytest.approx(_hand_nats(tm, flat[:1001])[0] / 1000, rel=1e-5)
 
 
 @torch.no_grad()

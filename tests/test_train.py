@@ -11,7 +11,7 @@ from pipelines.train import launch
 from pipelines.train.loader import DPSampler
 from pipelines.train.model import ModelArgs, Transformer, param_count
 
-from conftest import c4_docs
+from conftest import c4_docs, shard_layout
 from test_tokenize import _filter_manifest
 
 
@@ -52,6 +52,21 @@ def test_global_batches_follow_the_per_epoch_permutations_across_epoch_boundarie
         assert np.array_equal(s.next_local(), stream[k * G:(k + 1) * G])
 
 
+def test_samples_do_not_depend_on_how_the_documents_were_cut_into_shards(tmp_path):
+    from pipelines.train.loader import TokenSamples
+
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 4000, n) for n in rng.integers(1, 90, 60)]
+    flat = np.concatenate(docs)
+    one = TokenSamples(shard_layout(tmp_path / "one", docs, []), seq_len=16)
+    three = TokenSamples(shard_layout(tmp_path / "three", docs, [7, 8, 41]), seq_len=16)  # one shard of one doc
+    assert len(one) == len(three) == (flat.size - 1) // 16
+    for i in range(len(one)):
+        assert np.array_equal(one[i], three[i]) and np.array_equal(one[i], flat[i * 16:i * 16 + 17])
+    with pytest.raises(IndexError):
+        three[len(three)]
+
+
 def test_prefetcher_gives_the_inline_batches_and_keeps_the_position_exact(tmp_path):
     from pipelines.data.shards import ShardWriter
     from pipelines.train.loader import Prefetcher, TokenSamples
@@ -64,7 +79,7 @@ def test_prefetcher_gives_the_inline_batches_and_keeps_the_position_exact(tmp_pa
         w.close()
         prefixes.append(tmp_path / f"s{i}")
     samples = TokenSamples(prefixes, seq_len=16)
-    assert len(samples) == 500 // 16 + 332 // 16
+    assert len(samples) == (501 + 333 - 1) // 16  # the shards read back to back
     ref_sampler = DPSampler(len(samples), 8, 1, 2, seed=4)
     inline = Prefetcher(samples, ref_sampler, grad_accum=2, depth=0)
     sampler = DPSampler(len(samples), 8, 1, 2, seed=4)

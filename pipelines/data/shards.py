@@ -19,6 +19,7 @@ Readers memory-map both files; nothing reads a whole shard into memory.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import struct
 from dataclasses import dataclass
@@ -127,3 +128,35 @@ class Shard:
     def doc(self, i: int) -> np.ndarray:
         start = int(self.pointers[i]) // self.tokens.dtype.itemsize
         return np.asarray(self.tokens[start:start + int(self.lengths[i])])
+
+
+class TokenStream:
+    """A split's shards, in manifest order, read as one token sequence.
+
+    Training samples and held-out windows are cut from this sequence, so they depend on the documents and their
+    order only, not on where tokenization's partitions cut the shards (``local[1]`` and ``local[16]`` train alike).
+    """
+
+    def __init__(self, prefixes: list[str | Path]):
+        self.shards = [Shard.open(p) for p in prefixes]
+        self.starts = [0]
+        for s in self.shards:
+            self.starts.append(self.starts[-1] + s.num_tokens)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` as int64 (clipped to the end), across shard boundaries."""
+        stop = min(int(stop), len(self))
+        if start >= stop:
+            return np.zeros(0, dtype=np.int64)
+        k = bisect.bisect_right(self.starts, start) - 1
+        if stop <= self.starts[k + 1]:  # the common case: inside one shard
+            return np.asarray(self.shards[k].tokens[start - self.starts[k]:stop - self.starts[k]], dtype=np.int64)
+        parts = []
+        while start < stop:
+            lo, hi = start - self.starts[k], min(stop, self.starts[k + 1]) - self.starts[k]
+            parts.append(self.shards[k].tokens[lo:hi])
+            start, k = start + hi - lo, k + 1
+        return np.concatenate(parts).astype(np.int64)

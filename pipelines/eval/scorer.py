@@ -59,23 +59,20 @@ def reference_scores(tm, files: list[str], ranks: Ranks, batch_size: int) -> dic
 
 
 def heldout_scores(tm, job: Job, ranks: Ranks, batch_size: int, max_tokens: int | None) -> dict:
-    """Mean next-token loss over the held-out shards' non-overlapping windows (a diagnostic: it scores the run's
-    own corpus, so it compares runs of the same data only)."""
-    import numpy as np
-
-    from pipelines.data.shards import Shard
+    """Mean next-token loss over the non-overlapping windows of the held-out token stream (the held-out shards back
+    to back, so the windows do not depend on how tokenization cut the shards). A diagnostic: it scores the run's
+    own corpus, so it compares runs of the same data only. The stream is read a chunk of 1,024 whole windows at a time
+    (each rank scores its share of every chunk's windows), so memory stays flat however large the split."""
+    from pipelines.data.shards import TokenStream
     from pipelines.eval.bpb import window_nats, windows
 
-    nats, count = 0.0, 0
-    for p in job.heldout:
-        toks = np.asarray(Shard.open(p).tokens, dtype=np.int64)
-        if max_tokens:
-            toks = toks[:max(0, max_tokens - count) + 1]
-        nats += window_nats(tm, toks, ranks.rank, ranks.world, batch_size)
-        count += sum(e - s - 1 for s, e in windows(len(toks), tm.seq_len))
-        if max_tokens and count >= max_tokens:
-            break
+    stream = TokenStream(job.heldout)
+    n = min(len(stream), max_tokens + 1) if max_tokens else len(stream)
+    chunk = tm.seq_len * 1024
+    nats = sum(window_nats(tm, stream.read(a, min(a + chunk + 1, n)), ranks.rank, ranks.world, batch_size)
+               for a in range(0, max(0, n - 1), chunk))
     nats = ranks.sum([nats])[0]
+    count = sum(e - s - 1 for s, e in windows(n, tm.seq_len))
     if count == 0:
         raise ValueError("no held-out tokens to score: raise tokenizer.heldout_fraction")
     loss = nats / count

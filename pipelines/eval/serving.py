@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlflow.artifacts
 import mlflow.pyfunc
+import pandas as pd
 
 PARAMS = {"max_new_tokens": 32, "temperature": 0.8, "top_k": 50, "seed": 0}
 MODEL_DIR = "model_dir"  # the artifact key
@@ -35,8 +36,10 @@ class TextGenerator(mlflow.pyfunc.PythonModel):
 
         self.tm = TextModel.load(context.artifacts[MODEL_DIR])
 
-    def predict(self, context, model_input, params=None):  # the signature validates (no type hints: MLflow
-        # warns once, but its type-hint path drops the params)
+    # The explicit signature below validates the input (a one-column DataFrame by then). The hint is one MLflow
+    # infers no schema from: a list[str] hint would take MLflow's type-hint path, which drops the params, and no
+    # hint at all makes MLflow warn on every import.
+    def predict(self, context, model_input: pd.DataFrame, params=None):
         p = {**PARAMS, **(params or {})}
         return [self.tm.generate(t, int(p["max_new_tokens"]), float(p["temperature"]), int(p["top_k"]),
                                  int(p["seed"])) for t in _prompts(model_input)]

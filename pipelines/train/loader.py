@@ -1,7 +1,9 @@
 """Deterministic, resumable, DP-sliced sampling over memory-mapped token shards.
 
-* A *sample* is ``seq_len + 1`` consecutive tokens inside one shard (inputs + shifted targets);
-  shard s holds ``(tokens_s − 1) // seq_len`` samples, numbered globally in shard order.
+* A *sample* is ``seq_len + 1`` consecutive tokens (inputs + shifted targets) of the split's token stream, the
+  train shards read back to back in manifest order (:class:`~pipelines.data.shards.TokenStream`): sample i starts
+  at token ``i·seq_len`` and there are ``(tokens − 1) // seq_len`` of them. A sample may span two shards, so the
+  samples do not depend on how many partitions tokenization ran with.
 * The global order for epoch e is a permutation drawn from ``(seed, e)``; global batch k is
   positions ``[k·G, (k+1)·G)`` of the concatenated epoch orders (G = micro × accum × DP).
 * Rank r of D takes the contiguous slice ``[r·G/D, (r+1)·G/D)`` of each global batch
@@ -19,25 +21,24 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.data.shards import Shard
+from pipelines.data.shards import TokenStream
 
 
 class TokenSamples:
     def __init__(self, shard_prefixes: list[Path], seq_len: int):
-        self.shards = [Shard.open(p) for p in shard_prefixes]
+        self.stream = TokenStream(shard_prefixes)
         self.seq_len = seq_len
-        per = np.array([max(0, (s.num_tokens - 1) // seq_len) for s in self.shards], dtype=np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(per)])
-        if self.offsets[-1] == 0:
+        self.count = max(0, (len(self.stream) - 1) // seq_len)
+        if self.count == 0:
             raise ValueError(f"no sample of {seq_len + 1} tokens fits in the shards; lower model.seq_len")
 
     def __len__(self) -> int:
-        return int(self.offsets[-1])
+        return self.count
 
     def __getitem__(self, i: int) -> np.ndarray:
-        s = int(np.searchsorted(self.offsets, i, side="right") - 1)
-        start = (i - int(self.offsets[s])) * self.seq_len
-        return np.asarray(self.shards[s].tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        if not 0 <= i < self.count:
+            raise IndexError(f"sample {i} of {self.count}")
+        return self.stream.read(i * self.seq_len, (i + 1) * self.seq_len + 1)
 
 
 class DPSampler:
