@@ -215,7 +215,8 @@ class DataCfg(_Section):
             "data/sample/c4_en_train_1k.jsonl.gz",
             "data/sample/cc_wet_2019_30_sample.jsonl.gz",
         ],
-        description="JSONL files (plain, .gz or .zst) with a text field.",
+        description="What ingest reads: files (JSONL plain/.gz/.zst with a text field, .warc.gz, .warc.wet.gz), "
+                    "directories, globs or s3://bucket/prefix; relative paths resolve against the project root.",
     )
     ingest: IngestCfg = Field(default_factory=IngestCfg)
     dedup: DedupCfg = Field(default_factory=DedupCfg)
@@ -223,6 +224,13 @@ class DataCfg(_Section):
     schedule: str = Field("@weekly", description="When the data_curation DAG runs: a cron expression or an Airflow "
                           "preset (@daily, @weekly, …); read when the DAG file is parsed (spec: LLMP_SPEC or "
                           "configs/demo.yaml).")
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs(cls, v: list[str]) -> list[str]:
+        if not v or any(not x.strip() for x in v):  # "" would resolve to the project root and read all of it
+            raise ValueError("needs at least one input, and no empty one")
+        return v
 
     @field_validator("schedule")
     @classmethod

@@ -66,6 +66,16 @@ def test_missing_input_fails_fast_with_the_fix(home):
         ingest.run(spec)
 
 
+def test_an_empty_input_is_refused_not_read_as_the_project_root(home, capsys):
+    assert ingest.main(["--input", "", "--input", "data/warc/python_docs_sample.warc.gz", "--output",
+                        str(home / "x")]) == 2
+    assert "--input: needs at least one input, and no empty one" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        ingest.main(["--set", "data.inputs=[]", "--output", str(home / "x")])
+    assert e.value.code == 2 and "data.inputs: needs at least one input" in capsys.readouterr().err
+    assert not (home / "x").exists()
+
+
 def test_rerun_is_idempotent_and_skips_done_work(home, spark):
     src = _bad_file(home / "bad.jsonl")
     spec = load_spec(None, [f"data.inputs=[{src}]"], env={})

@@ -82,12 +82,11 @@ def plan(sources, split_mb: int, step: int | None = None) -> list[Split]:
     out: list[Split] = []
     step = step or split_mb << 20
     for s in sources:
-        fmt, size, where = fmt_of(s.name), s.size, (s.location, s.settings)
-        if splittable(s.name, fmt) and size > step:
-            for a in range(0, size, step):
-                out.append(Split(len(out), s.name, where[0], fmt, a, min(a + step, size), size, where[1]))
-        else:
-            out.append(Split(len(out), s.name, where[0], fmt, size=size, settings=where[1]))
+        fmt, size = fmt_of(s.name), s.size
+        cuts = range(0, size, step) if splittable(s.name, fmt) and size > step else [None]
+        for a in cuts:
+            end = None if a is None else min(a + step, size)
+            out.append(Split(len(out), s.name, s.location, fmt, a or 0, end, size, s.settings))
     return out
 
 

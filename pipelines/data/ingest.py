@@ -41,7 +41,7 @@ from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.data.formats import Split, plan, rows
 from pipelines.data.sources import resolve
 from pipelines.manifest import Manifest
-from pipelines.spec import IngestCfg, JobSpec
+from pipelines.spec import IngestCfg, JobSpec, SpecError
 
 META = ("url", "warc_record_id", "date")
 DOCS_SCHEMA = pa.schema([("idx", pa.int64()), ("id", pa.string()), ("text", pa.string()), ("source", pa.string()),
@@ -202,7 +202,13 @@ def _inputs(ap) -> None:
 
 def _call(spec: JobSpec, args, ups) -> Manifest:
     if args.input:
-        spec.data.inputs = args.input
+        from pydantic import ValidationError
+
+        try:
+            spec.data.inputs = args.input  # validated like data.inputs
+        except ValidationError as e:
+            raise SpecError("--input: " + "; ".join(x["msg"].removeprefix("Value error, ") for x in e.errors())) \
+                from None
     return run(spec, args.output)
 
 

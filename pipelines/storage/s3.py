@@ -146,7 +146,7 @@ def part_digests(path: Path, part_size: int) -> list[bytes]:
 
 
 def object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part_size: int,
-                       parts: Optional[list[bytes]] = None) -> bool:
+                   parts: Optional[list[bytes]] = None) -> bool:
     """Does the object hold exactly the file's bytes? A multipart object's composite checksum is compared with
     ``parts`` (the file's part digests, when the caller hashed them already) or recomputed from the file."""
     from botocore.exceptions import ClientError
