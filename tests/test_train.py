@@ -124,7 +124,7 @@ def test_torchrun_two_ranks_trains_and_checkpoints_to_l0(home):
     ckdir = home / "var/tiers/nvme" / m.extra["checkpoint"]
     man = ck.verify_local(ckdir)
     # a sharded DCP checkpoint: one shard file per rank, the metadata, the run's state, COMMIT last
-    assert man["step"] == 24 and set(man["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng.pt",
+    assert man["step"] == 24 and set(man["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng.json",
                                                        "trainer_state.json", "tokenizer.model", "model_args.json"}
     # retention (keep_l0=2): step 10 left L0 once promoted to L1, where steps 10, 20 and 24 all verify
     assert not (ckdir.parent / "step-000010").exists() and ck.is_valid_local(ckdir.parent / "step-000020")
@@ -134,7 +134,8 @@ def test_torchrun_two_ranks_trains_and_checkpoints_to_l0(home):
     assert m.extra["resumed_from"] is None
     state = json.loads((ckdir / "trainer_state.json").read_text())
     assert state["loader"]["consumed_samples"] == 24 * spec.global_batch and state["step"] == 24
-    assert len(torch.load(ckdir / "rng.pt", weights_only=False)) == 2  # every rank's RNG states
+    rngs = json.loads((ckdir / "rng.json").read_text())  # every rank's RNG states, as JSON (nothing unpickled)
+    assert len(rngs) == 2 and set(rngs[0]) == {"python", "numpy", "torch"}
     # the MLflow run got the curve
     from pipelines import tracking
 

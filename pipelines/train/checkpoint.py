@@ -47,6 +47,7 @@ from pipelines.storage.s3 import b64, object_matches, part_size_used, upload_che
 
 CKPT_MANIFEST = "MANIFEST.json"
 COMMIT = "COMMIT"
+PARTS = "PARTS"  # on L2: PARTS/part-K.json, node K's part manifest, put after the part's files
 TIERS = ("L0", "L1", "L2")
 
 
@@ -65,7 +66,7 @@ def parse_step(name: str) -> Optional[int]:
     return int(name[5:])
 
 
-def _hash_files(root: Path, rels: list[str]) -> dict[str, str]:
+def hash_files(root: Path, rels: list[str]) -> dict[str, str]:
     """sha256 of many files in parallel (hashlib releases the GIL on large buffers)."""
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(rels)))) as ex:
         return dict(zip(rels, ex.map(lambda r: sha256_file(root / r), rels)))
@@ -76,7 +77,7 @@ def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Pa
     """Hash every file in ``tmp_dir``, write MANIFEST + COMMIT, then rename to ``final_dir``."""
     rels = [f.relative_to(tmp_dir).as_posix() for f in sorted(p for p in tmp_dir.rglob("*") if p.is_file())]
     rels = [r for r in rels if r not in (CKPT_MANIFEST, COMMIT)]
-    sums = _hash_files(tmp_dir, rels)
+    sums = hash_files(tmp_dir, rels)
     files = {r: {"sha256": sums[r], "bytes": (tmp_dir / r).stat().st_size} for r in rels}
     body = json.dumps({"files": files, **(meta or {})}, indent=2, sort_keys=True)
     atomic_write_text(tmp_dir / CKPT_MANIFEST, body)
@@ -114,10 +115,10 @@ def read_local_manifest(d: Path) -> dict:
 def verify_local(d: Path) -> dict:
     """Raise CheckpointError unless every file matches; return the manifest."""
     man = read_local_manifest(d)
-    missing = [rel for rel in man["files"] if not (d / rel).is_file()]
+    missing = [rel for rel in manifest_files(man, str(d)) if not (d / rel).is_file()]
     if missing:
         raise CheckpointError(f"{d}: {missing[0]} is missing")
-    sums = _hash_files(d, list(man["files"]))
+    sums = hash_files(d, list(man["files"]))
     for rel, info in man["files"].items():
         if sums[rel] != info["sha256"]:
             raise CheckpointError(f"{d}: {rel} sha256 {sums[rel][:12]}… does not match the manifest's "
@@ -154,7 +155,7 @@ def copy_local(src: Path, dst: Path, chunk: int = 8 << 20) -> dict[str, list[byt
     tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
-        for rel in man["files"]:
+        for rel in manifest_files(man, str(src)):
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         rels = list(man["files"])
         if any(not (src / rel).is_file() for rel in rels):
@@ -186,20 +187,28 @@ def _transfer_config(spec: JobSpec):
                           multipart_chunksize=spec.checkpoint.multipart_chunk_mb * mb, max_concurrency=4)
 
 
-def s3_commit_body(s3, bucket: str, prefix: str) -> Optional[str]:
+def _s3_body(s3, bucket: str, key: str) -> Optional[bytes]:
     from botocore.exceptions import ClientError
 
     try:
-        return s3.get_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")["Body"].read().decode().strip()
+        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     except ClientError:
         return None
 
 
-def abort_multipart(s3, bucket: str, prefix: str) -> int:
-    """Abort the multipart uploads an interrupted promotion left under ``prefix``; returns how many."""
+def s3_commit_body(s3, bucket: str, prefix: str) -> Optional[str]:
+    body = _s3_body(s3, bucket, f"{prefix}/{COMMIT}")
+    return None if body is None else body.decode().strip()
+
+
+def abort_multipart(s3, bucket: str, prefix: str, keys: Optional[set[str]] = None) -> int:
+    """Abort the multipart uploads an interrupted promotion left under ``prefix`` (only those of ``keys`` when
+    given: another node may be uploading its own part there right now); returns how many."""
     n = 0
     for page in s3.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
         for up in page.get("Uploads", []):
+            if keys is not None and up["Key"] not in keys:
+                continue
             s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
             n += 1
     return n
@@ -227,6 +236,52 @@ def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: lis
         raise
 
 
+def safe_rel(rel: str, where: str) -> str:
+    """A file name from a manifest, refused unless it stays below its checkpoint directory (no absolute path, no
+    ``..``, no empty or odd component): a forged manifest must not make a download or a copy write elsewhere."""
+    parts = rel.split("/")
+    if (not rel or rel.startswith("/") or "\\" in rel or "\x00" in rel
+            or any(p in ("", ".", "..") for p in parts)):
+        raise CheckpointError(f"{where}: manifest entry {rel!r} is not a relative path below the checkpoint "
+                              "directory — refusing this checkpoint")
+    return rel
+
+
+def manifest_files(man: dict, where: str) -> dict:
+    """The manifest's ``files``, every name checked with :func:`safe_rel`."""
+    files = man.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{where}: manifest has no files table")
+    for rel in files:
+        safe_rel(rel, where)
+    return files
+
+
+def _upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: dict,
+                  parts: dict[str, list[bytes]]) -> None:
+    """Upload ``files`` of ``src`` under ``prefix``, each object checked against the manifest's sha256."""
+    cfg = _transfer_config(spec)
+    part = spec.checkpoint.multipart_chunk_mb * 1024 * 1024
+    for rel, info in files.items():
+        key, size = f"{prefix}/{rel}", info["bytes"]
+        digests = parts.get(rel)
+        if digests and size >= cfg.multipart_threshold and len(digests) == -(-size // part_size_used(size, part)):
+            _upload_parts(s3, bucket, key, src / rel, part_size_used(size, part), digests, info["sha256"])
+            if not object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests):
+                raise CheckpointError(f"s3://{bucket}/{key} does not match {rel}'s sha256 after upload")
+        else:
+            try:
+                upload_checked(s3, bucket, key, src / rel, info["sha256"], cfg, part)
+            except IOError as e:
+                raise CheckpointError(str(e)) from None
+
+
+def _all_match(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: dict, parts: dict) -> bool:
+    part = spec.checkpoint.multipart_chunk_mb * 1024 * 1024
+    return all(object_matches(s3, bucket, f"{prefix}/{rel}", src / rel, info["sha256"], part, parts.get(rel))
+               for rel, info in files.items())
+
+
 def upload_checkpoint(spec: JobSpec, src: Path, uri: str, parts: Optional[dict[str, list[bytes]]] = None) -> str:
     """Upload a local checkpoint to ``uri`` (s3://bucket/prefix), each object checked against the file, COMMIT
     last. Idempotent. ``parts``: the files' part digests from a copy that just verified ``src`` (else ``src`` is
@@ -239,50 +294,41 @@ def upload_checkpoint(spec: JobSpec, src: Path, uri: str, parts: Optional[dict[s
     bucket, prefix = split_uri(uri.rstrip("/"))
     ensure_bucket(s3, bucket, spec.services.s3_region)
     commit = (src / COMMIT).read_text().strip()
-    part = spec.checkpoint.multipart_chunk_mb * 1024 * 1024
-    if s3_commit_body(s3, bucket, prefix) == commit and all(
-            object_matches(s3, bucket, f"{prefix}/{rel}", src / rel, info["sha256"], part, parts.get(rel))
-            for rel, info in man["files"].items()):
+    if s3_commit_body(s3, bucket, prefix) == commit and _all_match(spec, s3, bucket, prefix, src, man["files"], parts):
         return "already-verified"
     s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")  # invalidate any older copy first
     aborted = abort_multipart(s3, bucket, prefix)
     if aborted:
         print(f"[ckpt] aborted {aborted} unfinished multipart upload(s) under {uri}", flush=True)
-    cfg = _transfer_config(spec)
-    for rel, info in man["files"].items():
-        key, size = f"{prefix}/{rel}", info["bytes"]
-        digests = parts.get(rel)
-        if digests and size >= cfg.multipart_threshold and len(digests) == -(-size // part_size_used(size, part)):
-            _upload_parts(s3, bucket, key, src / rel, part_size_used(size, part), digests, info["sha256"])
-            if not object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests):
-                raise CheckpointError(f"s3://{bucket}/{key} does not match {rel}'s sha256 after upload")
-        else:
-            try:
-                upload_checked(s3, bucket, key, src / rel, info["sha256"], cfg, part)
-            except IOError as e:
-                raise CheckpointError(str(e)) from None
+    _upload_files(spec, s3, bucket, prefix, src, man["files"], parts)
     s3.upload_file(str(src / CKPT_MANIFEST), bucket, f"{prefix}/{CKPT_MANIFEST}")
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}", Body=commit.encode())  # last
     return "uploaded"
 
 
-def download_checkpoint(spec: JobSpec, uri: str, dest: Path) -> Path:
-    """Fetch ``uri`` into ``dest`` and verify every file; raise if the copy is incomplete or corrupt."""
+def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int] = None) -> Path:
+    """Fetch ``uri`` into ``dest`` and verify every file; raise if the copy is incomplete or corrupt. With
+    ``part``, only that node's part (its files and its manifest, ``PARTS/part-K.json``), as a committed part dir."""
     from pipelines.storage.s3 import client, split_uri
 
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
-    commit = s3_commit_body(s3, bucket, prefix)
+    if part is None:
+        commit, key = s3_commit_body(s3, bucket, prefix), f"{prefix}/{CKPT_MANIFEST}"
+    else:
+        key = f"{prefix}/{PARTS}/{part_name(part)}.json"
+        commit = _s3_body(s3, bucket, key)
+        commit = commit and hashlib.sha256(commit).hexdigest()
     if commit is None:
         raise CheckpointError(f"{uri}: no COMMIT marker — the checkpoint is incomplete or absent")
     tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
-        body = s3.get_object(Bucket=bucket, Key=f"{prefix}/{CKPT_MANIFEST}")["Body"].read()
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
         if hashlib.sha256(body).hexdigest() != commit:
             raise CheckpointError(f"{uri}: MANIFEST.json does not match its COMMIT marker")
         (tmp / CKPT_MANIFEST).write_bytes(body)
-        for rel in json.loads(body)["files"]:
+        for rel in manifest_files(json.loads(body), uri):
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             s3.download_file(bucket, f"{prefix}/{rel}", str(tmp / rel))
         (tmp / COMMIT).write_text(commit)
@@ -294,6 +340,19 @@ def download_checkpoint(spec: JobSpec, uri: str, dest: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def read_s3_manifest(spec: JobSpec, uri: str) -> Optional[dict]:
+    """The manifest of a committed S3 copy (COMMIT matches MANIFEST.json), objects not checked; None if absent."""
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    commit = s3_commit_body(s3, bucket, prefix)
+    body = _s3_body(s3, bucket, f"{prefix}/{CKPT_MANIFEST}") if commit else None
+    if body is None or hashlib.sha256(body).hexdigest() != commit:
+        return None
+    return json.loads(body)
 
 
 def verify_s3(spec: JobSpec, uri: str) -> dict:
@@ -310,13 +369,18 @@ def verify_s3(spec: JobSpec, uri: str) -> dict:
     if hashlib.sha256(body).hexdigest() != commit:
         raise CheckpointError(f"{uri}: MANIFEST.json does not match its COMMIT marker")
     man = json.loads(body)
-    for rel, info in man["files"].items():
+    _check_objects(s3, bucket, prefix, manifest_files(man, uri), uri)
+    return man
+
+
+def _check_objects(s3, bucket: str, prefix: str, files: dict, uri: str) -> None:
+    """Each object's size and S3 checksum against the manifest's (no download)."""
+    for rel, info in files.items():
         head = s3.head_object(Bucket=bucket, Key=f"{prefix}/{rel}", ChecksumMode="ENABLED")
         remote = head.get("ChecksumSHA256")
         whole = b64(bytes.fromhex(info["sha256"]))
         if head["ContentLength"] != info["bytes"] or (remote and "-" not in head["ETag"] and remote != whole):
             raise CheckpointError(f"{uri}: {rel} does not match the manifest")
-    return man
 
 
 def remove_s3(spec: JobSpec, uri: str) -> None:
@@ -480,14 +544,15 @@ def newest_verified(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]])
     return None
 
 
-def prune(spec: JobSpec, rel_root: str, upto: Optional[int] = None, tiers: tuple[str, ...] = TIERS) -> dict[str, list[int]]:
+def prune(spec: JobSpec, rel_root: str, upto: Optional[int] = None, tiers: tuple[str, ...] = TIERS,
+          protect: set[int] = frozenset()) -> dict[str, list[int]]:
     """Apply ``checkpoint.keep_l0/keep_l1/keep_l2`` and ``l2_keep_every`` to this run's checkpoints. Only steps
-    ≤ ``upto`` are touched (newer ones may still be waiting for promotion), and no copy of the newest step that
-    verifies anywhere is ever deleted. Returns the steps deleted per tier."""
+    ≤ ``upto`` are touched (newer ones may still be waiting for promotion), neither ``protect`` nor the newest step
+    that verifies on these tiers is ever deleted. Returns the steps deleted per tier."""
     c = spec.checkpoint
     by_tier = list_steps(spec, rel_root, tiers)
     plan = retention_plan(by_tier, {"L0": c.keep_l0, "L1": c.keep_l1, "L2": c.keep_l2}, c.l2_keep_every)
-    plan = {t: [s for s in v if upto is None or s <= upto] for t, v in plan.items()}
+    plan = {t: [s for s in v if (upto is None or s <= upto) and s not in protect] for t, v in plan.items()}
     if not any(plan.values()):
         return plan
     guard = newest_verified(spec, rel_root, by_tier)
@@ -501,6 +566,19 @@ def _remove_steps(spec: JobSpec, rel_root: str, steps_by_tier: dict[str, list[in
         for s in steps:
             loc = tier_locations(spec, f"{rel_root}/{step_name(s)}")[tier]
             remove_s3(spec, loc) if tier == "L2" else remove_local(Path(loc))
+
+
+def drop_stale_staging(spec: JobSpec, rel_root: str) -> list[int]:
+    """Rank 0: L1 staging of steps older than the newest globally committed one (parts of a dead attempt)."""
+    root = Path(tier_locations(spec, rel_root)["L1"])
+    newest = max(list_steps(spec, rel_root, ("L1",))["L1"], default=None)
+    dropped = []
+    for d in root.glob(".step-*.parts") if newest is not None else []:
+        step = parse_step(d.name[1:-len(".parts")])
+        if step is not None and step < newest:
+            shutil.rmtree(d, ignore_errors=True)
+            dropped.append(step)
+    return dropped
 
 
 def clear_run(spec: JobSpec, rel_root: str) -> dict[str, list[int]]:
@@ -528,6 +606,185 @@ def promote(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2")) -> d
     if "L2" in tiers:
         report["actions"]["L2"] = upload_checkpoint(spec, l1, locs["L2"], parts)
     report["commit"] = (l1 / COMMIT).read_text().strip()
+    return report
+
+
+# ----------------------------------------------------------------------------- node parts
+# With node-local L0, node K's local leader commits *its part* of a step on its own disk: its ranks' shards (node 0
+# also the DCP .metadata and the small files) with a MANIFEST whose meta says {"part": K, "parts": N, "attempt"}.
+# Each node promotes its own part: to L1 it is staged in ``.step-N.parts/part-K`` (a committed copy), to L2 its
+# files go under the step's prefix and ``PARTS/part-K.json`` (the part's manifest) last. Global rank 0 then merges:
+# when every part of the same attempt is there, the step gets MANIFEST (all files, ``part_of``) and COMMIT, last.
+def part_name(k: int) -> str:
+    return f"part-{k}"
+
+
+def staging_dir(step_dir: Path) -> Path:
+    """L1: where the nodes stage their parts of ``step_dir`` before rank 0 merges them."""
+    return step_dir.with_name(f".{step_dir.name}.parts")
+
+
+def part_of(man: dict) -> tuple[int, int, Optional[str]]:
+    """(part, parts, attempt) of a committed part's manifest; a whole checkpoint is part 0 of 1."""
+    return int(man.get("part", 0)), int(man.get("parts", 1)), man.get("attempt")
+
+
+def merged_manifest(mans: list[dict]) -> str:
+    """The step's manifest from its parts' (in part order): every file, which part holds it, the parts' meta."""
+    files, owner = {}, {}
+    for m in mans:
+        k = part_of(m)[0]
+        for rel, info in manifest_files(m, f"part {k}").items():
+            files[rel], owner[rel] = info, k
+    meta = {key: mans[0][key] for key in ("step", "format", "world_size", "attempt") if key in mans[0]}
+    return json.dumps({"files": files, "part_of": owner, "parts": len(mans), **meta}, indent=2, sort_keys=True)
+
+
+def local_parts(root: Path) -> dict[int, dict]:
+    """This node's committed parts under ``root`` (a run's L0 directory): {step: manifest}, not yet hashed."""
+    out = {}
+    for d in sorted(root.glob("step-*")) if root.is_dir() else []:
+        step = parse_step(d.name)
+        try:
+            if step is not None:
+                out[step] = read_local_manifest(d)
+        except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def stage_part(l0_part: Path, l1_step: Path, chunk: int) -> tuple[str, Optional[dict]]:
+    """Copy a committed L0 part into L1's staging (verified while copied, COMMIT last); returns (action, the
+    files' part digests for an S3 upload). Nothing is copied when L1 holds this attempt's step or part already."""
+    man = read_local_manifest(l0_part)
+    k, _, attempt = part_of(man)
+    if committed_attempt(l1_step) == attempt:
+        return "already-verified", None
+    dst = staging_dir(l1_step) / part_name(k)
+    if (dst / COMMIT).is_file() and (dst / COMMIT).read_text() == (l0_part / COMMIT).read_text() and is_valid_local(dst):
+        return "already-verified", None
+    return "copied", copy_local(l0_part, dst, chunk)
+
+
+def committed_attempt(step_dir: Path) -> Optional[str]:
+    try:
+        return read_local_manifest(step_dir).get("attempt")
+    except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def merge_parts(l1_step: Path, parts: int, attempt: Optional[str]) -> bool:
+    """Rank 0: when every part of ``attempt`` is staged on L1, link their files into the step directory, write
+    the merged MANIFEST and COMMIT last, drop the staging. False while a part is missing (or of another attempt)."""
+    if committed_attempt(l1_step) == attempt:
+        return True
+    staged = staging_dir(l1_step)
+    mans = []
+    for k in range(parts):
+        try:
+            man = read_local_manifest(staged / part_name(k))
+        except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
+            return False
+        if part_of(man)[2] != attempt:
+            return False
+        mans.append(man)
+    body = merged_manifest(mans)
+    tmp = l1_step.with_name(f".{l1_step.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        for m in mans:
+            src = staged / part_name(part_of(m)[0])
+            for rel, info in m["files"].items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                _link_or_copy(src / rel, tmp / rel)
+                if (tmp / rel).stat().st_size != info["bytes"]:
+                    raise CheckpointError(f"{src / rel}: size differs from its part manifest")
+        missing = missing_shards(tmp)
+        if missing:
+            raise CheckpointError(f"{l1_step}: the parts hold no {missing}; a node's ranks wrote elsewhere")
+        atomic_write_text(tmp / CKPT_MANIFEST, body)
+        atomic_write_text(tmp / COMMIT, hashlib.sha256(body.encode()).hexdigest())  # last
+        if l1_step.exists():
+            remove_local(l1_step)
+        os.replace(tmp, l1_step)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(staged, ignore_errors=True)
+    return True
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a filesystem without hard links
+        shutil.copyfile(src, dst)
+
+
+def upload_part(spec: JobSpec, l0_part: Path, uri: str, digests: Optional[dict] = None) -> str:
+    """Node K's part to the step's L2 prefix: its files (each checked), then ``PARTS/part-K.json`` last. Aborts
+    only this part's unfinished multipart uploads (another node may be uploading its part there now)."""
+    from pipelines.storage.s3 import client, ensure_bucket, split_uri
+
+    man = verify_local(l0_part) if digests is None else read_local_manifest(l0_part)
+    k, _, attempt = part_of(man)
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    ensure_bucket(s3, bucket, spec.services.s3_region)
+    marker, body = f"{prefix}/{PARTS}/{part_name(k)}.json", (l0_part / CKPT_MANIFEST).read_bytes()
+    if _s3_body(s3, bucket, marker) == body and _all_match(spec, s3, bucket, prefix, l0_part, man["files"], digests or {}):
+        return "already-verified"
+    s3.delete_object(Bucket=bucket, Key=marker)
+    abort_multipart(s3, bucket, prefix, {f"{prefix}/{rel}" for rel in man["files"]})
+    _upload_files(spec, s3, bucket, prefix, l0_part, man["files"], digests or {})
+    s3.put_object(Bucket=bucket, Key=marker, Body=body)  # last
+    return "uploaded"
+
+
+def s3_part_manifests(spec: JobSpec, uri: str, parts: int) -> Optional[list[dict]]:
+    """The parts' manifests on L2, or None while one is missing."""
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    mans = []
+    for k in range(parts):
+        body = _s3_body(s3, bucket, f"{prefix}/{PARTS}/{part_name(k)}.json")
+        if body is None:
+            return None
+        mans.append(json.loads(body))
+    return mans
+
+
+def merge_parts_s3(spec: JobSpec, uri: str, parts: int, attempt: Optional[str]) -> bool:
+    """Rank 0, on L2: when every part of ``attempt`` is there and each object matches its part's manifest (S3's
+    checksums, no download), put the merged MANIFEST and COMMIT last. False while a part is missing."""
+    from pipelines.storage.s3 import client, split_uri
+
+    mans = s3_part_manifests(spec, uri, parts)
+    if mans is None or any(part_of(m)[2] != attempt for m in mans):
+        return False
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    body = merged_manifest(mans)
+    commit = hashlib.sha256(body.encode()).hexdigest()
+    if s3_commit_body(s3, bucket, prefix) == commit:
+        return True
+    _check_objects(s3, bucket, prefix, json.loads(body)["files"], uri)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/{CKPT_MANIFEST}", Body=body.encode())
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}", Body=commit.encode())  # last
+    return True
+
+
+def promote_part(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2")) -> dict:
+    """This node's part of checkpoint ``rel`` (on its own L0) → L1 staging (→ L2); the merge is rank 0's."""
+    locs = tier_locations(spec, rel)
+    l0 = Path(locs["L0"])
+    report = {"checkpoint": rel, "tiers": locs, "actions": {}}
+    if not (l0 / COMMIT).is_file():
+        raise CheckpointError(f"L0 part {l0} is not committed on this node: nothing to promote")
+    action, digests = stage_part(l0, Path(locs["L1"]), spec.checkpoint.multipart_chunk_mb << 20)
+    report["actions"]["L1"] = action
+    if "L2" in tiers:
+        report["actions"]["L2"] = upload_part(spec, l0, locs["L2"], digests)
     return report
 
 

@@ -174,14 +174,14 @@ class Trainer:
         torch.manual_seed(spec.run.seed)
         self._data(tok_manifest_path)
         self.rel_root = _rel_root(spec, ckpt_root)
-        restore, state = self._find_restore()
-        self._model(state)
         self.ckpt = Checkpointer(spec, self.rel_root, self.rank, self.world, self.log, files={
             "model_args.json": json.dumps(self.margs.to_dict(), indent=2).encode(),
             "tokenizer.model": self.tok.output("tokenizer").read_bytes()})
+        restored = self._find_restore()
+        self._model(restored.state if restored else None)
         self.prog = Progress()
-        if restore is not None:
-            self._restore(restore)
+        if restored is not None:
+            self._restore(restored)
         self.guard = SpikeGuard(t.spike_window, t.spike_sigma, t.spike_min_history)
         self.guard.reset([loss for _, loss in self.prog.losses])
         self.faults = Faults.from_env()
@@ -202,34 +202,29 @@ class Trainer:
                              f"{self.tok.extra['vocab_size']}")
         self.samples = TokenSamples(shards, self.margs.seq_len)
 
-    def _find_restore(self) -> tuple[Optional[dict], Optional[dict]]:
-        """Rank 0 finds the restore point and reads its trainer state; every rank gets both."""
-        from pipelines.train.checkpoint import clear_run, find_restore
+    def _find_restore(self):
+        """Every rank together: the newest step that verifies on the nearest tier, each node its own parts
+        (``pipelines.train.restore``); None to start at step 0."""
+        from pipelines.train.checkpoint import clear_run
 
-        resume, box = self.spec.train.resume, [None]
-        if resume == "never" and self.rank == 0:
-            gone = {t: v for t, v in clear_run(self.spec, self.rel_root).items() if v}
-            if gone:
-                self.log(f"[ckpt] train.resume=never: removed this run's earlier checkpoints {gone}")
-        if resume != "never" and self.rank == 0:
-            rp = find_restore(self.spec, self.rel_root, None if resume == "auto" else resume, self.log)
-            if rp is not None:
-                state = json.loads((Path(rp.path) / "trainer_state.json").read_text())
-                box = [({"step": rp.step, "tier": rp.tier, "path": rp.path}, state)]
-            elif resume != "auto":
-                box = [f"train.resume={resume}: no tier holds a verified copy of step {resume} (see the log above)"]
-            else:
-                self.log("[ckpt] restore: no checkpoint of this run on any tier; starting at step 0")
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):
-            raise ResumeError(box[0])
-        if box[0] is None:
-            return None, None
-        restore, state = box[0]
-        if state["model_args"] != self.margs.to_dict():
-            raise ResumeError(f"the checkpoint at {restore['path']} was written for another model "
-                              f"({state['model_args']}); set train.resume=never or use another checkpoint.l0")
-        return restore, state
+        resume = self.spec.train.resume
+        if resume == "never":
+            if self.rank == 0:
+                gone = {t: v for t, v in clear_run(self.spec, self.rel_root).items() if v}
+                if gone:
+                    self.log(f"[ckpt] train.resume=never: removed this run's earlier checkpoints {gone}")
+            return None
+        restored = self.ckpt.restore(None if resume == "auto" else resume)
+        if restored is None:
+            if resume != "auto":
+                raise ResumeError(f"train.resume={resume}: no tier holds a verified copy of step {resume} (see the "
+                                  "log above)")
+            self.log("[ckpt] restore: no checkpoint of this run on any tier; starting at step 0")
+            return None
+        if restored.state["model_args"] != self.margs.to_dict():
+            raise ResumeError(f"the checkpoint at {restored.path} was written for another model "
+                              f"({restored.state['model_args']}); set train.resume=never or use another checkpoint.l0")
+        return restored
 
     def _model(self, state: Optional[dict]) -> None:
         from pipelines.train.loader import DPSampler
@@ -250,13 +245,12 @@ class Trainer:
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                        enabled=t.dtype == "bf16" and not self.mode.startswith(("fsdp2", "hsdp")))
 
-    def _restore(self, restore: dict) -> None:
-        st = self.ckpt.load(restore["path"], self.model, self.opt)
+    def _restore(self, restored) -> None:
+        st = self.ckpt.load(restored.path, self.model, self.opt)
         self.sampler.load_state_dict(st["loader"])
         self.prog = Progress(step=st["step"], losses=[tuple(x) for x in st["losses"]], rollbacks=st["rollbacks"],
-                             resumed_from={"step": restore["step"], "tier": restore["tier"]},
-                             mlflow_run_id=st.get("mlflow_run_id"))
-        self.log(f"[train] resumed at step {st['step']} from {restore['tier']} (sample position "
+                             resumed_from=restored.resumed_from(), mlflow_run_id=st.get("mlflow_run_id"))
+        self.log(f"[train] resumed at step {st['step']} from {restored.tier} (sample position "
                  f"{st['loader']['consumed_samples']}, saved by {st['world_size']} ranks, now {self.world})")
 
     def _loader(self):
@@ -384,7 +378,11 @@ class Trainer:
                      f"position {position} skipped")
         else:
             skip = set(self.sampler.skip)
-            st = self.ckpt.load(self.ckpt.path(last), self.model, self.opt)
+            restored = self.ckpt.restore(last)
+            if restored is None:
+                raise TrainingDiverged(f"step {step}: {why}; the checkpoint of step {last} to roll back to does not "
+                                       "verify on any tier")
+            st = self.ckpt.load(restored.path, self.model, self.opt)
             self.sampler.load_state_dict(st["loader"])
             self.sampler.skip |= skip
             self.prog.step, self.prog.losses = st["step"], [tuple(x) for x in st["losses"]]
@@ -457,6 +455,7 @@ class Trainer:
         }
         if self.rank == 0:
             self.tracker.flush(self.ckpt.events.take())
+            self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "losses.json").write_text(json.dumps(self.prog.losses))
             (self.out / "result.json").write_text(json.dumps(result, indent=2))
         dist.barrier()

@@ -1,0 +1,230 @@
+"""Collective restore across nodes whose L0 disks are private.
+
+Every rank calls :func:`restore` at the same point. The step is chosen once, by global rank 0, from what the nodes
+report and what L1 and L2 hold: the newest step that is globally committed (on L1 or L2) or whose parts are all
+committed on the nodes' own L0 disks (``train.resume`` may name one). Then, for that step:
+
+1. each node's local rank 0 verifies the parts its own L0 holds (sha256 of every file);
+2. when every node holds every part (one node, or one shared L0), each rank reads its L0 copy and nothing moves;
+3. otherwise L1 is where the nodes meet: a globally committed L1 copy is verified in parallel (node ``g``
+   hashes the files of parts ``k ≡ g mod nodes``); when it is absent or fails, every part is staged on L1 again,
+   by a node that holds it verified on its L0, else downloaded from L2 by node ``k mod nodes`` (every node its own
+   part, in parallel), and rank 0 merges the parts into the step's global COMMIT;
+4. each rank reads through a *view* on its node's L0: links to its node's verified part files, and to L1 for
+   the rest. No node reads another node's disk.
+
+Each node logs which tier every part came from; ``tier`` is the farthest any part came from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from pipelines.train import checkpoint as ck
+
+NEAR = {"L0": 0, "L1": 1, "L2": 2}
+
+
+@dataclass
+class Restored:
+    step: int
+    tier: str  # the farthest tier any part came from
+    path: Path  # what DCP reads on this rank: the L0 step directory, or a view of links
+    parts: dict[int, str]  # part → the tier it came from
+    state: dict  # the checkpoint's trainer_state.json
+
+    def resumed_from(self) -> dict:
+        out = {"step": self.step, "tier": self.tier}
+        if len(self.parts) > 1:
+            out["parts"] = {str(k): t for k, t in sorted(self.parts.items())}
+        return out
+
+
+def _gather(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _bcast(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
+    """The newest restorable step (or exactly ``step``) made readable on every rank; None when there is none."""
+    topo = ckpt.topo
+    mine = {s: ck.part_of(m) for s, m in ck.local_parts(ckpt.root).items()} if topo.local_rank == 0 else None
+    per_node: dict[int, dict] = {}
+    for node, inv in _gather((topo.node, mine)):
+        if inv is not None:
+            per_node[node] = inv
+    cands = _bcast(candidates(ckpt, per_node, step) if ckpt.rank == 0 else None)
+    for c in cands:
+        got = _settle(ckpt, c)
+        if got is not None:
+            return got
+    return None
+
+
+def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dict]:
+    """Rank 0: steps that could be restored, newest first, each with its attempt, its part count and whether L1
+    holds its global commit."""
+    spec, rel_root = ckpt.spec, ckpt.rel_root
+    found: dict[int, dict] = {}
+    l1 = Path(ck.tier_locations(spec, rel_root)["L1"])
+    for s, man in ck.local_parts(l1).items():
+        found[s] = {"step": s, "attempt": man.get("attempt"), "parts": int(man.get("parts", 1)), "l1": True}
+    for s in ck.list_steps(spec, rel_root, ("L2",))["L2"]:
+        man = ck.read_s3_manifest(spec, ck.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"])
+        if man is None:
+            continue
+        found.setdefault(s, {"step": s, "attempt": man.get("attempt"), "parts": int(man.get("parts", 1)), "l1": False})
+    on_l0: dict[tuple, set] = {}
+    for inv in per_node.values():
+        for s, (part, parts, attempt) in inv.items():
+            on_l0.setdefault((s, attempt, parts), set()).add(part)
+    for (s, attempt, parts), have in on_l0.items():
+        if s not in found and have == set(range(parts)):
+            found[s] = {"step": s, "attempt": attempt, "parts": parts, "l1": False}
+    out = sorted(found.values(), key=lambda c: -c["step"])
+    return [c for c in out if want is None or c["step"] == want]
+
+
+def _settle(ckpt, c: dict) -> Optional[Restored]:
+    """Make step ``c`` readable on every rank, or return None on every rank (then an older step is tried)."""
+    topo, spec = ckpt.topo, ckpt.spec
+    rel = f"{ckpt.rel_root}/{ck.step_name(c['step'])}"
+    locs = ck.tier_locations(spec, rel)
+    l0, l1 = Path(locs["L0"]), Path(locs["L1"])
+    log = _logger(ckpt)
+    held = _verify_own_part(l0, c, log) if topo.local_rank == 0 else None
+    have = {node: h for node, h in _gather((topo.node, held)) if h is not None}
+    every = set(range(c["parts"]))
+    if all(have.get(g, set()) >= every for g in range(topo.nodes)):
+        sources = {k: "L0" for k in every}
+        view = l0
+    else:
+        sources = _meet_on_l1(ckpt, c, have, locs, log)
+        if sources is None:
+            return None
+        view = _view(ckpt, c, have.get(topo.node, set()), l0, l1)
+    state = json.loads((view / "trainer_state.json").read_text())
+    if topo.local_rank == 0:
+        reads = "its L0 copy" if view == l0 else f"its L0 part(s) {sorted(have.get(topo.node, set()))}, L1 for the rest"
+        log(f"[ckpt] restore: node {topo.node}: {ck.step_name(c['step'])}: "
+            + ", ".join(f"part-{k} from {t}" for k, t in sorted(sources.items())) + f"; reads {reads}")
+    return Restored(c["step"], max(sources.values(), key=NEAR.get), view, sources, state)
+
+
+def _verify_own_part(l0: Path, c: dict, log) -> set[int]:
+    """The parts of this step (this attempt) that this node's L0 holds and that verify."""
+    if not (l0 / ck.COMMIT).is_file():
+        return set()
+    try:
+        man = ck.verify_local(l0)
+    except Exception as e:  # noqa: BLE001 - a corrupt or partial copy is a reason to use another tier
+        log(f"[ckpt] restore: skipped {l0.name} L0: {e}")
+        return set()
+    part, parts, attempt = ck.part_of(man)
+    if attempt != c["attempt"] or parts != c["parts"]:
+        log(f"[ckpt] restore: skipped {l0.name} L0: another attempt's part ({attempt}, not {c['attempt']})")
+        return set()
+    return {part}
+
+
+def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log) -> Optional[dict[int, str]]:
+    """Make the step globally committed and verified on L1; returns part → source tier, or None."""
+    topo = ckpt.topo
+    l1 = Path(locs["L1"])
+    every = range(c["parts"])
+    local = {k for h in have.values() for k in h}
+    if c["l1"]:
+        bad = _verify_l1_parts(l1, topo, log) if topo.local_rank == 0 else []
+        bad = sorted({k for b in _gather(bad) if b for k in b})
+        if not bad:
+            return {k: "L0" if k in local else "L1" for k in every}
+        if ckpt.rank == 0:
+            (l1 / ck.COMMIT).unlink(missing_ok=True)  # not a good copy any more: the parts are staged again
+    jobs = {k: (min(g for g in have if k in have[g]), "L0") if k in local else (k % topo.nodes, "L2") for k in every}
+    done = {}
+    if topo.local_rank == 0:
+        for k, (node, how) in jobs.items():
+            if node == topo.node:
+                done[k] = _stage(ckpt, c, k, how, locs, log)
+    results = {k: t for d in _gather(done) if d for k, t in d.items()}
+    ok = len(results) == c["parts"] and all(t is not None for t in results.values())
+    merged = _bcast(ck.merge_parts(l1, c["parts"], c["attempt"]) if ok and ckpt.rank == 0 else None)
+    if not merged:
+        if ckpt.rank == 0:
+            log(f"[ckpt] restore: skipped {l1.name}: no tier holds every part "
+                f"({ {k: t for k, t in results.items()} })")
+        return None
+    return results
+
+
+def _verify_l1_parts(l1: Path, topo, log) -> list[int]:
+    """This node's share of verifying the L1 copy: the files of parts ``k ≡ node (mod nodes)``; the bad parts."""
+    try:
+        man = ck.read_local_manifest(l1)
+        files = ck.manifest_files(man, str(l1))
+    except Exception as e:  # noqa: BLE001 - any reason makes the L1 copy unusable: its parts are staged again
+        log(f"[ckpt] restore: skipped {l1.name} L1: {e}")
+        return [0]
+    owner = man.get("part_of", {})
+    mine = [rel for rel in files if int(owner.get(rel, 0)) % topo.nodes == topo.node]
+    bad = set()
+    sums = ck.hash_files(l1, [r for r in mine if (l1 / r).is_file()])
+    for rel in mine:
+        if sums.get(rel) != files[rel]["sha256"]:
+            bad.add(int(owner.get(rel, 0)))
+            log(f"[ckpt] restore: skipped {l1.name} L1: {rel} is missing or does not match its sha256")
+    return sorted(bad)
+
+
+def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
+    """Put part ``k`` on L1's staging: from this node's L0, else a staged copy already there, else from L2."""
+    spec = ckpt.spec
+    l0, l1 = Path(locs["L0"]), Path(locs["L1"])
+    try:
+        if how == "L0":
+            ck.stage_part(l0, l1, spec.checkpoint.multipart_chunk_mb << 20)
+            return "L0"
+        staged = ck.staging_dir(l1) / ck.part_name(k)
+        if ck.is_valid_local(staged) and ck.part_of(ck.read_local_manifest(staged))[2] == c["attempt"]:
+            return "L1"
+        if ck.l2_available(spec) is not None:
+            raise ck.CheckpointError("no S3 endpoint for L2")
+        ck.download_checkpoint(spec, locs["L2"], staged, part=k if c["parts"] > 1 else None)
+        return "L2"
+    except Exception as e:  # noqa: BLE001 - reported; the step is skipped on every rank
+        log(f"[ckpt] restore: part-{k} of {l1.name}: {e}")
+        return None
+
+
+def _view(ckpt, c: dict, mine: set[int], l0: Path, l1: Path) -> Path:
+    """A directory on this node's L0 whose entries link to this node's verified part files and to L1 for the
+    rest; DCP reads it as one checkpoint."""
+    view = ckpt.root / f".view-{ckpt.attempt}-{ck.step_name(c['step'])}"
+    if ckpt.topo.local_rank == 0:
+        man = ck.read_local_manifest(l1)
+        owner = man.get("part_of", {})
+        shutil.rmtree(view, ignore_errors=True)
+        for rel in ck.manifest_files(man, str(l1)):
+            src = (l0 if int(owner.get(rel, 0)) in mine else l1) / rel
+            (view / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(src, view / rel)
+    dist.barrier()
+    return view
+
+
+def _logger(ckpt):
+    topo = ckpt.topo
+    return ckpt.log if ckpt.rank == 0 else (lambda m: print(f"[node {topo.node}] {m}", flush=True))
