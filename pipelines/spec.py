@@ -390,7 +390,14 @@ class LauncherCfg(_Section):
         "launcher.shared_fs_mount in the pods.")
     shared_fs_mount: str = Field(
         "/fsx", description="Where the shared filesystem is mounted, in the pods and on the Airflow workers alike: "
-        "run.root and checkpoint.l0 must be under it so the stage and the pods see the same paths.")
+        "run.root and checkpoint.l1 must be under it so the stage and the pods see the same paths; checkpoint.l0 "
+        "is either under it too (one shared L0) or an absolute path outside it (node-local L0, see "
+        "launcher.node_local_path).")
+    node_local_path: Optional[str] = Field(
+        None, description="Node-local L0: when checkpoint.l0 is an absolute path outside launcher.shared_fs_mount, "
+        "the training pods mount each host's own disk there: this host path (e.g. /mnt/k8s-disks/0/llm-pipeline), "
+        "or None = an emptyDir, which is on the instance-store NVMe where the GPU node group's launch template "
+        "puts the kubelet on it (RAID0, infra/terraform).")
     service_account: Optional[str] = Field(
         None, description="Service account of the training pods (IRSA: checkpoints read/write); None = the "
         "namespace's default.")

@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+import yaml
 
 from pipelines.data import tokenize
 from pipelines.spec import load_spec
@@ -52,6 +53,14 @@ def test_train_stage_submits_a_pytorchjob_watches_it_and_matches_the_local_run(h
     for s in ("submitted", "Created", "Running [Master: active 1]", "Succeeded [Master: succeeded 1]"):
         assert f"pytorchjob llm-pipeline/{name}: {s}" in out, out[-3000:]
     assert f"[{name}-master-0]" in out
+    # `python -m pipelines.train.k8s SPEC --tokenize-manifest M` prints exactly the job the stage submitted
+    spec_file = home / "spec-k.yaml"
+    spec_file.write_text(spec_k.to_yaml())
+    assert k8s.main([str(spec_file), "--tokenize-manifest", tok.path]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["metadata"]["name"] == name and printed["spec"] == job["spec"]
+    assert k8s.main([str(spec_file), "--tokenize-manifest", tok.path, "--run-id", "R"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["metadata"]["name"].endswith("-r")
     # the same job spec on the local launcher gives the same loss curve
     local = launch.run(load_spec(None, TINY, env={}), tok)
     curve = lambda mm: [loss for _, loss in json.loads(mm.output("losses").read_text())]  # noqa: E731
@@ -128,6 +137,19 @@ def test_kubernetes_needs_the_stage_paths_on_the_shared_filesystem(home, tmp_pat
     with pytest.raises(launch.TrainError, match=rf"run\.root resolves to {elsewhere}, outside "
                        r"launcher\.shared_fs_mount=/fsx; the pods would not see it"):
         launch.check_supported(spec)
+    # node-local L0: an absolute path outside the shared mount is each pod's own disk, mounted there
+    node_local = load_spec(None, [*TINY, "launcher.kind=kubernetes", "launcher.shared_fs_mount=/fsx",
+                                  "run.root=/fsx/runs", "checkpoint.l1=/fsx/l1", "checkpoint.l0=/nvme/llmp"], env={})
+    launch.check_supported(node_local)
+    spec_ = k8s.render_pytorchjob(node_local, "r", [])["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert {"name": "node-local", "mountPath": "/nvme/llmp"} in spec_["containers"][0]["volumeMounts"]
+    assert {"name": "node-local", "emptyDir": {}} in spec_["volumes"]
+    node_local.launcher.node_local_path = "/mnt/k8s-disks/0/llmp"
+    vols = k8s.render_pytorchjob(node_local, "r", [])["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert {"name": "node-local", "hostPath": {"path": "/mnt/k8s-disks/0/llmp", "type": "DirectoryOrCreate"}} \
+        in vols["volumes"]
+    shared_l0 = k8s.render_pytorchjob(load_spec(None, [*TINY, "checkpoint.l0=/fsx/l0"], env={}), "r", [])
+    assert "node-local" not in str(shared_l0)
     bad_cfg = load_spec(None, kube_sets(home, home / "no-such-kubeconfig"), env={})
     with pytest.raises(k8s.JobFailed, match="cannot load Kubernetes credentials.*set launcher.kubeconfig"):
         k8s.api_clients(bad_cfg)

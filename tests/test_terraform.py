@@ -188,6 +188,13 @@ def test_databases_clusters_filesystems_logs_and_nodes_are_encrypted_and_private
     assert gpu["placement"][0]["group_name"] == "${aws_placement_group.gpu.name}"
     assert "efa" in json.dumps(gpu["dynamic"])
     assert "subnet_id" not in json.dumps(gpu["dynamic"])  # a managed node group refuses a subnet in its template
+    # node-local L0: the instance-store NVMe in RAID0 under the kubelet (nodeadm NodeConfig), on by default
+    assert gpu["user_data"] == "${var.gpu_local_nvme_raid0 ? base64encode(local.gpu_user_data) : null}"
+    node_config = parse(TF / "modules/eks/main.tf")["locals"][0]["gpu_user_data"]
+    assert "application/node.eks.aws" in node_config and re.search(r"localStorage:\s+strategy: RAID0", node_config)
+    assert parse(TF / "modules/eks/variables.tf")["variable"][0] and any(
+        "gpu_local_nvme_raid0" in v and v["gpu_local_nvme_raid0"]["default"] is True
+        for v in parse(TF / "modules/eks/variables.tf")["variable"])
     assert one("aws_placement_group", "eks")["strategy"] == "cluster"
 
 

@@ -243,8 +243,10 @@ class Checkpointer:
             log(f"[ckpt] L0 is node-local: {self.topo.parts} nodes each commit and promote their own part")
         lead = self.topo.leader
         self.bg = ThreadPoolExecutor(1, thread_name_prefix="llmp-commit", initializer=lower_priority) if lead else None
+        # every leader has one: the final step always reaches L1 (a pod's node-local disk may not outlive the job);
+        # checkpoint.promote_during_run decides whether the steps before it go too
         self.promoter = Promoter(spec, rel_root, log if rank == 0 else _node_log(self.topo), self.events, self.topo) \
-            if lead and (spec.checkpoint.promote_during_run or self.topo.parts > 1) else None
+            if lead else None
         self._pending: Optional[Future] = None
         self.last_saved: Optional[int] = None
         self.stalls: list[float] = []

@@ -15,7 +15,11 @@ earlier try is adopted while it runs or has succeeded, replaced when it failed),
 replica counts) and the master pod's new log lines (so they reach the Airflow task log), and deletes
 the job on timeout, SIGTERM (Airflow's kill) or Ctrl-C.
 
-    python -m pipelines.train.k8s SPEC.yaml [--crd CRD.yaml] [--run-id ID]   # prints the manifest (YAML)
+With node-local L0 (``checkpoint.l0`` an absolute path outside the shared mount) every pod also mounts its
+host's own disk there (``launcher.node_local_path``, or an ``emptyDir`` on the instance-store NVMe).
+
+    python -m pipelines.train.k8s SPEC.yaml --tokenize-manifest M [--run-id ID] [--crd CRD.yaml]
+    # prints the PyTorchJob the train stage would submit for these inputs (YAML)
 """
 from __future__ import annotations
 
@@ -47,6 +51,12 @@ def job_name(spec: JobSpec, run_id: str) -> str:
     return base[:63].rstrip("-")
 
 
+def node_local_l0(spec: JobSpec) -> bool:
+    """checkpoint.l0 is each host's own disk: an absolute path outside the shared filesystem's mount."""
+    l0, mount = Path(spec.checkpoint.l0), Path(spec.launcher.shared_fs_mount)
+    return l0.is_absolute() and l0 != mount and mount not in l0.parents
+
+
 def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
                       module: str = "pipelines.train.trainer", extra_env: dict[str, str] | None = None) -> dict:
     L = spec.launcher
@@ -61,6 +71,10 @@ def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
     if L.shared_fs_claim:
         mounts.append({"name": "shared-fs", "mountPath": L.shared_fs_mount})
         volumes.append({"name": "shared-fs", "persistentVolumeClaim": {"claimName": L.shared_fs_claim}})
+    if node_local_l0(spec):
+        mounts.append({"name": "node-local", "mountPath": spec.checkpoint.l0})
+        volumes.append({"name": "node-local", **({"hostPath": {"path": L.node_local_path, "type": "DirectoryOrCreate"}}
+                                                 if L.node_local_path else {"emptyDir": {}})})
     container = {
         "name": "pytorch",  # the training operator finds the container by this name
         "image": L.image,
@@ -93,6 +107,13 @@ def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
         job["spec"]["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": L.min_nodes, "maxReplicas": L.nnodes,
                                         "maxRestarts": L.max_restarts, "nProcPerNode": gpus}
     return job
+
+
+def stage_job(spec: JobSpec, run_id: str, module: str, args: list[str]) -> dict:
+    """The job a stage submits: the pods resolve relative spec paths against this project's home, as here."""
+    from pipelines.spec import project_home
+
+    return render_pytorchjob(spec, run_id, args, module, extra_env={"LLMP_HOME": str(project_home())})
 
 
 def crd_schema(crd_path: Path, version: str = "v1") -> dict:
@@ -322,9 +343,7 @@ def run_pytorchjob(spec: JobSpec, run_id: str, module: str, args: list[str],
     when this process is told to stop (SIGTERM from Airflow, Ctrl-C) or times out. With ``detach`` a job that
     has not finished yet raises :class:`pipelines.manifest.Pending` with what a poller needs (a deferrable
     Airflow task waits in the triggerer, then calls this again, which adopts the finished job)."""
-    from pipelines.spec import project_home
-
-    job = render_pytorchjob(spec, run_id, args, module, extra_env={"LLMP_HOME": str(project_home())})
+    job = stage_job(spec, run_id, module, args)
     custom, core = api_clients(spec)
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     submit(custom, job, log)
@@ -361,27 +380,33 @@ def _in_main_thread() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipelines.train.k8s",
-                                 description="Render a job spec as a Kubeflow PyTorchJob; validate it against the CRD.")
-    ap.add_argument("spec", help="Job spec YAML (launcher.kind kubernetes).")
-    ap.add_argument("--run-id", default="run", help="Run id in the job's name.")
+                                 description="Print the Kubeflow PyTorchJob that the train stage would submit for a "
+                                 "job spec and a tokenize manifest (same trainer arguments, same name); validate it "
+                                 "against the CRD.")
+    ap.add_argument("spec", help="Job spec YAML (launcher.* as for launcher.kind kubernetes).")
+    ap.add_argument("--tokenize-manifest", required=True, help="The tokenize stage's manifest.json (the train input).")
+    ap.add_argument("--run-id", default=None, help="Run id in the job's name (default: the train stage's, "
+                                                   "train-<stage key>).")
     ap.add_argument("--crd", default=None, help="PyTorchJob CRD YAML to validate against (e.g. the training "
                                                  "operator's manifests/base/crds/kubeflow.org_pytorchjobs.yaml).")
     args = ap.parse_args(argv)
+    from pipelines.manifest import load_manifest
+    from pipelines.train.launch import TrainError, train_job
+
     try:
         spec = load_spec(args.spec)
-    except SpecError as e:
+        spec.launcher.kind = "kubernetes"
+        job = train_job(spec, load_manifest(args.tokenize_manifest))
+    except (SpecError, TrainError, FileNotFoundError) as e:
         print(f"k8s: error: {e}", file=sys.stderr)
         return 2
-    fs = spec.launcher.shared_fs_mount.rstrip("/")
-    job = render_pytorchjob(spec, args.run_id, ["--spec", f"{fs}/specs/spec.yaml", "--tokenize-manifest",
-                                                f"{fs}/runs/tokenize/manifest.json", "--out", f"{fs}/runs/train",
-                                                "--ckpt-root", f"{fs}/checkpoints"])
+    rendered = stage_job(spec, args.run_id or job.run_id, "pipelines.train.trainer", job.args)
     if args.crd:
-        errs = validate_pytorchjob(job, Path(args.crd), spec)
+        errs = validate_pytorchjob(rendered, Path(args.crd), spec)
         if errs:
             print("k8s: invalid PyTorchJob:\n  " + "\n  ".join(errs), file=sys.stderr)
             return 1
-    print(yaml.safe_dump(job, sort_keys=False))
+    print(yaml.safe_dump(rendered, sort_keys=False))
     return 0
 
 

@@ -17,7 +17,9 @@ import socket
 import subprocess
 import sys
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.manifest import Manifest, StageDir, StageError, input_ref
@@ -97,26 +99,55 @@ def plot_losses(losses: list, path: Path) -> None:
 
 def check_supported(spec: JobSpec) -> None:
     """Fail before anything starts when the ranks could not see the stage's files: on Kubernetes the pods
-    read and write run.root and checkpoint.l0 through the shared filesystem, at the same paths."""
+    read and write run.root and checkpoint.l1 through the shared filesystem, at the same paths; checkpoint.l0 is
+    either there too or an absolute path where each pod mounts its own host's disk."""
     if spec.launcher.kind != "kubernetes":
         return
+    from pipelines.train.k8s import node_local_l0
+
     mount = Path(spec.launcher.shared_fs_mount)
-    for key, value in (("run.root", spec.run.root), ("checkpoint.l0", spec.checkpoint.l0)):
+    keys = [("run.root", spec.run.root), ("checkpoint.l1", spec.checkpoint.l1)]
+    if not node_local_l0(spec):
+        keys.append(("checkpoint.l0", spec.checkpoint.l0))
+    for key, value in keys:
         p = resolve_path(value).resolve()
         if p != mount and mount not in p.parents:
             raise TrainError(f"launcher.kind=kubernetes: {key} resolves to {p}, outside launcher.shared_fs_mount="
                              f"{mount}; the pods would not see it. Put {key} under {mount} (mount the shared "
-                             "filesystem on the Airflow workers at the same path)")
+                             "filesystem on the Airflow workers at the same path)"
+                             + ("; or make checkpoint.l0 an absolute path outside it for a node-local L0"
+                                if key == "checkpoint.l0" else ""))
 
 
-def rank_workdir(spec: JobSpec, sd: StageDir, tmp: Path) -> Path:
-    """Where the ranks write: the stage's temp dir locally; on Kubernetes a directory named by the stage key,
-    so a retried task's job has the same command as the one it adopts."""
-    if spec.launcher.kind != "kubernetes":
+def rank_workdir(spec: JobSpec, sd: StageDir, tmp: Optional[Path]) -> Path:
+    """Where the ranks write: the stage's temp dir locally; on Kubernetes (or with no temp dir yet) a directory
+    named by the stage key, so a retried task's job has the same command as the one it adopts."""
+    if spec.launcher.kind != "kubernetes" and tmp is not None:
         return tmp
-    work = sd.final.with_name(f".{sd.final.name}.work")
-    work.mkdir(parents=True, exist_ok=True)
-    return work
+    return sd.final.with_name(f".{sd.final.name}.work")
+
+
+@dataclass
+class TrainJob:
+    """What the ranks of one train stage run: the same for torchrun here and for the PyTorchJob (whose name and
+    command are fixed by the stage key, so a retried task adopts the job it submitted)."""
+    sd: StageDir
+    rel_root: str  # the run's checkpoints below each tier's root
+    work: Path  # where the ranks write result.json, losses.json and read spec.yaml
+    run_id: str
+    args: list[str]
+
+
+def train_job(spec: JobSpec, tok: Manifest, out_dir: str | None = None, tmp: Optional[Path] = None) -> TrainJob:
+    """The train stage's job for these inputs. The ranks write in the stage's temp dir locally; on Kubernetes
+    in a directory named by the stage key."""
+    sd = stage_dir(spec, "train", [input_ref(tok)], out_dir)
+    rel_root = f"{spec.run.name}/{sd.final.name}"
+    work = rank_workdir(spec, sd, tmp)
+    ckpt_root = resolve_path(spec.checkpoint.l0) / rel_root
+    args = ["--spec", str(work / "spec.yaml"), "--tokenize-manifest", tok.path, "--out", str(work),
+            "--ckpt-root", str(ckpt_root)]
+    return TrainJob(sd, rel_root, work, f"train-{sd.final.name[:8]}", args)
 
 
 def collect(work: Path, tmp: Path, names: list[str]) -> None:
@@ -147,20 +178,18 @@ def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
     check_supported(spec)
-    sd = stage_dir(spec, "train", [input_ref(tok)], out_dir)
+    sd = train_job(spec, tok, out_dir).sd
     rel_root = f"{spec.run.name}/{sd.final.name}"
 
     def body(tmp: Path) -> Manifest:
-        ckpt_root = resolve_path(spec.checkpoint.l0) / rel_root
-        work = rank_workdir(spec, sd, tmp)
-        spec_file = work / "spec.yaml"
+        job = train_job(spec, tok, out_dir, tmp)
+        work = job.work
+        work.mkdir(parents=True, exist_ok=True)
         ranks_spec = spec.model_copy(deep=True)
         if spec.run.force:  # recompute = start over, not resume this key's checkpoints
             ranks_spec.train.resume = "never"
-        spec_file.write_text(ranks_spec.to_yaml())
-        run_ranks(spec, "pipelines.train.trainer", ["--spec", str(spec_file), "--tokenize-manifest", tok.path,
-                                                     "--out", str(work), "--ckpt-root", str(ckpt_root)],
-                  run_id=f"train-{sd.final.name[:8]}", detachable=True)
+        (work / "spec.yaml").write_text(ranks_spec.to_yaml())
+        run_ranks(spec, "pipelines.train.trainer", job.args, run_id=job.run_id, detachable=True)
         collect(work, tmp, ["result.json", "losses.json", "spec.yaml"])
         result = json.loads((tmp / "result.json").read_text())
         plot_losses(json.loads((tmp / "losses.json").read_text()), tmp / "loss_curve.png")

@@ -151,6 +151,7 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
 
     def body(tmp: Path):
         work = rank_workdir(spec, sd, tmp)
+        work.mkdir(parents=True, exist_ok=True)
         spec_file = work / "spec.yaml"
         spec_file.write_text(spec.to_yaml())
         report = work / "preflight.json"

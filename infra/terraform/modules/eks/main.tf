@@ -16,6 +16,26 @@ data "aws_partition" "current" {}
 locals {
   gpu_subnet = var.private_subnet_ids[0]
   log_types  = ["api", "audit", "authenticator", "controllerManager", "scheduler"]
+  # The L0 checkpoint tier is each GPU node's own NVMe. nodeadm (AL2023) assembles the instance-store volumes
+  # into RAID0, mounts it at /mnt/k8s-disks/0 and moves the kubelet and containerd there, so a training pod's
+  # emptyDir (launcher.node_local_path unset) or a hostPath below /mnt/k8s-disks/0 is on local NVMe. EKS merges
+  # this NodeConfig with the one it generates for the managed node group.
+  gpu_user_data = <<-EOT
+    MIME-Version: 1.0
+    Content-Type: multipart/mixed; boundary="LLMP"
+
+    --LLMP
+    Content-Type: application/node.eks.aws
+
+    apiVersion: node.eks.aws/v1alpha1
+    kind: NodeConfig
+    spec:
+      instance:
+        localStorage:
+          strategy: RAID0
+
+    --LLMP--
+  EOT
 }
 
 # ---------------------------------------------------------------- control plane
@@ -201,6 +221,7 @@ resource "aws_launch_template" "gpu" {
   placement {
     group_name = aws_placement_group.gpu.name
   }
+  user_data = var.gpu_local_nvme_raid0 ? base64encode(local.gpu_user_data) : null
   # p5.48xlarge: 32 EFA interfaces over the network cards; the first is also the primary ENI. No subnet here:
   # a managed node group takes its subnets from the node group, and fails when the launch template names one.
   dynamic "network_interfaces" {

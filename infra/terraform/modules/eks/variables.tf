@@ -77,6 +77,12 @@ variable "gpu_capacity_type" {
   default     = "ON_DEMAND"
 }
 
+variable "gpu_local_nvme_raid0" {
+  type        = bool
+  description = "Put the GPU nodes' instance-store NVMe in RAID0 under the kubelet (nodeadm localStorage), where the training pods' node-local L0 checkpoint tier lives. Off for instance types without instance store."
+  default     = true
+}
+
 variable "gpu_volume_gib" {
   type        = number
   description = "Root volume of a GPU node (images, local NVMe is separate and holds the L0 tier)."

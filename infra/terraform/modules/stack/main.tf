@@ -40,6 +40,7 @@ module "eks" {
   system_nodes          = var.system_nodes
   gpu_instance_type     = var.gpu_instance_type
   gpu_efa_interfaces    = var.gpu_efa_interfaces
+  gpu_local_nvme_raid0  = var.gpu_local_nvme_raid0
   gpu_nodes             = var.gpu_nodes
   fsx = {
     file_system_id = module.fsx.file_system_id

@@ -55,6 +55,12 @@ variable "gpu_efa_interfaces" {
   description = "EFA interfaces per GPU node (32 on p5.48xlarge, 0 without EFA)."
 }
 
+variable "gpu_local_nvme_raid0" {
+  type        = bool
+  description = "RAID0 over the GPU nodes' instance-store NVMe under the kubelet: the node-local L0 checkpoint tier (p5, p4d and g6e have instance store)."
+  default     = true
+}
+
 variable "gpu_nodes" {
   type        = object({ min = number, desired = number, max = number })
   description = "GPU node group size."
