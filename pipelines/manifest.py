@@ -13,6 +13,7 @@ the same config and inputs returns the existing manifest instead of recomputing.
 from __future__ import annotations
 
 import datetime as _dt
+import contextlib
 import hashlib
 import json
 import os
@@ -285,10 +286,40 @@ class StageDir:
 
 
 def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str], None] = print) -> Manifest:
-    """Skip if done, else run ``body(tmp_dir)`` inside the staging dir (which calls sd.commit)."""
-    done = sd.existing()
-    if done is not None:
-        log(f"[{sd.stage}] up to date: {done.path} (use run.force=true to recompute)")
-        return done
-    with sd:
-        return body(sd.tmp)
+    """Skip if done, else run ``body(tmp_dir)`` inside the staging dir (which calls sd.commit). One run of a
+    stage key at a time: the split DAGs and ``llm_pipeline`` share keys, and a second run waits for the first,
+    then reuses what it committed."""
+    with key_lock(sd.final, lambda holder: log(f"[{sd.stage}] another run of this stage key holds {holder}; "
+                                                "waiting for it")):
+        done = sd.existing()
+        if done is not None:
+            log(f"[{sd.stage}] up to date: {done.path} (use run.force=true to recompute)")
+            return done
+        with sd:
+            return body(sd.tmp)
+
+
+@contextlib.contextmanager
+def key_lock(final: Path, on_wait: Callable[[str], None]):
+    """An exclusive ``flock`` on ``.<key>.lock`` beside the stage's output (FSx for Lustre is mounted with
+    ``flock``), held while the stage runs; the lock file names its holder for whoever waits."""
+    import fcntl
+    import socket
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    path = final.with_name(f".{final.name}.lock")
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            on_wait(f"{path} ({f.read().strip() or 'holder unknown'})")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {now_iso()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

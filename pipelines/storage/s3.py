@@ -8,9 +8,9 @@ The same boto3 code talks to AWS or to a local endpoint:
   ``python -m pipelines.storage.s3 start`` (the DAG's setup task does this) and stopped by
   ``… stop`` (its teardown task). Its address is kept in ``var/s3/endpoint.json``.
 
-moto keeps objects in memory, so the embedded server snapshots every bucket to
-``var/s3/store/<bucket>/<key>`` when stopped and loads the snapshot when started: L2 copies
-outlive the DAG run that made them, as they would on S3.
+moto keeps objects in memory; the embedded server writes every object it acknowledges (and removes every one it
+deletes) under ``var/s3/store`` before it answers (:mod:`pipelines.storage.embedded`), and loads that store when
+started: L2 copies outlive the DAG run that made them, and a killed endpoint, as they would on S3.
 """
 from __future__ import annotations
 
@@ -229,60 +229,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _snapshot(url: str, store: Path) -> int:
+def load(url: str, store: Path) -> int:
+    """Put the objects kept in ``store`` back into a freshly started server."""
     import boto3
 
+    from pipelines.storage.embedded import stored
+
     s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", **_EMBEDDED_CREDS)
-    n = 0
-    for b in s3.list_buckets().get("Buckets", []):
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=b["Name"]):
-            for o in page.get("Contents", []):
-                dest = store / b["Name"] / o["Key"]
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                tmp = dest.with_name(dest.name + ".part")
-                s3.download_file(b["Name"], o["Key"], str(tmp))
-                os.replace(tmp, dest)
-                n += 1
-    return n
-
-
-def _restore(url: str, store: Path) -> int:
-    import boto3
-
-    if not store.is_dir():
-        return 0
-    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", **_EMBEDDED_CREDS)
-    n = 0
-    for bdir in sorted(p for p in store.iterdir() if p.is_dir()):
-        ensure_bucket(s3, bdir.name)
-        for f in sorted(p for p in bdir.rglob("*") if p.is_file() and not p.name.endswith(".part")):
-            s3.upload_file(str(f), bdir.name, f.relative_to(bdir).as_posix())
-            n += 1
+    n, buckets = 0, set()
+    for bucket, key, path in stored(store):
+        if bucket not in buckets:
+            ensure_bucket(s3, bucket)
+            buckets.add(bucket)
+        s3.upload_file(str(path), bucket, key)
+        n += 1
     return n
 
 
 def serve(port: int) -> None:
-    """Run moto's S3 server in the foreground until SIGTERM/SIGINT, then snapshot to disk."""
-    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+    """Run moto's S3 server in the foreground until SIGTERM/SIGINT. Every write and delete it acknowledges is
+    on disk first (:class:`pipelines.storage.embedded.WriteThrough`), so a kill loses nothing."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
 
-    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    srv.start()
-    url = f"http://127.0.0.1:{port}"
+    from pipelines.storage.embedded import WriteThrough
+
+    import threading
+
     store = _state_dir() / "store"
-    restored = _restore(url, store)
-    print(f"embedded S3 on {url} (restored {restored} objects from {store})", flush=True)
-    stop = {"flag": False}
-
-    def _handler(*_):
-        stop["flag"] = True
-
-    signal.signal(signal.SIGTERM, _handler)
-    signal.signal(signal.SIGINT, _handler)
-    while not stop["flag"]:
-        time.sleep(0.2)
-    saved = _snapshot(url, store)
-    print(f"embedded S3 stopping: {saved} objects saved to {store}", flush=True)
-    srv.stop()
+    app = WriteThrough(DomainDispatcherApplication(create_backend_app), store)
+    app.loading = True  # the readiness probe fails until the store is back in; what it loads is on disk already
+    srv = make_server("127.0.0.1", port, app, threaded=True, request_handler=MotoRequestHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    restored = load(url, store)
+    app.loading = False
+    print(f"embedded S3 on {url} (restored {restored} objects from {store}; writes persist as they happen)",
+          flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while not stop.wait(0.2):
+        pass
+    print("embedded S3 stopping (every object is on disk already)", flush=True)
+    srv.shutdown()
 
 
 def start(wait_s: float = 30.0) -> str:
@@ -381,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Manage the embedded S3-compatible endpoint (moto) on 127.0.0.1.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("start", help="start it in the background (idempotent) and print its URL")
-    sub.add_parser("stop", help="stop it, saving its objects under var/s3/store")
+    sub.add_parser("stop", help="stop it (its objects are kept under var/s3/store as they are written)")
     sub.add_parser("status", help="print its URL, or exit 1 when it is not running")
     sv = sub.add_parser("serve", help="run in the foreground (what `start` launches)")
     sv.add_argument("--port", type=int, default=9878)

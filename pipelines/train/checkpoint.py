@@ -582,11 +582,84 @@ def drop_stale_staging(spec: JobSpec, rel_root: str) -> list[int]:
 
 
 def clear_run(spec: JobSpec, rel_root: str) -> dict[str, list[int]]:
-    """Remove every committed step of this run from every tier (a run that starts over, ``train.resume=never``,
-    must not leave older steps of the same key to be mixed with its own by retention or a later resume)."""
-    by_tier = list_steps(spec, rel_root)
+    """Remove the committed steps of this run from every tier (a run that starts over, ``train.resume=never``,
+    must not leave older steps of the same key to be mixed with its own by retention or a later resume), except
+    a step that a registered model version points to."""
+    keep = registered_steps(spec, rel_root)
+    by_tier = {t: [s for s in v if s not in keep] for t, v in list_steps(spec, rel_root).items()}
     _remove_steps(spec, rel_root, by_tier)
     return by_tier
+
+
+def registered_steps(spec: JobSpec, rel_root: str) -> set[int]:
+    """Steps of this run that a registered model version points to (its ``checkpoint_uri`` tag). Raises
+    CheckpointError when the registry cannot be read: then nothing may be deleted."""
+    prefix = tier_locations(spec, rel_root)["L2"] + "/"
+    try:
+        from pipelines import tracking
+
+        versions = tracking.client(spec).search_model_versions(f"name='{spec.registry.model_name}'")
+    except Exception as e:  # noqa: BLE001 - unknown = everything may be needed
+        raise CheckpointError(f"cannot read the model registry ({type(e).__name__}: {e}); deleting no checkpoint")
+    steps = set()
+    for v in versions:
+        uri = (v.tags or {}).get("checkpoint_uri", "")
+        if uri.startswith(prefix) and parse_step(uri[len(prefix):].strip("/")) is not None:
+            steps.add(parse_step(uri[len(prefix):].strip("/")))
+    return steps
+
+
+# ----------------------------------------------------------------------------- generations
+# ``run.force`` starts a run's training over *beside* the steps it replaces: a new generation, its own rel root
+# ``<run>/<key>.gen-<utc>``. The old generation stays on every tier until the new one's train stage commits; then
+# it is retired, except the steps a registered model version points to. A retried forced run adopts the pending
+# generation (and resumes it) instead of starting yet another. The record lives on L1, beside the key.
+def _generations_file(spec: JobSpec, base_rel: str) -> Path:
+    return Path(tier_locations(spec, base_rel)["L1"] + ".generations.json")
+
+
+def _generations(spec: JobSpec, base_rel: str) -> dict:
+    path = _generations_file(spec, base_rel)
+    state = json.loads(path.read_text()) if path.is_file() else {}
+    return {"current": state.get("current", base_rel), "pending": state.get("pending")}
+
+
+def generation(spec: JobSpec, base_rel: str, force: bool) -> str:
+    """The rel root this run trains in: the current generation, or with ``force`` a pending new one."""
+    import datetime
+
+    state = _generations(spec, base_rel)
+    if not force:
+        return state["current"]
+    if state["pending"] is None:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        state["pending"] = f"{base_rel}.gen-{stamp}"
+        path = _generations_file(spec, base_rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(state, indent=2))
+    return state["pending"]
+
+
+def commit_generation(spec: JobSpec, base_rel: str, rel_root: str, log: Callable[[str], None] = print) -> dict:
+    """``rel_root``'s run committed: make it current and retire the generation it replaced (every tier), keeping
+    the steps a registered model points to. Returns {retired rel root: {tier: steps removed}}."""
+    state = _generations(spec, base_rel)
+    old = state["current"]
+    if rel_root == old and state["pending"] is None:
+        return {}
+    atomic_write_text(_generations_file(spec, base_rel), json.dumps({"current": rel_root, "pending": None}, indent=2))
+    if old == rel_root:
+        return {}
+    try:
+        keep = registered_steps(spec, old)
+    except CheckpointError as e:
+        log(f"[ckpt] generation {old} not retired: {e}")
+        return {}
+    gone = {t: [s for s in v if s not in keep] for t, v in list_steps(spec, old).items()}
+    _remove_steps(spec, old, gone)
+    log(f"[ckpt] generation {rel_root} committed; retired {old}: removed {gone}"
+        + (f", kept registered step(s) {sorted(keep)}" if keep else ""))
+    return {old: gone}
 
 
 # ----------------------------------------------------------------------------- promote

@@ -141,8 +141,10 @@ class TrainJob:
 def train_job(spec: JobSpec, tok: Manifest, out_dir: str | None = None, tmp: Optional[Path] = None) -> TrainJob:
     """The train stage's job for these inputs. The ranks write in the stage's temp dir locally; on Kubernetes
     in a directory named by the stage key."""
+    from pipelines.train.checkpoint import generation
+
     sd = stage_dir(spec, "train", [input_ref(tok)], out_dir)
-    rel_root = f"{spec.run.name}/{sd.final.name}"
+    rel_root = generation(spec, f"{spec.run.name}/{sd.final.name}", spec.run.force)
     work = rank_workdir(spec, sd, tmp)
     ckpt_root = resolve_path(spec.checkpoint.l0) / rel_root
     args = ["--spec", str(work / "spec.yaml"), "--tokenize-manifest", tok.path, "--out", str(work),
@@ -177,23 +179,22 @@ def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts
 
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
+    from pipelines.train.checkpoint import commit_generation
+
     check_supported(spec)
-    sd = train_job(spec, tok, out_dir).sd
-    rel_root = f"{spec.run.name}/{sd.final.name}"
+    sd = stage_dir(spec, "train", [input_ref(tok)], out_dir)
 
     def body(tmp: Path) -> Manifest:
+        # run.force: a new generation of this key's checkpoints, resumed by a retry, the old one kept until commit
         job = train_job(spec, tok, out_dir, tmp)
-        work = job.work
+        rel_root, work = job.rel_root, job.work
         work.mkdir(parents=True, exist_ok=True)
-        ranks_spec = spec.model_copy(deep=True)
-        if spec.run.force:  # recompute = start over, not resume this key's checkpoints
-            ranks_spec.train.resume = "never"
-        (work / "spec.yaml").write_text(ranks_spec.to_yaml())
+        (work / "spec.yaml").write_text(spec.to_yaml())
         run_ranks(spec, "pipelines.train.trainer", job.args, run_id=job.run_id, detachable=True)
         collect(work, tmp, ["result.json", "losses.json", "spec.yaml"])
         result = json.loads((tmp / "result.json").read_text())
         plot_losses(json.loads((tmp / "losses.json").read_text()), tmp / "loss_curve.png")
-        return sd.commit(
+        m = sd.commit(
             {"losses": "losses.json", "result": "result.json", "loss_curve": "loss_curve.png", "spec": "spec.yaml"},
             counts={"steps": result["steps"], "tokens_seen": result["tokens_seen"]},
             metrics={"final_loss": result["final_loss"], "tokens_per_s": result["tokens_per_s"],
@@ -203,6 +204,8 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
                    "world_size": result["world_size"], "backend": result["backend"],
                    "resumed_from": result["resumed_from"], "promoted_during_run": result["ckpt"]["promoted"]},
         )
+        commit_generation(spec, f"{spec.run.name}/{sd.final.name}", rel_root)
+        return m
 
     return run_and_log(spec, sd, body, artifacts=["loss_curve"])
 

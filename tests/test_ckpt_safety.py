@@ -1,0 +1,157 @@
+"""Safety of the checkpoint path (issue 22): a killed embedded S3 endpoint loses nothing and brings back nothing
+deleted; a forged manifest cannot make a download write outside its directory; two runs of one stage key never
+write at once; Force starts a new generation and retires the old one only after the new one commits, keeping
+what a registered model points to."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines.spec import load_spec
+from pipelines.train import checkpoint as ck
+
+from conftest import ROOT
+from test_resilience import TINY, _env, _tok
+
+
+def _s3(url):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="embedded",
+                        aws_secret_access_key="embedded-secret")
+
+
+def test_a_killed_embedded_endpoint_loses_nothing_and_deleted_objects_stay_deleted(home):
+    from pipelines.storage import s3
+
+    url = s3.start()
+    try:
+        c = _s3(url)
+        c.create_bucket(Bucket="kept")
+        c.put_object(Bucket="kept", Key="a/one.txt", Body=b"one")
+        c.put_object(Bucket="kept", Key="a/gone.txt", Body=b"deleted later")
+        c.put_object(Bucket="kept", Key="b/../../../escape.txt", Body=b"hostile key")
+        c.put_object(Bucket="kept", Key="/abs.txt", Body=b"absolute key")
+        big = os.urandom(12 << 20)
+        up = c.create_multipart_upload(Bucket="kept", Key="ckpt/shard.distcp")
+        parts = [{"ETag": c.upload_part(Bucket="kept", Key="ckpt/shard.distcp", UploadId=up["UploadId"],
+                                        PartNumber=i + 1, Body=big[i * (6 << 20):(i + 1) * (6 << 20)])["ETag"],
+                  "PartNumber": i + 1} for i in range(2)]
+        c.complete_multipart_upload(Bucket="kept", Key="ckpt/shard.distcp", UploadId=up["UploadId"],
+                                    MultipartUpload={"Parts": parts})
+        c.copy_object(Bucket="kept", Key="a/copy.txt", CopySource={"Bucket": "kept", "Key": "a/one.txt"})
+        c.delete_object(Bucket="kept", Key="a/gone.txt")
+        c.put_object(Bucket="kept", Key="c/x", Body=b"x")
+        c.put_object(Bucket="kept", Key="c/y", Body=b"y")
+        c.delete_objects(Bucket="kept", Delete={"Objects": [{"Key": "c/x"}, {"Key": "c/y"}]})
+        pid = json.loads((home / "var/s3/endpoint.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)  # no clean stop: nothing may depend on one
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+                os.waitpid(pid, os.WNOHANG)
+                time.sleep(0.1)
+            except (ProcessLookupError, ChildProcessError):
+                break
+        (home / "var/s3/endpoint.json").unlink()
+        url = s3.start()
+        c = _s3(url)
+        keys = {o["Key"] for o in c.list_objects_v2(Bucket="kept")["Contents"]}
+        assert keys == {"a/one.txt", "a/copy.txt", "b/../../../escape.txt", "/abs.txt", "ckpt/shard.distcp"}
+        assert c.get_object(Bucket="kept", Key="ckpt/shard.distcp")["Body"].read() == big
+        assert c.get_object(Bucket="kept", Key="b/../../../escape.txt")["Body"].read() == b"hostile key"
+        assert c.get_object(Bucket="kept", Key="a/copy.txt")["Body"].read() == b"one"
+        # the hostile keys were kept inside the store, under hashed names
+        store = home / "var/s3/store"
+        outside = [p for p in home.rglob("escape.txt")] + [p for p in Path("/").glob("abs.txt")]
+        assert outside == [] and all(store in p.parents for p in store.rglob("*") if p.is_file())
+    finally:
+        s3.stop()
+
+
+def test_a_forged_manifest_entry_is_refused_on_download(home, s3_server, tmp_path):
+    spec = load_spec(None, [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=forged"], env={})
+    c = _s3(s3_server)
+    c.create_bucket(Bucket="forged")
+    for i, evil in enumerate(["../../outside.txt", "/etc/cron.d/x", "a/../../b"]):
+        prefix = f"checkpoints/run/key/step-00000{i}"
+        body = json.dumps({"files": {evil: {"sha256": hashlib.sha256(b"x").hexdigest(), "bytes": 1}}}).encode()
+        c.put_object(Bucket="forged", Key=f"{prefix}/{evil}", Body=b"x")
+        c.put_object(Bucket="forged", Key=f"{prefix}/MANIFEST.json", Body=body)
+        c.put_object(Bucket="forged", Key=f"{prefix}/COMMIT", Body=hashlib.sha256(body).hexdigest().encode())
+        dest = tmp_path / "deep" / "dest"
+        with pytest.raises(ck.CheckpointError, match="not a relative path below the checkpoint directory"):
+            ck.download_checkpoint(spec, f"s3://forged/{prefix}", dest)
+        with pytest.raises(ck.CheckpointError, match="not a relative path"):
+            ck.verify_s3(spec, f"s3://forged/{prefix}")
+    assert not (tmp_path / "outside.txt").exists() and not (tmp_path / "b").exists() and not dest.exists()
+
+
+_LOCKED_STAGE = """
+import json, sys, time
+from pathlib import Path
+from pipelines.manifest import StageDir, run_stage
+log = Path(sys.argv[2])
+sd = StageDir(sys.argv[1], "demo", "cfg", [{"uri": "x", "sha256": "0"}])
+def body(tmp):
+    with open(log, "a") as f: f.write(f"start {time.time()}\\n")
+    (tmp / "out.txt").write_text("made")
+    time.sleep(1.5)
+    with open(log, "a") as f: f.write(f"end {time.time()}\\n")
+    return sd.commit({"out": "out.txt"})
+m = run_stage(sd, body)
+print(m.path)
+"""
+
+
+def test_two_concurrent_runs_of_one_stage_key_never_write_at_once(tmp_path):
+    log = tmp_path / "log.txt"
+    procs = [subprocess.Popen([sys.executable, "-c", _LOCKED_STAGE, str(tmp_path / "runs"), str(log)], cwd=ROOT,
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    events = log.read_text().split()
+    assert events[0::2] == ["start", "end"]  # one body ran; the other waited, then reused what it committed
+    assert sum("another run of this stage key holds" in o for o in outs) == 1
+    assert sum("up to date" in o for o in outs) == 1
+
+
+def test_force_starts_a_new_generation_and_retires_the_old_one_only_after_it_commits(home, s3_server):
+    from pipelines import tracking
+    from pipelines.train import launch
+
+    sets = TINY + ["train.steps=20", "train.ckpt_every=10", "launcher.nproc_per_node=2", "launcher.max_restarts=0",
+                   f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=generations"]
+    tok = _tok(home)
+    first = launch.run(load_spec(None, sets, env={}), tok)
+    old = first.extra["checkpoint"].rsplit("/", 1)[0]
+    spec = load_spec(None, sets, env={})
+    assert ck.list_steps(spec, old)["L1"] == [10, 20]
+    # a registered model points to step 10 of the old generation
+    client = tracking.client(spec)
+    client.create_registered_model(spec.registry.model_name)
+    run = client.create_run(client.create_experiment("gen-test"))
+    client.create_model_version(spec.registry.model_name, "file:///dev/null", run.info.run_id,
+                                tags={"checkpoint_uri": ck.tier_locations(spec, f"{old}/step-000010")["L2"]})
+    # Force, and the new run dies at step 10: the old generation is intact on every tier
+    os.environ["LLMP_FAULT_EXIT_AT_STEP"] = "10"
+    try:
+        with pytest.raises(launch.TrainError):
+            launch.run(load_spec(None, sets + ["run.force=true"], env={}), tok)
+    finally:
+        os.environ.pop("LLMP_FAULT_EXIT_AT_STEP")
+    assert ck.list_steps(spec, old) == {"L0": [10, 20], "L1": [10, 20], "L2": [10, 20]}
+    # Force again (the task's retry): it adopts the pending generation, resumes it, commits, then retires the old
+    second = launch.run(load_spec(None, sets + ["run.force=true"], env={}), tok)
+    new = second.extra["checkpoint"].rsplit("/", 1)[0]
+    assert new.startswith(f"{old}.gen-") and second.extra["resumed_from"]["step"] == 10
+    assert ck.list_steps(spec, old) == {"L0": [10], "L1": [10], "L2": [10]}  # only what the model needs
+    assert ck.list_steps(spec, new)["L1"][-1] == 20 and ck.list_steps(spec, new)["L0"] == [10, 20]
+    # the next plain run uses the committed generation (and finds its stage output done)
+    assert launch.train_job(spec, tok).rel_root == new
