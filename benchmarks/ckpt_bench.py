@@ -14,7 +14,14 @@
    and every 10 steps, against the same run with no checkpoint but the final one. Ratio = with ÷ without
    (target ≥ 0.97); each configuration ``--repeats`` times, interleaved, the median reported.
 
-    python benchmarks/ckpt_bench.py [--tokenize-manifest M] [--steps 150] [--sizes 10m,100m,350m]
+4. **Two nodes** (simulated: each a mount namespace with its own disk at ``checkpoint.l0``, one rank each,
+   ``pipelines.sim_nodes``) on a ≈ 14 M-param model: the save stall and the time to a global commit on L1 + L2
+   with node-local L0, against L0 on the shared directory (target: node-local stall ≤ shared stall); then the
+   restore on a replacement node, from L1 (the surviving node keeps its disk) and from L2 (L1 removed, every
+   node downloads its own part in parallel), against one rank fetching the whole checkpoint (target: parallel L2
+   restore ≥ 1.6× the single-rank one).
+
+    python benchmarks/ckpt_bench.py [--tokenize-manifest M] [--steps 150] [--sizes 10m,100m,350m] [--only nodes]
 
 Writes ``var/bench/ckpt.json``.
 """
@@ -155,6 +162,107 @@ def goodput_rows(tok_path: str, steps: int, url: str, repeats: int) -> list[dict
     return rows
 
 
+NODE_MODEL = ["model.d_model=384", "model.n_layers=6", "model.n_heads=6", "train.micro_batch=4",
+              "launcher.nproc_per_node=1", "launcher.nnodes=2", "train.ckpt_every=10"]
+
+
+def _two_node_job(tok: str, base: Path, url: str, l0: Path, disks: list[Path], steps: int, prefix: str) -> dict:
+    """One 2-node training job on simulated nodes (torchrun with c10d rendezvous on 127.0.0.1); its result.json."""
+    from pipelines.sim_nodes import Node
+    from pipelines.spec import load_spec
+
+    shared, out = base / "shared", base / "shared" / f"out-{prefix}"
+    spec = load_spec(str(ROOT / "configs" / "demo.yaml"), NODE_MODEL + [
+        f"train.steps={steps}", f"checkpoint.l0={l0}", f"checkpoint.l1={shared}/l1", f"run.root={shared}/root",
+        f"services.s3_endpoint_url={url}", "services.s3_bucket=bench-nodes", f"checkpoint.l2_prefix={prefix}"], env={})
+    shared.mkdir(parents=True, exist_ok=True)
+    (shared / "spec.yaml").write_text(spec.to_yaml())
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "LLMP_PROGRESS": "0", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    nodes = []
+    for rank, disk in enumerate(disks):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--node-rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", prefix, "-m", "pipelines.train.trainer", "--spec", str(shared / "spec.yaml"),
+               "--tokenize-manifest", tok, "--out", str(out), "--ckpt-root", str(l0 / "run" / "key")]
+        nodes.append(Node(str(rank), disk, base / "l0", cmd, env, base / f"{prefix}-node{rank}.log",
+                          restart_on_failure=False, cwd=ROOT))
+    for n in nodes:
+        if n.wait(1800) != 0:
+            raise RuntimeError(f"2-node job {prefix} failed; see {n.log}")
+    return json.loads((out / "result.json").read_text())
+
+
+def two_node_rows(tok: str, url: str, steps: int = 30) -> dict | None:
+    from pipelines.sim_nodes import namespaces_permitted
+    from pipelines.spec import load_spec
+    from pipelines.train import checkpoint as ck
+
+    why = namespaces_permitted()
+    if why:
+        print(f"  two nodes: skipped ({why})")
+        return None
+    base = ROOT / "var" / "bench" / "ckpt-nodes"
+    shutil.rmtree(base, ignore_errors=True)
+    disk = lambda name: base / "disks" / name  # noqa: E731
+    rows: dict = {}
+    for label, l0 in (("node-local L0", base / "l0"), ("L0 on the shared dir (anchor)", base / "shared" / "l0")):
+        prefix = "local" if l0 == base / "l0" else "shared"
+        res = _two_node_job(tok, base, url, l0, [disk(f"{prefix}-0"), disk(f"{prefix}-1")], steps, prefix)
+        promote = list(res["ckpt"]["promote_s"].values())
+        rows[label] = {"stall_s_mean": res["ckpt"]["stall_s_mean"], "saves": res["ckpt"]["saves"],
+                       "promote_s_mean": sum(promote) / len(promote)}
+        print(f"  two nodes, {label}: stall {rows[label]['stall_s_mean'] * 1000:.0f} ms, to a global commit on "
+              f"L1 + L2 {rows[label]['promote_s_mean']:.2f} s", flush=True)
+    # restores of the node-local job's final step on a replacement node
+    spec = load_spec(None, [f"checkpoint.l0={base}/l0", f"checkpoint.l1={base}/shared/l1",
+                            f"services.s3_endpoint_url={url}", "services.s3_bucket=bench-nodes",
+                            "checkpoint.l2_prefix=local"], env={})
+    rel = f"run/key/{ck.step_name(steps)}"
+    final_l1 = Path(ck.tier_locations(spec, rel)["L1"])
+    nbytes = sum(i["bytes"] for i in ck.verify_local(final_l1)["files"].values())
+    t0 = time.perf_counter()
+    ck.copy_local(final_l1, base / "one-rank-l1")
+    one_l1 = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ck.download_checkpoint(spec, ck.tier_locations(spec, rel)["L2"], base / "one-rank-l2")
+    one_l2 = time.perf_counter() - t0
+    res = _two_node_job(tok, base, url, base / "l0", [disk("local-0"), disk("replacement-1")], steps, "local")
+    from_l1 = res["restore_s"]
+    shutil.rmtree(base / "shared" / "l1")
+    res2 = _two_node_job(tok, base, url, base / "l0", [disk("fresh-0"), disk("fresh-1")], steps, "local")
+    from_l2 = res2["restore_s"]
+    assert res["resumed_from"]["tier"] == "L1" and res2["resumed_from"]["tier"] == "L2", (res, res2)
+    rows["restore"] = {"bytes": nbytes, "replacement_from_L1_s": from_l1, "every_node_from_L2_s": from_l2,
+                       "one_rank_whole_from_L1_s": one_l1, "one_rank_whole_from_L2_s": one_l2,
+                       "parts_L1": res["resumed_from"]["parts"], "parts_L2": res2["resumed_from"]["parts"]}
+    print(f"  restore of {nbytes / 1e6:.0f} MB: replacement from L1 {from_l1:.2f} s (one rank, whole: {one_l1:.2f} s); "
+          f"every node its part from L2 {from_l2:.2f} s (one rank, whole: {one_l2:.2f} s)", flush=True)
+    shutil.rmtree(base, ignore_errors=True)
+    return rows
+
+
+def print_two_nodes(rows: dict) -> None:
+    shared = rows["L0 on the shared dir (anchor)"]
+    print("\n| 2 nodes × 1 rank, ≈ 14 M params | save stall | to global commit on L1 + L2 | stall ÷ shared-L0 stall |")
+    print("|---|---|---|---|")
+    for label, r in rows.items():
+        if label != "restore":
+            print(f"| {label} | {r['stall_s_mean'] * 1000:.0f} ms | {r['promote_s_mean']:.2f} s | "
+                  f"{r['stall_s_mean'] / shared['stall_s_mean']:.2f} |")
+    r = rows["restore"]
+    print(f"\n| restore of {r['bytes'] / 1e6:.0f} MB (all ranks ready) | ours | one rank, whole checkpoint (anchor) | "
+          "anchor ÷ ours |\n|---|---|---|---|")
+    print(f"| replacement node, from L1 (parts {r['parts_L1']}) | {r['replacement_from_L1_s']:.2f} s | "
+          f"{r['one_rank_whole_from_L1_s']:.2f} s | {r['one_rank_whole_from_L1_s'] / r['replacement_from_L1_s']:.2f} |")
+    print(f"| every node its own part, from L2 | {r['every_node_from_L2_s']:.2f} s | {r['one_rank_whole_from_L2_s']:.2f} s "
+          f"| {r['one_rank_whole_from_L2_s'] / r['every_node_from_L2_s']:.2f} |")
+
+
 def _newest_tokenize_manifest() -> str | None:
     found = sorted((ROOT / "var" / "runs" / "tokenize").glob("*/manifest.json"), key=os.path.getmtime)
     return str(found[-1]) if found else None
@@ -167,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="Runs of each goodput configuration (median reported).")
     ap.add_argument("--sizes", default="10m,100m,350m")
     ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "ckpt.json"))
+    ap.add_argument("--only", choices=["nodes"], default=None, help="Run only the two-node part.")
     args = ap.parse_args(argv)
     tok = args.tokenize_manifest or _newest_tokenize_manifest()
     if tok is None:
@@ -178,6 +287,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipelines.manifest import atomic_write_text
 
+    if args.only == "nodes":
+        from pipelines.storage import s3
+
+        url = s3.start()
+        try:
+            rows = two_node_rows(tok, url)
+        finally:
+            s3.stop()
+        if rows:
+            print_two_nodes(rows)
+            atomic_write_text(args.out.replace(".json", "-nodes.json"), json.dumps(rows, indent=2))
+        return 0
     torch.set_num_threads(2)
     base = ROOT / "var" / "bench" / "ckpt-sizes"
     shutil.rmtree(base, ignore_errors=True)
@@ -194,9 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         promo = promotion_row(ckpt, base, url)
         shutil.rmtree(base, ignore_errors=True)
         good = goodput_rows(tok, args.steps, url, args.repeats)
+        nodes = two_node_rows(tok, url)
     finally:
         s3.stop()
-    result = {"stall": stalls, "promotion": promo, "goodput": good, "machine": {"cpus": os.cpu_count()}}
+    result = {"stall": stalls, "promotion": promo, "goodput": good, "two_nodes": nodes,
+              "machine": {"cpus": os.cpu_count()}}
     print("\n| checkpoint | params | bytes | sync save (anchor) | async stall (ours) | stall ÷ sync |")
     print("|---|---|---|---|---|---|")
     for r in stalls:
@@ -210,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in good:
         print(f"| {r['run']} | {r['goodput_tokens_per_s']:,.0f} | {', '.join(f'{x:,}' for x in r['all_tokens_per_s'])} | "
               f"{r['saves']} | {r['ratio']:.3f} |")
+    if nodes:
+        print_two_nodes(nodes)
     atomic_write_text(args.out, json.dumps(result, indent=2))
     print(f"written {args.out}")
     return 0

@@ -187,11 +187,21 @@ def stage_key(stage: str, config_hash: str, inputs: Iterable[dict]) -> str:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def is_temp_name(name: str) -> bool:
+    """A temp file of :func:`atomic_write_bytes` (``.<name>.tmp-<id>``)."""
+    return name.startswith(".") and ".tmp-" in name
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write to a temp file beside ``path``, fsync, rename: a reader sees the old file or the whole new one."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, p)

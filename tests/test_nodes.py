@@ -20,7 +20,7 @@ from pipelines.spec import load_spec
 from pipelines.train import checkpoint as ck
 
 from conftest import ROOT, free_port
-from nodes import Node, namespaces_permitted
+from pipelines.sim_nodes import Node, namespaces_permitted
 from test_resilience import TINY, _assert_bitwise_equal, _tok, _wait_for
 
 why = namespaces_permitted()

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import shutil
-import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import parse_qs, quote
+
+from pipelines.manifest import atomic_write_bytes, is_temp_name
 
 KEYS = ".keys"
 
@@ -28,20 +28,10 @@ def object_path(store: Path, bucket: str, key: str) -> Path:
     """Where object ``bucket/key`` is kept on disk: always under ``store``."""
     parts = key.split("/")
     plain = key and not key.startswith("/") and "\x00" not in key and all(p not in ("", ".", "..") for p in parts) \
-        and not any(p.endswith(".part") or p == KEYS for p in parts)
+        and not any(is_temp_name(p) or p == KEYS for p in parts)
     if plain and bucket not in ("", ".", "..", KEYS) and "/" not in bucket:
         return store / bucket / key
     return store / KEYS / hashlib.sha256(bucket.encode()).hexdigest()[:16] / hashlib.sha256(key.encode()).hexdigest()
-
-
-def _write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.part")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class WriteThrough:
@@ -115,9 +105,9 @@ class WriteThrough:
         if not got.get("status", "").startswith("2"):
             raise IOError(f"embedded S3: cannot read back {bucket}/{key} to persist it ({got.get('status')})")
         path = object_path(self.store, bucket, key)
-        _write(path, data)
+        atomic_write_bytes(path, data)
         if path.relative_to(self.store).parts[0] == KEYS:
-            _write(path.with_name(path.name + ".key"), f"{bucket}\n{key}".encode())
+            atomic_write_bytes(path.with_name(path.name + ".key"), f"{bucket}\n{key}".encode())
 
     def _forget(self, bucket: str, key: str) -> None:
         path = object_path(self.store, bucket, key)
@@ -135,7 +125,7 @@ def stored(store: Path):
     if not store.is_dir():
         return
     for bdir in sorted(p for p in store.iterdir() if p.is_dir() and p.name != KEYS):
-        for f in sorted(p for p in bdir.rglob("*") if p.is_file() and not p.name.endswith(".part")):
+        for f in sorted(p for p in bdir.rglob("*") if p.is_file() and not is_temp_name(p.name)):
             yield bdir.name, f.relative_to(bdir).as_posix(), f
     for side in sorted((store / KEYS).rglob("*.key")) if (store / KEYS).is_dir() else []:
         bucket, _, key = side.read_text().partition("\n")

@@ -9,7 +9,10 @@ A reader trusts a copy only if COMMIT exists, matches MANIFEST.json, and every f
 sha256, so a half-written or half-copied checkpoint is never taken for a good one. The training
 checkpoints (``pipelines.train.checkpointer``) are ``torch.distributed.checkpoint`` (DCP) directories:
 ``.metadata`` + one ``__<rank>_0.distcp`` shard file per writing rank, plus ``trainer_state.json``,
-``rng.pt`` (per-rank RNG states), ``model_args.json`` and ``tokenizer.model``.
+``rng.json`` (per-rank RNG states), ``model_args.json`` and ``tokenizer.model``. With node-local L0 each node
+commits its *part* of a step on its own disk; the parts meet on L1 and L2, where rank 0 writes the step's global
+COMMIT (see *node parts* below and :mod:`pipelines.train.restore`). Every file name read from a manifest must stay
+below its directory (:func:`safe_rel`).
 
 Tiers: L0 node-local (``checkpoint.l0``) → L1 shared FS (``checkpoint.l1``) → L2 S3
 (``s3://services.s3_bucket/checkpoint.l2_prefix/…``). ``promote`` copies L0 → L1 → L2, checking

@@ -140,6 +140,7 @@ class Promoter:
             log(f"[ckpt] promotion during the run goes to L1 only: {self.no_l2.splitlines()[0]}")
         self.tiers = ("L1",) if self.no_l2 else ("L1", "L2")
         self.done: dict[int, dict] = {}
+        self.seconds: dict[int, float] = {}  # step → seconds to promote it (rank 0: until its global commit)
         self.submitted: set[int] = set()
         self.q: "queue.Queue[Optional[int]]" = queue.Queue()
         self.thread = threading.Thread(target=self._work, daemon=True, name="llmp-promoter")
@@ -185,6 +186,7 @@ class Promoter:
                 rep["actions"]["merged"] = list(self.tiers)
         dt = time.perf_counter() - t0
         self.done[step] = rep["actions"]
+        self.seconds[step] = dt
         self.events.add("ckpt/promote_s", dt, step)
         deleted = self.retain(step)
         gone = ", ".join(f"{t} {v}" for t, v in deleted.items() if v)

@@ -177,7 +177,9 @@ class Trainer:
         self.ckpt = Checkpointer(spec, self.rel_root, self.rank, self.world, self.log, files={
             "model_args.json": json.dumps(self.margs.to_dict(), indent=2).encode(),
             "tokenizer.model": self.tok.output("tokenizer").read_bytes()})
+        t0 = time.perf_counter()
         restored = self._find_restore()
+        self.restore_s = time.perf_counter() - t0  # choosing the step and making its parts readable, not the load
         self._model(restored.state if restored else None)
         self.prog = Progress()
         if restored is not None:
@@ -429,6 +431,12 @@ class Trainer:
         shape = {**model_shape(self.spec), "vocab": self.margs.vocab_size}
         return flops_per_token(shape, shape_params(shape))
 
+    def _slowest(self, seconds: float) -> float:
+        """The largest of every rank's value (a restore is done when the last rank is ready)."""
+        t = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
     def finish(self) -> dict:
         """Wait for the last save and the promotions, write ``losses.json``/``result.json`` (rank 0)."""
         from pipelines.train.checkpoint import step_name
@@ -447,11 +455,14 @@ class Trainer:
             "mlflow_run_id": self.tracker.run_id if self.tracker else None, "parallel": self.mode,
             "global_batch": self.G, "grad_accum": self.accum, "resumed_from": self.prog.resumed_from,
             "rollbacks": self.prog.rollbacks, "skipped_batches": sorted(self.sampler.skip),
+            "restore_s": self._slowest(self.restore_s) if self.prog.resumed_from else None,
             "consumed_samples": self.sampler.consumed_samples,
             "goodput_tokens_per_s": self.fit_steps * self.G * self.margs.seq_len / self.fit_s if self.fit_steps else None,
             "ckpt": {"saves": len(stalls), "stall_s_mean": sum(stalls) / len(stalls) if stalls else None,
                      "stall_s_max": max(stalls, default=None),
-                     "promoted": {str(k): v for k, v in (self.ckpt.promoter.done if self.ckpt.promoter else {}).items()}},
+                     "promoted": {str(k): v for k, v in (self.ckpt.promoter.done if self.ckpt.promoter else {}).items()},
+                     "promote_s": {str(k): round(v, 4) for k, v in
+                                   (self.ckpt.promoter.seconds if self.ckpt.promoter else {}).items()}},
         }
         if self.rank == 0:
             self.tracker.flush(self.ckpt.events.take())

@@ -1,4 +1,4 @@
-"""Simulated cluster nodes on one machine.
+"""Simulated cluster nodes on one machine (for the multi-node tests and benchmarks).
 
 A node is a Linux mount namespace (``unshare --mount``) in which the node-local path (``checkpoint.l0``) is that
 node's own disk, a directory bind-mounted at the same path string on every node. Everything else — the shared
