@@ -166,6 +166,9 @@ NODE_MODEL = ["model.d_model=384", "model.n_layers=6", "model.n_heads=6", "train
               "launcher.nproc_per_node=1", "launcher.nnodes=2", "train.ckpt_every=10"]
 
 
+RUN = f"{os.getpid()}-{int(time.time())}"  # this invocation's L2 prefix: the embedded store outlives runs
+
+
 def _two_node_job(tok: str, base: Path, url: str, l0: Path, disks: list[Path], steps: int, prefix: str) -> dict:
     """One 2-node training job on simulated nodes (torchrun with c10d rendezvous on 127.0.0.1); its result.json."""
     from pipelines.sim_nodes import Node
@@ -173,8 +176,9 @@ def _two_node_job(tok: str, base: Path, url: str, l0: Path, disks: list[Path], s
 
     shared, out = base / "shared", base / "shared" / f"out-{prefix}"
     spec = load_spec(str(ROOT / "configs" / "demo.yaml"), NODE_MODEL + [
-        f"train.steps={steps}", f"checkpoint.l0={l0}", f"checkpoint.l1={shared}/l1", f"run.root={shared}/root",
-        f"services.s3_endpoint_url={url}", "services.s3_bucket=bench-nodes", f"checkpoint.l2_prefix={prefix}"], env={})
+        f"train.steps={steps}", f"checkpoint.l0={l0}", f"checkpoint.l1={shared}/l1-{prefix}", f"run.root={shared}/root",
+        f"services.s3_endpoint_url={url}", "services.s3_bucket=bench-nodes", f"checkpoint.l2_prefix={RUN}/{prefix}"],
+        env={})
     shared.mkdir(parents=True, exist_ok=True)
     (shared / "spec.yaml").write_text(spec.to_yaml())
     import socket
@@ -219,9 +223,9 @@ def two_node_rows(tok: str, url: str, steps: int = 30) -> dict | None:
         print(f"  two nodes, {label}: stall {rows[label]['stall_s_mean'] * 1000:.0f} ms, to a global commit on "
               f"L1 + L2 {rows[label]['promote_s_mean']:.2f} s", flush=True)
     # restores of the node-local job's final step on a replacement node
-    spec = load_spec(None, [f"checkpoint.l0={base}/l0", f"checkpoint.l1={base}/shared/l1",
+    spec = load_spec(None, [f"checkpoint.l0={base}/l0", f"checkpoint.l1={base}/shared/l1-local",
                             f"services.s3_endpoint_url={url}", "services.s3_bucket=bench-nodes",
-                            "checkpoint.l2_prefix=local"], env={})
+                            f"checkpoint.l2_prefix={RUN}/local"], env={})
     rel = f"run/key/{ck.step_name(steps)}"
     final_l1 = Path(ck.tier_locations(spec, rel)["L1"])
     nbytes = sum(i["bytes"] for i in ck.verify_local(final_l1)["files"].values())
@@ -231,19 +235,56 @@ def two_node_rows(tok: str, url: str, steps: int = 30) -> dict | None:
     t0 = time.perf_counter()
     ck.download_checkpoint(spec, ck.tier_locations(spec, rel)["L2"], base / "one-rank-l2")
     one_l2 = time.perf_counter() - t0
+    endpoint = endpoint_readers(spec, ck.tier_locations(spec, rel)["L2"])
     res = _two_node_job(tok, base, url, base / "l0", [disk("local-0"), disk("replacement-1")], steps, "local")
     from_l1 = res["restore_s"]
-    shutil.rmtree(base / "shared" / "l1")
+    shutil.rmtree(base / "shared" / "l1-local")
     res2 = _two_node_job(tok, base, url, base / "l0", [disk("fresh-0"), disk("fresh-1")], steps, "local")
     from_l2 = res2["restore_s"]
     assert res["resumed_from"]["tier"] == "L1" and res2["resumed_from"]["tier"] == "L2", (res, res2)
     rows["restore"] = {"bytes": nbytes, "replacement_from_L1_s": from_l1, "every_node_from_L2_s": from_l2,
                        "one_rank_whole_from_L1_s": one_l1, "one_rank_whole_from_L2_s": one_l2,
-                       "parts_L1": res["resumed_from"]["parts"], "parts_L2": res2["resumed_from"]["parts"]}
+                       "parts_L1": res["resumed_from"]["parts"], "parts_L2": res2["resumed_from"]["parts"],
+                       "endpoint_MBps": endpoint}
     print(f"  restore of {nbytes / 1e6:.0f} MB: replacement from L1 {from_l1:.2f} s (one rank, whole: {one_l1:.2f} s); "
           f"every node its part from L2 {from_l2:.2f} s (one rank, whole: {one_l2:.2f} s)", flush=True)
     shutil.rmtree(base, ignore_errors=True)
+    from pipelines.storage import s3
+
+    _empty(s3.client(spec), "bench-nodes")  # keep var/s3/store small
     return rows
+
+
+_READ = """
+import sys, boto3
+c = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1", aws_access_key_id="embedded",
+                 aws_secret_access_key="embedded-secret")
+for key in sys.argv[3:]:
+    c.get_object(Bucket=sys.argv[2], Key=key)["Body"].read()
+"""
+
+
+def endpoint_readers(spec, uri: str) -> dict:
+    """The S3 endpoint's aggregate read throughput with one reader process and with two (each half the step's
+    files), plain boto3: what a per-node parallel download can get from this endpoint at best."""
+    import subprocess
+
+    from pipelines.storage.s3 import endpoint_url, split_uri
+    from pipelines.train import checkpoint as ck
+
+    bucket, prefix = split_uri(uri)
+    files = ck.read_s3_manifest(spec, uri)["files"]
+    keys = sorted(files, key=lambda r: -files[r]["bytes"])
+    total = sum(f["bytes"] for f in files.values())
+    out = {}
+    for readers in (1, 2):
+        shares = [[f"{prefix}/{k}" for k in keys[i::readers]] for i in range(readers)]
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-c", _READ, endpoint_url(spec), bucket, *share]) for share in shares]
+        assert all(p.wait() == 0 for p in procs)
+        out[readers] = round(total / (time.perf_counter() - t0) / 1e6, 1)
+    print(f"  the endpoint alone: 1 reader {out[1]} MB/s, 2 readers {out[2]} MB/s in all", flush=True)
+    return out
 
 
 def print_two_nodes(rows: dict) -> None:
@@ -261,6 +302,9 @@ def print_two_nodes(rows: dict) -> None:
           f"{r['one_rank_whole_from_L1_s']:.2f} s | {r['one_rank_whole_from_L1_s'] / r['replacement_from_L1_s']:.2f} |")
     print(f"| every node its own part, from L2 | {r['every_node_from_L2_s']:.2f} s | {r['one_rank_whole_from_L2_s']:.2f} s "
           f"| {r['one_rank_whole_from_L2_s'] / r['every_node_from_L2_s']:.2f} |")
+    e = r["endpoint_MBps"]
+    print(f"| the S3 endpoint alone, plain boto3 GETs: 2 reader processes vs 1 | {e[2]} MB/s | {e[1]} MB/s | "
+          f"{e[2] / e[1]:.2f} |")
 
 
 def _newest_tokenize_manifest() -> str | None:

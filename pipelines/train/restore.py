@@ -212,7 +212,7 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
 def _view(ckpt, c: dict, mine: set[int], l0: Path, l1: Path) -> Path:
     """A directory on this node's L0 whose entries link to this node's verified part files and to L1 for the
     rest; DCP reads it as one checkpoint."""
-    view = ckpt.root / f".view-{ckpt.attempt}-{ck.step_name(c['step'])}"
+    view = ckpt.root / f".view-{ckpt.attempt}-node{ckpt.topo.node}-{ck.step_name(c['step'])}"  # L0 may be shared
     if ckpt.topo.local_rank == 0:
         man = ck.read_local_manifest(l1)
         owner = man.get("part_of", {})
