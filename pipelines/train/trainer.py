@@ -207,12 +207,16 @@ class Trainer:
     def _find_restore(self):
         """Every rank together: the newest step that verifies on the nearest tier, each node its own parts
         (``pipelines.train.restore``); None to start at step 0."""
-        from pipelines.train.checkpoint import clear_run
+        from pipelines.train.checkpoint import CheckpointError, clear_run
 
         resume = self.spec.train.resume
         if resume == "never":
             if self.rank == 0:
-                gone = {t: v for t, v in clear_run(self.spec, self.rel_root).items() if v}
+                try:
+                    gone = {t: v for t, v in clear_run(self.spec, self.rel_root).items() if v}
+                except CheckpointError as e:  # the registry cannot be read: keep every step
+                    gone = {}
+                    self.log(f"[ckpt] train.resume=never: earlier checkpoints kept: {e}")
                 if gone:
                     self.log(f"[ckpt] train.resume=never: removed this run's earlier checkpoints {gone}")
             return None
