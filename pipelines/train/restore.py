@@ -83,10 +83,12 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
     for s, man in ck.local_parts(l1).items():
         found[s] = {"step": s, "attempt": man.get("attempt"), "parts": int(man.get("parts", 1)), "l1": True}
     for s in ck.list_steps(spec, rel_root, ("L2",))["L2"]:
+        if s in found:  # L1 holds it: its attempt is known, and L2 is read only if L1's copy fails
+            continue
         man = ck.read_s3_manifest(spec, ck.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"])
         if man is None:
             continue
-        found.setdefault(s, {"step": s, "attempt": man.get("attempt"), "parts": int(man.get("parts", 1)), "l1": False})
+        found[s] = {"step": s, "attempt": man.get("attempt"), "parts": int(man.get("parts", 1)), "l1": False}
     on_l0: dict[tuple, set] = {}
     for inv in per_node.values():
         for s, (part, parts, attempt) in inv.items():
