@@ -76,6 +76,6 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
                                                            "16": {"L1": "copied", "L2": "uploaded"}}
     assert man["promote"]["extra"]["actions"] == {"L1": "already-verified", "L2": "already-verified"}
     assert man["train"]["extra"]["resumed_from"] is None
-    # the embedded S3 endpoint was stopped and its objects saved to disk
+    # the embedded S3 endpoint was stopped; its objects were written to disk as they arrived
     assert not (tmp_path / "var/s3/endpoint.json").exists()
     assert list((tmp_path / "var/s3/store").rglob("COMMIT"))

@@ -1,15 +1,17 @@
-"""In-run checkpointing: sharded DCP saves that block training only while the state is staged, a commit on
-rank 0, promotion L0 → L1 → L2 while training runs, and restore into a live (wrapped) model.
+"""In-run checkpointing: sharded DCP saves that block training only while the state is staged, a commit per
+node's part, promotion L0 → L1 → L2 while training runs, and restore into a live (wrapped) model.
 
 Every rank writes its own shards with ``torch.distributed.checkpoint`` (DCP) into a temp directory beside
 the step's L0 place, over a gloo group of its own (so the background writer's collectives never meet the
 training loop's). With ``checkpoint.async_mode=thread`` the state dict is copied into reused host buffers
 (DCP's ``DefaultStager``; pinned on CUDA) and the write runs in a background thread; the next save waits for
-the previous one. When rank 0's write returns, every rank's shards are written (DCP's finish step gathers
-their results), so rank 0 adds ``trainer_state.json``, ``rng.pt`` (every rank's RNG states, gathered),
-``model_args.json`` and ``tokenizer.model``, then hashes all files, writes MANIFEST + COMMIT and renames the
-directory into place (:func:`pipelines.train.checkpoint.commit_local`), in its background thread. The
-:class:`Promoter` (rank 0, one thread) then copies each committed step L0 → L1 → L2 and applies retention.
+the previous one. When DCP's save returns on any rank, every rank's shards are written (its finish step gathers
+their results). Rank 0 has added ``trainer_state.json``, ``rng.json`` (every rank's RNG states, gathered, as
+JSON), ``model_args.json`` and ``tokenizer.model``. Then each part leader (:class:`Topology`: every node's local
+rank 0 with node-local L0, else rank 0 alone) hashes its node's files, writes MANIFEST + COMMIT and renames the
+directory into place on its own L0 (:func:`pipelines.train.checkpoint.commit_local`), in its background thread.
+Each leader's :class:`Promoter` then copies its part L0 → L1 → L2 and applies retention; rank 0 merges the
+parts into the step's global commit. Restore is collective: :mod:`pipelines.train.restore`.
 """
 from __future__ import annotations
 
