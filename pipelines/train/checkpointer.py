@@ -196,9 +196,8 @@ class Promoter:
 
     def _merge(self, rel: str, step: int) -> None:
         """Rank 0: wait for every node's part on L1 (and L2), then write the step's global COMMIT there."""
-        man = ck.read_local_manifest(Path(ck.tier_locations(self.spec, rel)["L0"]))
-        _, parts, attempt = ck.part_of(man)
         locs = ck.tier_locations(self.spec, rel)
+        _, parts, attempt = ck.part_of(ck.read_local_manifest(Path(locs["L0"])))
         pending = {"L1": lambda: ck.merge_parts(Path(locs["L1"]), parts, attempt),
                    "L2": lambda: ck.merge_parts_s3(self.spec, locs["L2"], parts, attempt)}
         pending = {t: f for t, f in pending.items() if t in self.tiers}
@@ -249,8 +248,8 @@ class Checkpointer:
         self.bg = ThreadPoolExecutor(1, thread_name_prefix="llmp-commit", initializer=lower_priority) if lead else None
         # every leader has one: the final step always reaches L1 (a pod's node-local disk may not outlive the job);
         # checkpoint.promote_during_run decides whether the steps before it go too
-        self.promoter = Promoter(spec, rel_root, log if rank == 0 else _node_log(self.topo), self.events, self.topo) \
-            if lead else None
+        self.node_log = log if rank == 0 else _node_log(self.topo)  # other nodes' leaders log too, naming the node
+        self.promoter = Promoter(spec, rel_root, self.node_log, self.events, self.topo) if lead else None
         self._pending: Optional[Future] = None
         self.last_saved: Optional[int] = None
         self.stalls: list[float] = []

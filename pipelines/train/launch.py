@@ -138,12 +138,13 @@ class TrainJob:
     args: list[str]
 
 
-def train_job(spec: JobSpec, tok: Manifest, out_dir: str | None = None, tmp: Optional[Path] = None) -> TrainJob:
-    """The train stage's job for these inputs. The ranks write in the stage's temp dir locally; on Kubernetes
-    in a directory named by the stage key."""
+def train_job(spec: JobSpec, tok: Manifest, out_dir: str | None = None, tmp: Optional[Path] = None,
+              sd: Optional[StageDir] = None) -> TrainJob:
+    """The train stage's job for these inputs (``sd``: the stage dir, when the caller has it). The ranks write in
+    the stage's temp dir locally; on Kubernetes in a directory named by the stage key."""
     from pipelines.train.checkpoint import generation
 
-    sd = stage_dir(spec, "train", [input_ref(tok)], out_dir)
+    sd = sd or stage_dir(spec, "train", [input_ref(tok)], out_dir)
     rel_root = generation(spec, f"{spec.run.name}/{sd.final.name}", spec.run.force)
     work = rank_workdir(spec, sd, tmp)
     ckpt_root = resolve_path(spec.checkpoint.l0) / rel_root
@@ -186,7 +187,7 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
 
     def body(tmp: Path) -> Manifest:
         # run.force: a new generation of this key's checkpoints, resumed by a retry, the old one kept until commit
-        job = train_job(spec, tok, out_dir, tmp)
+        job = train_job(spec, tok, out_dir, tmp, sd)
         rel_root, work = job.rel_root, job.work
         work.mkdir(parents=True, exist_ok=True)
         (work / "spec.yaml").write_text(spec.to_yaml())

@@ -106,7 +106,7 @@ def _settle(ckpt, c: dict) -> Optional[Restored]:
     rel = f"{ckpt.rel_root}/{ck.step_name(c['step'])}"
     locs = ck.tier_locations(spec, rel)
     l0, l1 = Path(locs["L0"]), Path(locs["L1"])
-    log = _logger(ckpt)
+    log = ckpt.node_log
     held = _verify_own_part(l0, c, log) if topo.local_rank == 0 else None
     have = {node: h for node, h in _gather((topo.node, held)) if h is not None}
     every = set(range(c["parts"]))
@@ -166,8 +166,7 @@ def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log) -> Optiona
     merged = _bcast(ck.merge_parts(l1, c["parts"], c["attempt"]) if ok and ckpt.rank == 0 else None)
     if not merged:
         if ckpt.rank == 0:
-            log(f"[ckpt] restore: skipped {l1.name}: no tier holds every part "
-                f"({ {k: t for k, t in results.items()} })")
+            log(f"[ckpt] restore: skipped {l1.name}: no tier holds every part ({results})")
         return None
     return results
 
@@ -226,7 +225,3 @@ def _view(ckpt, c: dict, mine: set[int], l0: Path, l1: Path) -> Path:
     dist.barrier()
     return view
 
-
-def _logger(ckpt):
-    topo = ckpt.topo
-    return ckpt.log if ckpt.rank == 0 else (lambda m: print(f"[node {topo.node}] {m}", flush=True))
