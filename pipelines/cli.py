@@ -48,15 +48,26 @@ def run_and_log(spec: JobSpec, sd: StageDir, body: Callable, artifacts: Iterable
     return m
 
 
+def manifest_arg(flag: str, path: str) -> Manifest:
+    """The manifest a flag names; a missing one is the user's to fix (exit 2)."""
+    try:
+        return load_manifest(path)
+    except FileNotFoundError as e:
+        raise StageError(f"{flag} {path}: {e}") from None
+
+
+def add_corpus_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--corpus-manifest", default="", metavar="MANIFEST",
+                    help="The corpus version this run adds to (a tokenize manifest; empty: none): ingest skips the "
+                         "inputs it holds, dedup removes duplicates of its docs, tokenize encodes only the new docs.")
+
+
+def corpus_arg(args: argparse.Namespace) -> Optional[Manifest]:
+    return manifest_arg("--corpus-manifest", args.corpus_manifest) if args.corpus_manifest else None
+
+
 def upstream_manifests(st: Stage, args: argparse.Namespace) -> list[Manifest]:
-    out = []
-    for up in st.upstream:
-        path = getattr(args, f"{up}_manifest")
-        try:
-            out.append(load_manifest(path))
-        except FileNotFoundError as e:
-            raise StageError(f"{stage(up).flag} {path}: {e}") from None
-    return out
+    return [manifest_arg(stage(up).flag, getattr(args, f"{up}_manifest")) for up in st.upstream]
 
 
 def write_report(path: Optional[str], payload: dict) -> None:

@@ -40,11 +40,15 @@ class Node:
     """One host: ``cmd`` runs in a namespace of its own where ``local_path`` is ``disk``."""
 
     def __init__(self, name: str, disk: Path, local_path: Path, cmd: list[str], env: dict, log: Path,
-                 restart_on_failure: bool = True, cwd: Optional[Path] = None):
+                 restart_on_failure: bool = True, cwd: Optional[Path] = None,
+                 more_binds: tuple[tuple[Path, Path], ...] = ()):
         self.name, self.disk, self.local_path, self.cmd, self.env, self.log = name, disk, local_path, cmd, env, log
         self.cwd, self.restart_on_failure = cwd, restart_on_failure
-        self.disk.mkdir(parents=True, exist_ok=True)
-        self.local_path.mkdir(parents=True, exist_ok=True)
+        # (this node's directory, the path it is seen at); the others before the node-local path, which may hide them
+        self.binds = (*more_binds, (disk, local_path))
+        for src, dest in self.binds:
+            src.mkdir(parents=True, exist_ok=True)
+            dest.mkdir(parents=True, exist_ok=True)
         self.codes: list[int] = []
         self.proc: Optional[subprocess.Popen] = None
         self.ns: Optional[str] = None
@@ -54,10 +58,11 @@ class Node:
         self._thread.start()
 
     def _start(self) -> None:
-        script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+        script = 'while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 98; shift 2; done; shift; exec "$@"'
+        binds = [str(x) for pair in self.binds for x in pair]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script,
-                                          f"node-{self.name}", str(self.disk), str(self.local_path), *self.cmd],
+                                          f"node-{self.name}", *binds, "--", *self.cmd],
                                          env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT)
         mine = _mount_ns(os.getpid())
         end = time.time() + 10
@@ -114,3 +119,79 @@ class Node:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class SparkCluster:
+    """A Spark standalone master and ``workers`` workers of ``cores`` cores each, every worker a node of its own
+    (:class:`Node`): a private ``/tmp`` (its work and shuffle directories) and a private, empty ``private_dirs``
+    (e.g. the project's ``var/``), sharing only what lies elsewhere (``run.root`` and the inputs on a shared
+    directory, which must not be under ``/tmp``) and loopback. ``root`` (this machine's bookkeeping: the nodes'
+    directories, logs) must not be under ``/tmp`` either. ``master_url`` is what the stages take as
+    ``services.spark_master``."""
+
+    def __init__(self, root: Path, workers: int = 2, cores: int = 1, memory: str = "2g",
+                 private_dirs: tuple[Path, ...] = ()):
+        import sys
+
+        self.root = root
+        bin_dir = Path(sys.executable).parent
+        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+        self.port, self.ui = free_port(), free_port()
+        self.master_url = f"spark://127.0.0.1:{self.port}"
+        (root / "logs").mkdir(parents=True, exist_ok=True)
+        self.master = subprocess.Popen([str(bin_dir / "spark-class"), "org.apache.spark.deploy.master.Master",
+                                        "--host", "127.0.0.1", "--port", str(self.port), "--webui-port", str(self.ui)],
+                                       env=env, stdout=open(root / "logs" / "master.log", "w"),
+                                       stderr=subprocess.STDOUT)
+        self.nodes = []
+        for i in range(workers):
+            cmd = [str(bin_dir / "spark-class"), "org.apache.spark.deploy.worker.Worker", self.master_url,
+                   "--host", "127.0.0.1", "--cores", str(cores), "--memory", memory,
+                   "--webui-port", str(free_port()), "--work-dir", "/tmp/spark-work"]
+            binds = tuple((root / f"node{i}" / d.name, d) for d in private_dirs)
+            self.nodes.append(Node(f"spark{i}", root / f"node{i}" / "tmp", Path("/tmp"), cmd,
+                                   {**env, "SPARK_WORKER_DIR": "/tmp/spark-work"}, root / "logs" / f"worker{i}.log",
+                                   restart_on_failure=False, more_binds=binds))
+        try:
+            self.wait_alive(workers)
+        except BaseException:
+            self.stop()
+            raise
+
+    def state(self) -> dict:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ui}/json/", timeout=5) as r:  # noqa: S310 - loopback
+            return json.loads(r.read())
+
+    def wait_alive(self, workers: int, timeout: float = 120) -> None:
+        end = time.time() + timeout
+        while time.time() < end:
+            try:
+                if self.state().get("aliveworkers") == workers:
+                    return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{workers} Spark workers not alive after {timeout} s; logs in {self.root / 'logs'}")
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.lose()
+        self.master.terminate()
+        self.master.wait(timeout=30)
+
+    def __enter__(self) -> "SparkCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

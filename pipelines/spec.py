@@ -91,10 +91,11 @@ class IngestCfg(_Section):
     split_mb: int = Field(64, ge=1, description="Plain JSONL and .warc.gz files larger than this are read by "
                                                 "several Spark tasks, one per split_mb byte range (cut at line / "
                                                 "gzip-member boundaries).")
-    s3_read: Literal["copy", "direct"] = Field(
-        "copy", description="s3:// inputs: 'copy' = the driver copies each object into run.root/cache (identity = "
-        "its bytes: the same stage as the same files on disk); 'direct' = the Spark tasks read their byte ranges "
-        "from S3 themselves, nothing goes through the driver (identity = each object's ETag and size).")
+    s3_read: Literal["auto", "copy", "direct"] = Field(
+        "auto", description="s3:// inputs: 'direct' = the Spark tasks read their byte ranges from S3 themselves, "
+        "nothing goes through the driver; 'copy' = the driver first copies each object into run.root/cache; "
+        "'auto' = direct on a cluster master, copy on local[…]. Either way an object's identity is its key, size "
+        "and ETag.")
 
 
 class DedupCfg(_Section):
@@ -108,7 +109,8 @@ class DedupCfg(_Section):
     lsh_threshold: Optional[float] = Field(
         None, gt=0.0, lt=1.0, description="Similarity the LSH bands × rows are tuned for; None = threshold − 0.2 "
         "when verify is on (permissive LSH for recall, verification for precision), else threshold.")
-    partitions: int = Field(8, ge=1, description="Spark partitions for the signature step.")
+    partitions: int = Field(0, ge=0, description="Spark tasks for the signature and keeper passes; 0 = one per "
+                                                 "data.task_mb of input, at least one per executor core.")
     keeper: Literal["cover", "min_idx", "longest"] = Field(
         "cover", description="Which docs a cluster keeps: 'cover' = a small dominating set of the verified "
         "similarity graph (every removed doc has a kept doc with J ≥ threshold), 'min_idx' = the earliest doc, "
@@ -206,7 +208,8 @@ class FilterCfg(_Section):
     gopher_quality: GopherQualityCfg = Field(default_factory=GopherQualityCfg)
     c4: C4Cfg = Field(default_factory=C4Cfg)
     fineweb: FineWebCfg = Field(default_factory=FineWebCfg)
-    partitions: int = Field(8, ge=1, description="Spark partitions for the filter pass.")
+    partitions: int = Field(0, ge=0, description="Spark tasks for the filter pass; 0 = one per data.task_mb of "
+                                                 "input, at least one per executor core.")
 
 
 class DataCfg(_Section):
@@ -218,6 +221,8 @@ class DataCfg(_Section):
         description="What ingest reads: files (JSONL plain/.gz/.zst with a text field, .warc.gz, .warc.wet.gz), "
                     "directories, globs or s3://bucket/prefix; relative paths resolve against the project root.",
     )
+    task_mb: int = Field(128, ge=1, description="Input bytes per Spark task in dedup, filter and tokenize (their "
+                                                "partitions: 0); ingest cuts its inputs by data.ingest.split_mb.")
     ingest: IngestCfg = Field(default_factory=IngestCfg)
     dedup: DedupCfg = Field(default_factory=DedupCfg)
     filters: FilterCfg = Field(default_factory=FilterCfg)
@@ -471,10 +476,17 @@ class RegistryCfg(_Section):
 class ServicesCfg(_Section):
     spark_master: str = "local[*]"
     spark_driver_memory: str = "2g"
+    spark_conf: dict[str, str] = Field(
+        default_factory=dict, description="Extra Spark conf for the sessions the stages build themselves and for "
+        "spark-submit (e.g. spark.speculation: 'true'); under spark-submit its own --conf stand.")
     spark_image: Optional[str] = Field(
         None, description="k8s:// master: executor image (Java 17 + pyspark + this package); required there.")
     spark_namespace: str = Field("llm-pipeline", description="k8s:// master: namespace of the executor pods.")
     spark_service_account: str = Field("spark", description="k8s:// master: service account of the executors (IRSA).")
+    spark_local_dir: Optional[str] = Field(
+        None, description="k8s:// master: host path for the executors' spark.local.dir (shuffle, spills), e.g. the "
+        "node's instance-store NVMe; None = an emptyDir (on the instance store where the node group puts the "
+        "kubelet there). The shared file system (launcher.shared_fs_claim) is mounted on driver and executors.")
     s3_endpoint_url: Optional[str] = Field(
         None, description="None = the embedded S3-compatible endpoint on 127.0.0.1; 'aws' = AWS's own "
         "endpoint; a URL = that S3-compatible endpoint."

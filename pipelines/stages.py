@@ -25,6 +25,7 @@ class Stage:
     dag: str                      # the Asset-linked DAG that runs it
     summary: str                  # one line: the CLI description and the docs table
     timeout_hours: float = 6.0    # the Airflow task's execution_timeout
+    incremental: bool = False     # takes --corpus-manifest: the corpus version its run adds to
 
     @property
     def flag(self) -> str:
@@ -36,17 +37,18 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("ingest", "pipelines.data.ingest", ("data.ingest",), (), "spark",
           ("docs", "quarantine"), "data_curation",
           "Read JSONL (plain/.gz/.zst), WARC (HTML extracted to text) and WET, local or s3://, on Spark into docs/; "
-          "bad records go to quarantine.jsonl with a reason."),
-    Stage("dedup", "pipelines.data.dedup", ("data.dedup",), ("ingest",), "spark",
-          ("clusters", "kept", "removed", "stats", "cluster_sizes_plot"), "data_curation",
-          "MinHash-LSH near-duplicate removal on Spark (exact duplicates first, connected components)."),
-    Stage("filter", "pipelines.data.filter", ("data.filters",), ("dedup",), "spark",
+          "bad records go to quarantine/ with a reason.", incremental=True),
+    Stage("dedup", "pipelines.data.dedup", ("data.dedup", "data.task_mb"), ("ingest",), "spark",
+          ("clusters", "kept", "removed", "signatures", "stats", "cluster_sizes_plot"), "data_curation",
+          "MinHash-LSH near-duplicate removal on Spark (exact duplicates first, connected components); with "
+          "--against-manifest, also against the docs kept earlier.", incremental=True),
+    Stage("filter", "pipelines.data.filter", ("data.filters", "data.task_mb"), ("dedup",), "spark",
           ("kept", "removed"), "data_curation",
           "Language ID + Gopher/C4/FineWeb quality filters on Spark; removed docs keep a filter_reason."),
-    Stage("tokenize", "pipelines.data.tokenize", ("tokenizer", "run.seed"), ("filter",), "spark",
+    Stage("tokenize", "pipelines.data.tokenize", ("tokenizer", "run.seed", "data.task_mb"), ("filter",), "spark",
           ("tokenizer", "<split>-<partition>-NNNN.bin/.idx"), "data_curation",
           "Train or take a SentencePiece model; every Spark partition writes its own mmap token shards "
-          "(train + held-out)."),
+          "(train + held-out); the result is a corpus version.", incremental=True),
     Stage("preflight", "pipelines.train.preflight", ("model", "train", "parallel", "launcher", "run.seed"),
           ("tokenize",), "ranks", ("report",), "training",
           "All-reduce bandwidth, straggler screen and smoke steps on the ranks the training run will use.", 1.0),
@@ -71,8 +73,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
 # which the next DAG is scheduled; "schedule" names the spec key of a time schedule instead. (``llm_pipeline``
 # runs all of them in one DAG.)
 DAGS: dict[str, dict] = {
-    "data_curation": {"asset": "curated_shards", "schedule": "data.schedule",
-                      "doc": "ingest → dedup → filter → tokenize, on a cron schedule (data.schedule)."},
+    "data_curation": {"asset": "curated_shards", "schedule": "data.schedule", "incremental": True,
+                      "doc": "ingest → dedup → filter → tokenize, on a cron schedule (data.schedule), each run adding "
+                             "the inputs not curated yet to the last corpus version."},
     "training": {"asset": "checkpoint", "doc": "preflight → train → promote, when new curated shards land."},
     "evaluation": {"asset": None, "doc": "evaluate → register, when a new checkpoint is promoted."},
 }

@@ -1,8 +1,11 @@
 """The pipeline's DAGs, built from the stage table (``pipelines/stages.py``): a file in ``dags/`` is one call.
 
 * ``data_curation`` (ingest → dedup → filter → tokenize) runs on ``data.schedule`` (cron, default weekly,
-  no catch-up); its last task, ``publish`` (after the teardown, so the services are closed before the next DAG
-  starts), emits the Asset ``curated_shards`` with the tokenize manifest's path, digest and lineage.
+  no catch-up) and grows the corpus: ``previous_corpus`` finds the last corpus version (the newest
+  ``curated_shards`` event), ingest reads only the inputs it does not hold, dedup removes duplicates of its docs,
+  tokenize adds new shards to its shards. Its last task, ``publish`` (after the teardown, so the services are closed
+  before the next DAG starts), emits the Asset ``curated_shards`` with the new version's manifest path, digest and
+  lineage, or, when nothing new arrived, is skipped: no event, and training does not run again.
 * ``training`` (preflight → train → promote) is scheduled on ``curated_shards`` and emits ``checkpoint``.
 * ``evaluation`` (evaluate → register) is scheduled on ``checkpoint``.
 * ``llm_pipeline`` runs every stage in one DAG (the one-click demo); it emits no Asset.
@@ -32,6 +35,7 @@ DEFAULTS = {"retries": 2, "retry_delay": timedelta(seconds=30), "retry_exponenti
 DEFAULT_SPEC = "configs/demo.yaml"
 UPSTREAM_TASK = "upstream_assets"
 PUBLISH_TASK = "publish"
+PREVIOUS_TASK = "previous_corpus"
 
 # Trigger-form fields that override one spec key each (empty = the spec's value), on the forms of the DAGs that
 # run the stage named: name → (key, stage, form section, JSON schema).
@@ -159,25 +163,47 @@ def upstream_assets_task(asset: Asset, source: str, needed: list[str]):
     return upstream_assets()
 
 
-def publish_task(asset: Asset, manifest):
-    """The DAG's last task: the Asset event, whose ``extra`` says which result it is (the last stage's manifest path
-    and digest, and the manifests it was made from)."""
+def previous_corpus_task(asset: Asset):
+    """The manifest of the newest ``asset`` event (the corpus version this run adds to), or "" when there is none."""
 
-    @task(task_id=PUBLISH_TASK, outlets=[asset])
-    def publish(manifest: str) -> dict:
+    @task(task_id=PREVIOUS_TASK, inlets=[asset])
+    def previous_corpus() -> str:
         from airflow.sdk import get_current_context
 
-        from llm_operators import asset_extra
+        events = list(get_current_context()["inlet_events"][asset])
+        path = events[-1].extra.get("manifest", "") if events else ""
+        print(f"corpus version to add to: {path or 'none (a first, full curation)'}")
+        return path
 
+    return previous_corpus()
+
+
+def publish_task(asset: Asset, manifest, previous=None):
+    """The DAG's last task: the Asset event, whose ``extra`` says which result it is (the last stage's manifest path
+    and digest, and the manifests it was made from). Skipped, so no event, when the result is ``previous`` (the
+    corpus version the run started from: nothing new arrived)."""
+
+    @task(task_id=PUBLISH_TASK, outlets=[asset])
+    def publish(manifest: str, previous: str | None = None) -> dict:
+        from airflow.sdk import get_current_context
+
+        from llm_operators import asset_extra, unchanged
+
+        if unchanged(manifest, previous):
+            from airflow.exceptions import AirflowSkipException
+
+            raise AirflowSkipException(f"nothing new: {manifest} is the version this run started from; no event")
         extra = asset_extra(manifest)
         get_current_context()["outlet_events"][asset].extra = extra
         return extra
 
-    return publish(manifest)
+    return publish(manifest, previous)
 
 
-def stage_task(s: Stage, inside: set[str], ovr: list[str]):
+def stage_task(s: Stage, inside: set[str], ovr: list[str], incremental: bool = False):
     args = [a for up in s.upstream for a in (stage(up).flag, manifest_of(up, inside))]
+    if incremental and s.incremental:
+        args += ["--corpus-manifest", "{{ ti.xcom_pull(task_ids='%s') }}" % PREVIOUS_TASK]
     kw = dict(task_id=s.name, module=s.module, spec="{{ params.spec }}", overrides=ovr, stage_args=args,
               execution_timeout=timedelta(hours=s.timeout_hours))
     if s.engine == "spark":
@@ -206,13 +232,18 @@ def build(dag_id: str) -> DAG:
             up = upstream_assets_task(upstream, source, external)
             setup >> up
             prev = up
+        incremental = bool(DAGS.get(dag_id, {}).get("incremental"))
+        previous = previous_corpus_task(Asset(own)) if incremental else None
+        if previous is not None:
+            prev >> previous
+            prev = previous
         ovr = overrides(stages)
         for s in stages:
-            t = stage_task(s, inside, ovr)
+            t = stage_task(s, inside, ovr, incremental)
             prev >> t
             prev = t
         teardown = teardown_services(setup).as_teardown(setups=setup)
         prev >> teardown
         if own:
-            [prev, teardown] >> publish_task(Asset(own), prev.output)
+            [prev, teardown] >> publish_task(Asset(own), prev.output, previous)
     return dag

@@ -150,6 +150,11 @@ def asset_extra(manifest_path: str) -> dict:
     return {"stage": m.stage, "manifest": m.path, "digest": m.digest, "lineage": lineage(m.path)}
 
 
+def unchanged(manifest: str, previous: str | None) -> bool:
+    """Whether a DAG's result is the one it started from (an incremental run that found nothing new)."""
+    return bool(previous) and os.path.realpath(manifest) == os.path.realpath(previous)
+
+
 def finish(op: BaseOperator, context, manifest: str, links: dict | None = None) -> str:
     op.log.info("manifest: %s", manifest)
     push_links(op, context, manifest, links)
@@ -203,23 +208,15 @@ class StageOperator(BaseOperator):
 
 
 def kubernetes_conf(spec) -> dict[str, str]:
-    """Spark conf for a ``k8s://`` master (client mode from the Airflow worker pod): the executor image,
-    namespace and service account, and the driver's pod address for the executors to call back."""
-    svc = spec.services
-    if not svc.spark_master.startswith("k8s://"):
-        return {}
-    if not svc.spark_image:
-        raise AirflowException(f"services.spark_master={svc.spark_master} needs services.spark_image (an image with "
-                               "Java 17, pyspark and this package for the executor pods)")
-    conf = {"spark.kubernetes.container.image": svc.spark_image,
-            "spark.kubernetes.namespace": svc.spark_namespace,
-            "spark.kubernetes.authenticate.serviceAccountName": svc.spark_service_account,
-            "spark.kubernetes.executor.podNamePrefix": f"{spec.run.name}-spark"[:40],
-            "spark.pyspark.python": "python3"}  # the executor image's interpreter, not this worker's
-    pod_ip = os.environ.get("POD_IP") or os.environ.get("MY_POD_IP")
-    if pod_ip:
-        conf.update({"spark.driver.host": pod_ip, "spark.driver.bindAddress": "0.0.0.0"})
-    return conf
+    """spark-submit conf for a ``k8s://`` master (:func:`pipelines.data.spark.kubernetes_conf`); a spec that cannot
+    run there fails the task with the key to fix."""
+    from pipelines.data.spark import kubernetes_conf as conf_of
+    from pipelines.spec import SpecError
+
+    try:
+        return conf_of(spec)
+    except SpecError as e:
+        raise AirflowException(str(e)) from None
 
 
 class SparkStageOperator(SparkSubmitOperator):
@@ -245,7 +242,7 @@ class SparkStageOperator(SparkSubmitOperator):
         master = spec.services.spark_master
         os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps({"conn_type": "spark", "host": master})
         ui_port = _free_port()
-        self.conf = {**(self.conf or {}), "spark.pyspark.python": sys.executable,
+        self.conf = {**spec.services.spark_conf, **(self.conf or {}), "spark.pyspark.python": sys.executable,
                      "spark.pyspark.driver.python": sys.executable, "spark.ui.port": str(ui_port),
                      "spark.driver.memory": spec.services.spark_driver_memory}
         if not master.startswith("local"):

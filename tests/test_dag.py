@@ -56,11 +56,30 @@ def test_the_split_dags_run_the_table_s_stages_and_are_linked_by_assets(bag):
         scheduled_on = {a.name for a in down.timetable.asset_condition.objects}
         leaves = [t.task_id for t in up.tasks if not t.downstream_list]
         assert leaves == ["publish"], leaves
-        assert up.get_task("publish").upstream_task_ids == {last, "teardown_services"}
+        grows = {"previous_corpus"} if up is cur else set()  # publish compares with the version it started from
+        assert up.get_task("publish").upstream_task_ids == {last, "teardown_services"} | grows
         assert not any(up.get_task(t).outlets for t in up.task_ids if t != "publish")
         emitted = {a.name for a in up.get_task("publish").outlets}
         assert scheduled_on and scheduled_on == emitted, (down.dag_id, scheduled_on, emitted)
         assert {a.name for a in down.get_task("upstream_assets").inlets} == emitted
+
+
+def test_the_curation_dag_grows_the_last_corpus_version_and_skips_its_event_when_nothing_is_new(bag, tmp_path):
+    from llm_operators import unchanged
+
+    cur, whole = bag.dags["data_curation"], bag.dags["llm_pipeline"]
+    prev = cur.get_task("previous_corpus")
+    assert {a.name for a in prev.inlets} == {"curated_shards"} and prev.downstream_task_ids == {"ingest", "publish"}
+    for t in ("ingest", "dedup", "tokenize"):  # the stages that take the version they add to
+        args = cur.get_task(t).stage_args
+        assert args[args.index("--corpus-manifest") + 1] == "{{ ti.xcom_pull(task_ids='previous_corpus') }}"
+        assert "--corpus-manifest" not in whole.get_task(t).stage_args  # the demo curates all of it
+    assert "--corpus-manifest" not in cur.get_task("filter").stage_args
+    m = tmp_path / "manifest.json"
+    m.write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path)
+    assert unchanged(str(m), str(tmp_path / "link" / "manifest.json"))
+    assert not unchanged(str(m), "") and not unchanged(str(m), str(tmp_path / "other.json"))
 
 
 def test_the_curation_schedule_comes_from_the_spec(monkeypatch, tmp_path):
@@ -121,11 +140,23 @@ def test_a_kubernetes_spark_master_gets_executor_settings_or_a_clear_error(monke
     k8s = ["services.spark_master=k8s://https://api.example:443"]
     with pytest.raises(AirflowException, match=r"needs services\.spark_image"):
         kubernetes_conf(load_spec(None, k8s, env={}))
+    k8s.append("services.spark_image=repo/spark:1")
+    with pytest.raises(AirflowException, match=r"run.root=.* is not under launcher.shared_fs_mount=/fsx"):
+        kubernetes_conf(load_spec(None, k8s, env={}))
     monkeypatch.setenv("POD_IP", "10.0.3.7")
-    conf = kubernetes_conf(load_spec(None, k8s + ["services.spark_image=repo/spark:1"], env={}))
+    conf = kubernetes_conf(load_spec(None, k8s + ["run.root=/fsx/runs"], env={}))
     assert conf["spark.kubernetes.container.image"] == "repo/spark:1"
     assert conf["spark.kubernetes.authenticate.serviceAccountName"] == "spark"
     assert conf["spark.driver.host"] == "10.0.3.7"
+    for role in ("driver", "executor"):  # the shared FS claim (run.root) on both sides
+        pvc = f"spark.kubernetes.{role}.volumes.persistentVolumeClaim.shared-fs"
+        assert conf[f"{pvc}.options.claimName"] == "fsx-checkpoints" and conf[f"{pvc}.mount.path"] == "/fsx"
+    assert conf["spark.kubernetes.executor.volumes.emptyDir.spark-local-dir-1.mount.path"] == "/spark-local"
+    nvme = kubernetes_conf(load_spec(None, k8s + ["run.root=/fsx/runs", "services.spark_local_dir=/mnt/nvme/spark",
+                                                  "launcher.shared_fs_claim=lustre"], env={}))
+    assert nvme["spark.kubernetes.executor.volumes.hostPath.spark-local-dir-1.options.path"] == "/mnt/nvme/spark"
+    assert nvme["spark.kubernetes.executor.volumes.persistentVolumeClaim.shared-fs.options.claimName"] == "lustre"
+    assert not any("emptyDir" in k for k in nvme)
 
 
 def test_every_dag_file_parses_fast_and_without_errors(capsys):

@@ -40,7 +40,7 @@ def test_quarantines_bad_records_with_reasons_and_loses_nothing(home, spark):
     assert c["lines"] == c["records"] == c["docs"] + c["quarantined"]
     assert c["quarantine_reasons"] == {"empty_text": 1, "invalid_json": 1, "invalid_utf8": 2, "missing_text": 1,
                                        "not_an_object": 1, "text_not_string": 1}
-    q = [json.loads(x) for x in m.output("quarantine").read_text().splitlines()]
+    q = ingest.read_quarantine(m)
     latin = next(r for r in q if r["line"] == 3)
     assert latin["reason"] == "invalid_utf8"
     assert base64.b64decode(latin["raw_b64"]) == b'{"id": "latin1", "text": "caf\xe9"}'  # raw bytes kept
@@ -89,7 +89,8 @@ def test_rerun_is_idempotent_and_skips_done_work(home, spark):
 
 
 def test_s3_prefix_globs_and_directories_give_the_same_result_as_the_local_files(home, s3_server, spark):
-    """The same bytes from S3 (through the project's client) and from disk: same stage key, same digest."""
+    """The same bytes from S3 (through the project's client, copied or read by the tasks) and from disk: the same
+    docs, each named by where it was read; a glob and a directory give the files' own result."""
     from pipelines.storage.s3 import client, ensure_bucket
 
     recs = [{"id": f"r{i}", "text": f"document number {i} " * 3} for i in range(30)]
@@ -97,7 +98,7 @@ def test_s3_prefix_globs_and_directories_give_the_same_result_as_the_local_files
     (home / "in").mkdir()
     (home / "in" / "a.jsonl.gz").write_bytes(gzip.compress(half[0]))
     (home / "in" / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(half[1]))
-    (home / "in" / "README.txt").write_text("not data")
+    (home / "in" / "README.md").write_text("not data")
     sets = [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=raw"]
     s3 = client(load_spec(None, sets, env={}))
     ensure_bucket(s3, "raw")
@@ -107,11 +108,16 @@ def test_s3_prefix_globs_and_directories_give_the_same_result_as_the_local_files
 
     local = ingest.run(load_spec(None, sets + [f"data.inputs=[{home / 'in' / 'a.jsonl.gz'}, "
                                                f"{home / 'in' / 'b.jsonl.zst'}]"], env={}), spark=spark)
-    from_s3 = ingest.run(load_spec(None, sets + ["data.inputs=[s3://raw/crawl/2026/]", "run.force=true"], env={}),
-                         spark=spark)
-    assert from_s3.counts["docs"] == 30 and from_s3.digest == local.digest and from_s3.path == local.path
-    assert [i["uri"] for i in from_s3.inputs] == ["s3://raw/crawl/2026/a.jsonl.gz", "s3://raw/crawl/2026/b.jsonl.zst"]
-    for pattern in (f"{home}/in/*.jsonl.*", f"{home}/in"):  # a glob, a directory (README.txt is not data)
+    texts = pq.read_table(local.output("docs")).column("text").to_pylist()
+    for mode in ("copy", "direct"):
+        from_s3 = ingest.run(load_spec(None, sets + ["data.inputs=[s3://raw/crawl/2026/]",
+                                                     f"data.ingest.s3_read={mode}"], env={}), spark=spark)
+        assert from_s3.counts["docs"] == 30 and from_s3.digest != local.digest
+        assert pq.read_table(from_s3.output("docs")).column("text").to_pylist() == texts
+        assert [i["uri"] for i in from_s3.inputs] == ["s3://raw/crawl/2026/a.jsonl.gz",
+                                                      "s3://raw/crawl/2026/b.jsonl.zst"]
+        assert list(from_s3.extra["input_sha256"].values()) == list(local.extra["input_sha256"].values())
+    for pattern in (f"{home}/in/*.jsonl.*", f"{home}/in"):  # a glob, a directory (README.md is not data)
         m = ingest.run(load_spec(None, sets + [f"data.inputs=['{pattern}']"], env={}), spark=spark)
         assert m.digest == local.digest, pattern
     with pytest.raises(IngestError, match="s3://raw/nothing/here.*no JSONL or WARC objects"):
@@ -154,7 +160,7 @@ def test_warc_records_are_extracted_and_defects_quarantined_with_nothing_lost(ho
     assert c["docs"] == 38 + 1  # the sample's 38 pages + the conversion record
     assert c["quarantine_reasons"] == {"bad_record": 2, "empty_text": 1, "http_status": 2, "not_html": 2}
     assert c["skipped_records"] == {"request": 41, "warcinfo": 1}
-    q = [json.loads(x) for x in m.output("quarantine").read_text().splitlines()]
+    q = ingest.read_quarantine(m)
     bad = [r for r in q if r["reason"] == "bad_record"]
     assert [r["offset"] for r in bad] == [5552, 5552 + 15]
     assert base64.b64decode(bad[0]["raw_b64"]) == b"NOT GZIP AT ALL"  # the bytes are kept
@@ -210,8 +216,8 @@ def test_large_files_are_split_by_record_and_ids_do_not_depend_on_the_split(home
     a, b = (pq.read_table(m.output("docs")).select(["idx", "id", "text"]).to_pylist() for m in (one, three))
     assert a == b and [d["idx"] for d in a] == list(range(8991))
     assert a[1000]["id"] == "big.jsonl:1005"  # <file>:<line> (record 1002, after 2 blank lines)
-    assert one.output("quarantine").read_text() == three.output("quarantine").read_text()
-    assert [json.loads(x)["line"] for x in one.output("quarantine").read_text().splitlines()][:2] == [1, 1003]
+    assert ingest.read_quarantine(one) == ingest.read_quarantine(three)
+    assert [q["line"] for q in ingest.read_quarantine(one)][:2] == [1, 1003]
 
 
 def test_a_rerun_gives_the_same_ids_and_digest(home, spark):
@@ -286,14 +292,14 @@ def test_a_large_warc_gz_is_split_by_gzip_member_and_reads_as_the_whole_file(hom
     assert one.counts["splits"] == 1 and three.counts["splits"] == 3
     a, b = (pq.read_table(m.output("docs")).select(["idx", "id", "text", "url"]).to_pylist() for m in (one, three))
     assert a == b and len(a) == 399  # every page but the one cut short
-    assert one.output("quarantine").read_text() == three.output("quarantine").read_text()
+    assert ingest.read_quarantine(one) == ingest.read_quarantine(three)
 
 
 def test_s3_direct_tasks_read_byte_ranges_themselves_and_give_the_local_digest(home, s3_server, spark):
     """data.ingest.s3_read=direct: nothing is copied to the driver (no cache), the Spark tasks read their ranges of
     the objects (a .warc.gz with defects and a plain JSONL, each cut into 3 splits; a .jsonl.zst whole), and the
-    result is byte for byte that of the same files on disk: same digest, same quarantine. The inputs are known by
-    ETag and size."""
+    result is that of the same files on disk but for the docs' source (same docs and quarantine, the same input
+    digests computed by the tasks). The inputs are known by ETag and size."""
     from pipelines.storage.s3 import client, ensure_bucket
 
     (home / "in").mkdir()
@@ -313,8 +319,15 @@ def test_s3_direct_tasks_read_byte_ranges_themselves_and_give_the_local_digest(h
     direct = ingest.run(load_spec(None, sets + ["data.inputs=[s3://raw/direct/]", "data.ingest.s3_read=direct"],
                                   env={}), spark=spark)
     assert direct.counts["splits"] == local.counts["splits"] == 3 + 1 + 3
-    assert direct.digest == local.digest and direct.path != local.path  # same result, other identity (ETags)
-    assert direct.output("quarantine").read_text() == local.output("quarantine").read_text()
+    assert direct.path != local.path and direct.extra["input_sha256"] == {
+        f"s3://raw/direct/{k.removeprefix('in/')}": v for k, v in local.extra["input_sha256"].items()}
+
+    def unsourced(rows):
+        return [{k: v for k, v in r.items() if k != "source" and k != "uri"} for r in rows]
+
+    assert unsourced(ingest.read_quarantine(direct)) == unsourced(ingest.read_quarantine(local))
+    cols = ["idx", "text", "url", "warc_record_id"]
+    assert pq.read_table(direct.output("docs")).select(cols) == pq.read_table(local.output("docs")).select(cols)
     assert direct.counts["docs"] == 399 + 1 + 6000 and direct.counts["quarantine_reasons"] == {"bad_record": 2,
                                                                                                "invalid_json": 1}
     assert [(i["uri"], i["bytes"]) for i in direct.inputs] == [

@@ -49,8 +49,10 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.cli import run_and_log, stage_dir, stage_main, upstream_manifests
+from pipelines.cli import (add_corpus_arg, corpus_arg, manifest_arg, run_and_log, stage_dir, stage_main,
+                           upstream_manifests)
 from pipelines.manifest import Manifest, StageError, input_ref
+from pipelines.data.spark import finalize_parquet_dir, task_count, dir_bytes
 from pipelines.data.keepers import hash_set_column, list_flat, pair_jaccard, resolve_partition
 from pipelines.spec import DedupCfg, JobSpec
 from pipelines.stages import stage
@@ -189,23 +191,24 @@ def _arrow_schema(ddl: str):
     return pa.schema([(n, types[t]) for n, t in (f.split() for f in ddl.split(", "))])
 
 
-def _small_assign(members, sig, cfg: DedupCfg):
+def _small_assign(members, sig, cfg: DedupCfg, tasks: int):
     """Components up to ``cover_max_cluster`` docs: each goes whole through one compiled pass per
     partition (``pipelines.data.keepers.resolve_partition``)."""
     return (members.join(sig.select("idx", "id", "len", "keys", "sh"), "idx")
-            .repartition(cfg.partitions, "cc").sortWithinPartitions("cc", "idx")
+            .repartition(tasks, "cc").sortWithinPartitions("cc", "idx")
             .select("cc", "idx", "id", "len", "keys", "sh")
             .mapInArrow(_assign_fn(cfg.keeper, cfg.threshold, cfg.verify), ASSIGN_SCHEMA))
 
 
 def _pair_jaccard_fn(batches):
-    """mapInArrow body: (src, dst, x, a, b) → (src, dst, x, j), j the exact Jaccard of sets a and b."""
+    """mapInArrow body: (u, v, x, a, b) → (u, v, x, j), j the exact Jaccard of sets a and b (u, v, x keep their
+    names)."""
     import pyarrow as pa
 
     for rb in batches:
         yield pa.RecordBatch.from_arrays([rb.column(0), rb.column(1), rb.column(2),
                                           pa.array(pair_jaccard(rb.column(3), rb.column(4)))],
-                                         names=["src", "dst", "x", "j"])
+                                         names=[*rb.schema.names[:3], "j"])
 
 
 def _components(spark, edges, n_edges: int, cfg: DedupCfg):
@@ -283,18 +286,43 @@ def _big_assign(members, sig, cand, cfg: DedupCfg):
     return out, counts, e
 
 
-def _finalize_parquet_dir(d: Path) -> None:
-    """Drop Spark's _SUCCESS/.crc files and give part files stable names."""
-    for f in list(d.iterdir()):
-        if f.name == "_SUCCESS" or f.name.endswith(".crc"):
-            f.unlink()
-    parts = sorted(f for f in d.iterdir() if f.name.startswith("part-"))
-    for n, f in enumerate(parts):
-        f.rename(d / f"part-{n:05d}.parquet")
+def against_corpus(sig, old, cfg: DedupCfg):
+    """New docs that are duplicates of docs kept earlier (``old``: their persisted signatures ``id, keys, sh``):
+    a new doc and an old one that share a bucket (band, key) are a candidate pair; the exact band (0) makes an exact
+    duplicate, an LSH band a near one when its exact Jaccard ≥ ``threshold`` (with ``verify``; without it every
+    candidate counts). Returns (idx, dup_of_id, reason, jaccard), one row per removed new doc: its most similar old
+    doc (ties: the smallest id). Nothing of the old corpus is shingled again."""
+    from pyspark.sql import functions as F
+
+    new_bk = sig.where(F.col("keys").isNotNull()).select("idx", F.posexplode("keys").alias("band", "key"))
+    old_bk = old.select(F.col("id").alias("old_id"), F.posexplode("keys").alias("band", "key"))
+    pairs = (new_bk.join(old_bk, ["band", "key"]).groupBy("idx", "old_id")
+             .agg(F.max((F.col("band") == 0).cast("int")).alias("x")))
+    if cfg.verify:
+        near = (pairs.where(F.col("x") == 0)
+                .join(sig.select("idx", F.col("sh").alias("a")), "idx")
+                .join(old.select(F.col("id").alias("old_id"), F.col("sh").alias("b")), "old_id")
+                .where(F.col("a").isNotNull() & F.col("b").isNotNull())
+                .select("idx", "old_id", "x", "a", "b")
+                .mapInArrow(_pair_jaccard_fn, "idx long, old_id string, x int, j double")
+                .where(F.col("j") >= cfg.threshold))
+        pairs = pairs.where(F.col("x") == 1).withColumn("j", F.lit(1.0)).unionByName(near)
+    else:
+        pairs = pairs.withColumn("j", F.when(F.col("x") == 1, F.lit(1.0)))
+    from pyspark.sql import Window
+
+    order = Window.partitionBy("idx").orderBy(F.col("x").desc(), F.col("j").desc_nulls_last(), "old_id")
+    best = pairs.withColumn("r", F.row_number().over(order)).where(F.col("r") == 1)
+    return best.select("idx", F.col("old_id").alias("dup_of_id"),
+                       F.when(F.col("x") == 1, F.lit("exact_duplicate_of_corpus"))
+                       .otherwise(F.lit("near_duplicate_of_corpus")).alias("reason"), F.col("j").alias("jaccard"))
 
 
-def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
-    """Run the dedup job on ``docs_path`` (parquet with idx, id, text, source); write under ``out``.
+def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[Path] = (), tasks: int = 0) -> dict:
+    """Run the dedup job on ``docs_path`` (parquet with idx, id, text, source); write under ``out``. ``against``:
+    the persisted signatures of docs kept earlier; a doc that duplicates one of them is removed first
+    (:func:`against_corpus`), and the rest are deduplicated among themselves. ``tasks``: Spark tasks for the
+    signature and keeper passes (0: the executors' parallelism).
 
     Only the docs that share a bucket with another (the *members*) go through components, keepers and
     Jaccard scoring; the full corpus is touched by the signature pass and the output joins.
@@ -314,15 +342,24 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
         t_last[0] = now
 
     bands, rows = effective_bands_rows(cfg)
+    tasks = tasks or spark.sparkContext.defaultParallelism
     docs = spark.read.parquet(str(docs_path))
     src = docs.select("idx", "id", "text")
-    if src.rdd.getNumPartitions() < spark.sparkContext.defaultParallelism:
-        src = src.repartition(cfg.partitions)  # e.g. one row group: spread it over the cores
-    sig = (src.mapInArrow(_signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows), SIG_SCHEMA)
-           .persist(StorageLevel.MEMORY_AND_DISK))
-    c = sig.agg(F.count("*").alias("n"), F.count(F.when(F.size("keys") > 1, 1)).alias("sh")).first()
+    if src.rdd.getNumPartitions() < tasks:
+        src = src.repartition(tasks)  # e.g. one row group: spread it over the cores
+    sig_all = (src.mapInArrow(_signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows), SIG_SCHEMA)
+               .persist(StorageLevel.MEMORY_AND_DISK))
+    c = sig_all.agg(F.count("*").alias("n"), F.count(F.when(F.size("keys") > 1, 1)).alias("sh")).first()
     n_in, n_shingled = int(c["n"]), int(c["sh"])
     mark("signatures")
+
+    sig, old_rem, n_against = sig_all, None, 0
+    if against:
+        old = spark.read.parquet(*(str(p) for p in against)).select("id", "keys", "sh")
+        old_rem = against_corpus(sig_all, old, cfg).persist(StorageLevel.MEMORY_AND_DISK)
+        n_against = old_rem.count()
+        sig = sig_all.join(old_rem.select("idx"), "idx", "left_anti")
+        mark("against_corpus")
 
     cand = _star_edges(sig).persist(StorageLevel.MEMORY_AND_DISK)
     n_cand_all = cand.count()
@@ -339,11 +376,11 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     counts = {"cand": 0, "ver": 0, "exact": 0}
     if largest_cc > cfg.cover_max_cluster:
         sized = members.join(sizes, "cc")
-        assign = _small_assign(sized.where(F.col("n") <= cfg.cover_max_cluster).drop("n"), sig, cfg)
+        assign = _small_assign(sized.where(F.col("n") <= cfg.cover_max_cluster).drop("n"), sig, cfg, tasks)
         big, counts, big_e = _big_assign(sized.where(F.col("n") > cfg.cover_max_cluster).drop("n"), sig, cand, cfg)
         assign = assign.unionByName(big)
     else:
-        assign = _small_assign(members, sig, cfg)
+        assign = _small_assign(members, sig, cfg, tasks)
     assign = assign.persist(StorageLevel.MEMORY_AND_DISK)
     # every small aggregate in one scan and one shuffle: each row names the (what, k) bins it counts in
     # (its removal reason, its cluster's and component's sizes when it is their keeper/root); the
@@ -379,7 +416,7 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
     # Outputs keep the input's partitioning (no global sort): each part file sorted by idx.
     one = F.lit(1).cast("long")
     dup = assign.where(F.col("component_size") > 1)
-    (sig.select("idx", "id").join(dup.select("idx", "cluster", "cluster_size", "component", "component_size"),
+    (sig_all.select("idx", "id").join(dup.select("idx", "cluster", "cluster_size", "component", "component_size"),
                                   "idx", "left")
      .select("idx", "id", F.coalesce("cluster", "idx").alias("cluster"),
              F.coalesce("cluster_size", one).alias("cluster_size"),
@@ -388,19 +425,25 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg) -> dict:
      .sortWithinPartitions("idx").write.parquet(str(out / "clusters")))
     rem = assign.where(F.col("idx") != F.col("cluster")).select(
         "idx", F.col("cluster").alias("dup_of"), "dup_of_id", rem_reason.alias("reason"), "jaccard")
+    if old_rem is not None:
+        rem = rem.unionByName(old_rem.select("idx", F.lit(None).cast("long").alias("dup_of"), "dup_of_id", "reason",
+                                             "jaccard"))
     docs.join(rem.select("idx"), "idx", "left_anti").sortWithinPartitions("idx").write.parquet(str(out / "kept"))
     (docs.join(rem, "idx").select("idx", "id", "text", "source", "dup_of", "dup_of_id", "reason", "jaccard")
      .sortWithinPartitions("idx").write.parquet(str(out / "removed")))
-    for d in ("clusters", "kept", "removed"):
-        _finalize_parquet_dir(out / d)
+    (sig_all.join(rem.select("idx"), "idx", "left_anti").sortWithinPartitions("idx").select("id", "keys", "sh")
+     .write.parquet(str(out / "signatures")))
+    for d in ("clusters", "kept", "removed", "signatures"):
+        finalize_parquet_dir(out / d)
     mark("write")
 
-    n_removed = sum(by_reason.values())
-    for df in (sig, cand, members, assign, big_e):
+    n_removed = sum(by_reason.values()) + n_against
+    for df in (sig_all, cand, members, assign, big_e, old_rem):
         if df is not None:
             df.unpersist()
     stats = {
         "docs_in": n_in, "kept": n_in - n_removed, "removed": n_removed, "no_shingles": n_in - n_shingled,
+        "removed_against": n_against,
         "removed_exact": by_reason.get("exact_duplicate", 0), "removed_near": by_reason.get("near_duplicate", 0),
         "candidate_edges": n_cand, "verified_edges": n_verified, "rejected_edges": n_cand - n_verified,
         "exact_edges": n_exact_edges, "edges": n_edges, "clusters_multi": sum(hist.values()),
@@ -453,24 +496,34 @@ def plot_cluster_sizes(hist: dict[int, int], path: Path, bands: int, rows: int) 
     plt.close(fig)
 
 
-def run(spec: JobSpec, ingest: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
+def run(spec: JobSpec, ingest: Manifest, out_dir: str | None = None, spark=None,
+        against: list[Manifest] = ()) -> Manifest:
+    """Dedup the ingest's docs; ``against``: earlier dedup results whose kept docs the new ones are checked against
+    (through the signatures they persisted)."""
     cfg = spec.data.dedup
-    sd = stage_dir(spec, "dedup", [input_ref(ingest)], out_dir)
+    for m in against:
+        if m.stage != "dedup" or "signatures" not in {o["name"] for o in m.outputs}:
+            raise StageError(f"--against-manifest {m.path}: not a dedup result with persisted signatures "
+                             "(re-run that dedup with this version)")
+    sd = stage_dir(spec, "dedup", [input_ref(ingest), *(input_ref(m) for m in against)], out_dir)
 
     def body(tmp: Path) -> Manifest:
-        from pipelines.data.spark import get_spark
+        from pipelines.data.spark import spec_session
 
-        s = spark or get_spark(spec.services.spark_master, "llm-pipeline-dedup",
-                               spec.services.spark_driver_memory, shuffle_partitions=cfg.partitions)
-        stats = dedup_docs(s, ingest.output("docs"), tmp, cfg)
+        s = spark or spec_session(spec, "llm-pipeline-dedup")
+        docs = ingest.output("docs")
+        tasks = task_count(s, dir_bytes(docs), spec.data.task_mb, cfg.partitions)
+        stats = dedup_docs(s, docs, tmp, cfg, [m.output("signatures") for m in against], tasks)
         counts = {k: stats[k] for k in ("docs_in", "kept", "removed", "removed_exact", "removed_near",
-                                        "no_shingles", "candidate_edges", "verified_edges", "rejected_edges",
-                                        "clusters_multi", "largest_cluster")}
+                                        "removed_against", "no_shingles", "candidate_edges", "verified_edges",
+                                        "rejected_edges", "clusters_multi", "largest_cluster")}
         return sd.commit(
-            {"clusters": "clusters", "kept": "kept", "removed": "removed", "stats": "stats.json",
-             "cluster_sizes_plot": "cluster_sizes.png"},
+            {"clusters": "clusters", "kept": "kept", "removed": "removed", "signatures": "signatures",
+             "stats": "stats.json", "cluster_sizes_plot": "cluster_sizes.png"},
             counts=counts, metrics={"cc_rounds": stats["cc_rounds"]},
-            extra={"bands": stats["bands"], "rows": stats["rows"], "cluster_size_hist": stats["cluster_size_hist"]},
+            extra={"bands": stats["bands"], "rows": stats["rows"], "cluster_size_hist": stats["cluster_size_hist"],
+                   "removed_against": stats["removed_against"], "tasks": tasks,
+                   "against": [m.path for m in against]},
         )
 
     return run_and_log(spec, sd, body, artifacts=["cluster_sizes_plot", "stats"])
@@ -478,8 +531,10 @@ def run(spec: JobSpec, ingest: Manifest, out_dir: str | None = None, spark=None)
 
 def summary(m: Manifest) -> str:
     c = m.counts
+    against = (f", {c['removed_against']} of them duplicates of the {len(m.extra['against'])} earlier result(s)"
+               if m.extra.get("against") else "")
     return (f"dedup: {c['docs_in']} docs → {c['kept']} kept, {c['removed']} removed as duplicates "
-            f"({c['removed_exact']} exact, {c['removed_near']} near) "
+            f"({c['removed_exact']} exact, {c['removed_near']} near{against}) "
             f"({c['clusters_multi']} clusters, largest {c['largest_cluster']}, {c['no_shingles']} too short to "
             f"shingle); clusters at {m.output('clusters')}; manifest {m.path}")
 
@@ -491,6 +546,11 @@ def _options(ap) -> None:
                     help="Jaccard threshold: picks bands × rows minimising FP+FN area of the S-curve.")
     ap.add_argument("--num-perm", type=int, default=None, help="Number of MinHash permutations (default 128).")
     ap.add_argument("--ngram", type=int, default=None, help="Word n-gram size (default 5).")
+    add_corpus_arg(ap)
+    ap.add_argument("--against-manifest", action="append", default=[], metavar="MANIFEST",
+                    help="A dedup manifest of docs already in the corpus (repeatable): new docs that are near-"
+                         "duplicates of its kept docs are removed (through its persisted signatures); its docs are "
+                         "not emitted again.")
 
 
 def _call(spec: JobSpec, args, ups) -> Manifest:
@@ -499,15 +559,20 @@ def _call(spec: JobSpec, args, ups) -> Manifest:
             setattr(spec.data.dedup, key, getattr(args, key))
     if bool(args.input) == bool(args.ingest_manifest):
         raise StageError("give exactly one of --ingest-manifest (an ingest manifest) and --input (a JSONL file)")
+    against = [manifest_arg("--against-manifest", p) for p in args.against_manifest]
+    corpus = corpus_arg(args)
+    if corpus is not None:  # the dedup results of every earlier version
+        against += [manifest_arg(f"--corpus-manifest {corpus.path}: its dedup", p)
+                    for p in corpus.extra.get("corpus", {}).get("dedup", [])]
     if args.ingest_manifest:
-        return run(spec, *upstream_manifests(STAGE, args), out_dir=args.output)
+        return run(spec, *upstream_manifests(STAGE, args), out_dir=args.output, against=against)
     from pipelines.data import ingest as ingest_mod
 
     spec.data.inputs = [args.input if args.input.startswith("s3://") else os.path.abspath(args.input)]
     ing = ingest_mod.run(spec)  # content-addressed under run.root
     print(f"dedup: ingested {ing.counts['docs']} docs, {ing.counts['quarantined']} quarantined "
           f"({ing.output('quarantine')})")
-    return run(spec, ing, out_dir=args.output)
+    return run(spec, ing, out_dir=args.output, against=against)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,12 +18,13 @@ def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None, spark=None) 
     sd = stage_dir(spec, "filter", [input_ref(dedup)], out_dir)
 
     def body(tmp: Path) -> Manifest:
-        from pipelines.data.spark import get_spark
+        from pipelines.data.spark import dir_bytes, spec_session, task_count
 
-        s = spark or get_spark(spec.services.spark_master, "llm-pipeline-filter", spec.services.spark_driver_memory,
-                               shuffle_partitions=spec.data.filters.partitions)
-        counts = filter_docs(s, dedup.output("kept"), tmp, spec.data.filters)
-        return sd.commit({"kept": "kept", "removed": "removed"}, counts=counts)
+        s = spark or spec_session(spec, "llm-pipeline-filter")
+        kept = dedup.output("kept")
+        tasks = task_count(s, dir_bytes(kept), spec.data.task_mb, spec.data.filters.partitions)
+        counts = filter_docs(s, kept, tmp, spec.data.filters, tasks)
+        return sd.commit({"kept": "kept", "removed": "removed"}, counts=counts, extra={"tasks": tasks})
 
     return run_and_log(spec, sd, body)
 

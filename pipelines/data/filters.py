@@ -264,14 +264,14 @@ def _filter_fn(cfg_dict: dict):
     return fn
 
 
-def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg) -> dict:
+def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg, tasks: int = 0) -> dict:
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
-    from pipelines.data.dedup import _finalize_parquet_dir
+    from pipelines.data.spark import finalize_parquet_dir
 
     docs = spark.read.parquet(str(src)).select("idx", "id", "text", "source")
-    res = (docs.repartition(cfg.partitions).mapInArrow(_filter_fn(cfg.model_dump()), OUT_SCHEMA)
+    res = (docs.repartition(tasks or spark.sparkContext.defaultParallelism).mapInArrow(_filter_fn(cfg.model_dump()), OUT_SCHEMA)
            .persist(StorageLevel.MEMORY_AND_DISK))
     res.where(F.col("filter_reason").isNull()).drop("filter_reason").orderBy("idx").write.parquet(str(out / "kept"))
     res.where(F.col("filter_reason").isNotNull()).orderBy("idx").write.parquet(str(out / "removed"))
@@ -281,7 +281,7 @@ def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg) -> dict:
     n_in = res.count()
     res.unpersist()
     for d in ("kept", "removed"):
-        _finalize_parquet_dir(out / d)
+        finalize_parquet_dir(out / d)
     n_removed = sum(reasons.values())
     return {"docs_in": n_in, "kept": n_in - n_removed, "removed": n_removed,
             "removed_by_reason": dict(sorted(reasons.items())),

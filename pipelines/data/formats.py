@@ -2,7 +2,10 @@
 
 * **JSONL** (plain, ``.gz``, ``.zst``): one record per line. A plain file larger than ``split_mb`` is cut into byte
   ranges; a line belongs to the range its first byte falls in (as Hadoop's line splits). Compressed files are one
-  split each (a gzip/zstd stream cannot be entered in the middle).
+  split each (a gzip/zstd stream cannot be entered in the middle). A compressed file that is corrupt or truncated
+  keeps the records read before the damage; the damage itself is one quarantined record (``bad_compression``, with
+  the compressed offset reached), and the rest of the input goes on.
+* **Plain text** (``.txt``): the whole file is one document (UTF-8).
 * **WARC** (``.warc``, ``.warc.gz``; Common Crawl's WET files are WARC too): each gzip member is framed here, so a
   broken member is quarantined with its offset and bytes and reading goes on at the next one; a file that ends
   inside a member is reported, not silently cut. A ``.warc.gz`` larger than ``split_mb`` is cut into byte ranges;
@@ -21,6 +24,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import gzip
+import hashlib
 import io
 import json
 import zlib
@@ -32,7 +36,8 @@ _RAW_KEEP = 1 << 20  # quarantined WARC bytes kept inline up to this size (the o
 
 
 def fmt_of(name: str) -> str:
-    return "warc" if name.lower().endswith(WARC_SUFFIXES) else "jsonl"
+    name = name.lower()
+    return "warc" if name.endswith(WARC_SUFFIXES) else "txt" if name.endswith(".txt") else "jsonl"
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,25 @@ class Row:
 def splittable(name: str, fmt: str) -> bool:
     """Plain JSONL (by lines) and gzipped WARC (by gzip members) can be entered in the middle."""
     name = name.lower()
+    if fmt == "txt":
+        return False
     return not name.endswith((".gz", ".zst", ".zstd")) if fmt == "jsonl" else name.endswith(".gz")
+
+
+def range_sha256(split: Split, chunk: int = 8 << 20) -> str:
+    """sha256 of the split's byte range ``[start, end)``, read by the task: the splits of a file cover it, so the
+    digests of its splits, in order, identify its bytes."""
+    h = hashlib.sha256()
+    with open_raw(split) as f:
+        f.seek(split.start)
+        left = (split.end if split.end is not None else split.size) - split.start
+        while left > 0:
+            data = f.read(min(chunk, left))
+            if not data:
+                break
+            h.update(data)
+            left -= len(data)
+    return h.hexdigest()
 
 
 def plan(sources, split_mb: int, step: int | None = None) -> list[Split]:
@@ -94,26 +117,45 @@ def plan(sources, split_mb: int, step: int | None = None) -> list[Split]:
 
 
 @contextlib.contextmanager
-def open_binary(split: Split) -> Iterator[BinaryIO]:
-    """Open plain, gzip or zstd files by extension, as a binary line stream."""
+def open_binary(split: Split) -> Iterator[tuple[BinaryIO, BinaryIO]]:
+    """Open plain, gzip or zstd files by extension: (a binary line stream, the raw file under it)."""
     name = split.name.lower()
     with open_raw(split) as raw:
         if name.endswith(".gz"):
-            yield gzip.GzipFile(fileobj=raw, mode="rb")
+            yield gzip.GzipFile(fileobj=raw, mode="rb"), raw
         elif name.endswith(".zst") or name.endswith(".zstd"):
             import zstandard
 
-            yield io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False))
+            yield io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False)), raw
         else:
-            yield raw
+            yield raw, raw
+
+
+class CompressionError(Exception):
+    """A compressed input that does not decompress to its end: ``offset`` is how far into the compressed bytes the
+    reader got."""
+
+    def __init__(self, offset: int, detail: str):
+        super().__init__(detail)
+        self.offset, self.detail = offset, detail
+
+
+def decompress_errors() -> tuple[type[BaseException], ...]:
+    import zstandard
+
+    return EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError
 
 
 def split_lines(split: Split) -> Iterator[bytes]:
-    """The lines (newline stripped) whose first byte lies in the split."""
-    with open_binary(split) as f:
+    """The lines (newline stripped) whose first byte lies in the split. A compressed file that breaks off raises
+    :class:`CompressionError` after the lines read before the damage."""
+    with open_binary(split) as (f, raw):
         if split.end is None:
-            for line in f:
-                yield line.rstrip(b"\r\n")
+            try:
+                for line in f:
+                    yield line.rstrip(b"\r\n")
+            except decompress_errors() as e:
+                raise CompressionError(raw.tell(), f"{type(e).__name__}: {e}") from None
             return
         pos = split.start
         if pos:
@@ -163,22 +205,45 @@ def text_problem(text: str, min_chars: int) -> str | None:
 
 
 def jsonl_rows(split: Split, cfg) -> Iterator[Row | None]:
-    """A Row per non-blank line; None for a blank line (no record, but a line for numbering)."""
-    for n, line in enumerate(split_lines(split), start=1):
-        if not line.strip():
-            yield None
-            continue
-        reason, rec = classify(line, cfg.text_field, cfg.min_chars)
-        if reason is not None:
-            try:
-                raw = {"raw": line.decode("utf-8")}
-            except UnicodeDecodeError:
-                raw = {"raw_b64": base64.b64encode(line).decode("ascii")}
-            yield Row(n, reason=reason, q={"detail": rec, **raw})
-            continue
-        rid, url = rec.get(cfg.id_field), rec.get("url")
-        yield Row(n, text=rec[cfg.text_field], id=str(rid) if rid is not None else None,
-                  url=url if isinstance(url, str) else None)
+    """A Row per non-blank line; None for a blank line (no record, but a line for numbering). A compressed file that
+    breaks off ends with one ``bad_compression`` Row."""
+    n = 0
+    try:
+        for n, line in enumerate(split_lines(split), start=1):
+            yield jsonl_row(n, line, cfg)
+    except CompressionError as e:
+        yield Row(n + 1, reason="bad_compression",
+                  q={"uri": split.path, "offset": e.offset, "detail": f"{e.detail} (after {n} lines)"})
+
+
+def txt_rows(split: Split, cfg) -> Iterator[Row]:
+    """A plain-text file: one document, its whole text."""
+    with open_raw(split) as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        yield Row(1, reason="invalid_utf8", q={"detail": f"{e.reason} at byte {e.start}",
+                                               "raw_b64": base64.b64encode(raw[:_RAW_KEEP]).decode("ascii")})
+        return
+    reason = text_problem(text, cfg.min_chars)
+    yield Row(1, reason=reason, q={"detail": _TEXT_DETAIL[reason](text)}) if reason else Row(1, text=text)
+
+
+def jsonl_row(n: int, line: bytes, cfg) -> Row | None:
+    """Line ``n``: a document, a quarantined record, or None when it is blank."""
+    if not line.strip():
+        return None
+    reason, rec = classify(line, cfg.text_field, cfg.min_chars)
+    if reason is not None:
+        try:
+            raw = {"raw": line.decode("utf-8")}
+        except UnicodeDecodeError:
+            raw = {"raw_b64": base64.b64encode(line).decode("ascii")}
+        return Row(n, reason=reason, q={"detail": rec, **raw})
+    rid, url = rec.get(cfg.id_field), rec.get("url")
+    return Row(n, text=rec[cfg.text_field], id=str(rid) if rid is not None else None,
+               url=url if isinstance(url, str) else None)
 
 
 # ---- WARC ------------------------------------------------------------------------------------------------------
@@ -356,4 +421,4 @@ def extract(body: bytes, charset: str | None, extractor: str) -> str:
 
 
 def rows(split: Split, cfg) -> Iterator[Row | str | None]:
-    return warc_rows(split, cfg) if split.fmt == "warc" else jsonl_rows(split, cfg)
+    return {"warc": warc_rows, "txt": txt_rows, "jsonl": jsonl_rows}[split.fmt](split, cfg)

@@ -1,31 +1,42 @@
-"""Ingest on Spark: JSONL (plain, .gz, .zst), WARC and WET (local, globs, ``s3://``) → ``docs/`` +
-``quarantine.jsonl``.
+"""Ingest on Spark: JSONL (plain, .gz, .zst), WARC and WET, plain text (local, globs, ``s3://``) → ``docs/`` +
+``quarantine/``.
 
 Every input is cut into splits (:mod:`pipelines.data.formats`: large plain JSONL files by byte range, anything else
 whole), one Spark task each. Two passes keep ``idx`` dense and deterministic whatever the number of executors:
 
 1. each task reads its split and writes its documents (numbered from 0 within the split) and its quarantined
-   records to a part file, and returns its counts;
-2. the driver turns the counts into offsets (docs before the split; lines before it in the same file), and each
-   task writes ``docs/part-NNNNN.parquet`` with ``idx`` = offset + its number. The quarantine parts are joined
-   in input order.
+   records to part files, hashes the split's bytes, and returns its counts;
+2. the driver turns the counts into offsets (docs before the split; lines before it in the same input), and each
+   task writes ``docs/part-NNNNN.parquet`` with ``idx`` = offset + its number, and ``quarantine/part-NNNNN.jsonl``
+   with file-global line numbers.
+
+Every task writes into an attempt directory of its own; the driver publishes only the attempts the job returned
+(:func:`pipelines.data.spark.publish_attempts`), so a retried or speculative task leaves no torn or doubled file.
+The driver's work is O(inputs + tasks): it lists the inputs (no byte read), plans the splits, adds up counts.
 
 Outputs:
 
-* ``docs/``: ``idx`` (int64, dense, input order), ``id`` (the record's id field as a string; a WARC record's
-  ``WARC-Record-ID``; else ``<file>:<line>``), ``text``, ``source`` (input file name), ``url``,
-  ``warc_record_id``, ``date`` (null where the format has none).
-* ``quarantine.jsonl``: ``{source, line | offset, reason, detail, raw | raw_b64, …}``. JSONL reasons:
-  ``invalid_utf8``, ``invalid_json``, ``not_an_object``, ``missing_text``, ``text_not_string``, ``empty_text``.
-  WARC reasons: ``bad_record`` (a member that does not decompress or parse; its bytes are kept), ``bad_http``,
-  ``http_status`` (not 200), ``not_html``, ``extract_failed``, ``empty_text`` (nothing left after extraction).
+* ``docs/``: ``idx`` (int64, dense, input order), ``id``, ``text``, ``source`` (the input's key: its path under
+  the project root, its absolute path, or its ``s3://`` URI), ``url``, ``warc_record_id``, ``date`` (null where the
+  format has none). ``id`` is the record's id field (a WARC record's ``WARC-Record-ID``), else
+  ``<source>:<line>`` (a WARC record: ``<source>:<offset>``). Ids are checked unique at the end: an id given by the
+  data that repeats (across inputs or within one) becomes ``<source>:<line>#<id>`` for every copy.
+* ``quarantine/``: ``{source, line | offset, reason, detail, raw | raw_b64, …}`` per line. JSONL reasons:
+  ``invalid_utf8``, ``invalid_json``, ``not_an_object``, ``missing_text``, ``text_not_string``, ``empty_text``,
+  ``bad_compression`` (a .gz/.zst input that breaks off: the records before it are kept; ``offset`` is the
+  compressed offset reached, ``uri`` the file). WARC reasons: ``bad_record`` (a member that does not decompress or
+  parse; its bytes are kept), ``bad_http``, ``http_status`` (not 200), ``not_html``, ``extract_failed``,
+  ``empty_text`` (nothing left after extraction). ``quarantine_sample.jsonl``: a bounded sample (without the raw
+  bytes) for MLflow.
 
 ``counts``: ``records`` = ``docs`` + ``quarantined`` + ``over_max_docs``; ``records`` = ``lines`` (JSONL records)
-+ ``warc_records`` (WARC response/resource/conversion records). ``blank_lines`` and ``skipped_records`` (WARC
-requests, warcinfo, metadata …, by type) hold no document.
++ ``warc_records`` (WARC response/resource/conversion records) + ``text_files``. ``blank_lines`` and
+``skipped_records`` (WARC requests, warcinfo, metadata …, by type) hold no document. ``extra.input_sha256``: each
+input's digest, computed by the tasks that read it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -37,10 +48,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.cli import run_and_log, stage_dir, stage_main
-from pipelines.data.formats import Split, plan, rows
-from pipelines.data.sources import resolve
-from pipelines.manifest import Manifest
+from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
+from pipelines.data.formats import Split, plan, range_sha256, rows
+from pipelines.data.sources import IngestError, resolve
+from pipelines.data.spark import attempt_dir, maybe_fail, prepare_attempts, publish_attempts
+from pipelines.manifest import Manifest, input_ref
 from pipelines.spec import IngestCfg, JobSpec, SpecError
 
 META = ("url", "warc_record_id", "date")
@@ -50,15 +62,22 @@ PART_SCHEMA = pa.schema([("seq", pa.int64()), ("line", pa.int64()), *(f for f in
 _BATCH = 2048
 
 
+SAMPLE_PER_TASK = 20  # quarantine entries each task returns for the bounded sample the driver keeps
+
+
 def read_split(split: Split, cfg: IngestCfg, parts: str) -> dict:
-    """Pass 1, on an executor: one split → ``parts/docs-NNNNN.parquet`` + ``parts/quarantine-NNNNN.jsonl``."""
+    """Pass 1, on an executor: one split → ``docs-NNNNN.parquet`` + ``quarantine-NNNNN.jsonl`` in an attempt
+    directory under ``parts``; returns that directory, its counts, a few quarantine entries and the sha256 of the
+    split's bytes."""
+    part_dir = attempt_dir(parts)
     c: Counter = Counter()
     reasons: Counter = Counter()
     skipped: Counter = Counter()
+    sample: list[dict] = []
     batch: dict[str, list] = {k: [] for k in PART_SCHEMA.names}
-    record_kind = "lines" if split.fmt == "jsonl" else "warc_records"
-    with pq.ParquetWriter(f"{parts}/docs-{split.no:05d}.parquet", PART_SCHEMA, compression="zstd") as w, \
-            open(f"{parts}/quarantine-{split.no:05d}.jsonl", "w", encoding="utf-8") as qf:
+    record_kind = {"jsonl": "lines", "warc": "warc_records", "txt": "text_files"}[split.fmt]
+    with pq.ParquetWriter(part_dir / f"docs-{split.no:05d}.parquet", PART_SCHEMA, compression="zstd") as w, \
+            open(part_dir / f"quarantine-{split.no:05d}.jsonl", "w", encoding="utf-8") as qf:
         for r in rows(split, cfg):
             c["physical_lines"] += 1
             if r is None or isinstance(r, str):  # a blank JSONL line; a WARC record that is not a document
@@ -67,9 +86,11 @@ def read_split(split: Split, cfg: IngestCfg, parts: str) -> dict:
                 continue
             c[record_kind] += 1
             if r.reason:
-                where = {"line": r.loc} if split.fmt == "jsonl" else {}
-                qf.write(json.dumps({"source": split.name, **where, "reason": r.reason, **r.q}, ensure_ascii=False)
-                         + "\n")
+                where = {"line": r.loc} if split.fmt != "warc" else {}
+                entry = {"source": split.name, **where, "reason": r.reason, **r.q}
+                qf.write(json.dumps(entry, ensure_ascii=False) + "\n")
+                if len(sample) < SAMPLE_PER_TASK:
+                    sample.append({k: v for k, v in entry.items() if k not in ("raw", "raw_b64")})
                 c["quarantined"] += 1
                 reasons[r.reason] += 1
                 continue
@@ -80,8 +101,10 @@ def read_split(split: Split, cfg: IngestCfg, parts: str) -> dict:
             if len(batch["seq"]) >= _BATCH:
                 flush(w, batch)
         flush(w, batch)
+    maybe_fail("ingest-read")
     return {"no": split.no, "name": split.name, "fmt": split.fmt, "counts": dict(c), "reasons": dict(reasons),
-            "skipped": {k: v for k, v in skipped.items() if k}}
+            "skipped": {k: v for k, v in skipped.items() if k}, "sample": sample, "sha256": range_sha256(split),
+            "dir": str(part_dir)}
 
 
 def flush(w: pq.ParquetWriter, batch: dict[str, list]) -> None:
@@ -91,68 +114,124 @@ def flush(w: pq.ParquetWriter, batch: dict[str, list]) -> None:
             v.clear()
 
 
-def write_docs(job: tuple[int, int, int], max_docs: int | None, parts: str, out: str) -> int:
-    """Pass 2, on an executor: split ``no``'s docs get ``idx`` = doc offset + seq and, without an id,
-    ``<file>:<line>`` (line offset + line); returns how many were written (``max_docs`` may cut the last ones)."""
-    no, doc_off, line_off = job
-    t = pq.read_table(f"{parts}/docs-{no:05d}.parquet")
+def write_docs(job: tuple[int, int, int, str], max_docs: int | None, out: str,
+               qualify: frozenset[str] = frozenset()) -> tuple[int, str]:
+    """Pass 2, on an executor: split ``no``'s docs (pass 1's files in ``parts``) get ``idx`` = doc offset + seq
+    and, without an id, ``<source>:<line>`` (line offset + line); an id in ``qualify`` (one that repeats) becomes
+    ``<source>:<line>#<id>``. Writes ``docs/part-NNNNN.parquet`` and ``quarantine/part-NNNNN.jsonl`` (line numbers
+    made file-global) in an attempt directory under ``out``; returns how many docs it wrote (``max_docs`` may cut
+    the last ones) and that directory."""
+    no, doc_off, line_off, parts = job
+    mine = attempt_dir(out)
+    (mine / "docs").mkdir()
+    (mine / "quarantine").mkdir()
+    write_quarantine(no, line_off, Path(parts), mine / "quarantine")
+    n = write_part(pq.read_table(f"{parts}/docs-{no:05d}.parquet"), no, doc_off, line_off, max_docs, qualify,
+                   mine / "docs")
+    maybe_fail("ingest-write")
+    return n, str(mine)
+
+
+def write_part(t: pa.Table, no: int, doc_off: int, line_off: int, max_docs: int | None, qualify: frozenset[str],
+               out: Path) -> int:
+    """One split's docs with their final ``idx`` and ``id``, as ``out/part-NNNNN.parquet``; returns how many."""
     idx = pc.add(t.column("seq"), doc_off)
     if max_docs is not None:
         keep = pc.less(idx, max_docs)
         t, idx = t.filter(keep), idx.filter(keep)
     if t.num_rows == 0:
         return 0
-    named = pc.binary_join_element_wise(t.column("source"), pc.cast(pc.add(t.column("line"), line_off), pa.string()),
-                                        ":")
-    t = t.set_column(t.schema.get_field_index("id"), "id", pc.coalesce(t.column("id"), named))
+    at = pc.binary_join_element_wise(t.column("source"), pc.cast(pc.add(t.column("line"), line_off), pa.string()), ":")
+    ids = t.column("id")
+    if qualify:
+        repeated = pc.is_in(ids, value_set=pa.array(sorted(qualify), pa.string()))
+        ids = pc.if_else(pc.fill_null(repeated, False), pc.binary_join_element_wise(at, ids, "#"), ids)
+    t = t.set_column(t.schema.get_field_index("id"), "id", pc.coalesce(ids, at))
     t = t.drop_columns(["seq", "line"]).add_column(0, "idx", idx)
     pq.write_table(t.select(DOCS_SCHEMA.names).cast(DOCS_SCHEMA), f"{out}/part-{no:05d}.parquet",
                    compression="zstd")
     return t.num_rows
 
 
-def offsets(results: list[dict]) -> list[tuple[int, int, int]]:
-    """(split no, docs before it, lines before it in the same file) for every split, in input order (a WARC
-    record's location is its byte offset in the file already: no line offset)."""
+def write_quarantine(no: int, line_off: int, parts: Path, dest: Path) -> None:
+    """Split ``no``'s quarantine part, its line numbers made file-global (nothing written when it is empty)."""
+    src = parts / f"quarantine-{no:05d}.jsonl"
+    if not src.stat().st_size:
+        return
+    with open(src, encoding="utf-8") as f, open(dest / f"part-{no:05d}.jsonl", "w", encoding="utf-8") as out:
+        for line in f:
+            if line_off:
+                q = json.loads(line)
+                q["line"] += line_off
+                line = json.dumps(q, ensure_ascii=False) + "\n"
+            out.write(line)
+
+
+def offsets(results: list[dict]) -> list[tuple[int, int, int, str]]:
+    """(split no, docs before it, lines before it in the same input, its pass-1 directory) for every split, in input
+    order (a WARC record's location is its byte offset in the file already: no line offset)."""
     jobs, docs, lines, prev = [], 0, 0, None
     for r in sorted(results, key=lambda r: r["no"]):
-        if (r["name"], r["fmt"]) != prev:
-            lines, prev = 0, (r["name"], r["fmt"])
-        jobs.append((r["no"], docs, lines))
+        if r["name"] != prev:
+            lines, prev = 0, r["name"]
+        jobs.append((r["no"], docs, lines, r["dir"]))
         docs += r["counts"].get("docs", 0)
         lines += r["counts"].get("physical_lines", 0) if r["fmt"] == "jsonl" else 0
     return jobs
 
 
-def join_quarantine(jobs: list[tuple[int, int, int]], parts: Path, dest: Path) -> None:
-    """The splits' quarantine parts, in input order, their line numbers made file-global."""
-    with open(dest, "w", encoding="utf-8") as out:
-        for no, _, line_off in jobs:
-            with open(parts / f"quarantine-{no:05d}.jsonl", encoding="utf-8") as f:
-                for line in f:
-                    if line_off:
-                        q = json.loads(line)
-                        q["line"] += line_off
-                        line = json.dumps(q, ensure_ascii=False) + "\n"
-                    out.write(line)
+def repeated_ids(spark, docs_dir: Path, limit: int = 100_000) -> list[str]:
+    """Ids that more than one doc has (found by the executors; at most ``limit`` come back)."""
+    from pyspark.sql import functions as F
+
+    return [r["id"] for r in spark.read.parquet(str(docs_dir)).groupBy("id").count()
+            .where(F.col("count") > 1).select("id").limit(limit).collect()]
 
 
 def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg) -> dict:
-    """Write docs/ and quarantine.jsonl under out_dir on Spark; return counts."""
+    """Write docs/ and quarantine/ under out_dir on Spark; return counts. Ids are checked for uniqueness at the
+    end: an id given by the data that repeats (across inputs or within one) is qualified by where each copy was
+    read, ``<source>:<line>#<id>``, and the docs are written again."""
     splits = plan(sources, cfg.split_mb)
-    parts, docs_dir = out_dir / "_parts", out_dir / "docs"
-    parts.mkdir()
-    docs_dir.mkdir()
-    sc = spark.sparkContext
-    results = sc.parallelize(splits, len(splits)).map(partial(read_split, cfg=cfg, parts=str(parts))).collect()
-    jobs = offsets(results)
-    written = sc.parallelize(jobs, len(jobs)).map(
-        partial(write_docs, max_docs=cfg.max_docs, parts=str(parts), out=str(docs_dir))).collect()
-    if not sum(written):  # readers of an empty corpus still find the schema
+    parts, docs_dir, q_dir = out_dir / "_parts", out_dir / "docs", out_dir / "quarantine"
+    if not splits:  # nothing new to read
+        for d in (docs_dir, q_dir):
+            d.mkdir()
         pq.write_table(DOCS_SCHEMA.empty_table(), docs_dir / "part-00000.parquet")
-    join_quarantine(jobs, parts, out_dir / "quarantine.jsonl")
+        return totals([], 0, 0) | {"qualified_ids": 0}, {}, []
+    sc = spark.sparkContext
+    results = sc.parallelize(splits, len(splits)).map(
+        partial(read_split, cfg=cfg, parts=prepare_attempts(parts))).collect()
+    jobs = offsets(results)
+    qualify: frozenset[str] = frozenset()
+    for attempt in range(2):
+        for d in (docs_dir, q_dir):
+            shutil.rmtree(d, ignore_errors=True)
+        got = sc.parallelize(jobs, len(jobs)).map(
+            partial(write_docs, max_docs=cfg.max_docs, out=prepare_attempts(out_dir / "_out"), qualify=qualify)
+        ).collect()
+        publish_attempts(out_dir / "_out", [d for _, d in got], {"docs": docs_dir, "quarantine": q_dir})
+        written = [n for n, _ in got]
+        if not sum(written):  # readers of an empty corpus still find the schema
+            pq.write_table(DOCS_SCHEMA.empty_table(), docs_dir / "part-00000.parquet")
+        again = repeated_ids(spark, docs_dir)
+        if not again:
+            break
+        if attempt:
+            raise IngestError(f"doc ids still repeat after qualifying them by input and line: {again[:5]}")
+        qualify = frozenset(again)
     shutil.rmtree(parts)
-    return totals(results, sum(written), len(splits))
+    shutil.rmtree(out_dir / "_out")
+    return {**totals(results, sum(written), len(splits)), "qualified_ids": len(qualify)}, input_digests(results), \
+        [q for r in sorted(results, key=lambda r: r["no"]) for q in r["sample"]][:200]
+
+
+def input_digests(results: list[dict]) -> dict[str, str]:
+    """{input key: sha256 over its splits' digests, in order}: what the tasks read, for the manifest."""
+    by: dict[str, list[str]] = {}
+    for r in sorted(results, key=lambda r: r["no"]):
+        by.setdefault(r["name"], []).append(r["sha256"])
+    return {k: v[0] if len(v) == 1 else hashlib.sha256("".join(v).encode()).hexdigest() for k, v in by.items()}
 
 
 def totals(results: list[dict], written: int, splits: int) -> dict:
@@ -161,8 +240,8 @@ def totals(results: list[dict], written: int, splits: int) -> dict:
         c.update(r["counts"])
         reasons.update(r["reasons"])
         skipped.update(r["skipped"])
-    out = {k: c.get(k, 0) for k in ("lines", "warc_records", "quarantined", "blank_lines")}
-    out["records"] = out["lines"] + out["warc_records"]
+    out = {k: c.get(k, 0) for k in ("lines", "warc_records", "text_files", "quarantined", "blank_lines")}
+    out["records"] = out["lines"] + out["warc_records"] + out["text_files"]
     out["docs"], out["over_max_docs"] = written, c.get("docs", 0) - written
     out.update(quarantine_reasons=dict(sorted(reasons.items())), skipped_records=dict(sorted(skipped.items())),
                splits=splits)
@@ -170,22 +249,39 @@ def totals(results: list[dict], written: int, splits: int) -> dict:
     return out
 
 
-def run(spec: JobSpec, out_dir: str | None = None, spark=None) -> Manifest:
+def run(spec: JobSpec, out_dir: str | None = None, spark=None, corpus: Manifest | None = None) -> Manifest:
+    """Ingest ``data.inputs``; with ``corpus`` (a corpus version), only the inputs it does not hold yet (by
+    identity)."""
     inputs = resolve(spec, spec.data.inputs)  # local files, globs, s3:// prefixes (copied, or read by the tasks)
     cfg = spec.data.ingest
-    # the inputs' identity is their bytes (and order), not where they live: the same files from S3 or disk give
-    # the same stage key and digest; the manifest records where each came from
-    sd = stage_dir(spec, "ingest", [s.ref() for s in inputs], out_dir)
+    held = set(corpus.extra.get("corpus", {}).get("inputs", [])) if corpus is not None else set()
+    new = [s for s in inputs if s.ref()["sha256"] not in held]
+    if corpus is not None:
+        print(f"ingest: {len(inputs) - len(new)} of {len(inputs)} inputs are in corpus version "
+              f"{corpus.extra['corpus']['version']} already; reading {len(new)}", flush=True)
+    # the inputs' identity comes from their listing (key, size, mtime or ETag): the driver reads no input byte;
+    # the tasks hash what they read, and the manifest keeps those digests
+    sd = stage_dir(spec, "ingest", [s.ref() for s in new] + ([input_ref(corpus)] if corpus is not None else []),
+                   out_dir)
+    inputs = new
 
     def body(tmp: Path) -> Manifest:
-        from pipelines.data.spark import get_spark
+        from pipelines.data.spark import spec_session
 
-        s = spark or get_spark(spec.services.spark_master, "llm-pipeline-ingest", spec.services.spark_driver_memory)
-        counts = ingest(s, inputs, tmp, cfg)
-        return sd.commit({"docs": "docs", "quarantine": "quarantine.jsonl"}, counts=counts,
-                         extra={"spark_master": s.sparkContext.master})
+        s = spark or spec_session(spec, "llm-pipeline-ingest")
+        counts, digests, sample = ingest(s, inputs, tmp, cfg)
+        (tmp / "quarantine_sample.jsonl").write_text("".join(json.dumps(q, ensure_ascii=False) + "\n"
+                                                             for q in sample), encoding="utf-8")
+        return sd.commit({"docs": "docs", "quarantine": "quarantine", "quarantine_sample": "quarantine_sample.jsonl"},
+                         counts=counts, extra={"spark_master": s.sparkContext.master, "input_sha256": digests})
 
-    return run_and_log(spec, sd, body, artifacts=["quarantine"])
+    return run_and_log(spec, sd, body, artifacts=["quarantine_sample"])
+
+
+def read_quarantine(m: Manifest) -> list[dict]:
+    """Every quarantine entry of an ingest result, in input order."""
+    return [json.loads(line) for f in sorted(m.output("quarantine").glob("part-*.jsonl"))
+            for line in f.read_text(encoding="utf-8").splitlines()]
 
 
 def summary(m: Manifest) -> str:
@@ -200,6 +296,11 @@ def _inputs(ap) -> None:
                          "(repeatable); overrides data.inputs.")
 
 
+def _options(ap) -> None:
+    _inputs(ap)
+    add_corpus_arg(ap)
+
+
 def _call(spec: JobSpec, args, ups) -> Manifest:
     if args.input:
         from pydantic import ValidationError
@@ -209,11 +310,11 @@ def _call(spec: JobSpec, args, ups) -> Manifest:
         except ValidationError as e:
             raise SpecError("--input: " + "; ".join(x["msg"].removeprefix("Value error, ") for x in e.errors())) \
                 from None
-    return run(spec, args.output)
+    return run(spec, args.output, corpus=corpus_arg(args))
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage_main("ingest", run, summary, argv, add_args=_inputs, call=_call)
+    return stage_main("ingest", run, summary, argv, add_args=_options, call=_call)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,17 @@
 """Where ingest reads from: local files, directories and globs, or ``s3://bucket/prefix`` through the project's S3
 client (the checkpoint tiers' settings: the embedded endpoint, another S3 store, or AWS).
 
-An input resolves to a sorted list of :class:`Source` s. With ``data.ingest.s3_read: copy`` (the default) an S3
-object is copied into ``run.root/cache/s3/…`` (atomically; a copy whose size and ETag still match is reused), so the
-ingest stage hashes and reads the same bytes wherever they came from: the same objects in S3 and on disk give the
-same stage key and the same manifest digest. With ``direct`` nothing is copied: each Spark task reads its byte
-range of the object with ranged GETs (:class:`pipelines.storage.s3.ObjectReader`), and the input's identity is the
-object's ETag and size; the outputs, and so the digest, are still those of the same files on disk.
+An input resolves to a sorted list of :class:`Source` s, each named by its *key*: a local file's path relative to
+the project root (its absolute path when it lies elsewhere), an object's ``s3://bucket/key``. The key is every
+doc's ``source`` and the stem of its id, so two inputs with the same file name in different directories never
+share ids.
+
+The driver never reads an input's bytes: an input's identity (its part of the stage key) is its key, size and
+mtime (a file) or ETag (an object); the Spark tasks that read the bytes hash them, and the manifest records those
+digests (``extra.input_sha256``). With ``data.ingest.s3_read: direct`` (the default on a cluster master: ``auto``)
+each task reads its byte range of an object with ranged GETs (:class:`pipelines.storage.s3.ObjectReader`); with
+``copy`` (``auto`` on ``local[…]``) the driver first copies each object into ``run.root/cache/s3/…`` (atomically; a
+copy whose size and ETag still match is reused).
 """
 from __future__ import annotations
 
@@ -18,10 +23,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.manifest import StageError, file_ref
+from pipelines.manifest import StageError
 from pipelines.spec import JobSpec, resolve_path
 
-DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc")  # .jsonl.gz, .warc.gz, .warc.wet.gz …
+DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc", ".txt")  # .jsonl.gz, .warc.gz, .warc.wet.gz …
+FORMATS = ("JSONL (.jsonl/.json, plain, .gz or .zst)", "WARC/WET (.warc, .warc.gz, .warc.wet.gz)",
+           "plain text (.txt: one document per file)")
 
 
 class IngestError(StageError):
@@ -30,16 +37,19 @@ class IngestError(StageError):
 
 @dataclass(frozen=True)
 class Source:
-    name: str                      # the file name, recorded as each doc's ``source``
+    name: str                      # the input's key, recorded as each doc's ``source``
     uri: str                       # where it came from (file:// or s3://)
     path: Path | None              # a local copy to read; None: the tasks read the S3 object itself
     size: int = 0
     etag: str | None = None        # an S3 object's
     settings: dict | None = None   # the S3 client's, for tasks that read the object
+    mtime_ns: int = 0              # a local file's
 
     @classmethod
     def of_file(cls, path: Path) -> "Source":
-        return cls(path.name, path.resolve().as_uri(), path, path.stat().st_size)
+        p = path.resolve()
+        st = p.stat()
+        return cls(file_key(p), p.as_uri(), p, st.st_size, mtime_ns=st.st_mtime_ns)
 
     @property
     def location(self) -> str:
@@ -47,12 +57,18 @@ class Source:
         return str(self.path) if self.path is not None else self.uri
 
     def ref(self) -> dict:
-        """The input's identity in the manifest: its bytes' sha256 when they are here, else the object's ETag and
-        size (S3 gives a new ETag to new content)."""
-        if self.path is not None:
-            return {**file_ref(self.path), "uri": self.uri}
-        ident = hashlib.sha256(f"{self.uri}\0{self.size}\0{self.etag}".encode()).hexdigest()
-        return {"uri": self.uri, "sha256": ident, "etag": self.etag, "bytes": self.size}
+        """The input's identity, from what a listing tells (no byte is read): key, size and mtime of a file, key,
+        size and ETag of an object (S3 gives new content a new ETag)."""
+        version = self.etag if self.etag is not None else self.mtime_ns
+        ident = hashlib.sha256(f"{self.name}\0{self.size}\0{version}".encode()).hexdigest()
+        out = {"uri": self.uri, "key": self.name, "sha256": ident, "bytes": self.size}
+        return {**out, "etag": self.etag} if self.etag is not None else {**out, "mtime_ns": self.mtime_ns}
+
+
+def file_key(path: Path) -> str:
+    """A local input's key: its path relative to the project root, else its absolute path."""
+    root = resolve_path(".").resolve()
+    return path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
 
 
 def is_data_file(name: str) -> bool:
@@ -67,6 +83,8 @@ def local_sources(pattern: str) -> list[Source]:
         paths = sorted(x for x in p.rglob("*") if x.is_file() and is_data_file(x.name))
     else:
         paths = [p] if p.is_file() else []
+        if paths and not is_data_file(p.name):
+            raise IngestError(f"input {pattern!r}: not a supported format; ingest reads {'; '.join(FORMATS)}")
     if not paths:
         raise IngestError(f"input {pattern!r}: no such file, or nothing matches (relative paths resolve against "
                           f"the project root {resolve_path('.')}); fix data.inputs or --input")
@@ -89,10 +107,16 @@ def s3_sources(spec: JobSpec, uri: str) -> list[Source]:
     objects = sorted((o for o in objects if o["Key"] == prefix or is_data_file(o["Key"])), key=lambda o: o["Key"])
     if not objects:
         raise IngestError(f"input {uri}: no JSONL or WARC objects under it; fix data.inputs or --input")
-    direct = spec.data.ingest.s3_read == "direct"
-    return [Source(o["Key"].rsplit("/", 1)[-1], f"s3://{bucket}/{o['Key']}",
+    direct = s3_direct(spec)
+    return [Source(f"s3://{bucket}/{o['Key']}", f"s3://{bucket}/{o['Key']}",
                    None if direct else cached_copy(s3, bucket, o, spec), o["Size"], o["ETag"],
                    settings if direct else None) for o in objects]
+
+
+def s3_direct(spec: JobSpec) -> bool:
+    """Whether the Spark tasks read S3 objects themselves (``direct``; ``auto``: on any master but ``local[…]``)."""
+    mode = spec.data.ingest.s3_read
+    return mode == "direct" or mode == "auto" and not spec.services.spark_master.startswith("local")
 
 
 def cached_copy(s3, bucket: str, obj: dict, spec: JobSpec) -> Path:
@@ -115,7 +139,10 @@ def cached_copy(s3, bucket: str, obj: dict, spec: JobSpec) -> Path:
 
 
 def resolve(spec: JobSpec, inputs: list[str]) -> list[Source]:
-    """Every input file, in the order given (each pattern's matches sorted)."""
+    """Every input file, in the order given (each pattern's matches sorted); a file two patterns match is read
+    once."""
     if not inputs:
         raise IngestError("data.inputs is empty: list at least one JSONL file, glob or s3:// prefix in the spec")
-    return [s for x in inputs for s in (s3_sources(spec, x) if x.startswith("s3://") else local_sources(x))]
+    found = [s for x in inputs for s in (s3_sources(spec, x) if x.startswith("s3://") else local_sources(x))]
+    seen: set[str] = set()
+    return [s for s in found if not (s.name in seen or seen.add(s.name))]

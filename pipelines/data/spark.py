@@ -1,16 +1,29 @@
-"""Spark session helper and Spark-side graph algorithms (connected components).
+"""Spark session, task sizing, the task commit protocol, Kubernetes conf, and Spark-side graph algorithms
+(connected components).
 
 The same job code runs three ways:
 
 * ``python -m pipelines.data.dedup`` — builds its own session on ``services.spark_master``
-  (``local[*]`` by default);
-* ``spark-submit --master … pipelines/data/dedup.py`` — the session takes the master and conf
-  that spark-submit set (Airflow's ``SparkSubmitOperator`` does this);
+  (``local[*]`` by default) with ``services.spark_conf`` on top;
+* ``spark-submit --master … pipelines/spark_entry.py pipelines.data.dedup …`` — the session is the one
+  spark-submit made: its master and every conf it was given stand, nothing is set over them (Airflow's
+  ``SparkSubmitOperator`` does this; the Spark UI is on, and the task's link points at it);
 * tests — one shared session per module.
+
+Task sizes come from the data: a stage runs ``max(executor cores, bytes / data.task_mb)`` tasks
+(:func:`task_count`), so 100 nodes get 100 nodes' worth of tasks.
+
+Commit protocol for files the tasks write themselves (ingest's parts, tokenize's shards): a task writes into an
+attempt directory of its own (:func:`attempt_dir`), and the driver publishes only the attempts whose results the
+job returned (:func:`publish_attempts`); a speculative twin, or a task killed halfway, leaves files in an attempt
+directory that is dropped. DataFrame writes (dedup, filter) go through Spark's own output committer, which works the
+same way.
 """
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import sys
 import zipfile
 from pathlib import Path
@@ -26,8 +39,26 @@ def _under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
+def session_conf(master: str, driver_memory: str = "2g", shuffle_partitions: int | None = None,
+                 conf: dict[str, str] | None = None) -> dict[str, str]:
+    """What :func:`get_spark` sets on a session it builds itself: the UI only off a laptop (``local[…]``); on a
+    cluster, shuffle blocks of another executor are fetched from it, never read from a disk path thought to be on
+    the same host (``spark.shuffle.readHostLocalDisk=false``: executors behind one address may be separate
+    machines)."""
+    out = {"spark.master": master, "spark.driver.memory": driver_memory,
+           "spark.ui.enabled": str(not master.startswith("local")).lower(), "spark.ui.showConsoleProgress": "false",
+           "spark.sql.adaptive.enabled": "true", "spark.sql.adaptive.skewJoin.enabled": "true",
+           "spark.pyspark.python": os.environ.get("PYSPARK_PYTHON", sys.executable)}
+    if shuffle_partitions:
+        out["spark.sql.shuffle.partitions"] = str(shuffle_partitions)
+    if not master.startswith("local"):  # executors that share an address need not share a disk
+        out["spark.shuffle.readHostLocalDisk"] = "false"
+    return {**out, **(conf or {})}
+
+
 def get_spark(master: str = "local[*]", app: str = "llm-pipeline", driver_memory: str = "2g",
-              shuffle_partitions: int = 8) -> "SparkSession":
+              shuffle_partitions: int | None = None, conf: dict[str, str] | None = None) -> "SparkSession":
+    """The session: spark-submit's as it is when one made it, else one built on ``master`` (:func:`session_conf`)."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # laptop default: stay on loopback
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -35,16 +66,142 @@ def get_spark(master: str = "local[*]", app: str = "llm-pipeline", driver_memory
 
     b = SparkSession.builder.appName(app)
     if not _under_spark_submit():
-        b = b.master(master).config("spark.driver.memory", driver_memory)
-    b = (b.config("spark.ui.enabled", "false")
-          .config("spark.ui.showConsoleProgress", "false")
-          .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
-          .config("spark.sql.adaptive.enabled", "true")
-          .config("spark.sql.adaptive.skewJoin.enabled", "true")
-          .config("spark.pyspark.python", os.environ["PYSPARK_PYTHON"]))
+        for k, v in session_conf(master, driver_memory, shuffle_partitions, conf).items():
+            b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def spec_session(spec, app: str) -> "SparkSession":
+    """The session a stage of ``spec`` runs in."""
+    svc = spec.services
+    return get_spark(svc.spark_master, app, svc.spark_driver_memory, conf=svc.spark_conf)
+
+
+def task_count(spark, nbytes: int, task_mb: int, fixed: int = 0) -> int:
+    """``fixed`` when set, else one task per ``task_mb`` of input, at least one per executor core."""
+    if fixed:
+        return fixed
+    return max(spark.sparkContext.defaultParallelism, math.ceil(nbytes / (task_mb << 20)))
+
+
+def dir_bytes(path: str | Path) -> int:
+    """Bytes of the files under ``path`` (a parquet directory: its footers are not read)."""
+    p = Path(path)
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+
+
+def finalize_parquet_dir(d: Path) -> None:
+    """A DataFrame's output directory, committed by Spark: drop its _SUCCESS/.crc files and give the part files
+    stable names."""
+    for f in list(d.iterdir()):
+        if f.name == "_SUCCESS" or f.name.endswith(".crc"):
+            f.unlink()
+    parts = sorted(f for f in d.iterdir() if f.name.startswith("part-"))
+    for n, f in enumerate(parts):
+        f.rename(d / f"part-{n:05d}.parquet")
+
+
+# ---- Spark on Kubernetes ----------------------------------------------------------------------------------------
+
+SPARK_SCRATCH = "/spark-local"  # executors' spark.local.dir (shuffle, spills) in the pods
+
+
+def kubernetes_conf(spec) -> dict[str, str]:
+    """spark-submit conf for a ``k8s://`` master (client mode from the Airflow worker pod; cluster mode alike): the
+    executor image, namespace and service account, the driver's pod address for the executors to call back, the
+    shared file system's claim (``launcher.shared_fs_claim``) mounted at ``launcher.shared_fs_mount`` on driver and
+    executors (``run.root`` lives there: every task reads and writes the same paths as the driver), and node-local
+    scratch for ``spark.local.dir`` (a volume named ``spark-local-dir-1``: ``services.spark_local_dir`` on the host,
+    else an emptyDir on the node's instance store)."""
+    from pipelines.spec import SpecError, resolve_path
+
+    svc, la = spec.services, spec.launcher
+    if not svc.spark_master.startswith("k8s://"):
+        return {}
+    if not svc.spark_image:
+        raise SpecError(f"services.spark_master={svc.spark_master} needs services.spark_image (an image with "
+                        "Java 17, pyspark and this package for the executor pods)")
+    if not la.shared_fs_claim:
+        raise SpecError("services.spark_master=k8s://… needs launcher.shared_fs_claim: the executors read and write "
+                        "run.root on the shared file system")
+    root = resolve_path(spec.run.root)
+    if not root.is_relative_to(la.shared_fs_mount):
+        raise SpecError(f"run.root={root} is not under launcher.shared_fs_mount={la.shared_fs_mount}: the Spark "
+                        "executors would not see the stage outputs; put run.root on the shared file system")
+    conf = {"spark.kubernetes.container.image": svc.spark_image,
+            "spark.kubernetes.namespace": svc.spark_namespace,
+            "spark.kubernetes.authenticate.serviceAccountName": svc.spark_service_account,
+            "spark.kubernetes.executor.podNamePrefix": f"{spec.run.name}-spark"[:40],
+            "spark.pyspark.python": "python3"}  # the executor image's interpreter, not this worker's
+    for role in ("driver", "executor"):
+        vol = f"spark.kubernetes.{role}.volumes.persistentVolumeClaim.shared-fs"
+        conf.update({f"{vol}.options.claimName": la.shared_fs_claim, f"{vol}.mount.path": la.shared_fs_mount,
+                     f"{vol}.mount.readOnly": "false"})
+    if svc.spark_local_dir:
+        scratch = "spark.kubernetes.executor.volumes.hostPath.spark-local-dir-1"
+        conf[f"{scratch}.options.path"] = svc.spark_local_dir
+    else:
+        scratch = "spark.kubernetes.executor.volumes.emptyDir.spark-local-dir-1"
+    conf[f"{scratch}.mount.path"] = SPARK_SCRATCH
+    pod_ip = os.environ.get("POD_IP") or os.environ.get("MY_POD_IP")
+    if pod_ip:
+        conf.update({"spark.driver.host": pod_ip, "spark.driver.bindAddress": "0.0.0.0"})
+    return conf
+
+
+# ---- task commit protocol ----------------------------------------------------------------------------------------
+
+
+def prepare_attempts(base: str | Path) -> str:
+    """Make ``base/_attempts`` on the driver, before the job; returns ``base`` for the tasks."""
+    (Path(base) / "_attempts").mkdir(parents=True, exist_ok=True)
+    return str(base)
+
+
+def attempt_dir(base: str) -> Path:
+    """A new directory for this task attempt's files: ``base/_attempts/<partition>-<attempt id>``. Made without
+    parents, so a late twin whose job has already been published fails instead of writing anywhere."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    name = f"{ctx.partitionId():05d}-{ctx.taskAttemptId()}" if ctx is not None else f"driver-{os.getpid()}"
+    d = Path(base) / "_attempts" / name
+    d.mkdir()
+    return d
+
+
+def maybe_fail(point: str) -> None:
+    """Fault injection for the commit-protocol tests: ``LLMP_FAIL_TASK=<point>:<partition>`` kills the first attempt
+    of that partition's task at ``point`` (after it has written its files, before it returns)."""
+    want = os.environ.get("LLMP_FAIL_TASK", "")
+    if not want:
+        return
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    if ctx is not None and want == f"{point}:{ctx.partitionId()}" and ctx.attemptNumber() == 0:
+        os._exit(17)
+
+
+def publish_attempts(base: str | Path, attempts: list[str | Path], routes: dict[str, str | Path]) -> int:
+    """Move the files of the committed attempts (the ones the job returned) to their places: ``routes`` maps a
+    folder inside an attempt (``"."``: the attempt's own files) to its destination. Then drop every attempt directory
+    (a speculative twin's, a killed task's). Two committed attempts writing one name is a bug: refused."""
+    moved = 0
+    for a in attempts:
+        for sub, dest in routes.items():
+            src, dest = Path(a) / sub, Path(dest)
+            dest.mkdir(parents=True, exist_ok=True)
+            for f in sorted(x for x in src.iterdir() if x.is_file()) if src.is_dir() else []:
+                target = dest / f.name
+                if target.exists():
+                    raise RuntimeError(f"two committed task attempts wrote {target}")
+                os.replace(f, target)
+                moved += 1
+    shutil.rmtree(Path(base) / "_attempts", ignore_errors=True)
+    return moved
 
 
 def package_zip(dest: Path) -> Path:

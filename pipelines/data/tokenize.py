@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from pipelines.data.shards import ShardWriter, token_dtype
-from pipelines.cli import run_and_log, stage_dir, stage_main
-from pipelines.manifest import Manifest, StageError, file_ref, input_ref, sha256_file
+from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
+from pipelines.manifest import Manifest, StageError, file_ref, input_ref, load_manifest, sha256_file
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
 
 SPLITS = ("train", "heldout")
@@ -96,25 +96,29 @@ def portable(model: Path) -> Path:
 
 
 def sample_texts(docs, cfg: TokenizerCfg, seed: int) -> list[str]:
-    """The tokenizer's training sample: train-split docs ranked on the executors, top-k on the driver."""
+    """The tokenizer's training sample: the executors rank every train-split doc by id, the top ``sample_docs`` ids
+    are chosen (Spark's top-k: only ids and keys move), and only the winners are joined back to their text."""
+    from pyspark.sql import functions as F
+
     def rank(batches):
         import pyarrow as pa
 
         for b in batches:
-            keep = [(hashlib.sha256(f"{seed}:tok:{i}".encode()).digest(), t)
-                    for i, t in zip(b.column(0).to_pylist(), b.column(1).to_pylist())
-                    if split_of(i, seed, cfg.heldout_fraction) == "train"]
-            yield pa.RecordBatch.from_arrays([pa.array([k for k, _ in keep], pa.binary()),
-                                              pa.array([t for _, t in keep], pa.string())], names=["key", "text"])
+            ids = [i for i in b.column(0).to_pylist() if split_of(i, seed, cfg.heldout_fraction) == "train"]
+            yield pa.RecordBatch.from_arrays([pa.array([hashlib.sha256(f"{seed}:tok:{i}".encode()).digest()
+                                                        for i in ids], pa.binary()), pa.array(ids, pa.string())],
+                                             names=["key", "id"])
 
-    top = docs.select("id", "text").mapInArrow(rank, "key binary, text string").orderBy("key")
-    return [r.text for r in top.limit(cfg.sample_docs).collect()]
+    top = docs.select("id").mapInArrow(rank, "key binary, id string").orderBy("key").limit(cfg.sample_docs)
+    rows = docs.join(F.broadcast(top), "id").select("key", "text").collect()
+    return [r.text for r in sorted(rows, key=lambda r: r.key)]
 
 
-def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int) -> bytes:
-    """``out/tokenizer.model``: the given one, or one trained on the deterministic sample; returns its bytes."""
-    if cfg.model_path:
-        src = resolve_path(cfg.model_path)
+def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int, given: Path | None = None) -> bytes:
+    """``out/tokenizer.model``: ``given`` (a corpus version's), tokenizer.model_path, or one trained on the
+    deterministic sample; returns its bytes."""
+    if given is not None or cfg.model_path:
+        src = given if given is not None else resolve_path(cfg.model_path)
         if not src.is_file():
             raise TokenizeError(f"tokenizer.model_path {src} does not exist")
         shutil.copyfile(src, out / "tokenizer.model")
@@ -132,8 +136,8 @@ class PartitionShards:
     """One partition's shard writers: a new ``{split}-PPPPP-KKKK`` shard every ``shard_tokens`` tokens (a doc never
     straddles two; a doc longer than that gets a shard of its own)."""
 
-    def __init__(self, out: Path, part: int, dtype, shard_tokens: int):
-        self.out, self.part, self.dtype, self.limit = out, part, np.dtype(dtype), shard_tokens
+    def __init__(self, out: Path, part: int, dtype, shard_tokens: int, rel: str = "shards"):
+        self.out, self.part, self.dtype, self.limit, self.rel = out, part, np.dtype(dtype), shard_tokens, rel
         self.open: dict[str, tuple[ShardWriter, list[str], list[int]]] = {}
         self.count = {s: 0 for s in SPLITS}
         self.done: list[dict] = []
@@ -171,7 +175,7 @@ class PartitionShards:
         w, ids, nbytes = self.open.pop(split)
         w.close()
         pq.write_table(pa.table({"id": pa.array(ids, pa.string())}), w.prefix.with_suffix(".ids.parquet"))
-        self.done.append({"split": split, "prefix": f"shards/{w.prefix.name}", "partition": self.part,
+        self.done.append({"split": split, "prefix": f"{self.rel}/{w.prefix.name}", "partition": self.part,
                           "docs": len(w.lengths), "tokens": w.tokens, "text_bytes": nbytes[0]})
 
     def finish(self) -> list[dict]:
@@ -256,13 +260,13 @@ class Upload:
 
 
 def upload_shards(up: Upload, out: Path, rows: list[dict]) -> None:
-    """A task's shards to S3, each file checked against S3's SHA-256 after upload."""
+    """A task's shards (its files in ``out``) to S3, each file checked against S3's SHA-256 after upload."""
     from pipelines.storage.s3 import client_from
 
     s3 = client_from(up.settings)
     for r in rows:
         for ext in SHARD_FILES:
-            path = out.parent / (r["prefix"] + ext)
+            path = out / (Path(r["prefix"]).name + ext)
             up.put(s3, path, r["prefix"] + ext, sha256_file(path))
 
 
@@ -277,15 +281,19 @@ def publish(m: Manifest, up: Upload) -> dict:
     return {"uri": f"s3://{up.bucket}/{up.prefix}", "objects": len(m.outputs) + 1, "uploaded_by_driver": uploaded}
 
 
-def encoder(model: bytes, out: str, cfg: TokenizerCfg, seed: int, up: Upload | None = None):
-    """The Spark task: read a task's pieces, encode them (one thread: Spark runs a task per core) into its shards;
-    return one row per shard written."""
+def encoder(model: bytes, out: str, cfg: TokenizerCfg, seed: int, up: Upload | None = None, rel: str = "shards"):
+    """The Spark task: read a task's pieces, encode them (one thread: Spark runs a task per core) into its shards,
+    in an attempt directory of its own under ``out`` (published by the driver); return one row per shard written,
+    each with that directory."""
     def fn(part: int, tasks):
         import sentencepiece as spm
 
+        from pipelines.data.spark import attempt_dir, maybe_fail
+
         sp = spm.SentencePieceProcessor(model_proto=model)
         eos = sp.eos_id()
-        shards = PartitionShards(Path(out), part, token_dtype(sp.get_piece_size()), cfg.shard_tokens)
+        mine = attempt_dir(out)
+        shards = PartitionShards(mine, part, token_dtype(sp.get_piece_size()), cfg.shard_tokens, rel)
         for pieces in tasks:
             for doc_ids, raw in read_pieces(pieces):
                 texts = [normalise(t) for t in raw]
@@ -301,42 +309,57 @@ def encoder(model: bytes, out: str, cfg: TokenizerCfg, seed: int, up: Upload | N
                         shards.add(split, ids_, docs, nbytes)
         rows = shards.finish()
         if up:
-            upload_shards(up, Path(out), rows)
-        return iter(rows)
+            upload_shards(up, mine, rows)
+        maybe_fail("tokenize-write")
+        return iter({**r, "dir": str(mine)} for r in rows)
     return fn
 
 
-def partitions(spark, groups: list[tuple[str, int, int, int]], cfg: TokenizerCfg) -> int:
-    """tokenizer.partitions, or the executors' parallelism raised to about shard_tokens tokens (~4 bytes each) a
-    task."""
+def partitions(spark, groups: list[tuple[str, int, int, int]], cfg: TokenizerCfg, task_mb: int = 128) -> int:
+    """tokenizer.partitions, or the executors' parallelism raised to at most about shard_tokens tokens (~4 bytes
+    each) and ``task_mb`` of text a task."""
     if cfg.partitions:
         return cfg.partitions
-    return max(spark.sparkContext.defaultParallelism, math.ceil(sum(g[3] for g in groups) / 4 / cfg.shard_tokens))
+    text = sum(g[3] for g in groups)
+    return max(spark.sparkContext.defaultParallelism, math.ceil(text / 4 / cfg.shard_tokens),
+               math.ceil(text / (task_mb << 20)))
 
 
-def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: int, up: Upload | None = None) -> dict:
+def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: int, up: Upload | None = None,
+                  task_mb: int = 128, model_from: Path | None = None, rel: str = "shards") -> dict:
+    """Encode the docs into shards under ``out/rel`` with the tokenizer of ``model_from`` (else tokenizer.model_path,
+    else one trained here); returns the counts and the shard rows."""
     import sentencepiece as spm
 
     docs = spark.read.parquet(str(docs_path)).select("id", "text")
-    model = tokenizer_model(docs, out, cfg, seed)
+    model = tokenizer_model(docs, out, cfg, seed, model_from)
     sp = spm.SentencePieceProcessor(model_proto=model)
     if sp.eos_id() < 0:
         raise TokenizeError("the tokenizer has no EOS id; documents need an EOS separator")
-    (out / "shards").mkdir()
+    from pipelines.data.spark import prepare_attempts, publish_attempts
+
     groups = row_groups(docs_path)
-    tasks = plan(groups, partitions(spark, groups, cfg))
+    tasks = plan(groups, partitions(spark, groups, cfg, task_mb))
     rows = spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitionsWithIndex(
-        encoder(model, str(out / "shards"), cfg, seed, up)).collect()
+        encoder(model, prepare_attempts(out / "_shards"), cfg, seed, up, rel)).collect()
+    publish_attempts(out / "_shards", sorted({r.pop("dir") for r in rows}), {".": out / rel})
+    shutil.rmtree(out / "_shards")
     n = len(tasks)
     shards = sorted(rows, key=lambda r: (SPLITS.index(r["split"]), r["prefix"]))
-    counts = {f"{s}_{k}": sum(r[k] for r in shards if r["split"] == s) for s in SPLITS
-              for k in ("docs", "tokens", "text_bytes")}
-    if counts["train_tokens"] == 0:
+    counts = shard_counts(shards)
+    if counts["train_tokens"] == 0 and model_from is None:
         raise TokenizeError("no tokens in the train split: the corpus is empty after filtering")
-    counts["docs"] = counts["train_docs"] + counts["heldout_docs"]
-    counts["tokens"] = counts["train_tokens"] + counts["heldout_tokens"]
     return {"counts": counts, "shards": shards, "vocab_size": sp.get_piece_size(), "eos_id": sp.eos_id(),
             "dtype": token_dtype(sp.get_piece_size()).name, "partitions": n}
+
+
+def shard_counts(shards: list[dict]) -> dict:
+    """Docs, tokens and text bytes per split, and in all, of these shard rows."""
+    counts = {f"{s}_{k}": sum(r[k] for r in shards if r["split"] == s) for s in SPLITS
+              for k in ("docs", "tokens", "text_bytes")}
+    counts["docs"] = counts["train_docs"] + counts["heldout_docs"]
+    counts["tokens"] = counts["train_tokens"] + counts["heldout_tokens"]
+    return counts
 
 
 def read_back(m: Manifest, split: str) -> dict[str, list[int]]:
@@ -368,27 +391,73 @@ def upload_target(spec: JobSpec, name: str) -> Upload | None:
     return Upload(settings, bucket, f"{prefix}/{name}".strip("/"))
 
 
-def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
+def corpus_record(filt: Manifest, prev: Manifest | None) -> dict:
+    """The corpus version a tokenize result is: its number, the identities of every input curated into it, the dedup
+    results whose kept docs it holds (what the next version dedups against), and the version before it."""
+    from pipelines.manifest import lineage
+
+    lin = lineage(filt.path)  # a filter result made by hand has no ingest or dedup before it
+    ingested = load_manifest(lin["ingest"]).inputs if "ingest" in lin else []
+    before = prev.extra["corpus"] if prev is not None else {"version": 0, "inputs": [], "dedup": []}
+    return {"version": before["version"] + 1,
+            "inputs": before["inputs"] + [i["sha256"] for i in ingested if "stage" not in i],
+            "dedup": before["dedup"] + ([lin["dedup"]] if "dedup" in lin else []),
+            "previous": prev.path if prev is not None else None}
+
+
+def link_shards(prev: Manifest, out: Path) -> list[dict]:
+    """The previous version's shards, hard-linked into ``out`` under their own names (copied across file
+    systems): byte for byte the same files."""
+    import os
+
+    for sh in prev.extra["shards"]:
+        for ext in SHARD_FILES:
+            dest = out / (sh["prefix"] + ext)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(prev.dir / (sh["prefix"] + ext), dest)
+            except OSError:
+                shutil.copyfile(prev.dir / (sh["prefix"] + ext), dest)
+    return list(prev.extra["shards"])
+
+
+def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
+        corpus: Manifest | None = None) -> Manifest:
+    """Tokenize the filtered docs into a corpus version: with ``corpus`` (the version before), only the new docs
+    are encoded, with its tokenizer, into ``shards/vNNNN/``, and its shards are kept as they are; when no new doc
+    arrived, ``corpus`` itself is the answer."""
     cfg = spec.tokenizer
-    inputs = [input_ref(filt)]
-    if cfg.model_path:
+    if corpus is not None and "corpus" not in corpus.extra:
+        raise TokenizeError(f"--corpus-manifest {corpus.path}: not a corpus version (a tokenize result of this "
+                            "version)")
+    if corpus is not None and filt.counts.get("kept", 0) == 0:
+        print(f"tokenize: no new docs; corpus version {corpus.extra['corpus']['version']} stands ({corpus.path})")
+        return corpus
+    inputs = [input_ref(filt), *([input_ref(corpus)] if corpus is not None else [])]
+    if cfg.model_path and corpus is None:
         inputs.append(file_ref(resolve_path(cfg.model_path)))
     sd = stage_dir(spec, "tokenize", inputs, out_dir)
     up = upload_target(spec, sd.final.name)
 
     def body(tmp: Path) -> Manifest:
-        from pipelines.data.spark import get_spark
+        from pipelines.data.spark import spec_session
 
-        s = spark or get_spark(spec.services.spark_master, "llm-pipeline-tokenize", spec.services.spark_driver_memory)
-        r = tokenize_docs(s, filt.output("kept"), tmp, cfg, spec.run.seed, up)
+        s = spark or spec_session(spec, "llm-pipeline-tokenize")
+        record = corpus_record(filt, corpus)
+        rel = "shards" if corpus is None else f"shards/v{record['version']:04d}"
+        old = link_shards(corpus, tmp) if corpus is not None else []
+        r = tokenize_docs(s, filt.output("kept"), tmp, cfg, spec.run.seed, up, spec.data.task_mb,
+                          corpus.output("tokenizer") if corpus is not None else None, rel)
+        shards = old + r["shards"]
         outputs = {"tokenizer": "tokenizer.model"}
-        for sh in r["shards"]:
+        for sh in shards:
             for ext in SHARD_FILES:
                 outputs[sh["prefix"] + ext] = sh["prefix"] + ext
-        return sd.commit(outputs, counts=r["counts"], extra={
-            "shards": r["shards"], "vocab_size": r["vocab_size"], "eos_id": r["eos_id"], "dtype": r["dtype"],
+        return sd.commit(outputs, counts={**shard_counts(shards), "new_docs": r["counts"]["docs"],
+                                          "new_tokens": r["counts"]["tokens"]}, extra={
+            "shards": shards, "vocab_size": r["vocab_size"], "eos_id": r["eos_id"], "dtype": r["dtype"],
             "tokenizer_sha256": sha256_file(tmp / "tokenizer.model"), "spark_master": s.sparkContext.master,
-            "partitions": r["partitions"],
+            "partitions": r["partitions"], "corpus": record,
         })
 
     m = run_and_log(spec, sd, body)
@@ -403,11 +472,13 @@ def summary(m: Manifest) -> str:
     c = m.counts
     return (f"tokenize: {c['docs']} docs → {c['train_tokens']:,} train + {c['heldout_tokens']:,} held-out tokens "
             f"in {len(m.extra['shards'])} shards from {m.extra['partitions']} Spark partition(s) on "
-            f"{m.extra['spark_master']} (vocab {m.extra['vocab_size']}); manifest {m.path}")
+            f"{m.extra['spark_master']} (vocab {m.extra['vocab_size']}); corpus version {m.extra['corpus']['version']} "
+            f"({c['new_docs']} new docs); manifest {m.path}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage_main("tokenize", run, summary, argv)
+    return stage_main("tokenize", run, summary, argv, add_args=add_corpus_arg,
+                      call=lambda spec, args, ups: run(spec, *ups, out_dir=args.output, corpus=corpus_arg(args)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+"""Incremental curation: corpus A, then A + B. B's near-duplicates of A are removed through A's persisted
+signatures, B's unique docs are kept, A's shards are reused byte for byte, and the corpus version lists both; a
+third run with nothing new gives back the same version."""
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROOT, c4_docs, write_jsonl
+from pipelines.data import dedup, filter as filter_stage, ingest, tokenize
+from pipelines.manifest import load_manifest, sha256_file
+from pipelines.spec import load_spec
+
+pytestmark = pytest.mark.spark
+
+SETS = ["tokenizer.vocab_size=600", "tokenizer.shard_tokens=40000", "data.filters.steps=[language]"]
+
+
+def _near(text: str) -> str:
+    words = text.split(" ")
+    words[-3] = "changed"
+    return " ".join(words)
+
+
+def _curate(spec, spark, corpus=None, dedup_cli=None):
+    ing = ingest.run(spec, spark=spark, corpus=corpus)
+    if dedup_cli is not None:
+        dd = dedup_cli(ing)
+    else:
+        against = [load_manifest(p) for p in corpus.extra["corpus"]["dedup"]] if corpus is not None else []
+        dd = dedup.run(spec, ing, spark=spark, against=against)
+    filt = filter_stage.run(spec, dd, spark=spark)
+    return ing, dd, tokenize.run(spec, filt, spark=spark, corpus=corpus)
+
+
+def test_a_new_week_is_deduped_against_the_corpus_and_added_as_new_shards(home, spark):
+    docs = [d for d in c4_docs(400) if len(d["text"].split()) > 80]
+    a, fresh = docs[:150], docs[150:200]
+    write_jsonl(home / "week1.jsonl", [{"text": d["text"]} for d in a])
+    copies = [{"text": a[i]["text"]} for i in (3, 4)]             # exact copies of A docs
+    nears = [{"text": _near(a[i]["text"])} for i in (10, 11, 12)]  # one word changed
+    write_jsonl(home / "week2.jsonl", [{"text": d["text"]} for d in fresh] + copies + nears
+                + [{"text": fresh[0]["text"]}])                     # and a duplicate within B
+    spec = load_spec(None, SETS + [f"data.inputs=[{home / 'week1.jsonl'}]"], env={})
+    _, d1, v1 = _curate(spec, spark)
+    assert v1.extra["corpus"]["version"] == 1 and v1.counts["new_docs"] == v1.counts["docs"]
+    assert "signatures" in {o["name"] for o in d1.outputs}
+
+    spec = load_spec(None, SETS + [f"data.inputs=[{home / 'week1.jsonl'}, {home / 'week2.jsonl'}]"], env={})
+
+    def dedup_cli(ing):  # the contract CLI
+        out = home / "dedup2"
+        r = subprocess.run([sys.executable, "-m", "pipelines.data.dedup", "--input-manifest", ing.path,
+                            "--against-manifest", d1.path, "--output", str(out), *(a for s in SETS for a in
+                                                                                    ("--set", s)),
+                            "--set", "services.spark_master=local[2]"],
+                           env={**os.environ, "LLMP_HOME": str(home)}, cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        return load_manifest(out)
+
+    ing2, d2, v2 = _curate(spec, spark, corpus=v1, dedup_cli=dedup_cli)
+    assert ing2.counts["docs"] == 50 + 2 + 3 + 1  # week1 is in the corpus already: not read again
+    assert {i.get("key") for i in ing2.inputs if "stage" not in i} == {"week2.jsonl"}
+    c = d2.counts
+    assert c["removed_against"] == 5 and c["removed"] == 6 and c["kept"] == 50 and c["docs_in"] == 56
+    assert c["kept"] + c["removed"] == c["docs_in"]
+    removed = pq.read_table(d2.output("removed")).to_pylist()
+    against = [r for r in removed if r["reason"].endswith("_of_corpus")]
+    a_ids = set(pq.read_table(d1.output("kept")).column("id").to_pylist())
+    assert len(against) == 5 and all(r["dup_of_id"] in a_ids for r in against)
+    assert sorted(r["reason"] for r in against) == ["exact_duplicate_of_corpus"] * 2 + ["near_duplicate_of_corpus"] * 3
+    kept_texts = set(pq.read_table(d2.output("kept")).column("text").to_pylist())
+    assert kept_texts == {d["text"] for d in fresh}  # B's unique docs, A's never emitted again
+
+    corpus = v2.extra["corpus"]
+    assert corpus["version"] == 2 and corpus["previous"] == v1.path and corpus["dedup"] == [d1.path, d2.path]
+    assert len(corpus["inputs"]) == 2 and corpus["inputs"][0] == v1.extra["corpus"]["inputs"][0]
+    old = v1.extra["shards"]
+    assert v2.extra["shards"][:len(old)] == old and all(s["prefix"].startswith("shards/v0002/")
+                                                       for s in v2.extra["shards"][len(old):])
+    for s in old:  # A's shards, byte for byte (hard links of the same files)
+        for ext in tokenize.SHARD_FILES:
+            assert sha256_file(v2.dir / (s["prefix"] + ext)) == sha256_file(v1.dir / (s["prefix"] + ext))
+            assert (v2.dir / (s["prefix"] + ext)).stat().st_ino == (v1.dir / (s["prefix"] + ext)).stat().st_ino
+    assert v2.output_sha("tokenizer") == v1.output_sha("tokenizer")
+    assert v2.counts["docs"] == v1.counts["docs"] + v2.counts["new_docs"] and v2.counts["new_docs"] > 40
+    got = {**tokenize.read_back(v2, "train"), **tokenize.read_back(v2, "heldout")}
+    assert len(got) == v2.counts["docs"]
+
+    _, _, v3 = _curate(spec, spark, corpus=v2)  # nothing new: the same version
+    assert v3.path == v2.path

@@ -1,0 +1,110 @@
+"""Ingest's input edge cases (ids across inputs, broken compression, plain text, formats it refuses) and the task
+commit protocol (a task killed after writing, speculation on: every record once)."""
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROOT
+from pipelines.data import ingest
+from pipelines.data.sources import IngestError
+from pipelines.manifest import load_manifest
+from pipelines.spec import load_spec
+
+
+def _lines(recs) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in recs).encode()
+
+
+def test_same_name_inputs_in_two_directories_get_distinct_ids_and_sources(home, spark):
+    for d in ("week1", "week2"):
+        (home / d).mkdir()
+        (home / d / "part.jsonl").write_bytes(_lines({"text": f"{d} doc {i}"} for i in range(3)))
+    m = ingest.run(load_spec(None, [f"data.inputs=[{home / 'week1'}, {home / 'week2'}]"], env={}), spark=spark)
+    docs = pq.read_table(m.output("docs")).to_pylist()
+    assert len(docs) == 6 and len({d["id"] for d in docs}) == 6
+    assert [d["id"] for d in docs[:2]] == ["week1/part.jsonl:1", "week1/part.jsonl:2"]
+    assert {d["source"] for d in docs} == {"week1/part.jsonl", "week2/part.jsonl"}
+    assert set(m.extra["input_sha256"]) == {"week1/part.jsonl", "week2/part.jsonl"}
+
+
+def test_ids_given_by_the_data_that_repeat_are_qualified_by_where_they_were_read(home, spark):
+    (home / "a.jsonl").write_bytes(_lines([{"id": "x", "text": "first"}, {"id": "y", "text": "unique"}]))
+    (home / "b.jsonl").write_bytes(_lines([{"id": "x", "text": "second"}, {"id": "x", "text": "third"}]))
+    m = ingest.run(load_spec(None, [f"data.inputs=[{home / 'a.jsonl'}, {home / 'b.jsonl'}]"], env={}), spark=spark)
+    ids = [d["id"] for d in pq.read_table(m.output("docs")).to_pylist()]
+    assert ids == ["a.jsonl:1#x", "y", "b.jsonl:1#x", "b.jsonl:2#x"] and m.counts["qualified_ids"] == 1
+
+
+def test_corrupt_and_truncated_gzip_inputs_are_quarantined_and_the_rest_is_read(home, capsys):
+    good = _lines({"text": f"good doc {i} " * 20} for i in range(2000))
+    whole = gzip.compress(good)
+    (home / "truncated.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    corrupt = bytearray(whole)
+    corrupt[len(whole) // 2: len(whole) // 2 + 64] = b"\x00" * 64
+    (home / "corrupt.jsonl.gz").write_bytes(bytes(corrupt))
+    (home / "fine.jsonl").write_bytes(_lines([{"text": "after the broken ones"}]))
+    out = home / "out"
+    code = ingest.main(["--input", str(home / "truncated.jsonl.gz"), "--input", str(home / "corrupt.jsonl.gz"),
+                        "--input", str(home / "fine.jsonl"), "--output", str(out),
+                        "--set", "services.spark_master=local[2]"])
+    assert code == 0, capsys.readouterr()
+    m = load_manifest(out)
+    c = m.counts
+    assert c["quarantine_reasons"] == {"bad_compression": 2} and c["records"] == c["docs"] + c["quarantined"]
+    q = {e["source"]: e for e in ingest.read_quarantine(m)}
+    assert set(q) == {"truncated.jsonl.gz", "corrupt.jsonl.gz"}
+    for e in q.values():
+        assert e["reason"] == "bad_compression" and 0 < e["offset"] <= len(whole) and e["uri"].endswith(".jsonl.gz")
+    docs = pq.read_table(m.output("docs")).to_pylist()
+    by = {s: sum(d["source"] == s for d in docs) for s in q}
+    assert 0 < by["truncated.jsonl.gz"] < 2000 and 0 < by["corrupt.jsonl.gz"] < 2000  # what came before is kept
+    assert docs[-1]["text"] == "after the broken ones" and len({d["id"] for d in docs}) == len(docs)
+
+
+def test_plain_text_files_are_one_document_each_and_other_formats_are_refused(home, spark):
+    (home / "texts").mkdir()
+    (home / "texts" / "essay.txt").write_text("An essay.\n\nIts second paragraph.\n")
+    (home / "texts" / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    m = ingest.run(load_spec(None, [f"data.inputs=[{home / 'texts'}]"], env={}), spark=spark)
+    assert m.counts["text_files"] == 2 and m.counts["docs"] == 1
+    assert m.counts["quarantine_reasons"] == {"invalid_utf8": 1}
+    doc = pq.read_table(m.output("docs")).to_pylist()[0]
+    assert doc["text"] == "An essay.\n\nIts second paragraph.\n" and doc["id"] == "texts/essay.txt:1"
+    (home / "table.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(IngestError, match=r"table.csv.*not a supported format.*JSONL.*WARC.*plain text"):
+        ingest.run(load_spec(None, [f"data.inputs=[{home / 'table.csv'}]"], env={}), spark=spark)
+
+
+def _ingest_cli(home, out, fail: str, extra=()):
+    env = {**os.environ, "LLMP_HOME": str(home), "LLMP_FAIL_TASK": fail}
+    return subprocess.run([sys.executable, "-m", "pipelines.data.ingest", "--output", str(out),
+                           "--set", "services.spark_master=local[2,4]",
+                           "--set", "services.spark_conf={spark.speculation: 'true', spark.speculation.quantile: "
+                                    "'0.1', spark.speculation.multiplier: '1.1', spark.speculation.minTaskRuntime: "
+                                    "'10ms'}", *extra],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("point", ["ingest-read:1", "ingest-write:2"])
+def test_a_task_killed_after_writing_leaves_every_record_once(home, point):
+    """Four inputs, four tasks; one task's first attempt writes its files, then its worker dies (os._exit): the
+    retry's files are published, the dead attempt's never are; speculation is on throughout."""
+    names = []
+    for k in range(4):
+        (home / f"in{k}.jsonl").write_bytes(_lines({"text": f"input {k} record {i}"} for i in range(500)))
+        names.append(str(home / f"in{k}.jsonl"))
+    out = home / "out"
+    r = _ingest_cli(home, out, point, [a for n in names for a in ("--input", n)])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "Lost task" in r.stderr and "Python worker exited unexpectedly" in r.stderr  # the kill happened
+    m = load_manifest(out)
+    docs = pq.read_table(m.output("docs")).to_pylist()
+    assert [d["idx"] for d in docs] == list(range(2000))
+    assert sorted(d["text"] for d in docs) == sorted(f"input {k} record {i}" for k in range(4) for i in range(500))
+    assert sorted(p.name for p in m.output("docs").iterdir()) == [f"part-{k:05d}.parquet" for k in range(4)]
+    assert not any(p.name.startswith("_") for p in m.dir.iterdir())  # no attempt directory left behind
