@@ -18,7 +18,15 @@ Each master runs in a child process pinned to its cores (``os.sched_setaffinity`
 2), so the JVM that feeds the Python workers cannot borrow an idle core; the one-thread anchors run on that one
 core too. ``--no-pin`` measures unpinned.
 
-    python benchmarks/data_bench.py [--copies 30] [--warc-copies 8] [--no-pin]   → var/bench/data.json
+* **Cluster scale** (``--only scale``): a Spark standalone cluster of simulated nodes (``pipelines.sim_nodes``: each
+  worker in a mount namespace of its own, pinned to a core of its own) with one node, then two, runs ingest JSONL,
+  dedup and tokenize (job seconds, after a warm-up job); the driver's CPU seconds (its Python process and its JVM;
+  the executors are elsewhere) at 1× and 8× the input, in 8 files either way.
+* **Incremental dedup** (``--only incremental``): a new 10 % deduped against the persisted signatures of the corpus
+  before it, against deduping corpus + new again, on local[2].
+
+    python benchmarks/data_bench.py [--copies 30] [--warc-copies 8] [--no-pin] [--only ends|scale|incremental]
+        → var/bench/data.json
 """
 from __future__ import annotations
 
@@ -91,7 +99,7 @@ def timed_ingest(spark, files: list[Path], work: Path, extractor: str = "resilip
 
     out = Path(tempfile.mkdtemp(dir=work))
     t = time.perf_counter()
-    counts = ingest(spark, [Source.of_file(f) for f in files], out, IngestCfg(extractor=extractor))
+    counts, _, _ = ingest(spark, [Source.of_file(f) for f in files], out, IngestCfg(extractor=extractor))
     return time.perf_counter() - t, {**counts, "out": str(out)}
 
 
@@ -131,22 +139,172 @@ def datatrove_warc(files: list[Path]) -> tuple[float, int] | None:
     return time.perf_counter() - t, n
 
 
+# ---- cluster scale: simulated nodes, driver CPU, incremental dedup ----------------------------------------------
+
+
+def driver_cpu_s(spark) -> float:
+    """CPU seconds of the driver so far: this Python process and its JVM (the executors live elsewhere)."""
+    jvm = spark.sparkContext._gateway.proc.pid
+    with open(f"/proc/{jvm}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return time.process_time() + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stage_times(spark, files: list[Path], work: Path, model: Path) -> dict:
+    """Ingest JSONL, dedup and tokenize (given model) job seconds and the driver's CPU seconds, one session."""
+    from pipelines.data.dedup import dedup_docs
+    from pipelines.spec import DedupCfg
+
+    r, cpu0 = {}, driver_cpu_s(spark)
+    r["ingest_s"], c = timed_ingest(spark, files, work)
+    docs = Path(c["out"]) / "docs"
+    out = Path(tempfile.mkdtemp(dir=work))
+    t = time.perf_counter()
+    stats = dedup_docs(spark, docs, out, DedupCfg(), tasks=spark.sparkContext.defaultParallelism)
+    r["dedup_s"] = time.perf_counter() - t
+    r["tokenize_s"], tok = timed_tokenize(spark, docs, model, work)
+    r.update(docs=c["docs"], kept=stats["kept"], tokens=tok["counts"]["tokens"],
+             driver_cpu_s=round(driver_cpu_s(spark) - cpu0, 2))
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}
+
+
+def cluster_child(master: str, work_dir: str, which: str) -> int:
+    """The driver of one measurement on a standalone cluster: stage times and driver CPU, written as JSON."""
+    work = Path(work_dir)
+    spark, start = spark_session(master)
+    files = sorted((work / which).iterdir())
+    stage_times(spark, files[:1], work, work / "tok.model")  # warm: Python workers, JIT
+    r = {**stage_times(spark, files, work, work / "tok.model"), "session_start_s": round(start, 1)}
+    spark.stop()
+    (work / f"{which}-{master.rsplit(':', 1)[-1]}.json").write_text(json.dumps(r))
+    return 0
+
+
+def on_cluster(work: Path, workers: int, which: str) -> dict:
+    import subprocess
+
+    from pipelines.sim_nodes import SparkCluster
+
+    with SparkCluster(work / f"nodes-{workers}-{which}", workers=workers, cores=1, memory="3g",
+                      private_dirs=(ROOT / "var",), pin=True) as cl:
+        subprocess.run([sys.executable, __file__, "--cluster-child", cl.master_url, str(work), which], check=True)
+        return json.loads((work / f"{which}-{cl.master_url.rsplit(':', 1)[-1]}.json").read_text())
+
+
+def run_scale(args, work: Path) -> dict:
+    """Two simulated nodes (1 core each) against one; the driver's CPU at 1× and 8× the input (8 files each)."""
+    from pipelines.data.tokenize import normalise, train_sentencepiece
+    from pipelines.sim_nodes import namespaces_permitted
+    from pipelines.spec import TokenizerCfg
+
+    why = namespaces_permitted()
+    if why:
+        return {"skipped": why}
+    for name, copies in (("x1", args.copies), ("x8", 8 * args.copies)):
+        (work / name).mkdir()
+        jsonl_corpus(work / name, copies)
+    texts = [json.loads(x)["text"] for x in open(work / "x1" / "part-0.jsonl", encoding="utf-8")][:4000]
+    train_sentencepiece([normalise(t) for t in texts], work / "tok", TokenizerCfg(), 1234)
+    res = {"corpus_mb": {n: round(sum(f.stat().st_size for f in (work / n).iterdir()) / 2**20, 1)
+                         for n in ("x1", "x8")}}
+    res["one_node"] = on_cluster(work, 1, "x1")
+    res["two_nodes"] = on_cluster(work, 2, "x1")
+    res["one_node_x8"] = on_cluster(work, 1, "x8")
+    print(f"scale: {res}", flush=True)
+    return res
+
+
+def run_incremental(args, work: Path) -> dict:
+    """Dedup of a new 10 % against the corpus's persisted signatures, against dedup of corpus + new, on local[2]."""
+    import pyarrow.parquet as pq
+
+    from pipelines.data.dedup import dedup_docs
+    from pipelines.data.spark import get_spark
+    from pipelines.spec import DedupCfg
+
+    (work / "inc").mkdir()
+    jsonl_corpus(work / "inc", args.copies)
+    spark = get_spark("local[2]", "data-bench-incremental", "4g")
+    _, c = timed_ingest(spark, sorted((work / "inc").iterdir()), work)
+    docs = pq.read_table(Path(c["out"]) / "docs")
+    n_old = docs.num_rows * 10 // 11
+    for name, t in (("old", docs.slice(0, n_old)), ("new", docs.slice(n_old)), ("all", docs)):
+        (work / name).mkdir()
+        pq.write_table(t, work / name / "part-00000.parquet")
+    cfg, tasks = DedupCfg(), spark.sparkContext.defaultParallelism
+    dedup_docs(spark, work / "new", work / "warm", cfg, tasks=tasks)  # warm: Python workers, JIT
+    t = time.perf_counter()
+    dedup_docs(spark, work / "old", work / "old_out", cfg, tasks=tasks)
+    old_s = time.perf_counter() - t
+    t = time.perf_counter()
+    full = dedup_docs(spark, work / "all", work / "all_out", cfg, tasks=tasks)
+    full_s = time.perf_counter() - t
+    t = time.perf_counter()
+    inc = dedup_docs(spark, work / "new", work / "new_out", cfg, [work / "old_out" / "signatures"], tasks)
+    inc_s = time.perf_counter() - t
+    spark.stop()
+    res = {"docs_old": n_old, "docs_new": docs.num_rows - n_old, "old_dedup_s": round(old_s, 1),
+           "full_dedup_s": round(full_s, 1), "incremental_dedup_s": round(inc_s, 1),
+           "full_removed": full["removed"], "incremental_removed": inc["removed"],
+           "incremental_removed_against": inc["removed_against"]}
+    print(f"incremental: {res}", flush=True)
+    return res
+
+
+def scale_table(r: dict) -> str:
+    lines = ["| measure | one node (1 core) | two nodes (1 core each) | two / one | target |", "|---|---|---|---|---|"]
+    sc = r.get("scale", {})
+    if "skipped" in sc:
+        lines.append(f"| simulated nodes | skipped: {sc['skipped']} | | | |")
+    elif sc:
+        one, two = sc["one_node"], sc["two_nodes"]
+        for k, label in (("ingest_s", "ingest JSONL"), ("dedup_s", "dedup"), ("tokenize_s", "tokenize")):
+            lines.append(f"| {label}, job s | {one[k]} | {two[k]} | {one[k] / two[k]:.2f}× | ≥ 1.7× |")
+        x8 = sc["one_node_x8"]
+        lines.append(f"| driver CPU s, 1× input ({sc['corpus_mb']['x1']} MB) → 8× ({sc['corpus_mb']['x8']} MB) | "
+                     f"{one['driver_cpu_s']} | {x8['driver_cpu_s']} (8×) | {x8['driver_cpu_s'] / one['driver_cpu_s']:.2f}× "
+                     f"| ≤ 2× |")
+    inc = r.get("incremental")
+    if inc:
+        lines.append(f"| dedup of a new 10 % ({inc['docs_new']} docs): whole corpus again vs against its signatures, s "
+                     f"| {inc['full_dedup_s']} | {inc['incremental_dedup_s']} | "
+                     f"{inc['full_dedup_s'] / inc['incremental_dedup_s']:.2f}× faster | ≥ 5× |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--copies", type=int, default=30, help="copies of the bundled JSONL samples (default 30)")
     ap.add_argument("--warc-copies", type=int, default=8, help="copies of the bundled WARC's pages (default 8)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin local[N] to N cores")
     ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "data.json"))
+    ap.add_argument("--only", choices=["ends", "scale", "incremental"], action="append",
+                    help="run only these parts (repeatable; default: all)")
     ap.add_argument("--child", nargs=2, metavar=("MASTER", "WORK"), help=argparse.SUPPRESS)
+    ap.add_argument("--cluster-child", nargs=3, metavar=("MASTER", "WORK", "WHICH"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child(*args.child, pin=not args.no_pin)
-    work = Path(tempfile.mkdtemp(prefix="data-bench-"))
+    if args.cluster_child:
+        return cluster_child(*args.cluster_child)
+    parts = args.only or ["ends", "scale", "incremental"]
+    work = Path(tempfile.mkdtemp(prefix="data-bench-", dir="/var/tmp"))  # not under /tmp: the nodes have their own
+    result: dict = {}
     try:
-        result = run(args, work)
+        if "ends" in parts:
+            result.update(run(args, work / "ends"))
+        if "scale" in parts:
+            (work / "scale").mkdir()
+            result["scale"] = run_scale(args, work / "scale")
+        if "incremental" in parts:
+            (work / "inc-work").mkdir()
+            result["incremental"] = run_incremental(args, work / "inc-work")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(table(result))
+    if "ends" in parts:
+        print(table(result))
+    if "scale" in parts or "incremental" in parts:
+        print(scale_table(result))
     atomic_write_text(args.out, json.dumps(result, indent=2))
     print(f"\nwritten {args.out}")
     return 0
@@ -159,6 +317,7 @@ def run(args, work: Path) -> dict:
     from pipelines.data.tokenize import normalise, train_sentencepiece
     from pipelines.spec import TokenizerCfg
 
+    work.mkdir()
     (work / "jsonl").mkdir()
     (work / "warc").mkdir()
     res: dict = {"corpus": {"jsonl_docs": jsonl_corpus(work / "jsonl", args.copies),

@@ -134,11 +134,12 @@ class SparkCluster:
     (:class:`Node`): a private ``/tmp`` (its work and shuffle directories) and a private, empty ``private_dirs``
     (e.g. the project's ``var/``), sharing only what lies elsewhere (``run.root`` and the inputs on a shared
     directory, which must not be under ``/tmp``) and loopback. ``root`` (this machine's bookkeeping: the nodes'
-    directories, logs) must not be under ``/tmp`` either. ``master_url`` is what the stages take as
-    ``services.spark_master``."""
+    directories, logs) must not be under ``/tmp`` either. ``pin``: node i's processes run on CPUs
+    ``[i·cores, (i+1)·cores)`` only (a machine of its own, for benchmarks). ``master_url`` is what the stages take
+    as ``services.spark_master``."""
 
     def __init__(self, root: Path, workers: int = 2, cores: int = 1, memory: str = "2g",
-                 private_dirs: tuple[Path, ...] = ()):
+                 private_dirs: tuple[Path, ...] = (), pin: bool = False):
         import sys
 
         self.root = root
@@ -153,7 +154,9 @@ class SparkCluster:
                                        stderr=subprocess.STDOUT)
         self.nodes = []
         for i in range(workers):
-            cmd = [str(bin_dir / "spark-class"), "org.apache.spark.deploy.worker.Worker", self.master_url,
+            cpus = ",".join(str(i * cores + c) for c in range(cores))  # pin: node i gets CPUs of its own
+            cmd = ["taskset", "-c", cpus] if pin else []
+            cmd += [str(bin_dir / "spark-class"), "org.apache.spark.deploy.worker.Worker", self.master_url,
                    "--host", "127.0.0.1", "--cores", str(cores), "--memory", memory,
                    "--webui-port", str(free_port()), "--work-dir", "/tmp/spark-work"]
             binds = tuple((root / f"node{i}" / d.name, d) for d in private_dirs)
