@@ -193,7 +193,7 @@ def on_cluster(work: Path, workers: int, which: str) -> dict:
 
 def run_scale(args, work: Path) -> dict:
     """Two simulated nodes (1 core each) against one; the driver's CPU at 1× and 8× the input (8 files each)."""
-    from pipelines.data.tokenize import normalise, train_sentencepiece
+    from pipelines.data.tokenize import canonical_text, train_sentencepiece
     from pipelines.sim_nodes import namespaces_permitted
     from pipelines.spec import TokenizerCfg
 
@@ -204,7 +204,7 @@ def run_scale(args, work: Path) -> dict:
         (work / name).mkdir()
         jsonl_corpus(work / name, copies)
     texts = [json.loads(x)["text"] for x in open(work / "x1" / "part-0.jsonl", encoding="utf-8")][:4000]
-    train_sentencepiece([normalise(t) for t in texts], work / "tok", TokenizerCfg(), 1234)
+    train_sentencepiece([canonical_text(t) for t in texts], work / "tok", TokenizerCfg(), 1234)
     res = {"corpus_mb": {n: round(sum(f.stat().st_size for f in (work / n).iterdir()) / 2**20, 1)
                          for n in ("x1", "x8")}}
     res["one_node"] = on_cluster(work, 1, "x1")
@@ -314,7 +314,7 @@ def run(args, work: Path) -> dict:
     """Build the corpora and the tokenizer here; measure each master in a child process pinned to its cores."""
     import subprocess
 
-    from pipelines.data.tokenize import normalise, train_sentencepiece
+    from pipelines.data.tokenize import canonical_text, train_sentencepiece
     from pipelines.spec import TokenizerCfg
 
     work.mkdir()
@@ -325,7 +325,7 @@ def run(args, work: Path) -> dict:
                  "cores": os.cpu_count(), "pinned": not args.no_pin}
     res["corpus"]["jsonl_mb"] = round(sum(f.stat().st_size for f in (work / "jsonl").iterdir()) / 2**20, 1)
     texts = [json.loads(x)["text"] for x in open(work / "jsonl" / "part-0.jsonl", encoding="utf-8")][:4000]
-    train_sentencepiece([normalise(t) for t in texts], work / "tok", TokenizerCfg(), 1234)
+    train_sentencepiece([canonical_text(t) for t in texts], work / "tok", TokenizerCfg(), 1234)
     print(f"corpus: {res['corpus']}", flush=True)
     for master in ("local[1]", "local[2]"):
         cmd = [sys.executable, __file__, "--child", master, str(work)] + (["--no-pin"] if args.no_pin else [])

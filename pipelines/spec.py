@@ -88,8 +88,8 @@ class IngestCfg(_Section):
     extractor: Literal["resiliparse", "trafilatura"] = Field(
         "resiliparse", description="HTML → text for WARC responses: resiliparse's main-content extractor, or "
                                    "trafilatura (slower, often cleaner).")
-    split_mb: int = Field(64, ge=1, description="Plain JSONL and .warc.gz files larger than this are read by "
-                                                "several Spark tasks, one per split_mb byte range (cut at line / "
+    chunk_mb: int = Field(64, ge=1, description="Plain JSONL and .warc.gz files larger than this are read by "
+                                                "several Spark tasks, one per chunk_mb byte range (cut at line / "
                                                 "gzip-member boundaries).")
     s3_read: Literal["auto", "copy", "direct"] = Field(
         "auto", description="s3:// inputs: 'direct' = the Spark tasks read their byte ranges from S3 themselves, "
@@ -222,7 +222,7 @@ class DataCfg(_Section):
                     "directories, globs or s3://bucket/prefix; relative paths resolve against the project root.",
     )
     task_mb: int = Field(128, ge=1, description="Input bytes per Spark task in dedup, filter and tokenize (their "
-                                                "partitions: 0); ingest cuts its inputs by data.ingest.split_mb.")
+                                                "partitions: 0); ingest cuts its inputs by data.ingest.chunk_mb.")
     ingest: IngestCfg = Field(default_factory=IngestCfg)
     dedup: DedupCfg = Field(default_factory=DedupCfg)
     filters: FilterCfg = Field(default_factory=FilterCfg)

@@ -40,7 +40,7 @@ def _model_dir(d: Path, seed: int, sp_model: Path, seq_len: int = 256) -> Path:
 def models(tmp_path_factory):
     """Two small random models (different seeds) sharing a SentencePiece model trained on C4 docs."""
     root = tmp_path_factory.mktemp("models")
-    sp = tokenize.train_sentencepiece([tokenize.normalise(d["text"]) for d in c4_docs(200)], root / "sp",
+    sp = tokenize.train_sentencepiece([tokenize.canonical_text(d["text"]) for d in c4_docs(200)], root / "sp",
                                       TokenizerCfg(vocab_size=400), seed=1)
     return _model_dir(root / "a", 1, sp), _model_dir(root / "b", 2, sp)
 
@@ -63,7 +63,7 @@ def test_bits_per_byte_equals_a_hand_computation(models, tmp_path):
     text = "Ünïcode café\r\nand a second line. " * 50  # NFKC and \r\n normalisation, several windows, a short last one
     f = tmp_path / "t.txt"
     f.write_text(text, encoding="utf-8")
-    norm = tokenize.normalise(text)
+    norm = tokenize.canonical_text(text)
     ids = tm.encode(norm)
     assert len(ids) > 2 * tm.seq_len and (len(ids) - 1) % tm.seq_len  # a shorter last window
     nats, scored = _hand_nats(tm, ids)

@@ -2,7 +2,7 @@
 import gzip
 import json
 
-from pipelines.data import filters as F
+from pipelines.data import quality as F
 from pipelines.spec import FilterCfg, load_spec
 
 from conftest import BUNDLED, SHARED, c4_docs

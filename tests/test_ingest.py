@@ -208,9 +208,9 @@ def test_large_files_are_split_by_record_and_ids_do_not_depend_on_the_split(home
             recs.append("")
     (home / "big.jsonl").write_text("\n".join(recs) + "\n")
     one = ingest.run(load_spec(None, [f"data.inputs=[{home / 'big.jsonl'}]"], env={}), spark=spark)
-    three = ingest.run(load_spec(None, [f"data.inputs=[{home / 'big.jsonl'}]", "data.ingest.split_mb=1"], env={}),
+    three = ingest.run(load_spec(None, [f"data.inputs=[{home / 'big.jsonl'}]", "data.ingest.chunk_mb=1"], env={}),
                        spark=spark)
-    assert one.counts["splits"] == 1 and three.counts["splits"] == 3
+    assert one.counts["chunks"] == 1 and three.counts["chunks"] == 3
     for k in ("docs", "quarantined", "blank_lines", "lines"):
         assert one.counts[k] == three.counts[k], k
     a, b = (pq.read_table(m.output("docs")).select(["idx", "id", "text"]).to_pylist() for m in (one, three))
@@ -223,7 +223,7 @@ def test_large_files_are_split_by_record_and_ids_do_not_depend_on_the_split(home
 def test_a_rerun_gives_the_same_ids_and_digest(home, spark):
     src = f"data.inputs=[{SAMPLE_WARC}, {ROOT / 'data' / 'sample' / 'cc_wet_2019_30_sample.jsonl.gz'}]"
     two = ingest.run(load_spec(None, [src], env={}), spark=spark)
-    assert two.extra["spark_master"] == "local[2]" and two.counts["splits"] == 2
+    assert two.extra["spark_master"] == "local[2]" and two.counts["chunks"] == 2
     again = ingest.run(load_spec(None, [src, "run.force=true"], env={}), spark=spark)
     assert again.digest == two.digest
 
@@ -275,7 +275,7 @@ def test_a_large_warc_gz_is_split_by_gzip_member_and_reads_as_the_whole_file(hom
     cfg = load_spec(None, [], env={}).data.ingest
 
     def read(step):
-        splits = formats.plan(src, 64, step=step)
+        splits = formats.plan_chunks(src, 64, step=step)
         return len(splits), [(r.loc, r.text, r.reason) if isinstance(r, formats.Row) else r
                              for s in splits for r in formats.rows(s, cfg)]
 
@@ -288,8 +288,8 @@ def test_a_large_warc_gz_is_split_by_gzip_member_and_reads_as_the_whole_file(hom
         assert k > 2 and got == whole, step
 
     one = ingest.run(load_spec(None, [f"data.inputs=[{path}]"], env={}), spark=spark)
-    three = ingest.run(load_spec(None, [f"data.inputs=[{path}]", "data.ingest.split_mb=1"], env={}), spark=spark)
-    assert one.counts["splits"] == 1 and three.counts["splits"] == 3
+    three = ingest.run(load_spec(None, [f"data.inputs=[{path}]", "data.ingest.chunk_mb=1"], env={}), spark=spark)
+    assert one.counts["chunks"] == 1 and three.counts["chunks"] == 3
     a, b = (pq.read_table(m.output("docs")).select(["idx", "id", "text", "url"]).to_pylist() for m in (one, three))
     assert a == b and len(a) == 399  # every page but the one cut short
     assert ingest.read_quarantine(one) == ingest.read_quarantine(three)
@@ -308,7 +308,7 @@ def test_s3_direct_tasks_read_byte_ranges_themselves_and_give_the_local_digest(h
                                                      + "\n" for i in range(6000)))
     (home / "in" / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "zstd doc"}\n{bad\n'))
     names = ["big.warc.gz", "c.jsonl.zst", "lines.jsonl"]
-    sets = [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=raw", "data.ingest.split_mb=1"]
+    sets = [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=raw", "data.ingest.chunk_mb=1"]
     s3 = client(load_spec(None, sets, env={}))
     ensure_bucket(s3, "raw")
     for f in names:
@@ -318,7 +318,7 @@ def test_s3_direct_tasks_read_byte_ranges_themselves_and_give_the_local_digest(h
                                  env={}), spark=spark)
     direct = ingest.run(load_spec(None, sets + ["data.inputs=[s3://raw/direct/]", "data.ingest.s3_read=direct"],
                                   env={}), spark=spark)
-    assert direct.counts["splits"] == local.counts["splits"] == 3 + 1 + 3
+    assert direct.counts["chunks"] == local.counts["chunks"] == 3 + 1 + 3
     assert direct.path != local.path and direct.extra["input_sha256"] == {
         f"s3://raw/direct/{k.removeprefix('in/')}": v for k, v in local.extra["input_sha256"].items()}
 

@@ -107,7 +107,7 @@ def test_fused_raw_text_path_equals_normalise_then_hash(n):
     assert [int(v) for v in exact[:40].view(np.uint64)] == [mh._exact_ref(t) for t in norms[:40]]
     same_text = {(i, j) for i in range(len(norms)) for j in range(len(norms)) if norms[i] == norms[j]}
     same_key = {(i, j) for i in range(len(norms)) for j in range(len(norms)) if exact[i] == exact[j]}
-    assert same_text == same_key and len(same_text) > len(norms)  # TEXTS has two docs that normalise equal
+    assert same_text == same_key and len(same_text) > len(norms)  # TEXTS has two docs that normalize equal
 
 
 @pytest.mark.parametrize("engine", ["numpy", "numba"])

@@ -19,7 +19,7 @@ from pipelines.sim_nodes import SparkCluster, namespaces_permitted
 pytestmark = pytest.mark.spark
 
 SETS = ["tokenizer.vocab_size=600", "tokenizer.shard_tokens=30000", "tokenizer.heldout_fraction=0.1",
-        "data.filters.steps=[language,gopher_repetition]", "data.ingest.split_mb=1"]
+        "data.filters.steps=[language,gopher_repetition]", "data.ingest.chunk_mb=1"]
 
 
 def _curate(home, master: str, root, inputs) -> dict:
@@ -68,7 +68,7 @@ def test_two_workers_in_their_own_mount_namespaces_curate_what_local_2_curates(h
     for name, m in on_nodes.items():
         assert str(m.path).startswith(str(shared / "runs")), name
         assert m.counts == local[name].counts or name == "tokenize", name
-    assert on_nodes["ingest"].counts["splits"] >= 2 and on_nodes["dedup"].counts["removed"] >= 20
+    assert on_nodes["ingest"].counts["chunks"] >= 2 and on_nodes["dedup"].counts["removed"] >= 20
     for split in tokenize.SPLITS:
         got, want = (tokenize.read_back(m["tokenize"], split) for m in (on_nodes, local))
         assert got and got == want, split

@@ -43,7 +43,7 @@ def test_shards_round_trip_and_counts_match_the_manifest(home, spark):
         for d in expected:
             ids = got[d["id"]]
             assert ids[-1] == eos and eos not in ids[:-1]
-            assert sp.decode(ids[:-1]) == tokenize.normalise(d["text"])  # exact round trip
+            assert sp.decode(ids[:-1]) == tokenize.canonical_text(d["text"])  # exact round trip
         assert sum(len(v) for v in got.values()) == m.counts[f"{split}_tokens"]
     assert len([s for s in m.extra["shards"] if s["split"] == "train"]) > 1  # sharding happened
     for s in m.extra["shards"]:
@@ -76,7 +76,7 @@ def test_the_plan_covers_every_row_once_in_order_with_balanced_tasks():
     groups = [("a", 0, 1000, 800_000), ("a", 1, 10, 8_000), ("b", 0, 30, 24_000), ("c", 0, 1, 50_000),
               ("c", 1, 500, 400_000)]
     for n in (1, 2, 3, 7, 40):
-        tasks = tokenize.plan(groups, n)
+        tasks = tokenize.plan_pieces(groups, n)
         assert 1 <= len(tasks) <= n
         pieces = [p for t in tasks for p in t]
         rows = [(p.file, p.group, r) for p in pieces for r in range(p.start, p.stop)]
@@ -84,7 +84,7 @@ def test_the_plan_covers_every_row_once_in_order_with_balanced_tasks():
         share = sum(g[3] for g in groups) / n
         biggest_piece = max(p.text_bytes for p in pieces)
         assert all(abs(sum(p.text_bytes for p in t) - share) <= max(biggest_piece, 0.02 * share) for t in tasks), n
-    assert len(tokenize.plan(groups, 40)) > 30  # the 1000-row group alone is cut into ~25 pieces
+    assert len(tokenize.plan_pieces(groups, 40)) > 30  # the 1000-row group alone is cut into ~25 pieces
 
 
 def test_shards_published_to_s3_match_the_manifest_and_a_rerun_repairs_the_copy(home, spark, s3_server, capsys):

@@ -2,9 +2,9 @@
 
 Pipeline (all on executors; the driver only plans and counts):
 
-1. ``mapInArrow`` over the docs: normalise, word n-gram shingles, 64-bit-safe MinHash signature,
+1. ``mapInArrow`` over the docs: normalize, word n-gram shingles, 64-bit-safe MinHash signature,
    one 64-bit key per band (``pipelines.data.minhash``), plus the *exact band*: a hash of the whole
-   normalised text. Docs too short to shingle get only the exact key: they can be exact
+   normalized text. Docs too short to shingle get only the exact key: they can be exact
    duplicates but are never near-duplicate candidates.
 2. ``groupBy(band, key)``: every bucket with ≥ 2 docs becomes a *star*: each member → the
    bucket's smallest ``idx``; edges are deduplicated in one aggregation, no all-pairs expansion.
@@ -82,11 +82,11 @@ SIG_SCHEMA = "idx long, id string, len int, keys array<long>, sh binary"
 def _signature_fn(ngram: int, num_perm: int, seed: int, bands: int, rows: int):
     """mapInArrow body: (idx, id, text) batches → one row per doc: (idx, id, len, keys, sh).
 
-    ``keys[0]``: a 64-bit hash of the whole normalised text (the *exact band*: exact duplicates meet
+    ``keys[0]``: a 64-bit hash of the whole normalized text (the *exact band*: exact duplicates meet
     on it, even docs too short to shingle); ``keys[1:]``: the b LSH band keys (absent when the doc
     has no shingles); ``sh``: the distinct 32-bit shingle hashes (``keepers.hash_set_column``, null
     without shingles) for exact Jaccard; ``len``: the raw text's length (the ``longest`` keeper policy). A doc whose
-    normalised text is empty gets null ``keys``: it is never a duplicate of anything.
+    normalized text is empty gets null ``keys``: it is never a duplicate of anything.
     """
     def fn(batches):
         import numpy as np

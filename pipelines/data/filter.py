@@ -1,4 +1,4 @@
-"""The filter stage: the quality filters of :mod:`pipelines.data.filters` over the dedup stage's kept docs, on
+"""The filter stage: the quality filters of :mod:`pipelines.data.quality` over the dedup stage's kept docs, on
 Spark; kept docs and removed docs (each with its ``filter_reason``) as parquet.
 
     python -m pipelines.data.filter --dedup-manifest M [--spec S] [--set data.filters.steps=[language,c4]]
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
-from pipelines.data.filters import filter_docs
+from pipelines.data.quality import filter_docs
 from pipelines.manifest import Manifest, input_ref
 from pipelines.spec import JobSpec
 

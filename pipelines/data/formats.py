@@ -1,22 +1,22 @@
-"""Readers for ingest's input formats, one *split* of one file at a time (the unit of a Spark task).
+"""Readers for ingest's input formats, one *chunk* of one file at a time (the unit of a Spark task).
 
-* **JSONL** (plain, ``.gz``, ``.zst``): one record per line. A plain file larger than ``split_mb`` is cut into byte
-  ranges; a line belongs to the range its first byte falls in (as Hadoop's line splits). Compressed files are one
-  split each (a gzip/zstd stream cannot be entered in the middle). A compressed file that is corrupt or truncated
+* **JSONL** (plain, ``.gz``, ``.zst``): one record per line. A plain file larger than ``chunk_mb`` is cut into byte
+  ranges; a line belongs to the range its first byte falls in (as Hadoop's line chunks). Compressed files are one
+  chunk each (a gzip/zstd stream cannot be entered in the middle). A compressed file that is corrupt or truncated
   keeps the records read before the damage; the damage itself is one quarantined record (``bad_compression``, with
   the compressed offset reached), and the rest of the input goes on.
 * **Plain text** (``.txt``): the whole file is one document (UTF-8).
 * **WARC** (``.warc``, ``.warc.gz``; Common Crawl's WET files are WARC too): each gzip member is framed here, so a
   broken member is quarantined with its offset and bytes and reading goes on at the next one; a file that ends
-  inside a member is reported, not silently cut. A ``.warc.gz`` larger than ``split_mb`` is cut into byte ranges;
-  a split owns the members from the first whole WARC member at or after its start (:func:`member_boundary`) up to
-  the first one at or after its end, so the splits of a file read exactly the members the whole file holds.
+  inside a member is reported, not silently cut. A ``.warc.gz`` larger than ``chunk_mb`` is cut into byte ranges;
+  a chunk owns the members from the first whole WARC member at or after its start (:func:`member_boundary`) up to
+  the first one at or after its end, so the chunks of a file read exactly the members the whole file holds.
   Plain ``.warc`` files are read whole. Records are parsed by FastWARC. ``response`` records with HTTP 200
   and ``text/html`` are extracted to text (resiliparse's main-content extractor by default, trafilatura on
   request); WET ``conversion`` records already hold text. ``request``, ``warcinfo``, ``metadata`` … records are
   not documents: they are counted by type, never quarantined.
 
-A split yields :class:`Row` s: a document (``text`` set) or a quarantined record (``reason`` set). Every document
+A chunk yields :class:`Row` s: a document (``text`` set) or a quarantined record (``reason`` set). Every document
 carries ``url``, ``warc_record_id`` and ``date`` when its format has them.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def fmt_of(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class Split:
+class Chunk:
     """A byte range ``[start, end)`` of one input file (``end`` None: to its end). ``path``: a local path, or an
     s3:// URI that the task reads itself with the S3 client ``settings``."""
 
@@ -55,18 +55,18 @@ class Split:
     settings: dict | None = None
 
 
-def open_raw(split: Split) -> BinaryIO:
-    """The split's file, seekable: the local file or the S3 object (ranged GETs, 8 MB at a time)."""
-    if split.settings is None:
-        return open(split.path, "rb")
+def open_raw(chunk: Chunk) -> BinaryIO:
+    """The chunk's file, seekable: the local file or the S3 object (ranged GETs, 8 MB at a time)."""
+    if chunk.settings is None:
+        return open(chunk.path, "rb")
     from pipelines.storage.s3 import open_object
 
-    return open_object(split.settings, split.path, split.size)
+    return open_object(chunk.settings, chunk.path, chunk.size)
 
 
 @dataclass
 class Row:
-    loc: int                 # JSONL: line number within the split (1-based); WARC: the record's byte offset
+    loc: int                 # JSONL: line number within the chunk (1-based); WARC: the record's byte offset
     text: str | None = None  # a document …
     id: str | None = None    # None: ingest names it <file>:<line>
     url: str | None = None
@@ -76,7 +76,7 @@ class Row:
     q: dict = field(default_factory=dict)  # the quarantine entry's other fields (detail, raw, …)
 
 
-def splittable(name: str, fmt: str) -> bool:
+def chunkable(name: str, fmt: str) -> bool:
     """Plain JSONL (by lines) and gzipped WARC (by gzip members) can be entered in the middle."""
     name = name.lower()
     if fmt == "txt":
@@ -84,15 +84,15 @@ def splittable(name: str, fmt: str) -> bool:
     return not name.endswith((".gz", ".zst", ".zstd")) if fmt == "jsonl" else name.endswith(".gz")
 
 
-def range_sha256(split: Split, chunk: int = 8 << 20) -> str:
-    """sha256 of the split's byte range ``[start, end)``, read by the task: the splits of a file cover it, so the
-    digests of its splits, in order, identify its bytes."""
+def range_sha256(chunk: Chunk, block: int = 8 << 20) -> str:
+    """sha256 of the chunk's byte range ``[start, end)``, read by the task: the chunks of a file cover it, so the
+    digests of its chunks, in order, identify its bytes."""
     h = hashlib.sha256()
-    with open_raw(split) as f:
-        f.seek(split.start)
-        left = (split.end if split.end is not None else split.size) - split.start
+    with open_raw(chunk) as f:
+        f.seek(chunk.start)
+        left = (chunk.end if chunk.end is not None else chunk.size) - chunk.start
         while left > 0:
-            data = f.read(min(chunk, left))
+            data = f.read(min(block, left))
             if not data:
                 break
             h.update(data)
@@ -100,16 +100,16 @@ def range_sha256(split: Split, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def plan(sources, split_mb: int, step: int | None = None) -> list[Split]:
-    """Every input cut into splits of ``split_mb`` (or ``step`` bytes) where its format allows, else whole."""
-    out: list[Split] = []
-    step = step or split_mb << 20
+def plan_chunks(sources, chunk_mb: int, step: int | None = None) -> list[Chunk]:
+    """Every input cut into chunks of ``chunk_mb`` (or ``step`` bytes) where its format allows, else whole."""
+    out: list[Chunk] = []
+    step = step or chunk_mb << 20
     for s in sources:
         fmt, size = fmt_of(s.name), s.size
-        cuts = range(0, size, step) if splittable(s.name, fmt) and size > step else [None]
+        cuts = range(0, size, step) if chunkable(s.name, fmt) and size > step else [None]
         for a in cuts:
             end = None if a is None else min(a + step, size)
-            out.append(Split(len(out), s.name, s.location, fmt, a or 0, end, size, s.settings))
+            out.append(Chunk(len(out), s.name, s.location, fmt, a or 0, end, size, s.settings))
     return out
 
 
@@ -117,10 +117,10 @@ def plan(sources, split_mb: int, step: int | None = None) -> list[Split]:
 
 
 @contextlib.contextmanager
-def open_binary(split: Split) -> Iterator[tuple[BinaryIO, BinaryIO]]:
+def open_binary(chunk: Chunk) -> Iterator[tuple[BinaryIO, BinaryIO]]:
     """Open plain, gzip or zstd files by extension: (a binary line stream, the raw file under it)."""
-    name = split.name.lower()
-    with open_raw(split) as raw:
+    name = chunk.name.lower()
+    with open_raw(chunk) as raw:
         if name.endswith(".gz"):
             yield gzip.GzipFile(fileobj=raw, mode="rb"), raw
         elif name.endswith(".zst") or name.endswith(".zstd"):
@@ -146,22 +146,22 @@ def decompress_errors() -> tuple[type[BaseException], ...]:
     return EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError
 
 
-def split_lines(split: Split) -> Iterator[bytes]:
-    """The lines (newline stripped) whose first byte lies in the split. A compressed file that breaks off raises
+def chunk_lines(chunk: Chunk) -> Iterator[bytes]:
+    """The lines (newline stripped) whose first byte lies in the chunk. A compressed file that breaks off raises
     :class:`CompressionError` after the lines read before the damage."""
-    with open_binary(split) as (f, raw):
-        if split.end is None:
+    with open_binary(chunk) as (f, raw):
+        if chunk.end is None:
             try:
                 for line in f:
                     yield line.rstrip(b"\r\n")
             except decompress_errors() as e:
                 raise CompressionError(raw.tell(), f"{type(e).__name__}: {e}") from None
             return
-        pos = split.start
+        pos = chunk.start
         if pos:
             f.seek(pos - 1)
-            pos += len(f.readline()) - 1  # the rest of the line holding byte start-1 belongs to the split before
-        while pos < split.end:
+            pos += len(f.readline()) - 1  # the rest of the line holding byte start-1 belongs to the chunk before
+        while pos < chunk.end:
             line = f.readline()
             if not line:
                 return
@@ -204,21 +204,21 @@ def text_problem(text: str, min_chars: int) -> str | None:
     return None
 
 
-def jsonl_rows(split: Split, cfg) -> Iterator[Row | None]:
+def jsonl_rows(chunk: Chunk, cfg) -> Iterator[Row | None]:
     """A Row per non-blank line; None for a blank line (no record, but a line for numbering). A compressed file that
     breaks off ends with one ``bad_compression`` Row."""
     n = 0
     try:
-        for n, line in enumerate(split_lines(split), start=1):
+        for n, line in enumerate(chunk_lines(chunk), start=1):
             yield jsonl_row(n, line, cfg)
     except CompressionError as e:
         yield Row(n + 1, reason="bad_compression",
-                  q={"uri": split.path, "offset": e.offset, "detail": f"{e.detail} (after {n} lines)"})
+                  q={"uri": chunk.path, "offset": e.offset, "detail": f"{e.detail} (after {n} lines)"})
 
 
-def txt_rows(split: Split, cfg) -> Iterator[Row]:
+def txt_rows(chunk: Chunk, cfg) -> Iterator[Row]:
     """A plain-text file: one document, its whole text."""
-    with open_raw(split) as f:
+    with open_raw(chunk) as f:
         raw = f.read()
     try:
         text = raw.decode("utf-8")
@@ -290,7 +290,7 @@ def gzip_members(f: BinaryIO, start: int = 0, stop: int | None = None) -> Iterat
 
 def member_boundary(f: BinaryIO, pos: int) -> int:
     """The first offset at or after ``pos`` where a whole gzip member holding a WARC record starts (or the file's
-    end): where a split of a .warc.gz begins, and where the split before it ends. A gzip magic inside compressed
+    end): where a chunk of a .warc.gz begins, and where the chunk before it ends. A gzip magic inside compressed
     data is skipped, since it does not decompress to a WARC record; both neighbours compute the same offset."""
     if pos == 0:
         return 0
@@ -302,12 +302,12 @@ def member_boundary(f: BinaryIO, pos: int) -> int:
         pos = cand + 1
 
 
-def next_magic(f: BinaryIO, start: int, chunk: int = 1 << 20) -> int:
+def next_magic(f: BinaryIO, start: int, block: int = 1 << 20) -> int:
     """The offset of the next gzip member header at or after start, or the file's end."""
     f.seek(start)
     pos, tail = start, b""
     while True:
-        data = f.read(chunk)
+        data = f.read(block)
         if not data:
             return pos + len(tail)
         buf = tail + data
@@ -317,34 +317,34 @@ def next_magic(f: BinaryIO, start: int, chunk: int = 1 << 20) -> int:
         pos, tail = pos + len(buf) - 2, buf[-2:]
 
 
-def raw_at(split: Split, off: int, length: int) -> dict:
-    with open_raw(split) as f:
+def raw_at(chunk: Chunk, off: int, length: int) -> dict:
+    with open_raw(chunk) as f:
         f.seek(off)
         raw = f.read(min(length, _RAW_KEEP))
     return {"raw_b64": base64.b64encode(raw).decode("ascii"), "bytes": length}
 
 
-def warc_rows(split: Split, cfg) -> Iterator[Row | str]:
+def warc_rows(chunk: Chunk, cfg) -> Iterator[Row | str]:
     """A Row per document-like record; the record type's name for a record that is not a document."""
     from fastwarc.warc import ArchiveIterator
 
-    if not split.name.lower().endswith(".gz"):  # plain WARC: FastWARC streams it; a bad record ends the file
+    if not chunk.name.lower().endswith(".gz"):  # plain WARC: FastWARC streams it; a bad record ends the file
         pos = 0
         try:
-            with open_raw(split) as f:
+            with open_raw(chunk) as f:
                 for rec in ArchiveIterator(f, parse_http=False, fsspec_args=False, stream_detect=False):
                     pos = rec.stream_pos
                     yield from warc_record(rec, pos, cfg)
         except OSError as e:
             yield Row(pos, reason="bad_record", q={"offset": pos, "detail": f"WARC parse error: {e}",
-                                                   **raw_at(split, pos, split.size - pos)})
+                                                   **raw_at(chunk, pos, chunk.size - pos)})
         return
-    with open_raw(split) as f:
-        start = member_boundary(f, split.start)
-        stop = member_boundary(f, split.end) if split.end is not None else None
+    with open_raw(chunk) as f:
+        start = member_boundary(f, chunk.start)
+        stop = member_boundary(f, chunk.end) if chunk.end is not None else None
         for off, length, data in gzip_members(f, start, stop):
             if data is None:
-                yield Row(off, reason="bad_record", q={"offset": off, **raw_at(split, off, length),
+                yield Row(off, reason="bad_record", q={"offset": off, **raw_at(chunk, off, length),
                                                        "detail": "gzip member is truncated or corrupt"})
                 continue
             n, problem = 0, "no WARC record in this gzip member"
@@ -356,7 +356,7 @@ def warc_rows(split: Split, cfg) -> Iterator[Row | str]:
             except OSError as e:  # FastWARC: a bad header
                 n, problem = 0, f"WARC parse error: {e}"
             if n == 0:
-                yield Row(off, reason="bad_record", q={"offset": off, **raw_at(split, off, length), "detail": problem})
+                yield Row(off, reason="bad_record", q={"offset": off, **raw_at(chunk, off, length), "detail": problem})
 
 
 _DOC_TYPES = ("response", "conversion", "resource")
@@ -420,5 +420,5 @@ def extract(body: bytes, charset: str | None, extractor: str) -> str:
     return extract_plain_text(HTMLTree.parse(html), main_content=True)
 
 
-def rows(split: Split, cfg) -> Iterator[Row | str | None]:
-    return {"warc": warc_rows, "txt": txt_rows, "jsonl": jsonl_rows}[split.fmt](split, cfg)
+def rows(chunk: Chunk, cfg) -> Iterator[Row | str | None]:
+    return {"warc": warc_rows, "txt": txt_rows, "jsonl": jsonl_rows}[chunk.fmt](chunk, cfg)

@@ -1,18 +1,18 @@
 """Ingest on Spark: JSONL (plain, .gz, .zst), WARC and WET, plain text (local, globs, ``s3://``) → ``docs/`` +
 ``quarantine/``.
 
-Every input is cut into splits (:mod:`pipelines.data.formats`: large plain JSONL files by byte range, anything else
+Every input is cut into chunks (:mod:`pipelines.data.formats`: large plain JSONL files by byte range, anything else
 whole), one Spark task each. Two passes keep ``idx`` dense and deterministic whatever the number of executors:
 
-1. each task reads its split and writes its documents (numbered from 0 within the split) and its quarantined
-   records to part files, hashes the split's bytes, and returns its counts;
-2. the driver turns the counts into offsets (docs before the split; lines before it in the same input), and each
+1. each task reads its chunk and writes its documents (numbered from 0 within the chunk) and its quarantined
+   records to part files, hashes the chunk's bytes, and returns its counts;
+2. the driver turns the counts into offsets (docs before the chunk; lines before it in the same input), and each
    task writes ``docs/part-NNNNN.parquet`` with ``idx`` = offset + its number, and ``quarantine/part-NNNNN.jsonl``
    with file-global line numbers.
 
 Every task writes into an attempt directory of its own; the driver publishes only the attempts the job returned
 (:func:`pipelines.data.spark.publish_attempts`), so a retried or speculative task leaves no torn or doubled file.
-The driver's work is O(inputs + tasks): it lists the inputs (no byte read), plans the splits, adds up counts.
+The driver's work is O(inputs + tasks): it lists the inputs (no byte read), plans the chunks, adds up counts.
 
 Outputs:
 
@@ -49,7 +49,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
-from pipelines.data.formats import Split, plan, range_sha256, rows
+from pipelines.data.formats import Chunk, plan_chunks, range_sha256, rows
 from pipelines.data.sources import IngestError, resolve
 from pipelines.data.spark import attempt_dir, maybe_fail, prepare_attempts, publish_attempts
 from pipelines.manifest import Manifest, input_ref
@@ -65,20 +65,20 @@ _BATCH = 2048
 SAMPLE_PER_TASK = 20  # quarantine entries each task returns for the bounded sample the driver keeps
 
 
-def read_split(split: Split, cfg: IngestCfg, parts: str) -> dict:
-    """Pass 1, on an executor: one split → ``docs-NNNNN.parquet`` + ``quarantine-NNNNN.jsonl`` in an attempt
+def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str) -> dict:
+    """Pass 1, on an executor: one chunk → ``docs-NNNNN.parquet`` + ``quarantine-NNNNN.jsonl`` in an attempt
     directory under ``parts``; returns that directory, its counts, a few quarantine entries and the sha256 of the
-    split's bytes."""
+    chunk's bytes."""
     part_dir = attempt_dir(parts)
     c: Counter = Counter()
     reasons: Counter = Counter()
     skipped: Counter = Counter()
     sample: list[dict] = []
     batch: dict[str, list] = {k: [] for k in PART_SCHEMA.names}
-    record_kind = {"jsonl": "lines", "warc": "warc_records", "txt": "text_files"}[split.fmt]
-    with pq.ParquetWriter(part_dir / f"docs-{split.no:05d}.parquet", PART_SCHEMA, compression="zstd") as w, \
-            open(part_dir / f"quarantine-{split.no:05d}.jsonl", "w", encoding="utf-8") as qf:
-        for r in rows(split, cfg):
+    record_kind = {"jsonl": "lines", "warc": "warc_records", "txt": "text_files"}[chunk.fmt]
+    with pq.ParquetWriter(part_dir / f"docs-{chunk.no:05d}.parquet", PART_SCHEMA, compression="zstd") as w, \
+            open(part_dir / f"quarantine-{chunk.no:05d}.jsonl", "w", encoding="utf-8") as qf:
+        for r in rows(chunk, cfg):
             c["physical_lines"] += 1
             if r is None or isinstance(r, str):  # a blank JSONL line; a WARC record that is not a document
                 c["blank_lines"] += r is None
@@ -86,15 +86,15 @@ def read_split(split: Split, cfg: IngestCfg, parts: str) -> dict:
                 continue
             c[record_kind] += 1
             if r.reason:
-                where = {"line": r.loc} if split.fmt != "warc" else {}
-                entry = {"source": split.name, **where, "reason": r.reason, **r.q}
+                where = {"line": r.loc} if chunk.fmt != "warc" else {}
+                entry = {"source": chunk.name, **where, "reason": r.reason, **r.q}
                 qf.write(json.dumps(entry, ensure_ascii=False) + "\n")
                 if len(sample) < SAMPLE_PER_TASK:
                     sample.append({k: v for k, v in entry.items() if k not in ("raw", "raw_b64")})
                 c["quarantined"] += 1
                 reasons[r.reason] += 1
                 continue
-            for k, v in (("seq", c["docs"]), ("line", r.loc), ("id", r.id), ("text", r.text), ("source", split.name),
+            for k, v in (("seq", c["docs"]), ("line", r.loc), ("id", r.id), ("text", r.text), ("source", chunk.name),
                          ("url", r.url), ("warc_record_id", r.warc_record_id), ("date", r.date)):
                 batch[k].append(v)
             c["docs"] += 1
@@ -102,8 +102,8 @@ def read_split(split: Split, cfg: IngestCfg, parts: str) -> dict:
                 flush(w, batch)
         flush(w, batch)
     maybe_fail("ingest-read")
-    return {"no": split.no, "name": split.name, "fmt": split.fmt, "counts": dict(c), "reasons": dict(reasons),
-            "skipped": {k: v for k, v in skipped.items() if k}, "sample": sample, "sha256": range_sha256(split),
+    return {"no": chunk.no, "name": chunk.name, "fmt": chunk.fmt, "counts": dict(c), "reasons": dict(reasons),
+            "skipped": {k: v for k, v in skipped.items() if k}, "sample": sample, "sha256": range_sha256(chunk),
             "dir": str(part_dir)}
 
 
@@ -116,7 +116,7 @@ def flush(w: pq.ParquetWriter, batch: dict[str, list]) -> None:
 
 def write_docs(job: tuple[int, int, int, str], max_docs: int | None, out: str,
                qualify: frozenset[str] = frozenset()) -> tuple[int, str]:
-    """Pass 2, on an executor: split ``no``'s docs (pass 1's files in ``parts``) get ``idx`` = doc offset + seq
+    """Pass 2, on an executor: chunk ``no``'s docs (pass 1's files in ``parts``) get ``idx`` = doc offset + seq
     and, without an id, ``<source>:<line>`` (line offset + line); an id in ``qualify`` (one that repeats) becomes
     ``<source>:<line>#<id>``. Writes ``docs/part-NNNNN.parquet`` and ``quarantine/part-NNNNN.jsonl`` (line numbers
     made file-global) in an attempt directory under ``out``; returns how many docs it wrote (``max_docs`` may cut
@@ -134,7 +134,7 @@ def write_docs(job: tuple[int, int, int, str], max_docs: int | None, out: str,
 
 def write_part(t: pa.Table, no: int, doc_off: int, line_off: int, max_docs: int | None, qualify: frozenset[str],
                out: Path) -> int:
-    """One split's docs with their final ``idx`` and ``id``, as ``out/part-NNNNN.parquet``; returns how many."""
+    """One chunk's docs with their final ``idx`` and ``id``, as ``out/part-NNNNN.parquet``; returns how many."""
     idx = pc.add(t.column("seq"), doc_off)
     if max_docs is not None:
         keep = pc.less(idx, max_docs)
@@ -154,7 +154,7 @@ def write_part(t: pa.Table, no: int, doc_off: int, line_off: int, max_docs: int 
 
 
 def write_quarantine(no: int, line_off: int, parts: Path, dest: Path) -> None:
-    """Split ``no``'s quarantine part, its line numbers made file-global (nothing written when it is empty)."""
+    """Chunk ``no``'s quarantine part, its line numbers made file-global (nothing written when it is empty)."""
     src = parts / f"quarantine-{no:05d}.jsonl"
     if not src.stat().st_size:
         return
@@ -168,7 +168,7 @@ def write_quarantine(no: int, line_off: int, parts: Path, dest: Path) -> None:
 
 
 def offsets(results: list[dict]) -> list[tuple[int, int, int, str]]:
-    """(split no, docs before it, lines before it in the same input, its pass-1 directory) for every split, in input
+    """(chunk no, docs before it, lines before it in the same input, its pass-1 directory) for every chunk, in input
     order (a WARC record's location is its byte offset in the file already: no line offset)."""
     jobs, docs, lines, prev = [], 0, 0, None
     for r in sorted(results, key=lambda r: r["no"]):
@@ -192,16 +192,16 @@ def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg) -> dict:
     """Write docs/ and quarantine/ under out_dir on Spark; return counts. Ids are checked for uniqueness at the
     end: an id given by the data that repeats (across inputs or within one) is qualified by where each copy was
     read, ``<source>:<line>#<id>``, and the docs are written again."""
-    splits = plan(sources, cfg.split_mb)
+    chunks = plan_chunks(sources, cfg.chunk_mb)
     parts, docs_dir, q_dir = out_dir / "_parts", out_dir / "docs", out_dir / "quarantine"
-    if not splits:  # nothing new to read
+    if not chunks:  # nothing new to read
         for d in (docs_dir, q_dir):
             d.mkdir()
         pq.write_table(DOCS_SCHEMA.empty_table(), docs_dir / "part-00000.parquet")
         return totals([], 0, 0) | {"qualified_ids": 0}, {}, []
     sc = spark.sparkContext
-    results = sc.parallelize(splits, len(splits)).map(
-        partial(read_split, cfg=cfg, parts=prepare_attempts(parts))).collect()
+    results = sc.parallelize(chunks, len(chunks)).map(
+        partial(read_chunk, cfg=cfg, parts=prepare_attempts(parts))).collect()
     jobs = offsets(results)
     qualify: frozenset[str] = frozenset()
     for attempt in range(2):
@@ -222,19 +222,19 @@ def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg) -> dict:
         qualify = frozenset(again)
     shutil.rmtree(parts)
     shutil.rmtree(out_dir / "_out")
-    return {**totals(results, sum(written), len(splits)), "qualified_ids": len(qualify)}, input_digests(results), \
+    return {**totals(results, sum(written), len(chunks)), "qualified_ids": len(qualify)}, input_digests(results), \
         [q for r in sorted(results, key=lambda r: r["no"]) for q in r["sample"]][:200]
 
 
 def input_digests(results: list[dict]) -> dict[str, str]:
-    """{input key: sha256 over its splits' digests, in order}: what the tasks read, for the manifest."""
+    """{input key: sha256 over its chunks' digests, in order}: what the tasks read, for the manifest."""
     by: dict[str, list[str]] = {}
     for r in sorted(results, key=lambda r: r["no"]):
         by.setdefault(r["name"], []).append(r["sha256"])
     return {k: v[0] if len(v) == 1 else hashlib.sha256("".join(v).encode()).hexdigest() for k, v in by.items()}
 
 
-def totals(results: list[dict], written: int, splits: int) -> dict:
+def totals(results: list[dict], written: int, chunks: int) -> dict:
     c, reasons, skipped = Counter(), Counter(), Counter()
     for r in results:
         c.update(r["counts"])
@@ -244,7 +244,7 @@ def totals(results: list[dict], written: int, splits: int) -> dict:
     out["records"] = out["lines"] + out["warc_records"] + out["text_files"]
     out["docs"], out["over_max_docs"] = written, c.get("docs", 0) - written
     out.update(quarantine_reasons=dict(sorted(reasons.items())), skipped_records=dict(sorted(skipped.items())),
-               splits=splits)
+               chunks=chunks)
     assert out["records"] == out["docs"] + out["quarantined"] + out["over_max_docs"], out
     return out
 
@@ -286,7 +286,7 @@ def read_quarantine(m: Manifest) -> list[dict]:
 
 def summary(m: Manifest) -> str:
     c = m.counts
-    return (f"ingest: {c['records']} records in {c['splits']} splits → {c['docs']} docs, {c['quarantined']} "
+    return (f"ingest: {c['records']} records in {c['chunks']} chunks → {c['docs']} docs, {c['quarantined']} "
             f"quarantined {c['quarantine_reasons']}; manifest {m.path}")
 
 

@@ -42,8 +42,21 @@ def hash_sets(col):
     return (off - off[0]) // 4, data.view("<u4"), valid
 
 
+def sorted_jaccard(a, b) -> float:
+    """Exact Jaccard of two sorted arrays of distinct hashes (both empty: 1.0): the one kernel the keepers and the
+    distributed verification use (``minhash.jaccard`` is its reference on Python sets)."""
+    if a.size > b.size:
+        a, b = b, a
+    if not b.size:
+        return 1.0
+    pos = np.searchsorted(b, a)
+    pos[pos == b.size] = 0
+    inter = int(np.count_nonzero(b[pos] == a))
+    return inter / (a.size + b.size - inter)
+
+
 def jaccard_matrix(exact, shs):
-    """All-pairs exact Jaccard of one component's members (identical normalised text: 1.0).
+    """All-pairs exact Jaccard of one component's members (identical normalized text: 1.0).
 
     ``shs``: each member's distinct shingle hashes, sorted as unsigned 32-bit (int32 views of them
     are fine), or None when it has none."""
@@ -57,11 +70,7 @@ def jaccard_matrix(exact, shs):
             elif u[i] is None or u[j] is None:
                 jac = 0.0
             else:
-                a, b = (u[i], u[j]) if u[i].size <= u[j].size else (u[j], u[i])
-                pos = np.searchsorted(b, a)
-                pos[pos == b.size] = 0
-                inter = int(np.count_nonzero(b[pos] == a))
-                jac = inter / (a.size + b.size - inter)
+                jac = sorted_jaccard(u[i], u[j])
             jm[i, j] = jm[j, i] = jac
     return jm
 
@@ -348,9 +357,4 @@ def pair_jaccard(a_col, b_col):
     """Exact Jaccard of row-aligned pairs of hash sets (two Arrow binary columns)."""
     ao, av, _ = hash_sets(a_col)
     bo, bv, _ = hash_sets(b_col)
-    out = np.empty(ao.size - 1)
-    for r in range(out.size):
-        a, b = av[ao[r]:ao[r + 1]], bv[bo[r]:bo[r + 1]]
-        inter = np.intersect1d(a, b, assume_unique=True).size
-        out[r] = inter / (a.size + b.size - inter) if a.size + b.size else 1.0
-    return out
+    return np.array([sorted_jaccard(av[ao[r]:ao[r + 1]], bv[bo[r]:bo[r + 1]]) for r in range(ao.size - 1)])

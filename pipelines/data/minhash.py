@@ -97,7 +97,7 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def shingle_hash_batch(norms: list[str], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct 32-bit hashes of the word n-grams of many normalised texts, all at once.
+    """Distinct 32-bit hashes of the word n-grams of many normalized texts, all at once.
 
     Returns (``x``, ``offsets``): doc d's hashes, sorted and distinct, are ``x[offsets[d]:offsets[d+1]]``
     (uint64). A doc with fewer than ``n`` words has none. Texts must be ``normalize``d (words separated
@@ -157,7 +157,7 @@ def _shingle_hash_chunk(norms: list[str], n: int) -> tuple[np.ndarray, np.ndarra
 # Python does what needs Unicode tables (NFKC, lowercase); the kernel decodes the UTF-8, treats every
 # code point that ``normalize`` would turn into a word break (category P or ``str.isspace``) as one,
 # hashes the words exactly as ``_shingle_hash_chunk`` does, folds the n-grams and sorts/dedups per
-# doc. No normalised string is ever built: the same hashes for ≈ 1/4 of the time.
+# doc. No normalized string is ever built: the same hashes for ≈ 1/4 of the time.
 _SEP_TABLE: np.ndarray | None = None
 
 
@@ -221,7 +221,7 @@ def _fused_kernel_py(buf, doc_off, n, sep, x, x_off, n_words, exact):  # compile
             i += ln_c
         n_words[d] = nw
         e = np.uint64(0x5851F42D4C957F2D)
-        for j in range(nw):  # the exact key: the word sequence, i.e. the normalised text
+        for j in range(nw):  # the exact key: the word sequence, i.e. the normalized text
             z = (e ^ w[j]) + g0
             z = (z ^ (z >> s30)) * g1
             z = (z ^ (z >> s27)) * g2
@@ -254,11 +254,11 @@ def _fused_kernel_py(buf, doc_off, n, sep, x, x_off, n_words, exact):  # compile
 
 
 def shingle_hash_texts(texts: list[str], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Raw texts → (``x``, ``offsets``, ``n_words``, ``exact``) without building normalised strings.
+    """Raw texts → (``x``, ``offsets``, ``n_words``, ``exact``) without building normalized strings.
 
     ``x``/``offsets`` are exactly ``shingle_hash_batch([normalize(t) for t in texts], n)``;
-    ``n_words`` the number of words of each normalised text (0: empty); ``exact`` (int64) a 64-bit
-    hash of each normalised text (its word sequence): equal texts, equal keys. Uses the numba
+    ``n_words`` the number of words of each normalized text (0: empty); ``exact`` (int64) a 64-bit
+    hash of each normalized text (its word sequence): equal texts, equal keys. Uses the numba
     kernel; without numba, the same values from ``normalize`` + ``shingle_hash_batch``.
     """
     nd = len(texts)
@@ -284,7 +284,7 @@ def shingle_hash_texts(texts: list[str], n: int) -> tuple[np.ndarray, np.ndarray
 
 
 def _exact_ref(norm: str) -> int:
-    """The ``exact`` key of one normalised text, in Python (the kernel's reference)."""
+    """The ``exact`` key of one normalized text, in Python (the kernel's reference)."""
     w = _word_hashes(norm.split(" ") if norm else [])
     e = np.uint64(0x5851F42D4C957F2D)
     for h in w:
@@ -305,7 +305,7 @@ def _word_hashes(words: list[str]) -> np.ndarray:
 
 
 def shingle_hashes(norm: str, n: int) -> np.ndarray:
-    """``shingle_hash_batch`` of one normalised text: its distinct 32-bit shingle hashes (sorted uint64)."""
+    """``shingle_hash_batch`` of one normalized text: its distinct 32-bit shingle hashes (sorted uint64)."""
     return shingle_hash_batch([norm], n)[0]
 
 
@@ -513,6 +513,8 @@ def doc_band_keys(text: str, n: int, a: np.ndarray, b: np.ndarray, bands: int, r
 
 
 def jaccard(a: set, b: set) -> float:
+    """Jaccard of two sets: the reference the dedup's kernel (``keepers.sorted_jaccard``) and benchmarks score
+    against."""
     if not a and not b:
         return 1.0
     return len(a & b) / len(a | b)

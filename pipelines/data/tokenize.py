@@ -1,9 +1,9 @@
 """Tokenize on Spark: train (or take) a SentencePiece model, then every partition encodes its documents and writes
 its own mmap shards.
 
-* Normalisation before tokenization: Unicode NFKC, ``\\r\\n``/``\\r`` → ``\\n``. The trained model
+* Canonical text before tokenization (:func:`canonical_text`): Unicode NFKC, ``\\r\\n``/``\\r`` → ``\\n``. The trained model
   uses SentencePiece's ``identity`` normaliser, keeps whitespace as is, has ``\\n`` as a piece and
-  byte fallback, so ``decode(encode(doc)) == normalise(doc)`` exactly.
+  byte fallback, so ``decode(encode(doc)) == canonical_text(doc)`` exactly.
 * Tokenizer sample: the executors rank every train-split doc by ``sha256(seed:tok:id)``; the driver takes the
   ``sample_docs`` smallest (Spark's top-k) and trains on them. The same docs give the same sample, whatever the
   partitioning.
@@ -50,7 +50,9 @@ class TokenizeError(StageError):
     pass
 
 
-def normalise(text: str) -> str:
+def canonical_text(text: str) -> str:
+    """The text the tokenizer sees (and decodes back to): NFKC, newlines as ``\\n``. Not MinHash's
+    ``normalize`` (lowercase, punctuation dropped), which only decides what counts as a duplicate."""
     if not text.isascii() and not unicodedata.is_normalized("NFKC", text):  # ASCII is NFKC already
         text = unicodedata.normalize("NFKC", text)
     return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
@@ -126,7 +128,7 @@ def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int, given: Path |
         texts = sample_texts(docs, cfg, seed)
         if not texts:
             raise TokenizeError("no training docs left to train a tokenizer on (did every doc get filtered?)")
-        model = train_sentencepiece([normalise(t) for t in texts], out / "tokenizer", cfg, seed)
+        model = train_sentencepiece([canonical_text(t) for t in texts], out / "tokenizer", cfg, seed)
         (out / "tokenizer.vocab").unlink(missing_ok=True)
         assert model == out / "tokenizer.model"
     return (out / "tokenizer.model").read_bytes()
@@ -210,7 +212,7 @@ def row_groups(path: Path) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def plan(groups: list[tuple[str, int, int, int]], n: int) -> list[list[Piece]]:
+def plan_pieces(groups: list[tuple[str, int, int, int]], n: int) -> list[list[Piece]]:
     """The row groups cut into at most ``n`` tasks of about equal text bytes, in order; a row group bigger than a
     task's share is cut by rows. Every row is in exactly one piece."""
     target = max(1, sum(g[3] for g in groups)) / n
@@ -296,7 +298,7 @@ def encoder(model: bytes, out: str, cfg: TokenizerCfg, seed: int, up: Upload | N
         shards = PartitionShards(mine, part, token_dtype(sp.get_piece_size()), cfg.shard_tokens, rel)
         for pieces in tasks:
             for doc_ids, raw in read_pieces(pieces):
-                texts = [normalise(t) for t in raw]
+                texts = [canonical_text(t) for t in raw]
                 by_split: dict[str, tuple[list, list, list]] = {s: ([], [], []) for s in SPLITS}
                 for doc_id, text, ids in zip(doc_ids, texts, sp.encode(texts, num_threads=1)):
                     ids.append(eos)
@@ -339,7 +341,7 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
     from pipelines.data.spark import prepare_attempts, publish_attempts
 
     groups = row_groups(docs_path)
-    tasks = plan(groups, partitions(spark, groups, cfg, task_mb))
+    tasks = plan_pieces(groups, partitions(spark, groups, cfg, task_mb))
     rows = spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitionsWithIndex(
         encoder(model, prepare_attempts(out / "_shards"), cfg, seed, up, rel)).collect()
     publish_attempts(out / "_shards", sorted({r.pop("dir") for r in rows}), {".": out / rel})

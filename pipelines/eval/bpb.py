@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from pipelines.data.tokenize import normalise
+from pipelines.data.tokenize import canonical_text
 
 
 def read_text(path: str | Path) -> str:
@@ -37,8 +37,8 @@ def read_text(path: str | Path) -> str:
     p = Path(path)
     raw = p.read_text(encoding="utf-8")
     if p.suffix == ".jsonl":
-        return "\n\n".join(normalise(json.loads(line)["text"]) for line in raw.splitlines() if line.strip())
-    return normalise(raw)
+        return "\n\n".join(canonical_text(json.loads(line)["text"]) for line in raw.splitlines() if line.strip())
+    return canonical_text(raw)
 
 
 def windows(n: int, seq_len: int) -> list[tuple[int, int]]:

@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from pipelines.data.tokenize import normalise
+from pipelines.data.tokenize import canonical_text
 
 
 @dataclass
@@ -60,7 +60,7 @@ class TextModel:
         return self.sp.eos_id()
 
     def encode(self, text: str) -> list[int]:
-        return self.sp.encode(normalise(text)) if text else []
+        return self.sp.encode(canonical_text(text)) if text else []
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode(list(ids))
