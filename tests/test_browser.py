@@ -135,6 +135,30 @@ def test_scheduled_curation_emits_the_asset_event_and_training_then_evaluation_r
     assert ev_run["state"] == "success", ev_run
 
 
+def test_a_curation_run_with_nothing_new_emits_no_event_and_training_does_not_run_again(stack):
+    """The scheduled run above made corpus version 1; a second data_curation run finds no input it does not hold:
+    the stages end on the same version, publish is skipped, no curated_shards event, no new training run."""
+    api = stack["api"]
+    assert "curated" in stack, "runs after the scheduled curation test"
+    before = [e for e in api.call("/api/v2/assets/events?order_by=-timestamp")["asset_events"]
+              if e["name"] == "curated_shards"]
+    trainings = len(api.runs("training"))
+    run = api.call("/api/v2/dags/data_curation/dagRuns", {"logical_date": None}, method="POST")
+    done = api.wait_run("data_curation", run["dag_run_id"])
+    assert done["state"] == "success", done
+    quoted = urllib.request.quote(run["dag_run_id"], safe="")
+    tis = {t["task_id"]: t["state"] for t in
+           api.call(f"/api/v2/dags/data_curation/dagRuns/{quoted}/taskInstances")["task_instances"]}
+    assert tis["publish"] == "skipped" and tis["tokenize"] == "success", tis
+    assert stack["curated"]["manifest"] in api.log("data_curation", run["dag_run_id"], "previous_corpus")
+    assert "1 of 1 inputs are in corpus version 1 already; reading 0" in api.log("data_curation", run["dag_run_id"],
+                                                                             "ingest")
+    time.sleep(10)  # a training run would be queued by now
+    after = [e for e in api.call("/api/v2/assets/events?order_by=-timestamp")["asset_events"]
+             if e["name"] == "curated_shards"]
+    assert len(after) == len(before) and len(api.runs("training")) == trainings
+
+
 def _login(page, stack):
     page.goto(f"http://127.0.0.1:{stack['port']}/")
     page.fill("input[name=username]", "admin")

@@ -46,8 +46,8 @@ def test_optimal_bands_rows_minimises_error_area():
     b, r, fp, fn = mh.optimal_bands_rows(0.8, 128)
     assert b * r <= 128
     # the chosen pair beats the common 16×8 (which admits many J≈0.6 pairs) on the weighted error
-    fp16 = mh._integrate(lambda s: mh.candidate_probability(s, 16, 8), 0, 0.8)
-    fn16 = mh._integrate(lambda s: 1 - mh.candidate_probability(s, 16, 8), 0.8, 1)
+    fp16 = mh.integrate(lambda s: mh.candidate_probability(s, 16, 8), 0, 0.8)
+    fn16 = mh.integrate(lambda s: 1 - mh.candidate_probability(s, 16, 8), 0.8, 1)
     assert fp + fn < fp16 + fn16
     assert 0.7 < mh.threshold_point(b, r) < 0.9
     with pytest.raises(ValueError):

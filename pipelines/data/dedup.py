@@ -52,7 +52,7 @@ from pathlib import Path
 from pipelines.cli import (add_corpus_arg, corpus_arg, manifest_arg, run_and_log, stage_dir, stage_main,
                            upstream_manifests)
 from pipelines.manifest import Manifest, StageError, input_ref
-from pipelines.data.spark import finalize_parquet_dir, task_count, dir_bytes
+from pipelines.data.spark import dir_bytes, finalize_parquet_dir, size_shuffles, task_count
 from pipelines.data.keepers import hash_set_column, list_flat, pair_jaccard, resolve_partition
 from pipelines.spec import DedupCfg, JobSpec
 from pipelines.stages import stage
@@ -286,22 +286,27 @@ def _big_assign(members, sig, cand, cfg: DedupCfg):
     return out, counts, e
 
 
-def against_corpus(sig, old, cfg: DedupCfg):
+def against_corpus(sig, old, cfg: DedupCfg, broadcast_new: bool = True):
     """New docs that are duplicates of docs kept earlier (``old``: their persisted signatures ``id, keys, sh``):
     a new doc and an old one that share a bucket (band, key) are a candidate pair; the exact band (0) makes an exact
     duplicate, an LSH band a near one when its exact Jaccard ≥ ``threshold`` (with ``verify``; without it every
     candidate counts). Returns (idx, dup_of_id, reason, jaccard), one row per removed new doc: its most similar old
-    doc (ties: the smallest id). Nothing of the old corpus is shingled again."""
+    doc (exact first, ties: the smallest id). Nothing of the old corpus is shingled again, and it is never
+    shuffled: its band keys stream past the new docs' (broadcast when ``broadcast_new``), and only the old docs of
+    candidate pairs have their shingle sets joined."""
+    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     new_bk = sig.where(F.col("keys").isNotNull()).select("idx", F.posexplode("keys").alias("band", "key"))
     old_bk = old.select(F.col("id").alias("old_id"), F.posexplode("keys").alias("band", "key"))
-    pairs = (new_bk.join(old_bk, ["band", "key"]).groupBy("idx", "old_id")
-             .agg(F.max((F.col("band") == 0).cast("int")).alias("x")))
+    pairs = (old_bk.join(F.broadcast(new_bk) if broadcast_new else new_bk, ["band", "key"])
+             .groupBy("idx", "old_id").agg(F.max((F.col("band") == 0).cast("int")).alias("x"))
+             .localCheckpoint())  # few rows, read three times below: the old corpus is scanned once
     if cfg.verify:
-        near = (pairs.where(F.col("x") == 0)
-                .join(sig.select("idx", F.col("sh").alias("a")), "idx")
-                .join(old.select(F.col("id").alias("old_id"), F.col("sh").alias("b")), "old_id")
+        near = pairs.where(F.col("x") == 0)
+        shs = old.select(F.col("id").alias("old_id"), F.col("sh").alias("b")).join(
+            F.broadcast(near.select("old_id").distinct()), "old_id", "left_semi")
+        near = (near.join(sig.select("idx", F.col("sh").alias("a")), "idx").join(shs, "old_id")
                 .where(F.col("a").isNotNull() & F.col("b").isNotNull())
                 .select("idx", "old_id", "x", "a", "b")
                 .mapInArrow(_pair_jaccard_fn, "idx long, old_id string, x int, j double")
@@ -309,13 +314,14 @@ def against_corpus(sig, old, cfg: DedupCfg):
         pairs = pairs.where(F.col("x") == 1).withColumn("j", F.lit(1.0)).unionByName(near)
     else:
         pairs = pairs.withColumn("j", F.when(F.col("x") == 1, F.lit(1.0)))
-    from pyspark.sql import Window
-
     order = Window.partitionBy("idx").orderBy(F.col("x").desc(), F.col("j").desc_nulls_last(), "old_id")
     best = pairs.withColumn("r", F.row_number().over(order)).where(F.col("r") == 1)
     return best.select("idx", F.col("old_id").alias("dup_of_id"),
                        F.when(F.col("x") == 1, F.lit("exact_duplicate_of_corpus"))
                        .otherwise(F.lit("near_duplicate_of_corpus")).alias("reason"), F.col("j").alias("jaccard"))
+
+
+BROADCAST_KEYS = 8_000_000  # new band keys (≈ 24 B each) up to which the new side of the corpus join is broadcast
 
 
 def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[Path] = (), tasks: int = 0) -> dict:
@@ -356,7 +362,8 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
     sig, old_rem, n_against = sig_all, None, 0
     if against:
         old = spark.read.parquet(*(str(p) for p in against)).select("id", "keys", "sh")
-        old_rem = against_corpus(sig_all, old, cfg).persist(StorageLevel.MEMORY_AND_DISK)
+        small = n_shingled * (bands + 1) + n_in <= BROADCAST_KEYS
+        old_rem = against_corpus(sig_all, old, cfg, small).persist(StorageLevel.MEMORY_AND_DISK)
         n_against = old_rem.count()
         sig = sig_all.join(old_rem.select("idx"), "idx", "left_anti")
         mark("against_corpus")
@@ -462,10 +469,10 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
 
 def s_curve_report(threshold: float, bands: int, rows: int) -> dict:
     """Why these bands × rows: the S-curve's error areas around the threshold and a few points on it."""
-    from pipelines.data.minhash import _integrate, candidate_probability, threshold_point
+    from pipelines.data.minhash import integrate, candidate_probability, threshold_point
 
-    fp = _integrate(lambda s: candidate_probability(s, bands, rows), 0.0, threshold)
-    fn = _integrate(lambda s: 1 - candidate_probability(s, bands, rows), threshold, 1.0)
+    fp = integrate(lambda s: candidate_probability(s, bands, rows), 0.0, threshold)
+    fn = integrate(lambda s: 1 - candidate_probability(s, bands, rows), threshold, 1.0)
     return {"false_positive_area": round(fp, 5), "false_negative_area": round(fn, 5),
             "steepest_point": round(threshold_point(bands, rows), 4),
             "p_candidate": {str(j): round(float(candidate_probability(j, bands, rows)), 4)
@@ -513,6 +520,7 @@ def run(spec: JobSpec, ingest: Manifest, out_dir: str | None = None, spark=None,
         s = spark or spec_session(spec, "llm-pipeline-dedup")
         docs = ingest.output("docs")
         tasks = task_count(s, dir_bytes(docs), spec.data.task_mb, cfg.partitions)
+        size_shuffles(s, tasks)
         stats = dedup_docs(s, docs, tmp, cfg, [m.output("signatures") for m in against], tasks)
         counts = {k: stats[k] for k in ("docs_in", "kept", "removed", "removed_exact", "removed_near",
                                         "removed_against", "no_shingles", "candidate_edges", "verified_edges",

@@ -18,11 +18,12 @@ def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None, spark=None) 
     sd = stage_dir(spec, "filter", [input_ref(dedup)], out_dir)
 
     def body(tmp: Path) -> Manifest:
-        from pipelines.data.spark import dir_bytes, spec_session, task_count
+        from pipelines.data.spark import dir_bytes, size_shuffles, spec_session, task_count
 
         s = spark or spec_session(spec, "llm-pipeline-filter")
         kept = dedup.output("kept")
         tasks = task_count(s, dir_bytes(kept), spec.data.task_mb, spec.data.filters.partitions)
+        size_shuffles(s, tasks)
         counts = filter_docs(s, kept, tmp, spec.data.filters, tasks)
         return sd.commit({"kept": "kept", "removed": "removed"}, counts=counts, extra={"tasks": tasks})
 

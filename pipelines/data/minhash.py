@@ -477,7 +477,7 @@ def candidate_probability(s: float, bands: int, rows: int) -> float:
     return 1.0 - (1.0 - s ** rows) ** bands
 
 
-def _integrate(f, lo: float, hi: float, n: int = 200) -> float:
+def integrate(f, lo: float, hi: float, n: int = 200) -> float:
     xs = np.linspace(lo, hi, n + 1)
     ys = f(xs)
     return float(np.sum((ys[1:] + ys[:-1]) * 0.5 * np.diff(xs)))
@@ -495,8 +495,8 @@ def optimal_bands_rows(threshold: float, num_perm: int, fp_weight: float = 0.5,
     best = None
     for b in range(1, num_perm + 1):
         for r in range(1, num_perm // b + 1):
-            fp = _integrate(lambda s: candidate_probability(s, b, r), 0.0, threshold)
-            fn = _integrate(lambda s: 1 - candidate_probability(s, b, r), threshold, 1.0)
+            fp = integrate(lambda s: candidate_probability(s, b, r), 0.0, threshold)
+            fn = integrate(lambda s: 1 - candidate_probability(s, b, r), threshold, 1.0)
             err = fp_weight * fp + fn_weight * fn
             if best is None or err < best[0] - 1e-12:
                 best = (err, b, r, fp, fn)

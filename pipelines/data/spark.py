@@ -86,6 +86,13 @@ def task_count(spark, nbytes: int, task_mb: int, fixed: int = 0) -> int:
     return max(spark.sparkContext.defaultParallelism, math.ceil(nbytes / (task_mb << 20)))
 
 
+def size_shuffles(spark, tasks: int) -> None:
+    """Shuffles of this stage in ``tasks`` partitions, unless the session's conf names a number itself (spark-submit
+    ``--conf``, ``services.spark_conf``): the data decides, the user's word stands."""
+    if not spark.sparkContext.getConf().contains("spark.sql.shuffle.partitions"):
+        spark.conf.set("spark.sql.shuffle.partitions", str(tasks))
+
+
 def dir_bytes(path: str | Path) -> int:
     """Bytes of the files under ``path`` (a parquet directory: its footers are not read)."""
     p = Path(path)

@@ -106,7 +106,7 @@ def smoke_steps(spec: JobSpec, vocab: int, steps: int, device: torch.device) -> 
 def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters: int = 10, timing_steps: int = 5,
               n_smoke: int = 8, straggler_factor: float = 1.5) -> dict:
     """One rank's part (under torchrun)."""
-    from pipelines.train.trainer import _backend, init_distributed
+    from pipelines.train.trainer import dist_backend, init_distributed
 
     rank, world, device = init_distributed(spec)
     vocab = spec.model.vocab_size or vocab
@@ -117,7 +117,7 @@ def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters
     med = statistics.median_low(all_times)  # the lower median: with 2 ranks, the faster one
     stragglers = [r for r, t in enumerate(all_times) if t > straggler_factor * med]
     losses = smoke_steps(spec, vocab, n_smoke, device)
-    result = {"world_size": world, "backend": _backend(spec), "allreduce": bw,
+    result = {"world_size": world, "backend": dist_backend(spec), "allreduce": bw,
               "step_seconds_by_rank": all_times, "median_step_seconds": med, "straggler_factor": straggler_factor,
               "stragglers": stragglers, "smoke_losses": losses,
               "loss_dropped": losses[-1] < losses[0]}

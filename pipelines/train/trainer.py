@@ -70,7 +70,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _backend(spec: JobSpec) -> str:
+def dist_backend(spec: JobSpec) -> str:
     if spec.launcher.backend != "auto":
         return spec.launcher.backend
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -80,9 +80,9 @@ def init_distributed(spec: JobSpec) -> tuple[int, int, torch.device]:
     """Join the torchrun process group (NCCL on GPUs, gloo on CPU) with a collective timeout that covers a
     checkpoint stall (``checkpoint.collective_timeout_minutes``); returns (rank, world size, device)."""
     timeout = datetime.timedelta(minutes=spec.checkpoint.collective_timeout_minutes)
-    dist.init_process_group(_backend(spec), timeout=timeout)
+    dist.init_process_group(dist_backend(spec), timeout=timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}") if _backend(spec) == "nccl" else torch.device("cpu")
+    device = torch.device(f"cuda:{local_rank}") if dist_backend(spec) == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
@@ -405,7 +405,7 @@ class Trainer:
         self.tracker.params({"params": self.n_params, "world_size": self.world, "global_batch": self.G,
                              "seq_len": m.seq_len, "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
                              "vocab_size": m.vocab_size, "steps": self.spec.train.steps, "lr": self.spec.train.lr,
-                             "backend": _backend(self.spec), "parallel": self.mode})
+                             "backend": dist_backend(self.spec), "parallel": self.mode})
         if self.prog.resumed_from:
             self.tracker.add(self.prog.step, {"ckpt/resumed_step": self.prog.resumed_from["step"]})
 
@@ -455,7 +455,7 @@ class Trainer:
             "params": self.n_params, "tokens_per_s": self.G * self.margs.seq_len * len(steady) / sum(steady) if steady else None,
             "tokens_seen": self.prog.step * self.G * self.margs.seq_len, "flops_per_token": self._flops_per_token(),
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            "world_size": self.world, "backend": _backend(self.spec), "checkpoint": step_name(t.steps),
+            "world_size": self.world, "backend": dist_backend(self.spec), "checkpoint": step_name(t.steps),
             "mlflow_run_id": self.tracker.run_id if self.tracker else None, "parallel": self.mode,
             "global_batch": self.G, "grad_accum": self.accum, "resumed_from": self.prog.resumed_from,
             "rollbacks": self.prog.rollbacks, "skipped_batches": sorted(self.sampler.skip),
