@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -108,3 +109,32 @@ def test_a_task_killed_after_writing_leaves_every_record_once(home, point):
     assert sorted(d["text"] for d in docs) == sorted(f"input {k} record {i}" for k in range(4) for i in range(500))
     assert sorted(p.name for p in m.output("docs").iterdir()) == [f"part-{k:05d}.parquet" for k in range(4)]
     assert not any(p.name.startswith("_") for p in m.dir.iterdir())  # no attempt directory left behind
+
+
+def test_a_session_under_spark_submit_keeps_spark_submit_s_conf_and_one_built_here_gets_ours(tmp_path):
+    """spark-submit's --conf (shuffle partitions, the UI) stand: get_spark sets nothing over them, and a stage's
+    shuffle sizing leaves a number the user gave alone; a session built here has the UI only off a laptop."""
+    from pipelines.data.spark import session_conf
+
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, sys\nsys.path.insert(0, %r)\n" % str(ROOT) +
+                     "from pipelines.data.spark import get_spark, size_shuffles\n"
+                     "s = get_spark('local[2]', 'probe', shuffle_partitions=8, conf={'spark.ui.enabled': 'false'})\n"
+                     "size_shuffles(s, 5)\n"
+                     "c = s.sparkContext.getConf()\n"
+                     "print('CONF', json.dumps({k: c.get(k, None) for k in ('spark.master', 'spark.ui.enabled',"
+                     " 'spark.sql.shuffle.partitions')}), s.conf.get('spark.sql.shuffle.partitions'))\n"
+                     "s.stop()\n")
+    r = subprocess.run([str(Path(sys.executable).parent / "spark-submit"), "--master", "local[1]", "--conf",
+                        "spark.ui.enabled=true", "--conf", "spark.sql.shuffle.partitions=3", str(probe)],
+                       env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("CONF "))
+    got, runtime = line[5:].rsplit(" ", 1)
+    assert json.loads(got) == {"spark.master": "local[1]", "spark.ui.enabled": "true",
+                               "spark.sql.shuffle.partitions": "3"} and runtime == "3"
+    laptop, cluster = session_conf("local[2]"), session_conf("spark://h:7077", conf={"spark.speculation": "true"})
+    assert laptop["spark.ui.enabled"] == "false" and "spark.sql.shuffle.partitions" not in laptop
+    assert cluster["spark.ui.enabled"] == "true" and cluster["spark.shuffle.readHostLocalDisk"] == "false"
+    assert cluster["spark.speculation"] == "true"

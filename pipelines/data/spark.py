@@ -79,11 +79,18 @@ def spec_session(spec, app: str) -> "SparkSession":
     return get_spark(svc.spark_master, app, svc.spark_driver_memory, conf=svc.spark_conf)
 
 
-def task_count(spark, nbytes: int, task_mb: int, fixed: int = 0) -> int:
-    """``fixed`` when set, else one task per ``task_mb`` of input, at least one per executor core."""
+def task_count(spark, nbytes: int, task_mb: int, fixed: int = 0, at_least: int = 0) -> int:
+    """``fixed`` when set, else one task per ``task_mb`` of input (and ``at_least``), rounded up to whole waves of
+    the executor cores (no last wave that leaves cores idle)."""
     if fixed:
         return fixed
-    return max(spark.sparkContext.defaultParallelism, math.ceil(nbytes / (task_mb << 20)))
+    cores = spark.sparkContext.defaultParallelism
+    return whole_waves(max(math.ceil(nbytes / (task_mb << 20)), at_least), cores)
+
+
+def whole_waves(tasks: int, cores: int) -> int:
+    """``tasks`` rounded up to a multiple of ``cores`` (at least one wave)."""
+    return max(1, math.ceil(tasks / cores)) * cores
 
 
 def size_shuffles(spark, tasks: int) -> None:

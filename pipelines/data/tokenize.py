@@ -318,13 +318,12 @@ def encoder(model: bytes, out: str, cfg: TokenizerCfg, seed: int, up: Upload | N
 
 
 def partitions(spark, groups: list[tuple[str, int, int, int]], cfg: TokenizerCfg, task_mb: int = 128) -> int:
-    """tokenizer.partitions, or the executors' parallelism raised to at most about shard_tokens tokens (~4 bytes
-    each) and ``task_mb`` of text a task."""
-    if cfg.partitions:
-        return cfg.partitions
+    """tokenizer.partitions, or at most about shard_tokens tokens (~4 bytes each) and ``task_mb`` of text a task,
+    in whole waves of the executor cores."""
+    from pipelines.data.spark import task_count
+
     text = sum(g[3] for g in groups)
-    return max(spark.sparkContext.defaultParallelism, math.ceil(text / 4 / cfg.shard_tokens),
-               math.ceil(text / (task_mb << 20)))
+    return task_count(spark, text, task_mb, cfg.partitions, at_least=math.ceil(text / 4 / cfg.shard_tokens))
 
 
 def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: int, up: Upload | None = None,
