@@ -324,63 +324,35 @@ def against_corpus(sig, old, cfg: DedupCfg, broadcast_new: bool = True):
 BROADCAST_KEYS = 8_000_000  # new band keys (≈ 24 B each) up to which the new side of the corpus join is broadcast
 
 
-def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[Path] = (), tasks: int = 0) -> dict:
-    """Run the dedup job on ``docs_path`` (parquet with idx, id, text, source); write under ``out``. ``against``:
-    the persisted signatures of docs kept earlier; a doc that duplicates one of them is removed first
-    (:func:`against_corpus`), and the rest are deduplicated among themselves. ``tasks``: Spark tasks for the
-    signature and keeper passes (0: the executors' parallelism).
+REM_REASON = "CASE WHEN exact_dup THEN 'exact_duplicate' ELSE 'near_duplicate' END"
 
-    Only the docs that share a bucket with another (the *members*) go through components, keepers and
-    Jaccard scoring; the full corpus is touched by the signature pass and the output joins.
-    ``stats["seconds"]`` times each phase (Spark is lazy: a phase is timed at its first action).
-    """
-    import time
 
+class _Phases:
+    """Seconds per phase of a lazy Spark job (a phase is timed at its first action)."""
+
+    def __init__(self):
+        import time
+
+        self.clock, self.marks = time.perf_counter, {}
+        self.last = self.clock()
+
+    def mark(self, label: str) -> None:
+        now = self.clock()
+        self.marks[label] = round(now - self.last, 3)
+        self.last = now
+
+
+def _assign(spark, sig, cand, n_cand: int, cfg: DedupCfg, tasks: int) -> dict:
+    """Connected components of the candidate graph, then the keeper of every member (verification comes after,
+    per component): small components whole in one Python pass, big ones in Spark joins."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
-    marks: dict[str, float] = {}
-    t_last = [time.perf_counter()]
-
-    def mark(label: str) -> None:
-        now = time.perf_counter()
-        marks[label] = round(now - t_last[0], 3)
-        t_last[0] = now
-
-    bands, rows = effective_bands_rows(cfg)
-    tasks = tasks or spark.sparkContext.defaultParallelism
-    docs = spark.read.parquet(str(docs_path))
-    src = docs.select("idx", "id", "text")
-    if src.rdd.getNumPartitions() < tasks:
-        src = src.repartition(tasks)  # e.g. one row group: spread it over the cores
-    sig_all = (src.mapInArrow(_signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows), SIG_SCHEMA)
-               .persist(StorageLevel.MEMORY_AND_DISK))
-    c = sig_all.agg(F.count("*").alias("n"), F.count(F.when(F.size("keys") > 1, 1)).alias("sh")).first()
-    n_in, n_shingled = int(c["n"]), int(c["sh"])
-    mark("signatures")
-
-    sig, old_rem, n_against = sig_all, None, 0
-    if against:
-        old = spark.read.parquet(*(str(p) for p in against)).select("id", "keys", "sh")
-        small = n_shingled * (bands + 1) + n_in <= BROADCAST_KEYS
-        old_rem = against_corpus(sig_all, old, cfg, small).persist(StorageLevel.MEMORY_AND_DISK)
-        n_against = old_rem.count()
-        sig = sig_all.join(old_rem.select("idx"), "idx", "left_anti")
-        mark("against_corpus")
-
-    cand = _star_edges(sig).persist(StorageLevel.MEMORY_AND_DISK)
-    n_cand_all = cand.count()
-    mark("candidates")
-
-    # Connected components of the candidate graph; verification comes after, per component.
-    comps, rounds, cc_mode = _components(spark, cand, n_cand_all, cfg)
+    comps, rounds, cc_mode = _components(spark, cand, n_cand, cfg)
     members = comps.select(F.col("node").alias("idx"), F.col("root").alias("cc")).persist(StorageLevel.MEMORY_AND_DISK)
     sizes = members.groupBy("cc").agg(F.count("*").alias("n"))
     largest_cc = int(sizes.agg(F.max("n")).first()[0] or 0)
-    mark("components")
-
-    big_e = None
-    counts = {"cand": 0, "ver": 0, "exact": 0}
+    big_e, counts = None, {"cand": 0, "ver": 0, "exact": 0}
     if largest_cc > cfg.cover_max_cluster:
         sized = members.join(sizes, "cc")
         assign = _small_assign(sized.where(F.col("n") <= cfg.cover_max_cluster).drop("n"), sig, cfg, tasks)
@@ -388,16 +360,20 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
         assign = assign.unionByName(big)
     else:
         assign = _small_assign(members, sig, cfg, tasks)
-    assign = assign.persist(StorageLevel.MEMORY_AND_DISK)
-    # every small aggregate in one scan and one shuffle: each row names the (what, k) bins it counts in
-    # (its removal reason, its cluster's and component's sizes when it is their keeper/root); the
-    # "edges" bin, one per row, sums the edge counts.
-    rem_reason = F.when(F.col("exact_dup"), F.lit("exact_duplicate")).otherwise(F.lit("near_duplicate"))
+    return {"assign": assign.persist(StorageLevel.MEMORY_AND_DISK), "members": members, "big_edges": big_e,
+            "big_counts": counts, "rounds": rounds, "cc_mode": cc_mode, "largest_cc": largest_cc}
+
+
+def _tally(assign, big_counts: dict) -> dict:
+    """Every small aggregate in one scan and one shuffle: each row names the (what, k) bins it counts in (its
+    removal reason, its cluster's and component's sizes when it is their keeper/root); the "edges" bin, one per
+    row, sums the edge counts."""
+    from pyspark.sql import functions as F
 
     def tag(cond, what, k):
         return F.when(cond, F.struct(F.lit(what).alias("what"), k.cast("string").alias("k")))
 
-    bins = F.array(tag(F.col("idx") != F.col("cluster"), "reason", rem_reason),
+    bins = F.array(tag(F.col("idx") != F.col("cluster"), "reason", F.expr(REM_REASON)),
                    tag((F.col("idx") == F.col("cluster")) & (F.col("cluster_size") > 1), "cluster", F.col("cluster_size")),
                    tag((F.col("idx") == F.col("component")) & (F.col("component_size") > 1), "component",
                        F.col("component_size")),
@@ -408,30 +384,30 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
            .agg(F.count("*").alias("count"), F.sum("n_cand").alias("c"), F.sum("n_verified").alias("v"),
                 F.sum("n_exact").alias("x"))
            .collect())
-    by_reason = {r["k"]: int(r["count"]) for r in agg if r["what"] == "reason"}
-    hist = {int(r["k"]): int(r["count"]) for r in agg if r["what"] == "cluster"}
-    comp_hist = {int(r["k"]): int(r["count"]) for r in agg if r["what"] == "component"}
     e_row = next((r for r in agg if r["what"] == "edges"), None)
-    tot = {"edges": int(e_row["c"] or 0), "edges_ver": int(e_row["v"] or 0),
-           "edges_exact": int(e_row["x"] or 0)} if e_row else {}
-    n_cand = tot.get("edges", 0) + counts["cand"]
-    n_verified = tot.get("edges_ver", 0) + counts["ver"]
-    n_exact_edges = tot.get("edges_exact", 0) + counts["exact"]
-    n_edges = n_exact_edges + n_verified
-    mark("keepers")
+    tot = {k: int(e_row[c] or 0) if e_row else 0 for k, c in (("cand", "c"), ("ver", "v"), ("exact", "x"))}
+    return {"by_reason": {r["k"]: int(r["count"]) for r in agg if r["what"] == "reason"},
+            "hist": {int(r["k"]): int(r["count"]) for r in agg if r["what"] == "cluster"},
+            "comp_hist": {int(r["k"]): int(r["count"]) for r in agg if r["what"] == "component"},
+            **{f"edges_{k}": tot[k] + big_counts[k] for k in tot}}
 
-    # Outputs keep the input's partitioning (no global sort): each part file sorted by idx.
+
+def _write_outputs(out: Path, docs, sig_all, assign, old_rem) -> None:
+    """clusters/, kept/, removed/ and signatures/ (of the kept docs). Outputs keep the input's partitioning (no
+    global sort): each part file sorted by idx."""
+    from pyspark.sql import functions as F
+
     one = F.lit(1).cast("long")
     dup = assign.where(F.col("component_size") > 1)
     (sig_all.select("idx", "id").join(dup.select("idx", "cluster", "cluster_size", "component", "component_size"),
-                                  "idx", "left")
+                                      "idx", "left")
      .select("idx", "id", F.coalesce("cluster", "idx").alias("cluster"),
              F.coalesce("cluster_size", one).alias("cluster_size"),
              F.coalesce("component", "idx").alias("component"),
              F.coalesce("component_size", one).alias("component_size"))
      .sortWithinPartitions("idx").write.parquet(str(out / "clusters")))
     rem = assign.where(F.col("idx") != F.col("cluster")).select(
-        "idx", F.col("cluster").alias("dup_of"), "dup_of_id", rem_reason.alias("reason"), "jaccard")
+        "idx", F.col("cluster").alias("dup_of"), "dup_of_id", F.expr(REM_REASON).alias("reason"), "jaccard")
     if old_rem is not None:
         rem = rem.unionByName(old_rem.select("idx", F.lit(None).cast("long").alias("dup_of"), "dup_of_id", "reason",
                                              "jaccard"))
@@ -442,25 +418,68 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
      .write.parquet(str(out / "signatures")))
     for d in ("clusters", "kept", "removed", "signatures"):
         finalize_parquet_dir(out / d)
-    mark("write")
 
-    n_removed = sum(by_reason.values()) + n_against
-    for df in (sig_all, cand, members, assign, big_e, old_rem):
+
+def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[Path] = (), tasks: int = 0) -> dict:
+    """Run the dedup job on ``docs_path`` (parquet with idx, id, text, source); write under ``out``. ``against``:
+    the persisted signatures of docs kept earlier; a doc that duplicates one of them is removed first
+    (:func:`against_corpus`), and the rest are deduplicated among themselves. ``tasks``: Spark tasks for the
+    signature and keeper passes (0: the executors' parallelism).
+
+    Only the docs that share a bucket with another (the *members*) go through components, keepers and
+    Jaccard scoring; the full corpus is touched by the signature pass and the output joins.
+    ``stats["seconds"]`` times each phase.
+    """
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    clock, keep = _Phases(), StorageLevel.MEMORY_AND_DISK
+    bands, rows = effective_bands_rows(cfg)
+    tasks = tasks or spark.sparkContext.defaultParallelism
+    docs = spark.read.parquet(str(docs_path))
+    src = docs.select("idx", "id", "text")
+    if src.rdd.getNumPartitions() < tasks:
+        src = src.repartition(tasks)  # e.g. one row group: spread it over the cores
+    sig_all = src.mapInArrow(_signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows), SIG_SCHEMA).persist(keep)
+    c = sig_all.agg(F.count("*").alias("n"), F.count(F.when(F.size("keys") > 1, 1)).alias("sh")).first()
+    n_in, n_shingled = int(c["n"]), int(c["sh"])
+    clock.mark("signatures")
+
+    sig, old_rem, n_against = sig_all, None, 0
+    if against:
+        old = spark.read.parquet(*(str(p) for p in against)).select("id", "keys", "sh")
+        small = n_shingled * (bands + 1) + n_in <= BROADCAST_KEYS
+        old_rem = against_corpus(sig_all, old, cfg, small).persist(keep)
+        n_against = old_rem.count()
+        sig = sig_all.join(old_rem.select("idx"), "idx", "left_anti")
+        clock.mark("against_corpus")
+
+    cand = _star_edges(sig).persist(keep)
+    n_cand_all = cand.count()
+    clock.mark("candidates")
+    a = _assign(spark, sig, cand, n_cand_all, cfg, tasks)
+    clock.mark("components")
+    t = _tally(a["assign"], a["big_counts"])
+    clock.mark("keepers")
+    _write_outputs(out, docs, sig_all, a["assign"], old_rem)
+    clock.mark("write")
+    for df in (sig_all, cand, a["members"], a["assign"], a["big_edges"], old_rem):
         if df is not None:
             df.unpersist()
+    n_removed = sum(t["by_reason"].values()) + n_against
+    hist, comp_hist = t["hist"], t["comp_hist"]
     stats = {
         "docs_in": n_in, "kept": n_in - n_removed, "removed": n_removed, "no_shingles": n_in - n_shingled,
-        "removed_against": n_against,
-        "removed_exact": by_reason.get("exact_duplicate", 0), "removed_near": by_reason.get("near_duplicate", 0),
-        "candidate_edges": n_cand, "verified_edges": n_verified, "rejected_edges": n_cand - n_verified,
-        "exact_edges": n_exact_edges, "edges": n_edges, "clusters_multi": sum(hist.values()),
-        "largest_cluster": max(hist) if hist else 1, "cc_rounds": rounds, "cc_mode": cc_mode,
-        "largest_candidate_component": largest_cc, "keeper": cfg.keeper,
+        "removed_against": n_against, "removed_exact": t["by_reason"].get("exact_duplicate", 0),
+        "removed_near": t["by_reason"].get("near_duplicate", 0), "candidate_edges": t["edges_cand"],
+        "verified_edges": t["edges_ver"], "rejected_edges": t["edges_cand"] - t["edges_ver"],
+        "exact_edges": t["edges_exact"], "edges": t["edges_exact"] + t["edges_ver"],
+        "clusters_multi": sum(hist.values()), "largest_cluster": max(hist) if hist else 1, "cc_rounds": a["rounds"],
+        "cc_mode": a["cc_mode"], "largest_candidate_component": a["largest_cc"], "keeper": cfg.keeper,
         "components_multi": sum(comp_hist.values()), "largest_component": max(comp_hist) if comp_hist else 1,
         "bands": bands, "rows": rows, "num_perm": cfg.num_perm, "ngram": cfg.ngram, "threshold": cfg.threshold,
         "lsh_threshold": lsh_threshold(cfg), "s_curve": s_curve_report(lsh_threshold(cfg), bands, rows),
-        "cluster_size_hist": {str(k): v for k, v in sorted(hist.items())},
-        "seconds": marks,
+        "cluster_size_hist": {str(k): v for k, v in sorted(hist.items())}, "seconds": clock.marks,
     }
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
     plot_cluster_sizes(hist, out / "cluster_sizes.png", bands, rows)
