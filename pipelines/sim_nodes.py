@@ -58,7 +58,7 @@ class Node:
         self._thread.start()
 
     def _start(self) -> None:
-        script = 'while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 98; shift 2; done; shift; exec "$@"'
+        script = 'while [ "$1" != -- ]; do mount --rbind "$1" "$2" || exit 98; shift 2; done; shift; exec "$@"'
         binds = [str(x) for pair in self.binds for x in pair]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script,
@@ -129,6 +129,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def under_tmp() -> list[Path]:
+    """The project checkout and the Python environment, where they lie under /tmp (a node's /tmp is its own)."""
+    import sys
+
+    tmp = Path("/tmp")
+    found = sorted({p for p in (Path(__file__).resolve().parents[1], Path(sys.prefix).resolve())
+                    if p.is_relative_to(tmp) and p != tmp})
+    return [p for p in found if not any(p != q and p.is_relative_to(q) for q in found)]
+
+
 class SparkCluster:
     """A Spark standalone master and ``workers`` workers of ``cores`` cores each, every worker a node of its own
     (:class:`Node`): a private ``/tmp`` (its work and shuffle directories) and a private, empty ``private_dirs``
@@ -160,6 +170,8 @@ class SparkCluster:
                    "--host", "127.0.0.1", "--cores", str(cores), "--memory", memory,
                    "--webui-port", str(free_port()), "--work-dir", "/tmp/spark-work"]
             binds = tuple((root / f"node{i}" / d.name, d) for d in private_dirs)
+            # what the node must still see under /tmp (a checkout there, its venv) is carried into its own /tmp
+            binds += tuple((p, root / f"node{i}" / "tmp" / p.relative_to("/tmp")) for p in under_tmp())
             self.nodes.append(Node(f"spark{i}", root / f"node{i}" / "tmp", Path("/tmp"), cmd,
                                    {**env, "SPARK_WORKER_DIR": "/tmp/spark-work"}, root / "logs" / f"worker{i}.log",
                                    restart_on_failure=False, more_binds=binds))
