@@ -26,7 +26,7 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements.lock pyproject.toml pipelines/site_hooks.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.lock
@@ -34,7 +34,7 @@ $(STAMP): requirements.lock pyproject.toml
 	@# pyspark's: put back the ones that match pyspark's 4.3.0 jars.
 	$(BIN)/pip install -q --no-deps --force-reinstall pyspark==4.3.0
 	$(BIN)/pip install -q --no-deps -e .
-	$(BIN)/python -c "from pipelines.eval.lm_eval_plugin import install; install()"
+	$(BIN)/python -c "from pipelines.site_hooks import install; install()"
 	@touch $@
 
 airflow-db: $(STAMP)

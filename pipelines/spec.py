@@ -212,6 +212,23 @@ class FilterCfg(_Section):
                                                  "input, at least one per executor core.")
 
 
+class DecontaminateCfg(_Section):
+    """Training docs that share an n-gram with an evaluation item (eval.tasks' files, eval.reference) are removed
+    (reason ``contamination:<task>``), cut, or only counted."""
+
+    ngram: int = Field(13, ge=4, description="n of the word n-grams compared (lower-cased words, punctuation "
+                                             "dropped); 13 as in GPT-3's and the Pile's decontamination.")
+    min_item_words: int = Field(8, ge=1, description="An item shorter than ngram words is one n-gram of its own "
+                                "length, if it has at least this many words; shorter items are not checked (counted "
+                                "as too_short).")
+    mode: Literal["remove", "cut", "report"] = Field(
+        "remove", description="remove: drop a matching doc; cut: drop the matching spans (the doc is removed when "
+        "less than cut_min_chars remain); report: count only, keep every doc.")
+    cut_min_chars: int = Field(200, ge=0)
+    partitions: int = Field(0, ge=0, description="Spark tasks; 0 = one per data.task_mb of input, at least one per "
+                                                 "executor core.")
+
+
 class DataCfg(_Section):
     inputs: list[str] = Field(
         default_factory=lambda: [
@@ -226,6 +243,7 @@ class DataCfg(_Section):
     ingest: IngestCfg = Field(default_factory=IngestCfg)
     dedup: DedupCfg = Field(default_factory=DedupCfg)
     filters: FilterCfg = Field(default_factory=FilterCfg)
+    decontaminate: DecontaminateCfg = Field(default_factory=DecontaminateCfg)
     schedule: str = Field("@weekly", description="When the data_curation DAG runs: a cron expression or an Airflow "
                           "preset (@daily, @weekly, …); read when the DAG file is parsed (spec: LLMP_SPEC or "
                           "configs/demo.yaml).")
@@ -450,9 +468,10 @@ class EvalCfg(_Section):
         default_factory=lambda: ["data/reference/tinystories_val_tail.txt", "data/reference/tinyshakespeare_tail.txt"],
         min_length=1, description="The fixed reference set (plain text or JSONL with `text`): its bits-per-byte is the "
         "gate metric, comparable across corpora and tokenizers; its sha256 is checked before two numbers are compared.")
-    tasks: list[Literal["arc_easy", "hellaswag", "lambada_openai"]] = Field(
-        default_factory=lambda: ["arc_easy", "hellaswag", "lambada_openai"],
-        description="lm-evaluation-harness tasks, read offline from eval.data_dir ([] = none).")
+    tasks: list[str] = Field(
+        default_factory=lambda: ["llmp_arc_easy", "llmp_hellaswag", "llmp_lambada_openai"],
+        description="Our lm-evaluation-harness tasks (upstream's prompts and metrics on local slices; names and "
+                    "versions of their own), read offline from eval.data_dir ([] = none).")
     limit: Optional[int] = Field(100, ge=1, description="Items per task, in file order (None = every item).")
     data_dir: str = Field("data/eval", description="Task files (the repo ships 500-item slices; ../shared/data/eval "
                           "has the full sets).")
@@ -461,8 +480,19 @@ class EvalCfg(_Section):
         "on Kubernetes), each rank a share of the windows and harness requests, not in the Airflow worker.")
     sample_prompt: str = Field("Once upon a time", description="Prompt of the sample generation in the report.")
     sample_max_new_tokens: int = Field(40, ge=1)
+    max_new_tokens: int = Field(256, ge=1, description="The most tokens one request may generate: the served model "
+                                "refuses more with HTTP 400, the harness's generate_until is capped at it.")
     max_tokens: Optional[int] = Field(None, description="Cap on held-out tokens scored (diagnostic).")
     batch_size: int = 16
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, v: list[str]) -> list[str]:
+        from pipelines.eval.task_files import unknown_tasks
+
+        if unknown_tasks(v):
+            raise ValueError(unknown_tasks(v))
+        return v
 
 
 class RegistryCfg(_Section):

@@ -45,7 +45,11 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("filter", "pipelines.data.filter", ("data.filters", "data.task_mb"), ("dedup",), "spark",
           ("kept", "removed"), "data_curation",
           "Language ID + Gopher/C4/FineWeb quality filters on Spark; removed docs keep a filter_reason."),
-    Stage("tokenize", "pipelines.data.tokenize", ("tokenizer", "run.seed", "data.task_mb"), ("filter",), "spark",
+    Stage("decontaminate", "pipelines.data.decontaminate", ("data.decontaminate", "data.task_mb", "eval.tasks"),
+          ("filter",), "spark", ("kept", "removed"), "data_curation",
+          "Remove (or cut) docs that share a word n-gram (13) with an evaluation item (eval.tasks' files, the "
+          "reference set); removed docs keep filter_reason contamination:<task>; per-task counts in the manifest."),
+    Stage("tokenize", "pipelines.data.tokenize", ("tokenizer", "run.seed", "data.task_mb"), ("decontaminate",), "spark",
           ("tokenizer", "<split>-<partition>-NNNN.bin/.idx"), "data_curation",
           "Train or take a SentencePiece model; every Spark partition writes its own mmap token shards "
           "(train + held-out); the result is a corpus version.", incremental=True),
@@ -74,7 +78,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
 # runs all of them in one DAG.)
 DAGS: dict[str, dict] = {
     "data_curation": {"asset": "curated_shards", "schedule": "data.schedule", "incremental": True,
-                      "doc": "ingest → dedup → filter → tokenize, on a cron schedule (data.schedule), each run adding "
+                      "doc": "ingest → dedup → filter → decontaminate → tokenize, on a cron schedule (data.schedule), each run adding "
                              "the inputs not curated yet to the last corpus version."},
     "training": {"asset": "checkpoint", "doc": "preflight → train → promote, when new curated shards land."},
     "evaluation": {"asset": None, "doc": "evaluate → register, when a new checkpoint is promoted."},

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"serve               : PATH=$PWD/.venv/bin:$PATH MLFLOW_TRACKING_URI={s['tracking_uri']} mlflow models serve -m {uri} "
           "--env-manager local --host 127.0.0.1 --port 5001")
     print(f"lm-eval             : .venv/bin/lm_eval --model llm-pipeline --model_args uri={uri},tracking_uri="
-          f"{s['tracking_uri']} --include_path pipelines/eval/tasks --tasks arc_easy,hellaswag,lambada_openai --limit 20")
+          f"{s['tracking_uri']} --include_path pipelines/eval/tasks --tasks llmp_arc_easy,llmp_hellaswag,llmp_lambada_openai --limit 20")
     return 0
 
 

@@ -37,7 +37,7 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     db = sqlite3.connect(tmp_path / "var" / "mlflow.db")
     tags = dict(db.execute("select key, value from model_version_tags where name='e2e-model' and version=1"))
     for k in ("data_manifest_hash", "tokenizer_hash", "config_hash", "checkpoint_uri", "heldout_loss", "reference_bpb",
-              "reference_sha256", "harness.arc_easy.acc", "harness.hellaswag.acc_norm", "harness.lambada_openai.acc"):
+              "reference_sha256", "harness.llmp_arc_easy.acc", "harness.llmp_hellaswag.acc_norm", "harness.llmp_lambada_openai.acc"):
         assert k in tags, tags
     assert tags["checkpoint_uri"].startswith("s3://")
     alias = db.execute("select version from registered_model_aliases where name='e2e-model' and alias='champion'")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -130,9 +131,9 @@ def test_harness_runs_the_three_tasks_offline_with_our_loglikelihoods(models):
     for task in harness.TASKS:
         assert 0.0 <= scores[f"harness.{task}.acc"] <= 1.0
         assert res["n-samples"][task]["effective"] == 12
-    assert scores["harness.lambada_openai.perplexity"] > 1.0
+    assert scores["harness.llmp_lambada_openai.perplexity"] > 1.0
     # what the harness recorded for each request equals our direct computation
-    out = simple_evaluate(model=harness.PipelineLM(text_model=tm, batch_size=3), tasks=["arc_easy", "hellaswag"],
+    out = simple_evaluate(model=harness.PipelineLM(text_model=tm, batch_size=3), tasks=["llmp_arc_easy", "llmp_hellaswag"],
                           limit=4, task_manager=harness.task_manager(), log_samples=True, bootstrap_iters=0)
     checked = 0
     for task, samples in out["samples"].items():
@@ -247,7 +248,7 @@ def test_a_model_above_the_single_process_limit_is_scored_on_the_launcher_ranks(
 
     ref = home / "r.txt"
     ref.write_text(" ".join(d["text"] for d in c4_docs(5)))
-    spec = _spec(home, "ranks", [ref], **{"eval.limit": 6, "eval.tasks": '["arc_easy","lambada_openai"]'})
+    spec = _spec(home, "ranks", [ref], **{"eval.limit": 6, "eval.tasks": '["llmp_arc_easy","llmp_lambada_openai"]'})
     job = Job(model_dir=str(models[0]), reference=reference_files(spec), parts=["reference", "harness"])
     one = score(spec, job)
     spec.eval.single_process_max_params = 0
@@ -261,19 +262,130 @@ def test_the_harness_own_command_line_finds_llm_pipeline(models, tmp_path):
     """`lm_eval --model llm-pipeline` in a fresh interpreter: the installed .pth hook registers our model."""
     lm_eval = Path(sys.executable).parent / "lm_eval"
     r = subprocess.run([str(lm_eval), "--model", "llm-pipeline", "--model_args", f"uri={models[0]}", "--include_path",
-                        str(harness.TASKS_DIR), "--tasks", "arc_easy", "--limit", "3", "--output_path", str(tmp_path)],
+                        str(harness.TASKS_DIR), "--tasks", "llmp_arc_easy", "--limit", "3", "--output_path", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path,
                        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
-    assert results["results"]["arc_easy"]["acc,none"] in (0.0, 1 / 3, 2 / 3, 1.0)
+    assert results["results"]["llmp_arc_easy"]["acc,none"] in (0.0, 1 / 3, 2 / 3, 1.0)
 
 
 def test_the_harness_cli_writes_lm_evals_results_dict(models, tmp_path):
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, "-m", "pipelines.eval.harness", "--model-uri", str(models[0]), "--tasks",
-                        "arc_easy,hellaswag,lambada_openai", "--limit", "4", "--output", str(out)],
+                        "llmp_arc_easy,llmp_hellaswag,llmp_lambada_openai", "--limit", "4", "--output", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["results"]
     assert set(res) == set(harness.TASKS) and all("acc,none" in res[t] for t in res)
+
+
+def test_the_gate_fails_closed_and_a_retried_register_makes_one_version(models, home):
+    """An unreadable champion fails the registration and moves no alias; the same registration twice is one
+    version; a held-out gate across corpora is refused."""
+    from pipelines import tracking
+    from pipelines.eval.evaluate import reference_files
+
+    ref_a, ref_b = home / "a.txt", home / "b.txt"
+    ref_a.write_text("The cat sat on the mat. " * 20)
+    ref_b.write_text("Another set of words for the reference. " * 20)
+    spec = _spec(home, "closed", [ref_a])
+    sha_a = bpb.set_sha256(reference_files(spec))
+    run_id = tracking.start_run(spec, run_name="t")
+    lineage = {"data_manifest_hash": "d" * 64, "config_hash": "c" * 64}
+    c = tracking.client(spec)
+    versions = lambda: sorted(int(v.version) for v in c.search_model_versions("name = 'closed'"))  # noqa: E731
+
+    first = registry.register(spec, models[0], run_id, lineage, {"reference_bpb": 2.0, "heldout_loss": 5.0},
+                              _ev_extra(spec, sha_a), home / "w")
+    again = registry.register(spec, models[0], run_id, lineage, {"reference_bpb": 2.0, "heldout_loss": 5.0},
+                              _ev_extra(spec, sha_a), home / "w")  # a retry after the version was made
+    assert versions() == [1] and again["reused_version"] and not first["reused_version"]
+    assert again["alias_moved"] and str(c.get_model_version_by_alias("closed", "champion").version) == "1"
+
+    # the champion's artifact cannot be read: re-scoring it on a new reference set fails, nothing moves or appears
+    art = Path(urllib.parse.urlparse(c.get_logged_model(first["model_id"]).artifact_location).path)
+    for f in art.rglob("model.pt"):
+        f.write_bytes(b"not a state dict")
+    spec_b = _spec(home, "closed", [ref_b])
+    sha_b = bpb.set_sha256(reference_files(spec_b))
+    for _ in range(2):  # the task's retries meet the same failure
+        with pytest.raises(registry.GateError, match="could not be re-scored"):
+            registry.register(spec_b, models[1], run_id, lineage, {"reference_bpb": 0.5}, _ev_extra(spec_b, sha_b),
+                              home / "w2")
+    assert versions() == [1] and str(c.get_model_version_by_alias("closed", "champion").version) == "1"
+    # the register CLI turns it into exit 1 (retried), not 2
+    assert registry.GateError.exit_code == 1 and registry.NotComparable.exit_code == 2
+
+    # heldout_* across corpora is refused; on the same corpus it compares
+    held = _spec(home, "closed", [ref_a], **{"registry.gate_metric": "heldout_loss"})
+    with pytest.raises(registry.NotComparable, match="trained on other data"):
+        registry.register(held, models[1], run_id, {**lineage, "data_manifest_hash": "e" * 64},
+                          {"reference_bpb": 1.0, "heldout_loss": 4.0}, _ev_extra(held, sha_a), home / "w3")
+    same = registry.register(held, models[1], run_id, lineage, {"reference_bpb": 1.0, "heldout_loss": 4.0},
+                             _ev_extra(held, sha_a), home / "w3")
+    assert same["alias_moved"] and "heldout_loss 4.0000 ≤ 'champion' v1's 5.0000 on the same data" in same["reason"]
+
+
+def test_the_version_is_a_logged_model_of_the_training_run_with_its_metrics_on_datasets(models, home):
+    from pipelines import tracking
+    from pipelines.eval.evaluate import reference_files
+
+    ref = home / "r.txt"
+    ref.write_text("Some reference text to score. " * 30)
+    spec = _spec(home, "lineage", [ref])
+    sha = bpb.set_sha256(reference_files(spec))
+    c = tracking.client(spec)
+    train_run = tracking.start_run(spec, run_name="train")
+    for step, loss in enumerate([5.0, 4.0, 3.5]):
+        c.log_metric(train_run, "train/loss", loss, step=step)
+    eval_run = tracking.start_run(spec, run_name="eval")
+    extra = {**_ev_extra(spec, sha), "files": {"arc_easy_test.jsonl": "a" * 64}}
+    res = registry.register(spec, models[0], train_run, {"data_manifest_hash": "d" * 64},
+                            {"reference_bpb": 2.5, "harness.llmp_arc_easy.acc": 0.3}, extra, home / "w",
+                            eval_run_id=eval_run)
+    mv = c.get_model_version("lineage", str(res["version"]))
+    assert mv.model_id and mv.model_id == res["model_id"]
+    lm = c.get_logged_model(mv.model_id)
+    assert lm.source_run_id == train_run
+    metrics = {m.key: m for m in lm.metrics}
+    assert metrics["reference_bpb"].value == pytest.approx(2.5)
+    assert metrics["reference_bpb"].dataset_name == "reference" and metrics["reference_bpb"].dataset_digest == sha[:12]
+    assert metrics["harness.llmp_arc_easy.acc"].dataset_name == "llmp_arc_easy"
+    assert metrics["harness.llmp_arc_easy.acc"].dataset_digest == "a" * 12
+    # from the version, one hop to the training run's loss curve; the evaluation run hangs under it
+    assert [m.value for m in c.get_metric_history(mv.run_id, "train/loss")] == [5.0, 4.0, 3.5]
+    assert c.get_run(eval_run).data.tags["mlflow.parentRunId"] == train_run
+    assert {d.dataset.name for d in c.get_run(eval_run).inputs.dataset_inputs} == {"reference", "llmp_arc_easy"}
+
+
+def test_batched_generation_with_the_kv_cache_equals_generation_without_it(models):
+    tm = TextModel.load(models[0])
+    prompts = ["Once upon a time", "The", "A longer prompt about the weather in the old city of", "x y z"]
+    for temperature, top_k in ((0.0, 0), (0.9, 20), (1.2, 0)):
+        plain = [tm.generate(p, 40, temperature, top_k, seed=3) for p in prompts]
+        assert tm.generate_batch(prompts, 40, temperature, top_k, seed=3) == plain
+        assert [tm.generate_batch([p], 40, temperature, top_k, seed=3)[0] for p in prompts] == plain
+    assert tm.generate_batch(prompts, 12, 0.8, 20, seed=1, stop=["e"]) == \
+        [tm.generate(p, 12, 0.8, 20, seed=1, stop=["e"]) for p in prompts]
+    # past seq_len the window slides: the batch falls back to the uncached path, same text
+    long = ["word " * (tm.seq_len - 10)]
+    assert tm.generate_batch(long, 30, 0.8, 20, seed=2) == [tm.generate(long[0], 30, 0.8, 20, seed=2)]
+
+
+def test_the_served_model_refuses_max_new_tokens_above_its_cap_with_400(models, home):
+    from fastapi.testclient import TestClient
+    from mlflow.pyfunc import load_model, scoring_server
+
+    from pipelines import tracking
+
+    spec = _spec(home, "cap-test", [Path(__file__)], **{"eval.max_new_tokens": 16})
+    run_id = tracking.start_run(spec, run_name="cap")
+    registry.register(spec, models[0], run_id, {}, {"reference_bpb": 3.0}, _ev_extra(spec, "s" * 64), home / "w")
+    with tracking.fluent(spec):
+        app = scoring_server.init(load_model("models:/cap-test@champion"))
+    client = TestClient(app)
+    ok = client.post("/invocations", json={"inputs": ["Once upon a time", "The"], "params": {"max_new_tokens": 16}})
+    assert ok.status_code == 200 and len(ok.json()["predictions"]) == 2
+    too_many = client.post("/invocations", json={"inputs": ["Once"], "params": {"max_new_tokens": 17}})
+    assert too_many.status_code == 400 and "max_new_tokens=17" in too_many.text

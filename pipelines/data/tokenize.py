@@ -406,6 +406,27 @@ def corpus_record(filt: Manifest, prev: Manifest | None) -> dict:
             "previous": prev.path if prev is not None else None}
 
 
+def contamination_record(filt: Manifest, prev: Manifest | None) -> dict:
+    """Per evaluation task, which of its items overlap docs of this corpus version: the items the decontaminate
+    stage saw in docs it kept, over every version so far (``complete`` is false when part of the corpus was not
+    checked against these same files, e.g. tokenized straight from a filter result)."""
+    from pipelines.manifest import lineage
+
+    lin = lineage(filt.path)
+    new = load_manifest(lin["decontaminate"]).extra["contamination"] if "decontaminate" in lin else {}
+    before = prev.extra.get("contamination", {}) if prev is not None else {}
+    out = {}
+    for task in sorted(set(new) | set(before)):
+        n, b = new.get(task), before.get(task)
+        comparable = n is None or b is None or (b["sha256"], b["ngram"]) == (n["sha256"], n["ngram"])
+        parts = [r for r in (n, b if comparable else None) if r]
+        out[task] = {"sha256": parts[0]["sha256"], "ngram": parts[0]["ngram"], "items": parts[0]["items"],
+                     "complete": n is not None and (prev is None or (b is not None and comparable and b["complete"])),
+                     "overlapping_kept": sorted(set().union(*(r["overlapping_kept"] for r in parts))),
+                     "docs_removed": sum(r["docs_removed"] for r in parts)}
+    return out
+
+
 def link_shards(prev: Manifest, out: Path) -> list[dict]:
     """The previous version's shards, hard-linked into ``out`` under their own names (copied across file
     systems): byte for byte the same files."""
@@ -424,7 +445,7 @@ def link_shards(prev: Manifest, out: Path) -> list[dict]:
 
 def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
         corpus: Manifest | None = None) -> Manifest:
-    """Tokenize the filtered docs into a corpus version: with ``corpus`` (the version before), only the new docs
+    """Tokenize the decontaminated (or filtered) docs into a corpus version: with ``corpus`` (the version before), only the new docs
     are encoded, with its tokenizer, into ``shards/vNNNN/``, and its shards are kept as they are; when no new doc
     arrived, ``corpus`` itself is the answer."""
     cfg = spec.tokenizer
@@ -458,7 +479,7 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
                                           "new_tokens": r["counts"]["tokens"]}, extra={
             "shards": shards, "vocab_size": r["vocab_size"], "eos_id": r["eos_id"], "dtype": r["dtype"],
             "tokenizer_sha256": sha256_file(tmp / "tokenizer.model"), "spark_master": s.sparkContext.master,
-            "partitions": r["partitions"], "corpus": record,
+            "partitions": r["partitions"], "corpus": record, "contamination": contamination_record(filt, corpus),
         })
 
     m = run_and_log(spec, sd, body)

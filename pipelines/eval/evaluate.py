@@ -24,29 +24,8 @@ from pathlib import Path
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.eval.scorer import Job, score
 from pipelines.manifest import Manifest, file_ref, input_ref
-from pipelines.spec import JobSpec, SpecError, resolve_bundled
-
-
-def _require(files: list[Path], message: str) -> list[Path]:
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing:
-        raise SpecError(message.format(missing=missing))
-    return files
-
-
-def reference_files(spec: JobSpec) -> list[str]:
-    files = _require([resolve_bundled(p) for p in spec.eval.reference],
-                     "eval.reference: no such file(s) {missing}; list UTF-8 text or JSONL files")
-    return [str(p) for p in files]
-
-
-def task_files(spec: JobSpec) -> list[Path]:
-    from pipelines.eval.harness import FILES
-
-    d = resolve_bundled(spec.eval.data_dir)
-    return _require([d / FILES[t] for t in spec.eval.tasks],
-                    f"eval.data_dir: {d} lacks {{missing}} (the repo ships data/eval; ../shared/data/eval has the "
-                    "full sets); or drop the task from eval.tasks")
+from pipelines.eval.task_files import reference_files, task_files
+from pipelines.spec import JobSpec
 
 
 def score_model_dir(spec: JobSpec, job: Job, work: Path, run_id: str) -> dict:
@@ -78,6 +57,34 @@ def flat_metrics(scores: dict) -> dict[str, float]:
     m.update({k: v for k, v in scores.get("heldout", {}).items() if k != "heldout_tokens_scored"})
     m.update(scores.get("harness", {}).get("scores", {}))
     return m
+
+
+def model_contamination(spec: JobSpec, tok: Manifest) -> dict:
+    """Per scored task (and ``reference``): how many of its items overlap training data that reached the model (the
+    corpus version's record, kept by the decontaminate stage), of them how many are among the scored items, or
+    ``checked: false`` when the corpus was not checked against these very files."""
+    from pipelines.eval.bpb import set_sha256
+
+    record = tok.extra.get("contamination", {})
+    files = {**{t: [p] for t, p in zip(spec.eval.tasks, task_files(spec))}, "reference": reference_files(spec)}
+    out = {}
+    for task, fs in files.items():
+        r = record.get(task)
+        if r is None or r["sha256"] != set_sha256(fs):
+            out[task] = {"checked": False}
+            continue
+        limit = None if task == "reference" else spec.eval.limit
+        idx = r["overlapping_kept"]
+        out[task] = {"checked": r["complete"], "items": r["items"], "items_overlapping": len(idx),
+                     "scored_overlapping": sum(1 for i in idx if limit is None or i < limit),
+                     "docs_removed": r["docs_removed"], "ngram": r["ngram"]}
+    return out
+
+
+def contamination_line(con: dict) -> str:
+    """``llmp_arc_easy 0/500, …`` (items overlapping the training data / items; ``unchecked`` when unknown)."""
+    return ", ".join(f"{t} {r['items_overlapping']}/{r['items']}" + ("" if r["checked"] else " (partly unchecked)")
+                     if "items" in r else f"{t} unchecked" for t, r in con.items())
 
 
 def evaluate(spec: JobSpec, promote: Manifest, tok: Manifest, workdir: Path) -> dict:
@@ -112,7 +119,8 @@ def run(spec: JobSpec, promote: Manifest, tok: Manifest, out_dir: str | None = N
                    "checkpoint": promote.extra["checkpoint"], "reference_sha256": ref["sha256"],
                    "reference": {k: v for k, v in ref.items() if k != "sha256"}, "tasks": list(spec.eval.tasks),
                    "limit": spec.eval.limit, "sample": res.get("sample"), "scored_on_ranks": res["world_size"],
-                   "params": res["params"]})
+                   "params": res["params"], "contamination": model_contamination(spec, tok),
+                   "files": {Path(r["uri"]).name: r["sha256"] for r in refs}})
 
     return run_and_log(spec, sd, body, artifacts=["harness"])
 
@@ -126,6 +134,8 @@ def summary(m: Manifest) -> str:
              f"loaded from {m.extra['loaded_from']}; manifest {m.path}"]
     if scores:
         lines.append(f"evaluate: harness (limit {m.extra['limit']}): {scores}")
+    if m.extra.get("contamination"):
+        lines.append(f"evaluate: eval items overlapping the training data: {contamination_line(m.extra['contamination'])}")
     if m.extra.get("sample"):
         lines.append(f"evaluate: sample: {m.extra['sample']['prompt']!r} → {m.extra['sample']['text']!r}")
     return "\n".join(lines)

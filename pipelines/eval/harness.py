@@ -2,17 +2,18 @@
 
 ``PipelineLM`` (``pipelines.eval.lm_eval_model``) subclasses ``lm_eval.api.model.LM``
 (``loglikelihood``, ``loglikelihood_rolling``, ``generate_until``, batched) over
-:class:`~pipelines.eval.lm.TextModel`, and is registered as ``llm-pipeline``. The installed package registers it in every interpreter (``pipelines.eval.lm_eval_plugin``),
+:class:`~pipelines.eval.lm.TextModel`, and is registered as ``llm-pipeline``. The installed package registers it in every interpreter (``pipelines.site_hooks``),
 so the harness's own CLI finds it:
 
     lm_eval --model llm-pipeline --model_args uri=models:/NAME@champion \\
-        --include_path pipelines/eval/tasks --tasks arc_easy,hellaswag,lambada_openai --limit 20
+        --include_path pipelines/eval/tasks --tasks llmp_arc_easy,llmp_hellaswag,llmp_lambada_openai --limit 20
 
-``--include_path pipelines/eval/tasks`` swaps the hub datasets of those three tasks for the local files
-(same prompts and metrics; see ``tasks/offline_data.py``). Or, with no flags to remember:
+``--include_path pipelines/eval/tasks`` adds our three tasks: upstream's prompts and metrics of ``arc_easy``,
+``hellaswag`` and ``lambada_openai`` on local slices of their data (``tasks/offline_data.py``), under names and
+versions of their own, since their scores are not upstream's numbers. Or, with no flags to remember:
 
     python -m pipelines.eval.harness --model-uri models:/NAME@champion \\
-        --tasks arc_easy,hellaswag,lambada_openai --limit 20 --output results.json
+        --tasks llmp_arc_easy,llmp_hellaswag,llmp_lambada_openai --limit 20 --output results.json
 """
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ from pathlib import Path
 
 from pipelines.eval.lm_eval_model import PipelineLM
 
+from pipelines.eval.task_files import TASKS as OFFLINE, unknown_tasks
+
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
-# the offline tasks and their files in eval.data_dir (the loaders: tasks/offline_data.py)
-FILES = {"arc_easy": "arc_easy_test.jsonl", "hellaswag": "hellaswag_val.jsonl", "lambada_openai": "lambada_openai_test.jsonl"}
-TASKS = tuple(FILES)
+TASKS = tuple(OFFLINE)  # ours: llmp_arc_easy, llmp_hellaswag, llmp_lambada_openai (pipelines.eval.task_files)
 
 
 def task_manager(data_dir: str | None = None):
-    """The three tasks from local files only (the harness's hub-backed defaults are not indexed)."""
+    """Our three tasks, from local files only (the harness's hub-backed defaults are not indexed)."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=str(TASKS_DIR), include_defaults=False,
@@ -45,9 +46,8 @@ def evaluate(text_model, tasks: list[str], limit: int | None = None, data_dir: s
     from lm_eval import simple_evaluate
     from lm_eval.utils import handle_non_serializable
 
-    unknown = sorted(set(tasks) - set(TASKS))
-    if unknown:
-        raise ValueError(f"unknown task(s) {unknown}: offline tasks are {list(TASKS)}")
+    if unknown_tasks(tasks):
+        raise ValueError(unknown_tasks(tasks))
     res = simple_evaluate(model=PipelineLM(text_model=text_model, batch_size=batch_size), tasks=list(tasks),
                           limit=limit, task_manager=task_manager(data_dir), bootstrap_iters=1000,
                           random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)

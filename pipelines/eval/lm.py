@@ -8,8 +8,11 @@ The reference bits-per-byte (``pipelines.eval.bpb``), the lm-evaluation-harness 
 * A request longer than the model's ``seq_len`` keeps its *last* ``seq_len + 1`` tokens: the left context is
   cut first; a continuation longer than that has only its last ``seq_len`` tokens scored (as the harness's
   Hugging Face model does).
-* The model has no KV cache: generation re-reads the last ``seq_len`` tokens for every new token,
-  which is fine for the sizes this runs on a CPU and honest about what it is.
+* Generation (:meth:`TextModel.generate_batch`) runs a batch of prompts together, left-padded, with a KV cache:
+  one forward pass over the prompts, then one token per row per step. Each row samples with its own generator
+  (seeded with ``seed``), so a prompt gets the same text alone or in a batch, with or without the cache. When a
+  prompt plus ``max_new_tokens`` would pass ``seq_len``, the window slides and every position moves: such a batch
+  is generated without the cache (:meth:`TextModel.generate`, which re-reads the last ``seq_len`` tokens each step).
 """
 from __future__ import annotations
 
@@ -99,10 +102,59 @@ class TextModel:
         return out  # type: ignore[return-value]
 
     @torch.no_grad()
+    def generate_batch(self, prompts: Sequence[str], max_new_tokens: int = 32, temperature: float = 0.8,
+                       top_k: int = 50, seed: int = 0, stop: Iterable[str] = ()) -> list[str]:
+        """:meth:`generate` for every prompt, batched with a KV cache (same texts)."""
+        from pipelines.train.model import KVCache
+
+        rows = [self.encode(p) or [self.eos_id] for p in prompts]
+        n = int(max_new_tokens)
+        if not rows or n <= 0:
+            return ["" for _ in rows]
+        width = max(map(len, rows))
+        if width + n > self.seq_len:  # the window would slide: positions move, a cache cannot be reused
+            return [self.generate(p, n, temperature, top_k, seed, stop) for p in prompts]
+        stop = [s for s in stop if s]
+        pad = torch.tensor([width - len(r) for r in rows])
+        valid = torch.zeros(len(rows), width + n, dtype=torch.bool)
+        for b, p in enumerate(pad.tolist()):
+            valid[b, p:width] = True
+        tokens = torch.tensor([[self.eos_id] * p + r for p, r in zip(pad.tolist(), rows)], device=self.device)
+        cache = KVCache.empty(self.model, len(rows), width + n)
+        positions = (torch.arange(width)[None, :] - pad[:, None]).clamp(min=0)
+        last = self.model.decode(tokens, cache, positions.to(self.device), valid.to(self.device))[:, -1].cpu()
+        gens = [torch.Generator().manual_seed(int(seed)) for _ in rows]
+        new: list[list[int]] = [[] for _ in rows]
+        done = [False] * len(rows)
+        for step in range(n):
+            nxt = []
+            for b in range(len(rows)):
+                t = self.eos_id if done[b] else _sample(last[b], float(temperature), int(top_k), gens[b])
+                if not done[b]:
+                    done[b] = t == self.eos_id
+                    if not done[b]:
+                        new[b].append(t)
+                        done[b] = bool(stop) and any(s in self._tail(rows[b], new[b]) for s in stop)
+                nxt.append(t)
+            if all(done) or step == n - 1:
+                break
+            valid[:, width + step] = True
+            pos = (width + step - pad)[:, None].clamp(min=0)
+            last = self.model.decode(torch.tensor(nxt, device=self.device)[:, None], cache, pos.to(self.device),
+                                     valid.to(self.device))[:, -1].cpu()
+        return [self._until(self._tail(r, w), stop) for r, w in zip(rows, new)]
+
+    @staticmethod
+    def _until(text: str, stop: Sequence[str]) -> str:
+        cut = min([text.find(s) for s in stop if s in text], default=len(text))
+        return text[:cut]
+
+    @torch.no_grad()
     def generate(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.8, top_k: int = 50,
                  seed: int = 0, stop: Iterable[str] = ()) -> str:
         """Sample a continuation of ``prompt`` (``temperature`` 0 = greedy); stops at EOS, after
-        ``max_new_tokens``, or before the first of ``stop``."""
+        ``max_new_tokens``, or before the first of ``stop``. No cache: every step reads the last ``seq_len`` tokens
+        (the reference :meth:`generate_batch` is tested against)."""
         gen = torch.Generator().manual_seed(int(seed))
         ids = self.encode(prompt) or [self.eos_id]
         new: list[int] = []
@@ -115,10 +167,7 @@ class TextModel:
             new.append(nxt)
             if stop and any(s in self._tail(ids, new) for s in stop):
                 break
-        text = self._tail(ids, new)
-        cut = min([text.find(s) for s in stop if s in text], default=len(text))
-        return text[:cut]
-
+        return self._until(self._tail(ids, new), stop)
 
     def _tail(self, ids: list[int], new: list[int]) -> str:
         """The text ``new`` adds after ``ids``, with the word-boundary space SentencePiece drops when it

@@ -65,18 +65,30 @@ class PipelineLM(LM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out = []
-        for r in requests:
-            context, kw = r.args
-            kw = dict(kw or {})
-            until = kw.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
-            text = self.tm.generate(context, int(kw.get("max_gen_toks", 256)), temperature,
-                                    int(kw.get("top_k", 0) or 0), int(kw.get("seed", 0) or 0), stop=until)
-            self.cache_hook.add_partial("generate_until", r.args, text)
-            out.append(text)
-        return out
+        """Requests with the same generation settings go through :meth:`TextModel.generate_batch` together
+        (``batch_size`` at a time, KV cache); results in request order."""
+        groups: dict[str, list[int]] = {}
+        settings = [self._settings(r.args[1]) for r in requests]
+        for i, st in enumerate(settings):
+            groups.setdefault(repr(st), []).append(i)
+        out: list[str | None] = [None] * len(requests)
+        for idx in groups.values():
+            n, temperature, top_k, seed, until = settings[idx[0]]
+            for b in range(0, len(idx), self.batch_size):
+                chunk = idx[b:b + self.batch_size]
+                texts = self.tm.generate_batch([requests[i].args[0] for i in chunk], n, temperature, top_k, seed, until)
+                for i, text in zip(chunk, texts):
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _settings(kw) -> tuple:
+        kw = dict(kw or {})
+        until = kw.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
+        return int(kw.get("max_gen_toks", 256)), temperature, int(kw.get("top_k", 0) or 0), int(kw.get("seed", 0) or 0), until
 
     # -- data parallel under torch.distributed --------------------------------------------------------
     def all_gather(self, tensor):

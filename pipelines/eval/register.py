@@ -28,17 +28,18 @@ def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: st
         lineage = {"data_manifest_hash": tok.digest, "tokenizer_hash": tok.extra["tokenizer_sha256"],
                    "config_hash": lineage_config_hash(spec), "checkpoint_uri": ev.extra["checkpoint_uri"],
                    "train_manifest_hash": train.digest}
-        run_id = spec.run.mlflow_run_id or train.extra["mlflow_run_id"]
+        train_run = train.extra.get("mlflow_run_id") or spec.run.mlflow_run_id  # the LoggedModel's source run
+        eval_run = spec.run.mlflow_run_id or train_run
         work = tmp / "work"
-        res = register(spec, ckpt, run_id, lineage, dict(ev.metrics), ev.extra, work)
+        res = register(spec, ckpt, train_run, lineage, dict(ev.metrics), ev.extra, work, eval_run_id=eval_run)
         client = tracking.client(spec)
         for p in eval_report(spec, res, ev, train, tmp, client):
-            client.log_artifact(run_id, str(p), artifact_path="eval_report")
+            client.log_artifact(eval_run, str(p), artifact_path="eval_report")
         shutil.rmtree(tmp / "checkpoint", ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
         (tmp / "registration.json").write_text(json.dumps(res, indent=2))
         return sd.commit({"registration": "registration.json", "report": "report.md", "report_png": "report.png"},
-                         counts={"versions_created": 1},
+                         counts={"versions_created": int(not res["reused_version"])},
                          metrics={"alias_moved": int(res["alias_moved"]), "champion_rescored": int(res["champion_rescored"])},
                          extra=res)
 
@@ -47,7 +48,9 @@ def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: st
 
 def summary(m: Manifest) -> str:
     e = m.extra
-    return (f"register: {e['model_name']} v{e['version']} ({e['gate_metric']}={e['value']:.4f}); {e['reason']}; "
+    con = ", ".join(f"{k.removeprefix('contamination.')} {v}" for k, v in e["tags"].items() if k.startswith("contamination."))
+    return (f"register: {e['model_name']} v{e['version']} ({e['gate_metric']}={e['value']:.4f}, model_id "
+            f"{e['model_id']}); {e['reason']}; eval items overlapping the training data: {con or 'not recorded'}; "
             f"report {m.output('report')}; tracking {e['tracking_uri']}")
 
 

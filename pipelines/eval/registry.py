@@ -1,16 +1,27 @@
 """Register: log the evaluated model as a servable pyfunc, register a version with lineage, gate the alias.
 
-* the model goes into the pipeline's MLflow run as a **pyfunc** (text in → generated text out;
-  ``pipelines.eval.serving``), with the plain weights, model args and tokenizer as artifacts;
-* a new version of ``registry.model_name`` is tagged with its lineage (``data_manifest_hash``,
-  ``tokenizer_hash``, ``config_hash``, ``checkpoint_uri``, ``train_manifest_hash``), the reference set
-  (``reference_sha256``) and every eval metric (``reference_bpb``, ``harness.*``, ``heldout_*``);
-* the gate: the alias ``registry.alias`` (``champion``) moves to the new version only if its
+* the model is logged the MLflow 3 way: a **LoggedModel** (``model_id``) made in the **training run** (its
+  ``source_run_id``: one click from the version reaches the loss curves), a pyfunc (text in → generated text out;
+  ``pipelines.eval.serving``) with the plain weights, model args and tokenizer as artifacts;
+* the eval metrics are logged on the LoggedModel (``reference_bpb``, ``harness.*``, ``heldout_*``), each with the
+  dataset it was measured on (``reference`` / the task's name, digest = the files' sha256, first 12 hex digits); the
+  datasets are inputs of the evaluation run, which is linked to the training run (``mlflow.parentRunId`` when the two
+  differ, as in the split DAGs);
+* a version of ``registry.model_name`` is created with that ``model_id``, tagged with its lineage
+  (``data_manifest_hash``, ``tokenizer_hash``, ``config_hash``, ``checkpoint_uri``, ``train_manifest_hash``,
+  ``lineage_key``), the reference set (``reference_sha256``), the eval metrics (as tags too, for the registry UI) and
+  the contamination of each eval set (``contamination.<task>``: its items that overlap the training data);
+* the gate, **fail-closed**: the alias ``registry.alias`` (``champion``) moves to the new version only if its
   ``registry.gate_metric`` (``reference_bpb`` by default) is no worse (≤) than the champion's **on the same
-  reference set**. When the champion was scored on another set, it is re-scored on this one first (its
-  number is kept as a tag ``reference_bpb.<sha[:12]>`` on its version). A version that does not take the
-  alias gets ``challenger``. The decision, with both numbers, is logged, tagged on the version and on the
-  MLflow run, and heads the eval report (Markdown + PNG, next to the outputs and in MLflow).
+  reference set** (a champion scored on another set is re-scored on this one first; its number is kept as a tag
+  ``reference_bpb.<sha[:12]>`` on its version). ``heldout_*`` are compared only between versions trained on the same
+  data. An error while reading or re-scoring the champion fails the stage (retried; no alias moves); a champion that
+  cannot be compared is refused (exit 2). A version that does not take the alias gets ``challenger``;
+* **idempotent**: the gate runs before anything is created, and a re-run with the same inputs finds the version it
+  created (tag ``lineage_key``) instead of making another.
+
+The decision, with both numbers, is logged, tagged on the version and on the MLflow run, and heads the eval report
+(Markdown + PNG, next to the outputs and in MLflow).
 """
 from __future__ import annotations
 
@@ -19,11 +30,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pipelines.manifest import Manifest
+from pipelines.manifest import Manifest, StageError
 from pipelines.spec import JobSpec, sha256_json
 from pipelines.tracking import airflow_ids
 
 CHALLENGER = "challenger"
+REFERENCE_DATASET = "reference"
+
+
+class GateError(StageError):
+    """The champion could not be read or scored: the stage fails (and is retried); no alias moves."""
+
+    exit_code = 1
+
+
+class NotComparable(StageError):
+    """The new version and the champion cannot be compared on the gate metric (exit 2: a spec to change)."""
 
 
 def lineage_config_hash(spec: JobSpec) -> str:
@@ -42,20 +64,45 @@ class Decision:
     rescored: bool = False
 
 
-def champion_value(spec: JobSpec, client, cur, metric: str, sha: str, work: Path) -> tuple[Optional[float], bool, str]:
-    """(the champion's ``metric`` on reference set ``sha``, whether it was re-scored now, why None)."""
+def current_champion(client, name: str, alias: str):
+    """The version the alias points at, or None when the model or the alias does not exist yet; any other error
+    (the registry unreachable, a permission) propagates."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        model = client.get_registered_model(name)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise GateError(f"cannot read registered model {name!r}: {e.message}") from None
+    if alias not in model.aliases:
+        return None
+    return client.get_model_version(name, model.aliases[alias])
+
+
+def champion_value(spec: JobSpec, client, cur, metric: str, sha: str, data_hash: str, work: Path
+                   ) -> tuple[float, bool]:
+    """(the champion's ``metric`` comparable with the new version's, whether it was re-scored now)."""
     tags = cur.tags
     if metric != "reference_bpb":
-        return (float(tags[metric]), False, "") if metric in tags else (None, False, f"it has no {metric} tag")
+        if metric not in tags:
+            raise NotComparable(f"registry.gate_metric={metric}: '{spec.registry.alias}' v{cur.version} has no "
+                                f"{metric}; gate on reference_bpb")
+        if tags.get("data_manifest_hash") != data_hash:
+            raise NotComparable(f"registry.gate_metric={metric} is measured on each corpus's own held-out split, and "
+                                f"'{spec.registry.alias}' v{cur.version} was trained on other data "
+                                f"({str(tags.get('data_manifest_hash'))[:12]} ≠ {data_hash[:12]}); gate on "
+                                "reference_bpb (registry.gate_metric=reference_bpb), which is comparable across corpora")
+        return float(tags[metric]), False
     if tags.get("reference_sha256") == sha and "reference_bpb" in tags:
-        return float(tags["reference_bpb"]), False, ""
+        return float(tags["reference_bpb"]), False
     key = f"reference_bpb.{sha[:12]}"
     if key in tags:
-        return float(tags[key]), False, ""
-    return rescore(spec, client, cur, sha, work)
+        return float(tags[key]), False
+    return rescore(spec, client, cur, sha, work), True
 
 
-def rescore(spec: JobSpec, client, cur, sha: str, work: Path) -> tuple[Optional[float], bool, str]:
+def rescore(spec: JobSpec, client, cur, sha: str, work: Path) -> float:
     """Score the champion on this reference set (in this process or on the launcher's ranks)."""
     from pipelines import tracking
     from pipelines.eval.evaluate import reference_files, score_model_dir
@@ -64,29 +111,26 @@ def rescore(spec: JobSpec, client, cur, sha: str, work: Path) -> tuple[Optional[
 
     try:
         d = model_dir_of(download(f"models:/{cur.name}/{cur.version}", tracking.tracking_uri(spec), work / "champion"))
-    except LookupError as e:
-        return None, False, f"it cannot be re-scored on the new reference set ({e})"
-    res = score_model_dir(spec, Job(model_dir=str(d), reference=reference_files(spec), parts=["reference"]),
-                          work / "champion-ranks", run_id=f"rescore-{cur.name}-{cur.version}"[:40])
+        res = score_model_dir(spec, Job(model_dir=str(d), reference=reference_files(spec), parts=["reference"]),
+                              work / "champion-ranks", run_id=f"rescore-{cur.name}-{cur.version}"[:40])
+    except Exception as e:  # noqa: BLE001 - whatever broke, the gate must not fail open
+        raise GateError(f"'{spec.registry.alias}' v{cur.version} could not be re-scored on reference set {sha[:12]} "
+                        f"({type(e).__name__}: {e}); the alias stays where it is") from e
     value = res["reference"]["bits_per_byte"]
     client.set_model_version_tag(cur.name, cur.version, f"reference_bpb.{sha[:12]}", f"{value:.6f}")
-    return value, True, ""
+    return value
 
 
-def gate(spec: JobSpec, client, value: float, sha: str, work: Path) -> Decision:
-    """Should the new version (``value`` of the gate metric, on reference set ``sha``) take the alias?"""
-    from mlflow.exceptions import MlflowException
-
+def gate(spec: JobSpec, client, value: float, sha: str, data_hash: str, work: Path) -> Decision:
+    """Should the new version (``value`` of the gate metric, on reference set ``sha``, trained on ``data_hash``)
+    take the alias? Raises :class:`GateError` / :class:`NotComparable` instead of guessing."""
     name, alias, metric = spec.registry.model_name, spec.registry.alias, spec.registry.gate_metric
-    try:
-        cur = client.get_model_version_by_alias(name, alias)
-    except MlflowException:
+    cur = current_champion(client, name, alias)
+    if cur is None:
         return Decision(True, f"no '{alias}' yet: the new version takes it")
-    cv, rescored, why = champion_value(spec, client, cur, metric, sha, work)
-    if cv is None:
-        return Decision(True, f"'{alias}' v{cur.version} is not comparable ({why}): the new version takes it", cur.version)
+    cv, rescored = champion_value(spec, client, cur, metric, sha, data_hash, work)
     on = f" on reference set {sha[:12]}" + (" (champion re-scored on it)" if rescored else "") \
-        if metric == "reference_bpb" else ""
+        if metric == "reference_bpb" else " on the same data"
     if value <= cv:
         return Decision(True, f"{metric} {value:.4f} ≤ '{alias}' v{cur.version}'s {cv:.4f}{on}: the new version "
                         f"takes '{alias}'", cur.version, cv, rescored)
@@ -94,51 +138,133 @@ def gate(spec: JobSpec, client, value: float, sha: str, work: Path) -> Decision:
                     f"version is '{CHALLENGER}'", cur.version, cv, rescored)
 
 
+def contamination_tags(ev_extra: dict) -> dict[str, str]:
+    """``contamination.<task>``: items of the task that overlap the training data (``unchecked`` when unknown)."""
+    out = {}
+    for task, r in ev_extra.get("contamination", {}).items():
+        out[f"contamination.{task}"] = (f"{r['items_overlapping']}/{r['items']}" + ("" if r["checked"] else " partly unchecked")
+                                        if "items" in r else "unchecked")
+    return out
+
+
 def version_tags(lineage: dict, metrics: dict, ev_extra: dict) -> dict[str, str]:
     return {**lineage, **{k: f"{v:.6f}" for k, v in metrics.items()},
             "reference_sha256": ev_extra["reference_sha256"],
             "reference_files": ",".join(ev_extra["reference"]["files"]),
             "eval_tasks": ",".join(ev_extra["tasks"]), "eval_limit": str(ev_extra["limit"]),
+            **contamination_tags(ev_extra),
             **airflow_ids()}  # the DAG run and task that registered it (under Airflow)
 
 
+def lineage_key(name: str, lineage: dict, metrics: dict, ev_extra: dict) -> str:
+    """What makes two registrations the same: the model name, the lineage, the reference set and the numbers."""
+    return sha256_json({"name": name, "lineage": lineage, "reference": ev_extra["reference_sha256"],
+                        "metrics": {k: round(v, 9) for k, v in metrics.items()}})[:32]
+
+
+def existing_version(client, name: str, key: str):
+    """The version a registration with this ``lineage_key`` created earlier, or None."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        found = client.search_model_versions(f"name = '{name}' and tags.lineage_key = '{key}'")
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    return min(found, key=lambda v: int(v.version)) if found else None
+
+
 def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics: dict, ev_extra: dict,
-             work: Path) -> dict:
+             work: Path, eval_run_id: str | None = None) -> dict:
+    """Gate, then find or create the version (``run_id``: the training run, the LoggedModel's source; ``eval_run_id``:
+    the run the eval metrics are logged from, by default the same), then set the alias."""
     from pipelines import tracking
 
     name, alias, gm = spec.registry.model_name, spec.registry.alias, spec.registry.gate_metric
     if gm not in metrics:
         raise ValueError(f"registry.gate_metric={gm} was not measured by the evaluate stage")
+    tags = {**version_tags(lineage, metrics, ev_extra), "lineage_key": lineage_key(name, lineage, metrics, ev_extra)}
+    client = tracking.client(spec)
     with tracking.fluent(spec):  # the client resolves the logged model's models:/ source through the global URI
-        mv, model_uri = log_and_register(spec, ckpt_dir, run_id, version_tags(lineage, metrics, ev_extra), work)
-        client = tracking.client(spec)
-        d = gate(spec, client, metrics[gm], ev_extra["reference_sha256"], work)
+        d = gate(spec, client, metrics[gm], ev_extra["reference_sha256"], lineage.get("data_manifest_hash", ""), work)
+        mv = existing_version(client, name, tags["lineage_key"])
+        reused = mv is not None
+        if mv is None:
+            mv = log_and_register(spec, ckpt_dir, run_id, tags, work)
+            log_eval_metrics(client, mv.model_id, eval_run_id or run_id, metrics, ev_extra)
+        link_runs(client, run_id, eval_run_id)
         client.set_registered_model_alias(name, alias if d.take else CHALLENGER, mv.version)
         client.set_model_version_tag(name, mv.version, "gate", d.reason)
-        client.set_tag(run_id, "register.gate", d.reason)
-    return {"model_name": name, "version": int(mv.version), "model_uri": model_uri, "alias": alias,
-            "alias_moved": d.take, "previous_champion": d.champion, "previous_value": d.champion_value,
+        client.set_tag(eval_run_id or run_id, "register.gate", d.reason)
+    return {"model_name": name, "version": int(mv.version), "model_uri": mv.source, "model_id": mv.model_id,
+            "alias": alias, "alias_moved": d.take, "previous_champion": d.champion, "previous_value": d.champion_value,
             "champion_rescored": d.rescored, "reason": d.reason, "gate_metric": gm, "value": metrics[gm],
-            "tags": mv.tags, "mlflow_run_id": run_id, "tracking_uri": tracking.tracking_uri(spec)}
+            "reused_version": reused, "tags": dict(mv.tags), "mlflow_run_id": run_id,
+            "eval_run_id": eval_run_id or run_id, "tracking_uri": tracking.tracking_uri(spec)}
 
 
 def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, work: Path):
-    """Log the pyfunc into the pipeline's run and create a model version of it; returns (version, model URI)."""
+    """Log the pyfunc as a LoggedModel of the training run ``run_id`` and create a version of it (with its
+    ``model_id``)."""
     import mlflow
 
     from pipelines import tracking
-    from pipelines.eval.serving import log_text_model, write_model_dir
-    from pipelines.train.checkpoint import load_plain_model
+    from pipelines.eval.serving import log_text_model, model_dir_for
 
-    model_dir = write_model_dir(load_plain_model(ckpt_dir), ckpt_dir, work / "model_dir")
+    model_dir = model_dir_for(spec, ckpt_dir, work / "model_dir")
     with mlflow.start_run(run_id=run_id):
-        info = log_text_model(model_dir)
+        info = log_text_model(model_dir, max_new_tokens=spec.eval.max_new_tokens)
     client = tracking.client(spec)
     try:
         client.create_registered_model(spec.registry.model_name, description="LLM pipeline models (see tags for lineage)")
     except Exception:  # already exists
         pass
-    return client.create_model_version(spec.registry.model_name, info.model_uri, run_id=run_id, tags=tags), info.model_uri
+    mv = client.create_model_version(spec.registry.model_name, info.model_uri, run_id=run_id, tags=tags,
+                                     model_id=info.model_id)
+    # the LoggedModel → version link, as mlflow.register_model records it (the logged model's page lists the version)
+    client.set_logged_model_tags(info.model_id, {"mlflow.modelVersions": json.dumps(
+        [{"name": mv.name, "version": mv.version}])})
+    return mv
+
+
+def datasets(ev_extra: dict) -> dict[str, tuple[str, str]]:
+    """{metric prefix: (dataset name, digest)}: the reference set, and each task's file."""
+    files = ev_extra.get("files", {})
+    from pipelines.eval.task_files import TASKS
+
+    out = {"reference_bpb": (REFERENCE_DATASET, ev_extra["reference_sha256"][:12])}
+    for task in ev_extra["tasks"]:
+        sha = files.get(TASKS[task].file, "")
+        out[f"harness.{task}."] = (task, sha[:12])
+    return out
+
+
+def log_eval_metrics(client, model_id: str, run_id: str, metrics: dict, ev_extra: dict) -> None:
+    """The eval numbers on the LoggedModel, each with the dataset it was measured on; the datasets as inputs of the
+    evaluation run."""
+    import time
+
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    sets = datasets(ev_extra)
+    ts = int(time.time() * 1000)
+    used = set()
+    for k, v in metrics.items():
+        ds = next((d for prefix, d in sets.items() if k == prefix or k.startswith(prefix)), (None, None))
+        client.log_metric(run_id, k, float(v), timestamp=ts, step=0, dataset_name=ds[0], dataset_digest=ds[1],
+                          model_id=model_id)
+        used.add(ds)
+    inputs = [DatasetInput(Dataset(name=n, digest=dg, source_type="local", source=json.dumps({"digest": dg})),
+                           [InputTag("mlflow.data.context", "eval")]) for n, dg in sorted(used - {(None, None)})]
+    client.log_inputs(run_id, datasets=inputs)
+
+
+def link_runs(client, train_run: str, eval_run: str | None) -> None:
+    """The evaluation run as a child of the training run (the split DAGs have one run each)."""
+    if eval_run and eval_run != train_run:
+        client.set_tag(eval_run, "mlflow.parentRunId", train_run)
+        client.set_tag(eval_run, "llmp.training_run_id", train_run)
 
 
 def eval_report(spec: JobSpec, res: dict, ev: Manifest, train: Manifest, out: Path, client) -> list[Path]:

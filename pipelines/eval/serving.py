@@ -9,14 +9,17 @@ is this package (``code/pipelines``), so the model loads wherever torch, sentenc
     curl -s 127.0.0.1:5001/invocations -H 'Content-Type: application/json' \\
          -d '{"inputs": ["Once upon a time"], "params": {"max_new_tokens": 32, "temperature": 0.8}}'
 
-Input: strings (one prompt each). Output: one generated continuation per prompt. Params:
-``max_new_tokens`` (32), ``temperature`` (0.8; 0 = greedy), ``top_k`` (50; 0 = all), ``seed`` (0).
+Input: strings (one prompt each). Output: one generated continuation per prompt, generated as one batch with a KV
+cache (``TextModel.generate_batch``). Params: ``max_new_tokens`` (32; at most the cap the model was registered with,
+``eval.max_new_tokens``, 256 by default: more is refused with HTTP 400), ``temperature`` (0.8; 0 = greedy),
+``top_k`` (50; 0 = all), ``seed`` (0).
 
 ``load_registered(uri)`` is the plain torch path: (``Transformer`` in eval mode, SentencePiece processor),
 without going through pyfunc.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlflow.artifacts
@@ -26,6 +29,7 @@ import pandas as pd
 PARAMS = {"max_new_tokens": 32, "temperature": 0.8, "top_k": 50, "seed": 0}
 MODEL_DIR = "model_dir"  # the artifact key
 FILES = ("model.pt", "model_args.json", "tokenizer.model")
+LIMITS = "serving.json"  # {"max_new_tokens": cap}, written at registration from eval.max_new_tokens
 
 
 class TextGenerator(mlflow.pyfunc.PythonModel):
@@ -34,15 +38,28 @@ class TextGenerator(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
         from pipelines.eval.lm import TextModel
 
-        self.tm = TextModel.load(context.artifacts[MODEL_DIR])
+        d = Path(context.artifacts[MODEL_DIR])
+        self.tm = TextModel.load(d)
+        self.max_new_tokens = json.loads((d / LIMITS).read_text())["max_new_tokens"] if (d / LIMITS).is_file() else None
 
     # The explicit signature below validates the input (a one-column DataFrame by then). The hint is one MLflow
     # infers no schema from: a list[str] hint would take MLflow's type-hint path, which drops the params, and no
     # hint at all makes MLflow warn on every import.
     def predict(self, context, model_input: pd.DataFrame, params=None):
         p = {**PARAMS, **(params or {})}
-        return [self.tm.generate(t, int(p["max_new_tokens"]), float(p["temperature"]), int(p["top_k"]),
-                                 int(p["seed"])) for t in _prompts(model_input)]
+        check_limits(p, self.max_new_tokens)
+        return self.tm.generate_batch(_prompts(model_input), int(p["max_new_tokens"]), float(p["temperature"]),
+                                      int(p["top_k"]), int(p["seed"]))
+
+
+def check_limits(params: dict, cap: int | None) -> None:
+    """A request over the cap is the client's error: MLflow's scoring server answers it with HTTP 400."""
+    from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
+
+    n = int(params["max_new_tokens"])
+    if n < 0 or (cap is not None and n > cap):
+        raise MlflowException(f"max_new_tokens={n} is outside 0..{cap} (the cap this model was registered with, "
+                              "eval.max_new_tokens)", error_code=INVALID_PARAMETER_VALUE)
 
 
 def _prompts(model_input) -> list[str]:
@@ -65,18 +82,43 @@ def signature():
 
 def write_model_dir(model, ckpt_dir: Path, out: Path) -> Path:
     """The artifact directory: the plain state dict of ``model`` plus the checkpoint's args and tokenizer."""
-    import shutil
-
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), out / "model.pt")
+    return _copy_side_files(ckpt_dir, out)
+
+
+def _copy_side_files(ckpt_dir: Path, out: Path) -> Path:
+    import shutil
+
     for name in ("model_args.json", "tokenizer.model"):
         shutil.copyfile(ckpt_dir / name, out / name)
     return out
 
 
-def log_text_model(model_dir: Path, name: str = "model"):
+def model_dir_for(spec, ckpt_dir: Path, out: Path) -> Path:
+    """The artifact directory of a committed checkpoint. A model above ``eval.single_process_max_params`` is not
+    loaded here (the Airflow worker): its weights are exported on the launcher's first rank
+    (``python -m pipelines.train.checkpoint export``, torchrun or a PyTorchJob)."""
+    from pipelines.train.model import ModelArgs, param_count
+
+    params = param_count(ModelArgs(**json.loads((ckpt_dir / "model_args.json").read_text())))
+    if params <= spec.eval.single_process_max_params:
+        from pipelines.train.checkpoint import load_plain_model
+
+        return write_model_dir(load_plain_model(ckpt_dir), ckpt_dir, out)
+    from pipelines.train.launch import run_ranks
+
+    print(f"[register] {params:,} params > eval.single_process_max_params: exporting the weights on the launcher's "
+          f"first rank ({spec.launcher.kind})", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    run_ranks(spec, "pipelines.train.checkpoint", ["export", str(ckpt_dir), str(out / "model.pt")],
+              run_id=f"export-{out.parent.name}"[:40], restarts=False)
+    return _copy_side_files(ckpt_dir, out)
+
+
+def log_text_model(model_dir: Path, name: str = "model", max_new_tokens: int | None = None):
     """Log the pyfunc into the active MLflow run (this package's code travels with it, no caches);
     returns MLflow's ``ModelInfo``."""
     import shutil
@@ -86,12 +128,14 @@ def log_text_model(model_dir: Path, name: str = "model"):
 
     import pipelines
 
+    if max_new_tokens is not None:
+        (model_dir / LIMITS).write_text(json.dumps({"max_new_tokens": int(max_new_tokens)}))
     with tempfile.TemporaryDirectory(prefix="llmp-code-") as tmp:
         code = Path(tmp) / "pipelines"
         shutil.copytree(Path(pipelines.__file__).parent, code, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         return mlflow.pyfunc.log_model(
             name=name, python_model=TextGenerator(), artifacts={MODEL_DIR: str(model_dir)},
-            code_paths=[str(code)], signature=signature(), input_example=(["Once upon a time"], {"max_new_tokens": 8}),
+            code_paths=[str(code)], signature=signature(), input_example=(["Once upon a time"], {"max_new_tokens": min(8, max_new_tokens or 8)}),
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "numpy", "pyarrow",
                               "pydantic", "pyyaml"])
 

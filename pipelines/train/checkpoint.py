@@ -911,6 +911,8 @@ def export_main(argv: list[str]) -> int:
     ap.add_argument("src", help="A committed checkpoint directory (step-NNNNNN with MANIFEST.json and COMMIT).")
     ap.add_argument("out", help="Output .pt file.")
     a = ap.parse_args(argv)
+    if os.environ.get("RANK", "0") != "0":  # on the launcher's ranks (register of a big model): the first one writes
+        return 0
     try:
         n = export(Path(a.src), Path(a.out))
     except (CheckpointError, FileNotFoundError) as e:

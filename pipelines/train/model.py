@@ -81,12 +81,32 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor
     return ang.cos(), ang.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, H, T, d_h), rotating interleaved pairs (x0, x1), (x2, x3), ...
+def rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, d_h), rotating interleaved pairs (x0, x1), (x2, x3), ... by angles whose cos/sin broadcast to
+    # (…, T, d_h/2)
     x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
-    c, s = cos[: x.shape[-2]], sin[: x.shape[-2]]
     out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
     return out.type_as(x)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Positions 0 … T-1."""
+    return rotate(x, cos[: x.shape[-2]], sin[: x.shape[-2]])
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for a batch of rows, ``slots`` positions each (inference only)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    len: int = 0  # slots filled
+
+    @classmethod
+    def empty(cls, model: "Transformer", batch: int, slots: int) -> "KVCache":
+        a, w = model.args, model.tok_embeddings.weight
+        shape = (batch, a.kv_heads, slots, a.head_dim)
+        return cls([w.new_zeros(shape) for _ in model.layers], [w.new_zeros(shape) for _ in model.layers])
 
 
 class Attention(nn.Module):
@@ -109,6 +129,24 @@ class Attention(nn.Module):
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+               mask: torch.Tensor) -> torch.Tensor:
+        """Attention of new tokens ``x`` (B, T) over the cache's slots and themselves; ``cos``/``sin`` per row and
+        token (B, 1, T, d_h/2), ``mask`` (B, 1, T, slots so far) what each token may attend to."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        end = cache.len + T
+        cache.k[layer][:, :, cache.len:end], cache.v[layer][:, :, cache.len:end] = k, v
+        k, v = cache.k[layer][:, :, :end], cache.v[layer][:, :, :end]
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -171,3 +209,23 @@ class Transformer(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Logits (float) of ``tokens`` (B, T) appended to ``cache``: ``positions`` (B, T) are each token's position
+        in its own row (rows may be left-padded), ``valid`` (B, slots) marks the slots that hold real tokens. A
+        token attends to the valid slots up to its own; a padding slot only to itself (so it stays finite)."""
+        B, T = tokens.shape
+        end = cache.len + T
+        if end > cache.k[0].shape[2] or int(positions.max()) >= self.args.seq_len:
+            raise ValueError(f"the cache holds {cache.k[0].shape[2]} slots and the model {self.args.seq_len} positions")
+        slots, mine = torch.arange(end, device=tokens.device), torch.arange(cache.len, end, device=tokens.device)
+        causal = slots[None, :] <= mine[:, None]
+        mask = ((valid[:, None, :end] & causal) | (slots[None, :] == mine[:, None]))[:, None]
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        x = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            x = x + layer.attn.cached(layer.attn_norm(x), cos, sin, cache, i, mask)
+            x = x + layer.ffn(layer.ffn_norm(x))
+        cache.len = end
+        return self.output(self.norm(x)).float()

@@ -1,4 +1,4 @@
-"""Local files as the datasets of the harness's standard tasks: no hub, no network.
+"""Local files as the datasets of our offline tasks (``llmp_*``, the harness's standard prompts): no hub, no network.
 
 Each loader returns a ``datasets.DatasetDict`` whose rows have the shape of the hub dataset the harness's
 own task config expects, so the standard prompts, targets and metrics apply unchanged. Items stay in file
@@ -11,21 +11,19 @@ is taken as the text after the last sentence end, which the harness capitalises 
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 
 def _rows(task: str, data_dir: str | None) -> list[dict]:
-    from pipelines.eval.harness import FILES
+    from pipelines.eval.task_files import FILES, read_rows
     from pipelines.spec import resolve_bundled
 
     path = resolve_bundled(Path(data_dir or "data/eval") / FILES[task])
     if not path.is_file():
         raise FileNotFoundError(f"{task}: {path} is missing; set eval.data_dir (or --metadata data_dir=…) to a "
                                 f"directory holding {FILES[task]}")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_rows(path)
 
 
 def _split(rows: list[dict], split: str):
@@ -38,7 +36,7 @@ def arc_easy(data_dir: str | None = None, **_):
     """Official ARC JSONL → the hub's ``allenai/ai2_arc`` rows: question, choices {text, label}, answerKey."""
     rows = [{"id": r["id"], "question": r["question"]["stem"], "answerKey": r["answerKey"],
              "choices": {"text": [c["text"] for c in r["question"]["choices"]],
-                         "label": [c["label"] for c in r["question"]["choices"]]}} for r in _rows("arc_easy", data_dir)]
+                         "label": [c["label"] for c in r["question"]["choices"]]}} for r in _rows("llmp_arc_easy", data_dir)]
     return _split(rows, "test")
 
 
@@ -52,7 +50,7 @@ def _ctx_parts(ctx: str) -> tuple[str, str]:
 def hellaswag(data_dir: str | None = None, **_):
     """Local HellaSwag → the hub's ``Rowan/hellaswag`` rows (ctx_a, ctx_b, endings, label as a string)."""
     rows = []
-    for r in _rows("hellaswag", data_dir):
+    for r in _rows("llmp_hellaswag", data_dir):
         a, b = _ctx_parts(r["ctx"])
         rows.append({"ind": r["idx"], "activity_label": r["activity_label"], "ctx": r["ctx"], "ctx_a": a, "ctx_b": b,
                      "endings": r["endings"], "label": str(r["label"])})
@@ -67,4 +65,4 @@ def hellaswag_process_docs(dataset):
 
 
 def lambada_openai(data_dir: str | None = None, **_):
-    return _split([{"text": r["text"]} for r in _rows("lambada_openai", data_dir)], "test")
+    return _split([{"text": r["text"]} for r in _rows("llmp_lambada_openai", data_dir)], "test")

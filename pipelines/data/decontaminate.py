@@ -1,0 +1,248 @@
+"""The decontaminate stage: training docs that share a word n-gram with an evaluation item are removed (or cut).
+
+Between ``filter`` and ``tokenize``. The items are those of every task in ``eval.tasks`` (all of each task file, not
+only the ``eval.limit`` scored: a later run may score more) and the reference set (``eval.reference``, one item per
+paragraph or JSONL record); :mod:`pipelines.eval.task_files` says what an item's text is (question + correct answer,
+context + correct ending, the passage).
+
+* Words: NFKC, lower case, ``\\w+`` runs (punctuation and spacing do not hide a copy). An item gives its
+  ``data.decontaminate.ngram``-grams of words (13 by default, as GPT-3 and the Pile did); an item shorter than that
+  is one n-gram of its own length when it has at least ``min_item_words`` words, else it is not checked
+  (``items_too_short``: a six-word question matches too much ordinary text to mean anything).
+* The n-grams of every item, as a table n-gram → items, are broadcast to the Spark tasks (the eval sets are small:
+  ≈ 10⁵ n-grams); each task looks up every n-gram of its docs.
+* ``mode``: ``remove`` (default) drops a doc with any match, with ``filter_reason = contamination:<task>`` (the task
+  with the most matching n-grams); ``cut`` drops only the matching spans (the doc goes when fewer than
+  ``cut_min_chars`` characters remain); ``report`` removes nothing and counts.
+* Nothing is lost: docs in = kept + removed. The manifest records per task (``extra.contamination.<task>``, and
+  ``reference``): items, items with any overlap, docs removed and cut, the n-gram size, the file digest, and which
+  items overlap a doc the stage kept (what reaches the model: the registered version's contamination count).
+
+    python -m pipelines.data.decontaminate --input-manifest FILTER_MANIFEST --output DIR [--set K=V …]
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import unicodedata
+from collections import Counter
+from pathlib import Path
+
+from pipelines.cli import run_and_log, stage_dir, stage_main
+from pipelines.manifest import Manifest, file_ref, input_ref
+from pipelines.spec import DecontaminateCfg, JobSpec
+
+WORD = re.compile(r"\w+")
+REFERENCE = "reference"
+REASON = "contamination:"
+
+
+# -- the kernel (pure Python; the Spark tasks run it) -----------------------------------------------------------------
+
+def word_spans(text: str) -> tuple[str, list[re.Match]]:
+    norm = unicodedata.normalize("NFKC", text)
+    return norm, list(WORD.finditer(norm))
+
+
+def words(text: str) -> list[str]:
+    return [m.group().lower() for m in word_spans(text)[1]]
+
+
+def build_table(items: dict[str, list[list[str]]], n: int, min_words: int
+                ) -> tuple[dict[str, list[str]], list[int], dict]:
+    """(n-gram → ["task:item", …], the n-gram lengths to look up, per task {items, items_too_short}). An item is
+    a list of texts (the whole item, and parts that give it away alone); each text gives its n-grams, or is one
+    n-gram of its own length when shorter than ``n`` words but not than ``min_words``."""
+    table: dict[str, list[str]] = {}
+    lengths: set[int] = set()
+    stats = {}
+    for task, texts in items.items():
+        short = 0
+        for i, parts in enumerate(texts):
+            key, checked = f"{task}:{i}", False
+            for ws in map(words, parts):
+                k = min(n, len(ws))
+                if k < min_words:
+                    continue
+                checked = True
+                lengths.add(k)
+                for j in range(len(ws) - k + 1):
+                    keys = table.setdefault(" ".join(ws[j:j + k]), [])
+                    if key not in keys:
+                        keys.append(key)
+            short += not checked
+        stats[task] = {"items": len(texts), "items_too_short": short}
+    return table, sorted(lengths), stats
+
+
+def scan(text: str, table: dict, lengths: list[int]) -> tuple[str, list[re.Match], list[tuple[int, int, list[str]]]]:
+    """(NFKC text, its word matches, [(first word, n-gram length, items)] for every n-gram of the doc in the table)."""
+    norm, ms = word_spans(text)
+    ws = [m.group().lower() for m in ms]
+    hits = []
+    for k in lengths:
+        for j in range(len(ws) - k + 1):
+            keys = table.get(" ".join(ws[j:j + k]))
+            if keys:
+                hits.append((j, k, keys))
+    return norm, ms, hits
+
+
+def cut_spans(norm: str, ms: list[re.Match], hits: list[tuple[int, int, list[str]]]) -> str:
+    """The text without the words the hits cover (each run of covered words, from its first character to its
+    last, becomes one line break)."""
+    covered = sorted({j + d for j, k, _ in hits for d in range(k)})
+    out, pos, run_start = [], 0, None
+    for n, w in enumerate(covered):
+        if run_start is None:
+            run_start = w
+        if n + 1 == len(covered) or covered[n + 1] != w + 1:
+            out.append(norm[pos:ms[run_start].start()])
+            pos, run_start = ms[w].end(), None
+    out.append(norm[pos:])
+    return "\n".join(part.strip(" ") for part in out if part.strip())
+
+
+def decide(text: str, table: dict, lengths: list[int], cfg: DecontaminateCfg, order: list[str]
+           ) -> tuple[str | None, str, list[str], bool]:
+    """(filter_reason or None, the text to keep, the items it overlaps, whether spans were cut)."""
+    norm, ms, hits = scan(text or "", table, lengths)
+    if not hits:
+        return None, text, [], False
+    items = sorted({key for _, _, keys in hits for key in keys})
+    per_task = Counter(key.split(":", 1)[0] for _, _, keys in hits for key in set(keys))
+    task = max(per_task, key=lambda t: (per_task[t], -order.index(t)))
+    if cfg.mode == "report":
+        return None, text, items, False
+    if cfg.mode == "cut":
+        rest = cut_spans(norm, ms, hits)
+        if len(rest) >= cfg.cut_min_chars:
+            return None, rest, items, True
+    return REASON + task, text, items, False
+
+
+# -- the eval items ---------------------------------------------------------------------------------------------------
+
+def eval_items(spec: JobSpec) -> tuple[dict[str, list[list[str]]], dict[str, dict]]:
+    """({task: item texts}, {task: the files' identity}) for eval.tasks and the reference set."""
+    from pipelines.eval.bpb import set_sha256
+    from pipelines.eval.task_files import item_texts, reference_files, reference_items, task_files
+
+    files = dict(zip(spec.eval.tasks, task_files(spec)))
+    items = {t: item_texts(t, p) for t, p in files.items()}
+    ident = {t: {"files": [p.name], "sha256": set_sha256([p])} for t, p in files.items()}
+    refs = [Path(p) for p in reference_files(spec)]
+    items[REFERENCE] = reference_items(refs)
+    ident[REFERENCE] = {"files": [p.name for p in refs], "sha256": set_sha256(refs)}
+    return items, ident
+
+
+def eval_refs(spec: JobSpec) -> list[dict]:
+    from pipelines.eval.task_files import reference_files, task_files
+
+    return [file_ref(p) for p in task_files(spec)] + [file_ref(p) for p in reference_files(spec)]
+
+
+# -- on Spark ---------------------------------------------------------------------------------------------------------
+
+def _decontaminate_fn(table_bc, lengths: list[int], cfg_dict: dict, order: list[str]):
+    def fn(batches):
+        import pyarrow as pa
+
+        cfg = DecontaminateCfg.model_validate(cfg_dict)
+        table = table_bc.value
+        for rb in batches:
+            texts, reasons, found, cut = [], [], [], []
+            for t in rb.column("text").to_pylist():
+                reason, kept_text, items, was_cut = decide(t, table, lengths, cfg, order)
+                texts.append(kept_text)
+                reasons.append(reason)
+                found.append(json.dumps(items) if items else None)
+                cut.append(was_cut)
+            cols = {n: rb.column(n) for n in rb.schema.names}
+            cols["text"] = pa.array(texts, pa.string())
+            cols.update(filter_reason=pa.array(reasons, pa.string()), contamination=pa.array(found, pa.string()),
+                        cut=pa.array(cut, pa.bool_()))
+            yield pa.RecordBatch.from_pydict(cols)
+
+    return fn
+
+
+def decontaminate_docs(spark, src: Path, out: Path, items: dict[str, list[list[str]]], cfg: DecontaminateCfg,
+                       tasks: int) -> dict:
+    """Writes ``out/kept`` and ``out/removed``; returns the counts and the per-task record (without identities)."""
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import BooleanType, StringType
+
+    from pipelines.data.spark import finalize_parquet_dir
+
+    table, lengths, stats = build_table(items, cfg.ngram, cfg.min_item_words)
+    docs = spark.read.parquet(str(src))
+    schema = docs.schema.add("filter_reason", StringType()).add("contamination", StringType()).add("cut", BooleanType())
+    fn = _decontaminate_fn(spark.sparkContext.broadcast(table), lengths, cfg.model_dump(), list(items))
+    res = docs.repartition(tasks).mapInArrow(fn, schema).persist(StorageLevel.MEMORY_AND_DISK)
+    res.where(F.col("filter_reason").isNull()).drop("filter_reason", "contamination", "cut").orderBy("idx") \
+        .write.parquet(str(out / "kept"))
+    res.where(F.col("filter_reason").isNotNull()).drop("cut").orderBy("idx").write.parquet(str(out / "removed"))
+    reasons = {r["filter_reason"]: int(r["count"]) for r in
+               res.where(F.col("filter_reason").isNotNull()).groupBy("filter_reason").count().collect()}
+    cuts = Counter()
+    overlaps = {t: {"all": set(), "kept": set()} for t in items}
+    for r in res.where(F.col("contamination").isNotNull()).select("contamination", "filter_reason", "cut").collect():
+        for key in json.loads(r["contamination"]):
+            task, i = key.split(":", 1)
+            overlaps[task]["all"].add(int(i))
+            if r["filter_reason"] is None:
+                overlaps[task]["kept"].add(int(i))
+        if r["cut"]:
+            cuts.update({key.split(":", 1)[0] for key in json.loads(r["contamination"])})
+    n_in = res.count()
+    res.unpersist()
+    for d in ("kept", "removed"):
+        finalize_parquet_dir(out / d)
+    record = {t: {**stats[t], "items_overlapping": len(overlaps[t]["all"]),
+                  "docs_removed": reasons.get(REASON + t, 0), "docs_cut": cuts.get(t, 0), "ngram": cfg.ngram,
+                  "overlapping": sorted(overlaps[t]["all"]), "overlapping_kept": sorted(overlaps[t]["kept"])}
+              for t in items}
+    removed = sum(reasons.values())
+    return {"counts": {"docs_in": n_in, "kept": n_in - removed, "removed": removed, "cut": sum(cuts.values()),
+                       "removed_by_reason": dict(sorted(reasons.items()))},
+            "record": record, "ngrams": len(table)}
+
+
+def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
+    cfg = spec.data.decontaminate
+    sd = stage_dir(spec, "decontaminate", [input_ref(filt), *eval_refs(spec)], out_dir)
+
+    def body(tmp: Path) -> Manifest:
+        from pipelines.data.spark import dir_bytes, size_shuffles, spec_session, task_count
+
+        s = spark or spec_session(spec, "llm-pipeline-decontaminate")
+        kept = filt.output("kept")
+        tasks = task_count(s, dir_bytes(kept), spec.data.task_mb, cfg.partitions)
+        size_shuffles(s, tasks)
+        items, ident = eval_items(spec)
+        r = decontaminate_docs(s, kept, tmp, items, cfg, tasks)
+        contamination = {t: {**rec, **ident[t]} for t, rec in r["record"].items()}
+        return sd.commit({"kept": "kept", "removed": "removed"}, counts=r["counts"],
+                         extra={"tasks": tasks, "mode": cfg.mode, "eval_ngrams": r["ngrams"],
+                                "contamination": contamination})
+
+    return run_and_log(spec, sd, body)
+
+
+def summary(m: Manifest) -> str:
+    c, con = m.counts, m.extra["contamination"]
+    per = ", ".join(f"{t} {r['items_overlapping']}/{r['items']} items, {r['docs_removed']} docs" for t, r in con.items())
+    return (f"decontaminate: {c['docs_in']} docs → {c['kept']} kept, {c['removed']} removed, {c['cut']} cut "
+            f"({m.extra['mode']}, {next(iter(con.values()))['ngram'] if con else '-'}-grams); {per}; manifest {m.path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("decontaminate", run, summary, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

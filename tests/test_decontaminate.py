@@ -1,0 +1,105 @@
+"""Decontamination: training docs that carry an evaluation item are removed with the task that names it."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROOT, c4_docs
+from pipelines.data import decontaminate as dc
+from pipelines.eval.task_files import read_rows
+from pipelines.spec import DecontaminateCfg
+from test_tokenize import _filter_manifest
+
+ARC, HS = ROOT / "data/eval/arc_easy_test.jsonl", ROOT / "data/eval/hellaswag_val.jsonl"
+
+
+def _contaminated_corpus() -> tuple[list[dict], dict[str, str]]:
+    """1,000 clean C4 docs; 20 with an ARC-Easy question and its answer text, 20 with a HellaSwag context, each
+    inside ordinary text (another case, other punctuation and spacing than the item's)."""
+    rng = random.Random(3)
+    clean = c4_docs(1000)
+    docs = [{"id": f"clean-{i}", "text": d["text"]} for i, d in enumerate(clean)]
+    truth = {}
+    arc = [r for r in read_rows(ARC) if len(r["question"]["stem"].split()) >= 10][:20]
+    for k, r in enumerate(arc):
+        answer = next(c["text"] for c in r["question"]["choices"] if c["label"] == r["answerKey"])
+        text = f"{clean[k]['text'][:300]}\n\nQ:  {r['question']['stem'].upper()}\nA: {answer}.\n\n{clean[k + 1]['text'][:300]}"
+        docs.insert(rng.randrange(len(docs)), {"id": f"arc-{k}", "text": text})
+        truth[f"arc-{k}"] = "contamination:llmp_arc_easy"
+    hs = [r for r in read_rows(HS) if len(r["ctx"].split()) >= 16][:20]
+    for k, r in enumerate(hs):
+        text = f"Forum post #{k}. {clean[40 + k]['text'][:200]} -- {r['ctx']} ... {clean[60 + k]['text'][:200]}"
+        docs.insert(rng.randrange(len(docs)), {"id": f"hs-{k}", "text": text})
+        truth[f"hs-{k}"] = "contamination:llmp_hellaswag"
+    return docs, truth
+
+
+def test_forty_contaminated_docs_are_removed_with_their_task_and_no_clean_doc_is(home):
+    docs, truth = _contaminated_corpus()
+    filt = _filter_manifest(home, docs, files=3)
+    out = home / "decon"
+    r = subprocess.run([sys.executable, "-m", "pipelines.data.decontaminate", "--input-manifest", str(filt.path),
+                        "--output", str(out), "--set", "services.spark_master=local[2]"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "decontaminate: 1040 docs → 1000 kept, 40 removed" in r.stdout
+    m = json.loads((out / "manifest.json").read_text())
+    removed = pq.read_table(out / "removed").to_pylist()
+    kept = pq.read_table(out / "kept").to_pylist()
+    assert {d["id"]: d["filter_reason"] for d in removed} == truth
+    assert {d["id"] for d in kept} == {f"clean-{i}" for i in range(1000)}
+    assert {d["text"] for d in kept} == {d["text"] for d in docs if d["id"].startswith("clean-")}  # untouched
+    assert set(pq.read_table(out / "kept").column_names) == {"idx", "id", "text", "source"}  # what tokenize reads
+    c, con = m["counts"], m["extra"]["contamination"]
+    assert c["docs_in"] == c["kept"] + c["removed"] == 1040
+    assert set(con) == {"llmp_arc_easy", "llmp_hellaswag", "llmp_lambada_openai", "reference"}
+    for task, n in (("llmp_arc_easy", 20), ("llmp_hellaswag", 20), ("llmp_lambada_openai", 0), ("reference", 0)):
+        assert con[task]["docs_removed"] == n and isinstance(con[task]["docs_removed"], int)
+        assert con[task]["items_overlapping"] >= n and con[task]["ngram"] == 13
+        assert con[task]["overlapping_kept"] == []  # nothing that overlaps reaches tokenize
+    assert con["llmp_arc_easy"]["items"] == 500 and con["reference"]["items"] > 100
+    # the same inputs: the stage is reused; the eval files are inputs of its key
+    again = subprocess.run([sys.executable, "-m", "pipelines.data.decontaminate", "--input-manifest", str(filt.path),
+                            "--output", str(out), "--set", "services.spark_master=local[2]"],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and json.loads((out / "manifest.json").read_text())["finished"] == m["finished"]
+    assert {i["uri"].rsplit("/", 1)[-1] for i in m["inputs"]} >= {"arc_easy_test.jsonl", "tinystories_val_tail.txt"}
+
+
+def test_the_kernel_matches_across_case_punctuation_and_short_items_and_cuts_spans():
+    item = "The quick brown fox jumps over the lazy dog near the old river bank today"
+    table, lengths, stats = dc.build_table({"t": [[item], ["too short to check"],
+                                                   ["Eight words are enough for an item here"]]}, 13, 8)
+    assert stats["t"] == {"items": 3, "items_too_short": 1} and lengths == [8, 13]
+    cfg = DecontaminateCfg()
+    order = ["t"]
+    doc = "Intro text.  THE QUICK, brown fox -- jumps over the lazy dog near the old river bank! And more words after."
+    assert dc.decide(doc, table, lengths, cfg, order)[:3] == ("contamination:t", doc, ["t:0"])
+    assert dc.decide("eight WORDS are enough for an item, here.", table, lengths, cfg, order)[2] == ["t:2"]
+    # twelve words of the item are not an overlap
+    assert dc.decide("quick brown fox jumps over the lazy dog near the old river", table, lengths, cfg, order)[0] is None
+    assert dc.decide("too short to check", table, lengths, cfg, order)[2] == []
+    long_doc = "A " * 150 + doc + " Z" * 150
+    reason, text, items, cut = dc.decide(long_doc, table, lengths, DecontaminateCfg(mode="cut"), order)
+    assert reason is None and cut and items == ["t:0"] and "quick" not in text.lower() and "Intro text." in text
+    assert "And more words after." in text
+    assert dc.decide(doc, table, lengths, DecontaminateCfg(mode="cut"), order)[0] == "contamination:t"  # too little left
+    assert dc.decide(doc, table, lengths, DecontaminateCfg(mode="report"), order) == (None, doc, ["t:0"], False)
+
+
+@pytest.mark.parametrize("mode", ["report"])
+def test_report_mode_keeps_every_doc_and_says_which_items_reach_the_model(home, spark, mode):
+    docs, truth = _contaminated_corpus()
+    from pipelines.spec import load_spec
+
+    spec = load_spec(None, [f"data.decontaminate.mode={mode}"], env={})
+    m = dc.run(spec, _filter_manifest(home, docs[:300] + [d for d in docs if d["id"] in truth]), spark=spark)
+    con = m.extra["contamination"]
+    assert m.counts["removed"] == 0 and m.counts["kept"] == m.counts["docs_in"]
+    assert con["llmp_arc_easy"]["overlapping_kept"] == con["llmp_arc_easy"]["overlapping"]
+    assert len(con["llmp_arc_easy"]["overlapping_kept"]) >= 20 and con["llmp_arc_easy"]["docs_removed"] == 0
