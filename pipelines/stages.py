@@ -81,7 +81,8 @@ DAGS: dict[str, dict] = {
                       "doc": "ingest → dedup → filter → decontaminate → tokenize, on a cron schedule (data.schedule), each run adding "
                              "the inputs not curated yet to the last corpus version."},
     "training": {"asset": "checkpoint", "doc": "preflight → train → promote, when new curated shards land."},
-    "evaluation": {"asset": None, "doc": "evaluate → register, when a new checkpoint is promoted."},
+    "evaluation": {"asset": "champion", "doc": "evaluate → register, when a new checkpoint is promoted; emits "
+                                               "'champion' when the new version takes the champion alias."},
 }
 
 

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(alias '{spec.registry.alias}' → v{s['champion_version']})")
     print(f"MLflow run          : {s['run_id']}")
     print(f"docs                : {g('ingest.records')} in → {g('ingest.quarantined')} quarantined, "
-          f"{g('dedup.removed')} duplicates, {g('filter.removed')} filtered, {g('tokenize.docs')} kept")
+          f"{g('dedup.removed')} duplicates, {g('filter.removed')} filtered, {g('decontaminate.removed')} "
+          f"contaminated, {g('tokenize.docs')} kept")
     print(f"tokens              : {g('tokenize.train_tokens')} train + {g('tokenize.heldout_tokens')} held-out")
     print(f"preflight           : {g('preflight.world_size')} ranks, all-reduce "
           f"{g('preflight.allreduce_busbw_GBps', '{:.2f}')} GB/s bus bandwidth, {g('preflight.stragglers')} stragglers")
@@ -76,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{k.removeprefix('evaluate.harness.')} {m[k]:.3f}" for k in harness) or "n/a"))
     print(f"held-out (own data) : loss {g('evaluate.heldout_loss', '{:.4f}')} nats/token, "
           f"ppl {g('evaluate.heldout_ppl', '{:.1f}')}, {g('evaluate.heldout_bpb', '{:.4f}')} bits/byte")
+    con = {k.removeprefix("contamination."): v for k, v in t.items() if k.startswith("contamination.")}
+    print("contamination       : eval items overlapping the training data: " + (", ".join(
+        f"{k} {v}" for k, v in con.items()) or "not recorded"))
     print(f"gate                : {t.get('gate', 'n/a')}")
+    print(f"logged model        : {latest.model_id or 'n/a'} (source run {s['run_id']})")
     print("lineage tags        : " + ", ".join(f"{k}={t[k][:12]}…" for k in
                                              ("data_manifest_hash", "tokenizer_hash", "config_hash") if k in t))
     print(f"checkpoint (L2)     : {t.get('checkpoint_uri', 'n/a')}")

@@ -7,7 +7,8 @@
   before the next DAG starts), emits the Asset ``curated_shards`` with the new version's manifest path, digest and
   lineage, or, when nothing new arrived, is skipped: no event, and training does not run again.
 * ``training`` (preflight → train → promote) is scheduled on ``curated_shards`` and emits ``checkpoint``.
-* ``evaluation`` (evaluate → register) is scheduled on ``checkpoint``.
+* ``evaluation`` (evaluate → register) is scheduled on ``checkpoint`` and emits ``champion`` when the registered
+  version took the champion alias (a deploy DAG can be scheduled on it).
 * ``llm_pipeline`` runs every stage in one DAG (the one-click demo); it emits no Asset.
 
 A DAG whose stages read manifests of another DAG's stages starts with ``upstream_assets``: the manifests come
@@ -181,18 +182,20 @@ def previous_corpus_task(asset: Asset):
 def publish_task(asset: Asset, manifest, previous=None):
     """The DAG's last task: the Asset event, whose ``extra`` says which result it is (the last stage's manifest path
     and digest, and the manifests it was made from). Skipped, so no event, when the result is ``previous`` (the
-    corpus version the run started from: nothing new arrived)."""
+    corpus version the run started from: nothing new arrived), or a registration that did not move the champion
+    alias."""
 
     @task(task_id=PUBLISH_TASK, outlets=[asset])
     def publish(manifest: str, previous: str | None = None) -> dict:
         from airflow.sdk import get_current_context
 
-        from llm_operators import asset_extra, unchanged
+        from llm_operators import asset_extra, no_event
 
-        if unchanged(manifest, previous):
+        why = no_event(manifest, previous)
+        if why:
             from airflow.exceptions import AirflowSkipException
 
-            raise AirflowSkipException(f"nothing new: {manifest} is the version this run started from; no event")
+            raise AirflowSkipException(why)
         extra = asset_extra(manifest)
         get_current_context()["outlet_events"][asset].extra = extra
         return extra

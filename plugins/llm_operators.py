@@ -155,6 +155,20 @@ def unchanged(manifest: str, previous: str | None) -> bool:
     return bool(previous) and os.path.realpath(manifest) == os.path.realpath(previous)
 
 
+def no_event(manifest: str, previous: str | None = None) -> str:
+    """Why a DAG's last task emits no Asset event ('' when it does): the result is the one the run started from, or
+    a registration whose version did not take the champion alias."""
+    if unchanged(manifest, previous):
+        return f"nothing new: {manifest} is the version this run started from; no event"
+    from pipelines.manifest import load_manifest
+
+    m = load_manifest(manifest)
+    if m.stage == "register" and not m.extra.get("alias_moved"):
+        return (f"{m.extra['model_name']} v{m.extra['version']} did not take '{m.extra['alias']}' "
+                f"({m.extra['reason']}); no event")
+    return ""
+
+
 def finish(op: BaseOperator, context, manifest: str, links: dict | None = None) -> str:
     op.log.info("manifest: %s", manifest)
     push_links(op, context, manifest, links)

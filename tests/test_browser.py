@@ -124,7 +124,7 @@ def test_scheduled_curation_emits_the_asset_event_and_training_then_evaluation_r
     assert ev["source_dag_id"] == "data_curation" and ev["source_task_id"] == "publish"
     extra = ev["extra"]
     assert extra["stage"] == "tokenize" and Path(extra["manifest"]).is_file() and len(extra["digest"]) == 64
-    assert set(extra["lineage"]) == {"ingest", "dedup", "filter", "tokenize"}
+    assert set(extra["lineage"]) == {"ingest", "dedup", "filter", "decontaminate", "tokenize"}
     stack["curated"] = extra
 
     tr = api.wait_run("training", run_type="asset_triggered")  # the scheduler made this run from the event
@@ -133,6 +133,10 @@ def test_scheduled_curation_emits_the_asset_event_and_training_then_evaluation_r
     assert extra["manifest"] in log
     ev_run = api.wait_run("evaluation", run_type="asset_triggered")
     assert ev_run["state"] == "success", ev_run
+    # the first version takes the alias: evaluation emits `champion` (what a deploy DAG would be scheduled on)
+    events = api.call("/api/v2/assets/events?order_by=-timestamp")["asset_events"]
+    champ = next(e for e in events if e["name"] == "champion")
+    assert champ["source_dag_id"] == "evaluation" and champ["extra"]["stage"] == "register"
 
 
 def test_a_curation_run_with_nothing_new_emits_no_event_and_training_does_not_run_again(stack):
@@ -202,7 +206,7 @@ def test_a_user_triggers_llm_pipeline_from_the_form_and_follows_a_link_to_mlflow
         assert run["state"] == "success", run
         assert run["conf"]["steps"] == 16 and run["conf"]["spec"] == "configs/tiny.yaml"
         if "curated" in stack:  # the same inputs as the curation run: its data stages were reused
-            for task in ("ingest", "dedup", "filter", "tokenize"):
+            for task in ("ingest", "dedup", "filter", "decontaminate", "tokenize"):
                 assert "up to date" in api.log("llm_pipeline", run_id, task), task
 
         run_url = f"http://127.0.0.1:{stack['port']}/dags/llm_pipeline/runs/{urllib.request.quote(run_id, safe='')}"

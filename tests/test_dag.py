@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ROOT
 
-ORDER = ["setup_services", "ingest", "dedup", "filter", "tokenize", "preflight", "train", "promote", "evaluate", "register",
+ORDER = ["setup_services", "ingest", "dedup", "filter", "decontaminate", "tokenize", "preflight", "train", "promote", "evaluate", "register",
          "teardown_services"]
 
 
@@ -34,7 +34,7 @@ def test_task_order_is_as_designed(dag):
     assert dag.get_task("teardown_services").is_teardown and dag.get_task("setup_services").is_setup
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-    for t in ("dedup", "filter"):
+    for t in ("dedup", "filter", "decontaminate"):
         assert isinstance(dag.get_task(t), SparkSubmitOperator)
 
 
@@ -227,3 +227,23 @@ def test_the_failure_summary_names_the_stage_the_error_and_where_to_look(capsys,
     assert "STAGE FAILED: task dedup of DAG data_curation (run r1), try 3: pipelines.data.dedup rejected its input" \
         in text, text
     assert "/var/runs/<stage>/" in text and "fix the spec or the input and clear the task" in text
+
+
+def test_evaluation_emits_champion_only_when_the_alias_moves(bag, tmp_path):
+    from llm_operators import no_event
+
+    from pipelines.manifest import StageDir
+
+    ev = bag.dags["evaluation"]
+    leaves = [t.task_id for t in ev.tasks if not t.downstream_list]
+    assert leaves == ["publish"] and {a.name for a in ev.get_task("publish").outlets} == {"champion"}
+    assert ev.get_task("publish").upstream_task_ids == {"register", "teardown_services"}
+    made = {}
+    for moved in (True, False):
+        sd = StageDir(tmp_path / "runs", "register", f"k{moved}", [{"uri": "x", "sha256": str(moved)}])
+        with sd:
+            (sd.tmp / "r.json").write_text("{}")
+            made[moved] = sd.commit({"registration": "r.json"}, extra={
+                "alias_moved": moved, "model_name": "m", "version": 3, "alias": "champion", "reason": "why"}).path
+    assert no_event(made[True]) == ""
+    assert no_event(made[False]) == "m v3 did not take 'champion' (why); no event"

@@ -53,14 +53,19 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     # every manifest's counts add up: docs in = kept + removed + quarantined
     runs = tmp_path / "var" / "runs"
     man = {d.name: json.loads(next(d.glob("*/manifest.json")).read_text()) for d in runs.iterdir()}
-    ing, dd, fl, tk = (man[s]["counts"] for s in ("ingest", "dedup", "filter", "tokenize"))
+    ing, dd, fl, dc, tk = (man[s]["counts"] for s in ("ingest", "dedup", "filter", "decontaminate", "tokenize"))
     assert ing["lines"] == len(recs) + 3 and ing["quarantined"] == 2
     assert ing["lines"] == ing["docs"] + ing["quarantined"]
     assert dd["docs_in"] == ing["docs"] and dd["kept"] + dd["removed"] == dd["docs_in"]
     assert dd["removed_exact"] >= 2  # dup-of-c4-3 and the copy of c4-5 in bad.jsonl
     assert fl["docs_in"] == dd["kept"] and fl["kept"] + fl["removed"] == fl["docs_in"]
-    assert tk["docs"] == fl["kept"]
-    assert ing["lines"] == tk["docs"] + fl["removed"] + dd["removed"] + ing["quarantined"]
+    assert dc["docs_in"] == fl["kept"] and dc["kept"] + dc["removed"] == dc["docs_in"] and tk["docs"] == dc["kept"]
+    assert ing["lines"] == tk["docs"] + dc["removed"] + fl["removed"] + dd["removed"] + ing["quarantined"]
+    con = man["decontaminate"]["extra"]["contamination"]
+    assert set(con) == {"llmp_arc_easy", "llmp_hellaswag", "llmp_lambada_openai", "reference"}
+    assert all(isinstance(r["docs_removed"], int) and r["ngram"] == 13 for r in con.values())
+    for task in con:  # the version carries, per eval set, how many of its items overlap the data the model saw
+        assert tags[f"contamination.{task}"] == f"{len(con[task]['overlapping_kept'])}/{con[task]['items']}"
     assert tk["tokens"] == sum(s["tokens"] for s in man["tokenize"]["extra"]["shards"])
     assert man["preflight"]["counts"] == {"world_size": 2, "stragglers": 0}
     assert man["preflight"]["metrics"]["smoke_loss_last"] < man["preflight"]["metrics"]["smoke_loss_first"]
@@ -68,6 +73,16 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     assert tags["reference_sha256"] == man["evaluate"]["extra"]["reference_sha256"]
     assert 0 < man["evaluate"]["metrics"]["reference_bpb"] < 20 and man["evaluate"]["extra"]["sample"]["text"]
     assert "no 'champion' yet" in tags["gate"]
+    # MLflow 3 lineage: the version is a LoggedModel of the training run, its eval metrics on their datasets
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'var' / 'mlflow.db'}")
+    mv = client.get_model_version_by_alias("e2e-model", "champion")
+    lm = client.get_logged_model(mv.model_id)
+    metrics = {m.key: m for m in lm.metrics}
+    assert metrics["reference_bpb"].dataset_digest == tags["reference_sha256"][:12]
+    assert lm.source_run_id == mv.run_id == man["train"]["extra"]["mlflow_run_id"]
+    assert len(client.get_metric_history(mv.run_id, "train/loss")) >= 4
     reg_dir = Path(man["register"]["outputs"][0]["uri"].removeprefix("file://")).parent
     assert (reg_dir / "report.png").stat().st_size > 10_000 and "| reference_bpb |" in (reg_dir / "report.md").read_text()
     # the train stage's promoter took every checkpoint to L1 and L2 during the run (ckpt_every 8 of 16 steps);

@@ -389,3 +389,20 @@ def test_the_served_model_refuses_max_new_tokens_above_its_cap_with_400(models, 
     assert ok.status_code == 200 and len(ok.json()["predictions"]) == 2
     too_many = client.post("/invocations", json={"inputs": ["Once"], "params": {"max_new_tokens": 17}})
     assert too_many.status_code == 400 and "max_new_tokens=17" in too_many.text
+
+
+def test_our_harness_wrapper_agrees_with_lm_evals_own_hf_implementation_on_the_same_items(models):
+    """Calibration: the same weights as a Hugging Face Llama, scored by lm-eval's HFLM, give our log-likelihoods."""
+    from pipelines.eval import calibrate
+
+    tm = TextModel.load(models[0])
+    import torch
+
+    ids = torch.tensor([tm.encode("A short text to compare the two models on, token by token.")])
+    assert torch.allclose(calibrate.hf_llama(tm.model)(ids).logits, tm.model(ids), atol=1e-5)
+    res = calibrate.compare(tm, str(models[0] / "tokenizer.model"), list(harness.TASKS), limit=6)
+    assert res["requests"] >= 6 * 3 + 6 * 4 + 6  # ARC-Easy: 3-5 choices an item, HellaSwag 4, LAMBADA 1
+    assert res["max_abs_logprob_diff"] < 1e-3 and res["greedy_flags_differing"] == 0
+    assert set(res["ours"]) == set(harness.TASKS)
+    for task, scores in res["ours"].items():
+        assert scores == pytest.approx(res["lm_eval_hflm"][task], rel=1e-3)  # perplexity: exp of a summed logp

@@ -287,6 +287,10 @@ def eval_report(spec: JobSpec, res: dict, ev: Manifest, train: Manifest, out: Pa
              f"harness: {', '.join(ev.extra['tasks'])}, first {ev.extra['limit']} items each, offline files",
              "heldout_* score the run's own held-out shards: comparable only between runs of the same data"]
     losses = json.loads(train.output("losses").read_text()) if "losses" in {o["name"] for o in train.outputs} else []
-    r = report.Report(res["model_name"], res["version"], res["reason"], report.rows(dict(ev.metrics), champ, comparable),
-                      ev.extra.get("sample"), losses, notes)
+    con = {k.removeprefix("contamination."): v for k, v in contamination_tags(ev.extra).items()}
+    if con:
+        notes.append(f"{report.OVERLAP}: items of the set that share a {spec.data.decontaminate.ngram}-gram with the "
+                     "docs the model was trained on (the decontaminate stage's record of the corpus version)")
+    r = report.Report(res["model_name"], res["version"], res["reason"],
+                      report.rows(dict(ev.metrics), champ, comparable, con), ev.extra.get("sample"), losses, notes)
     return list(report.write(r, out))

@@ -1,8 +1,8 @@
 """The eval report: Markdown for people and MLflow, a PNG of the same content for the UI.
 
 It holds the metrics table (this version beside the current champion, on the same reference set and
-task files only), the gate decision with both numbers, the harness scores, a sample generation and
-the training loss curve.
+task files only, and beside each score how many of its set's items overlap the model's training data), the gate
+decision with both numbers, the harness scores, a sample generation and the training loss curve.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class Report:
     model: str
     version: int
     decision: str
-    rows: list[tuple[str, str, str]]  # metric, this version, champion ("" when not comparable)
+    rows: list[tuple[str, str, str, str]]  # metric, this version, champion ("" when not comparable), overlap
     sample: dict | None = None
     losses: list = field(default_factory=list)  # [[step, loss], …] of training
     notes: list[str] = field(default_factory=list)
@@ -25,15 +25,32 @@ def _fmt(v) -> str:
     return "" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
-def rows(metrics: dict, champion: dict, comparable: set[str]) -> list[tuple[str, str, str]]:
-    """One row per metric; the champion's column only where the two numbers score the same thing."""
-    return [(k, _fmt(v), _fmt(champion.get(k)) if k in comparable else "") for k, v in metrics.items()]
+OVERLAP = "eval items in training data"
+
+
+def overlap_of(metric: str, contamination: dict[str, str]) -> str:
+    """The contamination of the set a metric is measured on (``harness.<task>.*`` → task, ``reference_bpb`` →
+    reference; the held-out split is the run's own data)."""
+    if metric == "reference_bpb":
+        return contamination.get("reference", "")
+    if metric.startswith("harness."):
+        return contamination.get(metric.split(".")[1], "")
+    return ""
+
+
+def rows(metrics: dict, champion: dict, comparable: set[str], contamination: dict[str, str] | None = None
+         ) -> list[tuple[str, str, str, str]]:
+    """One row per metric; the champion's column only where the two numbers score the same thing; the last column
+    says how many items of the metric's set overlap the training data (``3/500``; ``unchecked`` when unknown)."""
+    con = contamination or {}
+    return [(k, _fmt(v), _fmt(champion.get(k)) if k in comparable else "", overlap_of(k, con))
+            for k, v in metrics.items()]
 
 
 def markdown(r: Report) -> str:
     out = [f"# Eval report: {r.model} v{r.version}", "", f"**Gate:** {r.decision}", "",
-           "| metric | this version | champion (same set) |", "|---|---:|---:|"]
-    out += [f"| {m} | {a} | {b} |" for m, a, b in r.rows]
+           f"| metric | this version | champion (same set) | {OVERLAP} |", "|---|---:|---:|---:|"]
+    out += [f"| {m} | {a} | {b} | {c} |" for m, a, b, c in r.rows]
     if r.sample:
         out += ["", "## Sample generation", "", f"prompt: `{r.sample['prompt']}`", "", "> " +
                 r.sample["text"].replace("\n", "\n> ")]
@@ -53,8 +70,9 @@ def png(r: Report, path: Path) -> None:
     ax_t.axis("off")
     ax_t.set_title(f"{r.model} v{r.version}\n{r.decision}", fontsize=9, loc="left", wrap=True)
     if r.rows:
-        tbl = ax_t.table(cellText=[list(x) for x in r.rows], colLabels=["metric", "this version", "champion (same set)"],
-                         loc="upper left", cellLoc="left", colWidths=[0.5, 0.25, 0.25])
+        tbl = ax_t.table(cellText=[list(x) for x in r.rows],
+                         colLabels=["metric", "this version", "champion (same set)", OVERLAP],
+                         loc="upper left", cellLoc="left", colWidths=[0.42, 0.17, 0.2, 0.21])
         tbl.auto_set_font_size(False)
         tbl.set_fontsize(8)
         tbl.scale(1, 1.25)
