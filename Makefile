@@ -45,7 +45,7 @@ demo: airflow-db
 	@start=$$(date +%s); \
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/airflow dags test llm_pipeline -c '{"spec": "$(DEMO_SPEC)"}' \
 	  > var/demo-dag.log 2>&1; rc=$$?; \
-	grep -E "\[DAG TEST\] end task|(ingest|dedup|filter|tokenize|preflight|train|promote|evaluate|register): |\[ckpt\] step [0-9]+: training|\[ckpt\] promote: " var/demo-dag.log \
+	grep -E "\[DAG TEST\] end task|(ingest|dedup|filter|decontaminate|tokenize|preflight|train|promote|evaluate|register): |\[ckpt\] step [0-9]+: training|\[ckpt\] promote: " var/demo-dag.log \
 	  | sed -E 's/^.*\] (\[DAG TEST\] end task task_id=[a-z_]+).*/\1/; s/ \[airflow\.task.*$$//; s/^[0-9TZ:.-]+ \[info +\] //'; \
 	echo "full log: var/demo-dag.log ($$(( $$(date +%s) - start )) s)"; \
 	if [ $$rc -ne 0 ] || grep -q "state=failed" var/demo-dag.log; then echo "DAG run FAILED (see var/demo-dag.log)"; exit 1; fi

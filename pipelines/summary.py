@@ -29,7 +29,7 @@ def summarize(spec) -> dict:
     m = run.data.metrics
     return {"tracking_uri": tracking.tracking_uri(spec), "model": name, "latest_version": int(latest.version),
             "champion_version": int(champ.version) if champ else None, "tags": dict(latest.tags),
-            "run_id": latest.run_id, "metrics": m, "prompt": spec.eval.sample_prompt}
+            "run_id": latest.run_id, "metrics": m, "prompt": spec.eval.sample_prompt, "model_id": latest.model_id}
 
 
 def sample(spec, prompt: str) -> str:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     print("contamination       : eval items overlapping the training data: " + (", ".join(
         f"{k} {v}" for k, v in con.items()) or "not recorded"))
     print(f"gate                : {t.get('gate', 'n/a')}")
-    print(f"logged model        : {latest.model_id or 'n/a'} (source run {s['run_id']})")
+    print(f"logged model        : {s['model_id'] or 'n/a'} (made in run {s['run_id']}, with the eval metrics)")
     print("lineage tags        : " + ", ".join(f"{k}={t[k][:12]}…" for k in
                                              ("data_manifest_hash", "tokenizer_hash", "config_hash") if k in t))
     print(f"checkpoint (L2)     : {t.get('checkpoint_uri', 'n/a')}")

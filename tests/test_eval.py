@@ -406,3 +406,28 @@ def test_our_harness_wrapper_agrees_with_lm_evals_own_hf_implementation_on_the_s
     assert set(res["ours"]) == set(harness.TASKS)
     for task, scores in res["ours"].items():
         assert scores == pytest.approx(res["lm_eval_hflm"][task], rel=1e-3)  # perplexity: exp of a summed logp
+
+
+def test_register_of_a_model_above_the_single_process_limit_does_not_load_it_in_the_worker(models, home, monkeypatch):
+    import shutil
+
+    from pipelines import tracking
+    from pipelines.train import checkpoint
+
+    tmp = home / "ckpt.tmp"
+    shutil.copytree(models[0], tmp)
+    ckpt = checkpoint.commit_local(tmp, home / "step-000010", meta={"step": 10})
+    spec = _spec(home, "big", [Path(__file__)], **{"eval.single_process_max_params": 0})
+    run_id = tracking.start_run(spec, run_name="big")
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded in the registering process")
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "load_plain_model", refuse)
+        res = registry.register(spec, ckpt, run_id, {}, {"reference_bpb": 3.0}, _ev_extra(spec, "s" * 64), home / "w")
+    from pipelines.eval import load_registered
+
+    model, _ = load_registered(f"models:/big/{res['version']}", tracking.tracking_uri(spec))
+    ref = TextModel.load(models[0]).model.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())

@@ -86,3 +86,18 @@ def test_lineage_follows_inputs_and_refuses_a_rewritten_upstream(home, spark):
     (home / "var/runs/ingest").glob("*/manifest.json").__next__().write_text(json.dumps(doc))
     with pytest.raises(StageError, match="re-run from ingest"):
         lineage(dd.path)
+
+
+def test_the_readme_is_short_shows_the_two_commands_and_every_doc_it_links_exists():
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    assert "make demo" in text and "make test" in text and "make airflow" in text
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text)
+    assert {"docs/data.md", "docs/evaluation.md", "docs/training.md"} <= set(links)
+    for page in links:
+        assert (ROOT / page).exists(), page
+    for page in (ROOT / "docs").glob("*.md"):  # and the pages' own relative links
+        for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / link).exists(), (page.name, link)
