@@ -16,12 +16,13 @@ import argparse
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from pipelines.procs import identity, still_running, stop_group
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 USER = "admin"
@@ -33,13 +34,18 @@ def home() -> Path:
 
 
 def password_file() -> Path:
-    """{"admin": "<password>"}, created once with mode 0600."""
+    """{"admin": "<password>"}, created once with mode 0600; an existing file readable by others (or not ours) is
+    refused until it is fixed."""
     p = home() / "passwords.json"
     if not p.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({USER: secrets.token_urlsafe(12)}, f)
+    st = p.stat()
+    if st.st_mode & 0o077 or st.st_uid != os.getuid():
+        raise PermissionError(f"{p} has mode {oct(st.st_mode & 0o777)} and owner uid {st.st_uid}: it holds the UI "
+                              f"login, so it must be yours with mode 0600 (chmod 600 {p}, or delete it to get a new one)")
     return p
 
 
@@ -61,7 +67,7 @@ def pid_file() -> Path:
 
 def start(port: int) -> list[subprocess.Popen]:
     """Start the components (each in a session of its own, so ``stop`` can end its whole tree)."""
-    if pid_file().exists() and any(_alive(p) for p in json.loads(pid_file().read_text()).values()):
+    if running_components():
         raise RuntimeError(f"Airflow is already running (pids in {pid_file()}); `make airflow-stop` first")
     logs = home() / "ui-logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -72,7 +78,7 @@ def start(port: int) -> list[subprocess.Popen]:
         cmd = [airflow, c] + (["--host", HOST, "--port", str(port)] if c == "api-server" else [])
         out = open(logs / f"{c}.log", "ab")
         procs[c] = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    pid_file().write_text(json.dumps({c: p.pid for c, p in procs.items()}))
+    pid_file().write_text(json.dumps({c: identity(p.pid) for c, p in procs.items()}))
     return list(procs.values())
 
 
@@ -90,29 +96,20 @@ def wait_healthy(port: int, timeout: float = 180.0) -> bool:
     return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
+def running_components() -> dict[str, int]:
+    """{component: pid} of the pid file's processes that still run and are the ones it recorded (same start time and
+    command line: a pid reused by another process is not ours to signal)."""
+    if not pid_file().exists():
+        return {}
+    recorded = json.loads(pid_file().read_text())
+    return {c: int(i["pid"]) for c, i in recorded.items() if isinstance(i, dict) and still_running(i)}
 
 
 def stop() -> int:
-    """Terminate every component's process group; returns how many were running."""
-    if not pid_file().exists():
-        return 0
-    pids = list(json.loads(pid_file().read_text()).values())
-    running = [p for p in pids if _alive(p)]
-    for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
-        for p in running:
-            try:
-                os.killpg(p, sig)
-            except OSError:
-                pass
-        deadline = time.time() + wait
-        while time.time() < deadline and any(_alive(p) for p in running):
-            time.sleep(0.2)
+    """Terminate every component's process group (SIGTERM, SIGKILL after 20 s); returns how many were running."""
+    running = running_components()
+    for pid in running.values():
+        stop_group(pid, 20.0)
     pid_file().unlink(missing_ok=True)
     return len(running)
 
@@ -130,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         procs = start(args.port)
-    except RuntimeError as e:
+    except (RuntimeError, PermissionError) as e:
         print(f"airflow: {e}", file=sys.stderr)
         return 1
     if not wait_healthy(args.port):

@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from pipelines.manifest import atomic_write_text
+from pipelines.spec import redact
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("region", "spark_master", "spark_image", "buckets", "mlflow_tracking_uri", "pipeline_namespace", "shared_fs_claim",
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster_config: error: the written spec does not validate: {e}", file=sys.stderr)
         return 2
     print(f"cluster_config: wrote {args.out} (launcher.kind=kubernetes, Spark {out['spark_master']}, "
-          f"MLflow {out['mlflow_tracking_uri']})")
+          f"MLflow {redact(out['mlflow_tracking_uri'])})")
     if args.env_file:
         conns = airflow_connections(out)
         atomic_write_text(args.env_file, "".join(f"{k}='{v}'\n" for k, v in conns.items()))

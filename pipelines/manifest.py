@@ -127,6 +127,24 @@ class Manifest:
         return h.hexdigest()
 
 
+def plain_rel(rel: str) -> bool:
+    """Whether ``rel`` (a name from data: a manifest entry, an S3 key) is a plain relative path that stays below
+    whatever directory it is joined to: not absolute, no ``..``, ``.`` or empty component, no backslash or NUL."""
+    return (isinstance(rel, str) and bool(rel) and not rel.startswith("/") and "\\" not in rel and "\x00" not in rel
+            and all(p not in ("", ".", "..") for p in rel.split("/")))
+
+
+def under(root: Path, rel: str) -> Path:
+    """``root / rel``, refused (``ValueError``) unless ``rel`` is a plain relative path and the result, symlinks
+    resolved, stays below ``root``."""
+    if not plain_rel(rel):
+        raise ValueError(f"{rel!r} is not a plain relative path")
+    out = root / rel
+    if not out.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"{rel!r} leads outside {root}")
+    return out
+
+
 def load_manifest(path: str | os.PathLike) -> Manifest:
     p = Path(path)
     if p.is_dir():
@@ -136,6 +154,9 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     d = json.loads(p.read_text())
     m = Manifest(**d)
     m.path = str(p.resolve())
+    bad = [o.get("path") for o in m.outputs if not plain_rel(o.get("path"))]
+    if bad:  # a forged or damaged manifest must not make a stage read, verify or remove files elsewhere
+        raise StageError(f"manifest {p}: output path(s) {bad} do not stay below its directory; refusing it")
     return m
 
 
@@ -242,6 +263,8 @@ class StageDir:
         self.force = force
         self.final = Path(out_dir).resolve() if out_dir else (
             Path(root).resolve() / stage / stage_key(stage, config_hash, inputs))
+        if out_dir:
+            check_output_dir(self.final, stage)
         self.tmp = self.final.with_name(f".{self.final.name}.tmp-{uuid.uuid4().hex[:8]}")
         self.started = now_iso()
 
@@ -293,6 +316,23 @@ class StageDir:
         os.replace(self.tmp, self.final)
         m.path = str(self.final / MANIFEST_NAME)
         return m
+
+
+def check_output_dir(d: Path, stage: str) -> None:
+    """An ``--output`` directory must be new, empty, or a result of the same stage (which a commit replaces): a
+    folder holding anything else is the user's, and is refused before anything is written."""
+    if d.exists() and not d.is_dir():
+        raise StageError(f"--output {d} is a file, not a directory; choose a new or empty directory")
+    if not d.is_dir() or not any(d.iterdir()):
+        return
+    try:
+        other = load_manifest(d).stage
+    except (FileNotFoundError, ValueError, TypeError, KeyError, StageError):
+        other = None
+    if other != stage:
+        what = f"a {other} result" if other else "files that are not a stage result"
+        raise StageError(f"--output {d} holds {what}; a {stage} result would replace them: choose a new or empty "
+                         "directory (nothing was written)")
 
 
 def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str], None] = print) -> Manifest:

@@ -614,8 +614,29 @@ class JobSpec(_Section):
         payload = {s: self.value(s, hashed=True) for s in sections}
         return sha256_json(payload)
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+    def to_yaml(self, secrets: bool = False) -> str:
+        """The spec as YAML; URL passwords redacted unless ``secrets`` (only for the work file of the processes that
+        use them, written with mode 0600: an artifact, a log or a manifest never carries them)."""
+        text = yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        return text if secrets else redact(text)
+
+    def write_work_file(self, path) -> Path:
+        """The spec with its secrets, for the stage's own processes (ranks, scorers): mode 0600."""
+        p = Path(path)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.to_yaml(secrets=True))
+        os.chmod(p, 0o600)
+        return p
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***`` (``https://user:secret@host`` →
+    ``https://user:***@host``): for whatever goes into a log, an artifact, a tag or a manifest."""
+    import re
+
+    return re.sub(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/\s:@]*):(?P<pw>[^/\s@]*)@",
+                  lambda m: f"{m['scheme']}{m['user']}:***@", str(text))
 
 
 def sha256_json(obj: Any) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipelines.spec import add_spec_args, spec_from_args
+from pipelines.spec import add_spec_args, redact, spec_from_args
 
 
 def summarize(spec) -> dict:
@@ -19,7 +19,7 @@ def summarize(spec) -> dict:
     name, alias = spec.registry.model_name, spec.registry.alias
     versions = c.search_model_versions(f"name='{name}'")
     if not versions:
-        raise LookupError(f"no registered versions of {name!r} in {tracking.tracking_uri(spec)}")
+        raise LookupError(f"no registered versions of {name!r} in {redact(tracking.tracking_uri(spec))}")
     latest = max(versions, key=lambda v: int(v.version))
     try:
         champ = c.get_model_version_by_alias(name, alias)
@@ -27,7 +27,7 @@ def summarize(spec) -> dict:
         champ = None
     run = c.get_run(latest.run_id)
     m = run.data.metrics
-    return {"tracking_uri": tracking.tracking_uri(spec), "model": name, "latest_version": int(latest.version),
+    return {"tracking_uri": redact(tracking.tracking_uri(spec)), "model": name, "latest_version": int(latest.version),
             "champion_version": int(champ.version) if champ else None, "tags": dict(latest.tags),
             "run_id": latest.run_id, "metrics": m, "prompt": spec.eval.sample_prompt, "model_id": latest.model_id}
 

@@ -45,7 +45,9 @@ def using(uri: str):
     block, then put the process-global URIs and the exported environment variables back as they were."""
     import mlflow
 
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI",
+                                            "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")}
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"  # its "View run at <tracking URI>" has any password
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     try:

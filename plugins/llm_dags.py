@@ -32,7 +32,7 @@ from pipelines.stages import DAGS, STAGES, Stage, of_dag, stage
 # input or spec exits 2 and fails at once (StageOperator). Every task has a time limit.
 DEFAULTS = {"retries": 2, "retry_delay": timedelta(seconds=30), "retry_exponential_backoff": True,
             "max_retry_delay": timedelta(minutes=10), "execution_timeout": timedelta(hours=1),
-            "on_failure_callback": failure_summary}
+            "on_failure_callback": failure_summary, "on_retry_callback": failure_summary}
 DEFAULT_SPEC = "configs/demo.yaml"
 UPSTREAM_TASK = "upstream_assets"
 PUBLISH_TASK = "publish"

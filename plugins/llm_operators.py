@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - Airflow 2 layout
     from airflow.models import BaseOperator
 
 USER_ERROR = 2  # what a stage CLI exits with when the input or the spec must be fixed: retrying cannot help
+KILL_GRACE_S = 10.0  # SIGTERM to a stage's processes, then SIGKILL after this long
 
 
 def _code_root() -> Path:
@@ -117,20 +118,34 @@ def push_links(op: BaseOperator, context, manifest_path: str, more: dict | None 
 
 def _run_cli(op: BaseOperator, module: str, args: list[str], env: dict[str, str] | None = None) -> dict:
     """``python -m module args --report R`` with its output streamed into the task log; returns the report
-    (``{stage, manifest}``, or ``{stage, pending}`` for a job it submitted and did not wait for)."""
+    (``{stage, manifest}``, or ``{stage, pending}`` for a job it submitted and did not wait for).
+
+    The stage runs in a session of its own: when the task is stopped (``execution_timeout``, ``on_kill``, any
+    exception here) its whole process group (torchrun and its ranks, a Spark driver and its workers) gets SIGTERM,
+    then SIGKILL after ``kill_grace_s``, and the task fails within that grace period."""
+    from pipelines.procs import stop_group
+
     with tempfile.TemporaryDirectory(prefix="llmp-") as tmp:
         report = os.path.join(tmp, "report.json")
         cmd = [sys.executable, "-m", module, *args, "--report", report]
-        op.log.info("running %s", " ".join(cmd))
+        op.log.info("running %s", redacted_cmd(cmd))
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMP_HOME": str(project_root()), **(env or {})}
         tail: deque[str] = deque(maxlen=30)
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              cwd=str(project_root())) as p:
-            op._proc = p
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             cwd=str(project_root()), start_new_session=True)
+        op._proc = p
+        try:
             for line in p.stdout:  # type: ignore[union-attr]
                 line = line.rstrip("\n")
                 tail.append(line)
                 op.log.info("%s", line)
+            p.wait()
+        except BaseException:  # a timeout, a kill, an error here: the stage's processes go too, not only the child
+            stop_group(p.pid, getattr(op, "kill_grace_s", KILL_GRACE_S))
+            p.wait()
+            raise
+        finally:
+            p.stdout.close()  # type: ignore[union-attr]
         if p.returncode == USER_ERROR:  # a wrong path or spec: fail now, no retries
             raise AirflowFailException(f"{module} rejected its input (exit {USER_ERROR}):\n" + "\n".join(tail))
         if p.returncode != 0:  # possibly transient (S3, a submit, MLflow): the task's retries apply
@@ -188,13 +203,15 @@ class StageOperator(BaseOperator):
     operator_extra_links = STAGE_LINKS
 
     def __init__(self, *, module: str, spec: str | None = None, overrides: Sequence[str] = (),
-                 stage_args: Sequence[str] = (), deferrable: bool = True, **kwargs: Any):
+                 stage_args: Sequence[str] = (), deferrable: bool = True, kill_grace_s: float = KILL_GRACE_S,
+                 **kwargs: Any):
         super().__init__(**kwargs)
         self.module = module
         self.spec = spec
         self.overrides = list(overrides)
         self.stage_args = list(stage_args)
         self.deferrable = deferrable
+        self.kill_grace_s = kill_grace_s
 
     def _args(self) -> list[str]:
         return [*spec_cli_args(self.spec, self.overrides), *self.stage_args]
@@ -216,9 +233,12 @@ class StageOperator(BaseOperator):
         return finish(self, context, rep["manifest"])
 
     def on_kill(self) -> None:
+        """The stage's whole process group: SIGTERM, then SIGKILL after ``kill_grace_s``."""
+        from pipelines.procs import stop_group
+
         p = getattr(self, "_proc", None)
-        if p is not None and p.poll() is None:
-            p.terminate()
+        if p is not None:
+            stop_group(p.pid, self.kill_grace_s)  # execute() reaps it and reports the signal
 
 
 def kubernetes_conf(spec) -> dict[str, str]:
@@ -289,8 +309,21 @@ class SparkStageOperator(SparkSubmitOperator):
         try:
             super().execute(context)
             return finish(self, context, _read_report(report), spark_ui)
+        except BaseException:  # a timeout or a kill: spark-submit's JVM and its Python workers go too
+            self.on_kill()
+            raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def on_kill(self) -> None:
+        """spark-submit and every process under it (the driver JVM, its Python workers): SIGTERM, then SIGKILL after
+        the grace period (the provider's own ``on_kill`` also cancels the application on YARN or Kubernetes)."""
+        from pipelines.procs import stop_tree
+
+        sp = getattr(self._hook, "_submit_sp", None) if self._hook is not None else None
+        if sp is not None and sp.poll() is None:
+            stop_tree(sp.pid, KILL_GRACE_S)
+        super().on_kill()
 
 
 def _free_port() -> int:
@@ -329,8 +362,15 @@ def upstream_manifests(asset: str, source: str, needed: list[str], given: str | 
     return {s: found[s] for s in needed}
 
 
+def redacted_cmd(cmd: Sequence[str]) -> str:
+    from pipelines.spec import redact
+
+    return " ".join(redact(a) for a in cmd)
+
+
 def failure_summary(context) -> None:
-    """``on_failure_callback``: one paragraph in the task log that says what failed and where to look."""
+    """``on_failure_callback`` and ``on_retry_callback`` (Airflow 3 calls the first only on the final failure): one
+    paragraph in the task log that says what failed, whether it will be retried, and where to look."""
     ti, exc = context["ti"], context.get("exception")
     first = str(exc).strip().splitlines()[0] if exc else "unknown error"
     final = getattr(ti, "try_number", 1) > getattr(ti, "max_tries", 0)

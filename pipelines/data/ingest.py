@@ -252,7 +252,8 @@ def totals(results: list[dict], written: int, chunks: int) -> dict:
 def run(spec: JobSpec, out_dir: str | None = None, spark=None, corpus: Manifest | None = None) -> Manifest:
     """Ingest ``data.inputs``; with ``corpus`` (a corpus version), only the inputs it does not hold yet (by
     identity)."""
-    inputs = resolve(spec, spec.data.inputs)  # local files, globs, s3:// prefixes (copied, or read by the tasks)
+    refused: list[dict] = []  # S3 objects whose keys could lead outside the cache: never read
+    inputs = resolve(spec, spec.data.inputs, refused)  # local files, globs, s3:// prefixes (copied, or read by tasks)
     cfg = spec.data.ingest
     held = set(corpus.extra.get("corpus", {}).get("inputs", [])) if corpus is not None else set()
     new = [s for s in inputs if s.ref()["sha256"] not in held]
@@ -273,7 +274,9 @@ def run(spec: JobSpec, out_dir: str | None = None, spark=None, corpus: Manifest 
         (tmp / "quarantine_sample.jsonl").write_text("".join(json.dumps(q, ensure_ascii=False) + "\n"
                                                              for q in sample), encoding="utf-8")
         return sd.commit({"docs": "docs", "quarantine": "quarantine", "quarantine_sample": "quarantine_sample.jsonl"},
-                         counts=counts, extra={"spark_master": s.sparkContext.master, "input_sha256": digests})
+                         counts={**counts, "refused_inputs": len(refused)},
+                         extra={"spark_master": s.sparkContext.master, "input_sha256": digests,
+                                "refused_inputs": refused})
 
     return run_and_log(spec, sd, body, artifacts=["quarantine_sample"])
 
@@ -286,8 +289,10 @@ def read_quarantine(m: Manifest) -> list[dict]:
 
 def summary(m: Manifest) -> str:
     c = m.counts
+    refused = f"; refused {c['refused_inputs']} input(s): " + ", ".join(r["uri"] for r in m.extra["refused_inputs"]) \
+        if c.get("refused_inputs") else ""
     return (f"ingest: {c['records']} records in {c['chunks']} chunks → {c['docs']} docs, {c['quarantined']} "
-            f"quarantined {c['quarantine_reasons']}; manifest {m.path}")
+            f"quarantined {c['quarantine_reasons']}{refused}; manifest {m.path}")
 
 
 def _inputs(ap) -> None:

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.manifest import StageError
+from pipelines.manifest import StageError, plain_rel, under
 from pipelines.spec import JobSpec, resolve_path
 
 DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc", ".txt")  # .jsonl.gz, .warc.gz, .warc.wet.gz …
@@ -91,7 +91,9 @@ def local_sources(pattern: str) -> list[Source]:
     return [Source.of_file(x) for x in paths]
 
 
-def s3_sources(spec: JobSpec, uri: str) -> list[Source]:
+def s3_sources(spec: JobSpec, uri: str, refused: list[dict] | None = None) -> list[Source]:
+    """The data objects under ``uri``. A key that is not a plain relative path (``a/../../x.jsonl``, ``/abs.jsonl``,
+    empty components) is refused, never copied or read: it goes into ``refused`` with the reason."""
     from pipelines.storage.s3 import S3ConfigError, client_from, client_settings, split_uri
 
     bucket, prefix = split_uri(uri)
@@ -105,6 +107,13 @@ def s3_sources(spec: JobSpec, uri: str) -> list[Source]:
     except Exception as e:  # noqa: BLE001 - botocore's errors: no bucket, no access, no endpoint
         raise IngestError(f"input {uri}: cannot list it ({type(e).__name__}: {e})") from None
     objects = sorted((o for o in objects if o["Key"] == prefix or is_data_file(o["Key"])), key=lambda o: o["Key"])
+    bad = [o for o in objects if not plain_rel(o["Key"])]
+    for o in bad:
+        print(f"ingest: refused s3://{bucket}/{o['Key']}: the key is not a plain relative path (absolute, '..' or an "
+              "empty component), so it could lead outside the cache; the object is not read", flush=True)
+    if refused is not None:
+        refused += [{"uri": f"s3://{bucket}/{o['Key']}", "reason": "unsafe_key"} for o in bad]
+    objects = [o for o in objects if plain_rel(o["Key"])]
     if not objects:
         raise IngestError(f"input {uri}: no JSONL or WARC objects under it; fix data.inputs or --input")
     direct = s3_direct(spec)
@@ -121,7 +130,10 @@ def s3_direct(spec: JobSpec) -> bool:
 
 def cached_copy(s3, bucket: str, obj: dict, spec: JobSpec) -> Path:
     """A local copy of one listed object under run.root/cache/s3, downloaded unless size and ETag still match."""
-    dest = resolve_path(spec.run.root) / "cache" / "s3" / bucket / obj["Key"]
+    try:
+        dest = under(resolve_path(spec.run.root) / "cache" / "s3", f"{bucket}/{obj['Key']}")
+    except ValueError as e:
+        raise IngestError(f"s3://{bucket}/{obj['Key']}: {e}; refusing it") from None
     meta = dest.with_name(dest.name + ".s3.json")
     want = {"size": obj["Size"], "etag": obj["ETag"]}
     if dest.is_file() and meta.is_file() and json.loads(meta.read_text()) == want:
@@ -138,11 +150,11 @@ def cached_copy(s3, bucket: str, obj: dict, spec: JobSpec) -> Path:
     return dest
 
 
-def resolve(spec: JobSpec, inputs: list[str]) -> list[Source]:
+def resolve(spec: JobSpec, inputs: list[str], refused: list[dict] | None = None) -> list[Source]:
     """Every input file, in the order given (each pattern's matches sorted); a file two patterns match is read
-    once."""
+    once. Objects whose keys are refused are listed in ``refused``."""
     if not inputs:
         raise IngestError("data.inputs is empty: list at least one JSONL file, glob or s3:// prefix in the spec")
-    found = [s for x in inputs for s in (s3_sources(spec, x) if x.startswith("s3://") else local_sources(x))]
+    found = [s for x in inputs for s in (s3_sources(spec, x, refused) if x.startswith("s3://") else local_sources(x))]
     seen: set[str] = set()
     return [s for s in found if not (s.name in seen or seen.add(s.name))]

@@ -39,7 +39,7 @@ def score_model_dir(spec: JobSpec, job: Job, work: Path, run_id: str) -> dict:
     from pipelines.train.launch import run_ranks
 
     work.mkdir(parents=True, exist_ok=True)
-    (work / "spec.yaml").write_text(spec.to_yaml())
+    spec.write_work_file(work / "spec.yaml")
     (work / "job.json").write_text(json.dumps(job.__dict__))
     out = work / "scores.json"
     print(f"[eval] {param_count(args):,} params > eval.single_process_max_params: scoring on "

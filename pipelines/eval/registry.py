@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipelines.manifest import Manifest, StageError
-from pipelines.spec import JobSpec, sha256_json
+from pipelines.spec import JobSpec, redact, sha256_json
 from pipelines.tracking import airflow_ids
 
 CHALLENGER = "challenger"
@@ -201,7 +201,7 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
             "alias": alias, "alias_moved": d.take, "previous_champion": d.champion, "previous_value": d.champion_value,
             "champion_rescored": d.rescored, "reason": d.reason, "gate_metric": gm, "value": metrics[gm],
             "reused_version": reused, "tags": dict(mv.tags), "mlflow_run_id": run_id,
-            "eval_run_id": eval_run_id or run_id, "tracking_uri": tracking.tracking_uri(spec)}
+            "eval_run_id": eval_run_id or run_id, "tracking_uri": redact(tracking.tracking_uri(spec))}
 
 
 def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, work: Path):

@@ -151,7 +151,10 @@ def download(uri: str, tracking_uri: str | None = None, dst: str | Path | None =
         with tracking.using(tracking_uri):  # models:/ URIs resolve against the process-global registry URI
             local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None)
     except MlflowException as e:
-        raise LookupError(f"cannot load {uri} from {tracking_uri or 'the default tracking store'}: {e.message}") from None
+        from pipelines.spec import redact
+
+        raise LookupError(f"cannot load {uri} from {redact(tracking_uri or 'the default tracking store')}: "
+                          f"{redact(e.message)}") from None
     return Path(local)
 
 

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from pipelines.procs import identity, still_running
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 
 STATE_DIR = "var/s3"
@@ -301,7 +302,7 @@ def start(wait_s: float = 30.0) -> str:
         proc.kill()
         raise RuntimeError(f"embedded S3 server did not answer on {url} within {wait_s:.0f}s")
     tmp = _endpoint_file().with_suffix(".tmp")
-    tmp.write_text(json.dumps({"url": url, "pid": proc.pid}))
+    tmp.write_text(json.dumps({"url": url, **identity(proc.pid)}))
     os.replace(tmp, _endpoint_file())
     return url
 
@@ -345,6 +346,9 @@ def stop(wait_s: float = 60.0) -> bool:
         return False
     info = json.loads(f.read_text())
     pid = info["pid"]
+    if not still_running(info):  # gone, or its pid now belongs to another process: nothing of ours to signal
+        f.unlink(missing_ok=True)
+        return False
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from pipelines.manifest import StageError, atomic_write_text, sha256_file
+from pipelines.manifest import StageError, atomic_write_text, plain_rel, sha256_file
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage.s3 import b64, object_matches, part_size_used, upload_checked
 
@@ -242,9 +242,7 @@ def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: lis
 def safe_rel(rel: str, where: str) -> str:
     """A file name from a manifest, refused unless it stays below its checkpoint directory (no absolute path, no
     ``..``, no empty or odd component): a forged manifest must not make a download or a copy write elsewhere."""
-    parts = rel.split("/")
-    if (not rel or rel.startswith("/") or "\\" in rel or "\x00" in rel
-            or any(p in ("", ".", "..") for p in parts)):
+    if not plain_rel(rel):
         raise CheckpointError(f"{where}: manifest entry {rel!r} is not a relative path below the checkpoint "
                               "directory — refusing this checkpoint")
     return rel

@@ -190,9 +190,10 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
         job = train_job(spec, tok, out_dir, tmp, sd)
         rel_root, work = job.rel_root, job.work
         work.mkdir(parents=True, exist_ok=True)
-        (work / "spec.yaml").write_text(spec.to_yaml())
+        spec.write_work_file(work / "spec.yaml")
         run_ranks(spec, "pipelines.train.trainer", job.args, run_id=job.run_id, detachable=True)
-        collect(work, tmp, ["result.json", "losses.json", "spec.yaml"])
+        collect(work, tmp, ["result.json", "losses.json"])
+        (tmp / "spec.yaml").write_text(spec.to_yaml())  # the output copy: no secrets
         result = json.loads((tmp / "result.json").read_text())
         plot_losses(json.loads((tmp / "losses.json").read_text()), tmp / "loss_curve.png")
         m = sd.commit(

@@ -153,7 +153,7 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
         work = rank_workdir(spec, sd, tmp)
         work.mkdir(parents=True, exist_ok=True)
         spec_file = work / "spec.yaml"
-        spec_file.write_text(spec.to_yaml())
+        spec.write_work_file(spec_file)
         report = work / "preflight.json"
         if spec.launcher.kind != "kubernetes":  # there the work dir is the job's: kept for an adopted job
             report.unlink(missing_ok=True)
@@ -168,7 +168,8 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
         res = json.loads(report.read_text())
         if res["failures"]:
             raise PreflightFailed("preflight failed: " + "; ".join(res["failures"]), res)
-        collect(work, tmp, ["preflight.json", "spec.yaml"])
+        collect(work, tmp, ["preflight.json"])
+        (tmp / "spec.yaml").write_text(spec.to_yaml())  # the kept copy: no secrets
         bw = res["allreduce"]
         return sd.commit({"report": "preflight.json"},
                          counts={"world_size": res["world_size"], "stragglers": len(res["stragglers"])},

@@ -1,0 +1,129 @@
+"""Processes the pipeline starts and stops: whole process groups and trees, and who a pid file's pid really is.
+
+* A stage runs in a session of its own (``start_new_session``), so one signal reaches torchrun and its ranks, or
+  spark-submit, its JVM and its Python workers: :func:`stop_group` sends SIGTERM to the group, waits up to a grace
+  period for every member to exit, then SIGKILLs what is left.
+* :func:`stop_tree` does the same for a process and its descendants when they share our group (spark-submit started
+  by the Spark provider).
+* A pid file records :func:`identity` (pid, start time, command line); :func:`still_running` is true only for that
+  same process, so a stop command never signals a process that reused the pid.
+
+Linux: members and start times come from ``/proc``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ppid pgrp …": comm may hold spaces and parentheses, so split after its last ")"
+    return [raw[:raw.index(" ")]] + [raw[raw.index("(") + 1:raw.rindex(")")]] + raw[raw.rindex(")") + 2:].split()
+
+
+def start_time(pid: int) -> int | None:
+    """Clock ticks after boot at which ``pid`` started (field 22 of /proc/PID/stat); None if there is no such pid."""
+    st = _stat(pid)
+    return int(st[21]) if st else None
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if a]
+    except OSError:
+        return []
+
+
+def identity(pid: int) -> dict:
+    """What a pid file records: the pid, when it started and its command line."""
+    return {"pid": pid, "start": start_time(pid), "cmdline": cmdline(pid)}
+
+
+def still_running(ident: dict) -> bool:
+    """Whether the process ``ident`` recorded is alive and is the same process (same start time and command line),
+    not one that reused its pid."""
+    st = _stat(int(ident["pid"]))
+    if st is None or st[2] == "Z":
+        return False
+    return int(st[21]) == ident.get("start") and cmdline(int(ident["pid"])) == ident.get("cmdline")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            st = _stat(int(d.name))
+            if st and st[2] != "Z" and int(st[4]) == pgid:
+                out.append(int(d.name))
+    return out
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _wait(alive, deadline: float, reap: int | None) -> bool:
+    while time.monotonic() < deadline:
+        if reap is not None:
+            _reap(reap)
+        if not alive():
+            return True
+        time.sleep(0.05)
+    return not alive()
+
+
+def stop_group(pgid: int, grace_s: float = 10.0, reap: int | None = None) -> bool:
+    """SIGTERM to group ``pgid``, SIGKILL to whatever is left after ``grace_s``; ``reap`` our child, its leader.
+    Returns whether the group had to be killed."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return sig == signal.SIGKILL
+        if _wait(lambda: group_members(pgid), time.monotonic() + wait, reap):
+            return sig == signal.SIGKILL
+    return True
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s children, theirs, and so on (from /proc's parent links)."""
+    parents: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            st = _stat(int(d.name))
+            if st:
+                parents.setdefault(int(st[3]), []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def stop_tree(pid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM ``pid`` and its descendants (found now), SIGKILL the survivors after ``grace_s``."""
+    members = {p: start_time(p) for p in [pid, *descendants(pid)]}
+
+    def alive():
+        return [p for p, t in members.items() if t is not None and start_time(p) == t
+                and (_stat(p) or ["", "", "Z"])[2] != "Z"]
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for p in alive():
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        if _wait(alive, time.monotonic() + wait, pid):
+            return

@@ -1,0 +1,239 @@
+"""Operations and security: timeouts and kills stop the whole process group; inputs built from data stay under
+their roots; --output never replaces a user's folder; credentials stay out of artifacts, tags and logs; stop
+commands signal only their own processes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, c4_docs, free_port, write_jsonl
+
+SLEEPY = '''
+import json, os, subprocess, sys, time
+# a child that starts a grandchild, then both sleep: what torchrun and its ranks look like to the operator
+child = subprocess.Popen([sys.executable, "-c",
+    "import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "open(sys.argv[1], 'w').write(str(g.pid)); time.sleep(600)", os.environ["PIDS"] + ".grandchild"])
+open(os.environ["PIDS"], "w").write(json.dumps({"stage": os.getpid(), "child": child.pid}))
+time.sleep(600)
+'''
+
+
+def _pids(path: Path, timeout: float = 60) -> list[int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        g = Path(str(path) + ".grandchild")
+        if path.is_file() and g.is_file() and g.read_text():
+            return [*json.loads(path.read_text()).values(), int(g.read_text())]
+        time.sleep(0.1)
+    raise AssertionError("the stage did not start its children")
+
+
+def _alive(pid: int) -> bool:
+    from pipelines.procs import _stat
+
+    st = _stat(pid)
+    return st is not None and st[2] != "Z"
+
+
+@pytest.fixture
+def sleepy(home, monkeypatch):
+    (home / "sleepy_stage.py").write_text(SLEEPY)
+    monkeypatch.setenv("PIDS", str(home / "pids.json"))
+    from llm_operators import StageOperator
+
+    return StageOperator(task_id="sleepy", module="sleepy_stage", execution_timeout=timedelta(seconds=2),
+                         kill_grace_s=3.0)
+
+
+def test_a_stage_past_its_execution_timeout_fails_within_the_grace_period_and_leaves_no_process(sleepy, home):
+    """As Airflow's task runner runs a task: execute under its timeout, on_kill when it fires."""
+    from airflow.sdk.exceptions import AirflowTaskTimeout
+    from airflow.sdk.execution_time import task_runner
+
+    t0 = time.monotonic()
+    with pytest.raises(AirflowTaskTimeout):
+        task_runner._run_execute_callable(context={}, execute=sleepy.execute, task=sleepy)
+    took = time.monotonic() - t0
+    pids = _pids(home / "pids.json", timeout=1)
+    assert took < 15, took
+    assert not [p for p in pids if _alive(p)], "a process of the stage's group survived"
+
+
+def test_on_kill_stops_the_stage_child_and_grandchild(sleepy, home):
+    from pipelines.procs import group_members
+
+    sleepy.execution_timeout = None
+    err: list[BaseException] = []
+
+    def run():
+        try:
+            sleepy.execute(context={})
+        except BaseException as e:  # noqa: BLE001
+            err.append(e)
+
+    th = threading.Thread(target=run)
+    th.start()
+    pids = _pids(home / "pids.json")
+    t0 = time.monotonic()
+    sleepy.on_kill()
+    th.join(15)
+    assert not th.is_alive() and err and "exited with -15" in str(err[0]), err
+    assert time.monotonic() - t0 < 15
+    assert not [p for p in pids if _alive(p)] and not group_members(pids[0])
+
+
+def test_hostile_s3_keys_are_refused_and_nothing_is_written_outside_the_cache(home, s3_server):
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    s3.create_bucket(Bucket="raw")
+    body = "".join(json.dumps({"text": d["text"]}) + "\n" for d in c4_docs(20)).encode()
+    hostile = ("crawl/a/../../x.jsonl", "a/../../x.jsonl", "/abs.jsonl", "crawl/../../../../../../tmp/y.jsonl")
+    for key in ("crawl/good.jsonl", *hostile):
+        s3.put_object(Bucket="raw", Key=key, Body=body)
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket="raw")["Contents"]}
+    assert set(hostile) <= keys  # the store keeps them as they are
+    before = {p for p in Path("/tmp").glob("y.jsonl")} | {p for p in home.rglob("*")}
+    for n, prefix in enumerate(("s3://raw/crawl/", "s3://raw/")):  # hostile keys under the prefix, at the root
+        out = home / f"ingested-{n}"
+        r = subprocess.run([sys.executable, "-m", "pipelines.data.ingest", "--input", prefix, "--output",
+                            str(out), "--set", "services.spark_master=local[1]", "--set",
+                            f"services.s3_endpoint_url={s3_server}", "--set", "data.ingest.s3_read=copy"],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "LLMP_HOME": str(home)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        m = json.loads((out / "manifest.json").read_text())
+        refused = {x["uri"] for x in m["extra"]["refused_inputs"]}
+        assert m["counts"]["docs"] == 20 and m["counts"]["refused_inputs"] == len(refused)
+        assert "refused s3://raw/crawl/a/../../x.jsonl" in r.stdout and "s3://raw/crawl/a/../../x.jsonl" in refused
+    assert refused == {f"s3://raw/{k}" for k in hostile}
+    new = [p for p in {p for p in Path("/tmp").glob("y.jsonl")} | {p for p in home.rglob("*")} - before if p.is_file()]
+    assert not [p for p in new if p.name in ("x.jsonl", "abs.jsonl", "y.jsonl")], new
+    assert sorted(p.name for p in (home / "var" / "runs" / "cache" / "s3").rglob("*.jsonl")) == ["good.jsonl"]
+
+
+def test_a_forged_manifest_output_path_is_refused(home):
+    from pipelines.manifest import StageDir, StageError, load_manifest
+
+    sd = StageDir(home / "runs", "filter", "k", [{"uri": "x", "sha256": "0"}])
+    with sd:
+        (sd.tmp / "kept").mkdir()
+        m = sd.commit({"kept": "kept"})
+    data = json.loads(Path(m.path).read_text())
+    for forged in ("../../../etc", "/etc/passwd", "kept/../../x"):
+        data["outputs"][0]["path"] = forged
+        Path(m.path).write_text(json.dumps(data))
+        with pytest.raises(StageError, match="do not stay below its directory"):
+            load_manifest(m.path)
+
+
+def test_output_on_a_folder_of_the_user_exits_2_and_touches_nothing(home):
+    user = home / "my-notes"
+    user.mkdir()
+    (user / "thesis.txt").write_text("four years of work")
+    src = write_jsonl(home / "in.jsonl", [{"text": d["text"]} for d in c4_docs(5)])
+    r = subprocess.run([sys.executable, "-m", "pipelines.data.ingest", "--input", str(src), "--output", str(user),
+                        "--set", "services.spark_master=local[1]"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"--output {user} holds files that are not a stage result" in r.stderr
+    assert sorted(p.name for p in user.iterdir()) == ["thesis.txt"]
+    assert (user / "thesis.txt").read_text() == "four years of work"
+    assert not list(home.glob(".my-notes*"))  # no staging or lock file beside it either
+
+
+def test_a_tracking_uri_with_credentials_reaches_no_artifact_tag_manifest_or_log(models_for_ops, home):
+    """MLflow behind a URL with a password (a plain `mlflow server` here, which ignores it): the spec artifact, the
+    run's tags and params, the version's tags, the registration and the printed lines never carry the password."""
+    from pipelines import tracking
+    from pipelines.eval import registry
+    from pipelines.spec import load_spec
+
+    port = free_port()
+    store = home / "mlflow-server"
+    srv = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
+                            str(port), "--backend-store-uri", f"sqlite:///{store}.db", "--artifacts-destination",
+                            str(store / "artifacts"), "--workers", "1"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        uri = f"http://user:s3cretPW@127.0.0.1:{port}"
+        deadline = time.time() + 90
+        import urllib.request
+
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        spec = load_spec(None, [f"services.mlflow_tracking_uri={uri}", "registry.model_name=secret-test",
+                                f"eval.reference={json.dumps([str(ROOT / 'data/reference/tinystories_val_tail.txt')])}"],
+                         env={})
+        run_id = tracking.start_run(spec, run_name="t")
+        ev = {"reference_sha256": "r" * 64, "reference": {"files": {"a.txt": {}}}, "tasks": [], "limit": 5}
+        res = registry.register(spec, models_for_ops, run_id, {"data_manifest_hash": "d" * 64},
+                                {"reference_bpb": 3.0}, ev, home / "w")
+        assert res["tracking_uri"] == f"http://user:***@127.0.0.1:{port}"
+        c = tracking.client(spec)
+        run = c.get_run(run_id)
+        version = c.get_model_version("secret-test", str(res["version"]))
+        texts = [json.dumps(res), json.dumps(run.data.tags), json.dumps(run.data.params), json.dumps(version.tags),
+                 spec.to_yaml()]
+        files = [p for p in home.rglob("*") if p.is_file()]  # the artifacts, the server's database, the work dirs
+        assert any(p.name == "spec.yaml" for p in files) and any(p.name == "MLmodel" for p in files)
+        texts += [p.read_bytes().decode(errors="replace") for p in files]
+        summary = subprocess.run([sys.executable, "-m", "pipelines.summary", "--set",
+                                  f"services.mlflow_tracking_uri={uri}", "--set", "registry.model_name=secret-test"],
+                                 capture_output=True, text=True, timeout=300)
+        assert summary.returncode == 0, summary.stderr[-2000:]
+        texts += [summary.stdout, summary.stderr]
+        leaks = [t[:200] for t in texts if "s3cretPW" in t]
+        assert not leaks, leaks
+        assert "s3cretPW" in spec.to_yaml(secrets=True)  # the work file of the ranks still has what they need
+    finally:
+        os.killpg(srv.pid, 15)
+        srv.wait(30)
+
+
+@pytest.fixture
+def models_for_ops(tmp_path):
+    from pipelines.data import tokenize
+    from pipelines.spec import TokenizerCfg
+    from test_eval import _model_dir
+
+    sp = tokenize.train_sentencepiece([tokenize.canonical_text(d["text"]) for d in c4_docs(200)], tmp_path / "sp",
+                                      TokenizerCfg(vocab_size=400), seed=1)
+    return _model_dir(tmp_path / "m", 1, sp)
+
+
+def test_the_password_file_must_be_private_and_stop_signals_only_its_own_processes(tmp_path, monkeypatch):
+    from pipelines import airflow_ui, procs
+
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    p = airflow_ui.password_file()
+    assert p.stat().st_mode & 0o777 == 0o600
+    p.chmod(0o644)
+    with pytest.raises(PermissionError, match="mode 0600"):
+        airflow_ui.password_file()
+    p.chmod(0o600)
+    # a pid file whose pid now belongs to another process (same pid, other start time): not signalled
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        forged = {**procs.identity(other.pid), "start": procs.start_time(other.pid) - 1}
+        airflow_ui.pid_file().write_text(json.dumps({"scheduler": forged}))
+        assert airflow_ui.running_components() == {} and airflow_ui.stop() == 0
+        time.sleep(0.3)
+        assert other.poll() is None  # untouched
+        airflow_ui.pid_file().write_text(json.dumps({"scheduler": procs.identity(other.pid)}))
+        assert airflow_ui.stop() == 1
+        assert other.wait(15) is not None
+    finally:
+        if other.poll() is None:
+            other.kill()
