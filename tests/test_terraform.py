@@ -14,7 +14,7 @@ from conftest import ROOT
 hcl2 = pytest.importorskip("hcl2")
 
 TF = ROOT / "infra" / "terraform"
-MODULES = ["network", "storage", "fsx", "eks", "iam", "metadata", "stack"]
+MODULES = ["network", "storage", "fsx", "eks", "iam", "metadata", "netpol", "stack"]
 FILES = sorted(TF.rglob("*.tf"))
 
 
@@ -92,7 +92,7 @@ def test_every_variable_is_used():
 # aws_* resource types that take no tags (companion/association resources); every other aws_* resource must
 # carry `tags` (the envs add provider default_tags on top).
 UNTAGGABLE = {
-    "aws_route", "aws_route_table_association", "aws_kms_alias", "aws_iam_role_policy",
+    "aws_route", "aws_secretsmanager_secret_version", "aws_route_table_association", "aws_kms_alias", "aws_iam_role_policy",
     "aws_iam_role_policy_attachment", "aws_s3_bucket_public_access_block", "aws_s3_bucket_ownership_controls",
     "aws_s3_bucket_versioning", "aws_s3_bucket_server_side_encryption_configuration", "aws_s3_bucket_logging",
     "aws_s3_bucket_lifecycle_configuration", "aws_s3_bucket_policy", "aws_s3_bucket_notification",
@@ -310,3 +310,106 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
     # missing outputs fail with a message naming them
     outputs.write_text(json.dumps({"region": {"value": "us-east-1"}}))
     assert cc.main(["--outputs", str(outputs), "--out", str(tmp_path / "x.yaml")]) == 2
+
+
+def _namespaces() -> dict[str, dict]:
+    """{namespace resource name: its labels} of every kubernetes_namespace_v1."""
+    return {n: b["metadata"][0].get("labels", {}) for f, t, n, b in resources("kubernetes_namespace_v1")}
+
+
+def test_every_namespace_has_pod_security_labels_and_a_default_deny_network_policy():
+    labels = _namespaces()
+    assert set(labels) == {"pipeline", "airflow", "mlflow"}
+    assert labels["mlflow"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert labels["airflow"]["pod-security.kubernetes.io/enforce"] == "${local.pod_security.airflow}"
+    eks_locals = [loc for loc in parse(TF / "modules/eks/main.tf")["locals"] if "pod_security" in loc][0]
+    assert eks_locals["pod_security"]["airflow"] == "baseline"
+    pss_var = [v for v in parse(TF / "modules/eks/variables.tf")["variable"] if "pipeline_pod_security" in v][0]
+    assert pss_var["pipeline_pod_security"]["default"] == "baseline"
+    # the reason for each level that is not restricted is written beside it
+    eks_src = (TF / "modules/eks/main.tf").read_text()
+    assert "baseline, not restricted" in eks_src and "airflow: baseline, because" in eks_src
+    # the VPC CNI enforces NetworkPolicies; every namespace denies by default and opens named flows
+    addon = one("aws_eks_addon", "eks")
+    assert "enableNetworkPolicy" in addon["configuration_values"]
+    pols = {n: b for f, t, n, b in resources("kubernetes_network_policy_v1")}
+    deny = pols["default_deny"]
+    assert deny["for_each"] == "${local.all}" and deny["spec"][0]["policy_types"] == ["Ingress", "Egress"]
+    assert deny["spec"][0]["pod_selector"] == [{}] and "ingress" not in deny["spec"][0]
+    netpol = {k: v for item in parse(TF / "modules/stack/main.tf")["module"] for k, v in item.items()}["netpol"]
+    assert set(netpol["namespaces"]) == {"airflow", "pipeline", "mlflow"}  # one per namespace
+    mlflow_in = pols["mlflow_ingress"]["spec"][0]["ingress"][0]
+    assert mlflow_in["ports"][0]["port"] == "5000"
+    assert "5432" in json.dumps(pols["to_rds"]) and "var.private_subnet_cidrs" in json.dumps(pols["to_rds"])
+
+
+def test_mlflow_is_authenticated_with_its_credentials_in_secrets_and_its_image_pinned_by_digest():
+    dep = [b for f, t, n, b in resources("kubernetes_deployment_v1") if n == "mlflow"][0]
+    container = dep["spec"][0]["template"][0]["spec"][0]["container"][0]
+    cmd = json.dumps(container["command"])
+    assert "--app-name basic-auth" in cmd  # no MLflow on 0.0.0.0 without authentication
+    assert not ("0.0.0.0" in cmd and "basic-auth" not in cmd)
+    assert {e["name"] for e in container["env"]} == {"MLFLOW_AUTH_CONFIG_PATH"}
+    auth = [b for f, t, n, b in resources("kubernetes_secret_v1") if n == "mlflow_auth"][0]
+    ini = auth["data"]["basic_auth.ini"]
+    assert "admin_password = ${random_password.mlflow_admin.result}" in ini and "default_permission = NO_PERMISSIONS" in ini
+    client = [b for f, t, n, b in resources("kubernetes_secret_v1") if n == "mlflow_client"][0]
+    assert set(client["data"]) == {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+    from pipelines.train.k8s import MLFLOW_CLIENT_SECRET
+
+    assert client["metadata"][0]["name"] == MLFLOW_CLIENT_SECRET  # the PyTorchJob pods read this one
+    # mlflow_image: a variable validated as a digest, wired from the envs through the stack to the Deployment
+    assert container["image"] == "${var.mlflow_image}"
+    for where in ("modules/metadata/variables.tf", "modules/stack/variables.tf", "envs/dev/variables.tf",
+                  "envs/prod/variables.tf"):
+        var = [v for v in parse(TF / where)["variable"] if "mlflow_image" in v]
+        assert var and "default" not in var[0]["mlflow_image"], where
+    validation = [v for v in parse(TF / "modules/metadata/variables.tf")["variable"]
+                  if "mlflow_image" in v][0]["mlflow_image"]["validation"][0]["condition"]
+    assert "@sha256:[0-9a-f]{64}$" in validation
+    stack = {k: v for item in parse(TF / "modules/stack/main.tf")["module"] for k, v in item.items()}
+    assert stack["metadata"]["mlflow_image"] == "${var.mlflow_image}"
+    for env in ("dev", "prod"):
+        (call,) = parse(TF / "envs" / env / "main.tf")["module"]
+        assert call["stack"]["mlflow_image"] == "${var.mlflow_image}"
+        assert re.search(r"@sha256:[0-9a-f]{64}$", parse(TF / "envs" / env / "terraform.tfvars")["mlflow_image"])
+    docker = (ROOT / "infra/docker/mlflow.Dockerfile").read_text()
+    lock = (ROOT / "requirements.lock").read_text()
+    assert re.search(r"^mlflow==3\.17\.2", lock, re.M) and "mlflow==3.17.2" in docker and "psycopg2" in docker
+
+
+def test_each_application_has_its_own_database_login_and_rds_admits_only_the_private_subnets():
+    secrets = {n: b for f, t, n, b in resources("kubernetes_secret_v1")}
+    assert secrets["db"]["data"]["connection"] == "${local.app_dsn[each.key]}"  # not the master login
+    meta = [loc for loc in parse(TF / "modules/metadata/main.tf")["locals"] if "apps" in loc][0]
+    assert {a["role"] for a in meta["apps"].values()} == {"airflow_app", "mlflow_app"}
+    # the master login goes only to the job that creates the roles, in the mlflow namespace's admin secret
+    master_users = [n for n, b in secrets.items() if "local.admin_dsn" in json.dumps(b)]
+    assert master_users == ["db_admin"]
+    pw = {n: b for f, t, n, b in resources("random_password")}
+    assert pw["db"]["keepers"] == {"generation": "${var.credentials_generation}"}  # rotation: bump and apply
+    rule = one("aws_vpc_security_group_ingress_rule", "metadata")
+    assert rule["for_each"] == "${toset(var.private_subnet_cidrs)}" and rule["cidr_ipv4"] == "${each.value}"
+    airflow = one("helm_release", "metadata")["values"][0]
+    assert "FabAuthManager" in airflow and "random_password.airflow_admin.result" in airflow
+    assert "rbac" in airflow and "extraEnvFrom" in airflow
+
+
+def test_kms_only_via_s3_operator_pinned_to_a_commit_and_fsx_linked_at_the_l1_path():
+    doc = [b for f, t, n, b in blocks("data", sorted((TF / "modules/iam").rglob("*.tf")))
+           if t == "aws_iam_policy_document" and n == "access"][0]
+    kms = [s for s in doc["statement"] if s.get("sid") == "BucketKey"][0]
+    assert kms["condition"][0]["variable"] == "kms:ViaService"
+    assert kms["condition"][0]["values"] == ["s3.${data.aws_region.current.name}.amazonaws.com"]
+    op = [b for f, t, n, b in resources("terraform_data") if n == "training_operator"][0]
+    assert "?ref=${var.training_operator_commit}" in op["provisioner"][0]["local-exec"]["command"]
+    commit = [v for v in parse(TF / "modules/eks/variables.tf")["variable"] if "training_operator_commit" in v][0]
+    assert re.fullmatch(r"[0-9a-f]{40}", commit["training_operator_commit"]["default"])
+    from pipelines.cluster_config import cluster_spec
+
+    fsx_vars = {k: v for item in parse(TF / "modules/fsx/variables.tf")["variable"] for k, v in item.items()}
+    spec = cluster_spec({"service_accounts": {"trainer": "ns:t", "spark": "ns:s"}, "trainer_image": "i",
+                         "pipeline_namespace": "ns", "shared_fs_claim": "c", "gpu_efa_interfaces": 0,
+                         "spark_master": "k8s://x", "spark_image": "s", "buckets": {"checkpoints": "b", "mlflow": "m"},
+                         "region": "r", "mlflow_tracking_uri": "u"}, {})
+    assert spec["checkpoint"]["l1"] == "/fsx" + fsx_vars["repository_path"]["default"]  # the DRA links L1

@@ -24,9 +24,16 @@ noncurrent versions; `checkpoints` also moves to Standard-IA after `checkpoint_i
 `checkpoint_glacier_days`. The key policy lets CloudWatch Logs use the key for the stack's log groups.""",
     "fsx": """FSx for Lustre **PERSISTENT_2** (the L1 tier, mounted at `/fsx` in the training pods and Airflow
 workers): KMS-encrypted, LZ4-compressed, in the GPU nodes' AZ, with a **data repository association** to the
-checkpoint bucket that auto-imports and auto-exports new, changed and deleted objects, so a checkpoint
-written under `/fsx/checkpoints` reaches S3 without a copy step. Lustre ports are open to the VPC only.
+checkpoint bucket at the trainer's L1 path (`/llm-pipeline/var/tiers/shared`, what `pipelines.cluster_config`
+sets `checkpoint.l1` to) that auto-imports and auto-exports new, changed and deleted objects into its own prefix
+(`fsx-l1/`, apart from the trainer's L2 uploads). Lustre ports are open to the VPC only.
 The eks module exposes it through the FSx CSI driver as a static PersistentVolume + claim.""",
+    "netpol": """NetworkPolicies of the pipeline's three namespaces (airflow, pipeline, mlflow): a default deny of all
+ingress and egress in each, then the flows the pipeline needs: DNS to kube-system; TCP 443 out (S3, STS, ECR and
+the Kubernetes API have no fixed addresses); Airflow and the training/Spark pods to MLflow on 5000 (MLflow admits
+nothing else); Airflow and MLflow to RDS on 5432 (the private subnets only); Airflow ↔ pipeline and within each (the
+Spark driver in a worker and its executors, torchrun rendezvous and NCCL over TCP); Airflow and pipeline to FSx for
+Lustre (988, 1018–1023) in the VPC. The VPC CNI enforces them (`enableNetworkPolicy` on its add-on).""",
     "eks": """EKS from plain resources (not terraform-aws-modules/eks): every resource is visible here and to
 checkov, with no transitive module versions to track, and the GPU group's EFA launch template and placement
 group would need custom settings in the community module anyway. Control plane: private endpoint (public
@@ -62,19 +69,27 @@ module's Spark-driver and launcher roles.""",
 `envs/dev` and `envs/prod` call it with their sizes and export its outputs as one object, `stack`, which
 `python -m pipelines.cluster_config --env ENV` reads.""",
     "metadata": """The metadata plane: RDS PostgreSQL 16 (encrypted with KMS, private, `rds.force_ssl`, Multi-AZ in
-prod, deletion protection, Performance Insights, enhanced monitoring, logs exported, IAM auth on; the master
-password generated and kept by RDS in Secrets Manager, never in the configuration) with databases `airflow`
-and `mlflow`; the **MLflow tracking server** (a Deployment on the system nodes, artifacts proxied to the
-mlflow bucket through its IRSA role, non-root, read-only root filesystem, DSN mounted as a file); and
-**Airflow** from the official `apache-airflow` Helm chart (KubernetesExecutor, the workers' service account
-with its IRSA role, FSx mounted at `/fsx`, and `pipeline_env` pointing the job spec at the stack).
+prod, deletion protection, Performance Insights, enhanced monitoring, logs exported; admits PostgreSQL from the
+private subnets only; the master password generated and kept by RDS in Secrets Manager, never in the
+configuration) with databases `airflow`, `mlflow` and `mlflow_auth`, each owned by its application's **own login**
+(`airflow_app`, `mlflow_app`; the master login is used only by the job that creates them); the **MLflow tracking
+server** behind MLflow's **basic-auth** app (admin login generated, in a Secret; the pipeline's clients get
+`MLFLOW_TRACKING_USERNAME`/`_PASSWORD` from the `mlflow-client` Secret in the airflow and pipeline namespaces; image
+by digest, `mlflow_image`, built from `infra/docker/mlflow.Dockerfile`: MLflow 3.17.2 as the client, psycopg2,
+boto3), a Deployment on the system nodes in a `restricted` Pod Security namespace, artifacts proxied to the mlflow
+bucket through its IRSA role; and **Airflow** from the official `apache-airflow` Helm chart (KubernetesExecutor, the
+**FAB auth manager** with RBAC roles and a generated admin, secret keys of our own, the chart's Kubernetes RBAC, the
+workers' service account with its IRSA role, FSx mounted at `/fsx`, and `pipeline_env` pointing the job spec at the
+stack).
+
+Credentials rotate with their consumers: bump `credentials_generation` and apply; the passwords are generated
+again, the job sets them on the roles, the Kubernetes Secrets change and the Deployments roll. RDS's own
+rotation of the master password reaches no application.
 
 Airflow on EKS rather than MWAA: the stages run in the workers next to the jobs they launch (one image carries
 pyspark, torch and this package), the workers get IRSA and namespace RBAC to submit PyTorchJobs and Spark
 executors directly, and dev/prod differ only in values; MWAA would need its own VPC plumbing, a
-requirements/plugins upload of torch-sized dependencies, and an EKS access entry for its execution role.
-The RDS-managed secret rotates every 7 days: re-run `terraform apply` afterwards (it re-reads the secret
-into the Kubernetes secrets), or sync it with the Secrets Store CSI driver.""",
+requirements/plugins upload of torch-sized dependencies, and an EKS access entry for its execution role.""",
 }
 
 

@@ -57,6 +57,9 @@ def node_local_l0(spec: JobSpec) -> bool:
     return l0.is_absolute() and l0 != mount and mount not in l0.parents
 
 
+MLFLOW_CLIENT_SECRET = "mlflow-client"  # infra/terraform/modules/metadata: kubernetes_secret_v1.mlflow_client
+
+
 def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
                       module: str = "pipelines.train.trainer", extra_env: dict[str, str] | None = None) -> dict:
     L = spec.launcher
@@ -80,6 +83,9 @@ def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
         "image": L.image,
         "command": ["torchrun", "--max-restarts", str(L.max_restarts), "-m", module, *trainer_args],
         "env": [{"name": k, "value": v} for k, v in env.items()],
+        # the MLflow login (MLFLOW_TRACKING_USERNAME / _PASSWORD) the cluster's Terraform puts in the namespace;
+        # optional, so a cluster without MLflow authentication runs the same job
+        "envFrom": [{"secretRef": {"name": MLFLOW_CLIENT_SECRET, "optional": True}}],
         "resources": {"limits": limits, "requests": dict(limits)},
         "volumeMounts": mounts,
     }

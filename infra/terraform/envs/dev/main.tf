@@ -19,6 +19,8 @@ module "stack" {
   db_multi_az            = false
   db_deletion_protection = false
   airflow_image          = var.airflow_image
+  mlflow_image           = var.mlflow_image
+  credentials_generation = var.credentials_generation
   spark_image            = var.spark_image
   trainer_image          = var.trainer_image
   tags                   = var.tags

@@ -18,6 +18,8 @@ module "stack" {
   db_multi_az            = true
   db_deletion_protection = true
   airflow_image          = var.airflow_image
+  mlflow_image           = var.mlflow_image
+  credentials_generation = var.credentials_generation
   spark_image            = var.spark_image
   trainer_image          = var.trainer_image
   tags                   = var.tags

@@ -33,3 +33,14 @@ variable "tags" {
   type        = map(string)
   description = "Tags on every resource (also the AWS provider's default tags)."
 }
+
+variable "mlflow_image" {
+  type        = string
+  description = "MLflow server image by digest (REPOSITORY@sha256:…), built from infra/docker/mlflow.Dockerfile."
+}
+
+variable "credentials_generation" {
+  type        = number
+  description = "Bump and apply to rotate the database and admin passwords (the Kubernetes Secrets and pods follow)."
+  default     = 1
+}

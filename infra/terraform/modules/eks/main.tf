@@ -295,8 +295,10 @@ resource "aws_eks_addon" "this" {
   cluster_name                = aws_eks_cluster.this.name
   addon_name                  = each.value
   resolve_conflicts_on_update = "OVERWRITE"
-  tags                        = var.tags
-  depends_on                  = [aws_eks_node_group.system]
+  # the VPC CNI enforces NetworkPolicies (the default-deny policies of the pipeline's namespaces)
+  configuration_values = each.value == "vpc-cni" ? jsonencode({ enableNetworkPolicy = "true" }) : null
+  tags                 = var.tags
+  depends_on           = [aws_eks_node_group.system]
 }
 
 resource "helm_release" "nvidia_device_plugin" {
@@ -330,12 +332,12 @@ resource "helm_release" "efa_device_plugin" {
 # (CRDs incl. kubeflow.org/v1 PyTorchJob + controller) once the cluster exists. Needs kubectl and the
 # AWS CLI where terraform runs.
 resource "terraform_data" "training_operator" {
-  triggers_replace = [aws_eks_cluster.this.arn, var.training_operator_version]
+  triggers_replace = [aws_eks_cluster.this.arn, var.training_operator_commit]
   provisioner "local-exec" {
     command = <<-EOT
       aws eks update-kubeconfig --name ${aws_eks_cluster.this.name} --kubeconfig "$KCFG" >/dev/null
       kubectl --kubeconfig "$KCFG" apply --server-side -k \
-        "github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=${var.training_operator_version}"
+        "github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=${var.training_operator_commit}"
     EOT
     environment = {
       KCFG = "${path.root}/.kubeconfig-${var.name}"
@@ -345,18 +347,40 @@ resource "terraform_data" "training_operator" {
 }
 
 # ---------------------------------------------------------------- pipeline namespace, FSx volume, RBAC
+# Pod Security admission. pipeline: baseline, not restricted: the training image (NCCL, EFA) and Spark's
+# executors run as their images' users without a seccomp profile of our setting; baseline still refuses
+# privileged pods, host namespaces and hostPath. `privileged` (var.pipeline_pod_security) is needed only for
+# hostPath scratch (launcher.node_local_path, services.spark_local_dir); the default emptyDir on the instance
+# store's RAID0 is not a hostPath. airflow: baseline, because the chart's pods set no seccomp profile.
+locals {
+  pod_security = {
+    pipeline = var.pipeline_pod_security
+    airflow  = "baseline"
+  }
+}
+
 resource "kubernetes_namespace_v1" "pipeline" {
   metadata {
-    name   = var.pipeline_namespace
-    labels = { "app.kubernetes.io/part-of" = "llm-pipeline" }
+    name = var.pipeline_namespace
+    labels = {
+      "app.kubernetes.io/part-of"          = "llm-pipeline"
+      "pod-security.kubernetes.io/enforce" = local.pod_security.pipeline
+      "pod-security.kubernetes.io/warn"    = "restricted"
+      "pod-security.kubernetes.io/audit"   = "restricted"
+    }
   }
   depends_on = [aws_eks_node_group.system]
 }
 
 resource "kubernetes_namespace_v1" "airflow" {
   metadata {
-    name   = var.airflow_namespace
-    labels = { "app.kubernetes.io/part-of" = "llm-pipeline" }
+    name = var.airflow_namespace
+    labels = {
+      "app.kubernetes.io/part-of"          = "llm-pipeline"
+      "pod-security.kubernetes.io/enforce" = local.pod_security.airflow
+      "pod-security.kubernetes.io/warn"    = "restricted"
+      "pod-security.kubernetes.io/audit"   = "restricted"
+    }
   }
   depends_on = [aws_eks_node_group.system]
 }

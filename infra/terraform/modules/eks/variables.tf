@@ -89,10 +89,24 @@ variable "gpu_volume_gib" {
   default     = 500
 }
 
-variable "training_operator_version" {
+variable "training_operator_commit" {
   type        = string
-  description = "Kubeflow training-operator release whose standalone manifests are applied (PyTorchJob v1)."
-  default     = "v1.8.1"
+  description = "Commit of kubeflow/training-operator whose standalone manifests are applied (PyTorchJob v1): an immutable ref, not a tag or branch. 0f8735fa… is the commit of tag v1.8.1."
+  default     = "0f8735faade3651dfe44e45c6fbc30fa9152641d"
+  validation {
+    condition     = can(regex("^[0-9a-f]{40}$", var.training_operator_commit))
+    error_message = "training_operator_commit is a full 40-hex-digit commit id."
+  }
+}
+
+variable "pipeline_pod_security" {
+  type        = string
+  description = "Pod Security level enforced in the pipeline namespace: baseline, or privileged only when launcher.node_local_path / services.spark_local_dir use hostPath."
+  default     = "baseline"
+  validation {
+    condition     = contains(["baseline", "privileged"], var.pipeline_pod_security)
+    error_message = "pipeline_pod_security is baseline or privileged."
+  }
 }
 
 variable "fsx" {

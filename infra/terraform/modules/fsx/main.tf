@@ -59,7 +59,7 @@ resource "aws_fsx_lustre_file_system" "this" {
 
 resource "aws_fsx_data_repository_association" "checkpoints" {
   file_system_id                   = aws_fsx_lustre_file_system.this.id
-  data_repository_path             = "s3://${var.checkpoint_bucket}"
+  data_repository_path             = "s3://${var.checkpoint_bucket}/${var.repository_prefix}"
   file_system_path                 = var.repository_path
   batch_import_meta_data_on_create = true
   s3 {

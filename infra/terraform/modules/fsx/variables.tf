@@ -41,8 +41,18 @@ variable "checkpoint_bucket" {
 
 variable "repository_path" {
   type        = string
-  description = "Filesystem path the checkpoint bucket is linked at (the trainer's L1 tier lives below it)."
-  default     = "/checkpoints"
+  description = "Filesystem path linked to the checkpoint bucket: the trainer's L1 tier (checkpoint.l1 is <mount><path>, /fsx/llm-pipeline/var/tiers/shared by pipelines.cluster_config)."
+  default     = "/llm-pipeline/var/tiers/shared"
+  validation {
+    condition     = startswith(var.repository_path, "/") && !strcontains(var.repository_path, "..")
+    error_message = "repository_path is an absolute path on the file system."
+  }
+}
+
+variable "repository_prefix" {
+  type        = string
+  description = "Prefix of the checkpoint bucket the L1 tier is exported to (apart from the trainer's own L2 uploads under checkpoints/)."
+  default     = "fsx-l1"
 }
 
 variable "kms_key_arn" {

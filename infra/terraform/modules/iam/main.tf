@@ -67,8 +67,16 @@ data "aws_iam_policy_document" "access" {
     sid       = "BucketKey"
     actions   = ["kms:Decrypt", "kms:GenerateDataKey", "kms:DescribeKey"]
     resources = [var.kms_key_arn]
+    # the key only through S3 (SSE-KMS of the pipeline buckets), not directly or through another service
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["s3.${data.aws_region.current.name}.amazonaws.com"]
+    }
   }
 }
+
+data "aws_region" "current" {}
 
 resource "aws_iam_policy" "access" {
   for_each    = local.access

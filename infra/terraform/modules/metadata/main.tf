@@ -1,7 +1,16 @@
 # Metadata plane: one RDS PostgreSQL instance (encrypted, private, Multi-AZ in prod, master password
-# generated and kept by RDS in Secrets Manager under our KMS key) holding two databases, `airflow` and
-# `mlflow`; the MLflow tracking server as a Deployment on the system nodes (artifacts proxied to S3 through
-# its IRSA role); Airflow from the official apache-airflow Helm chart.
+# generated and kept by RDS in Secrets Manager under our KMS key) holding three databases, `airflow`,
+# `mlflow` and `mlflow_auth`, each owned by its application's own login (the master login is used only by
+# the job that creates them); the MLflow tracking server behind MLflow's basic-auth app as a Deployment on
+# the system nodes (artifacts proxied to S3 through its IRSA role); Airflow from the official apache-airflow
+# Helm chart with the FAB auth manager (RBAC roles) and a generated admin login.
+#
+# Credentials: each application's database password and the MLflow and Airflow admin passwords are
+# generated here (random_password, kept in the encrypted state and in Secrets Manager under our KMS key)
+# and reach the pods only as Kubernetes Secrets. Rotation updates the consumers: bump
+# var.credentials_generation and apply; the passwords are regenerated, the job sets them on the database
+# roles, the Secrets change and the Deployments roll (their pod templates carry the Secrets' hashes).
+# RDS's own rotation of the master password (every 7 days) touches no application.
 #
 # Why Airflow on EKS (Helm) and not MWAA: the stages run in the workers next to the jobs they launch (the
 # same image carries pyspark, torch and this package), the workers' service account gets IRSA and
@@ -27,9 +36,10 @@ resource "aws_security_group" "db" {
 }
 
 resource "aws_vpc_security_group_ingress_rule" "db" {
+  for_each          = toset(var.private_subnet_cidrs)
   security_group_id = aws_security_group.db.id
-  description       = "PostgreSQL from inside the VPC"
-  cidr_ipv4         = var.vpc_cidr
+  description       = "PostgreSQL from the private subnets (the nodes and their pods), not the whole VPC"
+  cidr_ipv4         = each.value
   ip_protocol       = "tcp"
   from_port         = local.db_port
   to_port           = local.db_port
@@ -111,20 +121,57 @@ resource "aws_db_instance" "this" {
   tags                                = var.tags
 }
 
-# The RDS-managed secret; its password goes into Kubernetes secrets for the two servers. (RDS rotates it
-# every 7 days: re-run `terraform apply` afterwards, or sync it with the Secrets Store CSI driver.)
+# The RDS-managed master secret: only the job below uses it (to create the applications' roles and databases).
 data "aws_secretsmanager_secret_version" "master" {
   secret_id = aws_db_instance.this.master_user_secret[0].secret_arn
 }
 
 locals {
-  master = jsondecode(data.aws_secretsmanager_secret_version.master.secret_string)
-  dsn    = "postgresql://${local.master.username}:${urlencode(local.master.password)}@${aws_db_instance.this.address}:${local.db_port}"
+  master    = jsondecode(data.aws_secretsmanager_secret_version.master.secret_string)
+  host      = "${aws_db_instance.this.address}:${local.db_port}"
+  admin_dsn = "postgresql://${local.master.username}:${urlencode(local.master.password)}@${local.host}/postgres?sslmode=require"
+  # one login per application, each owning its databases
+  apps = {
+    airflow = { role = "airflow_app", databases = ["airflow"] }
+    mlflow  = { role = "mlflow_app", databases = ["mlflow", "mlflow_auth"] }
+  }
+  app_dsn = { for k, a in local.apps : k => "postgresql://${a.role}:${urlencode(random_password.db[k].result)}@${local.host}/${a.databases[0]}?sslmode=require" }
+}
+
+resource "random_password" "db" {
+  for_each = local.apps
+  length   = 32
+  special  = false
+  keepers  = { generation = var.credentials_generation }
+}
+
+resource "aws_secretsmanager_secret" "db" {
+  for_each                = local.apps
+  name                    = "${var.name}/metadata/${each.key}"
+  description             = "Database login of ${each.key} (role ${each.value.role}); rotated by bumping credentials_generation"
+  kms_key_id              = var.kms_key_arn
+  recovery_window_in_days = 7
+  tags                    = var.tags
+  # checkov:skip=CKV2_AWS_57:Rotation is terraform's (credentials_generation), which also updates the Kubernetes Secrets the pods read; a Secrets Manager rotation Lambda would leave them stale.
+}
+
+resource "aws_secretsmanager_secret_version" "db" {
+  for_each      = local.apps
+  secret_id     = aws_secretsmanager_secret.db[each.key].id
+  secret_string = jsonencode({ username = each.value.role, password = random_password.db[each.key].result, dsn = local.app_dsn[each.key] })
 }
 
 resource "kubernetes_namespace_v1" "mlflow" {
   metadata {
     name = "mlflow"
+    labels = {
+      "app.kubernetes.io/part-of" = "llm-pipeline"
+      # restricted: the MLflow pods run as non-root with RuntimeDefault seccomp, no capabilities, no privilege
+      # escalation, a read-only root file system
+      "pod-security.kubernetes.io/enforce" = "restricted"
+      "pod-security.kubernetes.io/audit"   = "restricted"
+      "pod-security.kubernetes.io/warn"    = "restricted"
+    }
   }
 }
 
@@ -139,14 +186,26 @@ resource "kubernetes_secret_v1" "db" {
     namespace = each.value
   }
   data = {
-    connection = "${local.dsn}/${each.key}?sslmode=require"
+    connection = local.app_dsn[each.key]
   }
 }
 
-# `airflow` exists (db_name); create `mlflow` once, idempotently.
-resource "kubernetes_job_v1" "create_mlflow_db" {
+resource "kubernetes_secret_v1" "db_admin" {
   metadata {
-    name      = "create-mlflow-db"
+    name      = "metadata-db-admin"
+    namespace = kubernetes_namespace_v1.mlflow.metadata[0].name
+  }
+  data = {
+    connection = local.admin_dsn
+    # psql variables: the roles, their passwords, their databases
+    roles = join("\n", flatten([for k, a in local.apps : [for d in a.databases : "${a.role} ${random_password.db[k].result} ${d}"]]))
+  }
+}
+
+# Each application's role (created, or its password set again on rotation) and its databases, owned by it.
+resource "kubernetes_job_v1" "app_logins" {
+  metadata {
+    name      = "metadata-logins-${substr(sha256(join(",", [for k in keys(local.apps) : random_password.db[k].result])), 0, 8)}"
     namespace = kubernetes_namespace_v1.mlflow.metadata[0].name
   }
   spec {
@@ -156,27 +215,47 @@ resource "kubernetes_job_v1" "create_mlflow_db" {
       spec {
         restart_policy                  = "OnFailure"
         automount_service_account_token = false
+        security_context {
+          run_as_non_root = true
+          run_as_user     = 70
+          seccomp_profile {
+            type = "RuntimeDefault"
+          }
+        }
         container {
-          name              = "createdb"
+          name              = "logins"
           image             = "public.ecr.aws/docker/library/postgres:16-alpine"
           image_pull_policy = "Always"
-          command           = ["sh", "-c", "psql \"$ADMIN_DSN\" -tc \"SELECT 1 FROM pg_database WHERE datname='mlflow'\" | grep -q 1 || psql \"$ADMIN_DSN\" -c 'CREATE DATABASE mlflow'"]
+          command = ["sh", "-ec", join("\n", [
+            "while read -r role pw db; do",
+            "  psql \"$ADMIN_DSN\" -v ON_ERROR_STOP=1 -v role=\"$role\" -v pw=\"$pw\" <<'SQL'",
+            "SELECT format('CREATE ROLE %I LOGIN', :'role') WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = :'role')\\gexec",
+            "ALTER ROLE :\"role\" WITH LOGIN PASSWORD :'pw';",
+            "GRANT :\"role\" TO CURRENT_USER;",
+            "SQL",
+            "  psql \"$ADMIN_DSN\" -tc \"SELECT 1 FROM pg_database WHERE datname='$db'\" | grep -q 1 || psql \"$ADMIN_DSN\" -c \"CREATE DATABASE \\\"$db\\\" OWNER \\\"$role\\\"\"",
+            "  psql \"$ADMIN_DSN\" -v ON_ERROR_STOP=1 -c \"ALTER DATABASE \\\"$db\\\" OWNER TO \\\"$role\\\"; REVOKE ALL ON DATABASE \\\"$db\\\" FROM PUBLIC\"",
+            "done < /var/run/secrets/admin/roles",
+          ])]
           env {
             name = "ADMIN_DSN"
             value_from {
               secret_key_ref {
-                name = kubernetes_secret_v1.db["airflow"].metadata[0].name
+                name = kubernetes_secret_v1.db_admin.metadata[0].name
                 key  = "connection"
               }
             }
+          }
+          volume_mount {
+            name       = "admin"
+            mount_path = "/var/run/secrets/admin"
+            read_only  = true
           }
           resources {
             limits   = { cpu = "250m", memory = "128Mi" }
             requests = { cpu = "50m", memory = "64Mi" }
           }
           security_context {
-            run_as_non_root            = true
-            run_as_user                = 70
             allow_privilege_escalation = false
             read_only_root_filesystem  = true
             capabilities {
@@ -184,10 +263,53 @@ resource "kubernetes_job_v1" "create_mlflow_db" {
             }
           }
         }
+        volume {
+          name = "admin"
+          secret {
+            secret_name = kubernetes_secret_v1.db_admin.metadata[0].name
+          }
+        }
       }
     }
   }
   wait_for_completion = true
+}
+
+# ---------------------------------------------------------------- MLflow authentication (basic-auth app)
+resource "random_password" "mlflow_admin" {
+  length  = 32
+  special = false
+  keepers = { generation = var.credentials_generation }
+}
+
+resource "kubernetes_secret_v1" "mlflow_auth" {
+  metadata {
+    name      = "mlflow-auth"
+    namespace = kubernetes_namespace_v1.mlflow.metadata[0].name
+  }
+  data = {
+    "basic_auth.ini" = <<-EOT
+      [mlflow]
+      default_permission = NO_PERMISSIONS
+      database_uri = postgresql://mlflow_app:${urlencode(random_password.db["mlflow"].result)}@${local.host}/mlflow_auth?sslmode=require
+      admin_username = pipeline
+      admin_password = ${random_password.mlflow_admin.result}
+      authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+    EOT
+  }
+}
+
+# The pipeline's clients (Airflow's pods, the training and evaluation pods) log in with these.
+resource "kubernetes_secret_v1" "mlflow_client" {
+  for_each = { airflow = var.airflow_namespace, pipeline = var.pipeline_namespace }
+  metadata {
+    name      = "mlflow-client"
+    namespace = each.value
+  }
+  data = {
+    MLFLOW_TRACKING_USERNAME = "pipeline"
+    MLFLOW_TRACKING_PASSWORD = random_password.mlflow_admin.result
+  }
 }
 
 # ---------------------------------------------------------------- MLflow tracking server
@@ -200,7 +322,8 @@ resource "kubernetes_service_account_v1" "mlflow" {
 }
 
 resource "kubernetes_deployment_v1" "mlflow" {
-  # checkov:skip=CKV_K8S_43:The image is a variable (var.mlflow_image); pin it by digest (image@sha256:...) in the env's tfvars.
+  # checkov:skip=CKV_K8S_43:The image is var.mlflow_image, whose validation accepts only a digest reference (image@sha256:...); checkov cannot see the variable's value.
+  # checkov:skip=CKV_K8S_14:Same variable: a digest reference is fixed (stricter than a tag), and checkov cannot see its value.
   metadata {
     name      = "mlflow"
     namespace = kubernetes_namespace_v1.mlflow.metadata[0].name
@@ -214,6 +337,8 @@ resource "kubernetes_deployment_v1" "mlflow" {
     template {
       metadata {
         labels = { app = "mlflow" }
+        # a rotated password rolls the pods
+        annotations = { "llm-pipeline/credentials" = sha256(join(",", [random_password.db["mlflow"].result, random_password.mlflow_admin.result])) }
       }
       spec {
         service_account_name = kubernetes_service_account_v1.mlflow.metadata[0].name
@@ -229,11 +354,17 @@ resource "kubernetes_deployment_v1" "mlflow" {
           name              = "mlflow"
           image             = var.mlflow_image
           image_pull_policy = "Always"
+          # every request authenticated (MLflow's basic-auth app; users and permissions in mlflow_auth); 0.0.0.0 so
+          # the Service reaches the pod, which the namespace's NetworkPolicy opens to the pipeline only
           command = ["sh", "-c", join(" ", [
-            "exec mlflow server --host 0.0.0.0 --port 5000",
+            "exec mlflow server --app-name basic-auth --host 0.0.0.0 --port 5000",
             "--backend-store-uri \"$(cat /var/run/secrets/metadata-db/connection)\"",
             "--artifacts-destination s3://${var.mlflow_bucket}/artifacts --serve-artifacts",
           ])]
+          env {
+            name  = "MLFLOW_AUTH_CONFIG_PATH"
+            value = "/var/run/secrets/mlflow-auth/basic_auth.ini"
+          }
           port {
             container_port = 5000
           }
@@ -270,6 +401,17 @@ resource "kubernetes_deployment_v1" "mlflow" {
             mount_path = "/var/run/secrets/metadata-db"
             read_only  = true
           }
+          volume_mount {
+            name       = "mlflow-auth"
+            mount_path = "/var/run/secrets/mlflow-auth"
+            read_only  = true
+          }
+        }
+        volume {
+          name = "mlflow-auth"
+          secret {
+            secret_name = kubernetes_secret_v1.mlflow_auth.metadata[0].name
+          }
         }
         volume {
           name = "tmp"
@@ -284,7 +426,7 @@ resource "kubernetes_deployment_v1" "mlflow" {
       }
     }
   }
-  depends_on = [kubernetes_job_v1.create_mlflow_db]
+  depends_on = [kubernetes_job_v1.app_logins]
 }
 
 resource "kubernetes_service_v1" "mlflow" {
@@ -316,7 +458,25 @@ resource "helm_release" "airflow" {
     defaultAirflowTag        = var.airflow_image.tag
     postgresql               = { enabled = false }
     data                     = { metadataSecretName = kubernetes_secret_v1.db["airflow"].metadata[0].name }
-    nodeSelector             = { "llm-pipeline/pool" = "system" }
+    # logins and roles: the FAB auth manager (RBAC: Admin, Op, User, Viewer), one admin created by the chart's job;
+    # the chart's Kubernetes RBAC for its own service accounts; secret keys of our own, not the chart's defaults
+    config = {
+      core = { auth_manager = "airflow.providers.fab.auth_manager.fab_auth_manager.FabAuthManager" }
+      fab  = { auth_rate_limited = "True" }
+    }
+    rbac = { create = true }
+    webserver = {
+      defaultUser = {
+        enabled   = true, role = "Admin", username = "admin", email = "admin@example.invalid",
+        firstName = "Pipeline", lastName = "Admin", password = random_password.airflow_admin.result
+      }
+    }
+    apiSecretKeySecretName       = kubernetes_secret_v1.airflow_keys.metadata[0].name
+    webserverSecretKeySecretName = kubernetes_secret_v1.airflow_keys.metadata[0].name
+    jwtSecretName                = kubernetes_secret_v1.airflow_keys.metadata[0].name
+    # MLflow logins for the tasks (MLFLOW_TRACKING_USERNAME / _PASSWORD)
+    extraEnvFrom = yamlencode([{ secretRef = { name = kubernetes_secret_v1.mlflow_client["airflow"].metadata[0].name } }])
+    nodeSelector = { "llm-pipeline/pool" = "system" }
     # the job spec's environment overrides (SPARK_MASTER, S3_*, MLFLOW_TRACKING_URI, LLMP_HOME) for every pod
     env = [for k, v in var.pipeline_env : { name = k, value = v }]
     # the pod's IP for Spark's client-mode driver (the executors call back to it)
@@ -331,4 +491,28 @@ resource "helm_release" "airflow" {
       extraVolumeMounts = [{ name = "shared-fs", mountPath = var.shared_fs_mount }]
     }
   })]
+}
+
+resource "random_password" "airflow_admin" {
+  length  = 32
+  special = false
+  keepers = { generation = var.credentials_generation }
+}
+
+resource "random_password" "airflow_keys" {
+  for_each = toset(["api-secret-key", "webserver-secret-key", "jwt-secret"])
+  length   = 48
+  special  = false
+}
+
+resource "kubernetes_secret_v1" "airflow_keys" {
+  metadata {
+    name      = "airflow-keys"
+    namespace = var.airflow_namespace
+  }
+  data = {
+    "api-secret-key"       = random_password.airflow_keys["api-secret-key"].result
+    "webserver-secret-key" = random_password.airflow_keys["webserver-secret-key"].result
+    "jwt-secret"           = random_password.airflow_keys["jwt-secret"].result
+  }
 }

@@ -17,3 +17,13 @@ output "airflow_namespace" {
   description = "Namespace of the Airflow release."
   value       = var.airflow_namespace
 }
+
+output "mlflow_namespace" {
+  description = "Namespace of the MLflow server."
+  value       = kubernetes_namespace_v1.mlflow.metadata[0].name
+}
+
+output "mlflow_client_secret" {
+  description = "Name of the Secret (in the airflow and pipeline namespaces) with MLFLOW_TRACKING_USERNAME / _PASSWORD."
+  value       = "mlflow-client"
+}

@@ -8,11 +8,6 @@ variable "vpc_id" {
   description = "VPC of the cluster."
 }
 
-variable "vpc_cidr" {
-  type        = string
-  description = "CIDR allowed to reach PostgreSQL (the cluster's pods)."
-}
-
 variable "private_subnet_ids" {
   type        = list(string)
   description = "Private subnets for the DB subnet group (two AZs or more)."
@@ -65,8 +60,27 @@ variable "irsa_role_arns" {
 
 variable "mlflow_image" {
   type        = string
-  description = "MLflow server image (must carry psycopg2 and boto3)."
-  default     = "ghcr.io/mlflow/mlflow:v3.1.0"
+  description = "MLflow server image, by digest: the client's MLflow (3.17.2) with psycopg2 and boto3 (infra/docker/mlflow.Dockerfile; push it and take the digest docker prints)."
+  validation {
+    condition     = can(regex("^[^@\\s]+@sha256:[0-9a-f]{64}$", var.mlflow_image))
+    error_message = "mlflow_image must be pinned by digest: REPOSITORY@sha256:<64 hex digits>."
+  }
+}
+
+variable "credentials_generation" {
+  type        = number
+  description = "Bump to rotate the applications' database passwords and the MLflow and Airflow admin passwords (the Secrets and the pods that read them follow)."
+  default     = 1
+}
+
+variable "private_subnet_cidrs" {
+  type        = list(string)
+  description = "CIDR blocks of the private subnets: the only sources RDS admits."
+}
+
+variable "pipeline_namespace" {
+  type        = string
+  description = "Namespace of the training and Spark pods (they get the MLflow client login)."
 }
 
 variable "airflow_chart_version" {

@@ -22,3 +22,8 @@ output "s3_endpoint_id" {
   description = "S3 gateway endpoint id (bucket policies may pin access to it)."
   value       = aws_vpc_endpoint.s3.id
 }
+
+output "private_subnet_cidrs" {
+  description = "CIDR blocks of the private subnets (where the nodes and their pods live): RDS admits only these."
+  value       = aws_subnet.private[*].cidr_block
+}

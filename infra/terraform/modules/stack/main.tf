@@ -64,22 +64,25 @@ module "iam" {
 }
 
 module "metadata" {
-  source              = "../metadata"
-  name                = var.name
-  vpc_id              = module.network.vpc_id
-  vpc_cidr            = module.network.vpc_cidr
-  private_subnet_ids  = module.network.private_subnet_ids
-  kms_key_arn         = module.storage.kms_key_arn
-  instance_class      = var.db_instance_class
-  multi_az            = var.db_multi_az
-  deletion_protection = var.db_deletion_protection
-  mlflow_bucket       = module.storage.bucket_names["mlflow"]
-  irsa_role_arns      = module.iam.role_arns
-  airflow_image       = var.airflow_image
-  airflow_namespace   = module.eks.airflow_namespace
-  shared_fs_claim     = module.eks.shared_fs_claim
-  pipeline_env        = local.pipeline_env
-  tags                = var.tags
+  source                 = "../metadata"
+  name                   = var.name
+  vpc_id                 = module.network.vpc_id
+  private_subnet_ids     = module.network.private_subnet_ids
+  private_subnet_cidrs   = module.network.private_subnet_cidrs
+  mlflow_image           = var.mlflow_image
+  credentials_generation = var.credentials_generation
+  pipeline_namespace     = module.eks.pipeline_namespace
+  kms_key_arn            = module.storage.kms_key_arn
+  instance_class         = var.db_instance_class
+  multi_az               = var.db_multi_az
+  deletion_protection    = var.db_deletion_protection
+  mlflow_bucket          = module.storage.bucket_names["mlflow"]
+  irsa_role_arns         = module.iam.role_arns
+  airflow_image          = var.airflow_image
+  airflow_namespace      = module.eks.airflow_namespace
+  shared_fs_claim        = module.eks.shared_fs_claim
+  pipeline_env           = local.pipeline_env
+  tags                   = var.tags
 }
 
 # What the job spec reads from the environment on the Airflow workers (pipelines/spec.py ENV_OVERRIDES):
@@ -89,7 +92,18 @@ locals {
     SPARK_MASTER        = "k8s://${module.eks.cluster_endpoint}"
     S3_ENDPOINT_URL     = "aws"
     S3_BUCKET           = module.storage.bucket_names["checkpoints"]
-    MLFLOW_TRACKING_URI = "http://mlflow.mlflow.svc.cluster.local:5000"
+    MLFLOW_TRACKING_URI = "http://mlflow.mlflow.svc.cluster.local:5000" # login: MLFLOW_TRACKING_USERNAME/PASSWORD from the mlflow-client Secret
     LLMP_HOME           = "/fsx/llm-pipeline"
   }
+}
+
+module "netpol" {
+  source = "../netpol"
+  namespaces = {
+    airflow  = module.eks.airflow_namespace
+    pipeline = module.eks.pipeline_namespace
+    mlflow   = module.metadata.mlflow_namespace
+  }
+  vpc_cidr             = module.network.vpc_cidr
+  private_subnet_cidrs = module.network.private_subnet_cidrs
 }

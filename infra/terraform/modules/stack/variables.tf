@@ -101,3 +101,14 @@ variable "tags" {
   description = "Tags on every resource."
   default     = {}
 }
+
+variable "mlflow_image" {
+  type        = string
+  description = "MLflow server image by digest (REPOSITORY@sha256:…): MLflow 3.17.2 with psycopg2 and boto3, built from infra/docker/mlflow.Dockerfile."
+}
+
+variable "credentials_generation" {
+  type        = number
+  description = "Bump to rotate the applications' database passwords and the MLflow and Airflow admin passwords."
+  default     = 1
+}
