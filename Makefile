@@ -14,6 +14,7 @@ export AIRFLOW__CORE__EXECUTOR := LocalExecutor
 export PYTHONWARNINGS := ignore::FutureWarning
 
 DEMO_SPEC ?= configs/demo.yaml
+PIP_VERSION := 26.3
 
 .PHONY: demo test airflow airflow-stop bench install airflow-db clean help tf-check browser
 help:
@@ -27,12 +28,13 @@ help:
 install: $(STAMP)
 
 $(STAMP): requirements.lock pyproject.toml pipelines/site_hooks.py
+	@# the venv is exactly the lock: a changed lock rebuilds it from scratch
+	@if [ -d $(VENV) ] && [ ! -f $(STAMP) -o requirements.lock -nt $(STAMP) ]; then rm -rf $(VENV); fi
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements.lock
-	@# apache-airflow-providers-apache-spark pulls pyspark-client, whose python files overwrite
-	@# pyspark's: put back the ones that match pyspark's 4.3.0 jars.
-	$(BIN)/pip install -q --no-deps --force-reinstall pyspark==4.3.0
+	$(BIN)/python -m pip install -q pip==$(PIP_VERSION)
+	@# every package pinned with its sha256 (requirements.lock), installed as listed and nothing else (--no-deps: one
+	@# PySpark distribution, not the Spark provider's pyspark-client too)
+	$(BIN)/pip install -q --require-hashes --no-deps -r requirements.lock
 	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/python -c "from pipelines.site_hooks import install; install()"
 	@touch $@
@@ -81,7 +83,8 @@ test: $(STAMP) $(CHECKOV) browser
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/pip install -q -r benchmarks/requirements.in -c requirements.lock
+	@mkdir -p var && sed 's/ .*//' requirements.lock > var/constraints.txt  # the pins, without the hashes
+	$(BIN)/pip install -q -r benchmarks/requirements.in -c var/constraints.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/dedup_bench.py $(BENCH_ARGS)
 
 clean:
