@@ -321,9 +321,11 @@ def test_every_namespace_has_pod_security_labels_and_a_default_deny_network_poli
     labels = _namespaces()
     assert set(labels) == {"pipeline", "airflow", "mlflow"}
     assert labels["mlflow"]["pod-security.kubernetes.io/enforce"] == "restricted"
-    assert labels["airflow"]["pod-security.kubernetes.io/enforce"] == "${local.pod_security.airflow}"
+    assert labels["airflow"] == "${local.namespace_labels.airflow}"
+    assert labels["pipeline"] == "${local.namespace_labels.pipeline}"
     eks_locals = [loc for loc in parse(TF / "modules/eks/main.tf")["locals"] if "pod_security" in loc][0]
     assert eks_locals["pod_security"]["airflow"] == "baseline"
+    assert "pod-security.kubernetes.io/enforce" in json.dumps(eks_locals["namespace_labels"])
     pss_var = [v for v in parse(TF / "modules/eks/variables.tf")["variable"] if "pipeline_pod_security" in v][0]
     assert pss_var["pipeline_pod_security"]["default"] == "baseline"
     # the reason for each level that is not restricted is written beside it

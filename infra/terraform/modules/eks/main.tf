@@ -357,30 +357,26 @@ locals {
     pipeline = var.pipeline_pod_security
     airflow  = "baseline"
   }
+  namespace_labels = { for ns, level in local.pod_security : ns => {
+    "app.kubernetes.io/part-of"          = "llm-pipeline"
+    "pod-security.kubernetes.io/enforce" = level
+    "pod-security.kubernetes.io/warn"    = "restricted"
+    "pod-security.kubernetes.io/audit"   = "restricted"
+  } }
 }
 
 resource "kubernetes_namespace_v1" "pipeline" {
   metadata {
-    name = var.pipeline_namespace
-    labels = {
-      "app.kubernetes.io/part-of"          = "llm-pipeline"
-      "pod-security.kubernetes.io/enforce" = local.pod_security.pipeline
-      "pod-security.kubernetes.io/warn"    = "restricted"
-      "pod-security.kubernetes.io/audit"   = "restricted"
-    }
+    name   = var.pipeline_namespace
+    labels = local.namespace_labels.pipeline
   }
   depends_on = [aws_eks_node_group.system]
 }
 
 resource "kubernetes_namespace_v1" "airflow" {
   metadata {
-    name = var.airflow_namespace
-    labels = {
-      "app.kubernetes.io/part-of"          = "llm-pipeline"
-      "pod-security.kubernetes.io/enforce" = local.pod_security.airflow
-      "pod-security.kubernetes.io/warn"    = "restricted"
-      "pod-security.kubernetes.io/audit"   = "restricted"
-    }
+    name   = var.airflow_namespace
+    labels = local.namespace_labels.airflow
   }
   depends_on = [aws_eks_node_group.system]
 }
