@@ -6,7 +6,7 @@
 * :func:`stop_tree` does the same for a process and its descendants when they share our group (spark-submit started
   by the Spark provider).
 * A pid file records :func:`identity` (pid, start time, command line); :func:`still_running` is true only for that
-  same process, so a stop command never signals a process that reused the pid.
+  same process (same start time), so a stop command never signals a process that reused the pid.
 
 Linux: members and start times come from ``/proc``.
 """
@@ -46,12 +46,13 @@ def identity(pid: int) -> dict:
 
 
 def still_running(ident: dict) -> bool:
-    """Whether the process ``ident`` recorded is alive and is the same process (same start time and command line),
-    not one that reused its pid."""
+    """Whether the process ``ident`` recorded is alive and is the same process, not one that reused its pid: the
+    same start time (a pid is reused only after its process ended, so a new one starts later). The command line is
+    recorded for people, not compared: it is read before the child's exec, and servers rewrite their titles."""
     st = _stat(int(ident["pid"]))
     if st is None or st[2] == "Z":
         return False
-    return int(st[21]) == ident.get("start") and cmdline(int(ident["pid"])) == ident.get("cmdline")
+    return int(st[21]) == ident.get("start")
 
 
 def group_members(pgid: int) -> list[int]:

@@ -54,7 +54,7 @@ def test_make_airflow_serves_the_ui_on_loopback_with_a_private_password_and_stop
             _get(f"http://127.0.0.1:{port}/auth/token", data={"username": "admin", "password": "wrong"})
         logs = "".join(p.read_text(errors="replace") for p in (home / "ui-logs").glob("*.log"))
         assert password not in logs
-        pids = json.loads((home / "ui.pids.json").read_text()).values()
+        pids = [i["pid"] for i in json.loads((home / "ui.pids.json").read_text()).values()]
     finally:
         s = subprocess.run([*ui, "stop"], env=env, capture_output=True, text=True, timeout=120)
     assert "stopped 4 component(s)" in s.stdout
