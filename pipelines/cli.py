@@ -24,9 +24,11 @@ def stage_parser(name: str, inputs_required: bool = True) -> argparse.ArgumentPa
     ap = argparse.ArgumentParser(prog=f"python -m {st.module}", description=st.summary)
     add_spec_args(ap)
     for up in st.upstream:
-        flags = [stage(up).flag] + (["--input-manifest"] if len(st.upstream) == 1 else [])
+        single = len(st.upstream) == 1
+        flags = [stage(up).flag] + (["--input-manifest", *(stage(a).flag for a in st.also_from)] if single else [])
+        also = f" (or of {', '.join(st.also_from)}: its result taken as it is)" if single and st.also_from else ""
         ap.add_argument(*flags, dest=f"{up}_manifest", required=inputs_required, metavar="MANIFEST",
-                        help=f"Manifest of the {up} stage ({stage(up).module}).")
+                        help=f"Manifest of the {up} stage ({stage(up).module}){also}.")
     ap.add_argument("--output", default=None, help="Output directory (default: content-addressed under run.root).")
     ap.add_argument("--report", default=None, help="Write {stage, manifest} JSON here (for orchestrators).")
     return ap

@@ -26,6 +26,7 @@ class Stage:
     summary: str                  # one line: the CLI description and the docs table
     timeout_hours: float = 6.0    # the Airflow task's execution_timeout
     incremental: bool = False     # takes --corpus-manifest: the corpus version its run adds to
+    also_from: tuple[str, ...] = ()  # earlier stages whose result its CLI also takes in place of its upstream's
 
     @property
     def flag(self) -> str:
@@ -52,7 +53,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("tokenize", "pipelines.data.tokenize", ("tokenizer", "run.seed", "data.task_mb"), ("decontaminate",), "spark",
           ("tokenizer", "<split>-<partition>-NNNN.bin/.idx"), "data_curation",
           "Train or take a SentencePiece model; every Spark partition writes its own mmap token shards "
-          "(train + held-out); the result is a corpus version.", incremental=True),
+          "(train + held-out); the result is a corpus version.", incremental=True, also_from=("filter",)),
     Stage("preflight", "pipelines.train.preflight", ("model", "train", "parallel", "launcher", "run.seed"),
           ("tokenize",), "ranks", ("report",), "training",
           "All-reduce bandwidth, straggler screen and smoke steps on the ranks the training run will use.", 1.0),

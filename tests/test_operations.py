@@ -95,15 +95,15 @@ def test_hostile_s3_keys_are_refused_and_nothing_is_written_outside_the_cache(ho
     import boto3
 
     s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
-    s3.create_bucket(Bucket="raw")
+    s3.create_bucket(Bucket="hostile")  # moto's store is process-wide: a bucket no other test writes to
     body = "".join(json.dumps({"text": d["text"]}) + "\n" for d in c4_docs(20)).encode()
     hostile = ("crawl/a/../../x.jsonl", "a/../../x.jsonl", "/abs.jsonl", "crawl/../../../../../../tmp/y.jsonl")
     for key in ("crawl/good.jsonl", *hostile):
-        s3.put_object(Bucket="raw", Key=key, Body=body)
-    keys = {o["Key"] for o in s3.list_objects_v2(Bucket="raw")["Contents"]}
+        s3.put_object(Bucket="hostile", Key=key, Body=body)
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket="hostile")["Contents"]}
     assert set(hostile) <= keys  # the store keeps them as they are
     before = {p for p in Path("/tmp").glob("y.jsonl")} | {p for p in home.rglob("*")}
-    for n, prefix in enumerate(("s3://raw/crawl/", "s3://raw/")):  # hostile keys under the prefix, at the root
+    for n, prefix in enumerate(("s3://hostile/crawl/", "s3://hostile/")):  # hostile keys under the prefix, at the root
         out = home / f"ingested-{n}"
         r = subprocess.run([sys.executable, "-m", "pipelines.data.ingest", "--input", prefix, "--output",
                             str(out), "--set", "services.spark_master=local[1]", "--set",
@@ -113,8 +113,8 @@ def test_hostile_s3_keys_are_refused_and_nothing_is_written_outside_the_cache(ho
         m = json.loads((out / "manifest.json").read_text())
         refused = {x["uri"] for x in m["extra"]["refused_inputs"]}
         assert m["counts"]["docs"] == 20 and m["counts"]["refused_inputs"] == len(refused)
-        assert "refused s3://raw/crawl/a/../../x.jsonl" in r.stdout and "s3://raw/crawl/a/../../x.jsonl" in refused
-    assert refused == {f"s3://raw/{k}" for k in hostile}
+        assert "refused s3://hostile/crawl/a/../../x.jsonl" in r.stdout and "s3://hostile/crawl/a/../../x.jsonl" in refused
+    assert refused == {f"s3://hostile/{k}" for k in hostile}
     new = [p for p in {p for p in Path("/tmp").glob("y.jsonl")} | {p for p in home.rglob("*")} - before if p.is_file()]
     assert not [p for p in new if p.name in ("x.jsonl", "abs.jsonl", "y.jsonl")], new
     assert sorted(p.name for p in (home / "var" / "runs" / "cache" / "s3").rglob("*.jsonl")) == ["good.jsonl"]
