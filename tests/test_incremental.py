@@ -93,3 +93,79 @@ def test_a_new_week_is_deduped_against_the_corpus_and_added_as_new_shards(home, 
 
     _, _, v3 = _curate(spec, spark, corpus=v2)  # nothing new: the same version
     assert v3.path == v2.path
+
+
+def _docs_parquet(path, texts, first_idx):
+    import pyarrow as pa
+
+    path.mkdir()
+    pq.write_table(pa.table({"idx": pa.array(range(first_idx, first_idx + len(texts)), pa.int64()),
+                             "id": [f"d{first_idx + i}" for i in range(len(texts))], "text": texts,
+                             "source": ["t"] * len(texts)}), path / "part-00000.parquet")
+    return path
+
+
+def _reference_against(new_sig, old_sig, threshold):
+    """Every (new, old) pair by brute force: the old doc each new doc duplicates (exact key first, then the
+    highest Jaccard among those sharing a band, ties: the smallest id), as id → (dup_of_id, reason, jaccard)."""
+    from pipelines.data.keepers import pair_jaccard
+
+    out = {}
+    for n in new_sig:
+        best = None
+        for o in old_sig:
+            if n["keys"] is None or o["keys"] is None:
+                continue
+            exact = n["keys"][0] == o["keys"][0]
+            band = any(a == b for a, b in zip(n["keys"][1:], o["keys"][1:]))
+            j = (float(pair_jaccard(pa_binary([n["sh"]]), pa_binary([o["sh"]]))[0])
+                 if band and n["sh"] is not None and o["sh"] is not None else 0.0)
+            if exact or (band and j >= threshold):
+                cand = (0 if exact else 1, -(1.0 if exact else j), o["id"])
+                best = min(best, cand) if best else cand
+        if best:
+            out[n["id"]] = (best[2], "exact_duplicate_of_corpus" if best[0] == 0 else "near_duplicate_of_corpus",
+                            -best[1])
+    return out
+
+
+def pa_binary(values):
+    import pyarrow as pa
+
+    return pa.array(values, pa.binary())
+
+
+def test_the_corpus_scan_equals_a_brute_force_reference_in_any_number_of_rounds_and_tasks(tmp_path, spark,
+                                                                                           monkeypatch):
+    """New docs against old signatures: the removed docs, each with its old doc, reason and Jaccard, are those a
+    pair-by-pair reference finds; the same when the new buckets go out in many rounds and the old corpus is cut
+    into many pieces."""
+    from pipelines.spec import DedupCfg
+
+    docs = [d["text"] for d in c4_docs(300) if len(d["text"].split()) > 60][:110]
+    old, fresh = docs[:80], docs[80:]
+    new = fresh + [old[3], old[4]] + [_near(old[i]) for i in (10, 11, 12)]
+    new += [" ".join(old[20].split()[: len(old[20].split()) * 2 // 3])]  # a third cut: shares bands, J < 0.8
+    cfg = DedupCfg()
+    old_out, new_alone = tmp_path / "old_out", tmp_path / "new_alone"
+    dedup.dedup_docs(spark, _docs_parquet(tmp_path / "old", old, 0), old_out, cfg, tasks=2)
+    new_docs = _docs_parquet(tmp_path / "new", new, 1000)
+    assert dedup.dedup_docs(spark, new_docs, new_alone, cfg, tasks=2)["removed"] == 0  # distinct among themselves
+    old_sig = pq.read_table(old_out / "signatures").to_pylist()
+    new_sig = pq.read_table(new_alone / "signatures").to_pylist()
+    want = _reference_against(new_sig, old_sig, cfg.threshold)
+    assert {v[1] for v in want.values()} == {"exact_duplicate_of_corpus", "near_duplicate_of_corpus"}
+    assert len(want) == 5  # the third cut shares no band at J ≥ 0.8 (or none at all)
+
+    def removed_against(out, tasks):
+        stats = dedup.dedup_docs(spark, new_docs, out, cfg, [old_out / "signatures"], tasks)
+        rows = pq.read_table(out / "removed").to_pylist()
+        got = {r["id"]: (r["dup_of_id"], r["reason"], r["jaccard"]) for r in rows
+               if r["reason"].endswith("_of_corpus")}
+        assert stats["removed_against"] == len(got)
+        return {k: (a, b, round(j, 9)) for k, (a, b, j) in got.items()}
+
+    want = {k: (a, b, round(j, 9)) for k, (a, b, j) in want.items()}
+    assert removed_against(tmp_path / "one_round", 2) == want
+    monkeypatch.setattr(dedup, "BROADCAST_KEYS", 40)  # ≈ 3 docs' buckets a round: 10 rounds
+    assert removed_against(tmp_path / "many_rounds", 5) == want

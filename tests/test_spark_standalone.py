@@ -91,6 +91,7 @@ def test_tokenization_is_the_same_on_local_1_local_2_and_the_standalone_cluster(
 
     from pipelines.data import tokenize
     from pipelines.data.shards import Shard
+    from pipelines.data.spark import row_groups
     from pipelines.manifest import load_manifest
 
     master, env, api = cluster
@@ -110,7 +111,7 @@ def test_tokenization_is_the_same_on_local_1_local_2_and_the_standalone_cluster(
         outs[m] = load_manifest(out)
     assert [outs[m].extra["spark_master"] for m in outs] == list(outs)
     parts = [outs[m].extra["partitions"] for m in outs]
-    text = sum(g[3] for g in tokenize.row_groups(filt.output("kept")))  # the default: ~shard_tokens a task (the
+    text = sum(g[3] for g in row_groups(filt.output("kept"), "text"))  # the default: ~shard_tokens a task (the
     assert parts == [1, -(-math.ceil(text / 4 / 30000) // 2) * 2, 3] and parts[1] > 2  # 4 bytes a token, whole waves)
     assert len({tuple(s["prefix"] for s in o.extra["shards"]) for o in outs.values()}) == 3  # three layouts
     assert "llm-pipeline-tokenize" in [a["name"] for a in json.loads(urllib.request.urlopen(api).read())

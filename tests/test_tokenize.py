@@ -5,6 +5,7 @@ import sentencepiece as spm
 
 from pipelines.data import tokenize
 from pipelines.data.shards import Shard, ShardWriter, token_dtype
+from pipelines.data.spark import plan_pieces
 from pipelines.manifest import Manifest, StageDir, load_manifest
 from pipelines.spec import load_spec
 
@@ -76,15 +77,15 @@ def test_the_plan_covers_every_row_once_in_order_with_balanced_tasks():
     groups = [("a", 0, 1000, 800_000), ("a", 1, 10, 8_000), ("b", 0, 30, 24_000), ("c", 0, 1, 50_000),
               ("c", 1, 500, 400_000)]
     for n in (1, 2, 3, 7, 40):
-        tasks = tokenize.plan_pieces(groups, n)
+        tasks = plan_pieces(groups, n)
         assert 1 <= len(tasks) <= n
         pieces = [p for t in tasks for p in t]
         rows = [(p.file, p.group, r) for p in pieces for r in range(p.start, p.stop)]
         assert rows == [(f, g, r) for f, g, k, _ in groups for r in range(k)]  # each row once, in order
         share = sum(g[3] for g in groups) / n
-        biggest_piece = max(p.text_bytes for p in pieces)
-        assert all(abs(sum(p.text_bytes for p in t) - share) <= max(biggest_piece, 0.02 * share) for t in tasks), n
-    assert len(tokenize.plan_pieces(groups, 40)) > 30  # the 1000-row group alone is cut into ~25 pieces
+        biggest_piece = max(p.nbytes for p in pieces)
+        assert all(abs(sum(p.nbytes for p in t) - share) <= max(biggest_piece, 0.02 * share) for t in tasks), n
+    assert len(plan_pieces(groups, 40)) > 30  # the 1000-row group alone is cut into ~25 pieces
 
 
 def test_shards_published_to_s3_match_the_manifest_and_a_rerun_repairs_the_copy(home, spark, s3_server, capsys):

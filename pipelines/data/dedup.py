@@ -52,7 +52,8 @@ from pathlib import Path
 from pipelines.cli import (add_corpus_arg, corpus_arg, manifest_arg, run_and_log, stage_dir, stage_main,
                            upstream_manifests)
 from pipelines.manifest import Manifest, StageError, input_ref
-from pipelines.data.spark import dir_bytes, finalize_parquet_dir, size_shuffles, task_count
+from pipelines.data.spark import (dir_bytes, finalize_parquet_dir, plan_pieces, read_piece, row_groups,
+                                  size_shuffles, task_count)
 from pipelines.data.keepers import hash_set_column, list_flat, pair_jaccard, resolve_partition
 from pipelines.spec import DedupCfg, JobSpec
 from pipelines.stages import stage
@@ -286,32 +287,108 @@ def _big_assign(members, sig, cand, cfg: DedupCfg):
     return out, counts, e
 
 
-def against_corpus(sig, old, cfg: DedupCfg, broadcast_new: bool = True):
-    """New docs that are duplicates of docs kept earlier (``old``: their persisted signatures ``id, keys, sh``):
+BUCKET_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: a bucket's hash is key XOR band × this (mod 2⁶⁴)
+
+
+def bucket_hashes(keys):
+    """The buckets of a ``keys`` column (a pyarrow ListArray, one list per doc: the exact key, then the band keys) as
+    numpy arrays, one entry per key: (64-bit bucket hash, band, key, row). The hash only narrows the search: a match
+    is a bucket whose band and key are both equal."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    lens = pc.list_value_length(keys).fill_null(0).to_numpy().astype(np.int64)
+    key = keys.flatten().to_numpy().astype(np.int64)
+    row = np.repeat(np.arange(len(lens)), lens)
+    band = np.arange(key.size) - np.repeat(np.cumsum(lens) - lens, lens)
+    with np.errstate(over="ignore"):
+        h = key.view(np.uint64) ^ (band.astype(np.uint64) * np.uint64(BUCKET_MIX))
+    return h, band, key, row
+
+
+def _new_buckets(sig) -> tuple[bytes, bytes, bytes, bytes]:
+    """The buckets of ``sig``'s docs, collected on the driver and sorted by hash, as raw bytes (hash, band, key,
+    idx): what each task of the corpus scan holds."""
+    import numpy as np
+
+    t = sig.select("idx", "keys").toArrow()
+    h, band, key, row = bucket_hashes(t.column("keys").combine_chunks())
+    idx = t.column("idx").to_numpy()[row]
+    o = np.argsort(h, kind="stable")
+    return h[o].tobytes(), band[o].tobytes(), key[o].tobytes(), idx[o].astype(np.int64).tobytes()
+
+
+def _corpus_scan_fn(new, verify: bool):
+    """mapPartitions body: pieces of the old corpus's signatures → (idx, old_id, x, b) rows, one per (new doc, old
+    doc) pair sharing a bucket: ``x`` 1 when they share the exact band, ``b`` the old doc's shingle hashes (with
+    ``verify``, for near pairs). The task reads the old keys itself (pyarrow) and reads ids and shingle sets of its
+    matching rows only."""
+    def fn(pieces):
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        nh, nband, nkey, nidx = (np.frombuffer(b, dt) for b, dt in
+                                 zip(new.value, (np.uint64, np.int64, np.int64, np.int64)))
+        known = pa.array(np.unique(nh))
+        for p in pieces:
+            h, band, key, row = bucket_hashes(read_piece(p, ["keys"]).column(0).combine_chunks())
+            hit = np.flatnonzero(pc.is_in(pa.array(h), value_set=known).to_numpy(zero_copy_only=False))
+            if not hit.size:
+                continue
+            lo, hi = np.searchsorted(nh, h[hit], "left"), np.searchsorted(nh, h[hit], "right")
+            n = hi - lo
+            at = np.repeat(hit, n)
+            pos = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n) + np.repeat(lo, n)
+            ok = (nband[pos] == band[at]) & (nkey[pos] == key[at])
+            if not ok.any():
+                continue  # equal hashes of different buckets
+            pairs = np.unique(np.stack([nidx[pos[ok]], row[at[ok]], (band[at[ok]] == 0)], 1), axis=0)
+            pairs = pairs[np.r_[pairs[1:, :2] != pairs[:-1, :2], [[True, True]]].any(1)]  # max x per pair
+            got = read_piece(p, ["id", "sh"] if verify else ["id"]).take(pa.array(pairs[:, 1]))
+            ids, shs = got.column("id").to_pylist(), got.column("sh").to_pylist() if verify else None
+            for k, (i, _, x) in enumerate(pairs.tolist()):
+                yield i, ids[k], x, None if x or not verify else shs[k]
+    return fn
+
+
+def against_corpus(spark, sig, against: list[Path], cfg: DedupCfg, tasks: int):
+    """New docs that are duplicates of docs kept earlier (``against``: their persisted signatures ``id, keys, sh``):
     a new doc and an old one that share a bucket (band, key) are a candidate pair; the exact band (0) makes an exact
     duplicate, an LSH band a near one when its exact Jaccard ≥ ``threshold`` (with ``verify``; without it every
     candidate counts). Returns (idx, dup_of_id, reason, jaccard), one row per removed new doc: its most similar old
-    doc (exact first, ties: the smallest id). Nothing of the old corpus is shingled again, and it is never
-    shuffled: its band keys stream past the new docs' (broadcast when ``broadcast_new``), and only the old docs of
-    candidate pairs have their shingle sets joined."""
+    doc (exact first, ties: the smallest id). Nothing of the old corpus is shingled again, shuffled or passed
+    through the JVM: the new docs' buckets go to every task (in rounds of at most ``BROADCAST_KEYS``), each task
+    reads its row groups of the old band keys with pyarrow and looks them up, and only the matching rows' ids and
+    shingle sets are read."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    new_bk = sig.where(F.col("keys").isNotNull()).select("idx", F.posexplode("keys").alias("band", "key"))
-    old_bk = old.select(F.col("id").alias("old_id"), F.posexplode("keys").alias("band", "key"))
-    pairs = (old_bk.join(F.broadcast(new_bk) if broadcast_new else new_bk, ["band", "key"])
-             .groupBy("idx", "old_id").agg(F.max((F.col("band") == 0).cast("int")).alias("x"))
-             .localCheckpoint())  # few rows, read three times below: the old corpus is scanned once
+    pieces = plan_pieces([g for p in against for g in row_groups(p, "keys")], tasks)
+    if not pieces:
+        return spark.createDataFrame([], "idx long, dup_of_id string, reason string, jaccard double")
+    new = sig.where(F.col("keys").isNotNull())
+    rounds = max(1, -(-int(new.agg(F.sum(F.size("keys"))).first()[0] or 0) // BROADCAST_KEYS))
+    parts = []
+    for r in range(rounds):
+        b = spark.sparkContext.broadcast(_new_buckets(new.where(F.col("idx") % rounds == r)))
+        rows = spark.sparkContext.parallelize(pieces, len(pieces)).mapPartitions(
+            lambda it, fn=_corpus_scan_fn(b, cfg.verify): fn(p for ps in it for p in ps))
+        parts.append(spark.createDataFrame(rows, "idx long, old_id string, x int, b binary"))
+    pairs = parts[0]
+    for more in parts[1:]:
+        pairs = pairs.unionByName(more)
+    pairs = pairs.localCheckpoint()  # few rows, read twice below: the old corpus is scanned once
     if cfg.verify:
         near = pairs.where(F.col("x") == 0)
-        shs = old.select(F.col("id").alias("old_id"), F.col("sh").alias("b")).join(
-            F.broadcast(near.select("old_id").distinct()), "old_id", "left_semi")
-        near = (near.join(sig.select("idx", F.col("sh").alias("a")), "idx").join(shs, "old_id")
+        shs = sig.select("idx", F.col("sh").alias("a")).join(F.broadcast(near.select("idx").distinct()), "idx",
+                                                              "left_semi")  # the new side unshuffled, filtered
+        near = (near.join(shs, "idx")
                 .where(F.col("a").isNotNull() & F.col("b").isNotNull())
                 .select("idx", "old_id", "x", "a", "b")
                 .mapInArrow(_pair_jaccard_fn, "idx long, old_id string, x int, j double")
                 .where(F.col("j") >= cfg.threshold))
-        pairs = pairs.where(F.col("x") == 1).withColumn("j", F.lit(1.0)).unionByName(near)
+        pairs = pairs.where(F.col("x") == 1).select("idx", "old_id", "x", F.lit(1.0).alias("j")).unionByName(near)
     else:
         pairs = pairs.withColumn("j", F.when(F.col("x") == 1, F.lit(1.0)))
     order = Window.partitionBy("idx").orderBy(F.col("x").desc(), F.col("j").desc_nulls_last(), "old_id")
@@ -321,7 +398,7 @@ def against_corpus(sig, old, cfg: DedupCfg, broadcast_new: bool = True):
                        .otherwise(F.lit("near_duplicate_of_corpus")).alias("reason"), F.col("j").alias("jaccard"))
 
 
-BROADCAST_KEYS = 8_000_000  # new band keys (≈ 24 B each) up to which the new side of the corpus join is broadcast
+BROADCAST_KEYS = 8_000_000  # new buckets (hash, band, key, idx: 32 B each) sent to the corpus scan in one round
 
 
 REM_REASON = "CASE WHEN exact_dup THEN 'exact_duplicate' ELSE 'near_duplicate' END"
@@ -447,9 +524,7 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
 
     sig, old_rem, n_against = sig_all, None, 0
     if against:
-        old = spark.read.parquet(*(str(p) for p in against)).select("id", "keys", "sh")
-        small = n_shingled * (bands + 1) + n_in <= BROADCAST_KEYS
-        old_rem = against_corpus(sig_all, old, cfg, small).persist(keep)
+        old_rem = against_corpus(spark, sig_all, against, cfg, tasks).persist(keep)
         n_against = old_rem.count()
         sig = sig_all.join(old_rem.select("idx"), "idx", "left_anti")
         clock.mark("against_corpus")

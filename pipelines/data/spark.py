@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -115,6 +116,58 @@ def finalize_parquet_dir(d: Path) -> None:
     parts = sorted(f for f in d.iterdir() if f.name.startswith("part-"))
     for n, f in enumerate(parts):
         f.rename(d / f"part-{n:05d}.parquet")
+
+
+# ---- what a task reads: row groups of parquet files, read by the task itself -------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, stop)`` of one row group of one parquet file, about ``nbytes`` of the column that sized it."""
+
+    file: str
+    group: int
+    start: int
+    stop: int
+    nbytes: int
+
+
+def row_groups(path: str | Path, column: str) -> list[tuple[str, int, int, int]]:
+    """(file, row group, rows, uncompressed bytes of ``column``) of every non-empty row group of a parquet directory,
+    in file order, from the footers (nothing else is read)."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    out = []
+    for f in sorted(ds.dataset(str(path), format="parquet").files):
+        md = pq.ParquetFile(f).metadata
+        cols = [i for i in range(md.num_columns) if md.schema.column(i).path.split(".")[0] == column]  # its leaves
+        out += [(f, g, md.row_group(g).num_rows, sum(md.row_group(g).column(i).total_uncompressed_size for i in cols))
+                for g in range(md.num_row_groups) if md.row_group(g).num_rows]
+    return out
+
+
+def plan_pieces(groups: list[tuple[str, int, int, int]], n: int) -> list[list[Piece]]:
+    """The row groups cut into at most ``n`` tasks of about equal bytes, in order; a row group bigger than a task's
+    share is cut by rows. Every row is in exactly one piece."""
+    target = max(1, sum(g[3] for g in groups)) / n
+    tasks: list[list[Piece]] = [[] for _ in range(n)]
+    done = 0
+    for f, g, rows, nbytes in groups:
+        k = max(1, min(rows, math.ceil(nbytes / target)))
+        for j in range(k):
+            a, b = rows * j // k, rows * (j + 1) // k
+            piece = Piece(f, g, a, b, nbytes * (b - a) // rows)
+            tasks[min(n - 1, int((done + piece.nbytes / 2) // target))].append(piece)
+            done += piece.nbytes
+    return [t for t in tasks if t]
+
+
+def read_piece(p: Piece, columns: list[str]):
+    """A piece's rows (a pyarrow Table of ``columns``), read by the task itself: no JVM in the data's path."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(p.file).read_row_group(p.group, columns=columns).slice(p.start, p.stop - p.start)
 
 
 # ---- Spark on Kubernetes ----------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from pipelines.data.shards import ShardWriter, token_dtype
+from pipelines.data.spark import Piece, read_piece
 from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
 from pipelines.manifest import Manifest, StageError, file_ref, input_ref, load_manifest, sha256_file
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
@@ -186,55 +187,10 @@ class PartitionShards:
         return self.done
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Rows ``[start, stop)`` of one row group of one docs file, about ``text_bytes`` of text."""
-
-    file: str
-    group: int
-    start: int
-    stop: int
-    text_bytes: int
-
-
-def row_groups(path: Path) -> list[tuple[str, int, int, int]]:
-    """(file, row group, rows, uncompressed text bytes) of every row group of the docs, in file order, from the
-    parquet footers (nothing else is read)."""
-    import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
-
-    out = []
-    for f in sorted(ds.dataset(str(path), format="parquet").files):
-        md = pq.ParquetFile(f).metadata
-        col = md.schema.names.index("text")
-        out += [(f, g, md.row_group(g).num_rows, md.row_group(g).column(col).total_uncompressed_size)
-                for g in range(md.num_row_groups) if md.row_group(g).num_rows]
-    return out
-
-
-def plan_pieces(groups: list[tuple[str, int, int, int]], n: int) -> list[list[Piece]]:
-    """The row groups cut into at most ``n`` tasks of about equal text bytes, in order; a row group bigger than a
-    task's share is cut by rows. Every row is in exactly one piece."""
-    target = max(1, sum(g[3] for g in groups)) / n
-    tasks: list[list[Piece]] = [[] for _ in range(n)]
-    done = 0
-    for f, g, rows, nbytes in groups:
-        k = max(1, min(rows, math.ceil(nbytes / target)))
-        for j in range(k):
-            a, b = rows * j // k, rows * (j + 1) // k
-            piece = Piece(f, g, a, b, nbytes * (b - a) // rows)
-            tasks[min(n - 1, int((done + piece.text_bytes / 2) // target))].append(piece)
-            done += piece.text_bytes
-    return [t for t in tasks if t]
-
-
 def read_pieces(pieces: list[Piece], batch_rows: int = 2048):
     """(ids, texts) batches of a task's rows, read by the task itself (pyarrow, no JVM in the text's path)."""
-    import pyarrow.parquet as pq
-
     for p in pieces:
-        table = pq.ParquetFile(p.file).read_row_group(p.group, columns=["id", "text"]).slice(p.start, p.stop - p.start)
-        for b in table.to_batches(max_chunksize=batch_rows):
+        for b in read_piece(p, ["id", "text"]).to_batches(max_chunksize=batch_rows):
             yield b.column(0).to_pylist(), b.column(1).to_pylist()
 
 
@@ -337,9 +293,9 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
     sp = spm.SentencePieceProcessor(model_proto=model)
     if sp.eos_id() < 0:
         raise TokenizeError("the tokenizer has no EOS id; documents need an EOS separator")
-    from pipelines.data.spark import prepare_attempts, publish_attempts
+    from pipelines.data.spark import plan_pieces, prepare_attempts, publish_attempts, row_groups
 
-    groups = row_groups(docs_path)
+    groups = row_groups(docs_path, "text")
     tasks = plan_pieces(groups, partitions(spark, groups, cfg, task_mb))
     rows = spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitionsWithIndex(
         encoder(model, prepare_attempts(out / "_shards"), cfg, seed, up, rel)).collect()
