@@ -176,7 +176,7 @@ def stage_times(spark, files: list[Path], work: Path, model: Path) -> dict:
     r["dedup_s"] = time.perf_counter() - t
     r["tokenize_s"], tok = timed_tokenize(spark, docs, model, work)
     r.update(docs=c["docs"], kept=stats["kept"], tokens=tok["counts"]["tokens"],
-             driver_cpu_s=round(driver_cpu_s(spark) - cpu0, 2))
+             driver_cpu_s=round(driver_cpu_s(spark) - cpu0, 2), dedup_phases_s=stats["seconds"])
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}
 
 
