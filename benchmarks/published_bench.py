@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# (our task, metric) → published value (lm-eval, 0-shot, whole set) and where it is from
+# (our task, metric) → published value (lm-eval, 0-shot, whole set); SOURCE says where it is from
 PUBLISHED = {("llmp_arc_easy", "acc"): 0.5412, ("llmp_hellaswag", "acc_norm"): 0.4299}
 SOURCE = "lm-eval 0-shot, whole set, bf16 (huggingface.co/lldois/SmolLM2-135M-Reasoning-SLERP-Champion, 'Baseline')"
 
