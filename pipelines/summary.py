@@ -14,6 +14,7 @@ def summarize(spec) -> dict:
     from mlflow.exceptions import MlflowException
 
     from pipelines import tracking
+    from pipelines.eval.registry import model_id_of
 
     c = tracking.client(spec)
     name, alias = spec.registry.model_name, spec.registry.alias
@@ -29,7 +30,8 @@ def summarize(spec) -> dict:
     m = run.data.metrics
     return {"tracking_uri": redact(tracking.tracking_uri(spec)), "model": name, "latest_version": int(latest.version),
             "champion_version": int(champ.version) if champ else None, "tags": dict(latest.tags),
-            "run_id": latest.run_id, "metrics": m, "prompt": spec.eval.sample_prompt, "model_id": latest.model_id}
+            "run_id": latest.run_id, "metrics": m, "prompt": spec.eval.sample_prompt,
+            "model_id": model_id_of(latest.source)}
 
 
 def sample(spec, prompt: str) -> str:

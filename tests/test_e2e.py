@@ -78,7 +78,8 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'var' / 'mlflow.db'}")
     mv = client.get_model_version_by_alias("e2e-model", "champion")
-    lm = client.get_logged_model(mv.model_id)
+    assert mv.source.startswith("models:/m-")
+    lm = client.get_logged_model(mv.source.removeprefix("models:/"))
     metrics = {m.key: m for m in lm.metrics}
     assert metrics["reference_bpb"].dataset_digest == tags["reference_sha256"][:12]
     assert lm.source_run_id == mv.run_id == man["train"]["extra"]["mlflow_run_id"]

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import subprocess
+import sysconfig
 import sys
 import time
 import urllib.parse
@@ -259,9 +260,11 @@ def test_a_model_above_the_single_process_limit_is_scored_on_the_launcher_ranks(
 
 
 def test_the_harness_own_command_line_finds_llm_pipeline(models, tmp_path):
-    """`lm_eval --model llm-pipeline` in a fresh interpreter: the installed .pth hook registers our model."""
-    lm_eval = Path(sys.executable).parent / "lm_eval"
-    r = subprocess.run([str(lm_eval), "--model", "llm-pipeline", "--model_args", f"uri={models[0]}", "--include_path",
+    """The harness's own CLI (every `lm_eval` flag) with `--model llm-pipeline`, in a fresh interpreter: the module
+    registers our model where the harness runs, with no hook in site-packages."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    assert not [p.name for p in site.glob("*.pth") if "site_hooks" in p.read_text()]
+    r = subprocess.run([sys.executable, "-m", "pipelines.eval.lm_eval_cli", "--model", "llm-pipeline", "--model_args", f"uri={models[0]}", "--include_path",
                         str(harness.TASKS_DIR), "--tasks", "llmp_arc_easy", "--limit", "3", "--output_path", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path,
                        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
@@ -345,8 +348,8 @@ def test_the_version_is_a_logged_model_of_the_training_run_with_its_metrics_on_d
                             {"reference_bpb": 2.5, "harness.llmp_arc_easy.acc": 0.3}, extra, home / "w",
                             eval_run_id=eval_run)
     mv = c.get_model_version("lineage", str(res["version"]))
-    assert mv.model_id and mv.model_id == res["model_id"]
-    lm = c.get_logged_model(mv.model_id)
+    assert mv.source == f"models:/{res['model_id']}" and res["model_id"].startswith("m-")
+    lm = c.get_logged_model(res["model_id"])
     assert lm.source_run_id == train_run
     metrics = {m.key: m for m in lm.metrics}
     assert metrics["reference_bpb"].value == pytest.approx(2.5)
@@ -431,3 +434,58 @@ def test_register_of_a_model_above_the_single_process_limit_does_not_load_it_in_
     model, _ = load_registered(f"models:/big/{res['version']}", tracking.tracking_uri(spec))
     ref = TextModel.load(models[0]).model.state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+
+
+def _stock_mlflow_server(tmp_path: Path, port: int) -> subprocess.Popen:
+    """``mlflow server`` from the venv's site-packages under ``python -S`` (no ``.pth`` file runs: nothing of this
+    project on its path), outside the checkout, with a SQLite backend and artifacts it serves over HTTP."""
+    site = sysconfig.get_paths()["purelib"]
+    boot = f"import sys; sys.path.append({site!r}); sys.argv[0] = 'mlflow'; from mlflow.cli import cli; cli()"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "MLFLOW_"))}
+    srv = tmp_path / "server"
+    srv.mkdir()
+    return subprocess.Popen([sys.executable, "-S", "-c", boot, "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--backend-store-uri", f"sqlite:///{srv / 'mlflow.db'}", "--artifacts-destination",
+                             str(srv / "artifacts"), "--workers", "1"], cwd=srv, env=env, start_new_session=True,
+                            stdout=open(srv / "log", "w"), stderr=subprocess.STDOUT)
+
+
+def test_a_stock_mlflow_server_over_http_gets_the_same_lineage(models, home, tmp_path):
+    """The pipeline registers to a stock MLflow server over HTTP; read back in a process where no .pth runs, the
+    champion's source is the LoggedModel, which holds the eval metrics (no import-time patch on either side)."""
+    from pipelines import procs, tracking
+    from pipelines.eval.evaluate import reference_files
+
+    port = free_port()
+    server = _stock_mlflow_server(tmp_path, port)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server/log").read_text()
+                time.sleep(0.5)
+        ref = home / "r.txt"
+        ref.write_text("Some reference text to score over HTTP. " * 30)
+        spec = _spec(home, "stock", [ref], **{"services.mlflow_tracking_uri": f"http://127.0.0.1:{port}"})
+        sha = bpb.set_sha256(reference_files(spec))
+        run_id = tracking.start_run(spec, run_name="train")
+        res = registry.register(spec, models[0], run_id, {"data_manifest_hash": "d" * 64}, {"reference_bpb": 2.5},
+                                _ev_extra(spec, sha), home / "w")
+        assert res["model_id"].startswith("m-") and res["alias_moved"]
+        site = sysconfig.get_paths()["purelib"]
+        probe = (f"import sys; sys.path.append({site!r}); import json; from mlflow import MlflowClient; "
+                 f"c = MlflowClient('http://127.0.0.1:{port}'); v = c.get_model_version_by_alias('stock', 'champion'); "
+                 "m = c.get_logged_model(v.source.removeprefix('models:/')); "
+                 "print(json.dumps({'source': v.source, 'metrics': {x.key: x.value for x in m.metrics}, "
+                 "'pipelines': 'pipelines' in sys.modules}))")
+        r = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        seen = json.loads(r.stdout.strip().splitlines()[-1])
+        assert seen["source"] == f"models:/{res['model_id']}" and not seen["pipelines"]
+        assert seen["metrics"]["reference_bpb"] == pytest.approx(2.5)
+    finally:
+        procs.stop_group(server.pid, grace_s=10, reap=server.pid)

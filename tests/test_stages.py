@@ -102,24 +102,3 @@ def test_the_readme_is_short_shows_the_two_commands_and_every_doc_it_links_exist
         for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / link).exists(), (page.name, link)
 
-
-def test_the_lock_pins_every_distribution_with_its_hash_and_one_pyspark_and_the_venv_is_that_set():
-    import importlib.metadata as md
-    import re
-
-    lines = [ln for ln in (ROOT / "requirements.lock").read_text().splitlines() if ln and not ln.startswith("#")]
-    assert lines and all(re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==\S+( --hash=sha256:[0-9a-f]{64})+", ln) for ln in lines)
-    pins = {ln.split("==")[0].lower().replace("_", "-"): ln.split("==")[1].split()[0] for ln in lines}
-    assert "pyspark-client" not in pins and pins["pyspark"] == "4.3.0"
-    assert int(pins["pandas"].split(".")[0]) < 3  # what PySpark 4.3 supports: no pandas warning at import
-    # no provider that nothing imports: the Spark provider is the one the operators use
-    assert {p for p in pins if p.startswith("apache-airflow-providers-")} >= {"apache-airflow-providers-apache-spark"}
-    assert not {p for p in pins if "cncf-kubernetes" in p or "providers-amazon" in p}
-    try:
-        md.distribution("pyspark-client")
-        raise AssertionError("pyspark-client is installed beside pyspark")
-    except md.PackageNotFoundError:
-        pass
-    assert md.version("pandas") == pins["pandas"] and md.version("pyspark") == "4.3.0"
-    assert "pip==" not in (ROOT / "requirements.lock").read_text()  # pip is pinned by the Makefile
-    assert re.search(r"^PIP_VERSION := \d+\.\d+", (ROOT / "Makefile").read_text(), re.M)

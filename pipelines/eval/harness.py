@@ -2,10 +2,10 @@
 
 ``PipelineLM`` (``pipelines.eval.lm_eval_model``) subclasses ``lm_eval.api.model.LM``
 (``loglikelihood``, ``loglikelihood_rolling``, ``generate_until``, batched) over
-:class:`~pipelines.eval.lm.TextModel`, and is registered as ``llm-pipeline``. The installed package registers it in every interpreter (``pipelines.site_hooks``),
-so the harness's own CLI finds it:
+:class:`~pipelines.eval.lm.TextModel`, and is registered as ``llm-pipeline`` when that module is imported (the
+harness reads no plugin entry points); ``pipelines.eval.lm_eval_cli`` is the harness's own CLI with it registered:
 
-    lm_eval --model llm-pipeline --model_args uri=models:/NAME@champion \\
+    python -m pipelines.eval.lm_eval_cli --model llm-pipeline --model_args uri=models:/NAME@champion \\
         --include_path pipelines/eval/tasks --tasks llmp_arc_easy,llmp_hellaswag,llmp_lambada_openai --limit 20
 
 ``--include_path pipelines/eval/tasks`` adds our three tasks: upstream's prompts and metrics of ``arc_easy``,

@@ -38,6 +38,14 @@ CHALLENGER = "challenger"
 REFERENCE_DATASET = "reference"
 
 
+def model_id_of(source: str | None) -> str | None:
+    """The LoggedModel id ``m-…`` of a version's ``models:/m-…`` source, else None (``models:/NAME/V``, ``runs:/…``,
+    a path). MLflow's SQL registry (3.17) accepts ``model_id`` when a version is created but has no column for it,
+    so a version read back says ``model_id=None`` whatever the server; its source is where the id lives."""
+    rest = (source or "").removeprefix("models:/")
+    return rest if rest != source and rest.startswith("m-") and "/" not in rest else None
+
+
 class GateError(StageError):
     """The champion could not be read or scored: the stage fails (and is retried); no alias moves."""
 
@@ -192,12 +200,12 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
         reused = mv is not None
         if mv is None:
             mv = log_and_register(spec, ckpt_dir, run_id, tags, work)
-            log_eval_metrics(client, mv.model_id, eval_run_id or run_id, metrics, ev_extra)
+            log_eval_metrics(client, model_id_of(mv.source), eval_run_id or run_id, metrics, ev_extra)
         link_runs(client, run_id, eval_run_id)
         client.set_registered_model_alias(name, alias if d.take else CHALLENGER, mv.version)
         client.set_model_version_tag(name, mv.version, "gate", d.reason)
         client.set_tag(eval_run_id or run_id, "register.gate", d.reason)
-    return {"model_name": name, "version": int(mv.version), "model_uri": mv.source, "model_id": mv.model_id,
+    return {"model_name": name, "version": int(mv.version), "model_uri": mv.source, "model_id": model_id_of(mv.source),
             "alias": alias, "alias_moved": d.take, "previous_champion": d.champion, "previous_value": d.champion_value,
             "champion_rescored": d.rescored, "reason": d.reason, "gate_metric": gm, "value": metrics[gm],
             "reused_version": reused, "tags": dict(mv.tags), "mlflow_run_id": run_id,
@@ -206,7 +214,7 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
 
 def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, work: Path):
     """Log the pyfunc as a LoggedModel of the training run ``run_id`` and create a version of it (with its
-    ``model_id``)."""
+    ``model_id``; its source ``models:/<model_id>`` carries the id back)."""
     import mlflow
 
     from pipelines import tracking
@@ -220,6 +228,9 @@ def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, wor
         client.create_registered_model(spec.registry.model_name, description="LLM pipeline models (see tags for lineage)")
     except Exception:  # already exists
         pass
+    if model_id_of(info.model_uri) != info.model_id:
+        raise StageError(f"MLflow logged model {info.model_id} under {info.model_uri}, not models:/{info.model_id}: "
+                         "this MLflow is not the 3.x this pipeline was written for")
     mv = client.create_model_version(spec.registry.model_name, info.model_uri, run_id=run_id, tags=tags,
                                      model_id=info.model_id)
     # the LoggedModel → version link, as mlflow.register_model records it (the logged model's page lists the version)

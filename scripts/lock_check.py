@@ -1,0 +1,159 @@
+"""Check that every pin of every lock installs from the public index on every platform the README lists.
+
+For each lock (``requirements*.lock``), platform and Python, the pins whose environment markers hold there are
+handed to pip against the public index only (no wheel folder, no constraints file, no pip configuration):
+``pip install --dry-run --no-deps --platform … --python-version … --report``. pip picks, for each pin, the file it
+would install there; the check passes when pip found one for every pin and that file's sha256 (as the index
+publishes it) is among the pin's hashes. Nothing is installed, and wheels are not downloaded (pip reads their
+metadata only); an sdist is fetched to read its metadata.
+
+    python scripts/lock_check.py [LOCK ...] [--platform NAME ...] [--python 3.11 ...]
+
+Exit 0 only when every pin of every lock passes on every platform.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.markers import Marker
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+INDEX = os.environ.get("LOCK_INDEX", "https://pypi.org/simple")
+
+
+def manylinux(arch: str, glibc_minor: int = 28) -> list[str]:
+    """The tags a glibc 2.<minor> Linux takes (pip expands only the legacy manylinux2014 tag by itself)."""
+    return [f"manylinux_2_{m}_{arch}" for m in range(glibc_minor, 16, -1)] + [f"manylinux2014_{arch}"]
+
+
+# The platforms the README lists: (pip's --platform tags, marker environment); pip expands a macOS tag to the older
+# releases by itself.
+PLATFORMS = {
+    "linux-x86_64": (manylinux("x86_64"), {"sys_platform": "linux", "platform_system": "Linux",
+                                               "platform_machine": "x86_64", "os_name": "posix"}),
+    "linux-aarch64": (manylinux("aarch64"), {"sys_platform": "linux", "platform_system": "Linux",
+                                                 "platform_machine": "aarch64", "os_name": "posix"}),
+    "macos-arm64": (["macosx_14_0_arm64"], {"sys_platform": "darwin", "platform_system": "Darwin",
+                                          "platform_machine": "arm64", "os_name": "posix"}),
+}
+PYTHONS = ("3.11", "3.12")
+
+
+@dataclass(frozen=True)
+class Pin:
+    name: str
+    version: str
+    marker: str | None
+    hashes: frozenset[str]
+
+    def applies(self, env: dict[str, str]) -> bool:
+        return self.marker is None or Marker(self.marker).evaluate(env)
+
+    def line(self) -> str:
+        return f"{self.name}=={self.version} " + " ".join(f"--hash=sha256:{h}" for h in sorted(self.hashes))
+
+
+PIN_RE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[^\s;]+)\s*(?:;(?P<marker>[^-]*?))?\s*"
+                    r"(?P<hashes>(?:--hash=sha256:[0-9a-f]{64}\s*)*)$")
+
+
+def read_lock(path: Path) -> list[Pin]:
+    """The pins of a pip requirements file with hashes (continuation lines joined, comments dropped)."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    pins = []
+    for raw in text.splitlines():
+        line = raw.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        m = PIN_RE.match(line)
+        if not m:
+            raise SystemExit(f"{path.name}: not a pinned requirement with hashes: {line[:120]}")
+        hashes = frozenset(re.findall(r"--hash=sha256:([0-9a-f]{64})", m["hashes"]))
+        if not hashes:
+            raise SystemExit(f"{path.name}: {m['name']}=={m['version']} has no --hash")
+        pins.append(Pin(m["name"], m["version"], (m["marker"] or "").strip() or None, hashes))
+    return pins
+
+
+def environment(platform: str, python: str) -> dict[str, str]:
+    return {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
+            "platform_python_implementation": "CPython", "platform_release": "", "platform_version": "",
+            "implementation_version": f"{python}.0", "extra": "", **PLATFORMS[platform][1]}
+
+
+def pip_choice(pins: list[Pin], platform: str, python: str) -> tuple[dict[str, dict], str]:
+    """What pip would install for ``pins`` there: {normalized name: report item}, and pip's error text if any."""
+    with tempfile.TemporaryDirectory() as tmp:
+        reqs, report = Path(tmp, "reqs.txt"), Path(tmp, "report.json")
+        reqs.write_text("".join(p.line() + "\n" for p in pins))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k == "PIP_CERT"}
+        env["PIP_CONFIG_FILE"] = os.devnull  # no wheel folder, extra index or constraints from the machine's pip.conf
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
+               "--disable-pip-version-check", "--index-url", INDEX, *(f"--platform={tag}" for tag in PLATFORMS[platform][0]),
+               "--python-version", python, "--implementation", "cp", "--report", str(report), "-r", str(reqs)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode or not report.exists():
+            lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
+            said = [ln for ln in lines if ln.startswith(("ERROR", "error"))] or lines[-3:] or ["pip failed"]
+            return {}, " / ".join(said)[:2000]
+        items = json.loads(report.read_text())["install"]
+    return {canonicalize_name(i["metadata"]["name"]): i for i in items}, ""
+
+
+def check(pins: list[Pin], platform: str, python: str) -> list[str]:
+    """The problems of ``pins`` on one platform and Python (empty: every pin has a file with a matching hash)."""
+    wanted = [p for p in pins if p.applies(environment(platform, python))]
+    chosen, error = pip_choice(wanted, platform, python)
+    if error:
+        return [f"pip: {error}"]
+    problems = []
+    for pin in wanted:
+        item = chosen.get(canonicalize_name(pin.name))
+        if item is None:
+            problems.append(f"{pin.name}=={pin.version}: pip chose no file")
+            continue
+        info = item.get("download_info", {})
+        digest = info.get("archive_info", {}).get("hashes", {}).get("sha256")
+        if item["metadata"]["version"] != pin.version:
+            problems.append(f"{pin.name}: pip chose {item['metadata']['version']}, the lock pins {pin.version}")
+        elif digest not in pin.hashes:
+            problems.append(f"{pin.name}=={pin.version}: {info.get('url', '?').rsplit('/', 1)[-1]} "
+                            f"(sha256 {digest}) is not among the lock's hashes")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("locks", nargs="*", type=Path, help="lock files (default: requirements*.lock at the root)")
+    ap.add_argument("--platform", action="append", choices=sorted(PLATFORMS), help="default: all")
+    ap.add_argument("--python", action="append", choices=PYTHONS, help="default: all")
+    args = ap.parse_args(argv)
+    locks = args.locks or sorted(ROOT.glob("requirements*.lock"))
+    jobs = [(lock, plat, py) for lock in locks for plat in args.platform or PLATFORMS for py in args.python or PYTHONS]
+    pins = {lock: read_lock(lock) for lock in locks}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda job: check(pins[job[0]], job[1], job[2]), jobs))
+    failed = 0
+    print(f"{'lock':<24} {'platform':<14} {'python':<7} {'pins':>5}  result")
+    for (lock, plat, py), problems in zip(jobs, results):
+        n = sum(p.applies(environment(plat, py)) for p in pins[lock])
+        print(f"{lock.name:<24} {plat:<14} {py:<7} {n:>5}  {'ok' if not problems else f'{len(problems)} FAILED'}")
+        for problem in problems:
+            print(f"    {problem}")
+        failed += bool(problems)
+    print(f"lock-check: {len(jobs) - failed} of {len(jobs)} passed (index {INDEX})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
