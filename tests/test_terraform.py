@@ -415,3 +415,32 @@ def test_kms_only_via_s3_operator_pinned_to_a_commit_and_fsx_linked_at_the_l1_pa
                          "spark_master": "k8s://x", "spark_image": "s", "buckets": {"checkpoints": "b", "mlflow": "m"},
                          "region": "r", "mlflow_tracking_uri": "u"}, {})
     assert spec["checkpoint"]["l1"] == "/fsx" + fsx_vars["repository_path"]["default"]  # the DRA links L1
+
+
+def test_apply_needs_no_drift_or_missing_grant_and_documented_knobs_reach_the_resources():
+    """use_lockfile needs Terraform 1.10; RDS pins only the major while minors upgrade themselves; the node volumes'
+    key lets Auto Scaling's service-linked role use and grant it; gpu_capacity_type and pipeline_pod_security go
+    from each env through the stack to the eks module."""
+    for f in sorted(TF.rglob("versions.tf")):
+        required = parse(f)["terraform"][0]["required_version"]
+        m = re.fullmatch(r">= 1\.(\d+)", required)
+        assert m and int(m.group(1)) >= 10, (f, required)
+    db = one("aws_db_instance", "metadata")
+    assert db["auto_minor_version_upgrade"] is True and re.fullmatch(r"\d+", db["engine_version"])
+    kms = [b for f, t, n, b in blocks("data", [TF / "modules/storage/main.tf"]) if t == "aws_iam_policy_document"
+           and n == "kms"][0]
+    by_sid = {s["sid"]: s for s in kms["statement"]}
+    role = [loc for loc in parse(TF / "modules/storage/main.tf")["locals"] if "autoscaling_role" in loc][0]
+    assert role["autoscaling_role"].endswith("/autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling")
+    asg = by_sid["AutoScalingVolumes"]
+    assert asg["principals"][0]["identifiers"] == ["${local.autoscaling_role}"] and "kms:Decrypt" in asg["actions"]
+    assert "kms:GenerateDataKey*" in asg["actions"] and "kms:ReEncrypt*" in asg["actions"]
+    grant = by_sid["AutoScalingVolumeGrants"]
+    assert grant["principals"] == asg["principals"]
+    assert grant["actions"] == ["kms:CreateGrant"] and grant["condition"][0]["variable"] == "kms:GrantIsForAWSResource"
+    stack = {k: v for item in parse(TF / "modules/stack/main.tf")["module"] for k, v in item.items()}
+    for knob in ("gpu_capacity_type", "pipeline_pod_security"):
+        assert stack["eks"][knob] == f"${{var.{knob}}}"
+        for env in ("dev", "prod"):
+            (call,) = parse(TF / "envs" / env / "main.tf")["module"]
+            assert call["stack"][knob] == f"${{var.{knob}}}", (env, knob)

@@ -14,6 +14,8 @@ module "stack" {
   system_nodes           = { min = 2, desired = 2, max = 3 }
   gpu_instance_type      = "g6e.xlarge"
   gpu_efa_interfaces     = 0
+  gpu_capacity_type      = var.gpu_capacity_type
+  pipeline_pod_security  = var.pipeline_pod_security
   gpu_nodes              = { min = 0, desired = 0, max = 1 }
   db_instance_class      = "db.t4g.medium"
   db_multi_az            = false

@@ -13,6 +13,8 @@ module "stack" {
   system_nodes           = { min = 3, desired = 3, max = 8 }
   gpu_instance_type      = "p5.48xlarge"
   gpu_efa_interfaces     = 32
+  gpu_capacity_type      = var.gpu_capacity_type
+  pipeline_pod_security  = var.pipeline_pod_security
   gpu_nodes              = { min = 0, desired = 8, max = 16 }
   db_instance_class      = "db.r7g.large"
   db_multi_az            = true

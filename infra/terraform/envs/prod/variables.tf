@@ -44,3 +44,15 @@ variable "credentials_generation" {
   description = "Bump and apply to rotate the database and admin passwords (the Kubernetes Secrets and pods follow)."
   default     = 1
 }
+
+variable "gpu_capacity_type" {
+  type        = string
+  description = "ON_DEMAND or CAPACITY_BLOCK (an EC2 Capacity Block reservation) for the GPU nodes."
+  default     = "ON_DEMAND"
+}
+
+variable "pipeline_pod_security" {
+  type        = string
+  description = "Pod Security level of the pipeline namespace: baseline, or privileged for hostPath scratch."
+  default     = "baseline"
+}

@@ -90,7 +90,7 @@ resource "aws_iam_role_policy_attachment" "monitoring" {
 resource "aws_db_instance" "this" {
   identifier                          = "${var.name}-metadata"
   engine                              = "postgres"
-  engine_version                      = "16.4"
+  engine_version                      = "16" # the major only: with auto_minor_version_upgrade a pinned minor drifts
   instance_class                      = var.instance_class
   allocated_storage                   = var.allocated_storage_gib
   max_allocated_storage               = var.allocated_storage_gib * 5

@@ -42,6 +42,8 @@ module "eks" {
   gpu_efa_interfaces    = var.gpu_efa_interfaces
   gpu_local_nvme_raid0  = var.gpu_local_nvme_raid0
   gpu_nodes             = var.gpu_nodes
+  gpu_capacity_type     = var.gpu_capacity_type
+  pipeline_pod_security = var.pipeline_pod_security
   fsx = {
     file_system_id = module.fsx.file_system_id
     dns_name       = module.fsx.dns_name

@@ -61,6 +61,18 @@ variable "gpu_local_nvme_raid0" {
   default     = true
 }
 
+variable "gpu_capacity_type" {
+  type        = string
+  description = "ON_DEMAND or CAPACITY_BLOCK (an EC2 Capacity Block reservation) for the GPU nodes."
+  default     = "ON_DEMAND"
+}
+
+variable "pipeline_pod_security" {
+  type        = string
+  description = "Pod Security level enforced in the pipeline namespace: baseline, or privileged only when launcher.node_local_path / services.spark_local_dir use hostPath."
+  default     = "baseline"
+}
+
 variable "gpu_nodes" {
   type        = object({ min = number, desired = number, max = number })
   description = "GPU node group size."

@@ -9,6 +9,9 @@ data "aws_partition" "current" {}
 
 locals {
   account = data.aws_caller_identity.current.account_id
+  # EC2 Auto Scaling's service-linked role (exists in every account that has used Auto Scaling; EKS managed node
+  # groups create it)
+  autoscaling_role = "arn:${data.aws_partition.current.partition}:iam::${local.account}:role/aws-service-role/autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling"
 }
 
 data "aws_iam_policy_document" "kms" {
@@ -22,6 +25,31 @@ data "aws_iam_policy_document" "kms" {
     principals {
       type        = "AWS"
       identifiers = ["arn:${data.aws_partition.current.partition}:iam::${local.account}:root"]
+    }
+  }
+  # Node volumes encrypted with this key are created by EC2 Auto Scaling (the node groups' launch templates): its
+  # service-linked role must use the key and grant it to EC2 for the attached volumes, or nodes never launch.
+  statement {
+    sid       = "AutoScalingVolumes"
+    actions   = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"]
+    resources = ["*"]
+    principals {
+      type        = "AWS"
+      identifiers = [local.autoscaling_role]
+    }
+  }
+  statement {
+    sid       = "AutoScalingVolumeGrants"
+    actions   = ["kms:CreateGrant"]
+    resources = ["*"]
+    principals {
+      type        = "AWS"
+      identifiers = [local.autoscaling_role]
+    }
+    condition {
+      test     = "Bool"
+      variable = "kms:GrantIsForAWSResource"
+      values   = ["true"]
     }
   }
   statement {
