@@ -42,12 +42,19 @@ define pip_lock
 	@if [ -z "$(TORCH_INDEX)" ]; then $(BIN)/pip install -q --require-hashes --no-deps -r $(1); else \
 	  awk '/^[^ #]/ {skip = ($$0 ~ /$(CUDA_PINS)/)} !skip' $(1) > $(VENV)/no-torch.lock && \
 	  $(BIN)/pip install -q --require-hashes --no-deps -r $(VENV)/no-torch.lock && \
-	  $(BIN)/pip install -q --no-deps --index-url $(TORCH_INDEX) "$$(grep -oE '^torch==[^ ;]+' $(1))"; fi
+	  $(BIN)/pip install -q --no-deps --index-url "$(TORCH_INDEX)" "$$(grep -oE '^torch==[^ ;]+' $(1))"; fi
 endef
 
-$(STAMP): requirements.lock pyproject.toml
-	@# the venv is exactly the lock: a changed lock rebuilds it from scratch
-	@if [ -d $(VENV) ] && [ ! -f $(STAMP) -o requirements.lock -nt $(STAMP) ]; then rm -rf $(VENV); fi
+# which torch the venv has (TORCH_INDEX): rewritten only when it changes, so a change rebuilds the venv
+TORCH_MARK := $(VENV).torch-index
+.PHONY: torch-index-mark
+$(TORCH_MARK): torch-index-mark
+	@[ -f $@ ] && [ "$$(cat $@)" = "$(TORCH_INDEX)" ] || printf '%s' "$(TORCH_INDEX)" > $@
+
+$(STAMP): requirements.lock requirements-dev.lock pyproject.toml $(TORCH_MARK)
+	@# the venv is exactly the locks: a changed lock or torch source rebuilds it from scratch
+	@if [ -d $(VENV) ] && [ ! -f $(STAMP) -o requirements.lock -nt $(STAMP) -o requirements-dev.lock -nt $(STAMP) \
+	  -o $(TORCH_MARK) -nt $(STAMP) ]; then rm -rf $(VENV); fi
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q pip==$(PIP_VERSION)
 	$(call pip_lock,requirements.lock)

@@ -4,7 +4,7 @@ Reads ``terraform output -json`` of ``infra/terraform/envs/<env>`` (a file, or r
 writes:
 
 * a job spec (YAML) that layers the cluster onto a base spec (default ``configs/demo.yaml``):
-  ``launcher.kind: kubernetes`` with the trainer image, namespace, FSx claim and mount, service account
+  ``launcher.kind: trainjob`` (a Kubeflow Trainer v2 TrainJob) with the trainer image, namespace, FSx claim and mount, service account
   and EFA count; ``run.root`` / checkpoint tiers on FSx; ``services``: Spark master ``k8s://…``, S3 on
   AWS with the checkpoint bucket, the in-cluster MLflow URI. Trigger the DAG with
   ``{"spec": "<that file>"}``: no code change, only config.
@@ -68,7 +68,7 @@ def cluster_spec(out: dict, base: dict, shared_mount: str = "/fsx") -> dict:
     spec.setdefault("checkpoint", {}).update({"l0": f"{home}/var/tiers/nvme", "l1": f"{home}/var/tiers/shared"})
     launcher = spec.setdefault("launcher", {})
     launcher.update({
-        "kind": "kubernetes", "image": out["trainer_image"], "namespace": out["pipeline_namespace"],
+        "kind": "trainjob", "image": out["trainer_image"], "namespace": out["pipeline_namespace"],
         "shared_fs_claim": out["shared_fs_claim"], "shared_fs_mount": shared_mount, "service_account": sa[1],
         "efa_per_node": int(out["gpu_efa_interfaces"]),
     })
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"cluster_config: error: the written spec does not validate: {e}", file=sys.stderr)
         return 2
-    print(f"cluster_config: wrote {args.out} (launcher.kind=kubernetes, Spark {out['spark_master']}, "
+    print(f"cluster_config: wrote {args.out} (launcher.kind=trainjob, Spark {out['spark_master']}, "
           f"MLflow {redact(out['mlflow_tracking_uri'])})")
     if args.env_file:
         conns = airflow_connections(out)

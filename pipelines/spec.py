@@ -398,8 +398,13 @@ class TrainCfg(_Section):
 
 
 class LauncherCfg(_Section):
-    kind: Literal["local", "kubernetes"] = Field(
-        "local", description="'local': torchrun subprocesses here; 'kubernetes': a Kubeflow PyTorchJob.")
+    kind: Literal["local", "trainjob", "pytorchjob", "kubernetes"] = Field(
+        "local", description="'local': torchrun subprocesses here; 'trainjob': a Kubeflow Trainer v2 TrainJob "
+        "(trainer.kubeflow.org/v1alpha1, the current API); 'pytorchjob': a training-operator v1 PyTorchJob "
+        "(kubeflow.org/v1, in maintenance; the one with elastic min_nodes); 'kubernetes': the default Kubernetes "
+        "kind, trainjob.")
+    runtime: str = Field("torch-distributed", description="TrainJob: the ClusterTrainingRuntime it references "
+                         "(Trainer's torch-distributed; infra/terraform installs it).")
     nproc_per_node: int = Field(2, ge=1)
     nnodes: int = Field(1, ge=1)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -436,6 +441,22 @@ class LauncherCfg(_Section):
         description="Pod node selector (the GPU node group).")
     min_nodes: Optional[int] = Field(None, ge=1, description="Elastic: fewest nodes the job may shrink to (None = nnodes).")
     max_restarts: int = Field(3, ge=0, description="Elastic restarts torchrun may take before the job fails.")
+
+    @property
+    def on_kubernetes(self) -> bool:
+        return self.kind != "local"
+
+    @property
+    def job_kind(self) -> Literal["trainjob", "pytorchjob"]:
+        """The Kubernetes job the launcher renders: 'kubernetes' means the current API, a TrainJob."""
+        return "pytorchjob" if self.kind == "pytorchjob" else "trainjob"
+
+    @model_validator(mode="after")
+    def _elastic(self) -> "LauncherCfg":
+        if self.kind in ("trainjob", "kubernetes") and self.min_nodes is not None and self.min_nodes < self.nnodes:
+            raise ValueError(f"launcher.min_nodes={self.min_nodes} < nnodes={self.nnodes}: a TrainJob has no elastic "
+                             "range (Trainer v2 removed it); use launcher.kind=pytorchjob or drop min_nodes")
+        return self
 
 
 class TiersCfg(_Section):

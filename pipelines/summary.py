@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"browse              : .venv/bin/mlflow ui --backend-store-uri {s['tracking_uri']}")
     print(f"serve               : PATH=$PWD/.venv/bin:$PATH MLFLOW_TRACKING_URI={s['tracking_uri']} mlflow models serve -m {uri} "
           "--env-manager local --host 127.0.0.1 --port 5001")
-    print(f"lm-eval             : .venv/bin/lm_eval --model llm-pipeline --model_args uri={uri},tracking_uri="
+    print(f"lm-eval             : .venv/bin/llmp-lm-eval --model llm-pipeline --model_args uri={uri},tracking_uri="
           f"{s['tracking_uri']} --include_path pipelines/eval/tasks --tasks llmp_arc_easy,llmp_hellaswag,llmp_lambada_openai --limit 20")
     return 0
 

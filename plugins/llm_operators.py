@@ -193,8 +193,9 @@ def finish(op: BaseOperator, context, manifest: str, links: dict | None = None) 
 class StageOperator(BaseOperator):
     """Run ``python -m <module> --spec … --set … <stage_args> --report FILE``; return the manifest path.
 
-    A stage that submits a job to Kubernetes (``launcher.kind: kubernetes``) is run with ``LLMP_DETACH=1``: it
-    submits the PyTorchJob and reports it pending, and the task defers to :class:`llm_triggers.PyTorchJobTrigger`
+    A stage that submits a job to Kubernetes (``launcher.kind: trainjob`` or ``pytorchjob``) is run with
+    ``LLMP_DETACH=1``: it submits the job and reports it pending, and the task defers to
+    :class:`llm_triggers.TrainingJobTrigger`
     (the worker slot is freed; the triggerer polls the job). When the job ends the task resumes and runs the stage
     again, which adopts the finished job, collects its outputs and commits the manifest."""
 
@@ -219,10 +220,10 @@ class StageOperator(BaseOperator):
     def execute(self, context) -> str:
         rep = _run_cli(self, self.module, self._args(), {"LLMP_DETACH": "1" if self.deferrable else "0"})
         if "pending" in rep:
-            from llm_triggers import PyTorchJobTrigger
+            from llm_triggers import TrainingJobTrigger
 
             self.log.info("deferring: the triggerer polls %s", rep["pending"])
-            self.defer(trigger=PyTorchJobTrigger(**rep["pending"]), method_name="execute_complete")
+            self.defer(trigger=TrainingJobTrigger(**rep["pending"]), method_name="execute_complete")
         return finish(self, context, rep["manifest"])
 
     def execute_complete(self, context, event: dict) -> str:

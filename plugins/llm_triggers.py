@@ -1,10 +1,14 @@
 """Triggers: what a deferred task waits on in the triggerer, without holding a worker slot.
 
-``PyTorchJobTrigger`` polls a Kubeflow PyTorchJob (submitted by the train or preflight stage with
-``LLMP_DETACH=1``) every ``poll_seconds``, logs its state changes and the master pod's new log lines (they reach
-the task log), and fires once the job has Succeeded or Failed. A job that outlives ``timeout_s`` is deleted and
-reported as timed out. The Kubernetes client is synchronous; its calls run in a thread so the triggerer's event
-loop never blocks.
+``TrainingJobTrigger`` polls a Kubeflow training job, a TrainJob or a PyTorchJob (submitted by the train or
+preflight stage with ``LLMP_DETACH=1``), every ``poll_seconds``, logs its state changes and every replica's new log
+lines, each with its pod (they reach the task log), and fires once the job has Succeeded or Failed. A job that
+outlives ``timeout_s`` is deleted and reported as timed out; a deferred task that a user marks failed or
+succeeded, or clears, deletes its job (``on_kill``, which Airflow calls only on such a user action, not when a
+triggerer restarts). The trigger builds its own Kubernetes clients from the task's kubeconfig / context (or the
+triggerer pod's in-cluster identity, which Terraform grants: infra/terraform/modules/iam) and changes no
+process-global configuration: the triggerer is shared. The Kubernetes client is synchronous; its calls run in a
+thread so the triggerer's event loop never blocks.
 """
 from __future__ import annotations
 
@@ -23,48 +27,62 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-class PyTorchJobTrigger(BaseTrigger):
-    def __init__(self, namespace: str, name: str, poll_seconds: float = 30.0, timeout_s: float | None = None,
-                 kubeconfig: str | None = None, kube_context: str | None = None, started: float | None = None):
+class TrainingJobTrigger(BaseTrigger):
+    def __init__(self, namespace: str, name: str, kind: str = "pytorchjob", poll_seconds: float = 30.0,
+                 timeout_s: float | None = None, kubeconfig: str | None = None, kube_context: str | None = None,
+                 started: float | None = None):
         super().__init__()
-        self.namespace, self.name = namespace, name
+        self.kind, self.namespace, self.name = kind, namespace, name  # kind's default: tasks deferred before TrainJobs
         self.poll_seconds, self.timeout_s = poll_seconds, timeout_s
         self.kubeconfig, self.kube_context = kubeconfig, kube_context
         self.started = started if started is not None else time.time()  # survives a triggerer restart
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("llm_triggers.PyTorchJobTrigger",
-                {"namespace": self.namespace, "name": self.name, "poll_seconds": self.poll_seconds,
+        return ("llm_triggers.TrainingJobTrigger",
+                {"kind": self.kind, "namespace": self.namespace, "name": self.name, "poll_seconds": self.poll_seconds,
                  "timeout_s": self.timeout_s, "kubeconfig": self.kubeconfig, "kube_context": self.kube_context,
                  "started": self.started})
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
+    def _job(self):
         from pipelines.train import k8s
 
+        return k8s, k8s.KINDS[self.kind]
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        k8s, k = self._job()
         custom, core = await asyncio.to_thread(k8s.api_clients_for, self.kubeconfig, self.kube_context)
         ns, name = self.namespace, self.name
-        follower = k8s.LogFollower(core, ns, f"{name}-master-0", window_s=int(self.poll_seconds * 3) + 30)
+        logs = k8s.ReplicaLogs(core, k, ns, name, window_s=int(self.poll_seconds * 3) + 30)
         last = None
         while True:
-            obj = await asyncio.to_thread(custom.get_namespaced_custom_object, k8s.GROUP, k8s.VERSION, ns,
-                                          k8s.PLURAL, name)
+            obj = await asyncio.to_thread(k8s.get, custom, k, ns, name)
             state, msg = k8s.job_state(obj)
             line = k8s.state_line(obj)
             if line != last:
-                self.log.info("pytorchjob %s/%s: %s", ns, name, line)
+                self.log.info("%s %s/%s: %s", k.name, ns, name, line)
                 last = line
-            for out in await asyncio.to_thread(follower.poll):
-                self.log.info("[%s-master-0] %s", name, out)
+            for out in await asyncio.to_thread(logs.poll):
+                self.log.info("%s", out)
             if state in ("Succeeded", "Failed"):
-                errors = "; ".join(follower.errors())
+                errors = "; ".join(logs.errors())
                 yield TriggerEvent({"state": state, "namespace": ns, "name": name,
-                                    "message": f"PyTorchJob {ns}/{name} {state.lower()}: {msg or 'no message'}"
-                                               + (f"; errors in the master pod's log: {errors}" if errors else "")})
+                                    "message": f"{k.kind} {ns}/{name} {state.lower()}: {msg or 'no message'}"
+                                               + (f"; errors in the pods' logs: {errors}" if errors else "")})
                 return
             if self.timeout_s is not None and time.time() - self.started > self.timeout_s:
-                await asyncio.to_thread(k8s.delete, custom, ns, name)
+                await asyncio.to_thread(k8s.delete, custom, k, ns, name)
                 yield TriggerEvent({"state": "TimedOut", "namespace": ns, "name": name,
-                                    "message": f"PyTorchJob {ns}/{name} did not finish within {self.timeout_s:g} s; "
+                                    "message": f"{k.kind} {ns}/{name} did not finish within {self.timeout_s:g} s; "
                                                "it was deleted"})
                 return
             await asyncio.sleep(self.poll_seconds)
+
+    async def on_kill(self) -> None:
+        """The user marked the deferred task failed or succeeded, or cleared it: its job must not run on."""
+        k8s, k = self._job()
+        custom, _ = await asyncio.to_thread(k8s.api_clients_for, self.kubeconfig, self.kube_context)
+        self.log.info("%s %s/%s: the task was stopped by a user: deleting the job", k.name, self.namespace, self.name)
+        await asyncio.to_thread(k8s.delete, custom, k, self.namespace, self.name)
+
+
+PyTorchJobTrigger = TrainingJobTrigger  # the classpath tasks deferred by an earlier version stored

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.markers import Marker
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 INDEX = os.environ.get("LOCK_INDEX", "https://pypi.org/simple")
@@ -63,8 +65,10 @@ class Pin:
         return f"{self.name}=={self.version} " + " ".join(f"--hash=sha256:{h}" for h in sorted(self.hashes))
 
 
-PIN_RE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[^\s;]+)\s*(?:;(?P<marker>[^-]*?))?\s*"
-                    r"(?P<hashes>(?:--hash=sha256:[0-9a-f]{64}\s*)*)$")
+HASH = re.compile(r"\s--hash=sha256:([0-9a-f]{64})(?=\s|$)")
+# Pins whose markers hold on no listed platform and Python: other operating systems, and Pythons above the listed
+# ones (uv's universal lock covers every Python from 3.11 up). Listed as such, never silently passed over.
+UNLISTED = re.compile(r"sys_platform == [\"'](win32|emscripten|cygwin)[\"']|python_full_version (>=|==) [\"']3\.1[3-9]")
 
 
 def read_lock(path: Path) -> list[Pin]:
@@ -72,16 +76,21 @@ def read_lock(path: Path) -> list[Pin]:
     text = re.sub(r"\\\n", " ", path.read_text())
     pins = []
     for raw in text.splitlines():
-        line = raw.split(" #", 1)[0].strip()
+        line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        m = PIN_RE.match(line)
-        if not m:
-            raise SystemExit(f"{path.name}: not a pinned requirement with hashes: {line[:120]}")
-        hashes = frozenset(re.findall(r"--hash=sha256:([0-9a-f]{64})", m["hashes"]))
+        hashes = frozenset(HASH.findall(" " + line))
+        req_text = HASH.sub("", " " + line).strip()
+        try:
+            req = Requirement(req_text)
+        except InvalidRequirement as e:
+            raise SystemExit(f"{path.name}: not a requirement: {req_text[:120]} ({e})") from None
+        spec = list(req.specifier)
+        if len(spec) != 1 or spec[0].operator != "==" or "*" in spec[0].version or req.url:
+            raise SystemExit(f"{path.name}: not a pinned requirement with hashes: {req_text[:120]}")
         if not hashes:
-            raise SystemExit(f"{path.name}: {m['name']}=={m['version']} has no --hash")
-        pins.append(Pin(m["name"], m["version"], (m["marker"] or "").strip() or None, hashes))
+            raise SystemExit(f"{path.name}: {req.name}=={spec[0].version} has no --hash")
+        pins.append(Pin(req.name, spec[0].version, str(req.marker) if req.marker else None, hashes))
     return pins
 
 
@@ -99,23 +108,32 @@ def pip_choice(pins: list[Pin], platform: str, python: str) -> tuple[dict[str, d
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k == "PIP_CERT"}
         env["PIP_CONFIG_FILE"] = os.devnull  # no wheel folder, extra index or constraints from the machine's pip.conf
         cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
-               "--disable-pip-version-check", "--index-url", INDEX, *(f"--platform={tag}" for tag in PLATFORMS[platform][0]),
+               "--disable-pip-version-check", "--timeout", "60", "--retries", "3", "--index-url", INDEX, *(f"--platform={tag}" for tag in PLATFORMS[platform][0]),
                "--python-version", python, "--implementation", "cp", "--report", str(report), "-r", str(reqs)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        except subprocess.TimeoutExpired:
+            return {}, "pip did not finish within 30 minutes"
         if done.returncode or not report.exists():
             lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
             said = [ln for ln in lines if ln.startswith(("ERROR", "error"))] or lines[-3:] or ["pip failed"]
             return {}, " / ".join(said)[:2000]
-        items = json.loads(report.read_text())["install"]
-    return {canonicalize_name(i["metadata"]["name"]): i for i in items}, ""
+        try:
+            items = json.loads(report.read_text())["install"]
+            return {canonicalize_name(i["metadata"]["name"]): i for i in items}, ""
+        except (ValueError, KeyError, TypeError) as e:
+            return {}, f"pip's report is not what this check reads ({e!r})"
 
 
-def check(pins: list[Pin], platform: str, python: str) -> list[str]:
-    """The problems of ``pins`` on one platform and Python (empty: every pin has a file with a matching hash)."""
+def check(pins: list[Pin], platform: str, python: str) -> tuple[list[str], list[str]]:
+    """(problems, sdists) of ``pins`` on one platform and Python: problems is empty when every pin that applies
+    there has a file with a matching hash; sdists names the pins that would be built from source there."""
     wanted = [p for p in pins if p.applies(environment(platform, python))]
+    if not wanted:
+        return ["no pin of this lock applies here"], []
     chosen, error = pip_choice(wanted, platform, python)
     if error:
-        return [f"pip: {error}"]
+        return [f"pip: {error}"], []
     problems = []
     for pin in wanted:
         item = chosen.get(canonicalize_name(pin.name))
@@ -124,12 +142,24 @@ def check(pins: list[Pin], platform: str, python: str) -> list[str]:
             continue
         info = item.get("download_info", {})
         digest = info.get("archive_info", {}).get("hashes", {}).get("sha256")
-        if item["metadata"]["version"] != pin.version:
+        if Version(item["metadata"]["version"]) != Version(pin.version):
             problems.append(f"{pin.name}: pip chose {item['metadata']['version']}, the lock pins {pin.version}")
         elif digest not in pin.hashes:
             problems.append(f"{pin.name}=={pin.version}: {info.get('url', '?').rsplit('/', 1)[-1]} "
                             f"(sha256 {digest}) is not among the lock's hashes")
-    return problems
+    return problems, sdists(chosen)
+
+
+def sdists(chosen: dict[str, dict]) -> list[str]:
+    """The pins pip would build from source there (no wheel for that platform): they install, with a compiler."""
+    return sorted(f"{i['metadata']['name']}=={i['metadata']['version']}" for i in chosen.values()
+                  if not i.get("download_info", {}).get("url", "").endswith(".whl"))
+
+
+def nowhere(pins: list[Pin]) -> tuple[list[Pin], list[Pin]]:
+    """Pins no listed platform and Python installs: (for an unlisted one, for none at all)."""
+    unused = [p for p in pins if not any(p.applies(environment(pl, py)) for pl in PLATFORMS for py in PYTHONS)]
+    return [p for p in unused if UNLISTED.search(p.marker or "")], [p for p in unused if not UNLISTED.search(p.marker or "")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,18 +169,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", action="append", choices=PYTHONS, help="default: all")
     args = ap.parse_args(argv)
     locks = args.locks or sorted(ROOT.glob("requirements*.lock"))
-    jobs = [(lock, plat, py) for lock in locks for plat in args.platform or PLATFORMS for py in args.python or PYTHONS]
+    if not locks:
+        print(f"lock-check: no requirements*.lock under {ROOT}", file=sys.stderr)
+        return 1
     pins = {lock: read_lock(lock) for lock in locks}
+    jobs = [(lock, plat, py) for lock in locks for plat in args.platform or PLATFORMS for py in args.python or PYTHONS]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda job: check(pins[job[0]], job[1], job[2]), jobs))
     failed = 0
     print(f"{'lock':<24} {'platform':<14} {'python':<7} {'pins':>5}  result")
-    for (lock, plat, py), problems in zip(jobs, results):
+    for (lock, plat, py), (problems, built) in zip(jobs, results):
         n = sum(p.applies(environment(plat, py)) for p in pins[lock])
-        print(f"{lock.name:<24} {plat:<14} {py:<7} {n:>5}  {'ok' if not problems else f'{len(problems)} FAILED'}")
+        print(f"{lock.name:<24} {plat:<14} {py:<7} {n:>5}  {'ok' if not problems else f'{len(problems)} FAILED'}"
+              + (f" ({len(built)} from source: {', '.join(built)})" if built and not problems else ""))
         for problem in problems:
             print(f"    {problem}")
         failed += bool(problems)
+    for lock in locks:
+        unlisted, none = nowhere(pins[lock])
+        if unlisted:
+            print(f"{lock.name}: not for a listed platform or Python (not checked): "
+                  + ", ".join(f"{p.name}=={p.version}" for p in unlisted))
+        for p in none:
+            print(f"{lock.name}: {p.name}=={p.version} applies nowhere (marker {p.marker}): FAILED")
+        failed += bool(none)
     print(f"lock-check: {len(jobs) - failed} of {len(jobs)} passed (index {INDEX})")
     return 1 if failed else 0
 

@@ -4,15 +4,19 @@ no cluster can run (no container engine here: `docker run` has no daemon, so kin
 It speaks the real REST paths the ``kubernetes`` Python client uses, so the launcher's client code runs
 unchanged over HTTP on 127.0.0.1:
 
-* ``POST/GET/DELETE /apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs[/{name}]``: a create is validated
-  against the CRD's openAPIV3Schema when a CRD file is given (422 with the errors, as the API server
-  does), a second create of the same name is 409;
-* ``GET /api/v1/namespaces/{ns}/pods/{name}-master-0/log`` (``timestamps``, ``sinceSeconds``).
+* ``POST/GET/DELETE /apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs[/{name}]`` and
+  ``/apis/trainer.kubeflow.org/v1alpha1/namespaces/{ns}/trainjobs[/{name}]``: a create is validated against the
+  CRD's openAPIV3Schema when a CRD file is given for its kind (422 with the errors, as the API server does), a
+  second create of the same name is 409;
+* ``GET /api/v1/namespaces/{ns}/pods?labelSelector=K=V`` (the job's pods, by the operator's label) and
+  ``GET /api/v1/namespaces/{ns}/pods/{pod}/log`` (``timestamps``, ``sinceSeconds``).
 
-Its "operator" runs the Master replica's container command as a local process, with the container's
-env plus the ``PET_*`` rendezvous variables the training operator injects (torchrun reads them), and
-moves the job's conditions Created → Running → Succeeded/Failed with replica counts. Only
-single-node jobs (no Worker replicas) run.
+Its "operator" runs the job's trainer command (a PyTorchJob's Master container, a TrainJob's ``trainer``) as a
+local process, with the job's env plus the ``PET_*`` rendezvous variables the operators inject (torchrun reads
+them), under the pod name the real operator gives it (``<job>-master-0``; ``<job>-node-0-0-<suffix>`` for a
+TrainJob's JobSet), and moves the job's status as the real one does: a PyTorchJob's conditions Created → Running →
+Succeeded/Failed with replica counts, a TrainJob's ``jobsStatus`` and its Complete/Failed condition. Only
+single-node jobs run.
 """
 from __future__ import annotations
 
@@ -28,8 +32,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-JOBS = re.compile(r"^/apis/kubeflow\.org/v1/namespaces/([^/]+)/pytorchjobs(?:/([^/]+))?$")
+JOBS = re.compile(r"^/apis/(?:kubeflow\.org/v1|trainer\.kubeflow\.org/v1alpha1)/namespaces/([^/]+)/"
+                  r"(pytorchjobs|trainjobs)(?:/([^/]+))?$")
+PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods$")
 LOG = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$")
+KIND = {"pytorchjobs": "PyTorchJob", "trainjobs": "TrainJob"}
 
 
 def _now() -> str:
@@ -45,6 +52,12 @@ def _free_port() -> int:
 class _Job:
     def __init__(self, obj: dict):
         self.obj = obj
+        name = obj["metadata"]["name"]
+        self.trainjob = obj["kind"] == "TrainJob"
+        self.pod = f"{name}-node-0-0-x7k2p" if self.trainjob else f"{name}-master-0"
+        self.labels = ({"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": "node"}
+                       if self.trainjob else {"training.kubeflow.org/job-name": name,
+                                              "training.kubeflow.org/replica-type": "master"})
         self.proc: subprocess.Popen | None = None
         self.log: list[tuple[str, str]] = []
         self.lock = threading.Lock()
@@ -58,12 +71,43 @@ class _Job:
                       "lastTransitionTime": _now()})
 
     def replicas(self, **counts) -> None:
-        self.obj.setdefault("status", {})["replicaStatuses"] = {"Master": counts}
+        if self.trainjob:
+            self.obj.setdefault("status", {})["jobsStatus"] = [{"name": "node", **counts}]
+        else:
+            self.obj.setdefault("status", {})["replicaStatuses"] = {"Master": counts}
+
+    def command_and_env(self) -> tuple[list[str], dict[str, str], str]:
+        spec = self.obj["spec"]
+        if self.trainjob:
+            t = spec["trainer"]
+            return t["command"] + t.get("args", []), _values(t.get("env", [])), str(t.get("numProcPerNode", 1))
+        c = spec["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+        return c["command"], _values(c.get("env", [])), str(spec.get("nprocPerNode", "1"))
+
+    def single_node(self) -> bool:
+        spec = self.obj["spec"]
+        return spec["trainer"].get("numNodes", 1) == 1 if self.trainjob else "Worker" not in spec["pytorchReplicaSpecs"]
+
+    def end(self, code: int) -> None:
+        if self.trainjob:
+            self.condition(*(("Complete", "JobSetCompleted", "jobset completed successfully") if code == 0 else
+                             ("Failed", "JobSetFailed", f"jobset failed: node exited with code {code}")))
+        elif code == 0:
+            self.condition("Succeeded", "PyTorchJobSucceeded", "PyTorchJob successfully completed.", ("Running",))
+        else:
+            self.condition("Failed", "PyTorchJobFailed",
+                           f"PyTorchJob has failed because 1 Master replica(s) failed (exit code {code}).", ("Running",))
+        self.replicas(**({"succeeded": 1} if code == 0 else {"failed": 1}))
+
+
+def _values(env: list[dict]) -> dict[str, str]:
+    """Plain values; a ``valueFrom`` (an optional secret the cluster would hold) is left out."""
+    return {e["name"]: e["value"] for e in env if "value" in e}
 
 
 class FakeKube:
-    def __init__(self, crd: Path | None = None, start_delay_s: float = 0.3):
-        self.crd, self.delay = crd, start_delay_s
+    def __init__(self, crds: dict[str, Path] | None = None, start_delay_s: float = 0.3):
+        self.crds, self.delay = crds or {}, start_delay_s
         self.jobs: dict[tuple[str, str], _Job] = {}
         self.requests: list[tuple[str, str]] = []
         handler = self._handler()
@@ -90,33 +134,29 @@ class FakeKube:
         import time
 
         time.sleep(self.delay)  # scheduling
-        spec = job.obj["spec"]
-        if "Worker" in spec["pytorchReplicaSpecs"]:
+        if not job.single_node():
             job.condition("Failed", "Unsupported", "the fake operator runs single-node jobs only")
             return
-        c = spec["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
-        env = {**os.environ, **{e["name"]: e["value"] for e in c.get("env", [])},
-               "PET_NPROC_PER_NODE": str(spec.get("nprocPerNode", "1")), "PET_NNODES": "1", "PET_NODE_RANK": "0",
+        command, job_env, nproc = job.command_and_env()
+        env = {**os.environ, **job_env, "PET_NPROC_PER_NODE": nproc, "PET_NNODES": "1", "PET_NODE_RANK": "0",
                "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(_free_port())}
         with job.lock:
             if job.obj.get("metadata", {}).get("deletionTimestamp"):
                 return
-            job.proc = subprocess.Popen(c["command"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, start_new_session=True)
-            job.condition("Running", "PyTorchJobRunning", "PyTorchJob is running.")
+            try:
+                job.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            text=True, start_new_session=True)
+            except OSError as e:  # the image has no such command: the pod fails, as a kubelet reports it
+                job.condition("Failed", "StartError", f"container could not start: {e}")
+                return
+            if not job.trainjob:
+                job.condition("Running", "PyTorchJobRunning", "PyTorchJob is running.")
             job.replicas(active=1)
         for line in job.proc.stdout:  # type: ignore[union-attr]
             job.log.append((_now(), line.rstrip("\n")))
         code = job.proc.wait()
         with job.lock:
-            if code == 0:
-                job.condition("Succeeded", "PyTorchJobSucceeded", "PyTorchJob successfully completed.", ("Running",))
-                job.replicas(succeeded=1)
-            else:
-                job.condition("Failed", "PyTorchJobFailed",
-                              f"PyTorchJob has failed because 1 Master replica(s) failed (exit code {code}).",
-                              ("Running",))
-                job.replicas(failed=1)
+            job.end(code)
 
     def _kill(self, job: _Job) -> None:
         with job.lock:
@@ -147,40 +187,47 @@ class FakeKube:
                 u = urlparse(self.path)
                 fake.requests.append(("POST", u.path))
                 m = JOBS.match(u.path)
-                if not m or m.group(2):
+                if not m or m.group(3):
                     return self._status(404, "NotFound", u.path)
                 obj = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                ns, name = m.group(1), obj.get("metadata", {}).get("name")
-                if fake.crd is not None:
-                    from pipelines.train.k8s import validate_pytorchjob
+                ns, name, kind = m.group(1), obj.get("metadata", {}).get("name"), KIND[m.group(2)]
+                if obj.get("kind") != kind:
+                    return self._status(400, "BadRequest", f"a {obj.get('kind')} posted to {m.group(2)}")
+                if fake.crds.get(kind) is not None:
+                    from pipelines.train.k8s import validate_job
 
-                    errs = validate_pytorchjob(obj, fake.crd)
+                    errs = validate_job(obj, fake.crds[kind])
                     if errs:
-                        return self._status(422, "Invalid", f'PyTorchJob.kubeflow.org "{name}" is invalid: '
-                                            + "; ".join(errs))
+                        return self._status(422, "Invalid", f'{kind} "{name}" is invalid: ' + "; ".join(errs))
                 if (ns, name) in fake.jobs:
-                    return self._status(409, "AlreadyExists", f'pytorchjobs.kubeflow.org "{name}" already exists')
+                    return self._status(409, "AlreadyExists", f'{m.group(2)} "{name}" already exists')
                 obj["metadata"].update(namespace=ns, uid=f"uid-{len(fake.requests)}", creationTimestamp=_now())
                 job = fake.jobs[(ns, name)] = _Job(obj)
-                job.condition("Created", "PyTorchJobCreated", f"PyTorchJob {name} is created.")
+                if not job.trainjob:
+                    job.condition("Created", "PyTorchJobCreated", f"PyTorchJob {name} is created.")
                 threading.Thread(target=fake._run, args=(job,), daemon=True).start()
                 self._send(201, obj)
 
             def do_GET(self):
                 u = urlparse(self.path)
                 fake.requests.append(("GET", u.path))
-                if (m := JOBS.match(u.path)) and m.group(2):
-                    job = fake.jobs.get((m.group(1), m.group(2)))
-                    if job is None:
-                        return self._status(404, "NotFound", f'pytorchjobs.kubeflow.org "{m.group(2)}" not found')
+                if (m := JOBS.match(u.path)) and m.group(3):
+                    job = fake.jobs.get((m.group(1), m.group(3)))
+                    if job is None or KIND[m.group(2)] != job.obj["kind"]:
+                        return self._status(404, "NotFound", f'{m.group(2)} "{m.group(3)}" not found')
                     with job.lock:
                         return self._send(200, job.obj)
+                if m := PODS.match(u.path):
+                    key, _, value = parse_qs(u.query).get("labelSelector", ["="])[0].partition("=")
+                    pods = [{"metadata": {"name": j.pod, "namespace": ns, "labels": j.labels}}
+                            for (ns, _), j in list(fake.jobs.items())
+                            if ns == m.group(1) and j.proc is not None and j.labels.get(key) == value]
+                    return self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": pods})
                 if m := LOG.match(u.path):
-                    name = m.group(2).removesuffix("-master-0")
-                    job = fake.jobs.get((m.group(1), name))
+                    job = next((j for (ns, _), j in list(fake.jobs.items()) if ns == m.group(1) and j.pod == m.group(2)),
+                               None)
                     if job is None or job.proc is None:
-                        return self._status(400, "BadRequest", f'container "pytorch" in pod "{m.group(2)}" is '
-                                            "waiting to start")
+                        return self._status(400, "BadRequest", f'pod "{m.group(2)}" is waiting to start')
                     q = parse_qs(u.query)
                     since = q.get("sinceSeconds", [None])[0]
                     cutoff = "" if since is None else (dt.datetime.now(dt.timezone.utc) - dt.timedelta(
@@ -194,7 +241,7 @@ class FakeKube:
                 u = urlparse(self.path)
                 fake.requests.append(("DELETE", u.path))
                 m = JOBS.match(u.path)
-                job = fake.jobs.pop((m.group(1), m.group(2)), None) if m and m.group(2) else None
+                job = fake.jobs.pop((m.group(1), m.group(3)), None) if m and m.group(3) else None
                 if job is None:
                     return self._status(404, "NotFound", u.path)
                 fake._kill(job)

@@ -489,3 +489,30 @@ def test_a_stock_mlflow_server_over_http_gets_the_same_lineage(models, home, tmp
         assert seen["metrics"]["reference_bpb"] == pytest.approx(2.5)
     finally:
         procs.stop_group(server.pid, grace_s=10, reap=server.pid)
+
+
+def test_a_register_that_died_before_the_metrics_reached_the_logged_model_is_completed_by_its_retry(
+        models, home, monkeypatch):
+    from pipelines import tracking
+    from pipelines.eval.evaluate import reference_files
+
+    ref = home / "r.txt"
+    ref.write_text("Reference text for the retried registration. " * 30)
+    spec = _spec(home, "retried", [ref])
+    sha = bpb.set_sha256(reference_files(spec))
+    run_id = tracking.start_run(spec, run_name="train")
+    args = (spec, models[0], run_id, {"data_manifest_hash": "d" * 64}, {"reference_bpb": 2.5}, _ev_extra(spec, sha),
+            home / "w")
+    real = registry.log_eval_metrics
+
+    def dies(*a, **k):
+        raise SystemExit("killed after create_model_version")
+
+    monkeypatch.setattr(registry, "log_eval_metrics", dies)
+    with pytest.raises(SystemExit):
+        registry.register(*args)
+    monkeypatch.setattr(registry, "log_eval_metrics", real)
+    res = registry.register(*args)
+    assert res["reused_version"] and res["version"] == 1
+    metrics = {m.key: m.value for m in tracking.client(spec).get_logged_model(res["model_id"]).metrics}
+    assert metrics == {"reference_bpb": pytest.approx(2.5)}

@@ -23,36 +23,43 @@ TINY = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "mod
 
 @pytest.fixture
 def kube(home):
-    fake = FakeKube(crd=CRD if CRD.exists() else None)
+    fake = FakeKube(crds={"PyTorchJob": CRD if CRD.exists() else None, "TrainJob": k8s.DEFAULT_CRDS["trainjob"]})
     yield fake, fake.kubeconfig(home / "kubeconfig")
     fake.close()
 
 
-def kube_sets(home, kubeconfig, *more):
-    return [*TINY, "launcher.kind=kubernetes", f"launcher.kubeconfig={kubeconfig}", f"launcher.shared_fs_mount={home}",
-            "launcher.poll_seconds=0.3", *more]
+def kube_sets(home, kubeconfig, *more, kind="trainjob"):
+    return [*TINY, f"launcher.kind={kind}", f"launcher.kubeconfig={kubeconfig}", f"launcher.shared_fs_mount={home}",
+            "launcher.poll_seconds=0.3", "launcher.timeout_minutes=15", *more]
 
 
-def test_train_stage_submits_a_pytorchjob_watches_it_and_matches_the_local_run(home, kube, capsys):
+COLLECTION = {"trainjob": "/apis/trainer.kubeflow.org/v1alpha1/namespaces/llm-pipeline/trainjobs",
+              "pytorchjob": "/apis/kubeflow.org/v1/namespaces/llm-pipeline/pytorchjobs"}
+STATES = {"trainjob": ("submitted", "Pending [node: active 1]", "Succeeded [node: succeeded 1]"),
+          "pytorchjob": ("submitted", "Created", "Running [Master: active 1]", "Succeeded [Master: succeeded 1]")}
+
+
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+def test_train_stage_submits_a_training_job_watches_it_and_matches_the_local_run(home, kube, capsys, kind):
     fake, cfg = kube
     docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
-    spec_k = load_spec(None, kube_sets(home, cfg), env={})
+    spec_k = load_spec(None, kube_sets(home, cfg, kind=kind), env={})
     tok = tokenize.run(spec_k, _filter_manifest(home, docs))
     m = launch.run(spec_k, tok)
     out = capsys.readouterr().out
     assert m.stage == "train" and m.extra["world_size"] == 2 and m.counts["steps"] == 6
     # the job went through the API server: created once, polled, never deleted
     posts = [p for verb, p in fake.requests if verb == "POST"]
-    assert posts == ["/apis/kubeflow.org/v1/namespaces/llm-pipeline/pytorchjobs"]
+    assert posts == [COLLECTION[kind]]
     (ns, name), = fake.jobs
     job = fake.jobs[(ns, name)].obj
-    cmd = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
+    cmd = k8s._commands(job)[0]
     assert cmd[:2] == ["torchrun", "--max-restarts"] and "pipelines.train.trainer" in cmd
     assert k8s.job_state(job)[0] == "Succeeded"
-    # state changes and the master pod's log reached stdout (the Airflow task log)
-    for s in ("submitted", "Created", "Running [Master: active 1]", "Succeeded [Master: succeeded 1]"):
-        assert f"pytorchjob llm-pipeline/{name}: {s}" in out, out[-3000:]
-    assert f"[{name}-master-0]" in out
+    # state changes and every replica's log, with its pod, reached stdout (the Airflow task log)
+    for s in STATES[kind]:
+        assert f"{kind} llm-pipeline/{name}: {s}" in out, out[-3000:]
+    assert f"[{fake.jobs[(ns, name)].pod}] " in out
     # `python -m pipelines.train.k8s SPEC --tokenize-manifest M` prints exactly the job the stage submitted
     spec_file = home / "spec-k.yaml"
     spec_file.write_text(spec_k.to_yaml())
@@ -61,6 +68,9 @@ def test_train_stage_submits_a_pytorchjob_watches_it_and_matches_the_local_run(h
     assert printed["metadata"]["name"] == name and printed["spec"] == job["spec"]
     assert k8s.main([str(spec_file), "--tokenize-manifest", tok.path, "--run-id", "R"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["metadata"]["name"].endswith("-r")
+    other = {"trainjob": "pytorchjob", "pytorchjob": "trainjob"}[kind]
+    assert k8s.main([str(spec_file), "--tokenize-manifest", tok.path, "--set", f"launcher.kind={other}"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["kind"] == {"trainjob": "TrainJob", "pytorchjob": "PyTorchJob"}[other]
     # the same job spec on the local launcher gives the same loss curve
     local = launch.run(load_spec(None, TINY, env={}), tok)
     curve = lambda mm: [loss for _, loss in json.loads(mm.output("losses").read_text())]  # noqa: E731
@@ -74,15 +84,18 @@ def test_a_failed_job_fails_the_stage_with_the_masters_last_log_lines(home, kube
     # the static rendezvous the restarted ranks hang in init_process_group: seen here with torch 2.13)
     spec = load_spec(None, kube_sets(home, cfg, "model.vocab_size=100", "launcher.max_restarts=0"), env={})
     tok = tokenize.run(spec, _filter_manifest(home, docs))
-    with pytest.raises(launch.TrainError, match=r"(?s)PyTorchJob llm-pipeline/\S+ failed: PyTorchJob has failed "
-                       r"because 1 Master replica\(s\) failed.*errors in the master pod's log:\n  ValueError: "
+    with pytest.raises(launch.TrainError, match=r"(?s)TrainJob llm-pipeline/\S+ failed: jobset failed: node exited "
+                       r"with code 1.*errors in the pods' logs:\n  ValueError: "
                        r"model\.vocab_size=100 is smaller than the tokenizer's 500\n"):
         launch.run(spec, tok)
 
 
 def _job(spec, command):
-    job = k8s.render_pytorchjob(spec, "unit", [])
-    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"] = command
+    job = k8s.RENDER[spec.launcher.job_kind](spec, "unit", [])
+    if job["kind"] == "TrainJob":
+        job["spec"]["trainer"]["command"] = command
+    else:
+        job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"] = command
     return job
 
 
@@ -94,10 +107,11 @@ def test_timeout_deletes_the_job_and_stops_its_processes(home, kube):
     lines = []
     assert k8s.submit(custom, job, lines.append) == "created"
     with pytest.raises(k8s.JobFailed, match=r"did not finish within launcher\.timeout_minutes=0\.03.*deleted"):
-        k8s.watch(custom, core, "llm-pipeline", "llm-pipeline-unit", poll_s=0.2, timeout_s=1.8, log=lines.append)
-    assert ("DELETE", "/apis/kubeflow.org/v1/namespaces/llm-pipeline/pytorchjobs/llm-pipeline-unit") in fake.requests
+        k8s.watch(custom, core, k8s.TRAINJOB, "llm-pipeline", "llm-pipeline-unit", poll_s=0.2, timeout_s=1.8,
+                  log=lines.append)
+    assert ("DELETE", COLLECTION["trainjob"] + "/llm-pipeline-unit") in fake.requests
     assert fake.jobs == {}
-    assert "[llm-pipeline-unit-master-0] working" in lines  # the pod's log was streamed while it ran
+    assert "[llm-pipeline-unit-node-0-0-x7k2p] working" in lines  # the pod's log was streamed while it ran
 
 
 def test_a_retried_task_adopts_its_running_job_and_refuses_a_clash(home, kube):
@@ -108,20 +122,20 @@ def test_a_retried_task_adopts_its_running_job_and_refuses_a_clash(home, kube):
     assert k8s.submit(custom, sleeper, print) == "created"
     assert k8s.submit(custom, sleeper, print) == "adopted"  # same name, same command: follow it
     other = _job(spec, [sys.executable, "-c", "print('other')"])
-    with pytest.raises(k8s.JobFailed, match=r"still (Created|Running) with another command.*kubectl delete "
-                       r"pytorchjob -n llm-pipeline llm-pipeline-unit"):
+    with pytest.raises(k8s.JobFailed, match=r"TrainJob llm-pipeline/llm-pipeline-unit from an earlier try is still "
+                       r"\w+ with another command.*kubectl delete trainjob -n llm-pipeline llm-pipeline-unit"):
         k8s.submit(custom, other, print)
-    k8s.watch(custom, core, "llm-pipeline", "llm-pipeline-unit", poll_s=0.2, timeout_s=60, log=print)
+    k8s.watch(custom, core, k8s.TRAINJOB, "llm-pipeline", "llm-pipeline-unit", poll_s=0.2, timeout_s=60, log=print)
     assert k8s.submit(custom, other, print) == "replaced"  # a finished job of the same name gives way
-    assert k8s.job_state(k8s.watch(custom, core, "llm-pipeline", "llm-pipeline-unit", 0.2, 60, print))[0] == \
-        "Succeeded"
+    done = k8s.watch(custom, core, k8s.TRAINJOB, "llm-pipeline", "llm-pipeline-unit", 0.2, 60, print)
+    assert k8s.job_state(done)[0] == "Succeeded"
 
 
 def test_the_api_servers_schema_rejection_is_reported(home, kube):
     fake, cfg = kube
-    if fake.crd is None:
+    if fake.crds["PyTorchJob"] is None:
         pytest.skip("../shared/data/k8s (the PyTorchJob CRD the stand-in validates with) is absent")
-    spec = load_spec(None, kube_sets(home, cfg), env={})
+    spec = load_spec(None, kube_sets(home, cfg, kind="pytorchjob"), env={})
     custom, _ = k8s.api_clients(spec)
     job = _job(spec, ["true"])
     job["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = "one"
@@ -163,7 +177,7 @@ def test_the_train_task_defers_while_the_job_runs_and_resumes_to_collect_it(home
     sys.path.insert(0, str(ROOT / "plugins"))
     from airflow.sdk.exceptions import TaskDeferred
     from llm_operators import StageOperator
-    from llm_triggers import PyTorchJobTrigger
+    from llm_triggers import TrainingJobTrigger
 
     from pipelines.manifest import load_manifest
 
@@ -176,15 +190,15 @@ def test_the_train_task_defers_while_the_job_runs_and_resumes_to_collect_it(home
     with pytest.raises(TaskDeferred) as deferred:
         op.execute({})
     trigger, (ns, name) = deferred.value.trigger, next(iter(fake.jobs))
-    assert isinstance(trigger, PyTorchJobTrigger) and deferred.value.method_name == "execute_complete"
-    assert (trigger.namespace, trigger.name) == (ns, name)
+    assert isinstance(trigger, TrainingJobTrigger) and deferred.value.method_name == "execute_complete"
+    assert (trigger.kind, trigger.namespace, trigger.name) == ("trainjob", ns, name)
     assert k8s.job_state(fake.jobs[(ns, name)].obj)[0] != "Succeeded"  # the task returned while the job runs
 
     classpath, kwargs = trigger.serialize()  # what the triggerer stores and rebuilds
-    assert classpath == "llm_triggers.PyTorchJobTrigger"
+    assert classpath == "llm_triggers.TrainingJobTrigger"
 
     async def first_event():
-        async for event in PyTorchJobTrigger(**kwargs).run():
+        async for event in TrainingJobTrigger(**kwargs).run():
             return event
 
     event = asyncio.run(asyncio.wait_for(first_event(), timeout=300))
@@ -196,3 +210,28 @@ def test_the_train_task_defers_while_the_job_runs_and_resumes_to_collect_it(home
     failed = {"state": "Failed", "message": "PyTorchJob llm-pipeline/x failed: OOMKilled"}
     with pytest.raises(Exception, match="OOMKilled"):
         op.execute_complete({}, failed)
+
+
+def test_a_user_stopping_the_deferred_task_deletes_its_job(home, kube):
+    """Mark failed / mark succeeded / clear of a deferred task: Airflow calls the trigger's on_kill (and only then,
+    not on a triggerer restart); the job is deleted and its processes stopped. The trigger builds its clients from
+    its own kubeconfig and leaves the kubernetes client's process-global configuration alone."""
+    import asyncio
+
+    from kubernetes import client
+
+    sys.path.insert(0, str(ROOT / "plugins"))
+    from airflow.triggers.base import BaseTrigger
+    from llm_triggers import TrainingJobTrigger
+
+    fake, cfg = kube
+    before = client.Configuration.get_default_copy().host
+    spec = load_spec(None, kube_sets(home, cfg), env={})
+    custom, _ = k8s.api_clients(spec)
+    assert k8s.submit(custom, _job(spec, [sys.executable, "-c", "import time; time.sleep(120)"]), print) == "created"
+    trigger = TrainingJobTrigger(kind="trainjob", namespace="llm-pipeline", name="llm-pipeline-unit",
+                                 kubeconfig=str(cfg))
+    assert type(trigger).on_kill is not BaseTrigger.on_kill  # Airflow's hook for a user's action on the task
+    asyncio.run(asyncio.wait_for(trigger.on_kill(), timeout=60))
+    assert ("DELETE", COLLECTION["trainjob"] + "/llm-pipeline-unit") in fake.requests and fake.jobs == {}
+    assert client.Configuration.get_default_copy().host == before != fake.url

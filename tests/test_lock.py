@@ -50,7 +50,7 @@ def test_every_pin_has_a_hash_for_each_listed_platform_family():
     assert len(run["torch"].hashes) >= 6 and run["torch"].marker is None
     assert "6746dbcb" not in RUNTIME.read_text()  # the local torch-2.13.0+cpu wheel's hash of the old lock
     cuda = [p for n, p in run.items() if n.startswith("nvidia-")]
-    assert cuda and all("sys_platform == 'linux'" in (p.marker or "") for p in cuda)
+    assert cuda and all('sys_platform == "linux"' in (p.marker or "") for p in cuda)  # packaging's quotes
 
 
 def test_each_lock_satisfies_its_inputs():
@@ -86,6 +86,13 @@ def test_lock_check_parses_markers_and_multi_line_pins(tmp_path):
     lock.write_text("six>=1.0 --hash=sha256:" + "a" * 64 + "\n")
     with pytest.raises(SystemExit, match="not a pinned requirement"):
         lock_check.read_lock(lock)
+    # markers with '-' in their values, and the pins no listed platform installs
+    lock.write_text("a==1 ; extra == 'foo-bar' --hash=sha256:" + "a" * 64 + "\n"
+                    "pywin32==312 ; sys_platform == 'win32' --hash=sha256:" + "b" * 64 + "\n"
+                    "c==1 ; platform_release >= '5.10.0-1057' and sys_platform == 'aix' --hash=sha256:" + "c" * 64 + "\n")
+    a, pywin, c = lock_check.read_lock(lock)
+    assert a.marker == 'extra == "foo-bar"' and c.marker.startswith('platform_release >= "5.10.0-1057"')
+    assert lock_check.nowhere([a, pywin, c]) == ([pywin], [a, c])
 
 
 def _index_answers() -> bool:
@@ -101,10 +108,11 @@ def test_lock_check_passes_a_published_hash_and_fails_another(tmp_path):
         pytest.skip(f"the package index {lock_check.INDEX} does not answer from here")
     six = pins(DEV)["six"]
     good = lock_check.Pin("six", six.version, None, six.hashes)
-    assert lock_check.check([good], "macos-arm64", "3.12") == []
+    assert lock_check.check([good], "macos-arm64", "3.12") == ([], [])
     bad = lock_check.Pin("six", six.version, None, frozenset({"0" * 64}))
-    (problem,) = lock_check.check([bad], "linux-x86_64", "3.11")
+    (problem,), _ = lock_check.check([bad], "linux-x86_64", "3.11")
     # pip refuses the file itself when it fetches it, or the checker finds the index's hash not among the lock's
     assert "DO NOT MATCH THE HASHES" in problem or ("is not among the lock's hashes" in problem and "six-" in problem)
     missing = lock_check.Pin("six", "0.0.999", None, frozenset({"0" * 64}))
-    assert lock_check.check([missing], "linux-aarch64", "3.11")[0].startswith("pip: ")
+    assert lock_check.check([missing], "linux-aarch64", "3.11")[0][0].startswith("pip: ")
+    assert lock_check.check([], "linux-aarch64", "3.11")[0] == ["no pin of this lock applies here"]

@@ -121,7 +121,7 @@ def test_rendered_pytorchjob_validates_against_the_kubeflow_crd(cfg):
 
     spec = load_spec(cfg, env={})
     job = k8s.render_pytorchjob(spec, "Run_42", ["--spec", "/fsx/s.yaml"])
-    assert k8s.validate_pytorchjob(job, _crd(), spec) == []
+    assert k8s.validate_job(job, _crd(), spec) == []
     assert job["metadata"]["name"] == f"{spec.run.name}-run-42"  # DNS-1123
     master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     c = master["containers"][0]
@@ -141,10 +141,52 @@ def test_pytorchjob_validation_catches_schema_and_operator_errors():
     job = k8s.render_pytorchjob(spec, "r", [])
     job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "seven"           # schema: integer
     job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["name"] = "main"
-    errs = k8s.validate_pytorchjob(job, _crd(), spec)
+    errs = k8s.validate_job(job, _crd(), spec)
     assert any("Worker.replicas" in e and "integer" in e for e in errs)
     assert any("no container named 'pytorch'" in e for e in errs)
-    assert "replicas add up to 1 nodes, the spec asks for launcher.nnodes=8" in errs  # "seven" is no node count
+    assert "the job has 1 nodes, the spec asks for launcher.nnodes=8" in errs  # "seven" is no node count
+
+
+@pytest.mark.parametrize("cfg", ["configs/llama3_8b.yaml", "configs/llama3_70b.yaml"])
+def test_rendered_trainjob_validates_against_trainer_v2s_crd_and_says_what_the_pods_get(cfg):
+    """The same spec as a Kubeflow Trainer v2 TrainJob (the CRD of the release infra/terraform installs, shipped in
+    infra/k8s/crds): nodes, processes, GPU/EFA per node, the torchrun command, the shared FS and node placement."""
+    from pipelines.train import k8s
+
+    spec = load_spec(cfg, ["launcher.kind=trainjob", "launcher.min_nodes=null"], env={})
+    job = k8s.render_trainjob(spec, "Run_42", ["--spec", "/fsx/s.yaml"])
+    assert k8s.validate_job(job, k8s.DEFAULT_CRDS["trainjob"], spec) == []
+    assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    assert job["spec"]["runtimeRef"] == {"name": "torch-distributed", "apiGroup": "trainer.kubeflow.org",
+                                         "kind": "ClusterTrainingRuntime"}
+    t = job["spec"]["trainer"]
+    assert t["numNodes"] == spec.launcher.nnodes and t["numProcPerNode"] == 8
+    assert t["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
+    assert t["command"][:1] == ["torchrun"] and "pipelines.train.trainer" in t["command"]
+    assert {"name": "FI_PROVIDER", "value": "efa"} in t["env"]
+    secret = [e for e in t["env"] if "valueFrom" in e]
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in secret} == {"mlflow-client"}
+    (node,) = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = node["template"]["spec"]["template"]["spec"]
+    assert node["name"] == "node" and pod["containers"][0]["name"] == "node"
+    assert any(v.get("persistentVolumeClaim") for v in pod["volumes"]) and pod["nodeSelector"]
+    # what the schema cannot say
+    job["spec"]["trainer"]["numNodes"] = 3
+    pod["containers"][0]["name"] = "main"
+    errs = k8s.validate_job(job, k8s.DEFAULT_CRDS["trainjob"], spec)
+    assert f"the job has 3 nodes, the spec asks for launcher.nnodes={spec.launcher.nnodes}" in errs
+    assert any("patch the 'node' job's 'node' container" in e for e in errs)
+    job["spec"]["trainer"]["numNodes"] = "three"
+    assert any("numNodes" in e and "integer" in e for e in k8s.validate_job(job, k8s.DEFAULT_CRDS["trainjob"]))
+
+
+def test_an_elastic_range_needs_the_pytorchjob():
+    from pipelines.spec import SpecError
+
+    with pytest.raises(SpecError, match="a TrainJob has no elastic range.*launcher.kind=pytorchjob"):
+        load_spec("configs/llama3_70b.yaml", ["launcher.kind=trainjob"], env={})
+    assert load_spec("configs/llama3_70b.yaml", env={}).launcher.job_kind == "pytorchjob"
+    assert load_spec(None, ["launcher.kind=kubernetes"], env={}).launcher.job_kind == "trainjob"
 
 
 def test_lr_schedules_warm_up_then_cosine_or_hold_and_decay_to_the_floor():

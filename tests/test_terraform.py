@@ -289,7 +289,7 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
     spec_path, env_file = tmp_path / "aws-prod.yaml", tmp_path / "aws.env"
     assert cc.main(["--outputs", str(outputs), "--out", str(spec_path), "--env-file", str(env_file)]) == 0
     spec = load_spec(spec_path, env={})
-    assert spec.launcher.kind == "kubernetes" and spec.launcher.efa_per_node == 32
+    assert spec.launcher.kind == "trainjob" and spec.launcher.efa_per_node == 32
     assert spec.launcher.service_account == "trainer" and spec.launcher.shared_fs_claim == "fsx-checkpoints"
     assert spec.services.spark_master.startswith("k8s://https://") and spec.services.s3_endpoint_url == "aws"
     assert spec.services.s3_bucket == "llmp-prod-checkpoints-1" and spec.services.spark_service_account == "spark"
@@ -405,6 +405,15 @@ def test_kms_only_via_s3_operator_pinned_to_a_commit_and_fsx_linked_at_the_l1_pa
     assert kms["condition"][0]["values"] == ["s3.${data.aws_region.current.name}.amazonaws.com"]
     op = [b for f, t, n, b in resources("terraform_data") if n == "training_operator"][0]
     assert "?ref=${var.training_operator_commit}" in op["provisioner"][0]["local-exec"]["command"]
+    assert op["count"] == "${var.install_pytorchjob_operator ? 1 : 0}"  # v1 only when asked for
+    trainer = {n: b for f, t, n, b in resources("helm_release")}["kubeflow_trainer"]  # v2 in state, pinned
+    assert trainer["chart"] == "kubeflow-trainer" and trainer["version"] == "${var.trainer_chart_version}"
+    assert "torchDistributed" in trainer["values"][0]
+    chart = [v for v in parse(TF / "modules/eks/variables.tf")["variable"] if "trainer_chart_version" in v][0]
+    version = chart["trainer_chart_version"]["default"]
+    crd = (ROOT / "infra/k8s/crds/trainer.kubeflow.org_trainjobs.yaml").read_text()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version) and f"v{version}" in (ROOT / "infra/k8s/crds/SOURCES.md").read_text()
+    assert "kind: TrainJob" in crd
     commit = [v for v in parse(TF / "modules/eks/variables.tf")["variable"] if "training_operator_commit" in v][0]
     assert re.fullmatch(r"[0-9a-f]{40}", commit["training_operator_commit"]["default"])
     from pipelines.cluster_config import cluster_spec
@@ -444,3 +453,19 @@ def test_apply_needs_no_drift_or_missing_grant_and_documented_knobs_reach_the_re
         for env in ("dev", "prod"):
             (call,) = parse(TF / "envs" / env / "main.tf")["module"]
             assert call["stack"][knob] == f"${{var.{knob}}}", (env, knob)
+
+
+def test_the_launcher_role_covers_trainjobs_and_binds_the_workers_and_the_triggerer():
+    """A deferred wait runs in the triggerer: it must read the job and its pods' logs and delete a job whose task a
+    user stopped, as an identity Terraform grants (the chart's triggerer service account, bound here)."""
+    role = {n: b for f, t, n, b in resources("kubernetes_role_v1")}["launcher"]
+    rules = {g: r for r in role["rule"] for g in r["api_groups"]}
+    assert rules["trainer.kubeflow.org"]["resources"] == ["trainjobs"] and "delete" in rules["trainer.kubeflow.org"]["verbs"]
+    assert "pytorchjobs" in rules["kubeflow.org"]["resources"] and "pods/log" in rules[""]["resources"]
+    binding = {n: b for f, t, n, b in resources("kubernetes_role_binding_v1")}["airflow_launcher"]
+    names = [s["name"] for s in binding["subject"]]
+    assert len(names) == 2 and "${split(\":\", var.triggerer_service_account)[1]}" in names
+    default = [v for v in parse(TF / "modules/iam/variables.tf")["variable"] if "triggerer_service_account" in v]
+    assert default[0]["triggerer_service_account"]["default"] == "airflow:airflow-triggerer"
+    airflow = one("helm_release", "metadata")["values"][0]
+    assert "airflow-triggerer" in airflow  # the chart's triggerer runs as exactly that account

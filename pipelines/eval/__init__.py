@@ -1,8 +1,7 @@
 """The eval plane: reference bits-per-byte, lm-evaluation-harness tasks offline, registration and serving.
 
 ``load_registered(uri, tracking_uri=None)`` → (``Transformer`` in eval mode, SentencePiece processor) of a
-registered model, without pyfunc (imports stay lazy: this package is imported by every interpreter that
-has the lm_eval plugin installed)."""
+registered model, without pyfunc (imports stay lazy: importing the package costs nothing)."""
 
 
 def load_registered(uri: str, tracking_uri: str | None = None):

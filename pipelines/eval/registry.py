@@ -199,13 +199,18 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
         mv = existing_version(client, name, tags["lineage_key"])
         reused = mv is not None
         if mv is None:
-            mv = log_and_register(spec, ckpt_dir, run_id, tags, work)
-            log_eval_metrics(client, model_id_of(mv.source), eval_run_id or run_id, metrics, ev_extra)
+            mv, model_id = log_and_register(spec, ckpt_dir, run_id, tags, work)
+            log_eval_metrics(client, model_id, eval_run_id or run_id, metrics, ev_extra)
+        else:  # a retry: the try that created the version may have died before the metrics were logged
+            model_id = model_id_of(mv.source)
+            logged = {m.key for m in client.get_logged_model(model_id).metrics or []} if model_id else set(metrics)
+            if not set(metrics) <= logged:
+                log_eval_metrics(client, model_id, eval_run_id or run_id, metrics, ev_extra)
         link_runs(client, run_id, eval_run_id)
         client.set_registered_model_alias(name, alias if d.take else CHALLENGER, mv.version)
         client.set_model_version_tag(name, mv.version, "gate", d.reason)
         client.set_tag(eval_run_id or run_id, "register.gate", d.reason)
-    return {"model_name": name, "version": int(mv.version), "model_uri": mv.source, "model_id": model_id_of(mv.source),
+    return {"model_name": name, "version": int(mv.version), "model_uri": mv.source, "model_id": model_id,
             "alias": alias, "alias_moved": d.take, "previous_champion": d.champion, "previous_value": d.champion_value,
             "champion_rescored": d.rescored, "reason": d.reason, "gate_metric": gm, "value": metrics[gm],
             "reused_version": reused, "tags": dict(mv.tags), "mlflow_run_id": run_id,
@@ -213,8 +218,8 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
 
 
 def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, work: Path):
-    """Log the pyfunc as a LoggedModel of the training run ``run_id`` and create a version of it (with its
-    ``model_id``; its source ``models:/<model_id>`` carries the id back)."""
+    """Log the pyfunc as a LoggedModel of the training run ``run_id`` and create a version of it; returns the version
+    and the LoggedModel's id (``log_model``'s; the version's source ``models:/<model_id>`` carries it back)."""
     import mlflow
 
     from pipelines import tracking
@@ -228,15 +233,12 @@ def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, wor
         client.create_registered_model(spec.registry.model_name, description="LLM pipeline models (see tags for lineage)")
     except Exception:  # already exists
         pass
-    if model_id_of(info.model_uri) != info.model_id:
-        raise StageError(f"MLflow logged model {info.model_id} under {info.model_uri}, not models:/{info.model_id}: "
-                         "this MLflow is not the 3.x this pipeline was written for")
     mv = client.create_model_version(spec.registry.model_name, info.model_uri, run_id=run_id, tags=tags,
                                      model_id=info.model_id)
     # the LoggedModel → version link, as mlflow.register_model records it (the logged model's page lists the version)
     client.set_logged_model_tags(info.model_id, {"mlflow.modelVersions": json.dumps(
         [{"name": mv.name, "version": mv.version}])})
-    return mv
+    return mv, info.model_id
 
 
 def datasets(ev_extra: dict) -> dict[str, tuple[str, str]]:

@@ -1,25 +1,24 @@
-"""Kubernetes launch: the job spec as a Kubeflow ``PyTorchJob`` (kubeflow.org/v1), submitted and watched.
+"""Kubernetes launch: the job spec as a Kubeflow training job, submitted and watched.
 
-:func:`render_pytorchjob` turns the spec's ``launcher`` (nodes, processes per node, image, EFA, shared
-filesystem, node selector, elastic range) into one manifest: a Master and ``nnodes − 1`` Workers that
-each run ``torchrun -m <module>`` (the trainer or the preflight; the training operator passes the
-rendezvous to torchrun through ``PET_*`` variables), with GPU and EFA limits, the shared-FS claim
-mounted at ``launcher.shared_fs_mount`` (the L1 checkpoint tier, and where run.root lives), a
-memory-backed ``/dev/shm`` for NCCL, and NCCL/EFA environment.
-:func:`validate_pytorchjob` checks a manifest against the ``openAPIV3Schema`` of the operator's CRD
-(``kubeflow.org_pytorchjobs.yaml``), plus what the schema cannot say (the container must be named
-``pytorch``; replicas must add up to the spec's nodes).
-:func:`run_pytorchjob` submits it with the kubernetes client (a job of the same name left by an
-earlier try is adopted while it runs or has succeeded, replaced when it failed), polls it every
-``launcher.poll_seconds`` to a terminal condition, printing each state change (conditions and
-replica counts) and the master pod's new log lines (so they reach the Airflow task log), and deletes
-the job on timeout, SIGTERM (Airflow's kill) or Ctrl-C.
+Two job APIs (``launcher.kind``): ``trainjob`` (the default on Kubernetes), a Kubeflow Trainer v2 ``TrainJob``
+(trainer.kubeflow.org/v1alpha1) on the ``torch-distributed`` ClusterTrainingRuntime; and ``pytorchjob``, a
+training-operator v1 ``PyTorchJob`` (kubeflow.org/v1, in maintenance; it keeps the elastic range). Both come from
+one :class:`PodParts` (:func:`pod_parts`): ``nnodes`` nodes that each run ``torchrun -m <module>`` (the trainer or
+the preflight; the operator passes the rendezvous to torchrun through ``PET_*`` variables), with GPU and EFA
+limits, the shared-FS claim mounted at ``launcher.shared_fs_mount`` (the L1 checkpoint tier, and where run.root
+lives), a memory-backed ``/dev/shm`` for NCCL, and NCCL/EFA environment.
+:func:`validate_job` checks a manifest against its CRD's ``openAPIV3Schema``, plus what the schema cannot say.
+:func:`run_job` submits it with the kubernetes client (a job of the same name left by an earlier try is adopted
+while it runs or has succeeded, replaced when it failed), polls it every ``launcher.poll_seconds`` to a terminal
+condition, printing each state change (conditions and replica counts) and every replica's new log lines, each
+with its pod (so they reach the Airflow task log), and deletes the job on timeout, SIGTERM (Airflow's kill) or
+Ctrl-C. API clients are built per call from the kubeconfig / context / in-cluster identity (nothing global).
 
 With node-local L0 (``checkpoint.l0`` an absolute path outside the shared mount) every pod also mounts its
 host's own disk there (``launcher.node_local_path``, or an ``emptyDir`` on the instance-store NVMe).
 
-    python -m pipelines.train.k8s SPEC.yaml --tokenize-manifest M [--run-id ID] [--crd CRD.yaml]
-    # prints the PyTorchJob the train stage would submit for these inputs (YAML)
+    python -m pipelines.train.k8s SPEC.yaml --tokenize-manifest M [--run-id ID] [--set launcher.kind=pytorchjob]
+    # prints the TrainJob (or PyTorchJob) the train stage would submit for these inputs (YAML)
 """
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ import re
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -58,15 +58,56 @@ def node_local_l0(spec: JobSpec) -> bool:
 
 
 MLFLOW_CLIENT_SECRET = "mlflow-client"  # infra/terraform/modules/metadata: kubernetes_secret_v1.mlflow_client
+MLFLOW_CLIENT_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
-def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
-                      module: str = "pipelines.train.trainer", extra_env: dict[str, str] | None = None) -> dict:
+@dataclass(frozen=True)
+class JobKind:
+    """A Kubernetes training job API: where it lives, what its trainer container is called, how its pods are found."""
+    name: str  # launcher.job_kind, and the word the launcher's log lines start with
+    kind: str
+    group: str
+    version: str
+    plural: str
+    container: str
+    pod_label: str  # the label whose value is the job's name on every pod of the job
+
+    def selector(self, job: str) -> str:
+        return f"{self.pod_label}={job}"
+
+
+TRAINJOB = JobKind("trainjob", "TrainJob", "trainer.kubeflow.org", "v1alpha1", "trainjobs", "node",
+                   "jobset.sigs.k8s.io/jobset-name")
+PYTORCHJOB = JobKind("pytorchjob", "PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", "pytorch",
+                     "training.kubeflow.org/job-name")
+KINDS = {k.name: k for k in (TRAINJOB, PYTORCHJOB)}
+
+
+def kind_of(job: dict) -> JobKind:
+    for k in KINDS.values():
+        if job.get("kind") == k.kind:
+            return k
+    raise ValueError(f"not a training job this launcher knows: kind {job.get('kind')!r}")
+
+
+@dataclass
+class PodParts:
+    """What every node's pod gets, whatever the job API: environment, GPU/EFA resources, volumes, placement."""
+    env: dict[str, str]
+    limits: dict[str, int]
+    mounts: list[dict]
+    volumes: list[dict]
+    labels: dict[str, str]
+    command: list[str]
+
+
+def pod_parts(spec: JobSpec, run_id: str, trainer_args: list[str], module: str,
+              extra_env: dict[str, str] | None) -> PodParts:
     L = spec.launcher
-    gpus = L.nproc_per_node
     env = {**NCCL_ENV, **(EFA_ENV if L.efa_per_node else {}), "OMP_NUM_THREADS": str(L.threads_per_proc),
            "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-    limits = {"nvidia.com/gpu": gpus}
+    limits = {"nvidia.com/gpu": L.nproc_per_node}
     if L.efa_per_node:
         limits["vpc.amazonaws.com/efa"] = L.efa_per_node
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
@@ -78,29 +119,37 @@ def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
         mounts.append({"name": "node-local", "mountPath": spec.checkpoint.l0})
         volumes.append({"name": "node-local", **({"hostPath": {"path": L.node_local_path, "type": "DirectoryOrCreate"}}
                                                  if L.node_local_path else {"emptyDir": {}})})
+    labels = {"app.kubernetes.io/name": "llm-pipeline-trainer", "llm-pipeline/run": job_name(spec, run_id)}
+    command = ["torchrun", "--max-restarts", str(L.max_restarts), "-m", module, *trainer_args]
+    return PodParts(env, limits, mounts, volumes, labels, command)
+
+
+def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
+                      module: str = "pipelines.train.trainer", extra_env: dict[str, str] | None = None) -> dict:
+    L, p = spec.launcher, pod_parts(spec, run_id, trainer_args, module, extra_env)
+    gpus = L.nproc_per_node
     container = {
-        "name": "pytorch",  # the training operator finds the container by this name
+        "name": PYTORCHJOB.container,  # the training operator finds the container by this name
         "image": L.image,
-        "command": ["torchrun", "--max-restarts", str(L.max_restarts), "-m", module, *trainer_args],
-        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "command": p.command,
+        "env": [{"name": k, "value": v} for k, v in p.env.items()],
         # the MLflow login (MLFLOW_TRACKING_USERNAME / _PASSWORD) the cluster's Terraform puts in the namespace;
         # optional, so a cluster without MLflow authentication runs the same job
         "envFrom": [{"secretRef": {"name": MLFLOW_CLIENT_SECRET, "optional": True}}],
-        "resources": {"limits": limits, "requests": dict(limits)},
-        "volumeMounts": mounts,
+        "resources": {"limits": p.limits, "requests": dict(p.limits)},
+        "volumeMounts": p.mounts,
     }
-    template = {"metadata": {"labels": {"app.kubernetes.io/name": "llm-pipeline-trainer",
-                                        "llm-pipeline/run": job_name(spec, run_id)}},
-                "spec": {"containers": [container], "volumes": volumes, "nodeSelector": dict(L.node_selector),
-                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}}
+    template = {"metadata": {"labels": p.labels},
+                "spec": {"containers": [container], "volumes": p.volumes, "nodeSelector": dict(L.node_selector),
+                         "tolerations": [dict(GPU_TOLERATION)]}}
     if L.service_account:
         template["spec"]["serviceAccountName"] = L.service_account
     specs = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
     if L.nnodes > 1:
         specs["Worker"] = {"replicas": L.nnodes - 1, "restartPolicy": "OnFailure", "template": copy.deepcopy(template)}
     job = {
-        "apiVersion": "kubeflow.org/v1",
-        "kind": "PyTorchJob",
+        "apiVersion": f"{PYTORCHJOB.group}/{PYTORCHJOB.version}",
+        "kind": PYTORCHJOB.kind,
         "metadata": {"name": job_name(spec, run_id), "namespace": L.namespace,
                      "labels": {"app.kubernetes.io/part-of": "llm-pipeline"}},
         "spec": {
@@ -115,45 +164,90 @@ def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
     return job
 
 
+def render_trainjob(spec: JobSpec, run_id: str, trainer_args: list[str],
+                    module: str = "pipelines.train.trainer", extra_env: dict[str, str] | None = None) -> dict:
+    """A Kubeflow Trainer v2 TrainJob on the ``launcher.runtime`` ClusterTrainingRuntime (torch-distributed: its
+    torch plugin gives torchrun the rendezvous as ``PET_*`` variables, as the v1 operator does). What the TrainJob's
+    ``trainer`` cannot say (volumes, node selector, tolerations, service account, pod labels) is a runtime patch of
+    the ``node`` replicated job, the one the torch runtimes run."""
+    L, p = spec.launcher, pod_parts(spec, run_id, trainer_args, module, extra_env)
+    secret_env = [{"name": k, "valueFrom": {"secretKeyRef": {"name": MLFLOW_CLIENT_SECRET, "key": k, "optional": True}}}
+                  for k in MLFLOW_CLIENT_KEYS]
+    pod_spec = {"containers": [{"name": TRAINJOB.container, "volumeMounts": p.mounts}], "volumes": p.volumes,
+                "nodeSelector": dict(L.node_selector), "tolerations": [dict(GPU_TOLERATION)]}
+    if L.service_account:
+        pod_spec["serviceAccountName"] = L.service_account
+    node_patch = {"name": "node", "template": {"spec": {"template": {"metadata": {"labels": p.labels},
+                                                                     "spec": pod_spec}}}}
+    return {
+        "apiVersion": f"{TRAINJOB.group}/{TRAINJOB.version}",
+        "kind": TRAINJOB.kind,
+        "metadata": {"name": job_name(spec, run_id), "namespace": L.namespace,
+                     "labels": {"app.kubernetes.io/part-of": "llm-pipeline"}},
+        "spec": {
+            "runtimeRef": {"name": L.runtime, "apiGroup": TRAINJOB.group, "kind": "ClusterTrainingRuntime"},
+            "trainer": {"image": L.image, "command": p.command, "numNodes": L.nnodes,
+                        "numProcPerNode": L.nproc_per_node,
+                        "env": [{"name": k, "value": v} for k, v in p.env.items()] + secret_env,
+                        "resourcesPerNode": {"limits": p.limits, "requests": dict(p.limits)}},
+            "runtimePatches": [{"manager": "llm-pipeline",
+                                "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [node_patch]}}}}],
+        },
+    }
+
+
+RENDER = {"trainjob": render_trainjob, "pytorchjob": render_pytorchjob}
+
+
 def stage_job(spec: JobSpec, run_id: str, module: str, args: list[str]) -> dict:
     """The job a stage submits: the pods resolve relative spec paths against this project's home, as here."""
     from pipelines.spec import project_home
 
-    return render_pytorchjob(spec, run_id, args, module, extra_env={"LLMP_HOME": str(project_home())})
+    return RENDER[spec.launcher.job_kind](spec, run_id, args, module, extra_env={"LLMP_HOME": str(project_home())})
 
 
-def crd_schema(crd_path: Path, version: str = "v1") -> dict:
+def crd_schema(crd_path: Path, version: str | None = None) -> dict:
+    """The ``openAPIV3Schema`` of a CRD file's ``version`` (default: its only or first served version)."""
     crd = yaml.safe_load(Path(crd_path).read_text())
     for v in crd["spec"]["versions"]:
-        if v["name"] == version:
+        if version is None or v["name"] == version:
             return v["schema"]["openAPIV3Schema"]
     raise ValueError(f"{crd_path} has no version {version}")
 
 
-def validate_pytorchjob(job: dict, crd_path: Path, spec: JobSpec | None = None) -> list[str]:
-    """Errors (empty when valid): the CRD's schema, then the operator's own expectations."""
+def validate_job(job: dict, crd_path: Path, spec: JobSpec | None = None) -> list[str]:
+    """Errors (empty when valid): the CRD's schema, then what the schema cannot say (the trainer container's name,
+    the nodes adding up to the spec's)."""
     import jsonschema
 
-    v = jsonschema.Draft7Validator(crd_schema(crd_path))
+    k = kind_of(job)
+    v = jsonschema.Draft7Validator(crd_schema(crd_path, k.version))
     errors = [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
               for e in sorted(v.iter_errors(job), key=lambda e: list(e.absolute_path))]
-    for role, rs in job.get("spec", {}).get("pytorchReplicaSpecs", {}).items():
-        names = [c.get("name") for c in rs.get("template", {}).get("spec", {}).get("containers", [])]
-        if "pytorch" not in names:
-            errors.append(f"spec.pytorchReplicaSpecs.{role}: no container named 'pytorch' (the operator needs it)")
-    if spec is not None:
-        total = sum(r for r in (rs.get("replicas", 0) for rs in job["spec"]["pytorchReplicaSpecs"].values())
+    js = job.get("spec", {})
+    if k is PYTORCHJOB:
+        for role, rs in js.get("pytorchReplicaSpecs", {}).items():
+            names = [c.get("name") for c in rs.get("template", {}).get("spec", {}).get("containers", [])]
+            if k.container not in names:
+                errors.append(f"spec.pytorchReplicaSpecs.{role}: no container named 'pytorch' (the operator needs it)")
+        nodes = sum(r for r in (rs.get("replicas", 0) for rs in js.get("pytorchReplicaSpecs", {}).values())
                     if isinstance(r, int))
-        if total != spec.launcher.nnodes:
-            errors.append(f"replicas add up to {total} nodes, the spec asks for launcher.nnodes={spec.launcher.nnodes}")
+    else:
+        for patch in js.get("runtimePatches", []):
+            for rj in patch.get("trainingRuntimeSpec", {}).get("template", {}).get("spec", {}).get("replicatedJobs", []):
+                names = [c.get("name") for c in rj.get("template", {}).get("spec", {}).get("template", {})
+                         .get("spec", {}).get("containers", [])]
+                if rj.get("name") != "node" or any(n != k.container for n in names):
+                    errors.append(f"spec.runtimePatches: patch the 'node' job's 'node' container (the torch "
+                                  f"runtime's trainer), not {rj.get('name')}/{names}")
+        nodes = js.get("trainer", {}).get("numNodes", 1)
+    if spec is not None and nodes != spec.launcher.nnodes:
+        errors.append(f"the job has {nodes} nodes, the spec asks for launcher.nnodes={spec.launcher.nnodes}")
     return errors
 
 
-GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
-
-
 class JobFailed(RuntimeError):
-    """The PyTorchJob was rejected, failed, or did not finish in time; the message says which and why."""
+    """The training job was rejected, failed, or did not finish in time; the message says which and why."""
 
 
 def api_clients(spec: JobSpec):
@@ -162,35 +256,43 @@ def api_clients(spec: JobSpec):
 
 
 def api_clients_for(kubeconfig: str | None, kube_context: str | None):
+    """Clients with a configuration of their own: nothing process-global changes, so one process (the triggerer)
+    can watch jobs of several clusters and identities at once."""
     from kubernetes import client, config
 
+    cfg = client.Configuration()
     if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config()
+        config.load_incluster_config(client_configuration=cfg)
     else:
         try:
             config.load_kube_config(config_file=os.path.expanduser(kubeconfig) if kubeconfig else None,
-                                    context=kube_context)
+                                    context=kube_context, client_configuration=cfg)
         except (config.ConfigException, OSError) as e:
             raise JobFailed(f"cannot load Kubernetes credentials ({e}); set launcher.kubeconfig (and "
                             "launcher.kube_context), or run inside the cluster") from None
-    return client.CustomObjectsApi(), client.CoreV1Api()
+    api = client.ApiClient(cfg)
+    return client.CustomObjectsApi(api), client.CoreV1Api(api)
+
+
+SUCCEEDED = ("Succeeded", "Complete")  # PyTorchJob's word, TrainJob's word
 
 
 def job_state(obj: dict) -> tuple[str, str]:
-    """(state, message) from the job's conditions: Succeeded/Failed win, else the newest true condition,
-    else Pending."""
+    """(state, message) from the job's conditions: Succeeded (a TrainJob's Complete) or Failed win, else the
+    newest true condition, else Pending."""
     true = [c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("status") == "True"]
-    for terminal in ("Failed", "Succeeded"):
+    for terminal in ("Failed", *SUCCEEDED):
         for c in true:
             if c.get("type") == terminal:
-                return terminal, c.get("message", "")
+                return ("Succeeded" if terminal in SUCCEEDED else terminal), c.get("message", "")
     if not true:
         return "Pending", ""
     return true[-1].get("type", "Unknown"), true[-1].get("message", "")
 
 
 def _replicas(obj: dict) -> str:
-    rs = (obj.get("status") or {}).get("replicaStatuses") or {}
+    status = obj.get("status") or {}
+    rs = status.get("replicaStatuses") or {j.get("name", "?"): j for j in status.get("jobsStatus") or []}
     parts = []
     for role, st in sorted(rs.items()):
         counts = ", ".join(f"{k} {st[k]}" for k in ("active", "succeeded", "failed") if st.get(k))
@@ -213,45 +315,52 @@ def _api_error(e) -> str:
         return str(getattr(e, "body", "") or e)
 
 
+def get(custom, k: JobKind, ns: str, name: str) -> dict:
+    return custom.get_namespaced_custom_object(k.group, k.version, ns, k.plural, name)
+
+
 def submit(custom, job: dict, log: Callable[[str], None] = print) -> str:
     """Create the job; returns 'created', 'adopted' (same name, still running or succeeded) or 'replaced'."""
     from kubernetes.client.exceptions import ApiException
 
+    k = kind_of(job)
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     try:
-        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
-        log(f"pytorchjob {ns}/{name}: submitted")
+        custom.create_namespaced_custom_object(k.group, k.version, ns, k.plural, job)
+        log(f"{k.name} {ns}/{name}: submitted")
         return "created"
     except ApiException as e:
         if e.status != 409:
-            raise JobFailed(f"the API server refused PyTorchJob {ns}/{name} ({e.status} {e.reason}): "
+            raise JobFailed(f"the API server refused {k.kind} {ns}/{name} ({e.status} {e.reason}): "
                             f"{_api_error(e)}") from None
-    existing = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+    existing = get(custom, k, ns, name)
     state, _ = job_state(existing)
     same = _commands(existing) == _commands(job)
     if same and state != "Failed":
-        log(f"pytorchjob {ns}/{name}: already exists ({state}) with the same command, following it")
+        log(f"{k.name} {ns}/{name}: already exists ({state}) with the same command, following it")
         return "adopted"
     if state not in ("Failed", "Succeeded"):
-        raise JobFailed(f"PyTorchJob {ns}/{name} from an earlier try is still {state} with another command; wait "
-                        f"for it or delete it (kubectl delete pytorchjob -n {ns} {name})")
-    log(f"pytorchjob {ns}/{name}: replacing the earlier {state} job")
-    delete(custom, ns, name, wait_s=120)
-    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
+        raise JobFailed(f"{k.kind} {ns}/{name} from an earlier try is still {state} with another command; wait "
+                        f"for it or delete it (kubectl delete {k.name} -n {ns} {name})")
+    log(f"{k.name} {ns}/{name}: replacing the earlier {state} job")
+    delete(custom, k, ns, name, wait_s=120)
+    custom.create_namespaced_custom_object(k.group, k.version, ns, k.plural, job)
     return "replaced"
 
 
 def _commands(job: dict) -> list:
-    specs = (job.get("spec") or {}).get("pytorchReplicaSpecs") or {}
-    return [c.get("command") for _, rs in sorted(specs.items())
+    js = job.get("spec") or {}
+    if "trainer" in js:
+        return [js["trainer"].get("command"), js["trainer"].get("args")]
+    return [c.get("command") for _, rs in sorted((js.get("pytorchReplicaSpecs") or {}).items())
             for c in rs.get("template", {}).get("spec", {}).get("containers", [])]
 
 
-def delete(custom, ns: str, name: str, wait_s: float = 0) -> None:
+def delete(custom, k: JobKind, ns: str, name: str, wait_s: float = 0) -> None:
     from kubernetes.client.exceptions import ApiException
 
     try:
-        custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name,
+        custom.delete_namespaced_custom_object(k.group, k.version, ns, k.plural, name,
                                                body={"propagationPolicy": "Foreground"})
     except ApiException as e:
         if e.status != 404:
@@ -260,7 +369,7 @@ def delete(custom, ns: str, name: str, wait_s: float = 0) -> None:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
-            custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+            get(custom, k, ns, name)
         except ApiException as e:
             if e.status == 404:
                 return
@@ -272,19 +381,18 @@ _EXC = re.compile(r"\b[A-Za-z_.]*(?:Error|Exception|Diverged)\b: .*$")
 
 
 class LogFollower:
-    """New lines of the master pod's ``pytorch`` container since the last poll. Lines carry the kubelet's
-    timestamps; those at or before the newest one already shown are skipped (counting equal stamps)."""
+    """New lines of one pod's trainer container since the last poll. Lines carry the kubelet's timestamps; those
+    at or before the newest one already shown are skipped (counting equal stamps)."""
 
-    def __init__(self, core, ns: str, pod: str, window_s: int):
-        self.core, self.ns, self.pod, self.window = core, ns, pod, window_s
+    def __init__(self, core, ns: str, pod: str, container: str, window_s: int):
+        self.core, self.ns, self.pod, self.container, self.window = core, ns, pod, container, window_s
         self.last_ts, self.n_at_last = "", 0
-        self.tail: list[str] = []
 
     def poll(self) -> list[str]:
         from kubernetes.client.exceptions import ApiException
 
         try:  # raw bytes: with content preloading the client hands back str(bytes) for a non-JSON body
-            resp = self.core.read_namespaced_pod_log(self.pod, self.ns, container="pytorch", timestamps=True,
+            resp = self.core.read_namespaced_pod_log(self.pod, self.ns, container=self.container, timestamps=True,
                                                      since_seconds=self.window, _preload_content=False)
             text = resp.data.decode("utf-8", "replace")
         except ApiException:  # not started yet, or gone
@@ -301,6 +409,32 @@ class LogFollower:
             else:
                 self.last_ts, self.n_at_last = ts, 1
             new.append(rest)
+        return new
+
+
+class ReplicaLogs:
+    """New log lines of every pod of a job (every node's replica), each as ``[pod] line``; the pods are listed by
+    the job's label on each poll, so replicas that start late or are replaced are followed too."""
+
+    def __init__(self, core, k: JobKind, ns: str, name: str, window_s: int):
+        self.core, self.k, self.ns, self.name, self.window = core, k, ns, name, window_s
+        self.followers: dict[str, LogFollower] = {}
+        self.tail: list[str] = []
+
+    def pods(self) -> list[str]:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            found = self.core.list_namespaced_pod(self.ns, label_selector=self.k.selector(self.name))
+        except ApiException:
+            return sorted(self.followers)
+        return sorted(p.metadata.name for p in found.items)
+
+    def poll(self) -> list[str]:
+        new = []
+        for pod in self.pods():
+            f = self.followers.setdefault(pod, LogFollower(self.core, self.ns, pod, self.k.container, self.window))
+            new += [f"[{pod}] {line}" for line in f.poll()]
         self.tail = (self.tail + new)[-400:]
         return new
 
@@ -314,51 +448,51 @@ class LogFollower:
         return seen[-5:]
 
 
-def watch(custom, core, ns: str, name: str, poll_s: float, timeout_s: float | None,
+def watch(custom, core, k: JobKind, ns: str, name: str, poll_s: float, timeout_s: float | None,
           log: Callable[[str], None] = print) -> dict:
     """Poll to Succeeded (returns the job) or Failed/timeout (raises :class:`JobFailed`)."""
-    follower = LogFollower(core, ns, f"{name}-master-0", window_s=int(poll_s * 3) + 30)
+    logs = ReplicaLogs(core, k, ns, name, window_s=int(poll_s * 3) + 30)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last = None
     while True:
-        obj = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        obj = get(custom, k, ns, name)
         state, msg = job_state(obj)
         line = state_line(obj)
         if line != last:
-            log(f"pytorchjob {ns}/{name}: {line}")
+            log(f"{k.name} {ns}/{name}: {line}")
             last = line
-        for out in follower.poll():
-            log(f"[{name}-master-0] {out}")
+        for out in logs.poll():
+            log(out)
         if state == "Succeeded":
             return obj
         if state == "Failed":
-            errs = follower.errors()
-            raise JobFailed(f"PyTorchJob {ns}/{name} failed: {msg or 'no message'}"
-                            + (f"\nerrors in the master pod's log:\n  " + "\n  ".join(errs) if errs else "")
-                            + "\nlast master log lines:\n" + "\n".join(follower.tail[-15:]))
+            errs = logs.errors()
+            raise JobFailed(f"{k.kind} {ns}/{name} failed: {msg or 'no message'}"
+                            + (f"\nerrors in the pods' logs:\n  " + "\n  ".join(errs) if errs else "")
+                            + "\nlast log lines:\n" + "\n".join(logs.tail[-15:]))
         if deadline is not None and time.monotonic() > deadline:
-            delete(custom, ns, name)
-            raise JobFailed(f"PyTorchJob {ns}/{name} did not finish within launcher.timeout_minutes="
+            delete(custom, k, ns, name)
+            raise JobFailed(f"{k.kind} {ns}/{name} did not finish within launcher.timeout_minutes="
                             f"{timeout_s / 60:g}; it was deleted")
         time.sleep(poll_s)
 
 
-def run_pytorchjob(spec: JobSpec, run_id: str, module: str, args: list[str],
-                   log: Callable[[str], None] = print, detach: bool = False) -> dict:
-    """Render, submit and watch one PyTorchJob running ``torchrun -m module args``; the job is deleted
-    when this process is told to stop (SIGTERM from Airflow, Ctrl-C) or times out. With ``detach`` a job that
-    has not finished yet raises :class:`pipelines.manifest.Pending` with what a poller needs (a deferrable
+def run_job(spec: JobSpec, run_id: str, module: str, args: list[str],
+            log: Callable[[str], None] = print, detach: bool = False) -> dict:
+    """Render, submit and watch one training job (``launcher.job_kind``) running ``torchrun -m module args``; the
+    job is deleted when this process is told to stop (SIGTERM from Airflow, Ctrl-C) or times out. With ``detach`` a
+    job that has not finished yet raises :class:`pipelines.manifest.Pending` with what a poller needs (a deferrable
     Airflow task waits in the triggerer, then calls this again, which adopts the finished job)."""
     job = stage_job(spec, run_id, module, args)
+    k = kind_of(job)
     custom, core = api_clients(spec)
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     submit(custom, job, log)
-    if detach and job_state(custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name))[0] not in (
-            "Succeeded", "Failed"):
+    if detach and job_state(get(custom, k, ns, name))[0] not in ("Succeeded", "Failed"):
         from pipelines.manifest import Pending
 
         L, t = spec.launcher, spec.launcher.timeout_minutes
-        raise Pending({"namespace": ns, "name": name, "poll_seconds": L.poll_seconds,
+        raise Pending({"kind": k.name, "namespace": ns, "name": name, "poll_seconds": L.poll_seconds,
                        "timeout_s": None if t is None else t * 60, "kubeconfig": L.kubeconfig,
                        "kube_context": L.kube_context})
 
@@ -368,10 +502,10 @@ def run_pytorchjob(spec: JobSpec, run_id: str, module: str, args: list[str],
     previous = signal.signal(signal.SIGTERM, _term) if _in_main_thread() else None
     try:
         t = spec.launcher.timeout_minutes
-        return watch(custom, core, ns, name, spec.launcher.poll_seconds, None if t is None else t * 60, log)
+        return watch(custom, core, k, ns, name, spec.launcher.poll_seconds, None if t is None else t * 60, log)
     except KeyboardInterrupt:
-        log(f"pytorchjob {ns}/{name}: stopping: deleting the job")
-        delete(custom, ns, name)
+        log(f"{k.name} {ns}/{name}: stopping: deleting the job")
+        delete(custom, k, ns, name)
         raise
     finally:
         if previous is not None:
@@ -384,33 +518,42 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+DEFAULT_CRDS = {"trainjob": Path(__file__).resolve().parents[2] / "infra/k8s/crds/trainer.kubeflow.org_trainjobs.yaml"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipelines.train.k8s",
-                                 description="Print the Kubeflow PyTorchJob that the train stage would submit for a "
-                                 "job spec and a tokenize manifest (same trainer arguments, same name); validate it "
-                                 "against the CRD.")
-    ap.add_argument("spec", help="Job spec YAML (launcher.* as for launcher.kind kubernetes).")
+                                 description="Print the Kubernetes training job (a Kubeflow Trainer v2 TrainJob, or a "
+                                 "v1 PyTorchJob with --set launcher.kind=pytorchjob) that the train stage would submit "
+                                 "for a job spec and a tokenize manifest (same trainer arguments, same name); validate "
+                                 "it against the CRD.")
+    ap.add_argument("spec", help="Job spec YAML (launcher.* as for a Kubernetes launcher.kind).")
     ap.add_argument("--tokenize-manifest", required=True, help="The tokenize stage's manifest.json (the train input).")
     ap.add_argument("--run-id", default=None, help="Run id in the job's name (default: the train stage's, "
                                                    "train-<stage key>).")
-    ap.add_argument("--crd", default=None, help="PyTorchJob CRD YAML to validate against (e.g. the training "
-                                                 "operator's manifests/base/crds/kubeflow.org_pytorchjobs.yaml).")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="Override a spec value (repeatable), e.g. --set launcher.kind=pytorchjob.")
+    ap.add_argument("--crd", default=None, help="CRD YAML to validate against (default for a TrainJob: the Trainer "
+                    "v2.3.0 CRD shipped in infra/k8s/crds; a PyTorchJob is validated only when given, e.g. the "
+                    "training operator's kubeflow.org_pytorchjobs.yaml).")
     args = ap.parse_args(argv)
     from pipelines.manifest import load_manifest
     from pipelines.train.launch import TrainError, train_job
 
     try:
-        spec = load_spec(args.spec)
-        spec.launcher.kind = "kubernetes"
+        spec = load_spec(args.spec, args.overrides)
+        if not spec.launcher.on_kubernetes:
+            spec.launcher.kind = "trainjob"
         job = train_job(spec, load_manifest(args.tokenize_manifest))
     except (SpecError, TrainError, FileNotFoundError) as e:
         print(f"k8s: error: {e}", file=sys.stderr)
         return 2
     rendered = stage_job(spec, args.run_id or job.run_id, "pipelines.train.trainer", job.args)
-    if args.crd:
-        errs = validate_pytorchjob(rendered, Path(args.crd), spec)
+    crd = Path(args.crd) if args.crd else DEFAULT_CRDS.get(spec.launcher.job_kind)
+    if crd is not None:
+        errs = validate_job(rendered, crd, spec)
         if errs:
-            print("k8s: invalid PyTorchJob:\n  " + "\n  ".join(errs), file=sys.stderr)
+            print(f"k8s: invalid {rendered['kind']}:\n  " + "\n  ".join(errs), file=sys.stderr)
             return 1
     print(yaml.safe_dump(rendered, sort_keys=False))
     return 0

@@ -3,7 +3,8 @@
 :func:`run_ranks` is the one launcher interface (the preflight stage uses it too), chosen by
 ``launcher.kind``: ``local`` runs ``torchrun`` as a subprocess (``--standalone`` on one node, or
 c10d rendezvous on 127.0.0.1 for ``nnodes > 1`` on this machine) and streams its output;
-``kubernetes`` submits a Kubeflow PyTorchJob and watches it (``pipelines.train.k8s``). On
+``trainjob`` (or ``kubernetes``) and ``pytorchjob`` submit a Kubeflow TrainJob or PyTorchJob and watch it
+(``pipelines.train.k8s``). On
 success the stage writes its manifest: the L0 location of the final checkpoint, the loss curve (JSON
 and PNG, the PNG also logged to MLflow) and throughput.
 
@@ -101,7 +102,7 @@ def check_supported(spec: JobSpec) -> None:
     """Fail before anything starts when the ranks could not see the stage's files: on Kubernetes the pods
     read and write run.root and checkpoint.l1 through the shared filesystem, at the same paths; checkpoint.l0 is
     either there too or an absolute path where each pod mounts its own host's disk."""
-    if spec.launcher.kind != "kubernetes":
+    if not spec.launcher.on_kubernetes:
         return
     from pipelines.train.k8s import node_local_l0
 
@@ -112,7 +113,7 @@ def check_supported(spec: JobSpec) -> None:
     for key, value in keys:
         p = resolve_path(value).resolve()
         if p != mount and mount not in p.parents:
-            raise TrainError(f"launcher.kind=kubernetes: {key} resolves to {p}, outside launcher.shared_fs_mount="
+            raise TrainError(f"launcher.kind={spec.launcher.kind}: {key} resolves to {p}, outside launcher.shared_fs_mount="
                              f"{mount}; the pods would not see it. Put {key} under {mount} (mount the shared "
                              "filesystem on the Airflow workers at the same path)"
                              + ("; or make checkpoint.l0 an absolute path outside it for a node-local L0"
@@ -122,7 +123,7 @@ def check_supported(spec: JobSpec) -> None:
 def rank_workdir(spec: JobSpec, sd: StageDir, tmp: Optional[Path]) -> Path:
     """Where the ranks write: the stage's temp dir locally; on Kubernetes (or with no temp dir yet) a directory
     named by the stage key, so a retried task's job has the same command as the one it adopts."""
-    if spec.launcher.kind != "kubernetes" and tmp is not None:
+    if not spec.launcher.on_kubernetes and tmp is not None:
         return tmp
     return sd.final.with_name(f".{sd.final.name}.work")
 
@@ -167,11 +168,11 @@ def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts
     """Run ``module`` on every rank the spec asks for: torchrun here, or a PyTorchJob on Kubernetes (with
     ``LLMP_DETACH=1``, as a deferrable Airflow task sets it, a ``detachable`` caller, one whose job command and
     work dir are the same when it runs again, gets ``Pending`` after the submit instead of waiting)."""
-    if spec.launcher.kind == "kubernetes":
-        from pipelines.train.k8s import JobFailed, run_pytorchjob
+    if spec.launcher.on_kubernetes:
+        from pipelines.train.k8s import JobFailed, run_job
 
         try:
-            run_pytorchjob(spec, run_id, module, args, log=lambda m: print(m, flush=True),
+            run_job(spec, run_id, module, args, log=lambda m: print(m, flush=True),
                            detach=detachable and os.environ.get("LLMP_DETACH") == "1")
         except JobFailed as e:
             raise TrainError(str(e)) from None

@@ -155,7 +155,7 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
         spec_file = work / "spec.yaml"
         spec.write_work_file(spec_file)
         report = work / "preflight.json"
-        if spec.launcher.kind != "kubernetes":  # there the work dir is the job's: kept for an adopted job
+        if not spec.launcher.on_kubernetes:  # there the work dir is the job's: kept for an adopted job
             report.unlink(missing_ok=True)
         try:
             run_ranks(spec, "pipelines.train.preflight",

@@ -328,10 +328,30 @@ resource "helm_release" "efa_device_plugin" {
   depends_on = [aws_eks_node_group.system]
 }
 
-# The training operator ships kustomize manifests, not a Helm chart: apply its standalone overlay
-# (CRDs incl. kubeflow.org/v1 PyTorchJob + controller) once the cluster exists. Needs kubectl and the
-# AWS CLI where terraform runs.
+# Kubeflow Trainer v2 (TrainJob, trainer.kubeflow.org/v1alpha1; with JobSet, its dependency) from its pinned Helm
+# chart, with the torch-distributed ClusterTrainingRuntime the launcher's TrainJobs reference (launcher.runtime).
+# In state: upgraded by changing trainer_chart_version, removed by destroy. infra/k8s/crds holds the TrainJob CRD
+# of this version, which the tests validate rendered jobs against.
+resource "helm_release" "kubeflow_trainer" {
+  name             = "kubeflow-trainer"
+  repository       = "oci://ghcr.io/kubeflow/charts"
+  chart            = "kubeflow-trainer"
+  version          = var.trainer_chart_version
+  namespace        = "kubeflow-system"
+  create_namespace = true
+  timeout          = 900
+  values = [yamlencode({
+    runtimes = { torchDistributed = { enabled = true } }
+  })]
+  depends_on = [aws_eks_node_group.system]
+}
+
+# Optional (install_pytorchjob_operator): the v1 training operator for launcher.kind=pytorchjob (elastic jobs). It
+# ships kustomize manifests, not a Helm chart: its standalone overlay (CRDs incl. kubeflow.org/v1 PyTorchJob +
+# controller) is applied at a commit once the cluster exists. Not in state (destroy does not remove it); needs
+# kubectl, the AWS CLI and GitHub where terraform runs.
 resource "terraform_data" "training_operator" {
+  count            = var.install_pytorchjob_operator ? 1 : 0
   triggers_replace = [aws_eks_cluster.this.arn, var.training_operator_commit]
   provisioner "local-exec" {
     command = <<-EOT
@@ -444,11 +464,18 @@ resource "kubernetes_role_v1" "spark_driver" {
   }
 }
 
-# Airflow's workers submit PyTorchJobs and Spark drivers into the pipeline namespace, and read pod logs.
+# Airflow's workers submit training jobs (TrainJobs, or v1 PyTorchJobs) and Spark drivers into the pipeline
+# namespace and read pod logs; the triggerer watches deferred jobs, reads their pods' logs and deletes a job whose
+# task a user stopped (bound to both in modules/iam).
 resource "kubernetes_role_v1" "launcher" {
   metadata {
     name      = "pipeline-launcher"
     namespace = kubernetes_namespace_v1.pipeline.metadata[0].name
+  }
+  rule {
+    api_groups = ["trainer.kubeflow.org"]
+    resources  = ["trainjobs"]
+    verbs      = ["create", "get", "list", "watch", "delete"]
   }
   rule {
     api_groups = ["kubeflow.org"]

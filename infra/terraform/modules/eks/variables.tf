@@ -89,6 +89,22 @@ variable "gpu_volume_gib" {
   default     = 500
 }
 
+variable "trainer_chart_version" {
+  type        = string
+  description = "Kubeflow Trainer v2 Helm chart version (oci://ghcr.io/kubeflow/charts/kubeflow-trainer): TrainJobs. infra/k8s/crds holds its TrainJob CRD."
+  default     = "2.3.0"
+  validation {
+    condition     = can(regex("^[0-9]+\\.[0-9]+\\.[0-9]+$", var.trainer_chart_version))
+    error_message = "trainer_chart_version is an exact chart version (x.y.z), not a range."
+  }
+}
+
+variable "install_pytorchjob_operator" {
+  type        = bool
+  description = "Also apply the v1 training operator (PyTorchJob, for launcher.kind=pytorchjob and elastic min_nodes), at training_operator_commit."
+  default     = false
+}
+
 variable "training_operator_commit" {
   type        = string
   description = "Commit of kubeflow/training-operator whose standalone manifests are applied (PyTorchJob v1): an immutable ref, not a tag or branch. 0f8735fa… is the commit of tag v1.8.1."

@@ -124,6 +124,8 @@ resource "kubernetes_role_binding_v1" "spark" {
   }
 }
 
+# The workers submit and collect the training jobs; the triggerer (a deferred task's wait) watches them, reads their
+# pods' logs and deletes a job whose task a user stopped: both run as their own service accounts, bound here.
 resource "kubernetes_role_binding_v1" "airflow_launcher" {
   metadata {
     name      = "airflow-launcher"
@@ -138,5 +140,10 @@ resource "kubernetes_role_binding_v1" "airflow_launcher" {
     kind      = "ServiceAccount"
     name      = local.sa.airflow.name
     namespace = local.sa.airflow.namespace
+  }
+  subject {
+    kind      = "ServiceAccount"
+    name      = split(":", var.triggerer_service_account)[1]
+    namespace = split(":", var.triggerer_service_account)[0]
   }
 }

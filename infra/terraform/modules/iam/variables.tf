@@ -54,3 +54,9 @@ variable "spark_role_name" {
   type        = string
   description = "Role in the pipeline namespace the Spark driver needs (eks module)."
 }
+
+variable "triggerer_service_account" {
+  type        = string
+  description = "namespace:serviceaccount of Airflow's triggerer (the chart's triggerer.serviceAccount), bound to the launcher Role: deferred training jobs are watched from there."
+  default     = "airflow:airflow-triggerer"
+}

@@ -481,6 +481,9 @@ resource "helm_release" "airflow" {
     env = [for k, v in var.pipeline_env : { name = k, value = v }]
     # the pod's IP for Spark's client-mode driver (the executors call back to it)
     extraEnv = yamlencode([{ name = "POD_IP", valueFrom = { fieldRef = { fieldPath = "status.podIP" } } }])
+    # the deferred training-job waits run here, as this service account (bound to the launcher Role in modules/iam;
+    # no AWS role: it only talks to the Kubernetes API)
+    triggerer = { serviceAccount = { name = "airflow-triggerer" } }
     workers = {
       serviceAccount = {
         name        = "airflow-worker"
