@@ -439,8 +439,20 @@ def test_apply_needs_no_drift_or_missing_grant_and_documented_knobs_reach_the_re
     kms = [b for f, t, n, b in blocks("data", [TF / "modules/storage/main.tf"]) if t == "aws_iam_policy_document"
            and n == "kms"][0]
     by_sid = {s["sid"]: s for s in kms["statement"]}
+    stack = {k: v for item in parse(TF / "modules/stack/main.tf")["module"] for k, v in item.items()}
+    # the role must exist before the key names it: created (a fresh account) or looked up (a clear plan error)
     role = [loc for loc in parse(TF / "modules/storage/main.tf")["locals"] if "autoscaling_role" in loc][0]
-    assert role["autoscaling_role"].endswith("/autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling")
+    assert "aws_iam_service_linked_role.autoscaling[0].arn" in role["autoscaling_role"]
+    assert "data.aws_iam_role.autoscaling[0].arn" in role["autoscaling_role"]
+    slr = one("aws_iam_service_linked_role", "storage")
+    assert slr["aws_service_name"] == "autoscaling.amazonaws.com"
+    assert slr["count"] == "${var.create_autoscaling_service_role ? 1 : 0}"
+    assert stack["storage"]["create_autoscaling_service_role"] == "${var.create_autoscaling_service_role}"
+    # CAPACITY_BLOCK launches into its reservation; any other value is refused at plan
+    tmpl = {n: b for f, t, n, b in resources("aws_launch_template")}["gpu"]
+    assert "capacity-block" in json.dumps(tmpl["dynamic"]) and "gpu_capacity_reservation_id" in json.dumps(tmpl["dynamic"])
+    eks_vars = {k: v for item in parse(TF / "modules/eks/variables.tf")["variable"] for k, v in item.items()}
+    assert "CAPACITY_BLOCK" in eks_vars["gpu_capacity_type"]["validation"][0]["condition"]
     asg = by_sid["AutoScalingVolumes"]
     assert asg["principals"][0]["identifiers"] == ["${local.autoscaling_role}"] and "kms:Decrypt" in asg["actions"]
     assert "kms:GenerateDataKey*" in asg["actions"] and "kms:ReEncrypt*" in asg["actions"]
@@ -448,7 +460,7 @@ def test_apply_needs_no_drift_or_missing_grant_and_documented_knobs_reach_the_re
     assert grant["principals"] == asg["principals"]
     assert grant["actions"] == ["kms:CreateGrant"] and grant["condition"][0]["variable"] == "kms:GrantIsForAWSResource"
     stack = {k: v for item in parse(TF / "modules/stack/main.tf")["module"] for k, v in item.items()}
-    for knob in ("gpu_capacity_type", "pipeline_pod_security"):
+    for knob in ("gpu_capacity_type", "pipeline_pod_security", "gpu_capacity_reservation_id"):
         assert stack["eks"][knob] == f"${{var.{knob}}}"
         for env in ("dev", "prod"):
             (call,) = parse(TF / "envs" / env / "main.tf")["module"]

@@ -2,28 +2,30 @@
 # db.t4g.medium that can be destroyed, two system nodes, and a GPU group that scales 0..1 (g6e, no EFA);
 # buckets may be force-destroyed.
 module "stack" {
-  source                 = "../../modules/stack"
-  name                   = "llmp-dev"
-  region                 = var.region
-  azs                    = var.azs
-  endpoint_public_cidrs  = var.endpoint_public_cidrs
-  single_nat_gateway     = true
-  force_destroy_buckets  = true
-  fsx_capacity_gib       = 1200
-  fsx_throughput_per_tib = 125
-  system_nodes           = { min = 2, desired = 2, max = 3 }
-  gpu_instance_type      = "g6e.xlarge"
-  gpu_efa_interfaces     = 0
-  gpu_capacity_type      = var.gpu_capacity_type
-  pipeline_pod_security  = var.pipeline_pod_security
-  gpu_nodes              = { min = 0, desired = 0, max = 1 }
-  db_instance_class      = "db.t4g.medium"
-  db_multi_az            = false
-  db_deletion_protection = false
-  airflow_image          = var.airflow_image
-  mlflow_image           = var.mlflow_image
-  credentials_generation = var.credentials_generation
-  spark_image            = var.spark_image
-  trainer_image          = var.trainer_image
-  tags                   = var.tags
+  source                          = "../../modules/stack"
+  name                            = "llmp-dev"
+  region                          = var.region
+  azs                             = var.azs
+  endpoint_public_cidrs           = var.endpoint_public_cidrs
+  single_nat_gateway              = true
+  force_destroy_buckets           = true
+  fsx_capacity_gib                = 1200
+  fsx_throughput_per_tib          = 125
+  system_nodes                    = { min = 2, desired = 2, max = 3 }
+  gpu_instance_type               = "g6e.xlarge"
+  gpu_efa_interfaces              = 0
+  gpu_capacity_type               = var.gpu_capacity_type
+  create_autoscaling_service_role = var.create_autoscaling_service_role
+  gpu_capacity_reservation_id     = var.gpu_capacity_reservation_id
+  pipeline_pod_security           = var.pipeline_pod_security
+  gpu_nodes                       = { min = 0, desired = 0, max = 1 }
+  db_instance_class               = "db.t4g.medium"
+  db_multi_az                     = false
+  db_deletion_protection          = false
+  airflow_image                   = var.airflow_image
+  mlflow_image                    = var.mlflow_image
+  credentials_generation          = var.credentials_generation
+  spark_image                     = var.spark_image
+  trainer_image                   = var.trainer_image
+  tags                            = var.tags
 }

@@ -56,3 +56,15 @@ variable "pipeline_pod_security" {
   description = "Pod Security level of the pipeline namespace: baseline, or privileged for hostPath scratch."
   default     = "baseline"
 }
+
+variable "gpu_capacity_reservation_id" {
+  type        = string
+  description = "The Capacity Block reservation (cr-…) for gpu_capacity_type = CAPACITY_BLOCK."
+  default     = null
+}
+
+variable "create_autoscaling_service_role" {
+  type        = bool
+  description = "Create EC2 Auto Scaling's service-linked role, which the KMS key policy names: true only in an account that has never used Auto Scaling."
+  default     = false
+}

@@ -221,6 +221,21 @@ resource "aws_launch_template" "gpu" {
   placement {
     group_name = aws_placement_group.gpu.name
   }
+  # gpu_capacity_type = CAPACITY_BLOCK: the nodes launch into the EC2 Capacity Block reservation
+  dynamic "instance_market_options" {
+    for_each = var.gpu_capacity_type == "CAPACITY_BLOCK" ? [1] : []
+    content {
+      market_type = "capacity-block"
+    }
+  }
+  dynamic "capacity_reservation_specification" {
+    for_each = var.gpu_capacity_type == "CAPACITY_BLOCK" ? [1] : []
+    content {
+      capacity_reservation_target {
+        capacity_reservation_id = var.gpu_capacity_reservation_id
+      }
+    }
+  }
   user_data = var.gpu_local_nvme_raid0 ? base64encode(local.gpu_user_data) : null
   # p5.48xlarge: 32 EFA interfaces over the network cards; the first is also the primary ENI. No subnet here:
   # a managed node group takes its subnets from the node group, and fails when the launch template names one.

@@ -73,8 +73,22 @@ variable "gpu_nodes" {
 
 variable "gpu_capacity_type" {
   type        = string
-  description = "ON_DEMAND or CAPACITY_BLOCK (an EC2 Capacity Block reservation) for the GPU nodes."
+  description = "ON_DEMAND or CAPACITY_BLOCK (an EC2 Capacity Block reservation, gpu_capacity_reservation_id) for the GPU nodes."
   default     = "ON_DEMAND"
+  validation {
+    condition     = contains(["ON_DEMAND", "CAPACITY_BLOCK"], var.gpu_capacity_type)
+    error_message = "gpu_capacity_type is ON_DEMAND or CAPACITY_BLOCK."
+  }
+}
+
+variable "gpu_capacity_reservation_id" {
+  type        = string
+  description = "The Capacity Block reservation (cr-…) the GPU nodes launch into when gpu_capacity_type = CAPACITY_BLOCK."
+  default     = null
+  validation {
+    condition     = var.gpu_capacity_type != "CAPACITY_BLOCK" || can(regex("^cr-[0-9a-f]+$", var.gpu_capacity_reservation_id))
+    error_message = "gpu_capacity_type = CAPACITY_BLOCK needs gpu_capacity_reservation_id = \"cr-…\" (the Capacity Block's reservation)."
+  }
 }
 
 variable "gpu_local_nvme_raid0" {

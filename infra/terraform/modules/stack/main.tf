@@ -1,10 +1,11 @@
 # The whole stack, composed once; envs/dev and envs/prod differ only in the sizes they pass.
 
 module "storage" {
-  source        = "../storage"
-  name          = var.name
-  force_destroy = var.force_destroy_buckets
-  tags          = var.tags
+  source                          = "../storage"
+  name                            = var.name
+  force_destroy                   = var.force_destroy_buckets
+  tags                            = var.tags
+  create_autoscaling_service_role = var.create_autoscaling_service_role
 }
 
 module "network" {
@@ -30,20 +31,21 @@ module "fsx" {
 }
 
 module "eks" {
-  source                = "../eks"
-  name                  = var.name
-  vpc_id                = module.network.vpc_id
-  vpc_cidr              = module.network.vpc_cidr
-  private_subnet_ids    = module.network.private_subnet_ids
-  endpoint_public_cidrs = var.endpoint_public_cidrs
-  kms_key_arn           = module.storage.kms_key_arn
-  system_nodes          = var.system_nodes
-  gpu_instance_type     = var.gpu_instance_type
-  gpu_efa_interfaces    = var.gpu_efa_interfaces
-  gpu_local_nvme_raid0  = var.gpu_local_nvme_raid0
-  gpu_nodes             = var.gpu_nodes
-  gpu_capacity_type     = var.gpu_capacity_type
-  pipeline_pod_security = var.pipeline_pod_security
+  source                      = "../eks"
+  name                        = var.name
+  vpc_id                      = module.network.vpc_id
+  vpc_cidr                    = module.network.vpc_cidr
+  private_subnet_ids          = module.network.private_subnet_ids
+  endpoint_public_cidrs       = var.endpoint_public_cidrs
+  kms_key_arn                 = module.storage.kms_key_arn
+  system_nodes                = var.system_nodes
+  gpu_instance_type           = var.gpu_instance_type
+  gpu_efa_interfaces          = var.gpu_efa_interfaces
+  gpu_local_nvme_raid0        = var.gpu_local_nvme_raid0
+  gpu_nodes                   = var.gpu_nodes
+  gpu_capacity_type           = var.gpu_capacity_type
+  gpu_capacity_reservation_id = var.gpu_capacity_reservation_id
+  pipeline_pod_security       = var.pipeline_pod_security
   fsx = {
     file_system_id = module.fsx.file_system_id
     dns_name       = module.fsx.dns_name

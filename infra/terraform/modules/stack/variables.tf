@@ -67,6 +67,12 @@ variable "gpu_capacity_type" {
   default     = "ON_DEMAND"
 }
 
+variable "gpu_capacity_reservation_id" {
+  type        = string
+  description = "The Capacity Block reservation (cr-…) for gpu_capacity_type = CAPACITY_BLOCK."
+  default     = null
+}
+
 variable "pipeline_pod_security" {
   type        = string
   description = "Pod Security level enforced in the pipeline namespace: baseline, or privileged only when launcher.node_local_path / services.spark_local_dir use hostPath."
@@ -123,4 +129,10 @@ variable "credentials_generation" {
   type        = number
   description = "Bump to rotate the applications' database passwords and the MLflow and Airflow admin passwords."
   default     = 1
+}
+
+variable "create_autoscaling_service_role" {
+  type        = bool
+  description = "Create EC2 Auto Scaling's service-linked role, which the KMS key policy names: true only in an account that has never used Auto Scaling."
+  default     = false
 }

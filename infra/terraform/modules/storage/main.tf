@@ -9,9 +9,22 @@ data "aws_partition" "current" {}
 
 locals {
   account = data.aws_caller_identity.current.account_id
-  # EC2 Auto Scaling's service-linked role (exists in every account that has used Auto Scaling; EKS managed node
-  # groups create it)
-  autoscaling_role = "arn:${data.aws_partition.current.partition}:iam::${local.account}:role/aws-service-role/autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling"
+  # EC2 Auto Scaling's service-linked role. A key policy may name only principals that exist, and the node groups
+  # (which would create the role) come after this key: an account that has never used Auto Scaling sets
+  # create_autoscaling_service_role = true; otherwise the role is looked up, and a missing one fails the plan
+  # saying so.
+  autoscaling_role = var.create_autoscaling_service_role ? aws_iam_service_linked_role.autoscaling[0].arn : data.aws_iam_role.autoscaling[0].arn
+}
+
+resource "aws_iam_service_linked_role" "autoscaling" {
+  count            = var.create_autoscaling_service_role ? 1 : 0
+  aws_service_name = "autoscaling.amazonaws.com"
+  tags             = var.tags
+}
+
+data "aws_iam_role" "autoscaling" {
+  count = var.create_autoscaling_service_role ? 0 : 1
+  name  = "AWSServiceRoleForAutoScaling"
 }
 
 data "aws_iam_policy_document" "kms" {

@@ -38,3 +38,9 @@ variable "tags" {
   description = "Tags added to every resource."
   default     = {}
 }
+
+variable "create_autoscaling_service_role" {
+  type        = bool
+  description = "Create EC2 Auto Scaling's service-linked role (AWSServiceRoleForAutoScaling), which the KMS key policy names for the node volumes: true only in an account that has never used Auto Scaling (it exists otherwise, and creating it fails)."
+  default     = false
+}
