@@ -8,11 +8,15 @@ writes:
   and EFA count; ``run.root`` / checkpoint tiers on FSx; ``services``: Spark master ``k8s://…``, S3 on
   AWS with the checkpoint bucket, the in-cluster MLflow URI. Trigger the DAG with
   ``{"spec": "<that file>"}``: no code change, only config.
-* an env file of Airflow connections (``AIRFLOW_CONN_*``, JSON form): ``kubernetes_default``
+* a file of Airflow connections for ``airflow connections import FILE``: ``kubernetes_default``
   (in-cluster), ``spark_pipeline`` (the Spark master the SparkStageOperator uses), ``aws_default``
-  (region; credentials come from the worker's IRSA role).
+  (region; credentials come from the worker's IRSA role), ``mlflow_default`` (the tracking URI; the login comes
+  from the Secret ``mlflow-client``). Imported into the metastore, not set as ``AIRFLOW_CONN_*`` variables (which
+  would win over the UI): the import skips connections that exist, so one a user set in the UI wins, and an edit
+  in the UI sticks. The tasks read them (``plugins/llm_connections.py``).
 
-    python -m pipelines.cluster_config --env dev --out configs/aws-dev.yaml --env-file var/aws-dev.env
+    python -m pipelines.cluster_config --env dev --out configs/aws-dev.yaml --connections var/aws-dev-connections.json
+    airflow connections import var/aws-dev-connections.json
     python -m pipelines.cluster_config --outputs tf-outputs.json --out configs/aws-dev.yaml
 """
 from __future__ import annotations
@@ -81,15 +85,15 @@ def cluster_spec(out: dict, base: dict, shared_mount: str = "/fsx") -> dict:
     return spec
 
 
-def airflow_connections(out: dict) -> dict[str, str]:
+def airflow_connections(out: dict) -> dict[str, dict]:
+    """{conn_id: connection} in the form ``airflow connections import`` reads."""
     return {
-        "AIRFLOW_CONN_KUBERNETES_DEFAULT": json.dumps({"conn_type": "kubernetes",
-                                                       "extra": {"in_cluster": True,
-                                                                 "namespace": out["pipeline_namespace"]}}),
-        "AIRFLOW_CONN_SPARK_PIPELINE": json.dumps({"conn_type": "spark", "host": out["spark_master"],
-                                                   "extra": {"deploy-mode": "client",
-                                                             "namespace": out["pipeline_namespace"]}}),
-        "AIRFLOW_CONN_AWS_DEFAULT": json.dumps({"conn_type": "aws", "extra": {"region_name": out["region"]}}),
+        "kubernetes_default": {"conn_type": "kubernetes",
+                               "extra": {"in_cluster": True, "namespace": out["pipeline_namespace"]}},
+        "spark_pipeline": {"conn_type": "spark", "host": out["spark_master"],
+                           "extra": {"deploy-mode": "client", "namespace": out["pipeline_namespace"]}},
+        "aws_default": {"conn_type": "aws", "extra": {"region_name": out["region"]}},
+        "mlflow_default": {"conn_type": "http", "host": out["mlflow_tracking_uri"]},
     }
 
 
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--outputs", help="A saved `terraform output -json`.")
     ap.add_argument("--base", default=str(ROOT / "configs" / "demo.yaml"), help="Spec the cluster settings layer onto.")
     ap.add_argument("--out", required=True, help="Job spec YAML to write.")
-    ap.add_argument("--env-file", help="Write the Airflow connections here (KEY='JSON' lines).")
+    ap.add_argument("--connections", help="Write the Airflow connections here (JSON for `airflow connections "
+                    "import`, which keeps connections that exist: one set in the UI wins).")
     args = ap.parse_args(argv)
     try:
         out = read_outputs(args.outputs, args.env)
@@ -121,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"cluster_config: wrote {args.out} (launcher.kind=trainjob, Spark {out['spark_master']}, "
           f"MLflow {redact(out['mlflow_tracking_uri'])})")
-    if args.env_file:
+    if args.connections:
         conns = airflow_connections(out)
-        atomic_write_text(args.env_file, "".join(f"{k}='{v}'\n" for k, v in conns.items()))
-        print(f"cluster_config: wrote {len(conns)} Airflow connections to {args.env_file}")
+        atomic_write_text(args.connections, json.dumps(conns, indent=2) + "\n")
+        print(f"cluster_config: wrote {len(conns)} Airflow connections to {args.connections}; load them with "
+              f"`airflow connections import {args.connections}` (existing ones are kept)")
     return 0
 
 

@@ -559,13 +559,26 @@ class ServicesCfg(_Section):
     mlflow_ui_url: str = Field("http://127.0.0.1:5000", description="Where the MLflow UI is served (`mlflow ui` "
                                "default): the Airflow tasks' extra links point there.")
     mlflow_artifact_root: str = "var/mlartifacts"
+    # Airflow connections: when the named connection exists (set in the UI, by `airflow connections`, an env var or a
+    # secrets backend), the DAG's tasks take the service's address and credentials from it instead of the values
+    # above (plugins/llm_operators.py: connection_env); absent, these values are used.
+    spark_conn_id: str = Field("spark_pipeline", description="Spark connection (host = the master).")
+    aws_conn_id: str = Field("aws_default", description="AWS connection: login/password = the access key, "
+                             "extra endpoint_url = the S3 endpoint, extra region_name = the region.")
+    mlflow_conn_id: str = Field("mlflow_default", description="MLflow tracking connection (http): host[:port] = "
+                                "the tracking URI, login/password = its basic-auth login.")
+    kube_conn_id: str = Field("kubernetes_default", description="Kubernetes connection: extra kube_config_path, "
+                              "kube_config (the file's content), in_cluster, cluster_context.")
 
 
 ENV_OVERRIDES = {
     "SPARK_MASTER": ("services", "spark_master"),
     "S3_ENDPOINT_URL": ("services", "s3_endpoint_url"),
     "S3_BUCKET": ("services", "s3_bucket"),
+    "S3_REGION": ("services", "s3_region"),
     "MLFLOW_TRACKING_URI": ("services", "mlflow_tracking_uri"),
+    "LLMP_KUBECONFIG": ("launcher", "kubeconfig"),
+    "LLMP_KUBE_CONTEXT": ("launcher", "kube_context"),
 }
 
 class JobSpec(_Section):

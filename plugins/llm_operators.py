@@ -61,6 +61,28 @@ def spec_cli_args(spec: str | None, overrides: Sequence[str]) -> list[str]:
     return out
 
 
+def connection_env(spec_path: str | None, overrides: Sequence[str], scratch: Path) -> dict[str, str]:
+    from llm_connections import aws_env, find_connection, kube_env, mlflow_env
+
+    """Environment overrides for a stage from the Airflow connections its spec names (``services.*_conn_id``):
+    a connection that exists wins over the spec's own value (what ``pipelines.cluster_config`` wrote), and its
+    secrets reach the stage through its environment, never its command line. Absent connections change nothing."""
+    from pipelines.spec import SpecError, load_spec
+
+    cli = spec_cli_args(spec_path, overrides)
+    try:
+        services = load_spec(spec_path, [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"]).services
+    except SpecError:  # the stage itself rejects the spec, with the key to fix (exit 2: no retries)
+        return {}
+    env: dict[str, str] = {}
+    for conn_id, to_env in ((services.aws_conn_id, aws_env), (services.mlflow_conn_id, mlflow_env),
+                            (services.kube_conn_id, lambda c: kube_env(c, scratch))):
+        conn = find_connection(conn_id) if conn_id else None
+        if conn is not None:
+            env.update(to_env(conn))
+    return env
+
+
 def _read_report(path: str) -> str:
     try:
         return json.loads(Path(path).read_text())["manifest"]
@@ -217,8 +239,12 @@ class StageOperator(BaseOperator):
     def _args(self) -> list[str]:
         return [*spec_cli_args(self.spec, self.overrides), *self.stage_args]
 
+    def _env(self, scratch: str, detach: bool) -> dict[str, str]:
+        return {**connection_env(self.spec, self.overrides, Path(scratch)), "LLMP_DETACH": "1" if detach else "0"}
+
     def execute(self, context) -> str:
-        rep = _run_cli(self, self.module, self._args(), {"LLMP_DETACH": "1" if self.deferrable else "0"})
+        with tempfile.TemporaryDirectory(prefix="llmp-conn-") as scratch:
+            rep = _run_cli(self, self.module, self._args(), self._env(scratch, self.deferrable))
         if "pending" in rep:
             from llm_triggers import TrainingJobTrigger
 
@@ -230,7 +256,8 @@ class StageOperator(BaseOperator):
         """Back from the trigger: a finished job is collected by running the stage again (it adopts the job)."""
         if event.get("state") != "Succeeded":
             raise AirflowException(event.get("message") or f"the job ended {event.get('state')}")
-        rep = _run_cli(self, self.module, self._args(), {"LLMP_DETACH": "0"})
+        with tempfile.TemporaryDirectory(prefix="llmp-conn-") as scratch:
+            rep = _run_cli(self, self.module, self._args(), self._env(scratch, False))
         return finish(self, context, rep["manifest"])
 
     def on_kill(self) -> None:
@@ -271,11 +298,20 @@ class SparkStageOperator(SparkSubmitOperator):
         self.stage_args = list(stage_args)
 
     def _submit_settings(self, spec, tmp: str) -> str:
-        """conf, env and --py-files for spark-submit; returns the Spark UI's URL (the driver runs here)."""
+        """conf, env and --py-files for spark-submit; returns the Spark UI's URL (the driver runs here). The master is
+        the Spark connection's (``services.spark_conn_id``) when one exists, else the spec's, exposed under that id."""
+        from llm_connections import find_connection, spark_master
+
         from pipelines.data.spark import package_zip
 
-        master = spec.services.spark_master
-        os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps({"conn_type": "spark", "host": master})
+        self._conn_id = spec.services.spark_conn_id
+        conn = find_connection(self._conn_id)
+        if conn is None:
+            master = spec.services.spark_master
+            os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps({"conn_type": "spark", "host": master})
+        else:
+            master = spark_master(conn)
+            self.log.info("Spark master from connection %s: %s", self._conn_id, master)
         ui_port = _free_port()
         self.conf = {**spec.services.spark_conf, **(self.conf or {}), "spark.pyspark.python": sys.executable,
                      "spark.pyspark.driver.python": sys.executable, "spark.ui.port": str(ui_port),
@@ -287,7 +323,10 @@ class SparkStageOperator(SparkSubmitOperator):
         self.env_vars = {**(self.env_vars or {}), "PYSPARK_PYTHON": sys.executable,
                          "PYSPARK_DRIVER_PYTHON": sys.executable, "LLMP_HOME": str(project_root()),
                          "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-                         "PYTHONWARNINGS": "ignore::FutureWarning"}
+                         "PYTHONWARNINGS": "ignore::FutureWarning", "SPARK_MASTER": master}
+        # the connections' settings and secrets reach spark-submit and the driver through this task process's own
+        # environment (the provider puts env_vars on spark-submit's command line for Kubernetes masters)
+        os.environ.update(connection_env(self.spec, self.overrides, Path(tmp)))
         if master.startswith("local"):
             self.env_vars.setdefault("SPARK_LOCAL_IP", os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"))
         host = self.conf.get("spark.driver.host") or self.env_vars.get("SPARK_LOCAL_IP") or "127.0.0.1"

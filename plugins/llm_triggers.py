@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -30,8 +31,9 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
 class TrainingJobTrigger(BaseTrigger):
     def __init__(self, namespace: str, name: str, kind: str = "pytorchjob", poll_seconds: float = 30.0,
                  timeout_s: float | None = None, kubeconfig: str | None = None, kube_context: str | None = None,
-                 started: float | None = None):
+                 started: float | None = None, kube_conn_id: str | None = None):
         super().__init__()
+        self.kube_conn_id = kube_conn_id  # a connection that exists wins over kubeconfig / kube_context
         self.kind, self.namespace, self.name = kind, namespace, name  # kind's default: tasks deferred before TrainJobs
         self.poll_seconds, self.timeout_s = poll_seconds, timeout_s
         self.kubeconfig, self.kube_context = kubeconfig, kube_context
@@ -41,16 +43,34 @@ class TrainingJobTrigger(BaseTrigger):
         return ("llm_triggers.TrainingJobTrigger",
                 {"kind": self.kind, "namespace": self.namespace, "name": self.name, "poll_seconds": self.poll_seconds,
                  "timeout_s": self.timeout_s, "kubeconfig": self.kubeconfig, "kube_context": self.kube_context,
-                 "started": self.started})
+                 "started": self.started, "kube_conn_id": self.kube_conn_id})
 
     def _job(self):
         from pipelines.train import k8s
 
         return k8s, k8s.KINDS[self.kind]
 
+    async def _clients(self, k8s, scratch: str):
+        """Clients as the Kubernetes connection says (read here, in the triggerer: the worker's files are not here),
+        else the task's kubeconfig / context, else the triggerer's own in-cluster identity."""
+        from llm_connections import aconnection, kube_env
+
+        kubeconfig, context = self.kubeconfig, self.kube_context
+        conn = await aconnection(self.kube_conn_id) if self.kube_conn_id else None
+        if conn is not None:
+            env = kube_env(conn, Path(scratch))
+            kubeconfig, context = env.get("LLMP_KUBECONFIG") or None, env.get("LLMP_KUBE_CONTEXT") or context
+        return await asyncio.to_thread(k8s.api_clients_for, kubeconfig, context)
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
         k8s, k = self._job()
-        custom, core = await asyncio.to_thread(k8s.api_clients_for, self.kubeconfig, self.kube_context)
+        with tempfile.TemporaryDirectory(prefix="llmp-trigger-") as scratch:
+            custom, core = await self._clients(k8s, scratch)
+            async for event in self._poll(k8s, k, custom, core):
+                yield event
+                return
+
+    async def _poll(self, k8s, k, custom, core) -> AsyncIterator[TriggerEvent]:
         ns, name = self.namespace, self.name
         logs = k8s.ReplicaLogs(core, k, ns, name, window_s=int(self.poll_seconds * 3) + 30)
         last = None
@@ -80,7 +100,8 @@ class TrainingJobTrigger(BaseTrigger):
     async def on_kill(self) -> None:
         """The user marked the deferred task failed or succeeded, or cleared it: its job must not run on."""
         k8s, k = self._job()
-        custom, _ = await asyncio.to_thread(k8s.api_clients_for, self.kubeconfig, self.kube_context)
+        with tempfile.TemporaryDirectory(prefix="llmp-trigger-") as scratch:
+            custom, _ = await self._clients(k8s, scratch)
         self.log.info("%s %s/%s: the task was stopped by a user: deleting the job", k.name, self.namespace, self.name)
         await asyncio.to_thread(k8s.delete, custom, k, self.namespace, self.name)
 

@@ -2,6 +2,7 @@
 (``fake_kube``; no cluster can run here), whose "operator" runs the job's real torchrun command."""
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -235,3 +236,71 @@ def test_a_user_stopping_the_deferred_task_deletes_its_job(home, kube):
     asyncio.run(asyncio.wait_for(trigger.on_kill(), timeout=60))
     assert ("DELETE", COLLECTION["trainjob"] + "/llm-pipeline-unit") in fake.requests and fake.jobs == {}
     assert client.Configuration.get_default_copy().host == before != fake.url
+
+
+def test_airflow_connections_set_the_services_and_win_over_the_spec(home, kube, monkeypatch, tmp_path):
+    """A connection that exists (any backend; here AIRFLOW_CONN_*) is where a task takes the service's address and
+    credentials: the S3 endpoint and keys (aws_default), MLflow's URI and login (mlflow_default), the kubeconfig
+    (kubernetes_default, inline: written 0600 for the stage); secrets go to the environment, not the command line.
+    The trigger reads the same Kubernetes connection in the triggerer. Absent connections change nothing."""
+    import asyncio
+    import json as _json
+    import stat
+
+    sys.path.insert(0, str(ROOT / "plugins"))
+    from llm_operators import connection_env
+    from llm_triggers import TrainingJobTrigger
+
+    fake, cfg = kube
+    spec_file = home / "conn-spec.yaml"
+    spec_file.write_text(yaml.safe_dump({"services": {"s3_endpoint_url": "http://127.0.0.1:1", "spark_master": "local[1]",
+                                                      "mlflow_tracking_uri": "sqlite:///x.db"},
+                                         "launcher": {"kind": "trainjob", "kubeconfig": "/nonexistent"}}))
+    for var in ("AIRFLOW_CONN_AWS_DEFAULT", "AIRFLOW_CONN_MLFLOW_DEFAULT", "AIRFLOW_CONN_KUBERNETES_DEFAULT"):
+        monkeypatch.delenv(var, raising=False)
+    assert connection_env(str(spec_file), [], tmp_path) == {}  # none set: the spec's values stand
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_DEFAULT", _json.dumps({"conn_type": "aws", "login": "AKIAEXAMPLE",
+                       "password": "s3cr3t-key", "extra": {"endpoint_url": "http://127.0.0.1:9000",
+                                                           "region_name": "eu-west-1"}}))
+    monkeypatch.setenv("AIRFLOW_CONN_MLFLOW_DEFAULT", _json.dumps({"conn_type": "http", "host": "mlflow.internal",
+                       "port": 5000, "login": "pipeline", "password": "mlflow-pass"}))
+    monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_DEFAULT", _json.dumps({"conn_type": "kubernetes", "extra": {
+        "kube_config": cfg.read_text(), "cluster_context": "fake"}}))
+    env = connection_env(str(spec_file), [], tmp_path)
+    assert env["S3_ENDPOINT_URL"] == "http://127.0.0.1:9000" and env["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-key"
+    assert env["MLFLOW_TRACKING_URI"] == "http://mlflow.internal:5000" and env["MLFLOW_TRACKING_PASSWORD"] == "mlflow-pass"
+    kubeconfig = Path(env["LLMP_KUBECONFIG"])
+    assert stat.S_IMODE(kubeconfig.stat().st_mode) == 0o600 and env["LLMP_KUBE_CONTEXT"] == "fake"
+    spec = load_spec(str(spec_file), env=env)  # what the stage sees: the connections win over the spec file
+    assert spec.services.s3_endpoint_url == "http://127.0.0.1:9000" and spec.services.s3_region == "eu-west-1"
+    assert spec.services.mlflow_tracking_uri == "http://mlflow.internal:5000"
+    assert spec.launcher.kubeconfig == str(kubeconfig)
+    # the trigger, given only the connection id (the task's kubeconfig path is not on the triggerer), reaches the job
+    custom, _ = k8s.api_clients(spec)
+    assert k8s.submit(custom, _job(spec, [sys.executable, "-c", "import time; time.sleep(120)"]), print) == "created"
+    trigger = TrainingJobTrigger(kind="trainjob", namespace="llm-pipeline", name="llm-pipeline-unit",
+                                 kubeconfig="/not/on/the/triggerer", kube_conn_id="kubernetes_default")
+    asyncio.run(asyncio.wait_for(trigger.on_kill(), timeout=60))
+    assert fake.jobs == {}
+
+
+def test_a_spark_connection_that_exists_is_the_master_and_is_not_overwritten(home, monkeypatch, tmp_path):
+    """spark_pipeline set by a user (UI, CLI, env) is the master spark-submit gets; absent, the spec's master is
+    exposed under that id (the laptop path)."""
+    import json as _json
+    import os
+
+    sys.path.insert(0, str(ROOT / "plugins"))
+    from llm_operators import SparkStageOperator
+
+    spec = load_spec(None, ["services.spark_master=local[2]"], env={})
+    op = SparkStageOperator(task_id="dedup", module="pipelines.data.dedup")
+    user = _json.dumps({"conn_type": "spark", "host": "local[1]"})
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_PIPELINE", user)
+    op._submit_settings(spec, str(tmp_path))
+    assert op.env_vars["SPARK_MASTER"] == "local[1]" and os.environ["AIRFLOW_CONN_SPARK_PIPELINE"] == user
+    monkeypatch.delenv("AIRFLOW_CONN_SPARK_PIPELINE")
+    op._submit_settings(spec, str(tmp_path))
+    assert op.env_vars["SPARK_MASTER"] == "local[2]"
+    assert _json.loads(os.environ["AIRFLOW_CONN_SPARK_PIPELINE"])["host"] == "local[2]"
+    monkeypatch.delenv("AIRFLOW_CONN_SPARK_PIPELINE")

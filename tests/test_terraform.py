@@ -286,8 +286,8 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
     assert set(values) == set(names), "the test's outputs drifted from envs/prod/outputs.tf"
     outputs = tmp_path / "tf.json"
     outputs.write_text(json.dumps({"stack": {"value": values, "type": ["object", {}], "sensitive": False}}))
-    spec_path, env_file = tmp_path / "aws-prod.yaml", tmp_path / "aws.env"
-    assert cc.main(["--outputs", str(outputs), "--out", str(spec_path), "--env-file", str(env_file)]) == 0
+    spec_path, conn_file = tmp_path / "aws-prod.yaml", tmp_path / "connections.json"
+    assert cc.main(["--outputs", str(outputs), "--out", str(spec_path), "--connections", str(conn_file)]) == 0
     spec = load_spec(spec_path, env={})
     assert spec.launcher.kind == "trainjob" and spec.launcher.efa_per_node == 32
     assert spec.launcher.service_account == "trainer" and spec.launcher.shared_fs_claim == "fsx-checkpoints"
@@ -303,10 +303,11 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert pod["serviceAccountName"] == "trainer"
     assert {"name": "shared-fs", "mountPath": "/fsx"} in pod["containers"][0]["volumeMounts"]
-    conns = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
-    spark = json.loads(conns["AIRFLOW_CONN_SPARK_PIPELINE"].strip("'"))
+    conns = json.loads(conn_file.read_text())  # what `airflow connections import` reads
+    spark = conns["spark_pipeline"]
     assert spark["host"] == values["spark_master"]
-    assert json.loads(conns["AIRFLOW_CONN_KUBERNETES_DEFAULT"].strip("'"))["extra"]["in_cluster"] is True
+    assert conns["kubernetes_default"]["extra"]["in_cluster"] is True
+    assert conns["mlflow_default"]["host"] == values["mlflow_tracking_uri"]
     # missing outputs fail with a message naming them
     outputs.write_text(json.dumps({"region": {"value": "us-east-1"}}))
     assert cc.main(["--outputs", str(outputs), "--out", str(tmp_path / "x.yaml")]) == 2

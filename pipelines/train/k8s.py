@@ -494,7 +494,7 @@ def run_job(spec: JobSpec, run_id: str, module: str, args: list[str],
         L, t = spec.launcher, spec.launcher.timeout_minutes
         raise Pending({"kind": k.name, "namespace": ns, "name": name, "poll_seconds": L.poll_seconds,
                        "timeout_s": None if t is None else t * 60, "kubeconfig": L.kubeconfig,
-                       "kube_context": L.kube_context})
+                       "kube_context": L.kube_context, "kube_conn_id": spec.services.kube_conn_id})
 
     def _term(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
