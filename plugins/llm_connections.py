@@ -15,16 +15,21 @@ def find_connection(conn_id: str):
     """The Airflow connection ``conn_id`` from any backend (the UI's metastore, ``AIRFLOW_CONN_*``, a secrets
     backend), or None when none defines it."""
     from airflow.sdk import BaseHook
-    from airflow.sdk.exceptions import AirflowNotFoundException, AirflowRuntimeError
 
     try:
         return BaseHook.get_connection(conn_id)
-    except AirflowNotFoundException:
-        return None
-    except AirflowRuntimeError as e:
-        if "CONNECTION_NOT_FOUND" in str(getattr(getattr(e, "error", None), "error", "")):
+    except Exception as e:
+        if _not_found(e):
             return None
         raise
+
+
+def _not_found(e: Exception) -> bool:
+    """Whether a connection lookup failed only because no backend defines the connection."""
+    from airflow.sdk.exceptions import AirflowNotFoundException, AirflowRuntimeError
+
+    return isinstance(e, AirflowNotFoundException) or (
+        isinstance(e, AirflowRuntimeError) and "CONNECTION_NOT_FOUND" in str(getattr(e.error, "error", "")))
 
 
 def _uri(conn, default_scheme: str) -> str:
@@ -76,13 +81,10 @@ def spark_master(conn) -> str:
 async def aconnection(conn_id: str):
     """``find_connection`` for the triggerer's event loop."""
     from airflow.sdk import BaseHook
-    from airflow.sdk.exceptions import AirflowNotFoundException, AirflowRuntimeError
 
     try:
         return await BaseHook.aget_connection(conn_id)
-    except AirflowNotFoundException:
-        return None
-    except AirflowRuntimeError as e:
-        if "CONNECTION_NOT_FOUND" in str(getattr(getattr(e, "error", None), "error", "")):
+    except Exception as e:
+        if _not_found(e):
             return None
         raise
