@@ -394,8 +394,16 @@ def test_each_application_has_its_own_database_login_and_rds_admits_only_the_pri
     rule = one("aws_vpc_security_group_ingress_rule", "metadata")
     assert rule["for_each"] == "${toset(var.private_subnet_cidrs)}" and rule["cidr_ipv4"] == "${each.value}"
     airflow = one("helm_release", "metadata")["values"][0]
-    assert "FabAuthManager" in airflow and "random_password.airflow_admin.result" in airflow
-    assert "rbac" in airflow and "extraEnvFrom" in airflow
+    assert "FabAuthManager" in airflow and "rbac" in airflow and "extraEnvFrom" in airflow
+    # Airflow 3 values (chart 1.22): the admin is createUserJob's, its password read from a Secret (not in the values
+    # Helm keeps in the cluster), the API and JWT keys ours; no Airflow 2 webserver settings
+    assert "createUserJob" in airflow and "webserver" not in airflow and "random_password" not in airflow
+    assert "admin-login/password" in airflow and "kubernetes_secret_v1.airflow_admin" in airflow
+    assert "apiSecretKeySecretName" in airflow and "jwtSecretName" in airflow and "airflowVersion" in airflow
+    chart = {k: v for item in parse(TF / "modules/metadata/variables.tf")["variable"] for k, v in item.items()}
+    assert chart["airflow_chart_version"]["default"] == "1.22.0"
+    secrets_ = {n: b for f, t, n, b in resources("kubernetes_secret_v1")}
+    assert secrets_["airflow_admin"]["data"] == {"password": "${random_password.airflow_admin.result}"}
 
 
 def test_kms_only_via_s3_operator_pinned_to_a_commit_and_fsx_linked_at_the_l1_path():

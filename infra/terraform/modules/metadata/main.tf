@@ -465,15 +465,26 @@ resource "helm_release" "airflow" {
       fab  = { auth_rate_limited = "True" }
     }
     rbac = { create = true }
-    webserver = {
+    # Airflow 3 in chart 1.22 (its upgrading-to-airflow-3 guide): the admin user is createUserJob's (webserver.*
+    # configures Airflow 2's webserver), the API server's secret key and the JWT secret come from our Secret. The
+    # admin password is not in these values (Helm keeps values in the cluster): the job reads it from the Secret
+    # airflow-admin. Applied by Terraform, the jobs run without Helm hooks, as the chart's docs require.
+    airflowVersion = var.airflow_version
+    createUserJob = {
+      useHelmHooks   = false
+      applyCustomEnv = false
       defaultUser = {
         enabled   = true, role = "Admin", username = "admin", email = "admin@example.invalid",
-        firstName = "Pipeline", lastName = "Admin", password = random_password.airflow_admin.result
+        firstName = "Pipeline", lastName = "Admin"
       }
+      extraVolumes      = [{ name = "admin-login", secret = { secretName = kubernetes_secret_v1.airflow_admin.metadata[0].name } }]
+      extraVolumeMounts = [{ name = "admin-login", mountPath = "/opt/airflow/admin-login", readOnly = true }]
+      args = ["bash", "-c", join(" ", ["exec airflow users create -r Admin -u admin -e admin@example.invalid",
+      "-f Pipeline -l Admin -p \"$(cat /opt/airflow/admin-login/password)\""])]
     }
-    apiSecretKeySecretName       = kubernetes_secret_v1.airflow_keys.metadata[0].name
-    webserverSecretKeySecretName = kubernetes_secret_v1.airflow_keys.metadata[0].name
-    jwtSecretName                = kubernetes_secret_v1.airflow_keys.metadata[0].name
+    migrateDatabaseJob     = { useHelmHooks = false, applyCustomEnv = false }
+    apiSecretKeySecretName = kubernetes_secret_v1.airflow_keys.metadata[0].name
+    jwtSecretName          = kubernetes_secret_v1.airflow_keys.metadata[0].name
     # MLflow logins for the tasks (MLFLOW_TRACKING_USERNAME / _PASSWORD)
     extraEnvFrom = yamlencode([{ secretRef = { name = kubernetes_secret_v1.mlflow_client["airflow"].metadata[0].name } }])
     nodeSelector = { "llm-pipeline/pool" = "system" }
@@ -496,6 +507,14 @@ resource "helm_release" "airflow" {
   })]
 }
 
+resource "kubernetes_secret_v1" "airflow_admin" {
+  metadata {
+    name      = "airflow-admin"
+    namespace = var.airflow_namespace
+  }
+  data = { password = random_password.airflow_admin.result }
+}
+
 resource "random_password" "airflow_admin" {
   length  = 32
   special = false
@@ -503,7 +522,7 @@ resource "random_password" "airflow_admin" {
 }
 
 resource "random_password" "airflow_keys" {
-  for_each = toset(["api-secret-key", "webserver-secret-key", "jwt-secret"])
+  for_each = toset(["api-secret-key", "jwt-secret"])
   length   = 48
   special  = false
 }
@@ -514,8 +533,7 @@ resource "kubernetes_secret_v1" "airflow_keys" {
     namespace = var.airflow_namespace
   }
   data = {
-    "api-secret-key"       = random_password.airflow_keys["api-secret-key"].result
-    "webserver-secret-key" = random_password.airflow_keys["webserver-secret-key"].result
-    "jwt-secret"           = random_password.airflow_keys["jwt-secret"].result
+    "api-secret-key" = random_password.airflow_keys["api-secret-key"].result
+    "jwt-secret"     = random_password.airflow_keys["jwt-secret"].result
   }
 }

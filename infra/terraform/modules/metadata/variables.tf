@@ -85,8 +85,18 @@ variable "pipeline_namespace" {
 
 variable "airflow_chart_version" {
   type        = string
-  description = "apache-airflow Helm chart version (Airflow 3.x)."
-  default     = "1.18.0"
+  description = "apache-airflow Helm chart version: 1.22.0, the newest release, whose values fit Airflow 3 (apiServer, createUserJob.defaultUser, apiSecretKey/jwtSecret)."
+  default     = "1.22.0"
+}
+
+variable "airflow_version" {
+  type        = string
+  description = "The Airflow version in airflow_image (the chart's airflowVersion: it picks the components and config for it)."
+  default     = "3.3.2"
+  validation {
+    condition     = can(regex("^3\\.[0-9]+\\.[0-9]+$", var.airflow_version))
+    error_message = "airflow_version is the image's Airflow 3 release, x.y.z."
+  }
 }
 
 variable "airflow_image" {
