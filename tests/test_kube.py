@@ -72,6 +72,8 @@ def test_train_stage_submits_a_training_job_watches_it_and_matches_the_local_run
     other = {"trainjob": "pytorchjob", "pytorchjob": "trainjob"}[kind]
     assert k8s.main([str(spec_file), "--tokenize-manifest", tok.path, "--set", f"launcher.kind={other}"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["kind"] == {"trainjob": "TrainJob", "pytorchjob": "PyTorchJob"}[other]
+    if kind == "pytorchjob":
+        return  # the launcher's path is the same for both kinds: one comparison with the local launcher is enough
     # the same job spec on the local launcher gives the same loss curve
     local = launch.run(load_spec(None, TINY, env={}), tok)
     curve = lambda mm: [loss for _, loss in json.loads(mm.output("losses").read_text())]  # noqa: E731
