@@ -398,6 +398,10 @@ class TrainCfg(_Section):
 
 
 class LauncherCfg(_Section):
+    # which ClusterTrainingRuntime a TrainJob references does not change what the ranks compute, and a field new to
+    # the key would re-key every train stage (a running week-long run would start over): not part of the key. (The
+    # API credentials a connection gives never enter the spec: pipelines.train.k8s.kube_target.)
+    unhashed: ClassVar[frozenset[str]] = frozenset({"runtime"})
     kind: Literal["local", "trainjob", "pytorchjob", "kubernetes"] = Field(
         "local", description="'local': torchrun subprocesses here; 'trainjob': a Kubeflow Trainer v2 TrainJob "
         "(trainer.kubeflow.org/v1alpha1, the current API); 'pytorchjob': a training-operator v1 PyTorchJob "
@@ -577,8 +581,6 @@ ENV_OVERRIDES = {
     "S3_BUCKET": ("services", "s3_bucket"),
     "S3_REGION": ("services", "s3_region"),
     "MLFLOW_TRACKING_URI": ("services", "mlflow_tracking_uri"),
-    "LLMP_KUBECONFIG": ("launcher", "kubeconfig"),
-    "LLMP_KUBE_CONTEXT": ("launcher", "kube_context"),
 }
 
 class JobSpec(_Section):

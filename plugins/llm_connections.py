@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 
@@ -56,12 +57,12 @@ def mlflow_env(conn) -> dict[str, str]:
 def kube_env(conn, scratch: Path) -> dict[str, str]:
     """The launcher's kubeconfig and context from a Kubernetes connection; an inline ``kube_config`` is written to a
     file of the task's own (mode 0600) for the stage's lifetime; ``in_cluster`` leaves the pod's own identity."""
-    x = conn.extra_dejson
+    x = {k.removeprefix("extra__kubernetes__"): v for k, v in conn.extra_dejson.items()}  # the provider's old keys
     env = {"LLMP_KUBE_CONTEXT": str(x["cluster_context"])} if x.get("cluster_context") else {}
-    if x.get("in_cluster") in (True, "true", "True"):
+    if str(x.get("in_cluster", "")).strip().lower() in ("true", "1", "yes"):
         return {**env, "LLMP_KUBECONFIG": ""}
     if x.get("kube_config"):
-        path = scratch / f"kubeconfig-{conn.conn_id}"
+        path = scratch / ("kubeconfig-" + re.sub(r"[^A-Za-z0-9_-]", "_", str(conn.conn_id)))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(fd, 0o600)  # also when the file was there already
         with os.fdopen(fd, "w") as f:

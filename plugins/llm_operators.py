@@ -62,11 +62,11 @@ def spec_cli_args(spec: str | None, overrides: Sequence[str]) -> list[str]:
 
 
 def connection_env(spec_path: str | None, overrides: Sequence[str], scratch: Path) -> dict[str, str]:
-    from llm_connections import aws_env, find_connection, kube_env, mlflow_env
-
     """Environment overrides for a stage from the Airflow connections its spec names (``services.*_conn_id``):
     a connection that exists wins over the spec's own value (what ``pipelines.cluster_config`` wrote), and its
     secrets reach the stage through its environment, never its command line. Absent connections change nothing."""
+    from llm_connections import aws_env, find_connection, kube_env, mlflow_env
+
     from pipelines.spec import SpecError, load_spec
 
     cli = spec_cli_args(spec_path, overrides)
@@ -312,6 +312,7 @@ class SparkStageOperator(SparkSubmitOperator):
         else:
             master = spark_master(conn)
             self.log.info("Spark master from connection %s: %s", self._conn_id, master)
+            spec.services.spark_master = master  # the Kubernetes conf below is the connection master's
         ui_port = _free_port()
         self.conf = {**spec.services.spark_conf, **(self.conf or {}), "spark.pyspark.python": sys.executable,
                      "spark.pyspark.driver.python": sys.executable, "spark.ui.port": str(ui_port),
@@ -325,8 +326,11 @@ class SparkStageOperator(SparkSubmitOperator):
                          "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
                          "PYTHONWARNINGS": "ignore::FutureWarning", "SPARK_MASTER": master}
         # the connections' settings and secrets reach spark-submit and the driver through this task process's own
-        # environment (the provider puts env_vars on spark-submit's command line for Kubernetes masters)
-        os.environ.update(connection_env(self.spec, self.overrides, Path(tmp)))
+        # environment (the provider puts env_vars on spark-submit's command line for Kubernetes masters), until the
+        # task ends (execute restores it: `airflow dags test` runs every task in one process)
+        conn_env = connection_env(self.spec, self.overrides, Path(tmp))
+        self._saved_env = {k: os.environ.get(k) for k in conn_env}
+        os.environ.update(conn_env)
         if master.startswith("local"):
             self.env_vars.setdefault("SPARK_LOCAL_IP", os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"))
         host = self.conf.get("spark.driver.host") or self.env_vars.get("SPARK_LOCAL_IP") or "127.0.0.1"
@@ -353,6 +357,11 @@ class SparkStageOperator(SparkSubmitOperator):
             self.on_kill()
             raise
         finally:
+            for k, v in getattr(self, "_saved_env", {}).items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
             shutil.rmtree(tmp, ignore_errors=True)
 
     def on_kill(self) -> None:

@@ -57,18 +57,23 @@ class TrainingJobTrigger(BaseTrigger):
 
         kubeconfig, context = self.kubeconfig, self.kube_context
         conn = await aconnection(self.kube_conn_id) if self.kube_conn_id else None
-        if conn is not None:
+        if conn is not None:  # what the connection names wins; what it leaves out stays the task's
             env = kube_env(conn, Path(scratch))
-            kubeconfig, context = env.get("LLMP_KUBECONFIG") or None, env.get("LLMP_KUBE_CONTEXT") or context
+            if "LLMP_KUBECONFIG" in env:
+                kubeconfig = env["LLMP_KUBECONFIG"] or None  # empty: in-cluster, the triggerer's own identity
+            context = env.get("LLMP_KUBE_CONTEXT", context)
         return await asyncio.to_thread(k8s.api_clients_for, kubeconfig, context)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         k8s, k = self._job()
-        with tempfile.TemporaryDirectory(prefix="llmp-trigger-") as scratch:
-            custom, core = await self._clients(k8s, scratch)
-            async for event in self._poll(k8s, k, custom, core):
-                yield event
-                return
+        try:
+            with tempfile.TemporaryDirectory(prefix="llmp-trigger-") as scratch:
+                custom, core = await self._clients(k8s, scratch)
+                async for event in self._poll(k8s, k, custom, core):
+                    yield event
+                    return
+        except k8s.JobFailed as e:  # gone, refused (401/403), or the API did not answer: one line, the task fails
+            yield TriggerEvent({"state": "Failed", "namespace": self.namespace, "name": self.name, "message": str(e)})
 
     async def _poll(self, k8s, k, custom, core) -> AsyncIterator[TriggerEvent]:
         ns, name = self.namespace, self.name

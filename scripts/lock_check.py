@@ -192,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{p.name}=={p.version}" for p in unlisted))
         for p in none:
             print(f"{lock.name}: {p.name}=={p.version} applies nowhere (marker {p.marker}): FAILED")
-        failed += bool(none)
-    print(f"lock-check: {len(jobs) - failed} of {len(jobs)} passed (index {INDEX})")
-    return 1 if failed else 0
+    unplaced = sum(len(nowhere(pins[lock])[1]) for lock in locks)
+    print(f"lock-check: {len(jobs) - failed} of {len(jobs)} passed (index {INDEX})"
+          + (f"; {unplaced} pins apply on no platform" if unplaced else ""))
+    return 1 if failed or unplaced else 0
 
 
 if __name__ == "__main__":

@@ -276,7 +276,10 @@ def test_airflow_connections_set_the_services_and_win_over_the_spec(home, kube, 
     spec = load_spec(str(spec_file), env=env)  # what the stage sees: the connections win over the spec file
     assert spec.services.s3_endpoint_url == "http://127.0.0.1:9000" and spec.services.s3_region == "eu-west-1"
     assert spec.services.mlflow_tracking_uri == "http://mlflow.internal:5000"
-    assert spec.launcher.kubeconfig == str(kubeconfig)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert k8s.kube_target(spec) == (str(kubeconfig), "fake")  # the API credentials: not spec values (no re-key)
+    assert spec.stage_hash("train") == load_spec(str(spec_file), env={}).stage_hash("train")
     # the trigger, given only the connection id (the task's kubeconfig path is not on the triggerer), reaches the job
     custom, _ = k8s.api_clients(spec)
     assert k8s.submit(custom, _job(spec, [sys.executable, "-c", "import time; time.sleep(120)"]), print) == "created"
@@ -302,7 +305,18 @@ def test_a_spark_connection_that_exists_is_the_master_and_is_not_overwritten(hom
     op._submit_settings(spec, str(tmp_path))
     assert op.env_vars["SPARK_MASTER"] == "local[1]" and os.environ["AIRFLOW_CONN_SPARK_PIPELINE"] == user
     monkeypatch.delenv("AIRFLOW_CONN_SPARK_PIPELINE")
-    op._submit_settings(spec, str(tmp_path))
+    op._submit_settings(load_spec(None, ["services.spark_master=local[2]"], env={}), str(tmp_path))
     assert op.env_vars["SPARK_MASTER"] == "local[2]"
     assert _json.loads(os.environ["AIRFLOW_CONN_SPARK_PIPELINE"])["host"] == "local[2]"
     monkeypatch.delenv("AIRFLOW_CONN_SPARK_PIPELINE")
+
+
+def test_a_job_deleted_behind_the_watch_fails_it_with_one_line(home, kube):
+    fake, cfg = kube
+    spec = load_spec(None, kube_sets(home, cfg), env={})
+    custom, core = k8s.api_clients(spec)
+    assert k8s.submit(custom, _job(spec, [sys.executable, "-c", "import time; time.sleep(120)"]), print) == "created"
+    fake._kill(fake.jobs.pop(("llm-pipeline", "llm-pipeline-unit")))  # someone else deleted it
+    with pytest.raises(k8s.JobFailed, match=r"TrainJob llm-pipeline/llm-pipeline-unit is gone: it was deleted "
+                       r"outside this task"):
+        k8s.watch(custom, core, k8s.TRAINJOB, "llm-pipeline", "llm-pipeline-unit", 0.2, 60, print)

@@ -46,9 +46,15 @@ EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_PROTO": "s
 
 
 def job_name(spec: JobSpec, run_id: str) -> str:
-    """A DNS-1123 name (≤ 63 chars) from the run name and id."""
+    """A DNS-1123 name from the run name and id: ≤ 63 chars, ≤ 50 for a TrainJob (its JobSet names pods and hostnames
+    ``<name>-node-<i>-<j>``, which must stay ≤ 63), a longer one cut with a digest of the whole kept."""
+    import hashlib
+
     base = re.sub(r"[^a-z0-9-]+", "-", f"{spec.run.name}-{run_id}".lower()).strip("-")
-    return base[:63].rstrip("-")
+    limit = 50 if spec.launcher.job_kind == "trainjob" and spec.launcher.on_kubernetes else 63
+    if len(base) <= limit or limit == 63:
+        return base[:limit].rstrip("-")
+    return f"{base[:limit - 9].rstrip('-')}-{hashlib.sha256(base.encode()).hexdigest()[:8]}"
 
 
 def node_local_l0(spec: JobSpec) -> bool:
@@ -250,9 +256,45 @@ class JobFailed(RuntimeError):
     """The training job was rejected, failed, or did not finish in time; the message says which and why."""
 
 
+def kube_target(spec: JobSpec) -> tuple[str | None, str | None]:
+    """(kubeconfig, context): the Airflow Kubernetes connection's when the task passed them (``LLMP_KUBECONFIG``,
+    ``LLMP_KUBE_CONTEXT``; an empty kubeconfig = the pod's in-cluster identity), else ``launcher.kubeconfig`` /
+    ``kube_context``. Not spec values: where the credentials live is no part of a stage's key."""
+    cfg = os.environ.get("LLMP_KUBECONFIG", spec.launcher.kubeconfig)
+    return cfg or None, os.environ.get("LLMP_KUBE_CONTEXT") or spec.launcher.kube_context
+
+
 def api_clients(spec: JobSpec):
-    """(CustomObjectsApi, CoreV1Api) from ``launcher.kubeconfig``/``kube_context``, or in-cluster credentials."""
-    return api_clients_for(spec.launcher.kubeconfig, spec.launcher.kube_context)
+    """(CustomObjectsApi, CoreV1Api) from :func:`kube_target`, or in-cluster credentials."""
+    return api_clients_for(*kube_target(spec))
+
+
+REQUEST_TIMEOUT = (10, 60)  # connect, read (s): no API call waits for ever
+TRANSIENT = (429, 500, 502, 503, 504)
+
+
+def call(fn, *args, tries: int = 5, **kwargs):
+    """One API call with a bounded wait: transient answers (429, 5xx, a dropped connection) are retried with backoff
+    (1, 2, 4, 8 s); 401/403 become one line naming the identity problem; other errors (404, 409, 422) go to the
+    caller."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    for attempt in range(tries):
+        try:
+            return fn(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+        except ApiException as e:
+            if e.status in (401, 403):
+                raise JobFailed(f"the Kubernetes API refused {getattr(fn, '__name__', 'a call')} ({e.status} "
+                                f"{e.reason}): {_api_error(e)}; check the identity this runs as (launcher.kubeconfig, "
+                                "the kubernetes connection, or the pod's service account and its Role)") from None
+            if e.status not in TRANSIENT or attempt == tries - 1:
+                raise
+        except (HTTPError, OSError) as e:
+            if attempt == tries - 1:
+                raise JobFailed(f"the Kubernetes API did not answer {getattr(fn, '__name__', 'a call')} after "
+                                f"{tries} tries: {e}") from None
+        time.sleep(2 ** attempt)
 
 
 def api_clients_for(kubeconfig: str | None, kube_context: str | None):
@@ -316,7 +358,19 @@ def _api_error(e) -> str:
 
 
 def get(custom, k: JobKind, ns: str, name: str) -> dict:
-    return custom.get_namespaced_custom_object(k.group, k.version, ns, k.plural, name)
+    return call(custom.get_namespaced_custom_object, k.group, k.version, ns, k.plural, name)
+
+
+def get_or_gone(custom, k: JobKind, ns: str, name: str) -> dict:
+    """The job, or :class:`JobFailed` when it is gone (deleted outside this task)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return get(custom, k, ns, name)
+    except ApiException as e:
+        if e.status == 404:
+            raise JobFailed(f"{k.kind} {ns}/{name} is gone: it was deleted outside this task") from None
+        raise
 
 
 def submit(custom, job: dict, log: Callable[[str], None] = print) -> str:
@@ -325,15 +379,17 @@ def submit(custom, job: dict, log: Callable[[str], None] = print) -> str:
 
     k = kind_of(job)
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
-    try:
-        custom.create_namespaced_custom_object(k.group, k.version, ns, k.plural, job)
+    if create(custom, k, job):
         log(f"{k.name} {ns}/{name}: submitted")
         return "created"
-    except ApiException as e:
-        if e.status != 409:
-            raise JobFailed(f"the API server refused {k.kind} {ns}/{name} ({e.status} {e.reason}): "
-                            f"{_api_error(e)}") from None
     existing = get(custom, k, ns, name)
+    if (existing.get("metadata") or {}).get("deletionTimestamp"):  # a user's stop is deleting it: not to adopt
+        log(f"{k.name} {ns}/{name}: an earlier job of this name is being deleted; waiting for it to go")
+        delete(custom, k, ns, name, wait_s=DELETE_WAIT_S)
+        if not create(custom, k, job):
+            raise JobFailed(f"{k.kind} {ns}/{name} exists again; delete it (kubectl delete {k.name} -n {ns} {name})")
+        log(f"{k.name} {ns}/{name}: submitted")
+        return "created"
     state, _ = job_state(existing)
     same = _commands(existing) == _commands(job)
     if same and state != "Failed":
@@ -343,9 +399,28 @@ def submit(custom, job: dict, log: Callable[[str], None] = print) -> str:
         raise JobFailed(f"{k.kind} {ns}/{name} from an earlier try is still {state} with another command; wait "
                         f"for it or delete it (kubectl delete {k.name} -n {ns} {name})")
     log(f"{k.name} {ns}/{name}: replacing the earlier {state} job")
-    delete(custom, k, ns, name, wait_s=120)
-    custom.create_namespaced_custom_object(k.group, k.version, ns, k.plural, job)
+    delete(custom, k, ns, name, wait_s=DELETE_WAIT_S)
+    if not create(custom, k, job):
+        raise JobFailed(f"{k.kind} {ns}/{name} exists again; delete it (kubectl delete {k.name} -n {ns} {name})")
     return "replaced"
+
+
+DELETE_WAIT_S = 600.0  # a foreground delete of a JobSet with GPU pods can take minutes
+
+
+def create(custom, k: JobKind, job: dict) -> bool:
+    """Create the job: True, or False when one of that name exists (409); a refusal is :class:`JobFailed`."""
+    from kubernetes.client.exceptions import ApiException
+
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    try:
+        call(custom.create_namespaced_custom_object, k.group, k.version, ns, k.plural, job)
+        return True
+    except ApiException as e:
+        if e.status == 409:
+            return False
+        raise JobFailed(f"the API server refused {k.kind} {ns}/{name} ({e.status} {e.reason}): "
+                        f"{_api_error(e)}") from None
 
 
 def _commands(job: dict) -> list:
@@ -360,11 +435,14 @@ def delete(custom, k: JobKind, ns: str, name: str, wait_s: float = 0) -> None:
     from kubernetes.client.exceptions import ApiException
 
     try:
-        custom.delete_namespaced_custom_object(k.group, k.version, ns, k.plural, name,
-                                               body={"propagationPolicy": "Foreground"})
+        call(custom.delete_namespaced_custom_object, k.group, k.version, ns, k.plural, name,
+             body={"propagationPolicy": "Foreground"})
     except ApiException as e:
         if e.status != 404:
-            raise
+            raise JobFailed(f"could not delete {k.kind} {ns}/{name} ({e.status} {e.reason}): {_api_error(e)}; "
+                            f"delete it by hand (kubectl delete {k.name} -n {ns} {name})") from None
+        return
+    if wait_s <= 0:
         return
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -375,6 +453,7 @@ def delete(custom, k: JobKind, ns: str, name: str, wait_s: float = 0) -> None:
                 return
             raise
         time.sleep(1)
+    raise JobFailed(f"{k.kind} {ns}/{name} was still being deleted after {wait_s:g} s")
 
 
 _EXC = re.compile(r"\b[A-Za-z_.]*(?:Error|Exception|Diverged)\b: .*$")
@@ -391,11 +470,14 @@ class LogFollower:
     def poll(self) -> list[str]:
         from kubernetes.client.exceptions import ApiException
 
+        from urllib3.exceptions import HTTPError
+
         try:  # raw bytes: with content preloading the client hands back str(bytes) for a non-JSON body
             resp = self.core.read_namespaced_pod_log(self.pod, self.ns, container=self.container, timestamps=True,
-                                                     since_seconds=self.window, _preload_content=False)
+                                                     since_seconds=self.window, _preload_content=False,
+                                                     _request_timeout=REQUEST_TIMEOUT)
             text = resp.data.decode("utf-8", "replace")
-        except ApiException:  # not started yet, or gone
+        except (ApiException, HTTPError, OSError):  # not started yet, gone, or the API did not answer: next poll
             return []
         new, k, prev = [], 0, None
         for line in (text or "").splitlines():
@@ -423,10 +505,12 @@ class ReplicaLogs:
 
     def pods(self) -> list[str]:
         from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
 
         try:
-            found = self.core.list_namespaced_pod(self.ns, label_selector=self.k.selector(self.name))
-        except ApiException:
+            found = self.core.list_namespaced_pod(self.ns, label_selector=self.k.selector(self.name),
+                                                  _request_timeout=REQUEST_TIMEOUT)
+        except (ApiException, HTTPError, OSError):
             return sorted(self.followers)
         return sorted(p.metadata.name for p in found.items)
 
@@ -455,7 +539,7 @@ def watch(custom, core, k: JobKind, ns: str, name: str, poll_s: float, timeout_s
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last = None
     while True:
-        obj = get(custom, k, ns, name)
+        obj = get_or_gone(custom, k, ns, name)
         state, msg = job_state(obj)
         line = state_line(obj)
         if line != last:
@@ -488,13 +572,14 @@ def run_job(spec: JobSpec, run_id: str, module: str, args: list[str],
     custom, core = api_clients(spec)
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     submit(custom, job, log)
-    if detach and job_state(get(custom, k, ns, name))[0] not in ("Succeeded", "Failed"):
+    if detach and job_state(get_or_gone(custom, k, ns, name))[0] not in ("Succeeded", "Failed"):
         from pipelines.manifest import Pending
 
         L, t = spec.launcher, spec.launcher.timeout_minutes
+        kubeconfig, context = kube_target(spec)
         raise Pending({"kind": k.name, "namespace": ns, "name": name, "poll_seconds": L.poll_seconds,
-                       "timeout_s": None if t is None else t * 60, "kubeconfig": L.kubeconfig,
-                       "kube_context": L.kube_context, "kube_conn_id": spec.services.kube_conn_id})
+                       "timeout_s": None if t is None else t * 60, "kubeconfig": kubeconfig,
+                       "kube_context": context, "kube_conn_id": spec.services.kube_conn_id})
 
     def _term(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -542,8 +627,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         spec = load_spec(args.spec, args.overrides)
-        if not spec.launcher.on_kubernetes:
-            spec.launcher.kind = "trainjob"
+        if not spec.launcher.on_kubernetes:  # a local spec: its TrainJob (validated as such)
+            spec = load_spec(args.spec, [*args.overrides, "launcher.kind=trainjob"])
         job = train_job(spec, load_manifest(args.tokenize_manifest))
     except (SpecError, TrainError, FileNotFoundError) as e:
         print(f"k8s: error: {e}", file=sys.stderr)
