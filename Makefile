@@ -17,11 +17,12 @@ export PYTHONWARNINGS := ignore::FutureWarning
 DEMO_SPEC ?= configs/demo.yaml
 PIP_VERSION := 26.3
 
-.PHONY: demo test airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser lock lock-check
+.PHONY: demo test faults airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser lock lock-check
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
 	@echo "make test   - run the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
 	@echo "make airflow - the Airflow UI on http://127.0.0.1:8080 with the project's DAGs (Ctrl-C or make airflow-stop)"
+	@echo "make faults [SEEDS=N] - the seeded fault matrix: faults in storage and the checkpoint protocol, invariants"
 	@echo "make lock   - regenerate requirements.lock and requirements-dev.lock (uv, every listed platform)"
 	@echo "make lock-check - every pin of every lock installs from the public index on every listed platform"
 	@echo "make tf-check - terraform fmt -check and checkov over infra/terraform"
@@ -128,6 +129,11 @@ browser:
 
 test: $(DEV_STAMP) $(CHECKOV) browser
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the seeded fault matrix (issue 31): one real run per seed, its invariants checked; prints the table
+SEEDS ?= 20
+faults: $(DEV_STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python tests/fault_matrix.py --seeds $(SEEDS)
 
 # the lock's pins without their hashes, to constrain what the benchmarks add
 var/constraints.txt: requirements-dev.lock

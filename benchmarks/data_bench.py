@@ -108,7 +108,7 @@ def timed_ingest(spark, files: list[Path], work: Path, extractor: str = "resilip
 
     out = Path(tempfile.mkdtemp(dir=work))
     t = time.perf_counter()
-    counts, _, _ = ingest(spark, [Source.of_file(f) for f in files], out, IngestCfg(extractor=extractor))
+    counts, _, _, _ = ingest(spark, [Source.of_file(f) for f in files], out, IngestCfg(extractor=extractor))
     return time.perf_counter() - t, {**counts, "out": str(out)}
 
 

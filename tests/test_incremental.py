@@ -94,6 +94,14 @@ def test_a_new_week_is_deduped_against_the_corpus_and_added_as_new_shards(home, 
     _, _, v3 = _curate(spec, spark, corpus=v2)  # nothing new: the same version
     assert v3.path == v2.path
 
+    # against a corpus built with other MinHash settings: refused with both named (exit 2), nothing written
+    r = subprocess.run([sys.executable, "-m", "pipelines.data.dedup", "--input-manifest", ing2.path,
+                        "--against-manifest", d1.path, "--ngram", "4", "--output", str(home / "dedup3")],
+                       env={**os.environ, "LLMP_HOME": str(home)}, cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 2 and "ngram=5" in r.stderr and "ngram=4" in r.stderr and "Traceback" not in r.stderr
+    assert not (home / "dedup3").exists()
+
 
 def _docs_parquet(path, texts, first_idx):
     import pyarrow as pa

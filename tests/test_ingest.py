@@ -158,10 +158,11 @@ def test_warc_records_are_extracted_and_defects_quarantined_with_nothing_lost(ho
     c = m.counts
     assert c["warc_records"] == 41 + 3 + 2 and c["records"] == c["docs"] + c["quarantined"] == 46
     assert c["docs"] == 38 + 1  # the sample's 38 pages + the conversion record
-    assert c["quarantine_reasons"] == {"bad_record": 2, "empty_text": 1, "http_status": 2, "not_html": 2}
+    assert c["quarantine_reasons"] == {"bad_compression": 1, "bad_record": 1, "empty_text": 1, "http_status": 2,
+                                       "not_html": 2}  # not gzip; gzip but not WARC
     assert c["skipped_records"] == {"request": 41, "warcinfo": 1}
     q = ingest.read_quarantine(m)
-    bad = [r for r in q if r["reason"] == "bad_record"]
+    bad = [r for r in q if r["reason"] in ("bad_compression", "bad_record")]
     assert [r["offset"] for r in bad] == [5552, 5552 + 15]
     assert base64.b64decode(bad[0]["raw_b64"]) == b"NOT GZIP AT ALL"  # the bytes are kept
     assert next(r for r in q if r["reason"] == "empty_text")["url"] == "https://example.org/blank.html"
@@ -282,7 +283,7 @@ def test_a_large_warc_gz_is_split_by_gzip_member_and_reads_as_the_whole_file(hom
     n, whole = read(None)
     assert n == 1 and Path(path).stat().st_size > 2 << 20
     reasons = [r[2] for r in whole if isinstance(r, tuple) and r[2]]
-    assert reasons.count("bad_record") == 2 and sum(1 for r in whole if isinstance(r, tuple) and r[1]) == 399
+    assert reasons.count("bad_compression") == 2 and sum(1 for r in whole if isinstance(r, tuple) and r[1]) == 399
     for step in (40_000, 123_457, 1 << 20):
         k, got = read(step)
         assert k > 2 and got == whole, step
@@ -328,7 +329,7 @@ def test_s3_direct_tasks_read_byte_ranges_themselves_and_give_the_local_digest(h
     assert unsourced(ingest.read_quarantine(direct)) == unsourced(ingest.read_quarantine(local))
     cols = ["idx", "text", "url", "warc_record_id"]
     assert pq.read_table(direct.output("docs")).select(cols) == pq.read_table(local.output("docs")).select(cols)
-    assert direct.counts["docs"] == 399 + 1 + 6000 and direct.counts["quarantine_reasons"] == {"bad_record": 2,
+    assert direct.counts["docs"] == 399 + 1 + 6000 and direct.counts["quarantine_reasons"] == {"bad_compression": 2,
                                                                                                "invalid_json": 1}
     assert [(i["uri"], i["bytes"]) for i in direct.inputs] == [
         (f"s3://raw/direct/{f}", (home / "in" / f).stat().st_size) for f in names]

@@ -41,30 +41,53 @@ def test_ids_given_by_the_data_that_repeat_are_qualified_by_where_they_were_read
     assert ids == ["a.jsonl:1#x", "y", "b.jsonl:1#x", "b.jsonl:2#x"] and m.counts["qualified_ids"] == 1
 
 
-def test_corrupt_and_truncated_gzip_inputs_are_quarantined_and_the_rest_is_read(home, capsys):
+def test_corrupt_and_truncated_gzip_and_zstd_inputs_are_quarantined_and_the_rest_is_read(home, capsys):
+    import zstandard
+
     good = _lines({"text": f"good doc {i} " * 20} for i in range(2000))
     whole = gzip.compress(good)
     (home / "truncated.jsonl.gz").write_bytes(whole[: len(whole) // 2])
     corrupt = bytearray(whole)
     corrupt[len(whole) // 2: len(whole) // 2 + 64] = b"\x00" * 64
     (home / "corrupt.jsonl.gz").write_bytes(bytes(corrupt))
+    zst = zstandard.ZstdCompressor().compress(good)
+    (home / "truncated.jsonl.zst").write_bytes(zst[: len(zst) // 2])  # zstandard's own reader stops here quietly
+    third = len(good) // 3 + good[len(good) // 3:].index(b"\n") + 1
+    (home / "frames.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(good[:third])
+                                            + zstandard.ZstdCompressor().compress(good[third:]))  # two frames, whole
     (home / "fine.jsonl").write_bytes(_lines([{"text": "after the broken ones"}]))
     out = home / "out"
-    code = ingest.main(["--input", str(home / "truncated.jsonl.gz"), "--input", str(home / "corrupt.jsonl.gz"),
-                        "--input", str(home / "fine.jsonl"), "--output", str(out),
-                        "--set", "services.spark_master=local[2]"])
+    names = ["truncated.jsonl.gz", "corrupt.jsonl.gz", "truncated.jsonl.zst", "frames.jsonl.zst", "fine.jsonl"]
+    code = ingest.main([a for n in names for a in ("--input", str(home / n))]
+                       + ["--output", str(out), "--set", "services.spark_master=local[2]"])
     assert code == 0, capsys.readouterr()
     m = load_manifest(out)
     c = m.counts
-    assert c["quarantine_reasons"] == {"bad_compression": 2} and c["records"] == c["docs"] + c["quarantined"]
+    assert c["quarantine_reasons"] == {"bad_compression": 3} and c["records"] == c["docs"] + c["quarantined"]
     q = {e["source"]: e for e in ingest.read_quarantine(m)}
-    assert set(q) == {"truncated.jsonl.gz", "corrupt.jsonl.gz"}
+    assert set(q) == {"truncated.jsonl.gz", "corrupt.jsonl.gz", "truncated.jsonl.zst"}
     for e in q.values():
-        assert e["reason"] == "bad_compression" and 0 < e["offset"] <= len(whole) and e["uri"].endswith(".jsonl.gz")
+        assert e["reason"] == "bad_compression" and 0 < e["offset"] <= len(whole) and ".jsonl." in e["uri"]
+    assert "zstd frame" in q["truncated.jsonl.zst"]["detail"]
     docs = pq.read_table(m.output("docs")).to_pylist()
-    by = {s: sum(d["source"] == s for d in docs) for s in q}
-    assert 0 < by["truncated.jsonl.gz"] < 2000 and 0 < by["corrupt.jsonl.gz"] < 2000  # what came before is kept
+    by = {s: sum(d["source"] == s for d in docs) for s in names}
+    assert all(0 < by[s] < 2000 for s in q)  # what came before the damage is kept
+    assert by["frames.jsonl.zst"] == 2000  # every frame is read, not the first one only
     assert docs[-1]["text"] == "after the broken ones" and len({d["id"] for d in docs}) == len(docs)
+
+
+def test_max_docs_never_marks_an_input_it_cut_as_held_by_the_corpus(home, spark):
+    from pipelines.data.tokenize import corpus_record
+
+    (home / "a.jsonl").write_bytes(_lines({"text": f"first input doc {i}"} for i in range(3)))
+    (home / "b.jsonl").write_bytes(_lines({"text": f"second input doc {i}"} for i in range(3)))
+    spec = load_spec(None, [f"data.inputs=[{home / 'a.jsonl'}, {home / 'b.jsonl'}]", "data.ingest.max_docs=4"],
+                     env={})
+    m = ingest.run(spec, spark=spark)
+    assert m.counts["docs"] == 4 and m.counts["over_max_docs"] == 2 and m.counts["cut_inputs"] == 1
+    sha = {Path(i["key"]).name: i["sha256"] for i in m.inputs}
+    assert m.extra["cut_inputs"] == [sha["b.jsonl"]]
+    assert corpus_record(m, None)["inputs"] == [sha["a.jsonl"]]  # b is read again by the next curation
 
 
 def test_plain_text_files_are_one_document_each_and_other_formats_are_refused(home, spark):

@@ -148,8 +148,8 @@ def _trained_with_tiers(home, s3_server, bucket: str):
 
 def test_restore_falls_back_tier_by_tier_then_to_an_older_step(home, s3_server):
     spec, m, rel_root = _trained_with_tiers(home, s3_server, "ckpt-restore")
-    assert m.extra["promoted_during_run"] == {"10": {"L1": "copied", "L2": "uploaded"},
-                                              "20": {"L1": "copied", "L2": "uploaded"}}
+    assert m.extra["promoted_during_run"] == {"10": {"L1": "copied", "L2": "committed"},
+                                              "20": {"L1": "copied", "L2": "committed"}}
     assert ck.list_steps(spec, rel_root) == {"L0": [10, 20], "L1": [10, 20], "L2": [10, 20]}
     from pipelines import tracking
 

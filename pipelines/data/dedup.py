@@ -597,6 +597,30 @@ def plot_cluster_sizes(hist: dict[int, int], path: Path, bands: int, rows: int) 
     plt.close(fig)
 
 
+def minhash_settings(cfg: DedupCfg) -> dict:
+    """What a doc's band keys and shingle hashes depend on: two results can be compared only when these agree."""
+    bands, rows = effective_bands_rows(cfg)
+    return {"ngram": cfg.ngram, "num_perm": cfg.num_perm, "seed": cfg.seed, "bands": bands, "rows": rows}
+
+
+def check_same_minhash(cfg: DedupCfg, against: list[Manifest]) -> None:
+    """Refuse earlier results whose signatures were built with other MinHash settings: their band keys would be
+    compared position by position with keys of another meaning, and only exact copies would be caught."""
+    ours = minhash_settings(cfg)
+    for m in against:
+        theirs = m.extra.get("minhash")
+        if theirs is None and (m.extra.get("bands"), m.extra.get("rows")) == (ours["bands"], ours["rows"]):
+            print(f"dedup: warning: --against-manifest {m.path} records only bands×rows (an older version); "
+                  "assuming its ngram, num_perm and seed are these", flush=True)
+            continue
+        if theirs != ours:
+            what = ("records no MinHash settings (made by an older version)" if theirs is None else
+                    "was built with " + ", ".join(f"{k}={theirs.get(k)}" for k in ours))
+            raise StageError(f"--against-manifest {m.path} {what}; this dedup uses "
+                             + ", ".join(f"{k}={v}" for k, v in ours.items())
+                             + ": set data.dedup to the same settings, or re-run that dedup with these")
+
+
 def run(spec: JobSpec, ingest: Manifest, out_dir: str | None = None, spark=None,
         against: list[Manifest] = ()) -> Manifest:
     """Dedup the ingest's docs; ``against``: earlier dedup results whose kept docs the new ones are checked against
@@ -606,6 +630,7 @@ def run(spec: JobSpec, ingest: Manifest, out_dir: str | None = None, spark=None,
         if m.stage != "dedup" or "signatures" not in {o["name"] for o in m.outputs}:
             raise StageError(f"--against-manifest {m.path}: not a dedup result with persisted signatures "
                              "(re-run that dedup with this version)")
+    check_same_minhash(cfg, against)
     sd = stage_dir(spec, "dedup", [input_ref(ingest), *(input_ref(m) for m in against)], out_dir)
 
     def body(tmp: Path) -> Manifest:
@@ -625,7 +650,7 @@ def run(spec: JobSpec, ingest: Manifest, out_dir: str | None = None, spark=None,
             counts=counts, metrics={"cc_rounds": stats["cc_rounds"]},
             extra={"bands": stats["bands"], "rows": stats["rows"], "cluster_size_hist": stats["cluster_size_hist"],
                    "removed_against": stats["removed_against"], "tasks": tasks,
-                   "against": [m.path for m in against]},
+                   "against": [m.path for m in against], "minhash": minhash_settings(cfg)},
         )
 
     return run_and_log(spec, sd, body, artifacts=["cluster_sizes_plot", "stats"])

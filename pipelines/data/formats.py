@@ -124,11 +124,39 @@ def open_binary(chunk: Chunk) -> Iterator[tuple[BinaryIO, BinaryIO]]:
         if name.endswith(".gz"):
             yield gzip.GzipFile(fileobj=raw, mode="rb"), raw
         elif name.endswith(".zst") or name.endswith(".zstd"):
-            import zstandard
-
-            yield io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False)), raw
+            yield io.BufferedReader(ZstdFrames(raw)), raw
         else:
             yield raw, raw
+
+
+class ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every zstd frame in ``raw``, one after another; a file that ends inside a frame
+    raises EOFError. (zstandard's stream reader stops quietly at a cut frame, and after the first frame unless
+    told: half a file would vanish without a word.)"""
+
+    def __init__(self, raw: BinaryIO, block: int = 1 << 20):
+        import zstandard
+
+        self.raw, self.block, self.zd = raw, block, zstandard.ZstdDecompressor()
+        self.dobj, self.pending, self.out = None, b"", b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self.out:
+            data, self.pending = self.pending or self.raw.read(self.block), b""
+            if not data:
+                if self.dobj is not None:
+                    raise EOFError("the file ends inside a zstd frame (truncated)")
+                return 0
+            self.dobj = self.dobj or self.zd.decompressobj()
+            self.out = self.dobj.decompress(data)
+            if self.dobj.eof:  # a whole frame: what follows it is the next one
+                self.pending, self.dobj = self.dobj.unused_data, None
+        n = min(len(b), len(self.out))
+        b[:n], self.out = self.out[:n], self.out[n:]
+        return n
 
 
 class CompressionError(Exception):
@@ -344,8 +372,8 @@ def warc_rows(chunk: Chunk, cfg) -> Iterator[Row | str]:
         stop = member_boundary(f, chunk.end) if chunk.end is not None else None
         for off, length, data in gzip_members(f, start, stop):
             if data is None:
-                yield Row(off, reason="bad_record", q={"offset": off, **raw_at(chunk, off, length),
-                                                       "detail": "gzip member is truncated or corrupt"})
+                yield Row(off, reason="bad_compression", q={"offset": off, **raw_at(chunk, off, length),
+                                                            "detail": "gzip member is truncated or corrupt"})
                 continue
             n, problem = 0, "no WARC record in this gzip member"
             try:

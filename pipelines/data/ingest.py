@@ -23,16 +23,18 @@ Outputs:
   data that repeats (across inputs or within one) becomes ``<source>:<line>#<id>`` for every copy.
 * ``quarantine/``: ``{source, line | offset, reason, detail, raw | raw_b64, …}`` per line. JSONL reasons:
   ``invalid_utf8``, ``invalid_json``, ``not_an_object``, ``missing_text``, ``text_not_string``, ``empty_text``,
-  ``bad_compression`` (a .gz/.zst input that breaks off: the records before it are kept; ``offset`` is the
-  compressed offset reached, ``uri`` the file). WARC reasons: ``bad_record`` (a member that does not decompress or
-  parse; its bytes are kept), ``bad_http``, ``http_status`` (not 200), ``not_html``, ``extract_failed``,
+  ``bad_compression`` (a .gz/.zst input that breaks off, a zstd frame cut short included: the records before it
+  are kept; ``offset`` is the compressed offset reached, ``uri`` the file). WARC reasons: ``bad_compression`` (a
+  gzip member that does not decompress, or the file ends inside one; its bytes are kept), ``bad_record`` (a member
+  that does not parse as WARC; its bytes are kept), ``bad_http``, ``http_status`` (not 200), ``not_html``, ``extract_failed``,
   ``empty_text`` (nothing left after extraction). ``quarantine_sample.jsonl``: a bounded sample (without the raw
   bytes) for MLflow.
 
 ``counts``: ``records`` = ``docs`` + ``quarantined`` + ``over_max_docs``; ``records`` = ``lines`` (JSONL records)
 + ``warc_records`` (WARC response/resource/conversion records) + ``text_files``. ``blank_lines`` and
 ``skipped_records`` (WARC requests, warcinfo, metadata …, by type) hold no document. ``extra.input_sha256``: each
-input's digest, computed by the tasks that read it.
+input's digest, computed by the tasks that read it. ``extra.cut_inputs`` (``counts.cut_inputs``): the inputs that
+``data.ingest.max_docs`` cut; a corpus version never holds them, so the next curation reads them again.
 """
 from __future__ import annotations
 
@@ -198,7 +200,7 @@ def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg) -> dict:
         for d in (docs_dir, q_dir):
             d.mkdir()
         pq.write_table(DOCS_SCHEMA.empty_table(), docs_dir / "part-00000.parquet")
-        return totals([], 0, 0) | {"qualified_ids": 0}, {}, []
+        return totals([], 0, 0) | {"qualified_ids": 0, "cut_inputs": 0}, {}, [], []
     sc = spark.sparkContext
     results = sc.parallelize(chunks, len(chunks)).map(
         partial(read_chunk, cfg=cfg, parts=prepare_attempts(parts))).collect()
@@ -222,8 +224,16 @@ def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg) -> dict:
         qualify = frozenset(again)
     shutil.rmtree(parts)
     shutil.rmtree(out_dir / "_out")
-    return {**totals(results, sum(written), len(chunks)), "qualified_ids": len(qualify)}, input_digests(results), \
-        [q for r in sorted(results, key=lambda r: r["no"]) for q in r["sample"]][:200]
+    cut = cut_inputs(results, written)
+    return {**totals(results, sum(written), len(chunks)), "qualified_ids": len(qualify), "cut_inputs": len(cut)}, \
+        input_digests(results), [q for r in sorted(results, key=lambda r: r["no"]) for q in r["sample"]][:200], cut
+
+
+def cut_inputs(results: list[dict], written: list[int]) -> list[str]:
+    """The inputs (keys) that ``max_docs`` cut: a chunk of theirs wrote fewer docs than it read. They are not read
+    whole, so no corpus version may hold them (the next curation reads them again)."""
+    ordered = sorted(results, key=lambda r: r["no"])
+    return sorted({r["name"] for r, n in zip(ordered, written) if n < r["counts"].get("docs", 0)})
 
 
 def input_digests(results: list[dict]) -> dict[str, str]:
@@ -270,13 +280,14 @@ def run(spec: JobSpec, out_dir: str | None = None, spark=None, corpus: Manifest 
         from pipelines.data.spark import spec_session
 
         s = spark or spec_session(spec, "llm-pipeline-ingest")
-        counts, digests, sample = ingest(s, inputs, tmp, cfg)
+        counts, digests, sample, cut = ingest(s, inputs, tmp, cfg)
         (tmp / "quarantine_sample.jsonl").write_text("".join(json.dumps(q, ensure_ascii=False) + "\n"
                                                              for q in sample), encoding="utf-8")
         return sd.commit({"docs": "docs", "quarantine": "quarantine", "quarantine_sample": "quarantine_sample.jsonl"},
                          counts={**counts, "refused_inputs": len(refused)},
                          extra={"spark_master": s.sparkContext.master, "input_sha256": digests,
-                                "refused_inputs": refused})
+                                "refused_inputs": refused,
+                                "cut_inputs": [i.ref()["sha256"] for i in inputs if i.name in cut]})
 
     return run_and_log(spec, sd, body, artifacts=["quarantine_sample"])
 

@@ -354,10 +354,12 @@ def corpus_record(filt: Manifest, prev: Manifest | None) -> dict:
     from pipelines.manifest import lineage
 
     lin = lineage(filt.path)  # a filter result made by hand has no ingest or dedup before it
-    ingested = load_manifest(lin["ingest"]).inputs if "ingest" in lin else []
+    ing = load_manifest(lin["ingest"]) if "ingest" in lin else None
+    ingested = ing.inputs if ing is not None else []
+    cut = set(ing.extra.get("cut_inputs", [])) if ing is not None else set()  # max_docs: not read whole
     before = prev.extra["corpus"] if prev is not None else {"version": 0, "inputs": [], "dedup": []}
     return {"version": before["version"] + 1,
-            "inputs": before["inputs"] + [i["sha256"] for i in ingested if "stage" not in i],
+            "inputs": before["inputs"] + [i["sha256"] for i in ingested if "stage" not in i and i["sha256"] not in cut],
             "dedup": before["dedup"] + ([lin["dedup"]] if "dedup" in lin else []),
             "previous": prev.path if prev is not None else None}
 

@@ -94,10 +94,32 @@ def client_settings(spec: JobSpec) -> dict:
 
 
 def client_from(settings: dict):
+    """A client whose every call is bounded: 5 s to connect, 60 s per read, 5 attempts (standard retry mode: 5xx,
+    throttling and dropped connections are retried with backoff), so an outage ends in an error within about a
+    minute instead of a hang."""
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}), **settings)
+    from pipelines.storage import faults
+
+    s3 = boto3.client("s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5,
+                                          read_timeout=60), **settings)
+    faults.install_s3(s3)
+    return s3
+
+
+def unreachable(e: BaseException) -> bool:
+    """Is ``e`` the endpoint not answering (down, refusing, resetting, timing out, throttling past the retries)
+    rather than an answer about an object?"""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if isinstance(e, ClientError):
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "AccessDenied",
+                        "ExpiredToken", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status >= 500 \
+            or status in (401, 403)  # credentials that do not work: L2 unusable, as if down
+    return isinstance(e, (BotoCoreError, ConnectionError, TimeoutError)) or isinstance(e, S3ConfigError)
 
 
 def client(spec: JobSpec):

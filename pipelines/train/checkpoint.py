@@ -46,7 +46,9 @@ from typing import Callable, Optional
 
 from pipelines.manifest import StageError, atomic_write_text, plain_rel, sha256_file
 from pipelines.spec import JobSpec, resolve_path
-from pipelines.storage.s3 import b64, object_matches, part_size_used, upload_checked
+from pipelines.storage import faults
+from pipelines.storage.s3 import b64, object_matches, part_size_used, unreachable, upload_checked
+from pipelines.train import lineage
 
 CKPT_MANIFEST = "MANIFEST.json"
 COMMIT = "COMMIT"
@@ -56,6 +58,10 @@ TIERS = ("L0", "L1", "L2")
 
 class CheckpointError(StageError):
     pass
+
+
+class L2Unavailable(CheckpointError):
+    """The object store does not answer (down, refusing, throttling past the retries): L2 is skipped for now."""
 
 
 def step_name(step: int) -> str:
@@ -71,8 +77,12 @@ def parse_step(name: str) -> Optional[int]:
 
 def hash_files(root: Path, rels: list[str]) -> dict[str, str]:
     """sha256 of many files in parallel (hashlib releases the GIL on large buffers)."""
+    def one(rel: str) -> str:
+        faults.file_op("read", root / rel)
+        return sha256_file(root / rel)
+
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(rels)))) as ex:
-        return dict(zip(rels, ex.map(lambda r: sha256_file(root / r), rels)))
+        return dict(zip(rels, ex.map(one, rels)))
 
 
 # ----------------------------------------------------------------------------- local tiers
@@ -80,6 +90,7 @@ def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Pa
     """Hash every file in ``tmp_dir``, write MANIFEST + COMMIT, then rename to ``final_dir``."""
     rels = [f.relative_to(tmp_dir).as_posix() for f in sorted(p for p in tmp_dir.rglob("*") if p.is_file())]
     rels = [r for r in rels if r not in (CKPT_MANIFEST, COMMIT)]
+    faults.file_op("write", final_dir)
     sums = hash_files(tmp_dir, rels)
     files = {r: {"sha256": sums[r], "bytes": (tmp_dir / r).stat().st_size} for r in rels}
     body = json.dumps({"files": files, **(meta or {})}, indent=2, sort_keys=True)
@@ -141,6 +152,8 @@ def _copy_hashing(src: Path, dst: Path, part_size: int) -> tuple[str, list[bytes
     """Copy in one read pass, hashing what was read: (sha256 hex of the file, sha256 digest of each
     ``part_size`` part, the parts S3 will checksum when this file is uploaded)."""
     whole, parts = hashlib.sha256(), []
+    faults.file_op("read", src)
+    faults.file_op("write", dst)
     with open(src, "rb") as f, open(dst, "wb") as g, ThreadPoolExecutor(1) as part_hasher:
         while chunk := f.read(part_size):  # the part's digest is computed beside the whole-file hash and the write
             part = part_hasher.submit(lambda c: hashlib.sha256(c).digest(), chunk)
@@ -190,13 +203,24 @@ def _transfer_config(spec: JobSpec):
                           multipart_chunksize=spec.checkpoint.multipart_chunk_mb * mb, max_concurrency=4)
 
 
-def _s3_body(s3, bucket: str, key: str) -> Optional[bytes]:
+def _missing(e: Exception) -> bool:
     from botocore.exceptions import ClientError
 
+    return isinstance(e, ClientError) and str(e.response.get("Error", {}).get("Code")) in (
+        "404", "NoSuchKey", "NoSuchBucket", "NotFound")
+
+
+def _s3_body(s3, bucket: str, key: str) -> Optional[bytes]:
+    """The object's bytes; None only when it is not there (an endpoint that does not answer raises
+    :class:`L2Unavailable`: an outage must never read as "no COMMIT")."""
     try:
         return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-    except ClientError:
-        return None
+    except Exception as e:  # noqa: BLE001 - sorted into absent / unreachable / other
+        if _missing(e):
+            return None
+        if unreachable(e):
+            raise L2Unavailable(f"s3://{bucket}/{key}: {type(e).__name__}: {e}") from None
+        raise
 
 
 def s3_commit_body(s3, bucket: str, prefix: str) -> Optional[str]:
@@ -266,6 +290,8 @@ def _upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files:
     for rel, info in files.items():
         key, size = f"{prefix}/{rel}", info["bytes"]
         digests = parts.get(rel)
+        if object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests):
+            continue  # uploaded already (a node's part, an interrupted upload): not sent twice
         if digests and size >= cfg.multipart_threshold and len(digests) == -(-size // part_size_used(size, part)):
             _upload_parts(s3, bucket, key, src / rel, part_size_used(size, part), digests, info["sha256"])
             if not object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests):
@@ -316,17 +342,19 @@ def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int]
     bucket, prefix = split_uri(uri.rstrip("/"))
     if part is None:
         commit, key = s3_commit_body(s3, bucket, prefix), f"{prefix}/{CKPT_MANIFEST}"
+        body = _s3_body(s3, bucket, key) if commit else None
     else:
         key = f"{prefix}/{PARTS}/{part_name(part)}.json"
-        commit = _s3_body(s3, bucket, key)
-        commit = commit and hashlib.sha256(commit).hexdigest()
+        body = _s3_body(s3, bucket, key)
+        if body is None:  # a step uploaded whole (the promote stage, L2 catching up): its part from the manifest
+            body = part_manifest(read_s3_manifest(spec, uri), part)
+        commit = body and hashlib.sha256(body).hexdigest()
     if commit is None:
         raise CheckpointError(f"{uri}: no COMMIT marker — the checkpoint is incomplete or absent")
     tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
-        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-        if hashlib.sha256(body).hexdigest() != commit:
+        if body is None or hashlib.sha256(body).hexdigest() != commit:
             raise CheckpointError(f"{uri}: MANIFEST.json does not match its COMMIT marker")
         (tmp / CKPT_MANIFEST).write_bytes(body)
         for rel in manifest_files(json.loads(body), uri):
@@ -341,6 +369,16 @@ def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def part_manifest(man: Optional[dict], k: int) -> Optional[bytes]:
+    """Part ``k``'s manifest cut out of a step's merged one (its files, the step's meta), or None."""
+    if man is None or "part_of" not in man:
+        return None
+    files = {rel: info for rel, info in manifest_files(man, f"part {k}").items() if int(man["part_of"].get(rel, 0)) == k}
+    meta = {key: man[key] for key in ("step", "format", "world_size", "attempt", "lineage") if key in man}
+    body = {"files": files, "part": k, "parts": int(man.get("parts", 1)), **meta}
+    return json.dumps(body, indent=2, sort_keys=True).encode()
 
 
 def read_s3_manifest(spec: JobSpec, uri: str) -> Optional[dict]:
@@ -447,8 +485,16 @@ def _s3_committed_names(spec: JobSpec, uri: str) -> list[str]:
                 parts = o["Key"][len(prefix) + 1:].split("/")
                 if len(parts) == 2 and parts[1] == COMMIT:
                     names.append(parts[0])
-    except ClientError:  # no bucket yet: nothing promoted
-        return []
+    except ClientError as e:
+        if _missing(e):  # no bucket yet: nothing promoted
+            return []
+        if unreachable(e):
+            raise L2Unavailable(f"{uri}: {e}") from None
+        raise
+    except Exception as e:  # noqa: BLE001 - the endpoint did not answer
+        if unreachable(e):
+            raise L2Unavailable(f"{uri}: {type(e).__name__}: {e}") from None
+        raise
     return names
 
 
@@ -545,13 +591,42 @@ def newest_verified(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]])
     return None
 
 
+def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
+                   rec: Optional[dict]) -> dict[str, list[int]]:
+    """``by_tier`` less the steps another line of training wrote (:mod:`pipelines.train.lineage`); every step
+    counts when there is no lineage record."""
+    if rec is None:
+        return by_tier
+    out = {}
+    for tier, steps in by_tier.items():
+        keep = []
+        for st in steps:
+            loc = tier_locations(spec, f"{rel_root}/{step_name(st)}")[tier]
+            try:
+                man = read_s3_manifest(spec, loc) if tier == "L2" else read_local_manifest(Path(loc))
+            except (CheckpointError, OSError, json.JSONDecodeError):
+                man = None
+            if man is not None and lineage.accepts(rec, st, lineage.of(man)):
+                keep.append(st)
+        out[tier] = keep
+    return out
+
+
 def prune(spec: JobSpec, rel_root: str, upto: Optional[int] = None, tiers: tuple[str, ...] = TIERS,
-          protect: set[int] = frozenset()) -> dict[str, list[int]]:
+          protect: set[int] = frozenset(), rec: Optional[dict] = None,
+          log: Callable[[str], None] = print) -> dict[str, list[int]]:
     """Apply ``checkpoint.keep_l0/keep_l1/keep_l2`` and ``l2_keep_every`` to this run's checkpoints. Only steps
     ≤ ``upto`` are touched (newer ones may still be waiting for promotion), neither ``protect`` nor the newest step
-    that verifies on these tiers is ever deleted. Returns the steps deleted per tier."""
+    that verifies on these tiers is ever deleted; only the steps of this line of training (``rec``) count. With L2
+    not answering, the other tiers are pruned all the same. Returns the steps deleted per tier."""
     c = spec.checkpoint
-    by_tier = list_steps(spec, rel_root, tiers)
+    try:
+        by_tier = list_steps(spec, rel_root, tiers)
+    except L2Unavailable as e:
+        log(f"[ckpt] retention: L2 skipped ({e})")
+        tiers = tuple(t for t in tiers if t != "L2")
+        by_tier = list_steps(spec, rel_root, tiers)
+    by_tier = accepted_steps(spec, rel_root, by_tier, rec)
     plan = retention_plan(by_tier, {"L0": c.keep_l0, "L1": c.keep_l1, "L2": c.keep_l2}, c.l2_keep_every)
     plan = {t: [s for s in v if (upto is None or s <= upto) and s not in protect] for t, v in plan.items()}
     if not any(plan.values()):
@@ -566,16 +641,18 @@ def _remove_steps(spec: JobSpec, rel_root: str, steps_by_tier: dict[str, list[in
     for tier, steps in steps_by_tier.items():
         for s in steps:
             loc = tier_locations(spec, f"{rel_root}/{step_name(s)}")[tier]
+            faults.point("retention")
             remove_s3(spec, loc) if tier == "L2" else remove_local(Path(loc))
 
 
-def drop_stale_staging(spec: JobSpec, rel_root: str) -> list[int]:
-    """Rank 0: L1 staging of steps older than the newest globally committed one (parts of a dead attempt)."""
+def drop_stale_staging(spec: JobSpec, rel_root: str, rec: Optional[dict] = None) -> list[int]:
+    """Rank 0: L1 staging of steps older than the newest globally committed one of this line of training (parts of
+    a dead attempt)."""
     root = Path(tier_locations(spec, rel_root)["L1"])
-    newest = max(list_steps(spec, rel_root, ("L1",))["L1"], default=None)
+    newest = max(accepted_steps(spec, rel_root, list_steps(spec, rel_root, ("L1",)), rec)["L1"], default=None)
     dropped = []
-    for d in root.glob(".step-*.parts") if newest is not None else []:
-        step = parse_step(d.name[1:-len(".parts")])
+    for d in [*root.glob(".step-*.parts"), *root.glob(".step-*.l2")] if newest is not None else []:
+        step = parse_step(d.name[1:].rsplit(".", 1)[0])
         if step is not None and step < newest:
             shutil.rmtree(d, ignore_errors=True)
             dropped.append(step)
@@ -664,22 +741,32 @@ def commit_generation(spec: JobSpec, base_rel: str, rel_root: str, log: Callable
 
 
 # ----------------------------------------------------------------------------- promote
+def promote_l1(spec: JobSpec, rel: str) -> tuple[str, Optional[dict]]:
+    """Checkpoint ``rel`` L0 → L1 (verified while copied, COMMIT last; a verified L1 copy is kept): (action, the
+    files' part digests for the S3 upload that follows, None when nothing was copied)."""
+    locs = tier_locations(spec, rel)
+    l0, l1 = Path(locs["L0"]), Path(locs["L1"])
+    if is_valid_local(l1) and (not (l0 / COMMIT).is_file() or _same_line(l0, l1)):
+        return "already-verified", None
+    if not l0.exists():
+        raise CheckpointError(f"L0 copy {l0} is gone and L1 holds no verified copy: nothing to promote")
+    return "copied", copy_local(l0, l1, spec.checkpoint.multipart_chunk_mb << 20)  # refuses a corrupt L0
+
+
+def _same_line(a: Path, b: Path) -> bool:
+    """Do two committed copies of a step come from the same attempt and line of training?"""
+    ma, mb = read_local_manifest(a), read_local_manifest(b)
+    return (ma.get("attempt"), ma.get("lineage")) == (mb.get("attempt"), mb.get("lineage"))
+
+
 def promote(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2")) -> dict:
     """Copy checkpoint ``rel`` L0 → L1 (→ L2), each copy verified, COMMIT last; a verified copy is kept."""
     locs = tier_locations(spec, rel)
-    l0, l1 = Path(locs["L0"]), Path(locs["L1"])
     report = {"checkpoint": rel, "tiers": locs, "actions": {}}
-    parts = None
-    if is_valid_local(l1):
-        report["actions"]["L1"] = "already-verified"
-    else:
-        if not l0.exists():
-            raise CheckpointError(f"L0 copy {l0} is gone and L1 holds no verified copy: nothing to promote")
-        parts = copy_local(l0, l1, spec.checkpoint.multipart_chunk_mb << 20)  # refuses a corrupt L0
-        report["actions"]["L1"] = "copied"
+    report["actions"]["L1"], parts = promote_l1(spec, rel)
     if "L2" in tiers:
-        report["actions"]["L2"] = upload_checkpoint(spec, l1, locs["L2"], parts)
-    report["commit"] = (l1 / COMMIT).read_text().strip()
+        report["actions"]["L2"] = upload_checkpoint(spec, Path(locs["L1"]), locs["L2"], parts)
+    report["commit"] = (Path(locs["L1"]) / COMMIT).read_text().strip()
     return report
 
 
@@ -698,6 +785,11 @@ def staging_dir(step_dir: Path) -> Path:
     return step_dir.with_name(f".{step_dir.name}.parts")
 
 
+def l2_marks_dir(step_dir: Path) -> Path:
+    """L1: where each node marks whether its part of ``step_dir`` reached L2 (``part-K``: ok / failed)."""
+    return step_dir.with_name(f".{step_dir.name}.l2")
+
+
 def part_of(man: dict) -> tuple[int, int, Optional[str]]:
     """(part, parts, attempt) of a committed part's manifest; a whole checkpoint is part 0 of 1."""
     return int(man.get("part", 0)), int(man.get("parts", 1)), man.get("attempt")
@@ -710,7 +802,7 @@ def merged_manifest(mans: list[dict]) -> str:
         k = part_of(m)[0]
         for rel, info in manifest_files(m, f"part {k}").items():
             files[rel], owner[rel] = info, k
-    meta = {key: mans[0][key] for key in ("step", "format", "world_size", "attempt") if key in mans[0]}
+    meta = {key: mans[0][key] for key in ("step", "format", "world_size", "attempt", "lineage") if key in mans[0]}
     return json.dumps({"files": files, "part_of": owner, "parts": len(mans), **meta}, indent=2, sort_keys=True)
 
 
@@ -727,12 +819,13 @@ def local_parts(root: Path) -> dict[int, dict]:
     return out
 
 
-def stage_part(l0_part: Path, l1_step: Path, chunk: int) -> tuple[str, Optional[dict]]:
+def stage_part(l0_part: Path, l1_step: Path, chunk: int, again: bool = False) -> tuple[str, Optional[dict]]:
     """Copy a committed L0 part into L1's staging (verified while copied, COMMIT last); returns (action, the
-    files' part digests for an S3 upload). Nothing is copied when L1 holds this attempt's step or part already."""
+    files' part digests for an S3 upload). Nothing is copied when L1 holds this attempt's step (unless ``again``:
+    a restore found that copy bad) or part already."""
     man = read_local_manifest(l0_part)
     k, _, attempt = part_of(man)
-    if committed_attempt(l1_step) == attempt:
+    if committed_attempt(l1_step) == attempt and not again:
         return "already-verified", None
     dst = staging_dir(l1_step) / part_name(k)
     if (dst / COMMIT).is_file() and (dst / COMMIT).read_text() == (l0_part / COMMIT).read_text() and is_valid_local(dst):
@@ -747,10 +840,12 @@ def committed_attempt(step_dir: Path) -> Optional[str]:
         return None
 
 
-def merge_parts(l1_step: Path, parts: int, attempt: Optional[str]) -> bool:
+def merge_parts(l1_step: Path, parts: int, attempt: Optional[str], again: bool = False) -> bool:
     """Rank 0: when every part of ``attempt`` is staged on L1, link their files into the step directory, write
-    the merged MANIFEST and COMMIT last, drop the staging. False while a part is missing (or of another attempt)."""
-    if committed_attempt(l1_step) == attempt:
+    the merged MANIFEST and COMMIT last, drop the staging. False while a part is missing (or of another attempt).
+    ``again``: merge even over a committed copy of this attempt (a restore found it bad; it is replaced only once
+    the new one is whole)."""
+    if committed_attempt(l1_step) == attempt and not again:
         return True
     staged = staging_dir(l1_step)
     mans = []
@@ -775,6 +870,7 @@ def merge_parts(l1_step: Path, parts: int, attempt: Optional[str]) -> bool:
         missing = missing_shards(tmp)
         if missing:
             raise CheckpointError(f"{l1_step}: the parts hold no {missing}; a node's ranks wrote elsewhere")
+        faults.point("merge")
         atomic_write_text(tmp / CKPT_MANIFEST, body)
         atomic_write_text(tmp / COMMIT, hashlib.sha256(body.encode()).hexdigest())  # last
         if l1_step.exists():
@@ -806,6 +902,9 @@ def upload_part(spec: JobSpec, l0_part: Path, uri: str, digests: Optional[dict] 
     marker, body = f"{prefix}/{PARTS}/{part_name(k)}.json", (l0_part / CKPT_MANIFEST).read_bytes()
     if _s3_body(s3, bucket, marker) == body and _all_match(spec, s3, bucket, prefix, l0_part, man["files"], digests or {}):
         return "already-verified"
+    committed = read_s3_manifest(spec, uri)
+    if committed is not None and committed.get("attempt") != attempt:  # another attempt's step: no longer whole
+        s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
     s3.delete_object(Bucket=bucket, Key=marker)
     abort_multipart(s3, bucket, prefix, {f"{prefix}/{rel}" for rel in man["files"]})
     _upload_files(spec, s3, bucket, prefix, l0_part, man["files"], digests or {})
@@ -846,20 +945,6 @@ def merge_parts_s3(spec: JobSpec, uri: str, parts: int, attempt: Optional[str]) 
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{CKPT_MANIFEST}", Body=body.encode())
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}", Body=commit.encode())  # last
     return True
-
-
-def promote_part(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2")) -> dict:
-    """This node's part of checkpoint ``rel`` (on its own L0) → L1 staging (→ L2); the merge is rank 0's."""
-    locs = tier_locations(spec, rel)
-    l0 = Path(locs["L0"])
-    report = {"checkpoint": rel, "tiers": locs, "actions": {}}
-    if not (l0 / COMMIT).is_file():
-        raise CheckpointError(f"L0 part {l0} is not committed on this node: nothing to promote")
-    action, digests = stage_part(l0, Path(locs["L1"]), spec.checkpoint.multipart_chunk_mb << 20)
-    report["actions"]["L1"] = action
-    if "L2" in tiers:
-        report["actions"]["L2"] = upload_part(spec, l0, locs["L2"], digests)
-    return report
 
 
 # ----------------------------------------------------------------------------- consumers

@@ -33,7 +33,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
+from pipelines.storage import faults
 from pipelines.train import checkpoint as ck
 
 
@@ -130,18 +132,28 @@ class Events:
 
 
 class Promoter:
-    """A part leader's background thread: its part of each committed step L0 → L1 (→ L2 when an S3 endpoint
-    answers), each copy verified, COMMIT last; global rank 0 also merges the parts into the step's global commit
-    on L1 and L2. Then retention (``checkpoint.prune``): each node on its own L0, rank 0 on L1 and L2. With one part,
-    a step that L2 retention would not keep is passed over for a newer one when the promoter falls behind."""
+    """A part leader's background thread: its part of each committed step L0 → L1, verified, COMMIT last; global
+    rank 0 merges the parts into the step's global commit on L1. L1 is required: a step that does not reach it is
+    recorded (:attr:`failed`) and the final step's is checked at :meth:`Checkpointer.close`. Then L2, when an S3
+    endpoint is configured: each node uploads its part, the committing rank writes the step's global COMMIT there.
+    An object store that does not answer is a warning and a ``ckpt/l2_errors`` metric, never a lost step: the
+    step waits in :attr:`l2_behind` and L2 catches up from L1 at the next promotion that finds it answering (the
+    ``promote`` stage finishes the final step). Then retention (``checkpoint.prune``): each node on its own L0,
+    the committing rank on L1 and L2, counted from the L1 commits, so L0 and L1 stay bounded during an L2 outage.
+    With one part, a step that L2 retention would not keep is passed over for a newer one when the promoter
+    falls behind."""
 
-    def __init__(self, spec: JobSpec, rel_root: str, log: Callable[[str], None], events: Events, topo: Topology):
-        self.spec, self.rel_root, self.log, self.events, self.topo = spec, rel_root, log, events, topo
+    def __init__(self, spec: JobSpec, rel_root: str, log: Callable[[str], None], events: Events, topo: Topology,
+                 rec: Optional[dict] = None):
+        self.spec, self.rel_root, self.log, self.events, self.topo, self.rec = spec, rel_root, log, events, topo, rec
         self.no_l2 = ck.l2_available(spec)
         if self.no_l2:
             log(f"[ckpt] promotion during the run goes to L1 only: {self.no_l2.splitlines()[0]}")
         self.tiers = ("L1",) if self.no_l2 else ("L1", "L2")
+        self.commits = topo.rank == 0  # writes the steps' global COMMITs and runs L1/L2 retention
         self.done: dict[int, dict] = {}
+        self.failed: dict[int, str] = {}  # step → why it did not reach L1
+        self.l2_behind: set[int] = set()  # globally committed on L1, not yet on L2
         self.seconds: dict[int, float] = {}  # step → seconds to promote it (rank 0: until its global commit)
         self.submitted: set[int] = set()
         self.q: "queue.Queue[Optional[int]]" = queue.Queue()
@@ -152,75 +164,186 @@ class Promoter:
         self.submitted.add(step)
         self.q.put(step)
 
-    def idle(self) -> None:
-        """Block until every submitted step is handled (a rollback restores with no promotion in flight)."""
-        self.q.join()
+    def idle(self, timeout_s: float) -> None:
+        """Wait until every submitted step is handled (a rollback restores with no promotion in flight), at most
+        ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.q.unfinished_tasks:
+            if time.monotonic() > deadline:
+                raise ck.CheckpointError(f"promotion still busy after {timeout_s:.0f} s "
+                                         "(checkpoint.collective_timeout_minutes)")
+            time.sleep(0.05)
 
-    def drain(self) -> None:
+    def drain(self, timeout_s: float) -> None:
         self.q.put(None)
-        self.thread.join()
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise ck.CheckpointError(f"promotion did not finish within {timeout_s:.0f} s "
+                                     "(checkpoint.collective_timeout_minutes)")
 
     def _work(self) -> None:
         lower_priority()
         every = self.spec.checkpoint.l2_keep_every
         while (step := self.q.get()) is not None:
             try:
-                if self.topo.parts == 1 and not self.q.empty() and every and step % every:
+                newer = bool(self.q.queue) and self.q.queue[0] is not None  # never the final step (then None)
+                if self.topo.parts == 1 and newer and every and step % every:
                     self.log(f"[ckpt] promote: step {step} passed over for a newer one (not kept at L2)")
                     continue
-                self._promote(step)
-            except Exception as e:  # noqa: BLE001 - training goes on; the promote stage retries the final step
+                self.promote(step)
+            except Exception as e:  # noqa: BLE001 - training goes on; close() checks that the final step got there
+                self.failed[step] = f"{type(e).__name__}: {e}"
                 self.events.add("ckpt/promote_errors", 1, step)
-                self.log(f"[ckpt] promote: step {step} failed: {e}")
+                self.log(f"[ckpt] promote: step {step} did not reach L1: {self.failed[step]}")
             finally:
                 self.q.task_done()
         self.q.task_done()
 
-    def _promote(self, step: int) -> None:
+    def promote(self, step: int) -> None:
+        """This node's part of ``step`` to L1 (rank 0: and the global commit), then L2, then retention."""
         rel = f"{self.rel_root}/{ck.step_name(step)}"
         t0 = time.perf_counter()
-        if self.topo.parts == 1:
-            rep = ck.promote(self.spec, rel, self.tiers)
-        else:
-            rep = ck.promote_part(self.spec, rel, self.tiers)
-            if self.topo.rank == 0:
-                self._merge(rel, step)
-                rep["actions"]["merged"] = list(self.tiers)
+        actions, digests = self.to_l1(rel, step)
+        if self.commits:
+            faults.point("l1_committed")
+        self.failed.pop(step, None)
+        if "L2" in self.tiers:
+            actions["L2"] = self._to_l2(rel, step, digests)
         dt = time.perf_counter() - t0
-        self.done[step] = rep["actions"]
+        self.done[step] = actions
         self.seconds[step] = dt
         self.events.add("ckpt/promote_s", dt, step)
         deleted = self.retain(step)
         gone = ", ".join(f"{t} {v}" for t, v in deleted.items() if v)
-        self.log(f"[ckpt] promote: step {step} {rep['actions']} in {dt:.2f} s" + (f"; retention removed {gone}" if gone else ""))
+        self.log(f"[ckpt] promote: step {step} {actions} in {dt:.2f} s" + (f"; retention removed {gone}" if gone else ""))
 
-    def _merge(self, rel: str, step: int) -> None:
-        """Rank 0: wait for every node's part on L1 (and L2), then write the step's global COMMIT there."""
+    def to_l1(self, rel: str, step: int) -> tuple[dict, Optional[dict]]:
         locs = ck.tier_locations(self.spec, rel)
-        _, parts, attempt = ck.part_of(ck.read_local_manifest(Path(locs["L0"])))
-        pending = {"L1": lambda: ck.merge_parts(Path(locs["L1"]), parts, attempt),
-                   "L2": lambda: ck.merge_parts_s3(self.spec, locs["L2"], parts, attempt)}
-        pending = {t: f for t, f in pending.items() if t in self.tiers}
+        if self.topo.parts == 1:
+            action, digests = ck.promote_l1(self.spec, rel)
+            return {"L1": action}, digests
+        l0 = Path(locs["L0"])
+        if not (l0 / ck.COMMIT).is_file():
+            raise ck.CheckpointError(f"L0 part {l0} is not committed on this node: nothing to promote")
+        action, digests = ck.stage_part(l0, Path(locs["L1"]), self.spec.checkpoint.multipart_chunk_mb << 20)
+        faults.point("l1_staged")
+        actions = {"L1": action}
+        if self.commits:
+            self._merge_l1(Path(locs["L1"]), l0, step)
+            actions["merged"] = ["L1"]
+        return actions, digests
+
+    def _merge_l1(self, l1: Path, l0: Path, step: int) -> None:
+        """Rank 0: wait for every node's part on L1 (bounded), then write the step's global COMMIT there."""
+        _, parts, attempt = ck.part_of(ck.read_local_manifest(l0))
         deadline = time.monotonic() + self.spec.checkpoint.collective_timeout_minutes * 60
-        while pending:
-            pending = {t: f for t, f in pending.items() if not f()}
-            if pending and time.monotonic() > deadline:
-                raise ck.CheckpointError(f"step {step}: parts missing on {sorted(pending)} after "
-                                         f"checkpoint.collective_timeout_minutes; not committed there")
-            time.sleep(0.05 if pending else 0)
+        while not ck.merge_parts(l1, parts, attempt):
+            if time.monotonic() > deadline:
+                raise ck.CheckpointError(f"step {step}: parts missing on L1 after checkpoint.collective_timeout_minutes;"
+                                         " not committed there")
+            time.sleep(0.05)
+
+    def _to_l2(self, rel: str, step: int, digests: Optional[dict]) -> str:
+        """This node's part (the whole step, with one part) to L2; the committing rank also commits the step there
+        and catches up the steps L2 missed. Never raises: an outage leaves the step behind, with a warning."""
+        locs = ck.tier_locations(self.spec, rel)
+        l1 = Path(locs["L1"])
+        if self.topo.parts > 1:
+            mark = self._upload_part(Path(locs["L0"]), locs["L2"], step, digests)
+            if not self.commits:
+                return mark
+        try:
+            self.l2_behind.add(step)
+            if self.topo.parts == 1:  # the whole step, from the L1 copy it was just verified into
+                ck.upload_checkpoint(self.spec, l1, locs["L2"], digests)
+                self.l2_behind.discard(step)
+            elif self._parts_on_l2(l1, step):
+                man = ck.read_local_manifest(l1)
+                if ck.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt")):
+                    self.l2_behind.discard(step)
+            self.catch_up()
+            return "behind" if step in self.l2_behind else "committed"
+        except Exception as e:  # noqa: BLE001 - L2 is a copy of L1: its faults cost a warning, not the step
+            self._l2_warning(step, e)
+            return "behind"
+
+    def _l2_warning(self, step: int, e: Exception) -> None:
+        self.events.add("ckpt/l2_errors", 1, step)
+        self.log(f"[ckpt] warning: L2 did not take step {step} ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                 "it stays on L1 and L2 catches up when it answers (the promote stage finishes the final step)")
+
+    def _upload_part(self, l0: Path, uri: str, step: int, digests: Optional[dict]) -> str:
+        """This node's part to L2, then its mark on L1 (``.step-N.l2/part-K``: ok or failed) for rank 0."""
+        try:
+            ck.upload_part(self.spec, l0, uri, digests)
+            mark = "ok"
+        except Exception as e:  # noqa: BLE001 - reported; rank 0 leaves the step behind
+            self._l2_warning(step, e)
+            mark = f"failed: {type(e).__name__}"
+        l1 = Path(ck.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
+        marks = ck.l2_marks_dir(l1)
+        marks.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(marks / ck.part_name(self.topo.part), mark)
+        return "part-uploaded" if mark == "ok" else "behind"
+
+    def _parts_on_l2(self, l1: Path, step: int) -> bool:
+        """Rank 0: wait (bounded) for every node's mark; True when every part reached L2."""
+        marks = ck.l2_marks_dir(l1)
+        deadline = time.monotonic() + self.spec.checkpoint.collective_timeout_minutes * 60
+        names = [ck.part_name(k) for k in range(self.topo.parts)]
+        while not all((marks / n).is_file() for n in names):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        ok = all((marks / n).is_file() and (marks / n).read_text() == "ok" for n in names)
+        shutil.rmtree(marks, ignore_errors=True)
+        return ok
+
+    def catch_up(self, final: bool = False) -> None:
+        """The committing rank: put on L2 the steps globally committed on L1 that L2 lacks, oldest first: the parts'
+        manifests merged when every node's part is there, else the whole step uploaded from L1. A step L1
+        retention removed meanwhile is dropped from the list. Raises when L2 does not answer."""
+        for st in sorted(self.l2_behind):
+            try:
+                self._catch_up_step(st, final)
+            except ck.L2Unavailable:
+                raise
+            except Exception as e:  # noqa: BLE001 - this step only; the others still catch up
+                self.log(f"[ckpt] L2 catch-up: step {st}: {type(e).__name__}: {e}")
+
+    def _catch_up_step(self, st: int, final: bool) -> None:
+        """One step L2 lacks: its parts' manifests merged when every node's part is there, else the whole step
+        uploaded from L1 (not the newest step, whose parts may still be on their way, unless ``final``)."""
+        rel = f"{self.rel_root}/{ck.step_name(st)}"
+        locs = ck.tier_locations(self.spec, rel)
+        l1 = Path(locs["L1"])
+        if not (l1 / ck.COMMIT).is_file():
+            self.log(f"[ckpt] L2 catch-up: step {st} left L1 before L2 answered; skipped")
+            self.l2_behind.discard(st)
+            return
+        man = ck.read_local_manifest(l1)
+        merged = self.topo.parts > 1 and ck.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)),
+                                                          man.get("attempt"))
+        if not merged and (self.topo.parts == 1 or final or st != max(self.l2_behind)):
+            ck.upload_checkpoint(self.spec, l1, locs["L2"])
+            merged = True
+        if merged:
+            self.l2_behind.discard(st)
 
     def retain(self, step: int) -> dict[str, list[int]]:
         """Retention after ``step``: a node's L0 keeps every step newer than the newest global commit (it may
         still be needed to promote), and that one."""
         if self.topo.parts == 1:
-            return ck.prune(self.spec, self.rel_root, upto=step, tiers=("L0",) + self.tiers)
-        committed = ck.list_steps(self.spec, self.rel_root, ("L1",))["L1"]
+            return ck.prune(self.spec, self.rel_root, upto=step, tiers=("L0",) + self.tiers, rec=self.rec,
+                            log=self.log)
+        committed = ck.accepted_steps(self.spec, self.rel_root, ck.list_steps(self.spec, self.rel_root, ("L1",)),
+                                      self.rec)["L1"]
         protect = set(committed[-1:])  # the newest globally committed step keeps its part on every L0
         deleted = ck.prune(self.spec, self.rel_root, upto=min(step, max(committed, default=-1)), tiers=("L0",),
-                           protect=protect)
-        if self.topo.rank == 0:
-            deleted.update(ck.prune(self.spec, self.rel_root, upto=step, tiers=self.tiers))
-            ck.drop_stale_staging(self.spec, self.rel_root)
+                           protect=protect, rec=self.rec, log=self.log)
+        if self.commits:
+            deleted.update(ck.prune(self.spec, self.rel_root, upto=step, tiers=self.tiers, rec=self.rec, log=self.log))
+            ck.drop_stale_staging(self.spec, self.rel_root, self.rec)
         return deleted
 
 
@@ -233,9 +356,14 @@ class Checkpointer:
                  files: dict[str, bytes]):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        import datetime
+
         self.spec, self.rel_root, self.rank, self.world, self.log, self.files = spec, rel_root, rank, world, log, files
         self.root = resolve_path(spec.checkpoint.l0) / rel_root
-        self.pg = dist.new_group(backend="gloo")  # the background writer's collectives, apart from training's
+        self.wait_s = spec.checkpoint.collective_timeout_minutes * 60  # the bound of every wait below
+        # the background writer's collectives, apart from training's, bounded like them
+        self.pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.wait_s))
+        self.rec: Optional[dict] = None  # this line of training (pipelines.train.lineage), set by the trainer
         cuda = torch.cuda.is_available()
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                    use_async_staging=False, use_non_blocking_copy=cuda))
@@ -249,7 +377,9 @@ class Checkpointer:
         # every leader has one: the final step always reaches L1 (a pod's node-local disk may not outlive the job);
         # checkpoint.promote_during_run decides whether the steps before it go too
         self.node_log = log if rank == 0 else _node_log(self.topo)  # other nodes' leaders log too, naming the node
-        self.promoter = Promoter(spec, rel_root, self.node_log, self.events, self.topo) if lead else None
+        self.promoter: Optional[Promoter] = None
+        if lead:
+            self.promoter = Promoter(spec, rel_root, self.node_log, self.events, self.topo)
         self._pending: Optional[Future] = None
         self.last_saved: Optional[int] = None
         self.stalls: list[float] = []
@@ -267,6 +397,13 @@ class Checkpointer:
 
     def path(self, step: int) -> Path:
         return self.root / ck.step_name(step)
+
+    def set_lineage(self, rec: Optional[dict]) -> None:
+        """Every rank: the line of training the steps belong to (their manifests record it; restore and retention
+        count only its steps)."""
+        self.rec = rec
+        if self.promoter is not None:
+            self.promoter.rec = rec
 
     def save(self, step: int, model, opt, state: dict) -> float:
         """Checkpoint ``step``; returns the seconds training was blocked (the stall)."""
@@ -315,9 +452,12 @@ class Checkpointer:
             if missing:
                 raise ck.CheckpointError(f"step {step}: shard(s) {missing} are not in {tmp}, yet every rank sees "
                                          "this L0 (probed at start); a rank wrote elsewhere")
-        ck.commit_local(tmp, self.path(step), meta={"step": step, "format": "dcp", "world_size": self.world,
-                                                    "part": self.topo.part, "parts": self.topo.parts,
-                                                    "attempt": self.attempt})
+        meta = {"step": step, "format": "dcp", "world_size": self.world, "part": self.topo.part,
+                "parts": self.topo.parts, "attempt": self.attempt}
+        if self.rec is not None:
+            meta["lineage"] = self.rec["lineage"]
+        ck.commit_local(tmp, self.path(step), meta=meta)
+        faults.point("part_committed")
         save_s = time.perf_counter() - t0
         self.events.add("ckpt/save_s", save_s, step)
         self.log(f"[ckpt] step {step}: committed to L0 {save_s:.2f} s after the save began")
@@ -337,7 +477,7 @@ class Checkpointer:
 
         self.wait()
         if self.promoter is not None:
-            self.promoter.idle()
+            self.promoter.idle(self.wait_s)
         return restore(self, step)
 
     def load(self, path: str | Path, model, opt) -> dict:
@@ -363,20 +503,79 @@ class Checkpointer:
         return state
 
     def close(self, final_step: Optional[int]) -> None:
-        """Finish the save in flight, make sure the final step is promoted (with node-local L0: globally committed
-        on L1, since a node's disk may not outlive the job), wait for the promoter."""
-        self.wait()
-        if self.promoter is not None:
-            if final_step is not None and final_step not in self.promoter.submitted:
-                self.promoter.submit(final_step)
-            self.promoter.drain()
-        if self.topo.parts > 1 and final_step is not None:
-            dist.barrier(group=self.pg)  # rank 0 has merged the final step: every node's L0 window can move on
+        """Finish the save in flight and the promotions; the final step must be globally committed on L1 (a node's
+        disk may not outlive the job): one more try when it is not, then :class:`CheckpointError` on every rank
+        with the reason, never an exit 0 without it. L2 gets it too when it answers (else a warning)."""
+        local = None  # this rank's own failure, shared below so that no rank waits alone in a collective
+        try:
+            self.wait()
             if self.promoter is not None:
+                if final_step is not None and final_step not in self.promoter.submitted:
+                    self.promoter.submit(final_step)
+                self.promoter.drain(self.wait_s)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            local = f"{type(e).__name__}: {e}"
+        errors = [None] * self.world
+        dist.all_gather_object(errors, local, group=self.pg)
+        if any(errors):
+            raise ck.CheckpointError(f"saving the final checkpoint failed on rank {next(i for i, e in enumerate(errors) if e)}: "
+                                     f"{next(e for e in errors if e)}")
+        if final_step is not None:
+            why = self._final_on_l1(final_step)
+            if why is not None:
+                self.log(f"[ckpt] final step {final_step} is not on L1 ({why}); promoting it again")
+                self._promote_again(final_step)
+                why = self._final_on_l1(final_step)
+            if why is not None:
+                raise ck.CheckpointError(f"the final step {final_step} is not globally committed on L1 "
+                                         f"({self.spec.checkpoint.l1}): {why}; the run is not done (its parts stay on "
+                                         "the nodes' L0 for the next attempt)")
+            if self.topo.parts > 1:
+                dist.barrier(group=self.pg)  # every node's promoter is drained: its parts are as far as they go
+            if self.promoter is not None and self.promoter.commits and "L2" in self.promoter.tiers:
+                self._final_to_l2(final_step)
+            if self.topo.parts > 1 and self.promoter is not None:
                 self.promoter.retain(final_step)
         if self.bg is not None:
             self.bg.shutdown()
         self.stager.close()
+
+    def _final_on_l1(self, step: int) -> Optional[str]:
+        """Collective: None when ``step`` is globally committed on L1 (MANIFEST matches COMMIT), else why not."""
+        why = None
+        if self.rank == 0:
+            l1 = Path(ck.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
+            try:
+                ck.read_local_manifest(l1)
+            except (ck.CheckpointError, OSError, ValueError) as e:
+                failed = self.promoter.failed.get(step) if self.promoter is not None else None
+                why = failed or str(e)
+        box = [why]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0]
+
+    def _promote_again(self, step: int) -> None:
+        """Collective: every part leader promotes its part of ``step`` to L1 once more (rank 0 merges)."""
+        dist.barrier(group=self.pg)
+        if self.promoter is not None:
+            try:
+                self.promoter.to_l1(f"{self.rel_root}/{ck.step_name(step)}", step)
+                self.promoter.failed.pop(step, None)
+            except Exception as e:  # noqa: BLE001 - _final_on_l1 reports it
+                self.promoter.failed[step] = f"{type(e).__name__}: {e}"
+                self.node_log(f"[ckpt] promote: step {step} did not reach L1 again: {self.promoter.failed[step]}")
+        dist.barrier(group=self.pg)
+
+    def _final_to_l2(self, step: int) -> None:
+        """Rank 0, every node's promoter drained: the final step on L2 (and any step L2 missed), or a warning."""
+        try:
+            if self.promoter.done.get(step, {}).get("L2") != "committed":
+                self.promoter.l2_behind.add(step)
+            self.promoter.catch_up(final=True)
+        except Exception as e:  # noqa: BLE001 - L1 holds it; the promote stage puts it on L2
+            self.events.add("ckpt/l2_errors", 1, step)
+            self.log(f"[ckpt] warning: the final step {step} is on L1 but not on L2 ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0]}); the promote stage uploads it when L2 answers")
 
 
 def _node_log(topo: Topology) -> Callable[[str], None]:

@@ -55,8 +55,8 @@ def torchrun_cmds(spec: JobSpec, trainer_args: list[str], module: str = "pipelin
 
 
 def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipelines.train.trainer",
-                 restarts: bool = True) -> None:
-    env = dict(os.environ)
+                 restarts: bool = True, env_extra: Optional[dict] = None) -> None:
+    env = {**os.environ, **(env_extra or {})}
     env.setdefault("OMP_NUM_THREADS", str(spec.launcher.threads_per_proc))
     env["PYTHONUNBUFFERED"] = "1"
     # each restarted worker group gets a store of its own (a shared one hung a restart now and then on gloo)
@@ -164,7 +164,7 @@ def collect(work: Path, tmp: Path, names: list[str]) -> None:
 
 
 def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts: bool = True,
-              detachable: bool = False) -> None:
+              detachable: bool = False, token: Optional[str] = None) -> None:
     """Run ``module`` on every rank the spec asks for: torchrun here, or a PyTorchJob on Kubernetes (with
     ``LLMP_DETACH=1``, as a deferrable Airflow task sets it, a ``detachable`` caller, one whose job command and
     work dir are the same when it runs again, gets ``Pending`` after the submit instead of waiting)."""
@@ -177,7 +177,7 @@ def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts
         except JobFailed as e:
             raise TrainError(str(e)) from None
     else:
-        run_torchrun(spec, args, module, restarts)
+        run_torchrun(spec, args, module, restarts, {"LLMP_RUN_TOKEN": token} if token else None)
 
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
@@ -192,7 +192,10 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
         rel_root, work = job.rel_root, job.work
         work.mkdir(parents=True, exist_ok=True)
         spec.write_work_file(work / "spec.yaml")
-        run_ranks(spec, "pipelines.train.trainer", job.args, run_id=job.run_id, detachable=True)
+        # one token per stage key and generation: torchrun's restarts and the task's retries are this launch again
+        # (train.resume=never starts over once; pipelines.train.lineage); on Kubernetes the job's name does this
+        run_ranks(spec, "pipelines.train.trainer", job.args, run_id=job.run_id, detachable=True,
+                  token=f"{job.run_id}:{rel_root}")
         collect(work, tmp, ["result.json", "losses.json"])
         (tmp / "spec.yaml").write_text(spec.to_yaml())  # the output copy: no secrets
         result = json.loads((tmp / "result.json").read_text())

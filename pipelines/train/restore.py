@@ -26,7 +26,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from pipelines.storage import faults
 from pipelines.train import checkpoint as ck
+from pipelines.train import lineage
 
 NEAR = {"L0": 0, "L1": 1, "L2": 2}
 
@@ -61,12 +63,21 @@ def _bcast(obj):
 def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
     """The newest restorable step (or exactly ``step``) made readable on every rank; None when there is none."""
     topo = ckpt.topo
-    mine = {s: ck.part_of(m) for s, m in ck.local_parts(ckpt.root).items()} if topo.local_rank == 0 else None
+    mine = {s: (*ck.part_of(m), lineage.of(m)) for s, m in ck.local_parts(ckpt.root).items()} \
+        if topo.local_rank == 0 else None
     per_node: dict[int, dict] = {}
     for node, inv in _gather((topo.node, mine)):
         if inv is not None:
             per_node[node] = inv
-    cands = _bcast(candidates(ckpt, per_node, step) if ckpt.rank == 0 else None)
+    cands = None
+    if ckpt.rank == 0:
+        try:
+            cands = candidates(ckpt, per_node, step)
+        except Exception as e:  # noqa: BLE001 - every rank fails with rank 0's reason, none waits for it
+            cands = {"error": f"{type(e).__name__}: {e}"}
+    cands = _bcast(cands)
+    if isinstance(cands, dict):
+        raise ck.CheckpointError(f"restore: cannot list this run's checkpoints: {cands['error']}")
     for c in cands:
         got = _settle(ckpt, c)
         if got is not None:
@@ -75,29 +86,55 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
 
 
 def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dict]:
-    """Rank 0: steps that could be restored, newest first, each with its attempt, its part count and whether L1
-    holds its global commit."""
-    spec, rel_root = ckpt.spec, ckpt.rel_root
+    """Rank 0: steps of this line of training that could be restored, newest first, each with its attempt, its
+    part count and whether L1 holds its global commit: committed on L1 or L2, or every part of one attempt
+    committed somewhere (the nodes' L0 disks, L1's staging). An L2 that does not answer is a warning: L1 and the
+    nodes' disks are enough."""
+    spec, rel_root, rec = ckpt.spec, ckpt.rel_root, ckpt.rec
     found: dict[int, dict] = {}
     l1 = Path(ck.tier_locations(spec, rel_root)["L1"])
     for s, man in ck.local_parts(l1).items():
-        found[s] = {"step": s, "attempt": man.get("attempt"), "parts": int(man.get("parts", 1)), "l1": True}
-    for s in ck.list_steps(spec, rel_root, ("L2",))["L2"]:
+        if lineage.accepts(rec, s, lineage.of(man)):
+            found[s] = {"step": s, "attempt": man.get("attempt"), "parts": int(man.get("parts", 1)), "l1": True}
+    try:
+        on_l2 = ck.list_steps(spec, rel_root, ("L2",))["L2"]
+    except ck.L2Unavailable as e:
+        ckpt.log(f"[ckpt] restore: warning: L2 does not answer ({e}); choosing from L1 and the nodes' disks")
+        on_l2 = []
+    for s in on_l2:
         if s in found:  # L1 holds it: its attempt is known, and L2 is read only if L1's copy fails
             continue
-        man = ck.read_s3_manifest(spec, ck.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"])
-        if man is None:
-            continue
-        found[s] = {"step": s, "attempt": man.get("attempt"), "parts": int(man.get("parts", 1)), "l1": False}
-    on_l0: dict[tuple, set] = {}
-    for inv in per_node.values():
-        for s, (part, parts, attempt) in inv.items():
-            on_l0.setdefault((s, attempt, parts), set()).add(part)
-    for (s, attempt, parts), have in on_l0.items():
+        try:
+            man = ck.read_s3_manifest(spec, ck.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"])
+        except ck.L2Unavailable:
+            man = None
+        if man is not None and lineage.accepts(rec, s, lineage.of(man)):
+            found[s] = {"step": s, "attempt": man.get("attempt"), "parts": int(man.get("parts", 1)), "l1": False}
+    spread: dict[tuple, set] = {}  # (step, attempt, parts) → the parts committed on some node's L0 or L1 staging
+    for inv in [*per_node.values(), staged_parts(l1)]:
+        for s, (part, parts, attempt, lin) in inv.items() if isinstance(inv, dict) else inv:
+            if lineage.accepts(rec, s, lin):
+                spread.setdefault((s, attempt, parts), set()).add(part)
+    for (s, attempt, parts), have in spread.items():
         if s not in found and have == set(range(parts)):
             found[s] = {"step": s, "attempt": attempt, "parts": parts, "l1": False}
     out = sorted(found.values(), key=lambda c: -c["step"])
     return [c for c in out if want is None or c["step"] == want]
+
+
+def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
+    """Parts committed in L1's staging (``.step-N.parts/part-K``), e.g. staged by every node before rank 0's node
+    was lost, so never merged: [(step, (part, parts, attempt, lineage))]."""
+    out = []
+    for d in sorted(l1_root.glob(".step-*.parts")) if l1_root.is_dir() else []:
+        step = ck.parse_step(d.name[1:-len(".parts")])
+        for p in sorted(d.glob("part-*")) if step is not None else []:
+            try:
+                man = ck.read_local_manifest(p)
+            except (ck.CheckpointError, OSError, ValueError):
+                continue
+            out.append((step, (*ck.part_of(man), lineage.of(man))))
+    return out
 
 
 def _settle(ckpt, c: dict) -> Optional[Restored]:
@@ -153,8 +190,8 @@ def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log) -> Optiona
         bad = sorted({k for b in _gather(bad) if b for k in b})
         if not bad:
             return {k: "L0" if k in local else "L1" for k in every}
-        if ckpt.rank == 0:
-            (l1 / ck.COMMIT).unlink(missing_ok=True)  # not a good copy any more: the parts are staged again
+        # the parts are staged again; the copy that failed keeps its COMMIT until a whole one replaces it (a failed
+        # read is not proof that it is gone, and without L2 it may be the only copy)
     jobs = {k: (min(g for g in have if k in have[g]), "L0") if k in local else (k % topo.nodes, "L2") for k in every}
     done = {}
     if topo.local_rank == 0:
@@ -163,12 +200,20 @@ def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log) -> Optiona
                 done[k] = _stage(ckpt, c, k, how, locs, log)
     results = {k: t for d in _gather(done) if d for k, t in d.items()}
     ok = len(results) == c["parts"] and all(t is not None for t in results.values())
-    merged = _bcast(ck.merge_parts(l1, c["parts"], c["attempt"]) if ok and ckpt.rank == 0 else None)
+    merged = _bcast(_merge(l1, c, again=c["l1"]) if ok and ckpt.rank == 0 else None)
     if not merged:
         if ckpt.rank == 0:
             log(f"[ckpt] restore: skipped {l1.name}: no tier holds every part ({results})")
         return None
     return results
+
+
+def _merge(l1: Path, c: dict, again: bool) -> bool:
+    """Rank 0: the staged parts merged into the step's global commit (replacing a copy that failed to verify)."""
+    try:
+        return ck.merge_parts(l1, c["parts"], c["attempt"], again=again)
+    except Exception:  # noqa: BLE001 - reported by the caller as the step skipped
+        return False
 
 
 def _verify_l1_parts(l1: Path, topo, log) -> list[int]:
@@ -195,8 +240,9 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
     spec = ckpt.spec
     l0, l1 = Path(locs["L0"]), Path(locs["L1"])
     try:
+        faults.point("restage")
         if how == "L0":
-            ck.stage_part(l0, l1, spec.checkpoint.multipart_chunk_mb << 20)
+            ck.stage_part(l0, l1, spec.checkpoint.multipart_chunk_mb << 20, again=True)
             return "L0"
         staged = ck.staging_dir(l1) / ck.part_name(k)
         if ck.is_valid_local(staged) and ck.part_of(ck.read_local_manifest(staged))[2] == c["attempt"]:

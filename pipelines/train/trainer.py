@@ -205,32 +205,59 @@ class Trainer:
         self.samples = TokenSamples(shards, self.margs.seq_len)
 
     def _find_restore(self):
-        """Every rank together: the newest step that verifies on the nearest tier, each node its own parts
-        (``pipelines.train.restore``); None to start at step 0."""
-        from pipelines.train.checkpoint import CheckpointError, clear_run
+        """Every rank together: the newest step of this line of training that verifies on the nearest tier, each
+        node its own parts (``pipelines.train.restore``); None to start at step 0. A restart of this launch
+        (``pipelines.train.lineage``) resumes whatever ``train.resume`` says: ``never`` starts over once."""
+        from pipelines.train import lineage
 
-        resume = self.spec.train.resume
-        if resume == "never":
-            if self.rank == 0:
-                try:
-                    gone = {t: v for t, v in clear_run(self.spec, self.rel_root).items() if v}
-                except CheckpointError as e:  # the registry cannot be read: keep every step
-                    gone = {}
-                    self.log(f"[ckpt] train.resume=never: earlier checkpoints kept: {e}")
-                if gone:
-                    self.log(f"[ckpt] train.resume=never: removed this run's earlier checkpoints {gone}")
+        rec, mode = self._lineage_start(self.spec.train.resume) if self.rank == 0 else (None, None)
+        box = [(rec, mode)]
+        dist.broadcast_object_list(box, src=0)
+        rec, mode = box[0]
+        self.ckpt.set_lineage(rec)
+        if mode == "never":
             return None
-        restored = self.ckpt.restore(None if resume == "auto" else resume)
+        restored = self.ckpt.restore(None if mode == "auto" else mode)
         if restored is None:
-            if resume != "auto":
-                raise ResumeError(f"train.resume={resume}: no tier holds a verified copy of step {resume} (see the "
+            if mode != "auto":
+                raise ResumeError(f"train.resume={mode}: no tier holds a verified copy of step {mode} (see the "
                                   "log above)")
             self.log("[ckpt] restore: no checkpoint of this run on any tier; starting at step 0")
             return None
         if restored.state["model_args"] != self.margs.to_dict():
             raise ResumeError(f"the checkpoint at {restored.path} was written for another model "
                               f"({restored.state['model_args']}); set train.resume=never or use another checkpoint.l0")
+        if mode != "auto":  # a fork at step N: what the old line wrote after N no longer counts
+            box = [lineage.fork(rec, lineage.run_token(), mode) if self.rank == 0 else None]
+            if self.rank == 0:
+                lineage.write(self.spec, self.rel_root, box[0])
+            dist.broadcast_object_list(box, src=0)
+            self.ckpt.set_lineage(box[0])
         return restored
+
+    def _lineage_start(self, resume):
+        """Rank 0: (this line of training's record, how to start: auto / never / a step)."""
+        from pipelines.train import lineage
+        from pipelines.train.checkpoint import CheckpointError, clear_run
+
+        token, rec = lineage.run_token(), lineage.read(self.spec, self.rel_root)
+        if lineage.is_restart(rec, token):
+            if resume != "auto":
+                self.log(f"[ckpt] a restart of this launch: resuming its own steps (train.resume={resume} applied "
+                         "once, at its first start)")
+            return rec, "auto"
+        if resume != "never":
+            return rec, resume
+        try:
+            gone = {t: v for t, v in clear_run(self.spec, self.rel_root).items() if v}
+        except CheckpointError as e:  # the registry or a tier cannot be read: the steps stay, outside the new line
+            gone = {}
+            self.log(f"[ckpt] train.resume=never: earlier checkpoints kept: {e}")
+        if gone:
+            self.log(f"[ckpt] train.resume=never: removed this run's earlier checkpoints {gone}")
+        rec = lineage.fresh(token)
+        lineage.write(self.spec, self.rel_root, rec)
+        return rec, "never"
 
     def _model(self, state: Optional[dict]) -> None:
         from pipelines.train.loader import DPSampler
@@ -493,10 +520,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-root", required=True, help="This run's checkpoint directory under checkpoint.l0.")
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
+    from pipelines.train.checkpoint import CheckpointError
+
     try:
         train(spec, args.tokenize_manifest, Path(args.out), Path(args.ckpt_root))
-    except (TrainingDiverged, ResumeError) as e:
+    except (TrainingDiverged, ResumeError, CheckpointError) as e:
         print(f"train: error: {e}", file=sys.stderr)
+        return 3
+    except OSError as e:  # a tier's disk (ENOSPC, EIO …): one line with the path, and torchrun may try again
+        print(f"train: error: storage: {e}", file=sys.stderr)
         return 3
     return 0
 

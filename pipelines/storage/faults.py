@@ -1,0 +1,175 @@
+"""Fault injection for storage and the checkpoint protocol: tests and ``make faults`` switch it on, and with
+``LLMP_FAULTS`` unset every hook is one check of a module global.
+
+``LLMP_FAULTS`` is a JSON list of rules::
+
+    {"at": POINT, "do": KIND, "nth": 1, "times": 1, "node": K, "rank": R, "path": "/l1/", "op": "PutObject",
+     "seconds": 2.0}
+
+* ``at``: a protocol phase (:data:`PHASES`), ``read`` / ``write`` (:func:`file_op` on a file of a tier: ``path`` is a substring of
+  the file's path that picks the tier or the node's disk), or ``s3`` (every S3 request; ``op`` picks one operation
+  such as ``UploadPart``).
+* ``do``: ``die`` (the process ends at once, exit 137, as a lost pod), ``eio`` / ``enospc`` (``OSError``),
+  ``s3_down`` (the endpoint refuses connections), ``s3_503`` (503 SlowDown), ``s3_reset`` (the connection is
+  reset in the middle of the request), ``slow`` (``seconds`` of delay).
+* ``node`` / ``rank``: only there (torchrun's ``GROUP_RANK`` / ``RANK``); ``nth``: fire from the rule's nth hit;
+  ``times``: how many times it fires (0: every hit from then on).
+
+With ``LLMP_FAULTS_STATE=DIR`` a rule's firings are counted in files under DIR, across processes: a ``die`` fires
+once per scenario, not again in the process that torchrun starts in its place. A seed picks the rules
+(``pipelines.storage.faultmatrix``), so the same seed replays the same run.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+# the checkpoint protocol's named phases, in the order a step goes through them
+PHASES = ("part_committed",  # a node committed its part on its own L0
+          "l1_staged",  # a node's part is staged on L1
+          "merge",  # rank 0 is merging the parts on L1 (files linked, no COMMIT yet)
+          "l1_committed",  # the step's global COMMIT is on L1, L2 not yet
+          "retention",  # between two deletions of retention
+          "restage")  # a restore is staging a part on L1 again
+KINDS = ("die", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "slow")
+
+_rules: Optional[list[dict]] = None
+_hits: dict[int, int] = {}
+_lock = threading.Lock()
+
+
+def load(text: Optional[str] = None) -> Optional[list[dict]]:
+    """Read the rules (``LLMP_FAULTS`` unless given); None when there are none."""
+    global _rules
+    text = os.environ.get("LLMP_FAULTS", "") if text is None else text
+    _rules = None
+    if text.strip():
+        rules = json.loads(text)
+        for r in rules:
+            if r.get("do") not in KINDS or r.get("at") not in (*PHASES, "read", "write", "s3"):
+                raise ValueError(f"LLMP_FAULTS: rule {r} needs at in {PHASES + ('read', 'write', 's3')} and do in {KINDS}")
+        _rules = rules
+    _hits.clear()
+    return _rules
+
+
+def active() -> bool:
+    return _rules is not None
+
+
+def _here(rule: dict) -> bool:
+    return all(str(rule[k]) == os.environ.get(env, "0")
+               for k, env in (("node", "GROUP_RANK"), ("rank", "RANK")) if k in rule)
+
+
+def _claim(i: int, rule: dict) -> bool:
+    """Count a hit of rule ``i``; True when it fires now."""
+    with _lock:
+        _hits[i] = _hits.get(i, 0) + 1
+        if _hits[i] < int(rule.get("nth", 1)):
+            return False
+    times = int(rule.get("times", 1))
+    state = os.environ.get("LLMP_FAULTS_STATE")
+    if not state:
+        return times == 0 or _hits[i] < int(rule.get("nth", 1)) + times
+    Path(state).mkdir(parents=True, exist_ok=True)
+    for k in range(times if times else 1 << 30):
+        try:  # one file per firing, created exclusively: every process agrees how often the rule has fired
+            os.close(os.open(Path(state) / f"rule-{i}-fired-{k}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            continue
+    return False
+
+
+def fired(state: str | Path) -> list[str]:
+    """The firings recorded under ``LLMP_FAULTS_STATE`` (for a scenario's report)."""
+    p = Path(state)
+    return sorted(f.name for f in p.iterdir()) if p.is_dir() else []
+
+
+def _matching(at: str, **where) -> list[dict]:
+    out = []
+    for i, rule in enumerate(_rules or []):
+        if rule["at"] != at or not _here(rule):
+            continue
+        if "path" in rule and rule["path"] not in str(where.get("path", "")):
+            continue
+        if "op" in rule and rule["op"] != where.get("op"):
+            continue
+        if _claim(i, rule):
+            out.append(rule)
+    return out
+
+
+def _act(rule: dict, what: str) -> None:
+    kind = rule["do"]
+    if kind == "die":
+        print(f"[faults] {what}: process dies here (LLMP_FAULTS)", flush=True)
+        os._exit(137)
+    if kind == "slow":
+        time.sleep(float(rule.get("seconds", 1.0)))
+        return
+    if kind in ("eio", "enospc"):
+        code = errno.EIO if kind == "eio" else errno.ENOSPC
+        raise OSError(code, f"{os.strerror(code)} (injected at {what})")
+    raise _s3_error(kind, what)
+
+
+def point(phase: str, **where) -> None:
+    """A named phase of the protocol: a rule for it may end the process, fail or delay it here."""
+    if _rules is None:
+        return
+    for rule in _matching(phase, **where):
+        _act(rule, phase)
+
+
+def file_op(op: str, path) -> None:
+    """A file read or write of a tier (``op``: read / write)."""
+    if _rules is None:
+        return
+    for rule in _matching(op, path=path):
+        _act(rule, f"{op} {path}")
+
+
+def _s3_error(kind: str, what: str) -> Exception:
+    from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
+
+    if kind == "s3_reset":
+        return ConnectionClosedError(endpoint_url=f"(injected at {what})")
+    return EndpointConnectionError(endpoint_url=f"(injected at {what})")
+
+
+class _Body:
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def stream(self, **_):
+        yield self.data
+
+
+def install_s3(client) -> None:
+    """Hook a boto3 S3 client's requests (only when rules for ``s3`` exist): a rule answers instead of the endpoint."""
+    if not any(r["at"] == "s3" for r in _rules or []):
+        return
+
+    def before_send(request, **_kw):
+        op = _kw.get("event_name", "").rsplit(".", 1)[-1]
+        for rule in _matching("s3", op=op):
+            if rule["do"] == "s3_503":
+                from botocore.awsrequest import AWSResponse
+
+                body = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+                return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Body(body))
+            _act(rule, f"S3 {op}")
+        return None
+
+    client.meta.events.register("before-send.s3", before_send)
+
+
+load()

@@ -1,0 +1,256 @@
+"""The seeded fault matrix (issue 31): ``make faults [SEEDS=N]`` or ``python tests/fault_matrix.py --seeds N``.
+
+Each seed picks one scenario: a fault kind and where it strikes (a phase of the checkpoint protocol, a tier's
+reads or writes, the S3 endpoint's requests), and how often. The run is real: ``python -m pipelines.train.launch``
+(torchrun, 2 ranks on one node, an S3 endpoint on loopback) with ``LLMP_FAULTS`` set; a process death is
+``os._exit`` at that point, and torchrun restarts the ranks as it would after a lost pod. The same seed replays
+the same scenario. After each run the invariants are checked:
+
+* I1 the newest step committed on L1 verifies there (and on L2 when L2 says it holds it);
+* I2 a resumed run resumed from a whole step of this run (a multiple of ckpt_every, committed before the fault);
+* I3 the run ends bitwise equal to the fault-free run, or fails with one ``train: error:`` line naming L1; never
+  exit 0 with its final step missing from L1;
+* I4 it ends within its bound (no hang);
+* I5 L0 and L1 hold no more steps than their retention keeps (plus the newest, which is never deleted);
+* I6 (data) a compressed input cut at a seeded byte: every byte read is a doc or a ``bad_compression`` entry.
+
+Prints one row per seed: scenario, seed, outcome, each invariant (ok / n/a / FAIL).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, EVERY, KEEP = 30, 10, 2
+SETS = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=32",
+        "train.micro_batch=4", "train.warmup_steps=2", "train.lr=0.01", "train.log_every=5",
+        f"train.steps={STEPS}", f"train.ckpt_every={EVERY}", "launcher.nproc_per_node=2", "launcher.max_restarts=3",
+        f"checkpoint.keep_l0={KEEP}", f"checkpoint.keep_l1={KEEP}", "checkpoint.collective_timeout_minutes=5"]
+BOUND_S = 600
+
+
+def scenario(seed: int) -> dict:
+    """The fault a seed stands for: {name, rules, expect} (expect: "ok" = bitwise equal, "ok|fail" = either is
+    right as long as a failure names its tier)."""
+    rnd = random.Random(seed)
+    kind = rnd.choice(["die", "die", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "slow", "data"])
+    if kind == "die":
+        phase = rnd.choice(["part_committed", "l1_committed", "retention"])
+        nth = rnd.randint(1, 3 if phase != "retention" else 2)
+        return {"name": f"die at {phase} #{nth}", "rules": [{"at": phase, "do": "die", "nth": nth}], "expect": "ok"}
+    if kind in ("eio", "enospc"):
+        op = "read" if kind == "eio" else "write"
+        tier = rnd.choice(["l0", "l1"])
+        times = rnd.choice([1, 2, 0])  # 0: the tier stays broken
+        nth = rnd.randint(1, 12)
+        expect = "ok" if times else "fail"
+        return {"name": f"{kind} on {tier} {op} #{nth} x{times or 'inf'}",
+                "rules": [{"at": op, "do": kind, "path": f"/{tier}/", "nth": nth, "times": times}], "expect": expect}
+    if kind == "data":
+        return {"name": f"data: truncated {rnd.choice(['zst', 'gz'])}", "data": True,
+                "cut": rnd.random(), "expect": "ok"}
+    op = rnd.choice(["PutObject", "HeadObject", "ListObjectsV2", "GetObject"])  # the tiny run's files are single-part
+    times = rnd.choice([1, 3, 0])
+    rule = {"at": "s3", "do": kind if kind != "slow" else "slow", "op": op, "nth": rnd.randint(1, 6), "times": times}
+    if kind == "slow":
+        rule["seconds"] = 2.0
+    return {"name": f"{kind} on S3 {op} x{times or 'inf'}", "rules": [rule], "expect": "ok"}
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "LLMP_PROGRESS": "0", **extra}
+
+
+def prepare(base: Path) -> dict:
+    """The shared inputs: a tokenized corpus, an S3 endpoint, the fault-free reference run's final state."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    os.environ["LLMP_HOME"] = str(base)
+    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+
+    from conftest import free_port
+    from test_resilience import _tok
+
+    port = free_port()
+    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    srv.start()
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    tok = _tok(base)
+    ctx = {"tok": tok.path, "s3": f"http://127.0.0.1:{port}", "server": srv, "base": base}
+    ref = run_one(ctx, "reference", None)
+    assert ref["rc"] == 0, ref["out"][-3000:]
+    ctx["ref"] = ref
+    return ctx
+
+
+def run_one(ctx: dict, name: str, rules) -> dict:
+    root = ctx["base"] / name.replace(" ", "_").replace("#", "n")
+    sets = SETS + [f"run.root={root}", f"checkpoint.l0={root}/l0", f"checkpoint.l1={root}/l1",
+                   f"services.s3_endpoint_url={ctx['s3']}", f"services.s3_bucket=faults-{abs(hash(name)) % 10**8}"]
+    cmd = [sys.executable, "-m", "pipelines.train.launch", "--tokenize-manifest", ctx["tok"], "--output",
+           str(root / "train")] + [a for kv in sets for a in ("--set", kv)]
+    env = _env(LLMP_FAULTS=json.dumps(rules), LLMP_FAULTS_STATE=str(root / "faults")) if rules else _env()
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=BOUND_S)
+        rc, out = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = "hang", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else str(e.stdout)
+    return {"rc": rc, "out": out, "root": root, "sets": sets, "s": time.monotonic() - t0}
+
+
+def final_state(step_dir: Path) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as d:
+        dcp_to_torch_save(step_dir, Path(d) / "s.pt")
+        return torch.load(Path(d) / "s.pt", weights_only=False)
+
+
+def equal(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def check(ctx: dict, sc: dict, run: dict) -> dict:
+    """The invariants of one run: {I1..I5: ok / n/a / FAIL: why}."""
+    from pipelines.spec import load_spec
+    from pipelines.train import checkpoint as ck
+
+    inv = {}
+    root = run["root"]
+    inv["I4"] = "FAIL: no end within the bound" if run["rc"] == "hang" else "ok"
+    spec = load_spec(None, run["sets"], env={})
+    l1_roots = [p.parent.parent for p in (root / "l1").glob("*/*/step-*/COMMIT")]
+    rel_root = l1_roots[0].relative_to(root / "l1").as_posix() if l1_roots else None
+    steps = ck.list_steps(spec, rel_root, ("L0", "L1")) if rel_root else {"L0": [], "L1": []}
+    newest = max(steps["L1"], default=None)
+    try:
+        if newest is not None:
+            ck.verify_local(root / "l1" / rel_root / ck.step_name(newest))
+        inv["I1"] = "ok"
+    except ck.CheckpointError as e:
+        inv["I1"] = f"FAIL: newest L1 step does not verify: {e}"
+    final_ok = newest == STEPS
+    if run["rc"] == 0:
+        if not final_ok:
+            inv["I3"] = "FAIL: exit 0 without the final step on L1"
+        else:
+            same = equal(ctx["ref_state"], final_state(root / "l1" / rel_root / ck.step_name(STEPS)))
+            inv["I3"] = "ok" if same else "FAIL: final state differs from the fault-free run"
+    elif run["rc"] != "hang":
+        lines = [ln for ln in run["out"].splitlines() if "train: error:" in ln]
+        named = lines and any(t in lines[-1] for t in ("L0", "L1", "L2", "/l0/", "/l1/"))
+        inv["I3"] = "ok" if named and sc["expect"].startswith("fail") else \
+            f"FAIL: exit {run['rc']}: {(lines or run['out'].splitlines()[-1:] or [''])[-1][:160]}"
+    else:
+        inv["I3"] = "n/a"
+    manifest = root / "train" / "manifest.json"
+    resumed = json.loads(manifest.read_text())["extra"].get("resumed_from") if manifest.is_file() else None
+    inv["I2"] = "n/a" if resumed is None else ("ok" if resumed["step"] % EVERY == 0 else f"FAIL: resumed {resumed}")
+    over = {t: v for t, v in steps.items() if len(v) > KEEP + 1}
+    inv["I5"] = f"FAIL: {over}" if over else "ok"
+    return inv
+
+
+def data_scenario(sc: dict, base: Path) -> dict:
+    """I6 on the reader: a compressed JSONL (or WARC) input cut at a seeded point; every record read is a doc or a
+    quarantine entry, and the cut is a ``bad_compression`` entry."""
+    import gzip
+
+    import zstandard
+
+    from pipelines.data import formats
+    from pipelines.spec import load_spec
+
+    cfg = load_spec(None, [], env={}).data.ingest
+    lines = "".join(json.dumps({"text": f"document {i} " * 30}) + "\n" for i in range(3000)).encode()
+    kind = sc["name"].rsplit(" ", 1)[-1]
+    data = zstandard.ZstdCompressor().compress(lines) if kind == "zst" else gzip.compress(lines)
+    cut = max(1, int(len(data) * min(0.98, sc["cut"])))
+    path = base / f"cut.jsonl.{kind}"
+    path.write_bytes(data[:cut])
+    chunk = formats.Chunk(no=0, name=path.name, path=str(path), fmt="jsonl", size=cut)
+    rows = [r for r in formats.rows(chunk, cfg) if isinstance(r, formats.Row)]
+    docs = sum(1 for r in rows if r.text is not None)
+    bad = [r for r in rows if r.reason == "bad_compression"]
+    whole = _readable_lines(data[:cut], kind)  # every line that the cut prefix holds whole
+    ok = len(bad) == 1 and docs == whole and len(rows) == docs + 1
+    return {"I6": "ok" if ok else f"FAIL: {docs} docs of {whole} whole lines, {len(bad)} bad_compression of a cut "
+                                  f"at {cut}/{len(data)}"}
+
+
+def _readable_lines(prefix: bytes, kind: str) -> int:
+    """Complete lines in what a tolerant decoder gets out of a cut stream (the reference for I6)."""
+    import zlib
+
+    import zstandard
+
+    if kind == "zst":
+        out = zstandard.ZstdDecompressor().decompressobj().decompress(prefix)
+    else:
+        out = zlib.decompressobj(wbits=31).decompress(prefix)
+    return out.count(b"\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="make faults", description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=20, help="how many seeds (scenarios) to run")
+    ap.add_argument("--first", type=int, default=0, help="the first seed")
+    ap.add_argument("--seed", type=int, action="append", help="run exactly these seeds (repeatable)")
+    a = ap.parse_args(argv)
+    seeds = a.seed or list(range(a.first, a.first + a.seeds))
+    return 0 if all(r["ok"] for r in run_matrix(seeds, Path(tempfile.mkdtemp(prefix="llmp-faults-")))) else 1
+
+
+def run_matrix(seeds: list[int], base: Path, log=print) -> list[dict]:
+    sys.path.insert(0, str(ROOT))
+    from pipelines.train import checkpoint as ck
+
+    scs = {s: scenario(s) for s in seeds}
+    ctx = None
+    rows = []
+    log(f"{'scenario':44} {'seed':>5} {'outcome':10} {'I1':4} {'I2':4} {'I3':4} {'I4':4} {'I5':4} {'I6':4}  s")
+    for seed, sc in scs.items():
+        if sc.get("data"):
+            inv, outcome, secs = data_scenario(sc, base), "read", 0.0
+        else:
+            if ctx is None:
+                ctx = prepare(base)
+                rel = next((ctx["ref"]["root"] / "l1").glob("*/*/step-*/COMMIT")).parent.parent
+                ctx["ref_state"] = final_state(rel / ck.step_name(STEPS))
+            run = run_one(ctx, f"s{seed}", sc["rules"])
+            inv, secs = check(ctx, sc, run), run["s"]
+            outcome = "exit 0" if run["rc"] == 0 else ("hang" if run["rc"] == "hang" else f"exit {run['rc']}")
+            if any(v.startswith("FAIL") for v in inv.values()):
+                (base / f"s{seed}.log").write_text(run["out"])
+        short = {k: ("ok" if v == "ok" else "n/a" if v.startswith("n/a") else "FAIL") for k, v in inv.items()}
+        ok = not any(v.startswith("FAIL") for v in inv.values())
+        log(f"{sc['name'][:44]:44} {seed:>5} {outcome:10} " + " ".join(f"{short.get(k, 'n/a'):4}" for k in
+                                                                       ("I1", "I2", "I3", "I4", "I5", "I6"))
+            + f"  {secs:.0f}")
+        for k, v in inv.items():
+            if v.startswith("FAIL"):
+                log(f"    {k}: {v} (log: {base / f's{seed}.log'})")
+        rows.append({"seed": seed, "scenario": sc, "outcome": outcome, "inv": inv, "ok": ok})
+    if ctx is not None:
+        ctx["server"].stop()
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The faults storage really produces (issue 31), each a scenario that failed before its fix:
+
+* the final step that cannot reach L1 fails the run with one line naming L1, never an exit 0 (I3);
+* the S3 endpoint stopped in the middle of a run: every step still commits on L1, retention goes on, the run ends
+  0 with a warning, and the promote stage puts the final step on L2 once the endpoint is back (I1, I5);
+* ``train.resume=never`` with a torchrun restart resumes its own new line of training, bitwise equal (I2);
+* restore candidates: an L2 that does not answer is a warning, parts staged on L1 before rank 0's node was lost
+  still make a step, and steps of an abandoned line (after ``train.resume=N``) shadow nothing, in restore or
+  retention;
+* a part uploaded over another attempt's committed L2 step removes that COMMIT first.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines.spec import load_spec
+from pipelines.train import checkpoint as ck
+from pipelines.train import lineage
+
+from conftest import ROOT
+from test_resilience import TINY, _assert_bitwise_equal, _env, _final_state, _launch_cmd, _tok, _torchrun_trainer
+
+
+def _faults(*rules) -> str:
+    return json.dumps(list(rules))
+
+
+def test_a_final_step_that_cannot_reach_l1_fails_the_run_with_one_line(home):
+    tok = _tok(home)
+    sets = ["train.steps=20", "train.ckpt_every=10", "launcher.nproc_per_node=2", "launcher.max_restarts=0"]
+    enospc = _faults({"at": "write", "do": "enospc", "path": f"{home}/run/l1/", "times": 0})
+    r = subprocess.run(_launch_cmd(tok, home / "run", sets), env=_env(LLMP_FAULTS=enospc), cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode != 0, r.stdout[-3000:]
+    err = r.stdout + r.stderr
+    assert "train: error: the final step 20 is not globally committed on L1" in err, err[-3000:]
+    assert "No space left on device" in err and "Traceback" not in r.stderr.split("train: error:")[0][-200:]
+    assert not (home / "run" / "train" / "manifest.json").exists()  # the stage is not committed
+    assert list((home / "run" / "l0").glob("*/*/step-000020/COMMIT"))  # the step stays on L0 for the next try
+
+
+def test_an_s3_outage_in_the_middle_of_a_run_degrades_to_l1_and_the_promote_stage_catches_up(home):
+    tok = _tok(home)
+    s3 = [sys.executable, "-m", "pipelines.storage.s3"]
+    assert subprocess.run(s3 + ["start"], env=_env(LLMP_HOME=str(home)), cwd=ROOT, timeout=300).returncode == 0
+    try:
+        sets = ["train.steps=60", "train.ckpt_every=10", "launcher.nproc_per_node=2", "checkpoint.keep_l1=2"]
+        p = subprocess.Popen(_launch_cmd(tok, home / "run", sets), env=_env(LLMP_HOME=str(home),
+                             LLMP_FAULT_STEP_DELAY_S="0.1"), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        store = home / "var" / "s3" / "store"
+        from test_resilience import _wait_for
+
+        _wait_for(lambda: list(store.rglob("step-000010/COMMIT")), 300, "step 10 on L2")
+        assert subprocess.run(s3 + ["stop"], env=_env(LLMP_HOME=str(home)), cwd=ROOT, timeout=300).returncode == 0
+        out, _ = p.communicate(timeout=900)
+        assert p.returncode == 0, out[-4000:]
+        assert "warning: L2 did not take step" in out and "L2 catches up" in out
+        m = json.loads((home / "run" / "train" / "manifest.json").read_text())
+        rel_root = m["extra"]["checkpoint"].rsplit("/", 1)[0]
+        spec = load_spec(None, TINY + sets + [f"checkpoint.l0={home}/run/l0", f"checkpoint.l1={home}/run/l1"],
+                         env={})
+        assert ck.list_steps(spec, rel_root, ("L0", "L1")) == {"L0": [50, 60], "L1": [50, 60]}  # bounded (I5)
+        ck.verify_local(Path(ck.tier_locations(spec, f"{rel_root}/step-000060")["L1"]))  # final on L1 (I3)
+        assert not list(store.rglob("step-000060/COMMIT"))
+
+        # the endpoint is back: the promote stage puts the final step on L2
+        assert subprocess.run(s3 + ["start"], env=_env(LLMP_HOME=str(home)), cwd=ROOT, timeout=300).returncode == 0
+        r = subprocess.run([sys.executable, "-m", "pipelines.train.promote", "--train-manifest",
+                            str(home / "run" / "train" / "manifest.json"), "--output", str(home / "promote")]
+                           + [a for kv in TINY + sets + [f"run.root={home}/run", f"checkpoint.l0={home}/run/l0",
+                                                         f"checkpoint.l1={home}/run/l1"] for a in ("--set", kv)],
+                           env=_env(LLMP_HOME=str(home)), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert list(store.rglob("step-000060/COMMIT"))
+    finally:
+        subprocess.run(s3 + ["stop"], env=_env(LLMP_HOME=str(home)), cwd=ROOT, timeout=300)
+
+
+def test_resume_never_with_a_torchrun_restart_resumes_its_own_new_line(home):
+    tok = _tok(home)
+    spec = load_spec(None, TINY + ["train.steps=30", "train.ckpt_every=10", "train.resume=never",
+                                   f"checkpoint.l0={home}/l0", f"checkpoint.l1={home}/l1"], env={})
+    (home / "spec.yaml").write_text(spec.to_yaml())
+    root = home / "l0" / "run" / "key"
+    r = _torchrun_trainer(home / "spec.yaml", tok, home / "a", root, 2)  # uninterrupted, resume=never
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = _final_state(home, "step-000030")
+    # again into the same root: starts over once (clears the first run's steps), dies after step 20, is restarted
+    out = home / "b"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "1", "-m", "pipelines.train.trainer", "--spec", str(home / "spec.yaml"), "--tokenize-manifest", tok.path,
+           "--out", str(out), "--ckpt-root", str(root)]
+    r = subprocess.run(cmd, env=_env(LLMP_FAULT_EXIT_AT_STEP="20"), cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    logs = r.stdout + r.stderr
+    assert "removed this run's earlier checkpoints" in logs and "(LLMP_FAULT_EXIT_AT_STEP)" in logs
+    assert "a restart of this launch: resuming its own steps" in logs
+    res = json.loads((out / "result.json").read_text())
+    assert res["resumed_from"] is not None and res["resumed_from"]["step"] == 20
+    _assert_bitwise_equal(want, _final_state(home, "step-000030"), "resume=never, restarted")
+    assert json.loads((out / "losses.json").read_text()) == json.loads((home / "a" / "losses.json").read_text())
+
+
+class _Ckpt:
+    """What restore's candidate choice reads of a Checkpointer (rank 0)."""
+
+    def __init__(self, spec, rel_root, rec=None):
+        self.spec, self.rel_root, self.rec, self.logs = spec, rel_root, rec, []
+
+    def log(self, m):
+        self.logs.append(m)
+
+
+def _step(root: Path, step: int, part: int = 0, parts: int = 1, attempt: str = "a1", lin=None) -> Path:
+    tmp = root / f".tmp-{step}-{part}"
+    tmp.mkdir(parents=True)
+    (tmp / f"__{part}_0.distcp").write_bytes(f"step {step} part {part}".encode())
+    meta = {"step": step, "part": part, "parts": parts, "attempt": attempt}
+    return ck.commit_local(tmp, root / ck.step_name(step), meta | ({"lineage": lin} if lin else {}))
+
+
+def test_restore_candidates_survive_an_unanswering_l2_and_see_parts_staged_before_the_merge(home):
+    from pipelines.train.restore import candidates
+
+    spec = load_spec(None, [f"checkpoint.l1={home}/l1", "services.s3_endpoint_url=http://127.0.0.1:9"], env={})
+    l1 = home / "l1" / "run" / "key"
+    _step(l1, 10)
+    staged = ck.staging_dir(l1 / ck.step_name(20))  # both nodes staged step 20; rank 0's node died before merging
+    staged.mkdir(parents=True)
+    for k in (0, 1):
+        _step(home / f"node{k}", 20, k, 2, "a2").rename(staged / ck.part_name(k))
+    c = _Ckpt(spec, "run/key")
+    got = candidates(c, {}, None)
+    assert [(x["step"], x["parts"], x["l1"]) for x in got] == [(20, 2, False), (10, 1, True)]
+    assert any("L2 does not answer" in m for m in c.logs)
+
+
+def test_an_abandoned_line_shadows_nothing_in_restore_or_retention(home):
+    from pipelines.train.restore import candidates
+
+    spec = load_spec(None, [f"checkpoint.l0={home}/l0", f"checkpoint.l1={home}/l1", "checkpoint.keep_l0=2",
+                            "checkpoint.keep_l1=2"], env={})
+    l0 = home / "l0" / "run" / "key"
+    for s in (10, 20, 30, 40):  # the first line, resumed at 20 (train.resume=20): 30 and 40 are abandoned
+        _step(l0, s)
+    rec = lineage.fork(None, "tok", 20)
+    for s in (30,):  # the new line's first step overwrites the old 30; the old 40 stays behind
+        _step(home / "new", s, lin="tok")
+        ck.remove_local(l0 / ck.step_name(s))
+        (home / "new" / ck.step_name(s)).rename(l0 / ck.step_name(s))
+    inv = {s: (*ck.part_of(m), lineage.of(m)) for s, m in ck.local_parts(l0).items()}
+    assert [x["step"] for x in candidates(_Ckpt(spec, "run/key", rec), {0: inv}, None)] == [30, 20, 10]
+    assert [x["step"] for x in candidates(_Ckpt(spec, "run/key"), {0: inv}, None)][0] == 40  # by number alone
+    deleted = ck.prune(spec, "run/key", upto=30, tiers=("L0",), rec=rec)
+    assert deleted == {"L0": [10]} and ck.list_steps(spec, "run/key", ("L0",))["L0"] == [20, 30, 40]
+
+
+def test_a_part_uploaded_over_another_attempts_committed_step_removes_its_commit_first(home, s3_server):
+    spec = load_spec(None, [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=ck-foreign"], env={})
+    uri = f"s3://ck-foreign/run/key/{ck.step_name(10)}"
+    ck.upload_checkpoint(spec, _step(home / "old", 10, 0, 1, "old"), uri)
+    assert ck.read_s3_manifest(spec, uri)["attempt"] == "old"
+    ck.upload_part(spec, _step(home / "new", 10, 1, 2, "new"), uri)
+    assert ck.read_s3_manifest(spec, uri) is None  # the old COMMIT went before the new part's objects
+    from pipelines.storage.s3 import client
+
+    marker = client(spec).get_object(Bucket="ck-foreign", Key="run/key/step-000010/PARTS/part-1.json")
+    assert json.loads(marker["Body"].read())["attempt"] == "new"
+
+
+def test_fault_rules_fire_where_and_as_often_as_they_say(tmp_path, monkeypatch):
+    from pipelines.storage import faults
+
+    monkeypatch.setenv("LLMP_FAULTS_STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("GROUP_RANK", "1")
+    faults.load(_faults({"at": "merge", "do": "eio", "nth": 2}, {"at": "read", "do": "enospc", "path": "/l1/",
+                                                                 "node": 0}))
+    try:
+        faults.point("merge")  # the first hit passes
+        with pytest.raises(OSError, match="Input/output error"):
+            faults.point("merge")
+        faults.point("merge")  # fired once, across processes (the state dir)
+        faults.file_op("read", "/x/l1/step")  # node 0 only
+        assert faults.fired(tmp_path / "state") == ["rule-0-fired-0"]
+        with pytest.raises(ValueError, match="needs at in"):
+            faults.load(_faults({"at": "nowhere", "do": "eio"}))
+    finally:
+        faults.load("")
+
+
+# every kind of fault at least once in `make test` (the whole matrix: `make faults SEEDS=N`)
+SUBSET = [2, 6, 8, 1, 25, 5, 29]  # die at part_committed / l1_committed, ENOSPC on L1, EIO on L0, a reset S3 PUT,
+# S3 down for every listing, a truncated .zst
+
+
+def test_a_seeded_subset_of_the_fault_matrix_holds_every_invariant(tmp_path, monkeypatch):
+    from fault_matrix import run_matrix, scenario
+
+    assert scenario(2) == scenario(2) and scenario(2)["rules"][0]["at"] == "part_committed"  # a seed replays
+    monkeypatch.setenv("LLMP_HOME", str(tmp_path))
+    lines = []
+    rows = run_matrix(SUBSET, tmp_path, log=lines.append)
+    print("\n".join(lines))
+    assert [r["seed"] for r in rows] == SUBSET
+    bad = [ln for ln in lines if "FAIL" in ln]
+    assert not bad, "\n".join(lines)
+    assert {r["outcome"] for r in rows} <= {"exit 0", "read"}  # none of these is permanent on L1
