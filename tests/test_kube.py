@@ -179,6 +179,11 @@ def test_kubernetes_needs_the_stage_paths_on_the_shared_filesystem(home, tmp_pat
     vols = k8s.render_pytorchjob(node_local, "r", [])["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert {"name": "node-local", "hostPath": {"path": "/mnt/k8s-disks/0/llmp", "type": "DirectoryOrCreate"}} \
         in vols["volumes"]
+    # two pods of the job on one host: each its own directory of the host's disk, not one shared step-N.tmp
+    assert {"name": "node-local", "mountPath": "/nvme/llmp", "subPathExpr": "$(LLMP_POD_NAME)"} \
+        in vols["containers"][0]["volumeMounts"]
+    assert {"name": "LLMP_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} \
+        in vols["containers"][0]["env"]
     shared_l0 = k8s.render_pytorchjob(load_spec(None, [*TINY, "checkpoint.l0=/fsx/l0"], env={}), "r", [])
     assert "node-local" not in str(shared_l0)
     bad_cfg = load_spec(None, kube_sets(home, home / "no-such-kubeconfig"), env={})

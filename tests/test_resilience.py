@@ -239,6 +239,12 @@ def test_a_promotion_killed_mid_upload_leaves_no_commit_and_the_next_completes_i
     got = ck.download_checkpoint(spec, f"s3://{bucket}/{prefix}", home / "back")
     assert (got / "__0_0.distcp").read_bytes() == (tmp.parent / "var/tiers/nvme" / rel / "__0_0.distcp").read_bytes()
 
+    # a multipart object of the same size but other bytes (another attempt's upload) is seen by content, not size
+    (home / "other").write_bytes(os.urandom(16 * 1024 * 1024))
+    s3.upload_file(str(home / "other"), bucket, f"{prefix}/__0_0.distcp", ExtraArgs={"ChecksumAlgorithm": "SHA256"})
+    with pytest.raises(ck.CheckpointError, match="part checksums are not those of this file"):
+        ck.verify_s3(spec, f"s3://{bucket}/{prefix}")
+
 
 def _torchrun_trainer(spec_file, tok, out: Path, ckpt_root: Path, nproc: int, env=None):
     out.mkdir(parents=True, exist_ok=True)

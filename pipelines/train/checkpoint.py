@@ -47,12 +47,14 @@ from typing import Callable, Optional
 from pipelines.manifest import StageError, atomic_write_text, plain_rel, sha256_file
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
-from pipelines.storage.s3 import b64, object_matches, part_size_used, unreachable, upload_checked
+from pipelines.storage.s3 import (b64, composite_sha256, object_matches, part_digests, part_size_used, unreachable,
+                                  upload_checked)
 from pipelines.train import lineage
 
 CKPT_MANIFEST = "MANIFEST.json"
 COMMIT = "COMMIT"
 PARTS = "PARTS"  # on L2: PARTS/part-K.json, node K's part manifest, put after the part's files
+PARTS_META = "sha256-parts"  # a multipart object's metadata: the composite of its verified parts' sha256, "-N"
 TIERS = ("L0", "L1", "L2")
 
 
@@ -244,7 +246,10 @@ def abort_multipart(s3, bucket: str, prefix: str, keys: Optional[set[str]] = Non
 def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: list[bytes], sha_hex: str) -> None:
     """Multipart upload that sends the part digests computed while the file was copied (no second hashing
     pass): S3 refuses a part whose bytes do not match its ``x-amz-checksum-sha256``."""
-    up = s3.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256", Metadata={"sha256": sha_hex})
+    # the metadata names the whole file's sha256 and the composite S3 will compute from the verified parts: a later
+    # check compares S3's own composite checksum with it (content, not size; see _check_objects)
+    meta = {"sha256": sha_hex, PARTS_META: f"{composite_sha256(digests)}-{len(digests)}"}
+    up = s3.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256", Metadata=meta)
 
     def put(i: int) -> dict:
         with open(path, "rb") as f:
@@ -290,9 +295,12 @@ def _upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files:
     for rel, info in files.items():
         key, size = f"{prefix}/{rel}", info["bytes"]
         digests = parts.get(rel)
-        if object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests):
+        if object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests) and \
+                _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info) is None:
             continue  # uploaded already (a node's part, an interrupted upload): not sent twice
-        if digests and size >= cfg.multipart_threshold and len(digests) == -(-size // part_size_used(size, part)):
+        if size >= cfg.multipart_threshold and not (digests and len(digests) == -(-size // part_size_used(size, part))):
+            digests = part_digests(src / rel, part_size_used(size, part))  # multipart: always with our part digests
+        if size >= cfg.multipart_threshold:
             _upload_parts(s3, bucket, key, src / rel, part_size_used(size, part), digests, info["sha256"])
             if not object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests):
                 raise CheckpointError(f"s3://{bucket}/{key} does not match {rel}'s sha256 after upload")
@@ -415,11 +423,26 @@ def verify_s3(spec: JobSpec, uri: str) -> dict:
 def _check_objects(s3, bucket: str, prefix: str, files: dict, uri: str) -> None:
     """Each object's size and S3 checksum against the manifest's (no download)."""
     for rel, info in files.items():
-        head = s3.head_object(Bucket=bucket, Key=f"{prefix}/{rel}", ChecksumMode="ENABLED")
-        remote = head.get("ChecksumSHA256")
-        whole = b64(bytes.fromhex(info["sha256"]))
-        if head["ContentLength"] != info["bytes"] or (remote and "-" not in head["ETag"] and remote != whole):
-            raise CheckpointError(f"{uri}: {rel} does not match the manifest")
+        why = _object_ok(s3.head_object(Bucket=bucket, Key=f"{prefix}/{rel}", ChecksumMode="ENABLED"), info)
+        if why is not None:
+            raise CheckpointError(f"{uri}: {rel} does not match the manifest ({why})")
+
+
+def _object_ok(head: dict, info: dict) -> Optional[str]:
+    """None when an object's HEAD shows the manifest entry's content, else why not. A single-part object: S3's
+    SHA-256 of it is the file's. A multipart one: S3's composite of the part checksums it verified on upload equals
+    the composite recorded beside the file's sha256 when we uploaded it (an object written by anything else, e.g.
+    another attempt's part of the same size, has another or none)."""
+    if head["ContentLength"] != info["bytes"]:
+        return f"{head['ContentLength']} bytes, not {info['bytes']}"
+    remote = head.get("ChecksumSHA256")
+    if "-" not in head.get("ETag", ""):
+        return None if not remote or remote == b64(bytes.fromhex(info["sha256"])) else "its SHA-256 differs"
+    meta = head.get("Metadata", {})
+    want = meta.get(PARTS_META, "")
+    if meta.get("sha256") != info["sha256"] or not want or not remote or remote.split("-")[0] != want.split("-")[0]:
+        return "a multipart object whose part checksums are not those of this file"
+    return None
 
 
 def remove_s3(spec: JobSpec, uri: str) -> None:

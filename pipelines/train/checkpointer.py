@@ -322,13 +322,32 @@ class Promoter:
             self.l2_behind.discard(st)
             return
         man = ck.read_local_manifest(l1)
-        merged = self.topo.parts > 1 and ck.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)),
-                                                          man.get("attempt"))
+        try:
+            merged = self.topo.parts > 1 and ck.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)),
+                                                              man.get("attempt"))
+        except ck.L2Unavailable:
+            raise
+        except ck.CheckpointError as e:  # the parts on L2 do not match: the whole step from L1 instead
+            self.log(f"[ckpt] L2 catch-up: step {st}: {e}; uploading it whole from L1")
+            merged = False
         if not merged and (self.topo.parts == 1 or final or st != max(self.l2_behind)):
             ck.upload_checkpoint(self.spec, l1, locs["L2"])
             merged = True
         if merged:
             self.l2_behind.discard(st)
+
+    def missing_on_l2(self) -> set[int]:
+        """Steps of this line globally committed on L1 that L2 would keep but does not hold (empty when L2 does not
+        answer: they are found at the next start)."""
+        try:
+            by_tier = ck.accepted_steps(self.spec, self.rel_root, ck.list_steps(self.spec, self.rel_root, ("L1", "L2")),
+                                        self.rec)
+        except ck.CheckpointError as e:
+            self.log(f"[ckpt] L2 catch-up: cannot compare L1 with L2 now ({e})")
+            return set()
+        c = self.spec.checkpoint
+        wanted = {s for s in by_tier["L1"] if not c.l2_keep_every or s % c.l2_keep_every == 0} | set(by_tier["L1"][-1:])
+        return wanted - set(by_tier["L2"])
 
     def retain(self, step: int) -> dict[str, list[int]]:
         """Retention after ``step``: a node's L0 keeps every step newer than the newest global commit (it may
@@ -400,10 +419,13 @@ class Checkpointer:
 
     def set_lineage(self, rec: Optional[dict]) -> None:
         """Every rank: the line of training the steps belong to (their manifests record it; restore and retention
-        count only its steps)."""
+        count only its steps). The committing rank also learns which of its steps L2 still lacks (a restart
+        forgets nothing L2 missed before it)."""
         self.rec = rec
         if self.promoter is not None:
             self.promoter.rec = rec
+            if self.promoter.commits and "L2" in self.promoter.tiers:
+                self.promoter.l2_behind |= self.promoter.missing_on_l2()
 
     def save(self, step: int, model, opt, state: dict) -> float:
         """Checkpoint ``step``; returns the seconds training was blocked (the stall)."""

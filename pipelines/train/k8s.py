@@ -29,7 +29,7 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -106,6 +106,10 @@ class PodParts:
     volumes: list[dict]
     labels: dict[str, str]
     command: list[str]
+    pod_env: list[dict] = field(default_factory=list)  # values the pod learns about itself (downward API)
+
+    def env_list(self) -> list[dict]:
+        return [{"name": k, "value": v} for k, v in self.env.items()] + self.pod_env
 
 
 def pod_parts(spec: JobSpec, run_id: str, trainer_args: list[str], module: str,
@@ -121,13 +125,18 @@ def pod_parts(spec: JobSpec, run_id: str, trainer_args: list[str], module: str,
     if L.shared_fs_claim:
         mounts.append({"name": "shared-fs", "mountPath": L.shared_fs_mount})
         volumes.append({"name": "shared-fs", "persistentVolumeClaim": {"claimName": L.shared_fs_claim}})
+    pod_env = []
     if node_local_l0(spec):
-        mounts.append({"name": "node-local", "mountPath": spec.checkpoint.l0})
+        mount = {"name": "node-local", "mountPath": spec.checkpoint.l0}
+        if L.node_local_path:  # a host's disk: two pods of the job on one host each get a directory of their own
+            mount["subPathExpr"] = "$(LLMP_POD_NAME)"
+            pod_env.append({"name": "LLMP_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+        mounts.append(mount)
         volumes.append({"name": "node-local", **({"hostPath": {"path": L.node_local_path, "type": "DirectoryOrCreate"}}
                                                  if L.node_local_path else {"emptyDir": {}})})
     labels = {"app.kubernetes.io/name": "llm-pipeline-trainer", "llm-pipeline/run": job_name(spec, run_id)}
     command = ["torchrun", "--max-restarts", str(L.max_restarts), "-m", module, *trainer_args]
-    return PodParts(env, limits, mounts, volumes, labels, command)
+    return PodParts(env, limits, mounts, volumes, labels, command, pod_env)
 
 
 def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
@@ -138,7 +147,7 @@ def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
         "name": PYTORCHJOB.container,  # the training operator finds the container by this name
         "image": L.image,
         "command": p.command,
-        "env": [{"name": k, "value": v} for k, v in p.env.items()],
+        "env": p.env_list(),
         # the MLflow login (MLFLOW_TRACKING_USERNAME / _PASSWORD) the cluster's Terraform puts in the namespace;
         # optional, so a cluster without MLflow authentication runs the same job
         "envFrom": [{"secretRef": {"name": MLFLOW_CLIENT_SECRET, "optional": True}}],
@@ -194,7 +203,7 @@ def render_trainjob(spec: JobSpec, run_id: str, trainer_args: list[str],
             "runtimeRef": {"name": L.runtime, "apiGroup": TRAINJOB.group, "kind": "ClusterTrainingRuntime"},
             "trainer": {"image": L.image, "command": p.command, "numNodes": L.nnodes,
                         "numProcPerNode": L.nproc_per_node,
-                        "env": [{"name": k, "value": v} for k, v in p.env.items()] + secret_env,
+                        "env": p.env_list() + secret_env,
                         "resourcesPerNode": {"limits": p.limits, "requests": dict(p.limits)}},
             "runtimePatches": [{"manager": "llm-pipeline",
                                 "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [node_patch]}}}}],

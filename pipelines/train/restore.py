@@ -63,8 +63,7 @@ def _bcast(obj):
 def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
     """The newest restorable step (or exactly ``step``) made readable on every rank; None when there is none."""
     topo = ckpt.topo
-    mine = {s: (*ck.part_of(m), lineage.of(m)) for s, m in ck.local_parts(ckpt.root).items()} \
-        if topo.local_rank == 0 else None
+    mine = _inventory(ckpt.root, ckpt.node_log) if topo.local_rank == 0 else None
     per_node: dict[int, dict] = {}
     for node, inv in _gather((topo.node, mine)):
         if inv is not None:
@@ -85,6 +84,29 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
     return None
 
 
+MAX_PARTS = 1 << 16  # more parts than any job has nodes: a manifest that says so is not ours
+
+
+def _inventory(root: Path, log) -> dict:
+    """This node's committed parts on its L0: {step: (part, parts, attempt, lineage)}; unreadable ones are left
+    out with a line (a failing disk must not leave the other ranks waiting in the gather)."""
+    try:
+        found = ck.local_parts(root)
+    except OSError as e:
+        log(f"[ckpt] restore: this node's L0 cannot be read ({e}); its parts come from L1 or L2")
+        return {}
+    return {s: info for s, m in found.items() if (info := _part_info(m)) is not None}
+
+
+def _part_info(man: dict) -> Optional[tuple]:
+    """(part, parts, attempt, lineage) of a manifest whose part numbers make sense, else None."""
+    try:
+        part, parts, attempt = ck.part_of(man)
+    except (TypeError, ValueError):
+        return None
+    return (part, parts, attempt, lineage.of(man)) if 0 <= part < parts <= MAX_PARTS else None
+
+
 def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dict]:
     """Rank 0: steps of this line of training that could be restored, newest first, each with its attempt, its
     part count and whether L1 holds its global commit: committed on L1 or L2, or every part of one attempt
@@ -94,8 +116,9 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
     found: dict[int, dict] = {}
     l1 = Path(ck.tier_locations(spec, rel_root)["L1"])
     for s, man in ck.local_parts(l1).items():
-        if lineage.accepts(rec, s, lineage.of(man)):
-            found[s] = {"step": s, "attempt": man.get("attempt"), "parts": int(man.get("parts", 1)), "l1": True}
+        info = _part_info({**man, "part": 0})
+        if info is not None and lineage.accepts(rec, s, info[3]):
+            found[s] = {"step": s, "attempt": info[2], "parts": info[1], "l1": True}
     try:
         on_l2 = ck.list_steps(spec, rel_root, ("L2",))["L2"]
     except ck.L2Unavailable as e:
@@ -108,8 +131,9 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
             man = ck.read_s3_manifest(spec, ck.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"])
         except ck.L2Unavailable:
             man = None
-        if man is not None and lineage.accepts(rec, s, lineage.of(man)):
-            found[s] = {"step": s, "attempt": man.get("attempt"), "parts": int(man.get("parts", 1)), "l1": False}
+        info = _part_info({**man, "part": 0}) if man is not None else None
+        if info is not None and lineage.accepts(rec, s, info[3]):
+            found[s] = {"step": s, "attempt": info[2], "parts": info[1], "l1": False}
     spread: dict[tuple, set] = {}  # (step, attempt, parts) → the parts committed on some node's L0 or L1 staging
     for inv in [*per_node.values(), staged_parts(l1)]:
         for s, (part, parts, attempt, lin) in inv.items() if isinstance(inv, dict) else inv:
@@ -130,10 +154,11 @@ def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
         step = ck.parse_step(d.name[1:-len(".parts")])
         for p in sorted(d.glob("part-*")) if step is not None else []:
             try:
-                man = ck.read_local_manifest(p)
+                info = _part_info(ck.read_local_manifest(p))
             except (ck.CheckpointError, OSError, ValueError):
                 continue
-            out.append((step, (*ck.part_of(man), lineage.of(man))))
+            if info is not None:
+                out.append((step, info))
     return out
 
 
@@ -227,7 +252,11 @@ def _verify_l1_parts(l1: Path, topo, log) -> list[int]:
     owner = man.get("part_of", {})
     mine = [rel for rel in files if int(owner.get(rel, 0)) % topo.nodes == topo.node]
     bad = set()
-    sums = ck.hash_files(l1, [r for r in mine if (l1 / r).is_file()])
+    try:
+        sums = ck.hash_files(l1, [r for r in mine if (l1 / r).is_file()])
+    except OSError as e:  # a failed read: these parts are staged again (the copy keeps its COMMIT meanwhile)
+        log(f"[ckpt] restore: skipped {l1.name} L1: {e}")
+        return sorted({int(owner.get(rel, 0)) for rel in mine}) or [0]
     for rel in mine:
         if sums.get(rel) != files[rel]["sha256"]:
             bad.add(int(owner.get(rel, 0)))
@@ -260,14 +289,20 @@ def _view(ckpt, c: dict, mine: set[int], l0: Path, l1: Path) -> Path:
     """A directory on this node's L0 whose entries link to this node's verified part files and to L1 for the
     rest; DCP reads it as one checkpoint."""
     view = ckpt.root / f".view-{ckpt.attempt}-node{ckpt.topo.node}-{ck.step_name(c['step'])}"  # L0 may be shared
+    why = None
     if ckpt.topo.local_rank == 0:
-        man = ck.read_local_manifest(l1)
-        owner = man.get("part_of", {})
-        shutil.rmtree(view, ignore_errors=True)
-        for rel in ck.manifest_files(man, str(l1)):
-            src = (l0 if int(owner.get(rel, 0)) in mine else l1) / rel
-            (view / rel).parent.mkdir(parents=True, exist_ok=True)
-            os.symlink(src, view / rel)
-    dist.barrier()
+        try:
+            man = ck.read_local_manifest(l1)
+            owner = man.get("part_of", {})
+            shutil.rmtree(view, ignore_errors=True)
+            for rel in ck.manifest_files(man, str(l1)):
+                src = (l0 if int(owner.get(rel, 0)) in mine else l1) / rel
+                (view / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.symlink(src, view / rel)
+        except (ck.CheckpointError, OSError, ValueError) as e:
+            why = f"node {ckpt.topo.node}: cannot build the restore view: {e}"
+    errors = [e for e in _gather(why) if e]  # every rank learns it, none waits alone
+    if errors:
+        raise ck.CheckpointError(f"restore: {errors[0]}")
     return view
 

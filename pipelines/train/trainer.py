@@ -210,10 +210,16 @@ class Trainer:
         (``pipelines.train.lineage``) resumes whatever ``train.resume`` says: ``never`` starts over once."""
         from pipelines.train import lineage
 
-        rec, mode = self._lineage_start(self.spec.train.resume) if self.rank == 0 else (None, None)
-        box = [(rec, mode)]
+        box = [None]
+        if self.rank == 0:
+            try:
+                box = [self._lineage_start(self.spec.train.resume)]
+            except OSError as e:  # L1 cannot be read or written: every rank stops with the reason
+                box = [("error", f"checkpoint.l1: the lineage record cannot be read or written: {e}")]
         dist.broadcast_object_list(box, src=0)
         rec, mode = box[0]
+        if rec == "error":
+            raise ResumeError(mode)
         self.ckpt.set_lineage(rec)
         if mode == "never":
             return None
@@ -230,8 +236,13 @@ class Trainer:
         if mode != "auto":  # a fork at step N: what the old line wrote after N no longer counts
             box = [lineage.fork(rec, lineage.run_token(), mode) if self.rank == 0 else None]
             if self.rank == 0:
-                lineage.write(self.spec, self.rel_root, box[0])
+                try:
+                    lineage.write(self.spec, self.rel_root, box[0])
+                except OSError as e:
+                    box = [f"checkpoint.l1: the lineage record cannot be written: {e}"]
             dist.broadcast_object_list(box, src=0)
+            if isinstance(box[0], str):
+                raise ResumeError(box[0])
             self.ckpt.set_lineage(box[0])
         return restored
 
