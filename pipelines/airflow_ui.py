@@ -3,12 +3,19 @@
     python -m pipelines.airflow_ui start [--port 8080] [--detach]    # make airflow
     python -m pipelines.airflow_ui stop                               # make airflow-stop
 
-Starts ``api-server`` (bound to 127.0.0.1 only), ``scheduler``, ``dag-processor`` and ``triggerer`` with
-``AIRFLOW_HOME`` (``var/airflow``), the DAGs folder and the plugins folder that the Makefile exports; their
-logs go to ``var/airflow/ui-logs/``. The login is user ``admin`` with a password generated once into
+A supervisor starts ``api-server`` (bound to 127.0.0.1 only) and, once it answers, ``scheduler``, ``dag-processor``
+and ``triggerer`` with ``AIRFLOW_HOME`` (``var/airflow``), the DAGs folder and the plugins folder that the Makefile
+exports; their logs go to ``var/airflow/ui-logs/``. Each component runs in a process group of its own. A component
+that dies is restarted alone (the others, and the tasks they run, keep running): what is left of its group (a
+scheduler's LocalExecutor workers, its log server) is stopped first, and a scheduler, dag-processor or triggerer
+starts again only once the api-server answers. More than 5 restarts of one component in 10 minutes stop the stack
+with a line in ``ui-logs/supervisor.log``. LocalExecutor runs ``AIRFLOW__CORE__PARALLELISM`` tasks at once, by
+default as many as the machine has cores. The login is user ``admin`` with a password generated once into
 ``var/airflow/passwords.json`` (mode 0600): Airflow's SimpleAuthManager then has nothing to generate, so the
 password appears in no log; this command shows it on the terminal. In the foreground, Ctrl-C stops every
-component; ``stop`` (from another terminal, or after ``--detach``) does the same from the pid file.
+component; ``stop`` (from another terminal, or after ``--detach``) stops the supervisor, every component's group
+and any process left of this stack (``LLMP_AIRFLOW_STACK`` in its environment: orphans of a component killed
+earlier, and the tasks they ran).
 """
 from __future__ import annotations
 
@@ -16,15 +23,18 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
-from pipelines.procs import identity, still_running, stop_group
+from pipelines.procs import identity, kill_all, still_running, stop_group, with_env
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+STACK_ENV = "LLMP_AIRFLOW_STACK"
 USER = "admin"
 HOST = "127.0.0.1"
 
@@ -58,58 +68,183 @@ def component_env(port: int) -> dict[str, str]:
             "AIRFLOW__API__BASE_URL": url,
             "AIRFLOW__API__HOST": HOST,
             "AIRFLOW__API__PORT": str(port),
-            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{url}/execution/"}
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{url}/execution/",
+            STACK_ENV: str(home()),  # every process of the stack inherits it: `stop` finds orphans by it
+            # LocalExecutor's worker processes: as many as the cores, not Airflow's default 32
+            "AIRFLOW__CORE__PARALLELISM": os.environ.get("AIRFLOW__CORE__PARALLELISM",
+                                                         str(max(2, len(os.sched_getaffinity(0)))))}
 
 
 def pid_file() -> Path:
     return home() / "ui.pids.json"
 
 
-def start(port: int) -> list[subprocess.Popen]:
-    """Start the components (each in a session of its own, so ``stop`` can end its whole tree)."""
-    if running_components():
-        raise RuntimeError(f"Airflow is already running (pids in {pid_file()}); `make airflow-stop` first")
-    logs = home() / "ui-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    airflow = str(Path(sys.executable).parent / "airflow")
-    env = component_env(port)
-    procs = {}
-    for c in COMPONENTS:
-        cmd = [airflow, c] + (["--host", HOST, "--port", str(port)] if c == "api-server" else [])
-        out = open(logs / f"{c}.log", "ab")
-        procs[c] = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    pid_file().write_text(json.dumps({c: identity(p.pid) for c, p in procs.items()}))
-    return list(procs.values())
+class Supervisor:
+    """Starts the components, restarts one that dies (alone), stops them all on SIGTERM/SIGINT."""
+
+    MAX_RESTARTS, WINDOW_S = 5, 600.0
+
+    def __init__(self, port: int):
+        self.port, self.env = port, component_env(port)
+        self.logs = home() / "ui-logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}  # the components running now
+        self.ids: dict[str, dict] = {"supervisor": identity(os.getpid())}  # as recorded when each started
+        self.pending: set[str] = set()  # died; restarted once the api-server answers
+        self.restarts: dict[str, list[float]] = {c: [] for c in COMPONENTS}
+        self.stopping = False
+
+    def log(self, msg: str) -> None:
+        with open(self.logs / "supervisor.log", "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}\n")
+
+    def launch(self, c: str) -> None:
+        if self.stopping:
+            return
+        airflow = str(Path(sys.executable).parent / "airflow")
+        cmd = [airflow, c] + (["--host", HOST, "--port", str(self.port)] if c == "api-server" else [])
+        with open(self.logs / f"{c}.log", "ab") as out:
+            self.procs[c] = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
+        self.ids[c] = identity(self.procs[c].pid)
+        self.pending.discard(c)
+        atomic = pid_file().with_suffix(".tmp")
+        atomic.write_text(json.dumps(self.ids))
+        os.replace(atomic, pid_file())
+
+    def start(self) -> None:
+        self.launch("api-server")
+        if not wait_answering(self.port, 270.0, lambda: self.stopping):
+            if not self.stopping:
+                raise RuntimeError("the api-server did not answer within 270 s")
+            return
+        for c in COMPONENTS[1:]:
+            self.launch(c)
+
+    def reap(self) -> Optional[str]:
+        """Components that exited: what is left of their group stopped (a scheduler's workers and log server, not
+        its tasks: they run in groups of their own and keep running), marked pending; why to give up, if so."""
+        for c, p in list(self.procs.items()):
+            if p.poll() is None:
+                continue
+            del self.procs[c]
+            now = time.monotonic()
+            self.restarts[c] = [t for t in self.restarts[c] if now - t < self.WINDOW_S] + [now]
+            if len(self.restarts[c]) > self.MAX_RESTARTS:
+                return f"{c} exited {self.MAX_RESTARTS + 1} times in {self.WINDOW_S:.0f} s; stopping the stack"
+            self.log(f"{c} exited ({p.returncode}); stopping what is left of its group and starting it again")
+            stop_group(p.pid, 10.0)  # the group outlives its leader; its pgid is not reused while it has members
+            self.pending.add(c)
+        return None
+
+    def watch(self) -> int:
+        """Until stopped: restart any component that exited (the api-server at once, the others once it answers);
+        returns the supervisor's exit code."""
+        while not self.stopping:
+            why = self.reap()
+            if why is not None:
+                self.log(why)
+                return 1
+            if "api-server" in self.pending:
+                self.launch("api-server")
+            if self.pending and wait_answering(self.port, 1.0, lambda: self.stopping):
+                for c in [c for c in COMPONENTS if c in self.pending]:
+                    self.launch(c)
+            time.sleep(1)
+        return 0
+
+    def stop_all(self) -> None:
+        self.stopping = True
+        for c in reversed(COMPONENTS):
+            p = self.procs.get(c)
+            if p is not None and p.poll() is None:
+                stop_group(p.pid, 15.0, reap=p.pid)
 
 
-def wait_healthy(port: int, timeout: float = 180.0) -> bool:
+def supervise(port: int) -> int:
+    """The supervisor's own process (``start`` runs it in the background)."""
+    sup = Supervisor(port)
+
+    def on_signal(signum, _frame):
+        sup.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        sup.start()
+        code = sup.watch()
+    except RuntimeError as e:
+        sup.log(str(e))
+        code = 1
+    finally:
+        sup.stop_all()
+        pid_file().unlink(missing_ok=True)
+    return code
+
+
+def wait_answering(port: int, timeout: float, give_up=lambda: False) -> bool:
+    """The api-server answers its health endpoint (whatever the scheduler's state) within ``timeout``."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
+    while not give_up():
+        try:
+            with urllib.request.urlopen(f"http://{HOST}:{port}/api/v2/monitor/health", timeout=5) as r:
+                if json.loads(r.read()).get("metadatabase", {}).get("status") == "healthy":
+                    return True
+        except (OSError, ValueError):
+            pass
+        if time.time() >= deadline:
+            return False
+        time.sleep(min(1.0, max(0.0, deadline - time.time())))
+    return False
+
+
+def wait_healthy(port: int, timeout: float = 280.0, alive=lambda: True) -> bool:
+    """The api-server answers and the scheduler is healthy, within ``timeout`` (False at once when ``alive`` says
+    the supervisor died)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and alive():
         try:
             with urllib.request.urlopen(f"http://{HOST}:{port}/api/v2/monitor/health", timeout=5) as r:
                 h = json.loads(r.read())
             if all(h.get(k, {}).get("status") == "healthy" for k in ("metadatabase", "scheduler")):
                 return True
-        except OSError:
+        except (OSError, ValueError):
             pass
         time.sleep(2)
     return False
 
 
-def running_components() -> dict[str, int]:
+def recorded() -> dict[str, dict]:
+    return json.loads(pid_file().read_text()) if pid_file().exists() else {}
+
+
+def running_components(with_supervisor: bool = False) -> dict[str, int]:
     """{component: pid} of the pid file's processes that still run and are the ones it recorded (same start time and
     command line: a pid reused by another process is not ours to signal)."""
-    if not pid_file().exists():
-        return {}
-    recorded = json.loads(pid_file().read_text())
-    return {c: int(i["pid"]) for c, i in recorded.items() if isinstance(i, dict) and still_running(i)}
+    return {c: int(i["pid"]) for c, i in recorded().items()
+            if (with_supervisor or c != "supervisor") and isinstance(i, dict) and still_running(i)}
 
 
 def stop() -> int:
-    """Terminate every component's process group (SIGTERM, SIGKILL after 20 s); returns how many were running."""
+    """Stop the supervisor (it stops the components; SIGKILL after 30 s), then every recorded component still
+    running (its group), then any process left of this stack (``LLMP_AIRFLOW_STACK`` in its environment: what a
+    component killed earlier left); returns how many components were running. A pid that another process reuses is
+    never signalled."""
+    rec = recorded()
     running = running_components()
-    for pid in running.values():
-        stop_group(pid, 20.0)
+    sup = rec.get("supervisor")
+    if isinstance(sup, dict) and still_running(sup):
+        os.kill(int(sup["pid"]), signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while still_running(sup) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if still_running(sup):
+            os.kill(int(sup["pid"]), signal.SIGKILL)
+    for c, pid in running_components().items():  # the recorded leaders that are still the processes recorded
+        stop_group(pid, 10.0)
+    left = with_env(STACK_ENV, str(home()))  # what a leader killed earlier left (its workers, its log server)
+    if left:
+        kill_all(left, 10.0)
     pid_file().unlink(missing_ok=True)
     return len(running)
 
@@ -121,29 +256,40 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=int(os.environ.get("AIRFLOW_UI_PORT", 8080)))
     s.add_argument("--detach", action="store_true", help="Return once healthy; stop with `make airflow-stop`.")
     sub.add_parser("stop", help="Stop what `start` started.")
+    sv = sub.add_parser("supervise", help="(internal) the supervisor that `start` runs in the background.")
+    sv.add_argument("--port", type=int, default=8080)
     args = ap.parse_args(argv)
     if args.cmd == "stop":
         print(f"airflow: stopped {stop()} component(s)")
         return 0
+    if args.cmd == "supervise":
+        return supervise(args.port)
+    if running_components(with_supervisor=True):
+        print(f"airflow: Airflow is already running (pids in {pid_file()}); `make airflow-stop` first", file=sys.stderr)
+        return 1
     try:
-        procs = start(args.port)
-    except (RuntimeError, PermissionError) as e:
+        password_file()
+    except PermissionError as e:
         print(f"airflow: {e}", file=sys.stderr)
         return 1
-    if not wait_healthy(args.port):
-        stop()
-        print(f"airflow: not healthy in time; see {home() / 'ui-logs'}", file=sys.stderr)
-        return 1
-    pw = json.loads(password_file().read_text())[USER]
-    print(f"Airflow UI: http://{HOST}:{args.port}  (user: {USER}, password: {pw}; kept in {password_file()})")
-    print(f"components: {', '.join(COMPONENTS)}; logs in {home() / 'ui-logs'}; stop with "
-          + ("`make airflow-stop`" if args.detach else "Ctrl-C (or `make airflow-stop`)"))
-    if args.detach:
-        return 0
+    (home() / "ui-logs").mkdir(parents=True, exist_ok=True)
     try:
-        while all(p.poll() is None for p in procs):
-            time.sleep(1)
-        print("airflow: a component exited; stopping the others", file=sys.stderr)
+        with open(home() / "ui-logs" / "supervisor.log", "ab") as out:
+            sup = subprocess.Popen([sys.executable, "-m", "pipelines.airflow_ui", "supervise", "--port", str(args.port)],
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        if not wait_healthy(args.port, alive=lambda: sup.poll() is None):
+            stop()
+            print(f"airflow: not healthy in time; see {home() / 'ui-logs'}", file=sys.stderr)
+            return 1
+        pw = json.loads(password_file().read_text())[USER]
+        print(f"Airflow UI: http://{HOST}:{args.port}  (user: {USER}, password: {pw}; kept in {password_file()})")
+        print(f"components: {', '.join(COMPONENTS)} (a component that dies is restarted alone); logs in "
+              f"{home() / 'ui-logs'}; stop with "
+              + ("`make airflow-stop`" if args.detach else "Ctrl-C (or `make airflow-stop`)"), flush=True)
+        if args.detach:
+            return 0
+        sup.wait()
+        print("airflow: the supervisor stopped (see ui-logs/supervisor.log)", file=sys.stderr)
     except KeyboardInterrupt:
         pass
     stop()

@@ -114,7 +114,38 @@ def descendants(pid: int) -> list[int]:
 
 def stop_tree(pid: int, grace_s: float = 10.0) -> None:
     """SIGTERM ``pid`` and its descendants (found now), SIGKILL the survivors after ``grace_s``."""
-    members = {p: start_time(p) for p in [pid, *descendants(pid)]}
+    kill_all([pid, *descendants(pid)], grace_s, reap=pid)
+
+
+def environ(pid: int) -> dict[str, str]:
+    """``pid``'s environment (our own processes only; empty when unreadable)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def with_env(key: str, value: str) -> list[int]:
+    """Live processes whose environment has ``key=value`` (e.g. every process of one Airflow home, orphans of a
+    killed component included), this process and its ancestors left out."""
+    mine = {os.getpid()}
+    p = os.getpid()
+    while (st := _stat(p)) and int(st[3]) > 1:
+        p = int(st[3])
+        mine.add(p)
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) not in mine:
+            st = _stat(int(d.name))
+            if st and st[2] != "Z" and environ(int(d.name)).get(key) == value:
+                out.append(int(d.name))
+    return out
+
+
+def kill_all(pids: list[int], grace_s: float = 10.0, reap: int | None = None) -> int:
+    """SIGTERM ``pids``, SIGKILL the survivors after ``grace_s``; returns how many there were."""
+    members = {p: start_time(p) for p in pids}
 
     def alive():
         return [p for p, t in members.items() if t is not None and start_time(p) == t
@@ -126,5 +157,6 @@ def stop_tree(pid: int, grace_s: float = 10.0) -> None:
                 os.kill(p, sig)
             except ProcessLookupError:
                 pass
-        if _wait(alive, time.monotonic() + wait, pid):
-            return
+        if _wait(alive, time.monotonic() + wait, reap):
+            break
+    return len(members)

@@ -1,7 +1,9 @@
 """`make airflow`'s launcher on a fresh AIRFLOW_HOME: the real api-server, scheduler, dag-processor and triggerer,
-bound to 127.0.0.1, a login whose password is in no log, the project's DAGs listed, and a clean stop."""
+bound to 127.0.0.1, a login whose password is in no log, the project's DAGs listed, a scheduler killed with -9
+restarted alone, and a stop that leaves no process of the stack."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +25,17 @@ def _get(url, token=None, data=None):
                                           **({"Authorization": f"Bearer {token}"} if token else {})})
     with urllib.request.urlopen(req, timeout=20) as r:
         return json.loads(r.read())
+
+
+def _stack_processes(home: Path) -> list[int]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("LLMP_AIRFLOW_STACK") == str(home):
+                out.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
 
 
 def test_make_airflow_serves_the_ui_on_loopback_with_a_private_password_and_stops(tmp_path):
@@ -54,10 +67,27 @@ def test_make_airflow_serves_the_ui_on_loopback_with_a_private_password_and_stop
             _get(f"http://127.0.0.1:{port}/auth/token", data={"username": "admin", "password": "wrong"})
         logs = "".join(p.read_text(errors="replace") for p in (home / "ui-logs").glob("*.log"))
         assert password not in logs
+
+        # kill -9 the scheduler: restarted alone (the api-server keeps its pid), its orphans stopped first
+        before = json.loads((home / "ui.pids.json").read_text())
+        os.kill(before["scheduler"]["pid"], signal.SIGKILL)
+        deadline, now = time.time() + 180, before
+        while time.time() < deadline and now["scheduler"]["pid"] == before["scheduler"]["pid"]:
+            time.sleep(1)
+            now = json.loads((home / "ui.pids.json").read_text())
+        assert now["scheduler"]["pid"] != before["scheduler"]["pid"], (home / "ui-logs/supervisor.log").read_text()
+        assert now["api-server"] == before["api-server"] and now["triggerer"] == before["triggerer"]
+        assert "scheduler exited (-9)" in (home / "ui-logs/supervisor.log").read_text()
+        deadline, health = time.time() + 180, {}
+        while time.time() < deadline and health.get("scheduler", {}).get("status") != "healthy":
+            time.sleep(2)
+            health = _get(f"http://127.0.0.1:{port}/api/v2/monitor/health")
+        assert health["scheduler"]["status"] == "healthy"
         pids = [i["pid"] for i in json.loads((home / "ui.pids.json").read_text()).values()]
     finally:
         s = subprocess.run([*ui, "stop"], env=env, capture_output=True, text=True, timeout=120)
     assert "stopped 4 component(s)" in s.stdout
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert not _stack_processes(home)  # nothing of the stack is left, the killed scheduler's workers included
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v2/monitor/health", timeout=3)

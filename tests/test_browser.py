@@ -3,6 +3,7 @@ triggerer on 127.0.0.1, LocalExecutor), the Asset chain data_curation → traini
 scheduler, then headless Chromium (Debian's, driven by Playwright): log in, find the DAGs, fill llm_pipeline's
 trigger form, wait for the run to succeed, follow an extra link to MLflow; screenshots of the grid and graph views
 land in var/test-artifacts/browser/."""
+import gzip
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, tiny_spec
+from conftest import ROOT, c4_docs, free_port, tiny_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -71,12 +72,13 @@ def stack(tmp_path_factory):
         pytest.skip(why)
     home = tmp_path_factory.mktemp("browser")
     (home / "data" / "sample").mkdir(parents=True)
-    shutil.copy(ROOT / "data" / "sample" / "c4_en_train_1k.jsonl.gz", home / "data" / "sample")
+    with gzip.open(home / "data" / "sample" / "c4_300.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d["text"]}) + "\n" for d in c4_docs(300))  # read whole: held by the corpus
     (home / "configs").mkdir()
     mlflow_port, port = free_port(), free_port()
     (home / "configs" / "tiny.yaml").write_text(tiny_spec(
-        "data/sample/c4_en_train_1k.jsonl.gz", name="browser", model_name="browser-model",
-        more=f"  ingest: {{max_docs: 300}}\n  schedule: '@once'\n"  # data_curation runs once, when unpaused
+        "data/sample/c4_300.jsonl.gz", name="browser", model_name="browser-model",
+        more=f"  schedule: '@once'\n"  # data_curation runs once, when unpaused
              f"services: {{mlflow_ui_url: 'http://127.0.0.1:{mlflow_port}'}}\n"))
     (home / "var").mkdir()
     bin_dir = Path(sys.executable).parent

@@ -88,8 +88,8 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     assert (reg_dir / "report.png").stat().st_size > 10_000 and "| reference_bpb |" in (reg_dir / "report.md").read_text()
     # the train stage's promoter took every checkpoint to L1 and L2 during the run (ckpt_every 8 of 16 steps);
     # the promote task finds the final one there and verified
-    assert man["train"]["extra"]["promoted_during_run"] == {"8": {"L1": "copied", "L2": "uploaded"},
-                                                           "16": {"L1": "copied", "L2": "uploaded"}}
+    assert man["train"]["extra"]["promoted_during_run"] == {"8": {"L1": "copied", "L2": "committed"},
+                                                           "16": {"L1": "copied", "L2": "committed"}}
     assert man["promote"]["extra"]["actions"] == {"L1": "already-verified", "L2": "already-verified"}
     assert man["train"]["extra"]["resumed_from"] is None
     # the embedded S3 endpoint was stopped; its objects were written to disk as they arrived

@@ -296,7 +296,7 @@ def _upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files:
         key, size = f"{prefix}/{rel}", info["bytes"]
         digests = parts.get(rel)
         if object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests) and \
-                _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info) is None:
+                _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info) in (None, UNCHECKED):
             continue  # uploaded already (a node's part, an interrupted upload): not sent twice
         if size >= cfg.multipart_threshold and not (digests and len(digests) == -(-size // part_size_used(size, part))):
             digests = part_digests(src / rel, part_size_used(size, part))  # multipart: always with our part digests
@@ -403,8 +403,8 @@ def read_s3_manifest(spec: JobSpec, uri: str) -> Optional[dict]:
 
 
 def verify_s3(spec: JobSpec, uri: str) -> dict:
-    """Check an S3 copy without downloading it (COMMIT, manifest, each object's size and S3 checksum against
-    the manifest's sha256); returns the manifest or raises CheckpointError."""
+    """Check an S3 copy by content (COMMIT, manifest, each object against the manifest's sha256 through S3's own
+    checksums, see :func:`_check_objects`); returns the manifest or raises CheckpointError."""
     from pipelines.storage.s3 import client, split_uri
 
     s3 = client(spec)
@@ -421,11 +421,21 @@ def verify_s3(spec: JobSpec, uri: str) -> dict:
 
 
 def _check_objects(s3, bucket: str, prefix: str, files: dict, uri: str) -> None:
-    """Each object's size and S3 checksum against the manifest's (no download)."""
+    """Each object's size and S3 checksum against the manifest's; an object that the endpoint keeps no SHA-256 for
+    is downloaded and hashed."""
     for rel, info in files.items():
-        why = _object_ok(s3.head_object(Bucket=bucket, Key=f"{prefix}/{rel}", ChecksumMode="ENABLED"), info)
+        key = f"{prefix}/{rel}"
+        why = _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info)
+        if why == UNCHECKED:  # an endpoint that keeps no SHA-256 checksums: the bytes themselves
+            h = hashlib.sha256()
+            for chunk in s3.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 20):
+                h.update(chunk)
+            why = None if h.hexdigest() == info["sha256"] else "its bytes' sha256 differs"
         if why is not None:
             raise CheckpointError(f"{uri}: {rel} does not match the manifest ({why})")
+
+
+UNCHECKED = "no checksum to compare"
 
 
 def _object_ok(head: dict, info: dict) -> Optional[str]:
@@ -436,9 +446,11 @@ def _object_ok(head: dict, info: dict) -> Optional[str]:
     if head["ContentLength"] != info["bytes"]:
         return f"{head['ContentLength']} bytes, not {info['bytes']}"
     remote = head.get("ChecksumSHA256")
-    if "-" not in head.get("ETag", ""):
-        return None if not remote or remote == b64(bytes.fromhex(info["sha256"])) else "its SHA-256 differs"
-    meta = head.get("Metadata", {})
+    if not remote:
+        return UNCHECKED
+    if "-" not in head.get("ETag", "") and "-" not in remote:
+        return None if remote == b64(bytes.fromhex(info["sha256"])) else "its SHA-256 differs"
+    meta = {k.lower(): v for k, v in head.get("Metadata", {}).items()}  # some endpoints change the case
     want = meta.get(PARTS_META, "")
     if meta.get("sha256") != info["sha256"] or not want or not remote or remote.split("-")[0] != want.split("-")[0]:
         return "a multipart object whose part checksums are not those of this file"
@@ -522,7 +534,7 @@ def _s3_committed_names(spec: JobSpec, uri: str) -> list[str]:
 
 
 def verify_copy(spec: JobSpec, tier: str, loc: str) -> None:
-    """Raise CheckpointError unless the copy at ``loc`` verifies (L2: checksums held by S3, no download)."""
+    """Raise CheckpointError unless the copy at ``loc`` verifies (L2: checksums held by S3; see _check_objects)."""
     try:
         verify_s3(spec, loc) if tier == "L2" else verify_local(Path(loc))
     except (FileNotFoundError, json.JSONDecodeError) as e:
@@ -952,7 +964,7 @@ def s3_part_manifests(spec: JobSpec, uri: str, parts: int) -> Optional[list[dict
 
 def merge_parts_s3(spec: JobSpec, uri: str, parts: int, attempt: Optional[str]) -> bool:
     """Rank 0, on L2: when every part of ``attempt`` is there and each object matches its part's manifest (S3's
-    checksums, no download), put the merged MANIFEST and COMMIT last. False while a part is missing."""
+    checksums; see _check_objects), put the merged MANIFEST and COMMIT last. False while a part is missing."""
     from pipelines.storage.s3 import client, split_uri
 
     mans = s3_part_manifests(spec, uri, parts)
