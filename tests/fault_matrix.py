@@ -79,6 +79,9 @@ def prepare(base: Path) -> dict:
     from test_resilience import _tok
 
     port = free_port()
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per S3 request would bury the table
     srv = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     srv.start()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -219,15 +222,16 @@ def main(argv=None) -> int:
 
 def run_matrix(seeds: list[int], base: Path, log=print) -> list[dict]:
     sys.path.insert(0, str(ROOT))
+    from pipelines.storage import faults
     from pipelines.train import checkpoint as ck
 
     scs = {s: scenario(s) for s in seeds}
     ctx = None
     rows = []
-    log(f"{'scenario':44} {'seed':>5} {'outcome':10} {'I1':4} {'I2':4} {'I3':4} {'I4':4} {'I5':4} {'I6':4}  s")
+    log(f"{'scenario':44} {'seed':>5} {'fired':>5} {'outcome':10} {'I1':4} {'I2':4} {'I3':4} {'I4':4} {'I5':4} {'I6':4}  s")
     for seed, sc in scs.items():
         if sc.get("data"):
-            inv, outcome, secs = data_scenario(sc, base), "read", 0.0
+            inv, outcome, secs, fired = data_scenario(sc, base), "read", 0.0, 1
         else:
             if ctx is None:
                 ctx = prepare(base)
@@ -235,18 +239,19 @@ def run_matrix(seeds: list[int], base: Path, log=print) -> list[dict]:
                 ctx["ref_state"] = final_state(rel / ck.step_name(STEPS))
             run = run_one(ctx, f"s{seed}", sc["rules"])
             inv, secs = check(ctx, sc, run), run["s"]
+            fired = len(faults.fired(run["root"] / "faults"))  # 0: the run never reached the fault's nth hit
             outcome = "exit 0" if run["rc"] == 0 else ("hang" if run["rc"] == "hang" else f"exit {run['rc']}")
             if any(v.startswith("FAIL") for v in inv.values()):
                 (base / f"s{seed}.log").write_text(run["out"])
         short = {k: ("ok" if v == "ok" else "n/a" if v.startswith("n/a") else "FAIL") for k, v in inv.items()}
         ok = not any(v.startswith("FAIL") for v in inv.values())
-        log(f"{sc['name'][:44]:44} {seed:>5} {outcome:10} " + " ".join(f"{short.get(k, 'n/a'):4}" for k in
+        log(f"{sc['name'][:44]:44} {seed:>5} {fired:>5} {outcome:10} " + " ".join(f"{short.get(k, 'n/a'):4}" for k in
                                                                        ("I1", "I2", "I3", "I4", "I5", "I6"))
             + f"  {secs:.0f}")
         for k, v in inv.items():
             if v.startswith("FAIL"):
                 log(f"    {k}: {v} (log: {base / f's{seed}.log'})")
-        rows.append({"seed": seed, "scenario": sc, "outcome": outcome, "inv": inv, "ok": ok})
+        rows.append({"seed": seed, "scenario": sc, "outcome": outcome, "inv": inv, "ok": ok, "fired": fired})
     if ctx is not None:
         ctx["server"].stop()
     return rows
