@@ -182,36 +182,36 @@ def supervise(port: int) -> int:
     return code
 
 
-def wait_answering(port: int, timeout: float, give_up=lambda: False) -> bool:
-    """The api-server answers its health endpoint (whatever the scheduler's state) within ``timeout``."""
+def health(port: int) -> dict:
+    """The api-server's health answer ({} when it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}/api/v2/monitor/health", timeout=5) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_for(port: int, parts: tuple[str, ...], timeout: float, go_on=lambda: True) -> bool:
+    """Until ``parts`` of the health answer are healthy (True), ``timeout`` passes or ``go_on`` says stop (False)."""
     deadline = time.time() + timeout
-    while not give_up():
-        try:
-            with urllib.request.urlopen(f"http://{HOST}:{port}/api/v2/monitor/health", timeout=5) as r:
-                if json.loads(r.read()).get("metadatabase", {}).get("status") == "healthy":
-                    return True
-        except (OSError, ValueError):
-            pass
+    while go_on():
+        h = health(port)
+        if all(h.get(k, {}).get("status") == "healthy" for k in parts):
+            return True
         if time.time() >= deadline:
             return False
         time.sleep(min(1.0, max(0.0, deadline - time.time())))
     return False
 
 
+def wait_answering(port: int, timeout: float, give_up=lambda: False) -> bool:
+    """The api-server answers (whatever the scheduler's state)."""
+    return wait_for(port, ("metadatabase",), timeout, lambda: not give_up())
+
+
 def wait_healthy(port: int, timeout: float = 280.0, alive=lambda: True) -> bool:
-    """The api-server answers and the scheduler is healthy, within ``timeout`` (False at once when ``alive`` says
-    the supervisor died)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline and alive():
-        try:
-            with urllib.request.urlopen(f"http://{HOST}:{port}/api/v2/monitor/health", timeout=5) as r:
-                h = json.loads(r.read())
-            if all(h.get(k, {}).get("status") == "healthy" for k in ("metadatabase", "scheduler")):
-                return True
-        except (OSError, ValueError):
-            pass
-        time.sleep(2)
-    return False
+    """The api-server answers and the scheduler is healthy (False at once when ``alive`` says the supervisor died)."""
+    return wait_for(port, ("metadatabase", "scheduler"), timeout, alive)
 
 
 def recorded() -> dict[str, dict]:

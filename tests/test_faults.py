@@ -49,7 +49,7 @@ def test_an_s3_outage_in_the_middle_of_a_run_degrades_to_l1_and_the_promote_stag
     try:
         sets = ["train.steps=60", "train.ckpt_every=10", "launcher.nproc_per_node=2", "checkpoint.keep_l1=2"]
         p = subprocess.Popen(_launch_cmd(tok, home / "run", sets), env=_env(LLMP_HOME=str(home),
-                             LLMP_FAULT_STEP_DELAY_S="0.1"), cwd=ROOT, stdout=subprocess.PIPE,
+                             LLMP_FAULT_STEP_DELAY_S="0.3"), cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
         store = home / "var" / "s3" / "store"
         from test_resilience import _wait_for
