@@ -7,7 +7,7 @@
 2. **Promotion** of the 100 M checkpoint L0 → L1 → L2 (``checkpoint.promote``: copy, sha256 of every file,
    S3 upload with SHA-256 checksums verified, COMMIT last) against a plain ``shutil.copyfile`` + boto3
    ``upload_file`` of the same bytes with the same transfer settings (no checksums). Ratio = our MB/s ÷ plain
-   MB/s (target ≥ 0.8), best of two alternated runs each. L2 is the embedded S3 endpoint (moto on 127.0.0.1).
+   MB/s (target ≥ 0.8), best of two alternated runs each. L2 is the embedded S3 endpoint (rclone serve s3 on 127.0.0.1).
 3. **Goodput**: wall-clock tokens/s of a 2-rank demo-model run (``pipelines.train.launch``; promotion to L1 and
    L2 during the run) that checkpoints at
    the Young/Daly interval (``train.ckpt_every=auto``, ``checkpoint.mtbf_hours`` = 1 h per node, pessimistic),
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     from pipelines.storage import s3
 
-    url = s3.start()  # the embedded S3 endpoint (moto) on 127.0.0.1 for L2
+    url = s3.start()  # the embedded S3 endpoint (rclone serve s3) on 127.0.0.1 for L2
     try:
         promo = promotion_row(ckpt, base, url)
         shutil.rmtree(base, ignore_errors=True)

@@ -7,8 +7,10 @@ A supervisor starts ``api-server`` (bound to 127.0.0.1 only) and, once it answer
 and ``triggerer`` with ``AIRFLOW_HOME`` (``var/airflow``), the DAGs folder and the plugins folder that the Makefile
 exports; their logs go to ``var/airflow/ui-logs/``. Each component runs in a process group of its own. A component
 that dies is restarted alone (the others, and the tasks they run, keep running): what is left of its group (a
-scheduler's LocalExecutor workers, its log server) is stopped first, and a scheduler, dag-processor or triggerer
-starts again only once the api-server answers. More than 5 restarts of one component in 10 minutes stop the stack
+scheduler's log server and idle LocalExecutor workers) is stopped first, and a scheduler, dag-processor or triggerer
+starts again only once the api-server answers. A dead scheduler's worker that still supervises a task runs on until
+the task ends, and the new scheduler adopts the task (``pipelines.airflow_executor``): no try is spent. A task
+rides out an api-server restart (its heartbeats may fail for 2 minutes). More than 5 restarts of one component in 10 minutes stop the stack
 with a line in ``ui-logs/supervisor.log``. LocalExecutor runs ``AIRFLOW__CORE__PARALLELISM`` tasks at once, by
 default as many as the machine has cores. The login is user ``admin`` with a password generated once into
 ``var/airflow/passwords.json`` (mode 0600): Airflow's SimpleAuthManager then has nothing to generate, so the
@@ -31,10 +33,12 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from pipelines.procs import identity, kill_all, still_running, stop_group, with_env
+from pipelines.procs import identity, kill_all, still_running, stop_group, stop_group_but_busy, stop_when_idle, with_env
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 STACK_ENV = "LLMP_AIRFLOW_STACK"
+EXECUTOR = "pipelines.airflow_executor.StackExecutor"
+WORKER_TITLE = "airflow worker -- LocalExecutor"  # the title a LocalExecutor worker gives itself
 USER = "admin"
 HOST = "127.0.0.1"
 
@@ -70,6 +74,12 @@ def component_env(port: int) -> dict[str, str]:
             "AIRFLOW__API__PORT": str(port),
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{url}/execution/",
             STACK_ENV: str(home()),  # every process of the stack inherits it: `stop` finds orphans by it
+            # LocalExecutor, whose running tasks a restarted scheduler adopts (pipelines.airflow_executor)
+            "AIRFLOW__CORE__EXECUTOR": EXECUTOR,
+            # a task's heartbeats may fail for 2 min (an api-server restarting) before its worker gives it up; the
+            # scheduler declares it dead after 5 min without one
+            "AIRFLOW__WORKERS__MAX_FAILED_HEARTBEATS": "24",
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "300",
             # LocalExecutor's worker processes: as many as the cores, not Airflow's default 32
             "AIRFLOW__CORE__PARALLELISM": os.environ.get("AIRFLOW__CORE__PARALLELISM",
                                                          str(max(2, len(os.sched_getaffinity(0)))))}
@@ -91,6 +101,7 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen] = {}  # the components running now
         self.ids: dict[str, dict] = {"supervisor": identity(os.getpid())}  # as recorded when each started
         self.pending: set[str] = set()  # died; restarted once the api-server answers
+        self.busy_orphans: list[dict] = []  # a dead scheduler's workers that still supervise a task
         self.restarts: dict[str, list[float]] = {c: [] for c in COMPONENTS}
         self.stopping = False
 
@@ -122,8 +133,9 @@ class Supervisor:
             self.launch(c)
 
     def reap(self) -> Optional[str]:
-        """Components that exited: what is left of their group stopped (a scheduler's workers and log server, not
-        its tasks: they run in groups of their own and keep running), marked pending; why to give up, if so."""
+        """Components that exited: what is left of their group stopped (a scheduler's log server and idle
+        workers; a worker that still supervises a task is kept until the task ends, and the new scheduler adopts the
+        task: :mod:`pipelines.airflow_executor`), marked pending; why to give up, if so."""
         for c, p in list(self.procs.items()):
             if p.poll() is None:
                 continue
@@ -133,7 +145,11 @@ class Supervisor:
             if len(self.restarts[c]) > self.MAX_RESTARTS:
                 return f"{c} exited {self.MAX_RESTARTS + 1} times in {self.WINDOW_S:.0f} s; stopping the stack"
             self.log(f"{c} exited ({p.returncode}); stopping what is left of its group and starting it again")
-            stop_group(p.pid, 10.0)  # the group outlives its leader; its pgid is not reused while it has members
+            # the group outlives its leader; its pgid is not reused while it has members
+            kept = stop_group_but_busy(p.pid, WORKER_TITLE, 10.0)
+            if kept:
+                self.log(f"kept {len(kept)} worker(s) of the dead {c} that still run a task, until it ends")
+            self.busy_orphans += kept
             self.pending.add(c)
         return None
 
@@ -141,6 +157,7 @@ class Supervisor:
         """Until stopped: restart any component that exited (the api-server at once, the others once it answers);
         returns the supervisor's exit code."""
         while not self.stopping:
+            self.busy_orphans = stop_when_idle(self.busy_orphans)
             why = self.reap()
             if why is not None:
                 self.log(why)

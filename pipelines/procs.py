@@ -96,6 +96,23 @@ def stop_group(pgid: int, grace_s: float = 10.0, reap: int | None = None) -> boo
     return True
 
 
+def stop_group_but_busy(pgid: int, busy_title: str, grace_s: float = 10.0) -> list[dict]:
+    """Stop the members of group ``pgid`` but those whose title starts with ``busy_title`` and that have a child
+    (a dead scheduler's executor workers still supervising a task); return those kept (:func:`identity`)."""
+    members = group_members(pgid)
+    busy = [p for p in members if " ".join(cmdline(p)).startswith(busy_title) and descendants(p)]
+    kill_all([p for p in members if p not in busy], grace_s)
+    return [identity(p) for p in busy]
+
+
+def stop_when_idle(kept: list[dict], grace_s: float = 10.0) -> list[dict]:
+    """Stop those of ``kept`` that have no child left; return the others still running."""
+    alive = [i for i in kept if still_running(i)]
+    idle = [i for i in alive if not descendants(i["pid"])]
+    kill_all([i["pid"] for i in idle], grace_s)
+    return [i for i in alive if i not in idle]
+
+
 def descendants(pid: int) -> list[int]:
     """``pid``'s children, theirs, and so on (from /proc's parent links)."""
     parents: dict[int, list[int]] = {}

@@ -1,4 +1,4 @@
-"""Shared fixtures. Tests run against real components: Spark local[2], torchrun/gloo, moto's S3
+"""Shared fixtures. Tests run against real components: Spark local[2], torchrun/gloo, the embedded S3 endpoint's
 server on 127.0.0.1, MLflow on SQLite, Airflow's `dags test`."""
 from __future__ import annotations
 
@@ -89,15 +89,26 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-# Credentials for the test S3 servers (moto takes any), set before a test starts a Spark JVM: its Python workers
+# Credentials for the test S3 servers (they take any), set before a test starts a Spark JVM: its Python workers
 # inherit the JVM's environment, and a task that uploads builds its own client.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 
 
 @pytest.fixture(scope="module")
-def s3_server():
-    """moto's S3 server on 127.0.0.1 (threaded, in this process)."""
+def s3_server(tmp_path_factory):
+    """The embedded endpoint's server (``rclone serve s3``) on 127.0.0.1 over a fresh folder, taking any
+    credentials."""
+    from pipelines.storage.s3 import serving
+
+    with serving(tmp_path_factory.mktemp("s3-store")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def any_key_s3():
+    """An S3 server that stores any key as AWS does, ``..`` and a leading ``/`` included (moto's, threaded, in this
+    process): what hostile-key tests read from. The embedded endpoint refuses such keys."""
     from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 
     port = free_port()

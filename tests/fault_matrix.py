@@ -73,21 +73,15 @@ def prepare(base: Path) -> dict:
     """The shared inputs: a tokenized corpus, an S3 endpoint, the fault-free reference run's final state."""
     sys.path.insert(0, str(ROOT / "tests"))
     os.environ["LLMP_HOME"] = str(base)
-    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
-
-    from conftest import free_port
+    from pipelines.storage.s3 import serving
     from test_resilience import _tok
 
-    port = free_port()
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per S3 request would bury the table
-    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    srv.start()
+    server = serving(base / "s3-store")  # the embedded endpoint's server, over the matrix's own folder
+    url = server.__enter__()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     tok = _tok(base)
-    ctx = {"tok": tok.path, "s3": f"http://127.0.0.1:{port}", "server": srv, "base": base}
+    ctx = {"tok": tok.path, "s3": url, "server": server, "base": base}
     ref = run_one(ctx, "reference", None)
     assert ref["rc"] == 0, ref["out"][-3000:]
     ctx["ref"] = ref
@@ -253,7 +247,7 @@ def run_matrix(seeds: list[int], base: Path, log=print) -> list[dict]:
                 log(f"    {k}: {v} (log: {base / f's{seed}.log'})")
         rows.append({"seed": seed, "scenario": sc, "outcome": outcome, "inv": inv, "ok": ok, "fired": fired})
     if ctx is not None:
-        ctx["server"].stop()
+        ctx["server"].__exit__(None, None, None)
     return rows
 
 

@@ -1,8 +1,10 @@
 """`make airflow`'s launcher on a fresh AIRFLOW_HOME: the real api-server, scheduler, dag-processor and triggerer,
-bound to 127.0.0.1, a login whose password is in no log, the project's DAGs listed, a scheduler killed with -9
-restarted alone, and a stop that leaves no process of the stack."""
+bound to 127.0.0.1, a login whose password is in no log, the project's DAGs listed; during a DAG run each component
+killed with -9 and restarted alone, the run completing without a try spent; a stop that leaves no process of the
+stack."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,12 +21,81 @@ from conftest import ROOT, free_port
 pytestmark = pytest.mark.e2e
 
 
-def _get(url, token=None, data=None):
-    req = urllib.request.Request(url, data=json.dumps(data).encode() if data is not None else None,
+def _get(url, token=None, data=None, method=None):
+    req = urllib.request.Request(url, data=json.dumps(data).encode() if data is not None else None, method=method,
                                  headers={"Content-Type": "application/json",
                                           **({"Authorization": f"Bearer {token}"} if token else {})})
     with urllib.request.urlopen(req, timeout=20) as r:
         return json.loads(r.read())
+
+
+HOLD_DAG = "stack_faults_hold"
+# a DAG run that lasts while the test kills components: its task holds until the test writes LLMP_HOME/release
+_HOLD_DAG_FILE = f"""
+import os, time
+from pathlib import Path
+from airflow.sdk import dag, task
+
+@dag(dag_id="{HOLD_DAG}", schedule=None, catchup=False)
+def hold_dag():
+    @task(retries=2)
+    def hold():
+        home = Path(os.environ["LLMP_HOME"])
+        (home / "holding").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 1200
+        while not (home / "release").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("never released")
+            time.sleep(0.5)
+        return "released"
+
+    @task
+    def after(x):
+        return x
+
+    after(hold())
+
+hold_dag()
+"""
+
+
+def _wait_file(path: Path, timeout: float) -> Path:
+    deadline = time.time() + timeout
+    while time.time() < deadline and not path.exists():
+        time.sleep(0.5)
+    assert path.exists(), f"{path} did not appear within {timeout:.0f} s"
+    return path
+
+
+def _wait_text(path: Path, text: str, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(1)
+    raise AssertionError(f"{text!r} not in {path} within {timeout:.0f} s")
+
+
+def _wait_restart(home: Path, c: str, old_pid: int) -> dict:
+    deadline, now = time.time() + 240, {}
+    while time.time() < deadline:
+        time.sleep(1)
+        now = json.loads((home / "ui.pids.json").read_text())
+        if now[c]["pid"] != old_pid:
+            return now
+    raise AssertionError(f"{c} not restarted: " + (home / "ui-logs/supervisor.log").read_text())
+
+
+def _wait_healthy(port: int, part: str) -> bool:
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            if _get(f"http://127.0.0.1:{port}/api/v2/monitor/health").get(part, {}).get("status") == "healthy":
+                return True
+        except OSError:
+            pass
+        time.sleep(2)
+    return False
 
 
 def _stack_processes(home: Path) -> list[int]:
@@ -38,11 +109,19 @@ def _stack_processes(home: Path) -> list[int]:
     return out
 
 
-def test_make_airflow_serves_the_ui_on_loopback_with_a_private_password_and_stops(tmp_path):
+def test_make_airflow_serves_the_ui_on_loopback_rides_out_each_component_killed_mid_run_and_stops(tmp_path):
     home = tmp_path / "airflow"
-    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+    dags = tmp_path / "dags"  # the project's DAGs and one that holds a run open
+    dags.mkdir()
+    for f in (ROOT / "dags").glob("*.py"):
+        shutil.copy(f, dags / f.name)
+    (dags / "stack_faults_hold.py").write_text(_HOLD_DAG_FILE)
+    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
            "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor", "LLMP_HOME": str(tmp_path),
+           # a scheduler is dead after 10 s without a heartbeat, and its orphans are looked for every 5 s (not 300)
+           "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
+           "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "5",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=env, check=True,
                    capture_output=True, timeout=300)
@@ -58,31 +137,42 @@ def test_make_airflow_serves_the_ui_on_loopback_with_a_private_password_and_stop
         listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
         assert listening == {"127.0.0.1"}
         token = _get(f"http://127.0.0.1:{port}/auth/token", data={"username": "admin", "password": password})["access_token"]
-        deadline, dags = time.time() + 120, set()
-        while time.time() < deadline and "llm_pipeline" not in dags:  # the dag-processor parses the folder
-            dags = {d["dag_id"] for d in _get(f"http://127.0.0.1:{port}/api/v2/dags", token)["dags"]}
+        deadline, listed = time.time() + 120, set()
+        while time.time() < deadline and not {"llm_pipeline", HOLD_DAG} <= listed:  # the dag-processor parses
+            listed = {d["dag_id"] for d in _get(f"http://127.0.0.1:{port}/api/v2/dags", token)["dags"]}
             time.sleep(2)
-        assert "llm_pipeline" in dags
+        assert {"llm_pipeline", HOLD_DAG} <= listed
         with pytest.raises(urllib.error.HTTPError):
             _get(f"http://127.0.0.1:{port}/auth/token", data={"username": "admin", "password": "wrong"})
         logs = "".join(p.read_text(errors="replace") for p in (home / "ui-logs").glob("*.log"))
         assert password not in logs
 
-        # kill -9 the scheduler: restarted alone (the api-server keeps its pid), its orphans stopped first
-        before = json.loads((home / "ui.pids.json").read_text())
-        os.kill(before["scheduler"]["pid"], signal.SIGKILL)
-        deadline, now = time.time() + 180, before
-        while time.time() < deadline and now["scheduler"]["pid"] == before["scheduler"]["pid"]:
-            time.sleep(1)
-            now = json.loads((home / "ui.pids.json").read_text())
-        assert now["scheduler"]["pid"] != before["scheduler"]["pid"], (home / "ui-logs/supervisor.log").read_text()
-        assert now["api-server"] == before["api-server"] and now["triggerer"] == before["triggerer"]
-        assert "scheduler exited (-9)" in (home / "ui-logs/supervisor.log").read_text()
-        deadline, health = time.time() + 180, {}
-        while time.time() < deadline and health.get("scheduler", {}).get("status") != "healthy":
+        # a DAG run whose task holds until released; meanwhile each component is killed with -9, one at a time
+        base = f"http://127.0.0.1:{port}/api/v2/dags/{HOLD_DAG}"
+        _get(base, token, method="PATCH", data={"is_paused": False})
+        run_id = _get(f"{base}/dagRuns", token, data={"logical_date": None})["dag_run_id"]
+        task_pid = int(_wait_file(tmp_path / "holding", 300).read_text())
+        for c in ("scheduler", "dag-processor", "triggerer", "api-server"):
+            before = json.loads((home / "ui.pids.json").read_text())
+            os.kill(before[c]["pid"], signal.SIGKILL)
+            now = _wait_restart(home, c, before[c]["pid"])
+            assert {k: v for k, v in now.items() if k != c} == {k: v for k, v in before.items() if k != c}, c
+            assert f"{c} exited (-9)" in (home / "ui-logs/supervisor.log").read_text()
+            assert _wait_healthy(port, "scheduler" if c == "scheduler" else "metadatabase"), c
+            if c == "scheduler":  # the new scheduler finds the dead one's running task and adopts it (not reset)
+                _wait_text(home / "ui-logs" / "scheduler.log", "Marked 1 SchedulerJob instances as failed")
+            assert psutil.pid_exists(task_pid), f"the task died with the {c}"
+        assert "kept 1 worker(s) of the dead scheduler that still run a task" in \
+            (home / "ui-logs/supervisor.log").read_text()
+        token = _get(f"http://127.0.0.1:{port}/auth/token", data={"username": "admin", "password": password})["access_token"]
+        (tmp_path / "release").write_text("go")
+        deadline, state = time.time() + 300, None
+        while time.time() < deadline and state not in ("success", "failed"):
             time.sleep(2)
-            health = _get(f"http://127.0.0.1:{port}/api/v2/monitor/health")
-        assert health["scheduler"]["status"] == "healthy"
+            state = _get(f"{base}/dagRuns/{run_id}", token)["state"]
+        tis = _get(f"{base}/dagRuns/{run_id}/taskInstances", token)["task_instances"]
+        assert state == "success", tis
+        assert {t["task_id"]: t["try_number"] for t in tis} == {"hold": 1, "after": 1}  # no try spent
         pids = [i["pid"] for i in json.loads((home / "ui.pids.json").read_text()).values()]
     finally:
         s = subprocess.run([*ui, "stop"], env=env, capture_output=True, text=True, timeout=120)

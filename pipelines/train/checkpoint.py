@@ -230,14 +230,26 @@ def s3_commit_body(s3, bucket: str, prefix: str) -> Optional[str]:
     return None if body is None else body.decode().strip()
 
 
+def multipart_uploads(s3, bucket: str, prefix: str = "") -> list[dict]:
+    """The multipart uploads in progress under ``prefix`` (an endpoint that answers NoSuchUpload when there are
+    none, as rclone's does, has none)."""
+    from botocore.exceptions import ClientError
+
+    try:
+        return [up for page in s3.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix)
+                for up in page.get("Uploads", [])]
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") == "NoSuchUpload":
+            return []
+        raise
+
+
 def abort_multipart(s3, bucket: str, prefix: str, keys: Optional[set[str]] = None) -> int:
     """Abort the multipart uploads an interrupted promotion left under ``prefix`` (only those of ``keys`` when
     given: another node may be uploading its own part there right now); returns how many."""
     n = 0
-    for page in s3.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
-        for up in page.get("Uploads", []):
-            if keys is not None and up["Key"] not in keys:
-                continue
+    for up in multipart_uploads(s3, bucket, f"{prefix}/"):
+        if keys is None or up["Key"] in keys:
             s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
             n += 1
     return n
