@@ -12,11 +12,29 @@ KubernetesExecutor or CeleryExecutor adopt in their own way.
 """
 from __future__ import annotations
 
+import os
+
 from airflow.executors.local_executor import LocalExecutor
 from airflow.utils.state import TaskInstanceState
 
 
+def _running_here(ti) -> bool:
+    """Is ``ti``'s task process alive on this host (its worker outlived the scheduler that started it)?"""
+    from airflow.utils.net import get_hostname
+
+    if ti.state != TaskInstanceState.RUNNING or not ti.pid or ti.hostname != get_hostname():
+        return False
+    try:
+        os.kill(ti.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class StackExecutor(LocalExecutor):
     def try_adopt_task_instances(self, tis):
-        """Adopt the running ones (their worker outlived the scheduler that started them); return the rest."""
-        return [ti for ti in tis if ti.state != TaskInstanceState.RUNNING]
+        """Adopt the running ones whose task process is alive here; return the rest (reset and queued again: a task
+        whose worker died with the scheduler is not left to the heartbeat timeout)."""
+        return [ti for ti in tis if not _running_here(ti)]

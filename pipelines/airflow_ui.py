@@ -33,7 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from pipelines.procs import identity, kill_all, still_running, stop_group, stop_group_but_busy, stop_when_idle, with_env
+from pipelines.procs import (boot_id, cmdline, descendants, identity, in_sessions, kill_all, still_running, stop_group,
+                            stop_group_but, stop_unless, with_env)
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 STACK_ENV = "LLMP_AIRFLOW_STACK"
@@ -85,6 +86,31 @@ def component_env(port: int) -> dict[str, str]:
                                                          str(max(2, len(os.sched_getaffinity(0)))))}
 
 
+def busy_worker(pid: int) -> bool:
+    """Is ``pid`` a LocalExecutor worker that is running a task, or still reporting one's end (its title says
+    ``<idle>`` only once the result is posted)?"""
+    title = " ".join(cmdline(pid))
+    return title.startswith(WORKER_TITLE) and (not title.rstrip().endswith("<idle>") or bool(descendants(pid)))
+
+
+def sessions_file() -> Path:
+    return home() / "ui.sessions.json"
+
+
+def sessions() -> list[dict]:
+    """Every component process started since the last stop (each began a session of its own)."""
+    try:
+        return json.loads(sessions_file().read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def record_session(ident: dict) -> None:
+    tmp = sessions_file().with_suffix(".tmp")
+    tmp.write_text(json.dumps(sessions() + [{**ident, "boot": boot_id()}]))
+    os.replace(tmp, sessions_file())
+
+
 def pid_file() -> Path:
     return home() / "ui.pids.json"
 
@@ -118,12 +144,16 @@ class Supervisor:
             self.procs[c] = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                              start_new_session=True)
         self.ids[c] = identity(self.procs[c].pid)
+        record_session(self.ids[c])
         self.pending.discard(c)
         atomic = pid_file().with_suffix(".tmp")
         atomic.write_text(json.dumps(self.ids))
         os.replace(atomic, pid_file())
 
     def start(self) -> None:
+        # the sessions of an earlier stack: what is left of them goes first (an unclean end: no `stop` ran)
+        kill_all(sorted(in_sessions(sessions())), 10.0)
+        sessions_file().unlink(missing_ok=True)
         self.launch("api-server")
         if not wait_answering(self.port, 270.0, lambda: self.stopping):
             if not self.stopping:
@@ -146,7 +176,7 @@ class Supervisor:
                 return f"{c} exited {self.MAX_RESTARTS + 1} times in {self.WINDOW_S:.0f} s; stopping the stack"
             self.log(f"{c} exited ({p.returncode}); stopping what is left of its group and starting it again")
             # the group outlives its leader; its pgid is not reused while it has members
-            kept = stop_group_but_busy(p.pid, WORKER_TITLE, 10.0)
+            kept = stop_group_but(p.pid, busy_worker, 10.0)
             if kept:
                 self.log(f"kept {len(kept)} worker(s) of the dead {c} that still run a task, until it ends")
             self.busy_orphans += kept
@@ -157,7 +187,7 @@ class Supervisor:
         """Until stopped: restart any component that exited (the api-server at once, the others once it answers);
         returns the supervisor's exit code."""
         while not self.stopping:
-            self.busy_orphans = stop_when_idle(self.busy_orphans)
+            self.busy_orphans = stop_unless(self.busy_orphans, busy_worker)
             why = self.reap()
             if why is not None:
                 self.log(why)
@@ -172,6 +202,7 @@ class Supervisor:
 
     def stop_all(self) -> None:
         self.stopping = True
+        kill_all([i["pid"] for i in self.busy_orphans if still_running(i)], 15.0)
         for c in reversed(COMPONENTS):
             p = self.procs.get(c)
             if p is not None and p.poll() is None:
@@ -259,10 +290,13 @@ def stop() -> int:
             os.kill(int(sup["pid"]), signal.SIGKILL)
     for c, pid in running_components().items():  # the recorded leaders that are still the processes recorded
         stop_group(pid, 10.0)
-    left = with_env(STACK_ENV, str(home()))  # what a leader killed earlier left (its workers, its log server)
+    # what a leader killed earlier left (its workers, its log server, the tasks they ran): by environment, and by
+    # session for the processes whose title rewrite wiped their environment (LocalExecutor workers, tasks)
+    left = set(with_env(STACK_ENV, str(home()))) | set(in_sessions(sessions()))
     if left:
-        kill_all(left, 10.0)
+        kill_all(sorted(left), 10.0)
     pid_file().unlink(missing_ok=True)
+    sessions_file().unlink(missing_ok=True)
     return len(running)
 
 

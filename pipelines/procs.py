@@ -16,6 +16,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Callable
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -96,21 +97,20 @@ def stop_group(pgid: int, grace_s: float = 10.0, reap: int | None = None) -> boo
     return True
 
 
-def stop_group_but_busy(pgid: int, busy_title: str, grace_s: float = 10.0) -> list[dict]:
-    """Stop the members of group ``pgid`` but those whose title starts with ``busy_title`` and that have a child
-    (a dead scheduler's executor workers still supervising a task); return those kept (:func:`identity`)."""
+def stop_group_but(pgid: int, keep: Callable[[int], bool], grace_s: float = 10.0) -> list[dict]:
+    """Stop the members of group ``pgid`` for which ``keep`` is false; return the others (:func:`identity`)."""
     members = group_members(pgid)
-    busy = [p for p in members if " ".join(cmdline(p)).startswith(busy_title) and descendants(p)]
-    kill_all([p for p in members if p not in busy], grace_s)
-    return [identity(p) for p in busy]
+    kept = [p for p in members if keep(p)]
+    kill_all([p for p in members if p not in kept], grace_s)
+    return [identity(p) for p in kept]
 
 
-def stop_when_idle(kept: list[dict], grace_s: float = 10.0) -> list[dict]:
-    """Stop those of ``kept`` that have no child left; return the others still running."""
+def stop_unless(kept: list[dict], keep: Callable[[int], bool], grace_s: float = 10.0) -> list[dict]:
+    """Stop those of ``kept`` for which ``keep`` has become false; return the others still running."""
     alive = [i for i in kept if still_running(i)]
-    idle = [i for i in alive if not descendants(i["pid"])]
-    kill_all([i["pid"] for i in idle], grace_s)
-    return [i for i in alive if i not in idle]
+    done = [i for i in alive if not keep(i["pid"])]
+    kill_all([i["pid"] for i in done], grace_s)
+    return [i for i in alive if i not in done]
 
 
 def descendants(pid: int) -> list[int]:
@@ -143,15 +143,47 @@ def environ(pid: int) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
 
 
-def with_env(key: str, value: str) -> list[int]:
-    """Live processes whose environment has ``key=value`` (e.g. every process of one Airflow home, orphans of a
-    killed component included), this process and its ancestors left out."""
-    mine = {os.getpid()}
-    p = os.getpid()
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _mine() -> set[int]:
+    """This process and its ancestors (never signalled by a sweep)."""
+    mine, p = {os.getpid()}, os.getpid()
     while (st := _stat(p)) and int(st[3]) > 1:
         p = int(st[3])
         mine.add(p)
-    out = []
+    return mine
+
+
+def in_sessions(leaders: list[dict]) -> list[int]:
+    """Live processes of the sessions that ``leaders`` (:func:`identity` of processes started with a session of their
+    own, since this boot) began, started no earlier than their leader, this process and its ancestors left out. A
+    session whose leader's pid is now another process's is skipped (a pid is not reused as a session id while the
+    session has members, so a session id whose leader is gone is still the one recorded). Finds what no environment
+    shows: a process that rewrote its title (setproctitle) has overwritten its environment too."""
+    start = {}
+    for i in leaders:
+        pid, t = int(i["pid"]), i.get("start")
+        now = start_time(pid)
+        if t and i.get("boot", boot_id()) == boot_id() and (now is None or now == t):
+            start[pid] = t
+    mine, out = _mine(), []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) not in mine:
+            st = _stat(int(d.name))
+            if st and st[2] != "Z" and int(st[5]) in start and int(st[21]) >= start[int(st[5])]:
+                out.append(int(d.name))
+    return out
+
+
+def with_env(key: str, value: str) -> list[int]:
+    """Live processes whose environment has ``key=value`` (e.g. every process of one Airflow home, orphans of a
+    killed component included), this process and its ancestors left out."""
+    mine, out = _mine(), []
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) not in mine:
             st = _stat(int(d.name))

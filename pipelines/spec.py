@@ -136,6 +136,18 @@ class DedupCfg(_Section):
         return self
 
 
+class UrlFilterCfg(_Section):
+    """The URL step (:mod:`pipelines.data.urlfilter`): block lists, banned words in the URL, an allow list that wins."""
+
+    enabled: bool = True
+    bundled_blocklist: bool = Field(True, description="Use the bundled block list "
+                                    "(pipelines/data/lists/url_blocklist.txt) besides data.filters.url_blocklist.")
+    banned_words: Optional[list[str]] = Field(None, description="Words that remove a doc when a word of its URL is one "
+                                              "of them; None = the bundled list (lists/url_banned_words.txt).")
+    allow: list[str] = Field(default_factory=list, description="Domains (and the hosts under them) never removed by "
+                                                               "the URL step.")
+
+
 class LanguageCfg(_Section):
     """Language ID with py3langid (its model ships inside the PyPI package)."""
 
@@ -201,8 +213,14 @@ class FineWebCfg(_Section):
 class FilterCfg(_Section):
     """Quality filters, applied in ``steps`` order; the first step that rejects a doc names its reason."""
 
-    steps: list[Literal["language", "gopher_repetition", "gopher_quality", "c4", "fineweb"]] = Field(
-        default_factory=lambda: ["language", "gopher_repetition", "gopher_quality", "c4", "fineweb"])
+    steps: list[Literal["url", "language", "gopher_repetition", "gopher_quality", "c4", "fineweb"]] = Field(
+        default_factory=lambda: ["url", "language", "gopher_repetition", "gopher_quality", "c4", "fineweb"])
+    url: UrlFilterCfg = Field(default_factory=UrlFilterCfg)
+    url_blocklist: list[str] = Field(default_factory=list, description="Block lists to add (files in UT1's format: one "
+                                     "domain per line), relative paths against the project root.")
+    pii: Literal["replace", "report", "off"] = Field(
+        "replace", description="After the quality filters: e-mail, IPv4/IPv6 addresses and phone numbers in kept docs "
+        "replaced by fixed placeholders (replace), only counted (report), or not looked for (off).")
     language: LanguageCfg = Field(default_factory=LanguageCfg)
     gopher_repetition: GopherRepetitionCfg = Field(default_factory=GopherRepetitionCfg)
     gopher_quality: GopherQualityCfg = Field(default_factory=GopherQualityCfg)
@@ -210,6 +228,11 @@ class FilterCfg(_Section):
     fineweb: FineWebCfg = Field(default_factory=FineWebCfg)
     partitions: int = Field(0, ge=0, description="Spark tasks for the filter pass; 0 = one per data.task_mb of "
                                                  "input, at least one per executor core.")
+
+    @field_validator("url_blocklist", mode="before")
+    @classmethod
+    def _one_or_more(cls, v):
+        return [v] if isinstance(v, str) else v
 
 
 class DecontaminateCfg(_Section):
@@ -222,9 +245,18 @@ class DecontaminateCfg(_Section):
                                 "length, if it has at least this many words; shorter items are not checked (counted "
                                 "as too_short).")
     mode: Literal["remove", "cut", "report"] = Field(
-        "remove", description="remove: drop a matching doc; cut: drop the matching spans (the doc is removed when "
-        "less than cut_min_chars remain); report: count only, keep every doc.")
+        "remove", description="remove: drop a matching doc; cut: drop each match with cut_window_chars on each side "
+        "(the doc is removed when less than cut_min_chars remain or it is left in more than cut_max_pieces pieces); "
+        "report: count only, keep every doc.")
     cut_min_chars: int = Field(200, ge=0)
+    cut_window_chars: int = Field(200, ge=0, description="cut: characters removed on each side of a match too (GPT-3 "
+                                  "removed a 200-character window around each).")
+    cut_max_pieces: int = Field(10, ge=1, description="cut: a doc left in more pieces than this is removed (GPT-3: 10).")
+    common_share: float = Field(0.001, ge=0.0, le=1.0, description="An eval n-gram found in more than this share of "
+                                "the corpus's docs (and more than common_min_docs) is common text, not evidence of "
+                                "contamination: it is reported (extra.common_ngrams) and matches nothing.")
+    common_min_docs: int = Field(10, ge=1, description="The floor of common_share: an n-gram in at most this many "
+                                 "docs is always evidence (GPT-3 ignored 13-grams in more than 10 docs).")
     partitions: int = Field(0, ge=0, description="Spark tasks; 0 = one per data.task_mb of input, at least one per "
                                                  "executor core.")
 

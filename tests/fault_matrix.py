@@ -19,6 +19,7 @@ Prints one row per seed: scenario, seed, outcome, each invariant (ok / n/a / FAI
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -69,19 +70,19 @@ def _env(**extra) -> dict:
     return {**os.environ, "LLMP_PROGRESS": "0", **extra}
 
 
-def prepare(base: Path) -> dict:
-    """The shared inputs: a tokenized corpus, an S3 endpoint, the fault-free reference run's final state."""
+def prepare(base: Path, stack: contextlib.ExitStack) -> dict:
+    """The shared inputs: a tokenized corpus, an S3 endpoint (stopped with ``stack``), the fault-free reference run's
+    final state."""
     sys.path.insert(0, str(ROOT / "tests"))
     os.environ["LLMP_HOME"] = str(base)
     from pipelines.storage.s3 import serving
     from test_resilience import _tok
 
-    server = serving(base / "s3-store")  # the embedded endpoint's server, over the matrix's own folder
-    url = server.__enter__()
+    url = stack.enter_context(serving(base / "s3-store"))  # the embedded endpoint's server, in the matrix's folder
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     tok = _tok(base)
-    ctx = {"tok": tok.path, "s3": url, "server": server, "base": base}
+    ctx = {"tok": tok.path, "s3": url, "base": base}
     ref = run_one(ctx, "reference", None)
     assert ref["rc"] == 0, ref["out"][-3000:]
     ctx["ref"] = ref
@@ -216,10 +217,16 @@ def main(argv=None) -> int:
 
 def run_matrix(seeds: list[int], base: Path, log=print) -> list[dict]:
     sys.path.insert(0, str(ROOT))
+
+    scs = {s: scenario(s) for s in seeds}
+    with contextlib.ExitStack() as stack:  # the S3 server stops whatever happens
+        return _rows(scs, base, stack, log)
+
+
+def _rows(scs: dict, base: Path, stack: contextlib.ExitStack, log) -> list[dict]:
     from pipelines.storage import faults
     from pipelines.train import checkpoint as ck
 
-    scs = {s: scenario(s) for s in seeds}
     ctx = None
     rows = []
     log(f"{'scenario':44} {'seed':>5} {'fired':>5} {'outcome':10} {'I1':4} {'I2':4} {'I3':4} {'I4':4} {'I5':4} {'I6':4}  s")
@@ -228,7 +235,7 @@ def run_matrix(seeds: list[int], base: Path, log=print) -> list[dict]:
             inv, outcome, secs, fired = data_scenario(sc, base), "read", 0.0, 1
         else:
             if ctx is None:
-                ctx = prepare(base)
+                ctx = prepare(base, stack)
                 rel = next((ctx["ref"]["root"] / "l1").glob("*/*/step-*/COMMIT")).parent.parent
                 ctx["ref_state"] = final_state(rel / ck.step_name(STEPS))
             run = run_one(ctx, f"s{seed}", sc["rules"])
@@ -246,8 +253,6 @@ def run_matrix(seeds: list[int], base: Path, log=print) -> list[dict]:
             if v.startswith("FAIL"):
                 log(f"    {k}: {v} (log: {base / f's{seed}.log'})")
         rows.append({"seed": seed, "scenario": sc, "outcome": outcome, "inv": inv, "ok": ok, "fired": fired})
-    if ctx is not None:
-        ctx["server"].__exit__(None, None, None)
     return rows
 
 

@@ -174,10 +174,15 @@ def test_make_airflow_serves_the_ui_on_loopback_rides_out_each_component_killed_
         assert state == "success", tis
         assert {t["task_id"]: t["try_number"] for t in tis} == {"hold": 1, "after": 1}  # no try spent
         pids = [i["pid"] for i in json.loads((home / "ui.pids.json").read_text()).values()]
+        sessions = json.loads((home / "ui.sessions.json").read_text())  # every component started, 8 in all
+        assert len(sessions) == 8
     finally:
         s = subprocess.run([*ui, "stop"], env=env, capture_output=True, text=True, timeout=120)
     assert "stopped 4 component(s)" in s.stdout
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
     assert not _stack_processes(home)  # nothing of the stack is left, the killed scheduler's workers included
+    from pipelines.procs import in_sessions
+
+    assert not in_sessions(sessions)  # nor a process whose new title wiped its environment (workers, tasks)
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v2/monitor/health", timeout=3)

@@ -1,6 +1,7 @@
 """Dedup and filter stages on a real Spark (local[2]); one session for the module."""
 import json
 import random
+import re
 
 import pyarrow.dataset as ds
 import pytest
@@ -184,3 +185,47 @@ def test_keeper_policies_on_a_transitive_chain(home, spark, chain, keeper, cover
     else:  # component larger than cover_max: star centres kept; still every removal is covered
         assert 1 <= len(removed) <= 2 and all(r["jaccard"] >= 0.8 for r in removed.values())
     assert all(cl[r["id"]]["cluster"] == cl[r["dup_of_id"]]["idx"] for r in removed.values())
+
+
+def test_the_filter_stage_drops_urls_by_rule_and_replaces_personal_data_in_kept_docs(home, spark):
+    """The URL step (bundled list, a list named with --set, banned words, the allow list) and the PII step through
+    the stage's CLI; the manifest's extra.url_filter and extra.pii, removed docs' reasons, kept docs' text."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    prose = [d["text"] for d in c4_docs(300) if len(d["text"].split()) > 200][:6]
+    contact = (" Write to jane.doe@example.org or call +1 (415) 555-2671 from host 203.0.113.45; the office in "
+               "Room 1204 opened on 2024-01-15 with version 1.2.3 at $1,299.99.")
+    recs = [{"id": "bundled", "url": "https://www.pornhub.com/view/1", "text": prose[0]},
+            {"id": "named-list", "url": "https://news.spam-farm.test/a", "text": prose[1]},
+            {"id": "banned-word", "url": "https://videos.example.com/free-porn/2", "text": prose[2]},
+            {"id": "allowed", "url": "https://xxx-archive.example.org/porn-laws", "text": prose[3]},
+            {"id": "pii", "url": "https://example.com/contact", "text": prose[4] + contact},
+            {"id": "no-url", "text": prose[5]}]
+    src = write_jsonl(home / "urls.jsonl", recs)
+    (home / "extra-list.txt").write_text("# a team's own list\nspam-farm.test\n")
+    sets = [f"data.inputs=[{src}]", "data.filters.steps=[url,language]", "data.filters.url.allow=[xxx-archive.example.org]"]
+    spec = load_spec(None, sets, env={})
+    dd = dedup.run(spec, ingest.run(spec, spark=spark), spark=spark)
+    env = {**__import__("os").environ, "LLMP_HOME": str(home)}
+    r = subprocess.run([sys.executable, "-m", "pipelines.data.filter", "--dedup-manifest", dd.path,
+                        "--set", "services.spark_master=local[1]", *sum((["--set", s] for s in sets[1:]), []),
+                        "--set", f"data.filters.url_blocklist={home / 'extra-list.txt'}"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from pipelines.manifest import load_manifest
+
+    m = load_manifest(re.search(r"manifest (\S+)", r.stdout).group(1))
+    assert m.extra["url_filter"] == {"banned_word": 1, "blocklist": 2, "allowed": 1}
+    removed = _table(m.output("removed"))
+    assert {i: r["filter_reason"] for i, r in removed.items()} == \
+        {"bundled": "url:blocklist", "named-list": "url:blocklist", "banned-word": "url:banned_word"}
+    kept = _table(m.output("kept"))
+    assert set(kept) == {"allowed", "pii", "no-url"} and kept["pii"]["url"] == "https://example.com/contact"
+    text = kept["pii"]["text"]
+    assert "jane.doe" not in text and "555-2671" not in text and "203.0.113.45" not in text
+    assert "email@example.com" in text and "Room 1204 opened on 2024-01-15 with version 1.2.3 at $1,299.99." in text
+    assert m.extra["pii"] == {"mode": "replace", "email": 1, "ipv4": 1, "ipv6": 0, "phone": 1, "docs": 1}
+    assert m.metrics["pii"]["email"] == 1

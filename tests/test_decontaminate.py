@@ -84,11 +84,20 @@ def test_the_kernel_matches_across_case_punctuation_and_short_items_and_cuts_spa
     # twelve words of the item are not an overlap
     assert dc.decide("quick brown fox jumps over the lazy dog near the old river", table, lengths, cfg, order)[0] is None
     assert dc.decide("too short to check", table, lengths, cfg, order)[2] == []
-    long_doc = "A " * 150 + doc + " Z" * 150
+    long_doc = "A " * 250 + doc + " Z" * 250
     reason, text, items, cut = dc.decide(long_doc, table, lengths, DecontaminateCfg(mode="cut"), order)
-    assert reason is None and cut and items == ["t:0"] and "quick" not in text.lower() and "Intro text." in text
-    assert "And more words after." in text
+    assert reason is None and cut and items == ["t:0"] and "quick" not in text.lower()
+    # GPT-3's window: 200 characters on each side of the match go too (the text around it, 'Intro text.' included)
+    assert "Intro text." not in text and "And more words after." not in text and len(text.split("\n")) == 2
+    start, end = long_doc.index("THE QUICK"), long_doc.index("bank!") + len("bank")
+    assert text.split("\n") == [long_doc[:start - 200].strip(), long_doc[end + 200:].strip()]
     assert dc.decide(doc, table, lengths, DecontaminateCfg(mode="cut"), order)[0] == "contamination:t"  # too little left
+    # a doc the cuts leave in more than cut_max_pieces pieces is removed
+    pieces = ("B " * 120).join([""] + [item + " filler" for _ in range(11)] + [""])
+    assert dc.decide(pieces, table, lengths, DecontaminateCfg(mode="cut", cut_window_chars=0), order)[0] == \
+        "contamination:t"
+    assert dc.decide(pieces, table, lengths, DecontaminateCfg(mode="cut", cut_window_chars=0, cut_max_pieces=12),
+                     order)[3] is True
     assert dc.decide(doc, table, lengths, DecontaminateCfg(mode="report"), order) == (None, doc, ["t:0"], False)
 
 
@@ -103,3 +112,45 @@ def test_report_mode_keeps_every_doc_and_says_which_items_reach_the_model(home, 
     assert m.counts["removed"] == 0 and m.counts["kept"] == m.counts["docs_in"]
     assert con["llmp_arc_easy"]["overlapping_kept"] == con["llmp_arc_easy"]["overlapping"]
     assert len(con["llmp_arc_easy"]["overlapping_kept"]) >= 20 and con["llmp_arc_easy"]["docs_removed"] == 0
+
+
+def test_short_arc_items_are_found_in_the_layout_the_evaluation_shows_them_in():
+    """An ARC-Easy item whose stem is shorter than min_item_words is found as lm-eval renders it (Question: … Answer:
+    …); before, only the run 'stem answer' was looked for, and this layout was missed."""
+    from pipelines.eval.task_files import TASKS
+
+    rows = read_rows(ARC)
+    short = [r for r in rows if len(dc.words(r["question"]["stem"])) < 8]
+    assert len(short) >= 20
+    items = {"llmp_arc_easy": [TASKS["llmp_arc_easy"].item_text(r) for r in rows]}
+    table, lengths, stats = dc.build_table(items, 13, 8)
+    cfg, order = DecontaminateCfg(), ["llmp_arc_easy"]
+    for r in short:
+        q = r["question"]
+        answer = next(c["text"] for c in q["choices"] if c["label"] == r["answerKey"])
+        doc = f"Practice quiz for grade 4.\n\nQuestion: {q['stem']}\nAnswer: {answer}\n\nMore questions below."
+        reason, _, found, _ = dc.decide(doc, table, lengths, cfg, order)
+        assert reason == "contamination:llmp_arc_easy" and f"llmp_arc_easy:{rows.index(r)}" in found, q["stem"]
+    assert stats["llmp_arc_easy"]["items_too_short"] == 0
+
+
+def test_an_ngram_common_in_the_corpus_is_not_evidence_and_is_reported(home, spark):
+    """'And they lived happily ever after. The End!' is a reference item of its own (8 words): a corpus where many
+    stories end that way loses none of them; a real copy of an item is still removed."""
+    from pipelines.spec import load_spec
+
+    clean = [{"id": f"clean-{i}", "text": d["text"]} for i, d in enumerate(c4_docs(300))]
+    tales = [{"id": f"tale-{i}", "text": f"{clean[i]['text'][:400]} And they lived happily ever after. The End!"}
+             for i in range(15)]
+    arc = [r for r in read_rows(ARC) if len(r["question"]["stem"].split()) >= 10][0]
+    answer = next(c["text"] for c in arc["question"]["choices"] if c["label"] == arc["answerKey"])
+    leak = {"id": "leak", "text": f"{clean[20]['text'][:300]} Question: {arc['question']['stem']} Answer: {answer}"}
+    spec = load_spec(None, [], env={})
+    m = dc.run(spec, _filter_manifest(home, clean[15:] + tales + [leak]), spark=spark)
+    removed = pq.read_table(m.output("removed")).to_pylist()
+    assert [d["id"] for d in removed] == ["leak"]
+    common = m.extra["common_ngrams"]
+    assert common["limit"] == 10
+    happy = [c for c in common["ngrams"] if c["ngram"] == "and they lived happily ever after the end"]
+    assert happy and happy[0]["docs"] == 15 and happy[0]["items"][0].startswith("reference:")
+    assert m.extra["contamination"]["reference"]["items_overlapping"] == 0

@@ -95,3 +95,27 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     # the embedded S3 endpoint was stopped; its objects were written to disk as they arrived
     assert not (tmp_path / "var/s3/endpoint.json").exists()
     assert list((tmp_path / "var/s3/store").rglob("COMMIT"))
+    # lineage: the champion's corpus version and inputs; a doc and a source lead back to the champion
+    def lineage(*args):
+        r = subprocess.run([sys.executable, "-m", "pipelines.lineage", *args, "--json"], capture_output=True,
+                           text=True, timeout=300, env=env, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout)
+
+    got = lineage("--model", "e2e-model@champion")
+    assert got["corpus"]["digest"] == tags["data_manifest_hash"] and got["model"]["version"] == str(mv.version)
+    keys = {Path(i["key"]).name: i["key"] for i in got["inputs"]}
+    assert set(keys) == {"good.jsonl", "bad.jsonl"} and set(got["docs_per_source"]) <= set(keys.values())
+    assert got["docs_per_source"][keys["good.jsonl"]] >= 100
+    champion = {"name": "e2e-model", "version": str(mv.version)}
+    import pyarrow.parquet as pq
+
+    corpus = Path(got["corpus"]["manifest"])
+    first_shard = json.loads(corpus.read_text())["extra"]["shards"][0]["prefix"]
+    doc_id = pq.read_table(corpus.parent / f"{first_shard}.ids.parquet").column("id")[0].as_py()
+    doc = lineage("--doc", doc_id)
+    assert first_shard in doc["corpus_versions"][0]["shards"]
+    assert doc["corpus_versions"] and {k: doc["models"][0][k] for k in champion} == champion
+    src = lineage("--source", keys["good.jsonl"])
+    assert src["corpus_versions"][0]["source_docs"] >= 100 and {k: src["models"][0][k] for k in champion} == champion
+    assert lineage("--doc", "no-such-doc") == {"doc": "no-such-doc", "corpus_versions": [], "models": [], "unreadable": []}

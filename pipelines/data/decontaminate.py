@@ -11,9 +11,15 @@ context + correct ending, the passage).
   (``items_too_short``: a six-word question matches too much ordinary text to mean anything).
 * The n-grams of every item, as a table n-gram → items, are broadcast to the Spark tasks (the eval sets are small:
   ≈ 10⁵ n-grams); each task looks up every n-gram of its docs.
+* An item is also looked for as the task's prompt shows it (``Question: … Answer: …``; :class:`Layout`), whatever its
+  length.
+* Common text is not evidence: an eval n-gram found in more than ``common_share`` of the docs (and more than
+  ``common_min_docs``) matches nothing; the manifest reports it (``extra.common_ngrams``: n-gram, docs, items). The
+  docs are scanned twice for this (once to count, once to decide).
 * ``mode``: ``remove`` (default) drops a doc with any match, with ``filter_reason = contamination:<task>`` (the task
-  with the most matching n-grams); ``cut`` drops only the matching spans (the doc goes when fewer than
-  ``cut_min_chars`` characters remain); ``report`` removes nothing and counts.
+  with the most matching n-grams); ``cut`` drops each match with ``cut_window_chars`` on each side (GPT-3: 200); the
+  doc goes when fewer than ``cut_min_chars`` characters remain or more than ``cut_max_pieces`` pieces (GPT-3: 10);
+  ``report`` removes nothing and counts.
 * Nothing is lost: docs in = kept + removed. The manifest records per task (``extra.contamination.<task>``, and
   ``reference``): items, items with any overlap, docs removed and cut, the n-gram size, the file digest, and which
   items overlap a doc the stage kept (what reaches the model: the registered version's contamination count).
@@ -49,11 +55,17 @@ def words(text: str) -> list[str]:
     return [m.group().lower() for m in word_spans(text)[1]]
 
 
+LAYOUT_MIN_WORDS = 4  # a Layout ("Question: … Answer: …") is looked for whatever its length, down to this
+
+
 def build_table(items: dict[str, list[list[str]]], n: int, min_words: int
                 ) -> tuple[dict[str, list[str]], list[int], dict]:
     """(n-gram → ["task:item", …], the n-gram lengths to look up, per task {items, items_too_short}). An item is
-    a list of texts (the whole item, and parts that give it away alone); each text gives its n-grams, or is one
-    n-gram of its own length when shorter than ``n`` words but not than ``min_words``."""
+    a list of texts (the whole item, parts that give it away alone, the item as the task's prompt shows it: a
+    :class:`~pipelines.eval.task_files.Layout`); each text gives its n-grams, or is one n-gram of its own length when
+    shorter than ``n`` words but not than ``min_words`` (a Layout: than ``LAYOUT_MIN_WORDS``)."""
+    from pipelines.eval.task_files import Layout
+
     table: dict[str, list[str]] = {}
     lengths: set[int] = set()
     stats = {}
@@ -61,9 +73,10 @@ def build_table(items: dict[str, list[list[str]]], n: int, min_words: int
         short = 0
         for i, parts in enumerate(texts):
             key, checked = f"{task}:{i}", False
-            for ws in map(words, parts):
+            for part in parts:
+                ws = words(part)
                 k = min(n, len(ws))
-                if k < min_words:
+                if k < (LAYOUT_MIN_WORDS if isinstance(part, Layout) else min_words):
                     continue
                 checked = True
                 lengths.add(k)
@@ -89,19 +102,30 @@ def scan(text: str, table: dict, lengths: list[int]) -> tuple[str, list[re.Match
     return norm, ms, hits
 
 
-def cut_spans(norm: str, ms: list[re.Match], hits: list[tuple[int, int, list[str]]]) -> str:
-    """The text without the words the hits cover (each run of covered words, from its first character to its
-    last, becomes one line break)."""
-    covered = sorted({j + d for j, k, _ in hits for d in range(k)})
-    out, pos, run_start = [], 0, None
-    for n, w in enumerate(covered):
-        if run_start is None:
-            run_start = w
-        if n + 1 == len(covered) or covered[n + 1] != w + 1:
-            out.append(norm[pos:ms[run_start].start()])
-            pos, run_start = ms[w].end(), None
-    out.append(norm[pos:])
-    return "\n".join(part.strip(" ") for part in out if part.strip())
+def matched_ngrams(text: str, table: dict, lengths: list[int]) -> list[str]:
+    """The distinct n-grams of the table that ``text`` holds (what the common-n-gram count tallies per doc)."""
+    norm, ms, hits = scan(text or "", table, lengths)
+    return sorted({" ".join(m.group().lower() for m in ms[j:j + k]) for j, k, _ in hits})
+
+
+def cut_spans(norm: str, ms: list[re.Match], hits: list[tuple[int, int, list[str]]], window: int = 0
+              ) -> tuple[str, int]:
+    """(the text without each hit and ``window`` characters on each side of it, the number of pieces left; the
+    pieces are joined by line breaks)."""
+    spans = sorted((max(0, ms[j].start() - window), min(len(norm), ms[j + k - 1].end() + window)) for j, k, _ in hits)
+    merged: list[list[int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    pieces, pos = [], 0
+    for a, b in merged:
+        pieces.append(norm[pos:a])
+        pos = b
+    pieces.append(norm[pos:])
+    kept = [part.strip(" ") for part in pieces if part.strip()]
+    return "\n".join(kept), len(kept)
 
 
 def decide(text: str, table: dict, lengths: list[int], cfg: DecontaminateCfg, order: list[str]
@@ -116,10 +140,16 @@ def decide(text: str, table: dict, lengths: list[int], cfg: DecontaminateCfg, or
     if cfg.mode == "report":
         return None, text, items, False
     if cfg.mode == "cut":
-        rest = cut_spans(norm, ms, hits)
-        if len(rest) >= cfg.cut_min_chars:
+        rest, pieces = cut_spans(norm, ms, hits, cfg.cut_window_chars)
+        if len(rest) >= cfg.cut_min_chars and pieces <= cfg.cut_max_pieces:
             return None, rest, items, True
     return REASON + task, text, items, False
+
+
+def without(table: dict, common: set[str]) -> tuple[dict, list[int]]:
+    """The table less the ``common`` n-grams, and the lengths left to look up."""
+    kept = {g: keys for g, keys in table.items() if g not in common}
+    return kept, sorted({len(g.split(" ")) for g in kept})
 
 
 # -- the eval items ---------------------------------------------------------------------------------------------------
@@ -169,20 +199,49 @@ def _decontaminate_fn(table_bc, lengths: list[int], cfg_dict: dict, order: list[
     return fn
 
 
+def _matched_fn(table_bc, lengths: list[int]):
+    def fn(batches):
+        import pyarrow as pa
+
+        table = table_bc.value
+        for rb in batches:
+            found = [matched_ngrams(t, table, lengths) for t in rb.column("text").to_pylist()]
+            yield pa.RecordBatch.from_arrays([pa.array(found, pa.list_(pa.string()))], names=["ngrams"])
+
+    return fn
+
+
+def common_ngrams(docs, table_bc, lengths: list[int], cfg: DecontaminateCfg, n_docs: int) -> dict:
+    """{"limit": docs, "ngrams": {n-gram: docs}}: the eval n-grams found in more docs than the limit (common text such
+    as "and they lived happily ever after. The end.", which says nothing about contamination)."""
+    from pyspark.sql import functions as F
+
+    limit = max(cfg.common_min_docs, int(cfg.common_share * n_docs))
+    rows = (docs.select("text").mapInArrow(_matched_fn(table_bc, lengths), "ngrams array<string>")
+            .select(F.explode("ngrams").alias("g")).groupBy("g").count().where(F.col("count") > limit).collect())
+    return {"limit": limit, "ngrams": {r["g"]: int(r["count"]) for r in rows}}
+
+
 def decontaminate_docs(spark, src: Path, out: Path, items: dict[str, list[list[str]]], cfg: DecontaminateCfg,
                        tasks: int) -> dict:
     """Writes ``out/kept`` and ``out/removed``; returns the counts and the per-task record (without identities)."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
-    from pyspark.sql.types import BooleanType, StringType
+    from pyspark.sql.types import BooleanType, StringType, StructType
 
     from pipelines.data.spark import finalize_parquet_dir
 
     table, lengths, stats = build_table(items, cfg.ngram, cfg.min_item_words)
-    docs = spark.read.parquet(str(src))
-    schema = docs.schema.add("filter_reason", StringType()).add("contamination", StringType()).add("cut", BooleanType())
+    docs = spark.read.parquet(str(src)).repartition(tasks).persist(StorageLevel.MEMORY_AND_DISK)
+    n_docs = docs.count()
+    common = common_ngrams(docs, spark.sparkContext.broadcast(table), lengths, cfg, n_docs)
+    ngram_items = {g: table[g] for g in common["ngrams"]}
+    table, lengths = without(table, set(common["ngrams"]))
+    # a new StructType: .add on docs.schema would change the (cached) schema of docs itself
+    schema = StructType(list(docs.schema.fields)).add("filter_reason", StringType()).add("contamination", StringType()) \
+        .add("cut", BooleanType())
     fn = _decontaminate_fn(spark.sparkContext.broadcast(table), lengths, cfg.model_dump(), list(items))
-    res = docs.repartition(tasks).mapInArrow(fn, schema).persist(StorageLevel.MEMORY_AND_DISK)
+    res = docs.mapInArrow(fn, schema).persist(StorageLevel.MEMORY_AND_DISK)
     res.where(F.col("filter_reason").isNull()).drop("filter_reason", "contamination", "cut").orderBy("idx") \
         .write.parquet(str(out / "kept"))
     res.where(F.col("filter_reason").isNotNull()).drop("cut").orderBy("idx").write.parquet(str(out / "removed"))
@@ -200,6 +259,7 @@ def decontaminate_docs(spark, src: Path, out: Path, items: dict[str, list[list[s
             cuts.update({key.split(":", 1)[0] for key in json.loads(r["contamination"])})
     n_in = res.count()
     res.unpersist()
+    docs.unpersist()
     for d in ("kept", "removed"):
         finalize_parquet_dir(out / d)
     record = {t: {**stats[t], "items_overlapping": len(overlaps[t]["all"]),
@@ -207,9 +267,15 @@ def decontaminate_docs(spark, src: Path, out: Path, items: dict[str, list[list[s
                   "overlapping": sorted(overlaps[t]["all"]), "overlapping_kept": sorted(overlaps[t]["kept"])}
               for t in items}
     removed = sum(reasons.values())
+    common["ngrams"] = [{"ngram": g, "docs": n, "items": sorted(set(ngram_items[g]))}
+                        for g, n in sorted(common["ngrams"].items(), key=lambda kv: -kv[1])]
+    # items whose every n-gram is common: nothing of them is looked for any more (a real copy on many pages as well
+    # as a generic line): named, so that a reader can tell
+    still = {key for keys in table.values() for key in keys}
+    common["items_not_checked"] = sorted({k for c in common["ngrams"] for k in c["items"]} - still)
     return {"counts": {"docs_in": n_in, "kept": n_in - removed, "removed": removed, "cut": sum(cuts.values()),
                        "removed_by_reason": dict(sorted(reasons.items()))},
-            "record": record, "ngrams": len(table)}
+            "record": record, "ngrams": len(table), "common": common}
 
 
 def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
@@ -228,7 +294,7 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None) -
         contamination = {t: {**rec, **ident[t]} for t, rec in r["record"].items()}
         return sd.commit({"kept": "kept", "removed": "removed"}, counts=r["counts"],
                          extra={"tasks": tasks, "mode": cfg.mode, "eval_ngrams": r["ngrams"],
-                                "contamination": contamination})
+                                "contamination": contamination, "common_ngrams": r["common"]})
 
     return run_and_log(spec, sd, body)
 
@@ -236,8 +302,10 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None) -
 def summary(m: Manifest) -> str:
     c, con = m.counts, m.extra["contamination"]
     per = ", ".join(f"{t} {r['items_overlapping']}/{r['items']} items, {r['docs_removed']} docs" for t, r in con.items())
+    common = m.extra.get("common_ngrams", {}).get("ngrams", [])
     return (f"decontaminate: {c['docs_in']} docs → {c['kept']} kept, {c['removed']} removed, {c['cut']} cut "
-            f"({m.extra['mode']}, {next(iter(con.values()))['ngram'] if con else '-'}-grams); {per}; manifest {m.path}")
+            f"({m.extra['mode']}, {next(iter(con.values()))['ngram'] if con else '-'}-grams); {per}; "
+            f"{len(common)} common n-gram(s) not counted as evidence; manifest {m.path}")
 
 
 def main(argv: list[str] | None = None) -> int:

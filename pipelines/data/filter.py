@@ -1,5 +1,7 @@
-"""The filter stage: the quality filters of :mod:`pipelines.data.quality` over the dedup stage's kept docs, on
-Spark; kept docs and removed docs (each with its ``filter_reason``) as parquet.
+"""The filter stage: the URL step and the quality filters of :mod:`pipelines.data.quality` over the dedup stage's
+kept docs, then the PII step on the kept ones, on Spark; kept docs and removed docs (each with its ``filter_reason``)
+as parquet. The manifest's ``extra.url_filter`` counts removals per URL rule (and ``allowed``), ``extra.pii`` the
+e-mail, IPv4, IPv6 and phone spans found in kept docs (replaced unless ``data.filters.pii`` is ``report``).
 
     python -m pipelines.data.filter --dedup-manifest M [--spec S] [--set data.filters.steps=[language,c4]]
 """
@@ -10,12 +12,14 @@ from pathlib import Path
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.data.quality import filter_docs
-from pipelines.manifest import Manifest, input_ref
+from pipelines.data.urlfilter import list_files
+from pipelines.manifest import Manifest, file_ref, input_ref
 from pipelines.spec import JobSpec
 
 
 def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
-    sd = stage_dir(spec, "filter", [input_ref(dedup)], out_dir)
+    lists = [file_ref(p) for p in list_files(spec.data.filters)]  # a changed list is a changed input
+    sd = stage_dir(spec, "filter", [input_ref(dedup), *lists], out_dir)
 
     def body(tmp: Path) -> Manifest:
         from pipelines.data.spark import dir_bytes, size_shuffles, spec_session, task_count
@@ -25,15 +29,20 @@ def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None, spark=None) 
         tasks = task_count(s, dir_bytes(kept), spec.data.task_mb, spec.data.filters.partitions)
         size_shuffles(s, tasks)
         counts = filter_docs(s, kept, tmp, spec.data.filters, tasks)
-        return sd.commit({"kept": "kept", "removed": "removed"}, counts=counts, extra={"tasks": tasks})
+        url_filter, found = counts.pop("url_filter"), counts.pop("pii")
+        return sd.commit({"kept": "kept", "removed": "removed"}, counts=counts,
+                         metrics={"url_filter": url_filter, "pii": {k: v for k, v in found.items() if k != "mode"}},
+                         extra={"tasks": tasks, "url_filter": url_filter, "pii": found})
 
     return run_and_log(spec, sd, body)
 
 
 def summary(m: Manifest) -> str:
-    c = m.counts
+    c, x = m.counts, m.extra
+    pii = {k: v for k, v in x.get("pii", {}).items() if k not in ("mode", "docs") and v}
     return (f"filter: {c['docs_in']} docs → {c['kept']} kept, {c['removed']} removed {c['removed_by_reason']}; "
-            f"languages {c['languages']}; manifest {m.path}")
+            f"languages {c['languages']}; url {x.get('url_filter', {})}; personal data "
+            f"({x.get('pii', {}).get('mode', 'off')}) {pii or 'none found'}; manifest {m.path}")
 
 
 def main(argv: list[str] | None = None) -> int:

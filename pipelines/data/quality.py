@@ -15,8 +15,12 @@ Steps (``data.filters.steps``, in order; defaults follow FineWeb's pipeline orde
 * ``fineweb``: share of lines ending in punctuation < 0.12, share of short lines > 0.67,
   duplicated-line chars > 1 %, newlines per word > 0.3 (Penedo et al. 2024).
 
+* ``url`` (first by default): block lists, banned words in the URL, an allow list (:mod:`pipelines.data.urlfilter`;
+  reasons ``url:blocklist``, ``url:banned_word``).
+
 The first step that rejects a doc sets ``filter_reason = "<step>.<rule>"`` (e.g.
-``gopher_quality.word_count``, ``language``); kept docs carry the text as the steps left it.
+``gopher_quality.word_count``, ``language``, ``url:blocklist``); kept docs carry the text as the steps left it, then
+``data.filters.pii`` replaces (or only counts) e-mail, IP addresses and phone numbers in them (:mod:`pipelines.data.pii`).
 Stage: dedup's ``kept/`` → ``kept/`` + ``removed/`` (parquet), counts per reason and per language.
 """
 from __future__ import annotations
@@ -27,6 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from pipelines.data import pii
+from pipelines.data.pii import KINDS as PII_KINDS
+from pipelines.data.urlfilter import UrlRules, load_rules
 from pipelines.spec import FilterCfg
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
@@ -220,14 +227,21 @@ STEPS: dict[str, Step] = {"language": language, "gopher_repetition": gopher_repe
                           "gopher_quality": gopher_quality, "c4": c4, "fineweb": fineweb}
 
 
-def apply_filters(text: str, cfg: FilterCfg) -> tuple[Optional[str], Doc]:
-    """Run the enabled steps in order; return (first reason or None, the doc as the steps left it)."""
+def apply_filters(text: str, cfg: FilterCfg, url: Optional[str] = None,
+                  url_rules: Optional[UrlRules] = None) -> tuple[Optional[str], Doc]:
+    """Run the enabled steps in order; return (first reason or None, the doc as the steps left it). The ``url`` step
+    needs ``url_rules`` (:func:`pipelines.data.urlfilter.load_rules`); ``doc.info["url_allowed"]`` says the allow
+    list kept a URL that a rule would have removed."""
     doc = Doc(text)
     for name in cfg.steps:
-        step_cfg = getattr(cfg, name)
-        if not step_cfg.enabled:
+        if name == "url":
+            if url_rules is None:
+                continue
+            reason, doc.info["url_allowed"] = url_rules.check(url)
+        elif getattr(cfg, name).enabled:
+            reason = STEPS[name](doc, getattr(cfg, name))
+        else:
             continue
-        reason = STEPS[name](doc, step_cfg)
         if reason:
             return reason, doc
     return None, doc
@@ -238,51 +252,79 @@ def filter_reason(text: str, cfg: FilterCfg) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------- Spark stage
-OUT_SCHEMA = ("idx long, id string, text string, source string, filter_reason string, "
-              "language string, language_score double")
+ADDED = (("filter_reason", "string"), ("language", "string"), ("language_score", "double"))
+TALLIES = ("url_allowed", *(f"pii_{k}" for k in PII_KINDS))  # per-doc counts summed on the driver, then dropped
 
 
-def _filter_fn(cfg_dict: dict):
+def _filter_fn(cfg_dict: dict, url_rules: UrlRules, names: list[str]):
+    """Each batch: every input column (text rewritten for kept docs: C4's line drops, then PII placeholders), the
+    reason, the language, and the tallies."""
     def fn(batches):
         import pyarrow as pa
 
         cfg = FilterCfg.model_validate(cfg_dict)
         for rb in batches:
-            cols = {n: rb.column(n).to_pylist() for n in ("idx", "id", "text", "source")}
-            texts, reasons, langs, scores = [], [], [], []
-            for t in cols["text"]:
-                reason, doc = apply_filters(t or "", cfg)
-                texts.append(doc.text if reason is None else t)  # removed docs keep their original text
-                reasons.append(reason)
-                langs.append(doc.info.get("language"))
-                scores.append(doc.info.get("language_score"))
-            yield pa.RecordBatch.from_arrays(
-                [pa.array(cols["idx"], pa.int64()), pa.array(cols["id"], pa.string()), pa.array(texts, pa.string()),
-                 pa.array(cols["source"], pa.string()), pa.array(reasons, pa.string()),
-                 pa.array(langs, pa.string()), pa.array(scores, pa.float64())],
-                names=["idx", "id", "text", "source", "filter_reason", "language", "language_score"])
+            texts = rb.column("text").to_pylist()  # the other columns pass through as they are
+            urls = rb.column("url").to_pylist() if "url" in names else [None] * rb.num_rows
+            out: dict[str, list] = {k: [] for k in ("text", *(n for n, _ in ADDED), *TALLIES)}
+            for t, u in zip(texts, urls):
+                reason, doc = apply_filters(t or "", cfg, u, url_rules)
+                text, found = doc.text, {}
+                if reason is None and cfg.pii != "off":
+                    scrubbed, found = pii.scrub(text)
+                    text = scrubbed if cfg.pii == "replace" else text
+                out["text"].append(text if reason is None else t)  # removed docs keep their original text
+                out["filter_reason"].append(reason)
+                out["language"].append(doc.info.get("language"))
+                out["language_score"].append(doc.info.get("language_score"))
+                out["url_allowed"].append(int(bool(doc.info.get("url_allowed"))))
+                for k in PII_KINDS:
+                    out[f"pii_{k}"].append(found.get(k, 0))
+            arrays = [pa.array(out["text"], pa.string()) if n == "text" else rb.column(n) for n in names]
+            arrays += [pa.array(out[n], pa.string() if t == "string" else pa.float64()) for n, t in ADDED]
+            arrays += [pa.array(out[n], pa.int64()) for n in TALLIES]
+            yield pa.RecordBatch.from_arrays(arrays, names=[*names, *(n for n, _ in ADDED), *TALLIES])
     return fn
 
 
 def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg, tasks: int = 0) -> dict:
+    """Writes ``out/kept`` and ``out/removed`` (every input column, plus ``filter_reason`` for removed docs and the
+    language columns); returns the counts, ``url_filter`` (removed per rule, and ``allowed``) and ``pii`` (found per
+    kind in kept docs, and the docs that had any)."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
     from pipelines.data.spark import finalize_parquet_dir
 
-    docs = spark.read.parquet(str(src)).select("idx", "id", "text", "source")
-    res = (docs.repartition(tasks or spark.sparkContext.defaultParallelism).mapInArrow(_filter_fn(cfg.model_dump()), OUT_SCHEMA)
-           .persist(StorageLevel.MEMORY_AND_DISK))
-    res.where(F.col("filter_reason").isNull()).drop("filter_reason").orderBy("idx").write.parquet(str(out / "kept"))
-    res.where(F.col("filter_reason").isNotNull()).orderBy("idx").write.parquet(str(out / "removed"))
+    from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
+
+    rules = load_rules(cfg)
+    docs = spark.read.parquet(str(src))
+    names = [n for n in docs.columns if n not in (*(a for a, _ in ADDED), *TALLIES)]
+    types = {"string": StringType(), "double": DoubleType()}
+    schema = StructType([f for f in docs.schema if f.name in names] + [StructField(n, types[t]) for n, t in ADDED]
+                        + [StructField(n, LongType()) for n in TALLIES])
+    res = (docs.repartition(tasks or spark.sparkContext.defaultParallelism)
+           .mapInArrow(_filter_fn(cfg.model_dump(), rules, names), schema).persist(StorageLevel.MEMORY_AND_DISK))
+    res.where(F.col("filter_reason").isNull()).drop("filter_reason", *TALLIES).orderBy("idx") \
+        .write.parquet(str(out / "kept"))
+    res.where(F.col("filter_reason").isNotNull()).drop(*TALLIES).orderBy("idx").write.parquet(str(out / "removed"))
     reasons = {r["filter_reason"]: int(r["count"]) for r in
                res.where(F.col("filter_reason").isNotNull()).groupBy("filter_reason").count().collect()}
     langs = {r["language"] or "none": int(r["count"]) for r in res.groupBy("language").count().collect()}
-    n_in = res.count()
+    kept = res.where(F.col("filter_reason").isNull())
+    sums = res.agg(F.count(F.lit(1)).alias("n"), F.sum("url_allowed").alias("allowed")).first()
+    pii_sums = kept.agg(*[F.sum(f"pii_{k}").alias(k) for k in PII_KINDS],
+                        F.sum(sum((F.col(f"pii_{k}") for k in PII_KINDS), F.lit(0)).cast("boolean").cast("int"))
+                        .alias("docs")).first()
     res.unpersist()
     for d in ("kept", "removed"):
         finalize_parquet_dir(out / d)
-    n_removed = sum(reasons.values())
+    n_in, n_removed = int(sums["n"]), sum(reasons.values())
+    url_counts = {r.split(":", 1)[1]: n for r, n in sorted(reasons.items()) if r.startswith("url:")}
     return {"docs_in": n_in, "kept": n_in - n_removed, "removed": n_removed,
             "removed_by_reason": dict(sorted(reasons.items())),
-            "languages": dict(sorted(langs.items(), key=lambda kv: -kv[1])[:15])}
+            "languages": dict(sorted(langs.items(), key=lambda kv: -kv[1])[:15]),
+            "url_filter": {**url_counts, "allowed": int(sums["allowed"] or 0)},
+            "pii": {"mode": cfg.pii, **{k: int(pii_sums[k] or 0) for k in PII_KINDS},
+                    "docs": int(pii_sums["docs"] or 0)}}

@@ -18,6 +18,11 @@ from pathlib import Path
 from typing import Callable
 
 
+class Layout(str):
+    """An item's text as the evaluation shows it to the model (the task's prompt with the correct answer): looked for
+    whatever its length, since its labels ("Question: … Answer: …") make even a short item a distinctive run."""
+
+
 @dataclass(frozen=True)
 class OfflineTask:
     name: str          # ours, as --tasks and eval.tasks take it
@@ -29,17 +34,19 @@ class OfflineTask:
 def _arc(r: dict) -> list[str]:
     q = r["question"]
     answer = next((c["text"] for c in q["choices"] if c["label"] == r["answerKey"]), "")
-    return [f"{q['stem']} {answer}", q["stem"]]
+    return [f"{q['stem']} {answer}", q["stem"], Layout(f"Question: {q['stem']}\nAnswer: {answer}")]  # llmp_arc_easy.yaml
 
 
 def _hellaswag(r: dict) -> list[str]:
-    return [f"{r['ctx']} {r['endings'][int(r['label'])]}", r["ctx"]]
+    ending = r["endings"][int(r["label"])]
+    # the harness's query is "<activity_label>: <ctx>" (then the ending): the label is part of what the model sees
+    return [f"{r['ctx']} {ending}", r["ctx"], Layout(f"{r['activity_label']}: {r['ctx']} {ending}")]
 
 
 TASKS: dict[str, OfflineTask] = {t.name: t for t in (
     OfflineTask("llmp_arc_easy", "arc_easy", "arc_easy_test.jsonl", _arc),
     OfflineTask("llmp_hellaswag", "hellaswag", "hellaswag_val.jsonl", _hellaswag),
-    OfflineTask("llmp_lambada_openai", "lambada_openai", "lambada_openai_test.jsonl", lambda r: [r["text"]]),
+    OfflineTask("llmp_lambada_openai", "lambada_openai", "lambada_openai_test.jsonl", lambda r: [Layout(r["text"])]),
 )}
 FILES = {name: t.file for name, t in TASKS.items()}
 

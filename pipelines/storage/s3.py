@@ -66,8 +66,9 @@ def embedded_endpoint() -> Optional[str]:
     f = _endpoint_file()
     if not f.is_file():
         return None
-    url = json.loads(f.read_text())["url"]
-    return url if _alive(url) else None
+    info = json.loads(f.read_text())
+    # our process, still the one recorded (a stale file's port may now be another server's), and answering
+    return info["url"] if still_running(info) and _alive(info["url"]) else None
 
 
 def endpoint_url(spec: JobSpec) -> Optional[str]:
@@ -97,19 +98,19 @@ def client_settings(spec: JobSpec) -> dict:
     return kw
 
 
-def client_from(settings: dict, ranged: bool = False):
+def client_from(settings: dict):
     """A client whose every call is bounded: 5 s to connect, 60 s per read, 5 attempts (standard retry mode: 5xx,
     throttling and dropped connections are retried with backoff), so an outage ends in an error within about a
-    minute instead of a hang. ``ranged``: for ranged GETs, whose bodies botocore must not check against a checksum
-    of the whole object (which some endpoints, the embedded one included, send with a range)."""
+    minute instead of a hang. botocore checks a response's checksum only when asked (``ChecksumMode``): some
+    endpoints, the embedded one included, send the whole object's checksum with a range, which a ranged read
+    (ours, s3transfer's parallel download) must not be checked against; what we read is checked by its sha256."""
     import boto3
     from botocore.config import Config
 
     from pipelines.storage import faults
 
     s3 = boto3.client("s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5,
-                                          read_timeout=60,
-                                          response_checksum_validation="when_required" if ranged else None),
+                                          read_timeout=60, response_checksum_validation="when_required"),
                       **settings)
     faults.install_s3(s3)
     return s3
@@ -175,10 +176,21 @@ def part_digests(path: Path, part_size: int) -> list[bytes]:
         return [hashlib.sha256(chunk).digest() for chunk in iter(lambda: f.read(part_size), b"")]
 
 
+def checksums_verified(s3) -> bool:
+    """Does ``s3``'s endpoint check the SHA-256 checksums a client sends (refusing a part or object whose bytes do not
+    match), so that the checksum it reports is the bytes'? AWS S3 does. The embedded endpoint (rclone serve s3) keeps
+    whatever checksum the client claimed, and other S3-compatible stores vary: their objects are verified by download."""
+    from urllib.parse import urlsplit
+
+    host = (urlsplit(s3.meta.endpoint_url).hostname or "").lower()
+    return host == "amazonaws.com" or host.endswith(".amazonaws.com")
+
+
 def object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part_size: int,
                    parts: Optional[list[bytes]] = None) -> bool:
-    """Does the object hold exactly the file's bytes? A multipart object's composite checksum is compared with
-    ``parts`` (the file's part digests, when the caller hashed them already) or recomputed from the file."""
+    """Does the object hold exactly the file's bytes? Where the endpoint verifies checksums
+    (:func:`checksums_verified`), by its SHA-256 (a multipart object's composite is compared with ``parts``, the file's
+    part digests when the caller hashed them already, or recomputed from the file); elsewhere by download."""
     from botocore.exceptions import ClientError
 
     try:
@@ -188,7 +200,7 @@ def object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part_siz
     size = path.stat().st_size
     if head["ContentLength"] != size:
         return False
-    remote = head.get("ChecksumSHA256")
+    remote = head.get("ChecksumSHA256") if checksums_verified(s3) else None
     if remote:
         if remote == b64(bytes.fromhex(sha_hex)):
             return True  # single-part (or full-object) checksum
@@ -221,7 +233,7 @@ class ObjectReader(io.RawIOBase):
 
     def __init__(self, settings: dict, bucket: str, key: str, size: int):
         super().__init__()
-        self.s3, self.bucket, self.key, self.size, self.pos = client_from(settings, ranged=True), bucket, key, size, 0
+        self.s3, self.bucket, self.key, self.size, self.pos = client_from(settings), bucket, key, size, 0
 
     def readable(self) -> bool:
         return True
@@ -309,7 +321,22 @@ def launch_server(store: Path, log, auth: bool = True, wait_s: float = 30.0) -> 
             return proc, url
         time.sleep(0.05)
     proc.kill()
+    proc.wait()
     raise RuntimeError(f"embedded S3 server did not answer on {url} within {wait_s:.0f}s")
+
+
+def sweep_temps(store: Path, min_age_s: float = 3600.0) -> int:
+    """Remove the temporary objects (``.rclone_temp_*``) that a killed server left in ``store`` over ``min_age_s``
+    ago: they never held acknowledged data and are hidden from listings, so nothing else would ever remove them."""
+    n, now = 0, time.time()
+    for f in store.rglob(".rclone_temp_*") if store.is_dir() else []:
+        try:
+            if f.is_file() and now - f.stat().st_mtime > min_age_s:
+                f.unlink()
+                n += 1
+        except OSError:
+            continue
+    return n
 
 
 def start(wait_s: float = 30.0) -> str:
@@ -319,6 +346,7 @@ def start(wait_s: float = 30.0) -> str:
         return url
     sd = _state_dir()
     sd.mkdir(parents=True, exist_ok=True)
+    sweep_temps(sd / "store")
     with open(sd / "server.log", "ab") as log:
         proc, url = launch_server(sd / "store", log, wait_s=wait_s)
     tmp = _endpoint_file().with_suffix(".tmp")
@@ -402,6 +430,10 @@ def stop(wait_s: float = 60.0) -> bool:
         except ProcessLookupError:
             break
         time.sleep(0.2)
+    else:  # not gone in time: a second server must never run on the same store
+        if still_running(info):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     f.unlink(missing_ok=True)
     return True
 

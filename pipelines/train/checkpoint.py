@@ -47,8 +47,8 @@ from typing import Callable, Optional
 from pipelines.manifest import StageError, atomic_write_text, plain_rel, sha256_file
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
-from pipelines.storage.s3 import (b64, composite_sha256, object_matches, part_digests, part_size_used, unreachable,
-                                  upload_checked)
+from pipelines.storage.s3 import (b64, checksums_verified, composite_sha256, object_matches, part_digests,
+                                  part_size_used, unreachable, upload_checked)
 from pipelines.train import lineage
 
 CKPT_MANIFEST = "MANIFEST.json"
@@ -308,7 +308,8 @@ def _upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files:
         key, size = f"{prefix}/{rel}", info["bytes"]
         digests = parts.get(rel)
         if object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests) and \
-                _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info) in (None, UNCHECKED):
+                _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info,
+                           checksums_verified(s3)) in (None, UNCHECKED):
             continue  # uploaded already (a node's part, an interrupted upload): not sent twice
         if size >= cfg.multipart_threshold and not (digests and len(digests) == -(-size // part_size_used(size, part))):
             digests = part_digests(src / rel, part_size_used(size, part))  # multipart: always with our part digests
@@ -433,12 +434,14 @@ def verify_s3(spec: JobSpec, uri: str) -> dict:
 
 
 def _check_objects(s3, bucket: str, prefix: str, files: dict, uri: str) -> None:
-    """Each object's size and S3 checksum against the manifest's; an object that the endpoint keeps no SHA-256 for
-    is downloaded and hashed."""
+    """Each object's size and S3 checksum against the manifest's; an object whose endpoint keeps no SHA-256 for it, or
+    does not verify the checksums clients send (:func:`~pipelines.storage.s3.checksums_verified`), is downloaded and
+    hashed."""
+    trusted = checksums_verified(s3)
     for rel, info in files.items():
         key = f"{prefix}/{rel}"
-        why = _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info)
-        if why == UNCHECKED:  # an endpoint that keeps no SHA-256 checksums: the bytes themselves
+        why = _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info, trusted)
+        if why == UNCHECKED:  # no checksum to trust: the bytes themselves
             h = hashlib.sha256()
             for chunk in s3.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 20):
                 h.update(chunk)
@@ -450,15 +453,15 @@ def _check_objects(s3, bucket: str, prefix: str, files: dict, uri: str) -> None:
 UNCHECKED = "no checksum to compare"
 
 
-def _object_ok(head: dict, info: dict) -> Optional[str]:
-    """None when an object's HEAD shows the manifest entry's content, else why not. A single-part object: S3's
-    SHA-256 of it is the file's. A multipart one: S3's composite of the part checksums it verified on upload equals
+def _object_ok(head: dict, info: dict, trusted: bool) -> Optional[str]:
+    """None when an object's HEAD shows the manifest entry's content, else why not (UNCHECKED: no checksum, or one
+    the endpoint did not verify, ``trusted`` False). A single-part object: S3's SHA-256 of it is the file's. A multipart one: S3's composite of the part checksums it verified on upload equals
     the composite recorded beside the file's sha256 when we uploaded it (an object written by anything else, e.g.
     another attempt's part of the same size, has another or none)."""
     if head["ContentLength"] != info["bytes"]:
         return f"{head['ContentLength']} bytes, not {info['bytes']}"
     remote = head.get("ChecksumSHA256")
-    if not remote:
+    if not remote or not trusted:
         return UNCHECKED
     if "-" not in head.get("ETag", "") and "-" not in remote:
         return None if remote == b64(bytes.fromhex(info["sha256"])) else "its SHA-256 differs"
