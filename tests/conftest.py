@@ -3,6 +3,7 @@ server on 127.0.0.1, MLflow on SQLite, Airflow's `dags test`."""
 from __future__ import annotations
 
 import gzip
+import time
 import json
 import logging
 import os
@@ -80,6 +81,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.05):
+    """``pred()``'s first truthy value within ``timeout`` seconds; else fail naming ``what``."""
+    end = time.time() + timeout
+    while time.time() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, wait_for
+from pipelines.airflow_ui import wait_for as wait_healthy
 
 pytestmark = pytest.mark.e2e
 
@@ -59,54 +60,12 @@ hold_dag()
 """
 
 
-def _wait_file(path: Path, timeout: float) -> Path:
-    deadline = time.time() + timeout
-    while time.time() < deadline and not path.exists():
-        time.sleep(0.5)
-    assert path.exists(), f"{path} did not appear within {timeout:.0f} s"
-    return path
+def _pids(home: Path) -> dict:
+    return json.loads((home / "ui.pids.json").read_text())
 
 
-def _wait_text(path: Path, text: str, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return
-        time.sleep(1)
-    raise AssertionError(f"{text!r} not in {path} within {timeout:.0f} s")
-
-
-def _wait_restart(home: Path, c: str, old_pid: int) -> dict:
-    deadline, now = time.time() + 240, {}
-    while time.time() < deadline:
-        time.sleep(1)
-        now = json.loads((home / "ui.pids.json").read_text())
-        if now[c]["pid"] != old_pid:
-            return now
-    raise AssertionError(f"{c} not restarted: " + (home / "ui-logs/supervisor.log").read_text())
-
-
-def _wait_healthy(port: int, part: str) -> bool:
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        try:
-            if _get(f"http://127.0.0.1:{port}/api/v2/monitor/health").get(part, {}).get("status") == "healthy":
-                return True
-        except OSError:
-            pass
-        time.sleep(2)
-    return False
-
-
-def _stack_processes(home: Path) -> list[int]:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("LLMP_AIRFLOW_STACK") == str(home):
-                out.append(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def test_make_airflow_serves_the_ui_on_loopback_rides_out_each_component_killed_mid_run_and_stops(tmp_path):
@@ -151,16 +110,18 @@ def test_make_airflow_serves_the_ui_on_loopback_rides_out_each_component_killed_
         base = f"http://127.0.0.1:{port}/api/v2/dags/{HOLD_DAG}"
         _get(base, token, method="PATCH", data={"is_paused": False})
         run_id = _get(f"{base}/dagRuns", token, data={"logical_date": None})["dag_run_id"]
-        task_pid = int(_wait_file(tmp_path / "holding", 300).read_text())
+        task_pid = int(wait_for(lambda: _text(tmp_path / "holding"), 300, "the task to hold", 0.5))
         for c in ("scheduler", "dag-processor", "triggerer", "api-server"):
             before = json.loads((home / "ui.pids.json").read_text())
             os.kill(before[c]["pid"], signal.SIGKILL)
-            now = _wait_restart(home, c, before[c]["pid"])
+            now = wait_for(lambda: _pids(home)[c]["pid"] != before[c]["pid"] and _pids(home), 240,
+                           f"the {c} restarted (see {home / 'ui-logs/supervisor.log'})", 1.0)
             assert {k: v for k, v in now.items() if k != c} == {k: v for k, v in before.items() if k != c}, c
             assert f"{c} exited (-9)" in (home / "ui-logs/supervisor.log").read_text()
-            assert _wait_healthy(port, "scheduler" if c == "scheduler" else "metadatabase"), c
+            assert wait_healthy(port, ("scheduler" if c == "scheduler" else "metadatabase",), 240), c
             if c == "scheduler":  # the new scheduler finds the dead one's running task and adopts it (not reset)
-                _wait_text(home / "ui-logs" / "scheduler.log", "Marked 1 SchedulerJob instances as failed")
+                wait_for(lambda: "Marked 1 SchedulerJob instances as failed" in _text(home / "ui-logs/scheduler.log"),
+                         240, "the dead scheduler's task adopted", 1.0)
             assert psutil.pid_exists(task_pid), f"the task died with the {c}"
         assert "kept 1 worker(s) of the dead scheduler that still run a task" in \
             (home / "ui-logs/supervisor.log").read_text()

@@ -26,7 +26,7 @@ from pipelines.spec import load_spec
 from pipelines.train import checkpoint as ck
 from pipelines.train.resilience import SpikeGuard, young_daly_steps
 
-from conftest import ROOT, c4_docs
+from conftest import ROOT, c4_docs, wait_for
 from test_tokenize import _filter_manifest
 
 TINY = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=32",
@@ -49,14 +49,7 @@ def _env(**extra) -> dict:
     return {**os.environ, "LLMP_PROGRESS": "0", **extra}
 
 
-def _wait_for(pred, timeout: float, what: str):
-    end = time.time() + timeout
-    while time.time() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+_wait_for = wait_for  # (test_faults imports it from here)
 
 
 def _commit_of(root: Path, step: int):
