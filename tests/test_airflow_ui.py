@@ -68,6 +68,17 @@ def _text(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def _stack_processes(home: Path) -> list[int]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("LLMP_AIRFLOW_STACK") == str(home):
+                out.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
 def test_make_airflow_serves_the_ui_on_loopback_rides_out_each_component_killed_mid_run_and_stops(tmp_path):
     home = tmp_path / "airflow"
     dags = tmp_path / "dags"  # the project's DAGs and one that holds a run open
