@@ -83,6 +83,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def log_server_ports() -> dict[str, str]:
+    """Airflow settings that put an Airflow stack's log servers (scheduler, triggerer) on free ports, not 8793 and
+    8794, so that two test files may each run a stack at once (make test runs two files at a time)."""
+    return {"AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port())}
+
+
 def wait_for(pred, timeout: float, what: str, every: float = 0.05):
     """``pred()``'s first truthy value within ``timeout`` seconds; else fail naming ``what``."""
     end = time.time() + timeout
@@ -150,3 +157,15 @@ def tiny_spec(inputs: str, name: str, model_name: str, more: str = "") -> str:
             "launcher: {nproc_per_node: 2}\neval: {limit: 8}\n"
             f"registry: {{model_name: {model_name}}}\n"
             + "".join(l + "\n" for l in more.splitlines() if not l.startswith("  ")))
+
+
+# `make test` runs two files at a time (pytest-xdist, --dist loadfile): the longest files start first, so that neither
+# worker is left with a long file at the end (measured in CI; the rest keep their order)
+LONGEST_FIRST = ("test_browser.py", "test_spark_nodes.py", "test_nodes.py", "test_e2e.py", "test_faults.py",
+                 "test_resilience.py", "test_spark_standalone.py", "test_train.py", "test_ckpt_safety.py",
+                 "test_airflow_ui.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file is kept

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, free_port, wait_for
+from conftest import ROOT, free_port, log_server_ports, wait_for
 from pipelines.airflow_ui import wait_for as wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -91,7 +91,7 @@ def test_make_airflow_serves_the_ui_on_loopback_rides_out_each_component_killed_
            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor", "LLMP_HOME": str(tmp_path),
            # a scheduler is dead after 10 s without a heartbeat, and its orphans are looked for every 5 s (not 300)
            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
-           "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "5",
+           "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "5", **log_server_ports(),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=env, check=True,
                    capture_output=True, timeout=300)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, c4_docs, free_port, tiny_spec
+from conftest import ROOT, c4_docs, free_port, log_server_ports, tiny_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -85,7 +85,7 @@ def stack(tmp_path_factory):
     env = {**os.environ, "LLMP_HOME": str(home), "LLMP_SPEC": "configs/tiny.yaml", "AIRFLOW_HOME": str(home / "airflow"),
            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"), "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
            "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-           "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+           "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5", **log_server_ports(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     mlflow = subprocess.Popen([str(bin_dir / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{home}/var/mlflow.db",
                                "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1"],
                               env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, cwd=home,
