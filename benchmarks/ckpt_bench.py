@@ -4,7 +4,7 @@
    this machine): the anchor is a *synchronous* save (``checkpoint.async_mode=sync``: DCP write, hashing,
    COMMIT, all while training waits); ours is the async save's stall (``thread``: training waits only while the
    state is copied into reused host buffers). Ratio = stall ÷ sync save (target ≤ 0.25).
-2. **Promotion** of the 100 M checkpoint L0 → L1 → L2 (``checkpoint.promote``: copy, sha256 of every file,
+2. **Promotion** of the 100 M checkpoint L0 → L1 → L2 (``ckpt_tiers.promote``: copy, sha256 of every file,
    S3 upload with SHA-256 checksums verified, COMMIT last) against a plain ``shutil.copyfile`` + boto3
    ``upload_file`` of the same bytes with the same transfer settings (no checksums). Ratio = our MB/s ÷ plain
    MB/s (target ≥ 0.8), best of two alternated runs each. L2 is the embedded S3 endpoint (rclone serve s3 on 127.0.0.1).
@@ -97,7 +97,7 @@ def _empty(client, bucket: str) -> None:
 def promotion_row(ckpt: Path, base: Path, url: str) -> dict:
     from pipelines.spec import load_spec
     from pipelines.storage import s3
-    from pipelines.train import checkpoint as ck
+    from pipelines.train import ckpt_local, ckpt_s3, ckpt_tiers
 
     spec = load_spec(None, [f"checkpoint.l0={base}/l0", f"checkpoint.l1={base}/l1", f"services.s3_endpoint_url={url}",
                             "services.s3_bucket=bench-ckpt"], env={})
@@ -108,17 +108,18 @@ def promotion_row(ckpt: Path, base: Path, url: str) -> dict:
     plain = base / "plain-l1"
     ours, anchor = [], []
     for _ in range(2):  # alternated, best of two each: page cache and the endpoint's state favour neither
-        ck.remove_local(Path(ck.tier_locations(spec, rel)["L1"]))
+        ckpt_local.remove_local(Path(ckpt_tiers.tier_locations(spec, rel)["L1"]))
         _empty(client, "bench-ckpt")
         t0 = time.perf_counter()
-        rep = ck.promote(spec, rel)
+        rep = ckpt_tiers.promote(spec, rel)
         ours.append(time.perf_counter() - t0)
         _empty(client, "bench-ckpt")
         t0 = time.perf_counter()
         for f in ckpt.iterdir():
             plain.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, plain / f.name)
-            client.upload_file(str(plain / f.name), "bench-ckpt", f"plain/{f.name}", Config=ck._transfer_config(spec))
+            client.upload_file(str(plain / f.name), "bench-ckpt", f"plain/{f.name}",
+                               Config=ckpt_s3.transfer_config(spec))
         anchor.append(time.perf_counter() - t0)
     _empty(client, "bench-ckpt")  # keep var/s3/store small
     ours, anchor = min(ours), min(anchor)
@@ -205,6 +206,7 @@ def two_node_rows(tok: str, url: str, steps: int = 30) -> dict | None:
     from pipelines.sim_nodes import namespaces_permitted
     from pipelines.spec import load_spec
     from pipelines.train import checkpoint as ck
+    from pipelines.train import ckpt_local, ckpt_s3, ckpt_tiers
 
     why = namespaces_permitted()
     if why:
@@ -227,15 +229,15 @@ def two_node_rows(tok: str, url: str, steps: int = 30) -> dict | None:
                             f"services.s3_endpoint_url={url}", "services.s3_bucket=bench-nodes",
                             f"checkpoint.l2_prefix={RUN}/local"], env={})
     rel = f"run/key/{ck.step_name(steps)}"
-    final_l1 = Path(ck.tier_locations(spec, rel)["L1"])
-    nbytes = sum(i["bytes"] for i in ck.verify_local(final_l1)["files"].values())
+    final_l1 = Path(ckpt_tiers.tier_locations(spec, rel)["L1"])
+    nbytes = sum(i["bytes"] for i in ckpt_local.verify_local(final_l1)["files"].values())
     t0 = time.perf_counter()
-    ck.copy_local(final_l1, base / "one-rank-l1")
+    ckpt_local.copy_local(final_l1, base / "one-rank-l1")
     one_l1 = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ck.download_checkpoint(spec, ck.tier_locations(spec, rel)["L2"], base / "one-rank-l2")
+    ckpt_s3.download_checkpoint(spec, ckpt_tiers.tier_locations(spec, rel)["L2"], base / "one-rank-l2")
     one_l2 = time.perf_counter() - t0
-    endpoint = endpoint_readers(spec, ck.tier_locations(spec, rel)["L2"])
+    endpoint = endpoint_readers(spec, ckpt_tiers.tier_locations(spec, rel)["L2"])
     res = _two_node_job(tok, base, url, base / "l0", [disk("local-0"), disk("replacement-1")], steps, "local")
     from_l1 = res["restore_s"]
     shutil.rmtree(base / "shared" / "l1-local")
@@ -270,10 +272,10 @@ def endpoint_readers(spec, uri: str) -> dict:
     import subprocess
 
     from pipelines.storage.s3 import endpoint_url, split_uri
-    from pipelines.train import checkpoint as ck
+    from pipelines.train import ckpt_s3
 
     bucket, prefix = split_uri(uri)
-    files = ck.read_s3_manifest(spec, uri)["files"]
+    files = ckpt_s3.read_s3_manifest(spec, uri)["files"]
     keys = sorted(files, key=lambda r: -files[r]["bytes"])
     total = sum(f["bytes"] for f in files.values())
     out = {}

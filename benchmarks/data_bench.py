@@ -24,8 +24,14 @@ core too. ``--no-pin`` measures unpinned.
   the executors are elsewhere) at 1× and 8× the input, in 8 files either way.
 * **Incremental dedup** (``--only incremental``): a new 10 % deduped against the persisted signatures of the corpus
   before it, against deduping corpus + new again, on local[2].
+* **Cost growth** (``--only growth``): the whole data plane, each stage's CLI as the DAG runs it (ingest → dedup →
+  filter → decontaminate → tokenize, ``local[2]``), on 1×, 4× and 16× of one corpus (``--growth-copies`` copies of
+  the bundled samples, each copy's words shuffled per doc: distinct docs): seconds per GB of input per stage, and
+  peak RSS per stage of the driver (the stage's Python process) and of the executors (the JVM, which in local mode
+  holds the executor threads, and the Python workers, summed), sampled every 0.2 s. The fixed start of a stage (JVM,
+  imports) weighs on 1×; the table also gives each stage's marginal cost per GB (the slope from 4× to 16×).
 
-    python benchmarks/data_bench.py [--copies 30] [--warc-copies 8] [--no-pin] [--only ends|scale|incremental]
+    python benchmarks/data_bench.py [--copies 30] [--warc-copies 8] [--no-pin] [--only ends|scale|incremental|growth]
         → var/bench/data.json
 """
 from __future__ import annotations
@@ -266,6 +272,87 @@ def run_incremental(args, work: Path) -> dict:
     return res
 
 
+GROWTH_STAGES = ("ingest", "dedup", "filter", "decontaminate", "tokenize")
+
+
+def measured_run(cmd: list[str], env: dict) -> dict:
+    """Run a stage's CLI; wall seconds and peak RSS (MB) of its Python process (the driver), of its JVM and of
+    its Python workers (summed at each sample)."""
+    import subprocess
+
+    import psutil
+
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = {"driver_mb": 0.0, "jvm_mb": 0.0, "workers_mb": 0.0}
+    root = psutil.Process(p.pid)
+    while p.poll() is None:
+        try:
+            kids = root.children(recursive=True)
+            peak["driver_mb"] = max(peak["driver_mb"], root.memory_info().rss / 2**20)
+        except psutil.NoSuchProcess:
+            break
+        jvm, workers = 0.0, 0.0
+        for k in kids:
+            try:
+                rss = k.memory_info().rss / 2**20
+                if "java" in k.name():
+                    jvm += rss
+                else:
+                    workers += rss
+            except psutil.NoSuchProcess:
+                continue
+        peak["jvm_mb"], peak["workers_mb"] = max(peak["jvm_mb"], jvm), max(peak["workers_mb"], workers)
+        time.sleep(0.2)
+    out = p.communicate()[0]
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed ({p.returncode}):\n{out[-3000:]}")
+    return {"s": round(time.perf_counter() - t, 2), **{k: round(v) for k, v in peak.items()}}
+
+
+def run_growth(args, work: Path) -> dict:
+    """The data plane at 1×, 4× and 16× of one corpus, every stage through its CLI on local[2]."""
+    res = {}
+    for k in (1, 4, 16):
+        data, home = work / f"x{k}", work / f"home{k}"
+        data.mkdir()
+        home.mkdir()
+        jsonl_corpus(data, args.growth_copies * k, unique=True)
+        gb = sum(f.stat().st_size for f in data.iterdir()) / 1e9
+        env = {**os.environ, "LLMP_HOME": str(home), "LLMP_PROGRESS": "0"}
+        sets = ["--set", "services.spark_master=local[2]", "--set", "tokenizer.vocab_size=2000"]
+        row, prev = {"gb": round(gb, 4)}, None
+        for stage in GROWTH_STAGES:
+            out = home / "out" / stage
+            cmd = [sys.executable, "-m", f"pipelines.data.{stage}", "--output", str(out), *sets]
+            cmd += [a for f in sorted(data.iterdir()) for a in ("--input", str(f))] if prev is None \
+                else ["--input-manifest", str(prev / "manifest.json")]
+            row[stage] = measured_run(cmd, env)
+            prev = out
+            print(f"growth {k}×: {stage} {row[stage]}", flush=True)
+        res[f"x{k}"] = row
+    return res
+
+
+def growth_table(r: dict) -> str:
+    g = r["growth"]
+    one, four, top = g["x1"], g["x4"], g["x16"]
+    lines = [f"| stage | s/GB at 1× ({one['gb'] * 1000:.0f} MB) | 4× | 16× ({top['gb'] * 1000:.0f} MB) | 16× ÷ 1× | "
+             "marginal s/GB (4× → 16×) | driver peak MB 1× / 4× / 16× | executors peak MB (JVM + Python workers) "
+             "1× / 4× / 16× |", "|---|---|---|---|---|---|---|---|"]
+    for st in GROWTH_STAGES:
+        per = [row[st]["s"] / row["gb"] for row in (one, four, top)]
+        slope = (top[st]["s"] - four[st]["s"]) / (top["gb"] - four["gb"])
+        drv = " / ".join(str(row[st]["driver_mb"]) for row in (one, four, top))
+        exe = " / ".join(f"{row[st]['jvm_mb']} + {row[st]['workers_mb']}" for row in (one, four, top))
+        lines.append(f"| {st} | {per[0]:,.0f} | {per[1]:,.0f} | {per[2]:,.0f} | {per[2] / per[0]:.2f} | {slope:,.0f} | "
+                     f"{drv} | {exe} |")
+    tot = [sum(row[st]["s"] for st in GROWTH_STAGES) / row["gb"] for row in (one, four, top)]
+    lines.append(f"| **ingest → tokenize** | {tot[0]:,.0f} | {tot[1]:,.0f} | {tot[2]:,.0f} | {tot[2] / tot[0]:.2f} | | "
+                 "| |")
+    return "\n".join(lines)
+
+
 def scale_table(r: dict) -> str:
     lines = ["| measure | one node (1 core) | two nodes (1 core each) | two / one | target |", "|---|---|---|---|---|"]
     sc = r.get("scale", {})
@@ -295,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "data.json"))
     ap.add_argument("--inc-copies", type=int, default=40,
                     help="copies of the samples, each its words shuffled, for the incremental dedup (default 40)")
-    ap.add_argument("--only", choices=["ends", "scale", "incremental"], action="append",
+    ap.add_argument("--growth-copies", type=int, default=2,
+                    help="copies of the samples at 1× for the cost-growth table (default 2; 16× is 32 copies)")
+    ap.add_argument("--only", choices=["ends", "scale", "incremental", "growth"], action="append",
                     help="run only these parts (repeatable; default: all)")
     ap.add_argument("--child", nargs=2, metavar=("MASTER", "WORK"), help=argparse.SUPPRESS)
     ap.add_argument("--cluster-child", nargs=3, metavar=("MASTER", "WORK", "WHICH"), help=argparse.SUPPRESS)
@@ -304,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         return child(*args.child, pin=not args.no_pin)
     if args.cluster_child:
         return cluster_child(*args.cluster_child)
-    parts = args.only or ["ends", "scale", "incremental"]
+    parts = args.only or ["ends", "scale", "incremental", "growth"]
     work = Path(tempfile.mkdtemp(prefix="data-bench-", dir="/var/tmp"))  # not under /tmp: the nodes have their own
     result: dict = {}
     try:
@@ -316,12 +405,17 @@ def main(argv: list[str] | None = None) -> int:
         if "incremental" in parts:
             (work / "inc-work").mkdir()
             result["incremental"] = run_incremental(args, work / "inc-work")
+        if "growth" in parts:
+            (work / "growth").mkdir()
+            result["growth"] = run_growth(args, work / "growth")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if "ends" in parts:
         print(table(result))
     if "scale" in parts or "incremental" in parts:
         print(scale_table(result))
+    if "growth" in parts:
+        print(growth_table(result))
     atomic_write_text(args.out, json.dumps(result, indent=2))
     print(f"\nwritten {args.out}")
     return 0

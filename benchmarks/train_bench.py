@@ -7,6 +7,7 @@ logging, no checkpoints. Ours is ``pipelines.train.launch`` end to end, with its
 tokens/s (first 5 steps excluded, as for the loop); rows for 1 process × 2 threads and DDP 2 × 1.
 
     python benchmarks/train_bench.py [--tokenize-manifest M] [--steps 60] [--set model.d_model=128 ...]
+    python benchmarks/train_bench.py --validation [--eval-every 10]   # what validation during training costs
 
 M defaults to the newest tokenize manifest under var/runs (``make demo`` makes one). Writes
 ``var/bench/train.json`` with ``ratio`` = ours (1 process) ÷ the minimal loop.
@@ -59,14 +60,43 @@ def minimal_loop(spec, tok, steps: int, threads: int) -> float:
     return B * T * len(steady) / sum(steady)
 
 
+def validation_cost(spec_path: str, base: list[str], tok, every: int) -> dict:
+    """DDP 2 × 1 without and with validation during training (train.eval_every): the step time (validation is
+    outside it), and the wall time per step, validation included."""
+    from pipelines.spec import load_spec
+    from pipelines.train import launch
+
+    rows = []
+    for label, e in (("eval_every=0 (anchor)", 0), (f"eval_every={every}", every)):
+        spec = load_spec(spec_path, base + ["launcher.nproc_per_node=2", "launcher.threads_per_proc=1",
+                                            f"train.eval_every={e}"], env={})
+        m = launch.run(spec, tok)
+        result = json.loads(m.output("result").read_text())
+        rows.append({"run": label, "tokens_per_s": result["tokens_per_s"], "goodput": result["goodput_tokens_per_s"],
+                     "evaluations": len(result.get("val") or [])})
+    off, on = rows
+    print(f"| DDP 2 × 1 | evaluations | step tokens/s | wall tokens/s (validation included) | step ÷ anchor | "
+          "wall ÷ anchor |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['run']} | {r['evaluations']} | {r['tokens_per_s']:,.0f} | {r['goodput']:,.0f} | "
+              f"{r['tokens_per_s'] / off['tokens_per_s']:.3f} | {r['goodput'] / off['goodput']:.3f} |")
+    return {"rows": rows, "step_ratio": on["tokens_per_s"] / off["tokens_per_s"],
+            "wall_ratio": on["goodput"] / off["goodput"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenize-manifest", default=None)
     ap.add_argument("--spec", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "train.json"))
+    ap.add_argument("--out", default=None, help="default var/bench/train.json (--validation: train_validation.json)")
+    ap.add_argument("--validation", action="store_true", help="measure validation during training instead: "
+                    "eval_every=0 against --eval-every")
+    ap.add_argument("--eval-every", type=int, default=10)
     args = ap.parse_args(argv)
+    args.out = args.out or str(ROOT / "var" / "bench" / ("train_validation.json" if args.validation else "train.json"))
 
     from pipelines.manifest import atomic_write_text, load_manifest
     from pipelines.spec import load_spec
@@ -83,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_manifest(mpath)
     base = [f"train.steps={args.steps}", f"train.ckpt_every={args.steps}", "run.root=var/bench/train-runs",
             "run.force=true", *args.overrides]
+    if args.validation:
+        result = validation_cost(args.spec, base, tok, args.eval_every)
+        atomic_write_text(args.out, json.dumps(result, indent=2))
+        print(f"written {args.out}")
+        return 0
     rows = []
     layouts = [("ours, 1 process × 2 threads", ["launcher.nproc_per_node=1", "launcher.threads_per_proc=2",
                                                  "train.grad_accum=2"]),

@@ -12,29 +12,59 @@ KubernetesExecutor or CeleryExecutor adopt in their own way.
 """
 from __future__ import annotations
 
-import os
-
 from airflow.executors.local_executor import LocalExecutor
 from airflow.utils.state import TaskInstanceState
 
+from pipelines.procs import started_at, state
+
 
 def _running_here(ti) -> bool:
-    """Is ``ti``'s task process alive on this host (its worker outlived the scheduler that started it)?"""
+    """Is ``ti``'s task process alive on this host (its worker outlived the scheduler that started it)? The process
+    must have started before the task did (a task process reports its start once it runs): a later process holds a
+    pid the task's process left behind, and is not adopted."""
     from airflow.utils.net import get_hostname
 
-    if ti.state != TaskInstanceState.RUNNING or not ti.pid or ti.hostname != get_hostname():
+    if ti.state != TaskInstanceState.RUNNING or not ti.pid or ti.hostname != get_hostname() or ti.start_date is None:
         return False
-    try:
-        os.kill(ti.pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    began = started_at(ti.pid)
+    return began is not None and began <= ti.start_date.timestamp() + START_SLACK_S and _alive(ti.pid, began)
+
+
+START_SLACK_S = 30.0  # clocks and the task's start report: the process starts first, the API records it after
+
+
+def _alive(pid: int, began: float) -> bool:
+    """``pid`` is alive (not a zombie) and is still the process that started at ``began``."""
+    return state(pid) not in (None, "Z") and started_at(pid) == began
 
 
 class StackExecutor(LocalExecutor):
+    """Adopted tasks hold executor slots (``running``) until their process ends, so the executor never runs more
+    than ``parallelism`` tasks at once, adopted ones included."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.adopted: dict = {}  # task instance key → (the pid of its task process, when that process started)
+
     def try_adopt_task_instances(self, tis):
         """Adopt the running ones whose task process is alive here; return the rest (reset and queued again: a task
         whose worker died with the scheduler is not left to the heartbeat timeout)."""
-        return [ti for ti in tis if not _running_here(ti)]
+        rest = []
+        for ti in tis:
+            if _running_here(ti):
+                self.adopted[ti.key] = (ti.pid, started_at(ti.pid))
+                self.running.add(ti.key)
+            else:
+                rest.append(ti)
+        return rest
+
+    def release_adopted(self) -> None:
+        """Free the slot of each adopted task whose process has ended (its worker reported the end to the API)."""
+        for key, (pid, began) in list(self.adopted.items()):
+            if not _alive(pid, began):
+                del self.adopted[key]
+                self.running.discard(key)
+
+    def sync(self) -> None:
+        super().sync()
+        self.release_adopted()

@@ -3,6 +3,7 @@
     python -m pipelines.lineage --model NAME@ALIAS|NAME/VERSION [--json]
     python -m pipelines.lineage --doc ID [--json]
     python -m pipelines.lineage --source KEY|URL-PREFIX [--json]
+    python -m pipelines.lineage --exclude-source KEY|URL-PREFIX --reason TEXT [--json]
 
 Everything is read from what the stages already record: a registered version's ``data_manifest_hash`` tag is the
 digest of the tokenize manifest it was trained on (a *corpus version*); a corpus version names the one it extends
@@ -17,6 +18,10 @@ shard has its doc ids beside it (``<shard>.ids.parquet``). The corpus versions a
   (``https://example.com/``; a plain prefix: end it with ``/`` to mean one host): every corpus version that holds
   docs of it (how many, in which shards) and every registered version trained on one of them.
 
+* ``--exclude-source``: takedown (:mod:`pipelines.data.takedown`): the source goes on the takedown list with its
+  reason, the next curation run publishes a corpus version without its docs (rewriting only the shards that held
+  them), and every registered version trained on a version that held them is tagged ``takedown.pending``.
+
 A corpus version that cannot be read is listed under ``unreadable`` instead of ending a ``--doc``/``--source`` query.
 """
 from __future__ import annotations
@@ -26,6 +31,8 @@ import json
 import sys
 from typing import Iterable, Optional
 
+from pipelines.data import takedown
+from pipelines.data.takedown import Matcher
 from pipelines.manifest import Manifest, StageError, lineage, load_manifest
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 
@@ -60,16 +67,16 @@ def _stage(tok: Manifest, stage: str) -> Optional[Manifest]:
     return load_manifest(path) if path else None
 
 
-def added_docs(tok: Manifest, columns: list[str]):
+def added_docs(tok: Manifest, columns: list[str], where=None):
     """The docs this version added (the decontaminate stage's kept docs, else the filter stage's), as an Arrow table
-    of ``columns`` that exist."""
+    of ``columns`` that exist (the rows ``where``, a pyarrow expression, holds for)."""
     import pyarrow.dataset as ds
 
     up = _stage(tok, "decontaminate") or _stage(tok, "filter")
     if up is None:
         raise StageError(f"{tok.path}: no filter or decontaminate stage in its lineage")
     data = ds.dataset(str(up.output("kept")), format="parquet")
-    return data.to_table(columns=[c for c in columns if c in data.schema.names])
+    return data.to_table(columns=[c for c in columns if c in data.schema.names], filter=where)
 
 
 def inputs_of(tok: Manifest) -> list[dict]:
@@ -189,7 +196,7 @@ def _each_version(spec: JobSpec, fn) -> tuple[list[dict], list[dict]]:
 
 def doc_query(spec: JobSpec, client, doc_id: str) -> dict:
     def holds(tok):
-        shards = shards_holding(tok, {doc_id})
+        shards = shards_holding(tok, with_tails({doc_id}))
         return {"shards": sorted(shards)} if shards else None
 
     versions, unreadable = _each_version(spec, holds)
@@ -198,29 +205,61 @@ def doc_query(spec: JobSpec, client, doc_id: str) -> dict:
             "unreadable": unreadable}
 
 
-def _matching_ids(tok: Manifest, source: str) -> set[str]:
-    """Ids of the docs of ``tok`` (its chain) whose source is ``source`` or whose URL starts with it."""
-    import pyarrow.compute as pc
+def with_tails(ids: set[str]) -> set[str]:
+    """``ids`` and the ``<id>#tail`` entry each may have in the shards (a one-doc input held out by tail)."""
+    return ids | {f"{i}#tail" for i in ids}
 
+
+def matching_ids(tok: Manifest, matcher: Matcher) -> set[str]:
+    """Shard entries of ``tok`` (its chain) that ``matcher`` takes: docs of an excluded source, or under a URL
+    prefix (with their ``#tail`` entries)."""
     ids: set[str] = set()
     for v in chain(tok):
         t = added_docs(v, ["id", "source", "url"])
-        hit = pc.equal(t.column("source"), source)
-        if "url" in t.column_names and "://" in source:
-            hit = pc.or_kleene(hit, pc.starts_with(t.column("url"), source))
-        ids.update(t.filter(pc.fill_null(hit, False)).column("id").to_pylist())
-    return ids
+        ids.update(t.filter(matcher.mask(t)).column("id").to_pylist())
+    return with_tails(ids)
 
 
 def source_query(spec: JobSpec, client, source: str) -> dict:
     def holds(tok):
-        ids = _matching_ids(tok, source)
-        return {"source_docs": len(ids), "shards": shards_holding(tok, ids)} if ids else None
+        shards = shards_holding(tok, matching_ids(tok, Matcher([source])))  # a version it was taken out of: none
+        return {"source_docs": sum(shards.values()), "shards": shards} if shards else None
 
     versions, unreadable = _each_version(spec, holds)
     return {"source": source, "corpus_versions": versions,
             "models": models_trained_on(client, {v["digest"] for v in versions}) if versions else [],
             "unreadable": unreadable}
+
+
+def pending_takedowns(spec: JobSpec, digest: str | None) -> Optional[list[takedown.Exclusion]]:
+    """The exclusions of the takedown list whose docs the corpus version ``digest`` still holds; None when there are
+    exclusions but that version is not under run.root (nothing can be said)."""
+    exclusions = takedown.load(resolve_path(spec.data.exclusions))
+    if not exclusions:
+        return []
+    tok = next((v for v in corpus_versions(spec) if v.digest == digest), None) if digest else None
+    if tok is None:
+        return None
+    return [e for e in exclusions if shards_holding(tok, matching_ids(tok, Matcher([e])))]
+
+
+def exclude_source(spec: JobSpec, client, source: str, reason: str) -> dict:
+    """Add ``source`` to the takedown list (``data.exclusions``) and tag every registered version trained on a corpus
+    version that holds it; the next curation run publishes a version without its docs."""
+    path = resolve_path(spec.data.exclusions)
+    try:
+        rec, added = takedown.add(path, source, reason)
+    except ValueError as e:
+        raise StageError(f"--exclude-source {source!r}: {e}") from None
+    try:
+        held = source_query(spec, client, rec.source)
+        tagged = takedown.tag_versions(client, held["models"], rec)
+    except Exception as e:  # noqa: BLE001 - MLflow or a corpus version: the exclusion itself is recorded
+        raise StageError(f"the exclusion of {rec.source!r} is recorded in {path}, but tagging the registered versions "
+                         f"that saw it failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); run "
+                         "the same command again to tag them") from None
+    return {"exclusion": {**rec.__dict__, "list": str(path), "added": added}, "corpus_versions": held["corpus_versions"],
+            "models_tagged": [{k: m[k] for k in ("name", "version")} for m in tagged], "unreadable": held["unreadable"]}
 
 
 # -- CLI --------------------------------------------------------------------------------------------------------------
@@ -234,6 +273,13 @@ def _text(res: dict) -> str:
         lines += [f"  input {i['key']} ({i['bytes']} bytes, sha256 {i['sha256'][:12]}, corpus v{i['corpus_version']})"
                   for i in res["inputs"]]
         lines += [f"  {n:>8} docs from {s}" for s, n in res["docs_per_source"].items()]
+        return "\n".join(lines)
+    if "exclusion" in res:
+        e = res["exclusion"]
+        lines.append(f"{e['source']}: {'excluded' if e['added'] else 'excluded already'} ({e['reason']}; {e['list']}); "
+                     f"held by {len(res['corpus_versions'])} corpus version(s); the next curation run publishes a "
+                     "version without its docs")
+        lines += [f"  tagged {takedown.TAG}: {m['name']} v{m['version']}" for m in res["models_tagged"]]
         return "\n".join(lines)
     what = res.get("doc") or res.get("source")
     lines.append(f"{what}: in {len(res['corpus_versions'])} corpus version(s), {len(res['models'])} registered model "
@@ -250,16 +296,23 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--model", metavar="NAME@ALIAS|NAME/VERSION", help="what a registered version was trained on")
     q.add_argument("--doc", metavar="ID", help="the corpus versions, shards and models that hold a doc")
     q.add_argument("--source", metavar="KEY|URL-PREFIX", help="the corpus versions, shards and models that hold a source")
+    q.add_argument("--exclude-source", metavar="KEY|URL-PREFIX", help="takedown: the next curation run publishes a "
+                   "corpus version without this source's docs; registered versions that saw them are tagged "
+                   f"{takedown.TAG}")
+    ap.add_argument("--reason", metavar="TEXT", help="why the source is excluded (required with --exclude-source)")
     ap.add_argument("--json", action="store_true", help="print JSON")
     add_spec_args(ap)
     args = ap.parse_args(argv)
+    if args.exclude_source is not None and not (args.reason or "").strip():
+        ap.error("--exclude-source needs --reason TEXT (the takedown list keeps why each source left the corpus)")
     spec = spec_from_args(args)
     from pipelines.tracking import client
 
     try:
         c = client(spec)
         res = (model_query(spec, c, args.model) if args.model else doc_query(spec, c, args.doc) if args.doc
-               else source_query(spec, c, args.source))
+               else source_query(spec, c, args.source) if args.source is not None
+               else exclude_source(spec, c, args.exclude_source, args.reason))
     except StageError as e:
         print(f"lineage: error: {e}", file=sys.stderr)
         return 2

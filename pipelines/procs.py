@@ -34,6 +34,22 @@ def start_time(pid: int) -> int | None:
     return int(st[21]) if st else None
 
 
+def state(pid: int) -> str | None:
+    """The state letter of ``pid`` (R, S, Z, …); None if there is no such pid."""
+    st = _stat(pid)
+    return st[2] if st else None
+
+
+def started_at(pid: int) -> float | None:
+    """When ``pid`` started, in seconds since the epoch (boot time + its start ticks); None if there is no such
+    pid."""
+    ticks = start_time(pid)
+    if ticks is None:
+        return None
+    boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def cmdline(pid: int) -> list[str]:
     try:
         return [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if a]

@@ -276,6 +276,9 @@ class DataCfg(_Section):
     dedup: DedupCfg = Field(default_factory=DedupCfg)
     filters: FilterCfg = Field(default_factory=FilterCfg)
     decontaminate: DecontaminateCfg = Field(default_factory=DecontaminateCfg)
+    exclusions: str = Field("var/exclusions.jsonl", description="The takedown list: sources (input keys or URL "
+                            "prefixes) that no new corpus version holds, each with its reason; written by python -m "
+                            "pipelines.lineage --exclude-source, read by the filter and tokenize stages.")
     schedule: str = Field("@weekly", description="When the data_curation DAG runs: a cron expression or an Airflow "
                           "preset (@daily, @weekly, …); read when the DAG file is parsed (spec: LLMP_SPEC or "
                           "configs/demo.yaml).")
@@ -300,16 +303,51 @@ class DataCfg(_Section):
         return v
 
 
+BYTE_VOCAB = 259  # a byte tokenizer: <unk>, <s>, </s> and the 256 bytes
+
+
 class TokenizerCfg(_Section):
-    model_path: Optional[str] = Field(None, description="Use this SentencePiece model instead of training one.")
-    vocab_size: int = Field(4096, ge=64)
-    model_type: Literal["bpe", "unigram"] = "bpe"
+    model_path: Optional[str] = Field(None, description="Use this SentencePiece model instead of training one (the "
+                                      "settings below that shape a model are then not used, nor checked).")
+    model_type: Literal["bpe", "unigram", "char", "byte"] = Field(
+        "bpe", description="bpe / unigram: SentencePiece subwords (vocab_size of them, byte fallback); char: one "
+        "piece per character of the sample (vocabulary = its characters plus specials; a character it lacks is "
+        "<unk>); byte: the 256 bytes plus specials (no training).")
+    vocab_size: Optional[int] = Field(None, description="bpe / unigram: the vocabulary's size (default 4096, at "
+                                      "least 64); not used by char and byte.")
     sample_docs: int = Field(20_000, ge=1, description="Docs sampled to train the tokenizer.")
     character_coverage: float = 0.9995
     shard_tokens: int = Field(1 << 24, ge=1024, description="Max tokens per .bin shard.")
     heldout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    heldout: Literal["hash", "tail"] = Field(
+        "hash", description="Which docs are held out: hash = a doc whose sha256(seed:id) falls under "
+        "heldout_fraction (stable as the corpus grows); tail = the last heldout_fraction of each input's docs, or "
+        "of its text when the input is one document (the honest split for one long text or time-ordered data).")
     partitions: int = Field(0, ge=0, description="Spark partitions that encode (each writes its own shards); "
                                                  "0 = the executors' parallelism, more when the corpus is large.")
+
+    @model_validator(mode="after")
+    def _vocab(self) -> "TokenizerCfg":
+        if self.model_path is None and self.model_type in ("bpe", "unigram"):
+            if self.vocab_size is None:
+                self.vocab_size = 4096
+            if self.vocab_size < 64:
+                raise ValueError(f"tokenizer.vocab_size={self.vocab_size}: a {self.model_type} tokenizer needs at "
+                                 "least 64 pieces")
+        return self
+
+    def hashed(self) -> dict:
+        d = super().hashed()
+        if d.get("heldout") == "hash":  # the split as it always was: the stage keys of earlier corpora stand
+            d.pop("heldout")
+        return d
+
+    @property
+    def planned_vocab(self) -> int:
+        """The vocabulary a plan assumes before the tokenizer exists (char: vocab_size, else 256 characters)."""
+        if self.model_type == "byte":
+            return BYTE_VOCAB
+        return self.vocab_size or 256 + 3
 
 
 class ModelCfg(_Section):
@@ -389,6 +427,10 @@ class ParallelCfg(_Section):
 
 
 class TrainCfg(_Section):
+    # validation during training reads the weights and changes none (no dropout, no RNG): not part of the stage's key,
+    # so turning it on or off does not start a running week-long training over
+    unhashed: ClassVar[frozenset[str]] = frozenset({"eval_every", "eval_tokens"})
+
     steps: int = Field(200, ge=1)
     micro_batch: int = Field(8, ge=1, description="Sequences per rank per micro step.")
     grad_accum: int = Field(1, ge=1)
@@ -427,6 +469,11 @@ class TrainCfg(_Section):
         return self
     log_every: int = Field(10, ge=1)
     dtype: Literal["fp32", "bf16"] = "fp32"
+    eval_every: int = Field(50, ge=0, description="Validation every N steps (and at the last step): the loss on a "
+                            "fixed slice of the held-out shards, every rank taking part; 0 = off.")
+    eval_tokens: int = Field(8192, ge=1, description="The validation slice: the first eval_tokens tokens of the "
+                             "held-out split (whole windows of model.seq_len), the same at every evaluation and on "
+                             "every rank layout.")
 
 
 class LauncherCfg(_Section):

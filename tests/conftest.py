@@ -142,6 +142,9 @@ def spark():
     from pipelines.data.spark import get_spark
 
     s = get_spark("local[2]", "llmp-tests", "1g", shuffle_partitions=4)
+    if s.sparkContext.master != "local[2]":  # a session an earlier test file left (getOrCreate gives it back)
+        s.stop()
+        s = get_spark("local[2]", "llmp-tests", "1g", shuffle_partitions=4)
     yield s
     s.stop()
 

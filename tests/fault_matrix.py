@@ -128,6 +128,7 @@ def check(ctx: dict, sc: dict, run: dict) -> dict:
     """The invariants of one run: {I1..I5: ok / n/a / FAIL: why}."""
     from pipelines.spec import load_spec
     from pipelines.train import checkpoint as ck
+    from pipelines.train import ckpt_local, ckpt_tiers
 
     inv = {}
     root = run["root"]
@@ -135,11 +136,11 @@ def check(ctx: dict, sc: dict, run: dict) -> dict:
     spec = load_spec(None, run["sets"], env={})
     l1_roots = [p.parent.parent for p in (root / "l1").glob("*/*/step-*/COMMIT")]
     rel_root = l1_roots[0].relative_to(root / "l1").as_posix() if l1_roots else None
-    steps = ck.list_steps(spec, rel_root, ("L0", "L1")) if rel_root else {"L0": [], "L1": []}
+    steps = ckpt_tiers.list_steps(spec, rel_root, ("L0", "L1")) if rel_root else {"L0": [], "L1": []}
     newest = max(steps["L1"], default=None)
     try:
         if newest is not None:
-            ck.verify_local(root / "l1" / rel_root / ck.step_name(newest))
+            ckpt_local.verify_local(root / "l1" / rel_root / ck.step_name(newest))
         inv["I1"] = "ok"
     except ck.CheckpointError as e:
         inv["I1"] = f"FAIL: newest L1 step does not verify: {e}"

@@ -5,6 +5,7 @@ import pytest
 
 from pipelines.storage.s3 import client
 from pipelines.train import checkpoint as ck
+from pipelines.train import ckpt_local, ckpt_s3, ckpt_tiers
 from pipelines.spec import load_spec
 
 
@@ -22,14 +23,14 @@ def _make_ckpt(spec, rel, big_mb=11):
     tmp.mkdir(parents=True)
     (tmp / "model.pt").write_bytes(os.urandom(big_mb * 1024 * 1024))  # > threshold: multipart upload
     (tmp / "model_args.json").write_text('{"d_model": 8}')
-    return ck.commit_local(tmp, final, meta={"step": 10})
+    return ckpt_local.commit_local(tmp, final, meta={"step": 10})
 
 
 def test_promote_copies_and_verifies_every_tier_then_is_idempotent(home, s3_server):
     spec = _spec(s3_server)
     rel = "run/key/step-000010"
     _make_ckpt(spec, rel)
-    rep = ck.promote(spec, rel)
+    rep = ckpt_tiers.promote(spec, rel)
     assert rep["actions"] == {"L1": "copied", "L2": "uploaded"}
     s3 = client(spec)
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket="ckpt-test")["Contents"]}
@@ -37,8 +38,8 @@ def test_promote_copies_and_verifies_every_tier_then_is_idempotent(home, s3_serv
     head = s3.head_object(Bucket="ckpt-test", Key=f"checkpoints/{rel}/model.pt")
     meta = {k.lower(): v for k, v in head["Metadata"].items()}  # (the embedded endpoint capitalises the keys)
     assert meta[ck.PARTS_META].endswith("-3")  # really went multipart (11 MB / 5 MB parts)
-    assert ck.promote(spec, rel)["actions"] == {"L1": "already-verified", "L2": "already-verified"}
-    tier, local = ck.fetch(spec, rel, cache=home / "cache", prefer=("L2",))
+    assert ckpt_tiers.promote(spec, rel)["actions"] == {"L1": "already-verified", "L2": "already-verified"}
+    tier, local = ckpt_tiers.fetch(spec, rel, cache=home / "cache", prefer=("L2",))
     assert tier == "L2" and (local / "model.pt").read_bytes() == (home / "var/tiers/nvme" / rel / "model.pt").read_bytes()
 
 
@@ -51,7 +52,7 @@ def test_promote_refuses_a_checkpoint_whose_checksum_does_not_match(home, s3_ser
         f.seek(0)
         f.write(bytes([b[0] ^ 0xFF]))
     with pytest.raises(ck.CheckpointError, match="model.pt sha256 .* does not match"):
-        ck.promote(spec, rel)
+        ckpt_tiers.promote(spec, rel)
     assert not (home / "var/tiers/shared" / rel).exists()  # nothing half-promoted at L1
 
 
@@ -59,14 +60,14 @@ def test_a_copy_without_commit_marker_is_never_taken(home, s3_server):
     spec = _spec(s3_server, **{"services.s3_bucket": "ckpt-partial"})
     rel = "run/key/step-000030"
     d = _make_ckpt(spec, rel, big_mb=1)
-    ck.promote(spec, rel)
+    ckpt_tiers.promote(spec, rel)
     s3 = client(spec)
     s3.delete_object(Bucket="ckpt-partial", Key=f"checkpoints/{rel}/COMMIT")  # as if the upload died
     with pytest.raises(ck.CheckpointError, match="no COMMIT marker"):
-        ck.download_checkpoint(spec, f"s3://ckpt-partial/checkpoints/{rel}", home / "dl")
+        ckpt_s3.download_checkpoint(spec, f"s3://ckpt-partial/checkpoints/{rel}", home / "dl")
     (d / "COMMIT").unlink()
     with pytest.raises(ck.CheckpointError, match="incomplete"):
-        ck.verify_local(d)
+        ckpt_local.verify_local(d)
     # restore falls through tiers: L0 is incomplete, L1 still verifies
-    tier, _ = ck.fetch(spec, rel)
+    tier, _ = ckpt_tiers.fetch(spec, rel)
     assert tier == "L1"

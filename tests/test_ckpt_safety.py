@@ -15,6 +15,7 @@ import pytest
 
 from pipelines.spec import load_spec
 from pipelines.train import checkpoint as ck
+from pipelines.train import ckpt_s3, ckpt_tiers
 
 from conftest import ROOT
 from test_resilience import TINY, _env, _tok
@@ -89,9 +90,9 @@ def test_a_forged_manifest_entry_is_refused_on_download(home, any_key_s3, tmp_pa
         c.put_object(Bucket="forged", Key=f"{prefix}/COMMIT", Body=hashlib.sha256(body).hexdigest().encode())
         dest = tmp_path / "deep" / "dest"
         with pytest.raises(ck.CheckpointError, match="not a relative path below the checkpoint directory"):
-            ck.download_checkpoint(spec, f"s3://forged/{prefix}", dest)
+            ckpt_s3.download_checkpoint(spec, f"s3://forged/{prefix}", dest)
         with pytest.raises(ck.CheckpointError, match="not a relative path"):
-            ck.verify_s3(spec, f"s3://forged/{prefix}")
+            ckpt_s3.verify_s3(spec, f"s3://forged/{prefix}")
     assert not (tmp_path / "outside.txt").exists() and not (tmp_path / "b").exists() and not dest.exists()
 
 
@@ -134,13 +135,13 @@ def test_force_starts_a_new_generation_and_retires_the_old_one_only_after_it_com
     first = launch.run(load_spec(None, sets, env={}), tok)
     old = first.extra["checkpoint"].rsplit("/", 1)[0]
     spec = load_spec(None, sets, env={})
-    assert ck.list_steps(spec, old)["L1"] == [10, 20]
+    assert ckpt_tiers.list_steps(spec, old)["L1"] == [10, 20]
     # a registered model points to step 10 of the old generation
     client = tracking.client(spec)
     client.create_registered_model(spec.registry.model_name)
     run = client.create_run(client.create_experiment("gen-test"))
     client.create_model_version(spec.registry.model_name, "file:///dev/null", run.info.run_id,
-                                tags={"checkpoint_uri": ck.tier_locations(spec, f"{old}/step-000010")["L2"]})
+                                tags={"checkpoint_uri": ckpt_tiers.tier_locations(spec, f"{old}/step-000010")["L2"]})
     # Force, and the new run dies at step 10: the old generation is intact on every tier
     os.environ["LLMP_FAULT_EXIT_AT_STEP"] = "10"
     try:
@@ -148,12 +149,12 @@ def test_force_starts_a_new_generation_and_retires_the_old_one_only_after_it_com
             launch.run(load_spec(None, sets + ["run.force=true"], env={}), tok)
     finally:
         os.environ.pop("LLMP_FAULT_EXIT_AT_STEP")
-    assert ck.list_steps(spec, old) == {"L0": [10, 20], "L1": [10, 20], "L2": [10, 20]}
+    assert ckpt_tiers.list_steps(spec, old) == {"L0": [10, 20], "L1": [10, 20], "L2": [10, 20]}
     # Force again (the task's retry): it adopts the pending generation, resumes it, commits, then retires the old
     second = launch.run(load_spec(None, sets + ["run.force=true"], env={}), tok)
     new = second.extra["checkpoint"].rsplit("/", 1)[0]
     assert new.startswith(f"{old}.gen-") and second.extra["resumed_from"]["step"] == 10
-    assert ck.list_steps(spec, old) == {"L0": [10], "L1": [10], "L2": [10]}  # only what the model needs
-    assert ck.list_steps(spec, new)["L1"][-1] == 20 and ck.list_steps(spec, new)["L0"] == [10, 20]
+    assert ckpt_tiers.list_steps(spec, old) == {"L0": [10], "L1": [10], "L2": [10]}  # only what the model needs
+    assert ckpt_tiers.list_steps(spec, new)["L1"][-1] == 20 and ckpt_tiers.list_steps(spec, new)["L0"] == [10, 20]
     # the next plain run uses the committed generation (and finds its stage output done)
     assert launch.train_job(spec, tok).rel_root == new

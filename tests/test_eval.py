@@ -415,11 +415,11 @@ def test_register_of_a_model_above_the_single_process_limit_does_not_load_it_in_
     import shutil
 
     from pipelines import tracking
-    from pipelines.train import checkpoint
+    from pipelines.train import checkpoint, ckpt_local
 
     tmp = home / "ckpt.tmp"
     shutil.copytree(models[0], tmp)
-    ckpt = checkpoint.commit_local(tmp, home / "step-000010", meta={"step": 10})
+    ckpt = ckpt_local.commit_local(tmp, home / "step-000010", meta={"step": 10})
     spec = _spec(home, "big", [Path(__file__)], **{"eval.single_process_max_params": 0})
     run_id = tracking.start_run(spec, run_name="big")
 

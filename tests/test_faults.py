@@ -18,6 +18,7 @@ import pytest
 
 from pipelines.spec import load_spec
 from pipelines.train import checkpoint as ck
+from pipelines.train import ckpt_local, ckpt_parts, ckpt_s3, ckpt_tiers
 from pipelines.train import lineage
 
 from conftest import ROOT
@@ -63,8 +64,9 @@ def test_an_s3_outage_in_the_middle_of_a_run_degrades_to_l1_and_the_promote_stag
         rel_root = m["extra"]["checkpoint"].rsplit("/", 1)[0]
         spec = load_spec(None, TINY + sets + [f"checkpoint.l0={home}/run/l0", f"checkpoint.l1={home}/run/l1"],
                          env={})
-        assert ck.list_steps(spec, rel_root, ("L0", "L1")) == {"L0": [50, 60], "L1": [50, 60]}  # bounded (I5)
-        ck.verify_local(Path(ck.tier_locations(spec, f"{rel_root}/step-000060")["L1"]))  # final on L1 (I3)
+        assert ckpt_tiers.list_steps(spec, rel_root, ("L0", "L1")) == {"L0": [50, 60], "L1": [50, 60]}  # bounded (I5)
+        # the final step on L1 (I3)
+        ckpt_local.verify_local(Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-000060")["L1"]))
         assert not list(store.rglob("step-000060/COMMIT"))
 
         # the endpoint is back: the promote stage puts the final step on L2
@@ -124,7 +126,7 @@ def _step(root: Path, step: int, part: int = 0, parts: int = 1, attempt: str = "
     tmp.mkdir(parents=True)
     (tmp / f"__{part}_0.distcp").write_bytes(f"step {step} part {part}".encode())
     meta = {"step": step, "part": part, "parts": parts, "attempt": attempt}
-    return ck.commit_local(tmp, root / ck.step_name(step), meta | ({"lineage": lin} if lin else {}))
+    return ckpt_local.commit_local(tmp, root / ck.step_name(step), meta | ({"lineage": lin} if lin else {}))
 
 
 def test_restore_candidates_survive_an_unanswering_l2_and_see_parts_staged_before_the_merge(home):
@@ -133,7 +135,8 @@ def test_restore_candidates_survive_an_unanswering_l2_and_see_parts_staged_befor
     spec = load_spec(None, [f"checkpoint.l1={home}/l1", "services.s3_endpoint_url=http://127.0.0.1:9"], env={})
     l1 = home / "l1" / "run" / "key"
     _step(l1, 10)
-    staged = ck.staging_dir(l1 / ck.step_name(20))  # both nodes staged step 20; rank 0's node died before merging
+    # both nodes staged step 20; rank 0's node died before merging
+    staged = ckpt_parts.staging_dir(l1 / ck.step_name(20))
     staged.mkdir(parents=True)
     for k in (0, 1):
         _step(home / f"node{k}", 20, k, 2, "a2").rename(staged / ck.part_name(k))
@@ -154,22 +157,22 @@ def test_an_abandoned_line_shadows_nothing_in_restore_or_retention(home):
     rec = lineage.fork(None, "tok", 20)
     for s in (30,):  # the new line's first step overwrites the old 30; the old 40 stays behind
         _step(home / "new", s, lin="tok")
-        ck.remove_local(l0 / ck.step_name(s))
+        ckpt_local.remove_local(l0 / ck.step_name(s))
         (home / "new" / ck.step_name(s)).rename(l0 / ck.step_name(s))
-    inv = {s: (*ck.part_of(m), lineage.of(m)) for s, m in ck.local_parts(l0).items()}
+    inv = {s: (*ckpt_parts.part_of(m), lineage.of(m)) for s, m in ckpt_parts.local_parts(l0).items()}
     assert [x["step"] for x in candidates(_Ckpt(spec, "run/key", rec), {0: inv}, None)] == [30, 20, 10]
     assert [x["step"] for x in candidates(_Ckpt(spec, "run/key"), {0: inv}, None)][0] == 40  # by number alone
-    deleted = ck.prune(spec, "run/key", upto=30, tiers=("L0",), rec=rec)
-    assert deleted == {"L0": [10]} and ck.list_steps(spec, "run/key", ("L0",))["L0"] == [20, 30, 40]
+    deleted = ckpt_tiers.prune(spec, "run/key", upto=30, tiers=("L0",), rec=rec)
+    assert deleted == {"L0": [10]} and ckpt_tiers.list_steps(spec, "run/key", ("L0",))["L0"] == [20, 30, 40]
 
 
 def test_a_part_uploaded_over_another_attempts_committed_step_removes_its_commit_first(home, s3_server):
     spec = load_spec(None, [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=ck-foreign"], env={})
     uri = f"s3://ck-foreign/run/key/{ck.step_name(10)}"
-    ck.upload_checkpoint(spec, _step(home / "old", 10, 0, 1, "old"), uri)
-    assert ck.read_s3_manifest(spec, uri)["attempt"] == "old"
-    ck.upload_part(spec, _step(home / "new", 10, 1, 2, "new"), uri)
-    assert ck.read_s3_manifest(spec, uri) is None  # the old COMMIT went before the new part's objects
+    ckpt_s3.upload_checkpoint(spec, _step(home / "old", 10, 0, 1, "old"), uri)
+    assert ckpt_s3.read_s3_manifest(spec, uri)["attempt"] == "old"
+    ckpt_parts.upload_part(spec, _step(home / "new", 10, 1, 2, "new"), uri)
+    assert ckpt_s3.read_s3_manifest(spec, uri) is None  # the old COMMIT went before the new part's objects
     from pipelines.storage.s3 import client
 
     marker = client(spec).get_object(Bucket="ck-foreign", Key="run/key/step-000010/PARTS/part-1.json")

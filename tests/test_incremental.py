@@ -177,3 +177,88 @@ def test_the_corpus_scan_equals_a_brute_force_reference_in_any_number_of_rounds_
     assert removed_against(tmp_path / "one_round", 2) == want
     monkeypatch.setattr(dedup, "BROADCAST_KEYS", 40)  # ≈ 3 docs' buckets a round: 10 rounds
     assert removed_against(tmp_path / "many_rounds", 5) == want
+
+
+def _lineage(home, *args):
+    r = subprocess.run([sys.executable, "-m", "pipelines.lineage", *args, "--json"], env={**os.environ,
+                       "LLMP_HOME": str(home)}, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return r.returncode, (json.loads(r.stdout) if r.returncode == 0 else r.stderr)
+
+
+def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rewritten(home, spark):
+    """--exclude-source: the registered version that saw the source is tagged at once; the next curation run, with
+    nothing new, publishes a version without its docs (no Spark; untouched shards stay the same files); a later run
+    removes new docs of it in the filter stage (reason takedown); once applied, nothing new means the same version."""
+    from mlflow import MlflowClient
+
+    from pipelines import lineage
+    from pipelines.data.takedown import TAG
+    from pipelines.manifest import lineage as upstream
+
+    docs = [d for d in c4_docs(400) if len(d["text"].split()) > 60]
+    write_jsonl(home / "a.jsonl", [{"text": d["text"], "url": f"https://ok.example/{i}"} for i, d in enumerate(docs[:90])]
+                + [{"text": d["text"], "url": f"https://ok.example/take/{i}"} for i, d in enumerate(docs[90:94])])
+    write_jsonl(home / "b.jsonl", [{"text": d["text"], "url": f"https://b.example/{i}"} for i, d in enumerate(docs[94:130])])
+    sets = ["tokenizer.vocab_size=600", "tokenizer.shard_tokens=6000", "data.filters.steps=[language]"]
+    spec = load_spec(None, sets + [f"data.inputs=[{home / 'a.jsonl'}, {home / 'b.jsonl'}]"], env={})
+    _, _, v1 = _curate(spec, spark)
+    client = MlflowClient(tracking_uri=f"sqlite:///{home / 'var' / 'mlflow.db'}")
+    client.create_registered_model("td-model")
+    client.create_model_version("td-model", str(home), tags={"data_manifest_hash": v1.digest})
+    held_b = lineage.source_query(spec, client, "b.jsonl")
+    assert held_b["corpus_versions"] and held_b["models"][0]["name"] == "td-model"
+    n_b = held_b["corpus_versions"][0]["source_docs"]
+    assert n_b > 20
+
+    assert _lineage(home, "--exclude-source", "b.jsonl")[0] == 2  # --reason is required
+    rc, err = _lineage(home, "--exclude-source", "https://", "--reason", "x")
+    assert rc == 2 and "needs a host" in err and "Traceback" not in err
+    rc, err = _lineage(home, "--exclude-source", "b.jsonl", "--reason", "ok\nx.jsonl: forged")  # a forged tag line
+    assert rc == 2 and "control character" in err
+    rc, out = _lineage(home, "--exclude-source", "b.jsonl", "--reason", "owner request 2026-11")
+    assert rc == 0 and out["exclusion"]["added"] and out["models_tagged"] == [{"name": "td-model", "version": "1"}]
+    assert client.get_model_version("td-model", "1").tags[TAG] == "b.jsonl: owner request 2026-11"
+    rc, out = _lineage(home, "--exclude-source", "https://ok.example/take/", "--reason", "dmca")
+    assert rc == 0 and out["corpus_versions"][0]["source_docs"] == 4
+    assert _lineage(home, "--exclude-source", "b.jsonl", "--reason", "again")[1]["exclusion"]["added"] is False
+    assert client.get_model_version("td-model", "1").tags[TAG] == "b.jsonl: owner request 2026-11\n" \
+                                                                  "https://ok.example/take/: dmca"
+
+    _, _, v2 = _curate(spec, spark, corpus=v1)  # nothing new, but a takedown: a new version
+    assert v2.path != v1.path and v2.extra["corpus"]["version"] == 2 and v2.counts["new_docs"] == 0
+    td = v2.extra["takedown"]
+    assert [(e["source"], e["reason"], e["docs_removed"]) for e in td["exclusions"]] == [
+        ("b.jsonl", "owner request 2026-11", n_b), ("https://ok.example/take/", "dmca", 4)]
+    assert v2.counts["docs"] == v1.counts["docs"] - n_b - 4 and v2.extra["partitions"] == 0  # no Spark job
+    rewritten = td["shards_rewritten"]
+    untouched = [s for s in v1.extra["shards"] if s["prefix"] not in rewritten]
+    assert rewritten and untouched  # only the shards that held them
+    assert all(new is None or new.startswith("shards/v0002/takedown-") for new in rewritten.values())
+    for s in untouched:
+        for ext in tokenize.SHARD_FILES:
+            assert (v2.dir / (s["prefix"] + ext)).stat().st_ino == (v1.dir / (s["prefix"] + ext)).stat().st_ino
+    before = {**tokenize.read_back(v1, "train"), **tokenize.read_back(v1, "heldout")}
+    after = {**tokenize.read_back(v2, "train"), **tokenize.read_back(v2, "heldout")}
+    gone = set(before) - set(after)
+    assert len(gone) == n_b + 4 and all(after[i] == before[i] for i in after)  # the rest, token for token
+    assert sum(s["text_bytes"] for s in v2.extra["shards"]) < sum(s["text_bytes"] for s in v1.extra["shards"])
+    assert [v["version"] for v in lineage.source_query(spec, client, "b.jsonl")["corpus_versions"]] == [1]
+    assert [e.source for e in lineage.pending_takedowns(spec, v1.digest)] == ["b.jsonl", "https://ok.example/take/"]
+    assert lineage.pending_takedowns(spec, v2.digest) == []
+
+    write_jsonl(home / "c.jsonl", [{"text": d["text"], "url": f"https://ok.example/{'take/' * (i < 2)}c{i}"}
+                                   for i, d in enumerate(docs[130:140])])
+    spec = load_spec(None, sets + [f"data.inputs=[{home / 'a.jsonl'}, {home / 'b.jsonl'}, {home / 'c.jsonl'}]"],
+                     env={})
+    _, _, v3 = _curate(spec, spark, corpus=v2)
+    filt = load_manifest(upstream(v3.path)["filter"])
+    assert filt.counts["removed_by_reason"].get("takedown") == 2 and filt.extra["takedown"]["removed"] == 2
+    assert v3.counts["new_docs"] == 8 and v3.extra["takedown"]["docs_removed"] == 0
+    _, _, v4 = _curate(spec, spark, corpus=v3)  # applied: nothing new is the same version again
+    assert v4.path == v3.path
+    # an exclusion added after a run's filter stage: its tokenize stage refuses (the new docs were not checked)
+    from pipelines.data import takedown
+
+    takedown.add(home / "var" / "exclusions.jsonl", "c.jsonl", "late")
+    with pytest.raises(tokenize.TokenizeError, match="changed after the filter stage"):
+        tokenize.run(spec, filt, spark=spark, corpus=v2)

@@ -18,6 +18,7 @@ import torch
 
 from pipelines.spec import load_spec
 from pipelines.train import checkpoint as ck
+from pipelines.train import ckpt_local, ckpt_s3, ckpt_tiers
 
 from conftest import ROOT, free_port
 from pipelines.sim_nodes import Node, namespaces_permitted
@@ -74,7 +75,7 @@ class Cluster:
         return (self.shared / "l1" / SUB / ck.step_name(step) / ck.COMMIT).is_file()
 
     def newest_l1(self) -> int:
-        return max(ck.list_steps(self.spec, SUB, ("L1",))["L1"], default=0)
+        return max(ckpt_tiers.list_steps(self.spec, SUB, ("L1",))["L1"], default=0)
 
     def finish(self, timeout: float = 300) -> dict:
         for n in self.nodes:
@@ -89,7 +90,7 @@ class Cluster:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         d = self.shared / "l1" / SUB / ck.step_name(step)
-        ck.verify_local(d)
+        ckpt_local.verify_local(d)
         dcp_to_torch_save(d, self.base / "final.pt")
         return torch.load(self.base / "final.pt", weights_only=False)  # our own test file, just written
 
@@ -129,18 +130,18 @@ def test_two_nodes_with_node_local_l0_complete_and_commit_globally_on_l1_and_l2(
     disks = sorted((c.base / "disks").iterdir())
     parts = {}
     for d in disks:
-        man = ck.verify_local(d / SUB / ck.step_name(STEPS))
+        man = ckpt_local.verify_local(d / SUB / ck.step_name(STEPS))
         parts[man["part"]] = set(man["files"])
         assert man["parts"] == 2
     assert "__0_0.distcp" in parts[0] and "__1_0.distcp" not in parts[0]
     assert parts[1] == {"__1_0.distcp"}
     # globally committed on L1 (all parts, merged manifest) and on L2; retention kept the windows
     final = c.shared / "l1" / SUB / ck.step_name(STEPS)
-    man = ck.verify_local(final)
-    assert man["parts"] == 2 and man["part_of"]["__1_0.distcp"] == 1 and ck.missing_shards(final) == []
-    uri = ck.tier_locations(c.spec, f"{SUB}/{ck.step_name(STEPS)}")["L2"]
-    assert ck.verify_s3(c.spec, uri)["files"] == man["files"]
-    steps = ck.list_steps(c.spec, SUB)
+    man = ckpt_local.verify_local(final)
+    assert man["parts"] == 2 and man["part_of"]["__1_0.distcp"] == 1 and ckpt_local.missing_shards(final) == []
+    uri = ckpt_tiers.tier_locations(c.spec, f"{SUB}/{ck.step_name(STEPS)}")["L2"]
+    assert ckpt_s3.verify_s3(c.spec, uri)["files"] == man["files"]
+    steps = ckpt_tiers.list_steps(c.spec, SUB)
     assert steps["L1"][-1] == STEPS and len(steps["L1"]) == c.spec.checkpoint.keep_l1 and STEPS in steps["L2"]
     assert sorted(p.name for p in (disks[1] / SUB).iterdir() if not p.name.startswith(".")) == \
         ["step-000140", "step-000150"]  # keep_l0 = 2 on each node's own disk
@@ -200,7 +201,7 @@ def test_restore_takes_each_part_from_its_nearest_tier(reference, tok, s3_server
         newest = c.newest_l1()
         for d in disks:  # node 1's parts (its own disk) of every step from the newest globally committed one
             for step_dir in (d / SUB).glob("step-*"):
-                if ck.read_local_manifest(step_dir)["part"] == 1 and ck.parse_step(step_dir.name) >= newest:
+                if ckpt_local.read_local_manifest(step_dir)["part"] == 1 and ck.parse_step(step_dir.name) >= newest:
                     _corrupt(step_dir / "__1_0.distcp")
         run_until_committed(newest + 20, fresh=False)
         logs = c.logs()
@@ -213,7 +214,7 @@ def test_restore_takes_each_part_from_its_nearest_tier(reference, tok, s3_server
 
         # L1 removed too: each node downloads its own part of the newest step on L2 (L2's merge follows L1's, so
         # the newest L1 step may not have reached L2 when the hosts went down)
-        third = max(ck.list_steps(c.spec, SUB, ("L2",))["L2"])
+        third = max(ckpt_tiers.list_steps(c.spec, SUB, ("L2",))["L2"])
         assert third >= second
         shutil.rmtree(c.shared / "l1")
         for r in (0, 1):

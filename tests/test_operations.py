@@ -238,3 +238,37 @@ def test_the_password_file_must_be_private_and_stop_signals_only_its_own_process
     finally:
         if other.poll() is None:
             other.kill()
+
+
+def test_the_stack_executor_adopts_only_a_live_task_process_and_counts_it_against_parallelism():
+    """A killed scheduler's running task is adopted only when its process started before the task did (a process
+    that started later holds a reused pid); an adopted task holds a slot until its process ends."""
+    import datetime
+    from types import SimpleNamespace
+
+    from airflow.utils.net import get_hostname
+    from airflow.utils.state import TaskInstanceState
+
+    from pipelines.airflow_executor import StackExecutor
+
+    task = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        now = datetime.datetime.now(datetime.timezone.utc)
+
+        def ti(key, started):
+            return SimpleNamespace(key=key, state=TaskInstanceState.RUNNING, pid=task.pid, hostname=get_hostname(),
+                                   start_date=started)
+
+        ex = StackExecutor(parallelism=2)
+        ours, reused = ti("ours", now), ti("reused", now - datetime.timedelta(minutes=10))  # began 10 min before
+        assert ex.try_adopt_task_instances([ours, reused]) == [reused]
+        assert ex.running == {"ours"} and ex.slots_available == 1
+        ex.release_adopted()
+        assert ex.running == {"ours"}  # still running: the slot stays taken
+        task.kill()
+        task.wait(15)
+        ex.release_adopted()
+        assert ex.running == set() and ex.adopted == {} and ex.slots_available == 2
+    finally:
+        if task.poll() is None:
+            task.kill()

@@ -23,7 +23,9 @@ import torch
 
 from pipelines.data import tokenize
 from pipelines.spec import load_spec
+from pipelines.storage.s3 import part_size_used
 from pipelines.train import checkpoint as ck
+from pipelines.train import ckpt_local, ckpt_s3, ckpt_tiers
 from pipelines.train.resilience import SpikeGuard, young_daly_steps
 
 from conftest import ROOT, c4_docs, wait_for
@@ -66,7 +68,7 @@ def _final_state(root: Path, name: str) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     step_dir = next((root / "l0").glob(f"*/*/{name}"))
-    ck.verify_local(step_dir)
+    ckpt_local.verify_local(step_dir)
     dcp_to_torch_save(step_dir, root / "final.pt")
     return torch.load(root / "final.pt", weights_only=False)
 
@@ -143,7 +145,7 @@ def test_restore_falls_back_tier_by_tier_then_to_an_older_step(home, s3_server):
     spec, m, rel_root = _trained_with_tiers(home, s3_server, "ckpt-restore")
     assert m.extra["promoted_during_run"] == {"10": {"L1": "copied", "L2": "committed"},
                                               "20": {"L1": "copied", "L2": "committed"}}
-    assert ck.list_steps(spec, rel_root) == {"L0": [10, 20], "L1": [10, 20], "L2": [10, 20]}
+    assert ckpt_tiers.list_steps(spec, rel_root) == {"L0": [10, 20], "L1": [10, 20], "L2": [10, 20]}
     from pipelines import tracking
 
     hist = tracking.client(spec).get_metric_history(m.extra["mlflow_run_id"], "ckpt/interval_steps")
@@ -158,32 +160,32 @@ def test_restore_falls_back_tier_by_tier_then_to_an_older_step(home, s3_server):
             f.seek(100)
             f.write(bytes([b[0] ^ 0xFF]))
 
-    locs = ck.tier_locations(spec, f"{rel_root}/step-000020")
+    locs = ckpt_tiers.tier_locations(spec, f"{rel_root}/step-000020")
     flip(Path(locs["L0"]) / "__1_0.distcp")
     logs = []
-    rp = ck.find_restore(spec, rel_root, log=logs.append)
+    rp = ckpt_tiers.find_restore(spec, rel_root, log=logs.append)
     assert (rp.step, rp.tier) == (20, "L1") and "__1_0.distcp sha256" in rp.skipped[0]
     assert any("skipped step-000020 L0" in line for line in logs)
 
-    ck.remove_local(Path(locs["L1"]))
-    rp = ck.find_restore(spec, rel_root)
+    ckpt_local.remove_local(Path(locs["L1"]))
+    rp = ckpt_tiers.find_restore(spec, rel_root)
     assert (rp.step, rp.tier) == (20, "L2") and Path(rp.path) == Path(locs["L0"])  # downloaded into L0
-    ck.verify_local(Path(locs["L0"]))
+    ckpt_local.verify_local(Path(locs["L0"]))
 
     from pipelines.storage.s3 import client, split_uri
 
     bucket, prefix = split_uri(locs["L2"])
     client(spec).put_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp", Body=b"not the shard")
     flip(Path(locs["L0"]) / "__0_0.distcp")
-    rp = ck.find_restore(spec, rel_root)
+    rp = ckpt_tiers.find_restore(spec, rel_root)
     assert (rp.step, rp.tier) == (10, "L0")
     assert [r.split(":")[0] for r in rp.skipped] == ["step-000020 L0", "step-000020 L1", "step-000020 L2"]
 
     # the promote stage finds the final checkpoint that the run promoted already
-    ck.remove_local(Path(locs["L0"]))
+    ckpt_local.remove_local(Path(locs["L0"]))
     with pytest.raises(ck.CheckpointError, match="L0 copy .* is gone"):
-        ck.promote(spec, f"{rel_root}/step-000020")
-    rep = ck.promote(spec, f"{rel_root}/step-000010")
+        ckpt_tiers.promote(spec, f"{rel_root}/step-000020")
+    rep = ckpt_tiers.promote(spec, f"{rel_root}/step-000010")
     assert rep["actions"] == {"L1": "already-verified", "L2": "already-verified"}
 
 
@@ -191,7 +193,7 @@ _SLOW_PROMOTE = """
 import sys, time
 from pipelines.spec import load_spec
 from pipelines.storage import s3
-from pipelines.train import checkpoint as ck
+from pipelines.train import ckpt_tiers
 spec = load_spec(None, sys.argv[2:], env={})
 real = s3.client
 def slow_client(spec):
@@ -199,7 +201,7 @@ def slow_client(spec):
     c.meta.events.register("before-call.s3.UploadPart", lambda **kw: time.sleep(2))
     return c
 s3.client = slow_client
-ck.promote(spec, sys.argv[1])
+ckpt_tiers.promote(spec, sys.argv[1])
 """
 
 
@@ -211,25 +213,25 @@ def test_a_promotion_killed_mid_upload_leaves_no_commit_and_the_next_completes_i
     tmp = home / "staged"
     tmp.mkdir()
     (tmp / "__0_0.distcp").write_bytes(os.urandom(16 * 1024 * 1024))  # multipart: 4 parts of 5 MB
-    ck.commit_local(tmp, Path(ck.tier_locations(spec, rel)["L0"]), meta={"step": 10})
+    ckpt_local.commit_local(tmp, Path(ckpt_tiers.tier_locations(spec, rel)["L0"]), meta={"step": 10})
     p = subprocess.Popen([sys.executable, "-c", _SLOW_PROMOTE, rel] + sets, cwd=ROOT, env=_env(LLMP_HOME=str(home)))
     from pipelines.storage.s3 import client, split_uri
 
     s3 = client(spec)
-    bucket, prefix = split_uri(ck.tier_locations(spec, rel)["L2"])
+    bucket, prefix = split_uri(ckpt_tiers.tier_locations(spec, rel)["L2"])
     _wait_for(lambda: bucket in {b["Name"] for b in s3.list_buckets()["Buckets"]}
-              and ck.multipart_uploads(s3, bucket), 60, "the multipart upload to start")
+              and ckpt_s3.multipart_uploads(s3, bucket), 60, "the multipart upload to start")
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=30)
-    assert ck.s3_commit_body(s3, bucket, prefix) is None  # no committed copy at L2
-    assert len(ck.multipart_uploads(s3, bucket)) == 1  # the leftover
+    assert ckpt_s3.s3_commit_body(s3, bucket, prefix) is None  # no committed copy at L2
+    assert len(ckpt_s3.multipart_uploads(s3, bucket)) == 1  # the leftover
     with pytest.raises(ck.CheckpointError, match="no COMMIT"):
-        ck.verify_s3(spec, f"s3://{bucket}/{prefix}")
-    rep = ck.promote(spec, rel)
+        ckpt_s3.verify_s3(spec, f"s3://{bucket}/{prefix}")
+    rep = ckpt_tiers.promote(spec, rel)
     assert rep["actions"] == {"L1": "already-verified", "L2": "uploaded"}
-    assert not ck.multipart_uploads(s3, bucket)  # aborted
-    ck.verify_s3(spec, f"s3://{bucket}/{prefix}")
-    got = ck.download_checkpoint(spec, f"s3://{bucket}/{prefix}", home / "back")
+    assert not ckpt_s3.multipart_uploads(s3, bucket)  # aborted
+    ckpt_s3.verify_s3(spec, f"s3://{bucket}/{prefix}")
+    got = ckpt_s3.download_checkpoint(spec, f"s3://{bucket}/{prefix}", home / "back")
     assert (got / "__0_0.distcp").read_bytes() == (tmp.parent / "var/tiers/nvme" / rel / "__0_0.distcp").read_bytes()
 
     # a multipart object of the same size but other bytes (another attempt's upload) is seen by content, not size
@@ -237,7 +239,7 @@ def test_a_promotion_killed_mid_upload_leaves_no_commit_and_the_next_completes_i
     s3.upload_file(str(home / "other"), bucket, f"{prefix}/__0_0.distcp", ExtraArgs={"ChecksumAlgorithm": "SHA256"})
     # (S3: its composite checksum differs; an endpoint without checksums, the embedded one: its downloaded bytes)
     with pytest.raises(ck.CheckpointError, match="part checksums are not those of this file|bytes' sha256 differs"):
-        ck.verify_s3(spec, f"s3://{bucket}/{prefix}")
+        ckpt_s3.verify_s3(spec, f"s3://{bucket}/{prefix}")
 
 
 def _torchrun_trainer(spec_file, tok, out: Path, ckpt_root: Path, nproc: int, env=None):
@@ -307,20 +309,21 @@ def test_spikes_and_non_finite_steps_roll_back_skip_the_batch_and_the_run_comple
 
 def test_retention_keeps_windows_and_never_removes_the_newest_verified_copy(home):
     spec = load_spec(None, ["checkpoint.keep_l0=2"], env={})
-    assert ck.retention_plan({"L0": [10, 20, 30, 40], "L1": [10, 20, 30], "L2": [10, 20, 30, 40, 50]},
+    assert ckpt_tiers.retention_plan({"L0": [10, 20, 30, 40], "L1": [10, 20, 30], "L2": [10, 20, 30, 40, 50]},
                              {"L0": 2, "L1": 5, "L2": 1}, 20) == {"L0": [10, 20], "L1": [], "L2": [10, 30]}
     rel_root = "run/key"
     for s in (10, 20, 30, 40, 50):
         tmp = home / f"t{s}"
         tmp.mkdir()
         (tmp / "__0_0.distcp").write_bytes(os.urandom(1000))
-        ck.commit_local(tmp, Path(ck.tier_locations(spec, f"{rel_root}/step-0000{s}")["L0"]), meta={"step": s})
+        ckpt_local.commit_local(tmp, Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-0000{s}")["L0"]),
+                                meta={"step": s})
     for s in (40, 50):  # the two newest are corrupt: step 30 is the newest that verifies
-        (Path(ck.tier_locations(spec, f"{rel_root}/step-0000{s}")["L0"]) / "__0_0.distcp").write_bytes(b"x")
-    deleted = ck.prune(spec, rel_root, tiers=("L0",))
+        (Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-0000{s}")["L0"]) / "__0_0.distcp").write_bytes(b"x")
+    deleted = ckpt_tiers.prune(spec, rel_root, tiers=("L0",))
     assert deleted == {"L0": [10, 20]}
-    assert ck.list_steps(spec, rel_root, ("L0",)) == {"L0": [30, 40, 50]}
-    assert ck.find_restore(spec, rel_root).step == 30
+    assert ckpt_tiers.list_steps(spec, rel_root, ("L0",)) == {"L0": [30, 40, 50]}
+    assert ckpt_tiers.find_restore(spec, rel_root).step == 30
 
 
 def test_async_save_returns_before_the_commit_and_keeps_the_state_of_its_step(home, monkeypatch):
@@ -334,8 +337,8 @@ def test_async_save_returns_before_the_commit_and_keeps_the_state_of_its_step(ho
 
     spec = load_spec(None, ["checkpoint.promote_during_run=false"], env={})
     gate = threading.Event()
-    real_commit = ck.commit_local
-    monkeypatch.setattr(ck, "commit_local", lambda *a, **k: gate.wait(30) and real_commit(*a, **k))
+    real_commit = ckpt_local.commit_local
+    monkeypatch.setattr(ckpt_local, "commit_local", lambda *a, **k: gate.wait(30) and real_commit(*a, **k))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         model = Transformer(ModelArgs(vocab_size=300, n_layers=2, d_model=64, n_heads=4, seq_len=16))
@@ -353,17 +356,17 @@ def test_async_save_returns_before_the_commit_and_keeps_the_state_of_its_step(ho
                 p.add_(1.0)
         gate.set()
         saver.wait()
-        assert (final / "COMMIT").exists() and ck.verify_local(final)["step"] == 7 and stall < 5
+        assert (final / "COMMIT").exists() and ckpt_local.verify_local(final)["step"] == 7 and stall < 5
         saver.close(None)
     finally:
         dist.destroy_process_group()
-    assert ck.missing_shards(final) == []
+    assert ckpt_local.missing_shards(final) == []
     partial = home / "partial"  # as if a shard had been written on another node's disk
     import shutil
 
     shutil.copytree(final, partial)
     (partial / "__0_0.distcp").unlink()
-    assert ck.missing_shards(partial) == ["__0_0.distcp"]
+    assert ckpt_local.missing_shards(partial) == ["__0_0.distcp"]
     restored = ck.load_plain_model(final).state_dict()
     for k, v in before.items():
         assert torch.equal(restored[k], v), k  # the state of step 7, not the weights changed afterwards
@@ -379,7 +382,7 @@ def test_young_daly_interval_and_spike_guard_and_the_real_part_size():
         g.accept(x)
     assert g.check(4.2, 1.0) is None and "spike" in g.check(9.0, 1.0) and "non-finite" in g.check(4.0, float("inf"))
     # s3transfer raises an 8 MB chunk to 32 MB for a 200 GB file (≤ 10,000 parts): verification must follow
-    assert ck.part_size_used(200 << 30, 8 << 20) == 32 << 20 and ck.part_size_used(100 << 20, 8 << 20) == 8 << 20
+    assert part_size_used(200 << 30, 8 << 20) == 32 << 20 and part_size_used(100 << 20, 8 << 20) == 8 << 20
 
 
 def test_young_daly_interval_inside_the_run_is_the_same_on_every_rank(home):

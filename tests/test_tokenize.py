@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import pyarrow as pa
 import pyarrow.parquet as pq
 import sentencepiece as spm
@@ -18,7 +19,7 @@ def _filter_manifest(home, docs, files: int = 1) -> Manifest:
     sd = StageDir(home / "var/runs", "filter", "test", [{"uri": "x", "sha256": "0"}])
     with sd:
         tbl = pa.table({"idx": list(range(len(docs))), "id": [d["id"] for d in docs],
-                        "text": [d["text"] for d in docs], "source": ["t"] * len(docs)})
+                        "text": [d["text"] for d in docs], "source": [d.get("source", "t") for d in docs]})
         (sd.tmp / "kept").mkdir()
         step = -(-len(docs) // files)
         for k in range(files):
@@ -54,6 +55,44 @@ def test_shards_round_trip_and_counts_match_the_manifest(home, spark):
     assert m.counts["tokens"] == m.counts["train_tokens"] + m.counts["heldout_tokens"]
     assert m.counts["docs"] == len(docs)
     assert load_manifest(m.path).extra["tokenizer_sha256"] == m.output_sha("tokenizer")
+
+
+def test_char_and_byte_tokenizers_and_a_held_out_tail_per_input(home, spark):
+    """tokenizer.model_type=char: every piece but the specials is one character of the corpus, and every character
+    of it has a piece (vocab_size is not used, so not checked); byte: the 256 bytes (id = byte + 3), no training.
+    tokenizer.heldout=tail: the last 10 % of each input's docs, and of the text of an input that is one doc."""
+    many = [{"id": f"a{i}", "text": d["text"], "source": "a.jsonl"} for i, d in enumerate(c4_docs(60))]
+    book = {"id": "book", "text": "\n".join(d["text"] for d in c4_docs(80)[60:]), "source": "book.txt"}
+    docs = many + [book]
+    sets = ["tokenizer.heldout=tail", "tokenizer.heldout_fraction=0.1", "tokenizer.vocab_size=10"]
+    m = tokenize.run(load_spec(None, sets + ["tokenizer.model_type=char"], env={}), _filter_manifest(home, docs),
+                     spark=spark)
+    sp = spm.SentencePieceProcessor(model_file=str(m.output("tokenizer")))
+    pieces = {sp.id_to_piece(i) for i in range(sp.get_piece_size())
+              if not (sp.is_control(i) or sp.is_unknown(i))}
+    text = tokenize.canonical_text(book["text"])
+    cut = int(len(text) * 0.9)
+    trained_on = [tokenize.canonical_text(d["text"]) for d in many[:54]] + [text[:cut]]  # the held-out tail is not
+    chars = {c for t in trained_on for c in t}
+    assert all(len(p) == 1 for p in pieces) and {c.replace(" ", "\u2581") for c in chars} == pieces
+    assert m.extra["heldout"] == {"mode": "tail", "fraction": 0.1}
+    held = tokenize.read_back(m, "heldout")
+    assert sorted(held) == sorted([f"a{i}" for i in range(54, 60)] + ["book#tail"])  # ceil(60 × 0.9) = 54
+    train = tokenize.read_back(m, "train")
+    assert sp.decode(train["book"][:-1]) == text[:cut]
+    if set(text[cut:]) <= chars:  # a character only the tail has is <unk> in a char model
+        assert sp.decode(held["book#tail"][:-1]) == text[cut:]
+
+    m = tokenize.run(load_spec(None, sets + ["tokenizer.model_type=byte"], env={}), _filter_manifest(home, docs),
+                     spark=spark)
+    sp = spm.SentencePieceProcessor(model_file=str(m.output("tokenizer")))
+    assert sp.get_piece_size() == m.extra["vocab_size"] == 259
+    got = tokenize.read_back(m, "train")
+    for d in many[:5]:
+        assert got[d["id"]][:-1] == [b + 3 for b in tokenize.canonical_text(d["text"]).encode()]
+        assert sp.decode(got[d["id"]][:-1]) == tokenize.canonical_text(d["text"])
+    with pytest.raises(ValueError, match="at least 64"):
+        load_spec(None, ["tokenizer.vocab_size=10"], env={})  # bpe: vocab_size means something, so it is checked
 
 
 def test_idx_is_megatron_mmidx_and_uint32_for_large_vocabs(tmp_path):

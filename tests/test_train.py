@@ -7,6 +7,7 @@ import torch
 from pipelines.data import tokenize
 from pipelines.spec import load_spec
 from pipelines.train import checkpoint as ck
+from pipelines.train import ckpt_local
 from pipelines.train import launch
 from pipelines.train.loader import DPSampler
 from pipelines.train.model import ModelArgs, Transformer, param_count
@@ -114,7 +115,8 @@ def test_torchrun_two_ranks_trains_and_checkpoints_to_l0(home):
     spec = load_spec(None, [
         "tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=32",
         "train.steps=24", "train.micro_batch=4", "train.warmup_steps=2", "train.ckpt_every=10", "train.lr=0.01",
-        "launcher.nproc_per_node=2", "train.log_every=5",
+        "launcher.nproc_per_node=2", "train.log_every=5", "train.eval_every=8", "train.eval_tokens=256",
+        "tokenizer.heldout_fraction=0.2",
     ], env={})
     tok = tokenize.run(spec, _filter_manifest(home, docs))
     m = launch.run(spec, tok)
@@ -122,14 +124,14 @@ def test_torchrun_two_ranks_trains_and_checkpoints_to_l0(home):
     assert len(losses) == 24 and m.extra["world_size"] == 2 and m.extra["backend"] == "gloo"
     assert np.mean([l for _, l in losses[-4:]]) < np.mean([l for _, l in losses[:4]]) - 0.5  # it learns
     ckdir = home / "var/tiers/nvme" / m.extra["checkpoint"]
-    man = ck.verify_local(ckdir)
+    man = ckpt_local.verify_local(ckdir)
     # a sharded DCP checkpoint: one shard file per rank, the metadata, the run's state, COMMIT last
     assert man["step"] == 24 and set(man["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng.json",
                                                        "trainer_state.json", "tokenizer.model", "model_args.json"}
     # retention (keep_l0=2): step 10 left L0 once promoted to L1, where steps 10, 20 and 24 all verify
-    assert not (ckdir.parent / "step-000010").exists() and ck.is_valid_local(ckdir.parent / "step-000020")
+    assert not (ckdir.parent / "step-000010").exists() and ckpt_local.is_valid_local(ckdir.parent / "step-000020")
     l1 = home / "var/tiers/shared" / m.extra["checkpoint"]
-    assert all(ck.is_valid_local(l1.parent / f"step-0000{s}") for s in (10, 20, 24))
+    assert all(ckpt_local.is_valid_local(l1.parent / f"step-0000{s}") for s in (10, 20, 24))
     assert m.extra["promoted_during_run"] == {"10": {"L1": "copied"}, "20": {"L1": "copied"}, "24": {"L1": "copied"}}
     assert m.extra["resumed_from"] is None
     state = json.loads((ckdir / "trainer_state.json").read_text())
@@ -141,6 +143,15 @@ def test_torchrun_two_ranks_trains_and_checkpoints_to_l0(home):
 
     hist = tracking.client(spec).get_metric_history(m.extra["mlflow_run_id"], "train/loss")
     assert len(hist) == 24
+    # validation during training: steps 8, 16, 24 on the same held-out slice (8 windows of 32 tokens)
+    result = json.loads(m.output("result").read_text())
+    assert [v["step"] for v in result["val"]] == [8, 16, 24] and result["val"][-1]["loss"] < result["val"][0]["loss"]
+    assert all(v["bpb"] > 0 for v in result["val"]) and m.extra["val"] == result["val"]
+    assert m.extra["best_val_step"] == min(result["val"], key=lambda v: v["loss"])["step"]
+    for key in ("val/loss", "val/bpb"):
+        hist = tracking.client(spec).get_metric_history(m.extra["mlflow_run_id"], key)
+        assert sorted(h.step for h in hist) == [8, 16, 24], key
+    assert state["val"] == result["val"]  # the checkpoint carries the points (a resumed run keeps them)
 
 
 def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
@@ -150,7 +161,8 @@ def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
     docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
     common = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",
               "model.seq_len=32", "train.steps=8", "train.warmup_steps=2", "train.ckpt_every=8", "train.lr=0.01",
-              "train.log_every=4", "train.micro_batch=4", "train.global_batch=8"]
+              "train.log_every=4", "train.micro_batch=4", "train.global_batch=8", "train.eval_every=4",
+              "train.eval_tokens=288", "tokenizer.heldout_fraction=0.2"]
     layouts = {
         "one": ["launcher.nproc_per_node=1", "train.grad_accum=2"],
         "ddp": ["launcher.nproc_per_node=2", "train.grad_accum=1"],
@@ -161,14 +173,19 @@ def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
                      "parallel.dp_shard=2", "parallel.tp=2"],
     }
     tok = tokenize.run(load_spec(None, common + layouts["one"], env={}), _filter_manifest(home, docs))
-    curves, runs = {}, {}
+    curves, runs, vals = {}, {}, {}
     for name, extra in layouts.items():
         spec = load_spec(None, common + extra, env={})
         m = launch.run(spec, tok)
         result = json.loads(m.output("result").read_text())
         assert result["parallel"] == {"one": "single"}.get(name, name)
         curves[name] = np.array([loss for _, loss in json.loads(m.output("losses").read_text())])
+        vals[name] = np.array([[v["step"], v["loss"]] for v in result["val"]])
         runs[name] = m
+    # validation on the same slice on every layout (9 windows: on 2 DP ranks one rank runs a pass of weight 0)
+    assert vals["one"][:, 0].tolist() == [4, 8]
+    for name in layouts:
+        np.testing.assert_allclose(vals[name], vals["one"], rtol=0, atol=2e-4, err_msg=name)
     assert len(curves["one"]) == 8 and curves["one"][-1] < curves["one"][0]
     np.testing.assert_allclose(curves["ddp"], curves["one"], rtol=0, atol=2e-4)
     for name in ("fsdp2", "tp", "fsdp2+tp"):

@@ -1,7 +1,8 @@
 """The filter stage: the URL step and the quality filters of :mod:`pipelines.data.quality` over the dedup stage's
 kept docs, then the PII step on the kept ones, on Spark; kept docs and removed docs (each with its ``filter_reason``)
 as parquet. The manifest's ``extra.url_filter`` counts removals per URL rule (and ``allowed``), ``extra.pii`` the
-e-mail, IPv4, IPv6 and phone spans found in kept docs (replaced unless ``data.filters.pii`` is ``report``).
+e-mail, IPv4, IPv6 and phone spans found in kept docs (replaced unless ``data.filters.pii`` is ``report``). A doc of
+a source on the takedown list (``data.exclusions``) is removed first (reason ``takedown``; ``extra.takedown``).
 
     python -m pipelines.data.filter --dedup-manifest M [--spec S] [--set data.filters.steps=[language,c4]]
 """
@@ -11,15 +12,18 @@ import sys
 from pathlib import Path
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
+from pipelines.data import takedown
 from pipelines.data.quality import filter_docs
 from pipelines.data.urlfilter import list_files
 from pipelines.manifest import Manifest, file_ref, input_ref
-from pipelines.spec import JobSpec
+from pipelines.spec import JobSpec, resolve_path
 
 
 def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
-    lists = [file_ref(p) for p in list_files(spec.data.filters)]  # a changed list is a changed input
-    sd = stage_dir(spec, "filter", [input_ref(dedup), *lists], out_dir)
+    exclusions_file = resolve_path(spec.data.exclusions)
+    excluded = takedown.load(exclusions_file)
+    lists = [file_ref(p) for p in [*list_files(spec.data.filters), *([exclusions_file] if excluded else [])]]
+    sd = stage_dir(spec, "filter", [input_ref(dedup), *lists], out_dir)  # a changed list is a changed input
 
     def body(tmp: Path) -> Manifest:
         from pipelines.data.spark import dir_bytes, size_shuffles, spec_session, task_count
@@ -28,11 +32,13 @@ def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None, spark=None) 
         kept = dedup.output("kept")
         tasks = task_count(s, dir_bytes(kept), spec.data.task_mb, spec.data.filters.partitions)
         size_shuffles(s, tasks)
-        counts = filter_docs(s, kept, tmp, spec.data.filters, tasks)
+        counts = filter_docs(s, kept, tmp, spec.data.filters, tasks, takedown.Matcher(excluded))
         url_filter, found = counts.pop("url_filter"), counts.pop("pii")
         return sd.commit({"kept": "kept", "removed": "removed"}, counts=counts,
                          metrics={"url_filter": url_filter, "pii": {k: v for k, v in found.items() if k != "mode"}},
-                         extra={"tasks": tasks, "url_filter": url_filter, "pii": found})
+                         extra={"tasks": tasks, "url_filter": url_filter, "pii": found, "takedown": {
+                             "exclusions": len(excluded), "list_sha256": takedown.list_sha256(exclusions_file),
+                             "removed": counts["removed_by_reason"].get("takedown", 0)}})
 
     return run_and_log(spec, sd, body)
 

@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 from pipelines.data import pii
 from pipelines.data.pii import KINDS as PII_KINDS
+from pipelines.data.takedown import Matcher
 from pipelines.data.urlfilter import UrlRules, load_rules
 from pipelines.spec import FilterCfg
 
@@ -256,9 +257,9 @@ ADDED = (("filter_reason", "string"), ("language", "string"), ("language_score",
 TALLIES = ("url_allowed", *(f"pii_{k}" for k in PII_KINDS))  # per-doc counts summed on the driver, then dropped
 
 
-def _filter_fn(cfg_dict: dict, url_rules: UrlRules, names: list[str]):
+def _filter_fn(cfg_dict: dict, url_rules: UrlRules, names: list[str], excluded: Matcher):
     """Each batch: every input column (text rewritten for kept docs: C4's line drops, then PII placeholders), the
-    reason, the language, and the tallies."""
+    reason (``takedown`` first: a doc of an excluded source), the language, and the tallies."""
     def fn(batches):
         import pyarrow as pa
 
@@ -266,9 +267,11 @@ def _filter_fn(cfg_dict: dict, url_rules: UrlRules, names: list[str]):
         for rb in batches:
             texts = rb.column("text").to_pylist()  # the other columns pass through as they are
             urls = rb.column("url").to_pylist() if "url" in names else [None] * rb.num_rows
+            sources = rb.column("source").to_pylist() if "source" in names else [None] * rb.num_rows
             out: dict[str, list] = {k: [] for k in ("text", *(n for n, _ in ADDED), *TALLIES)}
-            for t, u in zip(texts, urls):
-                reason, doc = apply_filters(t or "", cfg, u, url_rules)
+            for t, u, src in zip(texts, urls, sources):
+                reason, doc = ("takedown", Doc(t or "")) if excluded.hit(src, u) else \
+                    apply_filters(t or "", cfg, u, url_rules)
                 text, found = doc.text, {}
                 if reason is None and cfg.pii != "off":
                     scrubbed, found = pii.scrub(text)
@@ -287,10 +290,10 @@ def _filter_fn(cfg_dict: dict, url_rules: UrlRules, names: list[str]):
     return fn
 
 
-def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg, tasks: int = 0) -> dict:
+def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg, tasks: int = 0, excluded: Matcher | None = None) -> dict:
     """Writes ``out/kept`` and ``out/removed`` (every input column, plus ``filter_reason`` for removed docs and the
     language columns); returns the counts, ``url_filter`` (removed per rule, and ``allowed``) and ``pii`` (found per
-    kind in kept docs, and the docs that had any)."""
+    kind in kept docs, and the docs that had any). ``excluded``: the takedown list's sources (reason ``takedown``)."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
@@ -305,7 +308,7 @@ def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg, tasks: int = 0) -> 
     schema = StructType([f for f in docs.schema if f.name in names] + [StructField(n, types[t]) for n, t in ADDED]
                         + [StructField(n, LongType()) for n in TALLIES])
     res = (docs.repartition(tasks or spark.sparkContext.defaultParallelism)
-           .mapInArrow(_filter_fn(cfg.model_dump(), rules, names), schema).persist(StorageLevel.MEMORY_AND_DISK))
+           .mapInArrow(_filter_fn(cfg.model_dump(), rules, names, excluded or Matcher([])), schema).persist(StorageLevel.MEMORY_AND_DISK))
     res.where(F.col("filter_reason").isNull()).drop("filter_reason", *TALLIES).orderBy("idx") \
         .write.parquet(str(out / "kept"))
     res.where(F.col("filter_reason").isNotNull()).drop(*TALLIES).orderBy("idx").write.parquet(str(out / "removed"))

@@ -3,12 +3,16 @@ its own mmap shards.
 
 * Canonical text before tokenization (:func:`canonical_text`): Unicode NFKC, ``\\r\\n``/``\\r`` → ``\\n``. The trained model
   uses SentencePiece's ``identity`` normaliser, keeps whitespace as is, has ``\\n`` as a piece and
-  byte fallback, so ``decode(encode(doc)) == canonical_text(doc)`` exactly.
+  byte fallback, so ``decode(encode(doc)) == canonical_text(doc)`` exactly. ``tokenizer.model_type``: ``bpe`` or
+  ``unigram`` (``vocab_size`` pieces), ``char`` (one piece per character of the sample, no fallback: a character
+  the sample lacks decodes as ``⁇``), ``byte`` (:func:`byte_model`: the 256 bytes, no training).
 * Tokenizer sample: the executors rank every train-split doc by ``sha256(seed:tok:id)``; the driver takes the
   ``sample_docs`` smallest (Spark's top-k) and trains on them. The same docs give the same sample, whatever the
   partitioning.
-* Split: a doc goes to ``heldout`` when ``sha256(seed:id)`` falls under ``heldout_fraction``,
-  else to ``train`` (stable under corpus growth: a doc never changes split).
+* Split (``tokenizer.heldout``, :class:`Splitter`): ``hash``: a doc goes to ``heldout`` when ``sha256(seed:id)`` falls
+  under ``heldout_fraction``, else to ``train`` (stable under corpus growth: a doc never changes split); ``tail``:
+  the last ``heldout_fraction`` of each input's docs (by ``idx``), or of its text when the input is one doc (the
+  tail becomes a doc ``<id>#tail``). The manifest's ``extra.heldout`` says which.
 * Shards: partition ``p`` writes ``shards/{train,heldout}-PPPPP-KKKK.{bin,idx}`` (format in
   ``pipelines.data.shards``, Megatron's ``MMIDIDX``) straight into the output directory, EOS after every doc, a
   new shard every ``shard_tokens`` tokens, and ``….ids.parquet`` with the doc ids in shard order. The number of
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipelines.data import takedown
 from pipelines.data.shards import ShardWriter, token_dtype
 from pipelines.data.spark import Piece, read_piece
 from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
@@ -64,7 +69,59 @@ def split_of(doc_id: str, seed: int, heldout_fraction: float) -> str:
     return "heldout" if h / 2**64 < heldout_fraction else "train"
 
 
+@dataclass(frozen=True)
+class Splitter:
+    """Which split a doc (or part of one) goes to (``tokenizer.heldout``): ``hash`` (:func:`split_of`), or ``tail``:
+    per input (``source``), its docs from ``cuts[source]`` (an ``idx``) on are held out; an input that is one doc
+    (``cuts[source]`` is -1) gives the last ``fraction`` of its text, as a doc ``<id>#tail``."""
+
+    mode: str
+    seed: int
+    fraction: float
+    cuts: dict  # tail: source → the first held-out idx (None: none; -1: the input is one doc, cut its text)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """What it reads of a doc besides id and text."""
+        return ("source", "idx") if self.mode == "tail" else ()
+
+    def is_train(self, doc_id: str, source: str, idx: int) -> bool:
+        """Whether the doc (or, for a one-doc input, its head) is training text."""
+        if self.mode == "hash":
+            return split_of(doc_id, self.seed, self.fraction) == "train"
+        cut = self.cuts.get(source)
+        return cut is None or cut == -1 or idx < cut
+
+    def parts(self, doc_id: str, source: str, idx: int, text: str) -> list[tuple[str, str, str]]:
+        """(split, id, text) of each part of the doc that has text."""
+        if self.mode == "hash":
+            return [(split_of(doc_id, self.seed, self.fraction), doc_id, text)]
+        cut = self.cuts.get(source)
+        if cut == -1:
+            k = int(len(text) * (1 - self.fraction))
+            return [p for p in (("train", doc_id, text[:k]), ("heldout", f"{doc_id}#tail", text[k:])) if p[2]]
+        return [("heldout" if cut is not None and idx >= cut else "train", doc_id, text)]
+
+
+def splitter(docs_path: Path, cfg: TokenizerCfg, seed: int) -> Splitter:
+    """The split of the docs at ``docs_path`` (tail: the cut of each input, from its docs' ``idx``, read on the
+    driver: two small columns)."""
+    if cfg.heldout == "hash" or cfg.heldout_fraction == 0:
+        return Splitter("hash", seed, cfg.heldout_fraction, {})
+    import pyarrow.dataset as ds
+
+    t = ds.dataset(str(docs_path), format="parquet").to_table(columns=["source", "idx"])
+    cuts = {}
+    for row in t.group_by("source").aggregate([("idx", "list")]).to_pylist():
+        idxs = sorted(row["idx_list"])
+        first = len(idxs) - math.floor(len(idxs) * cfg.heldout_fraction + 1e-9)  # an input of < 1/fraction docs: none
+        cuts[row["source"]] = -1 if len(idxs) == 1 else (idxs[first] if first < len(idxs) else None)
+    return Splitter("tail", seed, cfg.heldout_fraction, cuts)
+
+
 def train_sentencepiece(texts: list[str], out_prefix: Path, cfg: TokenizerCfg, seed: int) -> Path:
+    """A SentencePiece model of ``cfg.model_type`` trained on ``texts`` (bpe / unigram: ``vocab_size`` pieces with
+    byte fallback; char: every character of the sample, no fallback), written portable to ``out_prefix.model``."""
     import sentencepiece as spm
 
     spm.set_random_generator_seed(seed)
@@ -74,16 +131,37 @@ def train_sentencepiece(texts: list[str], out_prefix: Path, cfg: TokenizerCfg, s
             for line in t.split("\n"):
                 if line.strip():
                     f.write(line + "\n")
+    char = cfg.model_type == "char"
+    kind = {"vocab_size": 1 << 20, "hard_vocab_limit": False, "character_coverage": 1.0, "byte_fallback": False} \
+        if char else {"vocab_size": cfg.vocab_size, "character_coverage": cfg.character_coverage, "byte_fallback": True}
     spm.SentencePieceTrainer.train(
-        input=str(sample), model_prefix=str(out_prefix), vocab_size=cfg.vocab_size,
-        model_type=cfg.model_type, character_coverage=cfg.character_coverage, byte_fallback=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+        input=str(sample), model_prefix=str(out_prefix), model_type=cfg.model_type, **kind,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=not char,
         user_defined_symbols=["\n"], unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
         num_threads=2, input_sentence_size=2_000_000, shuffle_input_sentence=True,
         minloglevel=2,
     )
     sample.unlink()
     return portable(out_prefix.with_suffix(".model"))
+
+
+def byte_model(path: Path) -> Path:
+    """The byte tokenizer: ``<unk>``, ``<s>``, ``</s>``, then the 256 bytes (id = byte + 3), text as it is (no
+    whitespace escape, no prefix): every text encodes to its UTF-8 bytes and decodes back exactly."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    piece = pb.ModelProto.SentencePiece
+    proto = pb.ModelProto()
+    for name, kind in (("<unk>", piece.UNKNOWN), ("<s>", piece.CONTROL), ("</s>", piece.CONTROL)):
+        proto.pieces.add(piece=name, score=0.0, type=kind)
+    for b in range(256):
+        proto.pieces.add(piece=f"<0x{b:02X}>", score=0.0, type=piece.BYTE)
+    ts, ns = proto.trainer_spec, proto.normalizer_spec
+    ts.model_type, ts.vocab_size, ts.byte_fallback = pb.TrainerSpec.BPE, len(proto.pieces), True
+    ts.unk_id, ts.bos_id, ts.eos_id, ts.pad_id = 0, 1, 2, -1
+    ns.name, ns.add_dummy_prefix, ns.escape_whitespaces, ns.remove_extra_whitespaces = "identity", False, False, False
+    path.write_bytes(proto.SerializeToString())
+    return path
 
 
 def portable(model: Path) -> Path:
@@ -98,26 +176,33 @@ def portable(model: Path) -> Path:
     return model
 
 
-def sample_texts(docs, cfg: TokenizerCfg, seed: int) -> list[str]:
+def sample_texts(docs, cfg: TokenizerCfg, seed: int, split: Splitter) -> list[str]:
     """The tokenizer's training sample: the executors rank every train-split doc by id, the top ``sample_docs`` ids
-    are chosen (Spark's top-k: only ids and keys move), and only the winners are joined back to their text."""
+    are chosen (Spark's top-k: only ids and keys move), and only the winners are joined back to their text (a
+    one-doc input's head only: its tail is held out)."""
     from pyspark.sql import functions as F
 
     def rank(batches):
         import pyarrow as pa
 
         for b in batches:
-            ids = [i for i in b.column(0).to_pylist() if split_of(i, seed, cfg.heldout_fraction) == "train"]
+            cols = [b.column(k).to_pylist() for k in range(b.num_columns)]
+            ids = [i for i, src, idx in zip(cols[0], *(cols[1:] or [[None] * b.num_rows] * 2))
+                   if split.is_train(i, src, idx)]
             yield pa.RecordBatch.from_arrays([pa.array([hashlib.sha256(f"{seed}:tok:{i}".encode()).digest()
                                                         for i in ids], pa.binary()), pa.array(ids, pa.string())],
                                              names=["key", "id"])
 
-    top = docs.select("id").mapInArrow(rank, "key binary, id string").orderBy("key").limit(cfg.sample_docs)
-    rows = docs.join(F.broadcast(top), "id").select("key", "text").collect()
-    return [r.text for r in sorted(rows, key=lambda r: r.key)]
+    top = docs.select("id", *split.columns).mapInArrow(rank, "key binary, id string").orderBy("key") \
+        .limit(cfg.sample_docs)
+    rows = docs.join(F.broadcast(top), "id").select("key", "id", "text", *split.columns).collect()
+    return [next((t for part, _, t in split.parts(r.id, r["source"] if split.columns else None,
+                                                    r["idx"] if split.columns else None, canonical_text(r.text or ""))
+                  if part == "train"), "")
+            for r in sorted(rows, key=lambda r: r.key)]
 
 
-def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int, given: Path | None = None) -> bytes:
+def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int, split: Splitter, given: Path | None = None) -> bytes:
     """``out/tokenizer.model``: ``given`` (a corpus version's), tokenizer.model_path, or one trained on the
     deterministic sample; returns its bytes."""
     if given is not None or cfg.model_path:
@@ -125,8 +210,10 @@ def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int, given: Path |
         if not src.is_file():
             raise TokenizeError(f"tokenizer.model_path {src} does not exist")
         shutil.copyfile(src, out / "tokenizer.model")
+    elif cfg.model_type == "byte":
+        byte_model(out / "tokenizer.model")
     else:
-        texts = sample_texts(docs, cfg, seed)
+        texts = sample_texts(docs, cfg, seed, split)
         if not texts:
             raise TokenizeError("no training docs left to train a tokenizer on (did every doc get filtered?)")
         model = train_sentencepiece([canonical_text(t) for t in texts], out / "tokenizer", cfg, seed)
@@ -187,11 +274,13 @@ class PartitionShards:
         return self.done
 
 
-def read_pieces(pieces: list[Piece], batch_rows: int = 2048):
-    """(ids, texts) batches of a task's rows, read by the task itself (pyarrow, no JVM in the text's path)."""
+def read_pieces(pieces: list[Piece], extra: tuple[str, ...] = (), batch_rows: int = 2048):
+    """(ids, texts, sources, idxs) batches of a task's rows, read by the task itself (pyarrow, no JVM in the text's
+    path); sources and idxs are read when ``extra`` names them, else None each."""
     for p in pieces:
-        for b in read_piece(p, ["id", "text"]).to_batches(max_chunksize=batch_rows):
-            yield b.column(0).to_pylist(), b.column(1).to_pylist()
+        for b in read_piece(p, ["id", "text", *extra]).to_batches(max_chunksize=batch_rows):
+            cols = [b.column(k).to_pylist() for k in range(b.num_columns)]
+            yield (*cols[:2], *(cols[2:] or [[None] * b.num_rows] * 2))
 
 
 SHARD_FILES = (".bin", ".idx", ".ids.parquet")
@@ -239,7 +328,7 @@ def publish(m: Manifest, up: Upload) -> dict:
     return {"uri": f"s3://{up.bucket}/{up.prefix}", "objects": len(m.outputs) + 1, "uploaded_by_driver": uploaded}
 
 
-def encoder(model: bytes, out: str, cfg: TokenizerCfg, seed: int, up: Upload | None = None, rel: str = "shards"):
+def encoder(model: bytes, out: str, cfg: TokenizerCfg, split: Splitter, up: Upload | None = None, rel: str = "shards"):
     """The Spark task: read a task's pieces, encode them (one thread: Spark runs a task per core) into its shards,
     in an attempt directory of its own under ``out`` (published by the driver); return one row per shard written,
     each with that directory."""
@@ -253,18 +342,19 @@ def encoder(model: bytes, out: str, cfg: TokenizerCfg, seed: int, up: Upload | N
         mine = attempt_dir(out)
         shards = PartitionShards(mine, part, token_dtype(sp.get_piece_size()), cfg.shard_tokens, rel)
         for pieces in tasks:
-            for doc_ids, raw in read_pieces(pieces):
-                texts = [canonical_text(t) for t in raw]
+            for doc_ids, raw, sources, idxs in read_pieces(pieces, split.columns):
+                parts = [p for i, t, src, idx in zip(doc_ids, raw, sources, idxs)
+                         for p in split.parts(i, src, idx, canonical_text(t or ""))]
                 by_split: dict[str, tuple[list, list, list]] = {s: ([], [], []) for s in SPLITS}
-                for doc_id, text, ids in zip(doc_ids, texts, sp.encode(texts, num_threads=1)):
+                for (part_split, doc_id, text), ids in zip(parts, sp.encode([p[2] for p in parts], num_threads=1)):
                     ids.append(eos)
-                    dest = by_split[split_of(doc_id, seed, cfg.heldout_fraction)]
+                    dest = by_split[part_split]
                     dest[0].append(doc_id)
                     dest[1].append(ids)
                     dest[2].append(len(text.encode("utf-8")))
-                for split, (ids_, docs, nbytes) in by_split.items():
+                for name, (ids_, docs, nbytes) in by_split.items():
                     if docs:
-                        shards.add(split, ids_, docs, nbytes)
+                        shards.add(name, ids_, docs, nbytes)
         rows = shards.finish()
         if up:
             upload_shards(up, mine, rows)
@@ -288,8 +378,9 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
     else one trained here); returns the counts and the shard rows."""
     import sentencepiece as spm
 
-    docs = spark.read.parquet(str(docs_path)).select("id", "text")
-    model = tokenizer_model(docs, out, cfg, seed, model_from)
+    split = splitter(docs_path, cfg, seed)
+    docs = spark.read.parquet(str(docs_path)).select("id", "text", *split.columns)
+    model = tokenizer_model(docs, out, cfg, seed, split, model_from)
     sp = spm.SentencePieceProcessor(model_proto=model)
     if sp.eos_id() < 0:
         raise TokenizeError("the tokenizer has no EOS id; documents need an EOS separator")
@@ -298,7 +389,7 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
     groups = row_groups(docs_path, "text")
     tasks = plan_pieces(groups, partitions(spark, groups, cfg, task_mb))
     rows = spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitionsWithIndex(
-        encoder(model, prepare_attempts(out / "_shards"), cfg, seed, up, rel)).collect()
+        encoder(model, prepare_attempts(out / "_shards"), cfg, split, up, rel)).collect()
     publish_attempts(out / "_shards", sorted({r.pop("dir") for r in rows}), {".": out / rel})
     shutil.rmtree(out / "_shards")
     n = len(tasks)
@@ -307,7 +398,8 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
     if counts["train_tokens"] == 0 and model_from is None:
         raise TokenizeError("no tokens in the train split: the corpus is empty after filtering")
     return {"counts": counts, "shards": shards, "vocab_size": sp.get_piece_size(), "eos_id": sp.eos_id(),
-            "dtype": token_dtype(sp.get_piece_size()).name, "partitions": n}
+            "dtype": token_dtype(sp.get_piece_size()).name, "partitions": n,
+            "heldout": {"mode": cfg.heldout, "fraction": cfg.heldout_fraction}}
 
 
 def shard_counts(shards: list[dict]) -> dict:
@@ -385,12 +477,13 @@ def contamination_record(filt: Manifest, prev: Manifest | None) -> dict:
     return out
 
 
-def link_shards(prev: Manifest, out: Path) -> list[dict]:
-    """The previous version's shards, hard-linked into ``out`` under their own names (copied across file
-    systems): byte for byte the same files."""
+def link_shards(prev: Manifest, out: Path, skip: frozenset[str] = frozenset()) -> list[dict]:
+    """The previous version's shards (but ``skip``), hard-linked into ``out`` under their own names (copied across
+    file systems): byte for byte the same files."""
     import os
 
-    for sh in prev.extra["shards"]:
+    rows = [sh for sh in prev.extra["shards"] if sh["prefix"] not in skip]
+    for sh in rows:
         for ext in SHARD_FILES:
             dest = out / (sh["prefix"] + ext)
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -398,46 +491,72 @@ def link_shards(prev: Manifest, out: Path) -> list[dict]:
                 os.link(prev.dir / (sh["prefix"] + ext), dest)
             except OSError:
                 shutil.copyfile(prev.dir / (sh["prefix"] + ext), dest)
-    return list(prev.extra["shards"])
+    return rows
+
+
+def keep_shards(prev: Manifest, out: Path, rel: str, exclusions: list, drop: dict, held: dict) -> tuple[list, dict]:
+    """The previous version's shards in ``out``, in their order: linked as they are, or (the ``held`` ones, which
+    hold entries of ``drop``) written again as ``rel/takedown-<split>-NNNNN`` without them (a shard left empty is
+    dropped); and the takedown record (each exclusion with its reason and the entries it removed here, the shards
+    rewritten: old prefix → new, or None)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(prev.output("tokenizer"))) if held else None
+    linked = {sh["prefix"]: sh for sh in link_shards(prev, out, frozenset(held))}
+    removed, rows, rewritten = [0] * len(exclusions), [], {}
+    for sh in prev.extra["shards"]:
+        if sh["prefix"] in linked:
+            rows.append(sh)
+            continue
+        name = f"{rel}/takedown-{sh['split']}-{len(rewritten):05d}"
+        new = takedown.strip_shard(prev.dir, sh, drop, out, name, prev.extra["dtype"], removed, sp)
+        rewritten[sh["prefix"]] = new["prefix"] if new else None
+        rows += [new] if new else []
+    record = {"exclusions": [{**e.__dict__, "docs_removed": n} for e, n in zip(exclusions, removed)],
+              "docs_removed": sum(removed), "shards_rewritten": rewritten}
+    return rows, record
 
 
 def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
         corpus: Manifest | None = None) -> Manifest:
-    """Tokenize the decontaminated (or filtered) docs into a corpus version: with ``corpus`` (the version before), only the new docs
-    are encoded, with its tokenizer, into ``shards/vNNNN/``, and its shards are kept as they are; when no new doc
-    arrived, ``corpus`` itself is the answer."""
-    cfg = spec.tokenizer
+    """Tokenize the decontaminated (or filtered) docs into a corpus version: with ``corpus`` (the version before),
+    only the new docs are encoded, with its tokenizer, into ``shards/vNNNN/``, and its shards are kept as they are,
+    but those that hold docs of the takedown list (``data.exclusions``), which are written again without them; when
+    no new doc arrived and nothing is taken down, ``corpus`` itself is the answer."""
     if corpus is not None and "corpus" not in corpus.extra:
         raise TokenizeError(f"--corpus-manifest {corpus.path}: not a corpus version (a tokenize result of this "
                             "version)")
-    if corpus is not None and filt.counts.get("kept", 0) == 0:
+    listed = resolve_path(spec.data.exclusions)
+    exclusions = takedown.load(listed)
+    check_takedown_list(filt, listed)
+    drop, held = taken_down(corpus, exclusions)
+    if corpus is not None and filt.counts.get("kept", 0) == 0 and not held:
         print(f"tokenize: no new docs; corpus version {corpus.extra['corpus']['version']} stands ({corpus.path})")
         return corpus
     inputs = [input_ref(filt), *([input_ref(corpus)] if corpus is not None else [])]
-    if cfg.model_path and corpus is None:
-        inputs.append(file_ref(resolve_path(cfg.model_path)))
+    if spec.tokenizer.model_path and corpus is None:
+        inputs.append(file_ref(resolve_path(spec.tokenizer.model_path)))
+    if exclusions:
+        inputs.append(file_ref(listed))  # a new exclusion is a changed input
     sd = stage_dir(spec, "tokenize", inputs, out_dir)
     up = upload_target(spec, sd.final.name)
 
     def body(tmp: Path) -> Manifest:
-        from pipelines.data.spark import spec_session
-
-        s = spark or spec_session(spec, "llm-pipeline-tokenize")
         record = corpus_record(filt, corpus)
         rel = "shards" if corpus is None else f"shards/v{record['version']:04d}"
-        old = link_shards(corpus, tmp) if corpus is not None else []
-        r = tokenize_docs(s, filt.output("kept"), tmp, cfg, spec.run.seed, up, spec.data.task_mb,
-                          corpus.output("tokenizer") if corpus is not None else None, rel)
+        old, removal = keep_shards(corpus, tmp, rel, exclusions, drop, held) if corpus is not None else ([], None)
+        r = encode_new(spec, filt, corpus, tmp, rel, spark, up)
         shards = old + r["shards"]
+        if shard_counts(shards)["train_tokens"] == 0:
+            raise TokenizeError("no tokens left in the train split" + (" after the takedown" if removal else ""))
         outputs = {"tokenizer": "tokenizer.model"}
-        for sh in shards:
-            for ext in SHARD_FILES:
-                outputs[sh["prefix"] + ext] = sh["prefix"] + ext
+        outputs.update((sh["prefix"] + ext, sh["prefix"] + ext) for sh in shards for ext in SHARD_FILES)
         return sd.commit(outputs, counts={**shard_counts(shards), "new_docs": r["counts"]["docs"],
                                           "new_tokens": r["counts"]["tokens"]}, extra={
-            "shards": shards, "vocab_size": r["vocab_size"], "eos_id": r["eos_id"], "dtype": r["dtype"],
-            "tokenizer_sha256": sha256_file(tmp / "tokenizer.model"), "spark_master": s.sparkContext.master,
-            "partitions": r["partitions"], "corpus": record, "contamination": contamination_record(filt, corpus),
+            "shards": shards, "tokenizer_sha256": sha256_file(tmp / "tokenizer.model"), "corpus": record,
+            **{k: r[k] for k in ("vocab_size", "eos_id", "dtype", "spark_master", "partitions", "heldout")},
+            "contamination": contamination_record(filt, corpus),
+            **({"takedown": removal} if removal is not None and exclusions else {}),
         })
 
     m = run_and_log(spec, sd, body)
@@ -448,12 +567,59 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
     return m
 
 
+def encode_new(spec: JobSpec, filt: Manifest, corpus: Manifest | None, tmp: Path, rel: str, spark, up) -> dict:
+    """The new docs encoded into shards under ``tmp/rel`` (with ``corpus``'s tokenizer); with no new doc (a
+    takedown alone) no Spark: the tokenizer copied, no shard."""
+    if corpus is not None and filt.counts.get("kept", 0) == 0:
+        shutil.copyfile(corpus.output("tokenizer"), tmp / "tokenizer.model")
+        return {"shards": [], "counts": {"docs": 0, "tokens": 0}, "partitions": 0, "spark_master": "none (no new docs)",
+                **{k: corpus.extra.get(k) for k in ("vocab_size", "eos_id", "dtype", "heldout")}}
+    from pipelines.data.spark import spec_session
+
+    s = spark or spec_session(spec, "llm-pipeline-tokenize")
+    r = tokenize_docs(s, filt.output("kept"), tmp, spec.tokenizer, spec.run.seed, up, spec.data.task_mb,
+                      corpus.output("tokenizer") if corpus is not None else None, rel)
+    return {**r, "spark_master": s.sparkContext.master}
+
+
+def check_takedown_list(filt: Manifest, listed: Path) -> None:
+    """The takedown list must be the one the filter stage applied to the new docs: one added since would let its new
+    docs into this version."""
+    from pipelines.manifest import lineage
+
+    at = filt.path if filt.stage == "filter" else lineage(filt.path).get("filter")
+    seen = load_manifest(at).extra.get("takedown", {}).get("list_sha256", "unrecorded") if at else "unrecorded"
+    if seen != "unrecorded" and seen != takedown.list_sha256(listed):
+        raise TokenizeError(f"data.exclusions ({listed}) changed after the filter stage ({at}) ran: run the "
+                            "curation again (the filter stage takes the new list)")
+
+
+def taken_down(corpus: Manifest | None, exclusions: list) -> tuple[dict, dict]:
+    """The shard entries of ``corpus`` that the takedown list takes out (id → exclusion), and the shards that still
+    hold any ({prefix: entries})."""
+    if corpus is None or not exclusions:
+        return {}, {}
+    from pipelines.lineage import shards_holding
+
+    drop = takedown.excluded_docs(corpus, exclusions)
+    return drop, (shards_holding(corpus, set(drop)) if drop else {})
+
+
 def summary(m: Manifest) -> str:
     c = m.counts
     return (f"tokenize: {c['docs']} docs → {c['train_tokens']:,} train + {c['heldout_tokens']:,} held-out tokens "
             f"in {len(m.extra['shards'])} shards from {m.extra['partitions']} Spark partition(s) on "
             f"{m.extra['spark_master']} (vocab {m.extra['vocab_size']}); corpus version {m.extra['corpus']['version']} "
-            f"({c['new_docs']} new docs); manifest {m.path}")
+            f"({c['new_docs']} new docs{takedown_note(m)}); manifest {m.path}")
+
+
+def takedown_note(m: Manifest) -> str:
+    t = m.extra.get("takedown")
+    if not t or not t["docs_removed"]:
+        return ""
+    return (f", {t['docs_removed']} taken down: "
+            + ", ".join(f"{e['source']} {e['docs_removed']}" for e in t["exclusions"] if e["docs_removed"])
+            + f"; {len(t['shards_rewritten'])} shard(s) rewritten")
 
 
 def main(argv: list[str] | None = None) -> int:

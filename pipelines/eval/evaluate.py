@@ -88,7 +88,7 @@ def contamination_line(con: dict) -> str:
 
 
 def evaluate(spec: JobSpec, promote: Manifest, tok: Manifest, workdir: Path) -> dict:
-    from pipelines.train.checkpoint import fetch
+    from pipelines.train.ckpt_tiers import fetch
 
     tier, ckpt = fetch(spec, promote.extra["checkpoint"], cache=workdir / "checkpoint", prefer=("L2",))
     c = tok.counts

@@ -207,14 +207,33 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
             if not set(metrics) <= logged:
                 log_eval_metrics(client, model_id, eval_run_id or run_id, metrics, ev_extra)
         link_runs(client, run_id, eval_run_id)
+        tag_takedowns(spec, client, mv, lineage.get("data_manifest_hash"))  # before the alias can move to it
         client.set_registered_model_alias(name, alias if d.take else CHALLENGER, mv.version)
         client.set_model_version_tag(name, mv.version, "gate", d.reason)
         client.set_tag(eval_run_id or run_id, "register.gate", d.reason)
+        mv = client.get_model_version(name, mv.version)  # its tags as they are now
     return {"model_name": name, "version": int(mv.version), "model_uri": mv.source, "model_id": model_id,
             "alias": alias, "alias_moved": d.take, "previous_champion": d.champion, "previous_value": d.champion_value,
             "champion_rescored": d.rescored, "reason": d.reason, "gate_metric": gm, "value": metrics[gm],
             "reused_version": reused, "tags": dict(mv.tags), "mlflow_run_id": run_id,
             "eval_run_id": eval_run_id or run_id, "tracking_uri": redact(tracking.tracking_uri(spec))}
+
+
+def tag_takedowns(spec: JobSpec, client, mv, digest: str | None) -> None:
+    """A version trained on a corpus that holds docs of the takedown list (added while it trained) is tagged
+    ``takedown.pending``, as ``--exclude-source`` tags the versions registered before."""
+    from pipelines.data import takedown
+    from pipelines.lineage import pending_takedowns
+
+    pending = pending_takedowns(spec, digest)
+    if pending is None:
+        print(f"register: warning: the takedown list has exclusions, but corpus version {str(digest)[:12]} is not "
+              f"under run.root={spec.run.root}: whether {mv.name} v{mv.version} saw an excluded source is not known",
+              flush=True)
+    for e in pending or []:
+        takedown.tag_versions(client, [{"name": mv.name, "version": mv.version}], e)
+        print(f"register: {mv.name} v{mv.version} tagged {takedown.TAG}: its corpus holds {e.source} ({e.reason})",
+              flush=True)
 
 
 def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, work: Path):

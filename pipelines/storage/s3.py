@@ -11,7 +11,7 @@ The same boto3 code talks to AWS or to a local endpoint:
 The embedded endpoint keeps each object as a file, ``var/s3/store/<bucket>/<key>``, served from disk: it starts in
 well under a second whatever it holds, its memory does not grow with what is stored, and L2 copies outlive the DAG
 run that made them and a killed endpoint, as they would on S3. It keeps no SHA-256 checksums, so checkpoint objects
-on it are verified by downloading and hashing them (:func:`pipelines.train.checkpoint.verify_s3`).
+on it are verified by downloading and hashing them (:func:`pipelines.train.ckpt_s3.verify_s3`).
 """
 from __future__ import annotations
 

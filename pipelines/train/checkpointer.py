@@ -9,7 +9,7 @@ the previous one. When DCP's save returns on any rank, every rank's shards are w
 their results). Rank 0 has added ``trainer_state.json``, ``rng.json`` (every rank's RNG states, gathered, as
 JSON), ``model_args.json`` and ``tokenizer.model``. Then each part leader (:class:`Topology`: every node's local
 rank 0 with node-local L0, else rank 0 alone) hashes its node's files, writes MANIFEST + COMMIT and renames the
-directory into place on its own L0 (:func:`pipelines.train.checkpoint.commit_local`), in its background thread.
+directory into place on its own L0 (:func:`pipelines.train.ckpt_local.commit_local`), in its background thread.
 Each leader's :class:`Promoter` then copies its part L0 → L1 → L2 and applies retention; rank 0 merges the
 parts into the step's global commit. Restore is collective: :mod:`pipelines.train.restore`.
 """
@@ -37,6 +37,7 @@ from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
 from pipelines.train import checkpoint as ck
+from pipelines.train import ckpt_local, ckpt_parts, ckpt_s3, ckpt_tiers
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -138,7 +139,7 @@ class Promoter:
     endpoint is configured: each node uploads its part, the committing rank writes the step's global COMMIT there.
     An object store that does not answer is a warning and a ``ckpt/l2_errors`` metric, never a lost step: the
     step waits in :attr:`l2_behind` and L2 catches up from L1 at the next promotion that finds it answering (the
-    ``promote`` stage finishes the final step). Then retention (``checkpoint.prune``): each node on its own L0,
+    ``promote`` stage finishes the final step). Then retention (``ckpt_tiers.prune``): each node on its own L0,
     the committing rank on L1 and L2, counted from the L1 commits, so L0 and L1 stay bounded during an L2 outage.
     With one part, a step that L2 retention would not keep is passed over for a newer one when the promoter
     falls behind."""
@@ -146,7 +147,7 @@ class Promoter:
     def __init__(self, spec: JobSpec, rel_root: str, log: Callable[[str], None], events: Events, topo: Topology,
                  rec: Optional[dict] = None):
         self.spec, self.rel_root, self.log, self.events, self.topo, self.rec = spec, rel_root, log, events, topo, rec
-        self.no_l2 = ck.l2_available(spec)
+        self.no_l2 = ckpt_tiers.l2_available(spec)
         if self.no_l2:
             log(f"[ckpt] promotion during the run goes to L1 only: {self.no_l2.splitlines()[0]}")
         self.tiers = ("L1",) if self.no_l2 else ("L1", "L2")
@@ -218,14 +219,14 @@ class Promoter:
         self.log(f"[ckpt] promote: step {step} {actions} in {dt:.2f} s" + (f"; retention removed {gone}" if gone else ""))
 
     def to_l1(self, rel: str, step: int) -> tuple[dict, Optional[dict]]:
-        locs = ck.tier_locations(self.spec, rel)
+        locs = ckpt_tiers.tier_locations(self.spec, rel)
         if self.topo.parts == 1:
-            action, digests = ck.promote_l1(self.spec, rel)
+            action, digests = ckpt_tiers.promote_l1(self.spec, rel)
             return {"L1": action}, digests
         l0 = Path(locs["L0"])
         if not (l0 / ck.COMMIT).is_file():
             raise ck.CheckpointError(f"L0 part {l0} is not committed on this node: nothing to promote")
-        action, digests = ck.stage_part(l0, Path(locs["L1"]), self.spec.checkpoint.multipart_chunk_mb << 20)
+        action, digests = ckpt_parts.stage_part(l0, Path(locs["L1"]), self.spec.checkpoint.multipart_chunk_mb << 20)
         faults.point("l1_staged")
         actions = {"L1": action}
         if self.commits:
@@ -235,9 +236,9 @@ class Promoter:
 
     def _merge_l1(self, l1: Path, l0: Path, step: int) -> None:
         """Rank 0: wait for every node's part on L1 (bounded), then write the step's global COMMIT there."""
-        _, parts, attempt = ck.part_of(ck.read_local_manifest(l0))
+        _, parts, attempt = ckpt_parts.part_of(ckpt_local.read_local_manifest(l0))
         deadline = time.monotonic() + self.spec.checkpoint.collective_timeout_minutes * 60
-        while not ck.merge_parts(l1, parts, attempt):
+        while not ckpt_parts.merge_parts(l1, parts, attempt):
             if time.monotonic() > deadline:
                 raise ck.CheckpointError(f"step {step}: parts missing on L1 after checkpoint.collective_timeout_minutes;"
                                          " not committed there")
@@ -246,7 +247,7 @@ class Promoter:
     def _to_l2(self, rel: str, step: int, digests: Optional[dict]) -> str:
         """This node's part (the whole step, with one part) to L2; the committing rank also commits the step there
         and catches up the steps L2 missed. Never raises: an outage leaves the step behind, with a warning."""
-        locs = ck.tier_locations(self.spec, rel)
+        locs = ckpt_tiers.tier_locations(self.spec, rel)
         l1 = Path(locs["L1"])
         if self.topo.parts > 1:
             mark = self._upload_part(Path(locs["L0"]), locs["L2"], step, digests)
@@ -255,11 +256,11 @@ class Promoter:
         try:
             self.l2_behind.add(step)
             if self.topo.parts == 1:  # the whole step, from the L1 copy it was just verified into
-                ck.upload_checkpoint(self.spec, l1, locs["L2"], digests)
+                ckpt_s3.upload_checkpoint(self.spec, l1, locs["L2"], digests)
                 self.l2_behind.discard(step)
             elif self._parts_on_l2(l1, step):
-                man = ck.read_local_manifest(l1)
-                if ck.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt")):
+                man = ckpt_local.read_local_manifest(l1)
+                if ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt")):
                     self.l2_behind.discard(step)
             self.catch_up()
             return "behind" if step in self.l2_behind else "committed"
@@ -275,20 +276,20 @@ class Promoter:
     def _upload_part(self, l0: Path, uri: str, step: int, digests: Optional[dict]) -> str:
         """This node's part to L2, then its mark on L1 (``.step-N.l2/part-K``: ok or failed) for rank 0."""
         try:
-            ck.upload_part(self.spec, l0, uri, digests)
+            ckpt_parts.upload_part(self.spec, l0, uri, digests)
             mark = "ok"
         except Exception as e:  # noqa: BLE001 - reported; rank 0 leaves the step behind
             self._l2_warning(step, e)
             mark = f"failed: {type(e).__name__}"
-        l1 = Path(ck.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
-        marks = ck.l2_marks_dir(l1)
+        l1 = Path(ckpt_tiers.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
+        marks = ckpt_parts.l2_marks_dir(l1)
         marks.mkdir(parents=True, exist_ok=True)
         atomic_write_text(marks / ck.part_name(self.topo.part), mark)
         return "part-uploaded" if mark == "ok" else "behind"
 
     def _parts_on_l2(self, l1: Path, step: int) -> bool:
         """Rank 0: wait (bounded) for every node's mark; True when every part reached L2."""
-        marks = ck.l2_marks_dir(l1)
+        marks = ckpt_parts.l2_marks_dir(l1)
         deadline = time.monotonic() + self.spec.checkpoint.collective_timeout_minutes * 60
         names = [ck.part_name(k) for k in range(self.topo.parts)]
         while not all((marks / n).is_file() for n in names):
@@ -315,15 +316,15 @@ class Promoter:
         """One step L2 lacks: its parts' manifests merged when every node's part is there, else the whole step
         uploaded from L1 (not the newest step, whose parts may still be on their way, unless ``final``)."""
         rel = f"{self.rel_root}/{ck.step_name(st)}"
-        locs = ck.tier_locations(self.spec, rel)
+        locs = ckpt_tiers.tier_locations(self.spec, rel)
         l1 = Path(locs["L1"])
         if not (l1 / ck.COMMIT).is_file():
             self.log(f"[ckpt] L2 catch-up: step {st} left L1 before L2 answered; skipped")
             self.l2_behind.discard(st)
             return
-        man = ck.read_local_manifest(l1)
+        man = ckpt_local.read_local_manifest(l1)
         try:
-            merged = self.topo.parts > 1 and ck.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)),
+            merged = self.topo.parts > 1 and ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)),
                                                               man.get("attempt"))
         except ck.L2Unavailable:
             raise
@@ -331,7 +332,7 @@ class Promoter:
             self.log(f"[ckpt] L2 catch-up: step {st}: {e}; uploading it whole from L1")
             merged = False
         if not merged and (self.topo.parts == 1 or final or st != max(self.l2_behind)):
-            ck.upload_checkpoint(self.spec, l1, locs["L2"])
+            ckpt_s3.upload_checkpoint(self.spec, l1, locs["L2"])
             merged = True
         if merged:
             self.l2_behind.discard(st)
@@ -340,8 +341,8 @@ class Promoter:
         """Steps of this line globally committed on L1 that L2 would keep but does not hold (empty when L2 does not
         answer: they are found at the next start)."""
         try:
-            by_tier = ck.accepted_steps(self.spec, self.rel_root, ck.list_steps(self.spec, self.rel_root, ("L1", "L2")),
-                                        self.rec)
+            by_tier = ckpt_tiers.accepted_steps(self.spec, self.rel_root,
+                                                ckpt_tiers.list_steps(self.spec, self.rel_root, ("L1", "L2")), self.rec)
         except ck.CheckpointError as e:
             self.log(f"[ckpt] L2 catch-up: cannot compare L1 with L2 now ({e})")
             return set()
@@ -353,16 +354,17 @@ class Promoter:
         """Retention after ``step``: a node's L0 keeps every step newer than the newest global commit (it may
         still be needed to promote), and that one."""
         if self.topo.parts == 1:
-            return ck.prune(self.spec, self.rel_root, upto=step, tiers=("L0",) + self.tiers, rec=self.rec,
+            return ckpt_tiers.prune(self.spec, self.rel_root, upto=step, tiers=("L0",) + self.tiers, rec=self.rec,
                             log=self.log)
-        committed = ck.accepted_steps(self.spec, self.rel_root, ck.list_steps(self.spec, self.rel_root, ("L1",)),
-                                      self.rec)["L1"]
+        committed = ckpt_tiers.accepted_steps(self.spec, self.rel_root,
+                                              ckpt_tiers.list_steps(self.spec, self.rel_root, ("L1",)), self.rec)["L1"]
         protect = set(committed[-1:])  # the newest globally committed step keeps its part on every L0
-        deleted = ck.prune(self.spec, self.rel_root, upto=min(step, max(committed, default=-1)), tiers=("L0",),
+        deleted = ckpt_tiers.prune(self.spec, self.rel_root, upto=min(step, max(committed, default=-1)), tiers=("L0",),
                            protect=protect, rec=self.rec, log=self.log)
         if self.commits:
-            deleted.update(ck.prune(self.spec, self.rel_root, upto=step, tiers=self.tiers, rec=self.rec, log=self.log))
-            ck.drop_stale_staging(self.spec, self.rel_root, self.rec)
+            deleted.update(ckpt_tiers.prune(self.spec, self.rel_root, upto=step, tiers=self.tiers, rec=self.rec,
+                                            log=self.log))
+            ckpt_tiers.drop_stale_staging(self.spec, self.rel_root, self.rec)
         return deleted
 
 
@@ -470,7 +472,7 @@ class Checkpointer:
         written.result()
         tmp.mkdir(parents=True, exist_ok=True)  # a node whose ranks had nothing to write
         if self.topo.parts == 1:
-            missing = ck.missing_shards(tmp)
+            missing = ckpt_local.missing_shards(tmp)
             if missing:
                 raise ck.CheckpointError(f"step {step}: shard(s) {missing} are not in {tmp}, yet every rank sees "
                                          "this L0 (probed at start); a rank wrote elsewhere")
@@ -478,7 +480,7 @@ class Checkpointer:
                 "parts": self.topo.parts, "attempt": self.attempt}
         if self.rec is not None:
             meta["lineage"] = self.rec["lineage"]
-        ck.commit_local(tmp, self.path(step), meta=meta)
+        ckpt_local.commit_local(tmp, self.path(step), meta=meta)
         faults.point("part_committed")
         save_s = time.perf_counter() - t0
         self.events.add("ckpt/save_s", save_s, step)
@@ -566,9 +568,9 @@ class Checkpointer:
         """Collective: None when ``step`` is globally committed on L1 (MANIFEST matches COMMIT), else why not."""
         why = None
         if self.rank == 0:
-            l1 = Path(ck.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
+            l1 = Path(ckpt_tiers.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
             try:
-                ck.read_local_manifest(l1)
+                ckpt_local.read_local_manifest(l1)
             except (ck.CheckpointError, OSError, ValueError) as e:
                 failed = self.promoter.failed.get(step) if self.promoter is not None else None
                 why = failed or str(e)

@@ -79,7 +79,8 @@ def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipeline
         raise TrainError("".join(errors) + f"torchrun exited with {codes}; last output:\n" + "".join(tail))
 
 
-def plot_losses(losses: list, path: Path) -> None:
+def plot_losses(losses: list, path: Path, val: list | None = None) -> None:
+    """The training loss per step, and the validation loss (``val``: [{step, loss, bpb}]) on the same axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,10 +89,14 @@ def plot_losses(losses: list, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if losses:
         xs, ys = zip(*losses)
-        ax.plot(xs, ys, lw=1.2, color="#c0392b")
+        ax.plot(xs, ys, lw=1.2, color="#c0392b", label="train")
+    if val:
+        ax.plot([v["step"] for v in val], [v["loss"] for v in val], "o-", lw=1.5, ms=4, color="#2c3e50",
+                label="validation (held-out)")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("train loss (nats/token)")
-    ax.set_title("Training loss")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("Training and validation loss" if val else "Training loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})
@@ -143,7 +148,7 @@ def train_job(spec: JobSpec, tok: Manifest, out_dir: str | None = None, tmp: Opt
               sd: Optional[StageDir] = None) -> TrainJob:
     """The train stage's job for these inputs (``sd``: the stage dir, when the caller has it). The ranks write in
     the stage's temp dir locally; on Kubernetes in a directory named by the stage key."""
-    from pipelines.train.checkpoint import generation
+    from pipelines.train.ckpt_tiers import generation
 
     sd = sd or stage_dir(spec, "train", [input_ref(tok)], out_dir)
     rel_root = generation(spec, f"{spec.run.name}/{sd.final.name}", spec.run.force)
@@ -181,7 +186,7 @@ def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts
 
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
-    from pipelines.train.checkpoint import commit_generation
+    from pipelines.train.ckpt_tiers import commit_generation
 
     check_supported(spec)
     sd = stage_dir(spec, "train", [input_ref(tok)], out_dir)
@@ -199,16 +204,19 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
         collect(work, tmp, ["result.json", "losses.json"])
         (tmp / "spec.yaml").write_text(spec.to_yaml())  # the output copy: no secrets
         result = json.loads((tmp / "result.json").read_text())
-        plot_losses(json.loads((tmp / "losses.json").read_text()), tmp / "loss_curve.png")
+        plot_losses(json.loads((tmp / "losses.json").read_text()), tmp / "loss_curve.png", result.get("val"))
         m = sd.commit(
             {"losses": "losses.json", "result": "result.json", "loss_curve": "loss_curve.png", "spec": "spec.yaml"},
             counts={"steps": result["steps"], "tokens_seen": result["tokens_seen"]},
             metrics={"final_loss": result["final_loss"], "tokens_per_s": result["tokens_per_s"],
                      "params": result["params"], "rollbacks": result["rollbacks"],
-                     "ckpt_stall_s_mean": result["ckpt"]["stall_s_mean"]},
+                     "ckpt_stall_s_mean": result["ckpt"]["stall_s_mean"],
+                     **({"val_loss": result["val"][-1]["loss"], "val_bpb": result["val"][-1]["bpb"]}
+                        if result.get("val") else {})},
             extra={"checkpoint": f"{rel_root}/{result['checkpoint']}", "mlflow_run_id": result["mlflow_run_id"],
                    "world_size": result["world_size"], "backend": result["backend"],
-                   "resumed_from": result["resumed_from"], "promoted_during_run": result["ckpt"]["promoted"]},
+                   "resumed_from": result["resumed_from"], "promoted_during_run": result["ckpt"]["promoted"],
+                   "val": result.get("val", []), "best_val_step": result.get("best_val_step")},
         )
         commit_generation(spec, f"{spec.run.name}/{sd.final.name}", rel_root)
         return m
@@ -219,7 +227,10 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
 def summary(m: Manifest) -> str:
     tps = m.metrics["tokens_per_s"]
     resumed = m.extra.get("resumed_from")
+    val = m.extra.get("val") or []
     return (f"train: {m.counts['steps']} steps, final loss {m.metrics['final_loss']:.3f}, "
+            + (f"validation loss {val[-1]['loss']:.3f} ({val[-1]['bpb']:.3f} bits/byte; best at step "
+               f"{m.extra['best_val_step']}), " if val else "")
             + (f"{tps:,.0f} tokens/s, " if tps else "") + f"checkpoint {m.extra['checkpoint']}"
             + (f" (resumed from step {resumed['step']} on {resumed['tier']})" if resumed else "")
             + f"; manifest {m.path}")

@@ -47,7 +47,7 @@ def ffn_hidden(ffn_mult: float, d_model: int) -> int:
 
 def model_shape(spec: JobSpec) -> dict:
     m = spec.model
-    vocab = m.vocab_size or spec.tokenizer.vocab_size
+    vocab = m.vocab_size or spec.tokenizer.planned_vocab
     d, heads = m.d_model, m.n_heads
     kv = m.n_kv_heads or heads
     return {"vocab": vocab, "d": d, "layers": m.n_layers, "heads": heads, "kv_heads": kv, "head_dim": d // heads,

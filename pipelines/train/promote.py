@@ -1,5 +1,5 @@
 """The promote stage: the train stage's final checkpoint L0 → L1 → L2 (S3), verified at every tier, COMMIT last
-(:func:`pipelines.train.checkpoint.promote`). Done only while L2 still holds the committed copy.
+(:func:`pipelines.train.ckpt_tiers.promote`). Done only while L2 still holds the committed copy.
 
     python -m pipelines.train.promote --train-manifest M [--spec S]
 """
@@ -12,7 +12,8 @@ from pathlib import Path
 from pipelines.cli import stage_dir, stage_main
 from pipelines.manifest import Manifest, input_ref, run_stage
 from pipelines.spec import JobSpec
-from pipelines.train.checkpoint import promote, s3_commit_body
+from pipelines.train.ckpt_s3 import s3_commit_body
+from pipelines.train.ckpt_tiers import promote
 
 
 def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:

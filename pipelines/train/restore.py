@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from pipelines.storage import faults
 from pipelines.train import checkpoint as ck
+from pipelines.train import ckpt_local, ckpt_parts, ckpt_s3, ckpt_tiers
 from pipelines.train import lineage
 
 NEAR = {"L0": 0, "L1": 1, "L2": 2}
@@ -91,7 +92,7 @@ def _inventory(root: Path, log) -> dict:
     """This node's committed parts on its L0: {step: (part, parts, attempt, lineage)}; unreadable ones are left
     out with a line (a failing disk must not leave the other ranks waiting in the gather)."""
     try:
-        found = ck.local_parts(root)
+        found = ckpt_parts.local_parts(root)
     except OSError as e:
         log(f"[ckpt] restore: this node's L0 cannot be read ({e}); its parts come from L1 or L2")
         return {}
@@ -101,7 +102,7 @@ def _inventory(root: Path, log) -> dict:
 def _part_info(man: dict) -> Optional[tuple]:
     """(part, parts, attempt, lineage) of a manifest whose part numbers make sense, else None."""
     try:
-        part, parts, attempt = ck.part_of(man)
+        part, parts, attempt = ckpt_parts.part_of(man)
     except (TypeError, ValueError):
         return None
     return (part, parts, attempt, lineage.of(man)) if 0 <= part < parts <= MAX_PARTS else None
@@ -114,13 +115,13 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
     nodes' disks are enough."""
     spec, rel_root, rec = ckpt.spec, ckpt.rel_root, ckpt.rec
     found: dict[int, dict] = {}
-    l1 = Path(ck.tier_locations(spec, rel_root)["L1"])
-    for s, man in ck.local_parts(l1).items():
+    l1 = Path(ckpt_tiers.tier_locations(spec, rel_root)["L1"])
+    for s, man in ckpt_parts.local_parts(l1).items():
         info = _part_info({**man, "part": 0})
         if info is not None and lineage.accepts(rec, s, info[3]):
             found[s] = {"step": s, "attempt": info[2], "parts": info[1], "l1": True}
     try:
-        on_l2 = ck.list_steps(spec, rel_root, ("L2",))["L2"]
+        on_l2 = ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"]
     except ck.L2Unavailable as e:
         ckpt.log(f"[ckpt] restore: warning: L2 does not answer ({e}); choosing from L1 and the nodes' disks")
         on_l2 = []
@@ -128,7 +129,7 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
         if s in found:  # L1 holds it: its attempt is known, and L2 is read only if L1's copy fails
             continue
         try:
-            man = ck.read_s3_manifest(spec, ck.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"])
+            man = ckpt_s3.read_s3_manifest(spec, ckpt_tiers.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"])
         except ck.L2Unavailable:
             man = None
         info = _part_info({**man, "part": 0}) if man is not None else None
@@ -154,7 +155,7 @@ def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
         step = ck.parse_step(d.name[1:-len(".parts")])
         for p in sorted(d.glob("part-*")) if step is not None else []:
             try:
-                info = _part_info(ck.read_local_manifest(p))
+                info = _part_info(ckpt_local.read_local_manifest(p))
             except (ck.CheckpointError, OSError, ValueError):
                 continue
             if info is not None:
@@ -166,7 +167,7 @@ def _settle(ckpt, c: dict) -> Optional[Restored]:
     """Make step ``c`` readable on every rank, or return None on every rank (then an older step is tried)."""
     topo, spec = ckpt.topo, ckpt.spec
     rel = f"{ckpt.rel_root}/{ck.step_name(c['step'])}"
-    locs = ck.tier_locations(spec, rel)
+    locs = ckpt_tiers.tier_locations(spec, rel)
     l0, l1 = Path(locs["L0"]), Path(locs["L1"])
     log = ckpt.node_log
     held = _verify_own_part(l0, c, log) if topo.local_rank == 0 else None
@@ -193,11 +194,11 @@ def _verify_own_part(l0: Path, c: dict, log) -> set[int]:
     if not (l0 / ck.COMMIT).is_file():
         return set()
     try:
-        man = ck.verify_local(l0)
+        man = ckpt_local.verify_local(l0)
     except Exception as e:  # noqa: BLE001 - a corrupt or partial copy is a reason to use another tier
         log(f"[ckpt] restore: skipped {l0.name} L0: {e}")
         return set()
-    part, parts, attempt = ck.part_of(man)
+    part, parts, attempt = ckpt_parts.part_of(man)
     if attempt != c["attempt"] or parts != c["parts"]:
         log(f"[ckpt] restore: skipped {l0.name} L0: another attempt's part ({attempt}, not {c['attempt']})")
         return set()
@@ -236,7 +237,7 @@ def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log) -> Optiona
 def _merge(l1: Path, c: dict, again: bool) -> bool:
     """Rank 0: the staged parts merged into the step's global commit (replacing a copy that failed to verify)."""
     try:
-        return ck.merge_parts(l1, c["parts"], c["attempt"], again=again)
+        return ckpt_parts.merge_parts(l1, c["parts"], c["attempt"], again=again)
     except Exception:  # noqa: BLE001 - reported by the caller as the step skipped
         return False
 
@@ -244,8 +245,8 @@ def _merge(l1: Path, c: dict, again: bool) -> bool:
 def _verify_l1_parts(l1: Path, topo, log) -> list[int]:
     """This node's share of verifying the L1 copy: the files of parts ``k ≡ node (mod nodes)``; the bad parts."""
     try:
-        man = ck.read_local_manifest(l1)
-        files = ck.manifest_files(man, str(l1))
+        man = ckpt_local.read_local_manifest(l1)
+        files = ckpt_local.manifest_files(man, str(l1))
     except Exception as e:  # noqa: BLE001 - any reason makes the L1 copy unusable: its parts are staged again
         log(f"[ckpt] restore: skipped {l1.name} L1: {e}")
         return [0]
@@ -271,14 +272,15 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
     try:
         faults.point("restage")
         if how == "L0":
-            ck.stage_part(l0, l1, spec.checkpoint.multipart_chunk_mb << 20, again=True)
+            ckpt_parts.stage_part(l0, l1, spec.checkpoint.multipart_chunk_mb << 20, again=True)
             return "L0"
-        staged = ck.staging_dir(l1) / ck.part_name(k)
-        if ck.is_valid_local(staged) and ck.part_of(ck.read_local_manifest(staged))[2] == c["attempt"]:
+        staged = ckpt_parts.staging_dir(l1) / ck.part_name(k)
+        if ckpt_local.is_valid_local(staged) and \
+                ckpt_parts.part_of(ckpt_local.read_local_manifest(staged))[2] == c["attempt"]:
             return "L1"
-        if ck.l2_available(spec) is not None:
+        if ckpt_tiers.l2_available(spec) is not None:
             raise ck.CheckpointError("no S3 endpoint for L2")
-        ck.download_checkpoint(spec, locs["L2"], staged, part=k if c["parts"] > 1 else None)
+        ckpt_s3.download_checkpoint(spec, locs["L2"], staged, part=k if c["parts"] > 1 else None)
         return "L2"
     except Exception as e:  # noqa: BLE001 - reported; the step is skipped on every rank
         log(f"[ckpt] restore: part-{k} of {l1.name}: {e}")
@@ -292,10 +294,10 @@ def _view(ckpt, c: dict, mine: set[int], l0: Path, l1: Path) -> Path:
     why = None
     if ckpt.topo.local_rank == 0:
         try:
-            man = ck.read_local_manifest(l1)
+            man = ckpt_local.read_local_manifest(l1)
             owner = man.get("part_of", {})
             shutil.rmtree(view, ignore_errors=True)
-            for rel in ck.manifest_files(man, str(l1)):
+            for rel in ckpt_local.manifest_files(man, str(l1)):
                 src = (l0 if int(owner.get(rel, 0)) in mine else l1) / rel
                 (view / rel).parent.mkdir(parents=True, exist_ok=True)
                 os.symlink(src, view / rel)

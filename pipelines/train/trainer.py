@@ -110,6 +110,7 @@ class Progress:
     rollbacks: int = 0
     resumed_from: Optional[dict] = None
     mlflow_run_id: Optional[str] = None
+    val: list = field(default_factory=list)  # [{step, loss, bpb}]: validation during training
 
 
 def run_identity(spec: JobSpec, margs) -> dict:
@@ -189,6 +190,7 @@ class Trainer:
         self.faults = Faults.from_env()
         self.tracker = Tracker(spec, spec.run.mlflow_run_id or self.prog.mlflow_run_id) if self.rank == 0 else None
         self.step_times: list[float] = []
+        self.validator = self._validator()
         self.next_save = self.prog.step + spec.checkpoint.probe_step
         self.loader = self._loader()
 
@@ -249,7 +251,8 @@ class Trainer:
     def _lineage_start(self, resume):
         """Rank 0: (this line of training's record, how to start: auto / never / a step)."""
         from pipelines.train import lineage
-        from pipelines.train.checkpoint import CheckpointError, clear_run
+        from pipelines.train.checkpoint import CheckpointError
+        from pipelines.train.ckpt_tiers import clear_run
 
         token, rec = lineage.run_token(), lineage.read(self.spec, self.rel_root)
         if lineage.is_restart(rec, token):
@@ -276,7 +279,7 @@ class Trainer:
         from pipelines.train.parallel import apply_parallelism, dp_coords
 
         spec, t = self.spec, self.spec.train
-        dp_rank, dp = dp_coords(spec, self.rank)  # the ranks of one TP group read the same samples
+        self.dp_rank, self.dp = dp_rank, dp = dp_coords(spec, self.rank)  # a TP group reads the same samples
         self.G, self.accum = runtime_batch(spec, dp, state["loader"]["global_batch"] if state else None)
         if self.accum != t.grad_accum:
             self.log(f"[train] world size {self.world}: grad_accum {self.accum} keeps the global batch of {self.G}")
@@ -293,7 +296,8 @@ class Trainer:
         st = self.ckpt.load(restored.path, self.model, self.opt)
         self.sampler.load_state_dict(st["loader"])
         self.prog = Progress(step=st["step"], losses=[tuple(x) for x in st["losses"]], rollbacks=st["rollbacks"],
-                             resumed_from=restored.resumed_from(), mlflow_run_id=st.get("mlflow_run_id"))
+                             resumed_from=restored.resumed_from(), mlflow_run_id=st.get("mlflow_run_id"),
+                             val=list(st.get("val", [])))
         self.log(f"[train] resumed at step {st['step']} from {restored.tier} (sample position "
                  f"{st['loader']['consumed_samples']}, saved by {st['world_size']} ranks, now {self.world})")
 
@@ -306,6 +310,7 @@ class Trainer:
     def _state(self) -> dict:
         return {"step": self.prog.step, "tokens_seen": self.prog.step * self.G * self.margs.seq_len,
                 "loader": self.sampler.state_dict(), "losses": self.prog.losses, "rollbacks": self.prog.rollbacks,
+                "val": self.prog.val,
                 "mlflow_run_id": self.tracker.run_id if self.tracker else None, "world_size": self.world,
                 "parallel": {"mode": self.mode, "grad_accum": self.accum}, **run_identity(self.spec, self.margs)}
 
@@ -337,6 +342,8 @@ class Trainer:
             time.sleep(self.faults.step_delay_s)
             self.step_times.append(time.perf_counter() - t0)
             self._report(bar, loss, gnorm, lr)
+            if self.validator.due(self.prog.step):
+                self._validate()
             if self._due():
                 self._save()
         self.fit_s, self.fit_steps = time.perf_counter() - start, self.prog.step - first  # wall, stalls included
@@ -360,6 +367,28 @@ class Trainer:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)  # gloo has no AVG
             loss_sum /= self.world
         return float(loss_sum), gnorm
+
+    def _validator(self):
+        from pipelines.train.validate import Validator
+
+        t = self.spec.train
+        v = Validator(self.tok, self.margs.seq_len, t.eval_every, t.eval_tokens, t.micro_batch, t.steps, self.dp_rank,
+                      self.dp, self.device)
+        if v.off_reason and t.eval_every:
+            self.log(f"[val] no validation during training: {v.off_reason}")
+        elif not v.off_reason:
+            self.log(f"[val] every {t.eval_every} steps and at step {t.steps}: {v.windows} held-out windows of "
+                     f"{self.margs.seq_len} tokens")
+        return v
+
+    def _validate(self) -> None:
+        """Every rank: the loss on the held-out slice; rank 0 logs it (MLflow ``val/loss``, ``val/bpb``)."""
+        r = self.validator.run(self.model, self.autocast)
+        self.prog.val.append({"step": self.prog.step, "loss": r["loss"], "bpb": r["bpb"]})
+        if self.rank == 0:
+            self.tracker.add(self.prog.step, {"val/loss": r["loss"], "val/bpb": r["bpb"]})
+            self.log(f"[val] step {self.prog.step}: loss {r['loss']:.4f} nats/token, {r['bpb']:.4f} bits/byte "
+                     f"({r['tokens']:,} held-out tokens)")
 
     def _any_rank(self, flag: bool) -> bool:
         if self.world == 1:
@@ -430,6 +459,7 @@ class Trainer:
             self.sampler.load_state_dict(st["loader"])
             self.sampler.skip |= skip
             self.prog.step, self.prog.losses = st["step"], [tuple(x) for x in st["losses"]]
+            self.prog.val = list(st.get("val", []))
             self.guard.reset([loss for _, loss in self.prog.losses])
             self.log(f"[train] step {step}: {why}; rolled back to step {last}, global batch at sample position "
                      f"{position} skipped ({self.prog.rollbacks}/{t.max_rollbacks} rollbacks)")
@@ -454,7 +484,8 @@ class Trainer:
 
         tps = self.G * self.margs.seq_len / self.step_times[-1]
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}")
+        last_val = {"val": f"{self.prog.val[-1]['loss']:.3f}"} if self.prog.val else {}
+        bar.set_postfix(loss=f"{loss:.3f}", **last_val, tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}")
         metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": gnorm, "train/tokens_per_s": tps}
         if self.device.type == "cuda":
             u = mfu(tps, self._flops_per_token(), self.world, torch.cuda.get_device_name(self.device),
@@ -500,6 +531,8 @@ class Trainer:
             "restore_s": self._slowest(self.restore_s) if self.prog.resumed_from else None,
             "consumed_samples": self.sampler.consumed_samples,
             "goodput_tokens_per_s": self.fit_steps * self.G * self.margs.seq_len / self.fit_s if self.fit_steps else None,
+            "val": self.prog.val, "best_val_step": min(self.prog.val, key=lambda v: v["loss"])["step"]
+            if self.prog.val else None,
             "ckpt": {"saves": len(stalls), "stall_s_mean": sum(stalls) / len(stalls) if stalls else None,
                      "stall_s_max": max(stalls, default=None),
                      "promoted": {str(k): v for k, v in (self.ckpt.promoter.done if self.ckpt.promoter else {}).items()},

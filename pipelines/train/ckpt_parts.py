@@ -1,0 +1,194 @@
+"""Node parts of a checkpoint (see :mod:`pipelines.train.checkpoint`): with node-local L0 each node commits its
+*part* of a step on its own disk; the parts meet on L1 and L2, where rank 0 writes the step's global COMMIT (see
+below and :mod:`pipelines.train.restore`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from pipelines.manifest import atomic_write_text
+from pipelines.spec import JobSpec
+from pipelines.storage import faults
+from pipelines.train.checkpoint import CKPT_MANIFEST, COMMIT, PARTS, CheckpointError, parse_step, part_name
+from pipelines.train.ckpt_local import (copy_local, is_valid_local, manifest_files, missing_shards, read_local_manifest,
+                                        remove_local, verify_local)
+from pipelines.train.ckpt_s3 import (abort_multipart, all_match, check_objects, read_s3_manifest, s3_body,
+                                     s3_commit_body, upload_files)
+
+
+# With node-local L0, node K's local leader commits *its part* of a step on its own disk: its ranks' shards (node 0
+# also the DCP .metadata and the small files) with a MANIFEST whose meta says {"part": K, "parts": N, "attempt"}.
+# Each node promotes its own part: to L1 it is staged in ``.step-N.parts/part-K`` (a committed copy), to L2 its
+# files go under the step's prefix and ``PARTS/part-K.json`` (the part's manifest) last. Global rank 0 then merges:
+# when every part of the same attempt is there, the step gets MANIFEST (all files, ``part_of``) and COMMIT, last.
+def staging_dir(step_dir: Path) -> Path:
+    """L1: where the nodes stage their parts of ``step_dir`` before rank 0 merges them."""
+    return step_dir.with_name(f".{step_dir.name}.parts")
+
+
+def l2_marks_dir(step_dir: Path) -> Path:
+    """L1: where each node marks whether its part of ``step_dir`` reached L2 (``part-K``: ok / failed)."""
+    return step_dir.with_name(f".{step_dir.name}.l2")
+
+
+def part_of(man: dict) -> tuple[int, int, Optional[str]]:
+    """(part, parts, attempt) of a committed part's manifest; a whole checkpoint is part 0 of 1."""
+    return int(man.get("part", 0)), int(man.get("parts", 1)), man.get("attempt")
+
+
+def merged_manifest(mans: list[dict]) -> str:
+    """The step's manifest from its parts' (in part order): every file, which part holds it, the parts' meta."""
+    files, owner = {}, {}
+    for m in mans:
+        k = part_of(m)[0]
+        for rel, info in manifest_files(m, f"part {k}").items():
+            files[rel], owner[rel] = info, k
+    meta = {key: mans[0][key] for key in ("step", "format", "world_size", "attempt", "lineage") if key in mans[0]}
+    return json.dumps({"files": files, "part_of": owner, "parts": len(mans), **meta}, indent=2, sort_keys=True)
+
+
+def local_parts(root: Path) -> dict[int, dict]:
+    """This node's committed parts under ``root`` (a run's L0 directory): {step: manifest}, not yet hashed."""
+    out = {}
+    for d in sorted(root.glob("step-*")) if root.is_dir() else []:
+        step = parse_step(d.name)
+        try:
+            if step is not None:
+                out[step] = read_local_manifest(d)
+        except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def stage_part(l0_part: Path, l1_step: Path, chunk: int, again: bool = False) -> tuple[str, Optional[dict]]:
+    """Copy a committed L0 part into L1's staging (verified while copied, COMMIT last); returns (action, the
+    files' part digests for an S3 upload). Nothing is copied when L1 holds this attempt's step (unless ``again``:
+    a restore found that copy bad) or part already."""
+    man = read_local_manifest(l0_part)
+    k, _, attempt = part_of(man)
+    if committed_attempt(l1_step) == attempt and not again:
+        return "already-verified", None
+    dst = staging_dir(l1_step) / part_name(k)
+    if (dst / COMMIT).is_file() and (dst / COMMIT).read_text() == (l0_part / COMMIT).read_text() and is_valid_local(dst):
+        return "already-verified", None
+    return "copied", copy_local(l0_part, dst, chunk)
+
+
+def committed_attempt(step_dir: Path) -> Optional[str]:
+    try:
+        return read_local_manifest(step_dir).get("attempt")
+    except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def merge_parts(l1_step: Path, parts: int, attempt: Optional[str], again: bool = False) -> bool:
+    """Rank 0: when every part of ``attempt`` is staged on L1, link their files into the step directory, write
+    the merged MANIFEST and COMMIT last, drop the staging. False while a part is missing (or of another attempt).
+    ``again``: merge even over a committed copy of this attempt (a restore found it bad; it is replaced only once
+    the new one is whole)."""
+    if committed_attempt(l1_step) == attempt and not again:
+        return True
+    staged = staging_dir(l1_step)
+    mans = []
+    for k in range(parts):
+        try:
+            man = read_local_manifest(staged / part_name(k))
+        except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
+            return False
+        if part_of(man)[2] != attempt:
+            return False
+        mans.append(man)
+    body = merged_manifest(mans)
+    tmp = l1_step.with_name(f".{l1_step.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        for m in mans:
+            src = staged / part_name(part_of(m)[0])
+            for rel, info in m["files"].items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                _link_or_copy(src / rel, tmp / rel)
+                if (tmp / rel).stat().st_size != info["bytes"]:
+                    raise CheckpointError(f"{src / rel}: size differs from its part manifest")
+        missing = missing_shards(tmp)
+        if missing:
+            raise CheckpointError(f"{l1_step}: the parts hold no {missing}; a node's ranks wrote elsewhere")
+        faults.point("merge")
+        atomic_write_text(tmp / CKPT_MANIFEST, body)
+        atomic_write_text(tmp / COMMIT, hashlib.sha256(body.encode()).hexdigest())  # last
+        if l1_step.exists():
+            remove_local(l1_step)
+        os.replace(tmp, l1_step)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(staged, ignore_errors=True)
+    return True
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a filesystem without hard links
+        shutil.copyfile(src, dst)
+
+
+def upload_part(spec: JobSpec, l0_part: Path, uri: str, digests: Optional[dict] = None) -> str:
+    """Node K's part to the step's L2 prefix: its files (each checked), then ``PARTS/part-K.json`` last. Aborts
+    only this part's unfinished multipart uploads (another node may be uploading its part there now)."""
+    from pipelines.storage.s3 import client, ensure_bucket, split_uri
+
+    man = verify_local(l0_part) if digests is None else read_local_manifest(l0_part)
+    k, _, attempt = part_of(man)
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    ensure_bucket(s3, bucket, spec.services.s3_region)
+    marker, body = f"{prefix}/{PARTS}/{part_name(k)}.json", (l0_part / CKPT_MANIFEST).read_bytes()
+    if s3_body(s3, bucket, marker) == body and all_match(spec, s3, bucket, prefix, l0_part, man["files"], digests or {}):
+        return "already-verified"
+    committed = read_s3_manifest(spec, uri)
+    if committed is not None and committed.get("attempt") != attempt:  # another attempt's step: no longer whole
+        s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
+    s3.delete_object(Bucket=bucket, Key=marker)
+    abort_multipart(s3, bucket, prefix, {f"{prefix}/{rel}" for rel in man["files"]})
+    upload_files(spec, s3, bucket, prefix, l0_part, man["files"], digests or {})
+    s3.put_object(Bucket=bucket, Key=marker, Body=body)  # last
+    return "uploaded"
+
+
+def s3_part_manifests(spec: JobSpec, uri: str, parts: int) -> Optional[list[dict]]:
+    """The parts' manifests on L2, or None while one is missing."""
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    mans = []
+    for k in range(parts):
+        body = s3_body(s3, bucket, f"{prefix}/{PARTS}/{part_name(k)}.json")
+        if body is None:
+            return None
+        mans.append(json.loads(body))
+    return mans
+
+
+def merge_parts_s3(spec: JobSpec, uri: str, parts: int, attempt: Optional[str]) -> bool:
+    """Rank 0, on L2: when every part of ``attempt`` is there and each object matches its part's manifest (S3's
+    checksums; see check_objects), put the merged MANIFEST and COMMIT last. False while a part is missing."""
+    from pipelines.storage.s3 import client, split_uri
+
+    mans = s3_part_manifests(spec, uri, parts)
+    if mans is None or any(part_of(m)[2] != attempt for m in mans):
+        return False
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    body = merged_manifest(mans)
+    commit = hashlib.sha256(body.encode()).hexdigest()
+    if s3_commit_body(s3, bucket, prefix) == commit:
+        return True
+    check_objects(s3, bucket, prefix, json.loads(body)["files"], uri)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/{CKPT_MANIFEST}", Body=body.encode())
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}", Body=commit.encode())  # last
+    return True

@@ -1,0 +1,294 @@
+"""The S3 tier (L2) of a checkpoint (see :mod:`pipelines.train.checkpoint`): uploads, downloads, checks, removal.
+
+S3 verification uses S3's own SHA-256 checksums (``ChecksumAlgorithm=SHA256``): for a single-part
+upload the object checksum is the file's sha256; for multipart it is the composite
+sha256(part digests)-N, which we recompute locally with the part size the transfer really used
+(s3transfer raises the configured chunk size for files that would need more than 10,000 parts). If
+an endpoint returns no checksum, the object is downloaded and hashed. Multipart uploads left by an
+interrupted promotion are aborted before the next upload to the same prefix.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+from pipelines.spec import JobSpec
+from pipelines.storage.s3 import (b64, checksums_verified, composite_sha256, object_matches, part_digests,
+                                  part_size_used, unreachable, upload_checked)
+from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
+                                        part_name)
+from pipelines.train.ckpt_local import manifest_files, read_local_manifest, remove_local, verify_local
+
+
+def transfer_config(spec: JobSpec):
+    from boto3.s3.transfer import TransferConfig
+
+    mb = 1024 * 1024
+    return TransferConfig(multipart_threshold=spec.checkpoint.multipart_threshold_mb * mb,
+                          multipart_chunksize=spec.checkpoint.multipart_chunk_mb * mb, max_concurrency=4)
+
+
+def missing(e: Exception) -> bool:
+    from botocore.exceptions import ClientError
+
+    return isinstance(e, ClientError) and str(e.response.get("Error", {}).get("Code")) in (
+        "404", "NoSuchKey", "NoSuchBucket", "NotFound")
+
+
+def s3_body(s3, bucket: str, key: str) -> Optional[bytes]:
+    """The object's bytes; None only when it is not there (an endpoint that does not answer raises
+    :class:`L2Unavailable`: an outage must never read as "no COMMIT")."""
+    try:
+        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except Exception as e:  # noqa: BLE001 - sorted into absent / unreachable / other
+        if missing(e):
+            return None
+        if unreachable(e):
+            raise L2Unavailable(f"s3://{bucket}/{key}: {type(e).__name__}: {e}") from None
+        raise
+
+
+def s3_commit_body(s3, bucket: str, prefix: str) -> Optional[str]:
+    body = s3_body(s3, bucket, f"{prefix}/{COMMIT}")
+    return None if body is None else body.decode().strip()
+
+
+def multipart_uploads(s3, bucket: str, prefix: str = "") -> list[dict]:
+    """The multipart uploads in progress under ``prefix`` (an endpoint that answers NoSuchUpload when there are
+    none, as rclone's does, has none)."""
+    from botocore.exceptions import ClientError
+
+    try:
+        return [up for page in s3.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix)
+                for up in page.get("Uploads", [])]
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") == "NoSuchUpload":
+            return []
+        raise
+
+
+def abort_multipart(s3, bucket: str, prefix: str, keys: Optional[set[str]] = None) -> int:
+    """Abort the multipart uploads an interrupted promotion left under ``prefix`` (only those of ``keys`` when
+    given: another node may be uploading its own part there right now); returns how many."""
+    n = 0
+    for up in multipart_uploads(s3, bucket, f"{prefix}/"):
+        if keys is None or up["Key"] in keys:
+            s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+            n += 1
+    return n
+
+
+def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: list[bytes], sha_hex: str) -> None:
+    """Multipart upload that sends the part digests computed while the file was copied (no second hashing
+    pass): S3 refuses a part whose bytes do not match its ``x-amz-checksum-sha256``."""
+    # the metadata names the whole file's sha256 and the composite S3 will compute from the verified parts: a later
+    # check compares S3's own composite checksum with it (content, not size; see check_objects)
+    meta = {"sha256": sha_hex, PARTS_META: f"{composite_sha256(digests)}-{len(digests)}"}
+    up = s3.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256", Metadata=meta)
+
+    def put(i: int) -> dict:
+        with open(path, "rb") as f:
+            f.seek(i * part)
+            body = f.read(part)
+        r = s3.upload_part(Bucket=bucket, Key=key, UploadId=up["UploadId"], PartNumber=i + 1, Body=body,
+                           ChecksumAlgorithm="SHA256", ChecksumSHA256=b64(digests[i]))
+        return {"ETag": r["ETag"], "PartNumber": i + 1, "ChecksumSHA256": b64(digests[i])}
+
+    try:
+        with ThreadPoolExecutor(max_workers=4) as ex:
+            parts = list(ex.map(put, range(len(digests))))
+        s3.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": parts})
+    except Exception:
+        s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"])
+        raise
+
+
+def upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: dict,
+                  parts: dict[str, list[bytes]]) -> None:
+    """Upload ``files`` of ``src`` under ``prefix``, each object checked against the manifest's sha256."""
+    cfg = transfer_config(spec)
+    part = spec.checkpoint.multipart_chunk_mb * 1024 * 1024
+    for rel, info in files.items():
+        key, size = f"{prefix}/{rel}", info["bytes"]
+        digests = parts.get(rel)
+        if object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests) and \
+                _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info,
+                           checksums_verified(s3)) in (None, UNCHECKED):
+            continue  # uploaded already (a node's part, an interrupted upload): not sent twice
+        if size >= cfg.multipart_threshold and not (digests and len(digests) == -(-size // part_size_used(size, part))):
+            digests = part_digests(src / rel, part_size_used(size, part))  # multipart: always with our part digests
+        if size >= cfg.multipart_threshold:
+            _upload_parts(s3, bucket, key, src / rel, part_size_used(size, part), digests, info["sha256"])
+            if not object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests):
+                raise CheckpointError(f"s3://{bucket}/{key} does not match {rel}'s sha256 after upload")
+        else:
+            try:
+                upload_checked(s3, bucket, key, src / rel, info["sha256"], cfg, part)
+            except IOError as e:
+                raise CheckpointError(str(e)) from None
+
+
+def all_match(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: dict, parts: dict) -> bool:
+    part = spec.checkpoint.multipart_chunk_mb * 1024 * 1024
+    return all(object_matches(s3, bucket, f"{prefix}/{rel}", src / rel, info["sha256"], part, parts.get(rel))
+               for rel, info in files.items())
+
+
+def upload_checkpoint(spec: JobSpec, src: Path, uri: str, parts: Optional[dict[str, list[bytes]]] = None) -> str:
+    """Upload a local checkpoint to ``uri`` (s3://bucket/prefix), each object checked against the file, COMMIT
+    last. Idempotent. ``parts``: the files' part digests from a copy that just verified ``src`` (else ``src`` is
+    verified here)."""
+    from pipelines.storage.s3 import client, ensure_bucket, split_uri
+
+    man = verify_local(src) if parts is None else read_local_manifest(src)
+    parts = parts or {}
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    ensure_bucket(s3, bucket, spec.services.s3_region)
+    commit = (src / COMMIT).read_text().strip()
+    if s3_commit_body(s3, bucket, prefix) == commit and all_match(spec, s3, bucket, prefix, src, man["files"], parts):
+        return "already-verified"
+    s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")  # invalidate any older copy first
+    aborted = abort_multipart(s3, bucket, prefix)
+    if aborted:
+        print(f"[ckpt] aborted {aborted} unfinished multipart upload(s) under {uri}", flush=True)
+    upload_files(spec, s3, bucket, prefix, src, man["files"], parts)
+    s3.upload_file(str(src / CKPT_MANIFEST), bucket, f"{prefix}/{CKPT_MANIFEST}")
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}", Body=commit.encode())  # last
+    return "uploaded"
+
+
+def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int] = None) -> Path:
+    """Fetch ``uri`` into ``dest`` and verify every file; raise if the copy is incomplete or corrupt. With
+    ``part``, only that node's part (its files and its manifest, ``PARTS/part-K.json``), as a committed part dir."""
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    if part is None:
+        commit, key = s3_commit_body(s3, bucket, prefix), f"{prefix}/{CKPT_MANIFEST}"
+        body = s3_body(s3, bucket, key) if commit else None
+    else:
+        key = f"{prefix}/{PARTS}/{part_name(part)}.json"
+        body = s3_body(s3, bucket, key)
+        if body is None:  # a step uploaded whole (the promote stage, L2 catching up): its part from the manifest
+            body = part_manifest(read_s3_manifest(spec, uri), part)
+        commit = body and hashlib.sha256(body).hexdigest()
+    if commit is None:
+        raise CheckpointError(f"{uri}: no COMMIT marker — the checkpoint is incomplete or absent")
+    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        if body is None or hashlib.sha256(body).hexdigest() != commit:
+            raise CheckpointError(f"{uri}: MANIFEST.json does not match its COMMIT marker")
+        (tmp / CKPT_MANIFEST).write_bytes(body)
+        for rel in manifest_files(json.loads(body), uri):
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, f"{prefix}/{rel}", str(tmp / rel))
+        (tmp / COMMIT).write_text(commit)
+        verify_local(tmp)
+        if dest.exists():
+            remove_local(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def part_manifest(man: Optional[dict], k: int) -> Optional[bytes]:
+    """Part ``k``'s manifest cut out of a step's merged one (its files, the step's meta), or None."""
+    if man is None or "part_of" not in man:
+        return None
+    files = {rel: info for rel, info in manifest_files(man, f"part {k}").items() if int(man["part_of"].get(rel, 0)) == k}
+    meta = {key: man[key] for key in ("step", "format", "world_size", "attempt", "lineage") if key in man}
+    body = {"files": files, "part": k, "parts": int(man.get("parts", 1)), **meta}
+    return json.dumps(body, indent=2, sort_keys=True).encode()
+
+
+def read_s3_manifest(spec: JobSpec, uri: str) -> Optional[dict]:
+    """The manifest of a committed S3 copy (COMMIT matches MANIFEST.json), objects not checked; None if absent."""
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    commit = s3_commit_body(s3, bucket, prefix)
+    body = s3_body(s3, bucket, f"{prefix}/{CKPT_MANIFEST}") if commit else None
+    if body is None or hashlib.sha256(body).hexdigest() != commit:
+        return None
+    return json.loads(body)
+
+
+def verify_s3(spec: JobSpec, uri: str) -> dict:
+    """Check an S3 copy by content (COMMIT, manifest, each object against the manifest's sha256 through S3's own
+    checksums, see :func:`check_objects`); returns the manifest or raises CheckpointError."""
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    commit = s3_commit_body(s3, bucket, prefix)
+    if commit is None:
+        raise CheckpointError(f"{uri}: no COMMIT marker")
+    body = s3.get_object(Bucket=bucket, Key=f"{prefix}/{CKPT_MANIFEST}")["Body"].read()
+    if hashlib.sha256(body).hexdigest() != commit:
+        raise CheckpointError(f"{uri}: MANIFEST.json does not match its COMMIT marker")
+    man = json.loads(body)
+    check_objects(s3, bucket, prefix, manifest_files(man, uri), uri)
+    return man
+
+
+def check_objects(s3, bucket: str, prefix: str, files: dict, uri: str) -> None:
+    """Each object's size and S3 checksum against the manifest's; an object whose endpoint keeps no SHA-256 for it, or
+    does not verify the checksums clients send (:func:`~pipelines.storage.s3.checksums_verified`), is downloaded and
+    hashed."""
+    trusted = checksums_verified(s3)
+    for rel, info in files.items():
+        key = f"{prefix}/{rel}"
+        why = _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info, trusted)
+        if why == UNCHECKED:  # no checksum to trust: the bytes themselves
+            h = hashlib.sha256()
+            for chunk in s3.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 20):
+                h.update(chunk)
+            why = None if h.hexdigest() == info["sha256"] else "its bytes' sha256 differs"
+        if why is not None:
+            raise CheckpointError(f"{uri}: {rel} does not match the manifest ({why})")
+
+
+UNCHECKED = "no checksum to compare"
+
+
+def _object_ok(head: dict, info: dict, trusted: bool) -> Optional[str]:
+    """None when an object's HEAD shows the manifest entry's content, else why not (UNCHECKED: no checksum, or one
+    the endpoint did not verify, ``trusted`` False). A single-part object: S3's SHA-256 of it is the file's. A multipart one: S3's composite of the part checksums it verified on upload equals
+    the composite recorded beside the file's sha256 when we uploaded it (an object written by anything else, e.g.
+    another attempt's part of the same size, has another or none)."""
+    if head["ContentLength"] != info["bytes"]:
+        return f"{head['ContentLength']} bytes, not {info['bytes']}"
+    remote = head.get("ChecksumSHA256")
+    if not remote or not trusted:
+        return UNCHECKED
+    if "-" not in head.get("ETag", "") and "-" not in remote:
+        return None if remote == b64(bytes.fromhex(info["sha256"])) else "its SHA-256 differs"
+    meta = {k.lower(): v for k, v in head.get("Metadata", {}).items()}  # some endpoints change the case
+    want = meta.get(PARTS_META, "")
+    if meta.get("sha256") != info["sha256"] or not want or not remote or remote.split("-")[0] != want.split("-")[0]:
+        return "a multipart object whose part checksums are not those of this file"
+    return None
+
+
+def remove_s3(spec: JobSpec, uri: str) -> None:
+    """COMMIT first, then the rest of the prefix."""
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+        for o in page.get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=o["Key"])

@@ -1,0 +1,363 @@
+"""Where a checkpoint lives on each tier and what moves it between them: the tier layout, restore, retention,
+generations, promote (the checkpoint format: :mod:`pipelines.train.checkpoint`).
+
+Tiers: L0 node-local (``checkpoint.l0``) → L1 shared FS (``checkpoint.l1``) → L2 S3
+(``s3://services.s3_bucket/checkpoint.l2_prefix/…``). ``promote`` copies L0 → L1 → L2, checking
+every file at every tier, COMMIT last; a tier that already holds a verified copy is skipped.
+:func:`find_restore` picks the newest step whose copy verifies on the nearest tier, falling back
+tier by tier, then step by step, and says why it skipped each copy. :func:`prune` applies the
+per-tier retention and never deletes a copy of the newest verified step.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from pipelines.manifest import atomic_write_text
+from pipelines.spec import JobSpec, resolve_path
+from pipelines.storage import faults
+from pipelines.storage.s3 import unreachable
+from pipelines.train import lineage
+from pipelines.train.checkpoint import COMMIT, TIERS, CheckpointError, L2Unavailable, parse_step, step_name
+from pipelines.train.ckpt_local import copy_local, is_valid_local, read_local_manifest, remove_local, verify_local
+from pipelines.train.ckpt_s3 import (download_checkpoint, missing, read_s3_manifest, remove_s3, upload_checkpoint,
+                                     verify_s3)
+
+
+# ----------------------------------------------------------------------------- tier layout
+def tier_locations(spec: JobSpec, rel: str) -> dict[str, str]:
+    """Where checkpoint ``rel`` (e.g. ``<run>/<key>/step-000200``) lives at each tier."""
+    return {
+        "L0": str(resolve_path(spec.checkpoint.l0) / rel),
+        "L1": str(resolve_path(spec.checkpoint.l1) / rel),
+        "L2": f"s3://{spec.services.s3_bucket}/{spec.checkpoint.l2_prefix.strip('/')}/{rel}",
+    }
+
+
+def l2_available(spec: JobSpec) -> Optional[str]:
+    """None when an S3 endpoint is configured or running, else the reason L2 cannot be used now."""
+    from pipelines.storage.s3 import S3ConfigError, endpoint_url
+
+    try:
+        endpoint_url(spec)
+        return None
+    except S3ConfigError as e:
+        return str(e)
+
+
+def list_steps(spec: JobSpec, rel_root: str, tiers: tuple[str, ...] = TIERS) -> dict[str, list[int]]:
+    """Steps that have a COMMIT marker at each tier (not yet verified), oldest first."""
+    out: dict[str, list[int]] = {}
+    for tier in tiers:
+        loc = tier_locations(spec, rel_root)[tier]
+        if tier != "L2":
+            root = Path(loc)
+            names = [p.name for p in root.iterdir() if (p / COMMIT).is_file()] if root.is_dir() else []
+        elif l2_available(spec) is None:
+            names = _s3_committed_names(spec, loc)
+        else:
+            names = []
+        out[tier] = sorted(s for s in map(parse_step, names) if s is not None)
+    return out
+
+
+def _s3_committed_names(spec: JobSpec, uri: str) -> list[str]:
+    from botocore.exceptions import ClientError
+
+    from pipelines.storage.s3 import client, split_uri
+
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    names = []
+    try:
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+            for o in page.get("Contents", []):
+                parts = o["Key"][len(prefix) + 1:].split("/")
+                if len(parts) == 2 and parts[1] == COMMIT:
+                    names.append(parts[0])
+    except ClientError as e:
+        if missing(e):  # no bucket yet: nothing promoted
+            return []
+        if unreachable(e):
+            raise L2Unavailable(f"{uri}: {e}") from None
+        raise
+    except Exception as e:  # noqa: BLE001 - the endpoint did not answer
+        if unreachable(e):
+            raise L2Unavailable(f"{uri}: {type(e).__name__}: {e}") from None
+        raise
+    return names
+
+
+def verify_copy(spec: JobSpec, tier: str, loc: str) -> None:
+    """Raise CheckpointError unless the copy at ``loc`` verifies (L2: checksums held by S3; see check_objects)."""
+    try:
+        verify_s3(spec, loc) if tier == "L2" else verify_local(Path(loc))
+    except (FileNotFoundError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{loc}: {e}") from None
+
+
+def fetch(spec: JobSpec, rel: str, cache: Optional[Path] = None, prefer: tuple[str, ...] = TIERS) -> tuple[str, Path]:
+    """Restore from the nearest tier whose copy verifies; returns (tier, local dir)."""
+    locs = tier_locations(spec, rel)
+    errors = []
+    for tier in prefer:
+        loc = locs[tier]
+        try:
+            if tier == "L2":
+                return tier, download_checkpoint(spec, loc, cache or resolve_path("var/tiers/cache") / rel)
+            verify_local(Path(loc))
+            return tier, Path(loc)
+        except Exception as e:  # noqa: BLE001 - report every tier's reason
+            errors.append(f"{tier} {loc}: {e}")
+    raise CheckpointError("no tier holds a verified copy of the checkpoint:\n  " + "\n  ".join(errors))
+
+
+@dataclass
+class RestorePoint:
+    step: int
+    tier: str
+    path: str  # local directory holding the verified copy (an L2 copy is downloaded into L0 first)
+    skipped: list[str] = field(default_factory=list)  # why newer steps / nearer tiers were not used
+
+
+def find_restore(spec: JobSpec, rel_root: str, step: Optional[int] = None,
+                 log: Callable[[str], None] = print) -> Optional[RestorePoint]:
+    """The newest step (or exactly ``step``) whose copy verifies, L0 → L1 → L2, falling back tier by tier and
+    then to older steps. An L2 copy is downloaded into the L0 location first. None when nothing is there."""
+    by_tier = list_steps(spec, rel_root)
+    steps = sorted({s for v in by_tier.values() for s in v}, reverse=True)
+    if step is not None:
+        steps = [step]
+    skipped: list[str] = []
+    for s in steps:
+        locs = tier_locations(spec, f"{rel_root}/{step_name(s)}")
+        for tier in TIERS:
+            if s not in by_tier[tier]:
+                skipped.append(f"{step_name(s)} {tier}: no committed copy")
+                continue
+            try:
+                path = Path(locs[tier])
+                if tier == "L2":
+                    path = download_checkpoint(spec, locs["L2"], Path(locs["L0"]))
+                else:
+                    verify_local(path)
+            except Exception as e:  # noqa: BLE001 - every reason is reported
+                skipped.append(f"{step_name(s)} {tier}: {e}")
+                continue
+            for why in skipped:
+                log(f"[ckpt] restore: skipped {why}")
+            log(f"[ckpt] restore: using {step_name(s)} from {tier} ({path})")
+            return RestorePoint(s, tier, str(path), skipped)
+    for why in skipped:
+        log(f"[ckpt] restore: skipped {why}")
+    return None
+
+
+# ----------------------------------------------------------------------------- retention
+def retention_plan(by_tier: dict[str, list[int]], keep: dict[str, int], l2_every: int) -> dict[str, list[int]]:
+    """Steps to delete per tier: L0/L1 keep their last ``keep[tier]`` steps; L2 keeps the last ``keep['L2']``
+    plus every step that is a multiple of ``l2_every`` (0 = keeps every L2 step)."""
+    out = {}
+    for tier, steps in by_tier.items():
+        steps = sorted(steps)
+        kept = set(steps[-keep[tier]:]) if keep[tier] > 0 else set(steps)
+        if tier == "L2":
+            kept |= {s for s in steps if not l2_every or s % l2_every == 0}
+        out[tier] = [s for s in steps if s not in kept]
+    return out
+
+
+def newest_verified(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]]) -> Optional[int]:
+    """The newest step with a copy that verifies at some tier (L2 checked through S3's checksums)."""
+    for s in sorted({s for v in by_tier.values() for s in v}, reverse=True):
+        locs = tier_locations(spec, f"{rel_root}/{step_name(s)}")
+        for tier in TIERS:
+            if s in by_tier.get(tier, []):
+                try:
+                    verify_copy(spec, tier, locs[tier])
+                    return s
+                except CheckpointError:
+                    continue
+    return None
+
+
+def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
+                   rec: Optional[dict]) -> dict[str, list[int]]:
+    """``by_tier`` less the steps another line of training wrote (:mod:`pipelines.train.lineage`); every step
+    counts when there is no lineage record."""
+    if rec is None:
+        return by_tier
+    out = {}
+    for tier, steps in by_tier.items():
+        keep = []
+        for st in steps:
+            loc = tier_locations(spec, f"{rel_root}/{step_name(st)}")[tier]
+            try:
+                man = read_s3_manifest(spec, loc) if tier == "L2" else read_local_manifest(Path(loc))
+            except (CheckpointError, OSError, json.JSONDecodeError):
+                man = None
+            if man is not None and lineage.accepts(rec, st, lineage.of(man)):
+                keep.append(st)
+        out[tier] = keep
+    return out
+
+
+def prune(spec: JobSpec, rel_root: str, upto: Optional[int] = None, tiers: tuple[str, ...] = TIERS,
+          protect: set[int] = frozenset(), rec: Optional[dict] = None,
+          log: Callable[[str], None] = print) -> dict[str, list[int]]:
+    """Apply ``checkpoint.keep_l0/keep_l1/keep_l2`` and ``l2_keep_every`` to this run's checkpoints. Only steps
+    ≤ ``upto`` are touched (newer ones may still be waiting for promotion), neither ``protect`` nor the newest step
+    that verifies on these tiers is ever deleted; only the steps of this line of training (``rec``) count. With L2
+    not answering, the other tiers are pruned all the same. Returns the steps deleted per tier."""
+    c = spec.checkpoint
+    try:
+        by_tier = list_steps(spec, rel_root, tiers)
+    except L2Unavailable as e:
+        log(f"[ckpt] retention: L2 skipped ({e})")
+        tiers = tuple(t for t in tiers if t != "L2")
+        by_tier = list_steps(spec, rel_root, tiers)
+    by_tier = accepted_steps(spec, rel_root, by_tier, rec)
+    plan = retention_plan(by_tier, {"L0": c.keep_l0, "L1": c.keep_l1, "L2": c.keep_l2}, c.l2_keep_every)
+    plan = {t: [s for s in v if (upto is None or s <= upto) and s not in protect] for t, v in plan.items()}
+    if not any(plan.values()):
+        return plan
+    guard = newest_verified(spec, rel_root, by_tier)
+    plan = {t: [s for s in v if s != guard] for t, v in plan.items()}
+    _remove_steps(spec, rel_root, plan)
+    return plan
+
+
+def _remove_steps(spec: JobSpec, rel_root: str, steps_by_tier: dict[str, list[int]]) -> None:
+    for tier, steps in steps_by_tier.items():
+        for s in steps:
+            loc = tier_locations(spec, f"{rel_root}/{step_name(s)}")[tier]
+            faults.point("retention")
+            remove_s3(spec, loc) if tier == "L2" else remove_local(Path(loc))
+
+
+def drop_stale_staging(spec: JobSpec, rel_root: str, rec: Optional[dict] = None) -> list[int]:
+    """Rank 0: L1 staging of steps older than the newest globally committed one of this line of training (parts of
+    a dead attempt)."""
+    root = Path(tier_locations(spec, rel_root)["L1"])
+    newest = max(accepted_steps(spec, rel_root, list_steps(spec, rel_root, ("L1",)), rec)["L1"], default=None)
+    dropped = []
+    for d in [*root.glob(".step-*.parts"), *root.glob(".step-*.l2")] if newest is not None else []:
+        step = parse_step(d.name[1:].rsplit(".", 1)[0])
+        if step is not None and step < newest:
+            shutil.rmtree(d, ignore_errors=True)
+            dropped.append(step)
+    return dropped
+
+
+def clear_run(spec: JobSpec, rel_root: str) -> dict[str, list[int]]:
+    """Remove the committed steps of this run from every tier (a run that starts over, ``train.resume=never``,
+    must not leave older steps of the same key to be mixed with its own by retention or a later resume), except
+    a step that a registered model version points to."""
+    keep = registered_steps(spec, rel_root)
+    by_tier = {t: [s for s in v if s not in keep] for t, v in list_steps(spec, rel_root).items()}
+    _remove_steps(spec, rel_root, by_tier)
+    return by_tier
+
+
+def registered_steps(spec: JobSpec, rel_root: str) -> set[int]:
+    """Steps of this run that a registered model version points to (its ``checkpoint_uri`` tag). Raises
+    CheckpointError when the registry cannot be read: then nothing may be deleted."""
+    prefix = tier_locations(spec, rel_root)["L2"] + "/"
+    try:
+        from pipelines import tracking
+
+        versions = tracking.client(spec).search_model_versions(f"name='{spec.registry.model_name}'")
+    except Exception as e:  # noqa: BLE001 - unknown = everything may be needed
+        raise CheckpointError(f"cannot read the model registry ({type(e).__name__}: {e}); deleting no checkpoint")
+    steps = set()
+    for v in versions:
+        uri = (v.tags or {}).get("checkpoint_uri", "")
+        if uri.startswith(prefix) and parse_step(uri[len(prefix):].strip("/")) is not None:
+            steps.add(parse_step(uri[len(prefix):].strip("/")))
+    return steps
+
+
+# ----------------------------------------------------------------------------- generations
+# ``run.force`` starts a run's training over *beside* the steps it replaces: a new generation, its own rel root
+# ``<run>/<key>.gen-<utc>``. The old generation stays on every tier until the new one's train stage commits; then
+# it is retired, except the steps a registered model version points to. A retried forced run adopts the pending
+# generation (and resumes it) instead of starting yet another. The record lives on L1, beside the key.
+def _generations_file(spec: JobSpec, base_rel: str) -> Path:
+    return Path(tier_locations(spec, base_rel)["L1"] + ".generations.json")
+
+
+def _generations(spec: JobSpec, base_rel: str) -> dict:
+    path = _generations_file(spec, base_rel)
+    state = json.loads(path.read_text()) if path.is_file() else {}
+    return {"current": state.get("current", base_rel), "pending": state.get("pending")}
+
+
+def generation(spec: JobSpec, base_rel: str, force: bool) -> str:
+    """The rel root this run trains in: the current generation, or with ``force`` a pending new one."""
+    import datetime
+
+    state = _generations(spec, base_rel)
+    if not force:
+        return state["current"]
+    if state["pending"] is None:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        state["pending"] = f"{base_rel}.gen-{stamp}"
+        path = _generations_file(spec, base_rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(state, indent=2))
+    return state["pending"]
+
+
+def commit_generation(spec: JobSpec, base_rel: str, rel_root: str, log: Callable[[str], None] = print) -> dict:
+    """``rel_root``'s run committed: make it current and retire the generation it replaced (every tier), keeping
+    the steps a registered model points to. Returns {retired rel root: {tier: steps removed}}."""
+    state = _generations(spec, base_rel)
+    old = state["current"]
+    if rel_root == old and state["pending"] is None:
+        return {}
+    atomic_write_text(_generations_file(spec, base_rel), json.dumps({"current": rel_root, "pending": None}, indent=2))
+    if old == rel_root:
+        return {}
+    try:
+        keep = registered_steps(spec, old)
+    except CheckpointError as e:
+        log(f"[ckpt] generation {old} not retired: {e}")
+        return {}
+    gone = {t: [s for s in v if s not in keep] for t, v in list_steps(spec, old).items()}
+    _remove_steps(spec, old, gone)
+    log(f"[ckpt] generation {rel_root} committed; retired {old}: removed {gone}"
+        + (f", kept registered step(s) {sorted(keep)}" if keep else ""))
+    return {old: gone}
+
+
+# ----------------------------------------------------------------------------- promote
+def promote_l1(spec: JobSpec, rel: str) -> tuple[str, Optional[dict]]:
+    """Checkpoint ``rel`` L0 → L1 (verified while copied, COMMIT last; a verified L1 copy is kept): (action, the
+    files' part digests for the S3 upload that follows, None when nothing was copied)."""
+    locs = tier_locations(spec, rel)
+    l0, l1 = Path(locs["L0"]), Path(locs["L1"])
+    if is_valid_local(l1) and (not (l0 / COMMIT).is_file() or _same_line(l0, l1)):
+        return "already-verified", None
+    if not l0.exists():
+        raise CheckpointError(f"L0 copy {l0} is gone and L1 holds no verified copy: nothing to promote")
+    return "copied", copy_local(l0, l1, spec.checkpoint.multipart_chunk_mb << 20)  # refuses a corrupt L0
+
+
+def _same_line(a: Path, b: Path) -> bool:
+    """Do two committed copies of a step come from the same attempt and line of training?"""
+    ma, mb = read_local_manifest(a), read_local_manifest(b)
+    return (ma.get("attempt"), ma.get("lineage")) == (mb.get("attempt"), mb.get("lineage"))
+
+
+def promote(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2")) -> dict:
+    """Copy checkpoint ``rel`` L0 → L1 (→ L2), each copy verified, COMMIT last; a verified copy is kept."""
+    locs = tier_locations(spec, rel)
+    report = {"checkpoint": rel, "tiers": locs, "actions": {}}
+    report["actions"]["L1"], parts = promote_l1(spec, rel)
+    if "L2" in tiers:
+        report["actions"]["L2"] = upload_checkpoint(spec, Path(locs["L1"]), locs["L2"], parts)
+    report["commit"] = (Path(locs["L1"]) / COMMIT).read_text().strip()
+    return report
