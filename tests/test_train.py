@@ -162,7 +162,7 @@ def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
     common = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",
               "model.seq_len=32", "train.steps=8", "train.warmup_steps=2", "train.ckpt_every=8", "train.lr=0.01",
               "train.log_every=4", "train.micro_batch=4", "train.global_batch=8", "train.eval_every=4",
-              "train.eval_tokens=288", "tokenizer.heldout_fraction=0.2"]
+              "train.eval_tokens=288"]
     layouts = {
         "one": ["launcher.nproc_per_node=1", "train.grad_accum=2"],
         "ddp": ["launcher.nproc_per_node=2", "train.grad_accum=1"],
