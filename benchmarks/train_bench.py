@@ -7,7 +7,7 @@ logging, no checkpoints. Ours is ``pipelines.train.launch`` end to end, with its
 tokens/s (first 5 steps excluded, as for the loop); rows for 1 process × 2 threads and DDP 2 × 1.
 
     python benchmarks/train_bench.py [--tokenize-manifest M] [--steps 60] [--set model.d_model=128 ...]
-    python benchmarks/train_bench.py --validation [--eval-every 10]   # what validation during training costs
+    python benchmarks/train_bench.py --validation [--eval-every 10] [--repeats 3]   # what validation costs
 
 M defaults to the newest tokenize manifest under var/runs (``make demo`` makes one). Writes
 ``var/bench/train.json`` with ``ratio`` = ours (1 process) ÷ the minimal loop.
@@ -60,23 +60,29 @@ def minimal_loop(spec, tok, steps: int, threads: int) -> float:
     return B * T * len(steady) / sum(steady)
 
 
-def validation_cost(spec_path: str, base: list[str], tok, every: int) -> dict:
-    """DDP 2 × 1 without and with validation during training (train.eval_every): the step time (validation is
-    outside it), and the wall time per step, validation included."""
+def validation_cost(spec_path: str, base: list[str], tok, every: int, repeats: int) -> dict:
+    """DDP 2 × 1 without and with validation during training (train.eval_every), ``repeats`` runs of each, taken
+    in turn (off, on, off, on …: drift of the machine falls on both): the step time (validation is outside it) and
+    the wall time per step, validation included; the median of each."""
+    from statistics import median
+
     from pipelines.spec import load_spec
     from pipelines.train import launch
 
-    rows = []
-    for label, e in (("eval_every=0 (anchor)", 0), (f"eval_every={every}", every)):
-        spec = load_spec(spec_path, base + ["launcher.nproc_per_node=2", "launcher.threads_per_proc=1",
-                                            f"train.eval_every={e}"], env={})
-        m = launch.run(spec, tok)
-        result = json.loads(m.output("result").read_text())
-        rows.append({"run": label, "tokens_per_s": result["tokens_per_s"], "goodput": result["goodput_tokens_per_s"],
-                     "evaluations": len(result.get("val") or [])})
+    runs: dict[int, list[dict]] = {0: [], every: []}
+    for _ in range(repeats):
+        for e in runs:
+            spec = load_spec(spec_path, base + ["launcher.nproc_per_node=2", "launcher.threads_per_proc=1",
+                                                f"train.eval_every={e}"], env={})
+            result = json.loads(launch.run(spec, tok).output("result").read_text())
+            runs[e].append({"tokens_per_s": result["tokens_per_s"], "goodput": result["goodput_tokens_per_s"],
+                            "evaluations": len(result.get("val") or [])})
+    rows = [{"run": f"eval_every={e}" + (" (anchor)" if e == 0 else ""), "evaluations": rs[0]["evaluations"],
+             "tokens_per_s": median(r["tokens_per_s"] for r in rs), "goodput": median(r["goodput"] for r in rs),
+             "runs": rs} for e, rs in runs.items()]
     off, on = rows
-    print(f"| DDP 2 × 1 | evaluations | step tokens/s | wall tokens/s (validation included) | step ÷ anchor | "
-          "wall ÷ anchor |")
+    print(f"| DDP 2 × 1, median of {repeats} | evaluations | step tokens/s | wall tokens/s (validation included) | "
+          "step ÷ anchor | wall ÷ anchor |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['run']} | {r['evaluations']} | {r['tokens_per_s']:,.0f} | {r['goodput']:,.0f} | "
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--validation", action="store_true", help="measure validation during training instead: "
                     "eval_every=0 against --eval-every")
     ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3, help="--validation: runs of each setting, taken in turn")
     args = ap.parse_args(argv)
     args.out = args.out or str(ROOT / "var" / "bench" / ("train_validation.json" if args.validation else "train.json"))
 
@@ -114,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     base = [f"train.steps={args.steps}", f"train.ckpt_every={args.steps}", "run.root=var/bench/train-runs",
             "run.force=true", *args.overrides]
     if args.validation:
-        result = validation_cost(args.spec, base, tok, args.eval_every)
+        result = validation_cost(args.spec, base, tok, args.eval_every, args.repeats)
         atomic_write_text(args.out, json.dumps(result, indent=2))
         print(f"written {args.out}")
         return 0

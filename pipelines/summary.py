@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{g('preflight.allreduce_busbw_GBps', '{:.2f}')} GB/s bus bandwidth, {g('preflight.stragglers')} stragglers")
     print(f"training            : {g('train.steps')} steps, final loss {g('train.final_loss', '{:.3f}')}, "
           f"{g('train.tokens_per_s')} tokens/s, {g('train.params')} params")
+    print(f"validation          : loss {g('train.val_loss', '{:.4f}')} nats/token, {g('train.val_bpb', '{:.4f}')} "
+          f"bits/byte at the last step (every train.eval_every={spec.train.eval_every} steps: val/loss, val/bpb in "
+          "the training run; loss_curve.png)")
     print(f"reference set       : {g('evaluate.reference_bpb', '{:.4f}')} bits/byte "
           f"(set {t.get('reference_sha256', 'n/a')[:12]}: {t.get('reference_files', 'n/a')})")
     harness = [k for k in sorted(m) if k.startswith("evaluate.harness.") and not k.endswith("perplexity")]
