@@ -130,7 +130,7 @@ browser:
 # two test files at a time (pytest-xdist): a third of the suite's time is spent waiting on its processes
 TEST_WORKERS ?= 2
 test: $(DEV_STAMP) $(CHECKOV) browser
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # the seeded fault matrix (issue 31): one real run per seed, its invariants checked; prints the table
 SEEDS ?= 20

@@ -162,11 +162,12 @@ def tiny_spec(inputs: str, name: str, model_name: str, more: str = "") -> str:
             + "".join(l + "\n" for l in more.splitlines() if not l.startswith("  ")))
 
 
-# `make test` runs two files at a time (pytest-xdist, --dist loadfile): the longest files start first, so that neither
-# worker is left with a long file at the end (measured in CI; the rest keep their order)
-LONGEST_FIRST = ("test_browser.py", "test_spark_nodes.py", "test_nodes.py", "test_e2e.py", "test_faults.py",
-                 "test_resilience.py", "test_spark_standalone.py", "test_train.py", "test_ckpt_safety.py",
-                 "test_airflow_ui.py")
+# `make test` runs two test files at a time (pytest-xdist, --dist loadfile --no-loadscope-reorder: xdist would
+# otherwise order the files by their number of tests): the longest files start first (as measured two at a time,
+# 2026-11-26), so that neither worker is left with a long file at the end; the rest keep their order
+LONGEST_FIRST = ("test_browser.py", "test_spark_nodes.py", "test_e2e.py", "test_faults.py", "test_resilience.py",
+                 "test_nodes.py", "test_spark_standalone.py", "test_incremental.py", "test_train.py", "test_stages.py",
+                 "test_airflow_ui.py", "test_ckpt_safety.py", "test_operations.py", "test_kube.py")
 
 
 def pytest_collection_modifyitems(config, items):
