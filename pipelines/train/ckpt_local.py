@@ -116,6 +116,14 @@ def _copy_hashing(src: Path, dst: Path, part_size: int) -> tuple[str, list[bytes
     return whole.hexdigest(), parts
 
 
+def install_dir(tmp: Path, dst: Path) -> None:
+    """Put the finished directory ``tmp`` at ``dst``, an older copy there removed first."""
+    if dst.exists():
+        remove_local(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, dst)
+
+
 def copy_local(src: Path, dst: Path, chunk: int = 8 << 20) -> dict[str, list[bytes]]:
     """Copy a checkpoint to another filesystem tier, checking every file against the manifest as it is read
     (a corrupt source is refused); COMMIT last. Returns each file's part digests for the S3 upload that follows
@@ -138,10 +146,7 @@ def copy_local(src: Path, dst: Path, chunk: int = 8 << 20) -> dict[str, list[byt
                                       f"{info['sha256'][:12]}… — refusing this checkpoint")
         shutil.copyfile(src / CKPT_MANIFEST, tmp / CKPT_MANIFEST)
         shutil.copyfile(src / COMMIT, tmp / COMMIT)  # last
-        if dst.exists():
-            remove_local(dst)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, dst)
+        install_dir(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {rel: parts for rel, (_, parts) in got.items()}

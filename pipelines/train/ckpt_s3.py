@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,7 @@ from pipelines.storage.s3 import (b64, checksums_verified, composite_sha256, obj
                                   part_size_used, unreachable, upload_checked)
 from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
                                         part_name)
-from pipelines.train.ckpt_local import manifest_files, read_local_manifest, remove_local, verify_local
+from pipelines.train.ckpt_local import install_dir, manifest_files, read_local_manifest, verify_local
 
 
 def transfer_config(spec: JobSpec):
@@ -193,10 +192,7 @@ def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int]
             s3.download_file(bucket, f"{prefix}/{rel}", str(tmp / rel))
         (tmp / COMMIT).write_text(commit)
         verify_local(tmp)
-        if dest.exists():
-            remove_local(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, dest)
+        install_dir(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
