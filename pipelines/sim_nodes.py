@@ -89,6 +89,11 @@ class Node:
             self._start()
 
     @property
+    def finished(self) -> bool:
+        """Its command ended for good: exit 0, a failure not started again, or the node lost."""
+        return not self._thread.is_alive()
+
+    @property
     def lost(self) -> bool:
         return self._lost.is_set()
 

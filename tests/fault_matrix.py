@@ -3,15 +3,19 @@
 Each seed picks one scenario: a fault kind and where it strikes (a phase of the checkpoint protocol, a tier's
 reads or writes, the S3 endpoint's requests), and how often. The run is real: ``python -m pipelines.train.launch``
 (torchrun, 2 ranks on one node, an S3 endpoint on loopback) with ``LLMP_FAULTS`` set; a process death is
-``os._exit`` at that point, and torchrun restarts the ranks as it would after a lost pod. The same seed replays
-the same scenario. After each run the invariants are checked:
+``os._exit`` at that point, and torchrun restarts the ranks as it would after a lost pod. A fifth of the seeds run
+on two simulated nodes (``pipelines.sim_nodes``, as ``tests/test_nodes.py``: a private L0 disk each, L1 shared,
+one rank each), where the part protocol's phases are: a rank dies there, or its node is lost there (every process
+of the node killed, a replacement started over an empty disk). The same seed replays the same scenario; a tuple of
+seeds is one run with all their faults (``make test``'s subset). After each run the invariants are checked:
 
 * I1 the newest step committed on L1 verifies there (and on L2 when L2 says it holds it);
 * I2 a resumed run resumed from a whole step of this run (a multiple of ckpt_every, committed before the fault);
 * I3 the run ends bitwise equal to the fault-free run, or fails with one ``train: error:`` line naming L1; never
   exit 0 with its final step missing from L1;
 * I4 it ends within its bound (no hang);
-* I5 L0 and L1 hold no more steps than their retention keeps (plus the newest, which is never deleted);
+* I5 L0 (each node's disk that is still in the job) and L1 hold no more steps than their retention keeps (plus the
+  newest, which is never deleted);
 * I6 (data) a compressed input cut at a seeded byte: every byte read is a doc or a ``bad_compression`` entry.
 
 Prints one row per seed: scenario, seed, outcome, each invariant (ok / n/a / FAIL).
@@ -36,13 +40,24 @@ SETS = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "mod
         f"train.steps={STEPS}", f"train.ckpt_every={EVERY}", "launcher.nproc_per_node=2", "launcher.max_restarts=3",
         f"checkpoint.keep_l0={KEEP}", f"checkpoint.keep_l1={KEEP}", "checkpoint.collective_timeout_minutes=5"]
 BOUND_S = 600
+W = 48  # the scenario column
+
+
+def phases_and_kinds() -> set:
+    """What the ``make test`` subset must strike at least once: every phase and every kind of fault."""
+    sys.path.insert(0, str(ROOT))
+    from pipelines.storage import faults
+
+    return set(faults.PHASES) | set(faults.KINDS)
 
 
 def scenario(seed: int) -> dict:
     """The fault a seed stands for: {name, rules, expect} (expect: "ok" = bitwise equal, "ok|fail" = either is
     right as long as a failure names its tier)."""
     rnd = random.Random(seed)
-    kind = rnd.choice(["die", "die", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "slow", "data"])
+    kind = rnd.choice(["die", "die", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "slow", "data", "nodes", "nodes"])
+    if kind == "nodes":
+        return nodes_scenario(rnd)
     if kind == "die":
         phase = rnd.choice(["part_committed", "l1_committed", "retention"])
         nth = rnd.randint(1, 3 if phase != "retention" else 2)
@@ -64,6 +79,19 @@ def scenario(seed: int) -> dict:
     if kind == "slow":
         rule["seconds"] = 2.0
     return {"name": f"{kind} on S3 {op} x{times or 'inf'}", "rules": [rule], "expect": "ok"}
+
+
+def nodes_scenario(rnd: random.Random) -> dict:
+    """Two simulated nodes (a private L0 disk each): a rank dies, or its whole node is lost (a replacement starts
+    over an empty disk), at a phase of the part protocol. Rank 0's node alone merges and commits on L1. A restore
+    stages parts again only when a step was left uncommitted, so a fault there follows a death before the merge."""
+    phase = rnd.choice(["part_committed", "l1_staged", "merge", "l1_committed", "retention", "restage"])
+    node = 0 if phase in ("merge", "l1_committed") else rnd.randint(0, 1)
+    do, nth = rnd.choice(["die", "lose"]), rnd.randint(1, 2)
+    rules = [{"at": phase, "do": do, "node": node, "nth": nth}]
+    if phase == "restage":
+        rules = [{"at": "l1_staged", "do": "die", "node": 0, "nth": nth}, rules[0] | {"nth": 1}]
+    return {"name": f"2 nodes: {do} node {node} at {phase} #{nth}", "rules": rules, "nodes": 2, "expect": "ok"}
 
 
 def _env(**extra) -> dict:
@@ -103,6 +131,71 @@ def run_one(ctx: dict, name: str, rules) -> dict:
     except subprocess.TimeoutExpired as e:
         rc, out = "hang", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else str(e.stdout)
     return {"rc": rc, "out": out, "root": root, "sets": sets, "s": time.monotonic() - t0}
+
+
+NODE_SETS = [kv for kv in SETS if not kv.startswith("launcher.")] + ["launcher.nproc_per_node=1", "launcher.nnodes=2"]
+SUB = "run/key"  # the two-node runs' checkpoint root under each tier (--ckpt-root <l0>/run/key)
+
+
+def run_two(ctx: dict, name: str, rules) -> dict:
+    """A run on two simulated nodes (``pipelines.sim_nodes``: a mount namespace each, a private disk at
+    ``checkpoint.l0``), each torchrun with one rank as a PyTorchJob replica runs it, started again when it exits
+    non-zero. A ``lose`` fault leaves its mark in the state folder: this harness then kills every process of that
+    node and starts a replacement over a new, empty disk."""
+    from pipelines.sim_nodes import Node, free_port
+    from pipelines.spec import load_spec
+
+    root = ctx["base"] / name.replace(" ", "_").replace("#", "n").replace(":", "")
+    state = root / "faults"
+    sets = NODE_SETS + [f"run.root={root}/run", f"checkpoint.l0={root}/l0", f"checkpoint.l1={root}/l1",
+                        f"services.s3_endpoint_url={ctx['s3']}", f"services.s3_bucket=faults-{abs(hash(name)) % 10**8}"]
+    root.mkdir(parents=True)
+    (root / "spec.yaml").write_text(load_spec(None, sets, env={}).to_yaml())
+    port = free_port()
+    env = _env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               **({"LLMP_FAULTS": json.dumps(rules), "LLMP_FAULTS_STATE": str(state)} if rules else {}))
+    disks: list[Path] = []
+
+    def start(rank: int) -> Node:
+        disks.append(root / "disks" / f"disk-{len(disks) + 1}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+               str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
+               "--rdzv-conf", "last_call_timeout=3,join_timeout=120", "--max-restarts", "3", "-m",
+               "pipelines.train.trainer", "--spec", str(root / "spec.yaml"), "--tokenize-manifest", ctx["tok"],
+               "--out", str(root / "train"), "--ckpt-root", f"{root}/l0/{SUB}"]
+        return Node(f"{rank}", disks[-1], root / "l0", cmd, env, root / f"node-{len(disks)}-rank{rank}.log", cwd=ROOT)
+
+    t0 = time.monotonic()
+    nodes = {r: start(r) for r in (0, 1)}
+    everyone = list(nodes.values())
+    while not all(n.finished for n in nodes.values()):
+        for r in (0, 1):
+            mark = state / f"lose-node-{r}"
+            if mark.exists():  # each loss once: the mark is kept under another name
+                mark.rename(state / f"lost-node-{r}-{len(everyone)}")
+                nodes[r].lose()
+                nodes[r] = start(r)
+                everyone.append(nodes[r])
+        if time.monotonic() - t0 > BOUND_S:
+            for n in everyone:
+                if not n.lost:
+                    n.lose()
+            break
+        time.sleep(0.1)
+    hang = time.monotonic() - t0 > BOUND_S
+    codes = [n.codes[-1] if n.codes else n.proc.returncode for n in nodes.values()]
+    rc = "hang" if hang else next((c for c in codes if c), 0)
+    out = "\n".join(n.output() for n in everyone)
+    kept = [d for i, d in enumerate(disks) if everyone[i] in nodes.values()]
+    return {"rc": rc, "out": out, "root": root, "sets": sets, "s": time.monotonic() - t0, "disks": kept}
+
+
+def _two_node_reference(ctx: dict) -> dict:
+    from pipelines.train import checkpoint as ck
+
+    ref = run_two(ctx, "reference 2 nodes", None)
+    assert ref["rc"] == 0, ref["out"][-3000:]
+    return final_state(ref["root"] / "l1" / SUB / ck.step_name(STEPS))
 
 
 def final_state(step_dir: Path) -> dict:
@@ -149,7 +242,7 @@ def check(ctx: dict, sc: dict, run: dict) -> dict:
         if not final_ok:
             inv["I3"] = "FAIL: exit 0 without the final step on L1"
         else:
-            same = equal(ctx["ref_state"], final_state(root / "l1" / rel_root / ck.step_name(STEPS)))
+            same = equal(ctx["ref2_state" if "disks" in run else "ref_state"], final_state(root / "l1" / rel_root / ck.step_name(STEPS)))
             inv["I3"] = "ok" if same else "FAIL: final state differs from the fault-free run"
     elif run["rc"] != "hang":
         lines = [ln for ln in run["out"].splitlines() if "train: error:" in ln]
@@ -158,9 +251,12 @@ def check(ctx: dict, sc: dict, run: dict) -> dict:
             f"FAIL: exit {run['rc']}: {(lines or run['out'].splitlines()[-1:] or [''])[-1][:160]}"
     else:
         inv["I3"] = "n/a"
-    manifest = root / "train" / "manifest.json"
-    resumed = json.loads(manifest.read_text())["extra"].get("resumed_from") if manifest.is_file() else None
+    result = root / "train" / "result.json"  # the ranks' own (launch keeps a copy in the stage's output)
+    resumed = json.loads(result.read_text()).get("resumed_from") if result.is_file() else None
     inv["I2"] = "n/a" if resumed is None else ("ok" if resumed["step"] % EVERY == 0 else f"FAIL: resumed {resumed}")
+    for i, disk in enumerate(run.get("disks", [])):  # each node's own L0 (a lost node's disk left with it)
+        node_spec = load_spec(None, run["sets"] + [f"checkpoint.l0={disk}"], env={})
+        steps[f"L0 of node disk {i}"] = ckpt_tiers.list_steps(node_spec, SUB, ("L0",))["L0"]
     over = {t: v for t, v in steps.items() if len(v) > KEEP + 1}
     inv["I5"] = f"FAIL: {over}" if over else "ok"
     return inv
@@ -216,10 +312,24 @@ def main(argv=None) -> int:
     return 0 if all(r["ok"] for r in run_matrix(seeds, Path(tempfile.mkdtemp(prefix="llmp-faults-")))) else 1
 
 
-def run_matrix(seeds: list[int], base: Path, log=print) -> list[dict]:
+def combined(seeds: tuple[int, ...]) -> dict:
+    """Several seeds' faults in one run (the ``make test`` subset: every kind and phase in fewer runs): their
+    rules together, each firing as its own seed says. The seeds must all be runs on the same number of nodes."""
+    scs = [scenario(s) for s in seeds]
+    if len({sc.get("nodes", 1) for sc in scs}) != 1 or (len(scs) > 1 and any(sc.get("data") for sc in scs)):
+        raise ValueError(f"seeds {seeds}: only runs on the same number of nodes combine")
+    if len(scs) == 1:
+        return scs[0]
+    return {"name": " + ".join(sc["name"].removeprefix("2 nodes: ") for sc in scs),
+            "rules": [r for sc in scs for r in sc["rules"]], "expect": "ok",
+            **({"nodes": 2} if scs[0].get("nodes") else {})}
+
+
+def run_matrix(seeds: list, base: Path, log=print) -> list[dict]:
+    """One run per seed, or per tuple of seeds (:func:`combined`)."""
     sys.path.insert(0, str(ROOT))
 
-    scs = {s: scenario(s) for s in seeds}
+    scs = {s: combined(s if isinstance(s, tuple) else (s,)) for s in seeds}
     with contextlib.ExitStack() as stack:  # the S3 server stops whatever happens
         return _rows(scs, base, stack, log)
 
@@ -230,8 +340,10 @@ def _rows(scs: dict, base: Path, stack: contextlib.ExitStack, log) -> list[dict]
 
     ctx = None
     rows = []
-    log(f"{'scenario':44} {'seed':>5} {'fired':>5} {'outcome':10} {'I1':4} {'I2':4} {'I3':4} {'I4':4} {'I5':4} {'I6':4}  s")
+    log(f"{'scenario':{W}} {'seed':>5} {'fired':>5} {'outcome':10} {'I1':4} {'I2':4} {'I3':4} {'I4':4} {'I5':4} {'I6':4}  s")
     for seed, sc in scs.items():
+        label = "+".join(map(str, seed)) if isinstance(seed, tuple) else str(seed)
+        unfired: list[int] = []
         if sc.get("data"):
             inv, outcome, secs, fired = data_scenario(sc, base), "read", 0.0, 1
         else:
@@ -239,21 +351,26 @@ def _rows(scs: dict, base: Path, stack: contextlib.ExitStack, log) -> list[dict]
                 ctx = prepare(base, stack)
                 rel = next((ctx["ref"]["root"] / "l1").glob("*/*/step-*/COMMIT")).parent.parent
                 ctx["ref_state"] = final_state(rel / ck.step_name(STEPS))
-            run = run_one(ctx, f"s{seed}", sc["rules"])
+            if sc.get("nodes") and "ref2_state" not in ctx:
+                ctx["ref2_state"] = _two_node_reference(ctx)
+            run = (run_two if sc.get("nodes") else run_one)(ctx, f"s{label}", sc["rules"])
             inv, secs = check(ctx, sc, run), run["s"]
-            fired = len(faults.fired(run["root"] / "faults"))  # 0: the run never reached the fault's nth hit
+            names = faults.fired(run["root"] / "faults")
+            fired = sum(n.startswith("rule-") for n in names)  # 0: the run never reached the fault's nth hit
+            unfired = [i for i in range(len(sc["rules"])) if not any(n.startswith(f"rule-{i}-") for n in names)]
             outcome = "exit 0" if run["rc"] == 0 else ("hang" if run["rc"] == "hang" else f"exit {run['rc']}")
             if any(v.startswith("FAIL") for v in inv.values()):
-                (base / f"s{seed}.log").write_text(run["out"])
+                (base / f"s{label}.log").write_text(run["out"])
         short = {k: ("ok" if v == "ok" else "n/a" if v.startswith("n/a") else "FAIL") for k, v in inv.items()}
         ok = not any(v.startswith("FAIL") for v in inv.values())
-        log(f"{sc['name'][:44]:44} {seed:>5} {fired:>5} {outcome:10} " + " ".join(f"{short.get(k, 'n/a'):4}" for k in
+        log(f"{sc['name'][:W]:{W}} {label:>5} {fired:>5} {outcome:10} " + " ".join(f"{short.get(k, 'n/a'):4}" for k in
                                                                        ("I1", "I2", "I3", "I4", "I5", "I6"))
             + f"  {secs:.0f}")
         for k, v in inv.items():
             if v.startswith("FAIL"):
-                log(f"    {k}: {v} (log: {base / f's{seed}.log'})")
-        rows.append({"seed": seed, "scenario": sc, "outcome": outcome, "inv": inv, "ok": ok, "fired": fired})
+                log(f"    {k}: {v} (log: {base / f's{label}.log'})")
+        rows.append({"seed": seed, "scenario": sc, "outcome": outcome, "inv": inv, "ok": ok, "fired": fired,
+                     "unfired": unfired})
     return rows
 
 

@@ -199,15 +199,21 @@ def test_fault_rules_fire_where_and_as_often_as_they_say(tmp_path, monkeypatch):
         faults.load("")
 
 
-# every kind of fault at least once in `make test` (the whole matrix: `make faults SEEDS=N`)
-SUBSET = [2, 6, 8, 1, 25, 84, 29]  # die at part_committed / l1_committed, ENOSPC on L1, EIO on L0, a reset S3 PUT,
-# S3 refusing connections for 3 PUTs, a truncated .zst (a permanent outage: the endpoint-stopped test above)
+# every kind of fault and every phase at least once in `make test`, several seeds to a run (the whole matrix, a
+# run per seed: `make faults SEEDS=N`): deaths at part_committed, retention and l1_committed, a 503 on a PUT, ENOSPC
+# on L1, EIO on L0 with a slow listing, a reset and a refused PUT, a truncated .zst; on two nodes, rank 0's node lost
+# in the merge (its part staged, no COMMIT), then rank 0 dead after staging and its replacement lost while a restore
+# stages the parts again
+SUBSET = [(2, 14, 36), (8, 31), (1, 9), (25, 84), 29, (5, 147)]
 
 
 def test_a_seeded_subset_of_the_fault_matrix_holds_every_invariant(tmp_path, monkeypatch):
-    from fault_matrix import run_matrix, scenario
+    from fault_matrix import combined, phases_and_kinds, run_matrix, scenario
 
     assert scenario(2) == scenario(2) and scenario(2)["rules"][0]["at"] == "part_committed"  # a seed replays
+    rules = [r for s in SUBSET for r in combined(s if isinstance(s, tuple) else (s,)).get("rules", [])]
+    covered = {r["at"] for r in rules} | {r["do"] for r in rules}
+    assert phases_and_kinds() <= covered, phases_and_kinds() - covered
     monkeypatch.setenv("LLMP_HOME", str(tmp_path))
     lines = []
     rows = run_matrix(SUBSET, tmp_path, log=lines.append)
@@ -216,4 +222,4 @@ def test_a_seeded_subset_of_the_fault_matrix_holds_every_invariant(tmp_path, mon
     bad = [ln for ln in lines if "FAIL" in ln]
     assert not bad, "\n".join(lines)
     assert {r["outcome"] for r in rows} <= {"exit 0", "read"}  # none of these is permanent on L1
-    assert all(r["fired"] for r in rows)  # every fault of the subset really struck
+    assert not [r["unfired"] for r in rows if r["unfired"]]  # every fault of the subset really struck

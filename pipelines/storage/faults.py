@@ -9,7 +9,10 @@
 * ``at``: a protocol phase (:data:`PHASES`), ``read`` / ``write`` (:func:`file_op` on a file of a tier: ``path`` is a substring of
   the file's path that picks the tier or the node's disk), or ``s3`` (every S3 request; ``op`` picks one operation
   such as ``UploadPart``).
-* ``do``: ``die`` (the process ends at once, exit 137, as a lost pod), ``eio`` / ``enospc`` (``OSError``),
+* ``do``: ``die`` (the process ends at once, exit 137, as a lost pod), ``lose`` (the node is lost here: the
+  process stops at once, whole, and leaves ``lose-node-<GROUP_RANK>`` in ``LLMP_FAULTS_STATE`` for the harness of
+  simulated nodes, which kills every process of that node and starts a replacement over an empty disk),
+  ``eio`` / ``enospc`` (``OSError``),
   ``s3_down`` (the endpoint refuses connections), ``s3_503`` (503 SlowDown), ``s3_reset`` (the connection is
   reset in the middle of the request), ``slow`` (``seconds`` of delay).
 * ``node`` / ``rank``: only there (torchrun's ``GROUP_RANK`` / ``RANK``); ``nth``: fire from the rule's nth hit;
@@ -36,7 +39,7 @@ PHASES = ("part_committed",  # a node committed its part on its own L0
           "l1_committed",  # the step's global COMMIT is on L1, L2 not yet
           "retention",  # between two deletions of retention
           "restage")  # a restore is staging a part on L1 again
-KINDS = ("die", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "slow")
+KINDS = ("die", "lose", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "slow")
 
 _rules: Optional[list[dict]] = None
 _hits: dict[int, int] = {}
@@ -112,6 +115,8 @@ def _act(rule: dict, what: str) -> None:
     if kind == "die":
         print(f"[faults] {what}: process dies here (LLMP_FAULTS)", flush=True)
         os._exit(137)
+    if kind == "lose":
+        _lose(what)
     if kind == "slow":
         time.sleep(float(rule.get("seconds", 1.0)))
         return
@@ -119,6 +124,19 @@ def _act(rule: dict, what: str) -> None:
         code = errno.EIO if kind == "eio" else errno.ENOSPC
         raise OSError(code, f"{os.strerror(code)} (injected at {what})")
     raise _s3_error(kind, what)
+
+
+def _lose(what: str) -> None:
+    """Stop this process, every thread of it, and leave the mark for the harness of simulated nodes, which kills
+    the node's processes (this one included) within its own bound; without ``LLMP_FAULTS_STATE`` it dies."""
+    import signal
+
+    print(f"[faults] {what}: the node is lost here (LLMP_FAULTS)", flush=True)
+    state = os.environ.get("LLMP_FAULTS_STATE")
+    if state:
+        Path(state, f"lose-node-{os.environ.get('GROUP_RANK', '0')}").touch()
+        os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(137)
 
 
 def point(phase: str, **where) -> None:
