@@ -22,8 +22,13 @@
    restore ≥ 1.6× the single-rank one).
 
     python benchmarks/ckpt_bench.py [--tokenize-manifest M] [--steps 150] [--sizes 10m,100m,350m] [--only nodes]
+    python benchmarks/ckpt_bench.py --only stall [--sizes 10m,100m,350m] [--device cuda] [--out PATH]
+    python -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/ckpt_bench.py --only stall \
+        --device cuda --backend nccl   # the stall with an NCCL default process group, as the trainer runs on GPUs
 
-Writes ``var/bench/ckpt.json``.
+Writes ``var/bench/ckpt.json`` (``--only nodes``: ``ckpt-nodes.json``; ``--only stall``: ``ckpt-stall.json``,
+or ``--out``). ``--only stall`` runs part 1 alone (no tokenize manifest needed); with ``--device cuda`` the
+model and its AdamW state live on the GPU, so the async save's stall is the copy into pinned host buffers.
 """
 from __future__ import annotations
 
@@ -43,35 +48,49 @@ SIZES = {"10m": dict(d_model=256, n_layers=4, n_heads=4), "100m": dict(d_model=7
 VOCAB = 32000
 
 
-def _model_and_opt(size: str):
+def _model_and_opt(size: str, device: str = "cpu"):
     import torch
 
     from pipelines.train.model import ModelArgs, Transformer
 
-    model = Transformer(ModelArgs(vocab_size=VOCAB, seq_len=256, **SIZES[size]))
+    if device == "cpu":
+        model = Transformer(ModelArgs(vocab_size=VOCAB, seq_len=256, **SIZES[size]))
+    else:
+        with torch.device(device):  # built on the GPU: no CPU init, no copy
+            model = Transformer(ModelArgs(vocab_size=VOCAB, seq_len=256, **SIZES[size]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
-    opt.step()  # real AdamW state (two moments per parameter)
+    opt.step()  # real AdamW state (two moments per parameter), on the model's device
     return model, opt
 
 
-def stall_rows(sizes: list[str], base: Path) -> tuple[list[dict], Path]:
+def _sync(device: str) -> None:
+    """Queued GPU work (the optimizer step) done before a timed save: the stall is the save's own."""
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def stall_rows(sizes: list[str], base: Path, device: str = "cpu") -> tuple[list[dict], Path]:
     from pipelines.spec import load_spec
     from pipelines.train.checkpointer import Checkpointer
     from pipelines.train.model import param_count
 
     rows, keep = [], None
     for size in sizes:
-        model, opt = _model_and_opt(size)
+        model, opt = _model_and_opt(size, device)
         row = {"model": size, "params": param_count(model.args)}
         for mode in ("sync", "thread"):
             spec = load_spec(None, [f"checkpoint.l0={base}/l0", f"checkpoint.l1={base}/l1", f"checkpoint.async_mode={mode}",
                                     "checkpoint.promote_during_run=false"], env={})
             saver = Checkpointer(spec, f"{size}-{mode}", 0, 1, lambda m: None,
                                  files={"model_args.json": json.dumps(model.args.to_dict()).encode()})
+            _sync(device)
             saver.save(1, model, opt, {"step": 1})  # warm-up: staging buffers allocated, pages touched
             saver.wait()
+            _sync(device)
             t0 = time.perf_counter()
             stall = saver.save(2, model, opt, {"step": 2})
             saver.wait()
@@ -85,7 +104,73 @@ def stall_rows(sizes: list[str], base: Path) -> tuple[list[dict], Path]:
               f"(ratio {row['ratio']:.3f}), {row['bytes'] / 1e9:.2f} GB", flush=True)
         if size == "100m" or keep is None:
             keep = base / "l0" / f"{size}-thread" / "step-000002"
+        if device != "cpu":
+            import torch
+
+            del model, opt
+            torch.cuda.empty_cache()
     return rows, keep
+
+
+def print_stalls(stalls: list[dict]) -> None:
+    print("\n| checkpoint | params | bytes | sync save (anchor) | async stall (ours) | stall ÷ sync |")
+    print("|---|---|---|---|---|---|")
+    for r in stalls:
+        print(f"| {r['model']} | {r['params'] / 1e6:,.1f} M | {r['bytes'] / 1e9:.2f} GB | {r['sync']['save_s']:.2f} s | "
+              f"{r['thread']['stall_s']:.3f} s | {r['ratio']:.3f} |")
+
+
+def only_stall(args) -> int:
+    """Part 1 alone, on ``--device``; with ``--backend nccl`` (under torchrun) the default process group is NCCL,
+    as in a GPU training run (the Checkpointer's own writer group is gloo either way)."""
+    import torch
+    import torch.distributed as dist
+
+    from pipelines.manifest import atomic_write_text
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("ckpt_bench: --device cuda but no CUDA device here", file=sys.stderr)
+        return 2
+    if args.backend == "nccl" and args.device != "cuda":
+        print("ckpt_bench: --backend nccl needs --device cuda", file=sys.stderr)
+        return 2
+    torch.set_num_threads(2)  # as in the full run: its stall rows are measured the same way
+    base = ROOT / "var" / "bench" / "ckpt-sizes"
+    shutil.rmtree(base, ignore_errors=True)
+    check = None
+    torchrun = "MASTER_ADDR" in os.environ  # its agent's store: a tcp:// init of our own would wait for it forever
+    if args.backend == "nccl":  # RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK from torchrun's env
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", init_method="env://", device_id=dev)
+        t = torch.full((4,), float(dist.get_rank() + 1), device=dev)
+        dist.all_reduce(t)
+        check = {"world_size": dist.get_world_size(), "all_reduce": t.tolist(),
+                 "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+        print(f"  nccl default group: world {check['world_size']}, all_reduce {check['all_reduce']}, "
+              f"NCCL {check['nccl']}", flush=True)
+    elif torchrun:
+        dist.init_process_group("gloo", init_method="env://")
+    else:
+        port = 29500 + os.getpid() % 1000
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        stalls, _ = stall_rows(args.sizes.split(","), base, args.device)
+        rank = dist.get_rank()
+    finally:
+        dist.destroy_process_group()
+    shutil.rmtree(base, ignore_errors=True)
+    if rank != 0:
+        return 0
+    result = {"stall": stalls, "device": args.device, "backend": args.backend, "nccl_check": check,
+              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__,
+              "machine": {"cpus": os.cpu_count()}}
+    print_stalls(stalls)
+    out = args.out or str(ROOT / "var" / "bench" / "ckpt-stall.json")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(result, indent=2))
+    print(f"written {out}")
+    return 0
 
 
 def _empty(client, bucket: str) -> None:
@@ -320,9 +405,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=150, help="Steps of each goodput run.")
     ap.add_argument("--repeats", type=int, default=3, help="Runs of each goodput configuration (median reported).")
     ap.add_argument("--sizes", default="10m,100m,350m")
-    ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "ckpt.json"))
-    ap.add_argument("--only", choices=["nodes"], default=None, help="Run only the two-node part.")
+    ap.add_argument("--out", default=None, help="Default var/bench/ckpt.json (--only stall: var/bench/ckpt-stall.json).")
+    ap.add_argument("--only", choices=["nodes", "stall"], default=None,
+                    help="Run only the two-node part (nodes) or only the save-stall part (stall).")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="--only stall: where the model and its AdamW state live.")
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                    help="--only stall: the default process group (nccl: run it under torchrun, --device cuda).")
     args = ap.parse_args(argv)
+    if args.only == "stall":
+        return only_stall(args)
+    if args.device != "cpu" or args.backend != "gloo":
+        ap.error("--device/--backend apply to --only stall")
+    args.out = args.out or str(ROOT / "var" / "bench" / "ckpt.json")
     tok = args.tokenize_manifest or _newest_tokenize_manifest()
     if tok is None:
         print("ckpt_bench: no tokenize manifest under var/runs; run `make demo` first or pass --tokenize-manifest",
@@ -366,11 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         s3.stop()
     result = {"stall": stalls, "promotion": promo, "goodput": good, "two_nodes": nodes,
               "machine": {"cpus": os.cpu_count()}}
-    print("\n| checkpoint | params | bytes | sync save (anchor) | async stall (ours) | stall ÷ sync |")
-    print("|---|---|---|---|---|---|")
-    for r in stalls:
-        print(f"| {r['model']} | {r['params'] / 1e6:,.1f} M | {r['bytes'] / 1e9:.2f} GB | {r['sync']['save_s']:.2f} s | "
-              f"{r['thread']['stall_s']:.3f} s | {r['ratio']:.3f} |")
+    print_stalls(stalls)
     print(f"\n| promotion of {promo['bytes'] / 1e9:.2f} GB | MB/s | ours ÷ plain |\n|---|---|---|")
     print(f"| ours: L0 → L1 → L2, verified, COMMIT last | {promo['ours_MBps']} | {promo['ratio']:.2f} |")
     print(f"| plain copyfile + upload_file (anchor) | {promo['plain_MBps']} | 1.00 |")

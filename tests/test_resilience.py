@@ -141,6 +141,27 @@ def _trained_with_tiers(home, s3_server, bucket: str):
     return spec, m, m.extra["checkpoint"].rsplit("/", 1)[0]
 
 
+def _restore(spec, rel_root: str):
+    """One rank's collective restore (a world of one), as the trainer runs it: (Restored or None, log lines)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from pipelines.train.checkpointer import Checkpointer
+
+    logs: list[str] = []
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", store=dist.FileStore(f"{d}/store", 1), rank=0, world_size=1)
+        try:
+            ckpt = Checkpointer(spec, rel_root, 0, 1, logs.append, files={})
+            try:
+                return ckpt.restore(), logs
+            finally:
+                ckpt.close(None)
+        finally:
+            dist.destroy_process_group()
+
+
 def test_restore_falls_back_tier_by_tier_then_to_an_older_step(home, s3_server):
     spec, m, rel_root = _trained_with_tiers(home, s3_server, "ckpt-restore")
     assert m.extra["promoted_during_run"] == {"10": {"L1": "copied", "L2": "committed"},
@@ -162,24 +183,25 @@ def test_restore_falls_back_tier_by_tier_then_to_an_older_step(home, s3_server):
 
     locs = ckpt_tiers.tier_locations(spec, f"{rel_root}/step-000020")
     flip(Path(locs["L0"]) / "__1_0.distcp")
-    logs = []
-    rp = ckpt_tiers.find_restore(spec, rel_root, log=logs.append)
-    assert (rp.step, rp.tier) == (20, "L1") and "__1_0.distcp sha256" in rp.skipped[0]
-    assert any("skipped step-000020 L0" in line for line in logs)
+    rp, logs = _restore(spec, rel_root)  # the trainer's own restore (pipelines.train.restore), as one rank
+    assert (rp.step, rp.tier) == (20, "L1")
+    assert any("skipped step-000020 L0" in line and "__1_0.distcp" in line for line in logs), logs
 
     ckpt_local.remove_local(Path(locs["L1"]))
-    rp = ckpt_tiers.find_restore(spec, rel_root)
-    assert (rp.step, rp.tier) == (20, "L2") and Path(rp.path) == Path(locs["L0"])  # downloaded into L0
-    ckpt_local.verify_local(Path(locs["L0"]))
+    rp, logs = _restore(spec, rel_root)
+    assert (rp.step, rp.tier, rp.parts) == (20, "L2", {0: "L2"})
+    ckpt_local.verify_local(Path(locs["L1"]))  # staged from L2 and committed on L1 again
 
     from pipelines.storage.s3 import client, split_uri
 
     bucket, prefix = split_uri(locs["L2"])
     client(spec).put_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp", Body=b"not the shard")
-    flip(Path(locs["L0"]) / "__0_0.distcp")
-    rp = ckpt_tiers.find_restore(spec, rel_root)
-    assert (rp.step, rp.tier) == (10, "L0")
-    assert [r.split(":")[0] for r in rp.skipped] == ["step-000020 L0", "step-000020 L1", "step-000020 L2"]
+    flip(Path(locs["L1"]) / "__0_0.distcp")
+    rp, logs = _restore(spec, rel_root)
+    assert (rp.step, rp.tier) == (10, "L0"), logs
+    assert any("skipped step-000020 L1" in line for line in logs) and \
+        any("part-0 of step-000020" in line for line in logs), logs
+    assert (Path(locs["L1"]) / ck.COMMIT).is_file()  # a copy that fails keeps its COMMIT until a whole one comes
 
     # the promote stage finds the final checkpoint that the run promoted already
     ckpt_local.remove_local(Path(locs["L0"]))
@@ -316,6 +338,7 @@ def test_retention_keeps_windows_and_never_removes_the_newest_verified_copy(home
         tmp = home / f"t{s}"
         tmp.mkdir()
         (tmp / "__0_0.distcp").write_bytes(os.urandom(1000))
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": s}))
         ckpt_local.commit_local(tmp, Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-0000{s}")["L0"]),
                                 meta={"step": s})
     for s in (40, 50):  # the two newest are corrupt: step 30 is the newest that verifies
@@ -323,7 +346,50 @@ def test_retention_keeps_windows_and_never_removes_the_newest_verified_copy(home
     deleted = ckpt_tiers.prune(spec, rel_root, tiers=("L0",))
     assert deleted == {"L0": [10, 20]}
     assert ckpt_tiers.list_steps(spec, rel_root, ("L0",)) == {"L0": [30, 40, 50]}
-    assert ckpt_tiers.find_restore(spec, rel_root).step == 30
+    assert _restore(spec, rel_root)[0].step == 30
+
+
+def test_a_stager_that_cannot_reuse_its_buffers_costs_a_warning_not_the_run(home, monkeypatch):
+    """torch 2.11's DCP stager fails on its second stage() (KeyError: <class 'type'>, seen on an H100 with the
+    machine's own torch): every later save gets a new stager, and every step still commits."""
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from pipelines.train import checkpointer
+    from pipelines.train.model import ModelArgs, Transformer
+
+    real, made = checkpointer.new_stager, []
+
+    def once_only():  # the stager of torch 2.11: its buffers cannot be staged into a second time
+        st = real()
+        stage, used = st.stage, []
+
+        def stage_once(sd, **kw):
+            if used:
+                raise KeyError(type)
+            used.append(1)
+            return stage(sd, **kw)
+
+        st.stage = stage_once
+        made.append(st)
+        return st
+
+    monkeypatch.setattr(checkpointer, "new_stager", once_only)
+    spec = load_spec(None, ["checkpoint.promote_during_run=false"], env={})
+    logs: list[str] = []
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = Transformer(ModelArgs(vocab_size=300, n_layers=2, d_model=64, n_heads=4, seq_len=16))
+        opt = torch.optim.AdamW(model.parameters())
+        saver = checkpointer.Checkpointer(spec, "run/key", 0, 1, logs.append, files={})
+        for step in (1, 2, 3):
+            saver.save(step, model, opt, {"step": step})
+            saver.wait()
+        saver.close(None)
+    finally:
+        dist.destroy_process_group()
+    assert [ckpt_local.verify_local(saver.path(s))["step"] for s in (1, 2, 3)] == [1, 2, 3]
+    assert len(made) == 3 and sum("cannot reuse its buffers" in m for m in logs) == 1
 
 
 def test_async_save_returns_before_the_commit_and_keeps_the_state_of_its_step(home, monkeypatch):

@@ -20,7 +20,7 @@ Where each concern lives (each module imports only the ones above it):
   copy; the file names a manifest may hold (``safe_rel``);
 - :mod:`pipelines.train.ckpt_s3`: the S3 tier (L2): uploads, downloads, multipart, checks by S3's own checksums;
 - :mod:`pipelines.train.ckpt_parts`: node parts (node-local L0 on many nodes), staged and merged on L1 and L2;
-- :mod:`pipelines.train.ckpt_tiers`: the tier layout, restore (``find_restore``), retention (``prune``),
+- :mod:`pipelines.train.ckpt_tiers`: the tier layout, a step's read for evaluation (``fetch``), retention (``prune``),
   generations and ``promote``.
 
     python -m pipelines.train.checkpoint export SRC OUT.pt   # plain {name: tensor} weights

@@ -368,6 +368,15 @@ class Promoter:
         return deleted
 
 
+def new_stager():
+    """DCP's stager: the state copied into host buffers (pinned, copied without blocking, on a GPU)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=cuda))
+
+
 class Checkpointer:
     """Saves and restores this run's checkpoints under ``checkpoint.l0/<rel_root>`` (each node's own disk, or one
     shared filesystem). Every rank calls :meth:`save`, :meth:`wait`, :meth:`restore` and :meth:`load` at the
@@ -375,8 +384,6 @@ class Checkpointer:
 
     def __init__(self, spec: JobSpec, rel_root: str, rank: int, world: int, log: Callable[[str], None],
                  files: dict[str, bytes]):
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         import datetime
 
         self.spec, self.rel_root, self.rank, self.world, self.log, self.files = spec, rel_root, rank, world, log, files
@@ -385,9 +392,8 @@ class Checkpointer:
         # the background writer's collectives, apart from training's, bounded like them
         self.pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.wait_s))
         self.rec: Optional[dict] = None  # this line of training (pipelines.train.lineage), set by the trainer
-        cuda = torch.cuda.is_available()
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=cuda))
+        self.stager = new_stager()
+        self.stager_per_save = False  # set when the stager cannot reuse its buffers (torch 2.11)
         self.events = Events()
         self.attempt = self._new_attempt()
         self.topo = Topology.detect(rank, world, self.root, self.attempt)
@@ -404,6 +410,26 @@ class Checkpointer:
         self._pending: Optional[Future] = None
         self.last_saved: Optional[int] = None
         self.stalls: list[float] = []
+
+    def _async_save(self, sd: dict, tmp: Path) -> Future:
+        """DCP's async save through the stager (host buffers reused from save to save). torch 2.11's stager fails
+        on its second ``stage`` (``KeyError: <class 'type'>``, seen on an H100): then a new stager for every save,
+        with a warning, rather than a run that fails at every second checkpoint."""
+        import torch.distributed.checkpoint as dcp
+
+        if self.stager_per_save:
+            self.stager.close()
+            self.stager = new_stager()
+        try:
+            return dcp.async_save(sd, checkpoint_id=str(tmp), process_group=self.pg, async_stager=self.stager)
+        except KeyError as e:
+            if self.stager_per_save:
+                raise
+            self.log(f"[ckpt] warning: DCP's stager cannot reuse its buffers ({type(e).__name__}: {e}; torch "
+                     f"{torch.__version__}); a new stager for each save from now on")
+            self.events.add("ckpt/stager_rebuilt", 1, self.last_saved or 0)
+            self.stager_per_save = True
+            return self._async_save(sd, tmp)
 
     def _new_attempt(self) -> str:
         """A name every rank agrees on for this attempt's temp dirs; each node's local rank 0 clears those of dead
@@ -447,8 +473,7 @@ class Checkpointer:
             written: Future = Future()
             written.set_result(None)
         else:
-            written = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), process_group=self.pg,
-                                     async_stager=self.stager)
+            written = self._async_save({"model": msd, "optim": osd}, tmp)
         self.last_saved = step
         self._pending = self.bg.submit(self._commit, step, tmp, written, t0) if self.topo.leader else written
         if self.spec.checkpoint.async_mode == "sync":

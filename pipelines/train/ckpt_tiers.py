@@ -1,18 +1,18 @@
-"""Where a checkpoint lives on each tier and what moves it between them: the tier layout, restore, retention,
-generations, promote (the checkpoint format: :mod:`pipelines.train.checkpoint`).
+"""Where a checkpoint lives on each tier and what moves it between them: the tier layout, retention, generations,
+promote, and :func:`fetch` (one committed step read from its nearest verified tier, for evaluation and
+registration; a training run restores through :mod:`pipelines.train.restore`, the only restore path). The
+checkpoint format: :mod:`pipelines.train.checkpoint`.
 
 Tiers: L0 node-local (``checkpoint.l0``) → L1 shared FS (``checkpoint.l1``) → L2 S3
 (``s3://services.s3_bucket/checkpoint.l2_prefix/…``). ``promote`` copies L0 → L1 → L2, checking
 every file at every tier, COMMIT last; a tier that already holds a verified copy is skipped.
-:func:`find_restore` picks the newest step whose copy verifies on the nearest tier, falling back
-tier by tier, then step by step, and says why it skipped each copy. :func:`prune` applies the
+:func:`prune` applies the
 per-tier retention and never deletes a copy of the newest verified step.
 """
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -113,47 +113,6 @@ def fetch(spec: JobSpec, rel: str, cache: Optional[Path] = None, prefer: tuple[s
         except Exception as e:  # noqa: BLE001 - report every tier's reason
             errors.append(f"{tier} {loc}: {e}")
     raise CheckpointError("no tier holds a verified copy of the checkpoint:\n  " + "\n  ".join(errors))
-
-
-@dataclass
-class RestorePoint:
-    step: int
-    tier: str
-    path: str  # local directory holding the verified copy (an L2 copy is downloaded into L0 first)
-    skipped: list[str] = field(default_factory=list)  # why newer steps / nearer tiers were not used
-
-
-def find_restore(spec: JobSpec, rel_root: str, step: Optional[int] = None,
-                 log: Callable[[str], None] = print) -> Optional[RestorePoint]:
-    """The newest step (or exactly ``step``) whose copy verifies, L0 → L1 → L2, falling back tier by tier and
-    then to older steps. An L2 copy is downloaded into the L0 location first. None when nothing is there."""
-    by_tier = list_steps(spec, rel_root)
-    steps = sorted({s for v in by_tier.values() for s in v}, reverse=True)
-    if step is not None:
-        steps = [step]
-    skipped: list[str] = []
-    for s in steps:
-        locs = tier_locations(spec, f"{rel_root}/{step_name(s)}")
-        for tier in TIERS:
-            if s not in by_tier[tier]:
-                skipped.append(f"{step_name(s)} {tier}: no committed copy")
-                continue
-            try:
-                path = Path(locs[tier])
-                if tier == "L2":
-                    path = download_checkpoint(spec, locs["L2"], Path(locs["L0"]))
-                else:
-                    verify_local(path)
-            except Exception as e:  # noqa: BLE001 - every reason is reported
-                skipped.append(f"{step_name(s)} {tier}: {e}")
-                continue
-            for why in skipped:
-                log(f"[ckpt] restore: skipped {why}")
-            log(f"[ckpt] restore: using {step_name(s)} from {tier} ({path})")
-            return RestorePoint(s, tier, str(path), skipped)
-    for why in skipped:
-        log(f"[ckpt] restore: skipped {why}")
-    return None
 
 
 # ----------------------------------------------------------------------------- retention

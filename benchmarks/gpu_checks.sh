@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# GPU checks on one CUDA machine, run from the repo root (the line above installs pydantic & co. from .whl/):
+#   1. environment (nvidia-smi; python, torch, CUDA, cuDNN, NCCL, triton versions)
+#   2. MFU + bf16: benchmarks/gpu_mfu.py on configs/gpu_350m.yaml (ours vs nanoGPT-style step)
+#   3. checkpoint save stall, model + AdamW state on the GPU: ckpt_bench.py --only stall --device cuda
+#   4. NCCL: torchrun (1 process) joins an nccl group and all-reduces; then the stall of 3 with the NCCL
+#      default group (the Checkpointer's collectives on it, as in a GPU training run)
+#   5. (if time is left) the same stall with the model on the CPU, as a baseline on this machine
+# Each step has its own timeout and never stops the others; the whole run is bounded by GPU_CHECKS_BUDGET_S
+# (default 500 s; typically about 5-6 min). Everything is logged to $OUT/gpu_checks.log as it happens.
+#
+#   bash benchmarks/gpu_checks.sh          # OUT=<dir> for the results (default var/gpu_checks)
+
+OUT=${OUT:-$PWD/var/gpu_checks}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LLMP_PROGRESS=0
+START=$SECONDS
+END=$((START + ${GPU_CHECKS_BUDGET_S:-500}))
+SUMMARY=()
+
+step() {  # step NAME CAP_S CMD...: run CMD under timeout min(CAP_S, time left); its rc, never fatal
+    local name=$1 cap=$2 left t t0 rc
+    shift 2
+    left=$((END - SECONDS))
+    t=$((cap < left ? cap : left))
+    if ((t < 20)); then
+        echo "### SKIP $name: ${left} s left of the budget"
+        SUMMARY+=("$name: skipped (budget)")
+        return 99
+    fi
+    echo
+    echo "### [+$((SECONDS - START)) s] $name (timeout $t s): $*"
+    t0=$SECONDS
+    timeout -k 10 "$t" "$@"
+    rc=$?
+    local why=""
+    ((rc == 124 || rc == 137)) && why=" TIMED OUT"
+    echo "### [+$((SECONDS - START)) s] $name: rc=$rc$why after $((SECONDS - t0)) s"
+    SUMMARY+=("$name: rc=$rc$why ($((SECONDS - t0)) s)")
+    return $rc
+}
+
+main() {
+    echo "### gpu_checks start $(date -u +%FT%TZ) in $PWD, OUT=$OUT, budget $((END - START)) s"
+    if ! python3 -c "import pydantic" 2>/dev/null; then  # no pip here: wheels are zip files
+        echo "### pip install of .whl/ did not take; extracting the wheels into /tmp/site"
+        for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+        export PYTHONPATH=/tmp/site:$PWD
+    fi
+    echo "PYTHONPATH=$PYTHONPATH; /tmp/site: $(ls /tmp/site 2>&1 | tr '\n' ' ')"
+
+    # 1. environment
+    step "env: nvidia-smi" 30 nvidia-smi
+    step "env: nvidia-smi query" 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit,persistence_mode,mig.mode.current --format=csv
+    step "env: versions" 60 python3 - <<'EOF'
+import os, platform, shutil, subprocess, sys
+print("python", sys.version.replace("\n", " "), platform.platform())
+print("cpus", os.cpu_count(), "| gcc:", shutil.which("gcc") or shutil.which("cc"))
+import numpy, yaml, pydantic, pydantic_core
+print("numpy", numpy.__version__, "| pyyaml", yaml.__version__, "| pydantic", pydantic.VERSION, "| pydantic_core",
+      pydantic_core.__version__, "from", os.path.dirname(pydantic.__file__))
+import torch
+print("torch", torch.__version__, "| cuda", torch.version.cuda, "| cudnn", torch.backends.cudnn.version(),
+      "| cuda available", torch.cuda.is_available(), "| devices", torch.cuda.device_count())
+print("nccl", torch.cuda.nccl.version(), "| nccl available", torch.distributed.is_nccl_available())
+try:
+    import triton
+    print("triton", triton.__version__)
+except Exception as e:
+    print("triton: not importable:", e)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("gpu", p.name, f"{p.total_memory / 2**30:.1f} GiB", "cc", f"{p.major}.{p.minor}", "SMs", p.multi_processor_count,
+          "| bf16 supported", torch.cuda.is_bf16_supported())
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    import time
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        a @ a
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / 50
+    print(f"bf16 matmul 4096^3: {2 * 4096**3 / dt / 1e12:.0f} TFLOP/s")
+for m in ("boto3", "mlflow"):
+    try:
+        __import__(m)
+        print(m, "present")
+    except ImportError:
+        print(m, "absent (as expected)")
+EOF
+    df -h /tmp . 2>/dev/null; free -g 2>/dev/null
+
+    # 2. MFU + bf16 (compile warm-up included; writes var/bench/gpu_mfu.json)
+    rm -f var/bench/gpu_mfu.json
+    if step "gpu_mfu (compile per block)" 270 python3 benchmarks/gpu_mfu.py --steps 50; then
+        cp var/bench/gpu_mfu.json "$OUT/gpu_mfu.json" && echo "copied gpu_mfu.json to OUT"
+    else
+        step "gpu_mfu fallback (parallel.compile=false)" 150 python3 benchmarks/gpu_mfu.py --steps 30 \
+            --set parallel.compile=false --out "$OUT/gpu_mfu_nocompile.json"
+    fi
+
+    # 3. async checkpoint stall with the model + AdamW state on the GPU (default gloo group)
+    step "ckpt stall, device cuda" 180 python3 benchmarks/ckpt_bench.py --only stall --device cuda \
+        --sizes 10m,100m,350m --out "$OUT/ckpt_stall_cuda.json"
+
+    # 4. NCCL under torchrun, then the stall with the NCCL default process group
+    if command -v torchrun >/dev/null; then TR=(torchrun); else TR=(python3 -m torch.distributed.run); fi
+    step "nccl check (torchrun, 1 proc)" 90 "${TR[@]}" --standalone --nproc-per-node 1 benchmarks/nccl_check.py
+    step "ckpt stall, device cuda, nccl group (torchrun)" 150 "${TR[@]}" --standalone --nproc-per-node 1 \
+        benchmarks/ckpt_bench.py --only stall --device cuda --backend nccl --sizes 10m,350m \
+        --out "$OUT/ckpt_stall_nccl.json"
+
+    # 5. baseline if time is left: the same save with the model on the CPU, on this machine
+    if ((END - SECONDS >= 90)); then
+        step "ckpt stall, device cpu (baseline)" 120 python3 benchmarks/ckpt_bench.py --only stall --device cpu \
+            --sizes 350m --out "$OUT/ckpt_stall_cpu.json"
+    else
+        SUMMARY+=("ckpt stall, device cpu (baseline): skipped (budget)")
+    fi
+    rm -rf var/bench/ckpt-sizes
+
+    echo
+    echo "### summary after $((SECONDS - START)) s"
+    printf '  %s\n' "${SUMMARY[@]}"
+    ls -la "$OUT"
+}
+
+main 2>&1 | tee -a "$OUT/gpu_checks.log"
+exit 0
