@@ -157,36 +157,43 @@ def run_two(ctx: dict, name: str, rules) -> dict:
     disks: list[Path] = []
 
     def start(rank: int) -> Node:
+        """A node (``rank``: its place in the harness; torchrun's c10d rendezvous gives group ranks by its own
+        order, so a rule's ``node`` is a group rank and a loss names the simulated node, ``LLMP_SIM_NODE``)."""
         disks.append(root / "disks" / f"disk-{len(disks) + 1}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
                str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
                "--rdzv-conf", "last_call_timeout=3,join_timeout=120", "--max-restarts", "3", "-m",
                "pipelines.train.trainer", "--spec", str(root / "spec.yaml"), "--tokenize-manifest", ctx["tok"],
                "--out", str(root / "train"), "--ckpt-root", f"{root}/l0/{SUB}"]
-        return Node(f"{rank}", disks[-1], root / "l0", cmd, env, root / f"node-{len(disks)}-rank{rank}.log", cwd=ROOT)
+        return Node(f"{rank}", disks[-1], root / "l0", cmd, {**env, "LLMP_SIM_NODE": str(len(disks))},
+                    root / f"node-{len(disks)}-rank{rank}.log", cwd=ROOT)
 
     t0 = time.monotonic()
-    nodes = {r: start(r) for r in (0, 1)}
-    everyone = list(nodes.values())
-    while not all(n.finished for n in nodes.values()):
+    nodes: dict[int, Node] = {}
+    everyone: list[Node] = []  # every node started, in order: node i's disk is disks[i]
+    try:
         for r in (0, 1):
-            mark = state / f"lose-node-{r}"
-            if mark.exists():  # each loss once: the mark is kept under another name
-                mark.rename(state / f"lost-node-{r}-{len(everyone)}")
-                nodes[r].lose()
-                nodes[r] = start(r)
-                everyone.append(nodes[r])
-        if time.monotonic() - t0 > BOUND_S:
-            for n in everyone:
-                if not n.lost:
-                    n.lose()
-            break
-        time.sleep(0.1)
-    hang = time.monotonic() - t0 > BOUND_S
+            nodes[r] = start(r)
+            everyone.append(nodes[r])
+        while not all(n.finished for n in nodes.values()) and time.monotonic() - t0 <= BOUND_S:
+            for mark in sorted(state.glob("lose-*")):  # lose-<i>: the i-th node started (1-based) is lost
+                i = int(mark.name.split("-", 1)[1]) - 1
+                mark.rename(state / f"lost-{i + 1}")
+                r = next((r for r, n in nodes.items() if n is everyone[i]), None)
+                if r is not None:  # a node already replaced is not lost twice
+                    everyone[i].lose()
+                    nodes[r] = start(r)
+                    everyone.append(nodes[r])
+            time.sleep(0.1)
+    finally:
+        hang = time.monotonic() - t0 > BOUND_S
+        for n in everyone:
+            if not n.finished and not n.lost:
+                n.lose()
     codes = [n.codes[-1] if n.codes else n.proc.returncode for n in nodes.values()]
     rc = "hang" if hang else next((c for c in codes if c), 0)
     out = "\n".join(n.output() for n in everyone)
-    kept = [d for i, d in enumerate(disks) if everyone[i] in nodes.values()]
+    kept = [disks[everyone.index(n)] for n in nodes.values()]
     return {"rc": rc, "out": out, "root": root, "sets": sets, "s": time.monotonic() - t0, "disks": kept}
 
 
@@ -309,7 +316,22 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, action="append", help="run exactly these seeds (repeatable)")
     a = ap.parse_args(argv)
     seeds = a.seed or list(range(a.first, a.first + a.seeds))
-    return 0 if all(r["ok"] for r in run_matrix(seeds, Path(tempfile.mkdtemp(prefix="llmp-faults-")))) else 1
+    rows = run_matrix(seeds, Path(tempfile.mkdtemp(prefix="llmp-faults-")))
+    print(summary(rows))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def summary(rows: list[dict]) -> str:
+    """The table's last lines: how many held every invariant, by outcome, and how many faults never struck (the
+    run ended before the rule's nth hit: that row checks the fault-free path)."""
+    from collections import Counter
+
+    ok = sum(r["ok"] for r in rows)
+    outcomes = ", ".join(f"{k} {v}" for k, v in sorted(Counter(r["outcome"] for r in rows).items()))
+    idle = [str(r["seed"]) for r in rows if r["unfired"]]
+    two = sum(bool(r["scenario"].get("nodes")) for r in rows)
+    return (f"{ok} of {len(rows)} scenarios held every invariant ({outcomes}); {two} on two nodes; "
+            f"{len(idle)} whose fault never struck: {' '.join(idle) or '-'}")
 
 
 def combined(seeds: tuple[int, ...]) -> dict:
@@ -340,7 +362,7 @@ def _rows(scs: dict, base: Path, stack: contextlib.ExitStack, log) -> list[dict]
 
     ctx = None
     rows = []
-    log(f"{'scenario':{W}} {'seed':>5} {'fired':>5} {'outcome':10} {'I1':4} {'I2':4} {'I3':4} {'I4':4} {'I5':4} {'I6':4}  s")
+    log(f"{'scenario':{W}} {'seed':>8} {'fired':>5} {'outcome':10} {'I1':4} {'I2':4} {'I3':4} {'I4':4} {'I5':4} {'I6':4}  s")
     for seed, sc in scs.items():
         label = "+".join(map(str, seed)) if isinstance(seed, tuple) else str(seed)
         unfired: list[int] = []
@@ -363,7 +385,7 @@ def _rows(scs: dict, base: Path, stack: contextlib.ExitStack, log) -> list[dict]
                 (base / f"s{label}.log").write_text(run["out"])
         short = {k: ("ok" if v == "ok" else "n/a" if v.startswith("n/a") else "FAIL") for k, v in inv.items()}
         ok = not any(v.startswith("FAIL") for v in inv.values())
-        log(f"{sc['name'][:W]:{W}} {label:>5} {fired:>5} {outcome:10} " + " ".join(f"{short.get(k, 'n/a'):4}" for k in
+        log(f"{sc['name'][:W]:{W}} {label:>8} {fired:>5} {outcome:10} " + " ".join(f"{short.get(k, 'n/a'):4}" for k in
                                                                        ("I1", "I2", "I3", "I4", "I5", "I6"))
             + f"  {secs:.0f}")
         for k, v in inv.items():

@@ -202,8 +202,8 @@ def test_fault_rules_fire_where_and_as_often_as_they_say(tmp_path, monkeypatch):
 # every kind of fault and every phase at least once in `make test`, several seeds to a run (the whole matrix, a
 # run per seed: `make faults SEEDS=N`): deaths at part_committed, retention and l1_committed, a 503 on a PUT, ENOSPC
 # on L1, EIO on L0 with a slow listing, a reset and a refused PUT, a truncated .zst; on two nodes, rank 0's node lost
-# in the merge (its part staged, no COMMIT), then rank 0 dead after staging and its replacement lost while a restore
-# stages the parts again
+# in the merge (its part staged, no COMMIT), then the node of rank 0 (by then the other one: c10d ranks the nodes
+# anew) lost while a restore stages the parts again, and rank 0 dead after staging
 SUBSET = [(2, 14, 36), (8, 31), (1, 9), (25, 84), 29, (5, 147)]
 
 

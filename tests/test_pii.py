@@ -45,6 +45,10 @@ def test_url_rules_block_by_domain_suffix_and_banned_word_and_the_allow_list_win
     assert rules.check("https://notblocked.example/a") == (None, False)  # a suffix of a label is not a domain
     assert rules.check("https://videos.example.com/free-porn/1") == ("url:banned_word", False)
     assert rules.check("https://example.com/pornography-laws") == (None, False)  # a word, not a substring
+    for hidden in ("https://example.com/free-%70orn/1", "https://example.com/free-%2570orn", "https://example.com/?q=p%6Frn",
+                   "https://example.com/?q=free+porn", "https://www.blocked%2Eexample/a", "https://www.%42locked.example/",
+                   "https://%20/free-porn", "https://%2e/porn"):
+        assert rules.check(hidden)[0] in ("url:banned_word", "url:blocklist"), hidden  # %-escapes decoded first
     assert rules.check(None) == (None, False) and rules.check("not a url") == (None, False)
     assert rules.check("http://[::1") == (None, False) and host_of("http://[::1") is None  # malformed: no host
     f = tmp_path / "list.txt"

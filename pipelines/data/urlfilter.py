@@ -3,8 +3,8 @@
 * ``blocklist``: the doc's host, or a domain it is under, is on a block list: the bundled one
   (``pipelines/data/lists/url_blocklist.txt``) and every file ``data.filters.url_blocklist`` names, in UT1's format
   (one domain per line; ``#`` comments; a line ``example.com`` blocks ``example.com`` and ``*.example.com``);
-* ``banned_word``: a word of the URL (host and path split at every non-letter) is on ``data.filters.url.banned_words``
-  (by default the bundled ``url_banned_words.txt``);
+* ``banned_word``: a word of the URL (host, path and query, %-escapes decoded, split at every non-letter) is on
+  ``data.filters.url.banned_words`` (by default the bundled ``url_banned_words.txt``);
 * ``data.filters.url.allow``: domains that win over both (counted as ``allowed``).
 
 Docs without a URL (JSONL without ``url``) pass. The lists are read once, on the driver, and shipped to the tasks.
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 LISTS = Path(__file__).resolve().parent / "lists"
 _WORD = re.compile(r"[a-z]+")
@@ -32,12 +32,26 @@ def read_list(path: Path) -> set[str]:
     return out
 
 
+def decoded(text: str) -> str:
+    """``text`` with its %-escapes (and ``+``) decoded, again while that changes it (``%2570`` is ``%70`` is
+    ``p``), at most three times: a banned word or a blocked host hidden under escapes is still found."""
+    for _ in range(3):
+        new = unquote_plus(text)
+        if new == text:
+            break
+        text = new
+    return text
+
+
 def host_of(url: Optional[str]) -> Optional[str]:
     try:
         host = urlsplit(url.strip()).hostname if url else None
     except ValueError:
         return None
-    return host.rstrip(".") if host else None
+    if not host:
+        return None
+    plain = decoded(host).strip().rstrip(".").lower()
+    return plain or host.rstrip(".")  # a host that decodes to nothing is checked as written
 
 
 def _under(host: str, domains: frozenset[str]) -> bool:
@@ -61,8 +75,9 @@ class UrlRules:
         if _under(host, self.blocked):
             rule = "url:blocklist"
         else:
-            split = urlsplit(url.strip().lower())
-            if any(w in self.banned_words for w in _WORD.findall(f"{host} {split.path} {split.query}")):
+            split = urlsplit(url.strip())
+            words = _WORD.findall(decoded(f"{host} {split.path} {split.query}").lower())
+            if any(w in self.banned_words for w in words):
                 rule = "url:banned_word"
         if rule and _under(host, self.allowed):
             return None, True

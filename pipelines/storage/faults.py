@@ -9,9 +9,10 @@
 * ``at``: a protocol phase (:data:`PHASES`), ``read`` / ``write`` (:func:`file_op` on a file of a tier: ``path`` is a substring of
   the file's path that picks the tier or the node's disk), or ``s3`` (every S3 request; ``op`` picks one operation
   such as ``UploadPart``).
-* ``do``: ``die`` (the process ends at once, exit 137, as a lost pod), ``lose`` (the node is lost here: the
-  process stops at once, whole, and leaves ``lose-node-<GROUP_RANK>`` in ``LLMP_FAULTS_STATE`` for the harness of
-  simulated nodes, which kills every process of that node and starts a replacement over an empty disk),
+* ``do``: ``die`` (the process ends at once, exit 137, as a lost pod), ``lose`` (the node is lost here: on a
+  simulated node the process stops at once, whole, and leaves ``lose-<LLMP_SIM_NODE>`` in ``LLMP_FAULTS_STATE``
+  for the harness, which kills every process of that node and starts a replacement over an empty disk; elsewhere
+  it dies as ``die`` does),
   ``eio`` / ``enospc`` (``OSError``),
   ``s3_down`` (the endpoint refuses connections), ``s3_503`` (503 SlowDown), ``s3_reset`` (the connection is
   reset in the middle of the request), ``slow`` (``seconds`` of delay).
@@ -127,14 +128,16 @@ def _act(rule: dict, what: str) -> None:
 
 
 def _lose(what: str) -> None:
-    """Stop this process, every thread of it, and leave the mark for the harness of simulated nodes, which kills
-    the node's processes (this one included) within its own bound; without ``LLMP_FAULTS_STATE`` it dies."""
+    """The node is lost here. On a simulated node (``LLMP_SIM_NODE``, set by ``tests/fault_matrix.py``'s harness)
+    this process stops, every thread of it, and leaves ``lose-<LLMP_SIM_NODE>`` in ``LLMP_FAULTS_STATE``: the
+    harness kills the node's processes (this one included) within its own bound and starts a replacement.
+    Anywhere else nothing would ever end a stopped process: it dies instead."""
     import signal
 
     print(f"[faults] {what}: the node is lost here (LLMP_FAULTS)", flush=True)
-    state = os.environ.get("LLMP_FAULTS_STATE")
-    if state:
-        Path(state, f"lose-node-{os.environ.get('GROUP_RANK', '0')}").touch()
+    state, node = os.environ.get("LLMP_FAULTS_STATE"), os.environ.get("LLMP_SIM_NODE")
+    if state and node:
+        Path(state, f"lose-{node}").touch()
         os.kill(os.getpid(), signal.SIGSTOP)
     os._exit(137)
 

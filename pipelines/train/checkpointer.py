@@ -394,6 +394,7 @@ class Checkpointer:
         self.rec: Optional[dict] = None  # this line of training (pipelines.train.lineage), set by the trainer
         self.stager = new_stager()
         self.stager_per_save = False  # set when the stager cannot reuse its buffers (torch 2.11)
+        self.stager_used = False
         self.events = Events()
         self.attempt = self._new_attempt()
         self.topo = Topology.detect(rank, world, self.root, self.attempt)
@@ -421,9 +422,11 @@ class Checkpointer:
             self.stager.close()
             self.stager = new_stager()
         try:
-            return dcp.async_save(sd, checkpoint_id=str(tmp), process_group=self.pg, async_stager=self.stager)
+            written = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=self.pg, async_stager=self.stager)
+            self.stager_used = True
+            return written
         except KeyError as e:
-            if self.stager_per_save:
+            if self.stager_per_save or not self.stager_used:  # the bug's signature: a stager that staged before
                 raise
             self.log(f"[ckpt] warning: DCP's stager cannot reuse its buffers ({type(e).__name__}: {e}; torch "
                      f"{torch.__version__}); a new stager for each save from now on")
