@@ -67,6 +67,10 @@ def scenario(seed: int) -> dict:
         tier = rnd.choice(["l0", "l1"])
         times = rnd.choice([1, 2, 0])  # 0: the tier stays broken
         nth = rnd.randint(1, 12)
+        if kind == "enospc" and tier == "l0":  # L0 is written once per save (its commit): 3 saves in a run
+            nth = 1 + (nth - 1) % 3
+        if kind == "eio" and tier == "l1":  # only a restore reads L1: one that cannot read a lost node's part on L0
+            return l1_read_scenario(1 + (nth - 1) % 4, times)
         expect = "ok" if times else "fail"
         return {"name": f"{kind} on {tier} {op} #{nth} x{times or 'inf'}",
                 "rules": [{"at": op, "do": kind, "path": f"/{tier}/", "nth": nth, "times": times}], "expect": expect}
@@ -79,6 +83,16 @@ def scenario(seed: int) -> dict:
     if kind == "slow":
         rule["seconds"] = 2.0
     return {"name": f"{kind} on S3 {op} x{times or 'inf'}", "rules": [rule], "expect": "ok"}
+
+
+def l1_read_scenario(nth: int, times: int) -> dict:
+    """EIO on L1 reads where L1 is read: two nodes, node 1 lost after its second part's commit; the node that
+    restores reads L1 for the lost part and its reads fail (``times`` 0: always), so the part comes from L2 or the
+    step before."""
+    return {"name": f"2 nodes: eio on l1 read #{nth} x{times or 'inf'} after a loss",
+            "rules": [{"at": "part_committed", "do": "lose", "node": 1, "nth": 2},
+                      {"at": "read", "do": "eio", "path": "/l1/", "nth": nth, "times": times}],
+            "nodes": 2, "expect": "ok"}
 
 
 def nodes_scenario(rnd: random.Random) -> dict:
