@@ -40,10 +40,11 @@ class Node:
     """One host: ``cmd`` runs in a namespace of its own where ``local_path`` is ``disk``."""
 
     def __init__(self, name: str, disk: Path, local_path: Path, cmd: list[str], env: dict, log: Path,
-                 restart_on_failure: bool = True, cwd: Optional[Path] = None,
+                 restart_on_failure: bool = True, cwd: Optional[Path] = None, backoff_limit: Optional[int] = None,
                  more_binds: tuple[tuple[Path, Path], ...] = ()):
         self.name, self.disk, self.local_path, self.cmd, self.env, self.log = name, disk, local_path, cmd, env, log
         self.cwd, self.restart_on_failure = cwd, restart_on_failure
+        self.backoff_limit = backoff_limit  # restarts after a failure before the node gives up (None: no limit)
         # (this node's directory, the path it is seen at); the others before the node-local path, which may hide them
         self.binds = (*more_binds, (disk, local_path))
         for src, dest in self.binds:
@@ -82,7 +83,8 @@ class Node:
             if self._lost.is_set():
                 return
             self.codes.append(code)
-            if code == 0 or not self.restart_on_failure:
+            if code == 0 or not self.restart_on_failure or \
+                    (self.backoff_limit is not None and len(self.codes) > self.backoff_limit):
                 return
             with open(self.log, "a") as f:
                 f.write(f"\n[harness] node {self.name} exited {code}: starting it again (restartPolicy OnFailure)\n")

@@ -92,7 +92,7 @@ def l1_read_scenario(nth: int, times: int) -> dict:
     return {"name": f"2 nodes: eio on l1 read #{nth} x{times or 'inf'} after a loss",
             "rules": [{"at": "part_committed", "do": "lose", "node": 1, "nth": 2},
                       {"at": "read", "do": "eio", "path": "/l1/", "nth": nth, "times": times}],
-            "nodes": 2, "expect": "ok"}
+            "nodes": 2, "expect": "ok" if times else "fail"}
 
 
 def nodes_scenario(rnd: random.Random) -> dict:
@@ -148,6 +148,7 @@ def run_one(ctx: dict, name: str, rules) -> dict:
 
 
 NODE_SETS = [kv for kv in SETS if not kv.startswith("launcher.")] + ["launcher.nproc_per_node=1", "launcher.nnodes=2"]
+BACKOFF = 4  # a node's restarts after failures before it gives up, as a PyTorchJob's backoffLimit
 SUB = "run/key"  # the two-node runs' checkpoint root under each tier (--ckpt-root <l0>/run/key)
 
 
@@ -180,7 +181,7 @@ def run_two(ctx: dict, name: str, rules) -> dict:
                "pipelines.train.trainer", "--spec", str(root / "spec.yaml"), "--tokenize-manifest", ctx["tok"],
                "--out", str(root / "train"), "--ckpt-root", f"{root}/l0/{SUB}"]
         return Node(f"{rank}", disks[-1], root / "l0", cmd, {**env, "LLMP_SIM_NODE": str(len(disks))},
-                    root / f"node-{len(disks)}-rank{rank}.log", cwd=ROOT)
+                    root / f"node-{len(disks)}-rank{rank}.log", cwd=ROOT, backoff_limit=BACKOFF)
 
     t0 = time.monotonic()
     nodes: dict[int, Node] = {}
@@ -190,6 +191,8 @@ def run_two(ctx: dict, name: str, rules) -> dict:
             nodes[r] = start(r)
             everyone.append(nodes[r])
         while not all(n.finished for n in nodes.values()) and time.monotonic() - t0 <= BOUND_S:
+            if any(n.finished and n.codes and n.codes[-1] != 0 for n in nodes.values()):
+                break  # a node gave up (its backoff limit): the job has failed, its other pods are stopped
             for mark in sorted(state.glob("lose-*")):  # lose-<i>: the i-th node started (1-based) is lost
                 i = int(mark.name.split("-", 1)[1]) - 1
                 mark.rename(state / f"lost-{i + 1}")
@@ -204,7 +207,7 @@ def run_two(ctx: dict, name: str, rules) -> dict:
         for n in everyone:
             if not n.finished and not n.lost:
                 n.lose()
-    codes = [n.codes[-1] if n.codes else n.proc.returncode for n in nodes.values()]
+    codes = [n.codes[-1] if n.codes else n.proc.returncode for n in nodes.values() if not n.lost]  # not stopped by us
     rc = "hang" if hang else next((c for c in codes if c), 0)
     out = "\n".join(n.output() for n in everyone)
     kept = [disks[everyone.index(n)] for n in nodes.values()]
