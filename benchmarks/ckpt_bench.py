@@ -53,11 +53,8 @@ def _model_and_opt(size: str, device: str = "cpu"):
 
     from pipelines.train.model import ModelArgs, Transformer
 
-    if device == "cpu":
+    with torch.device(device):  # on a GPU: built there, no CPU init and no copy
         model = Transformer(ModelArgs(vocab_size=VOCAB, seq_len=256, **SIZES[size]))
-    else:
-        with torch.device(device):  # built on the GPU: no CPU init, no copy
-            model = Transformer(ModelArgs(vocab_size=VOCAB, seq_len=256, **SIZES[size]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3

@@ -131,10 +131,16 @@ def prepare(base: Path, stack: contextlib.ExitStack) -> dict:
     return ctx
 
 
+def _where(ctx: dict, name: str, base_sets: list[str], run_root: str = "") -> tuple[Path, list[str]]:
+    """A run's folder and its spec: its own tiers under the folder, its own bucket on the shared endpoint."""
+    root = ctx["base"] / name.replace(" ", "_").replace("#", "n").replace(":", "")
+    return root, base_sets + [f"run.root={root}{run_root}", f"checkpoint.l0={root}/l0", f"checkpoint.l1={root}/l1",
+                              f"services.s3_endpoint_url={ctx['s3']}",
+                              f"services.s3_bucket=faults-{abs(hash(name)) % 10**8}"]
+
+
 def run_one(ctx: dict, name: str, rules) -> dict:
-    root = ctx["base"] / name.replace(" ", "_").replace("#", "n")
-    sets = SETS + [f"run.root={root}", f"checkpoint.l0={root}/l0", f"checkpoint.l1={root}/l1",
-                   f"services.s3_endpoint_url={ctx['s3']}", f"services.s3_bucket=faults-{abs(hash(name)) % 10**8}"]
+    root, sets = _where(ctx, name, SETS)
     cmd = [sys.executable, "-m", "pipelines.train.launch", "--tokenize-manifest", ctx["tok"], "--output",
            str(root / "train")] + [a for kv in sets for a in ("--set", kv)]
     env = _env(LLMP_FAULTS=json.dumps(rules), LLMP_FAULTS_STATE=str(root / "faults")) if rules else _env()
@@ -160,10 +166,8 @@ def run_two(ctx: dict, name: str, rules) -> dict:
     from pipelines.sim_nodes import Node, free_port
     from pipelines.spec import load_spec
 
-    root = ctx["base"] / name.replace(" ", "_").replace("#", "n").replace(":", "")
+    root, sets = _where(ctx, name, NODE_SETS, "/run")
     state = root / "faults"
-    sets = NODE_SETS + [f"run.root={root}/run", f"checkpoint.l0={root}/l0", f"checkpoint.l1={root}/l1",
-                        f"services.s3_endpoint_url={ctx['s3']}", f"services.s3_bucket=faults-{abs(hash(name)) % 10**8}"]
     root.mkdir(parents=True)
     (root / "spec.yaml").write_text(load_spec(None, sets, env={}).to_yaml())
     port = free_port()
@@ -212,12 +216,6 @@ def run_two(ctx: dict, name: str, rules) -> dict:
     out = "\n".join(n.output() for n in everyone)
     kept = [disks[everyone.index(n)] for n in nodes.values()]
     return {"rc": rc, "out": out, "root": root, "sets": sets, "s": time.monotonic() - t0, "disks": kept}
-
-
-def _no_nodes():
-    from pipelines.sim_nodes import namespaces_permitted
-
-    return namespaces_permitted()
 
 
 def _two_node_reference(ctx: dict) -> dict:
@@ -380,6 +378,7 @@ def run_matrix(seeds: list, base: Path, log=print) -> list[dict]:
 
 
 def _rows(scs: dict, base: Path, stack: contextlib.ExitStack, log) -> list[dict]:
+    from pipelines.sim_nodes import namespaces_permitted
     from pipelines.storage import faults
     from pipelines.train import checkpoint as ck
 
@@ -389,7 +388,7 @@ def _rows(scs: dict, base: Path, stack: contextlib.ExitStack, log) -> list[dict]
     for seed, sc in scs.items():
         label = "+".join(map(str, seed)) if isinstance(seed, tuple) else str(seed)
         unfired: list[int] = []
-        if sc.get("nodes") and (why := _no_nodes()) is not None:
+        if sc.get("nodes") and (why := namespaces_permitted()) is not None:
             log(f"{sc['name'][:W]:{W}} {label:>8}  left out: simulated nodes need mount namespaces ({why})")
             rows.append({"seed": seed, "scenario": sc, "outcome": "left out", "inv": {}, "ok": True, "fired": 0,
                          "unfired": []})
