@@ -59,7 +59,7 @@ def scenario(seed: int) -> dict:
     if kind == "nodes":
         return nodes_scenario(rnd)
     if kind == "die":
-        phase = rnd.choice(["part_committed", "l1_committed", "retention"])
+        phase = rnd.choice(["part_committed", "l1_staged", "merge", "l1_committed", "retention"])  # one part
         nth = rnd.randint(1, 3 if phase != "retention" else 2)
         return {"name": f"die at {phase} #{nth}", "rules": [{"at": phase, "do": "die", "nth": nth}], "expect": "ok"}
     if kind in ("eio", "enospc"):

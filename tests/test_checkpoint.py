@@ -1,4 +1,5 @@
 """Tier promotion against a real S3 protocol endpoint (the embedded one, rclone serve s3, on 127.0.0.1)."""
+import json
 import os
 
 import pytest
@@ -34,7 +35,8 @@ def test_promote_copies_and_verifies_every_tier_then_is_idempotent(home, s3_serv
     assert rep["actions"] == {"L1": "copied", "L2": "uploaded"}
     s3 = client(spec)
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket="ckpt-test")["Contents"]}
-    assert keys == {f"checkpoints/{rel}/{n}" for n in ("model.pt", "model_args.json", "MANIFEST.json", "COMMIT")}
+    assert keys == {f"checkpoints/{rel}/{n}" for n in ("model.pt", "model_args.json", "PARTS/part-0.json", "MANIFEST.json",
+                                                       "COMMIT")}  # a one-part step of the part protocol
     head = s3.head_object(Bucket="ckpt-test", Key=f"checkpoints/{rel}/model.pt")
     meta = {k.lower(): v for k, v in head["Metadata"].items()}  # (the embedded endpoint capitalises the keys)
     assert meta[ck.PARTS_META].endswith("-3")  # really went multipart (11 MB / 5 MB parts)
@@ -71,3 +73,51 @@ def test_a_copy_without_commit_marker_is_never_taken(home, s3_server):
     # restore falls through tiers: L0 is incomplete, L1 still verifies
     tier, _ = ckpt_tiers.fetch(spec, rel)
     assert tier == "L1"
+
+
+def test_promote_stage_puts_a_step_whose_l0_is_gone_on_l2_from_l1_part_by_part(home, s3_server):
+    """One promotion path: a one-part step is staged and merged on L1 (the part protocol), and a step whose L0 left
+    with its pod reaches L2 from its L1 copy as its part, then the step's COMMIT, equal to L1's."""
+    spec = _spec(s3_server, **{"services.s3_bucket": "ckpt-from-l1"})
+    rel = "run/key/step-000040"
+    d = _make_ckpt(spec, rel, big_mb=1)
+    assert ckpt_tiers.promote(spec, rel, tiers=("L1",))["actions"] == {"L1": "copied"}
+    l1 = home / "var/tiers/shared" / rel
+    assert ckpt_local.read_local_manifest(l1)["part_of"] == {"model.pt": 0, "model_args.json": 0}
+    assert not (l1.parent / ".step-000040.parts").exists()  # the staging went with the merge
+    ckpt_local.remove_local(d)  # an emptyDir L0, gone with the pod
+    rep = ckpt_tiers.promote(spec, rel)
+    assert rep["actions"] == {"L1": "already-verified", "L2": "uploaded"}
+    assert rep["l2_commit"] == rep["commit"] == (l1 / "COMMIT").read_text().strip()
+    part = client(spec).get_object(Bucket="ckpt-from-l1", Key=f"checkpoints/{rel}/PARTS/part-0.json")["Body"].read()
+    assert json.loads(part)["part"] == 0 and set(json.loads(part)["files"]) == {"model.pt", "model_args.json"}
+    assert ckpt_tiers.promote(spec, rel)["actions"] == {"L1": "already-verified", "L2": "already-verified"}
+
+
+def test_promote_refuses_one_part_of_a_step_that_l1_does_not_hold(home, s3_server):
+    spec = _spec(s3_server, **{"services.s3_bucket": "ckpt-one-part"})
+    rel = "run/key/step-000050"
+    final = home / "var/tiers/nvme" / rel
+    tmp = final.with_name(".tmp")
+    tmp.mkdir(parents=True)
+    (tmp / "__1_0.distcp").write_bytes(b"x" * 100)
+    ckpt_local.commit_local(tmp, final, meta={"step": 50, "part": 1, "parts": 2, "attempt": "a"})
+    with pytest.raises(ck.CheckpointError, match="only part 1 of 2"):
+        ckpt_tiers.promote(spec, rel)
+    assert not (home / "var/tiers/shared" / rel).exists()
+
+
+def test_an_l2_part_manifest_that_is_not_the_part_its_key_names_is_not_merged(home, s3_server):
+    """Hostile L2: PARTS/part-1.json that says it is part 0 must not let its files skip the check."""
+    from pipelines.train import ckpt_parts
+
+    spec = _spec(s3_server, **{"services.s3_bucket": "ckpt-liar"})
+    uri = "s3://ckpt-liar/run/key/step-000060"
+    s3 = client(spec)
+    s3.create_bucket(Bucket="ckpt-liar")
+    body = json.dumps({"files": {}, "part": 0, "parts": 2, "attempt": "a"}).encode()
+    for k in (0, 1):
+        s3.put_object(Bucket="ckpt-liar", Key=f"run/key/step-000060/PARTS/part-{k}.json", Body=body)
+    with pytest.raises(ck.CheckpointError, match="describes part 0 of 2, not part 1 of 2"):
+        ckpt_parts.merge_parts_s3(spec, uri, 2, "a", checked=frozenset({0}))
+    assert ckpt_s3.read_s3_manifest(spec, uri) is None

@@ -169,7 +169,7 @@ def test_an_abandoned_line_shadows_nothing_in_restore_or_retention(home):
 def test_a_part_uploaded_over_another_attempts_committed_step_removes_its_commit_first(home, s3_server):
     spec = load_spec(None, [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=ck-foreign"], env={})
     uri = f"s3://ck-foreign/run/key/{ck.step_name(10)}"
-    ckpt_s3.upload_checkpoint(spec, _step(home / "old", 10, 0, 1, "old"), uri)
+    ckpt_parts.upload_step(spec, _step(home / "old", 10, 0, 1, "old"), uri)
     assert ckpt_s3.read_s3_manifest(spec, uri)["attempt"] == "old"
     ckpt_parts.upload_part(spec, _step(home / "new", 10, 1, 2, "new"), uri)
     assert ckpt_s3.read_s3_manifest(spec, uri) is None  # the old COMMIT went before the new part's objects

@@ -19,9 +19,10 @@ Where each concern lives (each module imports only the ones above it):
 - :mod:`pipelines.train.ckpt_local`: the filesystem tiers (L0, L1): commit, read, verify, copy and remove a local
   copy; the file names a manifest may hold (``safe_rel``);
 - :mod:`pipelines.train.ckpt_s3`: the S3 tier (L2): uploads, downloads, multipart, checks by S3's own checksums;
-- :mod:`pipelines.train.ckpt_parts`: node parts (node-local L0 on many nodes), staged and merged on L1 and L2;
+- :mod:`pipelines.train.ckpt_parts`: the part protocol, the one promotion path: each node's part (one machine's
+  step is part 0 of 1) staged and merged on L1, uploaded and merged on L2 (a step from its L1 copy too);
 - :mod:`pipelines.train.ckpt_tiers`: the tier layout, a step's read for evaluation (``fetch``), retention (``prune``),
-  generations and ``promote``.
+  generations and ``promote`` (the promote stage's entry into the part protocol).
 
     python -m pipelines.train.checkpoint export SRC OUT.pt   # plain {name: tensor} weights
     (the promote stage, :mod:`pipelines.train.promote`, runs :func:`pipelines.train.ckpt_tiers.promote` on a train
@@ -45,6 +46,7 @@ COMMIT = "COMMIT"
 PARTS = "PARTS"  # on L2: PARTS/part-K.json, node K's part manifest, put after the part's files
 PARTS_META = "sha256-parts"  # a multipart object's metadata: the composite of its verified parts' sha256, "-N"
 TIERS = ("L0", "L1", "L2")
+MAX_PARTS = 1 << 16  # more parts than any job has nodes: a manifest that says so is not ours
 
 
 class CheckpointError(StageError):

@@ -37,7 +37,7 @@ from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
 from pipelines.train import checkpoint as ck
-from pipelines.train import ckpt_local, ckpt_parts, ckpt_s3, ckpt_tiers
+from pipelines.train import ckpt_local, ckpt_parts, ckpt_tiers
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -219,20 +219,19 @@ class Promoter:
         self.log(f"[ckpt] promote: step {step} {actions} in {dt:.2f} s" + (f"; retention removed {gone}" if gone else ""))
 
     def to_l1(self, rel: str, step: int) -> tuple[dict, Optional[dict]]:
+        """This node's part (with one part, the whole step) staged on L1; rank 0 merges the parts into the step's
+        global commit there. Returns (actions, the files' part digests for the S3 upload)."""
         locs = ckpt_tiers.tier_locations(self.spec, rel)
-        if self.topo.parts == 1:
-            action, digests = ckpt_tiers.promote_l1(self.spec, rel)
-            return {"L1": action}, digests
         l0 = Path(locs["L0"])
         if not (l0 / ck.COMMIT).is_file():
+            if ckpt_local.is_valid_local(Path(locs["L1"])):  # e.g. restored at the final step on a fresh node
+                return {"L1": "already-verified"}, None
             raise ck.CheckpointError(f"L0 part {l0} is not committed on this node: nothing to promote")
         action, digests = ckpt_parts.stage_part(l0, Path(locs["L1"]), self.spec.checkpoint.multipart_chunk_mb << 20)
         faults.point("l1_staged")
-        actions = {"L1": action}
         if self.commits:
             self._merge_l1(Path(locs["L1"]), l0, step)
-            actions["merged"] = ["L1"]
-        return actions, digests
+        return {"L1": action}, digests
 
     def _merge_l1(self, l1: Path, l0: Path, step: int) -> None:
         """Rank 0: wait for every node's part on L1 (bounded), then write the step's global COMMIT there."""
@@ -245,22 +244,21 @@ class Promoter:
             time.sleep(0.05)
 
     def _to_l2(self, rel: str, step: int, digests: Optional[dict]) -> str:
-        """This node's part (the whole step, with one part) to L2; the committing rank also commits the step there
-        and catches up the steps L2 missed. Never raises: an outage leaves the step behind, with a warning."""
+        """This node's part to L2; the committing rank, once every part is there, commits the step there and catches
+        up the steps L2 missed. Never raises: an outage leaves the step behind, with a warning."""
         locs = ckpt_tiers.tier_locations(self.spec, rel)
         l1 = Path(locs["L1"])
-        if self.topo.parts > 1:
-            mark = self._upload_part(Path(locs["L0"]), locs["L2"], step, digests)
-            if not self.commits:
-                return mark
+        own = self._upload_part(Path(locs["L0"]), locs["L2"], step, digests)
+        if not self.commits:
+            return own
+        self.l2_behind.add(step)
+        if own == "behind":  # warned once; L2 catches up at a later promotion
+            return own
         try:
-            self.l2_behind.add(step)
-            if self.topo.parts == 1:  # the whole step, from the L1 copy it was just verified into
-                ckpt_s3.upload_checkpoint(self.spec, l1, locs["L2"], digests)
-                self.l2_behind.discard(step)
-            elif self._parts_on_l2(l1, step):
+            if self._parts_on_l2(l1, step):
                 man = ckpt_local.read_local_manifest(l1)
-                if ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt")):
+                if ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt"),
+                                             checked=frozenset({self.topo.part})):  # its own part, checked as put
                     self.l2_behind.discard(step)
             self.catch_up()
             return "behind" if step in self.l2_behind else "committed"
@@ -274,24 +272,29 @@ class Promoter:
                  "it stays on L1 and L2 catches up when it answers (the promote stage finishes the final step)")
 
     def _upload_part(self, l0: Path, uri: str, step: int, digests: Optional[dict]) -> str:
-        """This node's part to L2, then its mark on L1 (``.step-N.l2/part-K``: ok or failed) for rank 0."""
+        """This node's part to L2; another node's leader then marks on L1 (``.step-N.l2/part-K``: ok or failed)
+        whether it got there, for rank 0. Never raises."""
         try:
             ckpt_parts.upload_part(self.spec, l0, uri, digests)
             mark = "ok"
         except Exception as e:  # noqa: BLE001 - reported; rank 0 leaves the step behind
             self._l2_warning(step, e)
             mark = f"failed: {type(e).__name__}"
-        l1 = Path(ckpt_tiers.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
-        marks = ckpt_parts.l2_marks_dir(l1)
-        marks.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(marks / ck.part_name(self.topo.part), mark)
+        if not self.commits:
+            l1 = Path(ckpt_tiers.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
+            marks = ckpt_parts.l2_marks_dir(l1)
+            try:
+                marks.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(marks / ck.part_name(self.topo.part), mark)
+            except OSError as e:  # rank 0 waits for it (bounded), then leaves the step behind
+                self.log(f"[ckpt] warning: cannot mark step {step}'s part on L1 ({e})")
         return "part-uploaded" if mark == "ok" else "behind"
 
     def _parts_on_l2(self, l1: Path, step: int) -> bool:
-        """Rank 0: wait (bounded) for every node's mark; True when every part reached L2."""
+        """Rank 0: wait (bounded) for the other nodes' marks; True when every part reached L2."""
         marks = ckpt_parts.l2_marks_dir(l1)
         deadline = time.monotonic() + self.spec.checkpoint.collective_timeout_minutes * 60
-        names = [ck.part_name(k) for k in range(self.topo.parts)]
+        names = [ck.part_name(k) for k in range(self.topo.parts) if k != self.topo.part]
         while not all((marks / n).is_file() for n in names):
             if time.monotonic() > deadline:
                 break
@@ -302,7 +305,7 @@ class Promoter:
 
     def catch_up(self, final: bool = False) -> None:
         """The committing rank: put on L2 the steps globally committed on L1 that L2 lacks, oldest first: the parts'
-        manifests merged when every node's part is there, else the whole step uploaded from L1. A step L1
+        manifests merged when every node's part is there, else the step put from its L1 copy, part by part. A step L1
         retention removed meanwhile is dropped from the list. Raises when L2 does not answer."""
         for st in sorted(self.l2_behind):
             try:
@@ -313,8 +316,8 @@ class Promoter:
                 self.log(f"[ckpt] L2 catch-up: step {st}: {type(e).__name__}: {e}")
 
     def _catch_up_step(self, st: int, final: bool) -> None:
-        """One step L2 lacks: its parts' manifests merged when every node's part is there, else the whole step
-        uploaded from L1 (not the newest step, whose parts may still be on their way, unless ``final``)."""
+        """One step L2 lacks: its parts' manifests merged when every node's part is there, else the step put from
+        its L1 copy (not the newest step, whose parts may still be on their way, unless ``final``)."""
         rel = f"{self.rel_root}/{ck.step_name(st)}"
         locs = ckpt_tiers.tier_locations(self.spec, rel)
         l1 = Path(locs["L1"])
@@ -324,15 +327,14 @@ class Promoter:
             return
         man = ckpt_local.read_local_manifest(l1)
         try:
-            merged = self.topo.parts > 1 and ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)),
-                                                              man.get("attempt"))
+            merged = ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt"))
         except ck.L2Unavailable:
             raise
         except ck.CheckpointError as e:  # the parts on L2 do not match: the whole step from L1 instead
-            self.log(f"[ckpt] L2 catch-up: step {st}: {e}; uploading it whole from L1")
+            self.log(f"[ckpt] L2 catch-up: step {st}: {e}; putting it from its L1 copy")
             merged = False
         if not merged and (self.topo.parts == 1 or final or st != max(self.l2_behind)):
-            ckpt_s3.upload_checkpoint(self.spec, l1, locs["L2"])
+            ckpt_parts.upload_step(self.spec, l1, locs["L2"])
             merged = True
         if merged:
             self.l2_behind.discard(st)
@@ -354,8 +356,10 @@ class Promoter:
         """Retention after ``step``: a node's L0 keeps every step newer than the newest global commit (it may
         still be needed to promote), and that one."""
         if self.topo.parts == 1:
-            return ckpt_tiers.prune(self.spec, self.rel_root, upto=step, tiers=("L0",) + self.tiers, rec=self.rec,
-                            log=self.log)
+            deleted = ckpt_tiers.prune(self.spec, self.rel_root, upto=step, tiers=("L0",) + self.tiers, rec=self.rec,
+                                       log=self.log)
+            ckpt_tiers.drop_stale_staging(self.spec, self.rel_root, self.rec)
+            return deleted
         committed = ckpt_tiers.accepted_steps(self.spec, self.rel_root,
                                               ckpt_tiers.list_steps(self.spec, self.rel_root, ("L1",)), self.rec)["L1"]
         protect = set(committed[-1:])  # the newest globally committed step keeps its part on every L0

@@ -15,11 +15,12 @@ from typing import Optional
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
-from pipelines.train.checkpoint import CKPT_MANIFEST, COMMIT, PARTS, CheckpointError, parse_step, part_name
+from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, MAX_PARTS, PARTS, CheckpointError, parse_step,
+                                        part_name)
 from pipelines.train.ckpt_local import (copy_local, is_valid_local, manifest_files, missing_shards, read_local_manifest,
                                         remove_local, verify_local)
-from pipelines.train.ckpt_s3 import (abort_multipart, all_match, check_objects, read_s3_manifest, s3_body,
-                                     s3_commit_body, upload_files)
+from pipelines.train.ckpt_s3 import (abort_multipart, all_match, check_objects, part_manifest, read_s3_manifest,
+                                     s3_body, s3_commit_body, upload_files)
 
 
 # With node-local L0, node K's local leader commits *its part* of a step on its own disk: its ranks' shards (node 0
@@ -101,7 +102,7 @@ def merge_parts(l1_step: Path, parts: int, attempt: Optional[str], again: bool =
             man = read_local_manifest(staged / part_name(k))
         except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
             return False
-        if part_of(man)[2] != attempt:
+        if part_of(man) != (k, parts, attempt):  # of another attempt, or not the part its place says
             return False
         mans.append(man)
     body = merged_manifest(mans)
@@ -114,7 +115,7 @@ def merge_parts(l1_step: Path, parts: int, attempt: Optional[str], again: bool =
                 _link_or_copy(src / rel, tmp / rel)
                 if (tmp / rel).stat().st_size != info["bytes"]:
                     raise CheckpointError(f"{src / rel}: size differs from its part manifest")
-        missing = missing_shards(tmp)
+        missing = missing_shards(tmp) if mans[0].get("format") == "dcp" else []  # (a plain checkpoint: model.pt)
         if missing:
             raise CheckpointError(f"{l1_step}: the parts hold no {missing}; a node's ranks wrote elsewhere")
         faults.point("merge")
@@ -137,26 +138,70 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def upload_part(spec: JobSpec, l0_part: Path, uri: str, digests: Optional[dict] = None) -> str:
-    """Node K's part to the step's L2 prefix: its files (each checked), then ``PARTS/part-K.json`` last. Aborts
-    only this part's unfinished multipart uploads (another node may be uploading its part there now)."""
+    """Node K's committed part (a one-part step: the whole step) from its L0 to the step's L2 prefix: its files
+    (each checked), then ``PARTS/part-K.json`` last (see :func:`put_part`)."""
+    man = verify_local(l0_part) if digests is None else read_local_manifest(l0_part)
+    return put_part(spec, uri, l0_part, (l0_part / CKPT_MANIFEST).read_bytes(), man, digests or {})
+
+
+def put_part(spec: JobSpec, uri: str, src: Path, body: bytes, man: dict, digests: dict) -> str:
+    """One part to L2: the files ``man`` names from ``src`` (each object checked against its sha256), then its
+    manifest ``body`` as ``PARTS/part-K.json``, last. A step of another attempt committed there loses its COMMIT
+    first (it is no longer whole). Aborts only this part's unfinished multipart uploads (another node may be
+    uploading its part there now)."""
     from pipelines.storage.s3 import client, ensure_bucket, split_uri
 
-    man = verify_local(l0_part) if digests is None else read_local_manifest(l0_part)
     k, _, attempt = part_of(man)
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
     ensure_bucket(s3, bucket, spec.services.s3_region)
-    marker, body = f"{prefix}/{PARTS}/{part_name(k)}.json", (l0_part / CKPT_MANIFEST).read_bytes()
-    if s3_body(s3, bucket, marker) == body and all_match(spec, s3, bucket, prefix, l0_part, man["files"], digests or {}):
+    marker = f"{prefix}/{PARTS}/{part_name(k)}.json"
+    if s3_body(s3, bucket, marker) == body and all_match(spec, s3, bucket, prefix, src, man["files"], digests):
         return "already-verified"
     committed = read_s3_manifest(spec, uri)
     if committed is not None and committed.get("attempt") != attempt:  # another attempt's step: no longer whole
         s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
     s3.delete_object(Bucket=bucket, Key=marker)
     abort_multipart(s3, bucket, prefix, {f"{prefix}/{rel}" for rel in man["files"]})
-    upload_files(spec, s3, bucket, prefix, l0_part, man["files"], digests or {})
+    upload_files(spec, s3, bucket, prefix, src, man["files"], digests)
     s3.put_object(Bucket=bucket, Key=marker, Body=body)  # last
     return "uploaded"
+
+
+def step_parts(man: dict, step_dir: Path) -> list[bytes]:
+    """The part manifests a globally committed step was merged from, as their nodes committed them (a step that
+    an older version committed whole, with no ``part_of``: its own manifest, part 0 of 1)."""
+    if "part_of" not in man:
+        return [(step_dir / CKPT_MANIFEST).read_bytes()]
+    parts = int(man.get("parts", 1))
+    if not 0 < parts <= MAX_PARTS:
+        raise CheckpointError(f"{step_dir}: a manifest of {parts} parts is not one of ours")
+    return [part_manifest(man, k) for k in range(parts)]
+
+
+def upload_step(spec: JobSpec, l1_step: Path, uri: str, digests: Optional[dict] = None) -> str:
+    """A globally committed step from its L1 copy to L2 (L2 catching up, the ``promote`` stage): every part as its
+    node would have put it (a part already there is not sent again), then the merged MANIFEST and COMMIT
+    (:func:`merge_parts_s3`). The one path to L2, with :func:`upload_part`. ``digests``: the files' part digests
+    from a copy that just verified ``l1_step`` (else it is verified here). An L2 copy with L1's COMMIT whose
+    objects check is kept as it is."""
+    from pipelines.storage.s3 import client, split_uri
+
+    man = verify_local(l1_step) if digests is None else read_local_manifest(l1_step)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    s3 = client(spec)
+    if s3_commit_body(s3, bucket, prefix) == (l1_step / COMMIT).read_text().strip():
+        try:
+            check_objects(s3, bucket, prefix, manifest_files(man, str(l1_step)), uri)
+            return "already-verified"
+        except CheckpointError:
+            pass  # put again below
+    bodies = step_parts(man, l1_step)
+    acts = [put_part(spec, uri, l1_step, b, json.loads(b), digests or {}) for b in bodies]
+    if not merge_parts_s3(spec, uri, len(bodies), man.get("attempt"), checked=frozenset(range(len(bodies)))):
+        raise CheckpointError(f"{uri}: a part of step {man.get('step')} changed while it was uploaded from L1; "
+                              "not committed there")
+    return "already-verified" if all(a == "already-verified" for a in acts) else "uploaded"
 
 
 def s3_part_manifests(spec: JobSpec, uri: str, parts: int) -> Optional[list[dict]]:
@@ -170,13 +215,18 @@ def s3_part_manifests(spec: JobSpec, uri: str, parts: int) -> Optional[list[dict
         body = s3_body(s3, bucket, f"{prefix}/{PARTS}/{part_name(k)}.json")
         if body is None:
             return None
-        mans.append(json.loads(body))
+        man = json.loads(body)
+        if part_of(man)[:2] != (k, parts):  # not the part its key says: not trusted as one
+            raise CheckpointError(f"{uri}: {PARTS}/{part_name(k)}.json describes part {part_of(man)[0]} of "
+                                  f"{part_of(man)[1]}, not part {k} of {parts}")
+        mans.append(man)
     return mans
 
 
-def merge_parts_s3(spec: JobSpec, uri: str, parts: int, attempt: Optional[str]) -> bool:
+def merge_parts_s3(spec: JobSpec, uri: str, parts: int, attempt: Optional[str], checked: frozenset = frozenset()) -> bool:
     """Rank 0, on L2: when every part of ``attempt`` is there and each object matches its part's manifest (S3's
-    checksums; see check_objects), put the merged MANIFEST and COMMIT last. False while a part is missing."""
+    checksums; see check_objects), put the merged MANIFEST and COMMIT last. False while a part is missing.
+    ``checked``: the parts whose objects the caller has just put or checked itself (not read twice)."""
     from pipelines.storage.s3 import client, split_uri
 
     mans = s3_part_manifests(spec, uri, parts)
@@ -186,9 +236,14 @@ def merge_parts_s3(spec: JobSpec, uri: str, parts: int, attempt: Optional[str]) 
     bucket, prefix = split_uri(uri.rstrip("/"))
     body = merged_manifest(mans)
     commit = hashlib.sha256(body.encode()).hexdigest()
-    if s3_commit_body(s3, bucket, prefix) == commit:
+    current = s3_commit_body(s3, bucket, prefix)
+    if current == commit:
         return True
-    check_objects(s3, bucket, prefix, json.loads(body)["files"], uri)
+    merged = json.loads(body)
+    others = {rel: info for rel, info in merged["files"].items() if merged["part_of"][rel] not in checked}
+    check_objects(s3, bucket, prefix, others, uri)
+    if current is not None:  # another copy's COMMIT goes before its MANIFEST is replaced
+        s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{CKPT_MANIFEST}", Body=body.encode())
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}", Body=commit.encode())  # last
     return True

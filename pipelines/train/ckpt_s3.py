@@ -5,7 +5,7 @@ upload the object checksum is the file's sha256; for multipart it is the composi
 sha256(part digests)-N, which we recompute locally with the part size the transfer really used
 (s3transfer raises the configured chunk size for files that would need more than 10,000 parts). If
 an endpoint returns no checksum, the object is downloaded and hashed. Multipart uploads left by an
-interrupted promotion are aborted before the next upload to the same prefix.
+interrupted promotion are aborted before the next upload of the same part's files.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pipelines.storage.s3 import (b64, checksums_verified, composite_sha256, obj
                                   part_size_used, unreachable, upload_checked)
 from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
                                         part_name)
-from pipelines.train.ckpt_local import install_dir, manifest_files, read_local_manifest, verify_local
+from pipelines.train.ckpt_local import install_dir, manifest_files, verify_local
 
 
 def transfer_config(spec: JobSpec):
@@ -58,6 +58,14 @@ def s3_commit_body(s3, bucket: str, prefix: str) -> Optional[str]:
     return None if body is None else body.decode().strip()
 
 
+def commit_at(spec: JobSpec, uri: str) -> Optional[str]:
+    """The COMMIT marker's body of the S3 copy at ``uri``; None when there is none."""
+    from pipelines.storage.s3 import client, split_uri
+
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    return s3_commit_body(client(spec), bucket, prefix)
+
+
 def multipart_uploads(s3, bucket: str, prefix: str = "") -> list[dict]:
     """The multipart uploads in progress under ``prefix`` (an endpoint that answers NoSuchUpload when there are
     none, as rclone's does, has none)."""
@@ -72,12 +80,12 @@ def multipart_uploads(s3, bucket: str, prefix: str = "") -> list[dict]:
         raise
 
 
-def abort_multipart(s3, bucket: str, prefix: str, keys: Optional[set[str]] = None) -> int:
-    """Abort the multipart uploads an interrupted promotion left under ``prefix`` (only those of ``keys`` when
-    given: another node may be uploading its own part there right now); returns how many."""
+def abort_multipart(s3, bucket: str, prefix: str, keys: set[str]) -> int:
+    """Abort the multipart uploads an interrupted promotion left under ``prefix`` to ``keys`` (only those: another
+    node may be uploading its own part there right now); returns how many."""
     n = 0
     for up in multipart_uploads(s3, bucket, f"{prefix}/"):
-        if keys is None or up["Key"] in keys:
+        if up["Key"] in keys:
             s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
             n += 1
     return n
@@ -139,30 +147,6 @@ def all_match(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: dic
                for rel, info in files.items())
 
 
-def upload_checkpoint(spec: JobSpec, src: Path, uri: str, parts: Optional[dict[str, list[bytes]]] = None) -> str:
-    """Upload a local checkpoint to ``uri`` (s3://bucket/prefix), each object checked against the file, COMMIT
-    last. Idempotent. ``parts``: the files' part digests from a copy that just verified ``src`` (else ``src`` is
-    verified here)."""
-    from pipelines.storage.s3 import client, ensure_bucket, split_uri
-
-    man = verify_local(src) if parts is None else read_local_manifest(src)
-    parts = parts or {}
-    s3 = client(spec)
-    bucket, prefix = split_uri(uri.rstrip("/"))
-    ensure_bucket(s3, bucket, spec.services.s3_region)
-    commit = (src / COMMIT).read_text().strip()
-    if s3_commit_body(s3, bucket, prefix) == commit and all_match(spec, s3, bucket, prefix, src, man["files"], parts):
-        return "already-verified"
-    s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")  # invalidate any older copy first
-    aborted = abort_multipart(s3, bucket, prefix)
-    if aborted:
-        print(f"[ckpt] aborted {aborted} unfinished multipart upload(s) under {uri}", flush=True)
-    upload_files(spec, s3, bucket, prefix, src, man["files"], parts)
-    s3.upload_file(str(src / CKPT_MANIFEST), bucket, f"{prefix}/{CKPT_MANIFEST}")
-    s3.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}", Body=commit.encode())  # last
-    return "uploaded"
-
-
 def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int] = None) -> Path:
     """Fetch ``uri`` into ``dest`` and verify every file; raise if the copy is incomplete or corrupt. With
     ``part``, only that node's part (its files and its manifest, ``PARTS/part-K.json``), as a committed part dir."""
@@ -176,7 +160,7 @@ def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int]
     else:
         key = f"{prefix}/{PARTS}/{part_name(part)}.json"
         body = s3_body(s3, bucket, key)
-        if body is None:  # a step uploaded whole (the promote stage, L2 catching up): its part from the manifest
+        if body is None:  # a step an older version uploaded whole: its part cut out of the manifest
             body = part_manifest(read_s3_manifest(spec, uri), part)
         commit = body and hashlib.sha256(body).hexdigest()
     if commit is None:

@@ -4,8 +4,9 @@ registration; a training run restores through :mod:`pipelines.train.restore`, th
 checkpoint format: :mod:`pipelines.train.checkpoint`.
 
 Tiers: L0 node-local (``checkpoint.l0``) → L1 shared FS (``checkpoint.l1``) → L2 S3
-(``s3://services.s3_bucket/checkpoint.l2_prefix/…``). ``promote`` copies L0 → L1 → L2, checking
-every file at every tier, COMMIT last; a tier that already holds a verified copy is skipped.
+(``s3://services.s3_bucket/checkpoint.l2_prefix/…``). ``promote`` copies L0 → L1 → L2 through the part protocol
+(:mod:`pipelines.train.ckpt_parts`), checking every file at every tier, COMMIT last; a tier that already holds a
+verified copy is skipped.
 :func:`prune` applies the
 per-tier retention and never deletes a copy of the newest verified step.
 """
@@ -22,9 +23,9 @@ from pipelines.storage import faults
 from pipelines.storage.s3 import unreachable
 from pipelines.train import lineage
 from pipelines.train.checkpoint import COMMIT, TIERS, CheckpointError, L2Unavailable, parse_step, step_name
-from pipelines.train.ckpt_local import copy_local, is_valid_local, read_local_manifest, remove_local, verify_local
-from pipelines.train.ckpt_s3 import (download_checkpoint, missing, read_s3_manifest, remove_s3, upload_checkpoint,
-                                     verify_s3)
+from pipelines.train.ckpt_local import is_valid_local, read_local_manifest, remove_local, verify_local
+from pipelines.train.ckpt_parts import committed_attempt, merge_parts, part_of, stage_part, upload_step
+from pipelines.train.ckpt_s3 import commit_at, download_checkpoint, missing, read_s3_manifest, remove_s3, verify_s3
 
 
 # ----------------------------------------------------------------------------- tier layout
@@ -294,29 +295,36 @@ def commit_generation(spec: JobSpec, base_rel: str, rel_root: str, log: Callable
 
 # ----------------------------------------------------------------------------- promote
 def promote_l1(spec: JobSpec, rel: str) -> tuple[str, Optional[dict]]:
-    """Checkpoint ``rel`` L0 → L1 (verified while copied, COMMIT last; a verified L1 copy is kept): (action, the
-    files' part digests for the S3 upload that follows, None when nothing was copied)."""
+    """Step ``rel`` L0 → L1 as training promotes it (:mod:`pipelines.train.ckpt_parts`, a step of one part): staged
+    on L1 (verified while copied, COMMIT last), then merged into the step's global commit. Returns (action, the
+    files' part digests for the S3 upload that follows, None when nothing was copied). A verified L1 copy is kept
+    unless L0 holds another attempt's whole step. A step cut into parts is committed on L1 by its training run
+    (each node stages its own part), so from one L0 only a one-part step can be promoted here."""
     locs = tier_locations(spec, rel)
     l0, l1 = Path(locs["L0"]), Path(locs["L1"])
-    if is_valid_local(l1) and (not (l0 / COMMIT).is_file() or _same_line(l0, l1)):
+    mine = read_local_manifest(l0) if (l0 / COMMIT).is_file() else None
+    if is_valid_local(l1) and (mine is None or part_of(mine)[1] != 1 or mine.get("attempt") == committed_attempt(l1)):
         return "already-verified", None
-    if not l0.exists():
+    if mine is None:
         raise CheckpointError(f"L0 copy {l0} is gone and L1 holds no verified copy: nothing to promote")
-    return "copied", copy_local(l0, l1, spec.checkpoint.multipart_chunk_mb << 20)  # refuses a corrupt L0
-
-
-def _same_line(a: Path, b: Path) -> bool:
-    """Do two committed copies of a step come from the same attempt and line of training?"""
-    ma, mb = read_local_manifest(a), read_local_manifest(b)
-    return (ma.get("attempt"), ma.get("lineage")) == (mb.get("attempt"), mb.get("lineage"))
+    k, parts, attempt = part_of(mine)
+    if parts != 1:
+        raise CheckpointError(f"{l1} holds no verified copy and {l0} is only part {k} of {parts}: a step cut into parts "
+                              "is committed on L1 by its training run (every node stages its own part)")
+    action, digests = stage_part(l0, l1, spec.checkpoint.multipart_chunk_mb << 20, again=True)  # refuses a corrupt L0
+    if not merge_parts(l1, 1, attempt, again=True):
+        raise CheckpointError(f"{l1}: the part staged from {l0} is gone before its merge")
+    return action, digests
 
 
 def promote(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2")) -> dict:
-    """Copy checkpoint ``rel`` L0 → L1 (→ L2), each copy verified, COMMIT last; a verified copy is kept."""
+    """Step ``rel`` L0 → L1 (→ L2) through the part protocol, each copy verified, COMMIT last; a verified copy is
+    kept. Returns what was done at each tier and each tier's COMMIT."""
     locs = tier_locations(spec, rel)
-    report = {"checkpoint": rel, "tiers": locs, "actions": {}}
-    report["actions"]["L1"], parts = promote_l1(spec, rel)
-    if "L2" in tiers:
-        report["actions"]["L2"] = upload_checkpoint(spec, Path(locs["L1"]), locs["L2"], parts)
+    action, digests = promote_l1(spec, rel)
+    report = {"checkpoint": rel, "tiers": locs, "actions": {"L1": action}}
     report["commit"] = (Path(locs["L1"]) / COMMIT).read_text().strip()
+    if "L2" in tiers:
+        report["actions"]["L2"] = upload_step(spec, Path(locs["L1"]), locs["L2"], digests)
+        report["l2_commit"] = commit_at(spec, locs["L2"])
     return report

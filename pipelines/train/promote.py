@@ -1,5 +1,6 @@
 """The promote stage: the train stage's final checkpoint L0 → L1 → L2 (S3), verified at every tier, COMMIT last
-(:func:`pipelines.train.ckpt_tiers.promote`). Done only while L2 still holds the committed copy.
+(:func:`pipelines.train.ckpt_tiers.promote`, the part protocol of training: a step of one part promoted from L0,
+a step already on L1 put on L2). Done only while L2 still holds the committed copy.
 
     python -m pipelines.train.promote --train-manifest M [--spec S]
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 from pipelines.cli import stage_dir, stage_main
 from pipelines.manifest import Manifest, input_ref, run_stage
 from pipelines.spec import JobSpec
-from pipelines.train.ckpt_s3 import s3_commit_body
+from pipelines.train.ckpt_s3 import commit_at
 from pipelines.train.ckpt_tiers import promote
 
 
@@ -24,15 +25,12 @@ def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
         rep = promote(spec, rel)
         (tmp / "tiers.json").write_text(json.dumps(rep, indent=2))
         return sd.commit({"tiers": "tiers.json"}, counts={"tiers": 3},
-                         extra={"checkpoint": rel, "l2_uri": rep["tiers"]["L2"], "commit": rep["commit"],
+                         extra={"checkpoint": rel, "l2_uri": rep["tiers"]["L2"], "commit": rep["l2_commit"],
                                 "actions": rep["actions"]})
 
     done = sd.existing()
     if done is not None:  # the manifest says promoted; make sure L2 still verifies
-        from pipelines.storage.s3 import client, split_uri
-
-        b, p = split_uri(done.extra["l2_uri"])
-        if s3_commit_body(client(spec), b, p) == done.extra["commit"]:
+        if commit_at(spec, done.extra["l2_uri"]) == done.extra["commit"]:
             print(f"[promote] up to date: {done.path}")
             return done
         sd.force = True

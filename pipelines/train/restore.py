@@ -85,7 +85,6 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
     return None
 
 
-MAX_PARTS = 1 << 16  # more parts than any job has nodes: a manifest that says so is not ours
 
 
 def _inventory(root: Path, log) -> dict:
@@ -105,7 +104,7 @@ def _part_info(man: dict) -> Optional[tuple]:
         part, parts, attempt = ckpt_parts.part_of(man)
     except (TypeError, ValueError):
         return None
-    return (part, parts, attempt, lineage.of(man)) if 0 <= part < parts <= MAX_PARTS else None
+    return (part, parts, attempt, lineage.of(man)) if 0 <= part < parts <= ck.MAX_PARTS else None
 
 
 def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dict]:
