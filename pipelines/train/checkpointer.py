@@ -145,8 +145,9 @@ class Promoter:
     falls behind."""
 
     def __init__(self, spec: JobSpec, rel_root: str, log: Callable[[str], None], events: Events, topo: Topology,
-                 rec: Optional[dict] = None):
+                 attempt: str, rec: Optional[dict] = None):
         self.spec, self.rel_root, self.log, self.events, self.topo, self.rec = spec, rel_root, log, events, topo, rec
+        self.attempt = attempt  # this attempt's name: its nodes' L2 marks carry it
         self.no_l2 = ckpt_tiers.l2_available(spec)
         if self.no_l2:
             log(f"[ckpt] promotion during the run goes to L1 only: {self.no_l2.splitlines()[0]}")
@@ -248,23 +249,36 @@ class Promoter:
         up the steps L2 missed. Never raises: an outage leaves the step behind, with a warning."""
         locs = ckpt_tiers.tier_locations(self.spec, rel)
         l1 = Path(locs["L1"])
+        if not (Path(locs["L0"]) / ck.COMMIT).is_file():  # restored at this step from L1: L2 gets it from there
+            return self._from_l1(step) if self.commits else "from-l1"
         own = self._upload_part(Path(locs["L0"]), locs["L2"], step, digests)
         if not self.commits:
             return own
         self.l2_behind.add(step)
-        if own == "behind":  # warned once; L2 catches up at a later promotion
-            return own
         try:
-            if self._parts_on_l2(l1, step):
+            if own != "behind" and self._parts_on_l2(l1, step):
                 man = ckpt_local.read_local_manifest(l1)
                 if ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt"),
                                              checked=frozenset({self.topo.part})):  # its own part, checked as put
                     self.l2_behind.discard(step)
+            if own == "behind":  # warned once; L2 catches up at a later promotion
+                return own
             self.catch_up()
             return "behind" if step in self.l2_behind else "committed"
         except Exception as e:  # noqa: BLE001 - L2 is a copy of L1: its faults cost a warning, not the step
             self._l2_warning(step, e)
             return "behind"
+        finally:
+            shutil.rmtree(ckpt_parts.l2_marks_dir(l1), ignore_errors=True)
+
+    def _from_l1(self, step: int) -> str:
+        """Rank 0: a step this attempt did not save (it restored there) goes to L2 from its L1 copy."""
+        self.l2_behind.add(step)
+        try:
+            self.catch_up(final=True)
+        except Exception as e:  # noqa: BLE001 - as above
+            self._l2_warning(step, e)
+        return "behind" if step in self.l2_behind else "committed"
 
     def _l2_warning(self, step: int, e: Exception) -> None:
         self.events.add("ckpt/l2_errors", 1, step)
@@ -272,8 +286,8 @@ class Promoter:
                  "it stays on L1 and L2 catches up when it answers (the promote stage finishes the final step)")
 
     def _upload_part(self, l0: Path, uri: str, step: int, digests: Optional[dict]) -> str:
-        """This node's part to L2; another node's leader then marks on L1 (``.step-N.l2/part-K``: ok or failed)
-        whether it got there, for rank 0. Never raises."""
+        """This node's part to L2; another node's leader then marks on L1 (``.step-N.l2/part-K``: this attempt's
+        name and ok or failed) whether it got there, for rank 0. Never raises."""
         try:
             ckpt_parts.upload_part(self.spec, l0, uri, digests)
             mark = "ok"
@@ -285,23 +299,30 @@ class Promoter:
             marks = ckpt_parts.l2_marks_dir(l1)
             try:
                 marks.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(marks / ck.part_name(self.topo.part), mark)
+                atomic_write_text(marks / ck.part_name(self.topo.part), f"{self.attempt} {mark}")
             except OSError as e:  # rank 0 waits for it (bounded), then leaves the step behind
                 self.log(f"[ckpt] warning: cannot mark step {step}'s part on L1 ({e})")
         return "part-uploaded" if mark == "ok" else "behind"
 
     def _parts_on_l2(self, l1: Path, step: int) -> bool:
-        """Rank 0: wait (bounded) for the other nodes' marks; True when every part reached L2."""
+        """Rank 0: wait (bounded) for the other nodes' marks of this attempt; True when every part reached L2."""
         marks = ckpt_parts.l2_marks_dir(l1)
         deadline = time.monotonic() + self.spec.checkpoint.collective_timeout_minutes * 60
-        names = [ck.part_name(k) for k in range(self.topo.parts) if k != self.topo.part]
-        while not all((marks / n).is_file() for n in names):
-            if time.monotonic() > deadline:
-                break
+        paths = [marks / ck.part_name(k) for k in range(self.topo.parts) if k != self.topo.part]
+
+        def said() -> list[Optional[str]]:  # each mark of this attempt: "ok" / "failed: …"; None while absent
+            out = []
+            for path in paths:
+                try:
+                    got = path.read_text()
+                except OSError:
+                    got = ""
+                out.append(got[len(self.attempt) + 1:] if got.startswith(f"{self.attempt} ") else None)
+            return out
+
+        while None in said() and time.monotonic() < deadline:
             time.sleep(0.05)
-        ok = all((marks / n).is_file() and (marks / n).read_text() == "ok" for n in names)
-        shutil.rmtree(marks, ignore_errors=True)
-        return ok
+        return all(m == "ok" for m in said())
 
     def catch_up(self, final: bool = False) -> None:
         """The committing rank: put on L2 the steps globally committed on L1 that L2 lacks, oldest first: the parts'
@@ -411,7 +432,7 @@ class Checkpointer:
         self.node_log = log if rank == 0 else _node_log(self.topo)  # other nodes' leaders log too, naming the node
         self.promoter: Optional[Promoter] = None
         if lead:
-            self.promoter = Promoter(spec, rel_root, self.node_log, self.events, self.topo)
+            self.promoter = Promoter(spec, rel_root, self.node_log, self.events, self.topo, self.attempt)
         self._pending: Optional[Future] = None
         self.last_saved: Optional[int] = None
         self.stalls: list[float] = []

@@ -194,8 +194,8 @@ def upload_step(spec: JobSpec, l1_step: Path, uri: str, digests: Optional[dict] 
         try:
             check_objects(s3, bucket, prefix, manifest_files(man, str(l1_step)), uri)
             return "already-verified"
-        except CheckpointError:
-            pass  # put again below
+        except CheckpointError:  # no longer whole: its COMMIT goes before its objects are put again
+            s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
     bodies = step_parts(man, l1_step)
     acts = [put_part(spec, uri, l1_step, b, json.loads(b), digests or {}) for b in bodies]
     if not merge_parts_s3(spec, uri, len(bodies), man.get("attempt"), checked=frozenset(range(len(bodies)))):
@@ -215,10 +215,14 @@ def s3_part_manifests(spec: JobSpec, uri: str, parts: int) -> Optional[list[dict
         body = s3_body(s3, bucket, f"{prefix}/{PARTS}/{part_name(k)}.json")
         if body is None:
             return None
-        man = json.loads(body)
-        if part_of(man)[:2] != (k, parts):  # not the part its key says: not trusted as one
-            raise CheckpointError(f"{uri}: {PARTS}/{part_name(k)}.json describes part {part_of(man)[0]} of "
-                                  f"{part_of(man)[1]}, not part {k} of {parts}")
+        try:
+            man = json.loads(body)
+            says = part_of(man)[:2]
+        except (ValueError, TypeError, AttributeError) as e:  # not a manifest of ours: the step is put again
+            raise CheckpointError(f"{uri}: {PARTS}/{part_name(k)}.json is not a part manifest ({e})") from None
+        if says != (k, parts):  # not the part its key says: not trusted as one
+            raise CheckpointError(f"{uri}: {PARTS}/{part_name(k)}.json describes part {says[0]} of {says[1]}, not "
+                                  f"part {k} of {parts}")
         mans.append(man)
     return mans
 

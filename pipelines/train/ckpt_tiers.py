@@ -24,7 +24,7 @@ from pipelines.storage.s3 import unreachable
 from pipelines.train import lineage
 from pipelines.train.checkpoint import COMMIT, TIERS, CheckpointError, L2Unavailable, parse_step, step_name
 from pipelines.train.ckpt_local import is_valid_local, read_local_manifest, remove_local, verify_local
-from pipelines.train.ckpt_parts import committed_attempt, merge_parts, part_of, stage_part, upload_step
+from pipelines.train.ckpt_parts import merge_parts, part_of, stage_part, upload_step
 from pipelines.train.ckpt_s3 import commit_at, download_checkpoint, missing, read_s3_manifest, remove_s3, verify_s3
 
 
@@ -199,12 +199,13 @@ def _remove_steps(spec: JobSpec, rel_root: str, steps_by_tier: dict[str, list[in
 
 
 def drop_stale_staging(spec: JobSpec, rel_root: str, rec: Optional[dict] = None) -> list[int]:
-    """Rank 0: L1 staging of steps older than the newest globally committed one of this line of training (parts of
-    a dead attempt)."""
+    """Rank 0: L1 staging, L2 marks and merge temp dirs of steps older than the newest globally committed one of
+    this line of training (left by a dead attempt)."""
     root = Path(tier_locations(spec, rel_root)["L1"])
     newest = max(accepted_steps(spec, rel_root, list_steps(spec, rel_root, ("L1",)), rec)["L1"], default=None)
     dropped = []
-    for d in [*root.glob(".step-*.parts"), *root.glob(".step-*.l2")] if newest is not None else []:
+    left = [*root.glob(".step-*.parts"), *root.glob(".step-*.l2"), *root.glob(".step-*.tmp-*")]
+    for d in left if newest is not None else []:
         step = parse_step(d.name[1:].rsplit(".", 1)[0])
         if step is not None and step < newest:
             shutil.rmtree(d, ignore_errors=True)
@@ -298,16 +299,16 @@ def promote_l1(spec: JobSpec, rel: str) -> tuple[str, Optional[dict]]:
     """Step ``rel`` L0 → L1 as training promotes it (:mod:`pipelines.train.ckpt_parts`, a step of one part): staged
     on L1 (verified while copied, COMMIT last), then merged into the step's global commit. Returns (action, the
     files' part digests for the S3 upload that follows, None when nothing was copied). A verified L1 copy is kept
-    unless L0 holds another attempt's whole step. A step cut into parts is committed on L1 by its training run
-    (each node stages its own part), so from one L0 only a one-part step can be promoted here."""
+    (training's close committed the final step there; an L0 copy of another attempt left on this host is older).
+    A step cut into parts is committed on L1 by its training run (each node stages its own part), so from one L0
+    only a one-part step can be promoted here."""
     locs = tier_locations(spec, rel)
     l0, l1 = Path(locs["L0"]), Path(locs["L1"])
-    mine = read_local_manifest(l0) if (l0 / COMMIT).is_file() else None
-    if is_valid_local(l1) and (mine is None or part_of(mine)[1] != 1 or mine.get("attempt") == committed_attempt(l1)):
+    if is_valid_local(l1):
         return "already-verified", None
-    if mine is None:
+    if not (l0 / COMMIT).is_file():
         raise CheckpointError(f"L0 copy {l0} is gone and L1 holds no verified copy: nothing to promote")
-    k, parts, attempt = part_of(mine)
+    k, parts, attempt = part_of(read_local_manifest(l0))
     if parts != 1:
         raise CheckpointError(f"{l1} holds no verified copy and {l0} is only part {k} of {parts}: a step cut into parts "
                               "is committed on L1 by its training run (every node stages its own part)")

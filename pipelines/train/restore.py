@@ -275,7 +275,7 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
             return "L0"
         staged = ckpt_parts.staging_dir(l1) / ck.part_name(k)
         if ckpt_local.is_valid_local(staged) and \
-                ckpt_parts.part_of(ckpt_local.read_local_manifest(staged))[2] == c["attempt"]:
+                ckpt_parts.part_of(ckpt_local.read_local_manifest(staged)) == (k, c["parts"], c["attempt"]):
             return "L1"
         if ckpt_tiers.l2_available(spec) is not None:
             raise ck.CheckpointError("no S3 endpoint for L2")
