@@ -228,3 +228,27 @@ def test_a_seeded_subset_of_the_fault_matrix_holds_every_invariant(tmp_path, mon
     assert not bad, "\n".join(lines)
     assert {r["outcome"] for r in rows} <= {"exit 0", "read"}  # none of these is permanent on L1
     assert not [r["unfired"] for r in rows if r["unfired"]]  # every fault of the subset really struck
+
+
+def test_rank_0_takes_only_this_attempts_l2_marks_and_clears_them(home):
+    """A node's mark that its part reached L2 names its attempt: a mark a dead attempt left for the same step is not
+    taken for this attempt's (that would commit a step on L2 before its parts are there), and the wait is bounded."""
+    from pipelines.train.checkpointer import Events, Promoter, Topology
+
+    spec = load_spec(None, [f"checkpoint.l0={home}/l0", f"checkpoint.l1={home}/l1",
+                            "checkpoint.collective_timeout_minutes=0.01"], env={})
+    topo = Topology(rank=0, local_rank=0, node=0, nodes=2, part=0, parts=2, leader=True)
+    p = Promoter(spec, "run/key", lambda m: None, Events(), topo, attempt="new")
+    try:
+        l1 = home / "l1" / "run" / "key" / ck.step_name(10)
+        marks = ckpt_parts.l2_marks_dir(l1)
+        marks.mkdir(parents=True)
+        for stale in ("ok", "old ok"):  # a dead attempt's (before marks named their attempt; since)
+            (marks / "part-1").write_text(stale)
+            assert p._parts_on_l2(l1, 10) is False  # waited 0.6 s for this attempt's mark, none came
+        (marks / "part-1").write_text("new failed: EndpointConnectionError")
+        assert p._parts_on_l2(l1, 10) is False
+        (marks / "part-1").write_text("new ok")
+        assert p._parts_on_l2(l1, 10) is True
+    finally:
+        p.drain(10)
