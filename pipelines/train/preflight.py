@@ -5,7 +5,8 @@
    NCCL on GPU.
 2. **Straggler screen**: every rank times the same forward + backward steps of the spec's model on
    its own (no communication inside the timed region); the median step time of each rank is
-   gathered and a rank slower than ``straggler_factor`` × the lower median of all ranks is named.
+   gathered and a rank slower than ``straggler_factor`` × the lower median of all ranks, and by more than
+   ``STRAGGLER_FLOOR_S`` (50 ms: below that it is timing noise), is named.
 3. **Smoke steps**: ``smoke_steps`` optimizer steps on one fixed batch through the parallel wrapping
    the run will use (DDP / FSDP2 / TP); the loss must drop, or the preflight fails.
 
@@ -103,6 +104,16 @@ def smoke_steps(spec: JobSpec, vocab: int, steps: int, device: torch.device) -> 
     return losses
 
 
+STRAGGLER_FLOOR_S = 0.05  # slower by less than this is timing noise (a loaded machine, a 5 ms step), not a straggler
+
+
+def stragglers(times: list[float], factor: float) -> list[int]:
+    """The ranks whose median step time is over ``factor`` × the lower median of all ranks, and by more than
+    ``STRAGGLER_FLOOR_S``."""
+    med = statistics.median_low(times)
+    return [r for r, t in enumerate(times) if t > factor * med and t - med > STRAGGLER_FLOOR_S]
+
+
 def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters: int = 10, timing_steps: int = 5,
               n_smoke: int = 8, straggler_factor: float = 1.5) -> dict:
     """One rank's part (under torchrun)."""
@@ -115,15 +126,15 @@ def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters
     all_times = [None] * world
     dist.all_gather_object(all_times, mine)
     med = statistics.median_low(all_times)  # the lower median: with 2 ranks, the faster one
-    stragglers = [r for r, t in enumerate(all_times) if t > straggler_factor * med]
+    slow = stragglers(all_times, straggler_factor)
     losses = smoke_steps(spec, vocab, n_smoke, device)
     result = {"world_size": world, "backend": dist_backend(spec), "allreduce": bw,
               "step_seconds_by_rank": all_times, "median_step_seconds": med, "straggler_factor": straggler_factor,
-              "stragglers": stragglers, "smoke_losses": losses,
+              "stragglers": slow, "smoke_losses": losses,
               "loss_dropped": losses[-1] < losses[0]}
     failures = []
-    if stragglers:
-        failures.append(f"straggler rank(s) {stragglers}: step time > {straggler_factor}× the median {med:.3f} s "
+    if slow:
+        failures.append(f"straggler rank(s) {slow}: step time > {straggler_factor}× the median {med:.3f} s "
                         f"({', '.join(f'{t:.3f}' for t in all_times)})")
     if not result["loss_dropped"]:
         failures.append(f"smoke steps: loss did not drop ({losses[0]:.4f} → {losses[-1]:.4f})")
@@ -185,7 +196,8 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
 def _options(ap) -> None:
     ap.add_argument("--size-mb", type=float, default=16.0, help="All-reduce message size (MiB).")
     ap.add_argument("--straggler-factor", type=float, default=1.5,
-                    help="A rank slower than this × the lower median step time is a straggler.")
+                    help="A rank slower than this × the lower median step time (and by more than 50 ms) is a "
+                    "straggler.")
 
 
 def rank_main(argv: list[str]) -> int:
