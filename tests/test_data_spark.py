@@ -229,3 +229,38 @@ def test_the_filter_stage_drops_urls_by_rule_and_replaces_personal_data_in_kept_
     assert "email@example.com" in text and "Room 1204 opened on 2024-01-15 with version 1.2.3 at $1,299.99." in text
     assert m.extra["pii"] == {"mode": "replace", "email": 1, "ipv4": 1, "ipv6": 0, "phone": 1, "docs": 1}
     assert m.metrics["pii"]["email"] == 1
+
+
+def test_dedup_tasks_killed_after_writing_leave_every_doc_once(home, corpus):
+    """The first attempt of a task of each output pass writes its files, then its worker dies (os._exit): the
+    retries' files are published and the dead attempts' never are, with speculation on throughout. Every doc is in
+    kept/ or removed/ once, clusters/ has every doc, and each part file is sorted by idx."""
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    from conftest import ROOT
+    from pipelines.manifest import load_manifest
+
+    recs, _ = corpus
+    src = write_jsonl(home / "kill.jsonl", recs)
+    out = home / "out"
+    env = {**os.environ, "LLMP_HOME": str(home), "LLMP_FAIL_TASK": "dedup-signatures:0,dedup-docs:0"}
+    r = subprocess.run([sys.executable, "-m", "pipelines.data.dedup", "--input", str(src), "--output", str(out),
+                        "--set", "services.spark_master=local[2,4]",
+                        "--set", "services.spark_conf={spark.speculation: 'true', spark.speculation.quantile: '0.1', "
+                                 "spark.speculation.multiplier: '1.1', spark.speculation.minTaskRuntime: '10ms'}"],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stderr.count("Python worker exited unexpectedly") >= 2  # both kills happened
+    m = load_manifest(out)
+    kept, removed, cl = (_table(m.output(k)) for k in ("kept", "removed", "clusters"))
+    assert sorted([*kept, *removed]) == sorted(x["id"] for x in recs) and set(cl) == set(kept) | set(removed)
+    assert set(removed) == {"near-of-c4-0", "exact-of-c4-1", "short-b"}
+    for k in ("kept", "removed", "clusters"):
+        for f in m.output(k).iterdir():
+            i = pq.read_table(f, columns=["idx"]).column(0).to_pylist()
+            assert i == sorted(i), f
+    assert not any(p.name.startswith("_") for p in m.dir.iterdir())  # no attempt directory left behind

@@ -52,8 +52,7 @@ from pathlib import Path
 from pipelines.cli import (add_corpus_arg, corpus_arg, manifest_arg, run_and_log, stage_dir, stage_main,
                            upstream_manifests)
 from pipelines.manifest import Manifest, StageError, input_ref
-from pipelines.data.spark import (dir_bytes, finalize_parquet_dir, plan_pieces, read_piece, row_groups,
-                                  size_shuffles, task_count)
+from pipelines.data.spark import dir_bytes, plan_pieces, read_piece, row_groups, size_shuffles, task_count
 from pipelines.data.keepers import hash_set_column, list_flat, pair_jaccard, resolve_partition
 from pipelines.spec import DedupCfg, JobSpec
 from pipelines.stages import stage
@@ -123,19 +122,43 @@ def _signature_fn(ngram: int, num_perm: int, seed: int, bands: int, rows: int):
 
 
 def _star_edges(sig):
-    """Candidate edges: every bucket (band, key) with ≥ 2 members → a star, each member → the
-    bucket's smallest idx. Band 0 is the exact-text band; an edge found there has ``x`` = 1.
-    Repeats across bands are merged in one aggregation. A bucket with millions of members costs an
-    aggregation (its minimum, combined map-side) and a join against one row per bucket: it streams
-    through a task without its members ever being gathered."""
+    """Candidate edges: every bucket (band, key) with ≥ 2 members → a star, each member → the bucket's smallest idx.
+    Band 0 is the exact-text band; an edge found there has ``x`` = 1. One shuffle brings each bucket's entries
+    together, sorted, and one streaming Python pass (:func:`bucket_stars`) emits the stars; repeats across bands are
+    merged in one aggregation. A bucket with millions of members streams through its task (Spark's sort spills, the
+    pass holds one Arrow batch): its members are never gathered."""
     from pyspark.sql import functions as F
 
-    bk = sig.where(F.col("keys").isNotNull()).select("idx", F.posexplode("keys").alias("band", "key"))
-    roots = (bk.groupBy("band", "key").agg(F.min("idx").alias("root"), F.count("*").alias("n"))
-             .where(F.col("n") > 1).select("band", "key", "root"))
-    return (bk.join(roots, ["band", "key"]).where(F.col("idx") != F.col("root"))
-            .groupBy(F.col("idx").alias("src"), F.col("root").alias("dst"))
-            .agg(F.max((F.col("band") == 0).cast("int")).alias("x")))
+    bk = sig.where(F.col("keys").isNotNull()).select(F.posexplode("keys").alias("band", "key"), "idx")
+    return (bk.repartition("band", "key").sortWithinPartitions("band", "key", "idx")
+            .mapInArrow(bucket_stars, "src long, dst long, x int")
+            .groupBy("src", "dst").agg(F.max("x").alias("x")))
+
+
+def bucket_stars(batches):
+    """mapInArrow body over bucket entries (band, key, idx) sorted by (band, key, idx): each entry but a bucket's
+    first → (idx, the first's idx, band = 0). A bucket that goes on in the next batch carries its first over."""
+    import numpy as np
+    import pyarrow as pa
+
+    last = None  # (band, key, root) of the batch's last bucket
+    for rb in batches:
+        if rb.num_rows == 0:
+            continue
+        band, key, idx = (rb.column(i).to_numpy() for i in range(3))
+        new = np.ones(band.size, dtype=bool)
+        new[1:] = (band[1:] != band[:-1]) | (key[1:] != key[:-1])
+        if last is not None and band[0] == last[0] and key[0] == last[1]:
+            new[0] = False
+        group = np.cumsum(new) - 1  # −1: the rows that go on the carried bucket
+        on = group >= 0
+        root = np.empty_like(idx)
+        root[on] = idx[new][group[on]]
+        root[~on] = last[2] if last is not None else 0  # (none without a carried bucket: new[0] is then set)
+        last = (band[-1], key[-1], root[-1])
+        out = ~new
+        yield pa.RecordBatch.from_arrays([pa.array(idx[out]), pa.array(root[out]),
+                                          pa.array((band[out] == 0).astype(np.int32))], names=["src", "dst", "x"])
 
 
 ASSIGN_SCHEMA = ("idx long, component long, component_size long, cluster long, cluster_size long, "
@@ -401,9 +424,6 @@ def against_corpus(spark, sig, against: list[Path], cfg: DedupCfg, tasks: int):
 BROADCAST_KEYS = 8_000_000  # new buckets (hash, band, key, idx: 32 B each) sent to the corpus scan in one round
 
 
-REM_REASON = "CASE WHEN exact_dup THEN 'exact_duplicate' ELSE 'near_duplicate' END"
-
-
 class _Phases:
     """Seconds per phase of a lazy Spark job (a phase is timed at its first action)."""
 
@@ -428,7 +448,8 @@ def _assign(spark, sig, cand, n_cand: int, cfg: DedupCfg, tasks: int) -> dict:
     comps, rounds, cc_mode = _components(spark, cand, n_cand, cfg)
     members = comps.select(F.col("node").alias("idx"), F.col("root").alias("cc")).persist(StorageLevel.MEMORY_AND_DISK)
     sizes = members.groupBy("cc").agg(F.count("*").alias("n"))
-    largest_cc = int(sizes.agg(F.max("n")).first()[0] or 0)
+    c = sizes.agg(F.max("n").alias("largest"), F.sum("n").alias("members")).first()
+    largest_cc = int(c["largest"] or 0)
     big_e, counts = None, {"cand": 0, "ver": 0, "exact": 0}
     if largest_cc > cfg.cover_max_cluster:
         sized = members.join(sizes, "cc")
@@ -438,63 +459,56 @@ def _assign(spark, sig, cand, n_cand: int, cfg: DedupCfg, tasks: int) -> dict:
     else:
         assign = _small_assign(members, sig, cfg, tasks)
     return {"assign": assign.persist(StorageLevel.MEMORY_AND_DISK), "members": members, "big_edges": big_e,
-            "big_counts": counts, "rounds": rounds, "cc_mode": cc_mode, "largest_cc": largest_cc}
+            "n_members": int(c["members"] or 0), "big_counts": counts, "rounds": rounds, "cc_mode": cc_mode,
+            "largest_cc": largest_cc}
 
 
-def _tally(assign, big_counts: dict) -> dict:
-    """Every small aggregate in one scan and one shuffle: each row names the (what, k) bins it counts in (its
-    removal reason, its cluster's and component's sizes when it is their keeper/root); the "edges" bin, one per
-    row, sums the edge counts."""
+BROADCAST_ROWS = 1_000_000  # a side table (assignments, removals) joined to every doc is sent whole to each task
+#                             up to this many rows (about 70 MB), so the docs are not shuffled for the join
+
+
+def _side(df, rows: int):
     from pyspark.sql import functions as F
 
-    def tag(cond, what, k):
-        return F.when(cond, F.struct(F.lit(what).alias("what"), k.cast("string").alias("k")))
-
-    bins = F.array(tag(F.col("idx") != F.col("cluster"), "reason", F.expr(REM_REASON)),
-                   tag((F.col("idx") == F.col("cluster")) & (F.col("cluster_size") > 1), "cluster", F.col("cluster_size")),
-                   tag((F.col("idx") == F.col("component")) & (F.col("component_size") > 1), "component",
-                       F.col("component_size")),
-                   F.struct(F.lit("edges").alias("what"), F.lit("").alias("k")))
-    agg = (assign.select(F.explode(F.filter(bins, lambda b: b.isNotNull())).alias("b"),
-                         "n_cand", "n_verified", "n_exact")
-           .groupBy("b.what", "b.k")
-           .agg(F.count("*").alias("count"), F.sum("n_cand").alias("c"), F.sum("n_verified").alias("v"),
-                F.sum("n_exact").alias("x"))
-           .collect())
-    e_row = next((r for r in agg if r["what"] == "edges"), None)
-    tot = {k: int(e_row[c] or 0) if e_row else 0 for k, c in (("cand", "c"), ("ver", "v"), ("exact", "x"))}
-    return {"by_reason": {r["k"]: int(r["count"]) for r in agg if r["what"] == "reason"},
-            "hist": {int(r["k"]): int(r["count"]) for r in agg if r["what"] == "cluster"},
-            "comp_hist": {int(r["k"]): int(r["count"]) for r in agg if r["what"] == "component"},
-            **{f"edges_{k}": tot[k] + big_counts[k] for k in tot}}
+    return F.broadcast(df) if rows <= BROADCAST_ROWS else df
 
 
-def _write_outputs(out: Path, docs, sig_all, assign, old_rem) -> None:
-    """clusters/, kept/, removed/ and signatures/ (of the kept docs). Outputs keep the input's partitioning (no
-    global sort): each part file sorted by idx."""
+def _signature_pass(out: Path, sig_all, a: dict, old_rem, n_against: int) -> dict:
+    """clusters/ and signatures/ (of the kept docs), and every count of the job, in one pass over the signatures."""
     from pyspark.sql import functions as F
 
-    one = F.lit(1).cast("long")
-    dup = assign.where(F.col("component_size") > 1)
-    (sig_all.select("idx", "id").join(dup.select("idx", "cluster", "cluster_size", "component", "component_size"),
-                                      "idx", "left")
-     .select("idx", "id", F.coalesce("cluster", "idx").alias("cluster"),
-             F.coalesce("cluster_size", one).alias("cluster_size"),
-             F.coalesce("component", "idx").alias("component"),
-             F.coalesce("component_size", one).alias("component_size"))
-     .sortWithinPartitions("idx").write.parquet(str(out / "clusters")))
+    from pipelines.data import dedup_outputs as o
+
+    cols = ("idx", "component", "component_size", "cluster", "cluster_size", "exact_dup", "n_cand", "n_verified",
+            "n_exact")
+    rows = sig_all.select("idx", "id", "keys", "sh").join(_side(a["assign"].select(*cols), a["n_members"]), "idx",
+                                                           "left")
+    if old_rem is None:
+        rows = rows.withColumn("gone", F.lit(None).cast("boolean"))
+    else:
+        rows = rows.join(_side(old_rem.select("idx", F.lit(True).alias("gone")), n_against), "idx", "left")
+    parts = o.run_pass(rows, o.signature_pass_fn, out, "signature_pass",
+                       {"clusters": o.CLUSTERS, "signatures": o.SIGNATURES})
+    return o.merge_counts(parts)
+
+
+def _doc_pass(out: Path, docs, kept, assign, old_rem, n_removed: int) -> dict:
+    """kept/ and removed/ (``kept``: the docs' arrow schema) in one pass over the docs; returns how many docs each
+    got."""
+    from pyspark.sql import functions as F
+
+    from pipelines.data import dedup_outputs as o
+
     rem = assign.where(F.col("idx") != F.col("cluster")).select(
-        "idx", F.col("cluster").alias("dup_of"), "dup_of_id", F.expr(REM_REASON).alias("reason"), "jaccard")
+        "idx", F.col("cluster").alias("dup_of"), "dup_of_id",
+        F.when(F.col("exact_dup"), F.lit("exact_duplicate")).otherwise(F.lit("near_duplicate")).alias("reason"),
+        "jaccard")
     if old_rem is not None:
         rem = rem.unionByName(old_rem.select("idx", F.lit(None).cast("long").alias("dup_of"), "dup_of_id", "reason",
                                              "jaccard"))
-    docs.join(rem.select("idx"), "idx", "left_anti").sortWithinPartitions("idx").write.parquet(str(out / "kept"))
-    (docs.join(rem, "idx").select("idx", "id", "text", "source", "dup_of", "dup_of_id", "reason", "jaccard")
-     .sortWithinPartitions("idx").write.parquet(str(out / "removed")))
-    (sig_all.join(rem.select("idx"), "idx", "left_anti").sortWithinPartitions("idx").select("id", "keys", "sh")
-     .write.parquet(str(out / "signatures")))
-    for d in ("clusters", "kept", "removed", "signatures"):
-        finalize_parquet_dir(out / d)
+    parts = o.run_pass(docs.join(_side(rem, n_removed), "idx", "left"), lambda b: o.doc_pass_fn(b, kept), out,
+                       "doc_pass", {"kept": kept, "removed": o.removed_schema(kept)})
+    return {k: sum(p[k] for p in parts) for k in ("kept", "removed")}
 
 
 def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[Path] = (), tasks: int = 0) -> dict:
@@ -504,11 +518,13 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
     signature and keeper passes (0: the executors' parallelism).
 
     Only the docs that share a bucket with another (the *members*) go through components, keepers and
-    Jaccard scoring; the full corpus is touched by the signature pass and the output joins.
-    ``stats["seconds"]`` times each phase.
+    Jaccard scoring; the full corpus is touched by the signature pass and the two output passes
+    (``pipelines.data.dedup_outputs``), which also count. ``stats["seconds"]`` times each phase: ``candidates``
+    (the signatures, persisted, and the candidate edges), ``components``, ``keepers`` (verification, keepers,
+    clusters/ and signatures/, the counts) and ``write`` (kept/ and removed/).
     """
+    import pyarrow.dataset as pds
     from pyspark import StorageLevel
-    from pyspark.sql import functions as F
 
     clock, keep = _Phases(), StorageLevel.MEMORY_AND_DISK
     bands, rows = effective_bands_rows(cfg)
@@ -518,9 +534,6 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
     if src.rdd.getNumPartitions() < tasks:
         src = src.repartition(tasks)  # e.g. one row group: spread it over the cores
     sig_all = src.mapInArrow(_signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows), SIG_SCHEMA).persist(keep)
-    c = sig_all.agg(F.count("*").alias("n"), F.count(F.when(F.size("keys") > 1, 1)).alias("sh")).first()
-    n_in, n_shingled = int(c["n"]), int(c["sh"])
-    clock.mark("signatures")
 
     sig, old_rem, n_against = sig_all, None, 0
     if against:
@@ -534,21 +547,29 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
     clock.mark("candidates")
     a = _assign(spark, sig, cand, n_cand_all, cfg, tasks)
     clock.mark("components")
-    t = _tally(a["assign"], a["big_counts"])
+    t = _signature_pass(out, sig_all, a, old_rem, n_against)
     clock.mark("keepers")
-    _write_outputs(out, docs, sig_all, a["assign"], old_rem)
+    n_removed = sum(t["reason"].values()) + n_against
+    wrote = _doc_pass(out, docs, pds.dataset(str(docs_path), format="parquet").schema.remove_metadata(), a["assign"],
+                      old_rem, n_removed)
     clock.mark("write")
     for df in (sig_all, cand, a["members"], a["assign"], a["big_edges"], old_rem):
         if df is not None:
             df.unpersist()
-    n_removed = sum(t["by_reason"].values()) + n_against
-    hist, comp_hist = t["hist"], t["comp_hist"]
+    n_in = t["docs"]
+    if wrote != {"kept": n_in - n_removed, "removed": n_removed}:
+        raise StageError(f"dedup wrote {wrote['kept']} kept and {wrote['removed']} removed docs of {n_in} read, "
+                         f"{n_removed} of them removed: a task's output is missing")
+    bc = a["big_counts"]
+    e = {k: t[f"n_{n}"] + bc[k] for k, n in (("cand", "cand"), ("ver", "verified"), ("exact", "exact"))}
+    hist = {int(k): v for k, v in t["cluster_hist"].items()}
+    comp_hist = {int(k): v for k, v in t["component_hist"].items()}
     stats = {
-        "docs_in": n_in, "kept": n_in - n_removed, "removed": n_removed, "no_shingles": n_in - n_shingled,
-        "removed_against": n_against, "removed_exact": t["by_reason"].get("exact_duplicate", 0),
-        "removed_near": t["by_reason"].get("near_duplicate", 0), "candidate_edges": t["edges_cand"],
-        "verified_edges": t["edges_ver"], "rejected_edges": t["edges_cand"] - t["edges_ver"],
-        "exact_edges": t["edges_exact"], "edges": t["edges_exact"] + t["edges_ver"],
+        "docs_in": n_in, "kept": n_in - n_removed, "removed": n_removed, "no_shingles": n_in - t["shingled"],
+        "removed_against": n_against, "removed_exact": t["reason"].get("exact_duplicate", 0),
+        "removed_near": t["reason"].get("near_duplicate", 0), "candidate_edges": e["cand"],
+        "verified_edges": e["ver"], "rejected_edges": e["cand"] - e["ver"],
+        "exact_edges": e["exact"], "edges": e["exact"] + e["ver"],
         "clusters_multi": sum(hist.values()), "largest_cluster": max(hist) if hist else 1, "cc_rounds": a["rounds"],
         "cc_mode": a["cc_mode"], "largest_candidate_component": a["largest_cc"], "keeper": cfg.keeper,
         "components_multi": sum(comp_hist.values()), "largest_component": max(comp_hist) if comp_hist else 1,

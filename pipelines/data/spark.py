@@ -240,15 +240,15 @@ def attempt_dir(base: str) -> Path:
 
 
 def maybe_fail(point: str) -> None:
-    """Fault injection for the commit-protocol tests: ``LLMP_FAIL_TASK=<point>:<partition>`` kills the first attempt
-    of that partition's task at ``point`` (after it has written its files, before it returns)."""
+    """Fault injection for the commit-protocol tests: ``LLMP_FAIL_TASK=<point>:<partition>[,…]`` kills the first
+    attempt of that partition's task at ``point`` (after it has written its files, before it returns)."""
     want = os.environ.get("LLMP_FAIL_TASK", "")
     if not want:
         return
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
-    if ctx is not None and want == f"{point}:{ctx.partitionId()}" and ctx.attemptNumber() == 0:
+    if ctx is not None and f"{point}:{ctx.partitionId()}" in want.split(",") and ctx.attemptNumber() == 0:
         os._exit(17)
 
 
