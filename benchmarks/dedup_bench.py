@@ -429,6 +429,24 @@ def run_ours(spark, c: Corpus, work: Path, **overrides) -> tuple[np.ndarray, np.
 
 
 # ------------------------------------------------------------------------------------------- main
+def run_tool(tool: str, spark, c: Corpus):
+    """One timed run of ``tool`` on ``c``: ((clusters, removed, our stats or None), seconds)."""
+    work = Path(tempfile.mkdtemp(prefix=f"dedup-bench-{tool}-"))
+    try:
+        if tool in ("ours", "ours_min_idx"):
+            res = run_ours(spark, c, work, **({"keeper": "min_idx"} if tool == "ours_min_idx" else {}))
+            return res, run_ours.seconds
+        fns = {"datasketch": lambda: run_datasketch(c), "datasketch_16x8": lambda: run_datasketch(c, (16, 8)),
+               "rensa": lambda: run_rensa(c), "datatrove": lambda: run_datatrove(c, work),
+               "oracle": lambda: run_exact_oracle(c)}
+        if tool not in fns:
+            raise SystemExit(f"unknown tool {tool!r}")
+        (cl, rm), secs = _timed(fns[tool])
+        return (cl, rm, None), run_datatrove.seconds if tool == "datatrove" else secs
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _timed(fn, *a, **kw):
     t0 = time.perf_counter()
     res = fn(*a, **kw)
@@ -442,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tools", default="ours,datasketch,rensa,datatrove,oracle",
                     help="Comma list of: ours, ours_min_idx, datasketch, datasketch_16x8, rensa, datatrove, oracle.")
     ap.add_argument("--quality-scales", default="1", help="Scales at which quality is also computed for anchors.")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="Timed runs of every tool at every scale; the table gives the median (default 3).")
     ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "dedup.json"))
     ap.add_argument("--corpus", default=None, help="C4 JSONL (default ../shared/data/corpus/c4_en_train_1k.jsonl).")
     args = ap.parse_args(argv)
@@ -467,31 +487,16 @@ def main(argv: list[str] | None = None) -> int:
     for k in scales:
         c = scale_corpus(base, k)
         for tool in tools:
-            work = Path(tempfile.mkdtemp(prefix=f"dedup-bench-{tool}-"))
-            try:
-                extra = {}
-                if tool == "ours":
-                    (cl, rm, st), secs = _timed(run_ours, spark, c, work)
-                    secs = run_ours.seconds
-                    extra = {k2: st[k2] for k2 in ("bands", "rows", "candidate_edges", "rejected_edges")}
-                elif tool == "ours_min_idx":
-                    (cl, rm, st), secs = _timed(run_ours, spark, c, work, keeper="min_idx")
-                    secs = run_ours.seconds
-                elif tool == "datasketch":
-                    (cl, rm), secs = _timed(run_datasketch, c)
-                elif tool == "datasketch_16x8":
-                    (cl, rm), secs = _timed(run_datasketch, c, (16, 8))
-                elif tool == "rensa":
-                    (cl, rm), secs = _timed(run_rensa, c)
-                elif tool == "datatrove":
-                    (cl, rm), _ = _timed(run_datatrove, c, work)
-                    secs = run_datatrove.seconds
-                elif tool == "oracle":
-                    (cl, rm), secs = _timed(run_exact_oracle, c)
-                else:
-                    raise SystemExit(f"unknown tool {tool!r}")
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
+            times, extra = [], {}
+            for _ in range(args.repeat):
+                (cl, rm, st), secs = run_tool(tool, spark, c)
+                times.append(secs)
+                if st is not None:
+                    extra.setdefault("phases_s", []).append(st["seconds"])
+                    extra.update({k2: st[k2] for k2 in ("bands", "rows", "candidate_edges", "rejected_edges")})
+            secs = float(np.median(times))
+            if len(times) > 1:
+                extra["runs_s"] = [round(t, 2) for t in times]
             q = evaluate(c, cl, rm) if (str(k) in args.quality_scales.split(",") or tool == "ours") else {}
             row = {"tool": tool, "scale": k, "docs": len(c), "seconds": round(secs, 2),
                    "docs_per_s": round(len(c) / secs, 1), **q, **extra}
