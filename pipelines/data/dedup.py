@@ -6,8 +6,9 @@ Pipeline (all on executors; the driver only plans and counts):
    one 64-bit key per band (``pipelines.data.minhash``), plus the *exact band*: a hash of the whole
    normalized text. Docs too short to shingle get only the exact key: they can be exact
    duplicates but are never near-duplicate candidates.
-2. ``groupBy(band, key)``: every bucket with ≥ 2 docs becomes a *star*: each member → the
-   bucket's smallest ``idx``; edges are deduplicated in one aggregation, no all-pairs expansion.
+2. One shuffle by bucket (band, key), sorted, and one streaming Python pass: every bucket with ≥ 2 docs becomes a
+   *star*: each member → the bucket's smallest ``idx``; edges are deduplicated in one aggregation, no all-pairs
+   expansion.
 3. Connected components of the candidate graph: in one executor task (scipy) while it has at most
    ``cc_single_task_max_edges`` edges, else large-star / small-star rounds (``pipelines.data.spark``).
 4. Per component of up to ``cover_max_cluster`` docs, one Python pass per partition
@@ -21,20 +22,24 @@ Pipeline (all on executors; the driver only plans and counts):
    ``min_idx``: the earliest doc; ``longest``: the longest text (ties: earliest).
    Larger components stay distributed: their edges are verified in Spark (batched in Arrow, no
    per-row UDF), components run again on the verified edges, and ``cover`` keeps every star centre.
+5. Two output passes (``pipelines.data.dedup_outputs``), one Spark job each, whose tasks write the part files
+   through the task commit protocol and count: the signatures beside the assignments → ``clusters/``,
+   ``signatures/`` and every count of the manifest; the docs beside their removals → ``kept/`` and ``removed/``.
+   The job fails when kept + removed is not every doc read.
 
-Outputs under the stage directory (parquet dirs, part files renamed ``part-NNNNN.parquet``):
+Outputs under the stage directory (parquet dirs of ``part-NNNNN.parquet``, each sorted by ``idx``, zstd):
 
 * ``clusters/``: ``idx``, ``id``, ``cluster`` (the idx of the kept doc this doc belongs to; a kept
   doc's own idx), ``cluster_size``, ``component`` (smallest idx of its connected component of
   duplicate edges), ``component_size``
-* ``kept/``: the docs kept (``idx, id, text, source``)
+* ``kept/``: the docs kept (every column of the input docs)
 * ``removed/``: the docs removed, plus ``dup_of`` (idx), ``dup_of_id``, ``reason``
   (``exact_duplicate`` / ``near_duplicate``) and ``jaccard`` (to ``dup_of``)
+* ``signatures/``: ``id, keys, sh`` of the kept docs (what a later run dedups against)
 * ``stats.json`` and ``cluster_sizes.png`` (histogram of cluster sizes > 1)
 
-Skew: a bucket with millions of members costs an aggregation (its minimum, combined map-side) and a
-join against one row per bucket, so it streams through one task without buffering its members;
-adaptive query execution splits skewed join partitions. Only components up to
+Skew: a bucket with millions of members streams through one task (Spark's sort spills; the star pass holds one
+Arrow batch), so its members are never gathered; adaptive query execution splits skewed join partitions. Only components up to
 ``cover_max_cluster`` docs, and candidate graphs up to ``cc_single_task_max_edges`` edges (node ids
 only), are ever gathered in one task.
 
