@@ -9,13 +9,15 @@
 
 One Spark job a pass, not one per output and one more per count. A task writes its files into an attempt directory
 (``pipelines.data.spark.attempt_dir``); the driver moves the files of the attempts the job returned
-(``publish_attempts``), so a retried or killed task leaves no torn or doubled file. Each part file is sorted by
-``idx``; a folder that no task wrote to gets one empty file with its schema, so readers of an empty result still
-find it.
+(``publish_attempts``), so a retried or killed task leaves no torn or doubled file. Spark sorts each task's rows by
+``idx`` (spilling as it needs), and the task writes them batch by batch, so it holds one Arrow batch, never its
+partition; each part file is sorted by ``idx``. A folder that no task wrote to gets one empty file with its schema,
+so readers of an empty result still find it.
 """
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -39,24 +41,29 @@ def removed_schema(kept: pa.Schema) -> pa.Schema:
     return pa.schema([kept.field(n) for n in ("idx", "id", "text", "source")] + list(REMOVAL))
 
 
-def _table(batches) -> pa.Table | None:
-    """The task's rows as one table sorted by idx (None when it has none)."""
-    batches = list(batches)
-    t = pa.Table.from_batches(batches) if batches else None
-    if t is None or t.num_rows == 0:
-        return None
-    i = t.column("idx").to_numpy()
-    return t if bool(np.all(i[1:] >= i[:-1])) else t.take(pa.array(np.argsort(i, kind="stable")))
+class _Parts:
+    """A task's part files, one per output folder of its attempt directory (made at the first row), each written
+    batch by batch: the task never holds more than one Arrow batch."""
 
+    def __init__(self, base: str, schemas: dict[str, pa.Schema]):
+        self.base, self.schemas, self.mine, self.open = base, schemas, None, {}
 
-def _put(t: pa.Table, schema: pa.Schema, d: Path) -> None:
-    """One part file of ``t`` (cast to ``schema``) in folder ``d`` of a task's attempt directory, named by the task's
-    partition (the attempt directory's name begins with it); none when ``t`` is empty."""
-    if t.num_rows == 0:
-        return
-    d.mkdir(exist_ok=True)
-    pq.write_table(t.select(schema.names).cast(schema), d / f"part-{d.parent.name.split('-')[0]}.parquet",
-                   row_group_size=ROW_GROUP, compression="zstd")
+    def write(self, folder: str, t: pa.Table) -> None:
+        if t.num_rows == 0:
+            return
+        if self.mine is None:
+            self.mine = attempt_dir(self.base)
+        if folder not in self.open:
+            (self.mine / folder).mkdir()
+            part = self.mine.name.split("-")[0]  # the attempt directory's name begins with the task's partition
+            self.open[folder] = pq.ParquetWriter(self.mine / folder / f"part-{part}.parquet", self.schemas[folder],
+                                                 compression="zstd")
+        schema = self.schemas[folder]
+        self.open[folder].write_table(t.select(schema.names).cast(schema), row_group_size=ROW_GROUP)
+
+    def close(self) -> None:
+        for w in self.open.values():
+            w.close()
 
 
 def _filled(t: pa.Table, col: str, dup, default):
@@ -64,27 +71,32 @@ def _filled(t: pa.Table, col: str, dup, default):
 
 
 def signature_pass_fn(base: str):
-    """mapInArrow body: (idx, id, keys, sh, component, component_size, cluster, cluster_size, exact_dup, n_cand,
-    n_verified, n_exact, gone) → this task's clusters/ and signatures/ files, and one row: its attempt directory
-    and its counts (JSON)."""
+    """mapInArrow body over rows sorted by idx: (idx, id, keys, sh, component, component_size, cluster, cluster_size,
+    exact_dup, n_cand, n_verified, n_exact, gone) → this task's clusters/ and signatures/ files, and one row: its
+    attempt directory and its counts (JSON)."""
     def fn(batches):
-        t = _table(batches)
-        if t is None:
+        parts, counts = _Parts(base, {"clusters": CLUSTERS, "signatures": SIGNATURES}), []
+        try:
+            for rb in batches:
+                t = pa.Table.from_batches([rb])
+                idx = t.column("idx")
+                member = t.column("cluster").is_valid()
+                dup = pc.fill_null(pc.greater(t.column("component_size"), 1), False)
+                one = pa.scalar(1, pa.int64())
+                parts.write("clusters", pa.table({
+                    "idx": idx, "id": t.column("id"), "cluster": _filled(t, "cluster", dup, idx),
+                    "cluster_size": _filled(t, "cluster_size", dup, one), "component": _filled(t, "component", dup, idx),
+                    "component_size": _filled(t, "component_size", dup, one)}))
+                removed = pc.fill_null(pc.not_equal(t.column("cluster"), idx), False)
+                gone = pc.fill_null(t.column("gone"), False)
+                parts.write("signatures", t.filter(pc.invert(pc.or_(removed, gone))))
+                counts.append(_counts(t, member, removed))
+        finally:
+            parts.close()
+        if parts.mine is None:
             return
-        mine = attempt_dir(base)
-        idx = t.column("idx")
-        member = t.column("cluster").is_valid()
-        dup = pc.fill_null(pc.greater(t.column("component_size"), 1), False)
-        _put(pa.table({"idx": idx, "id": t.column("id"), "cluster": _filled(t, "cluster", dup, idx),
-                       "cluster_size": _filled(t, "cluster_size", dup, pa.scalar(1, pa.int64())),
-                       "component": _filled(t, "component", dup, idx),
-                       "component_size": _filled(t, "component_size", dup, pa.scalar(1, pa.int64()))}),
-             CLUSTERS, mine / "clusters")
-        removed = pc.fill_null(pc.not_equal(t.column("cluster"), idx), False)
-        gone = pc.fill_null(t.column("gone"), False)
-        _put(t.filter(pc.invert(pc.or_(removed, gone))), SIGNATURES, mine / "signatures")
         maybe_fail("dedup-signatures")
-        yield pa.RecordBatch.from_arrays([pa.array([str(mine)]), pa.array([json.dumps(_counts(t, member, removed))])],
+        yield pa.RecordBatch.from_arrays([pa.array([str(parts.mine)]), pa.array([json.dumps(merge_counts(counts))])],
                                          names=["dir", "counts"])
     return fn
 
@@ -108,22 +120,24 @@ def _counts(t: pa.Table, member, removed) -> dict:
 
 
 def doc_pass_fn(base: str, kept: pa.Schema):
-    """mapInArrow body: the docs' columns, then dup_of, dup_of_id, reason, jaccard (null for a kept doc) → this task's
-    kept/ and removed/ files, and one row: its attempt directory and how many docs each holds."""
-    gone_schema = removed_schema(kept)
-
+    """mapInArrow body over rows sorted by idx: the docs' columns, then dup_of, dup_of_id, reason, jaccard (null for a
+    kept doc) → this task's kept/ and removed/ files, and one row: its attempt directory and how many docs each
+    holds."""
     def fn(batches):
-        t = _table(batches)
-        if t is None:
+        parts, n = _Parts(base, {"kept": kept, "removed": removed_schema(kept)}), {"kept": 0, "removed": 0}
+        try:
+            for rb in batches:
+                t = pa.Table.from_batches([rb])
+                out = pc.is_valid(t.column("reason"))
+                for folder, rows in (("kept", t.filter(pc.invert(out))), ("removed", t.filter(out))):
+                    parts.write(folder, rows)
+                    n[folder] += rows.num_rows
+        finally:
+            parts.close()
+        if parts.mine is None:
             return
-        mine = attempt_dir(base)
-        out = pc.is_valid(t.column("reason"))
-        k, r = t.filter(pc.invert(out)), t.filter(out)
-        _put(k, kept, mine / "kept")
-        _put(r, gone_schema, mine / "removed")
         maybe_fail("dedup-docs")
-        yield pa.RecordBatch.from_arrays([pa.array([str(mine)]),
-                                          pa.array([json.dumps({"kept": k.num_rows, "removed": r.num_rows})])],
+        yield pa.RecordBatch.from_arrays([pa.array([str(parts.mine)]), pa.array([json.dumps(n)])],
                                          names=["dir", "counts"])
     return fn
 
@@ -132,14 +146,14 @@ def run_pass(df, fn_of_base, out: Path, name: str, folders: dict[str, pa.Schema]
     """Run one pass (``df.mapInArrow(fn_of_base(base), …)``), publish its committed attempts' files into ``folders``
     under ``out`` and return each task's counts."""
     base = prepare_attempts(out / f"_{name}")
-    rows = df.mapInArrow(fn_of_base(base), DONE_SCHEMA).collect()
+    rows = df.sortWithinPartitions("idx").mapInArrow(fn_of_base(base), DONE_SCHEMA).collect()
     publish_attempts(base, [r["dir"] for r in rows], {f: out / f for f in folders})
-    Path(base).rmdir()
+    shutil.rmtree(base, ignore_errors=True)  # a stopped speculative twin may still be writing into _attempts
     for f, schema in folders.items():
         d = out / f
         d.mkdir(exist_ok=True)
         if not any(d.glob("part-*.parquet")):
-            pq.write_table(schema.empty_table(), d / "part-00000.parquet")
+            pq.write_table(schema.empty_table(), d / "part-00000.parquet", compression="zstd")
         finalize_parquet_dir(d)
     return [json.loads(r["counts"]) for r in rows]
 

@@ -13,11 +13,11 @@ The same job code runs three ways:
 Task sizes come from the data: a stage runs ``max(executor cores, bytes / data.task_mb)`` tasks
 (:func:`task_count`), so 100 nodes get 100 nodes' worth of tasks.
 
-Commit protocol for files the tasks write themselves (ingest's parts, tokenize's shards): a task writes into an
-attempt directory of its own (:func:`attempt_dir`), and the driver publishes only the attempts whose results the
-job returned (:func:`publish_attempts`); a speculative twin, or a task killed halfway, leaves files in an attempt
-directory that is dropped. DataFrame writes (dedup, filter) go through Spark's own output committer, which works the
-same way.
+Commit protocol for files the tasks write themselves (ingest's parts, dedup's outputs, tokenize's shards): a task
+writes into an attempt directory of its own (:func:`attempt_dir`), and the driver publishes only the attempts whose
+results the job returned (:func:`publish_attempts`); a speculative twin, or a task killed halfway, leaves files in an
+attempt directory that is dropped. DataFrame writes (filter, decontaminate) go through Spark's own output committer,
+which works the same way.
 """
 from __future__ import annotations
 
@@ -108,8 +108,8 @@ def dir_bytes(path: str | Path) -> int:
 
 
 def finalize_parquet_dir(d: Path) -> None:
-    """A DataFrame's output directory, committed by Spark: drop its _SUCCESS/.crc files and give the part files
-    stable names."""
+    """An output directory of part files (committed by Spark's writer or published from task attempts): drop any
+    _SUCCESS/.crc files and give the part files stable names."""
     for f in list(d.iterdir()):
         if f.name == "_SUCCESS" or f.name.endswith(".crc"):
             f.unlink()
