@@ -58,6 +58,7 @@ from pipelines.cli import (add_corpus_arg, corpus_arg, manifest_arg, run_and_log
                            upstream_manifests)
 from pipelines.manifest import Manifest, StageError, input_ref
 from pipelines.data.spark import dir_bytes, plan_pieces, read_piece, row_groups, size_shuffles, task_count
+from pipelines.data import dedup_outputs as o
 from pipelines.data.keepers import hash_set_column, list_flat, pair_jaccard, resolve_partition
 from pipelines.spec import DedupCfg, JobSpec
 from pipelines.stages import stage
@@ -482,8 +483,6 @@ def _signature_pass(out: Path, sig_all, a: dict, old_rem, n_against: int) -> dic
     """clusters/ and signatures/ (of the kept docs), and every count of the job, in one pass over the signatures."""
     from pyspark.sql import functions as F
 
-    from pipelines.data import dedup_outputs as o
-
     cols = ("idx", "component", "component_size", "cluster", "cluster_size", "exact_dup", "n_cand", "n_verified",
             "n_exact")
     rows = sig_all.select("idx", "id", "keys", "sh").join(_side(a["assign"].select(*cols), a["n_members"]), "idx",
@@ -502,11 +501,9 @@ def _doc_pass(out: Path, docs, kept, assign, old_rem, n_removed: int) -> dict:
     got."""
     from pyspark.sql import functions as F
 
-    from pipelines.data import dedup_outputs as o
-
     rem = assign.where(F.col("idx") != F.col("cluster")).select(
         "idx", F.col("cluster").alias("dup_of"), "dup_of_id",
-        F.when(F.col("exact_dup"), F.lit("exact_duplicate")).otherwise(F.lit("near_duplicate")).alias("reason"),
+        F.when(F.col("exact_dup"), F.lit(o.EXACT)).otherwise(F.lit(o.NEAR)).alias("reason"),
         "jaccard")
     if old_rem is not None:
         rem = rem.unionByName(old_rem.select("idx", F.lit(None).cast("long").alias("dup_of"), "dup_of_id", "reason",
@@ -571,8 +568,8 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
     comp_hist = {int(k): v for k, v in t["component_hist"].items()}
     stats = {
         "docs_in": n_in, "kept": n_in - n_removed, "removed": n_removed, "no_shingles": n_in - t["shingled"],
-        "removed_against": n_against, "removed_exact": t["reason"].get("exact_duplicate", 0),
-        "removed_near": t["reason"].get("near_duplicate", 0), "candidate_edges": e["cand"],
+        "removed_against": n_against, "removed_exact": t["reason"].get(o.EXACT, 0),
+        "removed_near": t["reason"].get(o.NEAR, 0), "candidate_edges": e["cand"],
         "verified_edges": e["ver"], "rejected_edges": e["cand"] - e["ver"],
         "exact_edges": e["exact"], "edges": e["exact"] + e["ver"],
         "clusters_multi": sum(hist.values()), "largest_cluster": max(hist) if hist else 1, "cc_rounds": a["rounds"],

@@ -32,6 +32,7 @@ CLUSTERS = pa.schema([("idx", pa.int64()), ("id", pa.string()), ("cluster", pa.i
 SIGNATURES = pa.schema([("id", pa.string()), ("keys", pa.list_(pa.int64())), ("sh", pa.binary())])
 REMOVAL = pa.schema([("dup_of", pa.int64()), ("dup_of_id", pa.string()), ("reason", pa.string()),
                      ("jaccard", pa.float64())])
+EXACT, NEAR = "exact_duplicate", "near_duplicate"  # removed/'s reason, by the assignment's exact_dup
 ROW_GROUP = 2048  # rows: as ingest writes docs, so a reader can split the outputs as finely as the input
 DONE_SCHEMA = "dir string, counts string"
 
@@ -114,7 +115,7 @@ def _counts(t: pa.Table, member, removed) -> dict:
     return {"docs": t.num_rows,
             "shingled": int(pc.sum(pc.greater(pc.fill_null(pc.list_value_length(t.column("keys")), 0), 1)).as_py()
                             or 0),
-            "reason": {"exact_duplicate": int(exact.sum()), "near_duplicate": int((~exact).sum())},
+            "reason": {EXACT: int(exact.sum()), NEAR: int((~exact).sum())},
             **{f"{k}_hist": {str(int(s)): int(n) for s, n in zip(*v) if s > 1} for k, v in sizes.items()},
             **{k: int(col(k, member).sum()) for k in ("n_cand", "n_verified", "n_exact")}}
 
