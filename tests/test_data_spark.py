@@ -68,6 +68,23 @@ def test_near_and_exact_duplicates_cluster_distinct_docs_stay_apart(home, spark,
     assert m.output("cluster_sizes_plot").stat().st_size > 1000
 
 
+def test_a_side_table_too_big_to_collect_gives_the_same_outputs(home, spark, corpus, monkeypatch):
+    """Above ``BROADCAST_ROWS`` the members are joined to the signatures by a shuffle and Spark writes the side table
+    range-partitioned (the output tasks read only their span): the same outputs as the collected side table."""
+    from pipelines.data import dedup_outputs
+
+    recs, _ = corpus
+    src = write_jsonl(home / "in.jsonl", recs)
+    spec = load_spec(None, [f"data.inputs=[{src}]", "data.dedup.partitions=3"], env={})
+    ing = ingest.run(spec, spark=spark)
+    outs = []
+    for rows in (dedup_outputs.BROADCAST_ROWS, 0):
+        monkeypatch.setattr(dedup_outputs, "BROADCAST_ROWS", rows)
+        m = dedup.run(spec, ing, out_dir=str(home / f"out-{rows}"), spark=spark)
+        outs.append([_table(m.output(k)) for k in ("clusters", "kept", "removed", "signatures")[:3]] + [m.counts])
+    assert outs[0] == outs[1] and set(outs[0][2]) == {"near-of-c4-0", "exact-of-c4-1", "short-b"}
+
+
 def test_connected_components_on_a_long_chain_is_one_component(spark):
     rng = random.Random(3)
     chain = [(i, i + 1) for i in range(200)]          # 0-1-2-…-200
@@ -157,10 +174,12 @@ def chain(corpus):
 
 @pytest.mark.parametrize("keeper,cover_max,cc_one_task", [
     ("min_idx", 256, 10**6), ("cover", 256, 10**6), ("cover", 256, 0), ("cover", 2, 10**6), ("cover", 2, 0),
-    ("longest", 256, 10**6)])
+    ("longest", 256, 10**6), ("cover", 256, 50), ("cover", 2, 50)])
 def test_keeper_policies_on_a_transitive_chain(home, spark, chain, keeper, cover_max, cc_one_task):
     """cover_max 2: the chain's component takes the distributed path (Spark verification, joins);
-    cc_one_task 0: connected components by large-star/small-star rounds instead of one task."""
+    cc_one_task 0: connected components by large-star/small-star rounds instead of one task; 50: more bucket entries
+    than that (13 docs × 17 keys), so the edges come from the shuffle by bucket and are counted, then few enough for
+    one task."""
     docs, sh = chain
     src = write_jsonl(home / "chain.jsonl", docs)
     spec = load_spec(None, [f"data.inputs=[{src}]", f"data.dedup.keeper={keeper}",

@@ -126,3 +126,39 @@ def test_bucket_stars_streamed_in_small_batches_equal_the_star_edges_of_the_keys
             for u, v, x in zip(*(b.column(i).to_pylist() for i in range(3))):
                 got[(u, v)] = max(got.get((u, v), 0), x)
         assert got == star_edges_local(keys), size
+
+
+def test_one_task_components_are_the_components_of_docs_sharing_a_bucket():
+    """The one-task path (keys of every doc → stars → components, with sizes) against a union-find over the docs that
+    share any (band, key); a doc with null keys (empty text) and a doc alone in its buckets are no members; the rows
+    may come in several batches, in any order."""
+    import pyarrow as pa
+
+    from pipelines.data.dedup import one_task_components
+
+    rng = np.random.default_rng(11)
+    keys = [[int(rng.integers(0, 30))] + [int(v) for v in rng.integers(0, 40, size=3)] for _ in range(60)]
+    keys += [[1000], None]
+    idx = rng.permutation(len(keys)) * 3 + 7  # sparse, unordered
+    parent = list(range(len(keys)))
+
+    def find(a):
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    first: dict = {}
+    for i, ks in enumerate(keys):
+        for band, k in enumerate(ks or []):
+            j = first.setdefault((band, k), i)
+            parent[find(i)] = find(j)
+    groups: dict = {}
+    for i in range(len(keys)):
+        groups.setdefault(find(i), []).append(int(idx[i]))
+    want = {m: (min(g), len(g)) for g in groups.values() if len(g) > 1 for m in g}
+    t = pa.table({"idx": pa.array(idx, pa.int64()), "keys": pa.array(keys, pa.list_(pa.int64()))})
+    out = list(one_task_components(iter(t.to_batches(max_chunksize=7))))
+    got = {i: (c, n) for b in out for i, c, n in zip(*(b.column(k).to_pylist() for k in range(3)))}
+    assert got == want and len(want) > 10 and any(n > 2 for _, n in want.values())
+    assert list(one_task_components(iter([]))) == []

@@ -2,14 +2,17 @@
 
 Pipeline (all on executors; the driver only plans and counts):
 
-1. ``mapInArrow`` over the docs: normalize, word n-gram shingles, 64-bit-safe MinHash signature,
-   one 64-bit key per band (``pipelines.data.minhash``), plus the *exact band*: a hash of the whole
-   normalized text. Docs too short to shingle get only the exact key: they can be exact
+1. The *signature pass* (``pipelines.data.dedup_outputs``): each task reads its row groups of the docs with pyarrow
+   (the text never passes through the JVM) and writes every doc's signature row: normalize, word n-gram shingles,
+   64-bit-safe MinHash signature, one 64-bit key per band (``pipelines.data.minhash``), plus the *exact band*: a
+   hash of the whole normalized text. Docs too short to shingle get only the exact key: they can be exact
    duplicates but are never near-duplicate candidates.
-2. One shuffle by bucket (band, key), sorted, and one streaming Python pass: every bucket with ≥ 2 docs becomes a
-   *star*: each member → the bucket's smallest ``idx``; edges are deduplicated in one aggregation, no all-pairs
-   expansion.
-3. Connected components of the candidate graph: in one executor task (scipy) while it has at most
+2. Candidate edges: every bucket (band, key) with ≥ 2 docs becomes a *star*: each member → the bucket's smallest
+   ``idx``; no all-pairs expansion. Up to ``cc_single_task_max_edges`` bucket entries (docs × (bands + 1)), one
+   executor task gets every doc's keys, sorts the entries in numpy and finds the stars and their connected
+   components (scipy) at once. Above that: one shuffle by bucket, sorted, one streaming Python pass, repeats merged
+   in one aggregation, counted.
+3. Connected components of a counted candidate graph: in one executor task (scipy) while it has at most
    ``cc_single_task_max_edges`` edges, else large-star / small-star rounds (``pipelines.data.spark``).
 4. Per component of up to ``cover_max_cluster`` docs, one Python pass per partition
    (``pipelines.data.keepers``): the star edges are rebuilt from the members' keys, every pair's
@@ -22,10 +25,11 @@ Pipeline (all on executors; the driver only plans and counts):
    ``min_idx``: the earliest doc; ``longest``: the longest text (ties: earliest).
    Larger components stay distributed: their edges are verified in Spark (batched in Arrow, no
    per-row UDF), components run again on the verified edges, and ``cover`` keeps every star centre.
-5. Two output passes (``pipelines.data.dedup_outputs``), one Spark job each, whose tasks write the part files
-   through the task commit protocol and count: the signatures beside the assignments → ``clusters/``,
-   ``signatures/`` and every count of the manifest; the docs beside their removals → ``kept/`` and ``removed/``.
-   The job fails when kept + removed is not every doc read.
+   The assignments (and the docs removed against an older corpus) become the *side table*, sorted by idx.
+5. The *output pass*: each task of the signature pass's plan reads its docs again, its signature file and the side
+   rows of its span of idx, and writes ``clusters/``, ``signatures/``, ``kept/`` and ``removed/`` through the task
+   commit protocol, and counts. The job fails when a task's output is missing (kept + removed is not every doc
+   read, or an assignment found no doc).
 
 Outputs under the stage directory (parquet dirs of ``part-NNNNN.parquet``, each sorted by ``idx``, zstd):
 
@@ -38,10 +42,10 @@ Outputs under the stage directory (parquet dirs of ``part-NNNNN.parquet``, each 
 * ``signatures/``: ``id, keys, sh`` of the kept docs (what a later run dedups against)
 * ``stats.json`` and ``cluster_sizes.png`` (histogram of cluster sizes > 1)
 
-Skew: a bucket with millions of members streams through one task (Spark's sort spills; the star pass holds one
-Arrow batch), so its members are never gathered; adaptive query execution splits skewed join partitions. Only components up to
-``cover_max_cluster`` docs, and candidate graphs up to ``cc_single_task_max_edges`` edges (node ids
-only), are ever gathered in one task.
+Skew: above ``cc_single_task_max_edges`` bucket entries, a bucket with millions of members streams through one task
+(Spark's sort spills; the star pass holds one Arrow batch), so its members are never gathered; adaptive query
+execution splits skewed join partitions. Only components up to ``cover_max_cluster`` docs, and up to
+``cc_single_task_max_edges`` bucket entries or candidate edges (ids and keys only), are ever gathered in one task.
 
 Run standalone: ``python -m pipelines.data.dedup --input IN.jsonl --output DIR`` (ingests the JSONL
 first under ``run.root``, so malformed lines are quarantined, not lost), or under spark-submit:
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -127,18 +132,25 @@ def _signature_fn(ngram: int, num_perm: int, seed: int, bands: int, rows: int):
     return fn
 
 
-def _star_edges(sig):
-    """Candidate edges: every bucket (band, key) with ≥ 2 members → a star, each member → the bucket's smallest idx.
-    Band 0 is the exact-text band; an edge found there has ``x`` = 1. One shuffle brings each bucket's entries
-    together, sorted, and one streaming Python pass (:func:`bucket_stars`) emits the stars; repeats across bands are
-    merged in one aggregation. A bucket with millions of members streams through its task (Spark's sort spills, the
-    pass holds one Arrow batch): its members are never gathered."""
+def bucket_edges(sig):
+    """Star edges of every bucket (band, key) with ≥ 2 members: each member → the bucket's smallest idx; band 0 is the
+    exact-text band, and an edge found there has ``x`` = 1. A pair that shares several bands comes once per band; at
+    most one edge per bucket entry. One shuffle brings each bucket's entries together, sorted, and one streaming
+    Python pass (:func:`bucket_stars`) emits the stars. A bucket with millions of members streams through its task
+    (Spark's sort spills, the pass holds one Arrow batch): its members are never gathered."""
     from pyspark.sql import functions as F
 
     bk = sig.where(F.col("keys").isNotNull()).select(F.posexplode("keys").alias("band", "key"), "idx")
     return (bk.repartition("band", "key").sortWithinPartitions("band", "key", "idx")
-            .mapInArrow(bucket_stars, "src long, dst long, x int")
-            .groupBy("src", "dst").agg(F.max("x").alias("x")))
+            .mapInArrow(bucket_stars, "src long, dst long, x int"))
+
+
+def star_edges(sig):
+    """The candidate edges (src, dst, x): :func:`bucket_edges` with the repeats across bands merged (``x``: 1 when
+    any was found on the exact band)."""
+    from pyspark.sql import functions as F
+
+    return bucket_edges(sig).groupBy("src", "dst").agg(F.max("x").alias("x"))
 
 
 def bucket_stars(batches):
@@ -167,6 +179,34 @@ def bucket_stars(batches):
                                           pa.array((band[out] == 0).astype(np.int32))], names=["src", "dst", "x"])
 
 
+def one_task_components(batches):
+    """mapInArrow body, one task over every doc's (idx, keys): the entries sorted by (band, key, idx) in numpy, the
+    stars of their buckets (:func:`bucket_stars`) and the connected components of those edges
+    (``pipelines.data.spark.label_components``) → (idx, cc, n): every doc that shares a bucket, the smallest idx of
+    its component and the component's size. About 60 B per bucket entry, so callers bound the entries
+    (``dedup.cc_single_task_max_edges``)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from pipelines.data.spark import label_components
+
+    got = [rb for rb in batches if rb.num_rows]
+    if not got:
+        return
+    t = pa.Table.from_batches(got)
+    band, key, row = bucket_entries(t.column("keys").combine_chunks())
+    idx = t.column("idx").to_numpy()[row]
+    order = np.lexsort((idx, key, band))
+    stars = [rb for rb in bucket_stars([pa.RecordBatch.from_arrays(
+        [pa.array(band[order]), pa.array(key[order]), pa.array(idx[order])], names=["band", "key", "idx"])])]
+    src, dst = (np.concatenate([rb.column(i).to_numpy() for rb in stars]) for i in (0, 1))
+    if src.size:
+        nodes, roots = label_components(src, dst)
+        _, at, n = np.unique(roots, return_inverse=True, return_counts=True)
+        yield pa.RecordBatch.from_arrays([pa.array(nodes), pa.array(roots), pa.array(n[at])],
+                                         names=["idx", "cc", "n"])
+
+
 ASSIGN_SCHEMA = ("idx long, component long, component_size long, cluster long, cluster_size long, "
                  "dup_of_id string, jaccard double, exact_dup boolean, n_cand long, n_verified long, n_exact long")
 
@@ -180,7 +220,7 @@ def _assign_fn(policy: str, threshold: float, verify: bool):
         import numpy as np
         import pyarrow as pa
 
-        schema = _arrow_schema(ASSIGN_SCHEMA)
+        schema = o.arrow_schema(ASSIGN_SCHEMA)
 
         def emit(t):
             cc = t.column("cc").to_numpy()
@@ -214,17 +254,11 @@ def _assign_fn(policy: str, threshold: float, verify: bool):
     return fn
 
 
-def _arrow_schema(ddl: str):
-    import pyarrow as pa
-
-    types = {"long": pa.int64(), "string": pa.string(), "double": pa.float64(), "boolean": pa.bool_()}
-    return pa.schema([(n, types[t]) for n, t in (f.split() for f in ddl.split(", "))])
-
-
-def _small_assign(members, sig, cfg: DedupCfg, tasks: int):
+def _small_assign(members, n_members: int, sig, cfg: DedupCfg, tasks: int):
     """Components up to ``cover_max_cluster`` docs: each goes whole through one compiled pass per
-    partition (``pipelines.data.keepers.resolve_partition``)."""
-    return (members.join(sig.select("idx", "id", "len", "keys", "sh"), "idx")
+    partition (``pipelines.data.keepers.resolve_partition``). Up to ``BROADCAST_ROWS`` members are sent to every task
+    of the signatures, so only the members' rows are shuffled."""
+    return (sig.select("idx", "id", "len", "keys", "sh").join(_side(members, n_members), "idx")
             .repartition(tasks, "cc").sortWithinPartitions("cc", "idx")
             .select("cc", "idx", "id", "len", "keys", "sh")
             .mapInArrow(_assign_fn(cfg.keeper, cfg.threshold, cfg.verify), ASSIGN_SCHEMA))
@@ -253,6 +287,27 @@ def _components(spark, edges, n_edges: int, cfg: DedupCfg):
         return components_single_task(edges), 1, "single_task"
     comps, rounds = connected_components(edges.select("src", "dst"))
     return comps, rounds, "large_star_small_star"
+
+
+def _candidates(spark, sig, n_entries: int, cfg: DedupCfg) -> dict:
+    """The connected components of the candidate graph of ``sig`` (``n_entries``: its bucket entries, which bound its
+    star edges). Up to ``cc_single_task_max_edges`` entries, every doc's keys go to one executor task, which finds the
+    buckets, their stars and the components (:func:`one_task_components`): no shuffle by bucket, no count; else the
+    candidate edges come from a shuffle by bucket, merged, persisted and counted first. Returns ``rounds``,
+    ``cc_mode``, ``members`` (idx, cc: the component's smallest idx, n: its size) and ``cand`` (the merged candidate
+    edges, persisted; None when not counted: the distributed keeper path then makes them)."""
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    if 0 < n_entries <= cfg.cc_single_task_max_edges:
+        members = (sig.where(F.col("keys").isNotNull()).select("idx", "keys").repartition(1)
+                   .mapInArrow(one_task_components, "idx long, cc long, n long"))
+        return {"members": members, "rounds": 1, "cc_mode": "single_task", "cand": None}
+    cand = star_edges(sig).persist(StorageLevel.MEMORY_AND_DISK)
+    comps, rounds, mode = _components(spark, cand, cand.count(), cfg)
+    m = comps.select(F.col("node").alias("idx"), F.col("root").alias("cc"))
+    return {"members": m.join(m.groupBy("cc").agg(F.count("*").alias("n")), "cc"), "rounds": rounds, "cc_mode": mode,
+            "cand": cand}
 
 
 def _big_assign(members, sig, cand, cfg: DedupCfg):
@@ -319,17 +374,24 @@ def _big_assign(members, sig, cand, cfg: DedupCfg):
 BUCKET_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: a bucket's hash is key XOR band × this (mod 2⁶⁴)
 
 
-def bucket_hashes(keys):
-    """The buckets of a ``keys`` column (a pyarrow ListArray, one list per doc: the exact key, then the band keys) as
-    numpy arrays, one entry per key: (64-bit bucket hash, band, key, row). The hash only narrows the search: a match
-    is a bucket whose band and key are both equal."""
+def bucket_entries(keys):
+    """The bucket entries of a ``keys`` column (a pyarrow ListArray, one list per doc: the exact key, then the band
+    keys) as numpy arrays, one entry per key: (band, key, row)."""
     import numpy as np
     import pyarrow.compute as pc
 
     lens = pc.list_value_length(keys).fill_null(0).to_numpy().astype(np.int64)
     key = keys.flatten().to_numpy().astype(np.int64)
     row = np.repeat(np.arange(len(lens)), lens)
-    band = np.arange(key.size) - np.repeat(np.cumsum(lens) - lens, lens)
+    return np.arange(key.size) - np.repeat(np.cumsum(lens) - lens, lens), key, row
+
+
+def bucket_hashes(keys):
+    """:func:`bucket_entries` and each entry's 64-bit bucket hash: (hash, band, key, row). The hash only narrows the
+    search: a match is a bucket whose band and key are both equal."""
+    import numpy as np
+
+    band, key, row = bucket_entries(keys)
     with np.errstate(over="ignore"):
         h = key.view(np.uint64) ^ (band.astype(np.uint64) * np.uint64(BUCKET_MIX))
     return h, band, key, row
@@ -445,123 +507,91 @@ class _Phases:
         self.last = now
 
 
-def _assign(spark, sig, cand, n_cand: int, cfg: DedupCfg, tasks: int) -> dict:
-    """Connected components of the candidate graph, then the keeper of every member (verification comes after,
-    per component): small components whole in one Python pass, big ones in Spark joins."""
+def _assign(spark, sig, c: dict, cfg: DedupCfg, tasks: int) -> dict:
+    """The keeper of every member of a candidate component (``c``: :func:`_candidates`; verification comes after, per
+    component): small components whole in one Python pass, big ones in Spark joins."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
-    comps, rounds, cc_mode = _components(spark, cand, n_cand, cfg)
-    members = comps.select(F.col("node").alias("idx"), F.col("root").alias("cc")).persist(StorageLevel.MEMORY_AND_DISK)
-    sizes = members.groupBy("cc").agg(F.count("*").alias("n"))
-    c = sizes.agg(F.max("n").alias("largest"), F.sum("n").alias("members")).first()
-    largest_cc = int(c["largest"] or 0)
+    members = c["members"].persist(StorageLevel.MEMORY_AND_DISK)
+    got = members.agg(F.max("n").alias("largest"), F.count("*").alias("members")).first()
+    largest_cc, n_members = int(got["largest"] or 0), int(got["members"] or 0)
     big_e, counts = None, {"cand": 0, "ver": 0, "exact": 0}
     if largest_cc > cfg.cover_max_cluster:
-        sized = members.join(sizes, "cc")
-        assign = _small_assign(sized.where(F.col("n") <= cfg.cover_max_cluster).drop("n"), sig, cfg, tasks)
-        big, counts, big_e = _big_assign(sized.where(F.col("n") > cfg.cover_max_cluster).drop("n"), sig, cand, cfg)
+        small = members.where(F.col("n") <= cfg.cover_max_cluster).drop("n")
+        assign = _small_assign(small, n_members, sig, cfg, tasks)
+        cand = c["cand"] if c["cand"] is not None else star_edges(sig)
+        big, counts, big_e = _big_assign(members.where(F.col("n") > cfg.cover_max_cluster).drop("n"), sig, cand, cfg)
         assign = assign.unionByName(big)
     else:
-        assign = _small_assign(members, sig, cfg, tasks)
-    return {"assign": assign.persist(StorageLevel.MEMORY_AND_DISK), "members": members, "big_edges": big_e,
-            "n_members": int(c["members"] or 0), "big_counts": counts, "rounds": rounds, "cc_mode": cc_mode,
+        assign = _small_assign(members.drop("n"), n_members, sig, cfg, tasks)
+    return {"assign": assign, "members": members, "big_edges": big_e, "n_members": n_members, "big_counts": counts,
             "largest_cc": largest_cc}
-
-
-BROADCAST_ROWS = 1_000_000  # a side table (assignments, removals) joined to every doc is sent whole to each task
-#                             up to this many rows (about 70 MB), so the docs are not shuffled for the join
 
 
 def _side(df, rows: int):
     from pyspark.sql import functions as F
 
-    return F.broadcast(df) if rows <= BROADCAST_ROWS else df
+    return F.broadcast(df) if rows <= o.BROADCAST_ROWS else df
 
 
-def _signature_pass(out: Path, sig_all, a: dict, old_rem, n_against: int) -> dict:
-    """clusters/ and signatures/ (of the kept docs), and every count of the job, in one pass over the signatures."""
+def _side_table(assign, old_rem):
+    """Every member's assignment and every doc removed against the corpus, in the columns of ``o.SIDE_DDL``."""
     from pyspark.sql import functions as F
 
-    cols = ("idx", "component", "component_size", "cluster", "cluster_size", "exact_dup", "n_cand", "n_verified",
-            "n_exact")
-    rows = sig_all.select("idx", "id", "keys", "sh").join(_side(a["assign"].select(*cols), a["n_members"]), "idx",
-                                                           "left")
+    side = assign.withColumn("against", F.lit(None).cast("string"))
     if old_rem is None:
-        rows = rows.withColumn("gone", F.lit(None).cast("boolean"))
-    else:
-        rows = rows.join(_side(old_rem.select("idx", F.lit(True).alias("gone")), n_against), "idx", "left")
-    parts = o.run_pass(rows, o.signature_pass_fn, out, "signature_pass",
-                       {"clusters": o.CLUSTERS, "signatures": o.SIGNATURES})
-    return o.merge_counts(parts)
-
-
-def _doc_pass(out: Path, docs, kept, assign, old_rem, n_removed: int) -> dict:
-    """kept/ and removed/ (``kept``: the docs' arrow schema) in one pass over the docs; returns how many docs each
-    got."""
-    from pyspark.sql import functions as F
-
-    rem = assign.where(F.col("idx") != F.col("cluster")).select(
-        "idx", F.col("cluster").alias("dup_of"), "dup_of_id",
-        F.when(F.col("exact_dup"), F.lit(o.EXACT)).otherwise(F.lit(o.NEAR)).alias("reason"),
-        "jaccard")
-    if old_rem is not None:
-        rem = rem.unionByName(old_rem.select("idx", F.lit(None).cast("long").alias("dup_of"), "dup_of_id", "reason",
-                                             "jaccard"))
-    parts = o.run_pass(docs.join(_side(rem, n_removed), "idx", "left"), lambda b: o.doc_pass_fn(b, kept), out,
-                       "doc_pass", {"kept": kept, "removed": o.removed_schema(kept)})
-    return {k: sum(p[k] for p in parts) for k in ("kept", "removed")}
+        return side
+    none = {n: F.lit(None).cast(t) for n, t in (f.split() for f in o.SIDE_DDL.split(", "))}
+    return side.unionByName(old_rem.select(*(F.col(n) if n in ("idx", "dup_of_id", "jaccard") else
+                                             F.col("reason").alias(n) if n == "against" else none[n].alias(n)
+                                             for n in none)))
 
 
 def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[Path] = (), tasks: int = 0) -> dict:
     """Run the dedup job on ``docs_path`` (parquet with idx, id, text, source); write under ``out``. ``against``:
     the persisted signatures of docs kept earlier; a doc that duplicates one of them is removed first
     (:func:`against_corpus`), and the rest are deduplicated among themselves. ``tasks``: Spark tasks for the
-    signature and keeper passes (0: the executors' parallelism).
+    signature, keeper and output passes (0: the executors' parallelism).
 
-    Only the docs that share a bucket with another (the *members*) go through components, keepers and
-    Jaccard scoring; the full corpus is touched by the signature pass and the two output passes
-    (``pipelines.data.dedup_outputs``), which also count. ``stats["seconds"]`` times each phase: ``candidates``
-    (the signatures, persisted, and the candidate edges), ``components``, ``keepers`` (verification, keepers,
-    clusters/ and signatures/, the counts) and ``write`` (kept/ and removed/).
+    The docs are read twice, by the tasks of the signature pass and of the output pass
+    (``pipelines.data.dedup_outputs``), never through the JVM. Only the docs that share a bucket with another (the
+    *members*) go through components, keepers and Jaccard scoring. ``stats["seconds"]`` times each phase:
+    ``signatures``, ``components`` (candidate edges and their components), ``keepers`` (verification, keepers, the
+    side table) and ``write`` (the four outputs and the counts).
     """
     import pyarrow.dataset as pds
     from pyspark import StorageLevel
 
-    clock, keep = _Phases(), StorageLevel.MEMORY_AND_DISK
+    clock = _Phases()
     bands, rows = effective_bands_rows(cfg)
     tasks = tasks or spark.sparkContext.defaultParallelism
-    docs = spark.read.parquet(str(docs_path))
-    src = docs.select("idx", "id", "text")
-    if src.rdd.getNumPartitions() < tasks:
-        src = src.repartition(tasks)  # e.g. one row group: spread it over the cores
-    sig_all = src.mapInArrow(_signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows), SIG_SCHEMA).persist(keep)
-
+    pieces = plan_pieces(row_groups(docs_path, "text"), tasks)
+    s = o.signature_pass(spark, pieces, out, _signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows))
+    sig_all = spark.read.schema(SIG_SCHEMA).parquet(str(s["dir"]))
+    clock.mark("signatures")
     sig, old_rem, n_against = sig_all, None, 0
     if against:
-        old_rem = against_corpus(spark, sig_all, against, cfg, tasks).persist(keep)
+        old_rem = against_corpus(spark, sig_all, against, cfg, tasks).persist(StorageLevel.MEMORY_AND_DISK)
         n_against = old_rem.count()
         sig = sig_all.join(old_rem.select("idx"), "idx", "left_anti")
         clock.mark("against_corpus")
-
-    cand = _star_edges(sig).persist(keep)
-    n_cand_all = cand.count()
-    clock.mark("candidates")
-    a = _assign(spark, sig, cand, n_cand_all, cfg, tasks)
+    c = _candidates(spark, sig, s["entries"], cfg)
+    a = _assign(spark, sig, c, cfg, tasks)
     clock.mark("components")
-    t = _signature_pass(out, sig_all, a, old_rem, n_against)
+    o.write_side(_side_table(a["assign"], old_rem), a["n_members"] + n_against, out / o.WORK / "side", tasks)
     clock.mark("keepers")
-    n_removed = sum(t["reason"].values()) + n_against
-    wrote = _doc_pass(out, docs, pds.dataset(str(docs_path), format="parquet").schema.remove_metadata(), a["assign"],
-                      old_rem, n_removed)
+    kept = pds.dataset(str(docs_path), format="parquet").schema.remove_metadata()
+    t = o.output_pass(spark, pieces, s["spans"], out, kept, out / o.WORK / "side")
     clock.mark("write")
-    for df in (sig_all, cand, a["members"], a["assign"], a["big_edges"], old_rem):
+    for df in (c["cand"], a["members"], a["big_edges"], old_rem):
         if df is not None:
             df.unpersist()
-    n_in = t["docs"]
-    if wrote != {"kept": n_in - n_removed, "removed": n_removed}:
-        raise StageError(f"dedup wrote {wrote['kept']} kept and {wrote['removed']} removed docs of {n_in} read, "
-                         f"{n_removed} of them removed: a task's output is missing")
+    shutil.rmtree(out / o.WORK)
+    n_in, n_removed = t["docs"], t["removed"]
+    if (n_in, t["side"], n_removed) != (s["docs"], a["n_members"] + n_against, sum(t["reason"].values()) + n_against):
+        raise StageError(f"dedup wrote {t['kept']} kept and {n_removed} removed docs of {s['docs']} read, with "
+                         f"{t['side']} of {a['n_members'] + n_against} assignments: a task's output is missing")
     bc = a["big_counts"]
     e = {k: t[f"n_{n}"] + bc[k] for k, n in (("cand", "cand"), ("ver", "verified"), ("exact", "exact"))}
     hist = {int(k): v for k, v in t["cluster_hist"].items()}
@@ -572,8 +602,8 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
         "removed_near": t["reason"].get(o.NEAR, 0), "candidate_edges": e["cand"],
         "verified_edges": e["ver"], "rejected_edges": e["cand"] - e["ver"],
         "exact_edges": e["exact"], "edges": e["exact"] + e["ver"],
-        "clusters_multi": sum(hist.values()), "largest_cluster": max(hist) if hist else 1, "cc_rounds": a["rounds"],
-        "cc_mode": a["cc_mode"], "largest_candidate_component": a["largest_cc"], "keeper": cfg.keeper,
+        "clusters_multi": sum(hist.values()), "largest_cluster": max(hist) if hist else 1, "cc_rounds": c["rounds"],
+        "cc_mode": c["cc_mode"], "largest_candidate_component": a["largest_cc"], "keeper": cfg.keeper,
         "components_multi": sum(comp_hist.values()), "largest_component": max(comp_hist) if comp_hist else 1,
         "bands": bands, "rows": rows, "num_perm": cfg.num_perm, "ngram": cfg.ngram, "threshold": cfg.threshold,
         "lsh_threshold": lsh_threshold(cfg), "s_curve": s_curve_report(lsh_threshold(cfg), bands, rows),

@@ -281,19 +281,34 @@ def package_zip(dest: Path) -> Path:
     return dest
 
 
-def components_single_task(edges: "DataFrame") -> "DataFrame":
-    """Connected components of a graph small enough for one executor task (``scipy.sparse.csgraph``).
+def label_components(u, v):
+    """Connected components of the undirected graph of edges ``u[i]``–``v[i]`` (int64 numpy arrays, repeats allowed):
+    (nodes, roots), every node that has an edge, sorted, and the smallest node of its component (scipy)."""
+    import numpy as np
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components as scc
 
-    The edges are coalesced into one partition and labelled in one ``mapInArrow`` call on an
-    executor, never on the driver: one stage instead of a few shuffles per round. Memory is about
-    50 bytes per edge, so callers bound the edge count (``dedup.cc_single_task_max_edges``) and use
-    :func:`connected_components` above it. Returns (``node``, ``root``) like it.
+    nodes, inv = np.unique(np.concatenate((u, v)), return_inverse=True)
+    k = u.size
+    g = coo_matrix((np.ones(k, dtype=np.int8), (inv[:k], inv[k:])), shape=(nodes.size, nodes.size))
+    _, lab = scc(g, directed=False)
+    root = np.full(lab.max() + 1, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(root, lab, nodes)  # nodes are sorted, so this is each component's smallest node
+    return nodes, root[lab]
+
+
+def components_single_task(edges: "DataFrame") -> "DataFrame":
+    """Connected components of a graph small enough for one executor task (:func:`label_components`).
+
+    The edges are shuffled into one partition (a shuffle, not a coalesce, so whatever makes them still runs in
+    parallel) and labelled in one ``mapInArrow`` call on an executor, never on the driver: one stage instead of a few
+    shuffles per round. Memory is about 50 bytes per edge, so callers bound the edge count
+    (``dedup.cc_single_task_max_edges``) and use :func:`connected_components` above it. Returns (``node``, ``root``)
+    like it.
     """
     def fn(batches):
         import numpy as np
         import pyarrow as pa
-        from scipy.sparse import coo_matrix
-        from scipy.sparse.csgraph import connected_components as scc
 
         src, dst = [], []
         for rb in batches:
@@ -301,16 +316,10 @@ def components_single_task(edges: "DataFrame") -> "DataFrame":
             dst.append(rb.column(1).to_numpy(zero_copy_only=False))
         if not src or not sum(a.size for a in src):
             return
-        u, v = np.concatenate(src).astype(np.int64), np.concatenate(dst).astype(np.int64)
-        nodes, inv = np.unique(np.concatenate((u, v)), return_inverse=True)
-        k = u.size
-        g = coo_matrix((np.ones(k, dtype=np.int8), (inv[:k], inv[k:])), shape=(nodes.size, nodes.size))
-        _, lab = scc(g, directed=False)
-        root = np.full(lab.max() + 1, np.iinfo(np.int64).max, dtype=np.int64)
-        np.minimum.at(root, lab, nodes)  # nodes are sorted, so this is each component's smallest node
-        yield pa.RecordBatch.from_arrays([pa.array(nodes), pa.array(root[lab])], names=["node", "root"])
+        nodes, roots = label_components(np.concatenate(src).astype(np.int64), np.concatenate(dst).astype(np.int64))
+        yield pa.RecordBatch.from_arrays([pa.array(nodes), pa.array(roots)], names=["node", "root"])
 
-    return edges.select("src", "dst").coalesce(1).mapInArrow(fn, "node long, root long")
+    return edges.select("src", "dst").repartition(1).mapInArrow(fn, "node long, root long")
 
 
 def connected_components(edges: "DataFrame", max_iter: int = 64) -> tuple["DataFrame", int]:
