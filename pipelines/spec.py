@@ -121,7 +121,7 @@ class DedupCfg(_Section):
         "in Spark joins and keep every verified star centre (distributed, still a cover).")
     cc_single_task_max_edges: int = Field(
         5_000_000, ge=0, description="Up to this many bucket entries (docs × (bands + 1)), the candidate edges and "
-        "their connected components are found in one executor task (numpy sort + scipy, ≈ 60 B per entry); above "
+        "their connected components are found in one executor task (numpy sort + scipy, ≈ 100 B per entry); above "
         "it, the edges come from a shuffle by bucket and are counted, graphs up to this many edges get their "
         "connected components in one task (≈ 50 B per edge), larger ones run large-star/small-star rounds across "
         "the cluster. 0 = always distributed.")

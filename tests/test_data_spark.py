@@ -81,8 +81,33 @@ def test_a_side_table_too_big_to_collect_gives_the_same_outputs(home, spark, cor
     for rows in (dedup_outputs.BROADCAST_ROWS, 0):
         monkeypatch.setattr(dedup_outputs, "BROADCAST_ROWS", rows)
         m = dedup.run(spec, ing, out_dir=str(home / f"out-{rows}"), spark=spark)
-        outs.append([_table(m.output(k)) for k in ("clusters", "kept", "removed", "signatures")[:3]] + [m.counts])
+        outs.append([_table(m.output(k)) for k in ("clusters", "kept", "removed", "signatures")] + [m.counts])
     assert outs[0] == outs[1] and set(outs[0][2]) == {"near-of-c4-0", "exact-of-c4-1", "short-b"}
+
+
+def test_docs_without_shingles_and_an_empty_corpus(tmp_path, spark):
+    """Docs too short to shingle (exact key only), empty or null texts (no keys), and a corpus of no docs at all: every
+    doc is kept or removed once, each output folder exists, the counts add up."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipelines.spec import DedupCfg
+
+    texts = ["", "   ", None, "Log in", "log in!", "Log in", "!!!", "two words"]
+    for name, rows in (("some", texts), ("none", [])):
+        src = tmp_path / name
+        src.mkdir()
+        pq.write_table(pa.table({"idx": pa.array(range(len(rows)), pa.int64()),
+                                 "id": pa.array([f"d{i}" for i in range(len(rows))], pa.string()),
+                                 "text": pa.array(rows, pa.string()), "source": pa.array(["t"] * len(rows), pa.string())}),
+                       src / "part-00000.parquet")
+        st = dedup.dedup_docs(spark, src, tmp_path / f"{name}-out", DedupCfg(), tasks=2)
+        kept, removed = (_table(tmp_path / f"{name}-out" / k) for k in ("kept", "removed"))
+        assert st["docs_in"] == len(rows) == len(kept) + len(removed) and st["no_shingles"] == len(rows)
+        assert set(removed) == ({"d4", "d5"} if rows else set())  # "log in!" and "Log in" normalize as "log in"
+        assert all(r["reason"] == "exact_duplicate" and r["dup_of_id"] == "d3" for r in removed.values())
+        assert len(_table(tmp_path / f"{name}-out" / "clusters")) == len(rows)
+        assert not (tmp_path / f"{name}-out" / "_work").exists()
 
 
 def test_connected_components_on_a_long_chain_is_one_component(spark):
@@ -161,14 +186,17 @@ def test_nothing_lost_on_the_raw_common_crawl_sample(home, spark):
 
 @pytest.fixture(scope="module")
 def chain(corpus):
-    """a ← b ← c: J(a,b) and J(b,c) above 0.8, J(a,c) below it, plus unrelated docs."""
+    """a ← b ← c: J(a,b) and J(b,c) above 0.8, J(a,c) below it; d: an LSH candidate of a (J 0.70) that verification
+    rejects, so it is in the chain's candidate component but in no duplicate component; plus unrelated docs."""
     recs, _ = corpus
     a = recs[7]["text"]
     b = _mutate(a, 0.016, 11)  # J(a,b) 0.855, J(b,c) 0.856, J(a,c) 0.736
     c = _mutate(b, 0.016, 12)
-    sa, sb, sc = (shingles(t, 5) for t in (a, b, c))
+    d = _mutate(a, 0.04, 13)
+    sa, sb, sc, sd = (shingles(t, 5) for t in (a, b, c, d))
     assert jaccard(sa, sb) >= 0.82 and jaccard(sb, sc) >= 0.82 and jaccard(sa, sc) < 0.8
-    docs = [{"id": "a", "text": a}, {"id": "b", "text": b}, {"id": "c", "text": c}] + recs[20:30]
+    assert 0.65 < jaccard(sa, sd) < 0.75 and max(jaccard(sb, sd), jaccard(sc, sd)) < 0.75
+    docs = [{"id": k, "text": t} for k, t in zip("abcd", (a, b, c, d))] + recs[20:30]
     return docs, {"a": sa, "b": sb, "c": sc}
 
 
@@ -188,9 +216,11 @@ def test_keeper_policies_on_a_transitive_chain(home, spark, chain, keeper, cover
     m = dedup.run(spec, ingest.run(spec, spark=spark), spark=spark)
     st = json.loads(m.output("stats").read_text())
     assert st["cc_mode"] == ("single_task" if cc_one_task else "large_star_small_star")
+    assert st["largest_candidate_component"] == 4 and st["rejected_edges"] >= 2  # a–c and a–d
     cl, removed = _table(m.output("clusters")), _table(m.output("removed"))
     assert {cl[k]["component"] for k in "abc"} == {cl["a"]["idx"]} and cl["a"]["component_size"] == 3
     assert m.counts["kept"] + m.counts["removed"] == len(docs)
+    assert "d" not in removed and cl["d"]["component_size"] == 1 and cl["d"]["cluster"] == cl["d"]["idx"]
     for r in removed.values():  # the reported Jaccard is the real one, to the doc named as dup_of
         assert r["jaccard"] == pytest.approx(jaccard(sh[r["id"]], sh[r["dup_of_id"]]), abs=0.01)
     if keeper == "min_idx":  # keeps a, removes c as a duplicate of a doc it is not similar to

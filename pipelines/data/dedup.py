@@ -1,6 +1,6 @@
 """Near-duplicate removal on Spark: MinHash → LSH bands → star edges → connected components → keepers.
 
-Pipeline (all on executors; the driver only plans and counts):
+Pipeline (on executors; the driver plans, counts, and writes the side table when it is small enough to collect):
 
 1. The *signature pass* (``pipelines.data.dedup_outputs``): each task reads its row groups of the docs with pyarrow
    (the text never passes through the JVM) and writes every doc's signature row: normalize, word n-gram shingles,
@@ -28,8 +28,8 @@ Pipeline (all on executors; the driver only plans and counts):
    The assignments (and the docs removed against an older corpus) become the *side table*, sorted by idx.
 5. The *output pass*: each task of the signature pass's plan reads its docs again, its signature file and the side
    rows of its span of idx, and writes ``clusters/``, ``signatures/``, ``kept/`` and ``removed/`` through the task
-   commit protocol, and counts. The job fails when a task's output is missing (kept + removed is not every doc
-   read, or an assignment found no doc).
+   commit protocol, and counts. The job fails when a task's output is missing: the output pass read fewer docs than
+   the signature pass, an assignment found no doc, or the removals do not add up.
 
 Outputs under the stage directory (parquet dirs of ``part-NNNNN.parquet``, each sorted by ``idx``, zstd):
 
@@ -183,7 +183,7 @@ def one_task_components(batches):
     """mapInArrow body, one task over every doc's (idx, keys): the entries sorted by (band, key, idx) in numpy, the
     stars of their buckets (:func:`bucket_stars`) and the connected components of those edges
     (``pipelines.data.spark.label_components``) → (idx, cc, n): every doc that shares a bucket, the smallest idx of
-    its component and the component's size. About 60 B per bucket entry, so callers bound the entries
+    its component and the component's size. About 100 B per bucket entry at the peak, so callers bound the entries
     (``dedup.cc_single_task_max_edges``)."""
     import numpy as np
     import pyarrow as pa
@@ -196,10 +196,14 @@ def one_task_components(batches):
     t = pa.Table.from_batches(got)
     band, key, row = bucket_entries(t.column("keys").combine_chunks())
     idx = t.column("idx").to_numpy()[row]
+    del t, got, row
     order = np.lexsort((idx, key, band))
-    stars = [rb for rb in bucket_stars([pa.RecordBatch.from_arrays(
-        [pa.array(band[order]), pa.array(key[order]), pa.array(idx[order])], names=["band", "key", "idx"])])]
-    src, dst = (np.concatenate([rb.column(i).to_numpy() for rb in stars]) for i in (0, 1))
+    entries = pa.RecordBatch.from_arrays([pa.array(band[order]), pa.array(key[order]), pa.array(idx[order])],
+                                         names=["band", "key", "idx"])
+    del band, key, idx, order
+    stars = list(bucket_stars([entries]))
+    del entries
+    src, dst = (np.concatenate([rb.column(i).to_numpy() for rb in stars] or [np.zeros(0, np.int64)]) for i in (0, 1))
     if src.size:
         nodes, roots = label_components(src, dst)
         _, at, n = np.unique(roots, return_inverse=True, return_counts=True)
@@ -297,6 +301,7 @@ def _candidates(spark, sig, n_entries: int, cfg: DedupCfg) -> dict:
     ``cc_mode``, ``members`` (idx, cc: the component's smallest idx, n: its size) and ``cand`` (the merged candidate
     edges, persisted; None when not counted: the distributed keeper path then makes them)."""
     from pyspark import StorageLevel
+    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     if 0 < n_entries <= cfg.cc_single_task_max_edges:
@@ -305,9 +310,9 @@ def _candidates(spark, sig, n_entries: int, cfg: DedupCfg) -> dict:
         return {"members": members, "rounds": 1, "cc_mode": "single_task", "cand": None}
     cand = star_edges(sig).persist(StorageLevel.MEMORY_AND_DISK)
     comps, rounds, mode = _components(spark, cand, cand.count(), cfg)
-    m = comps.select(F.col("node").alias("idx"), F.col("root").alias("cc"))
-    return {"members": m.join(m.groupBy("cc").agg(F.count("*").alias("n")), "cc"), "rounds": rounds, "cc_mode": mode,
-            "cand": cand}
+    members = (comps.select(F.col("node").alias("idx"), F.col("root").alias("cc"))
+               .withColumn("n", F.count("*").over(Window.partitionBy("cc"))))  # one pass over the components
+    return {"members": members, "rounds": rounds, "cc_mode": mode, "cand": cand}
 
 
 def _big_assign(members, sig, cand, cfg: DedupCfg):
@@ -542,10 +547,10 @@ def _side_table(assign, old_rem):
     side = assign.withColumn("against", F.lit(None).cast("string"))
     if old_rem is None:
         return side
-    none = {n: F.lit(None).cast(t) for n, t in (f.split() for f in o.SIDE_DDL.split(", "))}
-    return side.unionByName(old_rem.select(*(F.col(n) if n in ("idx", "dup_of_id", "jaccard") else
-                                             F.col("reason").alias(n) if n == "against" else none[n].alias(n)
-                                             for n in none)))
+    return side.unionByName(old_rem.select(*(F.col(f.name) if f.name in ("idx", "dup_of_id", "jaccard") else
+                                             F.col("reason").alias(f.name) if f.name == "against" else
+                                             F.lit(None).cast(side.schema[f.name].dataType).alias(f.name)
+                                             for f in o.SIDE)))
 
 
 def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[Path] = (), tasks: int = 0) -> dict:
@@ -557,46 +562,61 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
     The docs are read twice, by the tasks of the signature pass and of the output pass
     (``pipelines.data.dedup_outputs``), never through the JVM. Only the docs that share a bucket with another (the
     *members*) go through components, keepers and Jaccard scoring. ``stats["seconds"]`` times each phase:
-    ``signatures``, ``components`` (candidate edges and their components), ``keepers`` (verification, keepers, the
-    side table) and ``write`` (the four outputs and the counts).
+    ``signatures``, ``against_corpus`` (with ``against``), ``components`` (candidate edges and their components),
+    ``keepers`` (verification, keepers, the side table) and ``write`` (the four outputs and the counts).
     """
     import pyarrow.dataset as pds
     from pyspark import StorageLevel
 
-    clock = _Phases()
+    clock, persisted = _Phases(), []
     bands, rows = effective_bands_rows(cfg)
     tasks = tasks or spark.sparkContext.defaultParallelism
     pieces = plan_pieces(row_groups(docs_path, "text"), tasks)
-    s = o.signature_pass(spark, pieces, out, _signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows))
-    sig_all = spark.read.schema(SIG_SCHEMA).parquet(str(s["dir"]))
-    clock.mark("signatures")
-    sig, old_rem, n_against = sig_all, None, 0
-    if against:
-        old_rem = against_corpus(spark, sig_all, against, cfg, tasks).persist(StorageLevel.MEMORY_AND_DISK)
-        n_against = old_rem.count()
-        sig = sig_all.join(old_rem.select("idx"), "idx", "left_anti")
-        clock.mark("against_corpus")
-    c = _candidates(spark, sig, s["entries"], cfg)
-    a = _assign(spark, sig, c, cfg, tasks)
-    clock.mark("components")
-    o.write_side(_side_table(a["assign"], old_rem), a["n_members"] + n_against, out / o.WORK / "side", tasks)
-    clock.mark("keepers")
-    kept = pds.dataset(str(docs_path), format="parquet").schema.remove_metadata()
-    t = o.output_pass(spark, pieces, s["spans"], out, kept, out / o.WORK / "side")
-    clock.mark("write")
-    for df in (c["cand"], a["members"], a["big_edges"], old_rem):
-        if df is not None:
-            df.unpersist()
-    shutil.rmtree(out / o.WORK)
-    n_in, n_removed = t["docs"], t["removed"]
-    if (n_in, t["side"], n_removed) != (s["docs"], a["n_members"] + n_against, sum(t["reason"].values()) + n_against):
-        raise StageError(f"dedup wrote {t['kept']} kept and {n_removed} removed docs of {s['docs']} read, with "
-                         f"{t['side']} of {a['n_members'] + n_against} assignments: a task's output is missing")
-    bc = a["big_counts"]
+    try:
+        s = o.signature_pass(spark, pieces, out, _signature_fn(cfg.ngram, cfg.num_perm, cfg.seed, bands, rows))
+        sig_all = spark.read.schema(SIG_SCHEMA).parquet(str(s["dir"]))
+        clock.mark("signatures")
+        sig, old_rem, n_against = sig_all, None, 0
+        if against:
+            old_rem = against_corpus(spark, sig_all, against, cfg, tasks).persist(StorageLevel.MEMORY_AND_DISK)
+            persisted.append(old_rem)
+            n_against = old_rem.count()
+            sig = sig_all.join(old_rem.select("idx"), "idx", "left_anti")
+            clock.mark("against_corpus")
+        c = _candidates(spark, sig, s["entries"], cfg)
+        a = _assign(spark, sig, c, cfg, tasks)
+        persisted += [c["cand"], a["members"], a["big_edges"]]
+        clock.mark("components")
+        n_side = o.write_side(_side_table(a["assign"], old_rem), a["n_members"] + n_against, out / o.WORK / "side",
+                              tasks)
+        clock.mark("keepers")
+        kept = pds.dataset(str(docs_path), format="parquet").schema.remove_metadata()
+        t = o.output_pass(spark, pieces, s["spans"], out, kept, out / o.WORK / "side")
+        clock.mark("write")
+    finally:
+        for df in persisted:
+            if df is not None:
+                df.unpersist()
+        shutil.rmtree(out / o.WORK, ignore_errors=True)
+    if (t["docs"], t["side"], t["removed"]) != (s["docs"], n_side, sum(t["reason"].values()) + n_against):
+        raise StageError(f"dedup's output pass read {t['docs']} of {s['docs']} docs and matched {t['side']} of "
+                         f"{n_side} assignments, removing {t['removed']}: a task's output is missing")
+    stats = _stats(t, a, c, cfg, n_against) | {"seconds": clock.marks}
+    (out / "stats.json").write_text(json.dumps(stats, indent=2))
+    plot_cluster_sizes({int(k): v for k, v in stats["cluster_size_hist"].items()}, out / "cluster_sizes.png",
+                       stats["bands"], stats["rows"])
+    return stats
+
+
+def _stats(t: dict, a: dict, c: dict, cfg: DedupCfg, n_against: int) -> dict:
+    """``stats.json`` of a dedup job from the output pass's counts ``t``, the assignment ``a`` and the candidates
+    ``c``."""
+    bands, rows = effective_bands_rows(cfg)
+    n_in, n_removed, bc = t["docs"], t["removed"], a["big_counts"]
     e = {k: t[f"n_{n}"] + bc[k] for k, n in (("cand", "cand"), ("ver", "verified"), ("exact", "exact"))}
     hist = {int(k): v for k, v in t["cluster_hist"].items()}
     comp_hist = {int(k): v for k, v in t["component_hist"].items()}
-    stats = {
+    return {
         "docs_in": n_in, "kept": n_in - n_removed, "removed": n_removed, "no_shingles": n_in - t["shingled"],
         "removed_against": n_against, "removed_exact": t["reason"].get(o.EXACT, 0),
         "removed_near": t["reason"].get(o.NEAR, 0), "candidate_edges": e["cand"],
@@ -607,11 +627,8 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
         "components_multi": sum(comp_hist.values()), "largest_component": max(comp_hist) if comp_hist else 1,
         "bands": bands, "rows": rows, "num_perm": cfg.num_perm, "ngram": cfg.ngram, "threshold": cfg.threshold,
         "lsh_threshold": lsh_threshold(cfg), "s_curve": s_curve_report(lsh_threshold(cfg), bands, rows),
-        "cluster_size_hist": {str(k): v for k, v in sorted(hist.items())}, "seconds": clock.marks,
+        "cluster_size_hist": {str(k): v for k, v in sorted(hist.items())},
     }
-    (out / "stats.json").write_text(json.dumps(stats, indent=2))
-    plot_cluster_sizes(hist, out / "cluster_sizes.png", bands, rows)
-    return stats
 
 
 def s_curve_report(threshold: float, bands: int, rows: int) -> dict:

@@ -47,7 +47,8 @@ ROW_GROUP = 2048  # rows: as ingest writes docs, so a reader can split the outpu
 BATCH = ROW_GROUP  # docs a task holds at once
 SIDE_GROUP = 65536  # rows per row group of the side table: what a task reads beyond its span is at most one group
 WORK = "_work"  # under the job's directory: the signature files and the side table, removed at the end
-BROADCAST_ROWS = 1_000_000  # a side table up to this many rows (about 100 MB) is collected and written by the driver
+BROADCAST_ROWS = 1_000_000  # up to this many rows (about 100 MB), the side table is collected and written by the
+#                             driver, and the members are broadcast to the signatures' tasks
 
 
 def arrow_schema(ddl: str) -> pa.Schema:
@@ -79,9 +80,8 @@ class _Parts:
             self.mine = attempt_dir(self.base)
         if folder not in self.open:
             (self.mine / folder).mkdir()
-            part = self.mine.name.split("-")[0]  # the attempt directory's name begins with the task's partition
-            self.open[folder] = pq.ParquetWriter(self.mine / folder / f"part-{part}.parquet", self.schemas[folder],
-                                                 compression="zstd")
+            self.open[folder] = pq.ParquetWriter(self.mine / folder / f"part-{_task_of(self.mine):05d}.parquet",
+                                                 self.schemas[folder], compression="zstd")
         schema = self.schemas[folder]
         self.open[folder].write_table(t.select(schema.names).cast(schema), row_group_size=ROW_GROUP)
 
@@ -136,7 +136,8 @@ def signature_pass(spark, pieces: list, out: Path, sig_fn) -> dict:
             "docs": sum(c["docs"] for c in counts), "entries": sum(c["entries"] for c in counts)}
 
 
-def _task_of(attempt: str) -> int:
+def _task_of(attempt: str | Path) -> int:
+    """The task (partition) of an attempt directory: its name begins with it."""
     return int(Path(attempt).name.split("-")[0])
 
 
@@ -162,23 +163,34 @@ def _run(spark, jobs: list, task_of_base, out: Path, name: str, dest: Path, fold
     return rows
 
 
-def write_side(side, n_rows: int, d: Path, tasks: int) -> None:
-    """The side table (a DataFrame with the columns of ``SIDE_DDL``, ``n_rows`` rows) sorted by idx into ``d``."""
+def write_side(side, n_rows: int, d: Path, tasks: int) -> int:
+    """The side table (a DataFrame with the columns of ``SIDE_DDL``, about ``n_rows`` rows) sorted by idx into ``d``;
+    returns how many rows it holds (from the files' footers)."""
+    import pyarrow.dataset as pds
+    from pyspark import StorageLevel
+
+    side = side.select(*SIDE.names)
     if n_rows > BROADCAST_ROWS:
+        side = side.persist(StorageLevel.MEMORY_AND_DISK)  # the range partitioner samples it first: computed once
         (side.repartitionByRange(tasks, "idx").sortWithinPartitions("idx")
          .write.option("parquet.block.size", 8 << 20).mode("overwrite").parquet(str(d)))
-        return
-    t = side.select(*SIDE.names).toArrow() if n_rows else SIDE.empty_table()
-    d.mkdir(parents=True, exist_ok=True)
-    pq.write_table(t.cast(SIDE).sort_by("idx"), d / "part-00000.parquet", row_group_size=SIDE_GROUP,
-                   compression="zstd")
+        side.unpersist()
+    else:
+        t = side.toArrow() if n_rows else SIDE.empty_table()
+        d.mkdir(parents=True, exist_ok=True)
+        pq.write_table(t.cast(SIDE).sort_by("idx"), d / "part-00000.parquet", row_group_size=SIDE_GROUP,
+                       compression="zstd")
+    return pds.dataset(str(d), format="parquet").count_rows()
 
 
-def _side_rows(d: str, lo: int, hi: int) -> tuple[pa.Table, np.ndarray]:
-    """The side rows with ``lo`` ≤ idx ≤ ``hi`` (only the row groups whose statistics overlap are read), sorted."""
+def _side_rows(d: str, pieces: list, lo: int, hi: int) -> tuple[pa.Table, np.ndarray]:
+    """The side rows of the docs of ``pieces`` (their idx between ``lo`` and ``hi``: only the row groups whose
+    statistics overlap are read; the rows kept are the pieces' own, so docs out of idx order cost reading, not
+    memory), sorted by idx."""
     import pyarrow.dataset as pds
 
-    f = (pc.field("idx") >= lo) & (pc.field("idx") <= hi)
+    mine = pa.concat_arrays([read_piece(p, ["idx"]).column(0).combine_chunks() for p in pieces])
+    f = (pc.field("idx") >= lo) & (pc.field("idx") <= hi) & pc.field("idx").isin(mine)
     t = pds.dataset(d, format="parquet").to_table(filter=f).cast(SIDE).sort_by("idx").combine_chunks()
     return t, t.column("idx").to_numpy()
 
@@ -201,14 +213,16 @@ def output_task(base: str, kept: pa.Schema, sig_dir: str, side_dir: str):
         parts, counts = _Parts(base, folders), []
         try:
             for task, pieces, lo, hi in it:
-                side, sidx = _side_rows(side_dir, lo, hi)
+                side, sidx = _side_rows(side_dir, pieces, lo, hi)
                 sig = _Follow(Path(sig_dir) / f"part-{task:05d}.parquet", ["idx", "id", "keys", "sh"])
                 for t in doc_batches(pieces, kept.names):
                     s = sig.take(t.num_rows)
-                    if not s.column("idx").equals(t.column("idx")):
+                    if s is None or not s.column("idx").equals(t.column("idx")):
                         raise RuntimeError(f"dedup: signature part {task} does not follow its docs")
                     a, hits = _aligned(side, sidx, t.column("idx").to_numpy())
                     counts.append(_write_batch(parts, t, s, a) | {"side": hits})
+                if sig.take(1) is not None:
+                    raise RuntimeError(f"dedup: signature part {task} has more rows than its docs")
         finally:
             parts.close()
         maybe_fail("dedup-docs")
@@ -222,12 +236,15 @@ class _Follow:
     def __init__(self, path: Path, columns: list[str]):
         self.it, self.rest = pq.ParquetFile(path).iter_batches(batch_size=BATCH, columns=columns), None
 
-    def take(self, n: int) -> pa.Table:
+    def take(self, n: int) -> pa.Table | None:
+        """The next ``n`` rows; None when the file has fewer left."""
         got = [self.rest] if self.rest is not None else []
         have = sum(b.num_rows for b in got)
         while have < n:
-            b = pa.Table.from_batches([next(self.it)])
-            got.append(b)
+            b = next(self.it, None)
+            if b is None:
+                return None
+            got.append(pa.Table.from_batches([b]))
             have += b.num_rows
         t = pa.concat_tables(got).combine_chunks()
         self.rest = t.slice(n)
@@ -248,10 +265,11 @@ def _write_batch(parts: _Parts, t: pa.Table, s: pa.Table, a: pa.Table) -> dict:
     dropped = pc.fill_null(pc.not_equal(a.column("cluster"), idx), False)  # removed as a duplicate in this corpus
     gone = pc.or_(dropped, a.column("against").is_valid())
     parts.write("signatures", s.filter(pc.invert(gone)))
-    reason = pc.if_else(dropped, pc.if_else(a.column("exact_dup"), EXACT, NEAR), a.column("against"))
+    exact = pc.fill_null(a.column("exact_dup"), False)
+    reason = pc.if_else(dropped, pc.if_else(exact, EXACT, NEAR), a.column("against"))
+    dup_of = pc.if_else(dropped, a.column("cluster"), pa.scalar(None, pa.int64()))
     parts.write("kept", t.filter(pc.invert(gone)))
-    parts.write("removed", t.filter(gone).append_column("dup_of", pc.if_else(dropped, a.column("cluster"), pa.scalar(None, pa.int64()))
-                                                        .filter(gone))
+    parts.write("removed", t.filter(gone).append_column("dup_of", dup_of.filter(gone))
                 .append_column("dup_of_id", a.column("dup_of_id").filter(gone))
                 .append_column("reason", reason.filter(gone))
                 .append_column("jaccard", a.column("jaccard").filter(gone)))
@@ -264,7 +282,7 @@ def _counts(t: pa.Table, s: pa.Table, a: pa.Table, member, dropped) -> dict:
         return a.column(name).filter(mask).to_numpy(zero_copy_only=False)
 
     idx = t.column("idx")
-    exact = col("exact_dup", dropped).astype(bool)
+    exact = pc.fill_null(a.column("exact_dup"), False).filter(dropped).to_numpy(zero_copy_only=False)
     keeper = pc.and_(member, pc.equal(a.column("cluster"), idx))
     root = pc.and_(member, pc.equal(a.column("component"), idx))
     sizes = {k: np.unique(col(f"{k}_size", mask), return_counts=True) for k, mask in (("cluster", keeper),

@@ -182,7 +182,10 @@ def _fused_kernel_py(buf, doc_off, n, sep, x, x_off, n_words, exact):  # compile
     s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
     m32 = np.uint64(0xFFFFFFFF)
     nd = doc_off.size - 1
-    w = np.empty(max(1, buf.size // 2 + 1), dtype=np.uint64)
+    longest = 0
+    for d in range(nd):
+        longest = max(longest, doc_off[d + 1] - doc_off[d])
+    w = np.empty(longest // 2 + 1, dtype=np.uint64)  # ≥ the words of any doc
     tmp = np.empty_like(w)
     cnt = np.empty(256, dtype=np.int64)
     cur = 0
@@ -243,7 +246,9 @@ def _fused_kernel_py(buf, doc_off, n, sep, x, x_off, n_words, exact):  # compile
                 hh = z ^ (z >> s31)
             x[cur] = hh & m32
             cur += 1
-        if cur > start:
+        if 0 < cur - start < 64:  # few: a comparison sort is quicker than four radix passes
+            x[start:cur].sort()
+        elif cur > start:
             src, dst = x[start:cur], tmp[:cur - start]
             for shift in range(0, 32, 8):  # LSD radix sort of the doc's 32-bit hashes, 8 bits a pass
                 sh = np.uint64(shift)
@@ -261,6 +266,7 @@ def _fused_kernel_py(buf, doc_off, n, sep, x, x_off, n_words, exact):  # compile
                     dst[cnt[bkt]] = v
                     cnt[bkt] += 1
                 src, dst = dst, src  # after the four passes the sorted hashes are back in x
+        if cur > start:  # drop repeats
             k = start + 1
             for j in range(start + 1, cur):
                 if x[j] != x[k - 1]:
