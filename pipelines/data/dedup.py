@@ -422,17 +422,18 @@ def _corpus_scan_fn(new, verify: bool):
     def fn(pieces):
         import numpy as np
         import pyarrow as pa
-        import pyarrow.compute as pc
 
         nh, nband, nkey, nidx = (np.frombuffer(b, dt) for b, dt in
                                  zip(new.value, (np.uint64, np.int64, np.int64, np.int64)))
-        known = pa.array(np.unique(nh))
         for p in pieces:
             h, band, key, row = bucket_hashes(read_piece(p, ["keys"]).column(0).combine_chunks())
-            hit = np.flatnonzero(pc.is_in(pa.array(h), value_set=known).to_numpy(zero_copy_only=False))
+            o = np.argsort(h)  # sorted needles: each search starts where the last one ended
+            lo, hi = np.empty_like(o), np.empty_like(o)
+            lo[o], hi[o] = np.searchsorted(nh, h[o], "left"), np.searchsorted(nh, h[o], "right")
+            hit = np.flatnonzero(hi > lo)
             if not hit.size:
                 continue
-            lo, hi = np.searchsorted(nh, h[hit], "left"), np.searchsorted(nh, h[hit], "right")
+            lo, hi = lo[hit], hi[hit]
             n = hi - lo
             at = np.repeat(hit, n)
             pos = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n) + np.repeat(lo, n)
@@ -441,22 +442,24 @@ def _corpus_scan_fn(new, verify: bool):
                 continue  # equal hashes of different buckets
             pairs = np.unique(np.stack([nidx[pos[ok]], row[at[ok]], (band[at[ok]] == 0)], 1), axis=0)
             pairs = pairs[np.r_[pairs[1:, :2] != pairs[:-1, :2], [[True, True]]].any(1)]  # max x per pair
-            got = read_piece(p, ["id", "sh"] if verify else ["id"]).take(pa.array(pairs[:, 1]))
-            ids, shs = got.column("id").to_pylist(), got.column("sh").to_pylist() if verify else None
+            near = verify and bool((pairs[:, 2] == 0).any())  # only near pairs need the shingle sets
+            got = read_piece(p, ["id", "sh"] if near else ["id"]).take(pa.array(pairs[:, 1]))
+            ids, shs = got.column("id").to_pylist(), got.column("sh").to_pylist() if near else None
             for k, (i, _, x) in enumerate(pairs.tolist()):
-                yield i, ids[k], x, None if x or not verify else shs[k]
+                yield i, ids[k], x, None if x or not near else shs[k]
     return fn
 
 
-def against_corpus(spark, sig, against: list[Path], cfg: DedupCfg, tasks: int):
+def against_corpus(spark, sig, against: list[Path], cfg: DedupCfg, tasks: int, n_entries: int):
     """New docs that are duplicates of docs kept earlier (``against``: their persisted signatures ``id, keys, sh``):
     a new doc and an old one that share a bucket (band, key) are a candidate pair; the exact band (0) makes an exact
     duplicate, an LSH band a near one when its exact Jaccard ≥ ``threshold`` (with ``verify``; without it every
     candidate counts). Returns (idx, dup_of_id, reason, jaccard), one row per removed new doc: its most similar old
     doc (exact first, ties: the smallest id). Nothing of the old corpus is shingled again, shuffled or passed
-    through the JVM: the new docs' buckets go to every task (in rounds of at most ``BROADCAST_KEYS``), each task
-    reads its row groups of the old band keys with pyarrow and looks them up, and only the matching rows' ids and
-    shingle sets are read."""
+    through the JVM: the new docs' buckets (``n_entries`` of them, sorted by hash) go to every task (in rounds of at
+    most ``BROADCAST_KEYS``), each task reads its row groups of the old band keys with pyarrow and looks them up
+    (binary search, the old hashes sorted first), and only the matching rows' ids, and the shingle sets of a row
+    group with a near pair, are read."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -464,7 +467,7 @@ def against_corpus(spark, sig, against: list[Path], cfg: DedupCfg, tasks: int):
     if not pieces:
         return spark.createDataFrame([], "idx long, dup_of_id string, reason string, jaccard double")
     new = sig.where(F.col("keys").isNotNull())
-    rounds = max(1, -(-int(new.agg(F.sum(F.size("keys"))).first()[0] or 0) // BROADCAST_KEYS))
+    rounds = max(1, -(-n_entries // BROADCAST_KEYS))
     parts = []
     for r in range(rounds):
         b = spark.sparkContext.broadcast(_new_buckets(new.where(F.col("idx") % rounds == r)))
@@ -578,7 +581,8 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
         clock.mark("signatures")
         sig, old_rem, n_against = sig_all, None, 0
         if against:
-            old_rem = against_corpus(spark, sig_all, against, cfg, tasks).persist(StorageLevel.MEMORY_AND_DISK)
+            old_rem = against_corpus(spark, sig_all, against, cfg, tasks, s["entries"]).persist(
+                StorageLevel.MEMORY_AND_DISK)
             persisted.append(old_rem)
             n_against = old_rem.count()
             sig = sig_all.join(old_rem.select("idx"), "idx", "left_anti")
