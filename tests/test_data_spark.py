@@ -99,7 +99,8 @@ def test_docs_without_shingles_and_an_empty_corpus(tmp_path, spark):
         src.mkdir()
         pq.write_table(pa.table({"idx": pa.array(range(len(rows)), pa.int64()),
                                  "id": pa.array([f"d{i}" for i in range(len(rows))], pa.string()),
-                                 "text": pa.array(rows, pa.string()), "source": pa.array(["t"] * len(rows), pa.string())}),
+                                 "text": pa.array(rows, pa.string()),
+                                 "source": pa.array(["t"] * len(rows), pa.string())}),
                        src / "part-00000.parquet")
         st = dedup.dedup_docs(spark, src, tmp_path / f"{name}-out", DedupCfg(), tasks=2)
         kept, removed = (_table(tmp_path / f"{name}-out" / k) for k in ("kept", "removed"))

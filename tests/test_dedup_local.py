@@ -129,9 +129,9 @@ def test_bucket_stars_streamed_in_small_batches_equal_the_star_edges_of_the_keys
 
 
 def test_one_task_components_are_the_components_of_docs_sharing_a_bucket():
-    """The one-task path (keys of every doc → stars → components, with sizes) against a union-find over the docs that
-    share any (band, key); a doc with null keys (empty text) and a doc alone in its buckets are no members; the rows
-    may come in several batches, in any order."""
+    """The one-task path (keys of every doc → stars → components, with sizes) against a union-find over the docs
+    that share any (band, key); a doc with null keys (empty text) and a doc alone in its buckets are no members; the
+    rows may come in several batches, in any order."""
     import pyarrow as pa
 
     from pipelines.data.dedup import one_task_components

@@ -27,9 +27,10 @@ Pipeline (on executors; the driver plans, counts, and writes the side table when
    per-row UDF), components run again on the verified edges, and ``cover`` keeps every star centre.
    The assignments (and the docs removed against an older corpus) become the *side table*, sorted by idx.
 5. The *output pass*: each task of the signature pass's plan reads its docs again, its signature file and the side
-   rows of its span of idx, and writes ``clusters/``, ``signatures/``, ``kept/`` and ``removed/`` through the task
+   rows of its own docs (row groups outside its span of idx are not read), and writes ``clusters/``,
+   ``signatures/``, ``kept/`` and ``removed/`` through the task
    commit protocol, and counts. The job fails when a task's output is missing: the output pass read fewer docs than
-   the signature pass, an assignment found no doc, or the removals do not add up.
+   the signature pass, a side row written found no doc, or the removals do not add up.
 
 Outputs under the stage directory (parquet dirs of ``part-NNNNN.parquet``, each sorted by ``idx``, zstd):
 
@@ -133,9 +134,9 @@ def _signature_fn(ngram: int, num_perm: int, seed: int, bands: int, rows: int):
 
 
 def bucket_edges(sig):
-    """Star edges of every bucket (band, key) with ≥ 2 members: each member → the bucket's smallest idx; band 0 is the
-    exact-text band, and an edge found there has ``x`` = 1. A pair that shares several bands comes once per band; at
-    most one edge per bucket entry. One shuffle brings each bucket's entries together, sorted, and one streaming
+    """Star edges of every bucket (band, key) with ≥ 2 members: each member → the bucket's smallest idx; band 0 is
+    the exact-text band, and an edge found there has ``x`` = 1. A pair that shares several bands comes once per band;
+    at most one edge per bucket entry. One shuffle brings each bucket's entries together, sorted, and one streaming
     Python pass (:func:`bucket_stars`) emits the stars. A bucket with millions of members streams through its task
     (Spark's sort spills, the pass holds one Arrow batch): its members are never gathered."""
     from pyspark.sql import functions as F
@@ -298,21 +299,21 @@ def _candidates(spark, sig, n_entries: int, cfg: DedupCfg) -> dict:
     star edges). Up to ``cc_single_task_max_edges`` entries, every doc's keys go to one executor task, which finds the
     buckets, their stars and the components (:func:`one_task_components`): no shuffle by bucket, no count; else the
     candidate edges come from a shuffle by bucket, merged, persisted and counted first. Returns ``rounds``,
-    ``cc_mode``, ``members`` (idx, cc: the component's smallest idx, n: its size) and ``cand`` (the merged candidate
-    edges, persisted; None when not counted: the distributed keeper path then makes them)."""
+    ``cc_mode``, ``members`` (idx, cc: the component's smallest idx, n: its size), ``cand`` (the merged candidate
+    edges, persisted; None when not counted: the distributed keeper path then makes them) and ``persisted`` (what to
+    unpersist at the end)."""
     from pyspark import StorageLevel
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     if 0 < n_entries <= cfg.cc_single_task_max_edges:
         members = (sig.where(F.col("keys").isNotNull()).select("idx", "keys").repartition(1)
                    .mapInArrow(one_task_components, "idx long, cc long, n long"))
-        return {"members": members, "rounds": 1, "cc_mode": "single_task", "cand": None}
+        return {"members": members, "rounds": 1, "cc_mode": "single_task", "cand": None, "persisted": []}
     cand = star_edges(sig).persist(StorageLevel.MEMORY_AND_DISK)
     comps, rounds, mode = _components(spark, cand, cand.count(), cfg)
-    members = (comps.select(F.col("node").alias("idx"), F.col("root").alias("cc"))
-               .withColumn("n", F.count("*").over(Window.partitionBy("cc"))))  # one pass over the components
-    return {"members": members, "rounds": rounds, "cc_mode": mode, "cand": cand}
+    m = comps.select(F.col("node").alias("idx"), F.col("root").alias("cc")).persist(StorageLevel.MEMORY_AND_DISK)
+    sizes = m.groupBy("cc").agg(F.count("*").alias("n"))  # partial counts, a join AQE can split: no giant task
+    return {"members": m.join(sizes, "cc"), "rounds": rounds, "cc_mode": mode, "cand": cand, "persisted": [cand, m]}
 
 
 def _big_assign(members, sig, cand, cfg: DedupCfg):
@@ -417,8 +418,8 @@ def _new_buckets(sig) -> tuple[bytes, bytes, bytes, bytes]:
 def _corpus_scan_fn(new, verify: bool):
     """mapPartitions body: pieces of the old corpus's signatures → (idx, old_id, x, b) rows, one per (new doc, old
     doc) pair sharing a bucket: ``x`` 1 when they share the exact band, ``b`` the old doc's shingle hashes (with
-    ``verify``, for near pairs). The task reads the old keys itself (pyarrow) and reads ids and shingle sets of its
-    matching rows only."""
+    ``verify``, for near pairs). The task reads the old keys itself (pyarrow) and reads the ids of its matching rows
+    only, and their shingle sets only for a row group with a near pair."""
     def fn(pieces):
         import numpy as np
         import pyarrow as pa
@@ -428,8 +429,8 @@ def _corpus_scan_fn(new, verify: bool):
         for p in pieces:
             h, band, key, row = bucket_hashes(read_piece(p, ["keys"]).column(0).combine_chunks())
             o = np.argsort(h)  # sorted needles: each search starts where the last one ended
-            lo, hi = np.empty_like(o), np.empty_like(o)
-            lo[o], hi[o] = np.searchsorted(nh, h[o], "left"), np.searchsorted(nh, h[o], "right")
+            lo, hi, hs = np.empty_like(o), np.empty_like(o), h[o]
+            lo[o], hi[o] = np.searchsorted(nh, hs, "left"), np.searchsorted(nh, hs, "right")
             hit = np.flatnonzero(hi > lo)
             if not hit.size:
                 continue
@@ -588,8 +589,9 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
             sig = sig_all.join(old_rem.select("idx"), "idx", "left_anti")
             clock.mark("against_corpus")
         c = _candidates(spark, sig, s["entries"], cfg)
+        persisted += c["persisted"]
         a = _assign(spark, sig, c, cfg, tasks)
-        persisted += [c["cand"], a["members"], a["big_edges"]]
+        persisted += [a["members"], a["big_edges"]]
         clock.mark("components")
         n_side = o.write_side(_side_table(a["assign"], old_rem), a["n_members"] + n_against, out / o.WORK / "side",
                               tasks)
@@ -602,7 +604,8 @@ def dedup_docs(spark, docs_path: Path, out: Path, cfg: DedupCfg, against: list[P
             if df is not None:
                 df.unpersist()
         shutil.rmtree(out / o.WORK, ignore_errors=True)
-    if (t["docs"], t["side"], t["removed"]) != (s["docs"], n_side, sum(t["reason"].values()) + n_against):
+    if ((t["docs"], t["side"], t["removed"]) != (s["docs"], n_side, sum(t["reason"].values()) + n_against)
+            or not n_against <= n_side <= a["n_members"] + n_against):
         raise StageError(f"dedup's output pass read {t['docs']} of {s['docs']} docs and matched {t['side']} of "
                          f"{n_side} assignments, removing {t['removed']}: a task's output is missing")
     stats = _stats(t, a, c, cfg, n_against) | {"seconds": clock.marks}

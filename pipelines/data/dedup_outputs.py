@@ -1,7 +1,7 @@
 """The dedup job's passes that read and write files in their own tasks, and its counts, tallied by the same tasks.
 
-* The *signature pass* (first): each task reads its pieces of the docs (row groups, ``pipelines.data.spark.plan_pieces``)
-  with pyarrow, computes every doc's signature row (``idx, id, len, keys, sh``) and writes them to
+* The *signature pass* (first): each task reads its pieces of the docs (row groups,
+  ``pipelines.data.spark.plan_pieces``) with pyarrow, computes every doc's signature row (``idx, id, len, keys, sh``) and writes them to
   ``_work/sig/part-NNNNN.parquet``. The text never passes through the JVM; Spark reads them for the shuffles that
   find the duplicates.
 * The *side table* (``_work/side``): a row per doc that is a member of a candidate component (its component, cluster,
@@ -9,7 +9,8 @@
   sorted by ``idx``. Up to ``BROADCAST_ROWS`` rows the driver writes it as one file; more, Spark writes it
   range-partitioned by ``idx``. A task reads only the row groups of its own span of ``idx``.
 * The *output pass* (last): each task reads the same pieces of the docs again, its own signature file and the side rows
-  of its span → ``clusters/`` (every doc), ``signatures/`` (the kept docs', what a later run dedups against),
+  of its own docs (only the row groups of its span of idx are read) → ``clusters/`` (every doc), ``signatures/``
+  (the kept docs', what a later run dedups against),
   ``kept/``, ``removed/``, and the counts: docs, docs with shingles, removals by reason, the size histograms of
   duplicate clusters and components, edge counts, side rows matched.
 
@@ -127,8 +128,8 @@ def signature_task(base: str, sig_fn):
 
 def signature_pass(spark, pieces: list, out: Path, sig_fn) -> dict:
     """Run the signature pass: ``_work/sig/`` under ``out`` (an empty file when there are no docs). Returns its
-    ``dir``, ``spans`` (the (smallest, largest) idx of each task, in task order), ``docs`` and ``entries`` (bucket entries:
-    every doc's exact key and band keys)."""
+    ``dir``, ``spans`` (the (smallest, largest) idx of each task, in task order), ``docs`` and ``entries`` (bucket
+    entries: every doc's exact key and band keys)."""
     rows = _run(spark, pieces, lambda base: signature_task(base, sig_fn), out, "signature_pass", out / WORK,
                 {"sig": SIG}, finalize=False)
     counts = [json.loads(c) for _, c in sorted(rows, key=lambda r: _task_of(r[0]))]
@@ -172,9 +173,11 @@ def write_side(side, n_rows: int, d: Path, tasks: int) -> int:
     side = side.select(*SIDE.names)
     if n_rows > BROADCAST_ROWS:
         side = side.persist(StorageLevel.MEMORY_AND_DISK)  # the range partitioner samples it first: computed once
-        (side.repartitionByRange(tasks, "idx").sortWithinPartitions("idx")
-         .write.option("parquet.block.size", 8 << 20).mode("overwrite").parquet(str(d)))
-        side.unpersist()
+        try:
+            (side.repartitionByRange(tasks, "idx").sortWithinPartitions("idx")
+             .write.option("parquet.block.size", 8 << 20).mode("overwrite").parquet(str(d)))
+        finally:
+            side.unpersist()
     else:
         t = side.toArrow() if n_rows else SIDE.empty_table()
         d.mkdir(parents=True, exist_ok=True)
@@ -252,7 +255,8 @@ class _Follow:
 
 
 def _write_batch(parts: _Parts, t: pa.Table, s: pa.Table, a: pa.Table) -> dict:
-    """One batch of docs ``t``, their signature rows ``s`` and side rows ``a`` → the four outputs; returns its counts."""
+    """One batch of docs ``t``, their signature rows ``s`` and side rows ``a`` → the four outputs; returns its
+    counts."""
     idx = t.column("idx")
     member = a.column("cluster").is_valid()
     dup = pc.fill_null(pc.greater(a.column("component_size"), 1), False)
