@@ -6,9 +6,9 @@ its own mmap shards.
   byte fallback, so ``decode(encode(doc)) == canonical_text(doc)`` exactly. ``tokenizer.model_type``: ``bpe`` or
   ``unigram`` (``vocab_size`` pieces), ``char`` (one piece per character of the sample, no fallback: a character
   the sample lacks decodes as ``⁇``), ``byte`` (:func:`byte_model`: the 256 bytes, no training).
-* Tokenizer sample: the executors rank every train-split doc by ``sha256(seed:tok:id)``; the driver takes the
-  ``sample_docs`` smallest (Spark's top-k) and trains on them. The same docs give the same sample, whatever the
-  partitioning.
+* Tokenizer sample: the executors rank every train-split doc by ``sha256(seed:tok:id)``; the ``sample_docs`` smallest
+  (Spark's top-k) go to one executor task, which trains on them (:func:`trained_model`: the driver holds neither
+  the sample nor the trainer). The same docs give the same sample, whatever the partitioning.
 * Split (``tokenizer.heldout``, :class:`Splitter`): ``hash``: a doc goes to ``heldout`` when ``sha256(seed:id)`` falls
   under ``heldout_fraction``, else to ``train`` (stable under corpus growth: a doc never changes split); ``tail``:
   the last ``heldout_fraction`` of each input's docs (by ``idx``), or of its text when the input is one doc (the
@@ -176,10 +176,12 @@ def portable(model: Path) -> Path:
     return model
 
 
-def sample_texts(docs, cfg: TokenizerCfg, seed: int, split: Splitter) -> list[str]:
-    """The tokenizer's training sample: the executors rank every train-split doc by id, the top ``sample_docs`` ids
-    are chosen (Spark's top-k: only ids and keys move), and only the winners are joined back to their text (a
-    one-doc input's head only: its tail is held out)."""
+def trained_model(docs, cfg: TokenizerCfg, seed: int, split: Splitter) -> bytes | None:
+    """A SentencePiece model trained on the tokenizer's sample in one executor task, so the driver holds neither the
+    sample's text nor the trainer (its memory stays flat as the corpus grows): the executors rank every train-split
+    doc by id, the top ``sample_docs`` ids are chosen (Spark's top-k: only ids and keys move), only the winners are
+    joined back to their text and sent to one task, which puts them in key order (a one-doc input's head only: its
+    tail is held out) and trains. Returns the model's bytes; None when the sample is empty."""
     from pyspark.sql import functions as F
 
     def rank(batches):
@@ -195,11 +197,30 @@ def sample_texts(docs, cfg: TokenizerCfg, seed: int, split: Splitter) -> list[st
 
     top = docs.select("id", *split.columns).mapInArrow(rank, "key binary, id string").orderBy("key") \
         .limit(cfg.sample_docs)
-    rows = docs.join(F.broadcast(top), "id").select("key", "id", "text", *split.columns).collect()
-    return [next((t for part, _, t in split.parts(r.id, r["source"] if split.columns else None,
-                                                    r["idx"] if split.columns else None, canonical_text(r.text or ""))
-                  if part == "train"), "")
-            for r in sorted(rows, key=lambda r: r.key)]
+    winners = docs.join(F.broadcast(top), "id").select("key", "id", "text", *split.columns)
+    got = winners.repartition(1).mapInArrow(_train_task(cfg, seed, split), "model binary").collect()
+    return got[0]["model"] if got else None
+
+
+def _train_task(cfg: TokenizerCfg, seed: int, split: Splitter):
+    """mapInArrow body, one task over the sample's (key, id, text[, source, idx]) rows → one row: the model's bytes."""
+    def fn(batches):
+        import tempfile
+
+        import pyarrow as pa
+
+        got = [b for b in batches if b.num_rows]
+        if not got:
+            return
+        t = pa.Table.from_batches(got).sort_by("key")
+        cols = [t.column(k).to_pylist() for k in ("id", "text", *split.columns)]
+        texts = [next((x for part, _, x in split.parts(i, rest[0] if rest else None, rest[1] if rest else None,
+                                                      canonical_text(text or "")) if part == "train"), "")
+                 for i, text, *rest in zip(*cols)]
+        with tempfile.TemporaryDirectory() as d:
+            model = train_sentencepiece([canonical_text(x) for x in texts], Path(d) / "tokenizer", cfg, seed)
+            yield pa.RecordBatch.from_arrays([pa.array([model.read_bytes()], pa.binary())], names=["model"])
+    return fn
 
 
 def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int, split: Splitter, given: Path | None = None) -> bytes:
@@ -213,12 +234,10 @@ def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int, split: Splitt
     elif cfg.model_type == "byte":
         byte_model(out / "tokenizer.model")
     else:
-        texts = sample_texts(docs, cfg, seed, split)
-        if not texts:
+        model = trained_model(docs, cfg, seed, split)
+        if model is None:
             raise TokenizeError("no training docs left to train a tokenizer on (did every doc get filtered?)")
-        model = train_sentencepiece([canonical_text(t) for t in texts], out / "tokenizer", cfg, seed)
-        (out / "tokenizer.vocab").unlink(missing_ok=True)
-        assert model == out / "tokenizer.model"
+        (out / "tokenizer.model").write_bytes(model)
     return (out / "tokenizer.model").read_bytes()
 
 
