@@ -31,8 +31,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.data.spark import (attempt_dir, finalize_parquet_dir, maybe_fail, prepare_attempts, publish_attempts,
-                                  read_piece)
+from pipelines.data.spark import (attempt_dir, finalize_parquet_dir, maybe_fail, piece_batches, prepare_attempts,
+                                  publish_attempts, read_piece)
 
 SIG = pa.schema([("idx", pa.int64()), ("id", pa.string()), ("len", pa.int32()), ("keys", pa.list_(pa.int64())),
                  ("sh", pa.binary())])
@@ -91,14 +91,6 @@ class _Parts:
             w.close()
 
 
-def doc_batches(pieces: list, columns: list[str]):
-    """A task's docs, ``BATCH`` rows at a time, in the pieces' order (the same batches in both passes)."""
-    for p in pieces:
-        t = read_piece(p, columns).select(columns)
-        for off in range(0, t.num_rows, BATCH):
-            yield t.slice(off, BATCH).combine_chunks()
-
-
 def _done_row(parts: _Parts, counts: dict) -> list[tuple[str, str]]:
     return [] if parts.mine is None else [(str(parts.mine), json.dumps(counts))]
 
@@ -111,7 +103,7 @@ def signature_task(base: str, sig_fn):
         pieces = [p for ps in it for p in ps]
         parts, n = _Parts(base, {"sig": SIG}), {"docs": 0, "entries": 0, "lo": None, "hi": None}
         try:
-            for t in doc_batches(pieces, ["idx", "id", "text"]):
+            for t in piece_batches(pieces, ["idx", "id", "text"], BATCH):
                 s = pa.Table.from_batches(list(sig_fn(t.to_batches())), SIG)
                 parts.write("sig", s)
                 lo, hi = pc.min_max(s.column("idx")).values()
@@ -218,7 +210,7 @@ def output_task(base: str, kept: pa.Schema, sig_dir: str, side_dir: str):
             for task, pieces, lo, hi in it:
                 side, sidx = _side_rows(side_dir, pieces, lo, hi)
                 sig = _Follow(Path(sig_dir) / f"part-{task:05d}.parquet", ["idx", "id", "keys", "sh"])
-                for t in doc_batches(pieces, kept.names):
+                for t in piece_batches(pieces, kept.names, BATCH):
                     s = sig.take(t.num_rows)
                     if s is None or not s.column("idx").equals(t.column("idx")):
                         raise RuntimeError(f"dedup: signature part {task} does not follow its docs")

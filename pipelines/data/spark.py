@@ -170,6 +170,15 @@ def read_piece(p: Piece, columns: list[str]):
     return pq.ParquetFile(p.file).read_row_group(p.group, columns=columns).slice(p.start, p.stop - p.start)
 
 
+def piece_batches(pieces: list[Piece], columns: list[str], rows: int = 2048):
+    """A task's rows of ``columns`` (in that order), ``rows`` at a time, in the pieces' order: each batch one
+    contiguous pyarrow Table, the same batches whenever the same pieces are read."""
+    for p in pieces:
+        t = read_piece(p, columns).select(columns)
+        for off in range(0, t.num_rows, rows):
+            yield t.slice(off, rows).combine_chunks()
+
+
 # ---- Spark on Kubernetes ----------------------------------------------------------------------------------------
 
 SPARK_SCRATCH = "/spark-local"  # executors' spark.local.dir (shuffle, spills) in the pods

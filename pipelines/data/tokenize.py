@@ -44,7 +44,7 @@ import numpy as np
 
 from pipelines.data import takedown
 from pipelines.data.shards import ShardWriter, token_dtype
-from pipelines.data.spark import Piece, read_piece
+from pipelines.data.spark import Piece, piece_batches
 from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
 from pipelines.manifest import Manifest, StageError, file_ref, input_ref, load_manifest, sha256_file
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
@@ -296,10 +296,9 @@ class PartitionShards:
 def read_pieces(pieces: list[Piece], extra: tuple[str, ...] = (), batch_rows: int = 2048):
     """(ids, texts, sources, idxs) batches of a task's rows, read by the task itself (pyarrow, no JVM in the text's
     path); sources and idxs are read when ``extra`` names them, else None each."""
-    for p in pieces:
-        for b in read_piece(p, ["id", "text", *extra]).to_batches(max_chunksize=batch_rows):
-            cols = [b.column(k).to_pylist() for k in range(b.num_columns)]
-            yield (*cols[:2], *(cols[2:] or [[None] * b.num_rows] * 2))
+    for b in piece_batches(pieces, ["id", "text", *extra], batch_rows):
+        cols = [b.column(k).to_pylist() for k in range(b.num_columns)]
+        yield (*cols[:2], *(cols[2:] or [[None] * b.num_rows] * 2))
 
 
 SHARD_FILES = (".bin", ".idx", ".ids.parquet")
