@@ -7,7 +7,9 @@ embedded S3-compatible endpoint on 127.0.0.1 for the L2 tier.
 
 Overrides come in three layers, later wins: the YAML file, ``--set section.key=value`` pairs
 (what Airflow Params turn into), and environment variables for the ``services`` section
-(``SPARK_MASTER``, ``S3_ENDPOINT_URL``, ``S3_BUCKET``, ``MLFLOW_TRACKING_URI``).
+(``SPARK_MASTER``, ``S3_ENDPOINT_URL``, ``S3_BUCKET``, ``S3_REGION``, ``MLFLOW_TRACKING_URI``,
+``MLFLOW_UI_URL``). An Airflow task sets these for its stages from the connections the spec names
+(``plugins/llm_connections.py``).
 
 Each stage hashes only the sections it reads (:meth:`JobSpec.stage_hash`), so changing the
 number of training steps does not invalidate the dedup output.
@@ -646,12 +648,13 @@ class ServicesCfg(_Section):
     mlflow_artifact_root: str = "var/mlartifacts"
     # Airflow connections: when the named connection exists (set in the UI, by `airflow connections`, an env var or a
     # secrets backend), the DAG's tasks take the service's address and credentials from it instead of the values
-    # above (plugins/llm_operators.py: connection_env); absent, these values are used.
+    # above (plugins/llm_connections.py: resolve); absent, these values are used.
     spark_conn_id: str = Field("spark_pipeline", description="Spark connection (host = the master).")
     aws_conn_id: str = Field("aws_default", description="AWS connection: login/password = the access key, "
                              "extra endpoint_url = the S3 endpoint, extra region_name = the region.")
     mlflow_conn_id: str = Field("mlflow_default", description="MLflow tracking connection (http): host[:port] = "
-                                "the tracking URI, login/password = its basic-auth login.")
+                                "the tracking URI, login/password = its basic-auth login, extra ui_url = the UI "
+                                "the extra links point at (default: the tracking server's http(s) address).")
     kube_conn_id: str = Field("kubernetes_default", description="Kubernetes connection: extra kube_config_path, "
                               "kube_config (the file's content), in_cluster, cluster_context.")
 
@@ -662,6 +665,7 @@ ENV_OVERRIDES = {
     "S3_BUCKET": ("services", "s3_bucket"),
     "S3_REGION": ("services", "s3_region"),
     "MLFLOW_TRACKING_URI": ("services", "mlflow_tracking_uri"),
+    "MLFLOW_UI_URL": ("services", "mlflow_ui_url"),
 }
 
 class JobSpec(_Section):

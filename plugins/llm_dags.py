@@ -15,7 +15,9 @@ A DAG whose stages read manifests of another DAG's stages starts with ``upstream
 from the Params (``<stage>_manifest``) when given, else from the Asset event that triggered the run, else from
 the newest event of that Asset, so a manual run of ``training`` or ``evaluation`` works alone.
 Every DAG opens the pipeline's services first (``setup_services``: the embedded S3 endpoint when none is
-configured, an MLflow run tagged with the DAG and run ids) and closes them last (a teardown).
+configured, an MLflow run tagged with the DAG and run ids) and closes them last (a teardown). Every task, these two,
+the stages and the extra links, finds the services through the same lookup (``llm_connections.resolve``: the
+Airflow connections the spec names win over its ``services``).
 """
 from __future__ import annotations
 
@@ -111,38 +113,60 @@ def manifest_of(name: str, inside: set[str]) -> str:
     return "{{ ti.xcom_pull(task_ids='%s')['%s'] }}" % (UPSTREAM_TASK, name)
 
 
-@task
-def setup_services(params=None) -> dict:
-    """Start the embedded S3 endpoint when no external one is configured; open the MLflow run (tagged with the
-    DAG and run ids)."""
-    from airflow.sdk import get_current_context
+def open_services(spec_path: str, dag_id: str, run_id: str) -> dict:
+    """What ``setup_services`` does, for the services the stages will use (``llm_connections.services``: the
+    connections that exist win over the spec): the embedded S3 endpoint, only when no endpoint is configured (a
+    lease shared by overlapping runs); the MLflow run, tagged with the DAG and run ids."""
+    from llm_connections import services
 
     from pipelines import tracking
-    from pipelines.spec import load_spec
     from pipelines.storage import s3
 
-    spec = load_spec(params["spec"])
+    owner = f"{dag_id}/{run_id}"
+    with services(spec_path) as spec:
+        started = s3.acquire(owner) if not spec.services.s3_endpoint_url else None
+        try:
+            mlflow_run = tracking.start_run(spec, run_name=f"{spec.run.name}-{dag_id}-{run_id}",
+                                            tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id})
+        except BaseException:  # no teardown info to release it with: release it here
+            if started:
+                s3.release(owner)
+            raise
+    return {"mlflow_run_id": mlflow_run, "embedded_s3": started, "s3_lease": owner}
+
+
+def close_services(spec_path: str, info: dict | None) -> None:
+    """What ``teardown_services`` does with ``open_services``' result: close the MLflow run on the server it was
+    opened on, and release the embedded S3 endpoint only when this run started it (stopped by the last run that
+    holds it; its objects are saved to var/s3/store)."""
+    from llm_connections import services
+
+    from pipelines import tracking
+    from pipelines.storage import s3
+
+    info = info or {}
+    try:
+        if info.get("mlflow_run_id"):
+            with services(spec_path) as spec:
+                tracking.client(spec).set_terminated(info["mlflow_run_id"])
+    finally:  # an MLflow server that fails to answer does not keep the endpoint running
+        if info.get("embedded_s3"):
+            s3.release(info["s3_lease"])
+
+
+@task
+def setup_services(params=None) -> dict:
+    """The embedded S3 endpoint when no external one is configured, and the MLflow run (``open_services``)."""
+    from airflow.sdk import get_current_context
+
     ctx = get_current_context()
-    owner = f"{ctx['dag'].dag_id}/{ctx['run_id']}"
-    started = s3.acquire(owner) if not spec.services.s3_endpoint_url else None  # shared by overlapping runs
-    run_id = tracking.start_run(spec, run_name=f"{spec.run.name}-{ctx['dag'].dag_id}-{ctx['run_id']}",
-                                tags={"airflow.dag_id": ctx["dag"].dag_id, "airflow.run_id": ctx["run_id"]})
-    return {"mlflow_run_id": run_id, "embedded_s3": started, "s3_lease": owner}
+    return open_services(params["spec"], ctx["dag"].dag_id, ctx["run_id"])
 
 
 @task
 def teardown_services(info: dict, params=None) -> None:
-    """Close the MLflow run and release the embedded S3 endpoint (stopped by the last run that holds it; its objects
-    are saved to var/s3/store)."""
-    from pipelines import tracking
-    from pipelines.spec import load_spec
-    from pipelines.storage import s3
-
-    spec = load_spec(params["spec"])
-    if info and info.get("mlflow_run_id"):
-        tracking.client(spec).set_terminated(info["mlflow_run_id"])
-    if info and info.get("embedded_s3"):
-        s3.release(info["s3_lease"])  # stops the endpoint when no other run holds it
+    """Close the MLflow run and release the embedded S3 endpoint if this run started it (``close_services``)."""
+    close_services(params["spec"], info)
 
 
 def upstream_assets_task(asset: Asset, source: str, needed: list[str]):

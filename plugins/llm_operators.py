@@ -4,18 +4,19 @@
   its output into the task log, and returns the stage manifest's path (XCom) read from the
   ``--report`` file the CLI writes.
 * ``SparkStageOperator`` submits a Spark stage with ``spark-submit`` through the Spark provider's
-  ``SparkSubmitOperator``; the master comes from the job spec (``services.spark_master``, env
-  ``SPARK_MASTER``), exposed to the hook as the connection ``spark_pipeline``. For a non-local
-  master the ``pipelines`` package is shipped with ``--py-files``.
+  ``SparkSubmitOperator``; the master is the Spark connection's (``services.spark_conn_id``) when it exists,
+  else the job spec's (``services.spark_master``, env ``SPARK_MASTER``), exposed to the hook under that
+  connection id for the submit only. For a non-local master the ``pipelines`` package is shipped with
+  ``--py-files``.
 
-Both take the spec path and ``--set`` overrides (templated, so DAG Params flow in).
+Both take the spec path and ``--set`` overrides (templated, so DAG Params flow in), and resolve the services
+through the connections (``llm_connections.resolve``); the extra links do too (``push_links``).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,26 +62,10 @@ def spec_cli_args(spec: str | None, overrides: Sequence[str]) -> list[str]:
     return out
 
 
-def connection_env(spec_path: str | None, overrides: Sequence[str], scratch: Path) -> dict[str, str]:
-    """Environment overrides for a stage from the Airflow connections its spec names (``services.*_conn_id``):
-    a connection that exists wins over the spec's own value (what ``pipelines.cluster_config`` wrote), and its
-    secrets reach the stage through its environment, never its command line. Absent connections change nothing."""
-    from llm_connections import aws_env, find_connection, kube_env, mlflow_env
-
-    from pipelines.spec import SpecError, load_spec
-
-    cli = spec_cli_args(spec_path, overrides)
-    try:
-        services = load_spec(spec_path, [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"]).services
-    except SpecError:  # the stage itself rejects the spec, with the key to fix (exit 2: no retries)
-        return {}
-    env: dict[str, str] = {}
-    for conn_id, to_env in ((services.aws_conn_id, aws_env), (services.mlflow_conn_id, mlflow_env),
-                            (services.kube_conn_id, lambda c: kube_env(c, scratch))):
-        conn = find_connection(conn_id) if conn_id else None
-        if conn is not None:
-            env.update(to_env(conn))
-    return env
+def spec_sets(overrides: Sequence[str]) -> list[str]:
+    """The ``--set`` overrides a stage gets (an empty Param keeps the spec's value)."""
+    cli = spec_cli_args(None, overrides)
+    return [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"]
 
 
 def _read_report(path: str) -> str:
@@ -125,14 +110,14 @@ def push_links(op: BaseOperator, context, manifest_path: str, more: dict | None 
     if ti is None:
         return
     try:
-        from pipelines import tracking
-        from pipelines.spec import load_spec
+        from llm_connections import services
 
-        cli = spec_cli_args(op.spec, op.overrides)
-        spec = load_spec(op.spec, [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"])
-        run_id = spec.run.mlflow_run_id
-        exp = tracking.client(spec).get_run(run_id).info.experiment_id if run_id else None
-        links = tracking.stage_links(spec, json.loads(Path(manifest_path).read_text()), exp)
+        from pipelines import tracking
+
+        with services(op.spec, spec_sets(op.overrides)) as spec:  # the MLflow server and S3 the stage used
+            run_id = spec.run.mlflow_run_id
+            exp = tracking.client(spec).get_run(run_id).info.experiment_id if run_id else None
+            links = tracking.stage_links(spec, json.loads(Path(manifest_path).read_text()), exp)
         ti.xcom_push(key="links", value={**(more or {}), **links})
     except Exception as e:  # noqa: BLE001 - links are a convenience; never fail a finished stage over them
         op.log.warning("no extra links for this task: %s", e)
@@ -240,7 +225,17 @@ class StageOperator(BaseOperator):
         return [*spec_cli_args(self.spec, self.overrides), *self.stage_args]
 
     def _env(self, scratch: str, detach: bool) -> dict[str, str]:
-        return {**connection_env(self.spec, self.overrides, Path(scratch)), "LLMP_DETACH": "1" if detach else "0"}
+        """The stage's environment on top of this process's: the connections' (their secrets never reach its
+        command line) and ``LLMP_DETACH``."""
+        from llm_connections import resolve
+
+        from pipelines.spec import SpecError
+
+        try:
+            env = resolve(self.spec, spec_sets(self.overrides), Path(scratch)).env
+        except SpecError:  # the stage itself rejects the spec, with the key to fix (exit 2: no retries)
+            env = {}
+        return {**env, "LLMP_DETACH": "1" if detach else "0"}
 
     def execute(self, context) -> str:
         with tempfile.TemporaryDirectory(prefix="llmp-conn-") as scratch:
@@ -282,8 +277,8 @@ def kubernetes_conf(spec) -> dict[str, str]:
 
 
 class SparkStageOperator(SparkSubmitOperator):
-    """spark-submit a stage module (through ``pipelines/spark_entry.py``) with the job spec's master;
-    return its manifest path."""
+    """spark-submit a stage module (through ``pipelines/spark_entry.py``) with the Spark connection's master, else
+    the job spec's; return its manifest path."""
 
     template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "spec", "overrides", "stage_args")
     ui_color = "#fdf1e6"
@@ -297,22 +292,16 @@ class SparkStageOperator(SparkSubmitOperator):
         self.overrides = list(overrides)
         self.stage_args = list(stage_args)
 
-    def _submit_settings(self, spec, tmp: str) -> str:
-        """conf, env and --py-files for spark-submit; returns the Spark UI's URL (the driver runs here). The master is
-        the Spark connection's (``services.spark_conn_id``) when one exists, else the spec's, exposed under that id."""
-        from llm_connections import find_connection, spark_master
-
+    def _submit_settings(self, r, tmp: str) -> str:
+        """conf, env_vars and --py-files for spark-submit from the resolved spec ``r.spec`` (its master is the Spark
+        connection's when that exists); returns the Spark UI's URL (the driver runs here)."""
         from pipelines.data.spark import package_zip
 
+        spec = r.spec
+        master = spec.services.spark_master
         self._conn_id = spec.services.spark_conn_id
-        conn = find_connection(self._conn_id)
-        if conn is None:
-            master = spec.services.spark_master
-            os.environ[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps({"conn_type": "spark", "host": master})
-        else:
-            master = spark_master(conn)
+        if self._conn_id in r.found:
             self.log.info("Spark master from connection %s: %s", self._conn_id, master)
-            spec.services.spark_master = master  # the Kubernetes conf below is the connection master's
         ui_port = _free_port()
         self.conf = {**spec.services.spark_conf, **(self.conf or {}), "spark.pyspark.python": sys.executable,
                      "spark.pyspark.driver.python": sys.executable, "spark.ui.port": str(ui_port),
@@ -325,44 +314,44 @@ class SparkStageOperator(SparkSubmitOperator):
                          "PYSPARK_DRIVER_PYTHON": sys.executable, "LLMP_HOME": str(project_root()),
                          "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
                          "PYTHONWARNINGS": "ignore::FutureWarning", "SPARK_MASTER": master}
-        # the connections' settings and secrets reach spark-submit and the driver through this task process's own
-        # environment (the provider puts env_vars on spark-submit's command line for Kubernetes masters), until the
-        # task ends (execute restores it: `airflow dags test` runs every task in one process)
-        conn_env = connection_env(self.spec, self.overrides, Path(tmp))
-        self._saved_env = {k: os.environ.get(k) for k in conn_env}
-        os.environ.update(conn_env)
         if master.startswith("local"):
             self.env_vars.setdefault("SPARK_LOCAL_IP", os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"))
         host = self.conf.get("spark.driver.host") or self.env_vars.get("SPARK_LOCAL_IP") or "127.0.0.1"
         return f"http://{host}:{ui_port}"
 
-    def execute(self, context) -> str:
-        from pipelines.spec import load_spec
+    def submit_env(self, r) -> dict[str, str]:
+        """What this task's process environment holds while spark-submit runs, and only then: the connections'
+        settings and secrets, which spark-submit and the driver inherit (the provider puts ``env_vars`` on
+        spark-submit's command line for Kubernetes masters), and, when no Spark connection exists, the spec's master
+        under the connection id the provider's hook reads. A user's own connection is never overwritten."""
+        env = dict(r.env)
+        if self._conn_id not in r.found:
+            env[f"AIRFLOW_CONN_{self._conn_id.upper()}"] = json.dumps({"conn_type": "spark",
+                                                                       "host": r.spec.services.spark_master})
+        return env
 
-        cli = spec_cli_args(self.spec, self.overrides)
-        spec = load_spec(self.spec, [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"])
-        tmp = tempfile.mkdtemp(prefix="llmp-spark-")
-        report = os.path.join(tmp, "report.json")
-        self.application_args = [self.module, *cli, *self.stage_args, "--report", report]
-        spark_ui = {"spark_ui": self._submit_settings(spec, tmp)}
-        if context.get("ti") is not None:  # the link works while the stage runs (the driver serves it)
-            context["ti"].xcom_push(key="links", value=spark_ui)
-        self.log.info("spark-submit to master %s; Spark UI while it runs: %s", spec.services.spark_master,
-                      spark_ui["spark_ui"])
-        self._hook = None
-        try:
-            super().execute(context)
+    def execute(self, context) -> str:
+        from llm_connections import resolve, scoped_env
+
+        with tempfile.TemporaryDirectory(prefix="llmp-spark-") as tmp:
+            r = resolve(self.spec, spec_sets(self.overrides), Path(tmp))
+            report = os.path.join(tmp, "report.json")
+            self.application_args = [self.module, *spec_cli_args(self.spec, self.overrides), *self.stage_args,
+                                     "--report", report]
+            spark_ui = {"spark_ui": self._submit_settings(r, tmp)}
+            if context.get("ti") is not None:  # the link works while the stage runs (the driver serves it)
+                context["ti"].xcom_push(key="links", value=spark_ui)
+            self.log.info("spark-submit to master %s; Spark UI while it runs: %s", r.spec.services.spark_master,
+                          spark_ui["spark_ui"])
+            self._hook = None
+            # `airflow dags test` and LocalExecutor run later tasks in this process: the environment is put back
+            with scoped_env(self.submit_env(r)):
+                try:
+                    super().execute(context)
+                except BaseException:  # a timeout or a kill: spark-submit's JVM and its Python workers go too
+                    self.on_kill()
+                    raise
             return finish(self, context, _read_report(report), spark_ui)
-        except BaseException:  # a timeout or a kill: spark-submit's JVM and its Python workers go too
-            self.on_kill()
-            raise
-        finally:
-            for k, v in getattr(self, "_saved_env", {}).items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            shutil.rmtree(tmp, ignore_errors=True)
 
     def on_kill(self) -> None:
         """spark-submit and every process under it (the driver JVM, its Python workers): SIGTERM, then SIGKILL after

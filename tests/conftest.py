@@ -26,7 +26,8 @@ os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", str(ROOT / "plugins"))
 os.environ.setdefault("LLMP_PROGRESS", "0")
 logging.getLogger("py4j").setLevel(logging.WARNING)  # no "closing down" chatter at interpreter exit
 # Hermetic: a developer's shell pointing at real services must not leak into the tests.
-for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "S3_ENDPOINT_URL", "S3_BUCKET", "SPARK_MASTER", "LLMP_HOME"):
+for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_UI_URL", "S3_ENDPOINT_URL", "S3_BUCKET", "S3_REGION",
+             "SPARK_MASTER", "LLMP_HOME"):
     os.environ.pop(_var, None)
 if str(ROOT / "plugins") not in sys.path:
     sys.path.insert(0, str(ROOT / "plugins"))
