@@ -161,6 +161,22 @@ def test_the_api_servers_schema_rejection_is_reported(home, kube):
         k8s.submit(custom, job, print)
 
 
+def test_the_api_servers_cel_and_webhook_refusals_are_reported(home, kube):
+    """The stand-in admits as the cluster does (pipelines.train.admission): the TrainJob CRD's CEL name rule and
+    the webhook's rules come back as a 422 naming the rule, and the launcher's one line says it."""
+    fake, cfg = kube
+    spec = load_spec(None, kube_sets(home, cfg), env={})
+    custom, _ = k8s.api_clients(spec)
+    job = _job(spec, ["true"])
+    job["metadata"]["name"] = "7b-run-train-unit"  # a name job_name no longer gives
+    job["spec"]["runtimePatches"][0]["manager"] = "llm-pipeline"
+    with pytest.raises(k8s.JobFailed, match=r"refused TrainJob llm-pipeline/7b-run-train-unit \(422 Unprocessable"
+                       r".*<root>: metadata\.name must match RFC 1035 DNS label format \[CEL rule: "
+                       r".*spec\.runtimePatches\[0\]\.manager: 'llm-pipeline': must be a domain-prefixed path"):
+        k8s.submit(custom, job, print)
+    assert fake.jobs == {}
+
+
 def test_kubernetes_needs_the_stage_paths_on_the_shared_filesystem(home, tmp_path_factory):
     elsewhere = tmp_path_factory.mktemp("not-shared")
     spec = load_spec(None, [*TINY, "launcher.kind=kubernetes", "launcher.shared_fs_mount=/fsx",
@@ -269,7 +285,7 @@ def test_airflow_connections_set_the_services_and_win_over_the_spec(home, kube, 
     import stat
 
     sys.path.insert(0, str(ROOT / "plugins"))
-    from llm_operators import connection_env
+    from llm_connections import resolve
     from llm_triggers import TrainingJobTrigger
 
     fake, cfg = kube
@@ -277,9 +293,10 @@ def test_airflow_connections_set_the_services_and_win_over_the_spec(home, kube, 
     spec_file.write_text(yaml.safe_dump({"services": {"s3_endpoint_url": "http://127.0.0.1:1", "spark_master": "local[1]",
                                                       "mlflow_tracking_uri": "sqlite:///x.db"},
                                          "launcher": {"kind": "trainjob", "kubeconfig": "/nonexistent"}}))
-    for var in ("AIRFLOW_CONN_AWS_DEFAULT", "AIRFLOW_CONN_MLFLOW_DEFAULT", "AIRFLOW_CONN_KUBERNETES_DEFAULT"):
+    for var in ("AIRFLOW_CONN_AWS_DEFAULT", "AIRFLOW_CONN_MLFLOW_DEFAULT", "AIRFLOW_CONN_KUBERNETES_DEFAULT",
+                "AIRFLOW_CONN_SPARK_PIPELINE"):
         monkeypatch.delenv(var, raising=False)
-    assert connection_env(str(spec_file), [], tmp_path) == {}  # none set: the spec's values stand
+    assert resolve(str(spec_file), [], tmp_path).env == {}  # none set: the spec's values stand
     monkeypatch.setenv("AIRFLOW_CONN_AWS_DEFAULT", _json.dumps({"conn_type": "aws", "login": "AKIAEXAMPLE",
                        "password": "s3cr3t-key", "extra": {"endpoint_url": "http://127.0.0.1:9000",
                                                            "region_name": "eu-west-1"}}))
@@ -287,12 +304,14 @@ def test_airflow_connections_set_the_services_and_win_over_the_spec(home, kube, 
                        "port": 5000, "login": "pipeline", "password": "mlflow-pass"}))
     monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_DEFAULT", _json.dumps({"conn_type": "kubernetes", "extra": {
         "kube_config": cfg.read_text(), "cluster_context": "fake"}}))
-    env = connection_env(str(spec_file), [], tmp_path)
+    r = resolve(str(spec_file), [], tmp_path)
+    env = r.env
     assert env["S3_ENDPOINT_URL"] == "http://127.0.0.1:9000" and env["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-key"
     assert env["MLFLOW_TRACKING_URI"] == "http://mlflow.internal:5000" and env["MLFLOW_TRACKING_PASSWORD"] == "mlflow-pass"
     kubeconfig = Path(env["LLMP_KUBECONFIG"])
     assert stat.S_IMODE(kubeconfig.stat().st_mode) == 0o600 and env["LLMP_KUBE_CONTEXT"] == "fake"
     spec = load_spec(str(spec_file), env=env)  # what the stage sees: the connections win over the spec file
+    assert spec == r.spec  # and what the task itself resolved
     assert spec.services.s3_endpoint_url == "http://127.0.0.1:9000" and spec.services.s3_region == "eu-west-1"
     assert spec.services.mlflow_tracking_uri == "http://mlflow.internal:5000"
     for k, v in env.items():
@@ -310,24 +329,28 @@ def test_airflow_connections_set_the_services_and_win_over_the_spec(home, kube, 
 
 def test_a_spark_connection_that_exists_is_the_master_and_is_not_overwritten(home, monkeypatch, tmp_path):
     """spark_pipeline set by a user (UI, CLI, env) is the master spark-submit gets; absent, the spec's master is
-    exposed under that id (the laptop path)."""
+    exposed under that id, for the submit only (tests/test_connections.py: the variable is put back after)."""
     import json as _json
     import os
 
     sys.path.insert(0, str(ROOT / "plugins"))
+    from llm_connections import resolve
     from llm_operators import SparkStageOperator
 
-    spec = load_spec(None, ["services.spark_master=local[2]"], env={})
+    spec_file = home / "spark-spec.yaml"
+    spec_file.write_text(yaml.safe_dump({"services": {"spark_master": "local[2]"}}))
     op = SparkStageOperator(task_id="dedup", module="pipelines.data.dedup")
     user = _json.dumps({"conn_type": "spark", "host": "local[1]"})
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_PIPELINE", user)
-    op._submit_settings(spec, str(tmp_path))
-    assert op.env_vars["SPARK_MASTER"] == "local[1]" and os.environ["AIRFLOW_CONN_SPARK_PIPELINE"] == user
+    r = resolve(str(spec_file), [], tmp_path)
+    op._submit_settings(r, str(tmp_path))
+    assert op.env_vars["SPARK_MASTER"] == "local[1]" and "AIRFLOW_CONN_SPARK_PIPELINE" not in op.submit_env(r)
     monkeypatch.delenv("AIRFLOW_CONN_SPARK_PIPELINE")
-    op._submit_settings(load_spec(None, ["services.spark_master=local[2]"], env={}), str(tmp_path))
+    r = resolve(str(spec_file), [], tmp_path)
+    op._submit_settings(r, str(tmp_path))
     assert op.env_vars["SPARK_MASTER"] == "local[2]"
-    assert _json.loads(os.environ["AIRFLOW_CONN_SPARK_PIPELINE"])["host"] == "local[2]"
-    monkeypatch.delenv("AIRFLOW_CONN_SPARK_PIPELINE")
+    assert _json.loads(op.submit_env(r)["AIRFLOW_CONN_SPARK_PIPELINE"])["host"] == "local[2]"
+    assert "AIRFLOW_CONN_SPARK_PIPELINE" not in os.environ  # building the settings writes no environment
 
 
 def test_a_job_deleted_behind_the_watch_fails_it_with_one_line(home, kube):

@@ -1,14 +1,17 @@
-"""Kubernetes launch: the job spec as a Kubeflow training job, submitted and watched.
+"""Kubernetes launch: the job spec as a Kubeflow training job, checked as the cluster will check it, submitted and
+watched.
 
-Two job APIs (``launcher.kind``): ``trainjob`` (the default on Kubernetes), a Kubeflow Trainer v2 ``TrainJob``
-(trainer.kubeflow.org/v1alpha1) on the ``torch-distributed`` ClusterTrainingRuntime; and ``pytorchjob``, a
+``launcher.kind`` is ``local`` by default (torchrun here, not this module). On Kubernetes it picks one of two job
+APIs: ``trainjob`` (the default Kubernetes kind; ``kubernetes`` means it), a Kubeflow Trainer v2 ``TrainJob``
+(trainer.kubeflow.org/v1alpha1) on the ``torch-distributed`` ClusterTrainingRuntime; or ``pytorchjob``, a
 training-operator v1 ``PyTorchJob`` (kubeflow.org/v1, in maintenance; it keeps the elastic range). Both come from
 one :class:`PodParts` (:func:`pod_parts`): ``nnodes`` nodes that each run ``torchrun -m <module>`` (the trainer or
 the preflight; the operator passes the rendezvous to torchrun through ``PET_*`` variables), with GPU and EFA
 limits, the shared-FS claim mounted at ``launcher.shared_fs_mount`` (the L1 checkpoint tier, and where run.root
-lives), a memory-backed ``/dev/shm`` for NCCL, and NCCL/EFA environment.
-:func:`validate_job` checks a manifest against its CRD's ``openAPIV3Schema``, plus what the schema cannot say.
-:func:`run_job` submits it with the kubernetes client (a job of the same name left by an earlier try is adopted
+lives), a memory-backed ``/dev/shm`` for NCCL, and NCCL/EFA environment. :func:`job_name` is a DNS-1035 label.
+:func:`validate_job` / :func:`check_job` say what the cluster would refuse (:mod:`pipelines.train.admission`: the
+CRD's schema and CEL rules, the operator's admission webhook) and what this launcher needs; :func:`run_job` checks
+the job so, then submits it with the kubernetes client (a job of the same name left by an earlier try is adopted
 while it runs or has succeeded, replaced when it failed), polls it every ``launcher.poll_seconds`` to a terminal
 condition, printing each state change (conditions and replica counts) and every replica's new log lines, each
 with its pod (so they reach the Airflow task log), and deletes the job on timeout, SIGTERM (Airflow's kill) or
@@ -18,7 +21,8 @@ With node-local L0 (``checkpoint.l0`` an absolute path outside the shared mount)
 host's own disk there (``launcher.node_local_path``, or an ``emptyDir`` on the instance-store NVMe).
 
     python -m pipelines.train.k8s SPEC.yaml --tokenize-manifest M [--run-id ID] [--set launcher.kind=pytorchjob]
-    # prints the TrainJob (or PyTorchJob) the train stage would submit for these inputs (YAML)
+    # prints the TrainJob (or PyTorchJob) the train stage would submit for these inputs (YAML); exit 2 with one
+    # line per rule (field, message, rule) when the cluster would refuse it
 """
 from __future__ import annotations
 
@@ -45,16 +49,23 @@ NCCL_ENV = {
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_PROTO": "simple"}
 
 
+NAME_LIMIT = 50  # a TrainJob's JobSet names pods and hostnames <name>-node-<i>-<j>, a PyTorchJob's operator its
+# Services <name>-worker-<i>: each must stay a DNS-1035 label of ≤ 63 characters
+
+
 def job_name(spec: JobSpec, run_id: str) -> str:
-    """A DNS-1123 name from the run name and id: ≤ 63 chars, ≤ 50 for a TrainJob (its JobSet names pods and hostnames
-    ``<name>-node-<i>-<j>``, which must stay ≤ 63), a longer one cut with a digest of the whole kept."""
+    """A DNS-1035 label from the run name and id, as the TrainJob CRD's CEL rule and training-operator's webhook
+    require: lowercase, ``[a-z0-9-]`` only, starting with a letter (``r-`` put before a name that does not), at
+    most :data:`NAME_LIMIT` characters; a longer one is cut and ends with a digest of the whole, so two runs whose
+    names differ only past the cut keep different jobs."""
     import hashlib
 
     base = re.sub(r"[^a-z0-9-]+", "-", f"{spec.run.name}-{run_id}".lower()).strip("-")
-    limit = 50 if spec.launcher.job_kind == "trainjob" and spec.launcher.on_kubernetes else 63
-    if len(base) <= limit or limit == 63:
-        return base[:limit].rstrip("-")
-    return f"{base[:limit - 9].rstrip('-')}-{hashlib.sha256(base.encode()).hexdigest()[:8]}"
+    if not base[:1].isalpha():
+        base = f"r-{base}".rstrip("-")
+    if len(base) <= NAME_LIMIT:
+        return base
+    return f"{base[:NAME_LIMIT - 9].rstrip('-')}-{hashlib.sha256(base.encode()).hexdigest()[:8]}"
 
 
 def node_local_l0(spec: JobSpec) -> bool:
@@ -66,6 +77,7 @@ def node_local_l0(spec: JobSpec) -> bool:
 MLFLOW_CLIENT_SECRET = "mlflow-client"  # infra/terraform/modules/metadata: kubernetes_secret_v1.mlflow_client
 MLFLOW_CLIENT_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+PATCH_MANAGER = "llm-pipeline/launcher"  # Trainer's webhook: a runtime patch's manager is a domain-prefixed path
 
 
 @dataclass(frozen=True)
@@ -174,8 +186,11 @@ def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
         },
     }
     if L.min_nodes is not None and L.min_nodes < L.nnodes:
+        # spec.nprocPerNode only: v1.8.1's webhook forbids elasticPolicy.nProcPerNode (deprecated) beside it. The
+        # operator then sets PET_NPROC_PER_NODE from spec.nprocPerNode, PET_NNODES=min:max, PET_RDZV_BACKEND,
+        # PET_RDZV_ENDPOINT=<job>-worker-0:23456 and PET_MAX_RESTARTS for torchrun.
         job["spec"]["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": L.min_nodes, "maxReplicas": L.nnodes,
-                                        "maxRestarts": L.max_restarts, "nProcPerNode": gpus}
+                                        "maxRestarts": L.max_restarts}
     return job
 
 
@@ -205,7 +220,7 @@ def render_trainjob(spec: JobSpec, run_id: str, trainer_args: list[str],
                         "numProcPerNode": L.nproc_per_node,
                         "env": p.env_list() + secret_env,
                         "resourcesPerNode": {"limits": p.limits, "requests": dict(p.limits)}},
-            "runtimePatches": [{"manager": "llm-pipeline",
+            "runtimePatches": [{"manager": PATCH_MANAGER,
                                 "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [node_patch]}}}}],
         },
     }
@@ -221,25 +236,24 @@ def stage_job(spec: JobSpec, run_id: str, module: str, args: list[str]) -> dict:
     return RENDER[spec.launcher.job_kind](spec, run_id, args, module, extra_env={"LLMP_HOME": str(project_home())})
 
 
-def crd_schema(crd_path: Path, version: str | None = None) -> dict:
-    """The ``openAPIV3Schema`` of a CRD file's ``version`` (default: its only or first served version)."""
-    crd = yaml.safe_load(Path(crd_path).read_text())
-    for v in crd["spec"]["versions"]:
-        if version is None or v["name"] == version:
-            return v["schema"]["openAPIV3Schema"]
-    raise ValueError(f"{crd_path} has no version {version}")
+# the CRD a kind is checked against by default: Trainer v2.3.0's TrainJob CRD, shipped (no PyTorchJob CRD is; a
+# PyTorchJob gets its webhook's rules, and its schema's and CEL rules with --crd)
+DEFAULT_CRDS = {"trainjob": Path(__file__).resolve().parents[2] / "infra/k8s/crds/trainer.kubeflow.org_trainjobs.yaml"}
 
 
-def validate_job(job: dict, crd_path: Path, spec: JobSpec | None = None) -> list[str]:
-    """Errors (empty when valid): the CRD's schema, then what the schema cannot say (the trainer container's name,
-    the nodes adding up to the spec's)."""
-    import jsonschema
+def validate_job(job: dict, crd_path: Path | None, spec: JobSpec | None = None) -> list[str]:
+    """Errors (empty when the cluster would take it): every refusal of :func:`pipelines.train.admission.refusals`
+    (metadata, the CRD's schema and CEL rules when ``crd_path`` is given, the operator's webhook), each naming its
+    field and rule, then what the launcher itself needs (the trainer container's name, the nodes adding up to the
+    spec's)."""
+    from pipelines.train.admission import refusals
 
-    k = kind_of(job)
-    v = jsonschema.Draft7Validator(crd_schema(crd_path, k.version))
-    errors = [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
-              for e in sorted(v.iter_errors(job), key=lambda e: list(e.absolute_path))]
-    js = job.get("spec", {})
+    return [str(r) for r in refusals(job, crd_path)] + launcher_errors(job, spec)
+
+
+def launcher_errors(job: dict, spec: JobSpec | None) -> list[str]:
+    """What the schema and the webhooks allow but this launcher cannot follow or did not ask for."""
+    k, js, errors = kind_of(job), job.get("spec", {}), []
     if k is PYTORCHJOB:
         for role, rs in js.get("pytorchReplicaSpecs", {}).items():
             names = [c.get("name") for c in rs.get("template", {}).get("spec", {}).get("containers", [])]
@@ -259,6 +273,19 @@ def validate_job(job: dict, crd_path: Path, spec: JobSpec | None = None) -> list
     if spec is not None and nodes != spec.launcher.nnodes:
         errors.append(f"the job has {nodes} nodes, the spec asks for launcher.nnodes={spec.launcher.nnodes}")
     return errors
+
+
+def check_job(job: dict, spec: JobSpec | None = None, crd_path: Path | None = None) -> None:
+    """:class:`JobFailed` naming each rule the job breaks (one line each) when the cluster would refuse it;
+    ``crd_path`` defaults to the CRD shipped for its kind (:data:`DEFAULT_CRDS`)."""
+    if crd_path is None:  # the shipped CRD; an install without this repository's infra/ has the webhook rules only
+        crd_path = DEFAULT_CRDS.get(kind_of(job).name)
+        crd_path = crd_path if crd_path is not None and crd_path.is_file() else None
+    errs = validate_job(job, crd_path, spec)
+    if errs:
+        meta = job.get("metadata") or {}
+        where = f"{job.get('kind')} {meta.get('namespace')}/{meta.get('name')}"
+        raise JobFailed("\n".join(f"the cluster would refuse {where}: {e}" for e in errs))
 
 
 class JobFailed(RuntimeError):
@@ -578,6 +605,7 @@ def run_job(spec: JobSpec, run_id: str, module: str, args: list[str],
     Airflow task waits in the triggerer, then calls this again, which adopts the finished job)."""
     job = stage_job(spec, run_id, module, args)
     k = kind_of(job)
+    check_job(job, spec)  # a job the cluster would refuse is never sent
     custom, core = api_clients(spec)
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     submit(custom, job, log)
@@ -612,24 +640,23 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-DEFAULT_CRDS = {"trainjob": Path(__file__).resolve().parents[2] / "infra/k8s/crds/trainer.kubeflow.org_trainjobs.yaml"}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipelines.train.k8s",
                                  description="Print the Kubernetes training job (a Kubeflow Trainer v2 TrainJob, or a "
                                  "v1 PyTorchJob with --set launcher.kind=pytorchjob) that the train stage would submit "
-                                 "for a job spec and a tokenize manifest (same trainer arguments, same name); validate "
-                                 "it against the CRD.")
+                                 "for a job spec and a tokenize manifest (same trainer arguments, same name), "
+                                 "checked as the cluster's admission checks it: exit 2 naming each rule it breaks.")
     ap.add_argument("spec", help="Job spec YAML (launcher.* as for a Kubernetes launcher.kind).")
     ap.add_argument("--tokenize-manifest", required=True, help="The tokenize stage's manifest.json (the train input).")
     ap.add_argument("--run-id", default=None, help="Run id in the job's name (default: the train stage's, "
                                                    "train-<stage key>).")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="Override a spec value (repeatable), e.g. --set launcher.kind=pytorchjob.")
-    ap.add_argument("--crd", default=None, help="CRD YAML to validate against (default for a TrainJob: the Trainer "
-                    "v2.3.0 CRD shipped in infra/k8s/crds; a PyTorchJob is validated only when given, e.g. the "
-                    "training operator's kubeflow.org_pytorchjobs.yaml).")
+    ap.add_argument("--crd", default=None, help="CRD YAML whose schema and CEL rules to check against (default for "
+                    "a TrainJob: the Trainer v2.3.0 CRD shipped in infra/k8s/crds; for a PyTorchJob none, e.g. the "
+                    "training operator's kubeflow.org_pytorchjobs.yaml). The operator's webhook rules always apply.")
     args = ap.parse_args(argv)
     from pipelines.manifest import load_manifest
     from pipelines.train.launch import TrainError, train_job
@@ -643,12 +670,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k8s: error: {e}", file=sys.stderr)
         return 2
     rendered = stage_job(spec, args.run_id or job.run_id, "pipelines.train.trainer", job.args)
-    crd = Path(args.crd) if args.crd else DEFAULT_CRDS.get(spec.launcher.job_kind)
-    if crd is not None:
-        errs = validate_job(rendered, crd, spec)
-        if errs:
-            print(f"k8s: invalid {rendered['kind']}:\n  " + "\n  ".join(errs), file=sys.stderr)
-            return 1
+    if args.crd and not Path(args.crd).is_file():
+        print(f"k8s: error: --crd {args.crd}: no such file", file=sys.stderr)
+        return 2
+    try:
+        check_job(rendered, spec, Path(args.crd) if args.crd else None)
+    except JobFailed as e:
+        print(f"k8s: {e}".replace("\n", "\nk8s: "), file=sys.stderr)
+        return 2
     print(yaml.safe_dump(rendered, sort_keys=False))
     return 0
 

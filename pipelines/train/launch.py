@@ -1,10 +1,11 @@
 """Launch training: the ``train`` stage.
 
 :func:`run_ranks` is the one launcher interface (the preflight stage uses it too), chosen by
-``launcher.kind``: ``local`` runs ``torchrun`` as a subprocess (``--standalone`` on one node, or
-c10d rendezvous on 127.0.0.1 for ``nnodes > 1`` on this machine) and streams its output;
-``trainjob`` (or ``kubernetes``) and ``pytorchjob`` submit a Kubeflow TrainJob or PyTorchJob and watch it
-(``pipelines.train.k8s``). On
+``launcher.kind``: ``local`` (the default) runs ``torchrun`` as a subprocess (``--standalone`` on one node, or
+c10d rendezvous on 127.0.0.1 for ``nnodes > 1`` on this machine) and streams its output; on Kubernetes
+``trainjob`` (the default kind there, which ``kubernetes`` means) submits a Kubeflow Trainer v2 TrainJob and
+``pytorchjob`` a training-operator v1 PyTorchJob, each checked first as the cluster's admission checks it (a job
+it would refuse is not sent: the stage fails with the rule, exit 2), then watched (``pipelines.train.k8s``). On
 success the stage writes its manifest: the L0 location of the final checkpoint, the loss curve (JSON
 and PNG, the PNG also logged to MLflow) and throughput.
 
@@ -135,8 +136,8 @@ def rank_workdir(spec: JobSpec, sd: StageDir, tmp: Optional[Path]) -> Path:
 
 @dataclass
 class TrainJob:
-    """What the ranks of one train stage run: the same for torchrun here and for the PyTorchJob (whose name and
-    command are fixed by the stage key, so a retried task adopts the job it submitted)."""
+    """What the ranks of one train stage run: the same for torchrun here and for the TrainJob or PyTorchJob (whose
+    name and command are fixed by the stage key, so a retried task adopts the job it submitted)."""
     sd: StageDir
     rel_root: str  # the run's checkpoints below each tier's root
     work: Path  # where the ranks write result.json, losses.json and read spec.yaml
@@ -170,7 +171,7 @@ def collect(work: Path, tmp: Path, names: list[str]) -> None:
 
 def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts: bool = True,
               detachable: bool = False, token: Optional[str] = None) -> None:
-    """Run ``module`` on every rank the spec asks for: torchrun here, or a PyTorchJob on Kubernetes (with
+    """Run ``module`` on every rank the spec asks for: torchrun here, or a TrainJob / PyTorchJob on Kubernetes (with
     ``LLMP_DETACH=1``, as a deferrable Airflow task sets it, a ``detachable`` caller, one whose job command and
     work dir are the same when it runs again, gets ``Pending`` after the submit instead of waiting)."""
     if spec.launcher.on_kubernetes:
