@@ -496,7 +496,7 @@ class LauncherCfg(_Section):
     nnodes: int = Field(1, ge=1)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     threads_per_proc: int = Field(1, ge=1, description="OMP/torch threads per rank on CPU.")
-    # kind = kubernetes: the Kubeflow PyTorchJob the launcher renders (pipelines.train.k8s)
+    # a Kubernetes kind: the job (TrainJob or PyTorchJob) the launcher renders (pipelines.train.k8s)
     image: str = Field("ghcr.io/llm-pipeline/trainer:latest", description="Container image with this package.")
     namespace: str = "llm-pipeline"
     efa_per_node: int = Field(0, ge=0, description="EFA interfaces per node (vpc.amazonaws.com/efa); 32 on p5.48xlarge.")
@@ -520,9 +520,11 @@ class LauncherCfg(_Section):
         None, description="kubeconfig file; None = in-cluster credentials when running in a pod, else $KUBECONFIG "
         "or ~/.kube/config.")
     kube_context: Optional[str] = Field(None, description="kubeconfig context (None = its current context).")
-    poll_seconds: float = Field(10.0, gt=0, description="How often the launcher polls the PyTorchJob's status.")
+    poll_seconds: float = Field(
+        10.0, gt=0, description="How often the launcher polls the job's (TrainJob or PyTorchJob) status.")
     timeout_minutes: Optional[float] = Field(
-        None, gt=0, description="Delete the PyTorchJob and fail when it has not finished by then (None = no limit).")
+        None, gt=0, description="Delete the job (TrainJob or PyTorchJob) and fail when it has not finished by then "
+        "(None = no limit).")
     node_selector: dict[str, str] = Field(
         default_factory=lambda: {"node.kubernetes.io/instance-type": "p5.48xlarge"},
         description="Pod node selector (the GPU node group).")

@@ -183,6 +183,80 @@ def test_cel_rules_at_every_level_with_kubernetes_semantics(tmp_path):
     assert errors(job, crd) == []
 
 
+# ---- training-operator v1.8.1's PyTorchJob CRD, shipped (infra/k8s/crds) and checked by default
+
+VENDORED_PYTORCHJOB_CRD = ROOT / "infra/k8s/crds/kubeflow.org_pytorchjobs.yaml"
+
+
+def test_the_shipped_pytorchjob_crd_is_v181s_as_recorded_and_as_terraform_installs():
+    """The default PyTorchJob CRD is the vendored file, byte for byte the one SOURCES.md records (sha256, commit) and
+    the one the training-operator chart installs (charts/training-operator/crds, the commit in its Chart.yaml)."""
+    import hashlib
+
+    assert k8s.DEFAULT_CRDS["pytorchjob"] == VENDORED_PYTORCHJOB_CRD and VENDORED_PYTORCHJOB_CRD.is_file()
+    data = VENDORED_PYTORCHJOB_CRD.read_bytes()
+    sources = (ROOT / "infra/k8s/crds/SOURCES.md").read_text()
+    (row,) = [line for line in sources.splitlines() if line.startswith("| `kubeflow.org_pytorchjobs.yaml`")]
+    assert f"sha256 `{hashlib.sha256(data).hexdigest()}`" in row
+    chart = ROOT / "infra/terraform/modules/cluster_addons/charts/training-operator"
+    commit = yaml.safe_load((chart / "Chart.yaml").read_text())["annotations"]["upstream-commit"]
+    assert commit in row and "v1.8.1" in row
+    assert (chart / "crds/kubeflow.org_pytorchjobs.yaml").read_bytes() == data
+    crd = yaml.safe_load(data)
+    assert crd["spec"]["names"]["kind"] == "PyTorchJob" and [v["name"] for v in crd["spec"]["versions"]] == ["v1"]
+
+
+@pytest.mark.parametrize("sets", [
+    ["launcher.nnodes=2"],
+    ["launcher.nnodes=4", "launcher.min_nodes=2"],  # elastic
+    ["launcher.nnodes=1", "checkpoint.l0=/local/ckpt"],  # node-local L0: a hostPath/emptyDir volume
+])
+def test_the_default_rendered_pytorchjob_passes_the_v181_crd(sets):
+    spec = load_spec(None, ["launcher.kind=pytorchjob", *sets], env={})
+    job = k8s.stage_job(spec, "Run_42", "pipelines.train.trainer", ["--spec", "/fsx/s.yaml"])
+    assert ("elasticPolicy" in job["spec"]) == (spec.launcher.min_nodes is not None)
+    assert errors(job, VENDORED_PYTORCHJOB_CRD) == []
+    k8s.check_job(job, spec)  # the default gate (the shipped CRD): no raise
+
+
+def test_the_pytorchjob_crd_schema_refuses_a_wrong_type_the_webhook_lets_through():
+    job = pytorchjob("launcher.nnodes=2")
+    job["spec"]["nprocPerNode"] = 8  # a string in v1.8.1's schema ("auto", "gpu", "8")
+    job["spec"]["runPolicy"] = {"backoffLimit": "three"}
+    assert errors(job) == []  # the webhook alone does not look at types
+    errs = errors(job, VENDORED_PYTORCHJOB_CRD)
+    one(errs, "spec.nprocPerNode: 8 is not of type 'string'", "[CRD schema]")
+    one(errs, "spec.runPolicy.backoffLimit: 'three' is not of type 'integer'", "[CRD schema]")
+    assert len(errs) == 2, errs
+
+
+def test_the_cli_refuses_a_pytorchjob_the_v181_schema_refuses_by_default(home, capsys, monkeypatch):
+    """No --crd: the shipped PyTorchJob CRD applies; the CLI exits 2 with the schema's line. The same job with a CRD
+    that leaves nprocPerNode untyped is printed (so the shipped CRD is what refused it)."""
+    tok = _tokenize_manifest(home)
+    render = k8s.RENDER["pytorchjob"]
+
+    def wrong_type(*a, **kw):
+        job = render(*a, **kw)
+        job["spec"]["nprocPerNode"] = int(job["spec"]["nprocPerNode"])
+        return job
+
+    monkeypatch.setitem(k8s.RENDER, "pytorchjob", wrong_type)
+    base = [str(ROOT / "configs/llama3_8b.yaml"), "--tokenize-manifest", tok.path, "--set", "launcher.kind=pytorchjob",
+            "--set", "launcher.min_nodes=null"]
+    assert k8s.main(base) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("k8s: the cluster would refuse PyTorchJob llm-pipeline/"), line
+    one([line], "spec.nprocPerNode: 8 is not of type 'string'", "[CRD schema]")
+    loose = yaml.safe_load(VENDORED_PYTORCHJOB_CRD.read_text())
+    spec_props = loose["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    spec_props["nprocPerNode"].pop("type")
+    (home / "loose.yaml").write_text(yaml.safe_dump(loose))
+    rc, out = k8s.main([*base, "--crd", str(home / "loose.yaml")]), capsys.readouterr()
+    assert rc == 0, out.err
+    assert yaml.safe_load(out.out)["spec"]["nprocPerNode"] == 8
+
+
 # ---- training-operator v1.8.1's PyTorchJob webhook
 
 def test_the_pytorchjob_webhook_refuses_a_name_that_is_no_dns_1035_label():

@@ -236,9 +236,11 @@ def stage_job(spec: JobSpec, run_id: str, module: str, args: list[str]) -> dict:
     return RENDER[spec.launcher.job_kind](spec, run_id, args, module, extra_env={"LLMP_HOME": str(project_home())})
 
 
-# the CRD a kind is checked against by default: Trainer v2.3.0's TrainJob CRD, shipped (no PyTorchJob CRD is; a
-# PyTorchJob gets its webhook's rules, and its schema's and CEL rules with --crd)
-DEFAULT_CRDS = {"trainjob": Path(__file__).resolve().parents[2] / "infra/k8s/crds/trainer.kubeflow.org_trainjobs.yaml"}
+# the CRD a kind is checked against by default (schema and CEL rules), shipped in infra/k8s/crds: Trainer v2.3.0's
+# TrainJob CRD and training-operator v1.8.1's PyTorchJob CRD (the versions infra/terraform installs); --crd overrides
+_CRDS = Path(__file__).resolve().parents[2] / "infra/k8s/crds"
+DEFAULT_CRDS = {"trainjob": _CRDS / "trainer.kubeflow.org_trainjobs.yaml",
+                "pytorchjob": _CRDS / "kubeflow.org_pytorchjobs.yaml"}
 
 
 def validate_job(job: dict, crd_path: Path | None, spec: JobSpec | None = None) -> list[str]:
@@ -411,8 +413,6 @@ def get_or_gone(custom, k: JobKind, ns: str, name: str) -> dict:
 
 def submit(custom, job: dict, log: Callable[[str], None] = print) -> str:
     """Create the job; returns 'created', 'adopted' (same name, still running or succeeded) or 'replaced'."""
-    from kubernetes.client.exceptions import ApiException
-
     k = kind_of(job)
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     if create(custom, k, job):
@@ -588,7 +588,7 @@ def watch(custom, core, k: JobKind, ns: str, name: str, poll_s: float, timeout_s
         if state == "Failed":
             errs = logs.errors()
             raise JobFailed(f"{k.kind} {ns}/{name} failed: {msg or 'no message'}"
-                            + (f"\nerrors in the pods' logs:\n  " + "\n  ".join(errs) if errs else "")
+                            + ("\nerrors in the pods' logs:\n  " + "\n  ".join(errs) if errs else "")
                             + "\nlast log lines:\n" + "\n".join(logs.tail[-15:]))
         if deadline is not None and time.monotonic() > deadline:
             delete(custom, k, ns, name)
@@ -654,9 +654,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    "train-<stage key>).")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="Override a spec value (repeatable), e.g. --set launcher.kind=pytorchjob.")
-    ap.add_argument("--crd", default=None, help="CRD YAML whose schema and CEL rules to check against (default for "
-                    "a TrainJob: the Trainer v2.3.0 CRD shipped in infra/k8s/crds; for a PyTorchJob none, e.g. the "
-                    "training operator's kubeflow.org_pytorchjobs.yaml). The operator's webhook rules always apply.")
+    ap.add_argument("--crd", default=None, help="CRD YAML whose schema and CEL rules to check against (default: the "
+                    "CRD shipped in infra/k8s/crds, Trainer v2.3.0's for a TrainJob, training-operator v1.8.1's for a "
+                    "PyTorchJob). The operator's webhook rules always apply.")
     args = ap.parse_args(argv)
     from pipelines.manifest import load_manifest
     from pipelines.train.launch import TrainError, train_job
