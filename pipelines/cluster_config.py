@@ -1,7 +1,8 @@
 """Terraform outputs → the job spec and Airflow connections that point the same DAG at the AWS stack.
 
-Reads ``terraform output -json`` of ``infra/terraform/envs/<env>`` (a file, or runs terraform there) and
-writes:
+Reads ``terraform output -json`` of the environment's two Terraform roots, ``infra/terraform/envs/<env>/aws`` then
+``infra/terraform/envs/<env>/platform``, merged (the platform layer's outputs win where both have one), either by
+running terraform there or from saved files (``--outputs`` once per root, in that order), and writes:
 
 * a job spec (YAML) that layers the cluster onto a base spec (default ``configs/demo.yaml``):
   ``launcher.kind: trainjob`` (a Kubeflow Trainer v2 TrainJob) with the trainer image, namespace, FSx claim and mount, service account
@@ -17,7 +18,7 @@ writes:
 
     python -m pipelines.cluster_config --env dev --out configs/aws-dev.yaml --connections var/aws-dev-connections.json
     airflow connections import var/aws-dev-connections.json
-    python -m pipelines.cluster_config --outputs tf-outputs.json --out configs/aws-dev.yaml
+    python -m pipelines.cluster_config --outputs aws.json --outputs platform.json --out configs/aws-dev.yaml
 """
 from __future__ import annotations
 
@@ -41,26 +42,43 @@ class WiringError(ValueError):
     pass
 
 
-def read_outputs(path: str | None, env: str | None) -> dict:
-    """``{name: value}`` from ``terraform output -json`` (a file, or run in infra/terraform/envs/<env>)."""
+LAYERS = ("aws", "platform")  # the roots of an environment, in apply order
+
+
+def _values(raw: dict) -> dict:
+    """``{name: value}`` of one root's ``terraform output -json``; the envs export their stack as one object."""
+    out = {k: (v["value"] if isinstance(v, dict) and "value" in v else v) for k, v in raw.items()}
+    return out["stack"] if isinstance(out.get("stack"), dict) else out
+
+
+def _terraform_output(d: Path) -> dict:
+    try:
+        return json.loads(subprocess.run(["terraform", f"-chdir={d}", "output", "-json"], check=True,
+                                         capture_output=True, text=True).stdout)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise WiringError(f"`terraform output -json` failed in {d} (run `terraform init` and `terraform apply` "
+                          f"there first): {e}") from None
+
+
+def read_outputs(path: str | list[str] | None, env: str | None) -> dict:
+    """``{name: value}``: the outputs of each saved ``terraform output -json`` (``path``: one file or several, merged
+    in order), or of the roots of infra/terraform/envs/<env> (aws, then platform), later ones winning."""
     if path:
-        raw = json.loads(Path(path).read_text())
+        raws = [json.loads(Path(p).read_text()) for p in ([path] if isinstance(path, str) else path)]
     else:
         d = ROOT / "infra" / "terraform" / "envs" / str(env)
-        if not d.is_dir():
-            raise WiringError(f"no Terraform environment at {d}; use --env dev|prod or --outputs FILE")
-        try:
-            raw = json.loads(subprocess.run(["terraform", f"-chdir={d}", "output", "-json"], check=True,
-                                            capture_output=True, text=True).stdout)
-        except (OSError, subprocess.CalledProcessError) as e:
-            raise WiringError(f"`terraform output -json` failed in {d} (run `terraform apply` there first): {e}") \
-                from None
-    out = {k: (v["value"] if isinstance(v, dict) and "value" in v else v) for k, v in raw.items()}
-    if isinstance(out.get("stack"), dict):  # envs/* export the stack module's outputs as one object
-        out = out["stack"]
+        roots = [d / layer for layer in LAYERS]
+        if not all(r.is_dir() for r in roots):
+            raise WiringError(f"no Terraform environment at {d} (with aws/ and platform/); use --env dev|prod or "
+                              "--outputs FILE")
+        raws = [_terraform_output(r) for r in roots]
+    out: dict = {}
+    for raw in raws:
+        out.update(_values(raw))
     missing = [k for k in REQUIRED if k not in out]
     if missing:
-        raise WiringError(f"Terraform outputs lack {', '.join(missing)}: is this an infra/terraform/envs/* state?")
+        raise WiringError(f"Terraform outputs lack {', '.join(missing)}: are these the outputs of "
+                          "infra/terraform/envs/<env>/aws and .../platform, both applied?")
     return out
 
 
@@ -100,8 +118,9 @@ def airflow_connections(out: dict) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipelines.cluster_config", description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--env", help="Run `terraform output -json` in infra/terraform/envs/ENV.")
-    src.add_argument("--outputs", help="A saved `terraform output -json`.")
+    src.add_argument("--env", help="Run `terraform output -json` in infra/terraform/envs/ENV/aws and .../platform.")
+    src.add_argument("--outputs", action="append", help="A saved `terraform output -json`; once per root (aws, then "
+                     "platform), or one file with both roots' outputs.")
     ap.add_argument("--base", default=str(ROOT / "configs" / "demo.yaml"), help="Spec the cluster settings layer onto.")
     ap.add_argument("--out", required=True, help="Job spec YAML to write.")
     ap.add_argument("--connections", help="Write the Airflow connections here (JSON for `airflow connections "

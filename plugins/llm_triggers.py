@@ -6,7 +6,7 @@ lines, each with its pod (they reach the task log), and fires once the job has S
 outlives ``timeout_s`` is deleted and reported as timed out; a deferred task that a user marks failed or
 succeeded, or clears, deletes its job (``on_kill``, which Airflow calls only on such a user action, not when a
 triggerer restarts). The trigger builds its own Kubernetes clients from the task's kubeconfig / context (or the
-triggerer pod's in-cluster identity, which Terraform grants: infra/terraform/modules/iam) and changes no
+triggerer pod's in-cluster identity, which Terraform grants its own read-and-delete Role: infra/terraform/modules/namespaces) and changes no
 process-global configuration: the triggerer is shared. The Kubernetes client is synchronous; its calls run in a
 thread so the triggerer's event loop never blocks.
 """

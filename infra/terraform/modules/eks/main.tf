@@ -1,15 +1,14 @@
 # EKS from plain resources rather than terraform-aws-modules/eks: every resource the cluster needs is
-# visible here (and to checkov) in ~300 lines, with no transitive module versions to track; the GPU node
-# group's EFA launch template and placement group are what the community module would need custom
-# settings for anyway.
+# visible here (and to checkov), with no transitive module versions to track; the GPU node group's EFA launch
+# template and placement group are what the community module would need custom settings for anyway.
 #
 # Control plane: private endpoint (public only from var.endpoint_public_cidrs), secrets envelope-encrypted
-# with the KMS key, all control-plane log types to an encrypted log group, API access entries.
-# Nodes: a system group (Airflow, MLflow, Spark, add-ons) and a GPU group in one AZ, in a cluster placement
-# group, with EFA interfaces, IMDSv2 only, encrypted volumes, tainted nvidia.com/gpu so only GPU pods land.
-# In the cluster: VPC CNI / CoreDNS / kube-proxy / Pod Identity / FSx CSI add-ons, the NVIDIA and EFA
-# device plugins (Helm), the Kubeflow training operator (PyTorchJob v1), FSx as PV + claim, and the
-# pipeline namespace with the RBAC Spark on Kubernetes needs (driver creates executor pods).
+# with the KMS key, all control-plane log types to an encrypted log group, API access entries, the IAM OIDC
+# provider for IRSA. Nodes: a system group (Airflow, MLflow, Spark, add-ons) and a GPU group in one AZ, in a
+# cluster placement group, with EFA interfaces, IMDSv2 only, encrypted volumes, tainted nvidia.com/gpu so only
+# GPU pods land. EKS add-ons: VPC CNI (with NetworkPolicy enforcement), CoreDNS, kube-proxy, Pod Identity,
+# FSx CSI. AWS API only: everything inside the cluster (namespaces, RBAC, Helm releases) is the platform
+# root's (modules/stack_platform), applied once this cluster exists.
 
 data "aws_partition" "current" {}
 
@@ -115,15 +114,12 @@ resource "aws_eks_cluster" "this" {
   depends_on = [aws_iam_role_policy_attachment.cluster, aws_cloudwatch_log_group.cluster]
 }
 
-data "tls_certificate" "oidc" {
-  url = aws_eks_cluster.this.identity[0].oidc[0].issuer
-}
-
+# No thumbprint_list (optional since AWS provider 5.81): IAM validates the EKS issuer's certificate against its
+# own trusted CAs, so no tls provider and no thumbprint to rotate.
 resource "aws_iam_openid_connect_provider" "this" {
-  url             = aws_eks_cluster.this.identity[0].oidc[0].issuer
-  client_id_list  = ["sts.amazonaws.com"]
-  thumbprint_list = [data.tls_certificate.oidc.certificates[0].sha1_fingerprint]
-  tags            = var.tags
+  url            = aws_eks_cluster.this.identity[0].oidc[0].issuer
+  client_id_list = ["sts.amazonaws.com"]
+  tags           = var.tags
 }
 
 # ---------------------------------------------------------------- nodes
@@ -314,192 +310,4 @@ resource "aws_eks_addon" "this" {
   configuration_values = each.value == "vpc-cni" ? jsonencode({ enableNetworkPolicy = "true" }) : null
   tags                 = var.tags
   depends_on           = [aws_eks_node_group.system]
-}
-
-resource "helm_release" "nvidia_device_plugin" {
-  name       = "nvidia-device-plugin"
-  repository = "https://nvidia.github.io/k8s-device-plugin"
-  chart      = "nvidia-device-plugin"
-  version    = "0.17.0"
-  namespace  = "kube-system"
-  values = [yamlencode({
-    nodeSelector = { "llm-pipeline/pool" = "gpu" }
-    tolerations  = [{ key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule" }]
-  })]
-  depends_on = [aws_eks_node_group.system]
-}
-
-resource "helm_release" "efa_device_plugin" {
-  count      = var.gpu_efa_interfaces > 0 ? 1 : 0
-  name       = "aws-efa-k8s-device-plugin"
-  repository = "https://aws.github.io/eks-charts"
-  chart      = "aws-efa-k8s-device-plugin"
-  version    = "v0.5.6"
-  namespace  = "kube-system"
-  values = [yamlencode({
-    nodeSelector = { "llm-pipeline/pool" = "gpu" }
-    tolerations  = [{ key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule" }]
-  })]
-  depends_on = [aws_eks_node_group.system]
-}
-
-# Kubeflow Trainer v2 (TrainJob, trainer.kubeflow.org/v1alpha1; with JobSet, its dependency) from its pinned Helm
-# chart, with the torch-distributed ClusterTrainingRuntime the launcher's TrainJobs reference (launcher.runtime).
-# In state: upgraded by changing trainer_chart_version, removed by destroy. infra/k8s/crds holds the TrainJob CRD
-# of this version, which the tests validate rendered jobs against.
-resource "helm_release" "kubeflow_trainer" {
-  name             = "kubeflow-trainer"
-  repository       = "oci://ghcr.io/kubeflow/charts"
-  chart            = "kubeflow-trainer"
-  version          = var.trainer_chart_version
-  namespace        = "kubeflow-system"
-  create_namespace = true
-  timeout          = 900
-  values = [yamlencode({
-    runtimes = { torchDistributed = { enabled = true } }
-  })]
-  depends_on = [aws_eks_node_group.system]
-}
-
-# Optional (install_pytorchjob_operator): the v1 training operator for launcher.kind=pytorchjob (elastic jobs). It
-# ships kustomize manifests, not a Helm chart: its standalone overlay (CRDs incl. kubeflow.org/v1 PyTorchJob +
-# controller) is applied at a commit once the cluster exists. Not in state (destroy does not remove it); needs
-# kubectl, the AWS CLI and GitHub where terraform runs.
-resource "terraform_data" "training_operator" {
-  count            = var.install_pytorchjob_operator ? 1 : 0
-  triggers_replace = [aws_eks_cluster.this.arn, var.training_operator_commit]
-  provisioner "local-exec" {
-    command = <<-EOT
-      aws eks update-kubeconfig --name ${aws_eks_cluster.this.name} --kubeconfig "$KCFG" >/dev/null
-      kubectl --kubeconfig "$KCFG" apply --server-side -k \
-        "github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=${var.training_operator_commit}"
-    EOT
-    environment = {
-      KCFG = "${path.root}/.kubeconfig-${var.name}"
-    }
-  }
-  depends_on = [aws_eks_node_group.system]
-}
-
-# ---------------------------------------------------------------- pipeline namespace, FSx volume, RBAC
-# Pod Security admission. pipeline: baseline, not restricted: the training image (NCCL, EFA) and Spark's
-# executors run as their images' users without a seccomp profile of our setting; baseline still refuses
-# privileged pods, host namespaces and hostPath. `privileged` (var.pipeline_pod_security) is needed only for
-# hostPath scratch (launcher.node_local_path, services.spark_local_dir); the default emptyDir on the instance
-# store's RAID0 is not a hostPath. airflow: baseline, because the chart's pods set no seccomp profile.
-locals {
-  pod_security = {
-    pipeline = var.pipeline_pod_security
-    airflow  = "baseline"
-  }
-  namespace_labels = { for ns, level in local.pod_security : ns => {
-    "app.kubernetes.io/part-of"          = "llm-pipeline"
-    "pod-security.kubernetes.io/enforce" = level
-    "pod-security.kubernetes.io/warn"    = "restricted"
-    "pod-security.kubernetes.io/audit"   = "restricted"
-  } }
-}
-
-resource "kubernetes_namespace_v1" "pipeline" {
-  metadata {
-    name   = var.pipeline_namespace
-    labels = local.namespace_labels.pipeline
-  }
-  depends_on = [aws_eks_node_group.system]
-}
-
-resource "kubernetes_namespace_v1" "airflow" {
-  metadata {
-    name   = var.airflow_namespace
-    labels = local.namespace_labels.airflow
-  }
-  depends_on = [aws_eks_node_group.system]
-}
-
-# The same filesystem in both namespaces (a claim binds one volume, so one PV per namespace): the training
-# pods and the Airflow workers see run.root and the checkpoints at the same path (launcher.shared_fs_mount).
-locals {
-  fsx_namespaces = {
-    pipeline = kubernetes_namespace_v1.pipeline.metadata[0].name
-    airflow  = kubernetes_namespace_v1.airflow.metadata[0].name
-  }
-}
-
-resource "kubernetes_persistent_volume_v1" "fsx" {
-  for_each = local.fsx_namespaces
-  metadata {
-    name = "${var.name}-fsx-${each.key}"
-  }
-  spec {
-    capacity                         = { storage = "${var.fsx.capacity_gib}Gi" }
-    access_modes                     = ["ReadWriteMany"]
-    persistent_volume_reclaim_policy = "Retain"
-    storage_class_name               = ""
-    mount_options                    = ["flock"]
-    persistent_volume_source {
-      csi {
-        driver        = "fsx.csi.aws.com"
-        volume_handle = var.fsx.file_system_id
-        volume_attributes = {
-          dnsname   = var.fsx.dns_name
-          mountname = var.fsx.mount_name
-        }
-      }
-    }
-  }
-  depends_on = [aws_eks_addon.this]
-}
-
-resource "kubernetes_persistent_volume_claim_v1" "fsx" {
-  for_each = local.fsx_namespaces
-  metadata {
-    name      = var.shared_fs_claim
-    namespace = each.value
-  }
-  spec {
-    access_modes       = ["ReadWriteMany"]
-    storage_class_name = ""
-    volume_name        = kubernetes_persistent_volume_v1.fsx[each.key].metadata[0].name
-    resources {
-      requests = { storage = "${var.fsx.capacity_gib}Gi" }
-    }
-  }
-}
-
-# Spark on Kubernetes: the driver (service account "spark") creates and watches its executor pods.
-resource "kubernetes_role_v1" "spark_driver" {
-  metadata {
-    name      = "spark-driver"
-    namespace = kubernetes_namespace_v1.pipeline.metadata[0].name
-  }
-  rule {
-    api_groups = [""]
-    resources  = ["pods", "services", "configmaps", "persistentvolumeclaims"]
-    verbs      = ["create", "get", "list", "watch", "delete", "deletecollection", "patch"]
-  }
-}
-
-# Airflow's workers submit training jobs (TrainJobs, or v1 PyTorchJobs) and Spark drivers into the pipeline
-# namespace and read pod logs; the triggerer watches deferred jobs, reads their pods' logs and deletes a job whose
-# task a user stopped (bound to both in modules/iam).
-resource "kubernetes_role_v1" "launcher" {
-  metadata {
-    name      = "pipeline-launcher"
-    namespace = kubernetes_namespace_v1.pipeline.metadata[0].name
-  }
-  rule {
-    api_groups = ["trainer.kubeflow.org"]
-    resources  = ["trainjobs"]
-    verbs      = ["create", "get", "list", "watch", "delete"]
-  }
-  rule {
-    api_groups = ["kubeflow.org"]
-    resources  = ["pytorchjobs"]
-    verbs      = ["create", "get", "list", "watch", "delete"]
-  }
-  rule {
-    api_groups = [""]
-    resources  = ["pods", "pods/log", "services", "configmaps"]
-    verbs      = ["create", "get", "list", "watch", "delete", "deletecollection"]
-  }
 }

@@ -1,16 +1,26 @@
 output "cluster_name" {
-  description = "EKS cluster name."
+  description = "EKS cluster name (the platform root finds the cluster by it: aws_eks_cluster, aws eks get-token)."
   value       = aws_eks_cluster.this.name
 }
 
 output "cluster_endpoint" {
-  description = "Kubernetes API server URL (Spark master k8s://<this>, kubernetes_default host)."
+  description = "Kubernetes API server URL (Spark master k8s://<this>)."
   value       = aws_eks_cluster.this.endpoint
 }
 
 output "cluster_ca" {
   description = "Base64 cluster CA certificate."
   value       = aws_eks_cluster.this.certificate_authority[0].data
+}
+
+output "kubernetes_version" {
+  description = "Kubernetes minor version of the control plane."
+  value       = aws_eks_cluster.this.version
+}
+
+output "secrets_kms_key_arn" {
+  description = "KMS key that envelope-encrypts the cluster's Kubernetes Secrets."
+  value       = one([for c in aws_eks_cluster.this.encryption_config : one(c.provider).key_arn if contains(c.resources, "secrets")])
 }
 
 output "oidc_provider_arn" {
@@ -23,27 +33,14 @@ output "oidc_issuer" {
   value       = replace(aws_eks_cluster.this.identity[0].oidc[0].issuer, "https://", "")
 }
 
-output "pipeline_namespace" {
-  description = "Namespace of the training and Spark pods."
-  value       = kubernetes_namespace_v1.pipeline.metadata[0].name
-}
-
-output "launcher_role_name" {
-  description = "Role (in the pipeline namespace) to bind to Airflow's worker service account."
-  value       = kubernetes_role_v1.launcher.metadata[0].name
-}
-
-output "spark_role_name" {
-  description = "Role (in the pipeline namespace) to bind to the Spark driver service account."
-  value       = kubernetes_role_v1.spark_driver.metadata[0].name
-}
-
-output "airflow_namespace" {
-  description = "Namespace for the Airflow release, with the FSx claim in it."
-  value       = kubernetes_namespace_v1.airflow.metadata[0].name
-}
-
-output "shared_fs_claim" {
-  description = "PersistentVolumeClaim of FSx in both namespaces (launcher.shared_fs_claim)."
-  value       = var.shared_fs_claim
+output "node_groups" {
+  description = "The managed node groups by name (system, gpu): instance types, AMI, capacity type, scaling sizes, taints."
+  value = { for k, g in { system = aws_eks_node_group.system, gpu = aws_eks_node_group.gpu } : k => {
+    instance_types = g.instance_types
+    ami_type       = g.ami_type
+    capacity_type  = g.capacity_type
+    subnet_ids     = g.subnet_ids
+    scaling        = one(g.scaling_config)
+    taints         = [for t in g.taint : { key = t.key, value = t.value, effect = t.effect }]
+  } }
 }

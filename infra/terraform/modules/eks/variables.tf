@@ -5,8 +5,16 @@ variable "name" {
 
 variable "kubernetes_version" {
   type        = string
-  description = "EKS Kubernetes version."
-  default     = "1.31"
+  description = "EKS Kubernetes minor version: one in EKS standard support (14 months from its EKS release)."
+  default     = "1.35"
+  nullable    = false
+  # EKS release -> end of standard support: 1.34 2025-10-02 -> 2026-12-02, 1.35 2026-01-27 -> 2027-03-27,
+  # 1.36 2026-06-02 -> 2027-08-02 (standard support is 14 months from the EKS release; older versions are in
+  # paid extended support).
+  validation {
+    condition     = contains(["1.34", "1.35", "1.36"], var.kubernetes_version)
+    error_message = "kubernetes_version must be an EKS version in standard support: 1.34 (until 2026-12-02), 1.35 (until 2027-03-27) or 1.36 (until 2027-08-02)."
+  }
 }
 
 variable "vpc_id" {
@@ -101,70 +109,6 @@ variable "gpu_volume_gib" {
   type        = number
   description = "Root volume of a GPU node (images, local NVMe is separate and holds the L0 tier)."
   default     = 500
-}
-
-variable "trainer_chart_version" {
-  type        = string
-  description = "Kubeflow Trainer v2 Helm chart version (oci://ghcr.io/kubeflow/charts/kubeflow-trainer): TrainJobs. infra/k8s/crds holds its TrainJob CRD."
-  default     = "2.3.0"
-  validation {
-    condition     = can(regex("^[0-9]+\\.[0-9]+\\.[0-9]+$", var.trainer_chart_version))
-    error_message = "trainer_chart_version is an exact chart version (x.y.z), not a range."
-  }
-}
-
-variable "install_pytorchjob_operator" {
-  type        = bool
-  description = "Also apply the v1 training operator (PyTorchJob, for launcher.kind=pytorchjob and elastic min_nodes), at training_operator_commit."
-  default     = false
-}
-
-variable "training_operator_commit" {
-  type        = string
-  description = "Commit of kubeflow/training-operator whose standalone manifests are applied (PyTorchJob v1): an immutable ref, not a tag or branch. 0f8735fa… is the commit of tag v1.8.1."
-  default     = "0f8735faade3651dfe44e45c6fbc30fa9152641d"
-  validation {
-    condition     = can(regex("^[0-9a-f]{40}$", var.training_operator_commit))
-    error_message = "training_operator_commit is a full 40-hex-digit commit id."
-  }
-}
-
-variable "pipeline_pod_security" {
-  type        = string
-  description = "Pod Security level enforced in the pipeline namespace: baseline, or privileged only when launcher.node_local_path / services.spark_local_dir use hostPath."
-  default     = "baseline"
-  validation {
-    condition     = contains(["baseline", "privileged"], var.pipeline_pod_security)
-    error_message = "pipeline_pod_security is baseline or privileged."
-  }
-}
-
-variable "fsx" {
-  type = object({
-    file_system_id = string
-    dns_name       = string
-    mount_name     = string
-    capacity_gib   = number
-  })
-  description = "The FSx for Lustre filesystem exposed as the PersistentVolume + claim the training pods mount."
-}
-
-variable "pipeline_namespace" {
-  type        = string
-  description = "Namespace of the training and Spark pods (the job spec's launcher.namespace)."
-  default     = "llm-pipeline"
-}
-
-variable "airflow_namespace" {
-  type        = string
-  description = "Namespace of the Airflow release (its workers mount FSx too)."
-  default     = "airflow"
-}
-
-variable "shared_fs_claim" {
-  type        = string
-  description = "Name of the PersistentVolumeClaim for FSx (the job spec's launcher.shared_fs_claim)."
-  default     = "fsx-checkpoints"
 }
 
 variable "tags" {

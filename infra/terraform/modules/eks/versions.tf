@@ -3,19 +3,7 @@ terraform {
   required_providers {
     aws = {
       source  = "hashicorp/aws"
-      version = ">= 5.60, < 7.0"
-    }
-    tls = {
-      source  = "hashicorp/tls"
-      version = ">= 4.0"
-    }
-    helm = {
-      source  = "hashicorp/helm"
-      version = ">= 2.12, < 3.0"
-    }
-    kubernetes = {
-      source  = "hashicorp/kubernetes"
-      version = ">= 2.27"
+      version = ">= 5.81, < 7.0" # 5.81: aws_iam_openid_connect_provider without thumbprint_list
     }
   }
 }

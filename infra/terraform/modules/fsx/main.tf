@@ -1,8 +1,11 @@
 # FSx for Lustre PERSISTENT_2 (the L1 tier, /fsx in the training pods): KMS-encrypted, in the GPU nodes'
 # AZ, linked to the checkpoint bucket by a data repository association that imports new/changed/deleted
 # objects and exports new/changed/deleted files, so a checkpoint written to /fsx/checkpoints reaches S3
-# without a copy step. Pods mount it through the FSx CSI driver (see the eks module) with a static
-# PersistentVolume + claim (`fsx-checkpoints`, the job spec's launcher.shared_fs_claim).
+# without a copy step. Pods mount it through the FSx CSI driver (the eks module's add-on) with a static
+# PersistentVolume + claim (`fsx-checkpoints`, the job spec's launcher.shared_fs_claim; modules/namespaces).
+
+data "aws_caller_identity" "current" {}
+data "aws_partition" "current" {}
 
 resource "aws_security_group" "lustre" {
   name        = "${var.name}-fsx-lustre"

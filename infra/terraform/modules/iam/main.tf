@@ -2,9 +2,10 @@
 # may touch only the buckets (and prefixes) its plane needs, through the one KMS key.
 #
 #   role     reads                          writes
-#   airflow  raw, curated, checkpoints      curated, checkpoints  (stages run in the workers: ingest, tokenize, promote, eval)
+#   airflow  raw, curated, checkpoints,     curated, checkpoints, (stages run in the workers: ingest, tokenize, promote, eval,
+#            mlflow                         mlflow                 register)
 #   spark    raw, curated                   curated               (dedup and filter executors)
-#   trainer  curated                        checkpoints           (PyTorchJob pods: shards in, checkpoints out)
+#   trainer  curated, checkpoints           checkpoints           (training pods: shards in, checkpoints out)
 #   mlflow   mlflow                         mlflow                (the tracking server's artifact store)
 
 locals {
@@ -16,31 +17,30 @@ locals {
   }
 }
 
-data "aws_iam_policy_document" "assume" {
-  for_each = local.access
-  statement {
-    actions = ["sts:AssumeRoleWithWebIdentity"]
-    principals {
-      type        = "Federated"
-      identifiers = [var.oidc_provider_arn]
-    }
-    condition {
-      test     = "StringEquals"
-      variable = "${var.oidc_issuer}:sub"
-      values   = ["system:serviceaccount:${var.service_accounts[each.key]}"]
-    }
-    condition {
-      test     = "StringEquals"
-      variable = "${var.oidc_issuer}:aud"
-      values   = ["sts.amazonaws.com"]
-    }
-  }
+# The trust policies are built with jsonencode (not aws_iam_policy_document) so that they are known at plan time
+# and `terraform test` can assert on them: web identity through the cluster's OIDC provider, for exactly one
+# service account (sub) and STS as the audience (aud).
+locals {
+  assume_role_policies = { for k in keys(local.access) : k => jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Effect    = "Allow"
+      Action    = "sts:AssumeRoleWithWebIdentity"
+      Principal = { Federated = var.oidc_provider_arn }
+      Condition = {
+        StringEquals = {
+          "${var.oidc_issuer}:sub" = "system:serviceaccount:${var.service_accounts[k]}"
+          "${var.oidc_issuer}:aud" = "sts.amazonaws.com"
+        }
+      }
+    }]
+  }) }
 }
 
 resource "aws_iam_role" "this" {
   for_each             = local.access
   name                 = "${var.name}-${each.key}"
-  assume_role_policy   = data.aws_iam_policy_document.assume[each.key].json
+  assume_role_policy   = local.assume_role_policies[each.key]
   max_session_duration = 43200
   tags                 = merge(var.tags, { Plane = each.key })
 }
@@ -90,60 +90,4 @@ resource "aws_iam_role_policy_attachment" "access" {
   for_each   = local.access
   role       = aws_iam_role.this[each.key].name
   policy_arn = aws_iam_policy.access[each.key].arn
-}
-
-# The service accounts the roles trust, annotated for IRSA, and their RBAC bindings. Airflow's and MLflow's
-# service accounts are created by their Helm releases (metadata module) with the annotation set there.
-locals {
-  sa = { for k, v in var.service_accounts : k => { namespace = split(":", v)[0], name = split(":", v)[1] } }
-}
-
-resource "kubernetes_service_account_v1" "pipeline" {
-  for_each = toset(["spark", "trainer"])
-  metadata {
-    name        = local.sa[each.key].name
-    namespace   = local.sa[each.key].namespace
-    annotations = { "eks.amazonaws.com/role-arn" = aws_iam_role.this[each.key].arn }
-  }
-}
-
-resource "kubernetes_role_binding_v1" "spark" {
-  metadata {
-    name      = "spark-driver"
-    namespace = local.sa.spark.namespace
-  }
-  role_ref {
-    api_group = "rbac.authorization.k8s.io"
-    kind      = "Role"
-    name      = var.spark_role_name
-  }
-  subject {
-    kind      = "ServiceAccount"
-    name      = local.sa.spark.name
-    namespace = local.sa.spark.namespace
-  }
-}
-
-# The workers submit and collect the training jobs; the triggerer (a deferred task's wait) watches them, reads their
-# pods' logs and deletes a job whose task a user stopped: both run as their own service accounts, bound here.
-resource "kubernetes_role_binding_v1" "airflow_launcher" {
-  metadata {
-    name      = "airflow-launcher"
-    namespace = local.sa.spark.namespace
-  }
-  role_ref {
-    api_group = "rbac.authorization.k8s.io"
-    kind      = "Role"
-    name      = var.launcher_role_name
-  }
-  subject {
-    kind      = "ServiceAccount"
-    name      = local.sa.airflow.name
-    namespace = local.sa.airflow.namespace
-  }
-  subject {
-    kind      = "ServiceAccount"
-    name      = split(":", var.triggerer_service_account)[1]
-    namespace = split(":", var.triggerer_service_account)[0]
-  }
 }

@@ -30,33 +30,11 @@ variable "service_accounts" {
     trainer = string
     mlflow  = string
   })
-  description = "namespace:serviceaccount each role may be assumed from."
-  default = {
-    airflow = "airflow:airflow-worker"
-    spark   = "llm-pipeline:spark"
-    trainer = "llm-pipeline:trainer"
-    mlflow  = "mlflow:mlflow"
-  }
+  description = "namespace:serviceaccount each role may be assumed from (the platform root creates these accounts, or the Airflow chart does)."
 }
 
 variable "tags" {
   type        = map(string)
   description = "Tags added to every resource."
   default     = {}
-}
-
-variable "launcher_role_name" {
-  type        = string
-  description = "Role in the pipeline namespace that lets Airflow submit PyTorchJobs and Spark drivers (eks module)."
-}
-
-variable "spark_role_name" {
-  type        = string
-  description = "Role in the pipeline namespace the Spark driver needs (eks module)."
-}
-
-variable "triggerer_service_account" {
-  type        = string
-  description = "namespace:serviceaccount of Airflow's triggerer (the chart's triggerer.serviceAccount), bound to the launcher Role: deferred training jobs are watched from there."
-  default     = "airflow:airflow-triggerer"
 }

@@ -5,9 +5,5 @@ terraform {
       source  = "hashicorp/aws"
       version = ">= 5.60, < 7.0"
     }
-    kubernetes = {
-      source  = "hashicorp/kubernetes"
-      version = ">= 2.27"
-    }
   }
 }

@@ -1,9 +1,8 @@
-# Metadata plane: one RDS PostgreSQL instance (encrypted, private, Multi-AZ in prod, master password
-# generated and kept by RDS in Secrets Manager under our KMS key) holding three databases, `airflow`,
-# `mlflow` and `mlflow_auth`, each owned by its application's own login (the master login is used only by
-# the job that creates them); the MLflow tracking server behind MLflow's basic-auth app as a Deployment on
-# the system nodes (artifacts proxied to S3 through its IRSA role); Airflow from the official apache-airflow
-# Helm chart with the FAB auth manager (RBAC roles) and a generated admin login.
+# Metadata plane inside the cluster: the databases `airflow`, `mlflow` and `mlflow_auth` on the AWS layer's RDS
+# instance, each owned by its application's own login (the master login, which RDS generates and keeps in Secrets
+# Manager, is used only by the job that creates them); the MLflow tracking server behind MLflow's basic-auth app
+# as a Deployment on the system nodes (artifacts proxied to S3 through its IRSA role); Airflow from the official
+# apache-airflow Helm chart with the FAB auth manager (RBAC roles) and a generated admin login.
 #
 # Credentials: each application's database password and the MLflow and Airflow admin passwords are
 # generated here (random_password, kept in the encrypted state and in Secrets Manager under our KMS key)
@@ -14,121 +13,18 @@
 #
 # Why Airflow on EKS (Helm) and not MWAA: the stages run in the workers next to the jobs they launch (the
 # same image carries pyspark, torch and this package), the workers' service account gets IRSA and
-# namespace RBAC to submit PyTorchJobs and Spark executors directly, and dev/prod differ only in values;
+# namespace RBAC to submit training jobs and Spark executors directly, and dev/prod differ only in values;
 # MWAA would need its own VPC plumbing, a requirements/plugins upload for torch-sized dependencies, and
 # an EKS access entry for its execution role, for the same DAG.
 
-locals {
-  db_port = 5432
-}
-
-resource "aws_db_subnet_group" "this" {
-  name       = "${var.name}-metadata"
-  subnet_ids = var.private_subnet_ids
-  tags       = var.tags
-}
-
-resource "aws_security_group" "db" {
-  name        = "${var.name}-metadata-db"
-  description = "PostgreSQL from the cluster's pods"
-  vpc_id      = var.vpc_id
-  tags        = merge(var.tags, { Name = "${var.name}-metadata-db" })
-}
-
-resource "aws_vpc_security_group_ingress_rule" "db" {
-  for_each          = toset(var.private_subnet_cidrs)
-  security_group_id = aws_security_group.db.id
-  description       = "PostgreSQL from the private subnets (the nodes and their pods), not the whole VPC"
-  cidr_ipv4         = each.value
-  ip_protocol       = "tcp"
-  from_port         = local.db_port
-  to_port           = local.db_port
-  tags              = var.tags
-}
-
-resource "aws_db_parameter_group" "this" {
-  name   = "${var.name}-metadata-pg16"
-  family = "postgres16"
-  parameter {
-    name  = "rds.force_ssl"
-    value = "1"
-  }
-  parameter {
-    name  = "log_min_duration_statement"
-    value = "1000"
-  }
-  parameter {
-    name  = "log_statement"
-    value = "ddl"
-  }
-  tags = var.tags
-}
-
-data "aws_iam_policy_document" "monitoring_assume" {
-  statement {
-    actions = ["sts:AssumeRole"]
-    principals {
-      type        = "Service"
-      identifiers = ["monitoring.rds.amazonaws.com"]
-    }
-  }
-}
-
-resource "aws_iam_role" "monitoring" {
-  name               = "${var.name}-rds-monitoring"
-  assume_role_policy = data.aws_iam_policy_document.monitoring_assume.json
-  tags               = var.tags
-}
-
-data "aws_partition" "current" {}
-
-resource "aws_iam_role_policy_attachment" "monitoring" {
-  role       = aws_iam_role.monitoring.name
-  policy_arn = "arn:${data.aws_partition.current.partition}:iam::aws:policy/service-role/AmazonRDSEnhancedMonitoringRole"
-}
-
-resource "aws_db_instance" "this" {
-  identifier                          = "${var.name}-metadata"
-  engine                              = "postgres"
-  engine_version                      = "16" # the major only: with auto_minor_version_upgrade a pinned minor drifts
-  instance_class                      = var.instance_class
-  allocated_storage                   = var.allocated_storage_gib
-  max_allocated_storage               = var.allocated_storage_gib * 5
-  storage_type                        = "gp3"
-  storage_encrypted                   = true
-  kms_key_id                          = var.kms_key_arn
-  db_name                             = "airflow"
-  username                            = "pipeline_admin"
-  manage_master_user_password         = true
-  master_user_secret_kms_key_id       = var.kms_key_arn
-  iam_database_authentication_enabled = true
-  db_subnet_group_name                = aws_db_subnet_group.this.name
-  vpc_security_group_ids              = [aws_security_group.db.id]
-  parameter_group_name                = aws_db_parameter_group.this.name
-  publicly_accessible                 = false
-  multi_az                            = var.multi_az
-  backup_retention_period             = var.backup_retention_days
-  copy_tags_to_snapshot               = true
-  deletion_protection                 = var.deletion_protection
-  skip_final_snapshot                 = false
-  final_snapshot_identifier           = "${var.name}-metadata-final"
-  auto_minor_version_upgrade          = true
-  performance_insights_enabled        = true
-  performance_insights_kms_key_id     = var.kms_key_arn
-  monitoring_interval                 = 30
-  monitoring_role_arn                 = aws_iam_role.monitoring.arn
-  enabled_cloudwatch_logs_exports     = ["postgresql", "upgrade"]
-  tags                                = var.tags
-}
-
 # The RDS-managed master secret: only the job below uses it (to create the applications' roles and databases).
 data "aws_secretsmanager_secret_version" "master" {
-  secret_id = aws_db_instance.this.master_user_secret[0].secret_arn
+  secret_id = var.db.master_secret_arn
 }
 
 locals {
   master    = jsondecode(data.aws_secretsmanager_secret_version.master.secret_string)
-  host      = "${aws_db_instance.this.address}:${local.db_port}"
+  host      = "${var.db.address}:${var.db.port}"
   admin_dsn = "postgresql://${local.master.username}:${urlencode(local.master.password)}@${local.host}/postgres?sslmode=require"
   # one login per application, each owning its databases
   apps = {
@@ -161,22 +57,8 @@ resource "aws_secretsmanager_secret_version" "db" {
   secret_string = jsonencode({ username = each.value.role, password = random_password.db[each.key].result, dsn = local.app_dsn[each.key] })
 }
 
-resource "kubernetes_namespace_v1" "mlflow" {
-  metadata {
-    name = "mlflow"
-    labels = {
-      "app.kubernetes.io/part-of" = "llm-pipeline"
-      # restricted: the MLflow pods run as non-root with RuntimeDefault seccomp, no capabilities, no privilege
-      # escalation, a read-only root file system
-      "pod-security.kubernetes.io/enforce" = "restricted"
-      "pod-security.kubernetes.io/audit"   = "restricted"
-      "pod-security.kubernetes.io/warn"    = "restricted"
-    }
-  }
-}
-
 locals {
-  namespaces = { airflow = var.airflow_namespace, mlflow = kubernetes_namespace_v1.mlflow.metadata[0].name }
+  namespaces = { airflow = var.namespaces.airflow, mlflow = var.namespaces.mlflow }
 }
 
 resource "kubernetes_secret_v1" "db" {
@@ -193,7 +75,7 @@ resource "kubernetes_secret_v1" "db" {
 resource "kubernetes_secret_v1" "db_admin" {
   metadata {
     name      = "metadata-db-admin"
-    namespace = kubernetes_namespace_v1.mlflow.metadata[0].name
+    namespace = var.namespaces.mlflow
   }
   data = {
     connection = local.admin_dsn
@@ -206,7 +88,7 @@ resource "kubernetes_secret_v1" "db_admin" {
 resource "kubernetes_job_v1" "app_logins" {
   metadata {
     name      = "metadata-logins-${substr(sha256(join(",", [for k in keys(local.apps) : random_password.db[k].result])), 0, 8)}"
-    namespace = kubernetes_namespace_v1.mlflow.metadata[0].name
+    namespace = var.namespaces.mlflow
   }
   spec {
     backoff_limit = 4
@@ -285,7 +167,7 @@ resource "random_password" "mlflow_admin" {
 resource "kubernetes_secret_v1" "mlflow_auth" {
   metadata {
     name      = "mlflow-auth"
-    namespace = kubernetes_namespace_v1.mlflow.metadata[0].name
+    namespace = var.namespaces.mlflow
   }
   data = {
     "basic_auth.ini" = <<-EOT
@@ -301,7 +183,7 @@ resource "kubernetes_secret_v1" "mlflow_auth" {
 
 # The pipeline's clients (Airflow's pods, the training and evaluation pods) log in with these.
 resource "kubernetes_secret_v1" "mlflow_client" {
-  for_each = { airflow = var.airflow_namespace, pipeline = var.pipeline_namespace }
+  for_each = { airflow = var.namespaces.airflow, pipeline = var.namespaces.pipeline }
   metadata {
     name      = "mlflow-client"
     namespace = each.value
@@ -316,7 +198,7 @@ resource "kubernetes_secret_v1" "mlflow_client" {
 resource "kubernetes_service_account_v1" "mlflow" {
   metadata {
     name        = "mlflow"
-    namespace   = kubernetes_namespace_v1.mlflow.metadata[0].name
+    namespace   = var.namespaces.mlflow
     annotations = { "eks.amazonaws.com/role-arn" = var.irsa_role_arns["mlflow"] }
   }
 }
@@ -326,7 +208,7 @@ resource "kubernetes_deployment_v1" "mlflow" {
   # checkov:skip=CKV_K8S_14:Same variable: a digest reference is fixed (stricter than a tag), and checkov cannot see its value.
   metadata {
     name      = "mlflow"
-    namespace = kubernetes_namespace_v1.mlflow.metadata[0].name
+    namespace = var.namespaces.mlflow
     labels    = { app = "mlflow" }
   }
   spec {
@@ -432,7 +314,7 @@ resource "kubernetes_deployment_v1" "mlflow" {
 resource "kubernetes_service_v1" "mlflow" {
   metadata {
     name      = "mlflow"
-    namespace = kubernetes_namespace_v1.mlflow.metadata[0].name
+    namespace = var.namespaces.mlflow
   }
   spec {
     selector = { app = "mlflow" }
@@ -445,17 +327,23 @@ resource "kubernetes_service_v1" "mlflow" {
 }
 
 # ---------------------------------------------------------------- Airflow
+# airflow_image is REPOSITORY:TAG or REPOSITORY[:TAG]@sha256:DIGEST; the chart takes a digest over a tag.
+locals {
+  airflow_image = regex("^(?P<repository>[^@]+?)(?::(?P<tag>[^:/@]+))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$", var.airflow_image)
+}
+
 resource "helm_release" "airflow" {
   name       = "airflow"
   repository = "https://airflow.apache.org"
   chart      = "airflow"
   version    = var.airflow_chart_version
-  namespace  = var.airflow_namespace
+  namespace  = var.namespaces.airflow
   timeout    = 900
   values = [yamlencode({
     executor                 = "KubernetesExecutor"
-    defaultAirflowRepository = var.airflow_image.repository
-    defaultAirflowTag        = var.airflow_image.tag
+    defaultAirflowRepository = local.airflow_image.repository
+    defaultAirflowTag        = local.airflow_image.tag
+    defaultAirflowDigest     = local.airflow_image.digest
     postgresql               = { enabled = false }
     data                     = { metadataSecretName = kubernetes_secret_v1.db["airflow"].metadata[0].name }
     # logins and roles: the FAB auth manager (RBAC: Admin, Op, User, Viewer), one admin created by the chart's job;
@@ -492,12 +380,12 @@ resource "helm_release" "airflow" {
     env = [for k, v in var.pipeline_env : { name = k, value = v }]
     # the pod's IP for Spark's client-mode driver (the executors call back to it)
     extraEnv = yamlencode([{ name = "POD_IP", valueFrom = { fieldRef = { fieldPath = "status.podIP" } } }])
-    # the deferred training-job waits run here, as this service account (bound to the launcher Role in modules/iam;
-    # no AWS role: it only talks to the Kubernetes API)
-    triggerer = { serviceAccount = { name = "airflow-triggerer" } }
+    # the deferred training-job waits run here, as this service account (bound to the read-and-delete job-watcher
+    # Role in modules/namespaces; no AWS role: it only talks to the Kubernetes API)
+    triggerer = { serviceAccount = { name = var.triggerer_service_account } }
     workers = {
       serviceAccount = {
-        name        = "airflow-worker"
+        name        = var.worker_service_account
         annotations = { "eks.amazonaws.com/role-arn" = var.irsa_role_arns["airflow"] }
       }
       # FSx at the same path as in the training pods: run.root and checkpoint.l0 live under it
@@ -510,7 +398,7 @@ resource "helm_release" "airflow" {
 resource "kubernetes_secret_v1" "airflow_admin" {
   metadata {
     name      = "airflow-admin"
-    namespace = var.airflow_namespace
+    namespace = var.namespaces.airflow
   }
   data = { password = random_password.airflow_admin.result }
 }
@@ -530,7 +418,7 @@ resource "random_password" "airflow_keys" {
 resource "kubernetes_secret_v1" "airflow_keys" {
   metadata {
     name      = "airflow-keys"
-    namespace = var.airflow_namespace
+    namespace = var.namespaces.airflow
   }
   data = {
     "api-secret-key" = random_password.airflow_keys["api-secret-key"].result

@@ -3,49 +3,9 @@ variable "name" {
   description = "Name prefix."
 }
 
-variable "vpc_id" {
-  type        = string
-  description = "VPC of the cluster."
-}
-
-variable "private_subnet_ids" {
-  type        = list(string)
-  description = "Private subnets for the DB subnet group (two AZs or more)."
-}
-
 variable "kms_key_arn" {
   type        = string
-  description = "KMS key for storage, Performance Insights and the master-password secret."
-}
-
-variable "instance_class" {
-  type        = string
-  description = "RDS instance class."
-  default     = "db.t4g.medium"
-}
-
-variable "allocated_storage_gib" {
-  type        = number
-  description = "Initial storage (autoscaling up to 5×)."
-  default     = 50
-}
-
-variable "multi_az" {
-  type        = bool
-  description = "Standby in a second AZ (prod)."
-  default     = true
-}
-
-variable "deletion_protection" {
-  type        = bool
-  description = "Refuse to delete the database (turn off only to tear down dev)."
-  default     = true
-}
-
-variable "backup_retention_days" {
-  type        = number
-  description = "Automated backup retention."
-  default     = 14
+  description = "KMS key of the applications' login secrets in Secrets Manager (the stack's key)."
 }
 
 variable "mlflow_bucket" {
@@ -73,16 +33,6 @@ variable "credentials_generation" {
   default     = 1
 }
 
-variable "private_subnet_cidrs" {
-  type        = list(string)
-  description = "CIDR blocks of the private subnets: the only sources RDS admits."
-}
-
-variable "pipeline_namespace" {
-  type        = string
-  description = "Namespace of the training and Spark pods (they get the MLflow client login)."
-}
-
 variable "airflow_chart_version" {
   type        = string
   description = "apache-airflow Helm chart version: 1.22.0, the newest release, whose values fit Airflow 3 (apiServer, createUserJob.defaultUser, apiSecretKey/jwtSecret)."
@@ -99,14 +49,6 @@ variable "airflow_version" {
   }
 }
 
-variable "airflow_image" {
-  type = object({
-    repository = string
-    tag        = string
-  })
-  description = "Airflow image with this project installed (pip install . plus its providers): the DAG and stages run from it."
-}
-
 variable "tags" {
   type        = map(string)
   description = "Tags added to every resource."
@@ -119,18 +61,40 @@ variable "pipeline_env" {
   default     = {}
 }
 
-variable "airflow_namespace" {
-  type        = string
-  description = "Namespace for the Airflow release (created by the eks module, with the FSx claim)."
-}
-
 variable "shared_fs_claim" {
   type        = string
-  description = "FSx PersistentVolumeClaim in the Airflow namespace."
+  description = "FSx PersistentVolumeClaim in the Airflow namespace (modules/namespaces)."
 }
 
 variable "shared_fs_mount" {
   type        = string
   description = "Where the workers mount FSx: the job spec's launcher.shared_fs_mount."
   default     = "/fsx"
+}
+
+variable "db" {
+  type        = object({ address = string, port = number, master_secret_arn = string })
+  description = "The AWS layer's RDS instance: host, port, and the Secrets Manager secret of its RDS-managed master login."
+}
+
+variable "namespaces" {
+  type        = object({ airflow = string, pipeline = string, mlflow = string })
+  description = "The namespaces (modules/namespaces): the Airflow release, the training pods (they get the MLflow client login), the MLflow server."
+}
+
+variable "airflow_image" {
+  type        = string
+  description = "Airflow image with this project installed (`make image`), REPOSITORY:TAG or REPOSITORY@sha256:DIGEST: the DAG and stages run from it."
+}
+
+variable "worker_service_account" {
+  type        = string
+  description = "Service account of the Airflow workers (the name the airflow IRSA role trusts)."
+  default     = "airflow-worker"
+}
+
+variable "triggerer_service_account" {
+  type        = string
+  description = "Service account of the Airflow triggerer (bound to the job-watcher Role in modules/namespaces)."
+  default     = "airflow-triggerer"
 }

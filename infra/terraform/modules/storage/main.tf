@@ -27,66 +27,75 @@ data "aws_iam_role" "autoscaling" {
   name  = "AWSServiceRoleForAutoScaling"
 }
 
-data "aws_iam_policy_document" "kms" {
-  # checkov:skip=CKV_AWS_111:A key policy's "*" resource means this key only; the account root is the standard key administrator.
-  # checkov:skip=CKV_AWS_356:A key policy's "*" resource means this key only.
-  # checkov:skip=CKV_AWS_109:The account root administers its own key (AWS's default key policy); IAM policies then scope access.
-  statement {
-    sid       = "AccountAdmin"
-    actions   = ["kms:*"]
-    resources = ["*"] # "*" in a key policy is this key
-    principals {
-      type        = "AWS"
-      identifiers = ["arn:${data.aws_partition.current.partition}:iam::${local.account}:root"]
-    }
-  }
-  # Node volumes encrypted with this key are created by EC2 Auto Scaling (the node groups' launch templates): its
-  # service-linked role must use the key and grant it to EC2 for the attached volumes, or nodes never launch.
-  statement {
-    sid       = "AutoScalingVolumes"
-    actions   = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"]
-    resources = ["*"]
-    principals {
-      type        = "AWS"
-      identifiers = [local.autoscaling_role]
-    }
-  }
-  statement {
-    sid       = "AutoScalingVolumeGrants"
-    actions   = ["kms:CreateGrant"]
-    resources = ["*"]
-    principals {
-      type        = "AWS"
-      identifiers = [local.autoscaling_role]
-    }
-    condition {
-      test     = "Bool"
-      variable = "kms:GrantIsForAWSResource"
-      values   = ["true"]
-    }
-  }
-  statement {
-    sid       = "CloudWatchLogs"
-    actions   = ["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"]
-    resources = ["*"]
-    principals {
-      type        = "Service"
-      identifiers = ["logs.${data.aws_region.current.name}.amazonaws.com"]
-    }
-    condition {
-      test     = "ArnLike"
-      variable = "kms:EncryptionContext:aws:logs:arn"
-      values   = ["arn:${data.aws_partition.current.partition}:logs:${data.aws_region.current.name}:${local.account}:*"]
-    }
+# The key policy is built with jsonencode (not aws_iam_policy_document) so that it is a known value at plan time
+# and `terraform test` can assert on its statements.
+locals {
+  partition = data.aws_partition.current.partition
+  region    = data.aws_region.current.name
+  key_statements = [
+    { # the account root administers its own key (AWS's default key policy); IAM policies then scope access
+      Sid       = "AccountAdmin"
+      Effect    = "Allow"
+      Principal = { AWS = "arn:${local.partition}:iam::${local.account}:root" }
+      Action    = "kms:*"
+      Resource  = "*" # "*" in a key policy is this key
+    },
+    { # node volumes encrypted with this key are created by EC2 Auto Scaling (the node groups' launch templates):
+      # its service-linked role must use the key and grant it to EC2 for the attached volumes, or nodes never launch
+      Sid       = "AutoScalingVolumes"
+      Effect    = "Allow"
+      Principal = { AWS = local.autoscaling_role }
+      Action    = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"]
+      Resource  = "*"
+    },
+    {
+      Sid       = "AutoScalingVolumeGrants"
+      Effect    = "Allow"
+      Principal = { AWS = local.autoscaling_role }
+      Action    = "kms:CreateGrant"
+      Resource  = "*"
+      Condition = { Bool = { "kms:GrantIsForAWSResource" = "true" } }
+    },
+    {
+      Sid       = "CloudWatchLogs"
+      Effect    = "Allow"
+      Principal = { Service = "logs.${local.region}.amazonaws.com" }
+      Action    = ["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"]
+      Resource  = "*"
+      Condition = { ArnLike = { "kms:EncryptionContext:aws:logs:arn" = "arn:${local.partition}:logs:${local.region}:${local.account}:*" } }
+    },
+  ]
+  # FSx for Lustre reads and writes the SSE-KMS checkpoint bucket (the data repository association's import and
+  # export) as its per-file-system service-linked role, AWSServiceRoleForFSxS3Access_<fs-id>, which the key policy
+  # must name (FSx for Lustre guide, "Working with server-side encrypted Amazon S3 buckets").
+  fsx_statements = length(var.fsx_s3_access_role_arns) == 0 ? [] : [{
+    Sid       = "FSxDataRepositoryS3Access"
+    Effect    = "Allow"
+    Principal = { AWS = var.fsx_s3_access_role_arns }
+    Action    = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey", "kms:DescribeKey"]
+    Resource  = "*"
+  }]
+}
+
+# The FSx role names the file system, and the file system is encrypted with this key: naming it in the key's own
+# policy would be a cycle (key -> file system -> key). So the key is created with the other statements, and
+# aws_kms_key_policy, applied after the file system's data repository association has created the role (a key
+# policy may name only principals that exist), sets the full policy: that exact role, no wildcard principal. A
+# replaced file system gets its new role in the policy on the same apply.
+resource "aws_kms_key" "this" {
+  description             = "${var.name}: pipeline buckets, logs, EKS secrets, RDS, FSx"
+  enable_key_rotation     = true
+  deletion_window_in_days = 30
+  policy                  = jsonencode({ Version = "2012-10-17", Statement = local.key_statements })
+  tags                    = var.tags
+  lifecycle {
+    ignore_changes = [policy] # owned by aws_kms_key_policy.this after creation
   }
 }
 
-resource "aws_kms_key" "this" {
-  description             = "${var.name}: pipeline buckets, logs, EKS secrets, RDS"
-  enable_key_rotation     = true
-  deletion_window_in_days = 30
-  policy                  = data.aws_iam_policy_document.kms.json
-  tags                    = var.tags
+resource "aws_kms_key_policy" "this" {
+  key_id = aws_kms_key.this.id
+  policy = jsonencode({ Version = "2012-10-17", Statement = concat(local.key_statements, local.fsx_statements) })
 }
 
 resource "aws_kms_alias" "this" {

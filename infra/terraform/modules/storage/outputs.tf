@@ -17,3 +17,13 @@ output "access_log_bucket" {
   description = "Bucket receiving S3 server access logs."
   value       = aws_s3_bucket.logs.bucket
 }
+
+output "kms_key_policy" {
+  description = "The key's policy (JSON) as aws_kms_key_policy sets it: the account root, Auto Scaling's and FSx's service-linked roles, CloudWatch Logs."
+  value       = aws_kms_key_policy.this.policy
+}
+
+output "bucket_encryption" {
+  description = "Default encryption of each pipeline bucket by purpose: sse_algorithm and kms_master_key_id."
+  value       = { for k, b in local.buckets : k => b.encryption }
+}

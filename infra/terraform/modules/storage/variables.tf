@@ -44,3 +44,9 @@ variable "create_autoscaling_service_role" {
   description = "Create EC2 Auto Scaling's service-linked role (AWSServiceRoleForAutoScaling), which the KMS key policy names for the node volumes: true only in an account that has never used Auto Scaling (it exists otherwise, and creating it fails)."
   default     = false
 }
+
+variable "fsx_s3_access_role_arns" {
+  type        = list(string)
+  description = "Service-linked roles of the FSx for Lustre file systems linked to these buckets (AWSServiceRoleForFSxS3Access_<fs-id>): the key policy lets them use the key for the SSE-KMS objects they import and export."
+  default     = []
+}

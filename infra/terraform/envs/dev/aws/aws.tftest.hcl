@@ -1,0 +1,161 @@
+# `terraform test` for the dev AWS layer: plans the whole root with a mocked AWS provider (no credentials, no API
+# call) and asserts what matters. The mocks give data sources and computed attributes fixed values at plan time
+# (override_during = plan) so that the assertions see real policy documents and ARNs.
+mock_provider "aws" {
+  override_during = plan
+
+  mock_data "aws_caller_identity" {
+    defaults = { account_id = "123456789012" }
+  }
+  mock_data "aws_partition" {
+    defaults = { partition = "aws" }
+  }
+  mock_data "aws_region" {
+    defaults = { name = "us-east-1" }
+  }
+  mock_data "aws_iam_role" { # AWSServiceRoleForAutoScaling, looked up by name
+    defaults = { arn = "arn:aws:iam::123456789012:role/aws-service-role/autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling" }
+  }
+  mock_data "aws_iam_policy_document" {
+    defaults = { json = "{\"Version\":\"2012-10-17\",\"Statement\":[]}" }
+  }
+  mock_resource "aws_kms_key" {
+    defaults = {
+      arn    = "arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555"
+      key_id = "11111111-2222-3333-4444-555555555555"
+    }
+  }
+  mock_resource "aws_fsx_lustre_file_system" {
+    defaults = { id = "fs-0123456789abcdef0" }
+  }
+  mock_resource "aws_eks_cluster" {
+    defaults = {
+      endpoint              = "https://EXAMPLE.gr7.us-east-1.eks.amazonaws.com"
+      certificate_authority = [{ data = "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0t" }]
+      identity              = [{ oidc = [{ issuer = "https://oidc.eks.us-east-1.amazonaws.com/id/EXAMPLE" }] }]
+    }
+  }
+  mock_resource "aws_iam_openid_connect_provider" {
+    defaults = { arn = "arn:aws:iam::123456789012:oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/EXAMPLE" }
+  }
+}
+
+variables {
+  account = "123456789012"
+  issuer  = "oidc.eks.us-east-1.amazonaws.com/id/EXAMPLE"
+}
+
+run "plan" {
+  command = plan
+
+  # KMS: every store is encrypted with the stack's customer-managed key
+  assert {
+    condition = alltrue([for b in values(output.stack.encryption.buckets) :
+    b.sse_algorithm == "aws:kms" && b.kms_master_key_id == output.stack.kms_key_arn])
+    error_message = "every pipeline bucket must default to SSE-KMS with the stack's key"
+  }
+  assert {
+    condition     = length(output.stack.encryption.buckets) == 4
+    error_message = "raw, curated, checkpoints and mlflow buckets expected"
+  }
+  assert {
+    condition     = output.stack.encryption.fsx == output.stack.kms_key_arn && output.stack.encryption.eks_secrets == output.stack.kms_key_arn
+    error_message = "FSx and the EKS secrets must be encrypted with the stack's key"
+  }
+  assert {
+    condition     = output.stack.encryption.rds.storage_encrypted && output.stack.encryption.rds.kms_key_id == output.stack.kms_key_arn && !output.stack.encryption.rds.publicly_accessible
+    error_message = "RDS must be encrypted with the stack's key and private"
+  }
+
+  # the key policy names Auto Scaling's service-linked role (node volumes) and this file system's FSx role (S3 link)
+  assert {
+    condition = contains(flatten([for s in jsondecode(output.stack.kms_key_policy).Statement : s.Principal.AWS if s.Sid == "AutoScalingVolumes"]),
+    "arn:aws:iam::${var.account}:role/aws-service-role/autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling")
+    error_message = "the KMS key policy must let EC2 Auto Scaling's service-linked role use the key"
+  }
+  assert {
+    condition     = contains(flatten([for s in jsondecode(output.stack.kms_key_policy).Statement : s.Condition.Bool["kms:GrantIsForAWSResource"] if s.Sid == "AutoScalingVolumeGrants"]), "true")
+    error_message = "the Auto Scaling role may create grants for AWS resources only"
+  }
+  assert {
+    condition = contains(flatten([for s in jsondecode(output.stack.kms_key_policy).Statement : s.Principal.AWS if s.Sid == "FSxDataRepositoryS3Access"]),
+    "arn:aws:iam::${var.account}:role/aws-service-role/s3.data-source.lustre.fsx.amazonaws.com/AWSServiceRoleForFSxS3Access_${output.stack.fsx.file_system_id}")
+    error_message = "the KMS key policy must name the file system's FSx service-linked role for S3"
+  }
+  assert {
+    condition = alltrue(flatten([for s in jsondecode(output.stack.kms_key_policy).Statement :
+    [for p in flatten([try(s.Principal.AWS, [])]) : p != "*"]]))
+    error_message = "no wildcard principal in the key policy"
+  }
+
+  # node groups: the env's sizes
+  assert {
+    condition     = output.stack.node_groups.system.scaling == { min_size = 2, desired_size = 2, max_size = 3 }
+    error_message = "dev: 2 system nodes (max 3)"
+  }
+  assert {
+    condition     = one(output.stack.node_groups.gpu.instance_types) == "g6e.xlarge" && output.stack.node_groups.gpu.scaling == { min_size = 0, desired_size = 0, max_size = 1 }
+    error_message = "dev: a g6e.xlarge GPU group that scales 0..1"
+  }
+  assert {
+    condition     = output.stack.node_groups.gpu.ami_type == "AL2023_x86_64_NVIDIA" && one(output.stack.node_groups.gpu.taints) == { key = "nvidia.com/gpu", value = "true", effect = "NO_SCHEDULE" }
+    error_message = "GPU nodes run the NVIDIA AMI and are tainted nvidia.com/gpu"
+  }
+  assert {
+    condition     = output.stack.gpu_efa_interfaces == 0 && length(output.stack.node_groups.gpu.subnet_ids) == 1
+    error_message = "dev: no EFA; GPU nodes in one subnet (one AZ, with FSx)"
+  }
+
+  # FSx: the L1 path linked to its own prefix of the checkpoint bucket
+  assert {
+    condition = output.stack.fsx.data_repository == {
+      file_system_path     = "/llm-pipeline/var/tiers/shared"
+      data_repository_path = "s3://${output.stack.buckets.checkpoints}/fsx-l1"
+    }
+    error_message = "FSx must link /llm-pipeline/var/tiers/shared to s3://<checkpoint bucket>/fsx-l1"
+  }
+  assert {
+    condition     = output.stack.buckets.checkpoints == "llmp-dev-checkpoints-${var.account}"
+    error_message = "the checkpoint bucket is named <name>-checkpoints-<account>"
+  }
+
+  # IRSA: each role trusts exactly its one service account through the cluster's OIDC provider
+  assert {
+    condition = { for k, p in output.stack.irsa_trust_policies : k => jsondecode(p).Statement[0].Condition.StringEquals["${var.issuer}:sub"] } == {
+      airflow = "system:serviceaccount:airflow:airflow-worker"
+      spark   = "system:serviceaccount:llm-pipeline:spark"
+      trainer = "system:serviceaccount:llm-pipeline:trainer"
+      mlflow  = "system:serviceaccount:mlflow:mlflow"
+    }
+    error_message = "each IRSA role must trust system:serviceaccount:<namespace>:<account> of its plane only"
+  }
+  assert {
+    condition = alltrue([for p in values(output.stack.irsa_trust_policies) :
+      length(jsondecode(p).Statement) == 1 &&
+      jsondecode(p).Statement[0].Action == "sts:AssumeRoleWithWebIdentity" &&
+      jsondecode(p).Statement[0].Principal.Federated == "arn:aws:iam::${var.account}:oidc-provider/${var.issuer}" &&
+    jsondecode(p).Statement[0].Condition.StringEquals["${var.issuer}:aud"] == "sts.amazonaws.com"])
+    error_message = "IRSA trust: web identity from the cluster's OIDC provider, audience sts.amazonaws.com"
+  }
+  assert {
+    condition     = contains(["1.34", "1.35", "1.36"], output.stack.kubernetes_version)
+    error_message = "the default EKS version must be in standard support"
+  }
+}
+
+# An EKS version out of standard support is refused at plan (the eks module's validation names the supported set).
+run "eks_version_out_of_support_is_refused" {
+  command = plan
+  module {
+    source = "../../../modules/eks"
+  }
+  variables {
+    name               = "llmp-dev"
+    kubernetes_version = "1.31"
+    vpc_id             = "vpc-0123456789abcdef0"
+    vpc_cidr           = "10.40.0.0/16"
+    private_subnet_ids = ["subnet-0123456789abcdef0", "subnet-0123456789abcdef1"]
+    kms_key_arn        = "arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555"
+  }
+  expect_failures = [var.kubernetes_version]
+}

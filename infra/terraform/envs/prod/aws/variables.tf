@@ -1,0 +1,44 @@
+variable "region" {
+  type        = string
+  description = "AWS region."
+}
+
+variable "azs" {
+  type        = list(string)
+  description = "Availability zones (the first hosts the GPU nodes and FSx)."
+}
+
+variable "endpoint_public_cidrs" {
+  type        = list(string)
+  description = "CIDRs allowed to reach the EKS API's public endpoint (your office/VPN); empty = private only."
+  default     = []
+}
+
+variable "tags" {
+  type        = map(string)
+  description = "Tags on every resource (also the AWS provider's default tags)."
+}
+
+variable "gpu_capacity_type" {
+  type        = string
+  description = "ON_DEMAND or CAPACITY_BLOCK (an EC2 Capacity Block reservation) for the GPU nodes."
+  default     = "ON_DEMAND"
+}
+
+variable "gpu_capacity_reservation_id" {
+  type        = string
+  description = "The Capacity Block reservation (cr-…) for gpu_capacity_type = CAPACITY_BLOCK."
+  default     = null
+}
+
+variable "create_autoscaling_service_role" {
+  type        = bool
+  description = "Create EC2 Auto Scaling's service-linked role, which the KMS key policy names: true only in an account that has never used Auto Scaling."
+  default     = false
+}
+
+variable "kubernetes_version" {
+  type        = string
+  description = "EKS Kubernetes minor version (null: modules/eks's default, in standard support; its validation names the allowed set)."
+  default     = null
+}

@@ -1,4 +1,0 @@
-output "stack" {
-  description = "Every output of the stack (modules/stack/outputs.tf); `python -m pipelines.cluster_config --env ENV` reads them."
-  value       = module.stack
-}

@@ -1,0 +1,21 @@
+terraform {
+  required_version = ">= 1.10" # S3 native state locking (use_lockfile) needs 1.10
+  required_providers {
+    aws = {
+      source  = "hashicorp/aws"
+      version = ">= 5.60, < 7.0"
+    }
+    helm = {
+      source  = "hashicorp/helm"
+      version = ">= 2.12, < 3.0"
+    }
+    random = {
+      source  = "hashicorp/random"
+      version = ">= 3.6"
+    }
+    kubernetes = {
+      source  = "hashicorp/kubernetes"
+      version = ">= 2.27"
+    }
+  }
+}
