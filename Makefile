@@ -1,9 +1,10 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both create .venv and install on first use.
 SHELL := /bin/bash
 # Python 3.11 or 3.12 (pyproject's requires-python), named explicitly: a bare python3 may be another version.
-# Stops only a target that creates a venv, with one line, when neither exists.
+# A venv that must be created with neither stops there with one line; an existing venv is used as it is.
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12)
-NEW_VENV = $(if $(PYTHON),$(PYTHON) -m venv,$(error Python 3.11 or 3.12 is required: none on PATH (install python3.11, or make PYTHON=/path/to/python3.12)))
+new_venv = test -x $(1)/bin/python || { [ -n "$(PYTHON)" ] || { echo "Python 3.11 or 3.12 is required: none on PATH \
+  (install python3.11, or make PYTHON=/path/to/python3.12)" >&2; exit 2; }; $(PYTHON) -m venv $(1); }
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -54,7 +55,7 @@ $(STAMP): requirements.lock requirements-dev.lock pyproject.toml $(TORCH_MARK)
 	@# the venv is exactly the locks: a changed lock or torch source rebuilds it from scratch
 	@if [ -d $(VENV) ] && [ ! -f $(STAMP) -o requirements.lock -nt $(STAMP) -o requirements-dev.lock -nt $(STAMP) \
 	  -o $(TORCH_MARK) -nt $(STAMP) ]; then rm -rf $(VENV); fi
-	@test -x $(BIN)/python || $(NEW_VENV) $(VENV)
+	@$(call new_venv,$(VENV))
 	$(BIN)/python -m pip install -q pip==$(PIP_VERSION)
 	$(call pip_lock,requirements.lock)
 	$(BIN)/pip install -q --no-deps -e .
@@ -70,7 +71,7 @@ LOCK_VENV := .venv-lock
 UV_VERSION := 0.13.9
 LOCK_INDEX ?= https://pypi.org/simple
 $(LOCK_VENV)/.installed:
-	@test -x $(LOCK_VENV)/bin/python || $(NEW_VENV) $(LOCK_VENV)
+	@$(call new_venv,$(LOCK_VENV))
 	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(LOCK_VENV)/bin/pip install -q --index-url $(LOCK_INDEX) \
 	  pip==$(PIP_VERSION) uv==$(UV_VERSION) packaging==26.0
 	@touch $@
@@ -108,7 +109,7 @@ airflow-stop:
 # checkov in a venv of its own: it ships a fork of python-hcl2's `hcl2` module, which the tests also import.
 CHECKOV := .venv-checkov/bin/checkov
 $(CHECKOV):
-	@test -x .venv-checkov/bin/python || $(NEW_VENV) .venv-checkov
+	@$(call new_venv,.venv-checkov)
 	.venv-checkov/bin/pip install -q checkov==3.3.30
 
 # fmt, then init/validate/test of each root under infra/terraform/envs/*/* (a root whose providers cannot be

@@ -60,10 +60,12 @@ def aws_env(conn) -> dict[str, str]:
 
 
 def mlflow_env(conn) -> dict[str, str]:
-    """The tracking URI and its basic-auth login; the UI the extra links point at is extra ``ui_url``, else the
-    tracking server itself (an ``http(s)`` URI: MLflow's server serves its UI there)."""
+    """The tracking URI and its basic-auth login; the UI the extra links point at is extra ``ui_url``, else (when the
+    worker sets no ``MLFLOW_UI_URL`` of its own: a guess never overrides a setting) the tracking server itself (an
+    ``http(s)`` URI: MLflow's server serves its UI there)."""
     uri = _uri(conn, "http") if conn.host else None
-    ui = conn.extra_dejson.get("ui_url") or (uri if uri and uri.startswith(("http://", "https://")) else None)
+    guess = uri if uri and uri.startswith(("http://", "https://")) and not os.environ.get("MLFLOW_UI_URL") else None
+    ui = conn.extra_dejson.get("ui_url") or guess
     pairs = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_UI_URL": ui,
              "MLFLOW_TRACKING_USERNAME": conn.login, "MLFLOW_TRACKING_PASSWORD": conn.password}
     return {k: str(v) for k, v in pairs.items() if v}

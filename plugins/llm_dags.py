@@ -124,14 +124,17 @@ def open_services(spec_path: str, dag_id: str, run_id: str) -> dict:
 
     owner = f"{dag_id}/{run_id}"
     with services(spec_path) as spec:
-        started = s3.acquire(owner) if not spec.services.s3_endpoint_url else None
-        try:
+        need_s3 = not spec.services.s3_endpoint_url
+    # started outside services(): the shared endpoint outlives this task and must not inherit its connections' secrets
+    started = s3.acquire(owner) if need_s3 else None
+    try:
+        with services(spec_path) as spec:
             mlflow_run = tracking.start_run(spec, run_name=f"{spec.run.name}-{dag_id}-{run_id}",
                                             tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id})
-        except BaseException:  # no teardown info to release it with: release it here
-            if started:
-                s3.release(owner)
-            raise
+    except BaseException:  # no teardown info to release it with: release it here
+        if started:
+            s3.release(owner)
+        raise
     return {"mlflow_run_id": mlflow_run, "embedded_s3": started, "s3_lease": owner}
 
 

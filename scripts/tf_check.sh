@@ -18,6 +18,7 @@ TF_DIR=infra/terraform
 WORK=${TF_CHECK_WORK:-var/tf-check}
 CHECKOV=${CHECKOV:-.venv-checkov/bin/checkov}
 mkdir -p "$WORK"
+WORK_ABS=$(cd "$WORK" && pwd)
 
 # A TF_CLI_CONFIG_FILE that names a missing file only makes every command print a warning.
 if [ -n "${TF_CLI_CONFIG_FILE:-}" ] && [ ! -e "$TF_CLI_CONFIG_FILE" ]; then
@@ -40,6 +41,10 @@ plugin_dir() {
 }
 
 PLUGIN_DIR=$(plugin_dir)
+if [ -n "$PLUGIN_DIR" ] && [ ! -d "$PLUGIN_DIR/registry.terraform.io" ]; then
+  echo "tf-check: TF_PLUGIN_DIR=$PLUGIN_DIR holds no registry.terraform.io folder (a provider mirror); fix it or unset it"
+  exit 2
+fi
 if [ -n "$PLUGIN_DIR" ]; then
   echo "tf-check: providers from the mirror $PLUGIN_DIR"
   INIT_ARGS=(-plugin-dir="$PLUGIN_DIR")
@@ -50,6 +55,10 @@ fi
 
 failed=()
 summary=()
+checked=0
+# a lock file init writes into a root that had none is removed again, also when the run is interrupted
+new_locks=()
+trap 'rm -f "${new_locks[@]}"' EXIT
 
 echo "== terraform fmt -check -recursive $TF_DIR"
 if terraform fmt -check -recursive -diff "$TF_DIR"; then
@@ -64,15 +73,20 @@ check_root() {
   local root=$1 name log had_lock=1
   name=$(echo "${root#"$TF_DIR"/envs/}" | tr / -)
   log="$WORK/$name.log"
-  export TF_DATA_DIR="$PWD/$WORK/$name"
-  [ -e "$root/.terraform.lock.hcl" ] || had_lock=0
+  export TF_DATA_DIR="$WORK_ABS/$name"
+  [ -e "$root/.terraform.lock.hcl" ] || { had_lock=0; new_locks+=("$root/.terraform.lock.hcl"); }
 
   echo "== $root: terraform init -backend=false ${INIT_ARGS[*]}"
   if ! terraform -chdir="$root" init -backend=false -input=false -no-color "${INIT_ARGS[@]}" >"$log" 2>&1; then
-    # providers this machine cannot install: "Could not retrieve the list of available versions for provider X"
-    local missing
-    missing=$(tr '\n' ' ' <"$log" | grep -oE 'available versions for provider +[^ :]+' | awk '{print $NF}' | sort -u | paste -sd ' ' -)
-    if [ -n "$missing" ]; then
+    # skipped only when every error is a provider this machine cannot install (absent from the mirror, or the
+    # registry unreachable); a version constraint no release meets, or anything else, fails
+    local flat errors unavailable missing
+    flat=$(tr '\n' ' ' <"$log" | tr -s ' ')
+    errors=$(grep -o 'Error: ' <<<"$flat" | wc -l)
+    unavailable=$(grep -oE 'was not found in any of the search locations|could not connect to registry\.terraform\.io' \
+      <<<"$flat" | wc -l)
+    missing=$(grep -oE 'available versions for provider [^ :]+' <<<"$flat" | awk '{print $NF}' | sort -u | paste -sd ' ' -)
+    if [ "$errors" -gt 0 ] && [ "$errors" = "$unavailable" ] && [ -n "$missing" ]; then
       echo "SKIPPED $root: providers not installable here: $missing"
       summary+=("skipped  $root (providers not installable here: $missing)")
     else
@@ -100,6 +114,7 @@ check_root() {
   fi
   [ $had_lock = 1 ] || rm -f "$root/.terraform.lock.hcl"
   if [ "$status" = ok ]; then
+    checked=$((checked + 1))
     summary+=("ok       $root ($steps)")
   else
     summary+=("$status $root")
@@ -127,6 +142,11 @@ else
     failed+=("checkov")
     summary+=("FAILED   checkov (failed checks or files it could not parse: $WORK/checkov.log)")
   fi
+fi
+
+if [ "$checked" = 0 ]; then
+  failed+=("no root could be checked")
+  summary+=("FAILED   no Terraform root was initialised, validated and tested")
 fi
 
 echo "== tf-check summary"

@@ -233,6 +233,11 @@ def test_the_extra_links_use_the_connections(home, connections, spec_file, no_em
     links = _links(spec_file, run_id, manifest, tmp_path)
     assert links["mlflow_run"] == f"https://mlflow.example/#/experiments/{exp}/runs/{run_id}"
     assert not any(v in os.environ for v in ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_UI_URL", "S3_ENDPOINT_URL"))
+    # no ui_url: the worker's own MLFLOW_UI_URL wins over the guess from the tracking address
+    clean_env.setenv("AIRFLOW_CONN_MLFLOW_DEFAULT", json.dumps(conn))
+    clean_env.setenv("MLFLOW_UI_URL", "https://ui.worker.example")
+    links = _links(spec_file, run_id, manifest, tmp_path)
+    assert links["mlflow_run"] == f"https://ui.worker.example/#/experiments/{exp}/runs/{run_id}"
 
 
 def test_a_stage_gets_the_same_services_in_its_environment_only(home, connections, spec_file, no_embedded_s3):

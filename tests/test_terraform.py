@@ -163,7 +163,9 @@ def test_buckets_are_kms_encrypted_versioned_private_tls_only_with_lifecycle():
     storage = parse(TF / "modules" / "storage" / "main.tf")
     call = storage["module"][0]["bucket"]
     assert call["source"] == "./bucket"
-    assert set(re.findall(r'"(\w+)"', call["for_each"])) == {"raw", "curated", "checkpoints", "mlflow"}
+    assert call["for_each"] == "${local.bucket_names}" and call["bucket"] == "${each.value}"
+    names = [loc for loc in storage["locals"] if "bucket_names" in loc][0]["bucket_names"]
+    assert set(re.findall(r'"(\w+)"', names)) == {"raw", "curated", "checkpoints", "mlflow"}
     cold = [loc for loc in storage["locals"] if "cold_tiers" in loc][0]["cold_tiers"]
     assert set(cold) == {"checkpoints"} and set(cold["checkpoints"]) == {"ia_days", "glacier_days"}
     assert one("aws_kms_key", "storage")["enable_key_rotation"] is True
@@ -567,7 +569,7 @@ def test_mlflow_is_authenticated_with_its_credentials_in_secrets_and_its_image_p
 
 
 def test_pipeline_images_take_a_tag_or_a_digest_and_reach_the_outputs():
-    """airflow/spark/trainer images: NAME:TAG or NAME@sha256:<64 hex> (the digest `make image` prints), checked by a
+    """airflow/spark/trainer images: NAME:TAG or NAME@sha256:<64 hex> (the digest the registry gives on push), checked by a
     variable validation at plan; the spark and trainer images come out as outputs for pipelines.cluster_config."""
     stack_vars = variables(TF / "modules/stack_platform/variables.tf")
     patterns = set()
@@ -595,6 +597,11 @@ def test_pipeline_images_take_a_tag_or_a_digest_and_reach_the_outputs():
     assert parts.match("r/a:1").groupdict() == {"repository": "r/a", "tag": "1", "digest": None}
     assert parts.match("h:5000/a@sha256:" + "c" * 64).groupdict() == {"repository": "h:5000/a", "tag": None,
                                                                       "digest": "sha256:" + "c" * 64}
+    # the workers' pod template pins the digest too (its tag is TAG@DIGEST: the chart renders REPOSITORY:TAG there)
+    main = (TF / "modules/metadata/main.tf").read_text()
+    assert "images                   = { pod_template = { tag = local.pod_template_tag } }" in main
+    assert re.search(r'pod_template_tag = \(local\.airflow_image\.digest == null \? local\.airflow_image\.tag :\s*'
+                     r'"\$\{coalesce\(local\.airflow_image\.tag, "pinned"\)\}@\$\{local\.airflow_image\.digest\}"\)', main)
 
 
 def test_each_application_has_its_own_database_login_and_rds_admits_only_the_private_subnets():
@@ -824,3 +831,31 @@ def test_module_calls_match_their_modules_and_the_platform_reads_only_what_the_a
     read |= set(re.findall(r"local\.aws\.(\w+)", (TF / "envs/dev/platform/providers.tf").read_text()))
     assert read and read <= aws_outputs, read - aws_outputs
     assert all(re.search(rf"\b{k}\b", wanted) for k in read - {"region", "cluster_name"}), wanted
+
+
+def test_tf_check_skips_only_a_root_whose_providers_are_absent_never_a_broken_constraint(tmp_path):
+    """A root that requires a provider version no release meets is a failure, not a skip (terraform words both as
+    "Could not retrieve the list of available versions"); with no root checked at all the script fails too; and a
+    mirror path that is not a mirror is the user's to fix (exit 2)."""
+    if shutil.which("terraform") is None or not Path("/opt/tf-plugins/registry.terraform.io").is_dir():
+        pytest.skip("needs terraform and the aws provider mirror at /opt/tf-plugins")
+    tree = tmp_path / "repo"
+    shutil.copytree(TF, tree / "infra/terraform", ignore=shutil.ignore_patterns(".terraform*"))
+    shutil.copytree(ROOT / "scripts", tree / "scripts")
+    for p in [tree / "infra/terraform/envs/prod"]:
+        shutil.rmtree(p)
+    versions = tree / "infra/terraform/envs/dev/aws/versions.tf"
+    text = versions.read_text()
+    pin = re.search(r'version\s*=\s*"(>= 5[^"]*)"', text).group(1)
+    versions.write_text(text.replace(pin, ">= 6.0"))
+    env = {**os.environ, "TF_CHECK_WORK": str(tmp_path / "work"), "CHECKOV": "skip"}
+    r = subprocess.run(["bash", str(tree / "scripts/tf_check.sh")], capture_output=True, text=True, env=env,
+                       timeout=600, cwd=tree)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "FAILED   infra/terraform/envs/dev/aws (init)" in r.stdout
+    assert "skipped  infra/terraform/envs/dev/platform (providers not installable here:" in r.stdout
+    assert "FAILED   no Terraform root was initialised, validated and tested" in r.stdout
+    assert not (tree / "infra/terraform/envs/dev/aws/.terraform.lock.hcl").exists()
+    bad = subprocess.run(["bash", str(tree / "scripts/tf_check.sh")], capture_output=True, text=True,
+                         env={**env, "TF_PLUGIN_DIR": str(tmp_path / "no-mirror")}, timeout=600, cwd=tree)
+    assert bad.returncode == 2 and "holds no registry.terraform.io folder" in bad.stdout

@@ -9,7 +9,8 @@
 #   infra/image/build.sh demo         the demo DAG (airflow dags test llm_pipeline, configs/demo.yaml) in a container
 #                                     of $IMAGE:latest with no network; prints the registered model and the wall time
 #
-# Environment: IMAGE (localhost/llm-pipeline), TORCH_INDEX (empty: the lock's CUDA torch), DEBIAN_MIRROR,
+# Environment: IMAGE (localhost/llm-pipeline), TORCH_INDEX (empty: the lock's CUDA torch), DEBIAN_MIRROR and
+# DEBIAN_SECURITY_MIRROR (the base's archives), DEMO_TIMEOUT_S (the demo's bound, default 1800),
 # HOST_CA (a CA bundle used for HTTPS during the build only; default: the system bundle when present),
 # HOST_WHEELS (a local wheel folder pip may also read during the build, e.g. where a CPU torch wheel lies; with
 # TORCH_INDEX set it defaults to PIP_FIND_LINKS when that is one local folder, as the host's pip would read it).
@@ -20,6 +21,7 @@ cd "$(dirname "$0")/../.."
 IMAGE=${IMAGE:-localhost/llm-pipeline}
 BASE=localhost/debian-base:bookworm
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+DEBIAN_SECURITY_MIRROR=${DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
 OUT=var/image
 mkdir -p "$OUT"
 
@@ -31,7 +33,7 @@ ensure_tools() {
   [ ${#missing[@]} -eq 0 ] && return
   local sudo=
   if [ "$(id -u)" != 0 ]; then sudo -n true 2>/dev/null && sudo=sudo || \
-    die "missing ${missing[*]}: install them (apt-get install podman runc debootstrap skopeo) and run again" 2; fi
+    die "missing tools ${missing[*]}: install them (apt-get install podman runc debootstrap skopeo) and run again" 2; fi
   echo "image: installing ${missing[*]} (apt)"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq podman runc debootstrap skopeo >/dev/null
@@ -59,20 +61,23 @@ ensure_base() {
   [ "$(id -u)" = 0 ] || die "building the base needs root (debootstrap): run once as root, or import $BASE" 2
   local root=$OUT/rootfs
   rm -rf "$root"
+  trap "rm -rf -- '$root'" EXIT  # a failed or interrupted base build leaves no root file system behind
   echo "image: debootstrap bookworm (minbase) from $DEBIAN_MIRROR"
   debootstrap --variant=minbase bookworm "$root" "$DEBIAN_MIRROR" > "$OUT/debootstrap.log" 2>&1 \
     || { tail -5 "$OUT/debootstrap.log"; die "debootstrap failed (full log: $OUT/debootstrap.log)"; }
-  printf 'deb %s bookworm main\ndeb %s bookworm-updates main\ndeb %s-security bookworm-security main\n' \
-    "$DEBIAN_MIRROR" "$DEBIAN_MIRROR" "$DEBIAN_MIRROR" > "$root/etc/apt/sources.list"
+  printf 'deb %s bookworm main\ndeb %s bookworm-updates main\ndeb %s bookworm-security main\n' \
+    "$DEBIAN_MIRROR" "$DEBIAN_MIRROR" "$DEBIAN_SECURITY_MIRROR" > "$root/etc/apt/sources.list"
   rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
   tar -C "$root" -c . | podman import - "$BASE" >/dev/null
   rm -rf "$root"
+  trap - EXIT
 }
 
 revision() {
   local rev
   rev=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-  [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && rev="$rev-dirty"
+  # uncommitted or untracked (not ignored) files reach the build context: the revision says so
+  [ -n "$(git status --porcelain 2>/dev/null)" ] && rev="$rev-dirty"
   echo "$rev"
 }
 
@@ -110,10 +115,12 @@ save() {
   flavour=$(podman image inspect --format '{{index .Labels "io.llm-pipeline.torch"}}' "$IMAGE:latest")
   file=$OUT/llm-pipeline-$rev-$flavour.oci.tar
   rm -f "$file.tmp"
+  trap "rm -f -- '$file.tmp'" EXIT  # no partial archive after a failure (a full disk) or an interrupt
   podman save --format oci-archive -o "$file.tmp" "$IMAGE:latest"
   mv "$file.tmp" "$file"
+  trap - EXIT
   echo "image: $file ($(du -m "$file" | cut -f1) MB)"
-  echo "push:  skopeo copy --digestfile var/image/digest oci-archive:$file docker://<registry>/llm-pipeline:$rev"
+  echo "push:  skopeo copy --digestfile var/image/digest oci-archive:$file docker://<registry>/llm-pipeline:$rev-$flavour"
   echo "       then pin <registry>/llm-pipeline@\$(cat var/image/digest) in envs/<env>/*/terraform.tfvars"
 }
 
@@ -123,13 +130,14 @@ demo() {
   write_conf
   podman image exists "$IMAGE:latest" || die "no $IMAGE:latest: run make image first" 2
   local name=llmp-demo-$$ start=$SECONDS rc=0
-  podman run --name "$name" --network none --shm-size 1g "$IMAGE:latest" sh -c '
+  # bounded, and the container removed however this ends (a stopped client leaves its container running)
+  trap "podman rm -f '$name' >/dev/null 2>&1" EXIT
+  timeout "${DEMO_TIMEOUT_S:-1800}" podman run --name "$name" --network none --shm-size 1g "$IMAGE:latest" sh -c '
     airflow db migrate > var/db-migrate.log 2>&1 || { cat var/db-migrate.log; exit 1; }
     airflow dags test llm_pipeline -c "{\"spec\": \"configs/demo.yaml\"}" > var/demo-dag.log 2>&1 || exit 1
     ! grep -q "state=failed" var/demo-dag.log || exit 1
     python -m pipelines.summary --spec configs/demo.yaml' || rc=$?
   podman cp "$name:/opt/llm-pipeline/var/demo-dag.log" "$OUT/demo-dag.log" 2>/dev/null || true
-  podman rm -f "$name" >/dev/null
   echo "image demo: rc $rc in $((SECONDS - start)) s (DAG log: $OUT/demo-dag.log)"
   return "$rc"
 }

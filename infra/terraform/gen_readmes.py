@@ -133,7 +133,7 @@ layer.""",
 (`SPARK_MASTER=k8s://…`, `S3_ENDPOINT_URL=aws`, `S3_BUCKET`, `MLFLOW_TRACKING_URI`, `LLMP_HOME` on FSx).
 `envs/dev/platform` and `envs/prod/platform` call it with the AWS layer's outputs (`aws`, read from that root's
 state; attributes not in its type are ignored) and the images, which it validates (`NAME:TAG` or
-`NAME@sha256:<64 hex>`, the digest `make image` prints), and export its outputs as one object, `stack`. Their
+`NAME@sha256:<64 hex>`, the digest the registry gives on push: `make image-save`, `skopeo copy --digestfile`), and export its outputs as one object, `stack`. Their
 kubernetes and helm providers are configured from the cluster the AWS layer made (found by name), never from a
 resource of this layer's own apply.""",
 }

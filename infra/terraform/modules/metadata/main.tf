@@ -328,8 +328,13 @@ resource "kubernetes_service_v1" "mlflow" {
 
 # ---------------------------------------------------------------- Airflow
 # airflow_image is REPOSITORY:TAG or REPOSITORY[:TAG]@sha256:DIGEST; the chart takes a digest over a tag.
+# The KubernetesExecutor's worker pods take their image from the chart's pod template, which (before apache/airflow
+# #69776) renders REPOSITORY:TAG and ignores defaultAirflowDigest: its tag is given as TAG@DIGEST ("pinned" when the
+# image has no tag), a reference that resolves by the digest, so the workers run exactly the scheduler's image.
 locals {
   airflow_image = regex("^(?P<repository>[^@]+?)(?::(?P<tag>[^:/@]+))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$", var.airflow_image)
+  pod_template_tag = (local.airflow_image.digest == null ? local.airflow_image.tag :
+  "${coalesce(local.airflow_image.tag, "pinned")}@${local.airflow_image.digest}")
 }
 
 resource "helm_release" "airflow" {
@@ -344,6 +349,7 @@ resource "helm_release" "airflow" {
     defaultAirflowRepository = local.airflow_image.repository
     defaultAirflowTag        = local.airflow_image.tag
     defaultAirflowDigest     = local.airflow_image.digest
+    images                   = { pod_template = { tag = local.pod_template_tag } }
     postgresql               = { enabled = false }
     data                     = { metadataSecretName = kubernetes_secret_v1.db["airflow"].metadata[0].name }
     # logins and roles: the FAB auth manager (RBAC: Admin, Op, User, Viewer), one admin created by the chart's job;

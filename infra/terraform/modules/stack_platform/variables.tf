@@ -16,13 +16,13 @@ variable "aws" {
 }
 
 # An image reference with a tag or a digest: NAME:TAG, NAME@sha256:<64 hex>, or NAME:TAG@sha256:<64 hex>. `make image`
-# prints the digest; a digest pins exactly what was built and tested.
+# builds it, `skopeo copy --digestfile` gives the pushed digest; a digest pins exactly what was built and tested.
 variable "airflow_image" {
   type        = string
   description = "Image of the Airflow pods with this project installed (`make image`, CPU flavour), NAME:TAG or NAME@sha256:DIGEST (recommended)."
   validation {
     condition     = can(regex("^[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64})$", var.airflow_image))
-    error_message = "airflow_image must be NAME:TAG or NAME@sha256:<64 hex digits> (the digest `make image` prints)."
+    error_message = "airflow_image must be NAME:TAG or NAME@sha256:<64 hex digits> (`make image`, then the digest `skopeo copy --digestfile` writes)."
   }
 }
 
@@ -31,7 +31,7 @@ variable "spark_image" {
   description = "Spark executor image (`make image`, CPU flavour: Java 17 + pyspark + this package), NAME:TAG or NAME@sha256:DIGEST (recommended): the job spec's services.spark_image."
   validation {
     condition     = can(regex("^[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64})$", var.spark_image))
-    error_message = "spark_image must be NAME:TAG or NAME@sha256:<64 hex digits> (the digest `make image` prints)."
+    error_message = "spark_image must be NAME:TAG or NAME@sha256:<64 hex digits> (`make image`, then the digest `skopeo copy --digestfile` writes)."
   }
 }
 
@@ -40,7 +40,7 @@ variable "trainer_image" {
   description = "Training image (`make image`, CUDA torch), NAME:TAG or NAME@sha256:DIGEST (recommended): the job spec's launcher.image."
   validation {
     condition     = can(regex("^[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64})$", var.trainer_image))
-    error_message = "trainer_image must be NAME:TAG or NAME@sha256:<64 hex digits> (the digest `make image` prints)."
+    error_message = "trainer_image must be NAME:TAG or NAME@sha256:<64 hex digits> (`make image`, then the digest `skopeo copy --digestfile` writes)."
   }
 }
 

@@ -67,13 +67,21 @@ locals {
   ]
   # FSx for Lustre reads and writes the SSE-KMS checkpoint bucket (the data repository association's import and
   # export) as its per-file-system service-linked role, AWSServiceRoleForFSxS3Access_<fs-id>, which the key policy
-  # must name (FSx for Lustre guide, "Working with server-side encrypted Amazon S3 buckets").
+  # must name (FSx for Lustre guide, "Working with server-side encrypted Amazon S3 buckets"), scoped as that guide
+  # scopes it: through S3 in this region, from this account, on the checkpoint bucket only (S3 Bucket Keys are on,
+  # so the encryption context is the bucket's ARN; its objects' ARNs without them).
+  bucket_names    = { for purpose in ["raw", "curated", "checkpoints", "mlflow"] : purpose => "${var.name}-${purpose}-${local.account}" }
+  checkpoints_arn = "arn:${local.partition}:s3:::${local.bucket_names["checkpoints"]}"
   fsx_statements = length(var.fsx_s3_access_role_arns) == 0 ? [] : [{
     Sid       = "FSxDataRepositoryS3Access"
     Effect    = "Allow"
     Principal = { AWS = var.fsx_s3_access_role_arns }
     Action    = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey", "kms:DescribeKey"]
     Resource  = "*"
+    Condition = {
+      StringEquals = { "kms:CallerAccount" = local.account, "kms:ViaService" = "s3.${local.region}.amazonaws.com" }
+      StringLike   = { "kms:EncryptionContext:aws:s3:arn" = [local.checkpoints_arn, "${local.checkpoints_arn}/*"] }
+    }
   }]
 }
 
@@ -202,8 +210,8 @@ locals {
 
 module "bucket" {
   source               = "./bucket"
-  for_each             = toset(["raw", "curated", "checkpoints", "mlflow"])
-  bucket               = "${var.name}-${each.key}-${local.account}"
+  for_each             = local.bucket_names
+  bucket               = each.value
   purpose              = each.key
   kms_key_arn          = aws_kms_key.this.arn
   log_bucket           = aws_s3_bucket.logs.id

@@ -74,6 +74,15 @@ run "plan" {
     error_message = "the KMS key policy must let EC2 Auto Scaling's service-linked role use the key"
   }
   assert {
+    condition = [for s in jsondecode(output.stack.kms_key_policy).Statement : s.Condition if s.Sid == "FSxDataRepositoryS3Access"] == [{
+      StringEquals = { "kms:CallerAccount" = var.account, "kms:ViaService" = "s3.us-east-1.amazonaws.com" }
+      StringLike = { "kms:EncryptionContext:aws:s3:arn" = [
+        "arn:aws:s3:::${output.stack.buckets.checkpoints}", "arn:aws:s3:::${output.stack.buckets.checkpoints}/*"
+      ] }
+    }]
+    error_message = "the FSx role may use the key only through S3, from this account, on the checkpoint bucket"
+  }
+  assert {
     condition     = contains(flatten([for s in jsondecode(output.stack.kms_key_policy).Statement : s.Condition.Bool["kms:GrantIsForAWSResource"] if s.Sid == "AutoScalingVolumeGrants"]), "true")
     error_message = "the Auto Scaling role may create grants for AWS resources only"
   }
