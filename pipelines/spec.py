@@ -433,7 +433,7 @@ class ParallelCfg(_Section):
 class TrainCfg(_Section):
     # validation during training reads the weights and changes none (no dropout, no RNG): not part of the stage's key,
     # so turning it on or off does not start a running week-long training over
-    unhashed: ClassVar[frozenset[str]] = frozenset({"eval_every", "eval_tokens"})
+    unhashed: ClassVar[frozenset[str]] = frozenset({"eval_every", "eval_tokens", "preempt_grace_s"})
 
     steps: int = Field(200, ge=1)
     micro_batch: int = Field(8, ge=1, description="Sequences per rank per micro step.")
@@ -463,6 +463,10 @@ class TrainCfg(_Section):
     spike_window: int = Field(50, ge=2, description="Trailing losses the spike test compares with.")
     spike_sigma: float = Field(6.0, gt=0, description="A loss above mean + spike_sigma·σ of the window is a spike.")
     spike_min_history: int = Field(20, ge=2, description="Losses needed in the window before spikes are tested.")
+    preempt_grace_s: float = Field(
+        25.0, gt=0, description="On SIGTERM / SIGUSR1 (a preemption notice) the ranks finish the step, checkpoint it to "
+        "L0 and commit it to L1 within this many seconds, then exit with the retry code (75). The default fits "
+        "Kubernetes' 30 s terminationGracePeriodSeconds; the rendered jobs set the pod's grace to this + 5 s.")
 
     @model_validator(mode="after")
     def _numbers(self) -> "TrainCfg":

@@ -35,7 +35,6 @@ except ImportError:  # pragma: no cover - Airflow 2 layout
     from airflow.exceptions import AirflowException, AirflowFailException
     from airflow.models import BaseOperator
 
-USER_ERROR = 2  # what a stage CLI exits with when the input or the spec must be fixed: retrying cannot help
 KILL_GRACE_S = 10.0  # SIGTERM to a stage's processes, then SIGKILL after this long
 
 
@@ -46,6 +45,10 @@ def _code_root() -> Path:
 
 if str(_code_root()) not in sys.path:  # ``pipelines`` without an install (the Spark provider's workers, say)
     sys.path.insert(0, str(_code_root()))
+
+# a stage CLI's exit status: 2 = the input or the spec must be fixed (retrying cannot help); 75 = an infrastructure
+# failure or a preemption (a retry resumes); any other non-zero status is treated as possibly transient too
+from pipelines.train.exit_codes import RETRY, USER_ERROR  # noqa: E402 - needs the checkout on sys.path
 
 
 def project_root() -> Path:
@@ -153,14 +156,28 @@ def _run_cli(op: BaseOperator, module: str, args: list[str], env: dict[str, str]
             raise
         finally:
             p.stdout.close()  # type: ignore[union-attr]
-        if p.returncode == USER_ERROR:  # a wrong path or spec: fail now, no retries
-            raise AirflowFailException(f"{module} rejected its input (exit {USER_ERROR}):\n" + "\n".join(tail))
-        if p.returncode != 0:  # possibly transient (S3, a submit, MLflow): the task's retries apply
-            raise AirflowException(f"{module} exited with {p.returncode}:\n" + "\n".join(tail))
+        failure = exit_failure(module, p.returncode, tail)
+        if failure is not None:
+            raise failure
         try:
             return json.loads(Path(report).read_text())
         except (OSError, ValueError) as e:
             raise AirflowException(f"{module} exited 0 but wrote no report at {report}: {e}") from e
+
+
+def exit_failure(module: str, code: int, tail: Sequence[str] = ()) -> AirflowException | None:
+    """What a stage's exit status fails the task with: ``AirflowFailException`` (no retries) for 2, a retryable
+    ``AirflowException`` for 75 (preempted or an infrastructure failure: the retry resumes) and any other
+    non-zero status (possibly transient: S3, a submit, MLflow); None for 0."""
+    text = "\n".join(tail)
+    if code == USER_ERROR:
+        return AirflowFailException(f"{module} rejected its input (exit {USER_ERROR}):\n{text}")
+    if code == RETRY:
+        return AirflowException(f"{module} exited {RETRY}: preempted or an infrastructure failure; the task's "
+                                f"retry resumes from the newest committed checkpoint:\n{text}")
+    if code != 0:
+        return AirflowException(f"{module} exited with {code}:\n{text}")
+    return None
 
 
 def asset_extra(manifest_path: str) -> dict:

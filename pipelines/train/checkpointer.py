@@ -619,17 +619,52 @@ class Checkpointer:
 
     def _final_on_l1(self, step: int) -> Optional[str]:
         """Collective: None when ``step`` is globally committed on L1 (MANIFEST matches COMMIT), else why not."""
-        why = None
-        if self.rank == 0:
-            l1 = Path(ckpt_tiers.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
-            try:
-                ckpt_local.read_local_manifest(l1)
-            except (ck.CheckpointError, OSError, ValueError) as e:
-                failed = self.promoter.failed.get(step) if self.promoter is not None else None
-                why = failed or str(e)
-        box = [why]
+        box = [self._l1_why(step) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.pg)
         return box[0]
+
+    def _l1_why(self, step: int) -> Optional[str]:
+        """Rank 0: None when ``step`` is globally committed on L1, else why not."""
+        l1 = Path(ckpt_tiers.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
+        try:
+            ckpt_local.read_local_manifest(l1)
+            return None
+        except (ck.CheckpointError, OSError, ValueError) as e:
+            failed = self.promoter.failed.get(step) if self.promoter is not None else None
+            return failed or str(e)
+
+    def commit_now(self, step: int, timeout_s: float) -> None:
+        """Collective, on a preemption: the save of ``step`` written and committed on L0, and the step globally
+        committed on L1 by the promoters within ``timeout_s``; L2 is left to the next attempt (it catches up from
+        L1). :class:`CheckpointError` on every rank when it does not get there in time."""
+        deadline = time.monotonic() + timeout_s
+        local = None
+        try:
+            self.wait()
+            if self.promoter is not None and step not in self.promoter.submitted:
+                self.promoter.submit(step)  # checkpoint.promote_during_run=false: this step goes now
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            local = f"{type(e).__name__}: {e}"
+        errors = [None] * self.world
+        dist.all_gather_object(errors, local, group=self.pg)
+        if any(errors):
+            raise ck.CheckpointError(f"preemption: saving step {step} failed on rank "
+                                     f"{next(i for i, e in enumerate(errors) if e)}: {next(e for e in errors if e)}")
+        box = [self._wait_l1(step, deadline) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        if box[0] is not None:
+            raise ck.CheckpointError(f"preemption: step {step} is not globally committed on L1 within "
+                                     f"{timeout_s:.1f} s (train.preempt_grace_s): {box[0]}")
+
+    def _wait_l1(self, step: int, deadline: float) -> Optional[str]:
+        """Rank 0: poll until ``step`` is globally committed on L1, its promotion failed, or ``deadline``."""
+        while True:
+            why = self._l1_why(step)
+            if why is None or (self.promoter is not None and step in self.promoter.failed):
+                return why
+            if time.monotonic() > deadline:
+                return why
+            time.sleep(0.05)
 
     def _promote_again(self, step: int) -> None:
         """Collective: every part leader promotes its part of ``step`` to L1 once more (rank 0 merges)."""

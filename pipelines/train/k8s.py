@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import re
 import signal
@@ -124,6 +125,12 @@ class PodParts:
         return [{"name": k, "value": v} for k, v in self.env.items()] + self.pod_env
 
 
+def pod_grace_s(spec: JobSpec) -> int:
+    """The pod's terminationGracePeriodSeconds: the ranks' preemption checkpoint (``train.preempt_grace_s``) and
+    5 s for torchrun and the container to exit."""
+    return math.ceil(spec.train.preempt_grace_s) + 5
+
+
 def pod_parts(spec: JobSpec, run_id: str, trainer_args: list[str], module: str,
               extra_env: dict[str, str] | None) -> PodParts:
     L = spec.launcher
@@ -147,7 +154,9 @@ def pod_parts(spec: JobSpec, run_id: str, trainer_args: list[str], module: str,
         volumes.append({"name": "node-local", **({"hostPath": {"path": L.node_local_path, "type": "DirectoryOrCreate"}}
                                                  if L.node_local_path else {"emptyDir": {}})})
     labels = {"app.kubernetes.io/name": "llm-pipeline-trainer", "llm-pipeline/run": job_name(spec, run_id)}
-    command = ["torchrun", "--max-restarts", str(L.max_restarts), "-m", module, *trainer_args]
+    # torchrun forwards SIGUSR1 too and waits train.preempt_grace_s + 5 s for the ranks' checkpoint
+    command = ["torchrun", "--max-restarts", str(L.max_restarts), "--shutdown-timeout", str(pod_grace_s(spec)),
+               "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", module, *trainer_args]
     return PodParts(env, limits, mounts, volumes, labels, command, pod_env)
 
 
@@ -168,7 +177,7 @@ def render_pytorchjob(spec: JobSpec, run_id: str, trainer_args: list[str],
     }
     template = {"metadata": {"labels": p.labels},
                 "spec": {"containers": [container], "volumes": p.volumes, "nodeSelector": dict(L.node_selector),
-                         "tolerations": [dict(GPU_TOLERATION)]}}
+                         "tolerations": [dict(GPU_TOLERATION)], "terminationGracePeriodSeconds": pod_grace_s(spec)}}
     if L.service_account:
         template["spec"]["serviceAccountName"] = L.service_account
     specs = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
@@ -204,7 +213,8 @@ def render_trainjob(spec: JobSpec, run_id: str, trainer_args: list[str],
     secret_env = [{"name": k, "valueFrom": {"secretKeyRef": {"name": MLFLOW_CLIENT_SECRET, "key": k, "optional": True}}}
                   for k in MLFLOW_CLIENT_KEYS]
     pod_spec = {"containers": [{"name": TRAINJOB.container, "volumeMounts": p.mounts}], "volumes": p.volumes,
-                "nodeSelector": dict(L.node_selector), "tolerations": [dict(GPU_TOLERATION)]}
+                "nodeSelector": dict(L.node_selector), "tolerations": [dict(GPU_TOLERATION)],
+                "terminationGracePeriodSeconds": pod_grace_s(spec)}
     if L.service_account:
         pod_spec["serviceAccountName"] = L.service_account
     node_patch = {"name": "node", "template": {"spec": {"template": {"metadata": {"labels": p.labels},
@@ -291,7 +301,12 @@ def check_job(job: dict, spec: JobSpec | None = None, crd_path: Path | None = No
 
 
 class JobFailed(RuntimeError):
-    """The training job was rejected, failed, or did not finish in time; the message says which and why."""
+    """The training job was rejected, failed, or did not finish in time; the message says which and why.
+    ``retryable``: the cluster failed it (its nodes, the API, a timeout), not the spec: the launcher exits 75."""
+
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 def kube_target(spec: JobSpec) -> tuple[str | None, str | None]:
@@ -331,7 +346,7 @@ def call(fn, *args, tries: int = 5, **kwargs):
         except (HTTPError, OSError) as e:
             if attempt == tries - 1:
                 raise JobFailed(f"the Kubernetes API did not answer {getattr(fn, '__name__', 'a call')} after "
-                                f"{tries} tries: {e}") from None
+                                f"{tries} tries: {e}", retryable=True) from None
         time.sleep(2 ** attempt)
 
 
@@ -589,11 +604,11 @@ def watch(custom, core, k: JobKind, ns: str, name: str, poll_s: float, timeout_s
             errs = logs.errors()
             raise JobFailed(f"{k.kind} {ns}/{name} failed: {msg or 'no message'}"
                             + ("\nerrors in the pods' logs:\n  " + "\n  ".join(errs) if errs else "")
-                            + "\nlast log lines:\n" + "\n".join(logs.tail[-15:]))
+                            + "\nlast log lines:\n" + "\n".join(logs.tail[-15:]), retryable=True)
         if deadline is not None and time.monotonic() > deadline:
             delete(custom, k, ns, name)
             raise JobFailed(f"{k.kind} {ns}/{name} did not finish within launcher.timeout_minutes="
-                            f"{timeout_s / 60:g}; it was deleted")
+                            f"{timeout_s / 60:g}; it was deleted", retryable=True)
         time.sleep(poll_s)
 
 

@@ -14,7 +14,10 @@ and PNG, the PNG also logged to MLflow) and throughput.
 from __future__ import annotations
 
 import json
+import math
 import os
+import signal
+import threading
 import socket
 import subprocess
 import sys
@@ -26,11 +29,26 @@ from typing import Optional
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.manifest import Manifest, StageDir, StageError, input_ref
 from pipelines.spec import JobSpec, resolve_path
+from pipelines.train import exit_codes as xc
 
 
 class TrainError(StageError):
-    """The ranks failed or the spec asks for what this launcher cannot do (exit 2: not retried; a task
-    retry would resume from the newest checkpoint, which the Airflow task's own retries do)."""
+    """The ranks failed. As such: the spec or the input must change (a rank said so: divergence, a resume it
+    cannot do), or the spec asks for what this launcher cannot do (exit 2: not retried)."""
+
+
+class TrainRetry(TrainError):
+    """The ranks failed for the infrastructure or a preemption (exit 75, ``exit_codes.RETRY``): the same command
+    run again (an Airflow task retry) resumes from the newest committed checkpoint."""
+
+    exit_code = xc.RETRY
+
+
+def torchrun_flags(spec: JobSpec) -> list[str]:
+    """torchrun's own handling of a preemption notice: SIGUSR1 forwarded to the ranks like SIGTERM, and the ranks
+    given ``train.preempt_grace_s`` (+ 5 s) to checkpoint before torchrun kills them (its default is 30 s)."""
+    return ["--shutdown-timeout", str(math.ceil(spec.train.preempt_grace_s) + 5),
+            "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
 
 
 def _free_port() -> int:
@@ -46,7 +64,7 @@ def torchrun_cmds(spec: JobSpec, trainer_args: list[str], module: str = "pipelin
     newest checkpoint); a health check (preflight) runs once."""
     L = spec.launcher
     base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(L.nproc_per_node),
-            "--max-restarts", str(L.max_restarts if restarts else 0)]
+            "--max-restarts", str(L.max_restarts if restarts else 0), *torchrun_flags(spec)]
     if L.nnodes == 1:
         return [base + ["--standalone", "-m", module, *trainer_args]]
     port = _free_port()
@@ -56,17 +74,65 @@ def torchrun_cmds(spec: JobSpec, trainer_args: list[str], module: str = "pipelin
 
 
 def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipelines.train.trainer",
-                 restarts: bool = True, env_extra: Optional[dict] = None) -> None:
+                 restarts: bool = True, env_extra: Optional[dict] = None, work: Optional[Path] = None) -> None:
+    """Run torchrun (one per node) to the end, streaming node 0's output. A preemption notice to this process
+    (SIGTERM, SIGUSR1) goes on to torchrun as SIGTERM, which passes it to the ranks and waits for their checkpoint.
+    A failure is :class:`TrainRetry` unless a rank's outcome file in ``work`` says the input must change."""
     env = {**os.environ, **(env_extra or {})}
     env.setdefault("OMP_NUM_THREADS", str(spec.launcher.threads_per_proc))
     env["PYTHONUNBUFFERED"] = "1"
     # each restarted worker group gets a store of its own (a shared one hung a restart now and then on gloo)
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if work is not None:
+        xc.clear_outcomes(work)  # an earlier attempt's
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd in torchrun_cmds(spec, trainer_args, module, restarts)]
+    noticed: list[int] = []
+    previous = _forward_notices(procs, noticed)
+    try:
+        codes, tail, errors = _stream(procs)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    outcomes = xc.read_outcomes(work) if work is not None else []
+    why = "".join(errors) + f"torchrun exited with {codes}; last output:\n" + "".join(tail) if any(codes) else ""
+    preempted(outcomes, noticed, bool(why), why)
+    if any(codes):
+        raise (TrainError if xc.failed_ranks_code(outcomes) == xc.USER_ERROR else TrainRetry)(why)
+
+
+def preempted(outcomes: list[dict], noticed: list[int], failed: bool = False, why: str = "") -> None:
+    """:class:`TrainRetry` when the ranks stopped on a preemption notice (their outcome files name the step they
+    committed on L1), or when this process got one (``noticed``) and the ranks ``failed``."""
+    step = next((o["step"] for o in outcomes if "step" in o), None)
+    if step is None and not (noticed and failed):
+        return
+    sigs = ", ".join(signal.Signals(n).name for n in noticed) or "notice to the ranks"
+    raise TrainRetry(f"preempted ({sigs}); " + (f"step {step} is committed on L1: a retry resumes there"
+                                                if step is not None else "no step was committed on the notice: a "
+                                                "retry resumes from the newest checkpoint") + (f"\n{why}" if why else ""))
+
+
+def _forward_notices(procs: list[subprocess.Popen], noticed: list[int]) -> dict:
+    """While torchrun runs: SIGTERM / SIGUSR1 to this process is sent on to every torchrun as SIGTERM (recorded in
+    ``noticed``). Returns the handlers to put back (none off the main thread, where signals cannot be caught)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(signum, frame):
+        noticed.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    return {sig: signal.signal(sig, forward) for sig in xc.PREEMPT_SIGNALS}
+
+
+def _stream(procs: list[subprocess.Popen]) -> tuple[list[int], deque, list[str]]:
+    """Node 0's output to stdout until every rank closed it; other nodes' output kept for the error message.
+    Returns (exit codes, the last lines, the ranks' own "train: error: …" lines)."""
     tail: deque[str] = deque(maxlen=40)
-    errors: list[str] = []  # the ranks' own "train: error: …" lines, put first in the message
-    # Stream node 0's output; other nodes' output is kept for the error message.
+    errors: list[str] = []
     for line in procs[0].stdout:  # type: ignore[union-attr]
         sys.stdout.write(line)
         sys.stdout.flush()
@@ -76,8 +142,7 @@ def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipeline
     codes = [p.wait() for p in procs]
     for p in procs[1:]:
         tail.extend((p.stdout.read() or "").splitlines(keepends=True)[-10:])  # type: ignore[union-attr]
-    if any(codes):
-        raise TrainError("".join(errors) + f"torchrun exited with {codes}; last output:\n" + "".join(tail))
+    return codes, tail, errors
 
 
 def plot_losses(losses: list, path: Path, val: list | None = None) -> None:
@@ -170,20 +235,23 @@ def collect(work: Path, tmp: Path, names: list[str]) -> None:
 
 
 def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts: bool = True,
-              detachable: bool = False, token: Optional[str] = None) -> None:
+              detachable: bool = False, token: Optional[str] = None, work: Optional[Path] = None) -> None:
     """Run ``module`` on every rank the spec asks for: torchrun here, or a TrainJob / PyTorchJob on Kubernetes (with
     ``LLMP_DETACH=1``, as a deferrable Airflow task sets it, a ``detachable`` caller, one whose job command and
-    work dir are the same when it runs again, gets ``Pending`` after the submit instead of waiting)."""
+    work dir are the same when it runs again, gets ``Pending`` after the submit instead of waiting). ``work``: the
+    ranks' ``--out``, where a rank that stops early says why (``exit_codes``); a failure is :class:`TrainRetry`
+    (exit 75) unless the spec or the input must change (:class:`TrainError`, exit 2)."""
     if spec.launcher.on_kubernetes:
         from pipelines.train.k8s import JobFailed, run_job
 
         try:
             run_job(spec, run_id, module, args, log=lambda m: print(m, flush=True),
                            detach=detachable and os.environ.get("LLMP_DETACH") == "1")
-        except JobFailed as e:
-            raise TrainError(str(e)) from None
+        except JobFailed as e:  # refused (the spec must change) or failed by its nodes / the API (retry)
+            user = work is not None and xc.failed_ranks_code(xc.read_outcomes(work)) == xc.USER_ERROR
+            raise (TrainRetry if e.retryable and not user else TrainError)(str(e)) from None
     else:
-        run_torchrun(spec, args, module, restarts, {"LLMP_RUN_TOKEN": token} if token else None)
+        run_torchrun(spec, args, module, restarts, {"LLMP_RUN_TOKEN": token} if token else None, work)
 
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
@@ -201,7 +269,8 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
         # one token per stage key and generation: torchrun's restarts and the task's retries are this launch again
         # (train.resume=never starts over once; pipelines.train.lineage); on Kubernetes the job's name does this
         run_ranks(spec, "pipelines.train.trainer", job.args, run_id=job.run_id, detachable=True,
-                  token=f"{job.run_id}:{rel_root}")
+                  token=f"{job.run_id}:{rel_root}", work=work)
+        preempted(xc.read_outcomes(work), [])  # on Kubernetes: the pods' ranks stopped on a notice
         collect(work, tmp, ["result.json", "losses.json"])
         (tmp / "spec.yaml").write_text(spec.to_yaml())  # the output copy: no secrets
         result = json.loads((tmp / "result.json").read_text())

@@ -15,7 +15,10 @@ Surviving failure (``pipelines.train.checkpointer``, ``pipelines.train.resilienc
   at the end, promoted L0 → L1 → L2 during the run;
 * **loss spikes**: a non-finite loss / grad norm, or a loss above mean + k·σ of the trailing window, is not
   applied; the run rolls back to the last checkpoint, skips that global batch (recorded in the checkpoint) and
-  goes on; after ``train.max_rollbacks`` it fails naming the step.
+  goes on; after ``train.max_rollbacks`` it fails naming the step;
+* **preemption**: on SIGTERM / SIGUSR1 every rank stops after the same step (agreed in the per-step all-reduce),
+  commits it to L0 and L1 within ``train.preempt_grace_s`` and exits 0 with an outcome file; the launcher then
+  exits ``exit_codes.RETRY`` (75).
 
     torchrun --nproc-per-node 2 -m pipelines.train.trainer --tokenize-manifest M --out DIR --ckpt-root L0/RUN [--spec S]
 """
@@ -41,6 +44,43 @@ from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 
 class TrainingDiverged(RuntimeError):
     pass
+
+
+class Preempted(RuntimeError):
+    """Every rank stopped on a preemption notice after ``step``, which is committed on L1."""
+
+    def __init__(self, step: int, signame: str):
+        super().__init__(f"preempted ({signame}) after step {step}")
+        self.step, self.signame = step, signame
+
+
+class Notice:
+    """A preemption notice (SIGTERM, SIGUSR1) seen by this rank: the handler only records it; the training loop
+    acts on it between steps, once every rank agrees (``Trainer._agree``)."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self.at: Optional[float] = None  # time.monotonic() of the first notice: the grace counts from it
+        self.progress: Optional[Progress] = None  # the trainer's, once it has one
+        self.step: Optional[int] = None  # the steps done when the notice came
+
+    def install(self) -> None:
+        import signal
+
+        from pipelines.train.exit_codes import PREEMPT_SIGNALS
+
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum, self.at = signum, time.monotonic()
+            self.step = self.progress.step if self.progress is not None else 0
+
+    def describe(self) -> str:
+        import signal
+
+        return f"{signal.Signals(self.signum).name} at step {self.step}" if self.signum else "another rank's notice"
 
 
 def lr_at(step: int, spec: JobSpec) -> float:
@@ -165,11 +205,13 @@ def _rel_root(spec: JobSpec, ckpt_root: Path) -> str:
 class Trainer:
     """One rank's run: set up (restoring when a checkpoint verifies), :meth:`fit`, then :meth:`finish`."""
 
-    def __init__(self, spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path):
+    def __init__(self, spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path,
+                 notice: Optional[Notice] = None):
         from pipelines.train.checkpointer import Checkpointer
         from pipelines.train.resilience import Faults, SpikeGuard
 
         self.spec, self.out, t = spec, out, spec.train
+        self.notice = notice or Notice()
         self.rank, self.world, self.device = init_distributed(spec)
         self.log = (lambda m: print(m, flush=True)) if self.rank == 0 else (lambda m: None)
         torch.manual_seed(spec.run.seed)
@@ -185,6 +227,7 @@ class Trainer:
         self.prog = Progress()
         if restored is not None:
             self._restore(restored)
+        self.notice.progress = self.prog
         self.guard = SpikeGuard(t.spike_window, t.spike_sigma, t.spike_min_history)
         self.guard.reset([loss for _, loss in self.prog.losses])
         self.faults = Faults.from_env()
@@ -211,6 +254,7 @@ class Trainer:
         node its own parts (``pipelines.train.restore``); None to start at step 0. A restart of this launch
         (``pipelines.train.lineage``) resumes whatever ``train.resume`` says: ``never`` starts over once."""
         from pipelines.train import lineage
+        from pipelines.train.checkpoint import CheckpointError
 
         box = [None]
         if self.rank == 0:
@@ -220,8 +264,8 @@ class Trainer:
                 box = [("error", f"checkpoint.l1: the lineage record cannot be read or written: {e}")]
         dist.broadcast_object_list(box, src=0)
         rec, mode = box[0]
-        if rec == "error":
-            raise ResumeError(mode)
+        if rec == "error":  # storage, not the spec: exit_codes.RETRY
+            raise CheckpointError(mode)
         self.ckpt.set_lineage(rec)
         if mode == "never":
             return None
@@ -244,7 +288,7 @@ class Trainer:
                     box = [f"checkpoint.l1: the lineage record cannot be written: {e}"]
             dist.broadcast_object_list(box, src=0)
             if isinstance(box[0], str):
-                raise ResumeError(box[0])
+                raise CheckpointError(box[0])
             self.ckpt.set_lineage(box[0])
         return restored
 
@@ -331,7 +375,8 @@ class Trainer:
             batches = self.loader.next_step()
             loss, gnorm = self._forward_backward(batches, self.loader.position)
             why = self.guard.check(loss, gnorm)
-            if self._any_rank(why is not None):  # every rank rolls back together, or none does
+            spike, stop = self._agree(why is not None, self.notice.signum is not None)
+            if spike:  # every rank rolls back together, or none does
                 self._rollback(why or "another rank saw a spike or a non-finite value", self.loader.position)
                 continue
             self.opt.step()
@@ -346,6 +391,8 @@ class Trainer:
                 self._validate()
             if self._due():
                 self._save()
+            if stop and self.prog.step < t.steps:  # at the last step finish() commits it as usual
+                self._preempt(bar)
         self.fit_s, self.fit_steps = time.perf_counter() - start, self.prog.step - first  # wall, stalls included
         self.loader.close()
         if bar is not None:
@@ -390,12 +437,33 @@ class Trainer:
             self.log(f"[val] step {self.prog.step}: loss {r['loss']:.4f} nats/token, {r['bpb']:.4f} bits/byte "
                      f"({r['tokens']:,} held-out tokens)")
 
-    def _any_rank(self, flag: bool) -> bool:
+    def _agree(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag set on any rank (one all-reduce per step carries them all): every rank rolls back, or stops
+        on a preemption notice, at the same step, whenever the signal reached it."""
         if self.world == 1:
-            return flag
-        t = torch.tensor([int(flag)], device=self.device)
+            return tuple(flags)
+        t = torch.tensor([int(f) for f in flags], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return tuple(bool(x) for x in t.tolist())
+
+    def _preempt(self, bar) -> None:
+        """Every rank, on an agreed notice: this step checkpointed to L0 and globally committed on L1 within
+        ``train.preempt_grace_s`` of the signal (L2 is left to the next attempt), then :class:`Preempted`."""
+        step, grace = self.prog.step, self.spec.train.preempt_grace_s
+        at = self.notice.at if self.notice.at is not None else time.monotonic()  # another rank's notice
+        why = self.notice.describe()
+        self.log(f"[preempt] {why}: stopping after step {step}; checkpointing it to L0 and L1 "
+                 f"(train.preempt_grace_s={grace:g})")
+        self.loader.close()
+        if self.ckpt.last_saved != step:
+            self.ckpt.save(step, self.model, self.opt, self._state())
+        self.ckpt.commit_now(step, max(1.0, grace - (time.monotonic() - at)))
+        self.log(f"[preempt] step {step} committed on L1 {time.monotonic() - at:.2f} s after the notice")
+        if bar is not None:
+            bar.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        raise Preempted(step, why)
 
     def _due(self) -> bool:
         every, step = self.spec.train.ckpt_every, self.prog.step
@@ -549,8 +617,8 @@ class Trainer:
         return result
 
 
-def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path) -> dict:
-    trainer = Trainer(spec, tok_manifest_path, out, ckpt_root)
+def train(spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path, notice: Optional[Notice] = None) -> dict:
+    trainer = Trainer(spec, tok_manifest_path, out, ckpt_root, notice)
     trainer.fit()
     return trainer.finish()
 
@@ -564,17 +632,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-root", required=True, help="This run's checkpoint directory under checkpoint.l0.")
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
+    notice = Notice()
+    notice.install()  # before the process group: a notice during start-up stops at the first step
+    return run_rank(spec, args, notice)
+
+
+def run_rank(spec: JobSpec, args, notice: Notice) -> int:
+    """This rank's exit status (``pipelines.train.exit_codes``); a failure or a preemption also leaves an outcome
+    file in ``--out`` that tells the launcher which it was (torchrun's own status does not)."""
+    from pipelines.train import exit_codes as xc
     from pipelines.train.checkpoint import CheckpointError
 
+    out, rank = Path(args.out), int(os.environ.get("RANK", 0))
+    xc.clear_outcome(out, rank)  # an earlier attempt's
     try:
-        train(spec, args.tokenize_manifest, Path(args.out), Path(args.ckpt_root))
-    except (TrainingDiverged, ResumeError, CheckpointError) as e:
+        train(spec, args.tokenize_manifest, out, Path(args.ckpt_root), notice)
+    except Preempted as e:  # status 0: torchrun neither restarts the ranks nor calls it a failure; the outcome
+        # file tells the launcher, which exits RETRY
+        print(f"train: {e}; committed on L1: a retry resumes there", flush=True)
+        xc.write_outcome(out, rank, xc.RETRY, str(e), step=e.step)
+        return xc.OK
+    except (TrainingDiverged, ResumeError) as e:  # the spec or the data must change
         print(f"train: error: {e}", file=sys.stderr)
-        return 3
+        xc.write_outcome(out, rank, xc.USER_ERROR, str(e))
+        return xc.USER_ERROR
+    except ValueError as e:  # a spec this world cannot run (batch sizes, vocabulary): the traceback stays
+        xc.write_outcome(out, rank, xc.USER_ERROR, f"{type(e).__name__}: {e}")
+        raise
+    except CheckpointError as e:  # a tier's storage: an L1 that never commits, a part that does not verify …
+        print(f"train: error: {e}", file=sys.stderr)
+        xc.write_outcome(out, rank, xc.RETRY, str(e))
+        return xc.RETRY
     except OSError as e:  # a tier's disk (ENOSPC, EIO …): one line with the path, and torchrun may try again
         print(f"train: error: storage: {e}", file=sys.stderr)
-        return 3
-    return 0
+        xc.write_outcome(out, rank, xc.RETRY, f"storage: {e}")
+        return xc.RETRY
+    return xc.OK
 
 
 if __name__ == "__main__":
