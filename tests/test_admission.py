@@ -364,6 +364,14 @@ def test_the_cli_exits_2_with_one_line_per_rule_the_job_breaks(home, capsys):
     assert line.startswith("k8s: the cluster would refuse TrainJob Team_A/") and "[API server: namespace]" in line
     assert k8s.main([*base, "--crd", str(home / "missing.yaml")]) == 2
     assert "--crd" in capsys.readouterr().err
+    # a CRD of the other kind, or a file that is no CRD: the user's to fix (exit 2, one line), never a traceback
+    assert k8s.main([*base, "--crd", str(k8s.DEFAULT_CRDS["trainjob"])]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("k8s: error: --crd: ") and "defines TrainJob, not PyTorchJob" in line, line
+    (home / "junk.yaml").write_text("a: [unclosed\n")
+    assert k8s.main([*base, "--crd", str(home / "junk.yaml")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "is not a readable CustomResourceDefinition" in line, line
 
 
 def test_the_submit_path_refuses_before_it_reaches_the_api_server(home):

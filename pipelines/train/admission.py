@@ -46,7 +46,8 @@ def refusals(job: dict, crd_path: Path | None = None) -> list[Refusal]:
     obj = copy.deepcopy(job)
     out = metadata_refusals(obj)
     if crd_path is not None:
-        version = crd_version(load_crd(Path(crd_path)), str(obj.get("apiVersion", "")).rpartition("/")[2])
+        crd = load_crd(Path(crd_path), obj.get("kind"))
+        version = crd_version(crd, str(obj.get("apiVersion", "")).rpartition("/")[2])
         schema = version["schema"]["openAPIV3Schema"]
         obj = with_defaults(obj, schema)
         if "status" in (version.get("subresources") or {}):
@@ -58,9 +59,21 @@ def refusals(job: dict, crd_path: Path | None = None) -> list[Refusal]:
 # ---- the CRD: schema and defaults
 
 @functools.lru_cache(maxsize=8)
-def load_crd(path: Path) -> dict:
+def load_crd(path: Path, kind: str | None = None) -> dict:
+    """The CRD at ``path``; one that is not YAML, not a CustomResourceDefinition, or (with ``kind``) of another
+    kind is a ValueError naming the file."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: a CRD of 6,000 lines in 0.5 s, not 5
-    return yaml.load(path.read_text(), Loader=loader)
+    try:
+        crd = yaml.load(path.read_text(), Loader=loader)
+        crd_kind = crd["spec"]["names"]["kind"] if crd.get("kind") == "CustomResourceDefinition" else None
+        if not isinstance(crd["spec"]["versions"], list):
+            raise TypeError("spec.versions is not a list")
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError) as e:
+        why = " ".join(str(e).split())  # one line: YAML errors span several
+        raise ValueError(f"{path} is not a readable CustomResourceDefinition ({type(e).__name__}: {why})") from None
+    if crd_kind is None or (kind is not None and crd_kind != kind):
+        raise ValueError(f"{path} defines {crd_kind or 'no CustomResourceDefinition'}, not {kind}")
+    return crd
 
 
 def crd_version(crd: dict, version: str | None = None) -> dict:

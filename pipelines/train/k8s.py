@@ -693,6 +693,9 @@ def main(argv: list[str] | None = None) -> int:
     except JobFailed as e:
         print(f"k8s: {e}".replace("\n", "\nk8s: "), file=sys.stderr)
         return 2
+    except ValueError as e:  # a --crd that is not this kind's CRD, or not one at all
+        print(f"k8s: error: --crd: {e}", file=sys.stderr)
+        return 2
     print(yaml.safe_dump(rendered, sort_keys=False))
     return 0
 
