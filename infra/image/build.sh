@@ -121,7 +121,7 @@ save() {
   trap - EXIT
   echo "image: $file ($(du -m "$file" | cut -f1) MB)"
   echo "push:  skopeo copy --digestfile var/image/digest oci-archive:$file docker://<registry>/llm-pipeline:$rev-$flavour"
-  echo "       then pin <registry>/llm-pipeline@\$(cat var/image/digest) in envs/<env>/*/terraform.tfvars"
+  echo "       then pin <registry>/llm-pipeline@\$(cat var/image/digest) in envs/<env>/platform/terraform.tfvars"
 }
 
 # `make demo` inside the image: Airflow's metadata DB, the whole DAG in one `dags test`, then the summary; the
