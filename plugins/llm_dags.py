@@ -60,6 +60,10 @@ OVERRIDES: dict[str, tuple[str, str, str, dict]] = {
                                                 "description": "lm-evaluation-harness items per task."}),
 }
 
+# SIGTERM to the train task's processes (a user marking it failed, its timeout, the worker pod evicted) is a
+# preemption notice: the ranks checkpoint to L1 within train.preempt_grace_s (default 25 s) before SIGKILL after this
+TRAIN_KILL_GRACE_S = 35.0
+
 
 def spec_choices() -> list[str]:
     """The specs in ``configs/`` (the form's proposals; any other path can be typed)."""
@@ -238,6 +242,8 @@ def stage_task(s: Stage, inside: set[str], ovr: list[str], incremental: bool = F
               execution_timeout=timedelta(hours=s.timeout_hours))
     if s.engine == "spark":
         return SparkStageOperator(name=f"llm-pipeline-{s.name}", **kw)
+    if s.name == "train":  # a stopped task gives the ranks their preemption grace before SIGKILL
+        kw["kill_grace_s"] = TRAIN_KILL_GRACE_S
     return StageOperator(**kw)
 
 

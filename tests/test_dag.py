@@ -38,6 +38,17 @@ def test_task_order_is_as_designed(dag):
         assert isinstance(dag.get_task(t), SparkSubmitOperator)
 
 
+def test_a_stopped_train_task_gives_the_ranks_their_preemption_grace_before_sigkill(bag):
+    """SIGTERM to the train task's processes is a preemption notice; SIGKILL must not come before the ranks' grace."""
+    from pipelines.spec import TrainCfg
+
+    grace = TrainCfg.model_fields["preempt_grace_s"].default
+    for dag_id in ("llm_pipeline", "training"):
+        d = bag.dags[dag_id]
+        assert d.get_task("train").kill_grace_s >= grace + 5, dag_id
+        assert d.get_task("promote").kill_grace_s < grace  # other stages keep the short default
+
+
 def test_the_split_dags_run_the_table_s_stages_and_are_linked_by_assets(bag):
     from pipelines.stages import DAGS, STAGES, of_dag
 
