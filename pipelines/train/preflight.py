@@ -4,9 +4,16 @@
    bandwidth (bytes / time) and bus bandwidth (× 2(n−1)/n, nccl-tests' convention), gloo on CPU,
    NCCL on GPU.
 2. **Straggler screen**: every rank times the same forward + backward steps of the spec's model on
-   its own (no communication inside the timed region); the median step time of each rank is
-   gathered and a rank slower than ``straggler_factor`` × the lower median of all ranks, and by more than
-   ``STRAGGLER_FLOOR_S`` (50 ms: below that it is timing noise), is named.
+   its own, in lockstep (a barrier before each step, outside the timed region, so step k of every
+   rank runs at the same time, under the same machine load); the per-step times of every rank are
+   gathered. A rank's *excess* is the median over the steps of its time minus the lower median of all
+   ranks' times in that same step; its *noise* is the larger of the other ranks' spread (the median
+   over the steps of how far each strays from that lower median) and the spread of its own per-step
+   excess (its median absolute deviation). A rank is named when its excess is
+   over ``STRAGGLER_FLOOR_S`` (50 ms: below that it is timing noise) and over ``straggler_factor`` × its
+   noise. Load that slows every rank alike cancels in the per-step differences, and one slow step for
+   everyone does not move a median over the steps, so a busy machine names no straggler, and a rank
+   consistently slower than its peers is named however slow every step is.
 3. **Smoke steps**: ``smoke_steps`` optimizer steps on one fixed batch through the parallel wrapping
    the run will use (DDP / FSDP2 / TP); the loss must drop, or the preflight fails.
 
@@ -72,9 +79,13 @@ def local_step_times(spec: JobSpec, vocab: int, steps: int, device: torch.device
     model = Transformer(ModelArgs.from_spec(spec.model, vocab)).to(device)
     x = torch.randint(0, vocab, (spec.train.micro_batch, spec.model.seq_len), device=device)
     times = []
+    # fault injection (tests): LLMP_PREFLIGHT_DELAY_S more on rank LLMP_PREFLIGHT_SLOW_RANK, and
+    # LLMP_PREFLIGHT_LOAD_S more on every rank (a machine whose every step is slow)
     slow = float(os.environ.get("LLMP_PREFLIGHT_DELAY_S", "0")) if \
-        os.environ.get("LLMP_PREFLIGHT_SLOW_RANK") == str(dist.get_rank()) else 0.0  # fault injection (tests)
+        os.environ.get("LLMP_PREFLIGHT_SLOW_RANK") == str(dist.get_rank()) else 0.0
+    slow += float(os.environ.get("LLMP_PREFLIGHT_LOAD_S", "0"))
     for _ in range(steps):
+        dist.barrier()  # lockstep: step k of every rank under the same load (not timed)
         t0 = time.perf_counter()
         model(x, x).backward()
         if device.type == "cuda":
@@ -105,16 +116,47 @@ def smoke_steps(spec: JobSpec, vocab: int, steps: int, device: torch.device) -> 
 
 
 STRAGGLER_FLOOR_S = 0.05  # slower by less than this is timing noise (a loaded machine, a 5 ms step), not a straggler
+STRAGGLER_REL = 0.1  # nor is a rank slower by under a tenth of the step (a 3 % slower GPU is not worth a failed run)
 
 
-def stragglers(times: list[float], factor: float) -> list[int]:
-    """The ranks whose median step time is over ``factor`` × the lower median of all ranks, and by more than
-    ``STRAGGLER_FLOOR_S``."""
-    med = statistics.median_low(times)
-    return [r for r, t in enumerate(times) if t > factor * med and t - med > STRAGGLER_FLOOR_S]
+def _mad(xs: list[float]) -> float:
+    m = statistics.median(xs)
+    return statistics.median(abs(x - m) for x in xs)
 
 
-def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters: int = 10, timing_steps: int = 5,
+def per_rank_steps(times: list[list[float]] | list[float]) -> list[list[float]]:
+    """``times[r]`` as rank r's list of step times (a plain number is one step)."""
+    return [[float(x)] if isinstance(x, (int, float)) else [float(v) for v in x] for x in times]
+
+
+def straggler_stats(times: list[list[float]] | list[float]) -> tuple[list[float], list[float]]:
+    """Each rank's excess (the median over the steps of its step time minus the lower median of all ranks' times in
+    the same step) and noise (the larger of the other ranks' spread, the median over the steps of how far each
+    strays from that lower median, and the spread of its own per-step excess, its median absolute deviation).
+    ``times[r][k]`` is rank r's k-th step (steps run in lockstep); a plain number per rank is one step. Load common
+    to all ranks in a step cancels in the differences."""
+    t = per_rank_steps(times)
+    steps = min(len(x) for x in t)
+    ref = [statistics.median_low([x[k] for x in t]) for k in range(steps)]
+    diffs = [[x[k] - ref[k] for k in range(steps)] for x in t]
+    excess = [statistics.median(d) for d in diffs]
+    spread = [statistics.median(abs(v) for v in d) for d in diffs]  # how far a rank strays from the others
+    noise = [max([_mad(d)] + [spread[q] for q in range(len(t)) if q != r]) for r, d in enumerate(diffs)]
+    return excess, noise
+
+
+def stragglers(times: list[list[float]] | list[float], factor: float) -> list[int]:
+    """The ranks whose excess over the other ranks in the same steps is over ``STRAGGLER_FLOOR_S``, over
+    ``STRAGGLER_REL`` × the step time (the median over the steps of all ranks' lower median) and over ``factor`` ×
+    their noise (see :func:`straggler_stats`)."""
+    excess, noise = straggler_stats(times)
+    t = per_rank_steps(times)
+    step = statistics.median(statistics.median_low([x[k] for x in t]) for k in range(min(len(x) for x in t)))
+    floor = max(STRAGGLER_FLOOR_S, STRAGGLER_REL * step)
+    return [r for r, (e, n) in enumerate(zip(excess, noise)) if e > floor and e > factor * n]
+
+
+def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters: int = 10, timing_steps: int = 7,
               n_smoke: int = 8, straggler_factor: float = 1.5) -> dict:
     """One rank's part (under torchrun)."""
     from pipelines.train.trainer import dist_backend, init_distributed
@@ -122,20 +164,25 @@ def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters
     rank, world, device = init_distributed(spec)
     vocab = spec.model.vocab_size or vocab
     bw = allreduce_bandwidth(size_mb, iters, device)
-    mine = statistics.median(local_step_times(spec, vocab, timing_steps, device))
-    all_times = [None] * world
-    dist.all_gather_object(all_times, mine)
+    per_step = [None] * world
+    dist.all_gather_object(per_step, local_step_times(spec, vocab, timing_steps, device))
+    all_times = [statistics.median(x) for x in per_step]
     med = statistics.median_low(all_times)  # the lower median: with 2 ranks, the faster one
-    slow = stragglers(all_times, straggler_factor)
+    excess, noise = straggler_stats(per_step)
+    slow = stragglers(per_step, straggler_factor)
     losses = smoke_steps(spec, vocab, n_smoke, device)
     result = {"world_size": world, "backend": dist_backend(spec), "allreduce": bw,
               "step_seconds_by_rank": all_times, "median_step_seconds": med, "straggler_factor": straggler_factor,
+              "step_seconds_by_rank_and_step": per_step, "straggler_excess_seconds": excess,
+              "straggler_noise_seconds": noise,
               "stragglers": slow, "smoke_losses": losses,
               "loss_dropped": losses[-1] < losses[0]}
     failures = []
     if slow:
-        failures.append(f"straggler rank(s) {slow}: step time > {straggler_factor}× the median {med:.3f} s "
-                        f"({', '.join(f'{t:.3f}' for t in all_times)})")
+        failures.append(f"straggler rank(s) {slow}: slower than the other ranks in the same steps by "
+                        f"{', '.join(f'{excess[r]:.3f}' for r in slow)} s, over {STRAGGLER_FLOOR_S * 1e3:.0f} ms and "
+                        f"{straggler_factor}× the noise ({', '.join(f'{noise[r]:.3f}' for r in slow)} s); median step "
+                        f"times {', '.join(f'{t:.3f}' for t in all_times)} s")
     if not result["loss_dropped"]:
         failures.append(f"smoke steps: loss did not drop ({losses[0]:.4f} → {losses[-1]:.4f})")
     result["failures"] = failures
@@ -196,8 +243,8 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
 def _options(ap) -> None:
     ap.add_argument("--size-mb", type=float, default=16.0, help="All-reduce message size (MiB).")
     ap.add_argument("--straggler-factor", type=float, default=1.5,
-                    help="A rank slower than this × the lower median step time (and by more than 50 ms) is a "
-                    "straggler.")
+                    help="A rank slower than the other ranks in the same steps (median over the steps) by more than "
+                    "50 ms and by more than this × the step-to-step noise is a straggler.")
 
 
 def rank_main(argv: list[str]) -> int:
