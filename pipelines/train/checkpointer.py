@@ -592,11 +592,7 @@ class Checkpointer:
                 self.promoter.drain(self.wait_s)
         except Exception as e:  # noqa: BLE001 - reported on every rank
             local = f"{type(e).__name__}: {e}"
-        errors = [None] * self.world
-        dist.all_gather_object(errors, local, group=self.pg)
-        if any(errors):
-            raise ck.CheckpointError(f"saving the final checkpoint failed on rank {next(i for i, e in enumerate(errors) if e)}: "
-                                     f"{next(e for e in errors if e)}")
+        self._raise_if_any_rank_failed(local, "saving the final checkpoint failed")
         if final_step is not None:
             why = self._final_on_l1(final_step)
             if why is not None:
@@ -616,6 +612,14 @@ class Checkpointer:
         if self.bg is not None:
             self.bg.shutdown()
         self.stager.close()
+
+    def _raise_if_any_rank_failed(self, local: Optional[str], what: str) -> None:
+        """Collective: ``CheckpointError`` on every rank when any rank's ``local`` failure is set, naming the first."""
+        errors = [None] * self.world
+        dist.all_gather_object(errors, local, group=self.pg)
+        if any(errors):
+            rank = next(i for i, e in enumerate(errors) if e)
+            raise ck.CheckpointError(f"{what} on rank {rank}: {errors[rank]}")
 
     def _final_on_l1(self, step: int) -> Optional[str]:
         """Collective: None when ``step`` is globally committed on L1 (MANIFEST matches COMMIT), else why not."""
@@ -645,11 +649,7 @@ class Checkpointer:
                 self.promoter.submit(step)  # checkpoint.promote_during_run=false: this step goes now
         except Exception as e:  # noqa: BLE001 - reported on every rank
             local = f"{type(e).__name__}: {e}"
-        errors = [None] * self.world
-        dist.all_gather_object(errors, local, group=self.pg)
-        if any(errors):
-            raise ck.CheckpointError(f"preemption: saving step {step} failed on rank "
-                                     f"{next(i for i, e in enumerate(errors) if e)}: {next(e for e in errors if e)}")
+        self._raise_if_any_rank_failed(local, f"preemption: saving step {step} failed")
         box = [self._wait_l1(step, deadline) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.pg)
         if box[0] is not None:
