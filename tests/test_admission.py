@@ -368,6 +368,10 @@ def test_the_cli_exits_2_with_one_line_per_rule_the_job_breaks(home, capsys):
     assert k8s.main([*base, "--crd", str(k8s.DEFAULT_CRDS["trainjob"])]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("k8s: error: --crd: ") and "defines TrainJob, not PyTorchJob" in line, line
+    (home / "not-a-manifest.json").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    assert k8s.main([base[0], "--tokenize-manifest", str(home / "not-a-manifest.json")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("k8s: error: "), line
     (home / "junk.yaml").write_text("a: [unclosed\n")
     assert k8s.main([*base, "--crd", str(home / "junk.yaml")]) == 2
     (line,) = capsys.readouterr().err.splitlines()

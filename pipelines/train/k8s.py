@@ -680,7 +680,12 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.spec, args.overrides)
         if not spec.launcher.on_kubernetes:  # a local spec: its TrainJob (validated as such)
             spec = load_spec(args.spec, [*args.overrides, "launcher.kind=trainjob"])
-        job = train_job(spec, load_manifest(args.tokenize_manifest))
+        try:
+            manifest = load_manifest(args.tokenize_manifest)
+        except (OSError, ValueError) as e:  # a wrong path, or a file that is not a manifest (JSON)
+            raise SpecError(f"--tokenize-manifest {args.tokenize_manifest}: not a readable manifest "
+                            f"({type(e).__name__}: {' '.join(str(e).split())})") from None
+        job = train_job(spec, manifest)
     except (SpecError, TrainError, FileNotFoundError) as e:
         print(f"k8s: error: {e}", file=sys.stderr)
         return 2
