@@ -127,10 +127,12 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null \
 	    || echo "apt-get install chromium failed: tests/test_browser.py will skip"; }
 
-# two test files at a time (pytest-xdist): a third of the suite's time is spent waiting on its processes
+# two test files at a time (pytest-xdist): a third of the suite's time is spent waiting on its processes; every
+# test's time in var/test-artifacts/junit.xml (to keep the longest files first: tests/conftest.py LONGEST_FIRST)
 TEST_WORKERS ?= 2
 test: $(DEV_STAMP) $(CHECKOV) browser
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--junitxml=var/test-artifacts/junit.xml $(PYTEST_ARGS)
 
 # the seeded fault matrix (issue 31): one real run per seed, its invariants checked; prints the table
 SEEDS ?= 20

@@ -433,7 +433,7 @@ class ParallelCfg(_Section):
 class TrainCfg(_Section):
     # validation during training reads the weights and changes none (no dropout, no RNG): not part of the stage's key,
     # so turning it on or off does not start a running week-long training over
-    unhashed: ClassVar[frozenset[str]] = frozenset({"eval_every", "eval_tokens", "preempt_grace_s"})
+    unhashed: ClassVar[frozenset[str]] = frozenset({"eval_every", "eval_tokens", "preempt_grace_s", "hang_timeout_s"})
 
     steps: int = Field(200, ge=1)
     micro_batch: int = Field(8, ge=1, description="Sequences per rank per micro step.")
@@ -467,6 +467,13 @@ class TrainCfg(_Section):
         25.0, gt=0, description="On SIGTERM / SIGUSR1 (a preemption notice) the ranks finish the step, checkpoint it to "
         "L0 and commit it to L1 within this many seconds, then exit with the retry code (75). The default fits "
         "Kubernetes' 30 s terminationGracePeriodSeconds; the rendered jobs set the pod's grace to this + 5 s.")
+    hang_timeout_s: float = Field(
+        300.0, gt=0, description="A rank whose heartbeat (its step progress) is silent this long is hung: the log names "
+        "it and what it was doing (its stack when it can answer), it is killed and torchrun restarts the ranks from the "
+        "newest verified step. Far below checkpoint.collective_timeout_minutes; above the longest step, save, "
+        "evaluation or rank 0's MLflow logging. Phases bounded by the collective timeout (start-up, restore, "
+        "rollback, the first step, evaluation and save of a start, the preemption checkpoint, the final close) are "
+        "allowed checkpoint.collective_timeout_minutes more.")
 
     @model_validator(mode="after")
     def _numbers(self) -> "TrainCfg":
@@ -553,6 +560,9 @@ class LauncherCfg(_Section):
 
 
 class TiersCfg(_Section):
+    # how storage calls are bounded and fenced changes no byte of a checkpoint: not part of the stage's key
+    unhashed: ClassVar[frozenset[str]] = frozenset({"s3_connect_timeout_s", "s3_read_timeout_s", "s3_max_attempts",
+                                                    "s3_min_mb_per_s", "lease_s"})
     l0: str = "var/tiers/nvme"
     l1: str = "var/tiers/shared"
     l2_prefix: str = Field("checkpoints", description="Key prefix in services.s3_bucket.")
@@ -575,6 +585,19 @@ class TiersCfg(_Section):
     collective_timeout_minutes: float = Field(
         30.0, gt=0, description="init_process_group timeout: how long a rank waits in a collective (a save "
         "stall must fit in it).")
+    s3_connect_timeout_s: float = Field(5.0, gt=0, description="L2: seconds to open a connection to the endpoint.")
+    s3_read_timeout_s: float = Field(
+        20.0, gt=0, description="L2: seconds a request may wait for the endpoint's next bytes (a hung endpoint costs "
+        "this × s3_max_attempts per call, not minutes).")
+    s3_max_attempts: int = Field(3, ge=1, description="L2: attempts per request (botocore's standard retry mode).")
+    s3_min_mb_per_s: float = Field(
+        5.0, gt=0, description="L2: the slowest transfer accepted: a call on N MiB gives up after "
+        "connect + read timeouts + N / this seconds (its total bound).")
+    lease_s: float = Field(
+        60.0, gt=0, description="Fencing: an attempt's lease on L1 expires this long after its last renewal (renewed "
+        "every third of it while the attempt runs); an attempt superseded by a newer term, or whose lease expired, "
+        "never commits, and start-up cleanup removes only the temp files of attempts whose lease has expired "
+        "(pipelines.train.fence).")
 
 
 class EvalCfg(_Section):

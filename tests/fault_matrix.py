@@ -16,7 +16,19 @@ seeds is one run with all their faults (``make test``'s subset). After each run 
 * I4 it ends within its bound (no hang);
 * I5 L0 (each node's disk that is still in the job) and L1 hold no more steps than their retention keeps (plus the
   newest, which is never deleted);
-* I6 (data) a compressed input cut at a seeded byte: every byte read is a doc or a ``bad_compression`` entry.
+* I6 (data) a compressed input cut at a seeded byte: every byte read is a doc or a ``bad_compression`` entry;
+* I7 (preemption) the stage exits with the retry code (75), L1 holds the step the ranks stopped after, which is no
+  older than the step at the signal, and the retry resumes exactly there;
+* I8 (fencing) an attempt superseded by a newer one never exits 0, and what the newer one committed (its final
+  step's MANIFEST and COMMIT on L1, the stage's manifest) is unchanged after the older one has ended.
+
+The cluster's events (issue 44) are a third of the seeds (``seed % 12`` in 4, 6, 10, 11, so that the seeds of the
+``make test`` subset keep their meaning): a preemption notice (SIGTERM to the ranks' torchrun, as a pod eviction
+sends it) at a training step or a phase of the protocol; an S3 endpoint that accepts a call and never answers, on
+each kind of call; a rank stopped (SIGSTOP) at a step or a phase, which the heartbeat finds; a zombie attempt (the
+stage's processes stopped as a partitioned node's, a retry started and finished, then the old attempt let go on);
+two launches of the same stage at once. A run that exits 75 is run again, as the DAG's retries do (at most
+``RETRIES`` times).
 
 Prints one row per seed: scenario, seed, outcome, each invariant (ok / n/a / FAIL).
 """
@@ -27,6 +39,8 @@ import contextlib
 import json
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,8 +53,15 @@ SETS = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "mod
         "train.micro_batch=4", "train.warmup_steps=2", "train.lr=0.01", "train.log_every=5",
         f"train.steps={STEPS}", f"train.ckpt_every={EVERY}", "launcher.nproc_per_node=2", "launcher.max_restarts=3",
         f"checkpoint.keep_l0={KEEP}", f"checkpoint.keep_l1={KEEP}", "checkpoint.collective_timeout_minutes=5"]
+SETS += ["train.hang_timeout_s=20", "checkpoint.s3_connect_timeout_s=2", "checkpoint.s3_read_timeout_s=2",
+         "checkpoint.s3_max_attempts=2"]  # a hang found in seconds, a hung S3 call ended in seconds
 BOUND_S = 600
+RETRIES = 2  # the training DAGs' task retries: a run that exits 75 is run again
+RETRY = 75
 W = 48  # the scenario column
+CLUSTER_SEEDS = (4, 6, 10, 11)  # seed % 12: the cluster's events
+PROTOCOL = ("part_committed", "l1_staged", "merge", "l1_committed", "retention")  # one part's phases
+S3_CALLS = ("PutObject", "HeadObject", "ListObjectsV2", "GetObject", "DeleteObjects")
 
 
 def phases_and_kinds() -> set:
@@ -55,6 +76,8 @@ def scenario(seed: int) -> dict:
     """The fault a seed stands for: {name, rules, expect} (expect: "ok" = bitwise equal, "ok|fail" = either is
     right as long as a failure names its tier)."""
     rnd = random.Random(seed)
+    if seed % 12 in CLUSTER_SEEDS:
+        return cluster_scenario(rnd)
     kind = rnd.choice(["die", "die", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "slow", "data", "nodes", "nodes"])
     if kind == "nodes":
         return nodes_scenario(rnd)
@@ -83,6 +106,30 @@ def scenario(seed: int) -> dict:
     if kind == "slow":
         rule["seconds"] = 2.0
     return {"name": f"{kind} on S3 {op} x{times or 'inf'}", "rules": [rule], "expect": "ok"}
+
+
+def cluster_scenario(rnd: random.Random) -> dict:
+    """What a cluster does to a run (issue 44): a preemption notice, a hung S3 call, a stopped rank (at a training
+    step — ``step`` #n is the n-th step done — or a phase of the protocol), a zombie attempt, two launches at once."""
+    kind = rnd.choice(["preempt", "preempt", "s3_hang", "s3_hang", "stop", "zombie", "zombie", "twice"])
+    if kind in ("preempt", "stop"):
+        phase = rnd.choice(("step",) + PROTOCOL)
+        nth = rnd.randint(11, STEPS - 1) if phase == "step" else rnd.randint(1, 2)
+        what = "preemption notice" if kind == "preempt" else "rank stopped"
+        return {"name": f"{what} at {phase} #{nth}", "rules": [{"at": phase, "do": kind, "nth": nth}], "expect": "ok"}
+    if kind == "s3_hang":
+        op, times = rnd.choice(S3_CALLS), rnd.choice([1, 3, 0])
+        return {"name": f"S3 hung on {op} x{times or 'inf'}",
+                "rules": [{"at": "s3", "do": "s3_hang", "op": op, "nth": rnd.randint(1, 6), "times": times}],
+                "expect": "ok"}
+    if kind == "zombie":
+        after, until = rnd.choice([10, 20]), rnd.choice(["ends", "runs"])
+        lease = rnd.choice([60, 5])  # 5: the stopped attempt's lease has expired when it goes on
+        return {"name": f"zombie attempt: stopped after {after}, back while retry {until}", "rules": [],
+                "zombie": {"after": after, "until": until}, "sets": [f"checkpoint.lease_s={lease}"], "expect": "ok"}
+    gap, output = rnd.choice([0, 1, 3]), rnd.choice(["same", "own"])
+    return {"name": f"two launches {gap} s apart, {output} output", "rules": [],
+            "twice": {"gap_s": gap, "output": output}, "expect": "ok"}
 
 
 def l1_read_scenario(nth: int, times: int) -> dict:
@@ -139,18 +186,146 @@ def _where(ctx: dict, name: str, base_sets: list[str], run_root: str = "") -> tu
                               f"services.s3_bucket=faults-{abs(hash(name)) % 10**8}"]
 
 
-def run_one(ctx: dict, name: str, rules) -> dict:
-    root, sets = _where(ctx, name, SETS)
-    cmd = [sys.executable, "-m", "pipelines.train.launch", "--tokenize-manifest", ctx["tok"], "--output",
-           str(root / "train")] + [a for kv in sets for a in ("--set", kv)]
-    env = _env(LLMP_FAULTS=json.dumps(rules), LLMP_FAULTS_STATE=str(root / "faults")) if rules else _env()
-    t0 = time.monotonic()
+def _launch(ctx: dict, root: Path, sets: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pipelines.train.launch", "--tokenize-manifest", ctx["tok"], "--output",
+            str(root / "train")] + [a for kv in sets for a in ("--set", kv)]
+
+
+def _fault_env(root: Path, rules) -> dict:
+    return _env(LLMP_FAULTS=json.dumps(rules), LLMP_FAULTS_STATE=str(root / "faults")) if rules else _env()
+
+
+def _attempt(cmd: list[str], env: dict, bound: float) -> tuple[object, str]:
+    """One launch to its end: (exit status or "hang", output)."""
     try:
-        r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=BOUND_S)
-        rc, out = r.returncode, r.stdout + r.stderr
+        r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, bound))
+        return r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
-        rc, out = "hang", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else str(e.stdout)
-    return {"rc": rc, "out": out, "root": root, "sets": sets, "s": time.monotonic() - t0}
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else str(e.stdout or "")
+        return "hang", out
+
+
+def run_one(ctx: dict, name: str, rules, extra_sets: tuple = ()) -> dict:
+    """One launch on one node, run again while it exits 75 (as the DAG's retries do), within ``BOUND_S`` in all."""
+    root, sets = _where(ctx, name, SETS + list(extra_sets))
+    cmd, env = _launch(ctx, root, sets), _fault_env(root, rules)
+    t0 = time.monotonic()
+    rcs, outs = [], []
+    while len(rcs) <= RETRIES:
+        rc, out = _attempt(cmd, env, BOUND_S - (time.monotonic() - t0))
+        rcs.append(rc)
+        outs.append(out)
+        if rc != RETRY:
+            break
+    return {"rc": rcs[-1], "rcs": rcs, "out": "\n".join(outs), "outs": outs, "root": root, "sets": sets,
+            "s": time.monotonic() - t0}
+
+
+def _final_commit(root: Path, stage: bool = True) -> dict[str, bytes]:
+    """What a finished attempt committed: its final step's MANIFEST and COMMIT on L1 (and the stage's manifest)."""
+    found = {}
+    step = [*(root / "l1").glob(f"*/*/step-{STEPS:06d}/MANIFEST*"), *(root / "l1").glob(f"*/*/step-{STEPS:06d}/COMMIT")]
+    for f in step + ([root / "train" / "manifest.json", root / "b" / "train" / "manifest.json"] if stage else []):
+        if f.is_file():
+            found[str(f.relative_to(root))] = f.read_bytes()
+    return found
+
+
+def _spawn(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    with open(log, "w") as f:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _signal_tree(p: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the process and every descendant (torchrun and its ranks run in process groups of their own)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    except psutil.Error:
+        return
+    for q in procs:
+        with contextlib.suppress(psutil.Error):
+            q.send_signal(sig)
+
+
+def _wait_all(procs: list[subprocess.Popen], deadline: float, on_first=None) -> None:
+    """Wait for every process, at most until ``deadline`` (then the rest are killed); ``on_first`` is called once,
+    when the first of them has ended with status 0."""
+    called = False
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if on_first and not called and any(p.poll() == 0 for p in procs):
+            on_first()
+            called = True
+        time.sleep(0.1)
+    if on_first and not called and any(p.poll() == 0 for p in procs):
+        on_first()
+    for p in procs:
+        if p.poll() is None:
+            _signal_tree(p, signal.SIGCONT)
+            _signal_tree(p, signal.SIGKILL)
+            p.wait(30)
+
+
+def _own_output(cmd: list[str], root: Path) -> list[str]:
+    """The command with ``--output`` in a folder of its own (``b/train``: the same last name, so the same checkpoint
+    root on every tier, and a stage lock of its own)."""
+    return [str(root / "b" / "train") if a == str(root / "train") else a for a in cmd]
+
+
+def run_zombie(ctx: dict, name: str, sc: dict) -> dict:
+    """Attempt A stopped, every process of it (a partitioned node), once step ``after`` is committed on L0; the retry
+    B, on its own ``--output`` (A's launcher holds the stage's lock, as a worker thought dead would on its node),
+    runs to its end or until it has committed a step of its own; then A goes on. B's commit must stand, A must
+    neither exit 0 nor commit a stage."""
+    root, sets = _where(ctx, name, SETS + sc.get("sets", []))
+    root.mkdir(parents=True, exist_ok=True)
+    cmd, z = _launch(ctx, root, sets), sc["zombie"]
+    retry = _own_output(cmd, root)
+    t0, deadline = time.monotonic(), time.monotonic() + BOUND_S
+    a = _spawn(cmd, _env(LLMP_FAULT_STEP_DELAY_S="0.1"), root / "attempt-a.log")
+    while not list((root / "l0").glob(f"*/*/step-{z['after']:06d}/COMMIT")) and a.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _signal_tree(a, signal.SIGSTOP)
+    snap: dict = {}
+    b = _spawn(retry, _env(), root / "attempt-b.log")
+    try:
+        if z["until"] == "ends":
+            _wait_all([b], deadline)
+            snap = _final_commit(root) if b.returncode == 0 else {}
+        else:  # A goes on once B has committed a step of its own on L0
+            while b.poll() is None and "committed to L0" not in (root / "attempt-b.log").read_text() \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        _signal_tree(a, signal.SIGCONT)
+    _wait_all([a, b], deadline, on_first=lambda: snap.update(snap or (_final_commit(root) if b.poll() == 0 else {})))
+    return {"rc": b.returncode if b.returncode is not None else "hang", "rcs": [b.returncode],
+            "zombie_rc": a.returncode, "zombie_stage": (root / "train" / "manifest.json").is_file(),
+            "out": (root / "attempt-a.log").read_text() + "\n" + (root / "attempt-b.log").read_text(),
+            "root": root, "sets": sets, "s": time.monotonic() - t0, "snap": snap, "after": _final_commit(root)}
+
+
+def run_twice(ctx: dict, name: str, sc: dict) -> dict:
+    """The same stage launched twice, ``gap_s`` apart: to the same ``--output`` (the stage's lock makes the second
+    wait, then find it done), or each to its own (as if the lock were lost: the newer attempt's term supersedes the
+    older one's, and the older one stops before it commits)."""
+    root, sets = _where(ctx, name, SETS)
+    root.mkdir(parents=True, exist_ok=True)
+    cmd = _launch(ctx, root, sets)
+    other = cmd if sc["twice"]["output"] == "same" else _own_output(cmd, root)
+    t0 = time.monotonic()
+    a = _spawn(cmd, _env(), root / "attempt-a.log")
+    time.sleep(sc["twice"]["gap_s"])
+    b = _spawn(other, _env(), root / "attempt-b.log")
+    snap: dict = {}
+    # the stage's manifest is not compared: the later attempt, which started before the stage was done, commits too
+    _wait_all([a, b], t0 + BOUND_S, on_first=lambda: snap.update(_final_commit(root, stage=False)))
+    rcs = [p.returncode for p in (a, b)]
+    return {"rc": 0 if 0 in rcs else ("hang" if None in rcs else rcs[-1]), "rcs": rcs, "zombie_rc": None,
+            "out": (root / "attempt-a.log").read_text() + "\n" + (root / "attempt-b.log").read_text(),
+            "root": root, "sets": sets, "s": time.monotonic() - t0, "snap": snap, "after": _final_commit(root)}
 
 
 NODE_SETS = [kv for kv in SETS if not kv.startswith("launcher.")] + ["launcher.nproc_per_node=1", "launcher.nnodes=2"]
@@ -281,13 +456,56 @@ def check(ctx: dict, sc: dict, run: dict) -> dict:
         inv["I3"] = "n/a"
     result = root / "train" / "result.json"  # the ranks' own (launch keeps a copy in the stage's output)
     resumed = json.loads(result.read_text()).get("resumed_from") if result.is_file() else None
-    inv["I2"] = "n/a" if resumed is None else ("ok" if resumed["step"] % EVERY == 0 else f"FAIL: resumed {resumed}")
+    stops = preempted_steps(run.get("outs", [run["out"]])[0])
+    whole = resumed is not None and (resumed["step"] % EVERY == 0 or resumed["step"] in stops.get("stopped", []))
+    inv["I2"] = "n/a" if resumed is None else ("ok" if whole else f"FAIL: resumed {resumed}")
+    inv["I7"] = preemption_held(sc, run, stops, resumed)
+    inv["I8"] = fencing_held(run)
     for i, disk in enumerate(run.get("disks", [])):  # each node's own L0 (a lost node's disk left with it)
         node_spec = load_spec(None, run["sets"] + [f"checkpoint.l0={disk}"], env={})
         steps[f"L0 of node disk {i}"] = ckpt_tiers.list_steps(node_spec, SUB, ("L0",))["L0"]
     over = {t: v for t, v in steps.items() if len(v) > KEEP + 1}
     inv["I5"] = f"FAIL: {over}" if over else "ok"
     return inv
+
+
+def preempted_steps(out: str) -> dict:
+    """From a preempted attempt's output: the steps done when ranks got the signal themselves, and the step each
+    rank stopped after (every rank prints ``train: preempted (SIGTERM at step 11 | another rank's notice) after step
+    12; committed on L1``)."""
+    streamed = out.split("train: error: ")[0]  # the error line repeats the last lines
+    found = re.findall(r"train: preempted \((?:\w+ at step (\d+)|another rank's notice)\) after step (\d+)", streamed)
+    return {"signal": [int(a) for a, _ in found if a], "stopped": [int(b) for _, b in found]} if found else {}
+
+
+def preemption_held(sc: dict, run: dict, stops: dict, resumed) -> str:
+    """I7: a preempted attempt exits 75 with the step the ranks stopped after on L1 (no older than the step at the
+    signal), and the retry resumes there."""
+    if not any(r["do"] == "preempt" for r in sc.get("rules", [])):
+        return "n/a"
+    if not stops:
+        return "n/a: the notice came after the last step" if run.get("rcs", [run["rc"]])[0] == 0 else "n/a: not preempted"
+    stopped, seen = set(stops["stopped"]), min(stops["signal"] or [-1])
+    if run.get("rcs", [run["rc"]])[0] != RETRY:
+        return f"FAIL: the preempted attempt exited {run['rcs'][0]}, not {RETRY}"
+    if len(stopped) != 1 or not seen <= min(stopped) <= seen + 2:
+        return f"FAIL: ranks stopped after {sorted(stopped)}, the signal came at step {seen}"
+    step = stopped.pop()
+    if resumed is None or resumed["step"] != step:
+        return f"FAIL: stopped after step {step} but the retry resumed from {resumed}"
+    return "ok"
+
+
+def fencing_held(run: dict) -> str:
+    """I8: a superseded attempt never exits 0, and what the attempt that finished first committed stands."""
+    if "snap" not in run:
+        return "n/a"
+    if run.get("zombie_rc") == 0 or run.get("zombie_stage"):
+        return f"FAIL: the zombie attempt exited {run['zombie_rc']}, its stage committed: {run.get('zombie_stage')}"
+    if not run["snap"]:
+        return "FAIL: no attempt finished with its final step committed"
+    changed = [k for k, v in run["snap"].items() if run["after"].get(k) != v]
+    return f"FAIL: changed after the first finish: {changed}" if changed else "ok"
 
 
 def data_scenario(sc: dict, base: Path) -> dict:
@@ -368,6 +586,38 @@ def combined(seeds: tuple[int, ...]) -> dict:
             **({"nodes": 2} if scs[0].get("nodes") else {})}
 
 
+INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8")
+
+
+def start_run(ctx: dict, name: str, sc: dict) -> dict:
+    if sc.get("zombie"):
+        return run_zombie(ctx, name, sc)
+    if sc.get("twice"):
+        return run_twice(ctx, name, sc)
+    return (run_two if sc.get("nodes") else run_one)(ctx, name, sc["rules"])
+
+
+def _outcome(sc: dict, run: dict) -> str:
+    """``exit 75→0``: a retry after the first attempt; ``exit 0|75``: the two launches' statuses; ``zombie 75``."""
+    word = lambda rc: "hang" if rc in ("hang", None) else str(rc)  # noqa: E731
+    if sc.get("twice"):
+        return "exit " + "|".join(word(rc) for rc in run["rcs"])
+    text = "exit " + "→".join(word(rc) for rc in run.get("rcs", [run["rc"]]))
+    return text + (f", zombie {word(run['zombie_rc'])}" if sc.get("zombie") else "")
+
+
+def _note(sc: dict, run) -> str:
+    """The row's last column: for a preemption, the step at the signal → the step committed → the step resumed."""
+    if run is None or not any(r["do"] == "preempt" for r in sc.get("rules", [])):
+        return ""
+    stops = preempted_steps(run.get("outs", [run["out"]])[0])
+    result = run["root"] / "train" / "result.json"
+    resumed = (json.loads(result.read_text()).get("resumed_from") or {}).get("step") if result.is_file() else None
+    if not stops:
+        return "  (no notice before the end)"
+    return f"  signal at step {min(stops['signal'] or [-1])} → committed {max(stops['stopped'])} → resumed {resumed}"
+
+
 def run_matrix(seeds: list, base: Path, log=print) -> list[dict]:
     """One run per seed, or per tuple of seeds (:func:`combined`)."""
     sys.path.insert(0, str(ROOT))
@@ -384,7 +634,7 @@ def _rows(scs: dict, base: Path, stack: contextlib.ExitStack, log) -> list[dict]
 
     ctx = None
     rows = []
-    log(f"{'scenario':{W}} {'seed':>8} {'fired':>5} {'outcome':10} {'I1':4} {'I2':4} {'I3':4} {'I4':4} {'I5':4} {'I6':4}  s")
+    log(f"{'scenario':{W}} {'seed':>8} {'fired':>5} {'outcome':16} " + " ".join(f"{k:4}" for k in INVARIANTS) + "  s")
     for seed, sc in scs.items():
         label = "+".join(map(str, seed)) if isinstance(seed, tuple) else str(seed)
         unfired: list[int] = []
@@ -393,6 +643,7 @@ def _rows(scs: dict, base: Path, stack: contextlib.ExitStack, log) -> list[dict]
             rows.append({"seed": seed, "scenario": sc, "outcome": "left out", "inv": {}, "ok": True, "fired": 0,
                          "unfired": []})
             continue
+        run = None
         if sc.get("data"):
             inv, outcome, secs, fired = data_scenario(sc, base), "read", 0.0, 1
         else:
@@ -402,19 +653,18 @@ def _rows(scs: dict, base: Path, stack: contextlib.ExitStack, log) -> list[dict]
                 ctx["ref_state"] = final_state(rel / ck.step_name(STEPS))
             if sc.get("nodes") and "ref2_state" not in ctx:
                 ctx["ref2_state"] = _two_node_reference(ctx)
-            run = (run_two if sc.get("nodes") else run_one)(ctx, f"s{label}", sc["rules"])
+            run = start_run(ctx, f"s{label}", sc)
             inv, secs = check(ctx, sc, run), run["s"]
             names = faults.fired(run["root"] / "faults")
             fired = sum(n.startswith("rule-") for n in names)  # 0: the run never reached the fault's nth hit
             unfired = [i for i in range(len(sc["rules"])) if not any(n.startswith(f"rule-{i}-") for n in names)]
-            outcome = "exit 0" if run["rc"] == 0 else ("hang" if run["rc"] == "hang" else f"exit {run['rc']}")
+            outcome = _outcome(sc, run)
             if any(v.startswith("FAIL") for v in inv.values()):
                 (base / f"s{label}.log").write_text(run["out"])
         short = {k: ("ok" if v == "ok" else "n/a" if v.startswith("n/a") else "FAIL") for k, v in inv.items()}
         ok = not any(v.startswith("FAIL") for v in inv.values())
-        log(f"{sc['name'][:W]:{W}} {label:>8} {fired:>5} {outcome:10} " + " ".join(f"{short.get(k, 'n/a'):4}" for k in
-                                                                       ("I1", "I2", "I3", "I4", "I5", "I6"))
-            + f"  {secs:.0f}")
+        log(f"{sc['name'][:W]:{W}} {label:>8} {fired:>5} {outcome:16} "
+            + " ".join(f"{short.get(k, 'n/a'):4}" for k in INVARIANTS) + f"  {secs:.0f}" + _note(sc, run))
         for k, v in inv.items():
             if v.startswith("FAIL"):
                 log(f"    {k}: {v} (log: {base / f's{label}.log'})")

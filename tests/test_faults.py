@@ -4,10 +4,12 @@
 * the S3 endpoint stopped in the middle of a run: every step still commits on L1, retention goes on, the run ends
   0 with a warning, and the promote stage puts the final step on L2 once the endpoint is back (I1, I5);
 * ``train.resume=never`` with a torchrun restart resumes its own new line of training, bitwise equal (I2);
-* restore candidates: an L2 that does not answer is a warning, parts staged on L1 before rank 0's node was lost
-  still make a step, and steps of an abandoned line (after ``train.resume=N``) shadow nothing, in restore or
+* restore candidates: L1 and the nodes' disks first, L2 only when none of theirs restores (an L2 that does not
+  answer is then a warning), parts staged on L1 before rank 0's node was lost still make a step, and steps of an abandoned line (after ``train.resume=N``) shadow nothing, in restore or
   retention;
-* a part uploaded over another attempt's committed L2 step removes that COMMIT first.
+* a part uploaded over another attempt's committed L2 step removes that COMMIT first;
+* an S3 endpoint that hangs (issue 44) holds up no L1 commit and no restart's restore, and every S3 call of the
+  checkpoint path ends within its bound, whichever operation hangs (``s3_hang``).
 """
 import json
 import subprocess
@@ -82,6 +84,103 @@ def test_an_s3_outage_in_the_middle_of_a_run_degrades_to_l1_and_the_promote_stag
         subprocess.run(s3 + ["stop"], env=_env(LLMP_HOME=str(home)), cwd=ROOT, timeout=300)
 
 
+def test_a_hung_s3_endpoint_never_holds_up_l1_and_a_restart_restores_without_waiting_for_it(home):
+    """Issue 44: the endpoint SIGSTOPped after step 10 reached L2 (it accepts connections and never answers). Every
+    later step still commits on L1 in time (the L2 thread's calls each end within their small bound), a rank killed
+    after step 30 makes torchrun restart the ranks, which restore while L2 still hangs (rank 0 does not list it: L0
+    and L1 hold the step) with no rank timing out, and the run ends 0 with the L2 warning."""
+    import os
+    import signal
+
+    from pipelines.storage.s3 import launch_server
+    from test_resilience import _trainer_ranks, _wait_for
+
+    tok = _tok(home)
+    proc, url = launch_server(home / "s3", subprocess.DEVNULL, auth=False)
+    try:
+        sets = ["train.steps=40", "train.ckpt_every=10", "launcher.nproc_per_node=2", "launcher.max_restarts=1",
+                f"services.s3_endpoint_url={url}", "services.s3_bucket=ck-hang", "checkpoint.s3_connect_timeout_s=0.5",
+                "checkpoint.s3_read_timeout_s=0.5", "checkpoint.s3_max_attempts=2"]
+        p = subprocess.Popen(_launch_cmd(tok, home / "run", sets), env=_env(LLMP_FAULT_STEP_DELAY_S="0.15"),
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _wait_for(lambda: list((home / "s3").rglob("step-000010/COMMIT")), 120, "step 10 on L2")
+        os.kill(proc.pid, signal.SIGSTOP)
+        l1 = home / "run" / "l1"
+        # before the fix the one promoter thread sat in step 20's L2 calls (minutes each): step 30 never got here
+        _wait_for(lambda: list(l1.glob("*/*/step-000030/COMMIT")), 60, "step 30 on L1 while L2 hangs")
+        _wait_for(lambda: _trainer_ranks(p)[-1:], 10, "a trainer rank")[0].send_signal(signal.SIGKILL)
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-4000:]
+        assert "warning: L2 did not take step" in out, out[-4000:]
+        assert "Signals.SIGKILL" in out or "exitcode: -9" in out, out[-4000:]  # torchrun restarted the ranks
+        assert "timed out" not in out.lower() and "DistBackendError" not in out, out[-4000:]  # no rank waited alone
+        res = json.loads((home / "run" / "train" / "result.json").read_text())
+        assert res["resumed_from"]["step"] >= 30 and res["restore_s"] < 10, res
+        m = json.loads((home / "run" / "train" / "manifest.json").read_text())
+        spec = load_spec(None, TINY + sets + [f"checkpoint.l1={l1}"], env={})
+        assert ckpt_tiers.list_steps(spec, m["extra"]["checkpoint"].rsplit("/", 1)[0], ("L1",))["L1"] == [10, 20, 30, 40]
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_hung_s3_call_ends_within_its_bound_whatever_the_operation(s3_server, tmp_path):
+    """``s3_hang`` sends a request to a listener that accepts and never answers: botocore's own read timeout ends
+    it (a data stage's client, per request), the checkpoint path's client ends every call within connect + read +
+    MiB / s3_min_mb_per_s, retries included, as an endpoint that does not answer; a hang of the first attempt
+    only is retried to the real endpoint."""
+    import time
+
+    from botocore.exceptions import ReadTimeoutError
+
+    from pipelines.storage import faults
+    from pipelines.storage.s3 import Bounds, S3Timeout, client_from, unreachable
+
+    settings = {"endpoint_url": s3_server, "region_name": "us-east-1"}
+    raw = client_from(settings)
+    raw.create_bucket(Bucket="ck-hung")
+    raw.put_object(Bucket="ck-hung", Key="k", Body=b"x" * 1000)
+    (tmp_path / "f").write_bytes(b"y" * 1000)
+
+    def upload_part(s3):
+        up = s3.create_multipart_upload(Bucket="ck-hung", Key="mp")
+        s3.upload_part(Bucket="ck-hung", Key="mp", UploadId=up["UploadId"], PartNumber=1, Body=b"z")
+
+    calls = {"HeadObject": lambda s3: s3.head_object(Bucket="ck-hung", Key="k"),
+             "GetObject": lambda s3: s3.get_object(Bucket="ck-hung", Key="k")["Body"].read(),
+             "PutObject": lambda s3: s3.put_object(Bucket="ck-hung", Key="p", Body=b"p"),
+             "ListObjectsV2": lambda s3: list(s3.get_paginator("list_objects_v2").paginate(Bucket="ck-hung")),
+             "DeleteObject": lambda s3: s3.delete_object(Bucket="ck-hung", Key="d"),
+             "UploadPart": upload_part,
+             "upload_file": lambda s3: s3.upload_file(str(tmp_path / "f"), "ck-hung", "f"),
+             "download_file": lambda s3: s3.download_file("ck-hung", "k", str(tmp_path / "g"))}
+    ops = {"upload_file": "PutObject", "download_file": "GetObject"}
+    bounds = Bounds(connect_s=0.2, read_s=0.3, attempts=3, min_mb_per_s=5.0)  # every call here: 0.5 s + its bytes
+    try:
+        for name, call in calls.items():
+            faults.load(_faults({"at": "s3", "do": "s3_hang", "op": ops.get(name, name), "times": 0}))
+            t0 = time.monotonic()
+            with pytest.raises(S3Timeout) as e:
+                call(client_from(settings, bounds))
+            assert unreachable(e.value) and time.monotonic() - t0 < 1.5, (name, time.monotonic() - t0)
+        faults.load(_faults({"at": "s3", "do": "s3_hang", "op": "HeadObject", "times": 0}))
+        with pytest.raises(ReadTimeoutError):  # a real read timeout, from botocore itself
+            raw_hung = client_from(settings, Bounds(connect_s=0.2, read_s=0.3, attempts=1))
+            raw_hung.head_object(Bucket="ck-hung", Key="p")
+        faults.load(_faults({"at": "s3", "do": "s3_hang", "op": "HeadObject", "times": 1}))
+        assert client_from(settings, Bounds(0.5, 0.5, 2, 5.0)).head_object(Bucket="ck-hung", Key="p")["ContentLength"] == 1
+        faults.load(_faults({"at": "s3", "do": "s3_hang", "op": "GetObject", "times": 0}))
+        spec = load_spec(None, [f"services.s3_endpoint_url={s3_server}", "checkpoint.s3_connect_timeout_s=0.2",
+                                "checkpoint.s3_read_timeout_s=0.3"], env={})
+        with pytest.raises(ck.L2Unavailable, match="no answer within"):
+            ckpt_s3.commit_at(spec, "s3://ck-hung/run/key/step-000010")
+        with pytest.raises(ValueError, match="s3_hang is a fault of an S3 request"):
+            faults.load(_faults({"at": "merge", "do": "s3_hang"}))
+    finally:
+        faults.load("")
+
+
 def test_resume_never_with_a_torchrun_restart_resumes_its_own_new_line(home):
     tok = _tok(home)
     spec = load_spec(None, TINY + ["train.steps=30", "train.ckpt_every=10", "train.resume=never",
@@ -130,9 +229,10 @@ def _step(root: Path, step: int, part: int = 0, parts: int = 1, attempt: str = "
 
 
 def test_restore_candidates_survive_an_unanswering_l2_and_see_parts_staged_before_the_merge(home):
-    from pipelines.train.restore import candidates
+    from pipelines.train.restore import candidates, l2_candidates
 
-    spec = load_spec(None, [f"checkpoint.l1={home}/l1", "services.s3_endpoint_url=http://127.0.0.1:9"], env={})
+    spec = load_spec(None, [f"checkpoint.l1={home}/l1", "services.s3_endpoint_url=http://127.0.0.1:9",
+                            "checkpoint.s3_connect_timeout_s=1", "checkpoint.s3_max_attempts=1"], env={})
     l1 = home / "l1" / "run" / "key"
     _step(l1, 10)
     # both nodes staged step 20; rank 0's node died before merging
@@ -141,8 +241,9 @@ def test_restore_candidates_survive_an_unanswering_l2_and_see_parts_staged_befor
     for k in (0, 1):
         _step(home / f"node{k}", 20, k, 2, "a2").rename(staged / ck.part_name(k))
     c = _Ckpt(spec, "run/key")
-    got = candidates(c, {}, None)
+    got = candidates(c, {}, None)  # L2 is not asked: L1 and the nodes' disks hold steps
     assert [(x["step"], x["parts"], x["l1"]) for x in got] == [(20, 2, False), (10, 1, True)]
+    assert l2_candidates(c, None, {20, 10}) == []  # asked only when none of those restores: a warning, no step
     assert any("L2 does not answer" in m for m in c.logs)
 
 
@@ -203,8 +304,9 @@ def test_fault_rules_fire_where_and_as_often_as_they_say(tmp_path, monkeypatch):
 # run per seed: `make faults SEEDS=N`): deaths at part_committed, retention and l1_committed, a 503 on a PUT, ENOSPC
 # on L1, EIO on L0 with a slow listing, a reset and a refused PUT, a truncated .zst; on two nodes, rank 0's node lost
 # in the merge (its part staged, no COMMIT), then the node of rank 0 (by then the other one: c10d ranks the nodes
-# anew) lost while a restore stages the parts again, and rank 0 dead after staging
-SUBSET = [(2, 14, 36), (8, 31), (1, 9), (25, 84), 29, (5, 147)]
+# anew) lost while a restore stages the parts again, and rank 0 dead after staging; and the cluster's events: a preemption notice in the merge (the retry resumes at the
+# step the ranks stopped after) with a hung S3 PutObject, and a rank stopped after step 11 (found by its heartbeat)
+SUBSET = [(2, 14, 36), (8, 31), (1, 9), (25, 84), 29, (5, 147), (46, 143), 23]
 
 
 def test_a_seeded_subset_of_the_fault_matrix_holds_every_invariant(tmp_path, monkeypatch):
@@ -226,7 +328,7 @@ def test_a_seeded_subset_of_the_fault_matrix_holds_every_invariant(tmp_path, mon
     assert [r["seed"] for r in rows] == subset
     bad = [ln for ln in lines if "FAIL" in ln]
     assert not bad, "\n".join(lines)
-    assert {r["outcome"] for r in rows} <= {"exit 0", "read"}  # none of these is permanent on L1
+    assert {r["outcome"] for r in rows} <= {"exit 0", "exit 75→0", "read"}  # none of these is permanent on L1
     assert not [r["unfired"] for r in rows if r["unfired"]]  # every fault of the subset really struck
 
 

@@ -8,11 +8,14 @@
 * loss spikes / non-finite steps roll back, skip the batch, and the run completes;
 * retention never removes the newest verified copy; an async save returns before its COMMIT.
 """
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,9 +38,24 @@ TINY = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "mod
         "train.micro_batch=4", "train.warmup_steps=2", "train.lr=0.01", "train.log_every=5"]
 
 
+_TOKENIZED: dict[tuple, object] = {}  # sets → the tokenize manifest, one build per test process
+
+
 def _tok(home, sets=TINY):
-    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
-    return tokenize.run(load_spec(None, sets, env={}), _filter_manifest(home, docs))
+    """The tiny corpus tokenized with ``sets``: built once per test process (a worker runs many files) in a folder
+    of its own, removed at exit; the tests only read it (``home`` is each test's own state, not used here)."""
+    key = tuple(sets)
+    if key not in _TOKENIZED:
+        where = Path(tempfile.mkdtemp(prefix="llmp-tok-"))
+        atexit.register(shutil.rmtree, where, True)
+        before = os.environ.get("LLMP_HOME")
+        os.environ["LLMP_HOME"] = str(where)  # the stage's relative paths resolve under it
+        try:
+            docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
+            _TOKENIZED[key] = tokenize.run(load_spec(None, sets, env={}), _filter_manifest(where, docs))
+        finally:
+            os.environ.pop("LLMP_HOME") if before is None else os.environ.update(LLMP_HOME=before)
+    return _TOKENIZED[key]
 
 
 def _launch_cmd(tok, root: Path, sets: list[str]) -> list[str]:

@@ -15,7 +15,13 @@
   it dies as ``die`` does),
   ``eio`` / ``enospc`` (``OSError``),
   ``s3_down`` (the endpoint refuses connections), ``s3_503`` (503 SlowDown), ``s3_reset`` (the connection is
-  reset in the middle of the request), ``slow`` (``seconds`` of delay).
+  reset in the middle of the request), ``s3_hang`` (``at: s3`` only: the endpoint accepts the connection and never
+  answers: the request is sent to a listener in this process, :func:`blackhole`, that accepts, reads and discards
+  what comes and never writes a byte, so botocore's own read timeout ends it, each attempt as it would on a hung
+  endpoint), ``slow`` (``seconds`` of delay), ``preempt`` (a preemption notice: SIGTERM to this rank's parent,
+  its torchrun, as Kubernetes sends a pod it evicts; the process goes on and torchrun passes the notice to every
+  rank), ``stop`` (the process stops here, every thread, SIGSTOP: a hung rank, which the heartbeat finds).
+* ``at`` may also be ``step`` (:data:`STEP`): a rank's training step done.
 * ``node`` / ``rank``: only there (torchrun's ``GROUP_RANK`` / ``RANK``); ``nth``: fire from the rule's nth hit;
   ``times``: how many times it fires (0: every hit from then on).
 
@@ -40,7 +46,9 @@ PHASES = ("part_committed",  # a node committed its part on its own L0
           "l1_committed",  # the step's global COMMIT is on L1, L2 not yet
           "retention",  # between two deletions of retention
           "restage")  # a restore is staging a part on L1 again
-KINDS = ("die", "lose", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "slow")
+KINDS = ("die", "lose", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "s3_hang", "slow", "preempt", "stop")
+STEP = "step"  # not a phase of the protocol: a rank's training step done (``nth``: the nth step of this process)
+AT = (*PHASES, STEP, "read", "write", "s3")
 
 _rules: Optional[list[dict]] = None
 _hits: dict[int, int] = {}
@@ -55,8 +63,10 @@ def load(text: Optional[str] = None) -> Optional[list[dict]]:
     if text.strip():
         rules = json.loads(text)
         for r in rules:
-            if r.get("do") not in KINDS or r.get("at") not in (*PHASES, "read", "write", "s3"):
-                raise ValueError(f"LLMP_FAULTS: rule {r} needs at in {PHASES + ('read', 'write', 's3')} and do in {KINDS}")
+            if r.get("do") not in KINDS or r.get("at") not in AT:
+                raise ValueError(f"LLMP_FAULTS: rule {r} needs at in {AT} and do in {KINDS}")
+            if r["do"] == "s3_hang" and r["at"] != "s3":
+                raise ValueError(f"LLMP_FAULTS: rule {r}: s3_hang is a fault of an S3 request (at: s3)")
         _rules = rules
     _hits.clear()
     return _rules
@@ -121,6 +131,9 @@ def _act(rule: dict, what: str) -> None:
     if kind == "slow":
         time.sleep(float(rule.get("seconds", 1.0)))
         return
+    if kind in ("preempt", "stop"):
+        _signal(kind, what)
+        return
     if kind in ("eio", "enospc"):
         code = errno.EIO if kind == "eio" else errno.ENOSPC
         raise OSError(code, f"{os.strerror(code)} (injected at {what})")
@@ -140,6 +153,19 @@ def _lose(what: str) -> None:
         Path(state, f"lose-{node}").touch()
         os.kill(os.getpid(), signal.SIGSTOP)
     os._exit(137)
+
+
+def _signal(kind: str, what: str) -> None:
+    """``preempt``: SIGTERM to this rank's torchrun (its parent), which sends it on to every rank; ``stop``: this
+    process stops, whole, until something kills it."""
+    import signal
+
+    if kind == "preempt":
+        print(f"[faults] {what}: a preemption notice, SIGTERM to torchrun (pid {os.getppid()}) (LLMP_FAULTS)", flush=True)
+        os.kill(os.getppid(), signal.SIGTERM)
+        return
+    print(f"[faults] {what}: this rank stops here, SIGSTOP (pid {os.getpid()}) (LLMP_FAULTS)", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def point(phase: str, **where) -> None:
@@ -166,6 +192,52 @@ def _s3_error(kind: str, what: str) -> Exception:
     return EndpointConnectionError(endpoint_url=f"(injected at {what})")
 
 
+_hole: Optional[tuple[str, int]] = None
+
+
+def blackhole() -> tuple[str, int]:
+    """(host, port) of this process's hung endpoint: a loopback listener that accepts every connection, reads and
+    discards what the client sends, and never answers (started once, in a daemon thread)."""
+    global _hole
+    with _lock:
+        if _hole is None:
+            import socket
+
+            srv = socket.create_server(("127.0.0.1", 0), backlog=128)
+            threading.Thread(target=_swallow, args=(srv,), daemon=True, name="llmp-s3-blackhole").start()
+            _hole = srv.getsockname()[:2]
+    return _hole
+
+
+def _swallow(srv) -> None:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(srv, selectors.EVENT_READ)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is srv:
+                conn, _addr = srv.accept()
+                sel.register(conn, selectors.EVENT_READ)
+                continue
+            try:
+                data = key.fileobj.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:  # the client gave up (its read timeout): the connection ends
+                sel.unregister(key.fileobj)
+                key.fileobj.close()
+
+
+def _hang(request) -> None:
+    """Send ``request`` to :func:`blackhole` instead of the endpoint (the same path and query)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    host, port = blackhole()
+    u = urlsplit(request.url)
+    request.url = urlunsplit(("http", f"{host}:{port}", u.path, u.query, u.fragment))
+
+
 class _Body:
     def __init__(self, data: bytes):
         self.data = data
@@ -182,6 +254,10 @@ def install_s3(client) -> None:
     def before_send(request, **_kw):
         op = _kw.get("event_name", "").rsplit(".", 1)[-1]
         for rule in _matching("s3", op=op):
+            if rule["do"] == "s3_hang":
+                print(f"[faults] S3 {op}: the endpoint hangs (LLMP_FAULTS)", flush=True)
+                _hang(request)
+                return None
             if rule["do"] == "s3_503":
                 from botocore.awsrequest import AWSResponse
 

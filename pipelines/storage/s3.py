@@ -8,6 +8,11 @@ The same boto3 code talks to AWS or to a local endpoint:
   ``python -m pipelines.storage.s3 start`` (the DAG's setup task does this) and stopped by
   ``… stop`` (its teardown task). Its address is kept in ``var/s3/endpoint.json``.
 
+Every call is bounded (:class:`Bounds`): the data stages' clients per request (5 s to connect, 60 s per read, 5
+attempts); the checkpoint path's (:func:`client`, ``checkpoint.s3_*``) also in all, retries included: a call moving
+N MiB ends within connect + read timeouts + N / ``s3_min_mb_per_s`` seconds (:class:`BoundedClient`), so a hung
+endpoint costs seconds, not minutes.
+
 The embedded endpoint keeps each object as a file, ``var/s3/store/<bucket>/<key>``, served from disk: it starts in
 well under a second whatever it holds, its memory does not grow with what is stored, and L2 copies outlive the DAG
 run that made them and a killed endpoint, as they would on S3. It keeps no SHA-256 checksums, so checkpoint objects
@@ -26,9 +31,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pipelines.procs import identity, still_running
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
@@ -98,22 +105,163 @@ def client_settings(spec: JobSpec) -> dict:
     return kw
 
 
-def client_from(settings: dict):
-    """A client whose every call is bounded: 5 s to connect, 60 s per read, 5 attempts (standard retry mode: 5xx,
-    throttling and dropped connections are retried with backoff), so an outage ends in an error within about a
-    minute instead of a hang. botocore checks a response's checksum only when asked (``ChecksumMode``): some
-    endpoints, the embedded one included, send the whole object's checksum with a range, which a ranged read
+@dataclass(frozen=True)
+class Bounds:
+    """How long an S3 call may take: ``connect_s`` to open a connection, ``read_s`` for the endpoint's next bytes,
+    ``attempts`` per request (botocore's standard retry mode: 5xx, throttling and dropped connections are retried
+    with backoff) and, with ``min_mb_per_s``, a total bound per call, retries included: a call moving N MiB ends
+    within ``connect_s + read_s + N / min_mb_per_s`` seconds (:meth:`total`), with :class:`S3Timeout` when the
+    endpoint does not get there."""
+    connect_s: float = 5.0
+    read_s: float = 60.0
+    attempts: int = 5
+    min_mb_per_s: Optional[float] = None  # None: per request only (attempts × (connect + read) for a hung one)
+
+    def total(self, nbytes: int = 0) -> Optional[float]:
+        """The seconds a call moving ``nbytes`` may take in all; None without ``min_mb_per_s``."""
+        if not self.min_mb_per_s:
+            return None
+        return self.connect_s + self.read_s + max(0, nbytes) / (1 << 20) / self.min_mb_per_s
+
+
+DATA_BOUNDS = Bounds()  # the data stages' clients: 5 s to connect, 60 s per read, 5 attempts
+
+
+def checkpoint_bounds(spec: JobSpec) -> Bounds:
+    """The checkpoint path's bounds (``checkpoint.s3_connect_timeout_s``, ``s3_read_timeout_s``, ``s3_max_attempts``,
+    ``s3_min_mb_per_s``)."""
+    c = spec.checkpoint
+    return Bounds(c.s3_connect_timeout_s, c.s3_read_timeout_s, c.s3_max_attempts, c.s3_min_mb_per_s)
+
+
+def client_from(settings: dict, bounds: Bounds = DATA_BOUNDS):
+    """A client whose every request is bounded by ``bounds`` (by default 5 s to connect, 60 s per read, 5 attempts),
+    so an outage ends in an error instead of a hang; with ``bounds.min_mb_per_s`` every call also ends within its
+    total bound (:class:`BoundedClient`). botocore checks a response's checksum only when asked (``ChecksumMode``):
+    some endpoints, the embedded one included, send the whole object's checksum with a range, which a ranged read
     (ours, s3transfer's parallel download) must not be checked against; what we read is checked by its sha256."""
     import boto3
     from botocore.config import Config
 
     from pipelines.storage import faults
 
-    s3 = boto3.client("s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5,
-                                          read_timeout=60, response_checksum_validation="when_required"),
-                      **settings)
+    s3 = boto3.client("s3", config=Config(retries={"max_attempts": bounds.attempts, "mode": "standard"},
+                                          connect_timeout=bounds.connect_s, read_timeout=bounds.read_s,
+                                          response_checksum_validation="when_required"), **settings)
     faults.install_s3(s3)
-    return s3
+    return BoundedClient(s3, bounds) if bounds.min_mb_per_s else s3
+
+
+class S3Timeout(TimeoutError):
+    """An S3 call that did not end within its total bound (:meth:`Bounds.total`): the endpoint does not answer."""
+
+
+def call_bounded(fn: Callable, bound_s: float, what: str):
+    """``fn()`` in a daemon thread: its result (or its exception), or :class:`S3Timeout` after ``bound_s``. A call
+    given up on is left to botocore's own timeouts, which end it (at most attempts × (connect + read))."""
+    box: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="llmp-s3-call").start()
+    if not done.wait(max(0.0, bound_s)):
+        raise S3Timeout(f"S3 {what}: no answer within {bound_s:.1f} s (its bound: checkpoint.s3_connect_timeout_s + "
+                        "s3_read_timeout_s + its MiB / s3_min_mb_per_s)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _body_bytes(body) -> int:
+    """The bytes a request body sends (bytes, str, or a seekable file from its position); 0 when unknown."""
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        return len(body)
+    if isinstance(body, str):
+        return len(body.encode())
+    try:
+        pos = body.tell()
+        end = body.seek(0, io.SEEK_END)
+        body.seek(pos)
+        return end - pos
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
+class BoundedClient:
+    """A boto3 S3 client whose every call ends within its total bound (:meth:`Bounds.total` of the bytes it moves):
+    API calls, each page of a paginator, each read of a GetObject body (the object's size from the response, one
+    deadline for the whole body), ``upload_file`` (the file's size) and ``download_file`` (the object's size, from
+    a HEAD first). Everything else is the wrapped client's (``meta``, ``exceptions``, event hooks)."""
+
+    def __init__(self, raw, bounds: Bounds):
+        if not bounds.min_mb_per_s:
+            raise ValueError("a BoundedClient needs Bounds.min_mb_per_s (its total bound)")
+        self.raw, self.bounds, self.meta = raw, bounds, raw.meta
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.raw, name)
+        op = self.raw.meta.method_to_api_mapping.get(name)
+        if op is None or not callable(attr):
+            return attr
+        return lambda **kw: self._call(op, attr, kw)
+
+    def _call(self, op: str, fn: Callable, kw: dict):
+        what = f"{op} s3://{kw.get('Bucket', '')}/{kw.get('Key', kw.get('Prefix', ''))}"
+        out = call_bounded(lambda: fn(**kw), self.bounds.total(_body_bytes(kw.get("Body", b""))), what)
+        if op == "GetObject" and "Body" in out:
+            deadline = time.monotonic() + self.bounds.total(int(out.get("ContentLength") or 0))
+            out["Body"] = _BoundedBody(out["Body"], deadline, what)
+        return out
+
+    def get_paginator(self, op: str):
+        return _BoundedPaginator(self.raw.get_paginator(op), self.bounds.total(), op)
+
+    def upload_file(self, filename: str, bucket: str, key: str, **kw) -> None:
+        size = os.path.getsize(filename)
+        call_bounded(lambda: self.raw.upload_file(filename, bucket, key, **kw), self.bounds.total(size),
+                     f"upload of {filename} to s3://{bucket}/{key}")
+
+    def download_file(self, bucket: str, key: str, filename: str, **kw) -> None:
+        size = int(self.head_object(Bucket=bucket, Key=key)["ContentLength"])
+        call_bounded(lambda: self.raw.download_file(bucket, key, filename, **kw), self.bounds.total(size),
+                     f"download of s3://{bucket}/{key}")
+
+
+class _BoundedPaginator:
+    """A paginator whose every page is one bounded call."""
+
+    def __init__(self, raw, bound_s: float, op: str):
+        self.raw, self.bound_s, self.op = raw, bound_s, op
+
+    def paginate(self, **kw):
+        pages = iter(self.raw.paginate(**kw))
+        what = f"{self.op} s3://{kw.get('Bucket', '')}/{kw.get('Prefix', '')}"
+        while (page := call_bounded(lambda: next(pages, None), self.bound_s, what)) is not None:
+            yield page
+
+
+class _BoundedBody:
+    """A GetObject body whose reads, together, end by ``deadline``."""
+
+    def __init__(self, body, deadline: float, what: str):
+        self.body, self.deadline, self.what = body, deadline, what
+
+    def read(self, amt: Optional[int] = None) -> bytes:
+        return call_bounded(lambda: self.body.read(amt), self.deadline - time.monotonic(), f"{self.what} (body)")
+
+    def iter_chunks(self, chunk_size: int = 1024):
+        while chunk := self.read(chunk_size):
+            yield chunk
+
+    def __getattr__(self, name: str):
+        return getattr(self.body, name)
 
 
 def unreachable(e: BaseException) -> bool:
@@ -127,11 +275,16 @@ def unreachable(e: BaseException) -> bool:
         return code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "AccessDenied",
                         "ExpiredToken", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status >= 500 \
             or status in (401, 403)  # credentials that do not work: L2 unusable, as if down
+    from s3transfer.exceptions import RetriesExceededError
+
+    if isinstance(e, RetriesExceededError):  # a transfer's download: its last attempt's error says
+        return e.last_exception is not None and unreachable(e.last_exception)
     return isinstance(e, (BotoCoreError, ConnectionError, TimeoutError)) or isinstance(e, S3ConfigError)
 
 
 def client(spec: JobSpec):
-    return client_from(client_settings(spec))
+    """The checkpoint path's client (L2): bounded by :func:`checkpoint_bounds`, every call within its total bound."""
+    return client_from(client_settings(spec), checkpoint_bounds(spec))
 
 
 def ensure_bucket(s3, bucket: str, region: str = "us-east-1") -> None:

@@ -16,6 +16,8 @@ Where each concern lives (each module imports only the ones above it):
 - this module: the errors (:class:`CheckpointError`, :class:`L2Unavailable`), the names (``step-NNNNNN``,
   ``part-K``, MANIFEST, COMMIT, PARTS), :func:`hash_files`, the consumers (:func:`load_plain_model`,
   :func:`export`) and the command line;
+- :mod:`pipelines.train.fence`: fencing between attempts (terms and leases on L1), checked by the modules below
+  before every COMMIT and every deletion of committed data;
 - :mod:`pipelines.train.ckpt_local`: the filesystem tiers (L0, L1): commit, read, verify, copy and remove a local
   copy; the file names a manifest may hold (``safe_rel``);
 - :mod:`pipelines.train.ckpt_s3`: the S3 tier (L2): uploads, downloads, multipart, checks by S3's own checksums;

@@ -10,12 +10,14 @@ their results). Rank 0 has added ``trainer_state.json``, ``rng.json`` (every ran
 JSON), ``model_args.json`` and ``tokenizer.model``. Then each part leader (:class:`Topology`: every node's local
 rank 0 with node-local L0, else rank 0 alone) hashes its node's files, writes MANIFEST + COMMIT and renames the
 directory into place on its own L0 (:func:`pipelines.train.ckpt_local.commit_local`), in its background thread.
-Each leader's :class:`Promoter` then copies its part L0 → L1 → L2 and applies retention; rank 0 merges the
-parts into the step's global commit. Restore is collective: :mod:`pipelines.train.restore`.
+Each leader's :class:`Promoter` then copies its part L0 → L1 (rank 0 merges the parts into the step's global
+commit) and, in a thread of its own that L1 never waits for, to L2; each tier's retention follows its copy. Restore is
+collective: :mod:`pipelines.train.restore`.
 """
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import queue
@@ -37,7 +39,7 @@ from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
 from pipelines.train import checkpoint as ck
-from pipelines.train import ckpt_local, ckpt_parts, ckpt_tiers
+from pipelines.train import ckpt_local, ckpt_parts, ckpt_tiers, fence
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -133,16 +135,19 @@ class Events:
 
 
 class Promoter:
-    """A part leader's background thread: its part of each committed step L0 → L1, verified, COMMIT last; global
-    rank 0 merges the parts into the step's global commit on L1. L1 is required: a step that does not reach it is
-    recorded (:attr:`failed`) and the final step's is checked at :meth:`Checkpointer.close`. Then L2, when an S3
-    endpoint is configured: each node uploads its part, the committing rank writes the step's global COMMIT there.
-    An object store that does not answer is a warning and a ``ckpt/l2_errors`` metric, never a lost step: the
-    step waits in :attr:`l2_behind` and L2 catches up from L1 at the next promotion that finds it answering (the
-    ``promote`` stage finishes the final step). Then retention (``ckpt_tiers.prune``): each node on its own L0,
-    the committing rank on L1 and L2, counted from the L1 commits, so L0 and L1 stay bounded during an L2 outage.
-    With one part, a step that L2 retention would not keep is passed over for a newer one when the promoter
-    falls behind."""
+    """A part leader's two background threads. The L1 thread: its part of each committed step L0 → L1, verified,
+    COMMIT last; global rank 0 merges the parts into the step's global commit on L1; then L0/L1 retention
+    (``ckpt_tiers.prune``: each node on its own L0, the committing rank on L1, counted from the L1 commits, so L0
+    and L1 stay bounded whatever L2 does). L1 is required: a step that does not reach it is recorded
+    (:attr:`failed`) and the final step's is checked at :meth:`Checkpointer.close`. The L2 thread, when an S3
+    endpoint is configured, takes each step the L1 thread committed: each node uploads its part, the committing
+    rank writes the step's global COMMIT there, catches up the steps L2 missed and applies L2 retention. The two
+    never wait for each other: a hung or failing L2 (every S3 call ends within its bound, ``checkpoint.s3_*``) is a
+    warning and a ``ckpt/l2_errors`` metric, never a late or lost L1 commit; the step waits in :attr:`l2_behind`
+    (``ckpt/l2_behind``: steps waiting for L2) and L2 catches up from L1 at the next step that finds it answering
+    (the ``promote`` stage finishes the final step). L0/L1 retention never removes a step the L2 thread reads
+    (:attr:`reading`); a step it removed before the L2 thread got to it is skipped there. With one part, a step
+    that L2 retention would not keep is passed over, by either thread, for a newer one when that thread is behind."""
 
     def __init__(self, spec: JobSpec, rel_root: str, log: Callable[[str], None], events: Events, topo: Topology,
                  attempt: str, rec: Optional[dict] = None):
@@ -155,20 +160,28 @@ class Promoter:
         self.commits = topo.rank == 0  # writes the steps' global COMMITs and runs L1/L2 retention
         self.done: dict[int, dict] = {}
         self.failed: dict[int, str] = {}  # step → why it did not reach L1
-        self.l2_behind: set[int] = set()  # globally committed on L1, not yet on L2
-        self.seconds: dict[int, float] = {}  # step → seconds to promote it (rank 0: until its global commit)
+        self.l2_behind: set[int] = set()  # globally committed on L1, not yet on L2 (the L2 thread's)
+        self.l2_pending: set[int] = set()  # handed to the L2 thread, not done there yet
+        self.reading: list[int] = []  # the steps the L2 thread reads from L0/L1 now (nested: a step twice): kept
+        self.pin = threading.Lock()  # held by L0/L1 retention, and by the L2 thread while it picks its step
+        self.seconds: dict[int, float] = {}  # step → seconds to promote it (rank 0: until its global commit on L1)
         self.submitted: set[int] = set()
         self.q: "queue.Queue[Optional[int]]" = queue.Queue()
+        self.l2q: "queue.Queue[Optional[tuple]]" = queue.Queue()  # ("step", step, digests), ("missing",), ("final", s)
         self.thread = threading.Thread(target=self._work, daemon=True, name="llmp-promoter")
+        self.l2_thread = threading.Thread(target=self._work_l2, daemon=True, name="llmp-promoter-l2") \
+            if "L2" in self.tiers else None
         self.thread.start()
+        if self.l2_thread is not None:
+            self.l2_thread.start()
 
     def submit(self, step: int) -> None:
         self.submitted.add(step)
         self.q.put(step)
 
     def idle(self, timeout_s: float) -> None:
-        """Wait until every submitted step is handled (a rollback restores with no promotion in flight), at most
-        ``timeout_s``."""
+        """Wait until every submitted step is handled on L1 (a rollback restores with no L1 promotion in flight; L2
+        is never waited for), at most ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while self.q.unfinished_tasks:
             if time.monotonic() > deadline:
@@ -177,11 +190,37 @@ class Promoter:
             time.sleep(0.05)
 
     def drain(self, timeout_s: float) -> None:
+        """Stop the L1 thread once it has handled every submitted step, waiting at most ``timeout_s``."""
         self.q.put(None)
         self.thread.join(timeout_s)
         if self.thread.is_alive():
             raise ck.CheckpointError(f"promotion did not finish within {timeout_s:.0f} s "
                                      "(checkpoint.collective_timeout_minutes)")
+
+    def check_l2(self) -> None:
+        """Have the L2 thread find the steps of this line that L2 still lacks (a restart forgets nothing L2 missed
+        before it): listed there, never at start, so a hung L2 holds nothing up."""
+        if self.l2_thread is not None and self.commits:
+            self.l2q.put(("missing",))
+
+    def finish_l2(self, final: Optional[int], timeout_s: float) -> None:
+        """Close: the L2 thread finishes what it has, then (the committing rank) puts the final step on L2 with any
+        step L2 missed; waited for at most ``timeout_s``. Never raises: what L2 lacks then is a warning and a
+        ``ckpt/l2_errors`` metric (the ``promote`` stage puts the final step on L2)."""
+        if self.l2_thread is None:
+            return
+        if final is not None and self.commits:
+            self.l2q.put(("final", final))
+        self.l2q.put(None)
+        self.l2_thread.join(timeout_s)
+        if self.l2_thread.is_alive():
+            self.events.add("ckpt/l2_errors", 1, final or 0)
+            self.log(f"[ckpt] warning: L2 still busy after {timeout_s:.0f} s at close ({self.l2_waiting()} step(s) "
+                     "waiting for it); L1 holds every step, the promote stage puts the final step on L2")
+
+    def l2_waiting(self) -> int:
+        """Steps waiting for L2: handed to the L2 thread and not done there, or left behind by an outage."""
+        return len(self.l2_pending | self.l2_behind)
 
     def _work(self) -> None:
         lower_priority()
@@ -202,19 +241,22 @@ class Promoter:
         self.q.task_done()
 
     def promote(self, step: int) -> None:
-        """This node's part of ``step`` to L1 (rank 0: and the global commit), then L2, then retention."""
+        """This node's part of ``step`` to L1 (rank 0: and the global commit), handed to the L2 thread, then L0/L1
+        retention."""
         rel = f"{self.rel_root}/{ck.step_name(step)}"
         t0 = time.perf_counter()
         actions, digests = self.to_l1(rel, step)
         if self.commits:
             faults.point("l1_committed")
         self.failed.pop(step, None)
-        if "L2" in self.tiers:
-            actions["L2"] = self._to_l2(rel, step, digests)
         dt = time.perf_counter() - t0
         self.done[step] = actions
         self.seconds[step] = dt
         self.events.add("ckpt/promote_s", dt, step)
+        if self.l2_thread is not None:
+            self.l2_pending.add(step)
+            self.l2q.put(("step", step, digests))
+            self.events.add("ckpt/l2_behind", self.l2_waiting(), step)
         deleted = self.retain(step)
         gone = ", ".join(f"{t} {v}" for t, v in deleted.items() if v)
         self.log(f"[ckpt] promote: step {step} {actions} in {dt:.2f} s" + (f"; retention removed {gone}" if gone else ""))
@@ -244,13 +286,64 @@ class Promoter:
                                          " not committed there")
             time.sleep(0.05)
 
+    def _work_l2(self) -> None:
+        lower_priority()
+        while (item := self.l2q.get()) is not None:
+            try:
+                if item[0] == "step":
+                    self.promote_l2(item[1], item[2])
+                elif item[0] == "missing":
+                    self.l2_behind |= self.missing_on_l2()
+                else:
+                    self._final_to_l2(item[1])
+            except Exception as e:  # noqa: BLE001 - L2 is a copy of L1: its faults cost a warning, never the thread
+                self._l2_warning(item[1] if len(item) > 1 else 0, e)
+            finally:
+                if item[0] == "step":
+                    self.l2_pending.discard(item[1])
+                self.l2q.task_done()
+        self.l2q.task_done()
+
+    def promote_l2(self, step: int, digests: Optional[dict]) -> None:
+        """The L2 thread: ``step`` (handed over once on L1) to L2, read from L0 (else L1) while pinned against
+        L0/L1 retention, then L2 retention. With one part, passed over for a newer step L2 would keep instead."""
+        every = self.spec.checkpoint.l2_keep_every
+        if self.topo.parts == 1 and every and step % every and any(
+                i is not None and i[0] == "step" and i[1] > step for i in list(self.l2q.queue)):
+            self.log(f"[ckpt] promote: step {step} passed over on L2 for a newer one (not kept at L2)")
+            return
+        t0 = time.perf_counter()
+        with self._reading(step):
+            result = self._to_l2(f"{self.rel_root}/{ck.step_name(step)}", step, digests)
+        dt = time.perf_counter() - t0
+        self.done.setdefault(step, {})["L2"] = result
+        self.events.add("ckpt/l2_s", dt, step)
+        deleted = self.retain_l2(step)
+        self.events.add("ckpt/l2_behind", len((self.l2_pending - {step}) | self.l2_behind), step)
+        gone = ", ".join(f"{t} {v}" for t, v in deleted.items() if v)
+        self.log(f"[ckpt] promote: step {step} L2 {result} in {dt:.2f} s"
+                 + (f"; retention removed {gone}" if gone else ""))
+
+    @contextlib.contextmanager
+    def _reading(self, step: int):
+        """Pin ``step`` while the L2 thread reads its L0/L1 copies: L0/L1 retention keeps it meanwhile."""
+        with self.pin:
+            self.reading.append(step)
+        try:
+            yield
+        finally:
+            self.reading.remove(step)
+
     def _to_l2(self, rel: str, step: int, digests: Optional[dict]) -> str:
         """This node's part to L2; the committing rank, once every part is there, commits the step there and catches
         up the steps L2 missed. Never raises: an outage leaves the step behind, with a warning."""
         locs = ckpt_tiers.tier_locations(self.spec, rel)
         l1 = Path(locs["L1"])
-        if not (Path(locs["L0"]) / ck.COMMIT).is_file():  # restored at this step from L1: L2 gets it from there
-            return self._from_l1(step) if self.commits else "from-l1"
+        if not (Path(locs["L0"]) / ck.COMMIT).is_file():  # restored at this step from L1, or L0 retention removed it
+            if self.commits:  # before the L2 thread got to it: L2 gets it from L1
+                return self._from_l1(step)
+            self._mark(step, "failed: not on L0")  # rank 0 waits for no mark that cannot come
+            return "from-l1"
         own = self._upload_part(Path(locs["L0"]), locs["L2"], step, digests)
         if not self.commits:
             return own
@@ -295,14 +388,18 @@ class Promoter:
             self._l2_warning(step, e)
             mark = f"failed: {type(e).__name__}"
         if not self.commits:
-            l1 = Path(ckpt_tiers.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
-            marks = ckpt_parts.l2_marks_dir(l1)
-            try:
-                marks.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(marks / ck.part_name(self.topo.part), f"{self.attempt} {mark}")
-            except OSError as e:  # rank 0 waits for it (bounded), then leaves the step behind
-                self.log(f"[ckpt] warning: cannot mark step {step}'s part on L1 ({e})")
+            self._mark(step, mark)
         return "part-uploaded" if mark == "ok" else "behind"
+
+    def _mark(self, step: int, mark: str) -> None:
+        """Another node's leader: mark on L1 for rank 0 whether its part of ``step`` reached L2 (ok / failed: …)."""
+        l1 = Path(ckpt_tiers.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
+        marks = ckpt_parts.l2_marks_dir(l1)
+        try:
+            marks.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(marks / ck.part_name(self.topo.part), f"{self.attempt} {mark}")
+        except OSError as e:  # rank 0 waits for it (bounded), then leaves the step behind
+            self.log(f"[ckpt] warning: cannot mark step {step}'s part on L1 ({e})")
 
     def _parts_on_l2(self, l1: Path, step: int) -> bool:
         """Rank 0: wait (bounded) for the other nodes' marks of this attempt; True when every part reached L2."""
@@ -339,8 +436,12 @@ class Promoter:
     def _catch_up_step(self, st: int, final: bool) -> None:
         """One step L2 lacks: its parts' manifests merged when every node's part is there, else the step put from
         its L1 copy (not the newest step, whose parts may still be on their way, unless ``final``)."""
-        rel = f"{self.rel_root}/{ck.step_name(st)}"
-        locs = ckpt_tiers.tier_locations(self.spec, rel)
+        locs = ckpt_tiers.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(st)}")
+        with self._reading(st):
+            self._catch_up_pinned(st, final, locs)
+
+    def _catch_up_pinned(self, st: int, final: bool, locs: dict) -> None:
+        """:meth:`_catch_up_step` with ``st`` pinned against L0/L1 retention."""
         l1 = Path(locs["L1"])
         if not (l1 / ck.COMMIT).is_file():
             self.log(f"[ckpt] L2 catch-up: step {st} left L1 before L2 answered; skipped")
@@ -374,23 +475,46 @@ class Promoter:
         return wanted - set(by_tier["L2"])
 
     def retain(self, step: int) -> dict[str, list[int]]:
-        """Retention after ``step``: a node's L0 keeps every step newer than the newest global commit (it may
-        still be needed to promote), and that one."""
-        if self.topo.parts == 1:
-            deleted = ckpt_tiers.prune(self.spec, self.rel_root, upto=step, tiers=("L0",) + self.tiers, rec=self.rec,
-                                       log=self.log)
-            ckpt_tiers.drop_stale_staging(self.spec, self.rel_root, self.rec)
+        """L0/L1 retention after ``step`` (the L1 thread; L2's is :meth:`retain_l2`), never a step the L2 thread
+        reads now, nor the L1 staging and L2 marks of a step still waiting for it: a node's L0 keeps every step
+        newer than the newest global commit (it may still be needed to promote), and that one."""
+        c = ckpt_tiers
+        with self.pin:
+            reading, waiting = frozenset(self.reading), frozenset(self.l2_pending)
+            if self.topo.parts == 1:
+                deleted = c.prune(self.spec, self.rel_root, upto=step, tiers=("L0", "L1"), protect=reading,
+                                  rec=self.rec, log=self.log)
+                c.drop_stale_staging(self.spec, self.rel_root, self.rec, keep=waiting)
+                return deleted
+            committed = c.accepted_steps(self.spec, self.rel_root, c.list_steps(self.spec, self.rel_root, ("L1",)),
+                                         self.rec)["L1"]
+            protect = set(committed[-1:]) | reading  # the newest globally committed step keeps its part on every L0
+            deleted = c.prune(self.spec, self.rel_root, upto=min(step, max(committed, default=-1)), tiers=("L0",),
+                              protect=protect, rec=self.rec, log=self.log)
+            if self.commits:
+                deleted.update(c.prune(self.spec, self.rel_root, upto=step, tiers=("L1",), protect=reading,
+                                       rec=self.rec, log=self.log))
+                c.drop_stale_staging(self.spec, self.rel_root, self.rec, keep=waiting)
             return deleted
-        committed = ckpt_tiers.accepted_steps(self.spec, self.rel_root,
-                                              ckpt_tiers.list_steps(self.spec, self.rel_root, ("L1",)), self.rec)["L1"]
-        protect = set(committed[-1:])  # the newest globally committed step keeps its part on every L0
-        deleted = ckpt_tiers.prune(self.spec, self.rel_root, upto=min(step, max(committed, default=-1)), tiers=("L0",),
-                           protect=protect, rec=self.rec, log=self.log)
-        if self.commits:
-            deleted.update(ckpt_tiers.prune(self.spec, self.rel_root, upto=step, tiers=self.tiers, rec=self.rec,
-                                            log=self.log))
-            ckpt_tiers.drop_stale_staging(self.spec, self.rel_root, self.rec)
-        return deleted
+
+    def retain_l2(self, step: int) -> dict[str, list[int]]:
+        """The committing rank's L2 retention after ``step`` (the L2 thread): skipped, with a line, when L2 does
+        not answer."""
+        if not self.commits:
+            return {}
+        return ckpt_tiers.prune(self.spec, self.rel_root, upto=step, tiers=("L2",), rec=self.rec, log=self.log)
+
+    def _final_to_l2(self, step: int) -> None:
+        """The committing rank's L2 thread at close, every step before handled: the final step on L2 (and any step
+        L2 missed), or a warning (the ``promote`` stage puts it there when L2 answers)."""
+        try:
+            if self.done.get(step, {}).get("L2") != "committed":
+                self.l2_behind.add(step)
+            self.catch_up(final=True)
+        except Exception as e:  # noqa: BLE001 - L1 holds it; the promote stage puts it on L2
+            self.events.add("ckpt/l2_errors", 1, step)
+            self.log(f"[ckpt] warning: the final step {step} is on L1 but not on L2 ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0]}); the promote stage uploads it when L2 answers")
 
 
 def new_stager():
@@ -421,6 +545,7 @@ class Checkpointer:
         self.stager_per_save = False  # set when the stager cannot reuse its buffers (torch 2.11)
         self.stager_used = False
         self.events = Events()
+        self.fence: Optional[fence.Fence] = None  # this attempt's term on L1 (pipelines.train.fence)
         self.attempt = self._new_attempt()
         self.topo = Topology.detect(rank, world, self.root, self.attempt)
         if self.topo.parts > 1:
@@ -460,28 +585,62 @@ class Checkpointer:
             return self._async_save(sd, tmp)
 
     def _new_attempt(self) -> str:
-        """A name every rank agrees on for this attempt's temp dirs; each node's local rank 0 clears those of dead
-        attempts on its own L0."""
-        box = [uuid.uuid4().hex[:8] if self.rank == 0 else None]
+        """A name every rank agrees on for this attempt's temp dirs, and its term on L1 (:mod:`pipelines.train.fence`:
+        global rank 0 takes it, every rank installs it for its process); then each node's local rank 0 clears the
+        temp dirs on its own L0 of attempts that are gone (their lease expired: a live attempt's stay)."""
+        box = [self._take_term() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
+        attempt, term, why = box[0]
+        if why is not None:  # every rank stops with rank 0's reason
+            raise (fence.FencedOut if why.startswith("[fence]") else ck.CheckpointError)(why)
+        lease_s = self.spec.checkpoint.lease_s
+        d = fence.fence_dir(self.spec, self.rel_root)
+        if self.fence is None:
+            self.fence = fence.Fence(d, attempt, term, lease_s, self._fenced_roots(), self.log)
+        fence.install(self.fence)
         if int(os.environ.get("LOCAL_RANK", self.rank)) == 0 and self.root.is_dir():
+            leases = fence.read_leases(d)
             for stale in [*self.root.glob(".step-*.tmp-*"), *self.root.glob(".view-*")]:
-                shutil.rmtree(stale, ignore_errors=True)
+                if fence.removable(stale, leases, lease_s):
+                    shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
-        return box[0]
+        return attempt
+
+    def _fenced_roots(self) -> tuple[str, ...]:
+        """This run's directory on each tier (L0, L1, the L2 prefix): what its fence guards."""
+        return tuple(ckpt_tiers.tier_locations(self.spec, self.rel_root).values())
+
+    def _take_term(self) -> tuple[str, Optional[int], Optional[str]]:
+        """Global rank 0: (a new attempt id, the term it took and renews, None), or (…, None, why not)."""
+        attempt = uuid.uuid4().hex[:8]
+        try:
+            self.fence = fence.Fence.take(fence.fence_dir(self.spec, self.rel_root), attempt,
+                                          self.spec.checkpoint.lease_s, self._fenced_roots(), self.log,
+                                          fence.launch_id())
+        except fence.FencedOut as e:
+            return attempt, None, str(e)
+        except (OSError, ck.CheckpointError) as e:
+            return attempt, None, f"checkpoint.l1: cannot take this attempt's term: {e}"
+        self.fence.start_renewing()
+        self.log(f"[fence] attempt {attempt} holds term {self.fence.term} (lease checkpoint.lease_s="
+                 f"{self.spec.checkpoint.lease_s:g} s)")
+        return attempt, self.fence.term, None
+
+    def fence_info(self) -> dict:
+        """This attempt and its term (the train stage checks at the end that no newer term superseded it)."""
+        return {"attempt": self.attempt, "term": self.fence.term if self.fence is not None else None}
 
     def path(self, step: int) -> Path:
         return self.root / ck.step_name(step)
 
     def set_lineage(self, rec: Optional[dict]) -> None:
         """Every rank: the line of training the steps belong to (their manifests record it; restore and retention
-        count only its steps). The committing rank also learns which of its steps L2 still lacks (a restart
-        forgets nothing L2 missed before it)."""
+        count only its steps). The committing rank's L2 thread also looks for the steps L2 still lacks (a restart
+        forgets nothing L2 missed before it), in the background: a hung L2 holds up no start."""
         self.rec = rec
         if self.promoter is not None:
             self.promoter.rec = rec
-            if self.promoter.commits and "L2" in self.promoter.tiers:
-                self.promoter.l2_behind |= self.promoter.missing_on_l2()
+            self.promoter.check_l2()
 
     def save(self, step: int, model, opt, state: dict) -> float:
         """Checkpoint ``step``; returns the seconds training was blocked (the stall)."""
@@ -490,6 +649,7 @@ class Checkpointer:
 
         t0 = time.perf_counter()
         self.wait()
+        fence.check(f"saving step {step}", self.root)  # every rank: a superseded attempt saves nothing more
         tmp = self.root / f".{ck.step_name(step)}.tmp-{self.attempt}"
         rngs = [None] * self.world if self.rank == 0 else None
         dist.gather_object(rng_state(), rngs, dst=0)
@@ -530,7 +690,7 @@ class Checkpointer:
                 raise ck.CheckpointError(f"step {step}: shard(s) {missing} are not in {tmp}, yet every rank sees "
                                          "this L0 (probed at start); a rank wrote elsewhere")
         meta = {"step": step, "format": "dcp", "world_size": self.world, "part": self.topo.part,
-                "parts": self.topo.parts, "attempt": self.attempt}
+                "parts": self.topo.parts, "attempt": self.attempt, "term": self.fence.term}
         if self.rec is not None:
             meta["lineage"] = self.rec["lineage"]
         ckpt_local.commit_local(tmp, self.path(step), meta=meta)
@@ -582,9 +742,13 @@ class Checkpointer:
     def close(self, final_step: Optional[int]) -> None:
         """Finish the save in flight and the promotions; the final step must be globally committed on L1 (a node's
         disk may not outlive the job): one more try when it is not, then :class:`CheckpointError` on every rank
-        with the reason, never an exit 0 without it. L2 gets it too when it answers (else a warning)."""
+        with the reason, never an exit 0 without it. L2 gets it too when it answers, waited for at most half of
+        ``checkpoint.collective_timeout_minutes`` (else a warning: never a failure for L2). A superseded
+        attempt (:mod:`pipelines.train.fence`) raises :class:`~pipelines.train.fence.FencedOut` instead. Done, it
+        gives its lease back."""
         local = None  # this rank's own failure, shared below so that no rank waits alone in a collective
         try:
+            fence.check("closing the run's checkpoints", self.root)
             self.wait()
             if self.promoter is not None:
                 if final_step is not None and final_step not in self.promoter.submitted:
@@ -600,18 +764,21 @@ class Checkpointer:
                 self._promote_again(final_step)
                 why = self._final_on_l1(final_step)
             if why is not None:
+                fence.check(f"committing the final step {final_step}", self.root)  # superseded: says so, not this
                 raise ck.CheckpointError(f"the final step {final_step} is not globally committed on L1 "
                                          f"({self.spec.checkpoint.l1}): {why}; the run is not done (its parts stay on "
                                          "the nodes' L0 for the next attempt)")
             if self.topo.parts > 1:
-                dist.barrier(group=self.pg)  # every node's promoter is drained: its parts are as far as they go
-            if self.promoter is not None and self.promoter.commits and "L2" in self.promoter.tiers:
-                self._final_to_l2(final_step)
+                dist.barrier(group=self.pg)  # every node's L1 thread is drained: its parts are on L1
             if self.topo.parts > 1 and self.promoter is not None:
                 self.promoter.retain(final_step)
+        if self.promoter is not None:  # rank 0's L2 thread puts the final step there after every node's part
+            self.promoter.finish_l2(final_step, self.wait_s / 2)
         if self.bg is not None:
             self.bg.shutdown()
         self.stager.close()
+        fence.uninstall(self.fence)
+        self.fence.release()
 
     def _raise_if_any_rank_failed(self, local: Optional[str], what: str) -> None:
         """Collective: ``CheckpointError`` on every rank when any rank's ``local`` failure is set, naming the first."""
@@ -619,6 +786,9 @@ class Checkpointer:
         dist.all_gather_object(errors, local, group=self.pg)
         if any(errors):
             rank = next(i for i, e in enumerate(errors) if e)
+            fenced = next((e for e in errors if e and e.startswith("FencedOut: ")), None)
+            if fenced:  # one line, as every fenced rank says it
+                raise fence.FencedOut(fenced[len("FencedOut: "):])
             raise ck.CheckpointError(f"{what} on rank {rank}: {errors[rank]}")
 
     def _final_on_l1(self, step: int) -> Optional[str]:
@@ -677,17 +847,6 @@ class Checkpointer:
                 self.promoter.failed[step] = f"{type(e).__name__}: {e}"
                 self.node_log(f"[ckpt] promote: step {step} did not reach L1 again: {self.promoter.failed[step]}")
         dist.barrier(group=self.pg)
-
-    def _final_to_l2(self, step: int) -> None:
-        """Rank 0, every node's promoter drained: the final step on L2 (and any step L2 missed), or a warning."""
-        try:
-            if self.promoter.done.get(step, {}).get("L2") != "committed":
-                self.promoter.l2_behind.add(step)
-            self.promoter.catch_up(final=True)
-        except Exception as e:  # noqa: BLE001 - L1 holds it; the promote stage puts it on L2
-            self.events.add("ckpt/l2_errors", 1, step)
-            self.log(f"[ckpt] warning: the final step {step} is on L1 but not on L2 ({type(e).__name__}: "
-                     f"{str(e).splitlines()[0]}); the promote stage uploads it when L2 answers")
 
 
 def _node_log(topo: Topology) -> Callable[[str], None]:

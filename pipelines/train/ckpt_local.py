@@ -10,18 +10,19 @@ import hashlib
 import json
 import os
 import shutil
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipelines.manifest import atomic_write_text, plain_rel
 from pipelines.storage import faults
 from pipelines.storage.s3 import part_size_used
+from pipelines.train import fence
 from pipelines.train.checkpoint import CKPT_MANIFEST, COMMIT, CheckpointError, hash_files
 
 
 def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Path:
-    """Hash every file in ``tmp_dir``, write MANIFEST + COMMIT, then rename to ``final_dir``."""
+    """Hash every file in ``tmp_dir``, write MANIFEST + COMMIT, then rename to ``final_dir`` (:func:`install_dir`);
+    under a fence (:mod:`pipelines.train.fence`) only while this attempt's term is current."""
     rels = [f.relative_to(tmp_dir).as_posix() for f in sorted(p for p in tmp_dir.rglob("*") if p.is_file())]
     rels = [r for r in rels if r not in (CKPT_MANIFEST, COMMIT)]
     faults.file_op("write", final_dir)
@@ -29,11 +30,9 @@ def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Pa
     files = {r: {"sha256": sums[r], "bytes": (tmp_dir / r).stat().st_size} for r in rels}
     body = json.dumps({"files": files, **(meta or {})}, indent=2, sort_keys=True)
     atomic_write_text(tmp_dir / CKPT_MANIFEST, body)
+    fence.check(f"committing {final_dir.name}", final_dir)  # a superseded attempt writes no COMMIT
     atomic_write_text(tmp_dir / COMMIT, hashlib.sha256(body.encode()).hexdigest())
-    if final_dir.exists():
-        remove_local(final_dir)
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp_dir, final_dir)
+    install_dir(tmp_dir, final_dir)
     return final_dir
 
 
@@ -46,7 +45,9 @@ def missing_shards(d: Path) -> list[str]:
 
 
 def remove_local(d: Path) -> None:
-    """COMMIT first, so a half-removed copy is never read as a checkpoint."""
+    """COMMIT first, so a half-removed copy is never read as a checkpoint. Under a fence, never by a superseded
+    attempt, nor a copy a newer term committed (:func:`pipelines.train.fence.guard`)."""
+    fence.guard(f"removing {d}", d, lambda: fence.local_manifest(d))
     (d / COMMIT).unlink(missing_ok=True)
     shutil.rmtree(d, ignore_errors=True)
 
@@ -117,7 +118,9 @@ def _copy_hashing(src: Path, dst: Path, part_size: int) -> tuple[str, list[bytes
 
 
 def install_dir(tmp: Path, dst: Path) -> None:
-    """Put the finished directory ``tmp`` at ``dst``, an older copy there removed first."""
+    """Put the finished directory ``tmp`` at ``dst``, an older copy there removed first; under a fence only while
+    this attempt's term is current."""
+    fence.check(f"putting {dst.name} in place", dst)
     if dst.exists():
         remove_local(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +132,7 @@ def copy_local(src: Path, dst: Path, chunk: int = 8 << 20) -> dict[str, list[byt
     (a corrupt source is refused); COMMIT last. Returns each file's part digests for the S3 upload that follows
     (parts of ``chunk`` bytes, as s3transfer will cut them)."""
     man = read_local_manifest(src)
-    tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = dst.with_name(f".{dst.name}.tmp-{fence.tmp_tag()}")
     tmp.mkdir(parents=True)
     try:
         for rel in manifest_files(man, str(src)):

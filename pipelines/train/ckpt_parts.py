@@ -8,17 +8,17 @@ import hashlib
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Optional
 
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
+from pipelines.train import fence
 from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, MAX_PARTS, PARTS, CheckpointError, parse_step,
                                         part_name)
-from pipelines.train.ckpt_local import (copy_local, is_valid_local, manifest_files, missing_shards, read_local_manifest,
-                                        remove_local, verify_local)
+from pipelines.train.ckpt_local import (copy_local, install_dir, is_valid_local, manifest_files, missing_shards,
+                                        read_local_manifest, verify_local)
 from pipelines.train.ckpt_s3 import (abort_multipart, all_match, check_objects, part_manifest, read_s3_manifest,
                                      s3_body, s3_commit_body, upload_files)
 
@@ -50,7 +50,8 @@ def merged_manifest(mans: list[dict]) -> str:
         k = part_of(m)[0]
         for rel, info in manifest_files(m, f"part {k}").items():
             files[rel], owner[rel] = info, k
-    meta = {key: mans[0][key] for key in ("step", "format", "world_size", "attempt", "lineage") if key in mans[0]}
+    keys = ("step", "format", "world_size", "attempt", "lineage", "term")  # term: the attempt's that saved the step
+    meta = {key: mans[0][key] for key in keys if key in mans[0]}
     return json.dumps({"files": files, "part_of": owner, "parts": len(mans), **meta}, indent=2, sort_keys=True)
 
 
@@ -106,7 +107,7 @@ def merge_parts(l1_step: Path, parts: int, attempt: Optional[str], again: bool =
             return False
         mans.append(man)
     body = merged_manifest(mans)
-    tmp = l1_step.with_name(f".{l1_step.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = l1_step.with_name(f".{l1_step.name}.tmp-{fence.tmp_tag()}")
     try:
         for m in mans:
             src = staged / part_name(part_of(m)[0])
@@ -120,10 +121,9 @@ def merge_parts(l1_step: Path, parts: int, attempt: Optional[str], again: bool =
             raise CheckpointError(f"{l1_step}: the parts hold no {missing}; a node's ranks wrote elsewhere")
         faults.point("merge")
         atomic_write_text(tmp / CKPT_MANIFEST, body)
+        fence.check(f"committing {l1_step.name} on L1", l1_step)
         atomic_write_text(tmp / COMMIT, hashlib.sha256(body.encode()).hexdigest())  # last
-        if l1_step.exists():
-            remove_local(l1_step)
-        os.replace(tmp, l1_step)
+        install_dir(tmp, l1_step)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(staged, ignore_errors=True)
@@ -152,6 +152,7 @@ def put_part(spec: JobSpec, uri: str, src: Path, body: bytes, man: dict, digests
     from pipelines.storage.s3 import client, ensure_bucket, split_uri
 
     k, _, attempt = part_of(man)
+    fence.check(f"uploading part {k} to {uri}", uri)  # a superseded attempt sends nothing
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
     ensure_bucket(s3, bucket, spec.services.s3_region)
@@ -160,10 +161,12 @@ def put_part(spec: JobSpec, uri: str, src: Path, body: bytes, man: dict, digests
         return "already-verified"
     committed = read_s3_manifest(spec, uri)
     if committed is not None and committed.get("attempt") != attempt:  # another attempt's step: no longer whole
+        fence.guard(f"deleting the COMMIT of {uri}", uri, lambda: committed)
         s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
     s3.delete_object(Bucket=bucket, Key=marker)
     abort_multipart(s3, bucket, prefix, {f"{prefix}/{rel}" for rel in man["files"]})
     upload_files(spec, s3, bucket, prefix, src, man["files"], digests)
+    fence.check(f"committing part {k} of {uri}", uri)
     s3.put_object(Bucket=bucket, Key=marker, Body=body)  # last
     return "uploaded"
 
@@ -195,6 +198,7 @@ def upload_step(spec: JobSpec, l1_step: Path, uri: str, digests: Optional[dict] 
             check_objects(s3, bucket, prefix, manifest_files(man, str(l1_step)), uri)
             return "already-verified"
         except CheckpointError:  # no longer whole: its COMMIT goes before its objects are put again
+            fence.guard(f"deleting the COMMIT of {uri}", uri, lambda: man)
             s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
     bodies = step_parts(man, l1_step)
     acts = [put_part(spec, uri, l1_step, b, json.loads(b), digests or {}) for b in bodies]
@@ -247,7 +251,9 @@ def merge_parts_s3(spec: JobSpec, uri: str, parts: int, attempt: Optional[str], 
     others = {rel: info for rel, info in merged["files"].items() if merged["part_of"][rel] not in checked}
     check_objects(s3, bucket, prefix, others, uri)
     if current is not None:  # another copy's COMMIT goes before its MANIFEST is replaced
+        fence.guard(f"replacing the COMMIT of {uri}", uri, lambda: read_s3_manifest(spec, uri))
         s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
+    fence.check(f"committing {uri}", uri)
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{CKPT_MANIFEST}", Body=body.encode())
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}", Body=commit.encode())  # last
     return True

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -20,6 +19,7 @@ from typing import Optional
 from pipelines.spec import JobSpec
 from pipelines.storage.s3 import (b64, checksums_verified, composite_sha256, object_matches, part_digests,
                                   part_size_used, unreachable, upload_checked)
+from pipelines.train import fence
 from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
                                         part_name)
 from pipelines.train.ckpt_local import install_dir, manifest_files, verify_local
@@ -165,7 +165,7 @@ def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int]
         commit = body and hashlib.sha256(body).hexdigest()
     if commit is None:
         raise CheckpointError(f"{uri}: no COMMIT marker — the checkpoint is incomplete or absent")
-    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = dest.with_name(f".{dest.name}.tmp-{fence.tmp_tag()}")
     tmp.mkdir(parents=True)
     try:
         if body is None or hashlib.sha256(body).hexdigest() != commit:
@@ -187,7 +187,7 @@ def part_manifest(man: Optional[dict], k: int) -> Optional[bytes]:
     if man is None or "part_of" not in man:
         return None
     files = {rel: info for rel, info in manifest_files(man, f"part {k}").items() if int(man["part_of"].get(rel, 0)) == k}
-    meta = {key: man[key] for key in ("step", "format", "world_size", "attempt", "lineage") if key in man}
+    meta = {key: man[key] for key in ("step", "format", "world_size", "attempt", "lineage", "term") if key in man}
     body = {"files": files, "part": k, "parts": int(man.get("parts", 1)), **meta}
     return json.dumps(body, indent=2, sort_keys=True).encode()
 
@@ -263,9 +263,11 @@ def _object_ok(head: dict, info: dict, trusted: bool) -> Optional[str]:
 
 
 def remove_s3(spec: JobSpec, uri: str) -> None:
-    """COMMIT first, then the rest of the prefix."""
+    """COMMIT first, then the rest of the prefix. Under a fence, never by a superseded attempt, nor a copy a newer
+    term committed (:func:`pipelines.train.fence.guard`)."""
     from pipelines.storage.s3 import client, split_uri
 
+    fence.guard(f"removing {uri}", uri, lambda: read_s3_manifest(spec, uri))
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
     s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")

@@ -21,7 +21,7 @@ from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
 from pipelines.storage.s3 import unreachable
-from pipelines.train import lineage
+from pipelines.train import fence, lineage
 from pipelines.train.checkpoint import COMMIT, TIERS, CheckpointError, L2Unavailable, parse_step, step_name
 from pipelines.train.ckpt_local import is_valid_local, read_local_manifest, remove_local, verify_local
 from pipelines.train.ckpt_parts import merge_parts, part_of, stage_part, upload_step
@@ -198,16 +198,21 @@ def _remove_steps(spec: JobSpec, rel_root: str, steps_by_tier: dict[str, list[in
             remove_s3(spec, loc) if tier == "L2" else remove_local(Path(loc))
 
 
-def drop_stale_staging(spec: JobSpec, rel_root: str, rec: Optional[dict] = None) -> list[int]:
+def drop_stale_staging(spec: JobSpec, rel_root: str, rec: Optional[dict] = None,
+                       keep: frozenset = frozenset()) -> list[int]:
     """Rank 0: L1 staging, L2 marks and merge temp dirs of steps older than the newest globally committed one of
-    this line of training (left by a dead attempt)."""
+    this line of training (not those of ``keep``: steps still waiting for L2), left by attempts that are gone
+    (:func:`pipelines.train.fence.removable`: a live attempt's, e.g. a concurrent launch's, stay)."""
     root = Path(tier_locations(spec, rel_root)["L1"])
     newest = max(accepted_steps(spec, rel_root, list_steps(spec, rel_root, ("L1",)), rec)["L1"], default=None)
     dropped = []
     left = [*root.glob(".step-*.parts"), *root.glob(".step-*.l2"), *root.glob(".step-*.tmp-*")]
+    leases = fence.read_leases(fence.fence_dir(spec, rel_root)) if left and newest is not None else {}
     for d in left if newest is not None else []:
         step = parse_step(d.name[1:].rsplit(".", 1)[0])
-        if step is not None and step < newest:
+        if step is not None and step < newest and step not in keep and \
+                fence.removable(d, leases, spec.checkpoint.lease_s):
+            fence.check(f"removing {d.name}", d)
             shutil.rmtree(d, ignore_errors=True)
             dropped.append(step)
     return dropped

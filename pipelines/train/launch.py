@@ -30,6 +30,7 @@ from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.manifest import Manifest, StageDir, StageError, input_ref
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.train import exit_codes as xc
+from pipelines.train import fence
 
 
 class TrainError(StageError):
@@ -130,14 +131,15 @@ def _forward_notices(procs: list[subprocess.Popen], noticed: list[int]) -> dict:
 
 def _stream(procs: list[subprocess.Popen]) -> tuple[list[int], deque, list[str]]:
     """Node 0's output to stdout until every rank closed it; other nodes' output kept for the error message.
-    Returns (exit codes, the last lines, the ranks' own "train: error: …" lines)."""
+    Returns (exit codes, the last lines, the ranks' own "train: error: …" lines and the hung ranks' "[hang] rank …"
+    lines, ``pipelines.train.heartbeat``)."""
     tail: deque[str] = deque(maxlen=40)
     errors: list[str] = []
     for line in procs[0].stdout:  # type: ignore[union-attr]
         sys.stdout.write(line)
         sys.stdout.flush()
         tail.append(line)
-        if ": error: " in line and line not in errors:
+        if (": error: " in line or line.startswith("[hang] rank ")) and line not in errors:
             errors.append(line)
     codes = [p.wait() for p in procs]
     for p in procs[1:]:
@@ -274,6 +276,7 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
         collect(work, tmp, ["result.json", "losses.json"])
         (tmp / "spec.yaml").write_text(spec.to_yaml())  # the output copy: no secrets
         result = json.loads((tmp / "result.json").read_text())
+        fence.confirm(spec, rel_root, result.get("fence"))  # a superseded attempt's result is not the stage's (75)
         plot_losses(json.loads((tmp / "losses.json").read_text()), tmp / "loss_curve.png", result.get("val"))
         m = sd.commit(
             {"losses": "losses.json", "result": "result.json", "loss_curve": "loss_curve.png", "spec": "spec.yaml"},

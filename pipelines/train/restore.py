@@ -1,8 +1,11 @@
 """Collective restore across nodes whose L0 disks are private.
 
 Every rank calls :func:`restore` at the same point. The step is chosen once, by global rank 0, from what the nodes
-report and what L1 and L2 hold: the newest step that is globally committed (on L1 or L2) or whose parts are all
-committed on the nodes' own L0 disks (``train.resume`` may name one). Then, for that step:
+report and what L1 holds: the newest step that is globally committed on L1 or whose parts are all committed on the
+nodes' own L0 disks or in L1's staging (``train.resume`` may name one); rank 0 broadcasts its choice, so no rank
+waits alone in a collective. L2 is listed only when none of those can be restored (every S3 call bounded: an L2 that
+does not answer is a warning, and no step from it): a hung L2 never holds up a restore that L0 or L1 can serve.
+Then, for that step:
 
 1. each node's local rank 0 verifies the parts its own L0 holds (sha256 of every file);
 2. when every node holds every part (one node, or one shared L0), each rank reads its L0 copy and nothing moves;
@@ -69,22 +72,29 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
     for node, inv in _gather((topo.node, mine)):
         if inv is not None:
             per_node[node] = inv
+    tried: set[int] = set()
+    for far in (False, True):  # L1 and the nodes' disks; then, only when none of theirs could be restored, L2
+        for c in _choose(ckpt, per_node, step, tried if far else None):
+            tried.add(c["step"])
+            got = _settle(ckpt, c)
+            if got is not None:
+                return got
+    return None
+
+
+def _choose(ckpt, per_node: dict[int, dict], want: Optional[int], l2_skip: Optional[set[int]]) -> list[dict]:
+    """Collective: rank 0's candidates, broadcast (every rank fails with rank 0's reason when it cannot list them):
+    :func:`candidates`, or with ``l2_skip`` the steps only L2 holds (:func:`l2_candidates`)."""
     cands = None
     if ckpt.rank == 0:
         try:
-            cands = candidates(ckpt, per_node, step)
+            cands = candidates(ckpt, per_node, want) if l2_skip is None else l2_candidates(ckpt, want, l2_skip)
         except Exception as e:  # noqa: BLE001 - every rank fails with rank 0's reason, none waits for it
             cands = {"error": f"{type(e).__name__}: {e}"}
     cands = _bcast(cands)
     if isinstance(cands, dict):
         raise ck.CheckpointError(f"restore: cannot list this run's checkpoints: {cands['error']}")
-    for c in cands:
-        got = _settle(ckpt, c)
-        if got is not None:
-            return got
-    return None
-
-
+    return cands
 
 
 def _inventory(root: Path, log) -> dict:
@@ -108,10 +118,9 @@ def _part_info(man: dict) -> Optional[tuple]:
 
 
 def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dict]:
-    """Rank 0: steps of this line of training that could be restored, newest first, each with its attempt, its
-    part count and whether L1 holds its global commit: committed on L1 or L2, or every part of one attempt
-    committed somewhere (the nodes' L0 disks, L1's staging). An L2 that does not answer is a warning: L1 and the
-    nodes' disks are enough."""
+    """Rank 0: steps of this line of training that could be restored without asking L2, newest first, each with
+    its attempt, its part count and whether L1 holds its global commit: committed on L1, or every part of one
+    attempt committed somewhere (the nodes' L0 disks, L1's staging)."""
     spec, rel_root, rec = ckpt.spec, ckpt.rel_root, ckpt.rec
     found: dict[int, dict] = {}
     l1 = Path(ckpt_tiers.tier_locations(spec, rel_root)["L1"])
@@ -119,21 +128,6 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
         info = _part_info({**man, "part": 0})
         if info is not None and lineage.accepts(rec, s, info[3]):
             found[s] = {"step": s, "attempt": info[2], "parts": info[1], "l1": True}
-    try:
-        on_l2 = ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"]
-    except ck.L2Unavailable as e:
-        ckpt.log(f"[ckpt] restore: warning: L2 does not answer ({e}); choosing from L1 and the nodes' disks")
-        on_l2 = []
-    for s in on_l2:
-        if s in found:  # L1 holds it: its attempt is known, and L2 is read only if L1's copy fails
-            continue
-        try:
-            man = ckpt_s3.read_s3_manifest(spec, ckpt_tiers.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"])
-        except ck.L2Unavailable:
-            man = None
-        info = _part_info({**man, "part": 0}) if man is not None else None
-        if info is not None and lineage.accepts(rec, s, info[3]):
-            found[s] = {"step": s, "attempt": info[2], "parts": info[1], "l1": False}
     spread: dict[tuple, set] = {}  # (step, attempt, parts) → the parts committed on some node's L0 or L1 staging
     for inv in [*per_node.values(), staged_parts(l1)]:
         for s, (part, parts, attempt, lin) in inv.items() if isinstance(inv, dict) else inv:
@@ -144,6 +138,27 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
             found[s] = {"step": s, "attempt": attempt, "parts": parts, "l1": False}
     out = sorted(found.values(), key=lambda c: -c["step"])
     return [c for c in out if want is None or c["step"] == want]
+
+
+def l2_candidates(ckpt, want: Optional[int], skip: set[int]) -> list[dict]:
+    """Rank 0, when no step of :func:`candidates` could be restored: the steps of this line that L2 holds (less
+    ``skip``, tried already), newest first. Every S3 call is bounded (``checkpoint.s3_*``); an L2 that does not
+    answer is a warning and no candidate."""
+    spec, rel_root, rec = ckpt.spec, ckpt.rel_root, ckpt.rec
+    found = []
+    try:
+        for s in reversed(ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"]):
+            if s in skip or (want is not None and s != want):
+                continue
+            uri = ckpt_tiers.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"]
+            man = ckpt_s3.read_s3_manifest(spec, uri)
+            info = _part_info({**man, "part": 0}) if man is not None else None
+            if info is not None and lineage.accepts(rec, s, info[3]):
+                found.append({"step": s, "attempt": info[2], "parts": info[1], "l1": False})
+    except ck.L2Unavailable as e:
+        ckpt.log(f"[ckpt] restore: warning: L2 does not answer ({e}); L1 and the nodes' disks hold no step to "
+                 "restore")
+    return found
 
 
 def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:

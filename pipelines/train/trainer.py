@@ -18,7 +18,10 @@ Surviving failure (``pipelines.train.checkpointer``, ``pipelines.train.resilienc
   goes on; after ``train.max_rollbacks`` it fails naming the step;
 * **preemption**: on SIGTERM / SIGUSR1 every rank stops after the same step (agreed in the per-step all-reduce),
   commits it to L0 and L1 within ``train.preempt_grace_s`` and exits 0 with an outcome file; the launcher then
-  exits ``exit_codes.RETRY`` (75).
+  exits ``exit_codes.RETRY`` (75);
+* **hangs**: the main thread beats its progress (phase and step) and every rank watches its node's ranks
+  (``pipelines.train.heartbeat``): a rank silent past ``train.hang_timeout_s`` is named with its stack and killed,
+  and torchrun restarts the ranks from the newest verified step.
 
     torchrun --nproc-per-node 2 -m pipelines.train.trainer --tokenize-manifest M --out DIR --ckpt-root L0/RUN [--spec S]
 """
@@ -40,6 +43,11 @@ import torch.distributed as dist
 
 from pipelines.manifest import load_manifest
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
+from pipelines.storage import faults as storage_faults
+from pipelines.train import heartbeat
+
+
+FWD_BWD, AGREE = "forward/backward", "all-reduce (agree on a spike or a notice)"  # heartbeat phases in a step
 
 
 class TrainingDiverged(RuntimeError):
@@ -221,6 +229,7 @@ class Trainer:
             "model_args.json": json.dumps(self.margs.to_dict(), indent=2).encode(),
             "tokenizer.model": self.tok.output("tokenizer").read_bytes()})
         t0 = time.perf_counter()
+        heartbeat.beat("restore", slow=True)
         restored = self._find_restore()
         self.restore_s = time.perf_counter() - t0  # choosing the step and making its parts readable, not the load
         self._model(restored.state if restored else None)
@@ -236,6 +245,15 @@ class Trainer:
         self.validator = self._validator()
         self.next_save = self.prog.step + spec.checkpoint.probe_step
         self.loader = self._loader()
+        # the first of a start compiles, sets up communicators, plans the save and its staging buffers
+        self.cold = {FWD_BWD, AGREE, "evaluation", "checkpoint save"}
+
+    def _beat(self, phase: str, slow: bool = False) -> None:
+        """This rank's progress (``pipelines.train.heartbeat``) with the step it is at: the step in flight in
+        ``FWD_BWD`` and ``AGREE``, else the steps done. The first step, evaluation and save of a start are allowed
+        the slow phases' silence."""
+        heartbeat.beat(phase, self.prog.step + (phase in (FWD_BWD, AGREE)), slow or phase in self.cold)
+        self.cold.discard(phase)
 
     def _data(self, tok_manifest_path: str) -> None:
         from pipelines.train.loader import TokenSamples
@@ -372,9 +390,11 @@ class Trainer:
             lr = lr_at(self.prog.step, self.spec)
             for g in self.opt.param_groups:
                 g["lr"] = lr
+            self._beat(FWD_BWD)
             batches = self.loader.next_step()
             loss, gnorm = self._forward_backward(batches, self.loader.position)
             why = self.guard.check(loss, gnorm)
+            self._beat(AGREE)
             spike, stop = self._agree(why is not None, self.notice.signum is not None)
             if spike:  # every rank rolls back together, or none does
                 self._rollback(why or "another rank saw a spike or a non-finite value", self.loader.position)
@@ -385,7 +405,9 @@ class Trainer:
             self.prog.step += 1
             self.prog.losses.append((self.prog.step, loss))
             time.sleep(self.faults.step_delay_s)
+            storage_faults.point(storage_faults.STEP)  # LLMP_FAULTS: a notice or a stop after a step
             self.step_times.append(time.perf_counter() - t0)
+            self._beat("report")
             self._report(bar, loss, gnorm, lr)
             if self.validator.due(self.prog.step):
                 self._validate()
@@ -430,6 +452,7 @@ class Trainer:
 
     def _validate(self) -> None:
         """Every rank: the loss on the held-out slice; rank 0 logs it (MLflow ``val/loss``, ``val/bpb``)."""
+        self._beat("evaluation")
         r = self.validator.run(self.model, self.autocast)
         self.prog.val.append({"step": self.prog.step, "loss": r["loss"], "bpb": r["bpb"]})
         if self.rank == 0:
@@ -452,6 +475,7 @@ class Trainer:
         step, grace = self.prog.step, self.spec.train.preempt_grace_s
         at = self.notice.at if self.notice.at is not None else time.monotonic()  # another rank's notice
         why = self.notice.describe()
+        self._beat("preemption checkpoint", slow=True)
         self.log(f"[preempt] {why}: stopping after step {step}; checkpointing it to L0 and L1 "
                  f"(train.preempt_grace_s={grace:g})")
         self.loader.close()
@@ -472,6 +496,7 @@ class Trainer:
         return step == self.next_save if every == "auto" else step % every == 0
 
     def _save(self) -> None:
+        self._beat("checkpoint save")
         self.ckpt.save(self.prog.step, self.model, self.opt, self._state())
         if self.spec.train.ckpt_every == "auto" and self.prog.step < self.spec.train.steps:
             self.next_save = self.prog.step + self._young_daly()
@@ -510,6 +535,7 @@ class Trainer:
                                    f"— lower train.lr, check the data near sample position {position}, or raise "
                                    "train.max_rollbacks")
         self.sampler.skip.add(position)
+        self._beat("rollback", slow=True)
         self.loader.close()
         self.ckpt.wait()
         dist.barrier()
@@ -583,8 +609,10 @@ class Trainer:
         from pipelines.train.checkpoint import step_name
 
         t = self.spec.train
+        self._beat("close (final save and promotions)", slow=True)  # rank 0 may still upload after the others
         self.ckpt.close(t.steps)
         dist.barrier()
+        self._beat("finish", slow=True)  # the others wait at the last barrier while rank 0 writes and logs
         steady = self.step_times[min(len(self.step_times) - 1, 5):] if self.step_times else []
         stalls = self.ckpt.stalls
         result = {
@@ -597,7 +625,7 @@ class Trainer:
             "global_batch": self.G, "grad_accum": self.accum, "resumed_from": self.prog.resumed_from,
             "rollbacks": self.prog.rollbacks, "skipped_batches": sorted(self.sampler.skip),
             "restore_s": self._slowest(self.restore_s) if self.prog.resumed_from else None,
-            "consumed_samples": self.sampler.consumed_samples,
+            "consumed_samples": self.sampler.consumed_samples, "fence": self.ckpt.fence_info(),
             "goodput_tokens_per_s": self.fit_steps * self.G * self.margs.seq_len / self.fit_s if self.fit_steps else None,
             "val": self.prog.val, "best_val_step": min(self.prog.val, key=lambda v: v["loss"])["step"]
             if self.prog.val else None,
@@ -638,8 +666,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_rank(spec: JobSpec, args, notice: Notice) -> int:
-    """This rank's exit status (``pipelines.train.exit_codes``); a failure or a preemption also leaves an outcome
-    file in ``--out`` that tells the launcher which it was (torchrun's own status does not)."""
+    """This rank's exit status (``pipelines.train.exit_codes``), its heartbeat and its watcher of the node's ranks
+    running meanwhile (``pipelines.train.heartbeat``: a rank silent past ``train.hang_timeout_s`` is killed)."""
+    heartbeat.start(spec.train.hang_timeout_s, slow_allowance(spec))  # before the process group: start-up counts
+    try:
+        return _run_rank(spec, args, notice)
+    finally:
+        heartbeat.stop()
+
+
+def slow_allowance(spec: JobSpec) -> float:
+    """The silence allowed in a phase whose waits are bounded by the collective timeout (start-up, restore,
+    rollback, the first step, evaluation and save of a start, the preemption checkpoint, the final close and
+    finish)."""
+    return spec.checkpoint.collective_timeout_minutes * 60 + spec.train.hang_timeout_s
+
+
+def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
+    """This rank's exit status; a failure or a preemption also leaves an outcome file in ``--out`` that tells the
+    launcher which it was (torchrun's own status does not)."""
     from pipelines.train import exit_codes as xc
     from pipelines.train.checkpoint import CheckpointError
 

@@ -1,0 +1,376 @@
+"""Fencing between attempts of one run (issue 44, item 5): an attempt that was thought dead and kept running (a
+pod on a partitioned node) stops before it commits or deletes anything, and a starting attempt removes only the
+temp files of attempts that are gone.
+
+Each attempt (the :class:`~pipelines.train.checkpointer.Checkpointer`'s attempt id, agreed by all ranks) takes a
+*term* on L1, under the run's root, ``<l1>/<rel_root>/.fence/``:
+
+* ``term-NNNNNNNNN``: the previous highest term + 1, created exclusively (``O_CREAT | O_EXCL``, atomic on a POSIX
+  filesystem, NFS and Lustre included), holding the attempt id and its launch (torchrun's run id). The highest
+  term is the current one: a newer attempt supersedes every older one by taking its term.
+* ``lease-<attempt>``: the attempt's expiry (wall clock), renewed by global rank 0 every third of
+  ``checkpoint.lease_s``. Clocks across nodes must agree to well under ``lease_s`` (NTP).
+
+Every rank installs its attempt's :class:`Fence` for the process (:func:`install`). The storage functions call
+:func:`check` right before each COMMIT (a write or a rename into place) and each deletion of committed data on
+L0, L1 and L2, and :func:`guard` before replacing or deleting a committed copy. Both raise :class:`FencedOut`
+when this attempt's term is no longer the highest, its lease expired (the renewing rank: not renewed within
+``lease_s``, e.g. cut off from L1), or a copy was committed by a newer term. Manifests record the term that
+wrote a step (``term``). L2 has no fence of its own: every COMMIT put or deleted there is preceded by the L1
+check (see docs/training.md, "Fencing"). A process with no fence installed (the promote stage, tools, tests that
+call the storage functions) is not fenced; nor is a path outside the installed fence's run.
+
+A superseded launch cannot come back: torchrun restarting the ranks of a fenced-out attempt starts an attempt
+of the same launch, which refuses to take a term while a newer term of another launch exists (:meth:`Fence.take`).
+Start-up cleanup removes a temp file only when :func:`removable`: its attempt's lease has expired, or no lease
+names it and it is older than ``lease_s``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+from pipelines.manifest import atomic_write_text
+from pipelines.spec import JobSpec, resolve_path
+from pipelines.train.checkpoint import CKPT_MANIFEST, CheckpointError
+
+FENCE_DIR = ".fence"
+TERM_PREFIX = "term-"
+LEASE_PREFIX = "lease-"
+TAKE_TRIES = 1000  # terms taken by others between our listing and our exclusive create, at most
+
+
+class FencedOut(CheckpointError):
+    """This attempt is superseded (or its lease lapsed): it stops before committing; a retry is the way on."""
+
+    exit_code = 75  # exit_codes.RETRY: not a user error
+
+
+def fence_dir(spec: JobSpec, rel_root: str) -> Path:
+    """Where a run's terms and leases live: ``<checkpoint.l1>/<rel_root>/.fence``."""
+    return resolve_path(spec.checkpoint.l1) / rel_root / FENCE_DIR
+
+
+def launch_id() -> Optional[str]:
+    """The launch this process belongs to, the same across torchrun's restarts of the ranks: torchrun's run id and,
+    on one node, its agent's host and pid (two jobs of one name share a run id). With several nodes the run id alone:
+    c10d may give global rank 0 to another node's agent after a restart. None off torchrun."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run:
+        return None
+    one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+    return f"{run}@{socket.gethostname()}/{os.getppid()}" if one_node else run
+
+
+def read_terms(d: Path) -> dict[int, dict]:
+    """{term: {"attempt", "launch"}}: every term taken; one being written reads as ``{}``."""
+    out = {}
+    for p in d.glob(f"{TERM_PREFIX}*") if d.is_dir() else []:
+        try:
+            n = int(p.name[len(TERM_PREFIX):])
+        except ValueError:
+            continue
+        try:
+            out[n] = json.loads(p.read_text() or "{}")
+        except (OSError, ValueError):
+            out[n] = {}
+    return out
+
+
+def current_term(d: Path) -> int:
+    """The highest term taken (0: none): the names only, no file read."""
+    terms = []
+    for p in d.glob(f"{TERM_PREFIX}*") if d.is_dir() else []:
+        try:
+            terms.append(int(p.name[len(TERM_PREFIX):]))
+        except ValueError:
+            continue
+    return max(terms, default=0)
+
+
+def read_leases(d: Path) -> dict[str, float]:
+    """{attempt: expiry (time.time())}; an unreadable lease counts as expired."""
+    out = {}
+    for p in d.glob(f"{LEASE_PREFIX}*") if d.is_dir() else []:
+        try:
+            out[p.name[len(LEASE_PREFIX):]] = float(json.loads(p.read_text())["expires"])
+        except (OSError, ValueError, KeyError, TypeError):
+            out[p.name[len(LEASE_PREFIX):]] = 0.0
+    return out
+
+
+def read_lease(d: Path, attempt: str) -> Optional[float]:
+    """``attempt``'s expiry; None when it holds no lease; 0 when unreadable (expired)."""
+    p = d / f"{LEASE_PREFIX}{attempt}"
+    try:
+        return float(json.loads(p.read_text())["expires"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def write_lease(d: Path, attempt: str, term: int, expires: float) -> None:
+    atomic_write_text(d / f"{LEASE_PREFIX}{attempt}", json.dumps({"attempt": attempt, "term": term,
+                                                                   "expires": expires}))
+
+
+def _create_term(d: Path, n: int, attempt: str, launch: Optional[str]) -> bool:
+    """Create ``term-n`` exclusively; False when another attempt took it first."""
+    try:
+        fd = os.open(d / f"{TERM_PREFIX}{n:09d}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"attempt": attempt, "launch": launch, "at": time.time()}))
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def superseded_launch(terms: dict[int, dict], launch: Optional[str]) -> Optional[int]:
+    """The newer term of another launch that supersedes ``launch`` (a fenced-out launch's restart), else None."""
+    if launch is None or not terms:
+        return None
+    mine = [n for n, t in terms.items() if t.get("launch") == launch]
+    top = max(terms)
+    if mine and top > max(mine) and terms[top].get("launch") != launch:
+        return top
+    return None
+
+
+class Fence:
+    """This attempt's term in its run's fence directory; global rank 0 renews the lease (:meth:`start_renewing`).
+    ``roots``: the run's directories (L0, L1) and L2 prefix that this fence guards."""
+
+    def __init__(self, d: Path, attempt: str, term: int, lease_s: float, roots: tuple[str, ...],
+                 log: Callable[[str], None] = print):
+        self.dir, self.attempt, self.term, self.lease_s, self.log = d, attempt, term, lease_s, log
+        self.roots = tuple(r.rstrip("/") for r in roots)
+        self.renewed: Optional[float] = None  # time.monotonic() of the last renewal (the renewing rank)
+        self.fenced: Optional[str] = None  # why, once fenced out: sticky
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def take(cls, d: Path, attempt: str, lease_s: float, roots: tuple[str, ...],
+             log: Callable[[str], None] = print, launch: Optional[str] = None) -> "Fence":
+        """Global rank 0: take the next term (exclusive create, bounded retries) and write the lease. Raises
+        :class:`FencedOut` when ``launch`` was superseded by another launch (torchrun restarting fenced-out ranks)."""
+        d.mkdir(parents=True, exist_ok=True)
+        for _ in range(TAKE_TRIES):
+            terms = read_terms(d)
+            top = superseded_launch(terms, launch)
+            if top is not None:
+                raise FencedOut(f"[fence] launch {launch} is superseded by term {top} (attempt "
+                                f"{terms[top].get('attempt')}): this restart stops before touching the checkpoints")
+            n = max(terms, default=0) + 1
+            if _create_term(d, n, attempt, launch):
+                break
+        else:
+            raise CheckpointError(f"{d}: no term could be taken in {TAKE_TRIES} tries")
+        now = time.time()
+        for other, exp in read_leases(d).items():
+            if exp > now and other != attempt:
+                log(f"[fence] attempt {other} still holds a lease ({exp - now:.0f} s left): attempt {attempt} "
+                    f"takes over with term {n}; the other stops before its next commit")
+            elif exp < now - lease_s:  # long gone: its temp files are older than lease_s (removable without it)
+                (d / f"{LEASE_PREFIX}{other}").unlink(missing_ok=True)
+        f = cls(d, attempt, n, lease_s, roots, log)
+        write_lease(d, attempt, n, now + lease_s)
+        f.renewed = time.monotonic()
+        return f
+
+    def start_renewing(self) -> None:
+        """Renew the lease every third of ``lease_s`` in a daemon thread, until :meth:`release`."""
+        self._thread = threading.Thread(target=self._renew_loop, daemon=True, name="llmp-fence")
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                if self.fenced or current_term(self.dir) > self.term:  # superseded: its lease is left to expire
+                    return
+                write_lease(self.dir, self.attempt, self.term, time.time() + self.lease_s)
+                self.renewed = time.monotonic()
+            except OSError as e:  # L1 unreachable: check() fences this attempt once lease_s has passed
+                self.log(f"[fence] warning: attempt {self.attempt} could not renew its lease: {e}")
+
+    def covers(self, where) -> bool:
+        s = str(where).rstrip("/")
+        return any(s == r or s.startswith(r + "/") for r in self.roots)
+
+    def check(self, what: str) -> None:
+        """Raise :class:`FencedOut` unless this attempt may still commit or delete (``what``: for the message)."""
+        if self.fenced is None:
+            self.fenced = self._why_fenced()
+            if self.fenced is not None:
+                self._stop.set()  # no more renewals: the lease expires, and later attempts may clean up after us
+        if self.fenced is not None:
+            raise FencedOut(f"{self.fenced}: stopping before {what}")
+
+    def _why_fenced(self) -> Optional[str]:
+        me = f"[fence] attempt {self.attempt} (term {self.term})"
+        top = current_term(self.dir)
+        if top > self.term:
+            return f"{me} is superseded by term {top}"
+        if self.renewed is not None and self._thread is not None and time.monotonic() - self.renewed > self.lease_s:
+            return f"{me}: its lease was not renewed for {time.monotonic() - self.renewed:.0f} s (checkpoint.lease_s=" \
+                   f"{self.lease_s:g})"
+        expires = read_lease(self.dir, self.attempt)
+        if expires is None:
+            return f"{me} holds no lease on L1"
+        if expires < time.time():
+            return f"{me}: its lease on L1 expired {time.time() - expires:.0f} s ago"
+        return None
+
+    def guard(self, what: str, recorded: Optional[int]) -> None:
+        """:meth:`check`, and refuse to replace or delete a copy committed by a newer term (``recorded``), one that
+        this run's fence knows (a term above the highest taken belongs to a fence directory that was lost)."""
+        self.check(what)
+        if isinstance(recorded, int) and self.term < recorded <= current_term(self.dir):
+            self.fenced = f"[fence] attempt {self.attempt} (term {self.term}) is superseded by term {recorded}"
+            self._stop.set()
+            raise FencedOut(f"{self.fenced}: stopping before {what} (committed by term {recorded})")
+
+    def release(self) -> None:
+        """Stop renewing; the renewing rank marks its lease expired (its temp files may go)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.lease_s)
+            try:
+                write_lease(self.dir, self.attempt, self.term, 0.0)
+            except OSError:
+                pass
+
+
+_active: Optional[Fence] = None
+_lock = threading.Lock()
+
+
+def install(f: Optional[Fence]) -> None:
+    """This process's fence (one attempt per process at a time); None removes it."""
+    global _active
+    with _lock:
+        _active = f
+
+
+def active() -> Optional[Fence]:
+    return _active
+
+
+def uninstall(f: Fence) -> None:
+    global _active
+    with _lock:
+        if _active is f:
+            _active = None
+
+
+def check(what: str, where) -> None:
+    """Before a COMMIT or a deletion at ``where`` (a path or an s3:// URI): :meth:`Fence.check` when this process
+    has a fence covering it; nothing otherwise."""
+    f = _active
+    if f is not None and f.covers(where):
+        f.check(what)
+
+
+def guard(what: str, where, manifest: Callable[[], Optional[dict]]) -> None:
+    """Before replacing or deleting the committed copy at ``where``: :meth:`Fence.guard` with the term its
+    ``manifest()`` records (read only when a fence covers ``where``; an unreadable one records none)."""
+    f = _active
+    if f is None or not f.covers(where):
+        return
+    try:
+        man = manifest()
+    except (CheckpointError, OSError, ValueError):
+        man = None
+    f.guard(what, man.get("term") if isinstance(man, dict) else None)
+
+
+def local_manifest(d: Path) -> Optional[dict]:
+    """A local copy's MANIFEST.json, as it is (for :func:`guard`; COMMIT not checked), or None."""
+    p = Path(d) / CKPT_MANIFEST
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def term() -> Optional[int]:
+    """The installed fence's term (manifests record it), or None."""
+    f = _active
+    return f.term if f is not None else None
+
+
+def tmp_tag() -> str:
+    """A temp name's suffix: ``<attempt>-<random>`` under a fence (start-up cleanup knows whose it is), else random."""
+    f = _active
+    return f"{f.attempt}-{uuid.uuid4().hex[:6]}" if f is not None else uuid.uuid4().hex[:8]
+
+
+def owners(path: Path) -> set[str]:
+    """The attempts a temp entry belongs to: named in it (``.x.tmp-<attempt>[-…]``, ``.view-<attempt>-…``), and for
+    a staging or marks directory in its entries (their names, part manifests' ``attempt``, marks' first word)."""
+    found = set(filter(None, [_named_owner(path.name)]))
+    if path.is_dir() and path.suffix in (".parts", ".l2"):
+        for child in path.iterdir():
+            found |= set(filter(None, [_named_owner(child.name)]))
+            try:
+                if child.is_dir():
+                    found.add(json.loads((child / CKPT_MANIFEST).read_text())["attempt"])
+                else:
+                    found.add(child.read_text().split()[0])
+            except (OSError, ValueError, KeyError, IndexError, TypeError):
+                continue
+    return {o for o in found if isinstance(o, str) and o}
+
+
+def _named_owner(name: str) -> Optional[str]:
+    for mark in (".tmp-", ".view-"):
+        if mark in name:
+            return name.split(mark, 1)[1].split("-", 1)[0] or None
+    return None
+
+
+def _newest_mtime(path: Path) -> float:
+    try:
+        times = [path.stat().st_mtime] + ([c.stat().st_mtime for c in path.iterdir()] if path.is_dir() else [])
+    except OSError:
+        return time.time()  # being changed under us: someone is alive
+    return max(times)
+
+
+def removable(path: Path, leases: dict[str, float], lease_s: float, now: Optional[float] = None) -> bool:
+    """May start-up cleanup remove the temp entry ``path``? Not while an attempt it belongs to holds a live lease;
+    yes when every attempt it belongs to has a lease that expired; otherwise (no lease names it: a fence-less
+    writer, an older version) only once nothing in it changed for ``lease_s``."""
+    now = time.time() if now is None else now
+    who = owners(path)
+    if any(leases.get(o, 0.0) > now for o in who):
+        return False
+    if who and all(o in leases for o in who):
+        return True
+    return now - _newest_mtime(path) > lease_s
+
+
+def superseded(spec: JobSpec, rel_root: str, info: Optional[dict]) -> Optional[str]:
+    """For the launcher, once the ranks are done: why the attempt that wrote the result (``info``: its attempt and
+    term) is superseded, else None (also when the result names none)."""
+    if not info or not isinstance(info.get("term"), int):
+        return None
+    top = current_term(fence_dir(spec, rel_root))
+    if top > info["term"]:
+        return (f"[fence] attempt {info.get('attempt')} (term {info['term']}) is superseded by term {top}: its result "
+                "is not committed as the stage's")
+    return None
+
+
+def confirm(spec: JobSpec, rel_root: str, info: Optional[dict]) -> None:
+    """The launcher, before it commits the stage: :class:`FencedOut` (exit 75) when the attempt that wrote the
+    result is superseded (:func:`superseded`): a zombie's result never becomes the stage's."""
+    why = superseded(spec, rel_root, info)
+    if why is not None:
+        raise FencedOut(why)

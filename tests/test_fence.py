@@ -1,0 +1,311 @@
+"""Fencing between attempts (issue 44, item 5): a newer attempt's term supersedes an older one, which then stops
+before it commits or deletes anything; a COMMIT a newer term wrote is never deleted by an older one; start-up
+cleanup keeps a live attempt's temp files; an attempt whose own lease lapsed fences itself.
+
+The lease/term logic on a directory, the storage functions (L0/L1 commit and removal, L2 COMMIT) under an
+installed fence, the checkpointer's start; at the end one real run: two launches of one run, the first frozen
+(a zombie) while the second, the retry, runs to the end.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines.spec import load_spec
+from pipelines.train import ckpt_local, ckpt_tiers, fence
+from pipelines.train.checkpoint import COMMIT
+
+from conftest import ROOT, wait_for
+
+
+def _take(d: Path, attempt: str, roots=(), lease_s: float = 60.0, launch=None) -> fence.Fence:
+    return fence.Fence.take(d, attempt, lease_s, tuple(str(r) for r in roots), log=lambda m: None, launch=launch)
+
+
+@pytest.fixture
+def installed():
+    """Install fences for the test; none is left installed after it."""
+    made = []
+
+    def put(f: fence.Fence) -> fence.Fence:
+        made.append(f)
+        fence.install(f)
+        return f
+
+    yield put
+    fence.install(None)
+    for f in made:
+        f.release()
+
+
+def _tmp_step(root: Path, name: str) -> Path:
+    tmp = root / f".{name}.tmp-x"
+    tmp.mkdir(parents=True)
+    (tmp / "w.bin").write_bytes(os.urandom(64))
+    return tmp
+
+
+def test_the_newer_term_wins_and_the_older_stops_before_its_commit(tmp_path, installed):
+    d, root = tmp_path / "l1/run/key/.fence", tmp_path / "l0/run/key"
+    old = _take(d, "aaaa1111", [root])
+    new = _take(d, "bbbb2222", [root])
+    assert (old.term, new.term) == (1, 2) and fence.current_term(d) == 2
+    new.check("committing")  # the current term may
+    with pytest.raises(fence.FencedOut, match=r"\[fence\] attempt aaaa1111 \(term 1\) is superseded by term 2: "
+                                              r"stopping before committing step-000020") as e:
+        installed(old)
+        ckpt_local.commit_local(_tmp_step(root, "step-000020"), root / "step-000020", meta={"term": old.term})
+    assert e.value.exit_code == 75  # a retry, not a user error
+    assert not (root / "step-000020").exists() and not (root / ".step-000020.tmp-x" / COMMIT).exists()
+    with pytest.raises(fence.FencedOut):  # sticky: it stays out
+        old.check("anything")
+
+
+def test_terms_taken_at_once_are_distinct(tmp_path):
+    d, got, errors = tmp_path / ".fence", [], []
+
+    def one(i: int) -> None:
+        try:
+            got.append(_take(d, f"att{i:05d}").term)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors and sorted(got) == list(range(1, 13))
+
+
+def test_a_commit_of_a_newer_term_is_never_deleted_by_an_older_one(tmp_path, installed):
+    d, root = tmp_path / "l1/run/key/.fence", tmp_path / "l1/run/key"
+    old = _take(d, "aaaa1111", [root])
+    new = installed(_take(d, "bbbb2222", [root]))
+    older = ckpt_local.commit_local(_tmp_step(root, "step-000010"), root / "step-000010", meta={"term": new.term})
+    step = ckpt_local.commit_local(_tmp_step(root, "step-000030"), root / "step-000030", meta={"term": new.term})
+    installed(old)
+    for deed in (lambda: ckpt_local.remove_local(step),
+                 lambda: ckpt_local.commit_local(_tmp_step(root, "step-000030b"), step, meta={"term": 1}),  # replace
+                 lambda: ckpt_tiers.prune(load_spec(None, [f"checkpoint.l1={tmp_path}/l1", "checkpoint.keep_l1=1"],
+                                                    env={}), "run/key", tiers=("L1",))):  # retention: step 10
+        with pytest.raises(fence.FencedOut):
+            deed()
+        assert [ckpt_local.read_local_manifest(s)["term"] for s in (older, step)] == [2, 2]  # untouched
+    # the recorded term alone refuses, once the fence knows it (a check that raced past the new term's take)
+    raced = fence.Fence(d, "aaaa1111", 1, 60.0, (str(root),))
+    raced._why_fenced = lambda: None
+    with pytest.raises(fence.FencedOut, match="committed by term 2"):
+        raced.guard("removing step-000030", 2)
+    new.guard("removing step-000030", 7)  # a term above any taken: from a fence directory that was lost; not refused
+
+
+def test_a_fence_guards_only_its_own_run(tmp_path, installed):
+    d = tmp_path / "l1/run/key/.fence"
+    old = _take(d, "aaaa1111", [tmp_path / "l0/run/key"])
+    _take(d, "bbbb2222")
+    installed(old)
+    other = tmp_path / "l0/run/other"
+    ckpt_local.commit_local(_tmp_step(other, "step-000010"), other / "step-000010")  # not its run: not fenced
+    assert (other / "step-000010" / COMMIT).is_file()
+    assert fence.term() == 1 and fence.tmp_tag().startswith("aaaa1111-")
+
+
+def test_cleanup_keeps_a_live_attempts_temp_files_and_removes_an_expired_ones(tmp_path):
+    root, now = tmp_path / "l0", time.time()
+    leases = {"live0001": now + 60, "dead0002": now - 1}
+    paths = {name: root / name for name in (".step-000020.tmp-live0001", ".step-000020.tmp-dead0002",
+                                            ".view-live0001-node0-step-000010", ".view-dead0002-node0-step-000010",
+                                            ".step-000020.tmp-0123abcd")}
+    for p in paths.values():
+        p.mkdir(parents=True)
+    staging = tmp_path / "l1" / ".step-000010.parts"  # a part a live attempt staged (its manifest names it)
+    (staging / "part-0").mkdir(parents=True)
+    (staging / "part-0" / "MANIFEST.json").write_text(json.dumps({"attempt": "live0001"}))
+    keep = {n for n, p in paths.items() if not fence.removable(p, leases, lease_s=60)}
+    assert keep == {".step-000020.tmp-live0001", ".view-live0001-node0-step-000010",
+                    ".step-000020.tmp-0123abcd"}  # no lease names the last one, and it is young
+    assert not fence.removable(staging, leases, 60)
+    old = now - 120
+    os.utime(paths[".step-000020.tmp-0123abcd"], (old, old))
+    assert fence.removable(paths[".step-000020.tmp-0123abcd"], leases, 60)  # absent and old
+
+
+def test_drop_stale_staging_keeps_a_live_attempts_staging(tmp_path):
+    spec = load_spec(None, [f"checkpoint.l1={tmp_path}/l1"], env={})
+    l1 = tmp_path / "l1/run/key"
+    d = fence.fence_dir(spec, "run/key")
+    live = _take(d, "live0001")
+    ckpt_local.commit_local(_tmp_step(l1, "step-000030"), l1 / "step-000030")
+    for who in ("live0001", "dead0002"):
+        (l1 / f".step-000020.tmp-{who}-abc").mkdir()
+    fence.write_lease(d, "dead0002", 0, time.time() - 1)
+    ckpt_tiers.drop_stale_staging(spec, "run/key")
+    assert sorted(p.name for p in l1.glob(".step-*")) == [".step-000020.tmp-live0001-abc"]
+    live.release()
+
+
+def test_a_starting_attempt_takes_the_next_term_and_clears_only_gone_attempts_temp_dirs(home):
+    """The checkpointer's start (a world of one): it takes term 3 after two earlier attempts, removes the dead one's
+    temp dirs on L0 and keeps the live one's; at close it gives its lease back and leaves no fence installed."""
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from pipelines.train.checkpointer import Checkpointer
+
+    spec = load_spec(None, ["checkpoint.promote_during_run=false"], env={})
+    d, l0 = fence.fence_dir(spec, "run/key"), Path(ckpt_tiers.tier_locations(spec, "run/key")["L0"])
+    _take(d, "live0001")
+    _take(d, "dead0002")
+    fence.write_lease(d, "dead0002", 2, time.time() - 1)
+    for name in (".step-000010.tmp-live0001", ".view-live0001-node0-step-000010", ".step-000010.tmp-dead0002",
+                 ".view-dead0002-node0-step-000010"):
+        (l0 / name).mkdir(parents=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ckpt = Checkpointer(spec, "run/key", 0, 1, lambda m: None, files={})
+        assert ckpt.fence_info() == {"attempt": ckpt.attempt, "term": 3} and fence.active() is ckpt.fence
+        ckpt.close(None)
+    finally:
+        dist.destroy_process_group()
+    assert sorted(p.name for p in l0.glob(".*") if not p.name.startswith(".probe")) == [
+        ".step-000010.tmp-live0001", ".view-live0001-node0-step-000010"]
+    assert fence.active() is None and fence.read_leases(d)[ckpt.attempt] == 0.0
+
+
+def test_an_attempt_whose_lease_lapsed_fences_itself(tmp_path, monkeypatch):
+    d = tmp_path / ".fence"
+    quiet = _take(d, "aaaa1111", lease_s=0.3)  # nobody renews it
+    time.sleep(0.4)
+    with pytest.raises(fence.FencedOut, match="its lease on L1 expired"):
+        quiet.check("committing")
+    cut_off = _take(d, "bbbb2222", lease_s=0.3)
+    monkeypatch.setattr(fence, "write_lease", lambda *a: (_ for _ in ()).throw(OSError("L1 unreachable")))
+    cut_off.start_renewing()
+    time.sleep(0.5)
+    with pytest.raises(fence.FencedOut, match="not renewed for"):
+        cut_off.check("committing")
+    cut_off.release()
+
+
+def test_a_renewed_lease_stays_live(tmp_path):
+    d = tmp_path / ".fence"
+    f = _take(d, "aaaa1111", lease_s=0.3)
+    f.start_renewing()
+    time.sleep(0.7)
+    f.check("committing")  # renewed every 0.1 s
+    f.release()
+    assert fence.read_leases(d)["aaaa1111"] == 0.0  # given back: its temp files may go
+
+
+def test_a_superseded_launch_cannot_come_back_through_a_restart(tmp_path):
+    d = tmp_path / ".fence"
+    _take(d, "aaaa1111", launch="torchrun-A")
+    _take(d, "bbbb2222", launch="torchrun-B")
+    with pytest.raises(fence.FencedOut, match="launch torchrun-A is superseded by term 2"):
+        _take(d, "cccc3333", launch="torchrun-A")  # torchrun restarting the fenced-out ranks
+    assert _take(d, "dddd4444", launch="torchrun-B").term == 3  # the current launch's own restart may
+    assert fence.current_term(d) == 3
+
+
+def test_the_launcher_does_not_commit_a_superseded_attempts_result(tmp_path):
+    spec = load_spec(None, [f"checkpoint.l1={tmp_path}/l1"], env={})
+    d = fence.fence_dir(spec, "run/key")
+    _take(d, "aaaa1111")
+    fence.confirm(spec, "run/key", {"attempt": "aaaa1111", "term": 1})
+    _take(d, "bbbb2222")
+    with pytest.raises(fence.FencedOut, match=r"attempt aaaa1111 \(term 1\) is superseded by term 2"):
+        fence.confirm(spec, "run/key", {"attempt": "aaaa1111", "term": 1})
+    fence.confirm(spec, "run/key", None)  # an older result names none: nothing to compare
+
+
+def test_an_older_term_deletes_no_commit_on_l2(home, s3_server, installed):
+    from pipelines.train import ckpt_parts, ckpt_s3
+
+    spec = load_spec(None, [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=fence"], env={})
+    rel = "run/key/step-000020"
+    locs = ckpt_tiers.tier_locations(spec, rel)
+    d = fence.fence_dir(spec, "run/key")
+    roots = tuple(ckpt_tiers.tier_locations(spec, "run/key").values())
+    old = fence.Fence.take(d, "aaaa1111", 60.0, roots, log=lambda m: None)
+    new = installed(fence.Fence.take(d, "bbbb2222", 60.0, roots, log=lambda m: None))
+    l1 = ckpt_local.commit_local(_tmp_step(Path(locs["L1"]).parent, "step-000020"), Path(locs["L1"]),
+                                 meta={"term": new.term, "attempt": "bbbb2222"})
+    ckpt_parts.upload_step(spec, l1, locs["L2"])
+    commit = ckpt_s3.commit_at(spec, locs["L2"])
+    installed(old)
+    for deed in (lambda: ckpt_s3.remove_s3(spec, locs["L2"]), lambda: ckpt_parts.upload_step(spec, l1, locs["L2"])):
+        with pytest.raises(fence.FencedOut, match="superseded by term 2"):
+            deed()
+        assert ckpt_s3.commit_at(spec, locs["L2"]) == commit and ckpt_s3.read_s3_manifest(spec, locs["L2"])["term"] == 2
+
+
+# ---------------------------------------------------------------- a real zombie: two launches of one run
+def _launch(tok, home: Path, out: str, **env) -> subprocess.Popen:
+    """The train stage of one run (the same checkpoints: l0, l1, run name and stage key ``train``) with its own
+    output dir, so its own stage lock: as a launch whose lock was lost with its node."""
+    from test_resilience import TINY, _env
+
+    sets = TINY + ["train.steps=30", "train.ckpt_every=10", "launcher.nproc_per_node=2", "launcher.max_restarts=1",
+                   f"run.root={home}", f"checkpoint.l0={home}/l0", f"checkpoint.l1={home}/l1"]
+    cmd = [sys.executable, "-m", "pipelines.train.launch", "--tokenize-manifest", tok.path, "--output",
+           str(home / out / "train")] + [a for kv in sets for a in ("--set", kv)]
+    return subprocess.Popen(cmd, env=_env(**env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _signal_tree(p: subprocess.Popen, sig: int) -> list:
+    import psutil
+
+    procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+def test_a_zombie_attempt_stops_before_committing_and_the_retry_keeps_its_steps(home):
+    """Launch A trains; once it committed step 10 it is frozen (SIGSTOP: a partitioned node, thought dead) and
+    launch B, the retry, runs to the end. A wakes up: it stops at its next save, exit 75, no stage manifest; every
+    step after 10 on L0 and L1 is B's, with B's term."""
+    from test_resilience import _commit_of, _tok
+
+    tok = _tok(home)
+    zombie = _launch(tok, home, "a", LLMP_FAULT_STEP_DELAY_S="0.2")
+    retry = None
+    try:
+        wait_for(_commit_of(home, 10), 240, "launch A's COMMIT of step 10 on L0")
+        frozen = _signal_tree(zombie, signal.SIGSTOP)  # the ranks too: torchrun starts them in sessions of their own
+        retry = _launch(tok, home, "b")
+        said, _ = retry.communicate(timeout=240)
+        for proc in frozen:
+            proc.send_signal(signal.SIGCONT)
+        out, _ = zombie.communicate(timeout=120)
+    finally:
+        for p in (zombie, retry):
+            if p is not None and p.poll() is None:
+                for proc in _signal_tree(p, signal.SIGCONT):
+                    proc.kill()
+    assert retry.returncode == 0, said[-3000:]
+    assert "still holds a lease" in said and "takes over with term 2" in said, said[-3000:]
+    assert zombie.returncode == 75, out[-3000:]
+    assert re.search(r"train: error: \[fence\] attempt \w+ \(term 1\) is superseded by term 2: stopping before", out), \
+        out[-3000:]
+    assert "this restart stops before touching the checkpoints" in out, out[-3000:]  # torchrun's restart of it
+    assert not (home / "a/train/manifest.json").exists()  # the zombie's result is never the stage's
+    mine = json.loads((home / "b/train/result.json").read_text())["fence"]
+    assert mine["term"] == 2 and fence.current_term(home / "l1/llm-pipeline/train/.fence") == 2, mine
+    for tier in ("l0", "l1"):
+        steps = {p.parent.name: ckpt_local.read_local_manifest(p.parent)
+                 for p in (home / tier).glob("*/train/step-*/COMMIT")}
+        later = {n: (m["attempt"], m["term"]) for n, m in steps.items() if m["step"] > 10}
+        assert "step-000030" in later and set(later.values()) == {(mine["attempt"], 2)}, (tier, later)

@@ -1,0 +1,228 @@
+"""A hung rank is found by its silent heartbeat, named with what it was doing, killed and restarted (issue 44).
+
+* the watcher's decision: a rank silent past its phase's allowance is hung; a beating, finished or exited one is not;
+* a watcher reports a silent process with the function it is in (``faulthandler``), says a stopped one cannot
+  answer, and kills both;
+* a hang past torchrun's restarts: the launcher's error is retryable (75) and names the rank;
+* SIGSTOP of one rank of a real 2-rank torchrun run: named within ``train.hang_timeout_s`` (not the 30 min
+  collective timeout), killed, torchrun restarts the ranks, the run ends bitwise equal to one without the hang.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from pipelines.train import heartbeat as hb
+
+from conftest import ROOT, wait_for
+from test_resilience import _assert_bitwise_equal, _commit_of, _env, _final_state, _launch_cmd, _tok
+
+TIMEOUT_S = 6.0
+SETS = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=2", "launcher.max_restarts=1",
+        f"train.hang_timeout_s={TIMEOUT_S:g}"]
+
+
+def _beat(rank, at, allow_s=5.0, done=False, pid=None):
+    return hb.Beat(rank=rank, local_rank=rank, pid=pid or 1000 + rank, gen=0, phase="forward/backward", step=3,
+                   at=at, allow_s=allow_s, done=done)
+
+
+def test_the_watcher_names_a_rank_silent_past_its_allowance_and_no_other():
+    now = 1000.0
+    beats = [_beat(0, now - 1), _beat(1, now - 9), _beat(2, now - 6), _beat(3, now - 50, done=True),
+             _beat(4, now - 60), _beat(5, now - 60, allow_s=1805.0)]
+    got = hb.hung(beats, now, alive=lambda pid: pid != 1004)  # rank 4 exited: torchrun's to handle
+    assert [(b.rank, s) for b, s in got] == [(1, 9.0), (2, 6.0)]  # the longest silent first
+    assert hb.hung(beats, now, alive=lambda pid: True)[0][0].rank == 4
+    assert hb.hung([_beat(0, now - 5)], now, alive=lambda pid: True) == []  # at the bound: not yet
+
+
+def test_a_closed_heart_leaves_nothing_and_gone_agents_directories_are_swept(tmp_path):
+    d = tmp_path / f"{hb.PREFIX}run-{os.getpid()}"
+    h = hb.Heart(d, rank=0, local_rank=0, gen=0, timeout_s=1, slow_s=1).start(watch=False)
+    assert [b.phase for b in hb.read_beats(d, 0)] == ["start"]
+    (d / "kill-gen0-rank1-pid1").touch()  # an earlier hang's claim
+    h.close()
+    assert not d.exists()
+    gone, live = tmp_path / f"{hb.PREFIX}run-999999999", tmp_path / f"{hb.PREFIX}run-{os.getpid()}"
+    for x in (gone, live):
+        x.mkdir()
+        (x / "rank0.json").write_text("{}")
+    hb.sweep(tmp_path)
+    assert not gone.exists() and live.exists()
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from pipelines.train.heartbeat import Heart
+
+    h = Heart(Path(sys.argv[1]), rank=int(sys.argv[2]), local_rank=int(sys.argv[2]), gen=0, timeout_s=0.3,
+              slow_s=0.3).start(watch=False)
+    h.beat("storage read", step=7)
+
+    def waiting_on_storage():
+        time.sleep(60)
+
+    waiting_on_storage()
+""")
+
+
+def _child(d: Path, rank: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(d), str(rank)], cwd=ROOT)
+
+
+def test_a_watcher_dumps_the_stack_of_a_silent_rank_says_a_stopped_one_cannot_answer_and_kills_both(tmp_path):
+    """Two "ranks" (children of this process, its agent here) that beat once and go silent; one is SIGSTOPped."""
+    said: list[str] = []
+    watcher = hb.Heart(tmp_path, rank=9, local_rank=9, gen=0, timeout_s=0.3, slow_s=0.3, log=said.append)
+    watcher.agent = os.getpid()
+    kids = [_child(tmp_path, 1), _child(tmp_path, 2)]
+    try:
+        wait_for(lambda: [b.phase for b in hb.read_beats(tmp_path, 0)] == ["storage read"] * 2, 30,
+                 "both children's beats")
+        kids[1].send_signal(signal.SIGSTOP)
+        wait_for(lambda: hb.proc_state(kids[1].pid)[0] == "T", 10, "the child stopped")
+        wait_for(lambda: len(hb.hung(hb.read_beats(tmp_path, 0), time.monotonic(), watcher.alive)) == 2, 10,
+                 "both children silent past 0.3 s")
+        assert sorted(watcher.check()) == [1, 2]
+        assert [k.wait(timeout=10) for k in kids] == [-signal.SIGKILL] * 2
+    finally:
+        for k in kids:
+            if k.poll() is None:
+                k.kill()
+    text = "\n".join(said)
+    running, stopped = (text.split(f"[hang] rank {r} ")[1].split("[hang] rank ")[0] for r in (1, 2))
+    assert f"(pid {kids[0].pid}," in running and "in 'storage read' at step 7" in running, text
+    assert "waiting_on_storage" in running, text  # faulthandler's dump names the function it is in
+    assert f"(pid {kids[1].pid}," in stopped and "stopped (SIGSTOP): it cannot answer" in stopped, text
+    assert watcher.check() == []  # a killed rank is gone: nothing more to do
+
+
+STUB = textwrap.dedent("""
+    import os, time
+    from pipelines.train import heartbeat
+
+    def blocked_in_storage():
+        time.sleep(20)  # the main thread silent, the process alive (its own watcher too)
+
+    heartbeat.start(1.0, 1.0)
+    for i in range(400):  # 20 s at most
+        heartbeat.beat("stub work", step=i)
+        if os.environ["RANK"] == "1":
+            blocked_in_storage()
+        time.sleep(0.05)
+    heartbeat.stop()
+""")
+
+
+def test_a_hang_past_torchruns_restarts_exits_75_naming_the_rank(tmp_path, home, capsys):
+    """torchrun with no restarts left: the stage's error is retryable (75) and names the hung rank."""
+    from pipelines.spec import load_spec
+    from pipelines.train import launch
+
+    (tmp_path / "llmp_hang_stub.py").write_text(STUB)
+    spec = load_spec(None, ["launcher.nproc_per_node=2", "launcher.max_restarts=0"], env={})
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "LLMP_HEARTBEAT_DIR": str(tmp_path / "hb")}
+    t0, err = time.monotonic(), None
+    try:
+        launch.run_torchrun(spec, [], module="llmp_hang_stub", env_extra=env)
+    except launch.TrainError as e:
+        err = e
+    took = time.monotonic() - t0
+    assert type(err) is launch.TrainRetry and err.exit_code == 75, err
+    first = str(err).splitlines()[0]
+    assert first.startswith("[hang] rank 1 (pid ") and "in 'stub work' at step 0" in first, err
+    assert "torchrun's restarts are used up" in first and took < 20, (took, err)
+    assert "in blocked_in_storage" in capsys.readouterr().out  # its stack, streamed
+
+
+def _brief(out: str) -> str:
+    """For a failure's message: the streamed output without the stacks, then the stage's error's first line."""
+    streamed, _, error = out.partition("train: error: ")
+    lines = [x for x in streamed.splitlines() if not x.startswith("[hang]   ")]
+    return "\n".join(lines[-120:] + ["train: error: " + error.split("\n")[0]])
+
+
+def _rank_beat(root: Path, rank: int) -> dict:
+    found = list((root / "hb").glob(f"llmp-heartbeat-*/rank{rank}.json"))
+    return json.loads(found[0].read_text()) if found else {}
+
+
+def _start(cmd: list[str], env: dict, out=subprocess.PIPE) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def _read(p: subprocess.Popen) -> tuple[list[str], threading.Thread]:
+    """``p``'s output lines, read as they come (never a full pipe; a failure's message can show them)."""
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+    reader.start()
+    return lines, reader
+
+
+def _kill_tree(p: subprocess.Popen) -> None:
+    """The launcher, torchrun and the ranks (each rank is in a session of its own)."""
+    if p.poll() is not None:
+        return
+    for proc in psutil.Process(p.pid).children(recursive=True) + [psutil.Process(p.pid)]:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    p.wait(timeout=30)
+
+
+def _wait(pred, timeout: float, what: str, lines: list[str]):
+    try:
+        return wait_for(pred, timeout, what)
+    except AssertionError:
+        raise AssertionError(f"timed out waiting for {what}; the output:\n{_brief(''.join(lines))}") from None
+
+
+def test_sigstop_of_one_rank_is_named_killed_and_the_restarted_run_ends_bitwise_equal(home):
+    """The reference run (no hang) runs beside the one whose rank 1 is SIGSTOPped after the COMMIT of step 5."""
+    tok = _tok(home)
+    ref, run = home / "ref", home / "hang"
+    # a home of its own: two runs creating one MLflow database at the same time collide in its migrations
+    p_ref = _start(_launch_cmd(tok, ref, SETS), _env(LLMP_HOME=str(home / "ref-home")), subprocess.DEVNULL)
+    p = _start(_launch_cmd(tok, run, SETS), _env(LLMP_FAULT_STEP_DELAY_S="0.1", LLMP_HEARTBEAT_DIR=str(run / "hb")))
+    lines, reader = _read(p)
+    try:
+        _wait(lambda: _commit_of(run, 5)() or p.poll() is not None, 240, "the COMMIT of step 5 on L0", lines)
+        assert p.poll() is None, _brief("".join(lines))
+        pid = _rank_beat(run, 1)["pid"]
+        psutil.Process(pid).send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        wait_for(lambda: hb.proc_state(pid) is None or hb.proc_state(pid)[0] == "T", 10, "rank 1 stopped")
+        last = _rank_beat(run, 1)  # frozen now: what the log must name
+        _wait(lambda: p.poll() is not None, 120, "the end of the run", lines)
+        took = time.monotonic() - stopped_at
+        assert p_ref.wait(timeout=120) == 0
+    finally:
+        for q in (p, p_ref):
+            _kill_tree(q)
+    reader.join(timeout=10)
+    out = "".join(lines)
+    assert p.returncode == 0, _brief(out)
+    line = next((x for x in out.splitlines() if x.startswith(f"[hang] rank 1 (pid {pid},")), None)
+    assert line is not None, _brief(out)
+    silent = float(line.split(" for ")[1].split(" s")[0])
+    print(f"SIGSTOP of rank 1 in {last['phase']!r} at step {last['step']}: {line}; the run ended {took:.1f} s after "
+          "the stop")
+    assert f"in '{last['phase']}' at step {last['step']}" in line and "(1 restart(s) left)" in line, line
+    assert "[hang]   (no stack: stopped (SIGSTOP): it cannot answer" in out or shutil.which("py-spy"), out[-4000:]
+    assert TIMEOUT_S <= silent < TIMEOUT_S + 3, line  # found by the heartbeat, not the 30 min collective timeout
+    assert took < 90, took
+    m = json.loads((run / "train/manifest.json").read_text())
+    assert m["extra"]["resumed_from"]["step"] >= 5 and m["counts"]["steps"] == 20
+    _assert_bitwise_equal(_final_state(ref, "step-000020"), _final_state(run, "step-000020"), "final")
+    assert json.loads((run / "train/losses.json").read_text()) == json.loads((ref / "train/losses.json").read_text())
