@@ -470,10 +470,10 @@ class TrainCfg(_Section):
     hang_timeout_s: float = Field(
         300.0, gt=0, description="A rank whose heartbeat (its step progress) is silent this long is hung: the log names "
         "it and what it was doing (its stack when it can answer), it is killed and torchrun restarts the ranks from the "
-        "newest verified step. Far below checkpoint.collective_timeout_minutes; above the longest step, save, "
-        "evaluation or rank 0's MLflow logging. Phases bounded by the collective timeout (start-up, restore, "
-        "rollback, the first step, evaluation and save of a start, the preemption checkpoint, the final close) are "
-        "allowed checkpoint.collective_timeout_minutes more.")
+        "newest verified step. Far below checkpoint.collective_timeout_minutes; above the longest step or "
+        "evaluation. A phase with waits bounded by the collective timeout (start-up, restore, rollback, the first "
+        "step and evaluation of a start, every save, rank 0's MLflow calls, the preemption checkpoint, the final "
+        "close) is allowed checkpoint.collective_timeout_minutes more per wait (the final close 3.5 times).")
 
     @model_validator(mode="after")
     def _numbers(self) -> "TrainCfg":

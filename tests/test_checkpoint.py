@@ -121,3 +121,20 @@ def test_an_l2_part_manifest_that_is_not_the_part_its_key_names_is_not_merged(ho
     with pytest.raises(ck.CheckpointError, match="describes part 0 of 2, not part 1 of 2"):
         ckpt_parts.merge_parts_s3(spec, uri, 2, "a", checked=frozenset({0}))
     assert ckpt_s3.read_s3_manifest(spec, uri) is None
+
+
+def test_a_restore_from_the_nodes_disks_says_that_l2_was_not_consulted(home):
+    """L1 holds no global commit of the newest step the nodes' disks offer: the restore takes it without listing L2,
+    which may hold a newer step; one line says so (none when L1 holds that step)."""
+    from types import SimpleNamespace
+
+    from pipelines.train import restore
+
+    logs = []
+    ckpt = SimpleNamespace(spec=load_spec(None, [], env={}), rel_root="run/key", rec=None, log=logs.append)
+    got = restore.candidates(ckpt, {0: {10: (0, 1, "aaaa1111", None)}}, None)
+    assert [c["step"] for c in got] == [10] and not got[0]["l1"]
+    assert len(logs) == 1 and logs[0].startswith("[ckpt] restore: L2 not consulted: step 10 can be restored from "
+                                                 "the nodes' disks"), logs
+    restore.candidates(ckpt, {0: {10: (0, 1, "aaaa1111", None)}}, 10)  # a step asked for by name: nothing to say
+    assert len(logs) == 1

@@ -20,7 +20,7 @@ import pytest
 
 from pipelines.spec import load_spec
 from pipelines.train import ckpt_local, ckpt_tiers, fence
-from pipelines.train.checkpoint import COMMIT
+from pipelines.train.checkpoint import COMMIT, CheckpointError
 
 from conftest import ROOT, wait_for
 
@@ -152,13 +152,17 @@ def test_drop_stale_staging_keeps_a_live_attempts_staging(tmp_path):
     live.release()
 
 
-def test_a_starting_attempt_takes_the_next_term_and_clears_only_gone_attempts_temp_dirs(home):
+@pytest.mark.parametrize("l2_busy", [False, True])
+def test_a_starting_attempt_takes_the_next_term_and_clears_only_gone_attempts_temp_dirs(home, monkeypatch, l2_busy):
     """The checkpointer's start (a world of one): it takes term 3 after two earlier attempts, removes the dead one's
-    temp dirs on L0 and keeps the live one's; at close it gives its lease back and leaves no fence installed."""
+    temp dirs on L0 and keeps the live one's; at close it gives its lease back and leaves no fence installed, unless
+    its L2 thread is still running: then its fence stays installed, released (a late write of that thread is
+    refused), and the lease is left to expire. The ranks' failures are told apart by their exception's type."""
     import torch.distributed as dist
 
     from conftest import free_port
-    from pipelines.train.checkpointer import Checkpointer
+    from pipelines.train import checkpoint as ck
+    from pipelines.train.checkpointer import Checkpointer, Promoter
 
     spec = load_spec(None, ["checkpoint.promote_during_run=false"], env={})
     d, l0 = fence.fence_dir(spec, "run/key"), Path(ckpt_tiers.tier_locations(spec, "run/key")["L0"])
@@ -168,16 +172,33 @@ def test_a_starting_attempt_takes_the_next_term_and_clears_only_gone_attempts_te
     for name in (".step-000010.tmp-live0001", ".view-live0001-node0-step-000010", ".step-000010.tmp-dead0002",
                  ".view-dead0002-node0-step-000010"):
         (l0 / name).mkdir(parents=True)
+    if l2_busy:  # finish_l2 gave up on a hung L2 thread: it may still write
+        monkeypatch.setattr(Promoter, "finish_l2", lambda self, final, timeout_s: False)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         ckpt = Checkpointer(spec, "run/key", 0, 1, lambda m: None, files={})
         assert ckpt.fence_info() == {"attempt": ckpt.attempt, "term": 3} and fence.active() is ckpt.fence
+        with pytest.raises(fence.FencedOut, match=r"^\[fence\] x$"):
+            ckpt._raise_if_any_rank_failed(("FencedOut", "[fence] x"), "closing")
+        with pytest.raises(ck.CheckpointError, match=r"^closing on rank 0: OSError: FencedOut: no$"):
+            ckpt._raise_if_any_rank_failed(("OSError", "FencedOut: no"), "closing")
         ckpt.close(None)
     finally:
         dist.destroy_process_group()
-    assert sorted(p.name for p in l0.glob(".*") if not p.name.startswith(".probe")) == [
-        ".step-000010.tmp-live0001", ".view-live0001-node0-step-000010"]
-    assert fence.active() is None and fence.read_leases(d)[ckpt.attempt] == 0.0
+    try:
+        assert sorted(p.name for p in l0.glob(".*") if not p.name.startswith(".probe")) == [
+            ".step-000010.tmp-live0001", ".view-live0001-node0-step-000010"]
+        assert ckpt.fence.fenced == f"[fence] attempt {ckpt.attempt} (term 3) is released: this attempt has ended"
+        expiry = fence.read_leases(d)[ckpt.attempt]
+        if l2_busy:
+            assert fence.active() is ckpt.fence and expiry > time.time()
+            with pytest.raises(fence.FencedOut, match=r"is released: this attempt has ended: stopping before "
+                                                      "committing step-000020"):
+                ckpt_local.commit_local(_tmp_step(l0, "step-000020"), l0 / "step-000020")
+        else:
+            assert fence.active() is None and expiry == 0.0
+    finally:
+        fence.install(None)
 
 
 def test_an_attempt_whose_lease_lapsed_fences_itself(tmp_path, monkeypatch):
@@ -245,6 +266,144 @@ def test_an_older_term_deletes_no_commit_on_l2(home, s3_server, installed):
         with pytest.raises(fence.FencedOut, match="superseded by term 2"):
             deed()
         assert ckpt_s3.commit_at(spec, locs["L2"]) == commit and ckpt_s3.read_s3_manifest(spec, locs["L2"])["term"] == 2
+
+
+def test_a_lost_fence_directory_fences_the_attempt_and_is_not_recreated(tmp_path):
+    """The fence directory lost (L1 restored from a backup, a wrong mount): an attempt whose term file is gone stops
+    (another attempt would take term 1 in a new directory, unfenced), and renewing its lease does not make the
+    directory again."""
+    import shutil
+
+    d = tmp_path / "l1/run/key/.fence"
+    f = _take(d, "aaaa1111")
+    f.check("committing")
+    shutil.rmtree(d)
+    with pytest.raises(FileNotFoundError):
+        fence.write_lease(d, "aaaa1111", 1, time.time() + 60)
+    assert not d.exists()
+    with pytest.raises(fence.FencedOut, match=r"attempt aaaa1111 \(term 1\): its term file is gone"):
+        f.check("committing")
+    other = _take(d, "bbbb2222")  # a new directory: term 1 again, named by its own attempt
+    (d / "term-000000001").write_text(json.dumps({"attempt": "cccc3333"}))
+    with pytest.raises(fence.FencedOut, match="its term file names attempt cccc3333"):
+        other.check("committing")
+
+
+def test_a_lease_read_error_fences_only_once_it_lasts_longer_than_the_lease(tmp_path, monkeypatch):
+    import errno
+
+    d = tmp_path / ".fence"
+    f = _take(d, "aaaa1111", lease_s=60.0)
+    real, fails = fence._expiry, {"n": 0}
+
+    def flaky(p):
+        if fails["n"] > 0:
+            fails["n"] -= 1
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real(p)
+
+    monkeypatch.setattr(fence, "_expiry", flaky)
+    fails["n"] = fence.READ_TRIES - 1  # a transient error: read again, the lease is live
+    assert fence.read_lease(d, "aaaa1111") > time.time()
+    fails["n"] = 10 ** 6  # lasts: raised, not read as expired
+    with pytest.raises(OSError):
+        fence.read_lease(d, "aaaa1111")
+    f.check("committing")  # not fenced while the last good read is younger than lease_s
+    assert f.fenced is None
+    f.read_ok = time.monotonic() - 61  # no good read for longer than lease_s
+    with pytest.raises(fence.FencedOut, match=r"its term and lease on L1 could not be read for 6\d s"):
+        f.check("committing")
+
+
+def test_term_files_that_are_not_json_objects_read_as_empty(tmp_path):
+    d = tmp_path / ".fence"
+    d.mkdir()
+    (d / "term-000000001").write_text("null")
+    (d / "term-000000002").write_text("[1, 2]")
+    (d / "term-xyz").write_text("{}")
+    assert fence.read_terms(d) == {1: {}, 2: {}} and fence.current_term(d) == 2
+    assert _take(d, "aaaa1111", launch="torchrun-A").term == 3  # no AttributeError on rank 0
+
+
+def test_the_launcher_fails_closed_when_the_fence_directory_is_missing_or_empty(tmp_path):
+    import shutil
+
+    spec = load_spec(None, [f"checkpoint.l1={tmp_path}/l1"], env={})
+    d = fence.fence_dir(spec, "run/key")
+    info = {"attempt": "aaaa1111", "term": 1}
+    with pytest.raises(fence.FencedOut, match="the fence directory .* is missing or holds no term"):
+        fence.confirm(spec, "run/key", info)
+    d.mkdir(parents=True)
+    with pytest.raises(fence.FencedOut, match="is missing or holds no term"):
+        fence.confirm(spec, "run/key", info)
+    _take(d, "bbbb2222")
+    with pytest.raises(fence.FencedOut, match="its term file is of attempt bbbb2222"):
+        fence.confirm(spec, "run/key", info)
+    shutil.rmtree(d)
+    _take(d, "aaaa1111")
+    fence.confirm(spec, "run/key", info)
+
+
+def test_an_upload_of_many_files_stops_at_the_next_file_once_superseded(tmp_path, monkeypatch, installed):
+    """The fence is checked before each file of a part, not only before its COMMIT: a superseded attempt sends no
+    more files (fewer writes of an older term that could land after the newer term's)."""
+    from pipelines.train import ckpt_s3
+
+    spec = load_spec(None, [f"checkpoint.l1={tmp_path}/l1"], env={})
+    d = tmp_path / "l1/run/key/.fence"
+    installed(_take(d, "aaaa1111", ["s3://bucket/ckpt/run/key"]))
+    sent = []
+
+    def upload(s3, bucket, key, path, sha, cfg, part):
+        sent.append(key)
+        _take(d, "bbbb2222")  # a newer attempt takes over while this file is sent
+
+    monkeypatch.setattr(ckpt_s3, "object_matches", lambda *a, **k: False)
+    monkeypatch.setattr(ckpt_s3, "upload_checked", upload)
+    files = {f"f{i}.bin": {"bytes": 1, "sha256": "0" * 64} for i in range(3)}
+    with pytest.raises(fence.FencedOut, match=r"superseded by term 2: stopping before uploading f1.bin"):
+        ckpt_s3.upload_files(spec, None, "bucket", "ckpt/run/key/step-000010", tmp_path, files, {})
+    assert sent == ["ckpt/run/key/step-000010/f0.bin"]
+
+
+def test_an_s3_write_waits_for_an_abandoned_write_at_the_same_place(tmp_path, monkeypatch, installed):
+    """A write or delete given up on after its bound still runs (only its caller is freed) and may land later: under
+    a fence, the next S3 write at that object or prefix waits for it (bounded), then is refused; elsewhere it goes."""
+    from pipelines.storage import s3
+
+    installed(_take(tmp_path / ".fence", "aaaa1111", ["s3://b/ckpt/run/key"]))
+    monkeypatch.setattr(fence, "SETTLE_S3_S", 0.3)
+    release = threading.Event()
+    with pytest.raises(s3.S3Timeout):
+        s3.call_bounded(lambda: release.wait(30), 0.05, "PutObject s3://b/ckpt/run/key/step-000010/COMMIT",
+                        "s3://b/ckpt/run/key/step-000010/COMMIT")
+    commit = "PutObject s3://b/ckpt/run/key/step-000010/COMMIT"
+    assert s3.abandoned_writes("s3://b/ckpt/run/key/step-000010") == [commit]
+    with pytest.raises(s3.S3Timeout):  # a read given up on is not a write: never listed
+        s3.call_bounded(lambda: release.wait(30), 0.05, "GetObject s3://b/ckpt/run/key/step-000010/x")
+    with pytest.raises(CheckpointError, match=r"PutObject s3://b/ckpt/run/key/step-000010/COMMIT was given up on "
+                                              r"and still runs: stopping before committing"):
+        fence.check("committing", "s3://b/ckpt/run/key/step-000010")
+    fence.check("committing", "s3://b/ckpt/run/key/step-000020")  # another step: not held up
+    fence.check("committing", "s3://b/ckpt/run/key/step-0000100")
+    release.set()
+    wait_for(lambda: not s3.abandoned_writes("s3://b"), 5, "the abandoned call to end")
+    fence.check("committing", "s3://b/ckpt/run/key/step-000010")
+
+
+def test_a_run_id_every_job_shares_names_no_launch(monkeypatch):
+    """torchrun's default rendezvous id (``none``) is every multi-node job's: as a launch it would make a job
+    re-created under its name one launch with its zombie, or be refused for good after another launch's term."""
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    for shared in fence.SHARED_RUN_IDS:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", shared)
+        assert fence.launch_id() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "llmp-6f1c2a")
+    assert fence.launch_id() == "llmp-6f1c2a"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one node: its agent's host and pid tell two jobs apart
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert fence.launch_id().startswith("none@")
 
 
 # ---------------------------------------------------------------- a real zombie: two launches of one run

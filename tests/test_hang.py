@@ -1,24 +1,31 @@
 """A hung rank is found by its silent heartbeat, named with what it was doing, killed and restarted (issue 44).
 
 * the watcher's decision: a rank silent past its phase's allowance is hung; a beating, finished or exited one is not;
+* what it trusts: a beat file with every field of its type, of this host, in a directory of this user's own (else
+  no hang detection, said once); never a link; a failed look is said once and the watcher goes on;
+* the allowances of the phases with bounded waits (a save, rank 0's MLflow calls, the final close) cover them;
 * a watcher reports a silent process with the function it is in (``faulthandler``), says a stopped one cannot
   answer, and kills both;
 * a hang past torchrun's restarts: the launcher's error is retryable (75) and names the rank;
 * SIGSTOP of one rank of a real 2-rank torchrun run: named within ``train.hang_timeout_s`` (not the 30 min
   collective timeout), killed, torchrun restarts the ranks, the run ends bitwise equal to one without the hang.
 """
+import dataclasses
 import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
+import pytest
 
 from pipelines.train import heartbeat as hb
 
@@ -31,8 +38,8 @@ SETS = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=2", "la
 
 
 def _beat(rank, at, allow_s=5.0, done=False, pid=None):
-    return hb.Beat(rank=rank, local_rank=rank, pid=pid or 1000 + rank, gen=0, phase="forward/backward", step=3,
-                   at=at, allow_s=allow_s, done=done)
+    return hb.Beat(rank=rank, local_rank=rank, pid=pid or 1000 + rank, restart=0, host="h", phase="forward/backward",
+                   step=3, at=at, allow_s=allow_s, done=done)
 
 
 def test_the_watcher_names_a_rank_silent_past_its_allowance_and_no_other():
@@ -45,19 +52,179 @@ def test_the_watcher_names_a_rank_silent_past_its_allowance_and_no_other():
     assert hb.hung([_beat(0, now - 5)], now, alive=lambda pid: True) == []  # at the bound: not yet
 
 
-def test_a_closed_heart_leaves_nothing_and_gone_agents_directories_are_swept(tmp_path):
-    d = tmp_path / f"{hb.PREFIX}run-{os.getpid()}"
-    h = hb.Heart(d, rank=0, local_rank=0, gen=0, timeout_s=1, slow_s=1).start(watch=False)
-    assert [b.phase for b in hb.read_beats(d, 0)] == ["start"]
-    (d / "kill-gen0-rank1-pid1").touch()  # an earlier hang's claim
+def test_a_closed_heart_leaves_nothing_and_this_hosts_gone_agents_directories_are_swept(tmp_path, monkeypatch):
+    d = tmp_path / hb.dir_name("run", os.getpid())
+    h = hb.Heart(d, rank=0, local_rank=0, restart=0, timeout_s=1, wait_s=1).start(watch=False)
+    assert [b.phase for b in hb.read_beats(d, 0, hb.host())] == ["start"]
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    (d / "kill-restart0-rank1-pid1").touch()  # an earlier hang's claim
     h.close()
     assert not d.exists()
-    gone, live = tmp_path / f"{hb.PREFIX}run-999999999", tmp_path / f"{hb.PREFIX}run-{os.getpid()}"
-    for x in (gone, live):
+    gone, live = tmp_path / hb.dir_name("run", 999999999), tmp_path / hb.dir_name("run", os.getpid())
+    # another host's (a shared LLMP_HEARTBEAT_DIR), one whose name begins with this host's: its agent is not ours
+    others = [tmp_path / f"{hb.PREFIX}{name}.run-999999999" for name in ("other-node", f"{hb._safe(hb.host())}-2")]
+    for x in (gone, live, *others):
         x.mkdir()
         (x / "rank0.json").write_text("{}")
     hb.sweep(tmp_path)
-    assert not gone.exists() and live.exists()
+    assert not gone.exists() and live.exists() and all(x.exists() for x in others)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a/../b")
+    assert hb.node_dir(tmp_path) == tmp_path / f"{hb.PREFIX}{hb._safe(hb.host())}.a____b-{os.getppid()}"
+
+
+def _raw(**over) -> dict:
+    raw = {"rank": 1, "local_rank": 1, "pid": 1001, "restart": 0, "host": hb.host(), "phase": "forward/backward",
+           "step": 3, "at": 5.0, "allow_s": 5.0, "done": False}
+    return {**raw, **over}
+
+
+def test_a_beat_is_used_only_when_every_field_has_its_type():
+    assert [f.name for f in dataclasses.fields(hb.Beat)] == list(hb.KINDS)
+    assert hb.parse_beat(_raw()) == hb.Beat(**_raw())
+    assert hb.parse_beat(_raw(step=None, at=5)) == hb.Beat(**_raw(step=None, at=5.0))
+    missing = _raw()
+    del missing["host"]
+    bad = [_raw(at="5"), _raw(at=float("nan")), _raw(at=float("inf")), _raw(rank="../../x"), _raw(rank=True),
+           _raw(rank=-1), _raw(rank=1.0), _raw(local_rank=None), _raw(pid=0), _raw(pid="7"), _raw(restart=None),
+           _raw(host=1), _raw(phase=None), _raw(step="3"), _raw(step=True), _raw(allow_s=0), _raw(allow_s="5"),
+           _raw(done=1), _raw(extra=1), missing, [], "x", None]
+    assert [raw for raw in bad if hb.parse_beat(raw) is not None] == []
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_malformed_beat_files_are_ignored_with_one_warning_and_a_failed_look_does_not_stop_the_watcher(tmp_path):
+    said: list[str] = []
+    h = hb.Heart(tmp_path / "d", rank=0, local_rank=0, restart=0, timeout_s=0.2, wait_s=0.2, log=said.append)
+    d, calls, real = h.dir, [], h.check
+    h.agent = 0  # this process (silent here) is no rank of an agent: never killed
+
+    def check():  # the third look fails
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a look went wrong")
+        return real()
+
+    h.check = check
+    h.start()
+    try:
+        (tmp_path / "elsewhere.json").write_text(json.dumps(_raw(rank=5)))
+        (d / "rank1.json").write_text(json.dumps(_raw(at="x")))  # the TypeError that stopped the watcher for good
+        (d / "rank2.json").write_text("{not json")
+        (d / "rank3.json").write_text(json.dumps(_raw(rank=4)))  # not the file of its rank
+        (d / "rank5.json").symlink_to(tmp_path / "elsewhere.json")  # never followed
+        wait_for(lambda: len(calls) >= 8, 20, "the watcher going on after a failed look")
+        assert [b.rank for b in hb.read_beats(d, 0, hb.host())] == [0]
+        assert h._thread.is_alive()
+    finally:
+        h.close()
+    assert len([m for m in said if "is not a heartbeat file" in m]) == 1, said
+    assert len([m for m in said if "a look at the heartbeats failed (RuntimeError" in m]) == 1, said
+    assert len(said) == 2, said
+
+
+def test_a_watcher_kills_only_a_silent_rank_of_its_host_and_says_what_was_allowed(tmp_path):
+    said: list[str] = []
+    h = hb.Heart(tmp_path, rank=0, local_rank=0, restart=0, timeout_s=0.1, wait_s=0.2, log=said.append)
+    h.agent = os.getpid()  # the sleepers are "ranks" of this node
+    theirs, ours, earlier = _sleeper(), _sleeper(), _sleeper()
+    try:
+        beats = {1: _raw(rank=1, pid=theirs.pid, host="other-node", at=0.0, allow_s=0.1),  # another host's clock
+                 2: _raw(rank=2, pid=earlier.pid, restart=1, at=0.0, allow_s=0.1),  # another torchrun restart's
+                 3: _raw(rank=3, pid=ours.pid, at=0.0, allow_s=0.3)}
+        for r, raw in beats.items():
+            (tmp_path / f"rank{r}.json").write_text(json.dumps(raw))
+        assert h.check() == [3]
+        assert ours.wait(timeout=10) == -signal.SIGKILL
+        assert theirs.poll() is None and earlier.poll() is None
+    finally:
+        for k in (theirs, ours, earlier):
+            k.kill()
+            k.wait()
+    assert "(allowed 0.3 s: train.hang_timeout_s + 1 x checkpoint.collective_timeout_minutes)" in said[0], said
+
+
+def test_a_beat_directory_not_this_users_own_is_refused_and_training_goes_on_unwatched(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.setenv(hb.ENV_DIR, str(tmp_path / "base"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    elsewhere, d = tmp_path / "elsewhere", hb.node_dir()
+    elsewhere.mkdir()
+    d.parent.mkdir()
+    d.symlink_to(elsewhere)  # its name is predictable: someone made it first
+    assert hb.start(1.0, 1.0) is None
+    hb.beat("forward/backward", 1)  # a no-op
+    out = capsys.readouterr().out
+    assert out.count("[hang] warning") == 1 and "refused" in out and "hangs are not detected" in out, out
+    assert list(elsewhere.iterdir()) == []
+    d.unlink()
+    d.mkdir()
+    os.chmod(d, 0o777)
+    with pytest.raises(hb.UnsafeDir):
+        hb.own_dir(d)  # others may write it
+    if os.getuid() == 0:
+        os.chmod(d, 0o700)
+        os.chown(d, 65534, 65534)
+        with pytest.raises(hb.UnsafeDir):
+            hb.own_dir(d)  # another user's
+    fresh = tmp_path / "base" / "fresh"
+    hb.own_dir(fresh)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+
+
+def test_heartbeat_files_are_never_written_or_read_through_a_link(tmp_path):
+    d, victim = tmp_path / "d", tmp_path / "victim"
+    hb.own_dir(d)
+    victim.write_text("keep")
+    for name in ("stack-rank0.txt", ".rank0.json.tmp", "stack-rank3.txt"):
+        (d / name).symlink_to(victim)
+    (d / "kill-restart0-rank1-pid7").symlink_to(tmp_path / "nowhere")  # a claim made already
+    h = hb.Heart(d, rank=0, local_rank=0, restart=0, timeout_s=1, wait_s=2).start(watch=False)
+    kid = _sleeper()
+    try:
+        h.beat("evaluation", 4, waits=3.5)
+        assert victim.read_text() == "keep" and not (d / "stack-rank0.txt").is_symlink()
+        assert json.loads((d / "rank0.json").read_text())["allow_s"] == 1 + 3.5 * 2
+        assert not h._claim(hb.Beat(**_raw(rank=1, pid=7)))
+        assert hb._faulthandler_dump(kid.pid, d / "stack-rank3.txt", 0.1) == ""  # no SIGUSR2 for a link's sake
+        time.sleep(0.2)
+        assert kid.poll() is None, "SIGUSR2 ends a process without a handler"
+    finally:
+        kid.kill()
+        kid.wait()
+        h.close()
+
+
+def test_the_allowances_cover_a_saves_wait_rank_0s_mlflow_calls_and_the_final_close(monkeypatch):
+    """Each wait bounded by checkpoint.collective_timeout_minutes is allowed one (heartbeat's ``waits``)."""
+    from pipelines.train import trainer as tr
+
+    beats, barriers = [], []
+    monkeypatch.setattr(tr.heartbeat, "beat", lambda phase, step=None, waits=0: beats.append((phase, waits)))
+    monkeypatch.setattr(tr.dist, "barrier", lambda *a, **k: barriers.append(beats[-1][0]))
+    t = object.__new__(tr.Trainer)
+    t.prog, t.cold, t.rank, t.world = tr.Progress(), set(), 1, 2
+    assert t._mlflow(lambda: 1 / 0) is None  # not rank 0: it waits for rank 0 at a barrier
+    t.rank = 0
+    assert t._mlflow(lambda: "logged") == "logged"
+    assert beats == [(tr.MLFLOW, 1)] * 2 and barriers == [tr.MLFLOW] * 2  # over for every rank together
+    t.spec = SimpleNamespace(train=SimpleNamespace(ckpt_every=5, steps=20))
+    t.ckpt, t.model, t.opt = SimpleNamespace(save=lambda *a: 0.0), None, None
+    t.faults = SimpleNamespace(exit_at_step=None)
+    t._state = dict
+    t._save()
+    assert beats[-1] == ("checkpoint save", 1)  # the save in flight first: not only after a start
+
+    def close(step):
+        raise InterruptedError
+
+    t.ckpt = SimpleNamespace(close=close)
+    with pytest.raises(InterruptedError):
+        t.finish()
+    # Checkpointer.close: the save in flight, the promotions' drain, the final step promoted again, L2 for half
+    assert beats[-1][0].startswith("close") and beats[-1][1] >= 1 + 1 + 1 + 0.5, beats[-1]
 
 
 CHILD = textwrap.dedent("""
@@ -65,8 +232,8 @@ CHILD = textwrap.dedent("""
     from pathlib import Path
     from pipelines.train.heartbeat import Heart
 
-    h = Heart(Path(sys.argv[1]), rank=int(sys.argv[2]), local_rank=int(sys.argv[2]), gen=0, timeout_s=0.3,
-              slow_s=0.3).start(watch=False)
+    h = Heart(Path(sys.argv[1]), rank=int(sys.argv[2]), local_rank=int(sys.argv[2]), restart=0, timeout_s=0.3,
+              wait_s=0.3).start(watch=False)
     h.beat("storage read", step=7)
 
     def waiting_on_storage():
@@ -83,15 +250,15 @@ def _child(d: Path, rank: int) -> subprocess.Popen:
 def test_a_watcher_dumps_the_stack_of_a_silent_rank_says_a_stopped_one_cannot_answer_and_kills_both(tmp_path):
     """Two "ranks" (children of this process, its agent here) that beat once and go silent; one is SIGSTOPped."""
     said: list[str] = []
-    watcher = hb.Heart(tmp_path, rank=9, local_rank=9, gen=0, timeout_s=0.3, slow_s=0.3, log=said.append)
+    watcher = hb.Heart(tmp_path, rank=9, local_rank=9, restart=0, timeout_s=0.3, wait_s=0.3, log=said.append)
     watcher.agent = os.getpid()
     kids = [_child(tmp_path, 1), _child(tmp_path, 2)]
     try:
-        wait_for(lambda: [b.phase for b in hb.read_beats(tmp_path, 0)] == ["storage read"] * 2, 30,
+        wait_for(lambda: [b.phase for b in hb.read_beats(tmp_path, 0, hb.host())] == ["storage read"] * 2, 30,
                  "both children's beats")
         kids[1].send_signal(signal.SIGSTOP)
         wait_for(lambda: hb.proc_state(kids[1].pid)[0] == "T", 10, "the child stopped")
-        wait_for(lambda: len(hb.hung(hb.read_beats(tmp_path, 0), time.monotonic(), watcher.alive)) == 2, 10,
+        wait_for(lambda: len(hb.hung(hb.read_beats(tmp_path, 0, hb.host()), time.monotonic(), watcher.alive)) == 2, 10,
                  "both children silent past 0.3 s")
         assert sorted(watcher.check()) == [1, 2]
         assert [k.wait(timeout=10) for k in kids] == [-signal.SIGKILL] * 2

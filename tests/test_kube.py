@@ -207,6 +207,28 @@ def test_kubernetes_needs_the_stage_paths_on_the_shared_filesystem(home, tmp_pat
         k8s.api_clients(bad_cfg)
 
 
+def test_each_rendered_job_gives_its_pods_a_rendezvous_id_of_its_own():
+    """torchrun's default rendezvous id (``none``) is every job's, so the fence could not tell a job from one
+    re-created under its name: a TrainJob's pods get their batch Job's uid, a static PyTorchJob's each its own pod
+    uid (rank 0 is on the Master), through the downward API; an elastic PyTorchJob (c10d: one id for every pod)
+    keeps the default, which the fence reads as no launch."""
+    uid = {"name": "LLMP_JOB_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels["
+                                                                           "'batch.kubernetes.io/controller-uid']"}}}
+    rdzv = {"name": "PET_RDZV_ID", "value": "llmp-$(LLMP_JOB_UID)"}
+    base = [*TINY, "launcher.nnodes=2", "launcher.shared_fs_mount=/fsx", "run.root=/fsx/runs"]
+    env = k8s.render_trainjob(load_spec(None, [*base, "launcher.kind=trainjob"], env={}), "r", [])["spec"][
+        "trainer"]["env"]
+    assert env.index(uid) + 1 == env.index(rdzv)  # defined before the value that refers to it
+    job = k8s.render_pytorchjob(load_spec(None, [*base, "launcher.kind=pytorchjob"], env={}), "r", [])
+    for rs in job["spec"]["pytorchReplicaSpecs"].values():
+        env = rs["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "LLMP_JOB_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}} in env
+        assert rdzv in env
+    elastic = k8s.render_pytorchjob(load_spec(None, [*base, "launcher.kind=pytorchjob", "launcher.min_nodes=1"],
+                                              env={}), "r", [])
+    assert "PET_RDZV_ID" not in str(elastic) and "LLMP_JOB_UID" not in str(elastic)
+
+
 def test_the_train_task_defers_while_the_job_runs_and_resumes_to_collect_it(home, kube):
     """Deferrable wait: the task submits the PyTorchJob and defers (its worker slot is freed); the trigger polls
     the job to Succeeded; the resumed task adopts the finished job (no second submit) and commits the manifest."""

@@ -164,7 +164,7 @@ def test_rendered_trainjob_validates_against_trainer_v2s_crd_and_says_what_the_p
     assert t["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
     assert t["command"][:1] == ["torchrun"] and "pipelines.train.trainer" in t["command"]
     assert {"name": "FI_PROVIDER", "value": "efa"} in t["env"]
-    secret = [e for e in t["env"] if "valueFrom" in e]
+    secret = [e for e in t["env"] if "secretKeyRef" in e.get("valueFrom", {})]
     assert {e["valueFrom"]["secretKeyRef"]["name"] for e in secret} == {"mlflow-client"}
     (node,) = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
     pod = node["template"]["spec"]["template"]["spec"]

@@ -9,9 +9,10 @@ The same boto3 code talks to AWS or to a local endpoint:
   ``… stop`` (its teardown task). Its address is kept in ``var/s3/endpoint.json``.
 
 Every call is bounded (:class:`Bounds`): the data stages' clients per request (5 s to connect, 60 s per read, 5
-attempts); the checkpoint path's (:func:`client`, ``checkpoint.s3_*``) also in all, retries included: a call moving
-N MiB ends within connect + read timeouts + N / ``s3_min_mb_per_s`` seconds (:class:`BoundedClient`), so a hung
-endpoint costs seconds, not minutes.
+attempts); the checkpoint path's (:func:`client`, ``checkpoint.s3_*``) also in all, retries included: its caller
+gets an answer or :class:`S3Timeout` within connect + read timeouts + N / ``s3_min_mb_per_s`` seconds for a call
+moving N MiB (:class:`BoundedClient`), so a hung endpoint costs the caller seconds, not minutes. Only the caller is
+freed: the call given up on goes on in its thread (:func:`call_bounded`), and may still land later.
 
 The embedded endpoint keeps each object as a file, ``var/s3/store/<bucket>/<key>``, served from disk: it starts in
 well under a second whatever it holds, its memory does not grow with what is stored, and L2 copies outlive the DAG
@@ -25,6 +26,7 @@ import base64
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import os
 import signal
@@ -109,9 +111,11 @@ def client_settings(spec: JobSpec) -> dict:
 class Bounds:
     """How long an S3 call may take: ``connect_s`` to open a connection, ``read_s`` for the endpoint's next bytes,
     ``attempts`` per request (botocore's standard retry mode: 5xx, throttling and dropped connections are retried
-    with backoff) and, with ``min_mb_per_s``, a total bound per call, retries included: a call moving N MiB ends
-    within ``connect_s + read_s + N / min_mb_per_s`` seconds (:meth:`total`), with :class:`S3Timeout` when the
-    endpoint does not get there."""
+    with backoff) and, with ``min_mb_per_s``, a total bound per call, retries included: the caller of a call moving
+    N MiB gets its answer, or :class:`S3Timeout`, within ``connect_s + read_s + N / min_mb_per_s`` seconds
+    (:meth:`total`). The total bound frees the caller only: the call itself goes on until botocore's own timeouts
+    end it (``connect_s``, and ``read_s`` per read, each of ``attempts`` tries), and a transfer that is slow but
+    keeps sending is ended by none of them (see :func:`call_bounded`)."""
     connect_s: float = 5.0
     read_s: float = 60.0
     attempts: int = 5
@@ -136,10 +140,11 @@ def checkpoint_bounds(spec: JobSpec) -> Bounds:
 
 def client_from(settings: dict, bounds: Bounds = DATA_BOUNDS):
     """A client whose every request is bounded by ``bounds`` (by default 5 s to connect, 60 s per read, 5 attempts),
-    so an outage ends in an error instead of a hang; with ``bounds.min_mb_per_s`` every call also ends within its
-    total bound (:class:`BoundedClient`). botocore checks a response's checksum only when asked (``ChecksumMode``):
-    some endpoints, the embedded one included, send the whole object's checksum with a range, which a ranged read
-    (ours, s3transfer's parallel download) must not be checked against; what we read is checked by its sha256."""
+    so an outage ends in an error instead of a hang; with ``bounds.min_mb_per_s`` every call also answers its
+    caller within its total bound (:class:`BoundedClient`; the call itself may go on). botocore checks a
+    response's checksum only when asked (``ChecksumMode``): some endpoints, the embedded one included, send the
+    whole object's checksum with a range, which a ranged read (ours, s3transfer's parallel download) must not be
+    checked against; what we read is checked by its sha256."""
     import boto3
     from botocore.config import Config
 
@@ -156,11 +161,29 @@ class S3Timeout(TimeoutError):
     """An S3 call that did not end within its total bound (:meth:`Bounds.total`): the endpoint does not answer."""
 
 
-def call_bounded(fn: Callable, bound_s: float, what: str):
-    """``fn()`` in a daemon thread: its result (or its exception), or :class:`S3Timeout` after ``bound_s``. A call
-    given up on is left to botocore's own timeouts, which end it (at most attempts × (connect + read))."""
+_abandoned: dict[int, tuple[str, str]] = {}  # writes given up on (S3Timeout) that still run: id → (uri, what)
+_abandoned_lock = threading.Lock()
+_call_ids = itertools.count()
+
+
+def abandoned_writes(under: str) -> list[str]:
+    """The S3 writes and deletes of this process at ``under`` (an s3:// URI: that object or prefix) that
+    :func:`call_bounded` gave up on and that still run: each may still land, a PUT or a DELETE, until botocore
+    ends it."""
+    under = under.rstrip("/")
+    with _abandoned_lock:
+        return [what for uri, what in _abandoned.values() if uri == under or uri.startswith(under + "/")]
+
+
+def call_bounded(fn: Callable, bound_s: float, what: str, writes: Optional[str] = None):
+    """``fn()`` in a daemon thread: its result (or its exception), or :class:`S3Timeout` after ``bound_s``. Only
+    the caller is freed: the call given up on goes on in its thread until botocore's own timeouts end it (connect
+    and read timeouts per try, times its attempts), and a slow transfer that keeps sending is not ended by those;
+    so a write or a delete given up on may still land later. Those (``writes``: the s3:// URI it changes) are listed
+    until their thread returns (:func:`abandoned_writes`)."""
     box: dict = {}
     done = threading.Event()
+    key = next(_call_ids)
 
     def run() -> None:
         try:
@@ -168,15 +191,24 @@ def call_bounded(fn: Callable, bound_s: float, what: str):
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
         finally:
-            done.set()
+            with _abandoned_lock:
+                done.set()
+                _abandoned.pop(key, None)
 
     threading.Thread(target=run, daemon=True, name="llmp-s3-call").start()
     if not done.wait(max(0.0, bound_s)):
+        with _abandoned_lock:
+            if writes and not done.is_set():
+                _abandoned[key] = (writes, what)
         raise S3Timeout(f"S3 {what}: no answer within {bound_s:.1f} s (its bound: checkpoint.s3_connect_timeout_s + "
                         "s3_read_timeout_s + its MiB / s3_min_mb_per_s)")
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+WRITE_OPS = frozenset({"PutObject", "DeleteObject", "DeleteObjects", "CopyObject", "CreateMultipartUpload",
+                       "UploadPart", "UploadPartCopy", "CompleteMultipartUpload", "AbortMultipartUpload"})
 
 
 def _body_bytes(body) -> int:
@@ -195,10 +227,12 @@ def _body_bytes(body) -> int:
 
 
 class BoundedClient:
-    """A boto3 S3 client whose every call ends within its total bound (:meth:`Bounds.total` of the bytes it moves):
-    API calls, each page of a paginator, each read of a GetObject body (the object's size from the response, one
-    deadline for the whole body), ``upload_file`` (the file's size) and ``download_file`` (the object's size, from
-    a HEAD first). Everything else is the wrapped client's (``meta``, ``exceptions``, event hooks)."""
+    """A boto3 S3 client whose every call answers its caller within its total bound (:meth:`Bounds.total` of the
+    bytes it moves): API calls, each page of a paginator, each read of a GetObject body (the object's size from the
+    response, one deadline for the whole body), ``upload_file`` (the file's size) and ``download_file`` (the
+    object's size, from a HEAD first). A call given up on is not stopped (:func:`call_bounded`); its writes and
+    deletes are listed while they run (:func:`abandoned_writes`). Everything else is the wrapped client's
+    (``meta``, ``exceptions``, event hooks)."""
 
     def __init__(self, raw, bounds: Bounds):
         if not bounds.min_mb_per_s:
@@ -214,7 +248,8 @@ class BoundedClient:
 
     def _call(self, op: str, fn: Callable, kw: dict):
         what = f"{op} s3://{kw.get('Bucket', '')}/{kw.get('Key', kw.get('Prefix', ''))}"
-        out = call_bounded(lambda: fn(**kw), self.bounds.total(_body_bytes(kw.get("Body", b""))), what)
+        writes = f"s3://{kw.get('Bucket', '')}/{kw.get('Key', '')}" if op in WRITE_OPS else None
+        out = call_bounded(lambda: fn(**kw), self.bounds.total(_body_bytes(kw.get("Body", b""))), what, writes)
         if op == "GetObject" and "Body" in out:
             deadline = time.monotonic() + self.bounds.total(int(out.get("ContentLength") or 0))
             out["Body"] = _BoundedBody(out["Body"], deadline, what)
@@ -226,7 +261,7 @@ class BoundedClient:
     def upload_file(self, filename: str, bucket: str, key: str, **kw) -> None:
         size = os.path.getsize(filename)
         call_bounded(lambda: self.raw.upload_file(filename, bucket, key, **kw), self.bounds.total(size),
-                     f"upload of {filename} to s3://{bucket}/{key}")
+                     f"upload of {filename} to s3://{bucket}/{key}", f"s3://{bucket}/{key}")
 
     def download_file(self, bucket: str, key: str, filename: str, **kw) -> None:
         size = int(self.head_object(Bucket=bucket, Key=key)["ContentLength"])

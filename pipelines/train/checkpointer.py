@@ -142,7 +142,7 @@ class Promoter:
     (:attr:`failed`) and the final step's is checked at :meth:`Checkpointer.close`. The L2 thread, when an S3
     endpoint is configured, takes each step the L1 thread committed: each node uploads its part, the committing
     rank writes the step's global COMMIT there, catches up the steps L2 missed and applies L2 retention. The two
-    never wait for each other: a hung or failing L2 (every S3 call ends within its bound, ``checkpoint.s3_*``) is a
+    never wait for each other: a hung or failing L2 (every S3 call answers within its bound, ``checkpoint.s3_*``) is a
     warning and a ``ckpt/l2_errors`` metric, never a late or lost L1 commit; the step waits in :attr:`l2_behind`
     (``ckpt/l2_behind``: steps waiting for L2) and L2 catches up from L1 at the next step that finds it answering
     (the ``promote`` stage finishes the final step). L0/L1 retention never removes a step the L2 thread reads
@@ -203,12 +203,13 @@ class Promoter:
         if self.l2_thread is not None and self.commits:
             self.l2q.put(("missing",))
 
-    def finish_l2(self, final: Optional[int], timeout_s: float) -> None:
+    def finish_l2(self, final: Optional[int], timeout_s: float) -> bool:
         """Close: the L2 thread finishes what it has, then (the committing rank) puts the final step on L2 with any
         step L2 missed; waited for at most ``timeout_s``. Never raises: what L2 lacks then is a warning and a
-        ``ckpt/l2_errors`` metric (the ``promote`` stage puts the final step on L2)."""
+        ``ckpt/l2_errors`` metric (the ``promote`` stage puts the final step on L2). True when the thread stopped
+        (or there is none), False when it still runs (its later writes meet the released fence)."""
         if self.l2_thread is None:
-            return
+            return True
         if final is not None and self.commits:
             self.l2q.put(("final", final))
         self.l2q.put(None)
@@ -217,6 +218,8 @@ class Promoter:
             self.events.add("ckpt/l2_errors", 1, final or 0)
             self.log(f"[ckpt] warning: L2 still busy after {timeout_s:.0f} s at close ({self.l2_waiting()} step(s) "
                      "waiting for it); L1 holds every step, the promote stage puts the final step on L2")
+            return False
+        return True
 
     def l2_waiting(self) -> int:
         """Steps waiting for L2: handed to the L2 thread and not done there, or left behind by an outage."""
@@ -590,9 +593,9 @@ class Checkpointer:
         temp dirs on its own L0 of attempts that are gone (their lease expired: a live attempt's stay)."""
         box = [self._take_term() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
-        attempt, term, why = box[0]
+        attempt, term, why, fenced = box[0]
         if why is not None:  # every rank stops with rank 0's reason
-            raise (fence.FencedOut if why.startswith("[fence]") else ck.CheckpointError)(why)
+            raise (fence.FencedOut if fenced else ck.CheckpointError)(why)
         lease_s = self.spec.checkpoint.lease_s
         d = fence.fence_dir(self.spec, self.rel_root)
         if self.fence is None:
@@ -610,21 +613,22 @@ class Checkpointer:
         """This run's directory on each tier (L0, L1, the L2 prefix): what its fence guards."""
         return tuple(ckpt_tiers.tier_locations(self.spec, self.rel_root).values())
 
-    def _take_term(self) -> tuple[str, Optional[int], Optional[str]]:
-        """Global rank 0: (a new attempt id, the term it took and renews, None), or (…, None, why not)."""
+    def _take_term(self) -> tuple[str, Optional[int], Optional[str], bool]:
+        """Global rank 0: (a new attempt id, the term it took and renews, None, False), or (…, None, why not, whether
+        it was fenced out: a superseded launch)."""
         attempt = uuid.uuid4().hex[:8]
         try:
             self.fence = fence.Fence.take(fence.fence_dir(self.spec, self.rel_root), attempt,
                                           self.spec.checkpoint.lease_s, self._fenced_roots(), self.log,
                                           fence.launch_id())
         except fence.FencedOut as e:
-            return attempt, None, str(e)
+            return attempt, None, str(e), True
         except (OSError, ck.CheckpointError) as e:
-            return attempt, None, f"checkpoint.l1: cannot take this attempt's term: {e}"
+            return attempt, None, f"checkpoint.l1: cannot take this attempt's term: {e}", False
         self.fence.start_renewing()
         self.log(f"[fence] attempt {attempt} holds term {self.fence.term} (lease checkpoint.lease_s="
                  f"{self.spec.checkpoint.lease_s:g} s)")
-        return attempt, self.fence.term, None
+        return attempt, self.fence.term, None, False
 
     def fence_info(self) -> dict:
         """This attempt and its term (the train stage checks at the end that no newer term superseded it)."""
@@ -745,8 +749,8 @@ class Checkpointer:
         with the reason, never an exit 0 without it. L2 gets it too when it answers, waited for at most half of
         ``checkpoint.collective_timeout_minutes`` (else a warning: never a failure for L2). A superseded
         attempt (:mod:`pipelines.train.fence`) raises :class:`~pipelines.train.fence.FencedOut` instead. Done, it
-        gives its lease back."""
-        local = None  # this rank's own failure, shared below so that no rank waits alone in a collective
+        releases its fence (:meth:`_release`)."""
+        local = None  # this rank's own failure (type, message), shared below: no rank waits alone in a collective
         try:
             fence.check("closing the run's checkpoints", self.root)
             self.wait()
@@ -755,7 +759,7 @@ class Checkpointer:
                     self.promoter.submit(final_step)
                 self.promoter.drain(self.wait_s)
         except Exception as e:  # noqa: BLE001 - reported on every rank
-            local = f"{type(e).__name__}: {e}"
+            local = (type(e).__name__, str(e))
         self._raise_if_any_rank_failed(local, "saving the final checkpoint failed")
         if final_step is not None:
             why = self._final_on_l1(final_step)
@@ -772,24 +776,39 @@ class Checkpointer:
                 dist.barrier(group=self.pg)  # every node's L1 thread is drained: its parts are on L1
             if self.topo.parts > 1 and self.promoter is not None:
                 self.promoter.retain(final_step)
-        if self.promoter is not None:  # rank 0's L2 thread puts the final step there after every node's part
-            self.promoter.finish_l2(final_step, self.wait_s / 2)
+        stopped = True  # rank 0's L2 thread puts the final step there after every node's part
+        if self.promoter is not None:
+            stopped = self.promoter.finish_l2(final_step, self.wait_s / 2)
         if self.bg is not None:
             self.bg.shutdown()
         self.stager.close()
-        fence.uninstall(self.fence)
-        self.fence.release()
+        self._release(stopped)
 
-    def _raise_if_any_rank_failed(self, local: Optional[str], what: str) -> None:
-        """Collective: ``CheckpointError`` on every rank when any rank's ``local`` failure is set, naming the first."""
+    def _release(self, stopped: bool) -> None:
+        """Collective, at the end of :meth:`close`: the fence is released (fenced for good). While this process's L2
+        thread still runs (``stopped`` False) it stays installed: every later check raises
+        :class:`~pipelines.train.fence.FencedOut`, so a write of that thread goes no further; with no thread of the
+        attempt left it is uninstalled (the process may go on using the storage functions, unfenced, as before).
+        Rank 0 gives the lease back only when every node's L2 thread stopped, else it expires within
+        ``checkpoint.lease_s`` and the next attempt's cleanup keeps this one's temp files until then."""
+        every = [None] * self.world
+        dist.all_gather_object(every, stopped, group=self.pg)
+        self.fence.release(give_back=all(every))
+        if stopped:
+            fence.uninstall(self.fence)
+
+    def _raise_if_any_rank_failed(self, local: Optional[tuple[str, str]], what: str) -> None:
+        """Collective: ``CheckpointError`` on every rank when any rank's ``local`` failure (its exception's type name
+        and message) is set, naming the first; :class:`~pipelines.train.fence.FencedOut` when a rank was fenced."""
         errors = [None] * self.world
         dist.all_gather_object(errors, local, group=self.pg)
-        if any(errors):
-            rank = next(i for i, e in enumerate(errors) if e)
-            fenced = next((e for e in errors if e and e.startswith("FencedOut: ")), None)
-            if fenced:  # one line, as every fenced rank says it
-                raise fence.FencedOut(fenced[len("FencedOut: "):])
-            raise ck.CheckpointError(f"{what} on rank {rank}: {errors[rank]}")
+        failed = [(rank, e) for rank, e in enumerate(errors) if e]
+        fenced = next((msg for _, (kind, msg) in failed if kind == fence.FencedOut.__name__), None)
+        if fenced is not None:  # one line, as every fenced rank says it
+            raise fence.FencedOut(fenced)
+        if failed:
+            rank, (kind, msg) = failed[0]
+            raise ck.CheckpointError(f"{what} on rank {rank}: {kind}: {msg}")
 
     def _final_on_l1(self, step: int) -> Optional[str]:
         """Collective: None when ``step`` is globally committed on L1 (MANIFEST matches COMMIT), else why not."""
@@ -818,7 +837,7 @@ class Checkpointer:
             if self.promoter is not None and step not in self.promoter.submitted:
                 self.promoter.submit(step)  # checkpoint.promote_during_run=false: this step goes now
         except Exception as e:  # noqa: BLE001 - reported on every rank
-            local = f"{type(e).__name__}: {e}"
+            local = (type(e).__name__, str(e))
         self._raise_if_any_rank_failed(local, f"preemption: saving step {step} failed")
         box = [self._wait_l1(step, deadline) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.pg)

@@ -118,7 +118,9 @@ def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: lis
 
 def upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: dict,
                   parts: dict[str, list[bytes]]) -> None:
-    """Upload ``files`` of ``src`` under ``prefix``, each object checked against the manifest's sha256."""
+    """Upload ``files`` of ``src`` under ``prefix``, each object checked against the manifest's sha256. Under a fence,
+    checked before each file (:func:`pipelines.train.fence.check`): a part of many files stops sending as soon as its
+    attempt is superseded, not only at its COMMIT."""
     cfg = transfer_config(spec)
     part = spec.checkpoint.multipart_chunk_mb * 1024 * 1024
     for rel, info in files.items():
@@ -128,6 +130,7 @@ def upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: 
                 _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info,
                            checksums_verified(s3)) in (None, UNCHECKED):
             continue  # uploaded already (a node's part, an interrupted upload): not sent twice
+        fence.check(f"uploading {rel} to s3://{bucket}/{prefix}", f"s3://{bucket}/{key}")
         if size >= cfg.multipart_threshold and not (digests and len(digests) == -(-size // part_size_used(size, part))):
             digests = part_digests(src / rel, part_size_used(size, part))  # multipart: always with our part digests
         if size >= cfg.multipart_threshold:

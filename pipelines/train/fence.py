@@ -9,16 +9,22 @@ Each attempt (the :class:`~pipelines.train.checkpointer.Checkpointer`'s attempt 
   filesystem, NFS and Lustre included), holding the attempt id and its launch (torchrun's run id). The highest
   term is the current one: a newer attempt supersedes every older one by taking its term.
 * ``lease-<attempt>``: the attempt's expiry (wall clock), renewed by global rank 0 every third of
-  ``checkpoint.lease_s``. Clocks across nodes must agree to well under ``lease_s`` (NTP).
+  ``checkpoint.lease_s``, written atomically into the existing directory (never made again: a lost fence directory
+  fences the attempts whose term file it held). Clocks across nodes must agree to well under ``lease_s`` (NTP).
 
 Every rank installs its attempt's :class:`Fence` for the process (:func:`install`). The storage functions call
 :func:`check` right before each COMMIT (a write or a rename into place) and each deletion of committed data on
 L0, L1 and L2, and :func:`guard` before replacing or deleting a committed copy. Both raise :class:`FencedOut`
-when this attempt's term is no longer the highest, its lease expired (the renewing rank: not renewed within
-``lease_s``, e.g. cut off from L1), or a copy was committed by a newer term. Manifests record the term that
-wrote a step (``term``). L2 has no fence of its own: every COMMIT put or deleted there is preceded by the L1
-check (see docs/training.md, "Fencing"). A process with no fence installed (the promote stage, tools, tests that
-call the storage functions) is not fenced; nor is a path outside the installed fence's run.
+when this attempt's term is no longer the highest, its own term file is gone or names another attempt, its lease
+expired (the renewing rank: not renewed within ``lease_s``, e.g. cut off from L1; a read that keeps failing, ESTALE
+or EIO, only once no read succeeded for ``lease_s``), or a copy was committed by a newer term. An S3 write also
+waits for one of this process at the same place that was given up on and still runs (:func:`settle_s3`). At close
+the fence is released (:meth:`Fence.release`: fenced for good) and, while a thread of the attempt still runs (an L2
+upload close gave up waiting for), left installed: every later check of the process raises, so that thread writes
+nothing more. Manifests record the term that wrote a step (``term``). L2 has no fence of its
+own: every COMMIT put or deleted there, and every file uploaded, is preceded by the L1 check (see
+docs/training.md, "Fencing"). A process with no fence installed (the promote stage, tools, tests that call the
+storage functions) is not fenced; nor is a path outside the installed fence's run.
 
 A superseded launch cannot come back: torchrun restarting the ranks of a fenced-out attempt starts an attempt
 of the same launch, which refuses to take a term while a newer term of another launch exists (:meth:`Fence.take`).
@@ -34,9 +40,8 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
-from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.train.checkpoint import CKPT_MANIFEST, CheckpointError
 
@@ -44,6 +49,14 @@ FENCE_DIR = ".fence"
 TERM_PREFIX = "term-"
 LEASE_PREFIX = "lease-"
 TAKE_TRIES = 1000  # terms taken by others between our listing and our exclusive create, at most
+READ_TRIES = 3  # a lease or term file read that fails (ESTALE, EIO) is tried again this many times in all
+READ_RETRY_S = 0.05
+# torchrun's default rendezvous id, and the rendered Kubernetes jobs' when a pod could not learn its job's uid
+# (pipelines.train.k8s.rendezvous_env): every job has it, so it names no launch
+SHARED_RUN_IDS = ("none", "llmp-")
+SETTLE_S3_S = 10.0  # how long an S3 write waits for an earlier one given up on at the same place (settle_s3)
+
+T = TypeVar("T")
 
 
 class FencedOut(CheckpointError):
@@ -59,39 +72,54 @@ def fence_dir(spec: JobSpec, rel_root: str) -> Path:
 
 def launch_id() -> Optional[str]:
     """The launch this process belongs to, the same across torchrun's restarts of the ranks: torchrun's run id and,
-    on one node, its agent's host and pid (two jobs of one name share a run id). With several nodes the run id alone:
-    c10d may give global rank 0 to another node's agent after a restart. None off torchrun."""
+    on one node, its agent's host and pid (two jobs of one name share a run id). With several nodes the run id alone
+    (c10d may give global rank 0 to another node's agent after a restart), unless it is one that every job shares
+    (:data:`SHARED_RUN_IDS`): then None, as off torchrun (no launch is refused; a launch named by a shared id would
+    take a re-created job for its zombie, or refuse it for good after another launch's term)."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run:
         return None
-    one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
-    return f"{run}@{socket.gethostname()}/{os.getppid()}" if one_node else run
+    if os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):
+        return f"{run}@{socket.gethostname()}/{os.getppid()}"
+    return None if run in SHARED_RUN_IDS else run
+
+
+def _numbered(d: Path) -> dict[int, Path]:
+    """{term: its file}: the names only, no file read (a name that is not ``term-<number>`` is left out)."""
+    out = {}
+    for p in d.glob(f"{TERM_PREFIX}*") if d.is_dir() else []:
+        try:
+            out[int(p.name[len(TERM_PREFIX):])] = p
+        except ValueError:
+            continue
+    return out
+
+
+def _term_body(p: Path) -> dict:
+    """A term file's record; one being written, unreadable or not a JSON object reads as ``{}``."""
+    try:
+        body = json.loads(p.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def read_terms(d: Path) -> dict[int, dict]:
     """{term: {"attempt", "launch"}}: every term taken; one being written reads as ``{}``."""
-    out = {}
-    for p in d.glob(f"{TERM_PREFIX}*") if d.is_dir() else []:
-        try:
-            n = int(p.name[len(TERM_PREFIX):])
-        except ValueError:
-            continue
-        try:
-            out[n] = json.loads(p.read_text() or "{}")
-        except (OSError, ValueError):
-            out[n] = {}
-    return out
+    return {n: _term_body(p) for n, p in _numbered(d).items()}
 
 
 def current_term(d: Path) -> int:
     """The highest term taken (0: none): the names only, no file read."""
-    terms = []
-    for p in d.glob(f"{TERM_PREFIX}*") if d.is_dir() else []:
-        try:
-            terms.append(int(p.name[len(TERM_PREFIX):]))
-        except ValueError:
-            continue
-    return max(terms, default=0)
+    return max(_numbered(d), default=0)
+
+
+def _expiry(p: Path) -> float:
+    """A lease file's expiry; raises ``OSError`` (``FileNotFoundError`` when absent) or ``ValueError`` (not a lease)."""
+    try:
+        return float(json.loads(p.read_text())["expires"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{p.name} is not a lease ({type(e).__name__}: {e})") from None
 
 
 def read_leases(d: Path) -> dict[str, float]:
@@ -99,26 +127,59 @@ def read_leases(d: Path) -> dict[str, float]:
     out = {}
     for p in d.glob(f"{LEASE_PREFIX}*") if d.is_dir() else []:
         try:
-            out[p.name[len(LEASE_PREFIX):]] = float(json.loads(p.read_text())["expires"])
-        except (OSError, ValueError, KeyError, TypeError):
+            out[p.name[len(LEASE_PREFIX):]] = _expiry(p)
+        except (OSError, ValueError):
             out[p.name[len(LEASE_PREFIX):]] = 0.0
     return out
 
 
+def _retried(read: Callable[[], T]) -> T:
+    """``read()``, tried again on an error other than file-not-found (ESTALE, EIO, a torn read), ``READ_TRIES``
+    times in all; the last error is raised (``FileNotFoundError`` at once)."""
+    for i in range(READ_TRIES - 1):
+        try:
+            return read()
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError):
+            time.sleep(READ_RETRY_S * (i + 1))
+    return read()
+
+
 def read_lease(d: Path, attempt: str) -> Optional[float]:
-    """``attempt``'s expiry; None when it holds no lease; 0 when unreadable (expired)."""
-    p = d / f"{LEASE_PREFIX}{attempt}"
+    """``attempt``'s expiry; None when it holds no lease. Another error (ESTALE, EIO, not a lease) is tried again
+    (:func:`_retried`) and then raised (``OSError`` or ``ValueError``): the caller decides how long it may last."""
     try:
-        return float(json.loads(p.read_text())["expires"])
+        return _retried(lambda: _expiry(d / f"{LEASE_PREFIX}{attempt}"))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0.0
+
+
+def term_owner(d: Path, n: int) -> Optional[str]:
+    """The attempt that term ``n``'s file names (``""`` when it names none); None when the file is gone. Other read
+    errors are tried again, then raised (:func:`_retried`)."""
+    try:
+        body = _retried(lambda: json.loads((d / f"{TERM_PREFIX}{n:09d}").read_text() or "{}"))
+    except FileNotFoundError:
+        return None
+    return str(body.get("attempt") or "") if isinstance(body, dict) else ""
 
 
 def write_lease(d: Path, attempt: str, term: int, expires: float) -> None:
-    atomic_write_text(d / f"{LEASE_PREFIX}{attempt}", json.dumps({"attempt": attempt, "term": term,
-                                                                   "expires": expires}))
+    """Write the lease atomically into the existing fence directory ``d`` (never created here: a lost fence
+    directory must not come back as an empty one that fences nothing)."""
+    p = d / f"{LEASE_PREFIX}{attempt}"
+    tmp = d / f".{p.name}.tmp-{uuid.uuid4().hex[:8]}"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # FileNotFoundError when d is gone
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"attempt": attempt, "term": term, "expires": expires}))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _create_term(d: Path, n: int, attempt: str, launch: Optional[str]) -> bool:
@@ -155,6 +216,7 @@ class Fence:
         self.roots = tuple(r.rstrip("/") for r in roots)
         self.renewed: Optional[float] = None  # time.monotonic() of the last renewal (the renewing rank)
         self.fenced: Optional[str] = None  # why, once fenced out: sticky
+        self.read_ok = time.monotonic()  # the last time its term file and lease on L1 could be read
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -223,11 +285,35 @@ class Fence:
         if self.renewed is not None and self._thread is not None and time.monotonic() - self.renewed > self.lease_s:
             return f"{me}: its lease was not renewed for {time.monotonic() - self.renewed:.0f} s (checkpoint.lease_s=" \
                    f"{self.lease_s:g})"
+        try:
+            why = self._own_records(me)
+        except (OSError, ValueError) as e:
+            return self._unreadable(me, e)
+        self.read_ok = time.monotonic()
+        return why
+
+    def _own_records(self, me: str) -> Optional[str]:
+        """Why this attempt's own term file or lease on L1 fences it, else None; raises when one cannot be read."""
+        owner = term_owner(self.dir, self.term)
+        if owner is None:  # a lost fence directory: another attempt could take term 1 in a new one, unfenced
+            return f"{me}: its term file is gone ({self.dir}/{TERM_PREFIX}{self.term:09d})"
+        if owner != self.attempt:
+            return f"{me}: its term file names attempt {owner or 'none'}"
         expires = read_lease(self.dir, self.attempt)
         if expires is None:
             return f"{me} holds no lease on L1"
         if expires < time.time():
             return f"{me}: its lease on L1 expired {time.time() - expires:.0f} s ago"
+        return None
+
+    def _unreadable(self, me: str, e: Exception) -> Optional[str]:
+        """A term or lease read that keeps failing (ESTALE, EIO): fenced only once no read succeeded for ``lease_s``."""
+        since = time.monotonic() - self.read_ok
+        if since > self.lease_s:
+            return (f"{me}: its term and lease on L1 could not be read for {since:.0f} s (checkpoint.lease_s="
+                    f"{self.lease_s:g}): {type(e).__name__}: {e}")
+        self.log(f"[fence] warning: attempt {self.attempt} could not read its term or lease on L1 "
+                 f"({type(e).__name__}: {e}); fenced if this lasts checkpoint.lease_s={self.lease_s:g} s")
         return None
 
     def guard(self, what: str, recorded: Optional[int]) -> None:
@@ -239,15 +325,21 @@ class Fence:
             self._stop.set()
             raise FencedOut(f"{self.fenced}: stopping before {what} (committed by term {recorded})")
 
-    def release(self) -> None:
-        """Stop renewing; the renewing rank marks its lease expired (its temp files may go)."""
+    def release(self, give_back: bool = True) -> None:
+        """This attempt has ended: stop renewing and fence it for good, so that while it stays installed a write that
+        a thread of it left running makes later (an L2 upload) raises :class:`FencedOut` instead of going unchecked.
+        The renewing rank marks its lease expired (its temp files may go) when ``give_back``, else leaves it to
+        expire within ``lease_s`` (a thread of the attempt may still use them)."""
+        if self.fenced is None:
+            self.fenced = f"[fence] attempt {self.attempt} (term {self.term}) is released: this attempt has ended"
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.lease_s)
-            try:
-                write_lease(self.dir, self.attempt, self.term, 0.0)
-            except OSError:
-                pass
+            if give_back:
+                try:
+                    write_lease(self.dir, self.attempt, self.term, 0.0)
+                except OSError:
+                    pass
 
 
 _active: Optional[Fence] = None
@@ -274,10 +366,26 @@ def uninstall(f: Fence) -> None:
 
 def check(what: str, where) -> None:
     """Before a COMMIT or a deletion at ``where`` (a path or an s3:// URI): :meth:`Fence.check` when this process
-    has a fence covering it; nothing otherwise."""
+    has a fence covering it, and on S3 :func:`settle_s3`; nothing otherwise."""
     f = _active
     if f is not None and f.covers(where):
         f.check(what)
+        if str(where).startswith("s3://"):
+            settle_s3(what, str(where))
+
+
+def settle_s3(what: str, where: str) -> None:
+    """An earlier S3 write or delete of this process at ``where`` that was given up on after its bound and still
+    runs could land after this one (a stale object over a new one, a COMMIT deleted): waited for at most
+    :data:`SETTLE_S3_S`, then refused with :class:`CheckpointError` (L2 leaves the step for a later try)."""
+    from pipelines.storage.s3 import abandoned_writes
+
+    deadline = time.monotonic() + SETTLE_S3_S
+    while left := abandoned_writes(where):
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{left[0]} was given up on and still runs: stopping before {what} (it could land "
+                                  "after it)")
+        time.sleep(0.1)
 
 
 def guard(what: str, where, manifest: Callable[[], Optional[dict]]) -> None:
@@ -358,13 +466,24 @@ def removable(path: Path, leases: dict[str, float], lease_s: float, now: Optiona
 
 def superseded(spec: JobSpec, rel_root: str, info: Optional[dict]) -> Optional[str]:
     """For the launcher, once the ranks are done: why the attempt that wrote the result (``info``: its attempt and
-    term) is superseded, else None (also when the result names none)."""
+    term) is superseded or cannot be shown not to be (the fence directory missing or empty, its term file gone,
+    naming another attempt or unreadable: fail closed), else None (also when the result names no term)."""
     if not info or not isinstance(info.get("term"), int):
         return None
-    top = current_term(fence_dir(spec, rel_root))
-    if top > info["term"]:
-        return (f"[fence] attempt {info.get('attempt')} (term {info['term']}) is superseded by term {top}: its result "
-                "is not committed as the stage's")
+    d, n = fence_dir(spec, rel_root), info["term"]
+    me = f"[fence] attempt {info.get('attempt')} (term {n})"
+    not_mine = "its result is not committed as the stage's"
+    top = current_term(d)
+    if top == 0:
+        return f"{me}: the fence directory {d} is missing or holds no term: {not_mine}"
+    if top > n:
+        return f"{me} is superseded by term {top}: {not_mine}"
+    try:
+        owner = term_owner(d, n)
+    except (OSError, ValueError) as e:
+        return f"{me}: its term file cannot be read ({type(e).__name__}: {e}): {not_mine}"
+    if owner != info.get("attempt"):
+        return f"{me}: its term file is {'gone' if owner is None else f'of attempt {owner or None}'}: {not_mine}"
     return None
 
 

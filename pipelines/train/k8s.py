@@ -131,6 +131,27 @@ def pod_grace_s(spec: JobSpec) -> int:
     return math.ceil(spec.train.preempt_grace_s) + 5
 
 
+RDZV_PREFIX = "llmp-"  # PET_RDZV_ID = llmp-<the job's uid>; "llmp-" alone when the pod could not learn it
+
+
+def rendezvous_env(spec: JobSpec) -> list[dict]:
+    """torchrun's rendezvous id (``PET_RDZV_ID``; ``TORCHELASTIC_RUN_ID`` in the ranks), distinct for every job
+    object, so that the fence (:func:`pipelines.train.fence.launch_id`) tells a job from one re-created under its
+    name (torchrun's default, ``none``, is every job's). From the downward API: a TrainJob's pods, the uid of
+    their batch Job (one per TrainJob, holding every node); a PyTorchJob without an elastic range (static
+    rendezvous: the id need not agree across pods, and rank 0 is on the Master), the pod's own uid. An elastic
+    PyTorchJob (c10d: one id for every pod, and no per-job value reaches them) keeps torchrun's default."""
+    L = spec.launcher
+    if L.job_kind == "trainjob":
+        path = "metadata.labels['batch.kubernetes.io/controller-uid']"
+    elif L.min_nodes is None or L.min_nodes >= L.nnodes:
+        path = "metadata.uid"
+    else:
+        return []
+    return [{"name": "LLMP_JOB_UID", "valueFrom": {"fieldRef": {"fieldPath": path}}},
+            {"name": "PET_RDZV_ID", "value": f"{RDZV_PREFIX}$(LLMP_JOB_UID)"}]  # never empty: torchrun refuses ""
+
+
 def pod_parts(spec: JobSpec, run_id: str, trainer_args: list[str], module: str,
               extra_env: dict[str, str] | None) -> PodParts:
     L = spec.launcher
@@ -144,7 +165,7 @@ def pod_parts(spec: JobSpec, run_id: str, trainer_args: list[str], module: str,
     if L.shared_fs_claim:
         mounts.append({"name": "shared-fs", "mountPath": L.shared_fs_mount})
         volumes.append({"name": "shared-fs", "persistentVolumeClaim": {"claimName": L.shared_fs_claim}})
-    pod_env = []
+    pod_env = rendezvous_env(spec)
     if node_local_l0(spec):
         mount = {"name": "node-local", "mountPath": spec.checkpoint.l0}
         if L.node_local_path:  # a host's disk: two pods of the job on one host each get a directory of their own

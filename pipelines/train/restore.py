@@ -136,8 +136,11 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
     for (s, attempt, parts), have in spread.items():
         if s not in found and have == set(range(parts)):
             found[s] = {"step": s, "attempt": attempt, "parts": parts, "l1": False}
-    out = sorted(found.values(), key=lambda c: -c["step"])
-    return [c for c in out if want is None or c["step"] == want]
+    out = [c for c in sorted(found.values(), key=lambda c: -c["step"]) if want is None or c["step"] == want]
+    if out and not out[0]["l1"] and want is None:  # L2 could hold a newer step (L1 lost, a new L1): say so
+        ckpt.log(f"[ckpt] restore: L2 not consulted: step {out[0]['step']} can be restored from the nodes' disks or "
+                 "L1's staging and L1 holds no newer global commit (L2 is listed only when no such step restores)")
+    return out
 
 
 def l2_candidates(ckpt, want: Optional[int], skip: set[int]) -> list[dict]:

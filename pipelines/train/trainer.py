@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,11 @@ from pipelines.train import heartbeat
 
 
 FWD_BWD, AGREE = "forward/backward", "all-reduce (agree on a spike or a notice)"  # heartbeat phases in a step
+MLFLOW = "MLflow logging (rank 0; the others wait at a barrier)"  # its client retries for minutes
+# the final close's waits in a row, each bounded by the collective timeout: the save in flight, the promotions'
+# drain, the final step promoted again when L1 lacks it, L2 for half of it (Checkpointer.close)
+CLOSE_WAITS = 3.5
+T = TypeVar("T")
 
 
 class TrainingDiverged(RuntimeError):
@@ -229,7 +234,7 @@ class Trainer:
             "model_args.json": json.dumps(self.margs.to_dict(), indent=2).encode(),
             "tokenizer.model": self.tok.output("tokenizer").read_bytes()})
         t0 = time.perf_counter()
-        heartbeat.beat("restore", slow=True)
+        heartbeat.beat("restore", waits=1)
         restored = self._find_restore()
         self.restore_s = time.perf_counter() - t0  # choosing the step and making its parts readable, not the load
         self._model(restored.state if restored else None)
@@ -240,20 +245,28 @@ class Trainer:
         self.guard = SpikeGuard(t.spike_window, t.spike_sigma, t.spike_min_history)
         self.guard.reset([loss for _, loss in self.prog.losses])
         self.faults = Faults.from_env()
-        self.tracker = Tracker(spec, spec.run.mlflow_run_id or self.prog.mlflow_run_id) if self.rank == 0 else None
+        self.cold = {FWD_BWD, AGREE, "evaluation"}  # the first of a start compiles, sets up communicators
+        self.tracker = self._mlflow(lambda: Tracker(spec, spec.run.mlflow_run_id or self.prog.mlflow_run_id))
         self.step_times: list[float] = []
         self.validator = self._validator()
         self.next_save = self.prog.step + spec.checkpoint.probe_step
         self.loader = self._loader()
-        # the first of a start compiles, sets up communicators, plans the save and its staging buffers
-        self.cold = {FWD_BWD, AGREE, "evaluation", "checkpoint save"}
 
-    def _beat(self, phase: str, slow: bool = False) -> None:
+    def _beat(self, phase: str, waits: float = 0) -> None:
         """This rank's progress (``pipelines.train.heartbeat``) with the step it is at: the step in flight in
-        ``FWD_BWD`` and ``AGREE``, else the steps done. The first step, evaluation and save of a start are allowed
-        the slow phases' silence."""
-        heartbeat.beat(phase, self.prog.step + (phase in (FWD_BWD, AGREE)), slow or phase in self.cold)
+        ``FWD_BWD`` and ``AGREE``, else the steps done; ``waits``: how many waits bounded by the collective timeout
+        the phase may make one after the other. The first step and evaluation of a start are allowed one."""
+        heartbeat.beat(phase, self.prog.step + (phase in (FWD_BWD, AGREE)), max(waits, int(phase in self.cold)))
         self.cold.discard(phase)
+
+    def _mlflow(self, call: Callable[[], T]) -> Optional[T]:
+        """Rank 0 talks to MLflow (``call``'s result; None on the other ranks) while the others wait at a barrier:
+        one phase allowed one wait on every rank (MLflow's client retries for minutes), over when rank 0 is done."""
+        self._beat(MLFLOW, waits=1)
+        got = call() if self.rank == 0 else None
+        if self.world > 1:
+            dist.barrier()
+        return got
 
     def _data(self, tok_manifest_path: str) -> None:
         from pipelines.train.loader import TokenSamples
@@ -409,6 +422,8 @@ class Trainer:
             self.step_times.append(time.perf_counter() - t0)
             self._beat("report")
             self._report(bar, loss, gnorm, lr)
+            if self._to_mlflow():
+                self._mlflow(lambda: self.tracker.flush(self.ckpt.events.take()))
             if self.validator.due(self.prog.step):
                 self._validate()
             if self._due():
@@ -475,7 +490,7 @@ class Trainer:
         step, grace = self.prog.step, self.spec.train.preempt_grace_s
         at = self.notice.at if self.notice.at is not None else time.monotonic()  # another rank's notice
         why = self.notice.describe()
-        self._beat("preemption checkpoint", slow=True)
+        self._beat("preemption checkpoint", waits=1)
         self.log(f"[preempt] {why}: stopping after step {step}; checkpointing it to L0 and L1 "
                  f"(train.preempt_grace_s={grace:g})")
         self.loader.close()
@@ -496,7 +511,7 @@ class Trainer:
         return step == self.next_save if every == "auto" else step % every == 0
 
     def _save(self) -> None:
-        self._beat("checkpoint save")
+        self._beat("checkpoint save", waits=1)  # it waits for the save in flight first (the collective timeout)
         self.ckpt.save(self.prog.step, self.model, self.opt, self._state())
         if self.spec.train.ckpt_every == "auto" and self.prog.step < self.spec.train.steps:
             self.next_save = self.prog.step + self._young_daly()
@@ -535,7 +550,7 @@ class Trainer:
                                    f"— lower train.lr, check the data near sample position {position}, or raise "
                                    "train.max_rollbacks")
         self.sampler.skip.add(position)
-        self._beat("rollback", slow=True)
+        self._beat("rollback", waits=2)  # the save in flight, then the promotions, each bounded
         self.loader.close()
         self.ckpt.wait()
         dist.barrier()
@@ -561,14 +576,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ logging and the end
     def _log_params(self) -> None:
-        if self.tracker is None:
-            return
         m = self.margs
-        self.tracker.params({"params": self.n_params, "world_size": self.world, "global_batch": self.G,
-                             "seq_len": m.seq_len, "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
-                             "vocab_size": m.vocab_size, "steps": self.spec.train.steps, "lr": self.spec.train.lr,
-                             "backend": dist_backend(self.spec), "parallel": self.mode})
-        if self.prog.resumed_from:
+        params = {"params": self.n_params, "world_size": self.world, "global_batch": self.G, "seq_len": m.seq_len,
+                  "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads, "vocab_size": m.vocab_size,
+                  "steps": self.spec.train.steps, "lr": self.spec.train.lr, "backend": dist_backend(self.spec),
+                  "parallel": self.mode}
+        self._mlflow(lambda: self.tracker.params(params))
+        if self.tracker is not None and self.prog.resumed_from:
             self.tracker.add(self.prog.step, {"ckpt/resumed_step": self.prog.resumed_from["step"]})
 
     def _report(self, bar, loss: float, gnorm: float, lr: float) -> None:
@@ -587,8 +601,10 @@ class Trainer:
             if u is not None:
                 metrics["train/mfu"] = u
         self.tracker.add(self.prog.step, metrics)
-        if self.prog.step % self.spec.train.log_every == 0 or self.prog.step == self.spec.train.steps:
-            self.tracker.flush(self.ckpt.events.take())
+
+    def _to_mlflow(self) -> bool:
+        """Every rank knows when rank 0 sends the reports to MLflow: every ``train.log_every`` steps, the last."""
+        return self.prog.step % self.spec.train.log_every == 0 or self.prog.step == self.spec.train.steps
 
     def _flops_per_token(self) -> float:
         # 6N + 12·L·H·d_head·T FLOPs per token (pipelines.train.plan)
@@ -609,10 +625,10 @@ class Trainer:
         from pipelines.train.checkpoint import step_name
 
         t = self.spec.train
-        self._beat("close (final save and promotions)", slow=True)  # rank 0 may still upload after the others
+        self._beat("close (final save and promotions)", CLOSE_WAITS)  # rank 0 may still upload after the others
         self.ckpt.close(t.steps)
         dist.barrier()
-        self._beat("finish", slow=True)  # the others wait at the last barrier while rank 0 writes and logs
+        self._beat("finish", waits=1)  # the others wait at the last barrier while rank 0 writes and logs
         steady = self.step_times[min(len(self.step_times) - 1, 5):] if self.step_times else []
         stalls = self.ckpt.stalls
         result = {
@@ -668,18 +684,11 @@ def main(argv: list[str] | None = None) -> int:
 def run_rank(spec: JobSpec, args, notice: Notice) -> int:
     """This rank's exit status (``pipelines.train.exit_codes``), its heartbeat and its watcher of the node's ranks
     running meanwhile (``pipelines.train.heartbeat``: a rank silent past ``train.hang_timeout_s`` is killed)."""
-    heartbeat.start(spec.train.hang_timeout_s, slow_allowance(spec))  # before the process group: start-up counts
+    heartbeat.start(spec.train.hang_timeout_s, spec.checkpoint.collective_timeout_minutes * 60)  # start-up counts
     try:
         return _run_rank(spec, args, notice)
     finally:
         heartbeat.stop()
-
-
-def slow_allowance(spec: JobSpec) -> float:
-    """The silence allowed in a phase whose waits are bounded by the collective timeout (start-up, restore,
-    rollback, the first step, evaluation and save of a start, the preemption checkpoint, the final close and
-    finish)."""
-    return spec.checkpoint.collective_timeout_minutes * 60 + spec.train.hang_timeout_s
 
 
 def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
