@@ -71,17 +71,18 @@ def fence_dir(spec: JobSpec, rel_root: str) -> Path:
 
 
 def launch_id() -> Optional[str]:
-    """The launch this process belongs to, the same across torchrun's restarts of the ranks: torchrun's run id and,
-    on one node, its agent's host and pid (two jobs of one name share a run id). With several nodes the run id alone
-    (c10d may give global rank 0 to another node's agent after a restart), unless it is one that every job shares
-    (:data:`SHARED_RUN_IDS`): then None, as off torchrun (no launch is refused; a launch named by a shared id would
-    take a re-created job for its zombie, or refuse it for good after another launch's term)."""
+    """The launch this process belongs to, the same across torchrun's restarts of the ranks: torchrun's run id (a
+    uuid of each ``--standalone`` torchrun, the job's id on Kubernetes, one id for every node of an elastic job, so
+    a job that shrinks to one node and grows back stays one launch). A run id that every job shares
+    (:data:`SHARED_RUN_IDS`, torchrun's default) names no launch across nodes (None: no launch is refused); on one
+    node its agent's host and pid tell two launches apart."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run:
         return None
-    if os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):
-        return f"{run}@{socket.gethostname()}/{os.getppid()}"
-    return None if run in SHARED_RUN_IDS else run
+    if run not in SHARED_RUN_IDS:
+        return run
+    one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+    return f"{run}@{socket.gethostname()}/{os.getppid()}" if one_node else None
 
 
 def _numbered(d: Path) -> dict[int, Path]:
