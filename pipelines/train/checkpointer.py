@@ -227,12 +227,10 @@ class Promoter:
 
     def _work(self) -> None:
         lower_priority()
-        every = self.spec.checkpoint.l2_keep_every
         while (step := self.q.get()) is not None:
             try:
                 newer = bool(self.q.queue) and self.q.queue[0] is not None  # never the final step (then None)
-                if self.topo.parts == 1 and newer and every and step % every:
-                    self.log(f"[ckpt] promote: step {step} passed over for a newer one (not kept at L2)")
+                if self._passed_over(step, newer, ""):
                     continue
                 self.promote(step)
             except Exception as e:  # noqa: BLE001 - training goes on; close() checks that the final step got there
@@ -242,6 +240,14 @@ class Promoter:
             finally:
                 self.q.task_done()
         self.q.task_done()
+
+    def _passed_over(self, step: int, newer: bool, where: str) -> bool:
+        """With one part, a step that L2 retention would not keep is passed over when a newer one waits (logged)."""
+        every = self.spec.checkpoint.l2_keep_every
+        if self.topo.parts == 1 and newer and every and step % every:
+            self.log(f"[ckpt] promote: step {step} passed over{where} for a newer one (not kept at L2)")
+            return True
+        return False
 
     def promote(self, step: int) -> None:
         """This node's part of ``step`` to L1 (rank 0: and the global commit), handed to the L2 thread, then L0/L1
@@ -310,10 +316,8 @@ class Promoter:
     def promote_l2(self, step: int, digests: Optional[dict]) -> None:
         """The L2 thread: ``step`` (handed over once on L1) to L2, read from L0 (else L1) while pinned against
         L0/L1 retention, then L2 retention. With one part, passed over for a newer step L2 would keep instead."""
-        every = self.spec.checkpoint.l2_keep_every
-        if self.topo.parts == 1 and every and step % every and any(
-                i is not None and i[0] == "step" and i[1] > step for i in list(self.l2q.queue)):
-            self.log(f"[ckpt] promote: step {step} passed over on L2 for a newer one (not kept at L2)")
+        if self._passed_over(step, any(i is not None and i[0] == "step" and i[1] > step for i in list(self.l2q.queue)),
+                             " on L2"):
             return
         t0 = time.perf_counter()
         with self._reading(step):
