@@ -81,10 +81,17 @@ class RunCfg(_Section):
     mlflow_run_id: Optional[str] = Field(None, description="MLflow run the stages log into (set by the DAG).")
 
 
+class InputFieldsCfg(_Section):
+    """Which field (JSONL) or column (Parquet) of an input record holds what; FineWeb's names by default."""
+    text: str = Field("text", min_length=1, description="The document's text (null, missing or not a string: "
+                                                        "quarantined).")
+    id: str = Field("id", min_length=1, description="Its id (none: <source>:<line or row>).")
+    url: str = Field("url", min_length=1, description="Its URL (kept when a string).")
+    date: str = Field("date", min_length=1, description="Its date (kept when a string or a timestamp).")
+
+
 class IngestCfg(_Section):
     unhashed: ClassVar[frozenset[str]] = frozenset({"s3_read"})  # the same files however the objects are read
-    text_field: str = "text"
-    id_field: str = "id"
     max_docs: Optional[int] = Field(None, ge=1, description="Stop after this many good docs.")
     min_chars: int = Field(1, ge=1, description="Docs shorter than this (after strip) are quarantined.")
     extractor: Literal["resiliparse", "trafilatura"] = Field(
@@ -98,6 +105,15 @@ class IngestCfg(_Section):
         "nothing goes through the driver; 'copy' = the driver first copies each object into run.root/cache; "
         "'auto' = direct on a cluster master, copy on local[…]. Either way an object's identity is its key, size "
         "and ETag.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, v: Any) -> Any:
+        moved = [k for k in ("text_field", "id_field") if isinstance(v, dict) and k in v]
+        if moved:
+            raise ValueError(f"{', '.join(moved)} moved to data.input_fields: set "
+                             + ", ".join(f"data.input_fields.{k.removesuffix('_field')}" for k in moved) + " instead")
+        return v
 
 
 class DedupCfg(_Section):
@@ -240,8 +256,8 @@ class FilterCfg(_Section):
 
 
 class DecontaminateCfg(_Section):
-    """Training docs that share an n-gram with an evaluation item (eval.tasks' files, eval.reference) are removed
-    (reason ``contamination:<task>``), cut, or only counted."""
+    """Training docs that share an n-gram with an evaluation item (eval.tasks' items, read through lm-eval's task
+    objects; eval.reference) are removed (reason ``contamination:<task>``), cut, or only counted."""
 
     ngram: int = Field(13, ge=4, description="n of the word n-grams compared (lower-cased words, punctuation "
                                              "dropped); 13 as in GPT-3's and the Pile's decontamination.")
@@ -271,9 +287,13 @@ class DataCfg(_Section):
             "data/sample/c4_en_train_1k.jsonl.gz",
             "data/sample/cc_wet_2019_30_sample.jsonl.gz",
         ],
-        description="What ingest reads: files (JSONL plain/.gz/.zst with a text field, .warc.gz, .warc.wet.gz), "
-                    "directories, globs or s3://bucket/prefix; relative paths resolve against the project root.",
+        description="What ingest reads: files (JSONL plain/.gz/.zst with a text field, .warc.gz, .warc.wet.gz, "
+                    "Parquet: a Spark task per row group), directories, globs or s3://bucket/prefix; relative paths "
+                    "resolve against the project root.",
     )
+    input_fields: InputFieldsCfg = Field(default_factory=InputFieldsCfg, description="The JSONL fields / Parquet "
+                                         "columns that hold text, id, url and date; a Parquet file's other columns "
+                                         "are kept in each doc's meta.")
     task_mb: int = Field(128, ge=1, description="Input bytes per Spark task in dedup, filter and tokenize (their "
                                                 "partitions: 0); ingest cuts its inputs by data.ingest.chunk_mb.")
     ingest: IngestCfg = Field(default_factory=IngestCfg)
@@ -489,6 +509,30 @@ class TrainCfg(_Section):
     eval_tokens: int = Field(8192, ge=1, description="The validation slice: the first eval_tokens tokens of the "
                              "held-out split (whole windows of model.seq_len), the same at every evaluation and on "
                              "every rank layout.")
+    mixture: dict[str, float] = Field(
+        default_factory=dict, description="Data mixture of the train split, {SOURCE: weight}: a SOURCE is an input's "
+        "key as lineage names it (a doc's `source`) or an fnmatch glob over the keys; '*' weighs every source no other "
+        "key matches (without it every source must be matched: say '*': 1 or '*': 0). Weights normalise to shares of "
+        "the trained samples (= tokens); 0 leaves a source out; a small source is upsampled (its epochs are "
+        "counted), a large one capped. A key that matches no source, or a source two globs match, fails the train "
+        "stage at start (exit 2). {} (default): every train token in corpus order, as without mixtures. Held-out "
+        "data is never mixed.")
+
+    @field_validator("mixture")
+    @classmethod
+    def _mixture(cls, v: dict[str, float]) -> dict[str, float]:
+        for k, w in v.items():
+            if not k.strip():
+                raise ValueError("an empty key; use an input key or a glob ('*': every source not named)")
+            if not 0 <= w < float("inf"):
+                raise ValueError(f"{k!r}: weight {w} must be a finite number ≥ 0")
+        return v
+
+    def hashed(self) -> dict:
+        d = super().hashed()
+        if not self.mixture:  # no mixture: the same stage key (and checkpoints) as before train.mixture existed
+            d.pop("mixture")
+        return d
 
 
 class LauncherCfg(_Section):
@@ -607,11 +651,18 @@ class EvalCfg(_Section):
         "gate metric, comparable across corpora and tokenizers; its sha256 is checked before two numbers are compared.")
     tasks: list[str] = Field(
         default_factory=lambda: ["llmp_arc_easy", "llmp_hellaswag", "llmp_lambada_openai"],
-        description="Our lm-evaluation-harness tasks (upstream's prompts and metrics on local slices; names and "
-                    "versions of their own), read offline from eval.data_dir ([] = none).")
+        description="lm-evaluation-harness tasks, groups or tags ([] = none): any name lm-eval's TaskManager knows "
+                    "(its own tasks, ours in pipelines/eval/tasks, the YAMLs in eval.include_path). Built offline: a "
+                    "task whose data is neither local nor in the Hugging Face cache fails the stages' spec check with "
+                    "its name and why. Default: ours (llmp_*: upstream's prompts and metrics on local slices, read "
+                    "from eval.data_dir). Decontamination reads every task's items through lm-eval's task objects.")
+    include_path: list[str] = Field(
+        default_factory=list, description="Folders of lm-eval task YAMLs, as lm-eval's --include_path (relative "
+        "paths resolve against the project root; a later folder overrides a task name of an earlier one). A YAML's "
+        "!function code runs when its task is built: list only folders you trust.")
     limit: Optional[int] = Field(100, ge=1, description="Items per task, in file order (None = every item).")
-    data_dir: str = Field("data/eval", description="Task files (the repo ships 500-item slices; ../shared/data/eval "
-                          "has the full sets).")
+    data_dir: str = Field("data/eval", description="Our llmp_* tasks' files (the repo ships 500-item slices; "
+                          "../shared/data/eval has the full sets).")
     single_process_max_params: int = Field(
         500_000_000, ge=0, description="Bigger models are scored on the launcher's ranks (torchrun here, a PyTorchJob "
         "on Kubernetes), each rank a share of the windows and harness requests, not in the Airflow worker.")
@@ -625,10 +676,10 @@ class EvalCfg(_Section):
     @field_validator("tasks")
     @classmethod
     def _tasks(cls, v: list[str]) -> list[str]:
-        from pipelines.eval.task_files import unknown_tasks
+        from pipelines.eval.task_files import name_problem  # cheap; lm-eval's index is the stages' check (seconds)
 
-        if unknown_tasks(v):
-            raise ValueError(unknown_tasks(v))
+        if name_problem(v):
+            raise ValueError(name_problem(v))
         return v
 
 

@@ -35,10 +35,10 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("ingest", "pipelines.data.ingest", ("data.ingest",), (), "spark",
+    Stage("ingest", "pipelines.data.ingest", ("data.ingest", "data.input_fields"), (), "spark",
           ("docs", "quarantine"), "data_curation",
-          "Read JSONL (plain/.gz/.zst), WARC (HTML extracted to text) and WET, local or s3://, on Spark into docs/; "
-          "bad records go to quarantine/ with a reason.", incremental=True),
+          "Read JSONL (plain/.gz/.zst), Parquet, WARC (HTML extracted to text) and WET, local or s3://, on Spark into "
+          "docs/; bad records go to quarantine/ with a reason.", incremental=True),
     Stage("dedup", "pipelines.data.dedup", ("data.dedup", "data.task_mb"), ("ingest",), "spark",
           ("clusters", "kept", "removed", "signatures", "stats", "cluster_sizes_plot"), "data_curation",
           "MinHash-LSH near-duplicate removal on Spark (exact duplicates first, connected components); with "
@@ -48,8 +48,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           "Language ID + Gopher/C4/FineWeb quality filters on Spark; removed docs keep a filter_reason."),
     Stage("decontaminate", "pipelines.data.decontaminate", ("data.decontaminate", "data.task_mb", "eval.tasks"),
           ("filter",), "spark", ("kept", "removed"), "data_curation",
-          "Remove (or cut) docs that share a word n-gram (13) with an evaluation item (eval.tasks' files, the "
-          "reference set); removed docs keep filter_reason contamination:<task>; per-task counts in the manifest."),
+          "Remove (or cut) docs that share a word n-gram (13) with an evaluation item (eval.tasks' items read "
+          "through lm-eval's task objects, the reference set); removed docs keep filter_reason "
+          "contamination:<task>; per-task counts in the manifest."),
     Stage("tokenize", "pipelines.data.tokenize", ("tokenizer", "run.seed", "data.task_mb"), ("decontaminate",), "spark",
           ("tokenizer", "<split>-<partition>-NNNN.bin/.idx"), "data_curation",
           "Train or take a SentencePiece model; every Spark partition writes its own mmap token shards "

@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"browse              : .venv/bin/mlflow ui --backend-store-uri {s['tracking_uri']}")
     print(f"serve               : PATH=$PWD/.venv/bin:$PATH MLFLOW_TRACKING_URI={s['tracking_uri']} mlflow models serve -m {uri} "
           "--env-manager local --host 127.0.0.1 --port 5001")
+    print(f"export              : .venv/bin/python -m pipelines.eval.export --model {s['model']}@{spec.registry.alias} "
+          f"--format hf --out var/export/{s['model']}  (transformers; --format gguf: model.gguf for llama.cpp); "
+          f"registered copy: {t.get('export.hf', 'n/a')}")
     print(f"lm-eval             : .venv/bin/llmp-lm-eval --model llm-pipeline --model_args uri={uri},tracking_uri="
           f"{s['tracking_uri']} --include_path pipelines/eval/tasks --tasks llmp_arc_easy,llmp_hellaswag,llmp_lambada_openai --limit 20")
     return 0

@@ -68,7 +68,7 @@ def test_forty_contaminated_docs_are_removed_with_their_task_and_no_clean_doc_is
                             "--output", str(out), "--set", "services.spark_master=local[2]"],
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and json.loads((out / "manifest.json").read_text())["finished"] == m["finished"]
-    assert {i["uri"].rsplit("/", 1)[-1] for i in m["inputs"]} >= {"arc_easy_test.jsonl", "tinystories_val_tail.txt"}
+    assert {i["uri"].rsplit("/", 1)[-1] for i in m["inputs"]} >= {"lm-eval:llmp_arc_easy", "tinystories_val_tail.txt"}
 
 
 def test_the_kernel_matches_across_case_punctuation_and_short_items_and_cuts_spans():
@@ -117,12 +117,12 @@ def test_report_mode_keeps_every_doc_and_says_which_items_reach_the_model(home, 
 def test_short_arc_items_are_found_in_the_layout_the_evaluation_shows_them_in():
     """An ARC-Easy item whose stem is shorter than min_item_words is found as lm-eval renders it (Question: … Answer:
     …); before, only the run 'stem answer' was looked for, and this layout was missed."""
-    from pipelines.eval.task_files import TASKS
+    from pipelines.spec import load_spec
 
     rows = read_rows(ARC)
     short = [r for r in rows if len(dc.words(r["question"]["stem"])) < 8]
     assert len(short) >= 20
-    items = {"llmp_arc_easy": [TASKS["llmp_arc_easy"].item_text(r) for r in rows]}
+    items = {"llmp_arc_easy": dc.eval_items(load_spec(None, ["eval.tasks=[llmp_arc_easy]"], env={}))[0]["llmp_arc_easy"]}
     table, lengths, stats = dc.build_table(items, 13, 8)
     cfg, order = DecontaminateCfg(), ["llmp_arc_easy"]
     for r in short:

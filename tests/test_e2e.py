@@ -119,3 +119,18 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     src = lineage("--source", keys["good.jsonl"])
     assert src["corpus_versions"][0]["source_docs"] >= 100 and {k: src["models"][0][k] for k in champion} == champion
     assert lineage("--doc", "no-such-doc") == {"doc": "no-such-doc", "corpus_versions": [], "models": [], "unreadable": []}
+
+    # the version carries its Hugging Face copy with a model card; the CLI writes GGUF from the registry
+    import mlflow.artifacts
+
+    hf = Path(mlflow.artifacts.download_artifacts(artifact_uri=tags["export.hf"], dst_path=str(tmp_path / "hf")))
+    card = (hf / "README.md").read_text()
+    assert "good.jsonl" in card and "llmp_arc_easy:" in card and "| reference_bpb |" in card and tags["config_hash"] in card
+    r = subprocess.run([sys.executable, "-m", "pipelines.eval.export", "--model", "e2e-model@champion", "--format",
+                        "gguf", "--out", str(tmp_path / "gguf")], capture_output=True, text=True, timeout=300,
+                       env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from gguf import GGUFReader
+
+    assert len(GGUFReader(str(tmp_path / "gguf" / "model.gguf")).tensors) == 2 + 9 * json.loads(
+        (hf / "config.json").read_text())["num_hidden_layers"]

@@ -343,7 +343,7 @@ def test_the_version_is_a_logged_model_of_the_training_run_with_its_metrics_on_d
     for step, loss in enumerate([5.0, 4.0, 3.5]):
         c.log_metric(train_run, "train/loss", loss, step=step)
     eval_run = tracking.start_run(spec, run_name="eval")
-    extra = {**_ev_extra(spec, sha), "files": {"arc_easy_test.jsonl": "a" * 64}}
+    extra = {**_ev_extra(spec, sha), "task_sha256": {"llmp_arc_easy": "a" * 64}}
     res = registry.register(spec, models[0], train_run, {"data_manifest_hash": "d" * 64},
                             {"reference_bpb": 2.5, "harness.llmp_arc_easy.acc": 0.3}, extra, home / "w",
                             eval_run_id=eval_run)
@@ -396,13 +396,13 @@ def test_the_served_model_refuses_max_new_tokens_above_its_cap_with_400(models, 
 
 def test_our_harness_wrapper_agrees_with_lm_evals_own_hf_implementation_on_the_same_items(models):
     """Calibration: the same weights as a Hugging Face Llama, scored by lm-eval's HFLM, give our log-likelihoods."""
-    from pipelines.eval import calibrate
+    from pipelines.eval import calibrate, export
 
     tm = TextModel.load(models[0])
     import torch
 
     ids = torch.tensor([tm.encode("A short text to compare the two models on, token by token.")])
-    assert torch.allclose(calibrate.hf_llama(tm.model)(ids).logits, tm.model(ids), atol=1e-5)
+    assert torch.allclose(export.hf_llama(tm.model)(ids).logits, tm.model(ids), atol=1e-5)
     res = calibrate.compare(tm, str(models[0] / "tokenizer.model"), list(harness.TASKS), limit=6)
     assert res["requests"] >= 6 * 3 + 6 * 4 + 6  # ARC-Easy: 3-5 choices an item, HellaSwag 4, LAMBADA 1
     assert res["max_abs_logprob_diff"] < 1e-3 and res["greedy_flags_differing"] == 0

@@ -1,9 +1,12 @@
 """The decontaminate stage: training docs that share a word n-gram with an evaluation item are removed (or cut).
 
-Between ``filter`` and ``tokenize``. The items are those of every task in ``eval.tasks`` (all of each task file, not
-only the ``eval.limit`` scored: a later run may score more) and the reference set (``eval.reference``, one item per
-paragraph or JSONL record); :mod:`pipelines.eval.task_files` says what an item's text is (question + correct answer,
-context + correct ending, the passage).
+Between ``filter`` and ``tokenize``. The items are those of every task ``eval.tasks`` stands for (all of each task's
+documents, not only the ``eval.limit`` scored: a later run may score more) and the reference set (``eval.reference``,
+one item per paragraph or JSONL record). A task's items come from lm-eval's own task objects
+(:func:`pipelines.eval.task_files.eval_tasks`: its ``eval_docs``, ``doc_to_text``, ``doc_to_choice``,
+``doc_to_target``), so any task lm-eval can build is checked with no code of ours for it; :func:`item_texts` says what
+of an item is looked for (the prompt with each correct answer, as the evaluation shows it and without its labels; the
+parts that give it away alone).
 
 * Words: NFKC, lower case, ``\\w+`` runs (punctuation and spacing do not hide a copy). An item gives its
   ``data.decontaminate.ngram``-grams of words (13 by default, as GPT-3 and the Pile did); an item shorter than that
@@ -12,7 +15,7 @@ context + correct ending, the passage).
 * The n-grams of every item, as a table n-gram → items, are broadcast to the Spark tasks (the eval sets are small:
   ≈ 10⁵ n-grams); each task looks up every n-gram of its docs.
 * An item is also looked for as the task's prompt shows it (``Question: … Answer: …``; :class:`Layout`), whatever its
-  length.
+  length (down to ``LAYOUT_MIN_WORDS``).
 * Common text is not evidence: an eval n-gram found in more than ``common_share`` of the docs (and more than
   ``common_min_docs``) matches nothing; the manifest reports it (``extra.common_ngrams``: n-gram, docs, items). The
   docs are scanned twice for this (once to count, once to decide).
@@ -22,7 +25,9 @@ context + correct ending, the passage).
   ``report`` removes nothing and counts.
 * Nothing is lost: docs in = kept + removed. The manifest records per task (``extra.contamination.<task>``, and
   ``reference``): items, items with any overlap, docs removed and cut, the n-gram size, the file digest, and which
-  items overlap a doc the stage kept (what reaches the model: the registered version's contamination count).
+  items overlap a doc the stage kept (what reaches the model: the registered version's contamination count). A task
+  is recorded under its lm-eval name (a group's tasks each under its own) with the digest of its rendered items
+  (:func:`pipelines.eval.task_files.task_digest`), which is also the stage's input for it.
 
     python -m pipelines.data.decontaminate --input-manifest FILTER_MANIFEST --output DIR [--set K=V …]
 """
@@ -58,14 +63,17 @@ def words(text: str) -> list[str]:
 LAYOUT_MIN_WORDS = 4  # a Layout ("Question: … Answer: …") is looked for whatever its length, down to this
 
 
+class Layout(str):
+    """An item's text as the evaluation shows it to the model (the task's prompt with the correct answer): looked for
+    whatever its length, since its labels ("Question: … Answer: …") make even a short item a distinctive run."""
+
+
 def build_table(items: dict[str, list[list[str]]], n: int, min_words: int
                 ) -> tuple[dict[str, list[str]], list[int], dict]:
     """(n-gram → ["task:item", …], the n-gram lengths to look up, per task {items, items_too_short}). An item is
     a list of texts (the whole item, parts that give it away alone, the item as the task's prompt shows it: a
-    :class:`~pipelines.eval.task_files.Layout`); each text gives its n-grams, or is one n-gram of its own length when
-    shorter than ``n`` words but not than ``min_words`` (a Layout: than ``LAYOUT_MIN_WORDS``)."""
-    from pipelines.eval.task_files import Layout
-
+    :class:`Layout`); each text gives its n-grams, or is one n-gram of its own length when shorter than ``n`` words
+    but not than ``min_words`` (a Layout: than ``LAYOUT_MIN_WORDS``)."""
     table: dict[str, list[str]] = {}
     lengths: set[int] = set()
     stats = {}
@@ -154,24 +162,51 @@ def without(table: dict, common: set[str]) -> tuple[dict, list[int]]:
 
 # -- the eval items ---------------------------------------------------------------------------------------------------
 
-def eval_items(spec: JobSpec) -> tuple[dict[str, list[list[str]]], dict[str, dict]]:
-    """({task: item texts}, {task: the files' identity}) for eval.tasks and the reference set."""
-    from pipelines.eval.bpb import set_sha256
-    from pipelines.eval.task_files import item_texts, reference_files, reference_items, task_files
+def _shown(field: str, prompt_words: str) -> bool:
+    ws = words(field)
+    return len(ws) >= LAYOUT_MIN_WORDS and f" {' '.join(ws)} " in prompt_words
 
-    files = dict(zip(spec.eval.tasks, task_files(spec)))
-    items = {t: item_texts(t, p) for t, p in files.items()}
-    ident = {t: {"files": [p.name], "sha256": set_sha256([p])} for t, p in files.items()}
+
+def item_texts(task, doc, r: dict) -> list[str]:
+    """What of one item of an lm-eval task is looked for (``r``: the item as lm-eval renders it,
+    :func:`pipelines.eval.task_files.rendered`): the prompt with each correct answer as the evaluation shows it (a
+    :class:`Layout`); the doc's own text fields that the prompt shows (its question, its context: the prompt without
+    its labels), each with each answer and alone; the prompt alone; and lm-eval's decontamination query when the task
+    has one. ARC: ``Question: q Answer: a``, ``q a``, ``q``; HellaSwag: ``label: ctx ending``, ``ctx ending``,
+    ``ctx``; LAMBADA: the passage."""
+    prompt, answers = r["prompt"], r["answers"]
+    texts = [Layout(f"{prompt}{task.config.target_delimiter}{a}") for a in answers]
+    pw = f" {' '.join(words(prompt))} "
+    fields = [v for v in doc.values() if isinstance(v, str) and _shown(v, pw)] if isinstance(doc, dict) else []
+    texts += [f"{f} {a}" for f in fields for a in answers] + fields + [prompt]
+    if task.should_decontaminate():
+        texts.append(str(task.doc_to_decontamination_query(doc)))
+    return [t for t in dict.fromkeys(texts) if t.strip()]  # one of each (a Layout comes first and stays one)
+
+
+def eval_items(spec: JobSpec) -> tuple[dict[str, list[list[str]]], dict[str, dict]]:
+    """({task: item texts}, {task: its identity}) for the tasks of eval.tasks (lm-eval's task objects, items in
+    ``eval_docs`` order) and the reference set."""
+    from pipelines.eval.bpb import set_sha256
+    from pipelines.eval.task_files import eval_tasks, reference_files, reference_items, rendered, task_digest
+
+    items, ident = {}, {}
+    for name, task in eval_tasks(spec).items():
+        shown = [(doc, rendered(task, doc)) for doc in task.eval_docs]
+        items[name] = [item_texts(task, doc, r) for doc, r in shown]
+        ident[name] = {"sha256": task_digest(task, [r for _, r in shown])}
     refs = [Path(p) for p in reference_files(spec)]
     items[REFERENCE] = reference_items(refs)
     ident[REFERENCE] = {"files": [p.name for p in refs], "sha256": set_sha256(refs)}
     return items, ident
 
 
-def eval_refs(spec: JobSpec) -> list[dict]:
-    from pipelines.eval.task_files import reference_files, task_files
+def eval_refs(spec: JobSpec, ident: dict[str, dict]) -> list[dict]:
+    """The stage's inputs beside the filter result: each task's items (their digest) and the reference files."""
+    from pipelines.eval.task_files import reference_files, task_ref
 
-    return [file_ref(p) for p in task_files(spec)] + [file_ref(p) for p in reference_files(spec)]
+    return [task_ref(t, i["sha256"]) for t, i in ident.items() if t != REFERENCE] + \
+        [file_ref(p) for p in reference_files(spec)]
 
 
 # -- on Spark ---------------------------------------------------------------------------------------------------------
@@ -280,7 +315,8 @@ def decontaminate_docs(spark, src: Path, out: Path, items: dict[str, list[list[s
 
 def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
     cfg = spec.data.decontaminate
-    sd = stage_dir(spec, "decontaminate", [input_ref(filt), *eval_refs(spec)], out_dir)
+    items, ident = eval_items(spec)  # lm-eval builds eval.tasks here: a task it cannot build fails the spec (exit 2)
+    sd = stage_dir(spec, "decontaminate", [input_ref(filt), *eval_refs(spec, ident)], out_dir)
 
     def body(tmp: Path) -> Manifest:
         from pipelines.data.spark import dir_bytes, size_shuffles, spec_session, task_count
@@ -289,7 +325,6 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None) -
         kept = filt.output("kept")
         tasks = task_count(s, dir_bytes(kept), spec.data.task_mb, cfg.partitions)
         size_shuffles(s, tasks)
-        items, ident = eval_items(spec)
         r = decontaminate_docs(s, kept, tmp, items, cfg, tasks)
         contamination = {t: {**rec, **ident[t]} for t, rec in r["record"].items()}
         return sd.commit({"kept": "kept", "removed": "removed"}, counts=r["counts"],

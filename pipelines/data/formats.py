@@ -6,6 +6,11 @@
   keeps the records read before the damage; the damage itself is one quarantined record (``bad_compression``, with
   the compressed offset reached), and the rest of the input goes on.
 * **Plain text** (``.txt``): the whole file is one document (UTF-8).
+* **Parquet** (``.parquet``): each row group is one chunk (the driver reads each file's footer,
+  :func:`row_group_cuts`); a row is a record whose columns ``data.input_fields`` maps to text, id, url and date,
+  its other columns kept as the doc's ``meta`` (a JSON object). A file whose footer does not read (truncated, not
+  Parquet) is one whole-file chunk and one ``bad_parquet`` record; a row group that breaks off keeps the rows read
+  before the damage, then one ``bad_parquet`` record, and the other row groups are read.
 * **WARC** (``.warc``, ``.warc.gz``; Common Crawl's WET files are WARC too): each gzip member is framed here, so a
   broken member is quarantined with its offset and bytes and reading goes on at the next one; a file that ends
   inside a member is reported, not silently cut. A ``.warc.gz`` larger than ``chunk_mb`` is cut into byte ranges;
@@ -17,19 +22,23 @@
   not documents: they are counted by type, never quarantined.
 
 A chunk yields :class:`Row` s: a document (``text`` set) or a quarantined record (``reason`` set). Every document
-carries ``url``, ``warc_record_id`` and ``date`` when its format has them.
+carries ``url``, ``warc_record_id``, ``date`` and ``meta`` when its format has them. JSONL and Parquet records are
+read through one field mapping (``data.input_fields``, :func:`record_doc`).
 """
 from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import gzip
 import hashlib
 import io
 import json
 import zlib
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
+
+from pipelines.spec import InputFieldsCfg
 
 WARC_SUFFIXES = (".warc", ".warc.gz", ".wet", ".wet.gz")
 _RAW_KEEP = 1 << 20  # quarantined WARC bytes kept inline up to this size (the offset always points at the rest)
@@ -37,13 +46,17 @@ _RAW_KEEP = 1 << 20  # quarantined WARC bytes kept inline up to this size (the o
 
 def fmt_of(name: str) -> str:
     name = name.lower()
-    return "warc" if name.endswith(WARC_SUFFIXES) else "txt" if name.endswith(".txt") else "jsonl"
+    if name.endswith(WARC_SUFFIXES):
+        return "warc"
+    return "txt" if name.endswith(".txt") else "parquet" if name.endswith(".parquet") else "jsonl"
 
 
 @dataclass(frozen=True)
 class Chunk:
     """A byte range ``[start, end)`` of one input file (``end`` None: to its end). ``path``: a local path, or an
-    s3:// URI that the task reads itself with the S3 client ``settings``."""
+    s3:// URI that the task reads itself with the S3 client ``settings``. ``group``: the Parquet row group the
+    chunk reads (None: all of them); its byte range runs from that row group's first byte to the next one's, so the
+    chunks of a file still cover it."""
 
     no: int
     name: str
@@ -53,6 +66,7 @@ class Chunk:
     end: int | None = None
     size: int = 0
     settings: dict | None = None
+    group: int | None = None
 
 
 def open_raw(chunk: Chunk) -> BinaryIO:
@@ -72,6 +86,7 @@ class Row:
     url: str | None = None
     warc_record_id: str | None = None
     date: str | None = None
+    meta: str | None = None  # Parquet: the row's other columns, a JSON object
     reason: str | None = None  # … or a quarantined record
     q: dict = field(default_factory=dict)  # the quarantine entry's other fields (detail, raw, …)
 
@@ -79,7 +94,7 @@ class Row:
 def chunkable(name: str, fmt: str) -> bool:
     """Plain JSONL (by lines) and gzipped WARC (by gzip members) can be entered in the middle."""
     name = name.lower()
-    if fmt == "txt":
+    if fmt in ("txt", "parquet"):  # Parquet is cut by row groups (row_group_cuts), not by bytes
         return False
     return not name.endswith((".gz", ".zst", ".zstd")) if fmt == "jsonl" else name.endswith(".gz")
 
@@ -101,16 +116,23 @@ def range_sha256(chunk: Chunk, block: int = 8 << 20) -> str:
 
 
 def plan_chunks(sources, chunk_mb: int, step: int | None = None) -> list[Chunk]:
-    """Every input cut into chunks of ``chunk_mb`` (or ``step`` bytes) where its format allows, else whole."""
+    """Every input cut into chunks of ``chunk_mb`` (or ``step`` bytes) where its format allows, a Parquet file into
+    its row groups, else whole."""
     out: list[Chunk] = []
     step = step or chunk_mb << 20
     for s in sources:
         fmt, size = fmt_of(s.name), s.size
-        cuts = range(0, size, step) if chunkable(s.name, fmt) and size > step else [None]
-        for a in cuts:
-            end = None if a is None else min(a + step, size)
-            out.append(Chunk(len(out), s.name, s.location, fmt, a or 0, end, size, s.settings))
+        cuts = row_group_cuts(s) if fmt == "parquet" else byte_cuts(s.name, fmt, size, step)
+        for a, end, group in cuts:
+            out.append(Chunk(len(out), s.name, s.location, fmt, a, end, size, s.settings, group))
     return out
+
+
+def byte_cuts(name: str, fmt: str, size: int, step: int) -> list[tuple[int, int | None, None]]:
+    """(start, end, no row group) of each ``step`` bytes of a file its format lets us enter anywhere, else whole."""
+    if not (chunkable(name, fmt) and size > step):
+        return [(0, None, None)]
+    return [(a, min(a + step, size), None) for a in range(0, size, step)]
 
 
 # ---- JSONL -----------------------------------------------------------------------------------------------------
@@ -209,13 +231,48 @@ def classify(line: bytes, text_field: str, min_chars: int) -> tuple[str | None, 
         return "invalid_json", f"{e.msg} at char {e.pos}"
     if not isinstance(rec, dict):
         return "not_an_object", f"got {type(rec).__name__}"
-    if text_field not in rec:
-        return "missing_text", f"no {text_field!r} field (fields: {sorted(rec)[:8]})"
-    text = rec[text_field]
+    reason, detail = text_check(rec, text_field, min_chars)
+    return (reason, detail) if reason else (None, rec)
+
+
+def text_check(rec: dict, text_field: str, min_chars: int) -> tuple[str | None, str]:
+    """(reason, detail) when a record's text is missing, null, not a string, empty or not encodable; (None, "")
+    when it is a document's. A JSONL object and a Parquet row alike."""
+    text = rec.get(text_field)
+    if text is None:
+        return "missing_text", (f"{text_field!r} is null" if text_field in rec
+                                else f"no {text_field!r} field (fields: {sorted(rec)[:8]})")
     if not isinstance(text, str):
         return "text_not_string", f"{text_field!r} is {type(text).__name__}"
     reason = text_problem(text, min_chars)
-    return (reason, _TEXT_DETAIL[reason](text)) if reason else (None, rec)
+    return (reason, _TEXT_DETAIL[reason](text)) if reason else (None, "")
+
+
+def record_doc(loc: int, rec: dict, fields: InputFieldsCfg, meta: bool = False) -> Row:
+    """A good record (its text checked) as a document: id, url and date from the fields ``fields`` names; with
+    ``meta``, every other field as a JSON object."""
+    rid = rec.get(fields.id)
+    names = {fields.text, fields.id, fields.url, fields.date}
+    rest = {k: v for k, v in rec.items() if k not in names} if meta else {}
+    return Row(loc, text=rec[fields.text], id=str(rid) if rid is not None else None, url=as_text(rec.get(fields.url)),
+               date=as_text(rec.get(fields.date)), meta=to_json(rest) if rest else None)
+
+
+def as_text(v: Any) -> str | None:
+    """A url or date value as a string: a string as it is, a date or timestamp in ISO 8601; anything else None."""
+    if isinstance(v, (datetime.date, datetime.datetime)):
+        return v.isoformat()
+    return v if isinstance(v, str) else None
+
+
+def to_json(v: Any) -> str:
+    """JSON of a record's values: dates and timestamps in ISO 8601, bytes in base64, anything else as its str."""
+    def plain(x: Any) -> Any:
+        if isinstance(x, (datetime.date, datetime.datetime, datetime.time)):
+            return x.isoformat()
+        return base64.b64encode(x).decode("ascii") if isinstance(x, bytes) else str(x)
+
+    return json.dumps(v, ensure_ascii=False, default=plain)
 
 
 _TEXT_DETAIL = {"empty_text": lambda t: f"{len(t.strip())} chars after strip",
@@ -232,19 +289,19 @@ def text_problem(text: str, min_chars: int) -> str | None:
     return None
 
 
-def jsonl_rows(chunk: Chunk, cfg) -> Iterator[Row | None]:
+def jsonl_rows(chunk: Chunk, cfg, fields: InputFieldsCfg) -> Iterator[Row | None]:
     """A Row per non-blank line; None for a blank line (no record, but a line for numbering). A compressed file that
     breaks off ends with one ``bad_compression`` Row."""
     n = 0
     try:
         for n, line in enumerate(chunk_lines(chunk), start=1):
-            yield jsonl_row(n, line, cfg)
+            yield jsonl_row(n, line, cfg, fields)
     except CompressionError as e:
         yield Row(n + 1, reason="bad_compression",
                   q={"uri": chunk.path, "offset": e.offset, "detail": f"{e.detail} (after {n} lines)"})
 
 
-def txt_rows(chunk: Chunk, cfg) -> Iterator[Row]:
+def txt_rows(chunk: Chunk, cfg, fields: InputFieldsCfg) -> Iterator[Row]:
     """A plain-text file: one document, its whole text."""
     with open_raw(chunk) as f:
         raw = f.read()
@@ -258,20 +315,96 @@ def txt_rows(chunk: Chunk, cfg) -> Iterator[Row]:
     yield Row(1, reason=reason, q={"detail": _TEXT_DETAIL[reason](text)}) if reason else Row(1, text=text)
 
 
-def jsonl_row(n: int, line: bytes, cfg) -> Row | None:
+def jsonl_row(n: int, line: bytes, cfg, fields: InputFieldsCfg) -> Row | None:
     """Line ``n``: a document, a quarantined record, or None when it is blank."""
     if not line.strip():
         return None
-    reason, rec = classify(line, cfg.text_field, cfg.min_chars)
+    reason, rec = classify(line, fields.text, cfg.min_chars)
     if reason is not None:
         try:
             raw = {"raw": line.decode("utf-8")}
         except UnicodeDecodeError:
             raw = {"raw_b64": base64.b64encode(line).decode("ascii")}
         return Row(n, reason=reason, q={"detail": rec, **raw})
-    rid, url = rec.get(cfg.id_field), rec.get("url")
-    return Row(n, text=rec[cfg.text_field], id=str(rid) if rid is not None else None,
-               url=url if isinstance(url, str) else None)
+    return record_doc(n, rec, fields)
+
+
+# ---- Parquet ---------------------------------------------------------------------------------------------------
+
+PARQUET_BATCH = 1024  # rows decoded at a time: a row group that breaks off keeps the batches read before
+
+
+def parquet_errors() -> tuple[type[BaseException], ...]:
+    """What pyarrow raises on a file that is not Parquet, is cut short, or holds a page that does not decode."""
+    import pyarrow as pa
+
+    return pa.ArrowException, OSError, EOFError
+
+
+def row_group_cuts(source) -> list[tuple[int, int | None, int | None]]:
+    """(start, end, row group) of each row group of a Parquet input, from its footer (the only bytes the driver
+    reads: a ranged read for an S3 object). A row group's range runs to the next one's first byte, the first from 0
+    and the last to the file's end, so the chunks cover the file and their digests identify it. One whole-file chunk
+    (row group None) when the footer does not read (the task quarantines the file), for a single row group, and when
+    the row groups do not lie in order in the file."""
+    import pyarrow.parquet as pq
+
+    whole = [(0, None, None)]
+    try:
+        with open_raw(Chunk(0, source.name, source.location, "parquet", size=source.size,
+                            settings=source.settings)) as f:
+            md = pq.read_metadata(f)
+    except parquet_errors():
+        return whole
+    starts = [group_start(md.row_group(g)) for g in range(md.num_row_groups)]
+    if len(starts) < 2 or starts != sorted(set(starts)) or starts[0] < 4 or starts[-1] >= source.size:
+        return whole
+    bounds = [0, *starts[1:], None]
+    return [(bounds[g], bounds[g + 1], g) for g in range(len(starts))]
+
+
+def group_start(rg) -> int:
+    """The first byte of a row group: the lowest page offset of its column chunks."""
+    cols = [rg.column(j) for j in range(rg.num_columns)]
+    return min((c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset else
+                c.data_page_offset) for c in cols) if cols else -1
+
+
+def parquet_rows(chunk: Chunk, cfg, fields: InputFieldsCfg) -> Iterator[Row]:
+    """A Row per row of the chunk's row group (all of them when ``group`` is None), numbered through the file from
+    1; a file whose footer does not read is one ``bad_parquet`` Row."""
+    import pyarrow.parquet as pq
+
+    with open_raw(chunk) as raw:
+        try:
+            pf = pq.ParquetFile(raw)
+        except parquet_errors() as e:
+            yield Row(1, reason="bad_parquet", q={"uri": chunk.path, "bytes": chunk.size,
+                                                  "detail": f"no readable Parquet footer: {type(e).__name__}: {e}"})
+            return
+        md = pf.metadata
+        before = [0]
+        for g in range(md.num_row_groups):
+            before.append(before[-1] + md.row_group(g).num_rows)
+        for g in [chunk.group] if chunk.group is not None else range(md.num_row_groups):
+            yield from row_group_rows(pf, g, before[g], md.row_group(g).num_rows, chunk, cfg, fields)
+
+
+def row_group_rows(pf, g: int, before: int, want: int, chunk: Chunk, cfg, fields: InputFieldsCfg) -> Iterator[Row]:
+    """Row group ``g``'s rows (``before`` rows precede it in the file); one that breaks off keeps the rows decoded
+    before the damage and ends with one ``bad_parquet`` Row."""
+    n = before
+    try:
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH, row_groups=[g], use_threads=False):
+            for rec in batch.to_pylist():
+                n += 1
+                reason, detail = text_check(rec, fields.text, cfg.min_chars)
+                yield Row(n, reason=reason, q={"row": n, "row_group": g, "detail": detail, "raw": to_json(rec)}) \
+                    if reason else record_doc(n, rec, fields, meta=True)
+    except parquet_errors() as e:
+        yield Row(n + 1, reason="bad_parquet", q={
+            "uri": chunk.path, "row_group": g, "row": n + 1, "rows_unread": want - (n - before),
+            "detail": f"row group {g} breaks off after {n - before} of {want} rows: {type(e).__name__}: {e}"})
 
 
 # ---- WARC ------------------------------------------------------------------------------------------------------
@@ -352,7 +485,7 @@ def raw_at(chunk: Chunk, off: int, length: int) -> dict:
     return {"raw_b64": base64.b64encode(raw).decode("ascii"), "bytes": length}
 
 
-def warc_rows(chunk: Chunk, cfg) -> Iterator[Row | str]:
+def warc_rows(chunk: Chunk, cfg, fields: InputFieldsCfg) -> Iterator[Row | str]:
     """A Row per document-like record; the record type's name for a record that is not a document."""
     from fastwarc.warc import ArchiveIterator
 
@@ -448,5 +581,7 @@ def extract(body: bytes, charset: str | None, extractor: str) -> str:
     return extract_plain_text(HTMLTree.parse(html), main_content=True)
 
 
-def rows(chunk: Chunk, cfg) -> Iterator[Row | str | None]:
-    return {"warc": warc_rows, "txt": txt_rows, "jsonl": jsonl_rows}[chunk.fmt](chunk, cfg)
+def rows(chunk: Chunk, cfg, fields: InputFieldsCfg | None = None) -> Iterator[Row | str | None]:
+    """The chunk's rows; ``cfg``: data.ingest, ``fields``: data.input_fields (None: FineWeb's names)."""
+    read = {"warc": warc_rows, "txt": txt_rows, "jsonl": jsonl_rows, "parquet": parquet_rows}[chunk.fmt]
+    return read(chunk, cfg, fields or InputFieldsCfg())

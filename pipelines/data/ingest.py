@@ -1,8 +1,10 @@
-"""Ingest on Spark: JSONL (plain, .gz, .zst), WARC and WET, plain text (local, globs, ``s3://``) → ``docs/`` +
-``quarantine/``.
+"""Ingest on Spark: JSONL (plain, .gz, .zst), Parquet, WARC and WET, plain text (local, globs, ``s3://``) →
+``docs/`` + ``quarantine/``.
 
-Every input is cut into chunks (:mod:`pipelines.data.formats`: large plain JSONL files by byte range, anything else
-whole), one Spark task each. Two passes keep ``idx`` dense and deterministic whatever the number of executors:
+Every input is cut into chunks (:mod:`pipelines.data.formats`: large plain JSONL and .warc.gz files by byte range,
+Parquet files by row group, anything else whole), one Spark task each. JSONL fields and Parquet columns are mapped
+by ``data.input_fields`` (``text``, ``id``, ``url``, ``date``; FineWeb's names by default). Two passes keep
+``idx`` dense and deterministic whatever the number of executors:
 
 1. each task reads its chunk and writes its documents (numbered from 0 within the chunk) and its quarantined
    records to part files, hashes the chunk's bytes, and returns its counts;
@@ -12,29 +14,36 @@ whole), one Spark task each. Two passes keep ``idx`` dense and deterministic wha
 
 Every task writes into an attempt directory of its own; the driver publishes only the attempts the job returned
 (:func:`pipelines.data.spark.publish_attempts`), so a retried or speculative task leaves no torn or doubled file.
-The driver's work is O(inputs + tasks): it lists the inputs (no byte read), plans the chunks, adds up counts.
+The driver's work is O(inputs + tasks): it lists the inputs (no byte read but Parquet footers), plans the chunks,
+adds up counts.
 
 Outputs:
 
 * ``docs/``: ``idx`` (int64, dense, input order), ``id``, ``text``, ``source`` (the input's key: its path under
-  the project root, its absolute path, or its ``s3://`` URI), ``url``, ``warc_record_id``, ``date`` (null where the
-  format has none). ``id`` is the record's id field (a WARC record's ``WARC-Record-ID``), else
-  ``<source>:<line>`` (a WARC record: ``<source>:<offset>``). Ids are checked unique at the end: an id given by the
-  data that repeats (across inputs or within one) becomes ``<source>:<line>#<id>`` for every copy.
+  the project root, its absolute path, or its ``s3://`` URI), ``url``, ``warc_record_id``, ``date``, ``meta``
+  (null where the format has none; ``meta``: a Parquet row's other columns, a JSON object). ``id`` is the record's
+  id field (a WARC record's ``WARC-Record-ID``), else ``<source>:<line>`` (a WARC record: ``<source>:<offset>``, a
+  Parquet row: ``<source>:<row>``, its number in the file from 1). Ids are checked unique at the end: an id given
+  by the data that repeats (across inputs or within one) becomes ``<source>:<line>#<id>`` for every copy.
 * ``quarantine/``: ``{source, line | offset, reason, detail, raw | raw_b64, …}`` per line. JSONL reasons:
   ``invalid_utf8``, ``invalid_json``, ``not_an_object``, ``missing_text``, ``text_not_string``, ``empty_text``,
   ``bad_compression`` (a .gz/.zst input that breaks off, a zstd frame cut short included: the records before it
   are kept; ``offset`` is the compressed offset reached, ``uri`` the file). WARC reasons: ``bad_compression`` (a
   gzip member that does not decompress, or the file ends inside one; its bytes are kept), ``bad_record`` (a member
   that does not parse as WARC; its bytes are kept), ``bad_http``, ``http_status`` (not 200), ``not_html``, ``extract_failed``,
-  ``empty_text`` (nothing left after extraction). ``quarantine_sample.jsonl``: a bounded sample (without the raw
-  bytes) for MLflow.
+  ``empty_text`` (nothing left after extraction). Parquet reasons (with ``row`` and ``row_group``, the row as
+  JSON in ``raw``): ``missing_text`` (no such column, or null), ``text_not_string``, ``empty_text``, ``invalid_utf8``,
+  and ``bad_parquet`` (``uri``, ``detail``): a file whose footer does not read (truncated, not Parquet) as one
+  entry; a row group that breaks off after the rows read before the damage (kept), with ``rows_unread``; the other
+  row groups and inputs go on. ``quarantine_sample.jsonl``: a bounded sample (without the raw bytes) for MLflow.
 
 ``counts``: ``records`` = ``docs`` + ``quarantined`` + ``over_max_docs``; ``records`` = ``lines`` (JSONL records)
-+ ``warc_records`` (WARC response/resource/conversion records) + ``text_files``. ``blank_lines`` and
-``skipped_records`` (WARC requests, warcinfo, metadata …, by type) hold no document. ``extra.input_sha256``: each
-input's digest, computed by the tasks that read it. ``extra.cut_inputs`` (``counts.cut_inputs``): the inputs that
-``data.ingest.max_docs`` cut; a corpus version never holds them, so the next curation reads them again.
++ ``warc_records`` (WARC response/resource/conversion records) + ``text_files`` + ``parquet_rows`` (rows, and each
+``bad_parquet`` entry). ``blank_lines`` and ``skipped_records`` (WARC requests, warcinfo, metadata …, by type)
+hold no document. ``extra.input_sha256``: each input's digest, computed by the tasks that read it (one chunk: the
+file's sha256; several: the sha256 of their ranges' digests in order, the ranges covering the file).
+``extra.cut_inputs`` (``counts.cut_inputs``): the inputs that ``data.ingest.max_docs`` cut; a corpus version never
+holds them, so the next curation reads them again.
 """
 from __future__ import annotations
 
@@ -55,9 +64,9 @@ from pipelines.data.formats import Chunk, plan_chunks, range_sha256, rows
 from pipelines.data.sources import IngestError, resolve
 from pipelines.data.spark import attempt_dir, maybe_fail, prepare_attempts, publish_attempts
 from pipelines.manifest import Manifest, input_ref
-from pipelines.spec import IngestCfg, JobSpec, SpecError
+from pipelines.spec import IngestCfg, InputFieldsCfg, JobSpec, SpecError
 
-META = ("url", "warc_record_id", "date")
+META = ("url", "warc_record_id", "date", "meta")
 DOCS_SCHEMA = pa.schema([("idx", pa.int64()), ("id", pa.string()), ("text", pa.string()), ("source", pa.string()),
                          *((m, pa.string()) for m in META)])
 PART_SCHEMA = pa.schema([("seq", pa.int64()), ("line", pa.int64()), *(f for f in DOCS_SCHEMA if f.name != "idx")])
@@ -67,7 +76,7 @@ _BATCH = 2048
 SAMPLE_PER_TASK = 20  # quarantine entries each task returns for the bounded sample the driver keeps
 
 
-def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str) -> dict:
+def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str, fields: InputFieldsCfg | None = None) -> dict:
     """Pass 1, on an executor: one chunk → ``docs-NNNNN.parquet`` + ``quarantine-NNNNN.jsonl`` in an attempt
     directory under ``parts``; returns that directory, its counts, a few quarantine entries and the sha256 of the
     chunk's bytes."""
@@ -77,10 +86,10 @@ def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str) -> dict:
     skipped: Counter = Counter()
     sample: list[dict] = []
     batch: dict[str, list] = {k: [] for k in PART_SCHEMA.names}
-    record_kind = {"jsonl": "lines", "warc": "warc_records", "txt": "text_files"}[chunk.fmt]
+    record_kind = {"jsonl": "lines", "warc": "warc_records", "txt": "text_files", "parquet": "parquet_rows"}[chunk.fmt]
     with pq.ParquetWriter(part_dir / f"docs-{chunk.no:05d}.parquet", PART_SCHEMA, compression="zstd") as w, \
             open(part_dir / f"quarantine-{chunk.no:05d}.jsonl", "w", encoding="utf-8") as qf:
-        for r in rows(chunk, cfg):
+        for r in rows(chunk, cfg, fields):
             c["physical_lines"] += 1
             if r is None or isinstance(r, str):  # a blank JSONL line; a WARC record that is not a document
                 c["blank_lines"] += r is None
@@ -88,7 +97,7 @@ def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str) -> dict:
                 continue
             c[record_kind] += 1
             if r.reason:
-                where = {"line": r.loc} if chunk.fmt != "warc" else {}
+                where = {"line": r.loc} if chunk.fmt in ("jsonl", "txt") else {}  # WARC, Parquet: in r.q
                 entry = {"source": chunk.name, **where, "reason": r.reason, **r.q}
                 qf.write(json.dumps(entry, ensure_ascii=False) + "\n")
                 if len(sample) < SAMPLE_PER_TASK:
@@ -97,7 +106,7 @@ def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str) -> dict:
                 reasons[r.reason] += 1
                 continue
             for k, v in (("seq", c["docs"]), ("line", r.loc), ("id", r.id), ("text", r.text), ("source", chunk.name),
-                         ("url", r.url), ("warc_record_id", r.warc_record_id), ("date", r.date)):
+                         ("url", r.url), ("warc_record_id", r.warc_record_id), ("date", r.date), ("meta", r.meta)):
                 batch[k].append(v)
             c["docs"] += 1
             if len(batch["seq"]) >= _BATCH:
@@ -190,7 +199,7 @@ def repeated_ids(spark, docs_dir: Path, limit: int = 100_000) -> list[str]:
             .where(F.col("count") > 1).select("id").limit(limit).collect()]
 
 
-def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg) -> dict:
+def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg, fields: InputFieldsCfg | None = None) -> dict:
     """Write docs/ and quarantine/ under out_dir on Spark; return counts. Ids are checked for uniqueness at the
     end: an id given by the data that repeats (across inputs or within one) is qualified by where each copy was
     read, ``<source>:<line>#<id>``, and the docs are written again."""
@@ -203,7 +212,7 @@ def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg) -> dict:
         return totals([], 0, 0) | {"qualified_ids": 0, "cut_inputs": 0}, {}, [], []
     sc = spark.sparkContext
     results = sc.parallelize(chunks, len(chunks)).map(
-        partial(read_chunk, cfg=cfg, parts=prepare_attempts(parts))).collect()
+        partial(read_chunk, cfg=cfg, parts=prepare_attempts(parts), fields=fields)).collect()
     jobs = offsets(results)
     qualify: frozenset[str] = frozenset()
     for attempt in range(2):
@@ -250,8 +259,9 @@ def totals(results: list[dict], written: int, chunks: int) -> dict:
         c.update(r["counts"])
         reasons.update(r["reasons"])
         skipped.update(r["skipped"])
-    out = {k: c.get(k, 0) for k in ("lines", "warc_records", "text_files", "quarantined", "blank_lines")}
-    out["records"] = out["lines"] + out["warc_records"] + out["text_files"]
+    out = {k: c.get(k, 0) for k in ("lines", "warc_records", "text_files", "parquet_rows", "quarantined",
+                                    "blank_lines")}
+    out["records"] = out["lines"] + out["warc_records"] + out["text_files"] + out["parquet_rows"]
     out["docs"], out["over_max_docs"] = written, c.get("docs", 0) - written
     out.update(quarantine_reasons=dict(sorted(reasons.items())), skipped_records=dict(sorted(skipped.items())),
                chunks=chunks)
@@ -280,7 +290,7 @@ def run(spec: JobSpec, out_dir: str | None = None, spark=None, corpus: Manifest 
         from pipelines.data.spark import spec_session
 
         s = spark or spec_session(spec, "llm-pipeline-ingest")
-        counts, digests, sample, cut = ingest(s, inputs, tmp, cfg)
+        counts, digests, sample, cut = ingest(s, inputs, tmp, cfg, spec.data.input_fields)
         (tmp / "quarantine_sample.jsonl").write_text("".join(json.dumps(q, ensure_ascii=False) + "\n"
                                                              for q in sample), encoding="utf-8")
         return sd.commit({"docs": "docs", "quarantine": "quarantine", "quarantine_sample": "quarantine_sample.jsonl"},
@@ -308,8 +318,8 @@ def summary(m: Manifest) -> str:
 
 def _inputs(ap) -> None:
     ap.add_argument("--input", action="append", default=None,
-                    help="Input file (JSONL, .warc.gz, .warc.wet.gz …), directory, glob or s3://bucket/prefix "
-                         "(repeatable); overrides data.inputs.")
+                    help="Input file (JSONL, .parquet, .warc.gz, .warc.wet.gz …), directory, glob or "
+                         "s3://bucket/prefix (repeatable); overrides data.inputs.")
 
 
 def _options(ap) -> None:

@@ -6,12 +6,13 @@ the project root (its absolute path when it lies elsewhere), an object's ``s3://
 doc's ``source`` and the stem of its id, so two inputs with the same file name in different directories never
 share ids.
 
-The driver never reads an input's bytes: an input's identity (its part of the stage key) is its key, size and
-mtime (a file) or ETag (an object); the Spark tasks that read the bytes hash them, and the manifest records those
-digests (``extra.input_sha256``). With ``data.ingest.s3_read: direct`` (the default on a cluster master: ``auto``)
-each task reads its byte range of an object with ranged GETs (:class:`pipelines.storage.s3.ObjectReader`); with
-``copy`` (``auto`` on ``local[…]``) the driver first copies each object into ``run.root/cache/s3/…`` (atomically; a
-copy whose size and ETag still match is reused).
+The driver reads no input's bytes but a Parquet file's footer (where its row groups lie: one Spark task each): an
+input's identity (its part of the stage key) is its key, size and mtime (a file) or ETag (an object); the Spark
+tasks that read the bytes hash them, and the manifest records those digests (``extra.input_sha256``). With
+``data.ingest.s3_read: direct`` (the default on a cluster master: ``auto``) each task reads its byte range of an
+object with ranged GETs (:class:`pipelines.storage.s3.ObjectReader`); with ``copy`` (``auto`` on ``local[…]``) the
+driver first copies each object into ``run.root/cache/s3/…`` (atomically; a copy whose size and ETag still match is
+reused).
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from pathlib import Path
 from pipelines.manifest import StageError, plain_rel, under
 from pipelines.spec import JobSpec, resolve_path
 
-DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc", ".txt")  # .jsonl.gz, .warc.gz, .warc.wet.gz …
-FORMATS = ("JSONL (.jsonl/.json, plain, .gz or .zst)", "WARC/WET (.warc, .warc.gz, .warc.wet.gz)",
-           "plain text (.txt: one document per file)")
+DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc", ".txt", ".parquet")  # .jsonl.gz, .warc.gz …
+FORMATS = ("JSONL (.jsonl/.json, plain, .gz or .zst)", "Parquet (.parquet: a Spark task per row group)",
+           "WARC/WET (.warc, .warc.gz, .warc.wet.gz)", "plain text (.txt: one document per file)")
 
 
 class IngestError(StageError):

@@ -1,10 +1,9 @@
 """Calibration of our harness wrapper against lm-evaluation-harness's own reference implementation.
 
 Our model is a Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention), so its weights convert to Hugging Face's
-``LlamaForCausalLM`` (the rotary dimensions permuted from interleaved pairs to HF's two halves, as Meta's conversion
-script does), and its SentencePiece model loads as a Hugging Face tokenizer. lm-eval's ``HFLM`` then scores the same
-task items with its own code: the context/continuation split, the batching and padding, the log-softmax gather and
-the greedy check. Our ``llm-pipeline`` wrapper (``PipelineLM`` over ``TextModel``) must give the same log-likelihood
+``LlamaForCausalLM`` (:func:`pipelines.eval.export.hf_llama`, what ``export --format hf`` writes), and its
+SentencePiece model loads as a Hugging Face tokenizer. lm-eval's ``HFLM`` then scores the same task items with its
+own code: the context/continuation split, the batching and padding, the log-softmax gather and the greedy check. Our ``llm-pipeline`` wrapper (``PipelineLM`` over ``TextModel``) must give the same log-likelihood
 for every request and the same greedy flags, hence the same scores.
 
     python -m pipelines.eval.calibrate --model-uri models:/NAME@champion [--tasks llmp_arc_easy,…] [--limit 20]
@@ -15,37 +14,6 @@ import argparse
 import json
 import os
 import sys
-
-
-def hf_llama(model):
-    """Our ``Transformer`` as an equivalent ``transformers.LlamaForCausalLM`` (eval mode, fp32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    a = model.args
-    cfg = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.d_model, intermediate_size=a.ffn_hidden,
-                      num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.kv_heads,
-                      max_position_embeddings=a.seq_len, rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta,
-                      tie_word_embeddings=a.tie_embeddings, attention_bias=False, mlp_bias=False, hidden_act="silu")
-    hf = LlamaForCausalLM(cfg).eval()
-
-    def halves(w, heads):  # rows of each head: interleaved (x0, x1), (x2, x3)… → HF's (x0…, x1…)
-        out, d = w.shape
-        return w.reshape(heads, out // heads // 2, 2, d).transpose(1, 2).reshape(out, d)
-
-    sd = model.state_dict()
-    new = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"],
-           "lm_head.weight": sd["output.weight"]}
-    names = {"attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "ffn.w1": "mlp.gate_proj",
-             "ffn.w3": "mlp.up_proj", "ffn.w2": "mlp.down_proj", "attn_norm": "input_layernorm",
-             "ffn_norm": "post_attention_layernorm"}
-    for i in range(a.n_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        new[theirs + "self_attn.q_proj.weight"] = halves(sd[ours + "attn.wq.weight"], a.n_heads)
-        new[theirs + "self_attn.k_proj.weight"] = halves(sd[ours + "attn.wk.weight"], a.kv_heads)
-        for k, v in names.items():
-            new[f"{theirs}{v}.weight"] = sd[f"{ours}{k}.weight"]
-    hf.load_state_dict(new, strict=True)
-    return hf
 
 
 def hf_tokenizer(sp_model_path: str):
@@ -63,6 +31,7 @@ def compare(text_model, sp_model_path: str, tasks: list[str], limit: int, data_d
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    from pipelines.eval.export import hf_llama
     from pipelines.eval.harness import PipelineLM, task_manager
 
     ref = HFLM(pretrained=hf_llama(text_model.model), tokenizer=hf_tokenizer(sp_model_path), batch_size=8,

@@ -3,16 +3,17 @@
 * ``reference_bpb``: bits per UTF-8 byte on ``eval.reference``, a fixed set of text files
   (definition in ``pipelines.eval.bpb``; the set's sha256 travels with the number). Comparable across
   corpora and tokenizers, so it is what the champion gate compares.
-* ``harness.<task>.<metric>``: lm-evaluation-harness tasks (``eval.tasks``: ARC-Easy, HellaSwag,
-  LAMBADA) with the harness's own prompts and metrics, read from local files (``eval.data_dir``),
-  the first ``eval.limit`` items of each.
+* ``harness.<task>.<metric>``: lm-evaluation-harness tasks (``eval.tasks``: by default our ARC-Easy, HellaSwag
+  and LAMBADA slices, read from ``eval.data_dir``; any task lm-eval knows, with ``eval.include_path``), built
+  offline, with lm-eval's own prompts and metrics, the first ``eval.limit`` items of each.
 * ``heldout_loss`` / ``heldout_ppl`` / ``heldout_bpb``: next-token loss on the run's own held-out
   shards. A diagnostic: another corpus or tokenizer scores other text.
 * a sample generation from ``eval.sample_prompt``.
 
 A model above ``eval.single_process_max_params`` is scored on the launcher's ranks
 (``pipelines.eval.scorer`` under torchrun, or a PyTorchJob on Kubernetes), not in the Airflow worker.
-The reference files and task files are inputs of the stage key: change one and the stage re-runs.
+The reference files and each task's items (their digest) are inputs of the stage key: change one and the stage
+re-runs. A task lm-eval cannot build offline fails the stage before anything runs (exit 2, the task and why).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.eval.scorer import Job, score
 from pipelines.manifest import Manifest, file_ref, input_ref
-from pipelines.eval.task_files import reference_files, task_files
+from pipelines.eval.task_files import eval_tasks, reference_files, task_digest, task_ref
 from pipelines.spec import JobSpec
 
 
@@ -59,18 +60,23 @@ def flat_metrics(scores: dict) -> dict[str, float]:
     return m
 
 
-def model_contamination(spec: JobSpec, tok: Manifest) -> dict:
+def task_digests(spec: JobSpec) -> dict[str, str]:
+    """{task: its items' digest} for every task of eval.tasks (a group's each), built offline by lm-eval."""
+    return {name: task_digest(task) for name, task in eval_tasks(spec).items()}
+
+
+def model_contamination(spec: JobSpec, tok: Manifest, digests: dict[str, str]) -> dict:
     """Per scored task (and ``reference``): how many of its items overlap training data that reached the model (the
     corpus version's record, kept by the decontaminate stage), of them how many are among the scored items, or
-    ``checked: false`` when the corpus was not checked against these very files."""
+    ``checked: false`` when the corpus was not checked against these very items (``digests``: :func:`task_digests`)."""
     from pipelines.eval.bpb import set_sha256
 
     record = tok.extra.get("contamination", {})
-    files = {**{t: [p] for t, p in zip(spec.eval.tasks, task_files(spec))}, "reference": reference_files(spec)}
+    current = {**digests, "reference": set_sha256(reference_files(spec))}
     out = {}
-    for task, fs in files.items():
+    for task, sha in current.items():
         r = record.get(task)
-        if r is None or r["sha256"] != set_sha256(fs):
+        if r is None or r["sha256"] != sha:
             out[task] = {"checked": False}
             continue
         limit = None if task == "reference" else spec.eval.limit
@@ -100,8 +106,10 @@ def evaluate(spec: JobSpec, promote: Manifest, tok: Manifest, workdir: Path) -> 
 
 
 def run(spec: JobSpec, promote: Manifest, tok: Manifest, out_dir: str | None = None) -> Manifest:
-    refs = [file_ref(p) for p in reference_files(spec)] + [file_ref(p) for p in task_files(spec)]
-    sd = stage_dir(spec, "evaluate", [input_ref(promote), input_ref(tok), *refs], out_dir)
+    refs = [file_ref(p) for p in reference_files(spec)]
+    digests = task_digests(spec)  # lm-eval builds eval.tasks here: a task it cannot build fails the spec (exit 2)
+    task_refs = [task_ref(t, sha) for t, sha in digests.items()]
+    sd = stage_dir(spec, "evaluate", [input_ref(promote), input_ref(tok), *refs, *task_refs], out_dir)
 
     def body(tmp: Path) -> Manifest:
         res = evaluate(spec, promote, tok, tmp)
@@ -119,8 +127,8 @@ def run(spec: JobSpec, promote: Manifest, tok: Manifest, out_dir: str | None = N
                    "checkpoint": promote.extra["checkpoint"], "reference_sha256": ref["sha256"],
                    "reference": {k: v for k, v in ref.items() if k != "sha256"}, "tasks": list(spec.eval.tasks),
                    "limit": spec.eval.limit, "sample": res.get("sample"), "scored_on_ranks": res["world_size"],
-                   "params": res["params"], "contamination": model_contamination(spec, tok),
-                   "files": {Path(r["uri"]).name: r["sha256"] for r in refs}})
+                   "params": res["params"], "contamination": model_contamination(spec, tok, digests),
+                   "files": {Path(r["uri"]).name: r["sha256"] for r in refs}, "task_sha256": digests})
 
     return run_and_log(spec, sd, body, artifacts=["harness"])
 

@@ -1,5 +1,6 @@
 """The register stage: the evaluated checkpoint as a servable pyfunc in MLflow, a model version with lineage tags,
-the champion/challenger gate and the eval report (:mod:`pipelines.eval.registry`).
+the champion/challenger gate and the eval report (:mod:`pipelines.eval.registry`), and the version as a Hugging Face
+directory with its model card, logged as the ``hf/`` artifact of its model (:mod:`pipelines.eval.export`).
 
     python -m pipelines.eval.register --evaluate-manifest E --train-manifest T --tokenize-manifest K [--spec S]
 """
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 from pipelines.cli import stage_dir, stage_main
+from pipelines.eval.export import register_hf
 from pipelines.eval.registry import eval_report, lineage_config_hash, register
 from pipelines.manifest import Manifest, input_ref, run_stage
 from pipelines.spec import JobSpec
@@ -33,6 +35,7 @@ def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: st
         work = tmp / "work"
         res = register(spec, ckpt, train_run, lineage, dict(ev.metrics), ev.extra, work, eval_run_id=eval_run)
         client = tracking.client(spec)
+        res["export_hf"] = register_hf(spec, client, ckpt, res, work)
         for p in eval_report(spec, res, ev, train, tmp, client):
             client.log_artifact(eval_run, str(p), artifact_path="eval_report")
         shutil.rmtree(tmp / "checkpoint", ignore_errors=True)
@@ -51,7 +54,9 @@ def summary(m: Manifest) -> str:
     con = ", ".join(f"{k.removeprefix('contamination.')} {v}" for k, v in e["tags"].items() if k.startswith("contamination."))
     return (f"register: {e['model_name']} v{e['version']} ({e['gate_metric']}={e['value']:.4f}, model_id "
             f"{e['model_id']}); {e['reason']}; eval items overlapping the training data: {con or 'not recorded'}; "
-            f"report {m.output('report')}; tracking {e['tracking_uri']}")
+            f"report {m.output('report')}; tracking {e['tracking_uri']}; Hugging Face copy "
+            f"{e.get('export_hf') or 'not logged'} (or: python -m pipelines.eval.export --model "
+            f"{e['model_name']}/{e['version']} --format hf|gguf --out DIR)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -261,13 +261,10 @@ def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, wor
 
 
 def datasets(ev_extra: dict) -> dict[str, tuple[str, str]]:
-    """{metric prefix: (dataset name, digest)}: the reference set, and each task's file."""
-    files = ev_extra.get("files", {})
-    from pipelines.eval.task_files import TASKS
-
+    """{metric prefix: (dataset name, digest)}: the reference set, and each task lm-eval scored (its items' digest,
+    ``pipelines.eval.task_files.task_digest``)."""
     out = {"reference_bpb": (REFERENCE_DATASET, ev_extra["reference_sha256"][:12])}
-    for task in ev_extra["tasks"]:
-        sha = files.get(TASKS[task].file, "")
+    for task, sha in ev_extra.get("task_sha256", {}).items():
         out[f"harness.{task}."] = (task, sha[:12])
     return out
 

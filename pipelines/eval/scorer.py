@@ -95,7 +95,7 @@ def score(spec, job: Job, ranks: Ranks | None = None, device: str = "cpu") -> di
     if "harness" in job.parts and E.tasks:
         from pipelines.eval.harness import evaluate, headline
 
-        res = evaluate(tm, list(E.tasks), E.limit, E.data_dir, E.batch_size)
+        res = evaluate(tm, list(E.tasks), E.limit, E.data_dir, E.batch_size, tuple(E.include_path))
         out["harness"] = {"scores": headline(res), "results": res}
     if "sample" in job.parts and ranks.rank == 0:
         out["sample"] = {"prompt": E.sample_prompt, "text": tm.generate(

@@ -1,74 +1,148 @@
-"""Our offline evaluation tasks: their names, their files and the text of their items (light: no lm_eval import).
+"""The evaluation tasks: any task lm-evaluation-harness knows, built through its own ``TaskManager`` and task objects.
 
-The tasks are lm-evaluation-harness tasks of our own (``tasks/*.yaml``): the prompts and metrics of upstream's
-``arc_easy``, ``hellaswag`` and ``lambada_openai``, on local slices of the same data (``eval.data_dir``, by default
-the first 500 items this repo ships in ``data/eval``). They carry names of their own, ``llmp_<upstream>``, and a
-version that says slice and source, because a score on 100 or 500 items of a slice is not upstream's number.
+``eval.tasks`` names tasks, groups or tags of lm-eval's own task folder, of ours (``tasks/*.yaml``) and of the
+folders in ``eval.include_path`` (as lm-eval's ``--include_path``; a folder listed later overrides a name listed
+earlier). Ours, ``llmp_arc_easy``, ``llmp_hellaswag`` and ``llmp_lambada_openai``, are the prompts and metrics of
+upstream's ``arc_easy``, ``hellaswag`` and ``lambada_openai`` on local slices of the same data (``eval.data_dir``, by
+default the first 500 items this repo ships in ``data/eval``), under names and versions of their own: a score on a
+slice is not upstream's number. They are the offline default.
 
-``item_texts`` gives what the decontamination stage looks for in the training data: the text a model would have to
-have seen to be advantaged on an item (question and correct answer; context and correct ending; the passage), and the
-part of it that also gives the item away on its own (the question; the context), since a copy on the web often puts a
-label between the two ("Q: … A: …").
+Tasks are built offline (``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` = 1 unless already set): a task whose data is
+neither local nor in the Hugging Face cache cannot be built, and :func:`eval_tasks` (the stages' spec check) says
+which and why. Building the index of lm-eval's own ~15,000 task configs takes seconds, so it is built only when a
+name is not found among ours and ``eval.include_path``, and once per process.
+
+A task's identity (:func:`task_digest`) is the sha256 of its items as lm-eval renders them (prompt, choices, correct
+answers, in ``eval_docs`` order): the same for the decontaminate stage's record and the evaluation, whatever the
+task's data source. Light at import: lm_eval is imported by the functions that need it.
 """
 from __future__ import annotations
 
+import difflib
+import hashlib
 import json
-from dataclasses import dataclass
+import os
+from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+# ours (tasks/*.yaml): name → its file in eval.data_dir (tasks/offline_data.py reads it)
+FILES = {"llmp_arc_easy": "arc_easy_test.jsonl", "llmp_hellaswag": "hellaswag_val.jsonl",
+         "llmp_lambada_openai": "lambada_openai_test.jsonl"}
+TASKS = tuple(FILES)
 
 
-class Layout(str):
-    """An item's text as the evaluation shows it to the model (the task's prompt with the correct answer): looked for
-    whatever its length, since its labels ("Question: … Answer: …") make even a short item a distinctive run."""
+def offline() -> None:
+    """No network for the harness's datasets unless the environment says otherwise (before ``datasets`` loads)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@dataclass(frozen=True)
-class OfflineTask:
-    name: str          # ours, as --tasks and eval.tasks take it
-    upstream: str      # the lm-evaluation-harness task whose prompts and metrics it uses
-    file: str          # in eval.data_dir
-    item_text: Callable[[dict], list[str]]  # an item's texts: the whole of it, then a part that may appear alone
+def name_problem(names) -> str:
+    """'' unless a name is empty or repeated (the cheap check of the spec's field; whether lm-eval knows a name and can
+    build its task offline is :func:`eval_tasks`'s, at the stages)."""
+    bad = [n for n in names if not isinstance(n, str) or not n.strip()]
+    if bad:
+        return f"task names must be non-empty strings, got {bad}"
+    twice = sorted({n for n in names if list(names).count(n) > 1})
+    return f"task(s) {twice} listed more than once" if twice else ""
 
 
-def _arc(r: dict) -> list[str]:
-    q = r["question"]
-    answer = next((c["text"] for c in q["choices"] if c["label"] == r["answerKey"]), "")
-    return [f"{q['stem']} {answer}", q["stem"], Layout(f"Question: {q['stem']}\nAnswer: {answer}")]  # llmp_arc_easy.yaml
+@lru_cache(maxsize=8)
+def _manager(include: tuple[str, ...], data_dir: str | None, defaults: bool):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=[str(TASKS_DIR), *include], include_defaults=defaults,
+                       metadata={"data_dir": data_dir} if data_dir else None)
 
 
-def _hellaswag(r: dict) -> list[str]:
-    ending = r["endings"][int(r["label"])]
-    # the harness's query is "<activity_label>: <ctx>" (then the ending): the label is part of what the model sees
-    return [f"{r['ctx']} {ending}", r["ctx"], Layout(f"{r['activity_label']}: {r['ctx']} {ending}")]
+def task_manager(data_dir: str | None = None, include_path=(), defaults: bool = False):
+    """lm-eval's ``TaskManager`` over ours and ``include_path`` (folders, resolved against the project root), with
+    lm-eval's own tasks when ``defaults``; one per process and arguments."""
+    from pipelines.spec import SpecError, resolve_path
+
+    dirs = tuple(str(resolve_path(p)) for p in include_path)
+    missing = [d for d in dirs if not Path(d).is_dir()]
+    if missing:
+        raise SpecError(f"eval.include_path: no such folder(s) {missing}; list folders of lm-eval task YAMLs")
+    return _manager(dirs, data_dir, defaults)
 
 
-TASKS: dict[str, OfflineTask] = {t.name: t for t in (
-    OfflineTask("llmp_arc_easy", "arc_easy", "arc_easy_test.jsonl", _arc),
-    OfflineTask("llmp_hellaswag", "hellaswag", "hellaswag_val.jsonl", _hellaswag),
-    OfflineTask("llmp_lambada_openai", "lambada_openai", "lambada_openai_test.jsonl", lambda r: [Layout(r["text"])]),
-)}
-FILES = {name: t.file for name, t in TASKS.items()}
+def manager_for(names, data_dir: str | None = None, include_path=()):
+    """The ``TaskManager`` that knows every name: ours and ``include_path`` alone when each name is a task of theirs
+    (milliseconds; a group or tag there may list lm-eval's own tasks), else with lm-eval's own tasks (seconds); a name
+    none knows is a :class:`SpecError` with the names closest to it."""
+    from pipelines.spec import SpecError
+
+    tm = task_manager(data_dir, include_path)
+    if all(n in tm.all_subtasks for n in names):
+        return tm
+    tm = task_manager(data_dir, include_path, defaults=True)
+    for n in names:
+        if n not in tm.all_tasks and not Path(n).is_file():  # lm-eval also takes a task YAML's path
+            close = difflib.get_close_matches(n, tm.all_tasks, n=5, cutoff=0.6)
+            raise SpecError(f"eval.tasks: unknown task {n!r}: no lm-eval task, group or tag has that name (lm-eval's "
+                            "own, pipelines/eval/tasks, eval.include_path)"
+                            + (f"; close matches: {', '.join(close)}" if close else ""))
+    return tm
 
 
-def unknown_tasks(names) -> str:
-    """'' when every name is one of ours, else the message that says what to write instead."""
-    bad = [n for n in names if n not in TASKS]
-    if not bad:
-        return ""
-    hints = [f"{n} → llmp_{n}" for n in bad if f"llmp_{n}" in TASKS]
-    return (f"unknown task(s) {bad}: the offline tasks are {list(TASKS)}"
-            + (f" (upstream's names are the full hub sets; ours are local slices: {', '.join(hints)})" if hints else ""))
+def _why(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())
+
+
+def build_tasks(names, data_dir: str | None = None, include_path=()) -> dict:
+    """{name: lm-eval task object} for every task ``names`` stand for (a group or tag gives its tasks), built offline
+    as the evaluation builds them; a task that cannot be is a :class:`SpecError` naming it and saying why."""
+    from pipelines.spec import SpecError
+
+    offline()
+    tm = manager_for(names, data_dir, include_path)
+    out: dict = {}
+    for n in names:
+        try:
+            out.update(tm.load([n])["tasks"])
+        except Exception as e:  # noqa: BLE001 - any failure to build a task is the spec's to fix, said in one line
+            hint = f"; llmp_{n} is its local slice" if f"llmp_{n}" in FILES else ""
+            raise SpecError(f"eval.tasks: task {n!r} cannot be used offline: {_why(e)}{hint} (put its data in the "
+                            "Hugging Face cache, or a task YAML over local files in eval.include_path)") from None
+    return out
+
+
+def eval_tasks(spec) -> dict:
+    """``eval.tasks`` as lm-eval task objects (:func:`build_tasks`): the stages' spec check."""
+    return build_tasks(list(spec.eval.tasks), spec.eval.data_dir, tuple(spec.eval.include_path))
+
+
+def rendered(task, doc) -> dict:
+    """An item as lm-eval's requests show it: the prompt (``doc_to_text``), the choices (``doc_to_choice``, or None)
+    and the correct continuation(s) (``doc_to_target``: a choice's index, a text, or a list of them)."""
+    prompt, target = task.doc_to_text(doc), task.doc_to_target(doc)
+    choices = task.doc_to_choice(doc) if task.config.doc_to_choice is not None else None
+    if isinstance(prompt, int):  # several inputs (winogrande): the choices are the prompts, the target follows each
+        return {"prompt": choices[prompt], "choices": choices, "answers": [str(target)]}
+    targets = target if isinstance(target, list) else [target]
+    answers = [choices[t] if choices is not None and isinstance(t, int) else str(t) for t in targets]
+    return {"prompt": str(prompt), "choices": choices, "answers": answers}
+
+
+def task_digest(task, items: list[dict] | None = None) -> str:
+    """sha256 of the task's items as rendered (``items``: :func:`rendered` of each of its ``eval_docs``, in order;
+    rendered here when not given) and its target delimiter."""
+    h = hashlib.sha256(json.dumps(task.config.target_delimiter).encode())
+    for r in items if items is not None else (rendered(task, doc) for doc in task.eval_docs):
+        h.update(b"\n" + json.dumps(r, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def task_ref(name: str, digest: str) -> dict:
+    """A task as an input of a stage's key (beside the reference files): its items' digest."""
+    return {"uri": f"lm-eval:{name}", "sha256": digest}
 
 
 def read_rows(path: Path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def item_texts(task: str, path: Path) -> list[list[str]]:
-    """The items of ``task`` in file order (item i = line i, the order ``--limit`` takes them in), each as its texts."""
-    return [TASKS[task].item_text(r) for r in read_rows(path)]
 
 
 def reference_items(paths: list[Path]) -> list[list[str]]:
@@ -82,29 +156,12 @@ def reference_items(paths: list[Path]) -> list[list[str]]:
     return [[t] for t in out]
 
 
-def _require(files: list[Path], message: str) -> list[Path]:
-    from pipelines.spec import SpecError
-
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing:
-        raise SpecError(message.format(missing=missing))
-    return files
-
-
 def reference_files(spec) -> list[str]:
     """The reference set's files (``eval.reference``), each checked to exist."""
-    from pipelines.spec import resolve_bundled
+    from pipelines.spec import SpecError, resolve_bundled
 
-    files = _require([resolve_bundled(p) for p in spec.eval.reference],
-                     "eval.reference: no such file(s) {missing}; list UTF-8 text or JSONL files")
+    files = [resolve_bundled(p) for p in spec.eval.reference]
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise SpecError(f"eval.reference: no such file(s) {missing}; list UTF-8 text or JSONL files")
     return [str(p) for p in files]
-
-
-def task_files(spec) -> list[Path]:
-    """The files of ``eval.tasks`` in ``eval.data_dir``, each checked to exist."""
-    from pipelines.spec import resolve_bundled
-
-    d = resolve_bundled(spec.eval.data_dir)
-    return _require([d / FILES[t] for t in spec.eval.tasks],
-                    f"eval.data_dir: {d} lacks {{missing}} (the repo ships data/eval; ../shared/data/eval has the "
-                    "full sets); or drop the task from eval.tasks")

@@ -193,6 +193,19 @@ def check_supported(spec: JobSpec) -> None:
                                 if key == "checkpoint.l0" else ""))
 
 
+def check_mixture(spec: JobSpec, tok: Manifest) -> None:
+    """``train.mixture`` against the corpus's train sources before any rank starts: a key that matches no source, a
+    source nothing weighs … fail the stage with the line that names it (exit 2)."""
+    if not spec.train.mixture:
+        return
+    from pipelines.train.loader import MixtureError, train_samples
+
+    try:
+        train_samples(tok, spec.model.seq_len, spec.train.mixture)
+    except MixtureError as e:
+        raise TrainError(str(e)) from None
+
+
 def rank_workdir(spec: JobSpec, sd: StageDir, tmp: Optional[Path]) -> Path:
     """Where the ranks write: the stage's temp dir locally; on Kubernetes (or with no temp dir yet) a directory
     named by the stage key, so a retried task's job has the same command as the one it adopts."""
@@ -263,6 +276,7 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
     sd = stage_dir(spec, "train", [input_ref(tok)], out_dir)
 
     def body(tmp: Path) -> Manifest:
+        check_mixture(spec, tok)
         # run.force: a new generation of this key's checkpoints, resumed by a retry, the old one kept until commit
         job = train_job(spec, tok, out_dir, tmp, sd)
         rel_root, work = job.rel_root, job.work
@@ -289,7 +303,8 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
             extra={"checkpoint": f"{rel_root}/{result['checkpoint']}", "mlflow_run_id": result["mlflow_run_id"],
                    "world_size": result["world_size"], "backend": result["backend"],
                    "resumed_from": result["resumed_from"], "promoted_during_run": result["ckpt"]["promoted"],
-                   "val": result.get("val", []), "best_val_step": result.get("best_val_step")},
+                   "val": result.get("val", []), "best_val_step": result.get("best_val_step"),
+                   **({"mixture": result["mixture"]} if "mixture" in result else {})},
         )
         commit_generation(spec, f"{spec.run.name}/{sd.final.name}", rel_root)
         return m

@@ -14,9 +14,13 @@
   when the trainer takes a step's batches, so a checkpoint's loader state is exact.
 * ``skip``: global batch start positions never trained on (the batches a loss-spike rollback skipped);
   saved with the position, so a resumed run skips them too.
+* ``train.mixture`` (:class:`MixtureSamples`, :class:`Blend`, :class:`MixtureSampler`): samples are cut from each
+  source's own token stream, and position p draws from the source the blend gives it, still a function of p alone
+  (docs/training.md, *Data mixtures*). Without a mixture nothing above changes.
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +62,10 @@ class DPSampler:
         return self._cache[epoch]
 
     def global_batch(self, consumed: int) -> np.ndarray:
-        pos = np.arange(consumed, consumed + self.G, dtype=np.int64)
+        return self.ids_at(np.arange(consumed, consumed + self.G, dtype=np.int64))
+
+    def ids_at(self, pos: np.ndarray) -> np.ndarray:
+        """The sample id at each global position."""
         epochs = pos // self.n
         ids = np.empty(self.G, dtype=np.int64)
         for e in np.unique(epochs):  # at most two epochs meet inside one global batch (unless G > n)
@@ -90,6 +97,9 @@ class DPSampler:
         if sd["global_batch"] != self.G or sd["seed"] != self.seed:
             raise ValueError(f"loader state was saved with global batch {sd['global_batch']} and seed {sd['seed']}, "
                              f"this run has {self.G} and {self.seed}")
+        if sd.get("mixture") != self.state_dict().get("mixture"):
+            raise ValueError(f"loader state was saved with train.mixture shares {sd.get('mixture')}, this run has "
+                             f"{self.state_dict().get('mixture')}")
         self.consumed_samples = int(sd["consumed_samples"])
         self.skip = set(sd.get("skip", []))
 
@@ -169,3 +179,265 @@ class Prefetcher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------- data mixtures
+ANY = "*"  # train.mixture's key for every source no other key matches
+BLEND_PERIOD = 1 << 16  # positions of one blend block: shares are exact to 1 / BLEND_PERIOD over whole blocks
+
+
+class MixtureError(ValueError):
+    """A ``train.mixture`` this corpus cannot have; the message names the key (or source) to fix."""
+
+
+def mixture_weights(mixture: dict[str, float], sources: list[str]) -> dict[str, float]:
+    """Each source's weight under ``train.mixture``: its own key, else the one glob (fnmatch, case-sensitive) that
+    matches it, else ``"*"``. A key that matches no source, a source that two globs match or that nothing weighs,
+    and a mixture of weights all 0 are refused."""
+    import fnmatch
+
+    known = set(sources)
+    exact = {k: w for k, w in mixture.items() if k in known}
+    globs = {k: {s for s in sources if fnmatch.fnmatchcase(s, k)} for k in mixture if k != ANY and k not in known}
+    for k, hits in globs.items():
+        if not hits:
+            raise MixtureError(f"train.mixture: key {k!r} matches no source of the corpus's train split "
+                               f"({_listed(sources)}): fix the key or remove it")
+    out = {}
+    for s in sources:
+        keys = [k for k, hits in globs.items() if s in hits]
+        if s not in exact and len(keys) > 1:
+            raise MixtureError(f"train.mixture: source {s!r} matches both {keys[0]!r} and {keys[1]!r}: give it a key "
+                               "of its own")
+        if s not in exact and not keys and ANY not in mixture:
+            raise MixtureError(f"train.mixture: source {s!r} has no weight: name it, match it with a glob, or add "
+                               f"'{ANY}': 1 (or 0, to leave it out) for every source not named")
+        out[s] = float(exact[s] if s in exact else mixture[keys[0]] if keys else mixture[ANY])
+    if not any(w > 0 for w in out.values()):
+        raise MixtureError("train.mixture: every source has weight 0; give one a weight > 0")
+    return out
+
+
+def _listed(names: list[str], most: int = 5) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def source_spans(stream: TokenStream, doc_sources: list) -> tuple[list[str], list[np.ndarray]]:
+    """The sources (sorted) and each one's runs of consecutive docs in the token stream, as ``(start, tokens)`` rows
+    in stream order; ``doc_sources``: per shard, the source of each of its docs."""
+    if len(doc_sources) != len(stream.shards):
+        raise ValueError(f"doc sources for {len(doc_sources)} shards, the stream has {len(stream.shards)}")
+    for shard, src in zip(stream.shards, doc_sources):
+        if len(src) != shard.num_docs:
+            raise ValueError(f"{shard.bin_path}: {len(src)} doc sources for its {shard.num_docs} docs")
+    lengths = np.concatenate([s.lengths for s in stream.shards]).astype(np.int64)
+    if lengths.sum() != len(stream) or not lengths.size:
+        raise ValueError("the shards' document lengths do not add up to their tokens")
+    names, codes = source_codes(doc_sources)
+    starts = np.cumsum(lengths) - lengths
+    first = np.concatenate([[0], np.flatnonzero(np.diff(codes)) + 1])  # the first doc of each run of one source
+    runs, owner = np.stack([starts[first], np.add.reduceat(lengths, first)], axis=1), codes[first]
+    grouped = runs[np.argsort(owner, kind="stable")]  # each source's runs together, in stream order
+    return names, np.split(grouped, np.cumsum(np.bincount(owner, minlength=len(names)))[:-1])
+
+
+def source_codes(doc_sources: list) -> tuple[list[str], np.ndarray]:
+    """The sources that have docs (sorted) and each doc's index among them, over every shard in order; a shard's
+    sources are a list of names or an Arrow (dictionary) array: a doc costs an int32, not its source's name."""
+    import pyarrow as pa
+
+    enc = [c if pa.types.is_dictionary(c.type) else c.dictionary_encode()
+           for c in (s if isinstance(s, pa.Array) else pa.array(s, pa.string()) for s in doc_sources)]
+    if any(c.null_count for c in enc):
+        raise ValueError("a doc without a source")
+    names = sorted({v for c in enc for v in c.dictionary.to_pylist()})
+    at = {n: i for i, n in enumerate(names)}
+    codes = np.concatenate([np.array([at[v] for v in c.dictionary.to_pylist()], dtype=np.int32)[
+        c.indices.to_numpy(zero_copy_only=False)] for c in enc])
+    present = np.bincount(codes, minlength=len(names)) > 0  # a source of the dictionary may have no doc here
+    return [n for n, keep in zip(names, present) if keep], (np.cumsum(present) - 1).astype(np.int32)[codes]
+
+
+class MixtureSamples:
+    """The train samples by source (``train.mixture``): a sample of source k is ``seq_len + 1`` consecutive tokens of
+    k's own token stream (its docs in stream order, back to back: every token of it is k's); its ids are
+    ``offsets[k] … offsets[k + 1] − 1``. ``shares``: each source's target share of the samples (weights
+    normalised; 0 leaves it out)."""
+
+    def __init__(self, shard_prefixes: list[Path], seq_len: int, doc_sources: list, mixture: dict[str, float]):
+        self.stream = TokenStream(shard_prefixes)
+        self.seq_len = seq_len
+        self.names, self.spans = source_spans(self.stream, doc_sources)
+        weights = mixture_weights(mixture, self.names)
+        self.tokens = np.array([int(sp[:, 1].sum()) for sp in self.spans], dtype=np.int64)
+        self.sizes = np.maximum(0, (self.tokens - 1) // seq_len)
+        for name, n, t in zip(self.names, self.sizes, self.tokens):
+            if weights[name] > 0 and n == 0:
+                raise MixtureError(f"train.mixture: source {name!r} has {t} train tokens, no sample of {seq_len + 1}: "
+                                   "give it weight 0 or lower model.seq_len")
+        total = sum(weights.values())
+        self.shares = np.array([weights[n] / total for n in self.names])
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.cum = [np.concatenate([[0], np.cumsum(sp[:, 1])]) for sp in self.spans]
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        j = i - int(self.offsets[k])
+        return self.read(k, j * self.seq_len, (j + 1) * self.seq_len + 1)
+
+    def read(self, k: int, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of source k's stream, across its runs."""
+        cum, spans = self.cum[k], self.spans[k]
+        r = int(np.searchsorted(cum, start, side="right")) - 1
+        parts = []
+        while start < stop:
+            lo, take = int(spans[r, 0] + start - cum[r]), int(min(stop, cum[r + 1]) - start)
+            parts.append(self.stream.read(lo, lo + take))
+            start, r = start + take, r + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class Blend:
+    """Which source global position p draws from, and its how-many-th draw of that source: a function of p alone.
+    Every block of :data:`BLEND_PERIOD` positions holds ``quota[k]`` draws of source k (the shares apportioned by
+    largest remainder, a source with a share > 0 at least one); inside a block the draws of each source are spread
+    evenly (draw j of k at (j + ½) / quota[k] of the block), so after any p positions every source is within one draw
+    of its share of the block."""
+
+    def __init__(self, shares: np.ndarray):
+        self.quota = apportion(shares, BLEND_PERIOD)
+        k = np.repeat(np.arange(len(shares)), self.quota)
+        j = np.concatenate([np.arange(q) for q in self.quota])
+        order = np.lexsort((k, (j + 0.5) / self.quota[k]))
+        self.source, self.rank = k[order], j[order]
+
+    def draws(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        block, off = np.divmod(pos, BLEND_PERIOD)
+        src = self.source[off]
+        return src, block * self.quota[src] + self.rank[off]
+
+    def counts(self, p: int) -> np.ndarray:
+        """Draws of each source among positions ``[0, p)``."""
+        block, off = divmod(int(p), BLEND_PERIOD)
+        return block * self.quota + np.bincount(self.source[:off], minlength=len(self.quota))
+
+
+def apportion(shares: np.ndarray, total: int) -> np.ndarray:
+    """Integers summing to ``total`` in proportion to ``shares`` (largest remainder; a share > 0 gets at least 1)."""
+    raw = np.asarray(shares, dtype=np.float64) * total
+    q = np.floor(raw).astype(np.int64)
+    q[np.argsort(-(raw - q), kind="stable")[:total - int(q.sum())]] += 1
+    for k in np.flatnonzero((q == 0) & (raw > 0)):
+        q[np.argmax(q)] -= 1
+        q[k] = 1
+    return q
+
+
+class MixtureSampler(DPSampler):
+    """:class:`DPSampler` over :class:`MixtureSamples`: global position p draws from the source :class:`Blend` gives
+    it; a source's draws walk its samples in a permutation per pass over them (its epoch), drawn from
+    ``(seed, source name, epoch)``. Still a function of the position only: ``consumed_samples`` stays the whole
+    state, so resuming (on any DP size) draws the same windows."""
+
+    def __init__(self, samples: MixtureSamples, global_batch: int, dp_rank: int, dp_size: int, seed: int):
+        super().__init__(len(samples), global_batch, dp_rank, dp_size, seed)
+        self.samples, self.blend = samples, Blend(samples.shares)
+        self.tags = [int.from_bytes(hashlib.sha256(n.encode()).digest()[:8], "big") for n in samples.names]
+        self._perms: dict[int, tuple[int, np.ndarray]] = {}
+
+    def _perm(self, k: int, epoch: int) -> np.ndarray:
+        if self._perms.get(k, (None,))[0] != epoch:
+            size = int(self.samples.sizes[k])
+            self._perms[k] = (epoch, np.random.default_rng([self.seed, self.tags[k], epoch]).permutation(size))
+        return self._perms[k][1]
+
+    def ids_at(self, pos: np.ndarray) -> np.ndarray:
+        src, draw = self.blend.draws(pos)
+        size = self.samples.sizes[src]
+        epoch, within = draw // size, draw % size
+        ids = np.empty(pos.size, dtype=np.int64)
+        for k, e in sorted(set(zip(src.tolist(), epoch.tolist()))):
+            sel = (src == k) & (epoch == e)
+            ids[sel] = self.samples.offsets[k] + self._perm(k, e)[within[sel]]
+        return ids
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "mixture": dict(zip(self.samples.names, self.samples.shares.tolist()))}
+
+    def trained(self, consumed: int) -> np.ndarray:
+        """Samples drawn from each source over positions ``[0, consumed)``, less the skipped global batches."""
+        got = self.blend.counts(consumed)
+        for s in self.skip:
+            if s < consumed:
+                got = got - (self.blend.counts(s + self.G) - self.blend.counts(s))
+        return got
+
+    def report(self, consumed: int) -> dict:
+        """Target and achieved shares, samples and epochs (passes over its samples) per source, over the samples
+        trained on up to ``consumed``: ``{"target", "achieved", "samples", "epochs"}``, each ``{source: value}``."""
+        n, names = self.trained(consumed), self.samples.names
+        total = max(1, int(n.sum()))
+        return {"target": dict(zip(names, self.samples.shares.tolist())),
+                "achieved": {s: int(c) / total for s, c in zip(names, n)},
+                "samples": {s: int(c) for s, c in zip(names, n)},
+                "epochs": {s: int(c) / int(z) if z else 0.0 for s, c, z in zip(names, n, self.samples.sizes)}}
+
+
+def train_doc_sources(tok) -> list:
+    """The source (input key) of every doc of a corpus version's train shards, shard by shard in manifest order: each
+    shard's doc ids (``<shard>.ids.parquet``) looked up among the docs its versions added (the decontaminate or filter
+    stage's kept docs, which carry their ``source``; ``pipelines.lineage``). Nothing new is stored by tokenize."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from pipelines.lineage import added_docs, chain
+    from pipelines.manifest import StageError
+
+    try:
+        known = pa.concat_tables([added_docs(v, ["id", "source"]) for v in chain(tok)], promote_options="permissive")
+    except (StageError, OSError) as e:
+        raise MixtureError(f"train.mixture: the sources of {tok.path}'s docs cannot be read: {e}") from None
+    if "source" not in known.column_names:
+        raise MixtureError(f"train.mixture: the docs of {tok.path}'s lineage have no source column")
+    ids_known = known.column("id").combine_chunks()
+    sources = known.column("source").combine_chunks().dictionary_encode()
+    out = []
+    for sh in (s for s in tok.extra["shards"] if s["split"] == "train"):
+        ids = pq.read_table(tok.dir / (sh["prefix"] + ".ids.parquet"), columns=["id"]).column("id").combine_chunks()
+        at = pc.index_in(ids, value_set=ids_known)
+        if at.null_count:
+            lost = ids.filter(pc.is_null(at))[0].as_py()
+            raise MixtureError(f"train.mixture: doc {lost!r} of shard {sh['prefix']} is not among the docs of "
+                               f"{tok.path}'s lineage: its source is unknown")
+        out.append(pc.take(sources, at))
+    return out
+
+
+def train_samples(tok, seq_len: int, mixture: dict[str, float]):
+    """A corpus version's train samples: :class:`TokenSamples` (no mixture: the stream as it is), else
+    :class:`MixtureSamples`."""
+    shards = [tok.dir / s["prefix"] for s in tok.extra["shards"] if s["split"] == "train"]
+    if not mixture:
+        return TokenSamples(shards, seq_len)
+    return MixtureSamples(shards, seq_len, train_doc_sources(tok), mixture)
+
+
+def sampler_for(samples, global_batch: int, dp_rank: int, dp_size: int, seed: int) -> DPSampler:
+    if isinstance(samples, MixtureSamples):
+        return MixtureSampler(samples, global_batch, dp_rank, dp_size, seed)
+    return DPSampler(len(samples), global_batch, dp_rank, dp_size, seed)
+
+
+def mixture_metrics(report: dict) -> dict[str, float]:
+    """MLflow metrics of a :meth:`MixtureSampler.report`: ``mixture/{target,achieved,epochs}/<source>`` (characters
+    MLflow refuses in a name become ``_``)."""
+    import re
+
+    return {f"mixture/{kind}/{re.sub(r'[^A-Za-z0-9_.-]+', '_', s)}": v
+            for kind in ("target", "achieved", "epochs") for s, v in report[kind].items()}

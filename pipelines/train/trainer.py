@@ -269,16 +269,15 @@ class Trainer:
         return got
 
     def _data(self, tok_manifest_path: str) -> None:
-        from pipelines.train.loader import TokenSamples
+        from pipelines.train.loader import train_samples
         from pipelines.train.model import ModelArgs
 
         self.tok = load_manifest(tok_manifest_path)
-        shards = [self.tok.dir / s["prefix"] for s in self.tok.extra["shards"] if s["split"] == "train"]
         self.margs = ModelArgs.from_spec(self.spec.model, self.tok.extra["vocab_size"])
         if self.margs.vocab_size < self.tok.extra["vocab_size"]:
             raise ValueError(f"model.vocab_size={self.margs.vocab_size} is smaller than the tokenizer's "
                              f"{self.tok.extra['vocab_size']}")
-        self.samples = TokenSamples(shards, self.margs.seq_len)
+        self.samples = train_samples(self.tok, self.margs.seq_len, self.spec.train.mixture)
 
     def _find_restore(self):
         """Every rank together: the newest step of this line of training that verifies on the nearest tier, each
@@ -349,7 +348,7 @@ class Trainer:
         return rec, "never"
 
     def _model(self, state: Optional[dict]) -> None:
-        from pipelines.train.loader import DPSampler
+        from pipelines.train.loader import sampler_for
         from pipelines.train.model import Transformer, param_count
         from pipelines.train.parallel import apply_parallelism, dp_coords
 
@@ -358,7 +357,7 @@ class Trainer:
         self.G, self.accum = runtime_batch(spec, dp, state["loader"]["global_batch"] if state else None)
         if self.accum != t.grad_accum:
             self.log(f"[train] world size {self.world}: grad_accum {self.accum} keeps the global batch of {self.G}")
-        self.sampler = DPSampler(len(self.samples), self.G, dp_rank, dp, spec.run.seed)
+        self.sampler = sampler_for(self.samples, self.G, dp_rank, dp, spec.run.seed)
         self.n_params = param_count(self.margs)
         self.model, self.mode = apply_parallelism(Transformer(self.margs).to(self.device), spec, self.device)
         self.opt = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=t.betas,
@@ -580,10 +579,21 @@ class Trainer:
         params = {"params": self.n_params, "world_size": self.world, "global_batch": self.G, "seq_len": m.seq_len,
                   "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads, "vocab_size": m.vocab_size,
                   "steps": self.spec.train.steps, "lr": self.spec.train.lr, "backend": dist_backend(self.spec),
-                  "parallel": self.mode}
+                  "parallel": self.mode, **({"mixture": json.dumps(self.spec.train.mixture)[:6000]}  # MLflow's limit
+                                            if self.spec.train.mixture else {})}
         self._mlflow(lambda: self.tracker.params(params))
+        if self.spec.train.mixture:
+            self._log_mixture_plan()
         if self.tracker is not None and self.prog.resumed_from:
             self.tracker.add(self.prog.step, {"ckpt/resumed_step": self.prog.resumed_from["step"]})
+
+    def _log_mixture_plan(self) -> None:
+        """Rank 0: each source's target share, samples and epochs over train.steps (``train.mixture``)."""
+        plan = self.sampler.report(self.spec.train.steps * self.G)
+        for s, size in zip(self.samples.names, self.samples.sizes):
+            self.log(f"[data] mixture: {s}: target share {plan['target'][s]:.4f}; over train.steps="
+                     f"{self.spec.train.steps}: {plan['samples'][s]:,} draws of its {size:,} samples, "
+                     f"{plan['epochs'][s]:.2f} epochs")
 
     def _report(self, bar, loss: float, gnorm: float, lr: float) -> None:
         if self.rank != 0:
@@ -651,7 +661,13 @@ class Trainer:
                      "promote_s": {str(k): round(v, 4) for k, v in
                                    (self.ckpt.promoter.seconds if self.ckpt.promoter else {}).items()}},
         }
+        if self.spec.train.mixture:  # train.mixture: shares over the samples trained on, resumes included
+            result["mixture"] = self.sampler.report(self.sampler.consumed_samples)
         if self.rank == 0:
+            if "mixture" in result:
+                from pipelines.train.loader import mixture_metrics
+
+                self.tracker.add(t.steps, mixture_metrics(result["mixture"]))
             self.tracker.flush(self.ckpt.events.take())
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "losses.json").write_text(json.dumps(self.prog.losses))

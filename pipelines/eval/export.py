@@ -1,0 +1,409 @@
+"""Export a registered model to the ecosystem's formats: a Hugging Face ``LlamaForCausalLM`` directory or a GGUF file.
+
+    python -m pipelines.eval.export --model NAME@ALIAS|NAME/VERSION --format hf|gguf --out DIR [--spec S] [--set K=V]
+
+Our model is a Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention), so nothing is approximated:
+
+* ``hf``: ``config.json`` (``LlamaForCausalLM``), ``model.safetensors`` (fp32, as trained; the rotary rows of
+  ``q_proj``/``k_proj`` permuted from our interleaved pairs to Hugging Face's two halves, as Meta's conversion does),
+  ``generation_config.json``, the tokenizer (``tokenizer.model``, our SentencePiece model; ``tokenizer.json``, the same
+  model converted by transformers' own SentencePiece converter; ``tokenizer_config.json``: ``</s>`` ends a document,
+  no ``<s>`` is added, as in training) and ``README.md``, a model card: the corpus version and its sources with their
+  document counts (lineage), the contamination record, the evaluation metrics, the training config and its hash.
+  ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)`` load it; the tokenizer is
+  checked against SentencePiece on :data:`CHECK_TEXTS` before anything is written, and an export whose ids differ is
+  refused (exit 2).
+* ``gguf``: ``DIR/model.gguf`` (architecture ``llama``, fp32 or ``--gguf-dtype f16``) with the tokenizer embedded
+  (``tokenizer.ggml.model = llama``: SentencePiece pieces, scores and types). llama.cpp's SentencePiece tokenizer
+  always writes spaces as ``▁``: the byte tokenizer, which keeps them as bytes, has no GGUF equivalent and is refused.
+
+The register stage writes the ``hf`` directory for every version it registers (up to
+``eval.single_process_max_params``) and logs it as the ``hf/`` artifact of the version's model; the version's
+``export.hf`` tag is its URI, so ``mlflow artifacts download --artifact-uri <export.hf> --dst-path DIR`` fetches it.
+Files are written under temporary names and renamed into ``DIR``; ``DIR`` may hold an earlier export, nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.model", "tokenizer.json",
+            "tokenizer_config.json", "README.md")
+GGUF_FILE = "model.gguf"
+CHECK_TEXTS = ("Once upon a time, there was a little girl named Lily.", "  two  spaces, a\ttab\nand\n\nnew lines ",
+               "Numbers 12345 and 3.14159; e-mail a@b.org, URL https://example.com/x?y=1",
+               "naïve café — Ünïcödé, 東京, Москва, ελληνικά 🙂", "x")
+
+
+class ExportError(Exception):
+    """The model cannot be exported as asked (exit 2): the message says why and what to do."""
+
+
+# -- weights -------------------------------------------------------------------------------------------------------
+
+def halves(w, heads: int):
+    """Rows of each rotary head from our interleaved pairs (x0, x1), (x2, x3)… to Hugging Face's (x0, x2…, x1, x3…)."""
+    out, d = w.shape
+    return w.reshape(heads, out // heads // 2, 2, d).transpose(1, 2).reshape(out, d)
+
+
+HF_NAMES = {"attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "ffn.w1": "mlp.gate_proj",
+            "ffn.w3": "mlp.up_proj", "ffn.w2": "mlp.down_proj", "attn_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm"}
+
+
+def hf_state_dict(model) -> dict:
+    """Our ``Transformer``'s weights under ``LlamaForCausalLM``'s names and layout."""
+    a, sd = model.args, model.state_dict()
+    new = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"],
+           "lm_head.weight": sd["output.weight"]}
+    for i in range(a.n_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        new[theirs + "self_attn.q_proj.weight"] = halves(sd[ours + "attn.wq.weight"], a.n_heads)
+        new[theirs + "self_attn.k_proj.weight"] = halves(sd[ours + "attn.wk.weight"], a.kv_heads)
+        for k, v in HF_NAMES.items():
+            new[f"{theirs}{v}.weight"] = sd[f"{ours}{k}.weight"]
+    return new
+
+
+def hf_llama(model):
+    """Our ``Transformer`` as an equivalent ``transformers.LlamaForCausalLM`` (eval mode, fp32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    a = model.args
+    cfg = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.d_model, intermediate_size=a.ffn_hidden,
+                      num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.kv_heads,
+                      head_dim=a.head_dim, max_position_embeddings=a.seq_len, rms_norm_eps=a.norm_eps,
+                      rope_theta=a.rope_theta, tie_word_embeddings=a.tie_embeddings, attention_bias=False,
+                      mlp_bias=False, hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=None,
+                      torch_dtype="float32")
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.load_state_dict(hf_state_dict(model), strict=True)
+    return hf
+
+
+# -- tokenizer -----------------------------------------------------------------------------------------------------
+
+def sp_proto(sp_model: Path):
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(sp_model.read_bytes())
+    return proto
+
+
+def hf_tokenizer(sp_model: Path, seq_len: int):
+    """The SentencePiece model as a fast tokenizer, built by transformers' SentencePiece converter (it follows the
+    model's own normalizer, dummy prefix, byte fallback and user-defined pieces)."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="llmp-tok-") as tmp:
+        shutil.copy(sp_model, Path(tmp) / "tokenizer.model")
+        (Path(tmp) / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "TokenizersBackend", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+             "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+             "model_max_length": seq_len}))
+        try:
+            return AutoTokenizer.from_pretrained(tmp)
+        except Exception as e:  # noqa: BLE001 - the converter's refusal, whatever its type, is the reason
+            raise ExportError(f"the tokenizer has no Hugging Face equivalent: {type(e).__name__}: {e}") from None
+
+
+def tokenizer_mismatches(tok, sp) -> list[str]:
+    """The check texts on which ``tok`` (a Hugging Face tokenizer) and SentencePiece give different ids."""
+    from pipelines.data.tokenize import canonical_text
+
+    texts = [canonical_text(t) for t in CHECK_TEXTS]
+    return [t for t in texts if tok(t, add_special_tokens=False)["input_ids"] != sp.encode(t)]
+
+
+def write_tokenizer(sp_model: Path, seq_len: int, out: Path) -> None:
+    import sentencepiece as spm
+
+    tok = hf_tokenizer(sp_model, seq_len)
+    bad = tokenizer_mismatches(tok, spm.SentencePieceProcessor(model_file=str(sp_model)))
+    if bad:
+        raise ExportError(f"the Hugging Face tokenizer converted from {sp_model.name} encodes {len(bad)} of "
+                          f"{len(CHECK_TEXTS)} check texts differently from SentencePiece (first: {bad[0]!r}): "
+                          "no exact Hugging Face equivalent")
+    tok.save_pretrained(str(out))
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    for k in ("is_local", "local_files_only"):  # where it was loaded from here, not a property of the tokenizer
+        cfg.pop(k, None)
+    # PreTrainedTokenizerFast reads tokenizer.json in transformers 4 and 5 alike (TokenizersBackend is 5's name)
+    cfg.update(tokenizer_class="PreTrainedTokenizerFast", add_bos_token=False, add_eos_token=False)
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shutil.copy(sp_model, out / "tokenizer.model")
+
+
+# -- formats -------------------------------------------------------------------------------------------------------
+
+def write_hf(model, sp_model: Path, out: Path, card: str) -> list[str]:
+    hf = hf_llama(model)
+    hf.generation_config.update(bos_token_id=1, eos_token_id=2, pad_token_id=None, do_sample=False)
+    hf.save_pretrained(str(out), safe_serialization=True)
+    write_tokenizer(sp_model, model.args.seq_len, out)
+    (out / "README.md").write_text(card)
+    return sorted(p.name for p in out.iterdir())
+
+
+GGUF_NAMES = {"attn.wq": "attn_q", "attn.wk": "attn_k", "attn.wv": "attn_v", "attn.wo": "attn_output",
+              "ffn.w1": "ffn_gate", "ffn.w3": "ffn_up", "ffn.w2": "ffn_down", "attn_norm": "attn_norm",
+              "ffn_norm": "ffn_norm"}
+
+
+def gguf_tensors(model, dtype: str) -> dict:
+    """llama.cpp's names; q/k stay in our interleaved rotary layout, which is llama.cpp's (Meta's) own. Norms stay
+    fp32 (llama.cpp's rule for 1-D tensors)."""
+    import numpy as np
+
+    a, sd = model.args, {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    out = {"token_embd.weight": sd["tok_embeddings.weight"], "output_norm.weight": sd["norm.weight"]}
+    if not a.tie_embeddings:  # absent: the loaders tie the head to the embedding
+        out["output.weight"] = sd["output.weight"]
+    for i in range(a.n_layers):
+        for ours, theirs in GGUF_NAMES.items():
+            out[f"blk.{i}.{theirs}.weight"] = sd[f"layers.{i}.{ours}.weight"]
+    wide = np.float16 if dtype == "f16" else np.float32
+    return {k: (v.astype(wide) if v.ndim > 1 else v) for k, v in out.items()}
+
+
+def gguf_vocab(proto) -> tuple[list[str], list[float], list[int]]:
+    """Pieces, scores and types (SentencePiece's type numbers are GGUF's: 1 normal … 6 byte)."""
+    if not proto.normalizer_spec.escape_whitespaces:
+        raise ExportError("the tokenizer keeps spaces as bytes (tokenizer.model_type=byte), and llama.cpp's "
+                          "SentencePiece tokenizer always writes them as '▁': no GGUF equivalent; export --format hf")
+    return ([p.piece for p in proto.pieces], [p.score for p in proto.pieces], [int(p.type) for p in proto.pieces])
+
+
+def write_gguf(model, sp_model: Path, path: Path, name: str, dtype: str = "f32") -> None:
+    import gguf
+
+    a, proto = model.args, sp_proto(sp_model)
+    tokens, scores, types = gguf_vocab(proto)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(name)
+    w.add_context_length(a.seq_len)
+    w.add_embedding_length(a.d_model)
+    w.add_block_count(a.n_layers)
+    w.add_feed_forward_length(a.ffn_hidden)
+    w.add_head_count(a.n_heads)
+    w.add_head_count_kv(a.kv_heads)
+    w.add_layer_norm_rms_eps(a.norm_eps)
+    w.add_rope_freq_base(a.rope_theta)
+    w.add_rope_dimension_count(a.head_dim)
+    w.add_vocab_size(a.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    t = proto.trainer_spec
+    w.add_unk_token_id(t.unk_id)
+    w.add_bos_token_id(t.bos_id)
+    w.add_eos_token_id(t.eos_id)
+    w.add_add_bos_token(False)  # documents are separated by </s>; none starts with <s>
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+    for k, v in gguf_tensors(model, dtype).items():
+        w.add_tensor(k, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# -- the model card ------------------------------------------------------------------------------------------------
+
+@dataclass
+class CardInfo:
+    name: str
+    version: str
+    args: dict                           # model_args.json
+    tags: dict = field(default_factory=dict)   # the registered version's (metrics, contamination, lineage hashes)
+    lineage: dict | None = None          # pipelines.lineage's answer for the version
+    config: dict | None = None           # the spec it was trained with (model, tokenizer, train, data sections)
+
+
+def metric_rows(tags: dict) -> list[str]:
+    keys = sorted(k for k in tags if k in ("reference_bpb",) or k.startswith(("harness.", "heldout_")))
+    return [f"| {k} | {tags[k]} |" for k in keys]
+
+
+def lineage_lines(lin: dict | None, digest: str | None) -> list[str]:
+    if lin is None:
+        return [f"Corpus version digest `{digest or 'not recorded'}`: its manifests were not found under `run.root` "
+                "when this was exported, so its sources are not listed here (`python -m pipelines.lineage --model …`)."]
+    c = lin["corpus"]
+    out = [f"Corpus version {c['version']} (tokenize manifest digest `{c['digest']}`): {c['docs']} documents, "
+           f"{c['tokens']} tokens.", "", "| source | documents | bytes | sha256 |", "|---|---|---|---|"]
+    docs = lin.get("docs_per_source", {})
+    out += [f"| `{i['key']}` | {docs.get(i['key'], 0)} | {i['bytes']} | `{i['sha256'][:12]}` |" for i in lin["inputs"]]
+    return out
+
+
+def model_card(info: CardInfo) -> str:
+    t, a = info.tags, info.args
+    con = sorted((k.removeprefix("contamination."), v) for k, v in t.items() if k.startswith("contamination."))
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags: [llama, llm-pipeline]", "---",
+             f"# {info.name} v{info.version}", "",
+             f"A Llama-architecture decoder ({a['n_layers']} layers, d_model {a['d_model']}, {a['n_heads']} heads, "
+             f"{a.get('n_kv_heads') or a['n_heads']} KV heads, context {a['seq_len']}, vocabulary {a['vocab_size']}) "
+             "trained by llm-pipeline; exported by `python -m pipelines.eval.export`. Documents end with `</s>`; no "
+             "`<s>` is added.", "", "## Training data", "", *lineage_lines(info.lineage, t.get("data_manifest_hash")),
+             "", "## Contamination", "", "Evaluation items that share an n-gram with the training documents "
+             "(the decontaminate stage's record):", ""]
+    lines += [f"- {k}: {v}" for k, v in con] or ["- not recorded"]
+    lines += ["", "## Evaluation", "", "| metric | value |", "|---|---|", *metric_rows(t), "",
+              "## Training config", "", f"Config hash `{t.get('config_hash', 'not recorded')}`; tokenizer sha256 "
+              f"`{t.get('tokenizer_hash', 'not recorded')}`; checkpoint `{t.get('checkpoint_uri', 'not recorded')}`.",
+              ""]
+    if info.config is not None:
+        import yaml
+
+        lines += ["```yaml", yaml.safe_dump(info.config, sort_keys=False).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def card_config(spec_dict: dict) -> dict:
+    """The parts of a spec that shaped the model: model, tokenizer, train and the data inputs."""
+    return {k: spec_dict[k] for k in ("model", "tokenizer", "train") if k in spec_dict} | \
+        {"data": {"inputs": spec_dict.get("data", {}).get("inputs")}}
+
+
+# -- one export ----------------------------------------------------------------------------------------------------
+
+def check_out(out: Path) -> None:
+    """``out`` may be new, empty, or hold an earlier export (a try cut short leaves a ``.export-*`` directory): nothing
+    of anyone else is overwritten."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out}: exists and is not a directory")
+    ours = set(HF_FILES) | {GGUF_FILE}
+    other = sorted(p.name for p in out.iterdir() if p.name not in ours and not p.name.startswith(".export-")) \
+        if out.is_dir() else []
+    if other:
+        raise ExportError(f"--out {out}: holds files that are not an export ({', '.join(other[:5])}); choose an empty "
+                          "or new directory")
+
+
+def export(model_dir: Path, fmt: str, out: Path, card: CardInfo, gguf_dtype: str = "f32") -> list[str]:
+    """Write ``fmt`` of the model in ``model_dir`` (``model_args.json``, ``tokenizer.model``, weights) into ``out``;
+    returns the file names written. Each file is written in a temporary directory beside ``out``, then renamed."""
+    from pipelines.train.checkpoint import load_plain_model
+
+    check_out(out)
+    model = load_plain_model(model_dir).float().eval()
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    try:
+        if fmt == "hf":
+            names = write_hf(model, model_dir / "tokenizer.model", tmp, model_card(card))
+        else:
+            write_gguf(model, model_dir / "tokenizer.model", tmp / GGUF_FILE, f"{card.name}-v{card.version}", gguf_dtype)
+            names = [GGUF_FILE]
+        for n in names:
+            os.replace(tmp / n, out / n)
+        return names
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- at registration -----------------------------------------------------------------------------------------------
+
+def register_hf(spec, client, ckpt_dir: Path, res: dict, work: Path) -> str | None:
+    """The ``hf`` directory of a version the register stage created (or found), logged as the ``hf/`` artifact of its
+    model and named by the version's ``export.hf`` tag; returns that URI, or None for a model above
+    ``eval.single_process_max_params`` (not loaded in the Airflow worker: export it with the CLI)."""
+    from pipelines.train.model import ModelArgs, param_count
+
+    name, version, model_id = res["model_name"], str(res["version"]), res["model_id"]
+    args = json.loads((ckpt_dir / "model_args.json").read_text())
+    if model_id is None or param_count(ModelArgs(**args)) > spec.eval.single_process_max_params:
+        print(f"[register] {name} v{version}: no hf export at registration (model above "
+              "eval.single_process_max_params, or no logged model): python -m pipelines.eval.export", flush=True)
+        return None
+    uri = client.get_logged_model(model_id).artifact_location.rstrip("/") + "/hf"
+    if not client.list_logged_model_artifacts(model_id, "hf"):
+        card = CardInfo(name, version, args, res["tags"], lineage_of(spec, client, name, version),
+                        card_config(spec.model_dump(mode="json")))
+        export(ckpt_dir, "hf", work / "hf", card)
+        client.log_model_artifacts(model_id, str(work / "hf"), "hf")
+    client.set_model_version_tag(name, version, "export.hf", uri)
+    return uri
+
+
+# -- the CLI -------------------------------------------------------------------------------------------------------
+
+def resolve_version(client, ref: str):
+    from pipelines.lineage import resolve_model
+
+    return resolve_model(client, ref.removeprefix("models:/"))
+
+
+def lineage_of(spec, client, name: str, version: str) -> dict | None:
+    """:mod:`pipelines.lineage`'s answer for the version; None when its corpus version is not under ``run.root``."""
+    from pipelines.lineage import model_query
+    from pipelines.manifest import StageError
+
+    try:
+        return model_query(spec, client, f"{name}/{version}")
+    except StageError:
+        return None
+
+
+def version_card(spec, client, mv, model_dir: Path, tmp: Path) -> CardInfo:
+    """What the card says of a registered version: its tags, its lineage, the spec its training run logged."""
+    lin = lineage_of(spec, client, mv.name, str(mv.version))
+    try:
+        import yaml
+
+        local = client.download_artifacts(mv.run_id, "spec.yaml", str(tmp))
+        config = card_config(yaml.safe_load(Path(local).read_text()))
+    except Exception:  # noqa: BLE001 - a run without its spec: the card says so
+        config = None
+    return CardInfo(mv.name, str(mv.version), json.loads((model_dir / "model_args.json").read_text()),
+                    dict(mv.tags or {}), lin, config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipelines.spec import add_spec_args, spec_from_args
+
+    ap = argparse.ArgumentParser(prog="python -m pipelines.eval.export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, metavar="NAME@ALIAS|NAME/VERSION", help="the registered version")
+    ap.add_argument("--format", required=True, choices=("hf", "gguf"), help="hf: a transformers directory; gguf: "
+                    "DIR/model.gguf with the tokenizer embedded")
+    ap.add_argument("--out", required=True, metavar="DIR", help="new, empty, or holding an earlier export")
+    ap.add_argument("--gguf-dtype", choices=("f32", "f16"), default="f32", help="GGUF matrices (norms stay f32)")
+    add_spec_args(ap)
+    args = ap.parse_args(argv)
+    spec = spec_from_args(args)
+    from pipelines import tracking
+    from pipelines.eval.serving import download, model_dir_of
+
+    try:
+        client = tracking.client(spec)
+        mv = resolve_version(client, args.model)
+        with tempfile.TemporaryDirectory(prefix="llmp-export-") as tmp:
+            d = model_dir_of(download(f"models:/{mv.name}/{mv.version}", tracking.tracking_uri(spec), tmp))
+            names = export(d, args.format, Path(args.out), version_card(spec, client, mv, d, Path(tmp)),
+                           args.gguf_dtype)
+    except (ExportError, LookupError) as e:
+        print(f"export: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # MLflow: no such model, version or alias
+        if type(e).__name__ not in ("MlflowException", "StageError"):
+            raise
+        print(f"export: error: {args.model}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"export: {mv.name} v{mv.version} → {args.out} ({args.format}): {', '.join(names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
