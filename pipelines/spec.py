@@ -165,7 +165,8 @@ class UrlFilterCfg(_Section):
     banned_words: Optional[list[str]] = Field(None, description="Words that remove a doc when a word of its URL is one "
                                               "of them; None = the bundled list (lists/url_banned_words.txt).")
     allow: list[str] = Field(default_factory=list, description="Domains (and the hosts under them) never removed by "
-                                                               "the URL step.")
+                                                               "the URL step; read as hosts, as the block lists are "
+                                                               "(IDN or punycode alike).")
 
 
 class LanguageCfg(_Section):
@@ -236,8 +237,9 @@ class FilterCfg(_Section):
     steps: list[Literal["url", "language", "gopher_repetition", "gopher_quality", "c4", "fineweb"]] = Field(
         default_factory=lambda: ["url", "language", "gopher_repetition", "gopher_quality", "c4", "fineweb"])
     url: UrlFilterCfg = Field(default_factory=UrlFilterCfg)
-    url_blocklist: list[str] = Field(default_factory=list, description="Block lists to add (files in UT1's format: one "
-                                     "domain per line), relative paths against the project root.")
+    url_blocklist: list[str] = Field(default_factory=list, description="Block lists to add, relative paths against the "
+                                     "project root: lines of domains (UT1's domains), host/path (UT1's urls), "
+                                     "hosts-file lines or *.domain; any other line is refused with its file and line.")
     pii: Literal["replace", "report", "off"] = Field(
         "replace", description="After the quality filters: e-mail, IPv4/IPv6 addresses and phone numbers in kept docs "
         "replaced by fixed placeholders (replace), only counted (report), or not looked for (off).")

@@ -106,11 +106,11 @@ def test_the_evaluation_reads_the_decontamination_record_of_the_same_items(task_
     from types import SimpleNamespace
 
     from pipelines.eval import registry
-    from pipelines.eval.evaluate import model_contamination, task_digests
+    from pipelines.eval.evaluate import model_contamination, task_inputs
 
     spec = _spec(task_dir, "piqa_local")
     ident = dc.eval_items(spec)[1]
-    digests = task_digests(spec)
+    digests = task_inputs(spec)[0]
     assert digests == {"piqa_local": ident["piqa_local"]["sha256"]}
     record = {"piqa_local": {**ident["piqa_local"], "complete": True, "items": len(PIQA), "overlapping_kept": [3, 5],
                              "docs_removed": 1, "ngram": 13}}
@@ -166,3 +166,71 @@ def test_headline_takes_every_metric_and_filter_lm_eval_reports():
     assert harness.headline(res) == {"harness.gsm8k.exact_match.strict-match": 0.25,
                                      "harness.gsm8k.exact_match.flexible-extract": 0.5,
                                      "harness.llmp_arc_easy.acc": 0.4, "harness.llmp_arc_easy.acc_norm": 0.45}
+
+
+def test_a_tasks_settings_are_in_evaluates_key_and_not_in_the_decontamination_record(task_dir, tmp_path):
+    """num_fewshot none → 5, or acc → brier_score, in the user's YAML: the same items (decontaminate's record and its
+    key stay), another evaluate key (it re-runs)."""
+    from pipelines.eval.evaluate import task_inputs
+
+    base = (task_dir / "piqa_local.yaml").read_text()
+    variants = {"fewshot": base.replace("metadata:", "num_fewshot: 5\nmetadata:"),
+                "brier": base.replace("metric: acc", "metric: brier_score")}
+    keys, idents = {}, {}
+    for name, text in [("base", base), *variants.items()]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "piqa_local.yaml").write_text(text)
+        spec = _spec(d, "piqa_local")
+        digests, refs = task_inputs(spec)
+        assert [r["items_sha256"] for r in refs] == [digests["piqa_local"]]
+        ident = dc.eval_items(spec)[1]
+        keys[name], idents[name] = refs[0]["sha256"], dc.eval_refs(spec, ident)[0]
+        assert idents[name] == {"uri": "lm-eval:piqa_local", "sha256": digests["piqa_local"]}
+    assert len(set(keys.values())) == 3 and len({i["sha256"] for i in idents.values()}) == 1
+    twice = _spec(tmp_path / "base", "piqa_local")
+    assert task_inputs(twice)[1][0]["sha256"] == keys["base"]  # built again: the same key
+
+
+def test_task_settings_hold_no_memory_address_so_every_process_writes_the_same_text():
+    """lm-eval's dump_config keeps a function nested in fewshot_config as the object: its repr holds an address."""
+    tasks = task_files.build_tasks(["llmp_hellaswag"], "data/eval")
+    text = task_files.task_settings(tasks["llmp_hellaswag"])
+    assert " at 0x" not in text and "def hellaswag_process_docs" in text and "config_source" not in text
+    assert json.loads(text)["lm_eval"] and json.loads(text)["config"]["task"] == "llmp_hellaswag"
+    assert task_files.settings_value(object()) == "<object object>"
+
+
+class _Manager:
+    """A TaskManager whose load raises ``error``."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def load(self, names):
+        raise self.error
+
+
+def _cannot_build(monkeypatch, error: BaseException):
+    monkeypatch.setattr(task_files, "manager_for", lambda *a, **k: _Manager(error))
+    return task_files.build_tasks(["piqa_x"])
+
+
+def test_only_the_specs_faults_are_spec_errors_the_machines_are_raised_for_a_retry(monkeypatch):
+    import filelock
+    from datasets.exceptions import DatasetGenerationError
+
+    for spec_fault in [FileNotFoundError("Unable to find '/data/x.jsonl'"), ValueError("bad doc_to_text"),
+                       ConnectionError("Couldn't reach 'piqa' on the Hub (OfflineModeIsEnabled)")]:
+        with pytest.raises(SpecError, match=r"eval.tasks: task 'piqa_x' cannot be used offline"):
+            _cannot_build(monkeypatch, spec_fault)
+    built = DatasetGenerationError("An error occurred while generating the dataset")
+    built.__cause__ = OSError(28, "No space left on device")
+    for machine in [filelock.Timeout("/hf/cache/datasets/_json.lock"), OSError(5, "Input/output error"), built,
+                    PermissionError(13, "Permission denied")]:
+        with pytest.raises(type(machine)):
+            _cannot_build(monkeypatch, machine)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(ConnectionError):  # online, an unreachable hub is an outage, not the spec
+        _cannot_build(monkeypatch, ConnectionError("Couldn't reach 'piqa' on the Hub"))

@@ -65,7 +65,11 @@ def test_hf_and_gguf_exports_load_in_transformers_to_our_ids_logits_and_greedy_c
 
     out = tmp_path / "out"
     names = export.export(bpe_model, "hf", out, card(bpe_model))
-    assert set(names) == set(export.HF_FILES) and export.export(bpe_model, "gguf", out, card(bpe_model)) == ["model.gguf"]
+    assert set(names) == {*export.HF_FILES, "export.json"}
+    assert export.export(bpe_model, "gguf", out, card(bpe_model)) == ["model.gguf", "export.json"]  # beside it
+    marker = json.loads((out / "export.json").read_text())  # every file, with its digest and where it came from
+    assert set(marker) == {*export.HF_FILES, "model.gguf"} and marker["model.gguf"]["format"] == "gguf"
+    assert marker["config.json"]["model"] == "t-model/3" and marker["config.json"]["bytes"] == (out / "config.json").stat().st_size
     ours, sp = load_plain_model(bpe_model), spm.SentencePieceProcessor(model_file=str(bpe_model / "tokenizer.model"))
     tok = AutoTokenizer.from_pretrained(str(out))
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
@@ -92,6 +96,11 @@ def test_export_leaves_others_files_alone_and_refuses_what_has_no_equivalent(bpe
     with pytest.raises(export.ExportError, match="notes.txt"):
         export.export(bpe_model, "hf", out, card(bpe_model))
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    cut = tmp_path / "cut"  # an export cut short before its export.json: its files are not taken for a finished one
+    export.export(bpe_model, "hf", cut, card(bpe_model))
+    (cut / "export.json").unlink()
+    with pytest.raises(export.ExportError, match="no finished export wrote"):
+        export.export(bpe_model, "hf", cut, card(bpe_model))
     byte = model_dir(tmp_path / "byte", tokenize.byte_model(tmp_path / "byte.model"), tie_embeddings=False)
     with pytest.raises(export.ExportError, match="no GGUF equivalent"):  # llama.cpp writes spaces as ▁, bytes don't
         export.export(byte, "gguf", tmp_path / "b", card(byte))
@@ -123,6 +132,8 @@ def test_the_register_stage_logs_the_hf_directory_with_the_version_once(bpe_mode
     assert uri.endswith(f"/{res['model_id']}/artifacts/hf")
     assert client.get_model_version("export-test", res["version"]).tags["export.hf"] == uri
     assert export.register_hf(spec, client, bpe_model, res, home / "w2") == uri and not (home / "w2").exists()  # a retry
+    listed = {Path(f.path).name for f in client.list_logged_model_artifacts(res["model_id"], "hf")}
+    assert listed == {*export.HF_FILES, "export.json"}
     with tracking.using(tracking.tracking_uri(spec)):
         got = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(home / "dl")))
     assert set(export.HF_FILES) <= {p.name for p in got.iterdir()}

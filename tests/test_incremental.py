@@ -179,9 +179,13 @@ def test_the_corpus_scan_equals_a_brute_force_reference_in_any_number_of_rounds_
     assert removed_against(tmp_path / "many_rounds", 5) == want
 
 
+def _lineage_run(home, *args):
+    return subprocess.run([sys.executable, "-m", "pipelines.lineage", *args, "--json"], env={**os.environ,
+                          "LLMP_HOME": str(home)}, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def _lineage(home, *args):
-    r = subprocess.run([sys.executable, "-m", "pipelines.lineage", *args, "--json"], env={**os.environ,
-                       "LLMP_HOME": str(home)}, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = _lineage_run(home, *args)
     return r.returncode, (json.loads(r.stdout) if r.returncode == 0 else r.stderr)
 
 
@@ -191,8 +195,8 @@ def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rew
     removes new docs of it in the filter stage (reason takedown); once applied, nothing new means the same version."""
     from mlflow import MlflowClient
 
-    from pipelines import lineage
-    from pipelines.data.takedown import TAG
+    from pipelines.data import lineage
+    from pipelines.data.lineage import TAG
     from pipelines.manifest import lineage as upstream
 
     docs = [d for d in c4_docs(400) if len(d["text"].split()) > 60]
@@ -207,6 +211,8 @@ def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rew
     client.create_model_version("td-model", str(home), tags={"data_manifest_hash": v1.digest})
     held_b = lineage.source_query(spec, client, "b.jsonl")
     assert held_b["corpus_versions"] and held_b["models"][0]["name"] == "td-model"
+    for same in ("./b.jsonl", str(home / "b.jsonl"), str(home / "sub" / ".." / "b.jsonl")):  # one key, however spelt
+        assert lineage.source_query(spec, client, same)["corpus_versions"] == held_b["corpus_versions"]
     n_b = held_b["corpus_versions"][0]["source_docs"]
     assert n_b > 20
 
@@ -221,6 +227,18 @@ def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rew
     rc, out = _lineage(home, "--exclude-source", "https://ok.example/take/", "--reason", "dmca")
     assert rc == 0 and out["corpus_versions"][0]["source_docs"] == 4
     assert _lineage(home, "--exclude-source", "b.jsonl", "--reason", "again")[1]["exclusion"]["added"] is False
+    rc, out = _lineage(home, "--exclude-source", "HTTPS://OK.Example:443/take/", "--reason", "again")  # the same key
+    assert rc == 0 and out["exclusion"]["added"] is False and out["exclusion"]["source"] == "https://ok.example/take/"
+    n_a = lineage.source_query(spec, client, "a.jsonl")["corpus_versions"][0]["source_docs"]
+    host = lineage.source_query(spec, client, "HTTPS://OK.EXAMPLE")  # a URL prefix: the host's docs, all of a's
+    assert host["source"] == "https://ok.example/" and host["corpus_versions"][0]["source_docs"] == n_a
+    r = _lineage_run(home, "--source", "https://ok.ex")  # not a host boundary: nothing, and it says so
+    assert r.returncode == 0 and json.loads(r.stdout)["corpus_versions"] == [] and "lineage: warning: no corpus " \
+        "version" in r.stderr
+    assert _lineage_run(home, "--source", "https://ok.ex", "--strict").returncode == 1
+    r = _lineage_run(home, "--exclude-source", "never.jsonl", "--reason", "x", "--strict")  # not recorded
+    assert r.returncode == 1 and "nothing recorded (--strict)" in r.stderr and "never.jsonl" not in \
+        (home / "var" / "exclusions.jsonl").read_text()
     assert client.get_model_version("td-model", "1").tags[TAG] == "b.jsonl: owner request 2026-11\n" \
                                                                   "https://ok.example/take/: dmca"
 
@@ -257,8 +275,110 @@ def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rew
     _, _, v4 = _curate(spec, spark, corpus=v3)  # applied: nothing new is the same version again
     assert v4.path == v3.path
     # an exclusion added after a run's filter stage: its tokenize stage refuses (the new docs were not checked)
-    from pipelines.data import takedown
-
-    takedown.add(home / "var" / "exclusions.jsonl", "c.jsonl", "late")
+    lineage.add(home / "var" / "exclusions.jsonl", "c.jsonl", "late")
     with pytest.raises(tokenize.TokenizeError, match="changed after the filter stage"):
         tokenize.run(spec, filt, spark=spark, corpus=v2)
+
+
+class _NoModels:  # an MLflow client with no registered version
+    def search_model_versions(self, max_results, page_token):
+        return type("Page", (list,), {"token": None})()
+
+
+def test_a_takedown_during_a_curation_run_is_never_published_as_applied(home, spark, monkeypatch):
+    """Issue 46: an exclusion added while the filter stage runs (after it read the list) must not reach a corpus
+    version recorded as applied. The filter stage records the digest of the list it read, so tokenize refuses; one
+    added while tokenize runs is refused when the version would be published; the next run applies the list, and
+    the version's record (digest, docs removed from earlier versions and by the filter stage) is what happened."""
+    from pipelines.data import lineage
+    from pipelines.manifest import lineage as upstream
+
+    docs = [d for d in c4_docs(300) if len(d["text"].split()) > 60]
+    write_jsonl(home / "a.jsonl", [{"text": d["text"], "url": f"https://a.example/{i}"}
+                                   for i, d in enumerate(docs[:40])])
+    write_jsonl(home / "b.jsonl", [{"text": d["text"], "url": f"https://B.Example/{'x' if i < 10 else 'y'}/{i}"}
+                                   for i, d in enumerate(docs[40:70])])
+    sets = ["tokenizer.vocab_size=600", "tokenizer.shard_tokens=6000", "data.filters.steps=[language]"]
+    _, _, v1 = _curate(load_spec(None, sets + [f"data.inputs=[{home / 'a.jsonl'}]"], env={}), spark)
+    spec = load_spec(None, sets + [f"data.inputs=[{home / 'a.jsonl'}, {home / 'b.jsonl'}]"], env={})
+    listed = home / "var" / "exclusions.jsonl"
+
+    def takedown_inside(module, name, source):  # fires inside the stage, after it read the list
+        real = getattr(module, name)
+
+        def hooked(*a, **kw):
+            lineage.add(listed, source, "owner request")
+            return real(*a, **kw)
+        monkeypatch.setattr(module, name, hooked)
+        return real
+
+    real = takedown_inside(filter_stage, "filter_docs", "https://b.example/x")
+    ing = ingest.run(spec, spark=spark, corpus=v1)
+    dd = dedup.run(spec, ing, spark=spark, against=[load_manifest(p) for p in v1.extra["corpus"]["dedup"]])
+    filt = filter_stage.run(spec, dd, spark=spark)
+    monkeypatch.setattr(filter_stage, "filter_docs", real)
+    assert filt.extra["takedown"] == {"exclusions": 0, "list_sha256": None, "removed": 0, "by_exclusion": []}
+    assert lineage.read_list(listed).sha256 is not None  # the list it did not apply is not recorded as applied
+    with pytest.raises(tokenize.TokenizeError, match="changed after the filter stage") as e:
+        tokenize.run(spec, filt, spark=spark, corpus=v1)
+    print(f"filter raced: {e.value}")
+    assert [v.path for v in lineage.corpus_versions(spec)] == [v1.path]  # nothing published
+
+    real = takedown_inside(tokenize, "encode_new", "https://a.example/1")  # while tokenize runs: refused at publish
+    with pytest.raises(tokenize.TokenizeError, match="changed while the tokenize stage ran") as e:
+        _curate(spec, spark, corpus=v1)
+    print(f"tokenize raced: {e.value}")
+    monkeypatch.setattr(tokenize, "encode_new", real)
+    assert [v.path for v in lineage.corpus_versions(spec)] == [v1.path]
+
+    _, _, v2 = _curate(spec, spark, corpus=v1)  # the next run applies the current list
+    filt = load_manifest(upstream(v2.path)["filter"])
+    current = lineage.read_list(listed).sha256
+    td = v2.extra["takedown"]
+    assert td["list_sha256"] == filt.extra["takedown"]["list_sha256"] == current
+    a1 = [r["id"] for r in pq.read_table(load_manifest(upstream(v1.path)["filter"]).output("kept")).to_pylist()
+          if r["url"] == "https://a.example/1"]
+    assert [(x["source"], x["docs_removed"], x["new_docs_removed"]) for x in td["exclusions"]] == [
+        ("https://b.example/x", 0, 10), ("https://a.example/1", len(a1), 0)]
+    assert filt.extra["takedown"]["removed"] == td["new_docs_removed"] == 10
+    ids = {**tokenize.read_back(v2, "train"), **tokenize.read_back(v2, "heldout")}
+    before = {**tokenize.read_back(v1, "train"), **tokenize.read_back(v1, "heldout")}
+    assert set(before) - set(ids) == set(a1) and len(a1) == 1  # /1 only: not /10 … /19 (a path boundary)
+    kept_b = {r["id"] for r in pq.read_table(filt.output("kept")).to_pylist() if r["source"] == "b.jsonl"}
+    assert len(kept_b) == 20 and {i for i in ids if i.startswith("b.jsonl:")} == kept_b  # the y docs, no x doc
+    assert lineage.source_query(spec, _NoModels(), "https://b.example/x/")["corpus_versions"] == []
+    print(f"published: corpus v{v2.extra['corpus']['version']}, list {current[:12]} applied; "
+          + ", ".join(f"{x['source']}: {x['docs_removed']} from earlier versions, {x['new_docs_removed']} new"
+                      for x in td["exclusions"]))
+
+
+def test_keys_are_compared_as_sources_not_strings(home):
+    """Input keys and URL prefixes, from users and from data, are compared normalised; a prefix takes at a host or
+    path boundary only; hostile keys are refused with a reason (from a user) or compared as written (from data)."""
+    import unicodedata
+
+    import pyarrow as pa
+
+    from pipelines.data.lineage import Matcher, source_key
+
+    nfd = unicodedata.normalize("NFD", "café.jsonl")
+    assert {source_key(k) for k in ("café.jsonl", "./café.jsonl", nfd, str(home / "café.jsonl"))} == {"café.jsonl"}
+    assert {source_key(k) for k in ("HTTPS://A.EXAMPLE", "https://a.example:443/", "https://a.example./")} == {
+        "https://a.example/"}
+    assert source_key("http://Bücher.Example:8080/X") == "http://xn--bcher-kva.example:8080/X"  # the path as given
+    m = Matcher([source_key("https://a.example")])
+    assert [m.hit(None, u) for u in ("https://a.example/x", "HTTPS://A.EXAMPLE", "https://user@a.example/p",
+                                     "https://a.example.evil.org/", "https://a.example:8443/",
+                                     "https://a.example@evil.org/", "http://[bad/", "ht!tp://a.example/")] == \
+        [True] * 3 + [False] * 5
+    m = Matcher([source_key("https://a.example/take/"), source_key("s3://bucket/dir"), source_key(nfd)])
+    assert [m.hit(None, u) for u in ("https://a.example/take", "https://a.example/take?x=1",
+                                     "https://a.example/takeover")] == [True, True, False]
+    assert [m.hit(s, None) for s in ("café.jsonl", "s3://bucket/dir/x.jsonl", "s3://bucket/dirx.jsonl")] == \
+        [True, True, False]
+    t = pa.table({"source": ["café.jsonl", "o", None, "o"], "url": [None, "https://A.example/take/1", "x", None]})
+    assert m.mask(t).to_pylist() == [True, True, False, False]
+    for bad, why in (("https://", "needs a host"), ("http://[bad/", "not a URL"), ("://x", "not a URL"),
+                     ("a\nb", "control character"), ("  ", "empty")):
+        with pytest.raises(ValueError, match=why):
+            source_key(bad)

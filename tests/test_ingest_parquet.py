@@ -1,7 +1,10 @@
 """Parquet input for ingest: row groups as Spark tasks, the data.input_fields mapping (FineWeb's names by default),
 the other columns kept as each doc's meta, rows and files that do not read quarantined with their reasons."""
+import base64
 import datetime
+import errno
 import hashlib
+import io
 import json
 
 import pyarrow as pa
@@ -10,7 +13,7 @@ import pytest
 
 from pipelines.data import formats, ingest
 from pipelines.data.sources import Source
-from pipelines.spec import SpecError, load_spec
+from pipelines.spec import IngestCfg, InputFieldsCfg, SpecError, load_spec
 
 FINEWEB = pa.schema([("text", pa.string()), ("id", pa.string()), ("dump", pa.string()), ("url", pa.string()),
                      ("date", pa.string()), ("file_path", pa.string()), ("language", pa.string()),
@@ -124,3 +127,111 @@ def test_parquet_objects_on_s3_are_read_by_row_group_with_ranged_reads(home, s3_
     assert m.counts["chunks"] == 3 and m.counts["docs"] == 25
     assert m.extra["input_sha256"] == {"s3://raw/fineweb/000.parquet": chunk_digest(fw)}
     assert pq.read_table(m.output("docs")).column("id").to_pylist() == [f"<urn:uuid:{i:08d}>" for i in range(25)]
+
+
+class FailingFile(io.RawIOBase):
+    """``data`` as a file whose reads from byte ``at`` on raise ``error`` (a connection dropped mid-file)."""
+
+    def __init__(self, data: bytes, at: int, error: BaseException):
+        super().__init__()
+        self.f, self.at, self.error = io.BytesIO(data), at, error
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        return self.f.seek(off, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def readinto(self, b) -> int:
+        if self.f.tell() >= self.at:
+            raise self.error
+        return self.f.readinto(b)
+
+
+def read_errors():
+    from botocore.exceptions import ReadTimeoutError
+
+    from pipelines.storage.s3 import S3Timeout
+
+    return [ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), TimeoutError("timed out"),
+            ReadTimeoutError(endpoint_url="http://s3/raw/x.parquet"), S3Timeout("GetObject: no answer"),
+            OSError(errno.EIO, "Input/output error")]
+
+
+@pytest.mark.parametrize("error", read_errors(), ids=lambda e: type(e).__name__)
+def test_a_parquet_read_that_fails_is_raised_for_a_retry_never_quarantined(tmp_path, monkeypatch, error):
+    """Only bytes that are not Parquet are bad data: a read that fails (a reset, a timeout, botocore's, a disk's
+    EIO) fails the task and its retry reads the rows, on the driver's plan as in a task."""
+    fw = fineweb_file(tmp_path / "fw.parquet", n=30)
+    data, second = fw.read_bytes(), formats.row_group_cuts(Source.of_file(fw))[1][0]
+    assert len(data) < 64 << 10  # pyarrow reads the footer as the file's last 64 KiB: from byte 0 here
+    source, cfg, fields = Source.of_file(fw), IngestCfg(), InputFieldsCfg()
+    monkeypatch.setattr(formats, "open_raw", lambda chunk: FailingFile(data, 0, error))
+    with pytest.raises(type(error)):  # the driver: no whole-file fallback (another input_sha256 scheme)
+        formats.row_group_cuts(source)
+    monkeypatch.setattr(formats, "open_raw", lambda chunk: FailingFile(data, second, error))
+    chunk = formats.Chunk(0, "fw.parquet", str(fw), "parquet", size=len(data))  # every row group
+    got = []
+    with pytest.raises(type(error)):
+        for r in formats.parquet_rows(chunk, cfg, fields):
+            got.append(r)
+    assert [r.id for r in got] == [f"<urn:uuid:{i:08d}>" for i in range(10)] and not any(r.reason for r in got)
+    with pytest.raises(type(error)):
+        list(formats.row_group_rows(pq.ParquetFile(FailingFile(data, second, error)), 1, 10, 10, chunk, cfg, fields))
+
+
+def test_a_parquet_page_that_does_not_decode_is_still_bad_data(tmp_path):
+    fw = fineweb_file(tmp_path / "fw.parquet", n=20)
+    first = pq.read_metadata(fw).row_group(1).column(0)
+    at = first.dictionary_page_offset if first.has_dictionary_page else first.data_page_offset
+    raw = bytearray(fw.read_bytes())
+    raw[at:at + 64] = bytes(64)  # row group 1's first page header: pyarrow's plain OSError, no errno
+    fw.write_bytes(bytes(raw))
+    got = list(formats.parquet_rows(formats.Chunk(0, "fw.parquet", str(fw), "parquet", size=len(raw)), IngestCfg(),
+                                    InputFieldsCfg()))
+    assert len(got) == 11 and [r.reason for r in got[:10]] == [None] * 10 and got[10].reason == "bad_parquet"
+    assert (got[10].q["row_group"], got[10].q["row"], got[10].q["rows_unread"]) == (1, 11, 10)
+
+
+def not_utf8(values: list[bytes]) -> pa.Array:
+    """A string array holding ``values`` as they are: Arrow checks UTF-8 on a cast, not on these buffers, and
+    Parquet writes them and reads them back unchecked (as another writer's file would hold them)."""
+    return pa.Array.from_buffers(pa.string(), len(values), pa.array(values, pa.binary()).buffers())
+
+
+def test_parquet_strings_that_are_not_utf8_quarantine_their_rows_and_the_rest_is_read(tmp_path):
+    texts = [b"A good first document.", b"Broken \xff\xfe bytes here.", b"A good third document.",
+             b"A good fourth document."]
+    table = pa.table({"text": not_utf8(texts), "id": ["a", "b", "c", "d"],
+                      "title": not_utf8([b"t1", b"t2", b"t\xc3", b"t4"]),
+                      "tags": pa.ListArray.from_arrays(pa.array([0, 1, 2, 3, 4], pa.int32()),
+                                                       not_utf8([b"x", b"y", b"z", b"w"])),
+                      "score": [0.5, float("nan"), float("inf"), -float("inf")]})
+    pq.write_table(table, tmp_path / "mixed.parquet", row_group_size=2)
+    chunk = formats.Chunk(0, "mixed.parquet", str(tmp_path / "mixed.parquet"), "parquet", size=0)
+    got = list(formats.parquet_rows(chunk, IngestCfg(), InputFieldsCfg()))
+    assert [r.reason for r in got] == [None, "invalid_utf8", "invalid_utf8", None]  # nothing lost
+    assert [r.loc for r in got] == [1, 2, 3, 4] and got[0].text == texts[0].decode() and got[3].id == "d"
+    bad = got[1].q
+    assert (bad["row"], bad["row_group"], bad["column"]) == (2, 0, "text") and "'text' is not UTF-8" in bad["detail"]
+    assert base64.b64decode(bad["raw_b64"]) == texts[1]
+    row = json.loads(bad["raw"])  # the whole row, the bytes that do not decode in base64; NaN as null
+    assert base64.b64decode(row["text"]) == texts[1] and row["title"] == "t2" and row["score"] is None
+    meta_bad = got[2].q  # a string other than the text: the row is quarantined all the same, its text kept
+    assert meta_bad["column"] == "title" and base64.b64decode(meta_bad["raw_b64"]) == b"t\xc3"
+    assert json.loads(meta_bad["raw"])["text"] == texts[2].decode() and json.loads(meta_bad["raw"])["tags"] == ["z"]
+    assert json.loads(got[0].meta) == {"title": "t1", "tags": ["x"], "score": 0.5}
+    assert json.loads(got[3].meta) == {"title": "t4", "tags": ["w"], "score": None}  # -inf: valid JSON, null
+
+
+def test_meta_json_is_valid_json_with_no_nan_or_infinity():
+    assert formats.to_json({"a": float("nan"), "b": [float("inf"), {"c": -float("inf")}], "d": 1.5}) == \
+        '{"a": null, "b": [null, {"c": null}], "d": 1.5}'
+    assert formats.to_json({"when": datetime.date(2024, 1, 2), "raw": b"\x00"}) == \
+        '{"when": "2024-01-02", "raw": "AA=="}'

@@ -247,3 +247,91 @@ def test_a_mixture_trains_and_the_manifest_and_mlflow_record_the_shares(home):
     assert json.loads(run.data.params["train.mixture"]) == spec.train.mixture
     assert run.data.metrics["mixture/target/data_books_pg.txt"] == 0.5
     assert run.data.metrics["mixture/epochs/data_books_pg.txt"] == mix["epochs"]["data/books/pg.txt"]
+    logged = json.loads(open(c.download_artifacts(run.info.run_id, "train/mixture.json", str(home))).read())
+    assert {k: logged[k] for k in mix} == mix and logged["metric_keys"]["data/books/pg.txt"] == "data_books_pg.txt"
+
+
+def test_mixture_metric_names_are_unique_and_fit_mlflow_whatever_the_source_names():
+    from mlflow.utils.validation import path_not_unique, validate_param_and_metric_name
+
+    from pipelines.train.loader import mixture_keys
+
+    long_a, long_b = "s3://bucket/" + "x" * 300 + "/a.jsonl", "s3://bucket/" + "x" * 300 + "/b.jsonl"
+    sources = ["a/b_c", "a_b/c", long_a, long_b, "..", "data/books/pg.txt", "plain-name.jsonl"]
+    keys = mixture_keys(sources)
+    sources.append(keys["a/b_c"])  # a source named like another's hashed key: every key hashed, still unique
+    report = {kind: {s: 0.125 for s in sources} for kind in ("target", "achieved", "samples", "epochs")}
+    names = mixture_metrics(report)
+    assert len(names) == 3 * len(sources)  # no two sources share a name
+    assert all(len(n) <= 250 and validate_param_and_metric_name(n) and not path_not_unique(n) for n in names)
+    assert keys["data/books/pg.txt"] == "data_books_pg.txt" and keys["plain-name.jsonl"] == "plain-name.jsonl"
+    assert keys["a/b_c"] != keys["a_b/c"] and keys["a/b_c"].startswith("a_b_c-")
+    assert keys[long_a] != keys[long_b] and keys[long_a].startswith("s3_bucket_xxx")
+    assert mixture_keys(["data/books/pg.txt"]) == {"data/books/pg.txt": "data_books_pg.txt"}  # the names of before
+
+
+class _Client:
+    """An MlflowClient that records log_batch and log_text, or raises ``error`` on log_batch."""
+
+    def __init__(self, error=None):
+        self.error, self.batches, self.texts = error, [], {}
+
+    def log_batch(self, run_id, metrics=()):
+        if self.error:
+            raise self.error
+        self.batches.append(list(metrics))
+
+    def log_text(self, run_id, text, artifact_file):
+        self.texts[artifact_file] = text
+
+
+def _finishing(client, said: list):
+    """What Trainer.log_last reads of a trainer: rank 0's tracker, the checkpoint events, train.steps, the log."""
+    from types import SimpleNamespace
+
+    from pipelines.train.trainer import Tracker
+
+    tracker = Tracker.__new__(Tracker)
+    tracker.client, tracker.run_id, tracker.pending = client, "run", [("train/loss", 1.0, 6)]
+    return SimpleNamespace(tracker=tracker, spec=SimpleNamespace(train=SimpleNamespace(steps=6)), log=said.append,
+                           ckpt=SimpleNamespace(events=SimpleNamespace(take=lambda: [("ckpt/stall_s", 0.1, 6)])))
+
+
+def test_the_last_mlflow_logging_sends_every_source_and_cannot_fail_a_finished_run():
+    from mlflow.exceptions import MlflowException
+
+    from pipelines.train.trainer import Trainer
+
+    sources = [f"data/src-{i:03d}.jsonl" for i in range(400)]  # 1,200 metrics: more than one batch
+    mix = {kind: {s: 0.0025 for s in sources} for kind in ("target", "achieved", "samples", "epochs")}
+    said: list = []
+    ok = _finishing(_Client(), said)
+    Trainer.log_last(ok, {"mixture": mix})
+    sent = [m.key for batch in ok.tracker.client.batches for m in batch]
+    assert max(map(len, ok.tracker.client.batches)) <= 1000 and len(sent) == 1200 + 2 and not said
+    assert json.loads(ok.tracker.client.texts["train/mixture.json"])["target"] == mix["target"]
+    down = _finishing(_Client(MlflowException("INVALID_PARAMETER_VALUE")), said)
+    Trainer.log_last(down, {"mixture": mix})  # said, not raised: result.json is still written
+    assert len(said) == 1 and said[0].startswith("[train] MLflow: the last metrics were not logged (MlflowException")
+    assert down.tracker.pending == []
+
+
+def test_a_storage_error_reading_the_sources_is_raised_for_a_retry_a_broken_lineage_is_the_users(monkeypatch):
+    import errno
+    from types import SimpleNamespace
+
+    from pipelines.data import lineage
+    from pipelines.manifest import StageError
+
+    tok = SimpleNamespace(path="/runs/tokenize/m.json", extra={"shards": []})
+    monkeypatch.setattr(lineage, "chain", lambda t: [t])
+    for error, raised in [(OSError(errno.EIO, "Input/output error"), OSError), (TimeoutError("NFS"), TimeoutError),
+                          (StageError("no filter or decontaminate stage in its lineage"), MixtureError),
+                          (FileNotFoundError(2, "No such file", "kept"), MixtureError)]:
+        def fail(*a, _e=error, **k):
+            raise _e
+
+        monkeypatch.setattr(lineage, "added_docs", fail)
+        with pytest.raises(raised) as e:
+            train_doc_sources(tok)
+        assert (raised is MixtureError) == str(e.value).startswith("train.mixture: the sources of /runs/tokenize")

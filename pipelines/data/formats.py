@@ -10,7 +10,9 @@
   :func:`row_group_cuts`); a row is a record whose columns ``data.input_fields`` maps to text, id, url and date,
   its other columns kept as the doc's ``meta`` (a JSON object). A file whose footer does not read (truncated, not
   Parquet) is one whole-file chunk and one ``bad_parquet`` record; a row group that breaks off keeps the rows read
-  before the damage, then one ``bad_parquet`` record, and the other row groups are read.
+  before the damage, then one ``bad_parquet`` record, and the other row groups are read. A read that fails (a
+  reset, a timeout: :func:`parquet_damage`) is raised, for Spark to retry. A string that is not UTF-8 (Parquet
+  does not check) quarantines its row (``invalid_utf8``); the other rows are read.
 * **WARC** (``.warc``, ``.warc.gz``; Common Crawl's WET files are WARC too): each gzip member is framed here, so a
   broken member is quarantined with its offset and bytes and reading goes on at the next one; a file that ends
   inside a member is reported, not silently cut. A ``.warc.gz`` larger than ``chunk_mb`` is cut into byte ranges;
@@ -34,6 +36,7 @@ import gzip
 import hashlib
 import io
 import json
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator
@@ -266,13 +269,26 @@ def as_text(v: Any) -> str | None:
 
 
 def to_json(v: Any) -> str:
-    """JSON of a record's values: dates and timestamps in ISO 8601, bytes in base64, anything else as its str."""
+    """JSON of a record's values: dates and timestamps in ISO 8601, bytes in base64, a NaN or infinite float null
+    (JSON has no such numbers), anything else as its str."""
     def plain(x: Any) -> Any:
         if isinstance(x, (datetime.date, datetime.datetime, datetime.time)):
             return x.isoformat()
         return base64.b64encode(x).decode("ascii") if isinstance(x, bytes) else str(x)
 
-    return json.dumps(v, ensure_ascii=False, default=plain)
+    try:
+        return json.dumps(v, ensure_ascii=False, default=plain, allow_nan=False)
+    except ValueError:  # a non-finite float somewhere: the rare record pays for the walk
+        return json.dumps(finite(v), ensure_ascii=False, default=plain, allow_nan=False)
+
+
+def finite(v: Any) -> Any:
+    """``v`` with every NaN or infinite float in it (in dicts, lists and tuples too) None."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: finite(x) for k, x in v.items()}
+    return [finite(x) for x in v] if isinstance(v, (list, tuple)) else v
 
 
 _TEXT_DETAIL = {"empty_text": lambda t: f"{len(t.strip())} chars after strip",
@@ -334,11 +350,19 @@ def jsonl_row(n: int, line: bytes, cfg, fields: InputFieldsCfg) -> Row | None:
 PARQUET_BATCH = 1024  # rows decoded at a time: a row group that breaks off keeps the batches read before
 
 
-def parquet_errors() -> tuple[type[BaseException], ...]:
-    """What pyarrow raises on a file that is not Parquet, is cut short, or holds a page that does not decode."""
+def parquet_damage(e: BaseException) -> bool:
+    """Is ``e`` pyarrow's word that the bytes are not good Parquet (a footer or page that does not decode: an
+    ``ArrowException``, or the plain ``OSError`` without errno it raises for a page header that does not
+    deserialize), as opposed to the read itself failing? A file object's error comes through pyarrow as itself: a
+    reset connection or a timeout (``ConnectionError``, ``TimeoutError``, the S3 client's
+    :class:`~pipelines.storage.s3.S3Timeout`), botocore's and urllib3's errors, a disk's ``OSError`` with its
+    errno; and memory running out (``ArrowMemoryError``). Those are no fault of the data: they fail the Spark task
+    (or the driver's plan), which is retried, rather than quarantine rows the next try would read."""
     import pyarrow as pa
 
-    return pa.ArrowException, OSError, EOFError
+    if isinstance(e, MemoryError):
+        return False
+    return isinstance(e, pa.ArrowException) or type(e) is OSError and e.errno is None
 
 
 def row_group_cuts(source) -> list[tuple[int, int | None, int | None]]:
@@ -346,7 +370,8 @@ def row_group_cuts(source) -> list[tuple[int, int | None, int | None]]:
     reads: a ranged read for an S3 object). A row group's range runs to the next one's first byte, the first from 0
     and the last to the file's end, so the chunks cover the file and their digests identify it. One whole-file chunk
     (row group None) when the footer does not read (the task quarantines the file), for a single row group, and when
-    the row groups do not lie in order in the file."""
+    the row groups do not lie in order in the file. A read that fails (not the data: :func:`parquet_damage`) is
+    raised."""
     import pyarrow.parquet as pq
 
     whole = [(0, None, None)]
@@ -354,7 +379,9 @@ def row_group_cuts(source) -> list[tuple[int, int | None, int | None]]:
         with open_raw(Chunk(0, source.name, source.location, "parquet", size=source.size,
                             settings=source.settings)) as f:
             md = pq.read_metadata(f)
-    except parquet_errors():
+    except Exception as e:  # noqa: BLE001 - only damage is answered here; anything else is raised
+        if not parquet_damage(e):
+            raise
         return whole
     starts = [group_start(md.row_group(g)) for g in range(md.num_row_groups)]
     if len(starts) < 2 or starts != sorted(set(starts)) or starts[0] < 4 or starts[-1] >= source.size:
@@ -372,13 +399,15 @@ def group_start(rg) -> int:
 
 def parquet_rows(chunk: Chunk, cfg, fields: InputFieldsCfg) -> Iterator[Row]:
     """A Row per row of the chunk's row group (all of them when ``group`` is None), numbered through the file from
-    1; a file whose footer does not read is one ``bad_parquet`` Row."""
+    1; a file whose footer does not read is one ``bad_parquet`` Row. A read that fails is raised."""
     import pyarrow.parquet as pq
 
     with open_raw(chunk) as raw:
         try:
             pf = pq.ParquetFile(raw)
-        except parquet_errors() as e:
+        except Exception as e:  # noqa: BLE001 - only damage is quarantined; anything else is raised
+            if not parquet_damage(e):
+                raise
             yield Row(1, reason="bad_parquet", q={"uri": chunk.path, "bytes": chunk.size,
                                                   "detail": f"no readable Parquet footer: {type(e).__name__}: {e}"})
             return
@@ -392,19 +421,100 @@ def parquet_rows(chunk: Chunk, cfg, fields: InputFieldsCfg) -> Iterator[Row]:
 
 def row_group_rows(pf, g: int, before: int, want: int, chunk: Chunk, cfg, fields: InputFieldsCfg) -> Iterator[Row]:
     """Row group ``g``'s rows (``before`` rows precede it in the file); one that breaks off keeps the rows decoded
-    before the damage and ends with one ``bad_parquet`` Row."""
+    before the damage and ends with one ``bad_parquet`` Row. A read that fails is raised."""
     n = before
     try:
         for batch in pf.iter_batches(batch_size=PARQUET_BATCH, row_groups=[g], use_threads=False):
-            for rec in batch.to_pylist():
+            for rec, bad in batch_records(batch):
                 n += 1
-                reason, detail = text_check(rec, fields.text, cfg.min_chars)
-                yield Row(n, reason=reason, q={"row": n, "row_group": g, "detail": detail, "raw": to_json(rec)}) \
-                    if reason else record_doc(n, rec, fields, meta=True)
-    except parquet_errors() as e:
+                yield parquet_row(n, g, rec, bad, cfg, fields)
+    except Exception as e:  # noqa: BLE001 - only damage is quarantined; anything else is raised
+        if not parquet_damage(e):
+            raise
         yield Row(n + 1, reason="bad_parquet", q={
             "uri": chunk.path, "row_group": g, "row": n + 1, "rows_unread": want - (n - before),
             "detail": f"row group {g} breaks off after {n - before} of {want} rows: {type(e).__name__}: {e}"})
+
+
+def parquet_row(n: int, g: int, rec: dict, bad: tuple | None, cfg, fields: InputFieldsCfg) -> Row:
+    """Row ``n`` (of row group ``g``): a document, or quarantined with the row as JSON; ``bad``: its first value
+    that is not UTF-8 (column, the value's bytes, the error) or None."""
+    q = {"row": n, "row_group": g}
+    if bad is not None:
+        col, value, e = bad
+        b64 = {"raw_b64": base64.b64encode(value).decode("ascii")} if isinstance(value, bytes) else {}
+        return Row(n, reason="invalid_utf8", q={**q, "column": col, "raw": to_json(rec), **b64,
+                                                "detail": f"{col!r} is not UTF-8: {e.reason} at byte {e.start}"})
+    reason, detail = text_check(rec, fields.text, cfg.min_chars)
+    if reason:
+        return Row(n, reason=reason, q={**q, "detail": detail, "raw": to_json(rec)})
+    return record_doc(n, rec, fields, meta=True)
+
+
+def batch_records(batch) -> Iterator[tuple[dict, tuple | None]]:
+    """(row, None) for each row of a record batch; a batch holding a string that is not UTF-8 (Parquet does not
+    check) row by row, with the row's first undecodable value (:func:`utf8_records`)."""
+    try:
+        recs = batch.to_pylist()
+    except UnicodeDecodeError:
+        yield from utf8_records(batch)
+        return
+    for rec in recs:
+        yield rec, None
+
+
+def utf8_records(batch) -> Iterator[tuple[dict, tuple | None]]:
+    """Each row of a batch some string of which is not UTF-8: the row, each value that does not decode kept as its
+    bytes (:func:`as_bytes`), and (column, bytes, the ``UnicodeDecodeError``) of the first such value, else None."""
+    names = batch.schema.names
+    plain, strict = {}, {}
+    for name, col in zip(names, batch.columns):
+        try:
+            plain[name] = col.to_pylist()
+        except UnicodeDecodeError:
+            strict[name] = col  # read value by value
+    for i in range(batch.num_rows):
+        rec, bad = {}, None
+        for name in names:
+            if name in plain:
+                rec[name] = plain[name][i]
+                continue
+            try:
+                rec[name] = strict[name][i].as_py()
+            except UnicodeDecodeError as e:
+                rec[name] = as_bytes(strict[name], i)
+                bad = bad or (name, rec[name], e)
+        yield rec, bad
+
+
+def as_bytes(col, i: int) -> Any:
+    """Value ``i`` of an Arrow column with every string in it as its bytes (:func:`binary_type`); None for a type
+    Arrow does not cast so (a union …)."""
+    import pyarrow as pa
+
+    try:
+        return col.slice(i, 1).cast(binary_type(col.type))[0].as_py()
+    except (UnicodeDecodeError, pa.ArrowException):
+        return None
+
+
+def binary_type(t):
+    """Arrow type ``t`` with each string type in it (also in lists, structs, maps and dictionaries) binary."""
+    import pyarrow as pa
+
+    swap = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.string_view(): pa.binary_view()}
+    if t in swap:
+        return swap[t]
+    if pa.types.is_dictionary(t):
+        return binary_type(t.value_type)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        item = t.value_field.with_type(binary_type(t.value_type))
+        return pa.large_list(item) if pa.types.is_large_list(t) else pa.list_(item, getattr(t, "list_size", -1))
+    if pa.types.is_struct(t):
+        return pa.struct([t.field(j).with_type(binary_type(t.field(j).type)) for j in range(t.num_fields)])
+    if pa.types.is_map(t):
+        return pa.map_(binary_type(t.key_type), binary_type(t.item_type))
+    return t
 
 
 # ---- WARC ------------------------------------------------------------------------------------------------------

@@ -1,28 +1,61 @@
-"""Personal data in kept docs: e-mail addresses, IPv4 and IPv6 addresses and phone numbers, found by patterns and
-replaced by fixed placeholders (FineWeb's PII formatter does the same for e-mails and IPs).
+"""Personal data in kept docs: e-mail addresses, IPv4 and IPv6 addresses and phone numbers, found and replaced by
+fixed placeholders (FineWeb's PII formatter does the same for e-mails and IPs).
 
 Placeholders are addresses reserved for documentation, so no real person or host is named: ``email@example.com``
 (RFC 2606), ``192.0.2.1`` (RFC 5737), ``2001:db8::1`` (RFC 3849), ``+1-555-0100`` (the 555-01xx block is fictional).
 
-What is *not* personal data and must stay: dates (``2024-01-15``, ``15.01.2024``), version numbers (``v1.2.3.4``,
-``version 10.0.19041.1``), prices (``$1,299.99``, ``1 299 €``), room and street numbers, times (``12:30:45``), ISBNs
-with their prefix. The phone pattern therefore asks for 10 to 15 digits in groups a phone uses (or 7 digits
-``555-0123`` after a word such as "call" or "tel"), and skips a match that reads as a date, a version or an
-identifier. Precision and recall on a labelled sample: ``tests/test_pii.py`` (the method is in docs/data.md).
+**Phones** are Google's libphonenumber's (``phonenumbers``, what Presidio uses): a cheap pattern picks runs of 8 to
+30 digits in the shapes numbers are written in, and ``PhoneNumberMatcher`` (leniency ``VALID``: a number that exists
+in the numbering plan, with its trunk prefix where the plan needs one) reads each run in the doc's regions
+(:func:`regions`: its URL's country TLD's, then its language's, :data:`LANG_REGIONS`; else :data:`DEFAULT_REGIONS`);
+a number written with ``+`` is read in any of them. A valid number is still not a phone when it reads as something
+else (:func:`_phone_ok`): a service number (UAN), an ID label before it (ISBN, SKU, order, …), a last group of one
+digit (an ISBN's check digit), a run of digits with no separator and no cue word ("tel", "call", "fax", …) before
+it, an area code split or run into the rest ("016 854 401"), figures (:func:`_figure`: decimals and coordinates,
+versions, thousands-grouped figures, years, counting runs), or a run of figures that the numbers found do not cover
+(a table row).
+
+**E-mail addresses** skip what shares their shape (:func:`_email_ok`): a file name (``logo@2x.png``: a file
+extension as the TLD, an ``@2x`` scale), code (``A@B.transpose()``: a call or attribute after it), an ssh/scp target
+or a git remote (``git@github.com:org/repo``, ``ssh -p 22 deploy@host``) and shell prompts
+(``deploy@web-1.internal:~$``, ``[root@host ~]#``). **IPv4** skips version strings and section numbers
+(:func:`_ipv4_ok`: after ``v``, ``version``, ``build``, ``§``, ``section``…, after ``Product/``, after a product name
+that is not an address cue such as ``Server``, ``x.y.z.0`` without a ``/prefix``, before ``.zip``, ``-beta``);
+**IPv6** skips C++ scopes (:func:`_ipv6_ok`: ``cafe::ba5e``: an ``a::b`` form of up to three groups must start like
+an address).
+
+Precision and recall on the labelled set ``data/pii/labelled.jsonl`` (its construction: ``data/pii/make_labelled.py``):
+``tests/test_pii.py`` and ``benchmarks/pii_bench.py``; the table is in docs/data.md.
 """
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from collections import Counter
+from urllib.parse import urlsplit
+
+import phonenumbers
 
 PLACEHOLDERS = {"email": "email@example.com", "ipv4": "192.0.2.1", "ipv6": "2001:db8::1", "phone": "+1-555-0100"}
 KINDS = tuple(PLACEHOLDERS)
 
+# Regions a phone number is read in: the doc's language's (ISO 639-1 → ISO 3166 regions whose national numbers
+# a page in that language most often carries), plus its URL's country TLD; DEFAULT_REGIONS when neither gives one.
+# Numbers written with + (E.164) are found whatever the regions.
+DEFAULT_REGIONS = ("US", "GB")
+LANG_REGIONS = {"en": ("US", "GB"), "de": ("DE", "AT", "CH"), "fr": ("FR", "BE", "CH"), "es": ("ES", "MX"),
+                "it": ("IT",), "nl": ("NL", "BE"), "pt": ("PT", "BR"), "pl": ("PL",), "sv": ("SE",), "da": ("DK",),
+                "nb": ("NO",), "no": ("NO",), "fi": ("FI",), "cs": ("CZ",), "hu": ("HU",), "ro": ("RO",),
+                "el": ("GR",), "tr": ("TR",), "ru": ("RU",), "uk": ("UA",), "ja": ("JP",), "ko": ("KR",),
+                "zh": ("CN", "TW"), "hi": ("IN",), "ta": ("IN",), "id": ("ID",), "ms": ("MY",), "vi": ("VN",),
+                "th": ("TH",), "ar": ("EG", "SA"), "he": ("IL",)}
+_TLD_REGION = {"uk": "GB"}
+
 EMAIL = re.compile(r"(?<![\w.%+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+"
                    r"[A-Za-z]{2,24}(?![\w-])")
 _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
-IPV4 = re.compile(rf"(?<![\w.])(?<!\bv)(?<!version )(?<!ver\. ){_OCTET}(?:\.{_OCTET}){{3}}(?![\w]|\.\d)", re.I)
+IPV4 = re.compile(rf"(?<![\w.]){_OCTET}(?:\.{_OCTET}){{3}}(?![\w]|\.\d)")
 _H = r"[0-9A-Fa-f]{1,4}"
 _V4TAIL = rf"(?::{_OCTET}(?:\.{_OCTET}){{3}})?"  # an IPv4-mapped tail (::ffff:192.0.2.128) is part of the address
 IPV6 = re.compile(
@@ -30,66 +63,166 @@ IPV6 = re.compile(
     rf"|(?:{_H}:){{1,7}}:(?:{_H}(?::{_H}){{0,6}})?{_V4TAIL}"  # with :: after at least one group
     rf"|::(?:{_H}(?::{_H}){{0,6}}){_V4TAIL})"  # leading ::
     rf"(?![\w:]|\.\d)")
-_SEP = r"[ .\-\u00a0]"
-PHONE = re.compile(
-    rf"(?<![\w+\-./:,$€£])"
-    rf"(?:\+\d{{1,3}}{_SEP}?(?:\(0\){_SEP}?)?)?"  # +CC and the (0) some countries write after it
-    rf"(?:\(\d{{1,5}}\){_SEP}?)?"  # (area)
-    rf"\d{{1,8}}(?:{_SEP}\d{{1,8}}){{0,5}}"
-    rf"(?![\w\-/]|[.,]\d)")
-_CUE = re.compile(r"(?:call|phone|tel|telephone|fax|mobile|cell|whatsapp|contact|sms|text us)\b\W{0,6}$", re.I)
-_DATE = re.compile(r"^(?:\d{4}[-./ ]\d{1,2}[-./ ]\d{1,2}|\d{1,2}[-./ ]\d{1,2}[-./ ]\d{2,4})$")
-_HAS_DATE = re.compile(r"\d{4}[-./]\d{1,2}[-./]\d{1,2}|\d{1,2}[-./]\d{1,2}[-./]\d{4}")
-_IBAN_BEFORE = re.compile(r"\b[A-Z]{2}\d{2}\s$")
-_IP_VERSION_BEFORE = re.compile(r"(?:[A-Za-z]/|\b(?:v|version|ver|release|build|driver|firmware|firefox|chrome|"
-                                r"section|chapter|rule|figure|table|§)\.?\s*)$", re.I)
-_VERSION_BEFORE = re.compile(r"(?:\bv|version|ver\.?|release|build|isbn(?:-1[03])?:?|issn:?|doi:?|id:?|no\.?|#)\s*$", re.I)
+# A phone candidate: digits with the separators numbers are written with (space, no-break space, . - / and
+# brackets, at most 3 in a row: "030 / 231", "+49 (0)30"), not glued to a word, a number or a URL parameter.
+PHONE_CANDIDATE = re.compile(r"(?<![\w@#$€£%&=/.,+-])\+?\(?\+?\d(?:[ \u00a0.\-/()]{0,3}+\d)*\)?(?!\w)")  # {0,3}+:
+# possessive, so a run of separators is read one way only (no backtracking through its splits)
+
+# Cheap scans that say whether a doc can hold a match at all (most docs cannot): the full patterns run only then.
+_MAY_HOLD = {"email": re.compile("@"), "ipv4": re.compile(r"\d\.\d{1,3}\.\d{1,3}\.\d"),
+             "ipv6": re.compile(r"::|[0-9A-Fa-f]:[0-9A-Fa-f]{1,4}:"),
+             "phone": re.compile(r"\d(?:[ \u00a0().\-/]{0,3}\d){7}")}  # 8 digits or more
+
+_FILE_EXT = ("png|jpe?g|gif|svg|webp|bmp|ico|tiff?|avif|heic|pdf|docx?|xlsx?|pptx?|txt|csv|json|ya?ml|xml|html?|"
+             "css|s[ac]ss|js|mjs|tsx?|jsx|php|rb|java|kt|cpp|hpp|zip|gz|tgz|tar|7z|rar|exe|msi|dmg|apk|deb|rpm|mp[34]|"
+             "mov|webm|wav|ogg|flac|woff2?|ttf|otf|eot|log|ini|cfg|toml|lock|sql|bak|iso|img")
+_FILE_TLD = re.compile(rf"@(?:\d+(?:\.\d+)?x\b|[^@\s]*\.(?:{_FILE_EXT})$)", re.I)  # logo@2x.png, a@b.webp
+_CODE_AFTER = re.compile(r"[(\[]|\.[A-Za-z_(]")  # A@B.transpose(), x@self.weight.T
+_HOST_AFTER = re.compile(r":[^\s\"'<>)\]]|\s+[~/][^\s\]]*\][$#]")  # git@github.com:org/x, u@h:~$, [u@h ~]$
+_SSH_BEFORE = re.compile(r"\b(?:ssh|scp|sftp|rsync|mosh|ssh-copy-id|telnet)"  # then options, numbers, paths
+                         r"(?:\s++(?:-\S++|\d++|[^\s/.~]*+[/.~]\S*+))*\s+$")
+
+# The word before an address that says it is one: whole words, or parts of a name ("ServerName", "VirtualHost")
+_IP_CUE = re.compile(r"(?:ip|ipv4|inet|from|to|at|via|src|dst|source|destination|ping|node|origin|target|network|"
+                     r"mask|subnet|broadcast|local|forwarded|interface|\w*(?:host|server|addr|address|client|gateway|"
+                     r"router|proxy|dns|resolver|peer|remote|listen|bind|upstream|backend|endpoint)\w*)", re.I)
+_VERSION_WORDS = (r"v|ver|version|release|build|rev|revision|patch|update|driver|firmware|bios|kernel|"
+                  r"§|sec|section|chapter|chap|clause|article|art|paragraph|para|annex|appendix|part|rule|"
+                  r"requirement|req|item|step|figure|fig|table|tab|abschnitt|kapitel|absatz|anhang|no|nr")
+_IP_VERSION_BEFORE = re.compile(rf"(?:[A-Za-z]/|version=|(?<![\w.])(?:{_VERSION_WORDS})\.?[\s-]*)$", re.I)
+_VERSION_AFTER = re.compile(r"(?:-(?:alpha|beta|rc|dev|pre|preview|snapshot|final)|\+|\.(?:exe|zip|msi|dmg|tar|gz|"
+                            r"deb|rpm|pkg|apk|jar|whl|so|dll))", re.I)
+_PRODUCT_BEFORE = re.compile(r"(?:^|[^\w.+-])([.A-Z][\w.+-]*[\w+]|[A-Za-z]+\d\w*)[ \t]$")
+_IPV6_START = re.compile(r"^(?:2[0-9a-f]{3}|3ffe|fe[89ab][0-9a-f]|f[cd][0-9a-f]{2}|ff0[0-9a-f]|64)$", re.I)
+
+_CUE = re.compile(r"(?:\b(?:call|phone|tel|telephone|telefon|t[ée]l[ée]phone|t[ée]l|fax|mobile?|cell|handy|"
+                  r"portable|whatsapp|sms|text|hotline|contact|ruf|appel(?:ez)?|anrufen|kontakt)\b|tel:|\btel\.)"
+                  r"[^\n\d]{0,14}$", re.I)
+_ID_BEFORE = re.compile(r"\b(?:isbn(?:-1[03])?|issn|sku|ean|upc|gtin|art\.?-?nr|artikel(?:nummer)?|part|p/n|item|"
+                        r"order|invoice|rechnung(?:snr)?|bestell(?:nr|nummer)?|kunden(?:nr|nummer)|ticket|tracking|"
+                        r"ref(?:erence)?|serial|s/n|model|id|iban|bic|account|konto|lat|lon|lng|seed|"
+                        r"v|version|build|release|doi)[.:#\s]*(?:no\.?|nr\.?|#)?[.:#\s]*$", re.I)
+_YEARS = re.compile(r"(?:19|20)\d\d")
+_NOT_PERSONAL = {phonenumbers.PhoneNumberType.UAN, phonenumbers.PhoneNumberType.VOICEMAIL,
+                 phonenumbers.PhoneNumberType.UNKNOWN}
 
 
-def _digits(s: str) -> int:
-    return sum(c.isdigit() for c in s)
+def regions(lang: str | None = None, url: str | None = None) -> tuple[str, ...]:
+    """The regions a doc's national phone numbers are read in: its URL's country TLD's, then its language's;
+    :data:`DEFAULT_REGIONS` when neither names one."""
+    tld = ""
+    if url:
+        try:
+            tld = (urlsplit(url).hostname or "").rsplit(".", 1)[-1]
+        except ValueError:
+            tld = ""
+    return _regions((lang or "").split("-")[0].split("_")[0].lower(), tld.lower())
 
 
-def _phone_ok(text: str, m: re.Match) -> bool:
-    s = m.group(0)
-    n = _digits(s)
-    before = text[max(0, m.start() - 24):m.start()]
-    if _VERSION_BEFORE.search(before) or _DATE.match(s.strip()) or _HAS_DATE.search(s):
+@functools.lru_cache(maxsize=1024)
+def _regions(lang: str, tld: str) -> tuple[str, ...]:
+    out = list(LANG_REGIONS.get(lang, ()))
+    region = _TLD_REGION.get(tld, tld.upper())
+    if len(tld) == 2 and region in phonenumbers.SUPPORTED_REGIONS:
+        out.insert(0, region)
+    return tuple(dict.fromkeys(out)) or DEFAULT_REGIONS
+
+
+def _email_ok(text: str, m: re.Match) -> bool:
+    after = text[m.end():m.end() + 40]
+    if _FILE_TLD.search(m.group(0)) or _CODE_AFTER.match(after) or _HOST_AFTER.match(after):
         return False
-    runs = re.findall(r"\d+", s)
-    groups = [int(g) for g in runs]
-    if len(groups) >= 3 and all(b == a + 1 for a, b in zip(groups, groups[1:])):
-        return False  # a counting run: page numbers, a list's numbering
-    if not s.startswith("+") and len(runs) >= 3 and len(runs[0]) <= 3 and all(len(g) == 3 for g in runs[1:]):
-        return False  # 1 500 000 000: a number grouped in thousands
-    if len(groups) >= 2 and all(1900 <= g <= 2099 for g in groups):
-        return False  # 2010-2015-2020: years
-    if len(groups) > 5 and not s.startswith("+"):
+    return not _SSH_BEFORE.search(text[max(0, m.start() - 80):m.start()])
+
+
+def _ipv4_ok(text: str, m: re.Match) -> bool:
+    before, after = text[max(0, m.start() - 40):m.start()], text[m.end():m.end() + 12]
+    if _IP_VERSION_BEFORE.search(before) or _VERSION_AFTER.match(after):
         return False
-    prev = re.search(r"(\d+)\s+$", before)
-    if prev and groups and int(prev.group(1)) + 1 == groups[0]:
-        return False  # the rest of a counting run
-    if re.match(r"\((?:19|20)\d\d\)", s) or _IBAN_BEFORE.search(before):
-        return False  # "(2009) 2 920 000": a year then a number; "BE04 7360 1914 4531": an account number
-    if not s.startswith("+") and len(groups) >= 4 and all(len(g) == 3 for g in re.findall(r"\d+", s)):
-        return False  # 261 261 302 824: a table's or a thousands-grouped number
-    if 10 <= n <= 15:
-        # a phone has separators or a + (a bare run of 10+ digits is as often an order or tracking number),
-        # and no run of dot-separated groups (those are versions and decimals)
-        if s.startswith("+") or "(" in s:
-            return True
-        seps = re.findall(_SEP, s)
-        if seps and all(c == "." for c in seps):  # dotted groups are versions and decimals, but 415.555.2671
-            return re.fullmatch(r"\d{3}\.\d{3}\.\d{4}", s) is not None
-        return bool(seps) or bool(_CUE.search(before))
-    return n == 7 and re.fullmatch(r"\d{3}[ .\-]\d{4}", s) is not None and bool(_CUE.search(before))
+    cue = re.search(r"(\w+)\W*$", before)
+    if cue and _IP_CUE.fullmatch(cue.group(1)):
+        return True
+    if m.group(0).endswith(".0") and not after.startswith("/"):
+        return False  # 120.0.0.0, 4.0.0.0: a version (a host is not x.y.z.0; a network has its /prefix)
+    product = _PRODUCT_BEFORE.search(before)  # "Edge 120.1.2.3", "WebView2 83.0.1.2"; "Blocked 192.0.2.7" is a verb
+    return not product or product.group(1).endswith(("ed", "ing"))
 
 
-def _ip_ok(text: str, kind: str, m: re.Match) -> bool:
+def _ipv6_ok(text: str, m: re.Match) -> bool:
     s = m.group(0)
-    if kind == "ipv6":  # "Face::Add", "a::b" in code, "1:2" ratios: not addresses
-        return s.count(":") >= 2 and any(c.isdigit() for c in s) and re.search(r"[0-9A-Fa-f]{2}", s) is not None
-    return kind != "ipv4" or not _IP_VERSION_BEFORE.search(text[max(0, m.start() - 24):m.start()])
+    groups = [g for g in re.split(r":+", s) if g]
+    if s.count(":") < 2 or not any(c.isdigit() for c in s) or all(g.isalpha() for g in groups):
+        return False  # "a::b", "Face::Add", "1:2"
+    return len(groups) > 3 or s.startswith("::") or _IPV6_START.match(groups[0]) is not None
+
+
+def _area_code_split(num: str, number: phonenumbers.PhoneNumber) -> bool:
+    """Whether ``num``, written with separators, runs its area code into the rest or splits it ("016 854 401" for
+    0168 54401): how figures in a table read, not how a number is written."""
+    digits = [i for i, c in enumerate(num.replace("(0)", "   ")) if c.isdigit()]
+    ndc = phonenumbers.length_of_national_destination_code(number)
+    at = len(digits) - len(phonenumbers.national_significant_number(number)) + ndc
+    return ndc == 0 or not 0 < at < len(digits) or digits[at] == digits[at - 1] + 1
+
+
+def _figure(num: str) -> bool:
+    """Whether digits written as ``num`` read as figures: decimals and coordinates, versions, a figure grouped in
+    thousands, years, a counting run."""
+    runs = re.findall(r"\d+", num)
+    seps = set(re.sub(r"[\d+]", "", num.strip("()").replace("(0)", "")))
+    if "." in seps and (len(seps) > 1 or any(len(r) < 2 or len(r) > 4 for r in runs)):
+        return True  # 51.5074 -0.1278, 120.0.6099.109
+    if "+" not in num and "(" not in num and len(runs) >= 3 and not runs[0].startswith("0") and len(runs[0]) <= 3 \
+            and all(len(r) == 3 for r in runs[1:]):
+        return True  # 261 261 302 824
+    if len(runs) >= 2 and all(_YEARS.fullmatch(r) for r in runs):
+        return True  # 2010 2015 2020
+    groups = [int(r) for r in runs]
+    return len(groups) >= 3 and all(b == a + 1 for a, b in zip(groups, groups[1:]))  # pages 1256 1257 1258
+
+
+def _phone_ok(text: str, s: int, e: int, number: phonenumbers.PhoneNumber) -> bool:
+    """Whether the valid ``number`` at ``text[s:e]`` reads as a phone number, not an ID or a figure."""
+    num = text[s:e]
+    before = text[max(0, s - 30):s]
+    last = re.search(r"\d+$", num).group(0)
+    intl = num.lstrip("(").startswith("+")
+    grouped = re.search(r"\d\D+\d", num) is not None
+    if phonenumbers.number_type(number) in _NOT_PERSONAL:
+        return False  # "13 10 17 40" as a US 310-xxxx service number
+    if _ID_BEFORE.search(before) or (len(last) == 1 and not intl):
+        return False  # "SKU 030-2312-5123", an ISBN "0-306-40615-2"
+    if not grouped and not intl and not _CUE.search(before):
+        return False  # 0306406152: an ISBN, an order or tracking number, unless "Tel." stands before it
+    if grouped and not intl and _area_code_split(num, number):
+        return False
+    return not _figure(num)
+
+
+def _phones(text: str, cand: re.Match, regs: tuple[str, ...]):
+    """The phone numbers in one candidate run: those of the first region whose numbers leave no group of 3 or more
+    digits of the run uncovered (a valid number inside a longer run of figures is a table's; "(844-509-7233) 24
+    hours" is a number)."""
+    raw = cand.group(0)
+    if not 8 <= sum(c.isdigit() for c in raw) <= 30 or _figure(raw):
+        return []  # too short for a number, too long for two, or figures: not worth libphonenumber's time
+    for region in regs:
+        found = [(m.start, m.end, m.number) for m in
+                 phonenumbers.PhoneNumberMatcher(raw, region, leniency=phonenumbers.Leniency.VALID)]
+        if found and not any(len(r.group(0)) > 2 and not any(a <= r.start() < b for a, b, _ in found)
+                             for r in re.finditer(r"\d+", raw)):
+            spans = [(*_balanced(text, cand.start() + a, cand.start() + b), n) for a, b, n in found]
+            return [(a, b) for a, b, n in spans if _phone_ok(text, a, b, n)]
+    return []
+
+
+def _balanced(text: str, a: int, b: int) -> tuple[int, int]:
+    """The span without an unpaired bracket at its ends: "01440 783281" of "(01440 783281)"."""
+    if text[a] == "(" and text.count("(", a, b) > text.count(")", a, b):
+        a += 1
+    if text[b - 1] == ")" and text.count(")", a, b) > text.count("(", a, b):
+        b -= 1
+    return a, b
 
 
 class _Taken:
@@ -109,22 +242,33 @@ class _Taken:
         self.ends.insert(i, b)
 
 
-def find(text: str) -> list[tuple[int, int, str]]:
-    """The spans (start, end, kind) of personal data in ``text``, not overlapping, in order."""
+def find(text: str, lang: str | None = None, url: str | None = None) -> list[tuple[int, int, str]]:
+    """The spans (start, end, kind) of personal data in ``text``, not overlapping, in order. ``lang`` (the doc's
+    language code) and ``url`` choose the regions phone numbers are read in (:func:`regions`)."""
     spans: list[tuple[int, int, str]] = []
     taken = _Taken()
-    for kind, rx in (("email", EMAIL), ("ipv6", IPV6), ("ipv4", IPV4), ("phone", PHONE)):
-        for m in rx.finditer(text):
-            ok = _phone_ok(text, m) if kind == "phone" else _ip_ok(text, kind, m)
-            if ok and taken.free(m.start(), m.end()):
-                taken.add(m.start(), m.end())
-                spans.append((m.start(), m.end(), kind))
+
+    def put(a: int, b: int, kind: str) -> None:
+        if taken.free(a, b):
+            taken.add(a, b)
+            spans.append((a, b, kind))
+
+    for kind, rx, ok in (("email", EMAIL, _email_ok), ("ipv6", IPV6, _ipv6_ok), ("ipv4", IPV4, _ipv4_ok)):
+        for m in rx.finditer(text) if _MAY_HOLD[kind].search(text) else ():
+            if ok(text, m):
+                put(m.start(), m.end(), kind)
+    regs = None
+    for cand in PHONE_CANDIDATE.finditer(text) if _MAY_HOLD["phone"].search(text) else ():
+        if taken.free(cand.start(), cand.end()):
+            regs = regs or regions(lang, url)
+            for a, b in _phones(text, cand, regs):
+                put(a, b, "phone")
     return sorted(spans)
 
 
-def scrub(text: str) -> tuple[str, Counter]:
+def scrub(text: str, lang: str | None = None, url: str | None = None) -> tuple[str, Counter]:
     """``text`` with every span of :func:`find` replaced by its kind's placeholder, and the count per kind."""
-    spans = find(text)
+    spans = find(text, lang, url)
     if not spans:
         return text, Counter()
     out, at = [], 0

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 from pipelines.data import pii
 from pipelines.data.pii import KINDS as PII_KINDS
-from pipelines.data.takedown import Matcher
+from pipelines.data.lineage import Matcher
 from pipelines.data.urlfilter import UrlRules, load_rules
 from pipelines.spec import FilterCfg
 
@@ -274,7 +274,7 @@ def _filter_fn(cfg_dict: dict, url_rules: UrlRules, names: list[str], excluded: 
                     apply_filters(t or "", cfg, u, url_rules)
                 text, found = doc.text, {}
                 if reason is None and cfg.pii != "off":
-                    scrubbed, found = pii.scrub(text)
+                    scrubbed, found = pii.scrub(text, doc.info.get("language"), u)  # phone regions: language, URL
                     text = scrubbed if cfg.pii == "replace" else text
                 out["text"].append(text if reason is None else t)  # removed docs keep their original text
                 out["filter_reason"].append(reason)
@@ -290,10 +290,12 @@ def _filter_fn(cfg_dict: dict, url_rules: UrlRules, names: list[str], excluded: 
     return fn
 
 
-def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg, tasks: int = 0, excluded: Matcher | None = None) -> dict:
+def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg, tasks: int = 0, excluded: Matcher | None = None,
+                url_rules: UrlRules | None = None) -> dict:
     """Writes ``out/kept`` and ``out/removed`` (every input column, plus ``filter_reason`` for removed docs and the
     language columns); returns the counts, ``url_filter`` (removed per rule, and ``allowed``) and ``pii`` (found per
-    kind in kept docs, and the docs that had any). ``excluded``: the takedown list's sources (reason ``takedown``)."""
+    kind in kept docs, and the docs that had any). ``excluded``: the takedown list's sources (reason ``takedown``);
+    ``url_rules``: the URL step's rules when the caller has read them (else read here)."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
@@ -301,7 +303,7 @@ def filter_docs(spark, src: Path, out: Path, cfg: FilterCfg, tasks: int = 0, exc
 
     from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
 
-    rules = load_rules(cfg)
+    rules = load_rules(cfg) if url_rules is None else url_rules
     docs = spark.read.parquet(str(src))
     names = [n for n in docs.columns if n not in (*(a for a, _ in ADDED), *TALLIES)]
     types = {"string": StringType(), "double": DoubleType()}

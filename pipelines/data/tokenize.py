@@ -42,11 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.data import takedown
+from pipelines.data.lineage import TakedownList, excluded_docs, list_held, read_list, shards_holding
 from pipelines.data.shards import ShardWriter, token_dtype
 from pipelines.data.spark import Piece, piece_batches
 from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
-from pipelines.manifest import Manifest, StageError, file_ref, input_ref, load_manifest, sha256_file
+from pipelines.manifest import Manifest, StageError, file_ref, input_ref, load_manifest, sha256_file, under
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
 
 SPLITS = ("train", "heldout")
@@ -512,27 +512,69 @@ def link_shards(prev: Manifest, out: Path, skip: frozenset[str] = frozenset()) -
     return rows
 
 
-def keep_shards(prev: Manifest, out: Path, rel: str, exclusions: list, drop: dict, held: dict) -> tuple[list, dict]:
+def keep_shards(prev: Manifest, out: Path, rel: str, drop: dict, held: dict) -> tuple[list, list, dict]:
     """The previous version's shards in ``out``, in their order: linked as they are, or (the ``held`` ones, which
-    hold entries of ``drop``) written again as ``rel/takedown-<split>-NNNNN`` without them (a shard left empty is
-    dropped); and the takedown record (each exclusion with its reason and the entries it removed here, the shards
-    rewritten: old prefix → new, or None)."""
+    hold entries of ``drop``: id → exclusion index) written again as ``rel/takedown-<split>-NNNNN`` without them (a
+    shard left empty is dropped); the entries each exclusion removed, and the shards rewritten (old prefix → new, or
+    None)."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(prev.output("tokenizer"))) if held else None
     linked = {sh["prefix"]: sh for sh in link_shards(prev, out, frozenset(held))}
-    removed, rows, rewritten = [0] * len(exclusions), [], {}
+    removed, rows, rewritten = [0] * (max(drop.values(), default=-1) + 1), [], {}
     for sh in prev.extra["shards"]:
         if sh["prefix"] in linked:
             rows.append(sh)
             continue
         name = f"{rel}/takedown-{sh['split']}-{len(rewritten):05d}"
-        new = takedown.strip_shard(prev.dir, sh, drop, out, name, prev.extra["dtype"], removed, sp)
+        new = strip_shard(prev.dir, sh, drop, out, name, prev.extra["dtype"], removed, sp)
         rewritten[sh["prefix"]] = new["prefix"] if new else None
         rows += [new] if new else []
-    record = {"exclusions": [{**e.__dict__, "docs_removed": n} for e, n in zip(exclusions, removed)],
-              "docs_removed": sum(removed), "shards_rewritten": rewritten}
-    return rows, record
+    return rows, removed, rewritten
+
+
+def strip_shard(src: Path, row: dict, drop: dict[str, int], dest: Path, prefix: str, dtype: str, removed: list[int],
+                sp) -> dict | None:
+    """Shard ``row`` of the directory ``src`` written again as ``dest/prefix`` without the entries in ``drop`` (ids
+    beside it; ``removed[k]`` counts exclusion k's; the text bytes of each are its tokens decoded by ``sp``, the
+    corpus's tokenizer); its new row, or None when no entry is left."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipelines.data.shards import Shard
+
+    shard = Shard.open(under(src, row["prefix"]))
+    ids = pq.read_table(under(src, row["prefix"] + ".ids.parquet"), columns=["id"]).column("id").to_pylist()
+    kept, gone_bytes = [], 0
+    for k, i in enumerate(ids):
+        if i in drop:
+            removed[drop[i]] += 1
+            gone_bytes += len(sp.decode(shard.doc(k)[:-1].tolist()).encode("utf-8"))  # EOS last
+        else:
+            kept.append(k)
+    if not kept:
+        return None
+    (dest / prefix).parent.mkdir(parents=True, exist_ok=True)
+    w = ShardWriter(dest / prefix, np.dtype(dtype))
+    for k in kept:
+        w.add(shard.doc(k))
+    w.close()
+    pq.write_table(pa.table({"id": pa.array([ids[k] for k in kept], pa.string())}), dest / (prefix + ".ids.parquet"))
+    return {**row, "prefix": prefix, "docs": len(kept), "tokens": w.tokens,
+            "text_bytes": max(0, row["text_bytes"] - gone_bytes)}
+
+
+def takedown_record(applied: TakedownList, removed: list[int], rewritten: dict, by_filter: dict) -> dict:
+    """``extra.takedown``: the list applied (its sha256), each exclusion with its reason, the shard entries of earlier
+    versions it removed here (``docs_removed``) and the new docs the filter stage removed (``new_docs_removed``, from
+    ``by_filter``, the filter stage's record; null where it did not count them), and the shards rewritten."""
+    gone = removed + [0] * (len(applied.exclusions) - len(removed))
+    per = [x.get("docs_removed") for x in by_filter.get("by_exclusion", [])]
+    new = per if len(per) == len(applied.exclusions) else [None] * len(applied.exclusions)
+    return {"list_sha256": applied.sha256,
+            "exclusions": [{**e.__dict__, "docs_removed": n, "new_docs_removed": f}
+                           for e, n, f in zip(applied.exclusions, gone, new)],
+            "docs_removed": sum(gone), "new_docs_removed": by_filter.get("removed", 0), "shards_rewritten": rewritten}
 
 
 def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
@@ -544,38 +586,39 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
     if corpus is not None and "corpus" not in corpus.extra:
         raise TokenizeError(f"--corpus-manifest {corpus.path}: not a corpus version (a tokenize result of this "
                             "version)")
-    listed = resolve_path(spec.data.exclusions)
-    exclusions = takedown.load(listed)
-    check_takedown_list(filt, listed)
-    drop, held = taken_down(corpus, exclusions)
+    applied = read_list(resolve_path(spec.data.exclusions))  # read once: what this version applies and records
+    by_filter = filter_takedown(filt, applied)
+    drop, held = taken_down(corpus, applied.exclusions)
     if corpus is not None and filt.counts.get("kept", 0) == 0 and not held:
         print(f"tokenize: no new docs; corpus version {corpus.extra['corpus']['version']} stands ({corpus.path})")
         return corpus
     inputs = [input_ref(filt), *([input_ref(corpus)] if corpus is not None else [])]
     if spec.tokenizer.model_path and corpus is None:
         inputs.append(file_ref(resolve_path(spec.tokenizer.model_path)))
-    if exclusions:
-        inputs.append(file_ref(listed))  # a new exclusion is a changed input
+    if applied.exclusions:
+        inputs.append(applied.ref())  # a new exclusion is a changed input
     sd = stage_dir(spec, "tokenize", inputs, out_dir)
     up = upload_target(spec, sd.final.name)
 
     def body(tmp: Path) -> Manifest:
         record = corpus_record(filt, corpus)
         rel = "shards" if corpus is None else f"shards/v{record['version']:04d}"
-        old, removal = keep_shards(corpus, tmp, rel, exclusions, drop, held) if corpus is not None else ([], None)
+        old, removed, rewritten = keep_shards(corpus, tmp, rel, drop, held) if corpus is not None else ([], [], {})
         r = encode_new(spec, filt, corpus, tmp, rel, spark, up)
         shards = old + r["shards"]
         if shard_counts(shards)["train_tokens"] == 0:
-            raise TokenizeError("no tokens left in the train split" + (" after the takedown" if removal else ""))
+            raise TokenizeError("no tokens left in the train split" + (" after the takedown" if drop else ""))
         outputs = {"tokenizer": "tokenizer.model"}
         outputs.update((sh["prefix"] + ext, sh["prefix"] + ext) for sh in shards for ext in SHARD_FILES)
-        return sd.commit(outputs, counts={**shard_counts(shards), "new_docs": r["counts"]["docs"],
-                                          "new_tokens": r["counts"]["tokens"]}, extra={
-            "shards": shards, "tokenizer_sha256": sha256_file(tmp / "tokenizer.model"), "corpus": record,
-            **{k: r[k] for k in ("vocab_size", "eos_id", "dtype", "spark_master", "partitions", "heldout")},
-            "contamination": contamination_record(filt, corpus),
-            **({"takedown": removal} if removal is not None and exclusions else {}),
-        })
+        extra = {"shards": shards, "tokenizer_sha256": sha256_file(tmp / "tokenizer.model"), "corpus": record,
+                 **{k: r[k] for k in ("vocab_size", "eos_id", "dtype", "spark_master", "partitions", "heldout")},
+                 "contamination": contamination_record(filt, corpus)}
+        if applied.exclusions:
+            extra["takedown"] = takedown_record(applied, removed, rewritten, by_filter)
+        with list_held(applied.path) as now:  # an --exclude-source meanwhile waits until the version is published
+            check_still_current(applied, now)
+            return sd.commit(outputs, counts={**shard_counts(shards), "new_docs": r["counts"]["docs"],
+                                              "new_tokens": r["counts"]["tokens"]}, extra=extra)
 
     m = run_and_log(spec, sd, body)
     if up:
@@ -600,26 +643,40 @@ def encode_new(spec: JobSpec, filt: Manifest, corpus: Manifest | None, tmp: Path
     return {**r, "spark_master": s.sparkContext.master}
 
 
-def check_takedown_list(filt: Manifest, listed: Path) -> None:
-    """The takedown list must be the one the filter stage applied to the new docs: one added since would let its new
-    docs into this version."""
+def _short(sha: str | None) -> str:
+    return sha[:12] if sha else "none (no exclusion)"
+
+
+def filter_takedown(filt: Manifest, applied: TakedownList) -> dict:
+    """The filter stage's ``extra.takedown`` ({} when it recorded none). It must have applied the list this stage
+    applies: an exclusion added between the two would let its new docs into this version (TokenizeError)."""
     from pipelines.manifest import lineage
 
     at = filt.path if filt.stage == "filter" else lineage(filt.path).get("filter")
-    seen = load_manifest(at).extra.get("takedown", {}).get("list_sha256", "unrecorded") if at else "unrecorded"
-    if seen != "unrecorded" and seen != takedown.list_sha256(listed):
-        raise TokenizeError(f"data.exclusions ({listed}) changed after the filter stage ({at}) ran: run the "
-                            "curation again (the filter stage takes the new list)")
+    rec = load_manifest(at).extra.get("takedown", {}) if at else {}
+    if "list_sha256" in rec and rec["list_sha256"] != applied.sha256:
+        raise TokenizeError(f"data.exclusions ({applied.path}) changed after the filter stage ({at}) applied it "
+                            f"(sha256 {_short(rec['list_sha256'])} there, {_short(applied.sha256)} now): its new docs "
+                            "were not checked against the new exclusions, so nothing is published; run the curation "
+                            "again (its filter stage applies the current list)")
+    return rec
 
 
-def taken_down(corpus: Manifest | None, exclusions: list) -> tuple[dict, dict]:
+def check_still_current(applied: TakedownList, now: str | None) -> None:
+    """The list this stage applied must still be the list when its corpus version is published."""
+    if now != applied.sha256:
+        raise TokenizeError(f"data.exclusions ({applied.path}) changed while the tokenize stage ran (sha256 "
+                            f"{_short(applied.sha256)} applied, {_short(now)} now): this corpus version could hold "
+                            "docs of the new exclusion, so nothing is published; run the curation again (its filter "
+                            "and tokenize stages apply the current list)")
+
+
+def taken_down(corpus: Manifest | None, exclusions: tuple) -> tuple[dict, dict]:
     """The shard entries of ``corpus`` that the takedown list takes out (id → exclusion), and the shards that still
     hold any ({prefix: entries})."""
     if corpus is None or not exclusions:
         return {}, {}
-    from pipelines.lineage import shards_holding
-
-    drop = takedown.excluded_docs(corpus, exclusions)
+    drop = excluded_docs(corpus, exclusions)
     return drop, (shards_holding(corpus, set(drop)) if drop else {})
 
 
@@ -632,12 +689,14 @@ def summary(m: Manifest) -> str:
 
 
 def takedown_note(m: Manifest) -> str:
-    t = m.extra.get("takedown")
-    if not t or not t["docs_removed"]:
-        return ""
-    return (f", {t['docs_removed']} taken down: "
-            + ", ".join(f"{e['source']} {e['docs_removed']}" for e in t["exclusions"] if e["docs_removed"])
-            + f"; {len(t['shards_rewritten'])} shard(s) rewritten")
+    t, parts = m.extra.get("takedown") or {}, []
+    if t.get("docs_removed"):
+        parts.append(f"{t['docs_removed']} taken down: "
+                     + ", ".join(f"{e['source']} {e['docs_removed']}" for e in t["exclusions"] if e["docs_removed"])
+                     + f"; {len(t['shards_rewritten'])} shard(s) rewritten")
+    if t.get("new_docs_removed"):
+        parts.append(f"{t['new_docs_removed']} new doc(s) of excluded sources removed by the filter stage")
+    return "".join(f", {p}" for p in parts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,24 +1,54 @@
 """URL filtering, the first step of the filter stage (reason ``url:<rule>``), as FineWeb, RefinedWeb and DataTrove do:
 
-* ``blocklist``: the doc's host, or a domain it is under, is on a block list: the bundled one
-  (``pipelines/data/lists/url_blocklist.txt``) and every file ``data.filters.url_blocklist`` names, in UT1's format
-  (one domain per line; ``#`` comments; a line ``example.com`` blocks ``example.com`` and ``*.example.com``);
+* ``blocklist``: the doc's URL is on a block list: the bundled one (``pipelines/data/lists/url_blocklist.txt``) and
+  every file ``data.filters.url_blocklist`` names. A list's lines, each in one of these forms (``#`` comments):
+
+  - ``example.com``: a domain, as in UT1's ``domains`` files: blocks it and every host under it (``.example.com`` and
+    ``example.com.`` are the same line);
+  - ``*.example.com``: every host under the domain, not the domain itself;
+  - ``0.0.0.0 example.com [more.example …]``: a hosts-file line (any IP address first): each name as a domain line;
+  - ``example.com/some/path``: as in UT1's ``urls`` files (squidGuard's urllist): URLs of that host, or of it after a
+    leading ``www.`` / ``web.`` / ``ftp.`` label (a digit may follow: ``www2.``), whose path is that path or under it
+    (``/some/path/page``, not ``/some/pathology``), compared %-decoded and lower-cased; with ``?query``: that query;
+
+  any other line (adblock's ``||example.com^``, ``host:port``, a URL with a scheme, a wildcard elsewhere, a name no
+  host has) is refused: ``<file>:<line>: <why>``, the spec's error.
 * ``banned_word``: a word of the URL (host, path and query, %-escapes decoded, split at every non-letter) is on
   ``data.filters.url.banned_words`` (by default the bundled ``url_banned_words.txt``);
 * ``data.filters.url.allow``: domains that win over both (counted as ``allowed``).
 
+Hosts, of URLs and of list lines alike, are read as a browser reads them: the WHATWG URL standard's host parser
+(``ada-url``, the parser Node.js uses): %-escapes decoded, UTS #46 mapping (fullwidth letters, ``。`` and the other
+dots, case), IDN to punycode (``bücher.test`` is ``xn--bcher-kva.test``), IPv4 in any form (``0x7f.1`` is
+``127.0.0.1``), then the trailing dot dropped. A URL without a scheme (``www.example.com/page``) is read with
+``http://`` in front; one the parser refuses (no browser would open it) is read as :mod:`urllib.parse` reads it.
 Docs without a URL (JSONL without ``url``) pass. The lists are read once, on the driver, and shipped to the tasks.
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 from urllib.parse import unquote_plus, urlsplit
 
+from ada_url import normalize_url, parse_url
+
 LISTS = Path(__file__).resolve().parent / "lists"
 _WORD = re.compile(r"[a-z]+")
+_SCHEME = re.compile(r"[a-zA-Z][a-zA-Z0-9+-]*:(?!\d)")  # no dot and no port: `example.com:8080/a` has no scheme
+# a host the WHATWG parser returns unchanged (its ASCII fast path: lower-case letters, digits, '-', '_'; no punycode
+# label; the last label not a number, which would make it an IPv4 address)
+_AS_IS = re.compile(r"(?:[a-z0-9_-]+\.)*[a-z][a-z0-9_-]*\.?")
+_HOST = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*")  # what a list's host is once parsed: DNS labels, or IPv4
+# a URL as the standard writes it out (its serializer): scheme, then "//" and the authority iff it has a host;
+# user info is %-encoded there (no '@', '/', '?', '#' in it), a host has no ':' but in an IPv6 literal's brackets
+_HREF = re.compile(r"[^:]*://([^/?#]*)([^?#]*)(?:\?([^#]*))?")
+_SITE = re.compile(r"(?:www|web|ftp)\d*\.(?=[^.]+\.)")  # the label squidGuard drops before a urllist lookup
+_REFUSED = (("||", "adblock filter syntax"), ("^", "adblock filter syntax"), ("$", "adblock filter options"),
+            (":", "a port or an IPv6 address (a list takes host names)"), ("@", "user info"),
+            ("*", "a wildcard other than a leading '*.'"))
 
 
 def read_list(path: Path) -> set[str]:
@@ -43,45 +73,174 @@ def decoded(text: str) -> str:
     return text
 
 
-def host_of(url: Optional[str]) -> Optional[str]:
+def _as_is(text: str) -> bool:
+    return _AS_IS.fullmatch(text) is not None and "xn--" not in text
+
+
+def host_name(text: str) -> Optional[str]:
+    """``text`` (a host as a list or a spec writes it) as a browser reads it: lower-case ASCII (punycode for an IDN,
+    IPv4 in dotted decimal), without its trailing dot; None when it is not a host name (see ``_REFUSED``)."""
+    if _as_is(text):
+        return text.rstrip(".")
+    if any(c in text for c in ":/?#@\\[] \t"):
+        return None
     try:
-        host = urlsplit(url.strip()).hostname if url else None
+        host = parse_url(f"http://{text}/", attributes=("hostname",))["hostname"]
+    except ValueError:
+        return None
+    host = host[:-1] if host.endswith(".") else host
+    return host if _HOST.fullmatch(host) else None
+
+
+def _urllib_parts(url: str) -> Optional[tuple[str, str, str]]:
+    """(host, path, query) of a URL the WHATWG parser refuses, as urllib reads it (its host %-decoded)."""
+    try:
+        split = urlsplit(url)
+        host = split.hostname
     except ValueError:
         return None
     if not host:
         return None
     plain = decoded(host).strip().rstrip(".").lower()
-    return plain or host.rstrip(".")  # a host that decodes to nothing is checked as written
+    return (host_name(plain) or plain or host.rstrip(".")), split.path, split.query
 
 
-def _under(host: str, domains: frozenset[str]) -> bool:
-    parts = host.split(".")
-    return any(".".join(parts[i:]) in domains for i in range(len(parts)))
+def url_parts(url: Optional[str]) -> Optional[tuple[str, str, str]]:
+    """(host, path, query) of ``url`` as a browser reads it (WHATWG URL parsing; ``http://`` in front of a URL
+    without a scheme): the host as the standard gives it (lower case, punycode, IPv4 in dotted decimal) without its
+    trailing dot, the path and query %-encoded as the standard leaves them. None when there is no URL or it has no
+    host (``mailto:``, ``javascript:``)."""
+    if not isinstance(url, str) or not url.strip():
+        return None
+    url = url.strip()
+    if not _SCHEME.match(url):
+        url = f"http://{url}"
+    try:
+        href = normalize_url(url)
+    except ValueError:
+        return _urllib_parts(url)
+    m = _HREF.match(href)
+    if m is None:
+        return None
+    authority, path, query = m.groups()
+    host = authority.rpartition("@")[2]
+    host = host[:host.index("]") + 1] if host.startswith("[") else host.partition(":")[0]
+    return (host.rstrip(".") or host, path, query or "") if host else None
+
+
+def host_of(url: Optional[str]) -> Optional[str]:
+    parts = url_parts(url)
+    return parts[0] if parts else None
+
+
+def _under(host: str, domains: frozenset[str], start: int = 0) -> bool:
+    """``host``, or a domain it is under, is in ``domains`` (``start=1``: only the domains it is under)."""
+    for _ in range(start):
+        host = host.partition(".")[2]
+    while host:
+        if host in domains:
+            return True
+        host = host.partition(".")[2]
+    return False
+
+
+def path_keys(host: str, path: str, query: str) -> list[str]:
+    """The UT1 ``urls`` lines a URL matches: its host without a leading ``www.`` label, with each prefix of its path
+    that ends at a ``/`` (and the whole path), then with its path and query; %-decoded, lower-cased. A list line's
+    key is the last of its own."""
+    m = _SITE.match(host)
+    site = host[m.end():] if m else host
+    segments = decoded(path).lower().rstrip("/").split("/")
+    keys = [site + "/".join(segments[:i]) for i in range(1, len(segments) + 1)]
+    return keys + [f"{keys[-1]}?{decoded(query).lower()}"] if query else keys
 
 
 @dataclass(frozen=True)
 class UrlRules:
     enabled: bool
-    blocked: frozenset[str]
+    blocked: frozenset[str]  # domains: each blocks itself and every host under it
     banned_words: frozenset[str]
     allowed: frozenset[str]
+    under: frozenset[str] = frozenset()  # `*.domain` lines: every host under the domain, not the domain
+    paths: frozenset[str] = frozenset()  # UT1 `urls` lines, as path_keys gives them
 
     def check(self, url: Optional[str]) -> tuple[Optional[str], bool]:
         """(``url:<rule>`` or None, whether the allow list kept a URL a rule would remove)."""
-        host = host_of(url)
-        if not self.enabled or host is None:
+        parts = url_parts(url) if self.enabled else None
+        if parts is None:
             return None, False
+        host, path, query = parts
         rule = None
-        if _under(host, self.blocked):
+        if _under(host, self.blocked) or (self.under and _under(host, self.under, 1)) or \
+                (self.paths and not self.paths.isdisjoint(path_keys(host, path, query))):
             rule = "url:blocklist"
-        else:
-            split = urlsplit(url.strip())
-            words = _WORD.findall(decoded(f"{host} {split.path} {split.query}").lower())
-            if any(w in self.banned_words for w in words):
-                rule = "url:banned_word"
+        elif not self.banned_words.isdisjoint(_WORD.findall(decoded(f"{host} {path} {query}").lower())):
+            rule = "url:banned_word"
         if rule and _under(host, self.allowed):
             return None, True
         return rule, False
+
+
+def _host_or_refuse(text: str) -> str:
+    host = host_name(text)
+    if host is None:
+        why = next((w for s, w in _REFUSED if s in text), "not a host name (the WHATWG URL host parser refuses it, "
+                   "or it has a character no DNS name has)")
+        raise ValueError(why)
+    return host
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.split("%", 1)[0])  # fe80::1%lo0: a zone
+    except ValueError:
+        return False
+    return True
+
+
+def parse_line(text: str) -> tuple[str, list[str]]:
+    """One block list line (comment and blanks stripped) as (``blocked`` | ``under`` | ``paths``, its entries);
+    ValueError (why) for a line in no accepted form."""
+    fields = text.split()
+    if len(fields) > 1:
+        if not _is_ip(fields[0]):
+            raise ValueError("spaces in a line that is not a hosts-file line (an IP address, then host names)")
+        return "blocked", [_host_or_refuse(f) for f in fields[1:]]
+    if text.startswith("*."):
+        return "under", [_host_or_refuse(text[2:])]
+    if "://" in text:
+        raise ValueError("a URL with a scheme (write host/path, as UT1's urls files do)")
+    if "/" in text:
+        host, _, path = text.partition("/")
+        host = _host_or_refuse(host)
+        try:
+            p = parse_url(f"http://{host}/{path}", attributes=("pathname", "search"))
+        except ValueError:
+            raise ValueError("not a host/path line") from None
+        return "paths", [path_keys(host, p["pathname"], p["search"][1:])[-1]]
+    return "blocked", [_host_or_refuse(text[1:] if text.startswith(".") else text)]
+
+
+def read_blocklist(path: Path) -> dict[str, set[str]]:
+    """A block list file's entries by kind (see :func:`parse_line`); a line in no accepted form is the spec's error,
+    ``<file>:<line>: <why>: <line>``."""
+    from pipelines.spec import SpecError
+
+    out: dict[str, set[str]] = {"blocked": set(), "under": set(), "paths": set()}
+    with open(path, encoding="utf-8", errors="replace") as f:  # bytes that are not UTF-8: a line refused, named
+        for n, line in enumerate(f, 1):
+            text = line.split("#", 1)[0].strip()
+            if _as_is(text):  # most lines of a big list: a domain the parser returns as it is
+                out["blocked"].add(text.rstrip("."))
+                continue
+            if not text:
+                continue
+            try:
+                kind, entries = parse_line(text)
+            except ValueError as e:
+                raise SpecError(f"{path}:{n}: {e}: {text[:100]!r}") from None
+            out[kind].update(entries)
+    return out
 
 
 def block_lists(cfg) -> list[Path]:
@@ -93,7 +252,8 @@ def block_lists(cfg) -> list[Path]:
     for f in cfg.url_blocklist:
         p = resolve_path(f)
         if not p.is_file():
-            raise SpecError(f"data.filters.url_blocklist: {p} is not a file (one domain per line, UT1's format)")
+            raise SpecError(f"data.filters.url_blocklist: {p} is not a file (a block list: domains, UT1's urls "
+                            "lines, hosts-file lines, *.domain)")
         files.append(p)
     return files
 
@@ -105,15 +265,26 @@ def list_files(cfg) -> list[Path]:
     return block_lists(cfg) + ([LISTS / "url_banned_words.txt"] if cfg.url.banned_words is None else [])
 
 
+def _allowed(entries: list[str]) -> frozenset[str]:
+    from pipelines.spec import SpecError
+
+    hosts = {e: host_name(e.strip().lstrip(".")) for e in entries}
+    bad = [e for e, h in hosts.items() if h is None]
+    if bad:
+        raise SpecError(f"data.filters.url.allow: {bad[0]!r} is not a host name")
+    return frozenset(hosts.values())
+
+
 def load_rules(cfg) -> UrlRules:
     """The rules of ``data.filters`` (``cfg``): block lists, banned words, allow list (none read when the step is
     off)."""
     ucfg = cfg.url
     if "url" not in cfg.steps or not ucfg.enabled:
         return UrlRules(False, frozenset(), frozenset(), frozenset())
-    blocked: set[str] = set()
+    entries: dict[str, set[str]] = {"blocked": set(), "under": set(), "paths": set()}
     for p in block_lists(cfg):
-        blocked |= read_list(p)
+        for kind, got in read_blocklist(p).items():
+            entries[kind] |= got
     words = set(ucfg.banned_words) if ucfg.banned_words is not None else read_list(LISTS / "url_banned_words.txt")
-    return UrlRules(True, frozenset(blocked), frozenset(w.lower() for w in words),
-                    frozenset(d.lower().lstrip(".") for d in ucfg.allow))
+    return UrlRules(True, frozenset(entries["blocked"]), frozenset(w.lower() for w in words),
+                    _allowed(ucfg.allow), frozenset(entries["under"]), frozenset(entries["paths"]))

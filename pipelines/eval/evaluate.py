@@ -12,8 +12,9 @@
 
 A model above ``eval.single_process_max_params`` is scored on the launcher's ranks
 (``pipelines.eval.scorer`` under torchrun, or a PyTorchJob on Kubernetes), not in the Airflow worker.
-The reference files and each task's items (their digest) are inputs of the stage key: change one and the stage
-re-runs. A task lm-eval cannot build offline fails the stage before anything runs (exit 2, the task and why).
+The reference files, each task's items (their digest) and each task's settings (its lm-eval config: prompt, metrics,
+``num_fewshot`` …, and lm-eval's version) are inputs of the stage key: change one and the stage re-runs. A task
+lm-eval cannot build offline fails the stage before anything runs (exit 2, the task and why).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.eval.scorer import Job, score
 from pipelines.manifest import Manifest, file_ref, input_ref
-from pipelines.eval.task_files import eval_tasks, reference_files, task_digest, task_ref
+from pipelines.eval.task_files import eval_tasks, reference_files, task_digest, task_ref, task_settings
 from pipelines.spec import JobSpec
 
 
@@ -60,15 +61,19 @@ def flat_metrics(scores: dict) -> dict[str, float]:
     return m
 
 
-def task_digests(spec: JobSpec) -> dict[str, str]:
-    """{task: its items' digest} for every task of eval.tasks (a group's each), built offline by lm-eval."""
-    return {name: task_digest(task) for name, task in eval_tasks(spec).items()}
+def task_inputs(spec: JobSpec) -> tuple[dict[str, str], list[dict]]:
+    """({task: its items' digest}, the tasks as inputs of the stage key: items and settings) for every task of
+    eval.tasks (a group's each), built offline by lm-eval. The items' digests are the decontaminate record's; the
+    key also changes with a task's settings (``num_fewshot``, metrics, prompt …) and lm-eval's version."""
+    tasks = eval_tasks(spec)
+    digests = {name: task_digest(task) for name, task in tasks.items()}
+    return digests, [task_ref(name, digests[name], task_settings(task)) for name, task in tasks.items()]
 
 
 def model_contamination(spec: JobSpec, tok: Manifest, digests: dict[str, str]) -> dict:
     """Per scored task (and ``reference``): how many of its items overlap training data that reached the model (the
     corpus version's record, kept by the decontaminate stage), of them how many are among the scored items, or
-    ``checked: false`` when the corpus was not checked against these very items (``digests``: :func:`task_digests`)."""
+    ``checked: false`` when the corpus was not checked against these very items (``digests``: :func:`task_inputs`)."""
     from pipelines.eval.bpb import set_sha256
 
     record = tok.extra.get("contamination", {})
@@ -107,8 +112,7 @@ def evaluate(spec: JobSpec, promote: Manifest, tok: Manifest, workdir: Path) -> 
 
 def run(spec: JobSpec, promote: Manifest, tok: Manifest, out_dir: str | None = None) -> Manifest:
     refs = [file_ref(p) for p in reference_files(spec)]
-    digests = task_digests(spec)  # lm-eval builds eval.tasks here: a task it cannot build fails the spec (exit 2)
-    task_refs = [task_ref(t, sha) for t, sha in digests.items()]
+    digests, task_refs = task_inputs(spec)  # lm-eval builds eval.tasks here: one it cannot fails the spec (exit 2)
     sd = stage_dir(spec, "evaluate", [input_ref(promote), input_ref(tok), *refs, *task_refs], out_dir)
 
     def body(tmp: Path) -> Manifest:

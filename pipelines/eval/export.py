@@ -20,7 +20,9 @@ Our model is a Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention), so nothin
 The register stage writes the ``hf`` directory for every version it registers (up to
 ``eval.single_process_max_params``) and logs it as the ``hf/`` artifact of the version's model; the version's
 ``export.hf`` tag is its URI, so ``mlflow artifacts download --artifact-uri <export.hf> --dst-path DIR`` fetches it.
-Files are written under temporary names and renamed into ``DIR``; ``DIR`` may hold an earlier export, nothing else.
+Files are written in a temporary directory inside ``DIR`` and renamed into it; ``DIR/export.json``, written last,
+lists every file an export put there (bytes, sha256, model version, format). ``DIR`` may be new, empty or hold
+finished exports, nothing else.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from pathlib import Path
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.model", "tokenizer.json",
             "tokenizer_config.json", "README.md")
 GGUF_FILE = "model.gguf"
+MARKER = "export.json"  # written last: {file: {bytes, sha256, model, format}} of every file an export put in DIR
 CHECK_TEXTS = ("Once upon a time, there was a little girl named Lily.", "  two  spaces, a\ttab\nand\n\nnew lines ",
                "Numbers 12345 and 3.14159; e-mail a@b.org, URL https://example.com/x?y=1",
                "naïve café — Ünïcödé, 東京, Москва, ελληνικά 🙂", "x")
@@ -72,8 +75,9 @@ def hf_state_dict(model) -> dict:
     return new
 
 
-def hf_llama(model):
-    """Our ``Transformer`` as an equivalent ``transformers.LlamaForCausalLM`` (eval mode, fp32)."""
+def hf_llama(model, bos_id: int = 1, eos_id: int = 2):
+    """Our ``Transformer`` as an equivalent ``transformers.LlamaForCausalLM`` (eval mode, fp32); ``bos_id``/``eos_id``:
+    the tokenizer's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     a = model.args
@@ -81,7 +85,7 @@ def hf_llama(model):
                       num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.kv_heads,
                       head_dim=a.head_dim, max_position_embeddings=a.seq_len, rms_norm_eps=a.norm_eps,
                       rope_theta=a.rope_theta, tie_word_embeddings=a.tie_embeddings, attention_bias=False,
-                      mlp_bias=False, hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=None,
+                      mlp_bias=False, hidden_act="silu", bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=None,
                       torch_dtype="float32")
     hf = LlamaForCausalLM(cfg).eval()
     hf.load_state_dict(hf_state_dict(model), strict=True)
@@ -145,9 +149,10 @@ def write_tokenizer(sp_model: Path, seq_len: int, out: Path) -> None:
 # -- formats -------------------------------------------------------------------------------------------------------
 
 def write_hf(model, sp_model: Path, out: Path, card: str) -> list[str]:
-    hf = hf_llama(model)
-    hf.generation_config.update(bos_token_id=1, eos_token_id=2, pad_token_id=None, do_sample=False)
-    hf.save_pretrained(str(out), safe_serialization=True)
+    t = sp_proto(sp_model).trainer_spec
+    hf = hf_llama(model, t.bos_id, t.eos_id)
+    hf.generation_config.update(bos_token_id=t.bos_id, eos_token_id=t.eos_id, pad_token_id=None, do_sample=False)
+    hf.save_pretrained(str(out), safe_serialization=True, max_shard_size="10000GB")  # one file: HF_FILES
     write_tokenizer(sp_model, model.args.seq_len, out)
     (out / "README.md").write_text(card)
     return sorted(p.name for p in out.iterdir())
@@ -227,7 +232,7 @@ class CardInfo:
     version: str
     args: dict                           # model_args.json
     tags: dict = field(default_factory=dict)   # the registered version's (metrics, contamination, lineage hashes)
-    lineage: dict | None = None          # pipelines.lineage's answer for the version
+    lineage: dict | None = None          # pipelines.data.lineage's answer for the version
     config: dict | None = None           # the spec it was trained with (model, tokenizer, train, data sections)
 
 
@@ -279,17 +284,33 @@ def card_config(spec_dict: dict) -> dict:
 
 # -- one export ----------------------------------------------------------------------------------------------------
 
-def check_out(out: Path) -> None:
-    """``out`` may be new, empty, or hold an earlier export (a try cut short leaves a ``.export-*`` directory): nothing
-    of anyone else is overwritten."""
+def check_out(out: Path) -> dict:
+    """``out`` may be new, empty, or hold an earlier export (its :data:`MARKER` lists every file in it; a try cut
+    short leaves a ``.export-*`` directory): nothing of anyone else is overwritten. Returns the earlier marker."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out}: exists and is not a directory")
-    ours = set(HF_FILES) | {GGUF_FILE}
-    other = sorted(p.name for p in out.iterdir() if p.name not in ours and not p.name.startswith(".export-")) \
-        if out.is_dir() else []
-    if other:
-        raise ExportError(f"--out {out}: holds files that are not an export ({', '.join(other[:5])}); choose an empty "
-                          "or new directory")
+    names = {p.name for p in out.iterdir() if not p.name.startswith(".export-")} if out.is_dir() else set()
+    if not names:
+        return {}
+    try:
+        marker = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        marker = None
+    if not isinstance(marker, dict) or not names - {MARKER} <= set(marker):
+        raise ExportError(f"--out {out}: holds files that no finished export wrote ({', '.join(sorted(names)[:5])}): "
+                          "choose an empty or new directory, or remove them")
+    return marker
+
+
+def file_entry(path: Path, card: "CardInfo", fmt: str) -> dict:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest(), "model": f"{card.name}/{card.version}",
+            "format": fmt}
 
 
 def export(model_dir: Path, fmt: str, out: Path, card: CardInfo, gguf_dtype: str = "f32") -> list[str]:
@@ -297,7 +318,7 @@ def export(model_dir: Path, fmt: str, out: Path, card: CardInfo, gguf_dtype: str
     returns the file names written. Each file is written in a temporary directory beside ``out``, then renamed."""
     from pipelines.train.checkpoint import load_plain_model
 
-    check_out(out)
+    marker = check_out(out)
     model = load_plain_model(model_dir).float().eval()
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
@@ -307,9 +328,13 @@ def export(model_dir: Path, fmt: str, out: Path, card: CardInfo, gguf_dtype: str
         else:
             write_gguf(model, model_dir / "tokenizer.model", tmp / GGUF_FILE, f"{card.name}-v{card.version}", gguf_dtype)
             names = [GGUF_FILE]
+        marker.update({n: file_entry(tmp / n, card, fmt) for n in names})
+        (out / MARKER).unlink(missing_ok=True)  # cut short from here on, DIR holds no finished export
         for n in names:
             os.replace(tmp / n, out / n)
-        return names
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp / MARKER, out / MARKER)
+        return names + [MARKER]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -329,11 +354,19 @@ def register_hf(spec, client, ckpt_dir: Path, res: dict, work: Path) -> str | No
               "eval.single_process_max_params, or no logged model): python -m pipelines.eval.export", flush=True)
         return None
     uri = client.get_logged_model(model_id).artifact_location.rstrip("/") + "/hf"
-    if not client.list_logged_model_artifacts(model_id, "hf"):
+    if MARKER not in {Path(f.path).name for f in client.list_logged_model_artifacts(model_id, "hf")}:
         card = CardInfo(name, version, args, res["tags"], lineage_of(spec, client, name, version),
                         card_config(spec.model_dump(mode="json")))
-        export(ckpt_dir, "hf", work / "hf", card)
-        client.log_model_artifacts(model_id, str(work / "hf"), "hf")
+        try:
+            export(ckpt_dir, "hf", work / "hf", card)
+        except ExportError as e:  # the version is registered and servable; only its Hugging Face copy is missing
+            print(f"[register] warning: {name} v{version} has no Hugging Face copy: {e}", flush=True)
+            client.set_model_version_tag(name, version, "export.hf", f"not exported: {e}"[:4000])
+            return None
+        marker = work / "hf" / MARKER
+        os.replace(marker, work / MARKER)
+        client.log_model_artifacts(model_id, str(work / "hf"), "hf")  # a retry uploads again (same names)
+        client.log_model_artifact(model_id, str(work / MARKER), "hf")  # last: its presence means complete
     client.set_model_version_tag(name, version, "export.hf", uri)
     return uri
 
@@ -341,14 +374,14 @@ def register_hf(spec, client, ckpt_dir: Path, res: dict, work: Path) -> str | No
 # -- the CLI -------------------------------------------------------------------------------------------------------
 
 def resolve_version(client, ref: str):
-    from pipelines.lineage import resolve_model
+    from pipelines.data.lineage import resolve_model
 
     return resolve_model(client, ref.removeprefix("models:/"))
 
 
 def lineage_of(spec, client, name: str, version: str) -> dict | None:
-    """:mod:`pipelines.lineage`'s answer for the version; None when its corpus version is not under ``run.root``."""
-    from pipelines.lineage import model_query
+    """:mod:`pipelines.data.lineage`'s answer for the version; None when its corpus version is not under ``run.root``."""
+    from pipelines.data.lineage import model_query
     from pipelines.manifest import StageError
 
     try:
@@ -383,8 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     add_spec_args(ap)
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
+    from mlflow.exceptions import MlflowException
+
     from pipelines import tracking
     from pipelines.eval.serving import download, model_dir_of
+    from pipelines.manifest import StageError
 
     try:
         client = tracking.client(spec)
@@ -393,11 +429,11 @@ def main(argv: list[str] | None = None) -> int:
             d = model_dir_of(download(f"models:/{mv.name}/{mv.version}", tracking.tracking_uri(spec), tmp))
             names = export(d, args.format, Path(args.out), version_card(spec, client, mv, d, Path(tmp)),
                            args.gguf_dtype)
-    except (ExportError, LookupError) as e:
+    except (ExportError, LookupError, StageError) as e:
         print(f"export: error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # MLflow: no such model, version or alias
-        if type(e).__name__ not in ("MlflowException", "StageError"):
+    except MlflowException as e:  # no such model, version or alias: the user's; anything else is retryable (exit 1)
+        if e.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             raise
         print(f"export: error: {args.model}: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -222,8 +222,7 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
 def tag_takedowns(spec: JobSpec, client, mv, digest: str | None) -> None:
     """A version trained on a corpus that holds docs of the takedown list (added while it trained) is tagged
     ``takedown.pending``, as ``--exclude-source`` tags the versions registered before."""
-    from pipelines.data import takedown
-    from pipelines.lineage import pending_takedowns
+    from pipelines.data.lineage import TAG, pending_takedowns, tag_versions
 
     pending = pending_takedowns(spec, digest)
     if pending is None:
@@ -231,8 +230,8 @@ def tag_takedowns(spec: JobSpec, client, mv, digest: str | None) -> None:
               f"under run.root={spec.run.root}: whether {mv.name} v{mv.version} saw an excluded source is not known",
               flush=True)
     for e in pending or []:
-        takedown.tag_versions(client, [{"name": mv.name, "version": mv.version}], e)
-        print(f"register: {mv.name} v{mv.version} tagged {takedown.TAG}: its corpus holds {e.source} ({e.reason})",
+        tag_versions(client, [{"name": mv.name, "version": mv.version}], e)
+        print(f"register: {mv.name} v{mv.version} tagged {TAG}: its corpus holds {e.source} ({e.reason})",
               flush=True)
 
 

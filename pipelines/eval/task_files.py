@@ -9,19 +9,25 @@ slice is not upstream's number. They are the offline default.
 
 Tasks are built offline (``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` = 1 unless already set): a task whose data is
 neither local nor in the Hugging Face cache cannot be built, and :func:`eval_tasks` (the stages' spec check) says
-which and why. Building the index of lm-eval's own ~15,000 task configs takes seconds, so it is built only when a
-name is not found among ours and ``eval.include_path``, and once per process.
+which and why; a failure of the machine's (a cache file's lock, a disk) is raised as it is, for a retry. Building
+the index of lm-eval's own ~15,000 task configs takes seconds, so it is built only when a name is not found among
+ours and ``eval.include_path``, and once per process.
 
 A task's identity (:func:`task_digest`) is the sha256 of its items as lm-eval renders them (prompt, choices, correct
 answers, in ``eval_docs`` order): the same for the decontaminate stage's record and the evaluation, whatever the
-task's data source. Light at import: lm_eval is imported by the functions that need it.
+task's data source. The evaluation's stage key also covers the task's settings (:func:`task_settings`: its lm-eval
+config and lm-eval's version), which decontamination does not depend on. Light at import: lm_eval is imported by
+the functions that need it.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
+import inspect
 import json
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -93,7 +99,9 @@ def _why(e: BaseException) -> str:
 
 def build_tasks(names, data_dir: str | None = None, include_path=()) -> dict:
     """{name: lm-eval task object} for every task ``names`` stand for (a group or tag gives its tasks), built offline
-    as the evaluation builds them; a task that cannot be is a :class:`SpecError` naming it and saying why."""
+    as the evaluation builds them; a task that cannot be, for a reason of the spec's (:func:`spec_fault`), is a
+    :class:`SpecError` naming it and saying why; any other failure (a cache file's lock, a disk) is raised as it is,
+    so the stage fails and is retried."""
     from pipelines.spec import SpecError
 
     offline()
@@ -102,11 +110,33 @@ def build_tasks(names, data_dir: str | None = None, include_path=()) -> dict:
     for n in names:
         try:
             out.update(tm.load([n])["tasks"])
-        except Exception as e:  # noqa: BLE001 - any failure to build a task is the spec's to fix, said in one line
+        except Exception as e:  # noqa: BLE001 - spec_fault says whose it is; the machine's is raised
+            if not spec_fault(e):
+                raise
             hint = f"; llmp_{n} is its local slice" if f"llmp_{n}" in FILES else ""
             raise SpecError(f"eval.tasks: task {n!r} cannot be used offline: {_why(e)}{hint} (put its data in the "
                             "Hugging Face cache, or a task YAML over local files in eval.include_path)") from None
     return out
+
+
+def spec_fault(e: BaseException) -> bool:
+    """Is a failure to build a task the spec's to fix: a task YAML or setting lm-eval refuses, a data file that is
+    not there (``FileNotFoundError``, also the hub's "no such dataset"), a dataset neither local nor in the Hugging
+    Face cache while offline (``ConnectionError`` with ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` on)? Not when
+    it, or an error it was raised from, is another ``OSError`` (a file lock of ``datasets`` that times out, a cache
+    on a full or failing disk, the hub unreachable while online) or a ``MemoryError``: the machine's, retryable."""
+    while e is not None:
+        if isinstance(e, MemoryError) or isinstance(e, OSError) and not (
+                isinstance(e, FileNotFoundError) or isinstance(e, ConnectionError) and hub_offline()):
+            return False
+        e = e.__cause__
+    return True
+
+
+def hub_offline() -> bool:
+    """Does the environment keep ``datasets`` and the hub offline (:func:`offline`, unless the user said otherwise)?"""
+    return any(os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
 
 
 def eval_tasks(spec) -> dict:
@@ -135,9 +165,37 @@ def task_digest(task, items: list[dict] | None = None) -> str:
     return h.hexdigest()
 
 
-def task_ref(name: str, digest: str) -> dict:
-    """A task as an input of a stage's key (beside the reference files): its items' digest."""
-    return {"uri": f"lm-eval:{name}", "sha256": digest}
+def task_settings(task) -> str:
+    """What the evaluation does with a task beyond its items, as text that is the same in every process: the task's
+    config as lm-eval holds it (``dump_config()``: prompt, metrics, ``num_fewshot``, few-shot settings, filters,
+    generation kwargs …; a function as its source) in sorted JSON, and lm-eval's version. The YAML's location
+    (``metadata.config_source``) is left out: a moved file is the same task."""
+    import lm_eval
+
+    cfg = dict(task.dump_config())
+    if isinstance(cfg.get("metadata"), dict):
+        cfg["metadata"] = {k: v for k, v in cfg["metadata"].items() if k != "config_source"}
+    return json.dumps({"lm_eval": lm_eval.__version__, "config": cfg}, sort_keys=True, default=settings_value)
+
+
+def settings_value(v) -> str:
+    """A config value JSON has no type for: a function's (or class's) source, else its ``str`` without memory
+    addresses (``<function f at 0x7f…>`` differs from one process to the next)."""
+    if callable(v):
+        with contextlib.suppress(TypeError, OSError):
+            return inspect.getsource(v)
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", str(v))
+
+
+def task_ref(name: str, digest: str, settings: str | None = None) -> dict:
+    """A task as an input of a stage's key (beside the reference files): its items' digest (decontaminate: the
+    items it checks the corpus against), or with ``settings`` (:func:`task_settings`) the digest of both (evaluate:
+    the items and how it scores them, so a changed ``num_fewshot`` or metric re-runs it)."""
+    if settings is None:
+        return {"uri": f"lm-eval:{name}", "sha256": digest}
+    both = hashlib.sha256(f"{digest}\n{settings}".encode()).hexdigest()
+    return {"uri": f"lm-eval:{name}", "sha256": both, "items_sha256": digest,
+            "settings_sha256": hashlib.sha256(settings.encode()).hexdigest()}
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -391,17 +391,17 @@ class MixtureSampler(DPSampler):
 def train_doc_sources(tok) -> list:
     """The source (input key) of every doc of a corpus version's train shards, shard by shard in manifest order: each
     shard's doc ids (``<shard>.ids.parquet``) looked up among the docs its versions added (the decontaminate or filter
-    stage's kept docs, which carry their ``source``; ``pipelines.lineage``). Nothing new is stored by tokenize."""
+    stage's kept docs, which carry their ``source``; ``pipelines.data.lineage``). Nothing new is stored by tokenize."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from pipelines.lineage import added_docs, chain
+    from pipelines.data.lineage import added_docs, chain
     from pipelines.manifest import StageError
 
-    try:
+    try:  # a lineage the user must mend (missing, rewritten, no filter stage); other OSErrors: raised, retryable
         known = pa.concat_tables([added_docs(v, ["id", "source"]) for v in chain(tok)], promote_options="permissive")
-    except (StageError, OSError) as e:
+    except (StageError, FileNotFoundError) as e:
         raise MixtureError(f"train.mixture: the sources of {tok.path}'s docs cannot be read: {e}") from None
     if "source" not in known.column_names:
         raise MixtureError(f"train.mixture: the docs of {tok.path}'s lineage have no source column")
@@ -434,10 +434,33 @@ def sampler_for(samples, global_batch: int, dp_rank: int, dp_size: int, seed: in
     return DPSampler(len(samples), global_batch, dp_rank, dp_size, seed)
 
 
-def mixture_metrics(report: dict) -> dict[str, float]:
-    """MLflow metrics of a :meth:`MixtureSampler.report`: ``mixture/{target,achieved,epochs}/<source>`` (characters
-    MLflow refuses in a name become ``_``)."""
-    import re
+METRIC_NAME_MAX = 250  # MLflow's limit on a metric's name
 
-    return {f"mixture/{kind}/{re.sub(r'[^A-Za-z0-9_.-]+', '_', s)}": v
-            for kind in ("target", "achieved", "epochs") for s, v in report[kind].items()}
+
+def mixture_metrics(report: dict) -> dict[str, float]:
+    """MLflow metrics of a :meth:`MixtureSampler.report`: ``mixture/{target,achieved,epochs}/<key>``, each source's
+    key from :func:`mixture_keys` (unique, and every name within MLflow's 250 characters)."""
+    keys = mixture_keys(list(report["target"]))
+    return {f"mixture/{kind}/{keys[s]}": v for kind in ("target", "achieved", "epochs")
+            for s, v in report[kind].items()}
+
+
+def mixture_keys(sources: list[str]) -> dict[str, str]:
+    """{source: its key in MLflow metric names}: the source with each run of characters MLflow refuses as ``_``;
+    where that key is too long for a name, only dots, or shared by two sources (``a/b_c`` and ``a_b/c``), it is cut
+    to fit and ends in ``-`` and 12 hex digits of the source's sha256. The full names are in the report
+    (``result.json``, the manifest's ``extra.mixture``, MLflow's ``train/mixture.json``)."""
+    import re
+    from collections import Counter
+
+    room = METRIC_NAME_MAX - len("mixture/achieved/")
+    plain = {s: re.sub(r"[^A-Za-z0-9_.-]+", "_", s) for s in sources}
+    seen = Counter(plain.values())
+
+    def hashed(s: str) -> str:
+        return f"{plain[s][:room - 13]}-{hashlib.sha256(s.encode()).hexdigest()[:12]}"
+
+    keys = {s: k if seen[k] == 1 and len(k) <= room and k.strip(".") else hashed(s) for s, k in plain.items()}
+    if len(set(keys.values())) < len(keys):  # a source named like another's hashed key
+        keys = {s: hashed(s) for s in sources}
+    return keys

@@ -196,10 +196,13 @@ class Tracker:
         from mlflow.entities import Metric
 
         self.pending.extend(events)
-        if self.pending:
-            ts = int(time.time() * 1000)
-            self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, s in self.pending])
+        ts = int(time.time() * 1000)
+        for i in range(0, len(self.pending), 1000):  # MLflow takes at most 1000 metrics a batch
+            self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, s in self.pending[i:i + 1000]])
         self.pending.clear()
+
+    def text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
 
 
 class ResumeError(RuntimeError):
@@ -630,6 +633,25 @@ class Trainer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
+    def log_last(self, result: dict) -> None:
+        """Rank 0: the last metrics and checkpoint events to MLflow, and with ``train.mixture`` its report (metrics
+        under :func:`~pipelines.train.loader.mixture_keys`, and all of it, full source names included, as the
+        artifact ``train/mixture.json``). The run is over: MLflow failing here is said, never the run's end."""
+        from pipelines.train.loader import mixture_keys, mixture_metrics
+
+        mix = result.get("mixture")
+        try:
+            if mix:
+                self.tracker.add(self.spec.train.steps, mixture_metrics(mix))
+            self.tracker.flush(self.ckpt.events.take())
+            if mix:
+                full = {**mix, "metric_keys": mixture_keys(list(mix["target"]))}
+                self.tracker.text(json.dumps(full, indent=2), "train/mixture.json")
+        except Exception as e:  # noqa: BLE001 - the checkpoint and result.json are what the run is; MLflow is a view
+            self.tracker.pending.clear()
+            self.log(f"[train] MLflow: the last metrics were not logged ({type(e).__name__}: {e}); the run's result "
+                     "is written all the same")
+
     def finish(self) -> dict:
         """Wait for the last save and the promotions, write ``losses.json``/``result.json`` (rank 0)."""
         from pipelines.train.checkpoint import step_name
@@ -664,11 +686,7 @@ class Trainer:
         if self.spec.train.mixture:  # train.mixture: shares over the samples trained on, resumes included
             result["mixture"] = self.sampler.report(self.sampler.consumed_samples)
         if self.rank == 0:
-            if "mixture" in result:
-                from pipelines.train.loader import mixture_metrics
-
-                self.tracker.add(t.steps, mixture_metrics(result["mixture"]))
-            self.tracker.flush(self.ckpt.events.take())
+            self.log_last(result)
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "losses.json").write_text(json.dumps(self.prog.losses))
             (self.out / "result.json").write_text(json.dumps(result, indent=2))
