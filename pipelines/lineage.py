@@ -19,7 +19,9 @@ The command line of :mod:`pipelines.data.lineage` (where lineage and takedown li
   version trained on a version that held them is tagged ``takedown.pending``.
 
 A query or takedown that no corpus version holds anything of prints a warning and exits 0; with ``--strict`` it exits
-1 (a takedown is then not recorded). A bad source or reason, an unknown model: exit 2 with one line. A corpus version
+1 (a takedown is then not recorded). A bad source or reason, an unknown model: exit 2 with one line. A takedown list
+whose lock is still held after ``LOCK_WAIT_S`` (a line names the holder), or that cannot be locked, read or written:
+exit 75 with one line, nothing recorded (run it again). A corpus version
 that cannot be read is listed under ``unreadable`` instead of ending a ``--doc``/``--source`` query.
 """
 from __future__ import annotations
@@ -95,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     except NothingMatched as e:
         print(f"lineage: {e}", file=sys.stderr)
         return 1
-    except StageError as e:
+    except StageError as e:  # 2: the source, reason or model must be fixed; 75: the takedown list is busy (retry)
         print(f"lineage: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except Exception as e:  # MLflow: no such model / alias
         if type(e).__name__ != "MlflowException":
             raise

@@ -293,6 +293,12 @@ class StageDir:
 
     def commit(self, outputs: dict[str, str], counts: dict | None = None, metrics: dict | None = None,
                extra: dict | None = None) -> Manifest:
+        return self.publish(self.prepare(outputs, counts, metrics, extra))
+
+    def prepare(self, outputs: dict[str, str], counts: dict | None = None, metrics: dict | None = None,
+                extra: dict | None = None) -> Manifest:
+        """The first half of :meth:`commit`: every output hashed and ``manifest.json`` written into the staging
+        directory; nothing is published until :meth:`publish`."""
         outs = []
         for name, rel in outputs.items():
             p = self.tmp / rel
@@ -308,13 +314,20 @@ class StageDir:
             started=self.started, finished=now_iso(), code_version=code_version(),
         )
         atomic_write_text(self.tmp / MANIFEST_NAME, m.to_json())  # written last
+        return m
+
+    def publish(self, m: Manifest) -> Manifest:
+        """The second half of :meth:`commit`: the staging directory :meth:`prepare` wrote renamed to its final place
+        (a result there before is moved aside first, removed after)."""
+        trash = None
         if self.final.exists():
             trash = self.final.with_name(f".{self.final.name}.old-{uuid.uuid4().hex[:8]}")
             os.replace(self.final, trash)
-            shutil.rmtree(trash, ignore_errors=True)
         self.final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(self.tmp, self.final)
         m.path = str(self.final / MANIFEST_NAME)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
         return m
 
 

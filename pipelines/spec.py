@@ -266,6 +266,13 @@ class DecontaminateCfg(_Section):
     min_item_words: int = Field(8, ge=1, description="An item shorter than ngram words is one n-gram of its own "
                                 "length, if it has at least this many words; shorter items are not checked (counted "
                                 "as too_short).")
+    question_alone: Literal["report", "evidence"] = Field(
+        "report", description="An item's question or context without its answer, with fewer than ngram words of its "
+        "own (labels apart): report: a match is evidence only with the answer within answer_window words after it, "
+        "else it is reported (extra.question_only) and removes nothing; evidence: a match alone is evidence (the rule "
+        "before, which removes prose that asks a generic question).")
+    answer_window: int = Field(40, ge=0, description="question_alone=report: words between a short question's end and "
+                               "the start of its answer (room for a label, or a list of the choices).")
     mode: Literal["remove", "cut", "report"] = Field(
         "remove", description="remove: drop a matching doc; cut: drop each match with cut_window_chars on each side "
         "(the doc is removed when less than cut_min_chars remain or it is left in more than cut_max_pieces pieces); "
@@ -278,7 +285,11 @@ class DecontaminateCfg(_Section):
                                 "the corpus's docs (and more than common_min_docs) is common text, not evidence of "
                                 "contamination: it is reported (extra.common_ngrams) and matches nothing.")
     common_min_docs: int = Field(10, ge=1, description="The floor of common_share: an n-gram in at most this many "
-                                 "docs is always evidence (GPT-3 ignored 13-grams in more than 10 docs).")
+                                 "docs is evidence (GPT-3 ignored 13-grams in more than 10 docs), but for a short "
+                                 "whole item (common_min_docs_short).")
+    common_min_docs_short: int = Field(2, ge=1, description="A whole item (no prompt and answer: a reference "
+                                       "paragraph) shorter than ngram words found in more than this many docs is a "
+                                       "stock phrase, common text whatever the corpus's size.")
     partitions: int = Field(0, ge=0, description="Spark tasks; 0 = one per data.task_mb of input, at least one per "
                                                  "executor core.")
 

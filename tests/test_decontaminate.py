@@ -1,6 +1,7 @@
 """Decontamination: training docs that carry an evaluation item are removed with the task that names it."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import subprocess
@@ -16,6 +17,9 @@ from pipelines.spec import DecontaminateCfg
 from test_tokenize import _filter_manifest
 
 ARC, HS = ROOT / "data/eval/arc_easy_test.jsonl", ROOT / "data/eval/hellaswag_val.jsonl"
+ATOM = "Which best describes the structure of an atom?"  # ARC-Easy item 4 (8 words); HellaSwag item 0 below
+ROOF = "a man is sitting on a roof. He"
+BEFORE = DecontaminateCfg(question_alone="evidence", common_min_docs_short=10)  # the rules before issue 46 item 5
 
 
 def _contaminated_corpus() -> tuple[list[dict], dict[str, str]]:
@@ -85,7 +89,7 @@ def test_the_kernel_matches_across_case_punctuation_and_short_items_and_cuts_spa
     assert dc.decide("quick brown fox jumps over the lazy dog near the old river", table, lengths, cfg, order)[0] is None
     assert dc.decide("too short to check", table, lengths, cfg, order)[2] == []
     long_doc = "A " * 250 + doc + " Z" * 250
-    reason, text, items, cut = dc.decide(long_doc, table, lengths, DecontaminateCfg(mode="cut"), order)
+    reason, text, items, cut, _ = dc.decide(long_doc, table, lengths, DecontaminateCfg(mode="cut"), order)
     assert reason is None and cut and items == ["t:0"] and "quick" not in text.lower()
     # GPT-3's window: 200 characters on each side of the match go too (the text around it, 'Intro text.' included)
     assert "Intro text." not in text and "And more words after." not in text and len(text.split("\n")) == 2
@@ -98,7 +102,7 @@ def test_the_kernel_matches_across_case_punctuation_and_short_items_and_cuts_spa
         "contamination:t"
     assert dc.decide(pieces, table, lengths, DecontaminateCfg(mode="cut", cut_window_chars=0, cut_max_pieces=12),
                      order)[3] is True
-    assert dc.decide(doc, table, lengths, DecontaminateCfg(mode="report"), order) == (None, doc, ["t:0"], False)
+    assert dc.decide(doc, table, lengths, DecontaminateCfg(mode="report"), order) == (None, doc, ["t:0"], False, [])
 
 
 @pytest.mark.parametrize("mode", ["report"])
@@ -129,28 +133,115 @@ def test_short_arc_items_are_found_in_the_layout_the_evaluation_shows_them_in():
         q = r["question"]
         answer = next(c["text"] for c in q["choices"] if c["label"] == r["answerKey"])
         doc = f"Practice quiz for grade 4.\n\nQuestion: {q['stem']}\nAnswer: {answer}\n\nMore questions below."
-        reason, _, found, _ = dc.decide(doc, table, lengths, cfg, order)
+        reason, _, found, _, _ = dc.decide(doc, table, lengths, cfg, order)
         assert reason == "contamination:llmp_arc_easy" and f"llmp_arc_easy:{rows.index(r)}" in found, q["stem"]
     assert stats["llmp_arc_easy"]["items_too_short"] == 0
 
 
 def test_an_ngram_common_in_the_corpus_is_not_evidence_and_is_reported(home, spark):
     """'And they lived happily ever after. The End!' is a reference item of its own (8 words): a corpus where many
-    stories end that way loses none of them; a real copy of an item is still removed."""
+    stories end that way loses none of them; a page that asks a short ARC question without its answer stays and is
+    reported; a real copy of an item is still removed."""
     from pipelines.spec import load_spec
 
     clean = [{"id": f"clean-{i}", "text": d["text"]} for i, d in enumerate(c4_docs(300))]
     tales = [{"id": f"tale-{i}", "text": f"{clean[i]['text'][:400]} And they lived happily ever after. The End!"}
              for i in range(15)]
+    asks = {"id": "asks", "text": f"{clean[16]['text'][:300]} Students often ask: {ATOM} {clean[17]['text'][:300]}"}
     arc = [r for r in read_rows(ARC) if len(r["question"]["stem"].split()) >= 10][0]
     answer = next(c["text"] for c in arc["question"]["choices"] if c["label"] == arc["answerKey"])
     leak = {"id": "leak", "text": f"{clean[20]['text'][:300]} Question: {arc['question']['stem']} Answer: {answer}"}
     spec = load_spec(None, [], env={})
-    m = dc.run(spec, _filter_manifest(home, clean[15:] + tales + [leak]), spark=spark)
-    removed = pq.read_table(m.output("removed")).to_pylist()
-    assert [d["id"] for d in removed] == ["leak"]
+    m = dc.run(spec, _filter_manifest(home, clean[15:] + tales + [asks, leak]), spark=spark)
+    removed = pq.read_table(m.output("removed"))
+    assert removed.column("id").to_pylist() == ["leak"] and "question_only" not in removed.column_names
     common = m.extra["common_ngrams"]
-    assert common["limit"] == 10
+    assert (common["limit"], common["limit_short"]) == (10, 2)  # a whole short item in 3+ docs is a stock phrase
     happy = [c for c in common["ngrams"] if c["ngram"] == "and they lived happily ever after the end"]
     assert happy and happy[0]["docs"] == 15 and happy[0]["items"][0].startswith("reference:")
-    assert m.extra["contamination"]["reference"]["items_overlapping"] == 0
+    con = m.extra["contamination"]
+    assert con["reference"]["items_overlapping"] == 0 and con["reference"]["items_common"] == 1
+    arc_rec = con["llmp_arc_easy"]
+    assert (arc_rec["items_question_only"], arc_rec["docs_question_only"], arc_rec["question_only"]) == (1, 1, [4])
+    assert arc_rec["docs_removed"] == 1 and arc_rec["overlapping_kept"] == []  # the question alone is no overlap
+    assert m.extra["question_only"] == {"docs": 1, "examples": [
+        {"id": "asks", "item": "llmp_arc_easy:4", "words": "which best describes the structure of an atom"}]}
+
+
+@pytest.fixture(scope="module")
+def default_items():
+    """The items of the default eval.tasks and eval.reference, as the stage reads them (lm-eval's task objects)."""
+    from pipelines.spec import load_spec
+
+    return dc.eval_items(load_spec(None, [], env={}))[0]
+
+
+def test_issue_46s_short_questions_alone_are_reported_and_with_their_answers_removed(default_items):
+    """Ten clean pages that ask "Which best describes the structure of an atom?" and ten that say "a man is sitting
+    on a roof. He" (8-word items, matched whole) were all removed as contamination; now they stay and are reported,
+    while the question with its answer after it (a Q/A copy, the HellaSwag context with its ending) is removed."""
+    clean = [d["text"] for d in c4_docs(40)]
+    atom = [f"{clean[i][:300]}\n\nStudents often ask: {ATOM} {clean[20 + i][:300]}" for i in range(10)]
+    roof = [f"{clean[10 + i][:300]} {ROOF} {clean[30 + i][:300]}" for i in range(10)]
+    leaks = [f"Q: {ATOM.upper()}\nA: a massive core surrounded by negatively-charged particles.",
+             f"{clean[0][:200]} {ROOF} starts pulling up roofing on a roof. {clean[1][:200]}"]
+    decided, _ = dc.decontaminate_texts(atom + roof + leaks, default_items, DecontaminateCfg())
+    assert [d.reason for d in decided] == [None] * 20 + ["contamination:llmp_arc_easy", "contamination:llmp_hellaswag"]
+    assert {str(d.question_only) for d in decided[:10]} == \
+        {"[['llmp_arc_easy:4', 'which best describes the structure of an atom']]"}
+    assert all(d.question_only[0][0] == "llmp_hellaswag:0" and not d.items for d in decided[10:20])
+    assert all(d.reason for d in dc.decontaminate_texts(atom + roof, default_items, BEFORE)[0])  # 20 of 20 before
+
+
+def test_the_labelled_set_recall_and_false_removals(default_items):
+    """data/decontam/labelled.jsonl (what make_labelled.py writes): contaminated pages removed (recall ≥ .95; the
+    misses are questions whose answer comes more than answer_window words later), clean benchmark-like pages kept
+    (≤ 5 % removed); the rules before removed most of the clean ones."""
+    spec = importlib.util.spec_from_file_location("decontam_make_labelled", ROOT / "data/decontam/make_labelled.py")
+    ml = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ml)
+    assert ml.dumps(ml.build()) == ml.OUT.read_text(encoding="utf-8")  # the file is what the script writes
+    records = ml.load()
+    texts = [r["text"] for r in records]
+    after = ml.score(records, [d.reason is not None for d in dc.decontaminate_texts(texts, default_items,
+                                                                                  DecontaminateCfg())[0]])
+    before = ml.score(records, [d.reason is not None for d in dc.decontaminate_texts(texts, default_items, BEFORE)[0]])
+    assert after["recall"] >= 0.95 and after["false_removal"] <= 0.05, (after["recall"], after["false_removal"])
+    assert before["recall"] == 1.0 and before["false_removal"] > 0.5
+    assert after["kinds"]["arc_answer_far"][0] == 0 and after["recall"] == 1 - 10 / after["contaminated"]
+
+
+def test_a_short_question_counts_only_with_its_answer_after_it():
+    """The kernel on items written here: a short Question is evidence only with its answer within answer_window words;
+    an Answered text's n-grams hold four words of the answer; a whole short item in a few docs is a stock phrase,
+    a short Layout is not."""
+    q, a = "Which gas do green plants take in from the air?", "carbon dioxide"  # 10 words
+    items = {"t": [[dc.Layout(f"Question: {q}\nAnswer: {a}", a), dc.Answered(f"{q} {a}", a), dc.Question(q, [a])]]}
+    table, lengths, stats = dc.build_table(items, 13, 8)
+    cfg, order = DecontaminateCfg(), ["t"]
+    asked = [["t:0", "which gas do green plants take in from the air"]]
+    assert dc.decide(f"Quiz time! {q} Think about it.", table, lengths, cfg, order) == \
+        (None, f"Quiz time! {q} Think about it.", [], False, asked)
+    assert dc.decide(f"{q} (A) oxygen (B) {a.upper()} (C) nitrogen", table, lengths, cfg, order)[:3] == \
+        ("contamination:t", f"{q} (A) oxygen (B) {a.upper()} (C) nitrogen", ["t:0"])
+    near, far = f"{q} {'word ' * 40}{a}", f"{q} {'word ' * 41}{a}"
+    assert dc.decide(near, table, lengths, cfg, order).reason == "contamination:t"
+    assert dc.decide(far, table, lengths, cfg, order).question_only == asked
+    old = dc.build_table(items, 13, 8, guard=False)
+    assert dc.decide(far, *old[:2], BEFORE, order).reason == "contamination:t"  # the rule before
+    # cut mode cuts the question through the end of its answer
+    doc = f"{'A ' * 150}{q} Answer: {a}.{' Z' * 150}"
+    rest = dc.decide(doc, table, lengths, DecontaminateCfg(mode="cut", cut_window_chars=0), order)
+    assert rest.cut and "carbon" not in rest.text and "plants" not in rest.text
+    long_q = "Which of these gases do green plants take in from the air on a sunny day?"  # 16 words
+    items = {"t": [[dc.Answered(f"{long_q} the gas {a}", f"the gas {a}"), dc.Question(long_q, [f"the gas {a}"])]]}
+    table, lengths, _ = dc.build_table(items, 13, 8)
+    assert dc.decide(f"{long_q}", table, lengths, cfg, order).reason == "contamination:t"  # 13 words of its own
+    tail = " ".join(dc.words(long_q)[-11:])
+    assert dc.decide(f"{tail} the gas", table, lengths, cfg, order).reason is None  # two answer words: chance
+    items = {"reference": [["And they lived happily ever after. The End!"]],
+             "t": [[dc.Layout("Question: Which is a solid? Answer: ice", "ice")]]}
+    texts = ["And they lived happily ever after. The End!"] * 3 + ["Question: Which is a solid? Answer: ice"] * 3
+    decided, common = dc.decontaminate_texts(texts, items, cfg)
+    assert common == {"and they lived happily ever after the end": 3}
+    assert [d.reason for d in decided] == [None] * 3 + ["contamination:t"] * 3

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import lock_check  # noqa: E402
 
 RUNTIME, DEV = ROOT / "requirements.lock", ROOT / "requirements-dev.lock"
-TEST_ONLY = {"pytest", "playwright", "python-hcl2", "warcio", "datasketch", "transformers", "accelerate", "cfn-lint"}
+TEST_ONLY = {"pytest", "playwright", "python-hcl2", "warcio", "datasketch", "accelerate", "cfn-lint"}  # transformers: runtime (export)
 
 
 def pins(path: Path) -> dict[str, lock_check.Pin]:

@@ -1,8 +1,10 @@
 """The PII step (pipelines.data.pii) on the labelled set (data/pii/labelled.jsonl, built by data/pii/make_labelled.py:
 the method is there and in docs/data.md), on the issue's hard cases and on the shapes it must leave alone; the URL
 rules (pipelines.data.urlfilter)."""
+import random
 import sys
 
+import phonenumbers
 import pytest
 
 from conftest import ROOT
@@ -115,3 +117,64 @@ def test_url_rules_block_by_domain_suffix_and_banned_word_and_the_allow_list_win
     f = tmp_path / "list.txt"
     f.write_text("# UT1 style\nExample.COM\n\n.spam.test  # a comment\n")
     assert read_list(f) == {"example.com", "spam.test"}
+
+
+def dense_ids(n: int, seed: int = 0, sep: str = "\n") -> str:
+    """``n`` IDs of 8 to 10 digits, one a line (with ``sep="-"``: grouped 3-3-…, as SKUs are written)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = rng.choice((8, 9, 10))
+        digits = str(rng.randrange(10 ** (k - 1), 10 ** k))
+        out.append(sep.join(digits[i:i + 3] for i in range(0, k, 3)) if sep != "\n" else digits)
+    return "\n".join(out)
+
+
+def phone_directory(n: int) -> str:
+    """A US phone directory of ``n`` lines, each a distinct number in a 555-01xx block (set aside for fiction)."""
+    areas = (201, 212, 213, 305, 312, 415, 503, 617, 646, 702, 713, 718, 773, 805, 917)
+    return "\n".join(f"Smith, J. {i} ..... ({areas[i // 100 % len(areas)]}) 555-01{i % 100:02d}" for i in range(n))
+
+
+@pytest.fixture
+def matcher_reads(monkeypatch):
+    """The PhoneNumberMatcher reads (a candidate run in one region) made from now on, counted."""
+    reads = []
+    real = phonenumbers.PhoneNumberMatcher
+
+    def counting(text, region, **kw):
+        reads.append((text, region))
+        return real(text, region, **kw)
+
+    monkeypatch.setattr(phonenumbers, "PhoneNumberMatcher", counting)
+    return reads
+
+
+def test_bare_runs_of_digits_with_no_cue_never_reach_the_matcher(matcher_reads):
+    """A run with no separator and no ``+`` is a phone only after a cue word ("Tel."): without one it is refused
+    before libphonenumber reads it."""
+    for lang, url in ((None, None), ("de", "https://example.de/")):
+        assert pii.find(dense_ids(5000), lang, url) == []
+    assert matcher_reads == []
+    assert [t[s:e] for t in ["Tel. 02079460958", "call (02079460958)"] for s, e, _ in pii.find(t)] == \
+        ["02079460958", "02079460958"]
+
+
+def test_a_doc_dense_in_numbers_costs_at_most_the_matcher_budget(matcher_reads):
+    """Grouped figures read in three regions and a 3,000-line directory: the matcher reads stop at
+    ``MATCHER_READS``; the numbers after them are still found, by the metadata's lengths and patterns."""
+    assert pii.find(dense_ids(3000, sep="-"), "de", "https://example.de/") == []
+    assert len(matcher_reads) <= pii.MATCHER_READS
+    del matcher_reads[:]
+    text = phone_directory(3000)
+    found = [text[s:e] for s, e, _ in pii.find(text)]
+    assert len(matcher_reads) <= pii.MATCHER_READS
+    assert found == [line.rpartition(" ..... ")[2] for line in text.splitlines()]
+
+
+@pytest.mark.parametrize("half", ["dev", "held"])
+def test_the_read_past_the_budget_alone_still_meets_the_targets_on_the_labelled_set(monkeypatch, half):
+    """Every run read by the metadata alone (a budget of 0): its precision and recall on the labelled set."""
+    monkeypatch.setattr(pii, "MATCHER_READS", 0)
+    res = make_labelled.score(lambda d: pii.find(d["text"], d["lang"], d["url"]), make_labelled.load(half))
+    assert res["phone"]["precision"] >= 0.95 and res["phone"]["recall"] >= 0.95, (half, res["phone"])

@@ -127,3 +127,57 @@ def test_precision_and_recall_on_the_labelled_hard_cases():
     assert len(cases) >= 100 and sum(c["block"] for c in cases) >= 50
     s = bench.score(bench.ours(bench.LIST_FILES, []), cases)
     assert s["precision"] >= 0.97 and s["recall"] >= 0.95, s["wrong"]
+
+
+class CountingSet(frozenset):
+    """A frozenset that counts the lookups made in it."""
+    lookups = 0
+
+    def __contains__(self, item):
+        CountingSet.lookups += 1
+        return super().__contains__(item)
+
+
+def test_a_host_of_any_length_costs_as_many_lookups_as_the_longest_domain_has_labels(monkeypatch):
+    monkeypatch.setattr(CountingSet, "lookups", 0)
+    rules = urlfilter.UrlRules(True, CountingSet({"blocked.test", "a.b.c.test"}), frozenset(),
+                               CountingSet({"ok.blocked.test"}), CountingSet({"wild.test"}))
+    assert rules.depth == (4, 2, 3, 0)
+    many = "a." * 50_000
+    for host, want in ((many + "test", (None, False)), (many + "blocked.test", ("url:blocklist", False)),
+                       (many + "ok.blocked.test", (None, True)), ("a" * 100_000 + ".wild.test", ("url:blocklist", False))):
+        CountingSet.lookups = 0
+        assert rules.check(f"http://{host}/") == want, host[-30:]
+        assert CountingSet.lookups <= 4 + 2 + 3, (host[-30:], CountingSet.lookups)
+
+
+def test_a_path_of_any_length_gives_no_more_keys_than_the_longest_line_has_segments(tmp_path, monkeypatch):
+    rules = rules_from(tmp_path, "site.test/a/b\nsite.test/x?q=1\n")
+    assert rules.depth[3] == 3  # "site.test/a/b": "", "a", "b"
+    sizes = []
+    real = urlfilter.path_keys
+    monkeypatch.setattr(urlfilter, "path_keys", lambda *a: sizes.append(len(real(*a))) or real(*a))
+    assert rules.check("http://site.test" + "/a" * 20_000) == (None, False)
+    assert rules.check("http://site.test/a/b" + "/c" * 20_000) == ("url:blocklist", False)
+    assert rules.check("http://site.test/x?q=1") == ("url:blocklist", False)
+    assert sizes == [3, 3, 3]  # "site.test", "site.test/x", then with the query
+
+
+def test_lookups_bounded_by_the_lists_find_what_every_suffix_and_prefix_would():
+    """Against the rules' plain meaning, on random hosts, lists and paths: a domain line blocks a host equal to it or
+    ending in '.' + it; a `*.` line only the latter; a path line, a path that is it or under it."""
+    rng = random.Random(46)
+    labels = ["a", "b", "ab", "test"]
+    for _ in range(300):
+        doms = {".".join(rng.choices(labels, k=rng.randint(1, 4))) for _ in range(rng.randint(1, 6))}
+        wild = {".".join(rng.choices(labels, k=rng.randint(1, 3))) for _ in range(2)}
+        host = ".".join(rng.choices(labels, k=rng.randint(1, 9)))
+        rules = urlfilter.UrlRules(True, frozenset(doms), frozenset(), frozenset(), frozenset(wild))
+        want = any(host == d or host.endswith("." + d) for d in doms) or any(host.endswith("." + w) for w in wild)
+        assert rules.check(f"http://{host}/")[0] == ("url:blocklist" if want else None), (host, doms, wild)
+        path = "".join("/" + "".join(rng.choices("ab", k=rng.randint(0, 2))) for _ in range(rng.randint(0, 8)))
+        lines = {"s.test" + "".join("/" + rng.choice("ab") for _ in range(rng.randint(0, 4))) for _ in range(3)}
+        rules = urlfilter.UrlRules(True, frozenset(), frozenset(), frozenset(), paths=frozenset(lines))
+        p = path.rstrip("/")
+        want = any(p == k[6:] or p.startswith(k[6:] + "/") for k in lines)
+        assert rules.check(f"http://s.test{path}")[0] == ("url:blocklist" if want else None), (path, lines)

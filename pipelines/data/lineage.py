@@ -9,43 +9,74 @@ shard has its doc ids beside it (``<shard>.ids.parquet``). The corpus versions a
 
 **Keys.** A source is an input's key as ingest records it (a doc's ``source``: its path under the project root, its
 absolute path elsewhere, its ``s3://`` URI) or a URL prefix. Both sides are compared normalised (:func:`input_key`,
-:func:`source_key`): Unicode NFC; a local path given by the user resolved as ingest resolves it (``./x.jsonl``, the
-absolute path and ``x.jsonl`` are one key); a URL's scheme and host lower-cased, the host in IDNA, a default port
-dropped, an empty path written ``/``. A URL prefix takes the URLs (and ``s3://`` keys) at or under it, at a host or
-path boundary: ``https://a.example`` takes ``https://a.example/x``, never ``https://a.example.evil.org/``;
-``https://a.example/take`` takes ``…/take`` and ``…/take/x``, never ``…/takeover``.
+:func:`url_key`, :func:`source_key`): Unicode NFC; a local path given by the user resolved as ingest resolves it
+(``./x.jsonl``, the absolute path and ``x.jsonl`` are one key); a URL as the WHATWG URL parser reads it, the parser
+the URL filter and browsers use (:func:`whatwg_key`: the host a browser would connect to, the path with dot segments
+resolved and unreserved characters' %-escapes decoded). A URL prefix takes the URLs (and ``s3://`` keys) at or under
+it, at a host or path boundary: ``https://a.example`` takes ``https://a.example/x``, never
+``https://a.example.evil.org/``; ``https://a.example/take`` takes ``…/take`` and ``…/take/x``, never
+``…/takeover``; a local directory's key takes the files under it. A table's keys are normalised once per distinct
+value and compared vectorised (:meth:`Matcher.masks`).
 
-**The takedown list** (``data.exclusions``, one JSON object a line: ``source``, ``reason``, ``added_at``): a stage
-reads it once (:func:`read_list`: the exclusions and the sha256 of exactly the bytes read) and records that digest;
-the tokenize stage publishes a corpus version only while the list is the one it applied (:func:`list_held`: a shared
-lock that :func:`add` waits for).
+**The takedown list** (``data.exclusions``, one JSON object a line: ``source``, ``reason``, ``added_at``; a missing
+file is an empty list): a stage reads it once (:func:`read_list`: the exclusions and the sha256 of exactly the bytes
+read) and records that digest; the tokenize stage publishes a corpus version only while the list is the one it
+applied (:func:`list_held`: a shared lock beside the list, taken for the final rename only, that :func:`add` waits
+for). Every wait for the lock is bounded (:data:`LOCK_WAIT_S`), and a lock that cannot be taken fails the command
+(:class:`ListUnavailable`, exit 75), never skips it: the list's directory must support ``flock``.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
 import os
 import re
+import string
+import sys
 import time
 import unicodedata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional
-from urllib.parse import urlsplit, urlunsplit
+
+from ada_url import parse_url
 
 from pipelines.data.sources import file_key
-from pipelines.manifest import Manifest, StageError, lineage, load_manifest
+from pipelines.manifest import Manifest, StageError, lineage, load_manifest, now_iso
 from pipelines.spec import JobSpec, resolve_path
+from pipelines.train.exit_codes import RETRY
 
 TAG = "takedown.pending"
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443, "ftp": 21}
+_PARTS = ("protocol", "hostname", "port", "pathname", "search", "hash")
+_ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
+_UNRESERVED = frozenset(string.ascii_letters + string.digits + "-._~")  # RFC 3986: %-escaped or not, the same
+# a URL that whatwg_key gives back as it is (most URLs in data): a lower-case special scheme, a host of lower-case
+# ASCII labels whose last starts with a letter (no IPv4 number), no port, no user info, a path with no %-escape and
+# no character the parser escapes, a plain query and fragment, neither empty; unless _SLOW finds a punycode label
+# or a dot segment
+_AS_IS = re.compile(r"(?:https?|wss?|ftp)://(?:[a-z0-9_-]+\.)*[a-z][a-z0-9_-]*/[A-Za-z0-9._~!$&'()*+,;=:@/-]*"
+                    r"(?:\?[A-Za-z0-9._~!$&()*+,;=:@/?%-]+)?(?:#[A-Za-z0-9._~!$&()*+,;=:@/?%-]+)?")
+_SLOW = re.compile(r"xn--|/\.\.?(?:[/?#]|$)")
+LOCK_WAIT_S = 120.0  # the longest a stage or an --exclude-source waits for the list's lock (each holds it briefly)
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 class NothingMatched(StageError):
     """A ``--strict`` query or takedown that no corpus version holds anything of (exit 1)."""
+
+    exit_code = 1
+
+
+class ListUnavailable(StageError):
+    """The takedown list or its lock cannot be used now (the lock held past its deadline, a file system without
+    ``flock``, a lock file or list that cannot be opened or written): nothing was done, never anything unlocked;
+    exit 75 (``RETRY``: orchestrators retry it)."""
+
+    exit_code = RETRY
 
 
 # -- keys -------------------------------------------------------------------------------------------------------------
@@ -54,37 +85,51 @@ def is_url(key: str) -> bool:
     return bool(_SCHEME.match(key))
 
 
-def _host(host: str) -> str:
-    host = host.rstrip(".")
-    if host.isascii():
-        return host.lower()
+def _unescape(m: re.Match) -> str:
+    c = chr(int(m.group(1), 16))
+    return c if c in _UNRESERVED else f"%{m.group(1).upper()}"
+
+
+def whatwg_key(url: str) -> Optional[str]:
+    """``url`` as lineage compares it, read by the WHATWG URL parser (``ada-url``, as the URL filter and browsers
+    read it): scheme and host lower-cased, the host by UTS #46 and in punycode (``faß.de`` is ``xn--fa-hia.de``), an
+    IPv4 address in any form dotted (``0x7f.1`` is ``127.0.0.1``), an IPv6 address compressed, a trailing dot, user
+    info and a default port dropped, ``\\`` read as ``/``, dot segments resolved, the path's %-escapes of unreserved
+    characters decoded (``%7Eu`` is ``~u``) and the others upper-cased, an empty path written ``/``. None when the
+    parser refuses it (a bad host or port: no browser opens it) or it has no host."""
     try:
-        return host.encode("idna").decode("ascii")
-    except UnicodeError:  # not a valid IDNA name: compared as written, lower-cased
-        return host.lower()
+        p = parse_url(url, attributes=_PARTS)
+    except ValueError:
+        return None
+    host = p["hostname"].lower().rstrip(".")
+    if not host:
+        return None
+    path = _ESCAPE.sub(_unescape, p["pathname"]) if "%" in p["pathname"] else p["pathname"]
+    port = f":{p['port']}" if p["port"] else ""
+    return f"{p['protocol'].lower()}//{host}{port}{path or '/'}{p['search']}{p['hash']}"
+
+
+def as_is(url: str) -> bool:
+    """:func:`url_key` gives ``url`` back as it is (``_AS_IS``, the parser not called: :func:`_url_keys` finds these
+    vectorised)."""
+    return _AS_IS.fullmatch(url) is not None and _SLOW.search(url) is None
 
 
 def url_key(url: str) -> str:
-    """A URL as lineage compares it: scheme and host lower-cased, the host in IDNA, no user info, a default port
-    dropped, an empty path written ``/``; one that does not parse is left as it is (never raises)."""
-    try:
-        p = urlsplit(url)
-        host, port = p.hostname, p.port
-    except ValueError:
+    """A URL from the data (a doc's ``url``, a ``source`` that is a URL) as lineage compares it (NFC, then
+    :func:`whatwg_key`); one the parser refuses (or without a host) is compared as written, NFC: it takes no valid
+    prefix's URLs unless it starts with one's exact text at a boundary. Never raises."""
+    if as_is(url):
         return url
-    if not host:
-        return url
-    scheme, host = p.scheme.lower(), _host(host)
-    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port and port != DEFAULT_PORTS.get(scheme) else "")
-    return urlunsplit((scheme, netloc, p.path or "/", p.query, p.fragment))
+    url = unicodedata.normalize("NFC", url)
+    return whatwg_key(url) or url
 
 
 @functools.lru_cache(maxsize=4096)
 def input_key(key: str) -> str:
-    """A recorded key (a doc's ``source``, a doc's ``url``, a list entry) as lineage compares it: NFC, and a URL as
+    """A recorded key (a doc's ``source``, a list entry) as lineage compares it: NFC, and a URL (``scheme://…``) as
     :func:`url_key` writes it. Never raises: keys come from data."""
-    key = unicodedata.normalize("NFC", key)
-    return url_key(key) if is_url(key) else key
+    return url_key(key) if is_url(key) else unicodedata.normalize("NFC", key)
 
 
 def check_text(text: str, what: str) -> str:
@@ -100,16 +145,15 @@ def check_text(text: str, what: str) -> str:
 
 def source_key(text: str) -> str:
     """What a user (``--source``, ``--exclude-source``) or a list line names, as lineage compares it: a URL prefix
-    normalised (it needs a host), a local path resolved as ingest resolves its inputs; ValueError otherwise."""
+    (:func:`whatwg_key`; one the parser refuses, or without a host, is refused), a local path resolved as ingest
+    resolves its inputs; ValueError otherwise."""
     s = unicodedata.normalize("NFC", check_text(text, "source (an input's key or a URL prefix)"))
     if is_url(s):
-        key = url_key(s)
-        try:
-            host = urlsplit(key).hostname
-        except ValueError as e:  # a bracketed host that is not an IPv6 address, a port that is not a number
-            raise ValueError(f"{s[:200]!r}: not a URL ({e})") from None
-        if not host:
-            raise ValueError(f"{s[:200]!r}: a URL prefix needs a host (https://example.com/…)")
+        key = whatwg_key(s)
+        if key is None:
+            raise ValueError(f"{s[:200]!r}: not a URL with a host (the WHATWG URL parser, the URL filter's and "
+                             "browsers', refuses it or finds no host: a bad host or port?); a URL prefix needs a "
+                             "host (https://example.com/…)")
         return key
     if "://" in s:
         raise ValueError(f"{s[:200]!r}: not a URL (scheme://host/…) and not a path")
@@ -123,47 +167,111 @@ def _prefix(key: str) -> str:
     return key[:-1] if key.endswith("/") and "?" not in key and "#" not in key else key
 
 
+def _bounds(prefix: str) -> tuple[str, ...]:
+    """What may follow a prefix in a key under it: a URL's path, query or fragment (after a query: another
+    parameter or the fragment); a local directory's ``/``."""
+    return ("&", "#") if "?" in prefix else ("/", "?", "#") if is_url(prefix) else ("/",)
+
+
 def under_prefix(key: str, prefix: str) -> bool:
-    """``key`` (an :func:`input_key`) is ``prefix`` (as :class:`Matcher` keeps it) or lies under it, at a host or
-    path boundary."""
+    """``key`` (an :func:`input_key` or :func:`url_key`) is ``prefix`` (as :class:`Matcher` keeps it) or lies under
+    it, at a host or path boundary."""
     if not key.startswith(prefix):
         return False
     rest = key[len(prefix):]
-    return not rest or rest[0] in ("&#" if "?" in prefix else "/?#")
+    return not rest or rest[0] in _bounds(prefix)
+
+
+def _under_mask(keys, prefix: str):
+    """:func:`under_prefix` over an Arrow string array (null where ``keys`` is null)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    after = pc.utf8_slice_codeunits(keys, start=len(prefix), stop=len(prefix) + 1)  # code points, as len()
+    return pc.and_kleene(pc.starts_with(keys, pattern=prefix),
+                         pc.is_in(after, value_set=pa.array(["", *_bounds(prefix)], pa.string())))
+
+
+def _url_keys(values):
+    """:func:`url_key` of an Arrow string array: the URLs it gives back as they are found vectorised (the same
+    patterns as :func:`as_is`), only the others parsed one by one."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    fast = pc.and_kleene(pc.match_substring_regex(values, f"^(?:{_AS_IS.pattern})$"),
+                         pc.invert(pc.match_substring_regex(values, _SLOW.pattern)))
+    slow = pc.invert(pc.fill_null(fast, True))  # a null stays null
+    keys = [url_key(v) for v in values.filter(slow).to_pylist()]
+    return pc.replace_with_mask(values, slow, pa.array(keys, values.type)) if keys else values
+
+
+def _distinct_keys(column, key):
+    """(the distinct values of an Arrow column as ``key`` writes them, each row's index among them, None when every
+    row's value is distinct: the values are the rows then): each value is normalised once, however many rows hold
+    it."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = pc.unique(column)  # in the order they first appear
+    keys = (_url_keys(values) if key is url_key else
+            pa.array([None if v is None else key(v) for v in values.to_pylist()], values.type))
+    return keys, (None if len(values) == len(column) else pc.index_in(column, value_set=values))
+
+
+def _per_row(mask, rows):
+    import pyarrow.compute as pc
+
+    return mask if rows is None else pc.take(mask, rows)
 
 
 class Matcher:
-    """Which docs a set of sources takes: ``source`` equal to one of them, or ``source`` / ``url`` at or under one
-    that is a URL prefix. Sources as :func:`source_key` gives them (an :class:`Exclusion`'s is)."""
+    """Which docs a set of sources takes: ``source`` at or under one of them (a local directory's key takes the
+    files under it, as ``s3://bucket/dir`` does), or ``url`` at or under one that is a URL prefix. Sources as
+    :func:`source_key` gives them (an :class:`Exclusion`'s is), kept in their order."""
 
     def __init__(self, sources: Iterable[Exclusion | str]):
-        keys = sorted({input_key(e.source if isinstance(e, Exclusion) else e) for e in sources})
-        self.keys = frozenset(keys)
-        self.prefixes = tuple(_prefix(k) for k in keys if is_url(k))
+        self.keys = tuple(input_key(e.source if isinstance(e, Exclusion) else e) for e in sources)
+        self.prefixes = tuple(_prefix(k) for k in self.keys)
+        self.url_prefixes = tuple(p for p in self.prefixes if is_url(p))
 
     def __bool__(self) -> bool:
         return bool(self.keys)
 
-    def under(self, key: str) -> bool:
-        return any(under_prefix(key, p) for p in self.prefixes)
-
     def hit(self, source: Optional[str], url: Optional[str]) -> bool:
-        if isinstance(source, str) and ((k := input_key(source)) in self.keys or self.under(k)):
+        """One doc (the filter stage's Spark tasks ask per row; :meth:`masks` is the same over a table)."""
+        src = input_key(source) if isinstance(source, str) else None
+        if src is not None and any(under_prefix(src, p) for p in self.prefixes):
             return True
-        return bool(self.prefixes) and isinstance(url, str) and self.under(url_key(unicodedata.normalize("NFC", url)))
+        if not isinstance(url, str) or not self.url_prefixes:
+            return False
+        key = url_key(url)
+        return any(under_prefix(key, p) for p in self.url_prefixes)
+
+    def masks(self, table) -> list:
+        """Per source, in order, a boolean array over an Arrow table's rows (``source``, and ``url`` when it has
+        one): the rows it takes. Each distinct ``source`` and ``url`` is normalised once; each prefix is compared
+        over them vectorised."""
+        import pyarrow.compute as pc
+
+        if not self.keys:
+            return []
+        src, src_rows = _distinct_keys(table.column("source"), input_key)
+        urls = (_distinct_keys(table.column("url"), url_key)
+                if "url" in table.column_names and self.url_prefixes else None)
+        out = []
+        for p in self.prefixes:
+            hit = _per_row(_under_mask(src, p), src_rows)
+            if urls is not None and is_url(p):
+                hit = pc.or_kleene(hit, _per_row(_under_mask(urls[0], p), urls[1]))
+            out.append(pc.fill_null(hit, False))
+        return out
 
     def mask(self, table):
-        """A boolean array over an Arrow table's rows (``source``, and ``url`` when it has one)."""
+        """A boolean array over an Arrow table's rows: the rows any of the sources takes."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        sources = table.column("source")
-        taken = [s for s in pc.unique(sources).to_pylist() if self.hit(s, None)]  # few distinct keys
-        hit = pc.is_in(sources, value_set=pa.array(taken, pa.string()))
-        if self.prefixes and "url" in table.column_names:
-            urls = pa.array([self.hit(None, u) for u in table.column("url").to_pylist()], pa.bool_())
-            hit = pc.or_kleene(hit, urls)
-        return pc.fill_null(hit, False)
+        return functools.reduce(pc.or_, self.masks(table), pa.repeat(False, table.num_rows))
 
 
 # -- the takedown list ------------------------------------------------------------------------------------------------
@@ -208,59 +316,149 @@ def read_list(path: Path) -> TakedownList:
     line."""
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
+    except FileNotFoundError:  # no list: nothing is excluded (a list that was moved away takes nothing down)
         return TakedownList(path, (), None)
+    except OSError as e:
+        raise ListUnavailable(f"cannot read the takedown list {path} ({e.strerror or e})") from None
     found = tuple(_parse(data, path))
     return TakedownList(path, found, hashlib.sha256(data).hexdigest() if found else None)
 
 
-def _lock(path: Path, mode: int):
+def recorded_sha256(record: dict) -> Optional[str]:
+    """The list digest a stage's ``extra.takedown`` records as applied; None for a list of no exclusion, as
+    :func:`read_list` gives it (a filter stage before this version recorded a blank list's bytes' digest)."""
+    sha = record.get("list_sha256")
+    return None if record.get("exclusions") == 0 or sha == EMPTY_SHA256 else sha
+
+
+def _lock_file(path: Path) -> tuple[int, Path]:
+    """The lock file beside the list, opened read-write when it may be, else read-only (``flock`` needs no write
+    access: a lock file another user made ``0644`` still locks)."""
+    lock = path.with_name(f".{path.name}.lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return os.open(lock, os.O_RDWR | os.O_CREAT, 0o666), lock
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            return os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666), lock
+    except OSError as e:
+        raise ListUnavailable(f"cannot open the takedown list's lock {lock} ({e.strerror or e}); nothing was done: "
+                              "this user must be able to create or read that file beside data.exclusions") from None
+
+
+def _holder(fd: int) -> str:
+    try:
+        line = os.pread(fd, 300, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        line = ""
+    return (f"the lock file says: {line}" if line else
+            "holder unknown: a tokenize stage publishing a corpus version holds it shared, or its holder could not "
+            "write its name")
+
+
+def _claim(fd: int, line: str) -> None:
+    """The exclusive holder's name in the lock file (emptied when it lets go), for whoever waits."""
+    with contextlib.suppress(OSError):  # a lock file opened read-only: the waiters read "holder unknown"
+        os.ftruncate(fd, 0)
+        if line:
+            os.pwrite(fd, line.encode(), 0)
+
+
+def _take(fd: int, lock: Path, exclusive: bool, wait_s: float) -> None:
+    """``flock`` without blocking, tried again until ``wait_s`` has passed (one line on stderr while it waits);
+    :class:`ListUnavailable` then, or at once when the file system refuses ``flock``."""
     import fcntl
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path.with_name(f".{path.name}.lock"), "a")
-    fcntl.flock(f, mode)
-    return f
+    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    deadline, pause, told = time.monotonic() + wait_s, 0.01, False
+    while True:
+        try:
+            fcntl.flock(fd, mode)
+            return
+        except BlockingIOError:
+            pass
+        except OSError as e:  # ENOLCK, EOPNOTSUPP, EINVAL: not a lock this file system keeps
+            raise ListUnavailable(f"cannot lock {lock} ({e.strerror or e}): the directory of data.exclusions must "
+                                  "support flock (a local disk, NFSv4, Lustre mounted with -o flock); nothing was "
+                                  "done") from None
+        if time.monotonic() >= deadline:
+            raise ListUnavailable(f"the takedown list's lock {lock} is still held after {wait_s:g} s "
+                                  f"({_holder(fd)}); nothing was done; run it again once its holder is done")
+        if not told:
+            print(f"takedown list: waiting up to {wait_s:g} s for {lock} ({_holder(fd)})", file=sys.stderr,
+                  flush=True)
+            told = True
+        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        pause = min(2 * pause, 1.0)
 
 
 @contextlib.contextmanager
-def list_held(path: Path):
-    """The list held still (a shared lock: :func:`add` waits) while a corpus version is published; yields the
-    sha256 it has now (as :attr:`TakedownList.sha256`)."""
-    import fcntl
+def locked(path: Path, exclusive: bool = False, wait_s: float = LOCK_WAIT_S):
+    """The lock beside the takedown list at ``path`` (``.<name>.lock``), shared or exclusive, waited for at most
+    ``wait_s`` seconds (:class:`ListUnavailable`: never the list unlocked); the exclusive holder names itself in
+    it."""
+    import socket
 
+    fd, lock = _lock_file(path)
     try:
-        held = _lock(path, fcntl.LOCK_SH)
-    except OSError:  # no lock file can be made beside the list (a read-only mount): compared without one
-        held = contextlib.nullcontext()
-    with held:
+        _take(fd, lock, exclusive, wait_s)
+        if exclusive:
+            _claim(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now_iso()}\n")
+        try:
+            yield
+        finally:
+            if exclusive:
+                _claim(fd, "")
+    finally:
+        os.close(fd)  # lets go of the lock
+
+
+@contextlib.contextmanager
+def list_held(path: Path, wait_s: float = LOCK_WAIT_S):
+    """The list held still (a shared lock: :func:`add` waits) while a corpus version is published: take it once
+    everything is computed and hashed, for the final rename only; yields the sha256 the list has now (as
+    :attr:`TakedownList.sha256`)."""
+    with locked(path, wait_s=wait_s):
         yield read_list(path).sha256
 
 
-def add(path: Path, source: str, reason: str) -> tuple[Exclusion, bool]:
-    """Add an exclusion to the list (``source`` normalised, :func:`source_key`), under an exclusive lock beside it
-    (two takedowns at once both land; a corpus version is not published meanwhile), written whole to a temporary
-    file and renamed; (the exclusion, False) when the source is excluded already."""
-    import fcntl
+def _write_list(path: Path, exclusions: list[Exclusion]) -> None:
+    """The list written whole to a temporary file beside it, synced and renamed (the rename synced too)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(asdict(e)) + "\n" for e in exclusions)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a crash
+    finally:
+        os.close(fd)
 
+
+def add(path: Path, source: str, reason: str, wait_s: float = LOCK_WAIT_S) -> tuple[Exclusion, bool]:
+    """Add an exclusion to the list (``source`` normalised, :func:`source_key`), under an exclusive lock beside it
+    (two takedowns at once both land; a corpus version is not published meanwhile), waited for at most ``wait_s``
+    seconds; (the exclusion, False) when the source is excluded already."""
     source, reason = source_key(source), check_text(reason, "reason (--reason)")
-    with _lock(path, fcntl.LOCK_EX):
+    with locked(path, exclusive=True, wait_s=wait_s):
         held = read_list(path).exclusions
         for e in held:
             if e.source == source:
                 return e, False
         new = Exclusion(source, reason, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(asdict(e)) + "\n" for e in [*held, new])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
         try:
-            os.fsync(fd)  # the rename itself survives a crash
-        finally:
-            os.close(fd)
+            _write_list(path, [*held, new])
+        except OSError as e:
+            raise ListUnavailable(f"cannot write the takedown list {path} ({e.strerror or e}); run the same "
+                                  "command again (an exclusion already there is kept once)") from None
     return new, True
 
 
@@ -276,13 +474,14 @@ def tag_versions(client, versions: list[dict], exclusion: Exclusion) -> list[dic
 
 
 def split_by_exclusion(table, exclusions: Iterable[Exclusion]):
-    """(k, the rows of an Arrow table (``source``, ``url``) that exclusion k takes and no earlier one took)."""
+    """(k, the rows of an Arrow table (``source``, ``url``) that exclusion k takes and no earlier one took); the
+    table's keys normalised once for all of them (:meth:`Matcher.masks`)."""
     import pyarrow.compute as pc
 
-    for k, e in enumerate(exclusions):
-        hit = Matcher([e]).mask(table)
-        yield k, table.filter(hit)
-        table = table.filter(pc.invert(hit))
+    taken = None
+    for k, hit in enumerate(Matcher(exclusions).masks(table)):
+        yield k, table.filter(hit if taken is None else pc.and_(hit, pc.invert(taken)))
+        taken = hit if taken is None else pc.or_(taken, hit)
 
 
 def filter_record(applied: TakedownList, removed: Path, n_removed: int) -> dict:
@@ -367,21 +566,24 @@ def docs_per_source(tok: Manifest) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def shards_holding(tok: Manifest, ids: set[str]) -> dict[str, int]:
-    """{shard prefix: how many of ``ids`` it holds} over the version's shards (the ones it links from earlier
-    versions included)."""
+def held_in_shards(tok: Manifest, ids: set[str]):
+    """(shard prefix, the entries of ``ids`` it holds) for each of the version's shards (the ones it links from
+    earlier versions included) that holds any."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     wanted = pa.array(sorted(ids), pa.string())
-    out = {}
     for sh in tok.extra.get("shards", []):
         col = pq.read_table(tok.dir / (sh["prefix"] + ".ids.parquet"), columns=["id"]).column("id")
-        n = int(pc.sum(pc.is_in(col, value_set=wanted)).as_py() or 0)
-        if n:
-            out[sh["prefix"]] = n
-    return out
+        got = col.filter(pc.is_in(col, value_set=wanted))
+        if len(got):
+            yield sh["prefix"], got
+
+
+def shards_holding(tok: Manifest, ids: set[str]) -> dict[str, int]:
+    """{shard prefix: how many of ``ids`` it holds} over the version's shards."""
+    return {prefix: len(got) for prefix, got in held_in_shards(tok, ids)}
 
 
 def with_tails(ids: Iterable[str]) -> set[str]:
@@ -390,13 +592,15 @@ def with_tails(ids: Iterable[str]) -> set[str]:
     return ids | {f"{i}#tail" for i in ids}
 
 
-def matching_ids(tok: Manifest, matcher: Matcher) -> set[str]:
-    """Shard entries of ``tok`` (its chain) that ``matcher`` takes (with their ``#tail`` entries)."""
-    ids: set[str] = set()
+def matching_ids(tok: Manifest, matcher: Matcher) -> list[set[str]]:
+    """Per source of ``matcher``, the shard entries of ``tok`` (its chain) it takes (with their ``#tail`` entries):
+    each version's added docs read and their keys normalised once for all the sources."""
+    out: list[set[str]] = [set() for _ in matcher.keys]
     for v in chain(tok):
         t = added_docs(v, ["id", "source", "url"])
-        ids.update(t.filter(matcher.mask(t)).column("id").to_pylist())
-    return with_tails(ids)
+        for ids, hit in zip(out, matcher.masks(t)):
+            ids.update(t.filter(hit).column("id").to_pylist())
+    return [with_tails(ids) for ids in out]
 
 
 def excluded_docs(corpus: Manifest, exclusions: tuple[Exclusion, ...]) -> dict[str, int]:
@@ -507,7 +711,7 @@ def source_holders(spec: JobSpec, key: str) -> tuple[list[dict], list[dict]]:
     matcher = Matcher([key])
 
     def holds(tok):
-        shards = shards_holding(tok, matching_ids(tok, matcher))  # a version it was taken out of: none
+        shards = shards_holding(tok, matching_ids(tok, matcher)[0])  # a version it was taken out of: none
         return {"source_docs": sum(shards.values()), "shards": shards} if shards else None
 
     return _each_version(spec, holds)
@@ -530,7 +734,9 @@ def pending_takedowns(spec: JobSpec, digest: str | None) -> Optional[list[Exclus
     tok = next((v for v in corpus_versions(spec) if v.digest == digest), None) if digest else None
     if tok is None:
         return None
-    return [e for e in exclusions if shards_holding(tok, matching_ids(tok, Matcher([e])))]
+    per = matching_ids(tok, Matcher(exclusions))
+    held = set().union(*(got.to_pylist() for _, got in held_in_shards(tok, set().union(*per))))
+    return [e for e, ids in zip(exclusions, per) if not held.isdisjoint(ids)]
 
 
 def exclude_source(spec: JobSpec, client, source: str, reason: str, strict: bool = False) -> dict:

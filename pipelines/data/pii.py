@@ -15,6 +15,15 @@ it, an area code split or run into the rest ("016 854 401"), figures (:func:`_fi
 versions, thousands-grouped figures, years, counting runs), or a run of figures that the numbers found do not cover
 (a table row).
 
+**Cost per doc, bounded**: a run of digits alone (no separator, no ``+``) with no cue word before it never reaches
+the matcher (:func:`_bare`: those rules would refuse every number in it); the matcher's answer for a run is cached
+per (run, regions) (:func:`_numbers`); and a doc gets at most :data:`MATCHER_READS` matcher reads (a run in one
+region). Past them a run is read by :func:`_national_number` alone: the whole run one number by libphonenumber's
+metadata (a calling code after ``+``, else a region's national prefix where it writes one, the lengths and the
+pattern of its national numbers), then the rules on the text (ID labels, cue, figures); no number types (a
+service number is taken), no area-code rule, no number found inside a longer run. Which path reads a run depends on
+the doc alone, not on the cache or the docs before it.
+
 **E-mail addresses** skip what shares their shape (:func:`_email_ok`): a file name (``logo@2x.png``: a file
 extension as the TLD, an ``@2x`` scale), code (``A@B.transpose()``: a call or attribute after it), an ssh/scp target
 or a git remote (``git@github.com:org/repo``, ``ssh -p 22 deploy@host``) and shell prompts
@@ -33,6 +42,7 @@ import bisect
 import functools
 import re
 from collections import Counter
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import phonenumbers
@@ -51,6 +61,9 @@ LANG_REGIONS = {"en": ("US", "GB"), "de": ("DE", "AT", "CH"), "fr": ("FR", "BE",
                 "zh": ("CN", "TW"), "hi": ("IN",), "ta": ("IN",), "id": ("ID",), "ms": ("MY",), "vi": ("VN",),
                 "th": ("TH",), "ar": ("EG", "SA"), "he": ("IL",)}
 _TLD_REGION = {"uk": "GB"}
+# PhoneNumberMatcher reads (a candidate run in one region) per doc; past them a run is read by the metadata's lengths
+# and patterns alone (_national_number): a doc dense in numbers costs a bounded matcher time
+MATCHER_READS = 1000
 
 EMAIL = re.compile(r"(?<![\w.%+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+"
                    r"[A-Za-z]{2,24}(?![\w-])")
@@ -181,39 +194,121 @@ def _figure(num: str) -> bool:
     return len(groups) >= 3 and all(b == a + 1 for a, b in zip(groups, groups[1:]))  # pages 1256 1257 1258
 
 
-def _phone_ok(text: str, s: int, e: int, number: phonenumbers.PhoneNumber) -> bool:
-    """Whether the valid ``number`` at ``text[s:e]`` reads as a phone number, not an ID or a figure."""
+def _grouped(num: str) -> bool:
+    return re.search(r"\d\D+\d", num) is not None  # a separator between digits
+
+
+def _intl(num: str) -> bool:
+    return num.lstrip("(").startswith("+")
+
+
+def _cued(text: str, s: int) -> bool:
+    """Whether a cue word ("Tel.", "call", …) stands just before ``s`` (no digit, no line break after it)."""
+    end = s - 1 if s and text[s - 1] == "\n" else s  # ($ matches before a last line break too)
+    if end and text[end - 1] in "\n0123456789":
+        return False  # no cue word ends in a digit or a line break: the pattern cannot match (a table's rows)
+    return _CUE.search(text[max(0, s - 30):s]) is not None
+
+
+def _phone_ok(text: str, s: int, e: int, number: phonenumbers.PhoneNumber | None) -> bool:
+    """Whether the ``number`` at ``text[s:e]`` reads as a phone number, not an ID or a figure (``number`` None: a
+    number past the doc's matcher budget, :func:`_national_number`: the rules on the text alone)."""
     num = text[s:e]
-    before = text[max(0, s - 30):s]
     last = re.search(r"\d+$", num).group(0)
-    intl = num.lstrip("(").startswith("+")
-    grouped = re.search(r"\d\D+\d", num) is not None
+    grouped, intl = _grouped(num), _intl(num)
+    if _ID_BEFORE.search(text[max(0, s - 30):s]) or (len(last) == 1 and not intl):
+        return False  # "SKU 030-2312-5123", an ISBN "0-306-40615-2"
+    if not grouped and not intl and not _cued(text, s):
+        return False  # 0306406152: an ISBN, an order or tracking number, unless "Tel." stands before it
+    if _figure(num):
+        return False
+    if number is None:
+        return True
     if phonenumbers.number_type(number) in _NOT_PERSONAL:
         return False  # "13 10 17 40" as a US 310-xxxx service number
-    if _ID_BEFORE.search(before) or (len(last) == 1 and not intl):
-        return False  # "SKU 030-2312-5123", an ISBN "0-306-40615-2"
-    if not grouped and not intl and not _CUE.search(before):
-        return False  # 0306406152: an ISBN, an order or tracking number, unless "Tel." stands before it
-    if grouped and not intl and _area_code_split(num, number):
-        return False
-    return not _figure(num)
+    return intl or not grouped or not _area_code_split(num, number)
 
 
-def _phones(text: str, cand: re.Match, regs: tuple[str, ...]):
-    """The phone numbers in one candidate run: those of the first region whose numbers leave no group of 3 or more
-    digits of the run uncovered (a valid number inside a longer run of figures is a table's; "(844-509-7233) 24
-    hours" is a number)."""
+def _bare(text: str, cand: re.Match) -> bool:
+    """Whether the candidate is digits alone (no separator, no ``+``) with no cue before it: :func:`_phone_ok`
+    refuses every number libphonenumber could find in it (one starting inside the run has a digit before it)."""
     raw = cand.group(0)
-    if not 8 <= sum(c.isdigit() for c in raw) <= 30 or _figure(raw):
-        return []  # too short for a number, too long for two, or figures: not worth libphonenumber's time
-    for region in regs:
-        found = [(m.start, m.end, m.number) for m in
-                 phonenumbers.PhoneNumberMatcher(raw, region, leniency=phonenumbers.Leniency.VALID)]
+    if _grouped(raw) or "+" in raw:
+        return False
+    return not _cued(text, cand.start()) and not (raw.startswith("(") and _cued(text, cand.start() + 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _numbers(raw: str, regs: tuple[str, ...]) -> tuple[int, tuple]:
+    """(regions read, the numbers ``PhoneNumberMatcher`` finds in ``raw`` in the first region whose numbers leave no
+    group of 3 or more digits of the run uncovered: a valid number inside a longer run of figures is a table's;
+    "(844-509-7233) 24 hours" is a number). Cached: a footer's number recurs across a site's docs."""
+    for i, region in enumerate(regs, 1):
+        found = tuple((m.start, m.end, m.number) for m in
+                      phonenumbers.PhoneNumberMatcher(raw, region, leniency=phonenumbers.Leniency.VALID))
         if found and not any(len(r.group(0)) > 2 and not any(a <= r.start() < b for a, b, _ in found)
                              for r in re.finditer(r"\d+", raw)):
-            spans = [(*_balanced(text, cand.start() + a, cand.start() + b), n) for a, b, n in found]
-            return [(a, b) for a, b, n in spans if _phone_ok(text, a, b, n)]
-    return []
+            return i, found
+    return len(regs), ()
+
+
+class _Plan(NamedTuple):
+    """A region's (or a calling code's) numbering plan as libphonenumber's metadata has it: its national prefix,
+    whether its numbers are written with it (a format writes it and does not call it optional: GB's and DE's 0, not
+    US's 1), the lengths of its national numbers and their pattern (the union of every number type's)."""
+    prefix: str
+    prefix_written: bool
+    lengths: frozenset
+    pattern: re.Pattern
+
+    def fits(self, nsn: str) -> bool:
+        return (not self.lengths or len(nsn) in self.lengths) and self.pattern.fullmatch(nsn) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(region: str, code: int = 0) -> _Plan:
+    md = phonenumbers.PhoneMetadata.metadata_for_region_or_calling_code(code, region)
+    written = any(f.national_prefix_formatting_rule and not f.national_prefix_optional_when_formatting
+                  for f in md.number_format)
+    desc = md.general_desc
+    return _Plan(md.national_prefix or "", written, frozenset(desc.possible_length),
+                 re.compile(desc.national_number_pattern or "(?!)"))
+
+
+def _national_number(raw: str, regs: tuple[str, ...]) -> bool:
+    """The cheap read past the matcher budget: whether the whole run is one number by the metadata's lengths and
+    patterns: with ``+``, a calling code and a national number of its country; else a national number of one of
+    ``regs``, with its national prefix where the region writes one. No number types, no area code, no number inside
+    a run."""
+    digits = re.sub(r"\D", "", raw.replace("(0)", ""))
+    if _intl(raw):
+        for n in (1, 2, 3):  # calling codes are prefix-free: at most one fits
+            region = phonenumbers.region_code_for_country_code(int(digits[:n]))
+            if region != phonenumbers.UNKNOWN_REGION:
+                return _plan(region, int(digits[:n])).fits(digits[n:])
+        return False
+    for plan in map(_plan, regs):
+        if plan.prefix and digits.startswith(plan.prefix) and plan.fits(digits[len(plan.prefix):]):
+            return True
+        if not (plan.prefix and plan.prefix_written) and plan.fits(digits):
+            return True
+    return False
+
+
+def _phones(text: str, cand: re.Match, regs: tuple[str, ...], reads_left: int) -> tuple[list, int]:
+    """(the phone numbers in one candidate run, the matcher reads spent): :func:`_numbers`'s while ``reads_left``
+    covers a read in every region, else :func:`_national_number`'s."""
+    raw = cand.group(0)
+    if not 8 <= sum(c.isdigit() for c in raw) <= 30 or _bare(text, cand) or _figure(raw):
+        return [], 0  # too short for a number, too long for two, figures, an ID: not worth libphonenumber's time
+    if reads_left < len(regs):
+        whole = _balanced(text, cand.start(), cand.start() + len(raw.rstrip(")")))
+        spans = [(*whole, None)] if _national_number(raw, regs) else []
+        reads = 0
+    else:
+        reads, found = _numbers(raw, regs)
+        spans = [(*_balanced(text, cand.start() + a, cand.start() + b), n) for a, b, n in found]
+    return [(a, b) for a, b, n in spans if _phone_ok(text, a, b, n)], reads
 
 
 def _balanced(text: str, a: int, b: int) -> tuple[int, int]:
@@ -257,11 +352,13 @@ def find(text: str, lang: str | None = None, url: str | None = None) -> list[tup
         for m in rx.finditer(text) if _MAY_HOLD[kind].search(text) else ():
             if ok(text, m):
                 put(m.start(), m.end(), kind)
-    regs = None
+    regs, reads_left = None, MATCHER_READS
     for cand in PHONE_CANDIDATE.finditer(text) if _MAY_HOLD["phone"].search(text) else ():
         if taken.free(cand.start(), cand.end()):
             regs = regs or regions(lang, url)
-            for a, b in _phones(text, cand, regs):
+            found, reads = _phones(text, cand, regs, reads_left)
+            reads_left -= reads
+            for a, b in found:
                 put(a, b, "phone")
     return sorted(spans)
 

@@ -42,18 +42,27 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.data.lineage import TakedownList, excluded_docs, list_held, read_list, shards_holding
+from pipelines.data.lineage import (TakedownList, excluded_docs, list_held, read_list, recorded_sha256,
+                                    shards_holding, split_by_exclusion)
 from pipelines.data.shards import ShardWriter, token_dtype
 from pipelines.data.spark import Piece, piece_batches
 from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
 from pipelines.manifest import Manifest, StageError, file_ref, input_ref, load_manifest, sha256_file, under
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
+from pipelines.train.exit_codes import RETRY
 
 SPLITS = ("train", "heldout")
 
 
 class TokenizeError(StageError):
     pass
+
+
+class ListChanged(TokenizeError):
+    """The takedown list changed while the stage ran: nothing is published; running the stage again (the task's
+    retry) applies the current list (exit 75)."""
+
+    exit_code = RETRY
 
 
 def canonical_text(text: str) -> str:
@@ -564,17 +573,25 @@ def strip_shard(src: Path, row: dict, drop: dict[str, int], dest: Path, prefix: 
             "text_bytes": max(0, row["text_bytes"] - gone_bytes)}
 
 
-def takedown_record(applied: TakedownList, removed: list[int], rewritten: dict, by_filter: dict) -> dict:
+def takedown_record(applied: TakedownList, removed: list[int], rewritten: dict, by_filter: dict, late: dict) -> dict:
     """``extra.takedown``: the list applied (its sha256), each exclusion with its reason, the shard entries of earlier
-    versions it removed here (``docs_removed``) and the new docs the filter stage removed (``new_docs_removed``, from
-    ``by_filter``, the filter stage's record; null where it did not count them), and the shards rewritten."""
+    versions it removed here (``docs_removed``) and the new docs it kept out (``new_docs_removed``: the filter
+    stage's count, from ``by_filter``, its record, null where it did not count them, plus those this stage left out
+    itself, ``late``: id → exclusion, when the filter stage applied another list), and the shards rewritten."""
+    from collections import Counter
+
     gone = removed + [0] * (len(applied.exclusions) - len(removed))
-    per = [x.get("docs_removed") for x in by_filter.get("by_exclusion", [])]
-    new = per if len(per) == len(applied.exclusions) else [None] * len(applied.exclusions)
+    per = {x.get("source"): x.get("docs_removed") for x in by_filter.get("by_exclusion", [])}
+    if recorded_sha256(by_filter) == applied.sha256:
+        new = [per.get(e.source) for e in applied.exclusions]
+    else:
+        here = Counter(late.values())
+        new = [(per.get(e.source) or 0) + here[k] for k, e in enumerate(applied.exclusions)]
     return {"list_sha256": applied.sha256,
             "exclusions": [{**e.__dict__, "docs_removed": n, "new_docs_removed": f}
                            for e, n, f in zip(applied.exclusions, gone, new)],
-            "docs_removed": sum(gone), "new_docs_removed": by_filter.get("removed", 0), "shards_rewritten": rewritten}
+            "docs_removed": sum(gone), "new_docs_removed": by_filter.get("removed", 0) + len(late),
+            "new_docs_removed_by_tokenize": len(late), "shards_rewritten": rewritten}
 
 
 def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
@@ -587,9 +604,10 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
         raise TokenizeError(f"--corpus-manifest {corpus.path}: not a corpus version (a tokenize result of this "
                             "version)")
     applied = read_list(resolve_path(spec.data.exclusions))  # read once: what this version applies and records
-    by_filter = filter_takedown(filt, applied)
+    by_filter = filter_takedown(filt)
+    late = late_takedown(filt, applied, by_filter)
     drop, held = taken_down(corpus, applied.exclusions)
-    if corpus is not None and filt.counts.get("kept", 0) == 0 and not held:
+    if corpus is not None and filt.counts.get("kept", 0) <= len(late) and not held:
         print(f"tokenize: no new docs; corpus version {corpus.extra['corpus']['version']} stands ({corpus.path})")
         return corpus
     inputs = [input_ref(filt), *([input_ref(corpus)] if corpus is not None else [])]
@@ -604,7 +622,7 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
         record = corpus_record(filt, corpus)
         rel = "shards" if corpus is None else f"shards/v{record['version']:04d}"
         old, removed, rewritten = keep_shards(corpus, tmp, rel, drop, held) if corpus is not None else ([], [], {})
-        r = encode_new(spec, filt, corpus, tmp, rel, spark, up)
+        r = encode_new(spec, filt, corpus, tmp, rel, spark, up, late)
         shards = old + r["shards"]
         if shard_counts(shards)["train_tokens"] == 0:
             raise TokenizeError("no tokens left in the train split" + (" after the takedown" if drop else ""))
@@ -614,11 +632,12 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
                  **{k: r[k] for k in ("vocab_size", "eos_id", "dtype", "spark_master", "partitions", "heldout")},
                  "contamination": contamination_record(filt, corpus)}
         if applied.exclusions:
-            extra["takedown"] = takedown_record(applied, removed, rewritten, by_filter)
-        with list_held(applied.path) as now:  # an --exclude-source meanwhile waits until the version is published
+            extra["takedown"] = takedown_record(applied, removed, rewritten, by_filter, late)
+        ready = sd.prepare(outputs, counts={**shard_counts(shards), "new_docs": r["counts"]["docs"],
+                                            "new_tokens": r["counts"]["tokens"]}, extra=extra)  # hashed unlocked
+        with list_held(applied.path) as now:  # the rename only: an --exclude-source meanwhile waits for it
             check_still_current(applied, now)
-            return sd.commit(outputs, counts={**shard_counts(shards), "new_docs": r["counts"]["docs"],
-                                              "new_tokens": r["counts"]["tokens"]}, extra=extra)
+            return sd.publish(ready)
 
     m = run_and_log(spec, sd, body)
     if up:
@@ -628,47 +647,76 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
     return m
 
 
-def encode_new(spec: JobSpec, filt: Manifest, corpus: Manifest | None, tmp: Path, rel: str, spark, up) -> dict:
-    """The new docs encoded into shards under ``tmp/rel`` (with ``corpus``'s tokenizer); with no new doc (a
-    takedown alone) no Spark: the tokenizer copied, no shard."""
-    if corpus is not None and filt.counts.get("kept", 0) == 0:
+def encode_new(spec: JobSpec, filt: Manifest, corpus: Manifest | None, tmp: Path, rel: str, spark, up,
+               late: dict) -> dict:
+    """The new docs (but ``late``'s) encoded into shards under ``tmp/rel`` (with ``corpus``'s tokenizer); with no
+    new doc (a takedown alone) no Spark: the tokenizer copied, no shard."""
+    none_left = filt.counts.get("kept", 0) <= len(late)
+    if none_left and corpus is None and late:
+        raise TokenizeError(f"no docs left: the takedown list takes every one of the {len(late)} docs")
+    if none_left and corpus is not None:
         shutil.copyfile(corpus.output("tokenizer"), tmp / "tokenizer.model")
         return {"shards": [], "counts": {"docs": 0, "tokens": 0}, "partitions": 0, "spark_master": "none (no new docs)",
                 **{k: corpus.extra.get(k) for k in ("vocab_size", "eos_id", "dtype", "heldout")}}
     from pipelines.data.spark import spec_session
 
     s = spark or spec_session(spec, "llm-pipeline-tokenize")
-    r = tokenize_docs(s, filt.output("kept"), tmp, spec.tokenizer, spec.run.seed, up, spec.data.task_mb,
+    docs = without_docs(filt.output("kept"), late, tmp / "takedown-docs") if late else filt.output("kept")
+    r = tokenize_docs(s, docs, tmp, spec.tokenizer, spec.run.seed, up, spec.data.task_mb,
                       corpus.output("tokenizer") if corpus is not None else None, rel)
+    if late:
+        shutil.rmtree(docs)  # not an output: the filter stage's docs less the ones left out
     return {**r, "spark_master": s.sparkContext.master}
+
+
+def without_docs(src: Path, ids, dest: Path) -> Path:
+    """The docs of the parquet directory ``src`` but ``ids``, in their order, written to ``dest``."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    data = ds.dataset(str(src), format="parquet")
+    keep = ~ds.field("id").isin(pa.array(sorted(ids), pa.string()))
+    ds.write_dataset(data.scanner(filter=keep), str(dest), format="parquet", preserve_order=True)
+    return dest
 
 
 def _short(sha: str | None) -> str:
     return sha[:12] if sha else "none (no exclusion)"
 
 
-def filter_takedown(filt: Manifest, applied: TakedownList) -> dict:
-    """The filter stage's ``extra.takedown`` ({} when it recorded none). It must have applied the list this stage
-    applies: an exclusion added between the two would let its new docs into this version (TokenizeError)."""
+def filter_takedown(filt: Manifest) -> dict:
+    """The ``extra.takedown`` of the filter stage of ``filt``'s run ({} when it recorded none)."""
     from pipelines.manifest import lineage
 
     at = filt.path if filt.stage == "filter" else lineage(filt.path).get("filter")
-    rec = load_manifest(at).extra.get("takedown", {}) if at else {}
-    if "list_sha256" in rec and rec["list_sha256"] != applied.sha256:
-        raise TokenizeError(f"data.exclusions ({applied.path}) changed after the filter stage ({at}) applied it "
-                            f"(sha256 {_short(rec['list_sha256'])} there, {_short(applied.sha256)} now): its new docs "
-                            "were not checked against the new exclusions, so nothing is published; run the curation "
-                            "again (its filter stage applies the current list)")
-    return rec
+    return load_manifest(at).extra.get("takedown", {}) if at else {}
+
+
+def late_takedown(filt: Manifest, applied: TakedownList, by_filter: dict) -> dict[str, int]:
+    """The new docs that ``applied`` takes when the filter stage of the run applied another list (an exclusion
+    landed between the two stages), id → exclusion index: this stage leaves them out itself, so the version it
+    records ``applied`` for holds none of it (and a retry of this stage alone needs no new filter result); {} when
+    the filter stage applied this list."""
+    if not applied.exclusions or recorded_sha256(by_filter) == applied.sha256:
+        return {}
+    import pyarrow.dataset as ds
+
+    data = ds.dataset(str(filt.output("kept")), format="parquet")
+    t = data.to_table(columns=[c for c in ("id", "source", "url") if c in data.schema.names])
+    late = {i: k for k, part in split_by_exclusion(t, applied.exclusions) for i in part.column("id").to_pylist()}
+    print(f"tokenize: data.exclusions ({applied.path}) changed after the filter stage applied it (sha256 "
+          f"{_short(recorded_sha256(by_filter))} there, {_short(applied.sha256)} now): this stage applies the "
+          f"current list to the new docs itself, {len(late)} left out", flush=True)
+    return late
 
 
 def check_still_current(applied: TakedownList, now: str | None) -> None:
     """The list this stage applied must still be the list when its corpus version is published."""
     if now != applied.sha256:
-        raise TokenizeError(f"data.exclusions ({applied.path}) changed while the tokenize stage ran (sha256 "
-                            f"{_short(applied.sha256)} applied, {_short(now)} now): this corpus version could hold "
-                            "docs of the new exclusion, so nothing is published; run the curation again (its filter "
-                            "and tokenize stages apply the current list)")
+        raise ListChanged(f"data.exclusions ({applied.path}) changed while the tokenize stage ran (sha256 "
+                          f"{_short(applied.sha256)} applied, {_short(now)} now): this corpus version could hold docs "
+                          "of the new exclusion, so nothing is published; run the stage again (the task's retry "
+                          "does, exit 75): it applies the current list")
 
 
 def taken_down(corpus: Manifest | None, exclusions: tuple) -> tuple[dict, dict]:

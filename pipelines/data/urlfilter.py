@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 from urllib.parse import unquote_plus, urlsplit
@@ -133,26 +133,60 @@ def host_of(url: Optional[str]) -> Optional[str]:
     return parts[0] if parts else None
 
 
-def _under(host: str, domains: frozenset[str], start: int = 0) -> bool:
-    """``host``, or a domain it is under, is in ``domains`` (``start=1``: only the domains it is under)."""
-    for _ in range(start):
-        host = host.partition(".")[2]
-    while host:
-        if host in domains:
+def _under(host: str, domains: frozenset[str], most_labels: int, start: int = 0) -> bool:
+    """``host``, or a domain it is under, is in ``domains``, whose entries have at most ``most_labels`` labels
+    (``start=1``: only the domains it is under). Only the host's last ``most_labels`` labels are looked up, found
+    from the right: the WHATWG parser takes a host of any length (``'a.' * 50_000``), and a domain of k labels is
+    only ever the host's last k."""
+    cut = len(host)
+    for _ in range(most_labels):
+        cut = host.rfind(".", 0, cut)
+        if cut < 0:  # no more dots: the host itself is left
+            return not start and host in domains
+        if host[cut + 1:] in domains:
             return True
-        host = host.partition(".")[2]
     return False
 
 
-def path_keys(host: str, path: str, query: str) -> list[str]:
-    """The UT1 ``urls`` lines a URL matches: its host without a leading ``www.`` label, with each prefix of its path
-    that ends at a ``/`` (and the whole path), then with its path and query; %-decoded, lower-cased. A list line's
-    key is the last of its own."""
+def _most_parts(entries: frozenset[str], sep: str) -> int:
+    """The most parts (split at ``sep``) of any of ``entries``, 0 when there are none: a domain's labels, a path
+    line's segments."""
+    return max((e.count(sep) + 1 for e in entries), default=0)
+
+
+def _site_path(host: str, path: str) -> tuple[str, str]:
+    """The host without a leading ``www.`` label (as squidGuard drops it) and the path %-decoded, lower-cased,
+    without trailing slashes."""
     m = _SITE.match(host)
-    site = host[m.end():] if m else host
-    segments = decoded(path).lower().rstrip("/").split("/")
-    keys = [site + "/".join(segments[:i]) for i in range(1, len(segments) + 1)]
-    return keys + [f"{keys[-1]}?{decoded(query).lower()}"] if query else keys
+    return (host[m.end():] if m else host), decoded(path).lower().rstrip("/")
+
+
+def _with_query(key: str, query: str) -> str:
+    return f"{key}?{decoded(query).lower()}"
+
+
+def path_key(host: str, path: str, query: str) -> str:
+    """A UT1 ``urls`` line's key (of the line read as a URL): its host without a leading ``www.`` label, then its
+    path and query, %-decoded, lower-cased."""
+    site, p = _site_path(host, path)
+    return _with_query(site + p, query) if query else site + p
+
+
+def path_keys(host: str, path: str, query: str, most_segments: int) -> list[str]:
+    """The UT1 ``urls`` lines (:func:`path_key`) of at most ``most_segments`` path segments (a key's slashes + 1)
+    that a URL matches: its host without a leading ``www.`` label with each prefix of its path that ends at a ``/``
+    (and the whole path), then with its path and query. Built prefix by prefix and no further than
+    ``most_segments``: a path can have any number of segments (``'/a' * 20_000``), no line has more."""
+    site, p = _site_path(host, path)
+    keys: list[str] = []
+    at = -1
+    while len(keys) < most_segments:
+        at = p.find("/", at + 1)
+        if at < 0:  # the whole path: it has no more segments than a line
+            keys.append(site + p)
+            return keys + [_with_query(keys[-1], query)] if query else keys
+        keys.append(site + p[:at])
+    return keys
 
 
 @dataclass(frozen=True)
@@ -162,7 +196,13 @@ class UrlRules:
     banned_words: frozenset[str]
     allowed: frozenset[str]
     under: frozenset[str] = frozenset()  # `*.domain` lines: every host under the domain, not the domain
-    paths: frozenset[str] = frozenset()  # UT1 `urls` lines, as path_keys gives them
+    paths: frozenset[str] = frozenset()  # UT1 `urls` lines, as path_key gives them
+    # (most labels of blocked, under, allowed; most segments of paths): how far into a host or a path to look
+    depth: tuple[int, int, int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "depth", (_most_parts(self.blocked, "."), _most_parts(self.under, "."),
+                                           _most_parts(self.allowed, "."), _most_parts(self.paths, "/")))
 
     def check(self, url: Optional[str]) -> tuple[Optional[str], bool]:
         """(``url:<rule>`` or None, whether the allow list kept a URL a rule would remove)."""
@@ -171,12 +211,13 @@ class UrlRules:
             return None, False
         host, path, query = parts
         rule = None
-        if _under(host, self.blocked) or (self.under and _under(host, self.under, 1)) or \
-                (self.paths and not self.paths.isdisjoint(path_keys(host, path, query))):
+        blocked, under, allowed, segments = self.depth
+        if _under(host, self.blocked, blocked) or _under(host, self.under, under, 1) or \
+                (self.paths and not self.paths.isdisjoint(path_keys(host, path, query, segments))):
             rule = "url:blocklist"
         elif not self.banned_words.isdisjoint(_WORD.findall(decoded(f"{host} {path} {query}").lower())):
             rule = "url:banned_word"
-        if rule and _under(host, self.allowed):
+        if rule and _under(host, self.allowed, allowed):
             return None, True
         return rule, False
 
@@ -217,7 +258,7 @@ def parse_line(text: str) -> tuple[str, list[str]]:
             p = parse_url(f"http://{host}/{path}", attributes=("pathname", "search"))
         except ValueError:
             raise ValueError("not a host/path line") from None
-        return "paths", [path_keys(host, p["pathname"], p["search"][1:])[-1]]
+        return "paths", [path_key(host, p["pathname"], p["search"][1:])]
     return "blocked", [_host_or_refuse(text[1:] if text.startswith(".") else text)]
 
 
