@@ -96,11 +96,15 @@ build() {
     args+=(--volume "$(realpath "$HOST_WHEELS"):/run/host-wheels:ro" --build-arg HOST_WHEELS=/run/host-wheels)
   fi
   echo "image: building $IMAGE ($flavour torch, revision $rev)"
-  local start=$SECONDS
+  local start=$SECONDS lock created
+  lock=$(sha256sum requirements.lock | cut -d' ' -f1); created=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  # the changing labels go as --label too: podman 4.3's layer cache ignores build-arg values in a LABEL step, so a
+  # commit that changes no copied file would otherwise keep the previous revision's labels
   podman build --pull=never -f infra/image/Containerfile --iidfile "$OUT/iid-$flavour" "${args[@]}" \
     --build-arg TORCH_INDEX="${TORCH_INDEX:-}" --build-arg FLAVOUR="$flavour" --build-arg REVISION="$rev" \
-    --build-arg LOCK_SHA256="$(sha256sum requirements.lock | cut -d' ' -f1)" \
-    --build-arg CREATED="$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
+    --build-arg LOCK_SHA256="$lock" --build-arg CREATED="$created" \
+    --label org.opencontainers.image.revision="$rev" --label org.opencontainers.image.created="$created" \
+    --label io.llm-pipeline.lock.sha256="$lock" --label io.llm-pipeline.torch="$flavour" \
     -t "$IMAGE:latest" -t "$IMAGE:$rev" -t "$IMAGE:$flavour" .
   local size
   size=$(podman image inspect --format '{{.Size}}' "$(cat "$OUT/iid-$flavour")")
