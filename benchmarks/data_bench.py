@@ -30,8 +30,10 @@ core too. ``--no-pin`` measures unpinned.
   peak RSS per stage of the driver (the stage's Python process) and of the executors (the JVM, which in local mode
   holds the executor threads, and the Python workers, summed), sampled every 0.2 s. The fixed start of a stage (JVM,
   imports) weighs on 1×; the table also gives each stage's marginal cost per GB (the slope from 4× to 16×).
+* **Filters beside DataTrove** (``--only filters``): the filter stage and DataTrove's pipeline of the same rules on
+  the 16× corpus with URLs, docs/s, s/GB and agreement per rule (``benchmarks/filter_bench.py`` says how).
 
-    python benchmarks/data_bench.py [--copies 30] [--warc-copies 8] [--no-pin] [--only ends|scale|incremental|growth]
+    python benchmarks/data_bench.py [--copies 30] [--warc-copies 8] [--no-pin] [--only ends|scale|incremental|growth|filters]
         → var/bench/data.json
 """
 from __future__ import annotations
@@ -46,6 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -54,10 +57,11 @@ if str(ROOT) not in sys.path:
 from pipelines.manifest import atomic_write_text  # noqa: E402
 
 
-def jsonl_corpus(dest: Path, copies: int, files: int = 8, unique: bool = False) -> int:
+def jsonl_corpus(dest: Path, copies: int, files: int = 8, unique: bool = False,
+                 urls: Optional[Callable[[int, int, str], str]] = None) -> int:
     """The bundled samples ``copies`` times, a copy tag in every doc (near-duplicates of each other), or with
     ``unique`` each copy after the first with its words shuffled per doc (as many distinct docs, of the same lengths
-    and words)."""
+    and words). ``urls(n, copy, original url)`` gives each doc a ``url``."""
     import random
 
     docs = [json.loads(x) for f in ("c4_en_train_1k.jsonl.gz", "cc_wet_2019_30_sample.jsonl.gz")
@@ -71,7 +75,10 @@ def jsonl_corpus(dest: Path, copies: int, files: int = 8, unique: bool = False) 
                 words = text.split(" ")
                 random.Random(c * 1_000_003 + i).shuffle(words)
                 text = " ".join(words)
-            outs[n % files].write(json.dumps({"id": f"c{c}-{i}", "text": f"[copy {c}] {text}"}) + "\n")
+            row = {"id": f"c{c}-{i}", "text": f"[copy {c}] {text}"}
+            if urls:
+                row["url"] = urls(n, c, d.get("url") or (d.get("metadata") or {}).get("warc_url") or "")
+            outs[n % files].write(json.dumps(row) + "\n")
             n += 1
     for f in outs:
         f.close()
@@ -384,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="copies of the samples, each its words shuffled, for the incremental dedup (default 40)")
     ap.add_argument("--growth-copies", type=int, default=2,
                     help="copies of the samples at 1× for the cost-growth table (default 2; 16× is 32 copies)")
-    ap.add_argument("--only", choices=["ends", "scale", "incremental", "growth"], action="append",
+    ap.add_argument("--filter-copies", type=int, default=0,
+                    help="copies of the samples for --only filters (default 0: 16 × --growth-copies, the 16× corpus)")
+    ap.add_argument("--only", choices=["ends", "scale", "incremental", "growth", "filters"], action="append",
                     help="run only these parts (repeatable; default: all)")
     ap.add_argument("--child", nargs=2, metavar=("MASTER", "WORK"), help=argparse.SUPPRESS)
     ap.add_argument("--cluster-child", nargs=3, metavar=("MASTER", "WORK", "WHICH"), help=argparse.SUPPRESS)
@@ -393,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         return child(*args.child, pin=not args.no_pin)
     if args.cluster_child:
         return cluster_child(*args.cluster_child)
-    parts = args.only or ["ends", "scale", "incremental", "growth"]
+    parts = args.only or ["ends", "scale", "incremental", "growth", "filters"]
     work = Path(tempfile.mkdtemp(prefix="data-bench-", dir="/var/tmp"))  # not under /tmp: the nodes have their own
     result: dict = {}
     try:
@@ -408,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         if "growth" in parts:
             (work / "growth").mkdir()
             result["growth"] = run_growth(args, work / "growth")
+        if "filters" in parts:
+            import filter_bench
+
+            result["filters"] = filter_bench.run(args, work / "filters", jsonl_corpus, measured_run)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if "ends" in parts:
@@ -416,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         print(scale_table(result))
     if "growth" in parts:
         print(growth_table(result))
+    if "filters" in parts:
+        print(filter_bench.table(result["filters"]))
     atomic_write_text(args.out, json.dumps(result, indent=2))
     print(f"\nwritten {args.out}")
     return 0

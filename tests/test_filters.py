@@ -96,3 +96,97 @@ def test_real_docs_from_the_shared_corpora():
     assert len(langs) >= 10  # the raw crawl really is multilingual
     assert sum(r is None for r, _ in out) < 0.5 * len(out)  # raw web text: most of it goes
     assert sum(r == "language" for r, _ in out) > 100
+
+
+# ----------------------------------------------------------------------------- the fast paths against their definitions
+# The per-doc steps count with numpy and over distinct words; these are the plain per-word definitions they must equal.
+def ref_top_share(words: list[str], n: int) -> float:
+    """Chars of the most frequent n-gram (Counter.most_common: the first seen among equals) × its count."""
+    from collections import Counter
+
+    if len(words) < n:
+        return 0.0
+    gram, count = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1)).most_common(1)[0]
+    return sum(len(w) for w in gram) * count / max(1, sum(len(w) for w in words))
+
+
+def ref_dup_share(words: list[str], n: int) -> float:
+    """Share of word chars covered by an n-gram that occurred earlier."""
+    if len(words) < n:
+        return 0.0
+    seen, dup = set(), [False] * len(words)
+    for i in range(len(words) - n + 1):
+        g = tuple(words[i:i + n])
+        if g in seen:
+            dup[i:i + n] = [True] * n
+        seen.add(g)
+    return sum(len(w) for w, d in zip(words, dup) if d) / max(1, sum(len(w) for w in words))
+
+
+def ref_quality_counts(text: str) -> tuple[int, int, int, int]:
+    """Words (runs of non-space), words with a letter, stop words (lowered, stripped), and the symbol count."""
+    import re
+
+    words = re.findall(r"\S+", text)
+    alpha = sum(bool(re.search(r"[^\W\d_]", w)) for w in words)
+    stop = sum(w.lower().strip(".,;:!?\"'()") in F.STOP_WORDS for w in words)
+    sym = sum(w.count("#") + w.count("...") + w.count("…") for w in words)
+    return len(words), alpha, stop, sym
+
+
+def tricky_docs(k: int = 600) -> list[str]:
+    """Few distinct words (ties, repeats), letters only under case folding, digits of other scripts, symbols."""
+    import random
+
+    rng = random.Random(5)
+    vocab = ["the", "The", "THE.", "(the)", "'to'", "wİth", "İs", "a", "b", "c", "12", "٣٤", "#x", "...", "…", "a...",
+             "_", "x_1", "é", "da\u0301", "ﬁ", "K", "Ⅻ", "ⓐ", "—", "[1]", "x" * 1200, "\u00a0", "\u2003"]
+    out = []
+    for _ in range(k):
+        v = vocab[:rng.randint(2, len(vocab))]
+        out.append("".join(rng.choice(v) + rng.choice([" ", " ", "\n", "\n\n", "\t", "\u00a0", "\x1c"])
+                           for _ in range(rng.randint(0, 300))))
+    return out
+
+
+def test_ngram_shares_equal_their_definitions_on_real_and_tricky_docs():
+    docs = [d["text"] for d in c4_docs(200)] + tricky_docs()
+    for text in docs:
+        doc = F.Doc(text)
+        words = [w.lower() for w in text.split()]
+        assert doc.lower_words == words
+        grams = F.NGrams(doc.lower_words, doc.word_counts)
+        for n in range(1, 12):
+            assert grams.top_share(n) == ref_top_share(words, n), (n, text[:80])
+            assert grams.dup_share(n) == ref_dup_share(words, n), (n, text[:80])
+
+
+def test_gopher_quality_counts_equal_their_definitions():
+    """The counts the step compares, taken per distinct word and from the text, equal the per-word ones; the rule a
+    doc fails names the same reason as a step written per word would."""
+    g = only("gopher_quality").gopher_quality
+    for text in [d["text"] for d in c4_docs(200)] + tricky_docs():
+        n, alpha, stop, sym = ref_quality_counts(text)
+        doc = F.Doc(text)
+        assert len(doc.words) == n
+        counts = doc.word_counts
+        assert sum(counts[w] for w in F._NO_LETTER_RE.findall("\n".join(counts))) == n - alpha
+        assert sum(c for w, c in counts.items() if w.strip(F.STOP_STRIP) in F.STOP_WORDS) == stop
+        assert text.count("#") + text.count("...") + text.count("…") == sym
+        if g.min_words <= n and n - alpha > (1 - g.min_alpha_words_ratio) * n and stop >= g.stop_words_min:
+            assert F.gopher_quality(doc, g) in ("gopher_quality.alpha_words", "gopher_quality.mean_word_len",
+                                                "gopher_quality.symbol_ratio", "gopher_quality.bullet_lines",
+                                                "gopher_quality.ellipsis_lines", "gopher_quality.word_count")
+
+
+def test_the_repetition_step_stops_early_only_where_no_larger_n_can_fail():
+    """dup_share never grows with n (a repeated n-gram's two (n-1)-grams are repeated), so the step skips an n whose
+    threshold is at least a smaller n's share; with thresholds that grow with n, a large n still fails."""
+    text = " ".join(f"w{i}" for i in range(40)) + " " + " ".join(f"w{i}" for i in range(12))
+    words = text.split()
+    shares = [ref_dup_share(words, n) for n in range(1, 14)]
+    assert all(a >= b for a, b in zip(shares, shares[1:]))
+    cfg = load_spec(None, ["data.filters.steps=[gopher_repetition]",
+                           "data.filters.gopher_repetition.top_ngram_max_share={}",
+                           "data.filters.gopher_repetition.dup_ngram_max_share={5: 0.9, 10: 0.1}"], env={}).data.filters
+    assert F.filter_reason(text, cfg) == "gopher_repetition.dup_10gram"

@@ -29,7 +29,9 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
+
+import numpy as np
 
 from pipelines.data import pii
 from pipelines.data.pii import KINDS as PII_KINDS
@@ -44,24 +46,44 @@ POLICY_SUBSTRINGS = ("terms of use", "privacy policy", "cookie policy", "uses co
                      "use cookies")
 _CITATION_RE = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]")
 _SENTENCE_RE = re.compile(r"[^.!?]+[.!?]+")
-_WORD_RE = re.compile(r"\S+")
-_ALPHA_RE = re.compile(r"[^\W\d_]")
+_NO_LETTER_RE = re.compile(r"^(?:[^\w\n]|[\d_])+$", re.M)  # a line with no letter ([^\W\d_]: a word char, not a digit or _)
+STOP_STRIP = ".,;:!?\"'()"
 
 
 @dataclass
 class Doc:
-    """A doc as the steps see it; ``text`` may be rewritten by a step (C4 drops lines)."""
+    """A doc as the steps see it; ``text`` may be rewritten by a step (C4 drops lines). Its words, lines and word
+    counts are computed once per text and shared by the steps."""
 
     text: str
     info: dict = field(default_factory=dict)
+    _views: dict = field(default_factory=dict, repr=False)  # views of ``_views["text"]``; a new text drops them
+
+    def _view(self, name: str, make: Callable[[str], object]):
+        if self._views.get("text") is not self.text:
+            self._views = {"text": self.text}
+        if name not in self._views:
+            self._views[name] = make(self.text)
+        return self._views[name]
 
     @property
     def words(self) -> list[str]:
-        return _WORD_RE.findall(self.text)
+        """Runs of non-whitespace (``str.split``: the same whitespace as ``\\s``)."""
+        return self._view("words", str.split)
+
+    @property
+    def lower_words(self) -> list[str]:
+        """Each word lower-cased (lower-casing makes and removes no whitespace)."""
+        return self._view("lower_words", lambda t: t.lower().split())
+
+    @property
+    def word_counts(self) -> Counter:
+        """The lower-cased words and how often each occurs, in order of first occurrence."""
+        return self._view("word_counts", lambda t: Counter(self.lower_words))
 
     @property
     def lines(self) -> list[str]:
-        return [ln for ln in self.text.split("\n") if ln.strip()]
+        return self._view("lines", lambda t: [ln for ln in t.split("\n") if ln.strip()])
 
 
 Step = Callable[[Doc, object], Optional[str]]
@@ -98,27 +120,46 @@ def _dup_stats(items: list[str]) -> tuple[int, int]:
     return n, chars
 
 
-def _top_ngram_share(words: list[str], n: int) -> float:
-    if len(words) < n:
-        return 0.0
-    grams = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
-    gram, count = grams.most_common(1)[0]
-    return sum(len(w) for w in gram) * count / max(1, sum(len(w) for w in words))
+class NGrams:
+    """The n-grams of a word list, numbered exactly: ``level(n)[i]`` is the same number for the same n-gram at any
+    two positions. Level 1 numbers the words; level n numbers the pairs (level n-1's id at i, word id at i+n-1) by
+    ``np.unique``: no hashing, so no collision, and one C pass per level instead of a tuple per n-gram. The shares
+    below equal the per-n-gram Python definitions (tests/test_filters.py holds them as the reference)."""
 
+    def __init__(self, words: list[str], distinct: Iterable[str] | None = None):
+        index = {w: i for i, w in enumerate(dict.fromkeys(words) if distinct is None else distinct)}
+        self.words = np.fromiter(map(index.__getitem__, words), np.int64, len(words))
+        self.chars = np.concatenate(([0], np.cumsum(np.fromiter(map(len, words), np.int64, len(words)))))
+        self._levels: dict[int, tuple] = {}  # n → (ids per position, first position of each id, count of each id)
 
-def _dup_ngram_share(words: list[str], n: int) -> float:
-    if len(words) < n:
-        return 0.0
-    seen: set[tuple] = set()
-    dup = bytearray(len(words))
-    for i in range(len(words) - n + 1):
-        g = tuple(words[i:i + n])
-        if g in seen:
-            dup[i:i + n] = b"\x01" * n
-        else:
-            seen.add(g)
-    total = sum(len(w) for w in words)
-    return sum(len(w) for w, d in zip(words, dup) if d) / max(1, total)
+    def _level(self, n: int) -> tuple:
+        if n not in self._levels:
+            key = self.words if n == 1 else self._level(n - 1)[0][:-1] * (len(self.words) + 1) + self.words[n - 1:]
+            _, first, ids, counts = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
+            self._levels[n] = (ids.reshape(-1), first, counts)
+        return self._levels[n]
+
+    def top_share(self, n: int) -> float:
+        """Chars of the most frequent n-gram (the first seen among equals) × its count, over all word chars."""
+        if not 1 <= n <= len(self.words):
+            return 0.0
+        _, first, counts = self._level(n)
+        top = counts.max()
+        i = first[counts == top].min()
+        return float((self.chars[i + n] - self.chars[i]) * top) / max(1, int(self.chars[-1]))
+
+    def dup_share(self, n: int) -> float:
+        """Share of word chars inside an n-gram seen earlier in the doc."""
+        words = len(self.words)
+        if not 1 <= n <= words:
+            return 0.0
+        ids, first, _ = self._level(n)
+        repeat = (first[ids] != np.arange(len(ids))).astype(np.int64)
+        edge = np.zeros(words + 1, np.int64)
+        edge[:len(ids)] += repeat
+        edge[n:n + len(ids)] -= repeat
+        covered = np.cumsum(edge[:words]) > 0
+        return float(np.diff(self.chars)[covered].sum()) / max(1, int(self.chars[-1]))
 
 
 def gopher_repetition(doc: Doc, c) -> Optional[str]:
@@ -137,34 +178,41 @@ def gopher_repetition(doc: Doc, c) -> Optional[str]:
             return "gopher_repetition.dup_para_ratio"
         if chars / max(1, len(text)) > c.max_dup_para_char_ratio:
             return "gopher_repetition.dup_para_char_ratio"
-    words = [w.lower() for w in doc.words]
+    grams = NGrams(doc.lower_words, doc.word_counts)
     for n, thr in sorted(c.top_ngram_max_share.items()):
-        if _top_ngram_share(words, int(n)) > thr:
+        if grams.top_share(int(n)) > thr:
             return f"gopher_repetition.top_{n}gram"
+    bound = float("inf")  # the share at a smaller n: a repeated n-gram's (n-1)-grams are repeated, so no larger
     for n, thr in sorted(c.dup_ngram_max_share.items()):
-        if _dup_ngram_share(words, int(n)) > thr:
+        if bound <= thr:
+            continue
+        share = grams.dup_share(int(n))
+        if share > thr:
             return f"gopher_repetition.dup_{n}gram"
+        bound = min(bound, share)
     return None
 
 
 # ----------------------------------------------------------------------------- gopher quality
 def gopher_quality(doc: Doc, c) -> Optional[str]:
-    words, lines = doc.words, doc.lines
+    words, lines, text = doc.words, doc.lines, doc.text
     if not c.min_words <= len(words) <= c.max_words:
         return "gopher_quality.word_count"
-    mean = sum(len(w) for w in words) / len(words)
+    mean = sum(map(len, words)) / len(words)
     if not c.min_mean_word_len <= mean <= c.max_mean_word_len:
         return "gopher_quality.mean_word_len"
-    sym = sum(w.count("#") + w.count("...") + w.count("…") for w in words)
+    sym = text.count("#") + text.count("...") + text.count("…")  # = per word: none of them spans whitespace
     if sym / len(words) > c.max_symbol_word_ratio:
         return "gopher_quality.symbol_ratio"
     if lines and sum(ln.lstrip().startswith(BULLETS) for ln in lines) / len(lines) > c.max_bullet_lines_ratio:
         return "gopher_quality.bullet_lines"
     if lines and sum(ln.rstrip().endswith(("...", "…")) for ln in lines) / len(lines) > c.max_ellipsis_lines_ratio:
         return "gopher_quality.ellipsis_lines"
-    if sum(bool(_ALPHA_RE.search(w)) for w in words) / len(words) < c.min_alpha_words_ratio:
+    counts = doc.word_counts  # each distinct word once (lower-casing keeps a letter a letter, a non-letter not)
+    no_letter = sum(counts[w] for w in _NO_LETTER_RE.findall("\n".join(counts)))  # one pass, no word has a \n
+    if (len(words) - no_letter) / len(words) < c.min_alpha_words_ratio:
         return "gopher_quality.alpha_words"
-    if sum(w.lower().strip(".,;:!?\"'()") in STOP_WORDS for w in words) < c.stop_words_min:
+    if sum(n for w, n in counts.items() if w.strip(STOP_STRIP) in STOP_WORDS) < c.stop_words_min:
         return "gopher_quality.stop_words"
     return None
 
@@ -173,12 +221,13 @@ def gopher_quality(doc: Doc, c) -> Optional[str]:
 def c4(doc: Doc, c) -> Optional[str]:
     kept, sentences, dropped = [], 0, 0
     for raw in doc.text.split("\n"):
-        line = _CITATION_RE.sub("", raw.strip())
+        line = raw.strip()
+        line = _CITATION_RE.sub("", line) if "[" in line else line
         if not line:
             continue
         words = line.split()
         low = line.lower()
-        if any(len(w) > c.max_word_length for w in words):
+        if len(line) > c.max_word_length and max(map(len, words)) > c.max_word_length:
             dropped += 1
             continue
         if c.drop_no_terminal_punct_lines and (not line.endswith(END_PUNCT) or line.endswith("...")):
