@@ -289,8 +289,9 @@ def measured_run(cmd: list[str], env: dict) -> dict:
 
     import psutil
 
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a child that writes much never blocks on a full pipe
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     peak = {"driver_mb": 0.0, "jvm_mb": 0.0, "workers_mb": 0.0}
     root = psutil.Process(p.pid)
     while p.poll() is None:
@@ -311,7 +312,10 @@ def measured_run(cmd: list[str], env: dict) -> dict:
                 continue
         peak["jvm_mb"], peak["workers_mb"] = max(peak["jvm_mb"], jvm), max(peak["workers_mb"], workers)
         time.sleep(0.2)
-    out = p.communicate()[0]
+    p.wait()
+    log.seek(0)
+    out = log.read()
+    log.close()
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} failed ({p.returncode}):\n{out[-3000:]}")
     return {"s": round(time.perf_counter() - t, 2), **{k: round(v) for k, v in peak.items()}}

@@ -150,7 +150,8 @@ def run(args, work: Path, jsonl_corpus, measured_run) -> dict:
     cmd = [sys.executable, "-m", "pipelines.data.filter", "--output", str(ours), "--input-manifest",
            str(prev / "manifest.json"), *sets, "--set", f"data.filters.steps=[{','.join(STEPS)}]",
            "--set", f"data.filters.url_blocklist={work / 'blocklist.txt'}"]
-    res = {"corpus": {"copies": copies, "docs": docs, "gb": round(gb, 4), "docs_in": n_in}}
+    res = {"corpus": {"copies": copies, "docs": docs, "gb": round(gb, 4), "docs_in": n_in},
+           "cpus": sorted(os.sched_getaffinity(0))}
     res["ours"] = measured_run(cmd, env)
     print(f"filters: ours {res['ours']}", flush=True)
     theirs = work / "dt-out"
@@ -171,8 +172,8 @@ def table(r: dict) -> str:
     c, o, d = r["corpus"], r["ours"], r["datatrove"]
     ours_rate, dt_rate = c["docs_in"] / o["s"], c["docs_in"] / d["s"]
     lines = [f"Filter stage on {c['docs_in']:,} docs (dedup's kept of {c['docs']:,}: {c['copies']} copies of the "
-             f"samples, {c['gb'] * 1000:.0f} MB of JSONL), the language step off on both sides, same 2 cores, one run:",
-             "",
+             f"samples, {c['gb'] * 1000:.0f} MB of JSONL), the language step off on both sides, on CPUs {r['cpus']}, "
+             "one run. PII: ours e-mail, IP and phone numbers, DataTrove's formatter e-mail and IP only:", "",
              "| measure | ours (filter stage, local[2]) | DataTrove 0.10.1 (2 tasks, 2 workers) | ours / DataTrove | "
              "target |", "|---|---|---|---|---|",
              f"| wall s | {o['s']} | {d['s']} | | |",

@@ -204,6 +204,13 @@ class GopherRepetitionCfg(_Section):
     dup_ngram_max_share: dict[int, float] = Field(
         default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
 
+    @field_validator("top_ngram_max_share", "dup_ngram_max_share")
+    @classmethod
+    def _n_at_least_one(cls, v: dict[int, float]) -> dict[int, float]:
+        if any(n < 1 for n in v):
+            raise ValueError(f"n-gram sizes must be 1 or more, got {sorted(v)}")
+        return v
+
 
 class C4Cfg(_Section):
     """C4 rules (Raffel et al. 2020), as DataTrove's C4QualityFilter applies them: bad lines are

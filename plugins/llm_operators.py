@@ -173,8 +173,10 @@ def exit_failure(module: str, code: int, tail: Sequence[str] = ()) -> AirflowExc
     if code == USER_ERROR:
         return AirflowFailException(f"{module} rejected its input (exit {USER_ERROR}):\n{text}")
     if code == RETRY:
+        resumes = "from the newest committed checkpoint" if module.startswith("pipelines.train") else \
+            "where this attempt left off (done work is reused)"
         return AirflowException(f"{module} exited {RETRY}: preempted or an infrastructure failure; the task's "
-                                f"retry resumes from the newest committed checkpoint:\n{text}")
+                                f"retry resumes {resumes}:\n{text}")
     if code != 0:
         return AirflowException(f"{module} exited with {code}:\n{text}")
     return None

@@ -190,3 +190,29 @@ def test_the_repetition_step_stops_early_only_where_no_larger_n_can_fail():
                            "data.filters.gopher_repetition.top_ngram_max_share={}",
                            "data.filters.gopher_repetition.dup_ngram_max_share={5: 0.9, 10: 0.1}"], env={}).data.filters
     assert F.filter_reason(text, cfg) == "gopher_repetition.dup_10gram"
+
+
+def test_a_line_left_blank_by_citation_removal_is_dropped_not_a_crash():
+    """'[1]' + 1,001 spaces + '[2]': longer than the longest word allowed, no word once the citations go."""
+    text = "[1]" + " " * 1001 + "[2]\n" + "A fine sentence here. " * 6
+    reason, doc = F.apply_filters(text, only("c4"))
+    assert reason is None and doc.info["c4_lines_dropped"] == 1 and "[1]" not in doc.text
+
+
+def test_ngram_sizes_below_one_are_refused_by_the_spec_and_levels_restart_for_a_smaller_n():
+    import pydantic
+    import pytest
+
+    for key in ("top_ngram_max_share", "dup_ngram_max_share"):
+        with pytest.raises(pydantic.ValidationError, match="n-gram sizes must be 1 or more"):
+            FilterCfg.model_validate({"gopher_repetition": {key: {0: 0.5, 5: 0.15}}})
+    words = "a b a b c a b a b c d".split()
+    grams = F.NGrams(words)
+    later = [grams.dup_share(5), grams.top_share(2), grams.dup_share(3)]  # 5, then back to 2 and 3
+    assert later == [ref_dup_share(words, 5), ref_top_share(words, 2), ref_dup_share(words, 3)]
+
+
+def test_no_words_and_min_words_zero_is_a_word_count_removal():
+    cfg = load_spec(None, ["data.filters.steps=[gopher_quality]", "data.filters.gopher_quality.min_words=0"],
+                    env={}).data.filters
+    assert F.filter_reason("   \n ", cfg) == "gopher_quality.word_count"

@@ -145,6 +145,10 @@ def test_the_operator_fails_a_task_retryably_except_for_a_user_error(code, retri
     assert isinstance(exc, AirflowException) and "last line" in str(exc)
     assert isinstance(exc, AirflowFailException) is not retried
     assert ops.exit_failure("pipelines.train.launch", 0) is None
+    if code == xc.RETRY:  # what the retry resumes from, in the stage's own terms
+        assert "newest committed checkpoint" in str(exc)
+        assert "left off" in str(ops.exit_failure("pipelines.data.tokenize", code)) \
+            and "checkpoint" not in str(ops.exit_failure("pipelines.data.tokenize", code))
 
 
 class _Log:

@@ -46,7 +46,7 @@ POLICY_SUBSTRINGS = ("terms of use", "privacy policy", "cookie policy", "uses co
                      "use cookies")
 _CITATION_RE = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]")
 _SENTENCE_RE = re.compile(r"[^.!?]+[.!?]+")
-_NO_LETTER_RE = re.compile(r"^(?:[^\w\n]|[\d_])+$", re.M)  # a line with no letter ([^\W\d_]: a word char, not a digit or _)
+_NO_LETTER_RE = re.compile(r"^(?:[^\w\n]|[\d_])++$", re.M)  # a line with no letter ([^\W\d_]: a word char, not a digit or _)
 STOP_STRIP = ".,;:!?\"'()"
 
 
@@ -58,6 +58,7 @@ class Doc:
     text: str
     info: dict = field(default_factory=dict)
     _views: dict = field(default_factory=dict, repr=False)  # views of ``_views["text"]``; a new text drops them
+    # (the views are shared by the steps: read them, never change them in place)
 
     def _view(self, name: str, make: Callable[[str], object]):
         if self._views.get("text") is not self.text:
@@ -121,23 +122,26 @@ def _dup_stats(items: list[str]) -> tuple[int, int]:
 
 
 class NGrams:
-    """The n-grams of a word list, numbered exactly: ``level(n)[i]`` is the same number for the same n-gram at any
-    two positions. Level 1 numbers the words; level n numbers the pairs (level n-1's id at i, word id at i+n-1) by
-    ``np.unique``: no hashing, so no collision, and one C pass per level instead of a tuple per n-gram. The shares
-    below equal the per-n-gram Python definitions (tests/test_filters.py holds them as the reference)."""
+    """The n-grams of a word list, numbered exactly: at level n, equal n-grams have equal ids. Level 1 numbers the
+    words; level n numbers the pairs (level n-1's id at i, word id at i+n-1) by ``np.unique``: no hashing, so no
+    collision, and one C pass per level instead of a tuple per n-gram. Only the newest level is kept (the steps ask
+    for n in rising order; a smaller n starts again from the words). The shares equal the per-n-gram Python
+    definitions (tests/test_filters.py holds them as the reference)."""
 
     def __init__(self, words: list[str], distinct: Iterable[str] | None = None):
         index = {w: i for i, w in enumerate(dict.fromkeys(words) if distinct is None else distinct)}
         self.words = np.fromiter(map(index.__getitem__, words), np.int64, len(words))
         self.chars = np.concatenate(([0], np.cumsum(np.fromiter(map(len, words), np.int64, len(words)))))
-        self._levels: dict[int, tuple] = {}  # n → (ids per position, first position of each id, count of each id)
+        self._n, self._at = 0, ()  # the newest level: n, (ids per position, first position of each id, its count)
 
     def _level(self, n: int) -> tuple:
-        if n not in self._levels:
-            key = self.words if n == 1 else self._level(n - 1)[0][:-1] * (len(self.words) + 1) + self.words[n - 1:]
+        if n < self._n:
+            self._n, self._at = 0, ()
+        while self._n < n:
+            key = self.words if not self._n else self._at[0][:-1] * (len(self.words) + 1) + self.words[self._n:]
             _, first, ids, counts = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
-            self._levels[n] = (ids.reshape(-1), first, counts)
-        return self._levels[n]
+            self._n, self._at = self._n + 1, (ids.reshape(-1), first, counts)
+        return self._at
 
     def top_share(self, n: int) -> float:
         """Chars of the most frequent n-gram (the first seen among equals) × its count, over all word chars."""
@@ -196,7 +200,7 @@ def gopher_repetition(doc: Doc, c) -> Optional[str]:
 # ----------------------------------------------------------------------------- gopher quality
 def gopher_quality(doc: Doc, c) -> Optional[str]:
     words, lines, text = doc.words, doc.lines, doc.text
-    if not c.min_words <= len(words) <= c.max_words:
+    if not words or not c.min_words <= len(words) <= c.max_words:  # no word: no ratio to take (min_words 0)
         return "gopher_quality.word_count"
     mean = sum(map(len, words)) / len(words)
     if not c.min_mean_word_len <= mean <= c.max_mean_word_len:
@@ -227,7 +231,7 @@ def c4(doc: Doc, c) -> Optional[str]:
             continue
         words = line.split()
         low = line.lower()
-        if len(line) > c.max_word_length and max(map(len, words)) > c.max_word_length:
+        if len(line) > c.max_word_length and max(map(len, words), default=0) > c.max_word_length:
             dropped += 1
             continue
         if c.drop_no_terminal_punct_lines and (not line.endswith(END_PUNCT) or line.endswith("...")):
