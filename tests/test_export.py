@@ -3,6 +3,7 @@ transformers' own GGUF reader, to our token ids, our logits (fp32) and our greed
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,9 @@ def test_hf_and_gguf_exports_load_in_transformers_to_our_ids_logits_and_greedy_c
     marker = json.loads((out / "export.json").read_text())  # every file, with its digest and where it came from
     assert set(marker) == {*export.HF_FILES, "model.gguf"} and marker["model.gguf"]["format"] == "gguf"
     assert marker["config.json"]["model"] == "t-model/3" and marker["config.json"]["bytes"] == (out / "config.json").stat().st_size
+    umask = os.umask(0o022)  # (the test process's own; restored at once)
+    os.umask(umask)
+    assert {(out / n).stat().st_mode & 0o777 for n in marker} == {0o666 & ~umask}  # weights as readable as the rest
     ours, sp = load_plain_model(bpe_model), spm.SentencePieceProcessor(model_file=str(bpe_model / "tokenizer.model"))
     tok = AutoTokenizer.from_pretrained(str(out))
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]

@@ -313,6 +313,17 @@ def file_entry(path: Path, card: "CardInfo", fmt: str) -> dict:
             "format": fmt}
 
 
+def _umask() -> int:
+    """This process's umask, read without setting it (``os.umask`` would change it for every thread a moment)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
 def export(model_dir: Path, fmt: str, out: Path, card: CardInfo, gguf_dtype: str = "f32") -> list[str]:
     """Write ``fmt`` of the model in ``model_dir`` (``model_args.json``, ``tokenizer.model``, weights) into ``out``;
     returns the file names written. Each file is written in a temporary directory beside ``out``, then renamed."""
@@ -329,6 +340,9 @@ def export(model_dir: Path, fmt: str, out: Path, card: CardInfo, gguf_dtype: str
             write_gguf(model, model_dir / "tokenizer.model", tmp / GGUF_FILE, f"{card.name}-v{card.version}", gguf_dtype)
             names = [GGUF_FILE]
         marker.update({n: file_entry(tmp / n, card, fmt) for n in names})
+        mode = 0o666 & ~_umask()  # as a plain write would leave it (a library's own temp file may be 0600)
+        for n in names:
+            os.chmod(tmp / n, mode)
         (out / MARKER).unlink(missing_ok=True)  # cut short from here on, DIR holds no finished export
         for n in names:
             os.replace(tmp / n, out / n)
