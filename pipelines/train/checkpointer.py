@@ -783,6 +783,8 @@ class Checkpointer:
         stopped = True  # rank 0's L2 thread puts the final step there after every node's part
         if self.promoter is not None:
             stopped = self.promoter.finish_l2(final_step, self.wait_s / 2)
+            if stopped and final_step is not None:  # a step the L2 thread was reading was kept for it: not now
+                self.promoter.retain(final_step)
         if self.bg is not None:
             self.bg.shutdown()
         self.stager.close()
