@@ -378,7 +378,10 @@ class Promoter:
             self.catch_up(final=True)
         except Exception as e:  # noqa: BLE001 - as above
             self._l2_warning(step, e)
-        return "behind" if step in self.l2_behind else "committed"
+        if step in self.l2_behind:
+            return "behind"
+        l1 = Path(ckpt_tiers.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
+        return "committed" if (l1 / ck.COMMIT).is_file() else "skipped (it left L1 first)"
 
     def _l2_warning(self, step: int, e: Exception) -> None:
         self.events.add("ckpt/l2_errors", 1, step)
