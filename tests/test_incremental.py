@@ -483,3 +483,37 @@ def test_the_takedown_list_lock_is_waited_for_boundedly_and_never_skipped(tmp_pa
     with pytest.raises(ListUnavailable, match="cannot open the takedown list's lock"):
         lineage.add(tmp_path / "other" / "exclusions.jsonl", "x.jsonl", "r")
     assert [e.source for e in lineage.read_list(listed).exclusions] == ["x.jsonl", "y.jsonl"]
+
+
+def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_one_is_the_users_to_fix(tmp_path,
+                                                                                                       monkeypatch):
+    """The chain of corpus versions: an I/O error reading the version a corpus extends is the infrastructure's
+    (exit 75, the task's retry reads it again); a version removed or damaged is not (exit 2, named)."""
+    import errno
+
+    from pipelines.data import lineage
+    from pipelines.manifest import Manifest
+
+    prev = tmp_path / "v1" / "manifest.json"
+    prev.parent.mkdir()
+    prev.write_text(Manifest(stage="tokenize", config_hash="a").to_json())
+    tok = Manifest(stage="tokenize", config_hash="b", extra={"corpus": {"previous": str(prev)}},
+                   path=str(tmp_path / "v2" / "manifest.json"))
+    assert [m.config_hash for m in lineage.chain(tok)] == ["b", "a"]
+
+    def eio(path):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(lineage, "load_manifest", eio)
+    with pytest.raises(lineage.VersionUnreadable, match="could not be read now .*Input/output error") as e:
+        lineage.chain(tok)
+    assert e.value.exit_code == 75
+    monkeypatch.undo()
+    prev.write_text('{"stage": "tokenize", "config_hash": "a", "forged": 1}')  # damaged: not a manifest
+    with pytest.raises(lineage.StageError, match="v1/manifest.json, cannot be read") as e:
+        lineage.chain(tok)
+    assert e.value.exit_code == 2
+    prev.unlink()
+    with pytest.raises(lineage.StageError, match="cannot be read .*no manifest at") as e:
+        lineage.chain(tok)
+    assert e.value.exit_code == 2

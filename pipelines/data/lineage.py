@@ -79,6 +79,13 @@ class ListUnavailable(StageError):
     exit_code = RETRY
 
 
+class VersionUnreadable(StageError):
+    """A corpus version's manifest that storage did not return (an I/O error, not a missing or damaged file):
+    exit 75 (``RETRY``: orchestrators retry it)."""
+
+    exit_code = RETRY
+
+
 # -- keys -------------------------------------------------------------------------------------------------------------
 
 def is_url(key: str) -> bool:
@@ -520,8 +527,11 @@ def chain(tok: Manifest) -> list[Manifest]:
         seen.add(prev)
         try:
             out.append(load_manifest(prev))
-        except (OSError, ValueError) as e:
+        except (FileNotFoundError, NotADirectoryError, PermissionError, ValueError, TypeError) as e:
             raise StageError(f"{out[-1].path}: the corpus version it extends, {prev}, cannot be read ({e})") from None
+        except OSError as e:  # storage, not the corpus
+            raise VersionUnreadable(f"{out[-1].path}: the corpus version it extends, {prev}, could not be read now "
+                                    f"({e}); the task's retry reads it again") from None
     return out
 
 
