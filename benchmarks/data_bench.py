@@ -332,17 +332,23 @@ def run_growth(args, work: Path) -> dict:
         gb = sum(f.stat().st_size for f in data.iterdir()) / 1e9
         env = {**os.environ, "LLMP_HOME": str(home), "LLMP_PROGRESS": "0"}
         sets = ["--set", "services.spark_master=local[2]", "--set", "tokenizer.vocab_size=2000"]
-        row, prev = {"gb": round(gb, 4)}, None
-        for stage in GROWTH_STAGES:
-            out = home / "out" / stage
-            cmd = [sys.executable, "-m", f"pipelines.data.{stage}", "--output", str(out), *sets]
-            cmd += [a for f in sorted(data.iterdir()) for a in ("--input", str(f))] if prev is None \
-                else ["--input-manifest", str(prev / "manifest.json")]
-            row[stage] = measured_run(cmd, env)
-            prev = out
-            print(f"growth {k}×: {stage} {row[stage]}", flush=True)
-        res[f"x{k}"] = row
+        res[f"x{k}"] = {"gb": round(gb, 4), **run_stages(GROWTH_STAGES, data, home, sets, env, f"growth {k}×")}
     return res
+
+
+def run_stages(stages, data: Path, home: Path, sets: list[str], env: dict, label: str) -> dict:
+    """Each stage through its CLI, in order, measured: the first reads the files in ``data``, each next one its
+    predecessor's manifest; their outputs under ``home/out/<stage>``."""
+    row, prev = {}, None
+    for stage in stages:
+        out = home / "out" / stage
+        cmd = [sys.executable, "-m", f"pipelines.data.{stage}", "--output", str(out), *sets]
+        cmd += [a for f in sorted(data.iterdir()) for a in ("--input", str(f))] if prev is None \
+            else ["--input-manifest", str(prev / "manifest.json")]
+        row[stage] = measured_run(cmd, env)
+        print(f"{label}: {stage} {row[stage]}", flush=True)
+        prev = out
+    return row
 
 
 def growth_table(r: dict) -> str:
@@ -424,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         if "filters" in parts:
             import filter_bench
 
-            result["filters"] = filter_bench.run(args, work / "filters", jsonl_corpus, measured_run)
+            result["filters"] = filter_bench.run(args, work / "filters", jsonl_corpus, measured_run, run_stages)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if "ends" in parts:

@@ -123,7 +123,7 @@ def agreement(ours: Path, theirs: Path) -> dict:
     return rows
 
 
-def run(args, work: Path, jsonl_corpus, measured_run) -> dict:
+def run(args, work: Path, jsonl_corpus, measured_run, run_stages) -> dict:
     """Corpus, ingest and dedup (untimed), then our filter stage and DataTrove's pipeline, one after the other."""
     from pipelines.manifest import load_manifest
 
@@ -137,14 +137,8 @@ def run(args, work: Path, jsonl_corpus, measured_run) -> dict:
     gb = sum(f.stat().st_size for f in data.iterdir()) / 1e9
     env = {**os.environ, "LLMP_HOME": str(home), "LLMP_PROGRESS": "0"}
     sets = ["--set", "services.spark_master=local[2]"]
-    prev = None
-    for stage in ("ingest", "dedup"):
-        out = home / "out" / stage
-        cmd = [sys.executable, "-m", f"pipelines.data.{stage}", "--output", str(out), *sets]
-        cmd += [a for f in sorted(data.iterdir()) for a in ("--input", str(f))] if prev is None \
-            else ["--input-manifest", str(prev / "manifest.json")]
-        print(f"filters: {stage} {measured_run(cmd, env)}", flush=True)
-        prev = out
+    run_stages(("ingest", "dedup"), data, home, sets, env, "filters")
+    prev = home / "out" / "dedup"
     n_in = resplit(load_manifest(prev / "manifest.json").output("kept"), work / "dt-in")
     ours = home / "out" / "filter"
     cmd = [sys.executable, "-m", "pipelines.data.filter", "--output", str(ours), "--input-manifest",
