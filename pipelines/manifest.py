@@ -151,13 +151,23 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
         p = p / MANIFEST_NAME
     if not p.is_file():
         raise FileNotFoundError(f"no manifest at {p}: run the upstream stage first")
-    d = json.loads(p.read_text())
-    m = Manifest(**d)
+    try:
+        d = json.loads(p.read_text())
+        m = Manifest(**d) if isinstance(d, dict) else None
+    except (TypeError, ValueError) as e:  # not JSON, or other fields than a manifest's
+        raise ManifestInvalid(f"manifest {p} is not a manifest ({e})") from None
+    if m is None or not all(isinstance(getattr(m, f), t) for f, t in _FIELD_TYPES) \
+            or not all(isinstance(o, dict) for o in m.inputs + m.outputs):
+        raise ManifestInvalid(f"manifest {p} is not a manifest (its fields are not of a manifest's types)")
     m.path = str(p.resolve())
     bad = [o.get("path") for o in m.outputs if not plain_rel(o.get("path"))]
     if bad:  # a forged or damaged manifest must not make a stage read, verify or remove files elsewhere
-        raise StageError(f"manifest {p}: output path(s) {bad} do not stay below its directory; refusing it")
+        raise ManifestInvalid(f"manifest {p}: output path(s) {bad} do not stay below its directory; refusing it")
     return m
+
+
+_FIELD_TYPES = (("stage", str), ("config_hash", str), ("inputs", list), ("outputs", list), ("counts", dict),
+                ("metrics", dict), ("extra", dict))
 
 
 def verify_manifest(m: Manifest) -> list[str]:
@@ -233,6 +243,11 @@ class StageError(RuntimeError):
     ``exit_code`` (2: orchestrators do not retry it)."""
 
     exit_code = 2
+
+
+class ManifestInvalid(StageError, ValueError):
+    """A file in a manifest's place that is not one (not JSON, other fields or types than a manifest's, outputs that
+    leave its directory): exit 2; a ``ValueError`` too, for the callers that pass over a damaged or foreign file."""
 
 
 class Pending(Exception):

@@ -509,10 +509,18 @@ def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_
         lineage.chain(tok)
     assert e.value.exit_code == 75
     monkeypatch.undo()
-    prev.write_text('{"stage": "tokenize", "config_hash": "a", "forged": 1}')  # damaged: not a manifest
-    with pytest.raises(lineage.StageError, match="v1/manifest.json, cannot be read") as e:
-        lineage.chain(tok)
-    assert e.value.exit_code == 2
+    # damaged or forged: not a manifest, or a path no retry mends; each one line, exit 2
+    for text in ('{"stage": "tokenize", "config_hash": "a", "forged": 1}', '["stage"]', '{"stage": "t", "config_hash":'
+                 ' "a", "outputs": [1]}', '{"stage": "t", "config_hash": "a", "extra": "s"}'):
+        prev.write_text(text)
+        with pytest.raises(lineage.StageError, match="v1/manifest.json, cannot be read .*is not a manifest") as e:
+            lineage.chain(tok)
+        assert e.value.exit_code == 2
+    for forged in ("x" * 5000, ["x"]):  # a name too long for the file system, a list
+        bad = Manifest(stage="tokenize", config_hash="c", extra={"corpus": {"previous": forged}}, path=tok.path)
+        with pytest.raises(lineage.StageError) as e:
+            lineage.chain(bad)
+        assert e.value.exit_code == 2 and not isinstance(e.value, lineage.VersionUnreadable)
     prev.unlink()
     with pytest.raises(lineage.StageError, match="cannot be read .*no manifest at") as e:
         lineage.chain(tok)

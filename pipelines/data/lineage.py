@@ -79,6 +79,11 @@ class ListUnavailable(StageError):
     exit_code = RETRY
 
 
+# an OSError reading a manifest that no retry mends (a missing or forged path, permissions); any other is storage's
+_NOT_STORAGE = {None, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG,
+                errno.ELOOP, errno.EINVAL}
+
+
 class VersionUnreadable(StageError):
     """A corpus version's manifest that storage did not return (an I/O error, not a missing or damaged file):
     exit 75 (``RETRY``: orchestrators retry it)."""
@@ -523,16 +528,27 @@ def corpus_versions(spec: JobSpec) -> list[Manifest]:
 def chain(tok: Manifest) -> list[Manifest]:
     """``tok`` and the versions it extends, newest first."""
     out, seen = [tok], {str(tok.path)}
-    while (prev := out[-1].extra.get("corpus", {}).get("previous")) and prev not in seen:
+    while prev := previous_version(out[-1]):
+        if prev in seen:
+            break
         seen.add(prev)
         try:
             out.append(load_manifest(prev))
-        except (FileNotFoundError, NotADirectoryError, PermissionError, ValueError, TypeError) as e:
+        except (ValueError, OSError) as e:
+            if isinstance(e, OSError) and e.errno not in _NOT_STORAGE:  # storage, not the corpus
+                raise VersionUnreadable(f"{out[-1].path}: the corpus version it extends, {prev}, could not be read "
+                                        f"now ({e}); the task's retry reads it again") from None
             raise StageError(f"{out[-1].path}: the corpus version it extends, {prev}, cannot be read ({e})") from None
-        except OSError as e:  # storage, not the corpus
-            raise VersionUnreadable(f"{out[-1].path}: the corpus version it extends, {prev}, could not be read now "
-                                    f"({e}); the task's retry reads it again") from None
     return out
+
+
+def previous_version(tok: Manifest) -> Optional[str]:
+    """The manifest path of the version ``tok`` extends (None for a first version)."""
+    corpus = tok.extra.get("corpus")
+    prev = corpus.get("previous") if isinstance(corpus, dict) else None
+    if prev is not None and not isinstance(prev, str):
+        raise StageError(f"{tok.path}: extra.corpus.previous is {prev!r}, not the path of a manifest")
+    return prev
 
 
 def _stage(tok: Manifest, stage: str) -> Optional[Manifest]:

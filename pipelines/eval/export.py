@@ -395,11 +395,13 @@ def resolve_version(client, ref: str):
 
 def lineage_of(spec, client, name: str, version: str) -> dict | None:
     """:mod:`pipelines.data.lineage`'s answer for the version; None when its corpus version is not under ``run.root``."""
-    from pipelines.data.lineage import model_query
+    from pipelines.data.lineage import VersionUnreadable, model_query
     from pipelines.manifest import StageError
 
     try:
         return model_query(spec, client, f"{name}/{version}")
+    except VersionUnreadable:
+        raise  # storage: the card is not written without its lineage (retried)
     except StageError:
         return None
 

@@ -507,6 +507,19 @@ class Promoter:
                 c.drop_stale_staging(self.spec, self.rel_root, self.rec, keep=waiting)
             return deleted
 
+    def retain_at_close(self, step: int) -> None:
+        """:meth:`retain` once the final step is committed: its failure (storage, a fence lost meanwhile) is a
+        warning, never the run's (the next run's retention catches up; a superseded attempt is told at its release)."""
+        try:
+            deleted = self.retain(step)
+        except Exception as e:  # noqa: BLE001 - housekeeping; the other ranks are already waiting in the release
+            self.log(f"[ckpt] warning: retention at close did not finish ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0] if str(e) else ''}); the next run's retention catches up")
+            return
+        gone = ", ".join(f"{t} {v}" for t, v in deleted.items() if v)
+        if gone:
+            self.log(f"[ckpt] close: retention removed {gone}")
+
     def retain_l2(self, step: int) -> dict[str, list[int]]:
         """The committing rank's L2 retention after ``step`` (the L2 thread): skipped, with a line, when L2 does
         not answer."""
@@ -782,12 +795,12 @@ class Checkpointer:
             if self.topo.parts > 1:
                 dist.barrier(group=self.pg)  # every node's L1 thread is drained: its parts are on L1
             if self.topo.parts > 1 and self.promoter is not None:
-                self.promoter.retain(final_step)
+                self.promoter.retain_at_close(final_step)
         stopped = True  # rank 0's L2 thread puts the final step there after every node's part
         if self.promoter is not None:
             stopped = self.promoter.finish_l2(final_step, self.wait_s / 2)
             if stopped and final_step is not None:  # a step the L2 thread was reading was kept for it: not now
-                self.promoter.retain(final_step)
+                self.promoter.retain_at_close(final_step)
         if self.bg is not None:
             self.bg.shutdown()
         self.stager.close()

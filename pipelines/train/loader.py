@@ -396,11 +396,13 @@ def train_doc_sources(tok) -> list:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from pipelines.data.lineage import added_docs, chain
+    from pipelines.data.lineage import VersionUnreadable, added_docs, chain
     from pipelines.manifest import StageError
 
-    try:  # a lineage the user must mend (missing, rewritten, no filter stage); other OSErrors: raised, retryable
+    try:  # a lineage the user must mend (missing, rewritten, no filter stage); storage's errors: raised, retryable
         known = pa.concat_tables([added_docs(v, ["id", "source"]) for v in chain(tok)], promote_options="permissive")
+    except VersionUnreadable:
+        raise
     except (StageError, FileNotFoundError) as e:
         raise MixtureError(f"train.mixture: the sources of {tok.path}'s docs cannot be read: {e}") from None
     if "source" not in known.column_names:
