@@ -154,7 +154,7 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     try:
         d = json.loads(p.read_text())
         m = Manifest(**d) if isinstance(d, dict) else None
-    except (TypeError, ValueError) as e:  # not JSON, or other fields than a manifest's
+    except (TypeError, ValueError, RecursionError) as e:  # not JSON (or nested past the parser), other fields
         raise ManifestInvalid(f"manifest {p} is not a manifest ({e})") from None
     if m is None or not all(isinstance(getattr(m, f), t) for f, t in _FIELD_TYPES) \
             or not all(isinstance(o, dict) for o in m.inputs + m.outputs):

@@ -521,7 +521,36 @@ def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_
         with pytest.raises(lineage.StageError) as e:
             lineage.chain(bad)
         assert e.value.exit_code == 2 and not isinstance(e.value, lineage.VersionUnreadable)
+    prev.write_text("[" * 200_000)  # nested past the parser
+    with pytest.raises(lineage.StageError, match="is not a manifest") as e:
+        lineage.chain(tok)
+    assert e.value.exit_code == 2
     prev.unlink()
     with pytest.raises(lineage.StageError, match="cannot be read .*no manifest at") as e:
         lineage.chain(tok)
     assert e.value.exit_code == 2
+
+    # the versions under run.root: a foreign file is none, storage's error is retried, never a version passed over
+    from pipelines.spec import load_spec
+
+    spec = load_spec(None, [f"run.root={tmp_path}/root"], env={})
+    (tmp_path / "root" / "tokenize" / "k1").mkdir(parents=True)
+    (tmp_path / "root" / "tokenize" / "k1" / "manifest.json").write_text("not json")
+    assert lineage.corpus_versions(spec) == []
+    monkeypatch.setattr(lineage, "load_manifest", eio)
+    with pytest.raises(lineage.VersionUnreadable, match="k1/manifest.json could not be read now") as e:
+        lineage.corpus_versions(spec)
+    assert e.value.exit_code == 75
+    assert lineage.storage_error(e.value) and not lineage.storage_error(ValueError())
+    monkeypatch.undo()
+
+    # a takedown that could not read a version for storage's reason: recorded, then exit 75 (its retry tags the rest)
+    spec = load_spec(None, [f"run.root={tmp_path}/root", f"data.exclusions={tmp_path}/takedowns.jsonl"], env={})
+    unread = [{"manifest": "m", "error": "Input/output error", "storage": True}]
+    monkeypatch.setattr(lineage, "source_holders", lambda spec, key: ([], unread))
+    monkeypatch.setattr(lineage, "models_trained_on", lambda client, digests: [])
+    with pytest.raises(lineage.VersionUnreadable, match="is recorded in .*1 corpus version.*run the same command"):
+        lineage.exclude_source(spec, None, "data/a.jsonl", "request 1")
+    assert [e.source for e in lineage.read_list(tmp_path / "takedowns.jsonl").exclusions] == ["data/a.jsonl"]
+    unread[0]["storage"] = False  # a damaged version: listed, nothing to retry
+    assert lineage.exclude_source(spec, None, "data/a.jsonl", "request 1")["unreadable"] == unread

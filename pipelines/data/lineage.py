@@ -84,6 +84,11 @@ _NOT_STORAGE = {None, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, e
                 errno.ELOOP, errno.EINVAL}
 
 
+def storage_error(e: Exception) -> bool:
+    """Whether ``e`` is storage's (a retry may read it), not a missing, forged or damaged file's."""
+    return isinstance(e, VersionUnreadable) or (isinstance(e, OSError) and e.errno not in _NOT_STORAGE)
+
+
 class VersionUnreadable(StageError):
     """A corpus version's manifest that storage did not return (an I/O error, not a missing or damaged file):
     exit 75 (``RETRY``: orchestrators retry it)."""
@@ -520,7 +525,10 @@ def corpus_versions(spec: JobSpec) -> list[Manifest]:
     for p in sorted((resolve_path(spec.run.root) / "tokenize").glob("*/manifest.json")):
         try:
             found.append(load_manifest(p))
-        except (OSError, ValueError):
+        except OSError as e:
+            if storage_error(e):  # not a missing file: a version that may hold what is asked
+                raise VersionUnreadable(f"{p} could not be read now ({e}); run it again") from None
+        except ValueError:
             continue  # a half-written or foreign file: not a corpus version
     return sorted(found, key=lambda m: (m.extra.get("corpus", {}).get("version", 0), str(m.path)))
 
@@ -535,7 +543,7 @@ def chain(tok: Manifest) -> list[Manifest]:
         try:
             out.append(load_manifest(prev))
         except (ValueError, OSError) as e:
-            if isinstance(e, OSError) and e.errno not in _NOT_STORAGE:  # storage, not the corpus
+            if storage_error(e):  # storage, not the corpus
                 raise VersionUnreadable(f"{out[-1].path}: the corpus version it extends, {prev}, could not be read "
                                         f"now ({e}); the task's retry reads it again") from None
             raise StageError(f"{out[-1].path}: the corpus version it extends, {prev}, cannot be read ({e})") from None
@@ -681,7 +689,8 @@ def model_query(spec: JobSpec, client, ref: str) -> dict:
     try:
         return _model_answer(info, tok, spec, ref)
     except (OSError, KeyError, ValueError) as e:
-        raise StageError(f"{ref}: its corpus version cannot be read ({e})") from None
+        raise (VersionUnreadable if storage_error(e) else StageError)(
+            f"{ref}: its corpus version cannot be read ({e})") from None
 
 
 def _model_answer(info: dict, tok: Optional[Manifest], spec: JobSpec, ref: str) -> dict:
@@ -704,7 +713,8 @@ def _each_version(spec: JobSpec, fn) -> tuple[list[dict], list[dict]]:
         try:
             r = fn(tok)
         except (StageError, OSError, KeyError, ValueError) as e:
-            unreadable.append({"manifest": str(tok.path), "error": str(e).splitlines()[0] if str(e) else repr(e)})
+            unreadable.append({"manifest": str(tok.path), "error": str(e).splitlines()[0] if str(e) else repr(e),
+                               "storage": storage_error(e)})
             continue
         if r is not None:
             found.append({**_corpus_info(tok), **r})
@@ -786,6 +796,10 @@ def exclude_source(spec: JobSpec, client, source: str, reason: str, strict: bool
         raise StageError(f"the exclusion of {rec.source!r} is recorded in {path}, but tagging the registered versions "
                          f"that saw it failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); run "
                          "the same command again to tag them") from None
+    if unread := [u for u in unreadable if u["storage"]]:  # the models trained on them are not tagged yet
+        raise VersionUnreadable(f"the exclusion of {rec.source!r} is recorded in {path}, but {len(unread)} corpus "
+                                f"version(s) could not be read now ({unread[0]['error']}); run the same command again "
+                                "to tag the registered versions trained on them")
     return {"exclusion": {**rec.__dict__, "list": str(path), "added": added}, "corpus_versions": versions,
             "models_tagged": [{k: m[k] for k in ("name", "version")} for m in tagged], "unreadable": unreadable}
 
