@@ -167,9 +167,9 @@ def tiny_spec(inputs: str, name: str, model_name: str, more: str = "") -> str:
 # otherwise order the files by their number of tests): the longest files start first (as measured two at a time,
 # 2026-11-26), so that neither worker is left with a long file at the end; the rest keep their order
 LONGEST_FIRST = ("test_browser.py", "test_spark_nodes.py", "test_e2e.py", "test_faults.py", "test_resilience.py",
-                 "test_nodes.py", "test_spark_standalone.py", "test_incremental.py", "test_train.py", "test_stages.py",
+                 "test_nodes.py", "test_spark_standalone.py", "test_contract_airflow_chart.py", "test_incremental.py", "test_train.py", "test_stages.py",
                  "test_airflow_ui.py", "test_ckpt_safety.py", "test_preemption.py", "test_fence.py", "test_hang.py",
-                 "test_operations.py", "test_kube.py")
+                 "test_operations.py", "test_kube.py", "test_contract_mlflow.py", "test_contract_spark_executor.py")
 
 
 def pytest_collection_modifyitems(config, items):

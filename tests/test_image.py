@@ -4,51 +4,18 @@ flavour (TORCH_INDEX, as CI's venv) keeps the build small; the CUDA flavour diff
 The whole demo DAG inside the image is `make image-demo` (its wall time is in docs/measured.md)."""
 import hashlib
 import os
-import signal
-import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
+from image_build import CONF, built_image, run_in, sh
 
-BUILD = ROOT / "infra" / "image" / "build.sh"
-CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-CONF = {"CONTAINERS_CONF": str(ROOT / "var/image/containers.conf")}
-
-
-def sh(*args: str, timeout: int = 1800, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run to completion within ``timeout``; on timeout the whole process group is killed (a build's children too)."""
-    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, **(env or {})}, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        raise
-    return subprocess.CompletedProcess(args, p.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
 def image() -> str:
-    """The CPU image's id, built (or reused from podman's layer cache) by `make image`'s script."""
-    r = sh(str(BUILD), "build", env={"TORCH_INDEX": os.environ.get("TORCH_INDEX") or CPU_INDEX})
-    # no podman and no way to install it, or no root for the base: this machine's limit, not a fault of the image
-    if r.returncode == 2 and ("image: missing tools" in r.stderr or "needs root" in r.stderr):
-        pytest.skip(r.stderr.strip().splitlines()[-1])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return (ROOT / "var/image/iid-cpu").read_text().strip()
-
-
-def run_in(image: str, *cmd: str) -> subprocess.CompletedProcess:
-    """``cmd`` in a fresh container of ``image`` with no network; the container is removed whatever happens."""
-    name = f"llmp-test-{uuid.uuid4().hex[:12]}"
-    try:
-        return sh(str(BUILD), "run", "--rm", "--name", name, "--network", "none", image, *cmd, timeout=600)
-    finally:
-        sh("podman", "rm", "-f", "--ignore", name, timeout=120, env=CONF)
+    return built_image()
 
 
 def test_image_lists_the_pipeline_dags(image):

@@ -540,9 +540,11 @@ def test_every_namespace_has_pod_security_labels_and_a_default_deny_network_poli
 def test_mlflow_is_authenticated_with_its_credentials_in_secrets_and_its_image_pinned_by_digest():
     dep = [b for f, t, n, b in resources("kubernetes_deployment_v1") if n == "mlflow"][0]
     container = dep["spec"][0]["template"][0]["spec"][0]["container"][0]
-    cmd = json.dumps(container["command"])
-    assert "--app-name basic-auth" in cmd  # no MLflow on 0.0.0.0 without authentication
-    assert {e["name"] for e in container["env"]} == {"MLFLOW_AUTH_CONFIG_PATH"}
+    assert container["args"] == "${local.mlflow_args}" and "command" not in container  # through /entrypoint
+    args = local(TF / "modules/metadata/main.tf", "mlflow_args")
+    assert "--app-name" in args and args[args.index("--app-name") + 1] == "basic-auth"  # none on 0.0.0.0 unauthenticated
+    assert {e["name"] for e in container["env"]} == {"MLFLOW_AUTH_CONFIG_PATH", "MLFLOW_FLASK_SERVER_SECRET_KEY",
+                                                     "CONNECTION_CHECK_MAX_COUNT"}
     auth = [b for f, t, n, b in resources("kubernetes_secret_v1") if n == "mlflow_auth"][0]
     ini = auth["data"]["basic_auth.ini"]
     assert "admin_password = ${random_password.mlflow_admin.result}" in ini and "default_permission = NO_PERMISSIONS" in ini
@@ -563,9 +565,9 @@ def test_mlflow_is_authenticated_with_its_credentials_in_secrets_and_its_image_p
         assert calls(TF / "envs" / env / "platform/main.tf")["stack_platform"]["mlflow_image"] == "${var.mlflow_image}"
         tfvars = parse(TF / "envs" / env / "platform/terraform.tfvars")
         assert re.search(r"@sha256:[0-9a-f]{64}$", tfvars["mlflow_image"])
-    docker = (ROOT / "infra/docker/mlflow.Dockerfile").read_text()
+    # the pipeline image serves MLflow: the client's own MLflow and the PostgreSQL driver (tests/test_contract_mlflow.py)
     lock = (ROOT / "requirements.lock").read_text()
-    assert re.search(r"^mlflow==3\.17\.2", lock, re.M) and "mlflow==3.17.2" in docker and "psycopg2" in docker
+    assert re.search(r"^mlflow==3\.17\.2", lock, re.M) and re.search(r"^psycopg==", lock, re.M)
 
 
 def test_pipeline_images_take_a_tag_or_a_digest_and_reach_the_outputs():
@@ -606,7 +608,9 @@ def test_pipeline_images_take_a_tag_or_a_digest_and_reach_the_outputs():
 
 def test_each_application_has_its_own_database_login_and_rds_admits_only_the_private_subnets():
     secrets = {n: b for f, t, n, b in resources("kubernetes_secret_v1")}
-    assert secrets["db"]["data"]["connection"] == "${local.app_dsn[each.key]}"  # not the master login
+    data = secrets["db"]["data"]  # not the master login; Airflow's async engine the same DSN by psycopg's async driver
+    assert "{connection = local.app_dsn[each.key]}" in data
+    assert 'async_connection = replace(local.app_dsn[each.key], "postgresql://", "postgresql+psycopg_async://")' in data
     apps = local(TF / "modules/metadata/main.tf", "apps")
     assert {a["role"] for a in apps.values()} == {"airflow_app", "mlflow_app"}
     # the master login goes only to the job that creates the roles, in the mlflow namespace's admin secret
@@ -623,7 +627,8 @@ def test_each_application_has_its_own_database_login_and_rds_admits_only_the_pri
     # Airflow 3 values (chart 1.22): the admin is createUserJob's, its password read from a Secret (not in the values
     # Helm keeps in the cluster), the API and JWT keys ours; no Airflow 2 webserver settings
     assert "createUserJob" in airflow and "webserver" not in airflow and "random_password" not in airflow
-    assert "admin-login/password" in airflow and "kubernetes_secret_v1.airflow_admin" in airflow
+    assert "args = local.create_admin_args" in airflow and "kubernetes_secret_v1.airflow_admin" in airflow
+    assert "admin-login/password" in local(TF / "modules/metadata/main.tf", "create_admin_args")[2]
     assert "apiSecretKeySecretName" in airflow and "jwtSecretName" in airflow and "airflowVersion" in airflow
     assert variables(TF / "modules/metadata/variables.tf")["airflow_chart_version"]["default"] == "1.22.0"
     assert secrets["airflow_admin"]["data"] == {"password": "${random_password.airflow_admin.result}"}

@@ -112,8 +112,8 @@ layer's RDS instance, each owned by its application's **own login** (`airflow_ap
 master login is used only by the job that creates them); the **MLflow tracking server** behind MLflow's
 **basic-auth** app (admin login generated, in a Secret; the pipeline's clients get
 `MLFLOW_TRACKING_USERNAME`/`_PASSWORD` from the `mlflow-client` Secret in the airflow and pipeline namespaces; image
-by digest, `mlflow_image`, built from `infra/docker/mlflow.Dockerfile`: MLflow 3.17.2 as the client, psycopg2,
-boto3), a Deployment on the system nodes in the `restricted` mlflow namespace, artifacts proxied to the mlflow
+by digest, `mlflow_image`: the pipeline image, running `python -m pipelines.eval.tracking_server`, which allows the
+Service's DNS names as Host headers), a Deployment on the system nodes in the `restricted` mlflow namespace, artifacts proxied to the mlflow
 bucket through its IRSA role; and **Airflow** from the official `apache-airflow` Helm chart (KubernetesExecutor, the
 **FAB auth manager** with RBAC roles and a generated admin, secret keys of our own, the chart's Kubernetes RBAC, the
 workers' service account with its IRSA role, the triggerer's account, FSx mounted at `/fsx`, `pipeline_env`

@@ -67,9 +67,10 @@ resource "kubernetes_secret_v1" "db" {
     name      = "${each.key}-metadata-db"
     namespace = each.value
   }
-  data = {
-    connection = local.app_dsn[each.key]
-  }
+  # Airflow 3 also opens an async engine, whose driver its URI names: SQLAlchemy 2.1's postgresql:// is psycopg 3,
+  # and its async form (psycopg_async) keeps libpq's sslmode (asyncpg, Airflow's default guess, does not)
+  data = merge({ connection = local.app_dsn[each.key] },
+  each.key == "airflow" ? { async_connection = replace(local.app_dsn[each.key], "postgresql://", "postgresql+psycopg_async://") } : {})
 }
 
 resource "kubernetes_secret_v1" "db_admin" {
@@ -164,6 +165,13 @@ resource "random_password" "mlflow_admin" {
   keepers = { generation = var.credentials_generation }
 }
 
+# MLflow's basic-auth app refuses to start without a static CSRF key shared by its replicas
+resource "random_password" "mlflow_flask" {
+  length  = 48
+  special = false
+  keepers = { generation = var.credentials_generation }
+}
+
 resource "kubernetes_secret_v1" "mlflow_auth" {
   metadata {
     name      = "mlflow-auth"
@@ -178,6 +186,7 @@ resource "kubernetes_secret_v1" "mlflow_auth" {
       admin_password = ${random_password.mlflow_admin.result}
       authorization_function = mlflow.server.auth:authenticate_request_basic_auth
     EOT
+    flask-secret-key = random_password.mlflow_flask.result
   }
 }
 
@@ -195,6 +204,14 @@ resource "kubernetes_secret_v1" "mlflow_client" {
 }
 
 # ---------------------------------------------------------------- MLflow tracking server
+locals {
+  mlflow_service = "mlflow"
+  mlflow_args = ["python", "-m", "pipelines.eval.tracking_server", "--service", local.mlflow_service,
+    "--namespace", var.namespaces.mlflow, "--port", "5000", "--app-name", "basic-auth",
+    "--backend-store-uri-file", "/var/run/secrets/metadata-db/connection",
+  "--artifacts-destination", "s3://${var.mlflow_bucket}/artifacts"]
+}
+
 resource "kubernetes_service_account_v1" "mlflow" {
   metadata {
     name        = "mlflow"
@@ -220,14 +237,15 @@ resource "kubernetes_deployment_v1" "mlflow" {
       metadata {
         labels = { app = "mlflow" }
         # a rotated password rolls the pods
-        annotations = { "llm-pipeline/credentials" = sha256(join(",", [random_password.db["mlflow"].result, random_password.mlflow_admin.result])) }
+        annotations = { "llm-pipeline/credentials" = sha256(join(",", [random_password.db["mlflow"].result, random_password.mlflow_admin.result, random_password.mlflow_flask.result])) }
       }
       spec {
         service_account_name = kubernetes_service_account_v1.mlflow.metadata[0].name
         node_selector        = { "llm-pipeline/pool" = "system" }
         security_context {
           run_as_non_root = true
-          run_as_user     = 1000
+          run_as_user     = 50000
+          run_as_group    = 0
           seccomp_profile {
             type = "RuntimeDefault"
           }
@@ -236,16 +254,29 @@ resource "kubernetes_deployment_v1" "mlflow" {
           name              = "mlflow"
           image             = var.mlflow_image
           image_pull_policy = "Always"
+          # the pipeline image's /entrypoint runs these args (tests/test_contract_mlflow.py runs them in the image):
           # every request authenticated (MLflow's basic-auth app; users and permissions in mlflow_auth); 0.0.0.0 so
-          # the Service reaches the pod, which the namespace's NetworkPolicy opens to the pipeline only
-          command = ["sh", "-c", join(" ", [
-            "exec mlflow server --app-name basic-auth --host 0.0.0.0 --port 5000",
-            "--backend-store-uri \"$(cat /var/run/secrets/metadata-db/connection)\"",
-            "--artifacts-destination s3://${var.mlflow_bucket}/artifacts --serve-artifacts",
-          ])]
+          # the Service reaches the pod, which the namespace's NetworkPolicy opens to the pipeline only; the Host
+          # headers of the Service's DNS names allowed (MLflow answers 403 to any other name); the database URI read
+          # from the Secret's file, never on a command line
+          args = local.mlflow_args
           env {
             name  = "MLFLOW_AUTH_CONFIG_PATH"
             value = "/var/run/secrets/mlflow-auth/basic_auth.ini"
+          }
+          env {
+            name = "MLFLOW_FLASK_SERVER_SECRET_KEY"
+            value_from {
+              secret_key_ref {
+                name = kubernetes_secret_v1.mlflow_auth.metadata[0].name
+                key  = "flask-secret-key"
+              }
+            }
+          }
+          # the entrypoint's wait for Airflow's database is for Airflow's containers, not this one
+          env {
+            name  = "CONNECTION_CHECK_MAX_COUNT"
+            value = "0"
           }
           port {
             container_port = 5000
@@ -313,7 +344,7 @@ resource "kubernetes_deployment_v1" "mlflow" {
 
 resource "kubernetes_service_v1" "mlflow" {
   metadata {
-    name      = "mlflow"
+    name      = local.mlflow_service
     namespace = var.namespaces.mlflow
   }
   spec {
@@ -337,6 +368,14 @@ locals {
   "${coalesce(local.airflow_image.tag, "pinned")}@${local.airflow_image.digest}")
 }
 
+# Read by tests/test_contract_airflow_chart.py, which runs them in the image against a real PostgreSQL.
+locals {
+  # the image's AIRFLOW_HOME (infra/image/Containerfile): the chart mounts airflow.cfg at <airflowHome>/airflow.cfg
+  airflow_home      = "/opt/llm-pipeline/var/airflow"
+  admin_login_mount = "/opt/airflow/admin-login"
+  create_admin_args = ["bash", "-c", "exec airflow users create -r Admin -u admin -e admin@example.invalid -f Pipeline -l Admin -p \"$(cat /opt/airflow/admin-login/password)\""]
+}
+
 resource "helm_release" "airflow" {
   name       = "airflow"
   repository = "https://airflow.apache.org"
@@ -352,6 +391,10 @@ resource "helm_release" "airflow" {
     images                   = { pod_template = { tag = local.pod_template_tag } }
     postgresql               = { enabled = false }
     data                     = { metadataSecretName = kubernetes_secret_v1.db["airflow"].metadata[0].name }
+    # the image's AIRFLOW_HOME: the chart mounts airflow.cfg (executor, auth manager, ...) at <airflowHome>/airflow.cfg
+    airflowHome = local.airflow_home
+    # the async engine's URI (the chart passes the sync one; see kubernetes_secret_v1.db)
+    secret = [{ envName = "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC", secretName = kubernetes_secret_v1.db["airflow"].metadata[0].name, secretKey = "async_connection" }]
     # logins and roles: the FAB auth manager (RBAC: Admin, Op, User, Viewer), one admin created by the chart's job;
     # the chart's Kubernetes RBAC for its own service accounts; secret keys of our own, not the chart's defaults
     config = {
@@ -372,9 +415,8 @@ resource "helm_release" "airflow" {
         firstName = "Pipeline", lastName = "Admin"
       }
       extraVolumes      = [{ name = "admin-login", secret = { secretName = kubernetes_secret_v1.airflow_admin.metadata[0].name } }]
-      extraVolumeMounts = [{ name = "admin-login", mountPath = "/opt/airflow/admin-login", readOnly = true }]
-      args = ["bash", "-c", join(" ", ["exec airflow users create -r Admin -u admin -e admin@example.invalid",
-      "-f Pipeline -l Admin -p \"$(cat /opt/airflow/admin-login/password)\""])]
+      extraVolumeMounts = [{ name = "admin-login", mountPath = local.admin_login_mount, readOnly = true }]
+      args              = local.create_admin_args
     }
     migrateDatabaseJob     = { useHelmHooks = false, applyCustomEnv = false }
     apiSecretKeySecretName = kubernetes_secret_v1.airflow_keys.metadata[0].name

@@ -20,7 +20,7 @@ variable "irsa_role_arns" {
 
 variable "mlflow_image" {
   type        = string
-  description = "MLflow server image, by digest: the client's MLflow (3.17.2) with psycopg2 and boto3 (infra/docker/mlflow.Dockerfile; push it and take the digest docker prints)."
+  description = "MLflow server image, by digest: the pipeline image (make image; the CPU flavour will do), which runs `python -m pipelines.eval.tracking_server` with the same MLflow as the client, psycopg and boto3."
   validation {
     condition     = can(regex("^[^@\\s]+@sha256:[0-9a-f]{64}$", var.mlflow_image))
     error_message = "mlflow_image must be pinned by digest: REPOSITORY@sha256:<64 hex digits>."

@@ -46,7 +46,7 @@ variable "trainer_image" {
 
 variable "mlflow_image" {
   type        = string
-  description = "MLflow server image by digest (REPOSITORY@sha256:…): MLflow 3.17.2 with psycopg2 and boto3, built from infra/docker/mlflow.Dockerfile."
+  description = "MLflow server image by digest (REPOSITORY@sha256:…): the pipeline image (make image), which serves MLflow too."
 }
 
 variable "credentials_generation" {
