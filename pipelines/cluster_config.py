@@ -5,8 +5,9 @@ Reads ``terraform output -json`` of the environment's two Terraform roots, ``inf
 running terraform there or from saved files (``--outputs`` once per root, in that order), and writes:
 
 * a job spec (YAML) that layers the cluster onto a base spec (default ``configs/demo.yaml``):
-  ``launcher.kind: trainjob`` (a Kubeflow Trainer v2 TrainJob) with the trainer image, namespace, FSx claim and mount, service account
-  and EFA count; ``run.root`` / checkpoint tiers on FSx; ``services``: Spark master ``k8s://…``, S3 on
+  ``launcher.kind: trainjob`` (a Kubeflow Trainer v2 TrainJob) with the trainer image, namespace, FSx claim and mount,
+  service account, EFA count, and from the GPU node group its node selector (pool label, instance type) and
+  ``nproc_per_node`` (its GPUs per node); ``run.root`` and L1 on FSx, L0 on each GPU node's NVMe (node-local); ``services``: Spark master ``k8s://…``, S3 on
   AWS with the checkpoint bucket, the in-cluster MLflow URI. Trigger the DAG with
   ``{"spec": "<that file>"}``: no code change, only config.
 * a file of Airflow connections for ``airflow connections import FILE``: ``kubernetes_default``
@@ -31,11 +32,14 @@ from pathlib import Path
 import yaml
 
 from pipelines.manifest import atomic_write_text
-from pipelines.spec import redact
+from pipelines.spec import GPUS_PER_INSTANCE_TYPE, INSTANCE_TYPE_LABEL, redact
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("region", "spark_master", "spark_image", "buckets", "mlflow_tracking_uri", "pipeline_namespace", "shared_fs_claim",
-            "service_accounts", "trainer_image", "gpu_efa_interfaces")
+            "service_accounts", "trainer_image", "gpu_efa_interfaces", "node_groups")
+# checkpoint.l0 on each GPU node's own NVMe: an absolute path outside the shared FS is a node-local L0, an emptyDir
+# in the pods, which the GPU launch template puts on the instance-store RAID0 (the kubelet's disk)
+NODE_LOCAL_L0 = "/local/llm-pipeline/l0"
 
 
 class WiringError(ValueError):
@@ -82,17 +86,40 @@ def read_outputs(path: str | list[str] | None, env: str | None) -> dict:
     return out
 
 
+def gpu_nodes(out: dict) -> dict:
+    """What the training pods need of the GPU node group Terraform made: its node selector (the pool label and the
+    instance type) and its GPUs per node (every rank of a node gets one); its taints must be the one the pods
+    tolerate (``nvidia.com/gpu``, NoSchedule: pipelines.train.k8s.GPU_TOLERATION)."""
+    group = (out.get("node_groups") or {}).get("gpu")
+    if not group:
+        raise WiringError("Terraform outputs name no GPU node group (node_groups.gpu)")
+    types = group.get("instance_types") or []
+    if len(types) != 1:
+        raise WiringError(f"the GPU node group has instance types {types}: give it exactly one (every node must "
+                          "have the same GPUs for nproc_per_node)")
+    gpus = GPUS_PER_INSTANCE_TYPE.get(types[0])
+    if gpus is None:
+        raise WiringError(f"no GPU count known for {types[0]}: add it to pipelines.spec.GPUS_PER_INSTANCE_TYPE")
+    for t in group.get("taints") or []:
+        if t.get("key") != "nvidia.com/gpu" or t.get("effect") != "NO_SCHEDULE":
+            raise WiringError(f"the GPU node group's taint {t} is not the one the training pods tolerate "
+                              "(nvidia.com/gpu, NoSchedule)")
+    pool = (group.get("labels") or {}).get("llm-pipeline/pool")
+    selector = {INSTANCE_TYPE_LABEL: types[0], **({"llm-pipeline/pool": pool} if pool else {})}
+    return {"node_selector": selector, "nproc_per_node": gpus}
+
+
 def cluster_spec(out: dict, base: dict, shared_mount: str = "/fsx") -> dict:
     spec = json.loads(json.dumps(base))  # deep copy
     home = f"{shared_mount}/llm-pipeline"
     sa = out["service_accounts"]["trainer"].split(":")
     spec.setdefault("run", {})["root"] = f"{home}/var/runs"
-    spec.setdefault("checkpoint", {}).update({"l0": f"{home}/var/tiers/nvme", "l1": f"{home}/var/tiers/shared"})
+    spec.setdefault("checkpoint", {}).update({"l0": NODE_LOCAL_L0, "l1": f"{home}/var/tiers/shared"})
     launcher = spec.setdefault("launcher", {})
     launcher.update({
         "kind": "trainjob", "image": out["trainer_image"], "namespace": out["pipeline_namespace"],
         "shared_fs_claim": out["shared_fs_claim"], "shared_fs_mount": shared_mount, "service_account": sa[1],
-        "efa_per_node": int(out["gpu_efa_interfaces"]),
+        "efa_per_node": int(out["gpu_efa_interfaces"]), **gpu_nodes(out),
     })
     spec["services"] = {**spec.get("services", {}), "spark_master": out["spark_master"], "s3_endpoint_url": "aws",
                         "spark_image": out["spark_image"], "spark_namespace": out["pipeline_namespace"],
@@ -132,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster_config: error: {e}", file=sys.stderr)
         return 2
     base = yaml.safe_load(Path(args.base).read_text()) or {}
-    spec = cluster_spec(out, base)
+    try:
+        spec = cluster_spec(out, base)
+    except WiringError as e:
+        print(f"cluster_config: error: {e}", file=sys.stderr)
+        return 2
     from pipelines.spec import SpecError, load_spec
 
     text = f"# Written by pipelines.cluster_config from Terraform outputs (region {out['region']}).\n" + \

@@ -555,6 +555,18 @@ class TrainCfg(_Section):
         return d
 
 
+# GPUs per node of the EC2 instance types a GPU node group may use (AWS's instance type pages): the launcher refuses a
+# job that asks a node for more (its pods would stay Pending), and pipelines.cluster_config sets nproc_per_node from it
+GPUS_PER_INSTANCE_TYPE: dict[str, int] = {
+    "p5.48xlarge": 8, "p5e.48xlarge": 8, "p5en.48xlarge": 8, "p5.4xlarge": 1, "p4d.24xlarge": 8, "p4de.24xlarge": 8,
+    "p6-b200.48xlarge": 8, "g6e.xlarge": 1, "g6e.2xlarge": 1, "g6e.4xlarge": 1, "g6e.8xlarge": 1, "g6e.16xlarge": 1,
+    "g6e.12xlarge": 4, "g6e.24xlarge": 4, "g6e.48xlarge": 8, "g6.xlarge": 1, "g6.2xlarge": 1, "g6.4xlarge": 1,
+    "g6.8xlarge": 1, "g6.16xlarge": 1, "g6.12xlarge": 4, "g6.24xlarge": 4, "g6.48xlarge": 8, "g5.xlarge": 1,
+    "g5.2xlarge": 1, "g5.4xlarge": 1, "g5.8xlarge": 1, "g5.16xlarge": 1, "g5.12xlarge": 4, "g5.24xlarge": 4,
+    "g5.48xlarge": 8}
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+
+
 class LauncherCfg(_Section):
     # which ClusterTrainingRuntime a TrainJob references does not change what the ranks compute, and a field new to
     # the key would re-key every train stage (a running week-long run would start over): not part of the key. (The
@@ -620,6 +632,17 @@ class LauncherCfg(_Section):
         if self.kind in ("trainjob", "kubernetes") and self.min_nodes is not None and self.min_nodes < self.nnodes:
             raise ValueError(f"launcher.min_nodes={self.min_nodes} < nnodes={self.nnodes}: a TrainJob has no elastic "
                              "range (Trainer v2 removed it); use launcher.kind=pytorchjob or drop min_nodes")
+        return self
+
+    @model_validator(mode="after")
+    def _fits_the_node(self) -> "LauncherCfg":
+        """A job asking a node for more GPUs than its instance type has would wait Pending forever."""
+        itype = self.node_selector.get(INSTANCE_TYPE_LABEL)
+        gpus = GPUS_PER_INSTANCE_TYPE.get(itype or "")
+        if self.on_kubernetes and gpus is not None and self.nproc_per_node > gpus:
+            raise ValueError(f"launcher.nproc_per_node={self.nproc_per_node} but launcher.node_selector's {itype} "
+                             f"has {gpus} GPU{'s' if gpus > 1 else ''} per node: set nproc_per_node ≤ {gpus}, or "
+                             "select a larger instance type")
         return self
 
 

@@ -1,4 +1,6 @@
-"""The whole DAG via `airflow dags test`, on real Spark, torchrun, the embedded S3 endpoint and MLflow."""
+"""The whole DAG via `airflow dags test`, on real Spark, torchrun, the embedded S3 endpoint and MLflow, with Airflow's
+metadata in PostgreSQL as on the cluster (modules/metadata's DSN shape: its own login and database, sslmode=require,
+the async engine through psycopg_async)."""
 import json
 import os
 import sqlite3
@@ -9,10 +11,19 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, c4_docs, tiny_spec, write_jsonl
+from pg_server import Postgres
 
 pytestmark = pytest.mark.e2e
 
-def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
+@pytest.fixture
+def metadata_db():
+    pg = Postgres().start()
+    pg.app("airflow_app", ["airflow"])
+    yield pg
+    pg.stop()
+
+
+def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path, metadata_db):
     docs = c4_docs(160)
     recs = [{"id": f"c4-{i}", "text": d["text"]} for i, d in enumerate(docs)]
     recs.append({"id": "dup-of-c4-3", "text": docs[3]["text"]})
@@ -24,6 +35,9 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     env = {**os.environ, "LLMP_HOME": str(tmp_path), "AIRFLOW_HOME": str(tmp_path / "airflow"),
            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"), "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
            "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": metadata_db.dsn("airflow_app", "airflow"),
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC": metadata_db.dsn("airflow_app", "airflow").replace(
+               "postgresql://", "postgresql+psycopg_async://"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     airflow = str(Path(sys.executable).parent / "airflow")
     subprocess.run([airflow, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
@@ -44,8 +58,8 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path):
     assert alias.fetchone() == (1,)
 
     # the tasks pushed their extra links' URLs: the MLflow run, the model version, the checkpoint
-    links = {t: json.loads(v) for t, v in sqlite3.connect(tmp_path / "airflow" / "airflow.db").execute(
-        "select task_id, value from xcom where key='links'")}
+    rows = metadata_db.psql("select task_id || chr(9) || value::text from xcom where key='links'", db="airflow")
+    links = {t: json.loads(v) for t, v in (row.split("\t", 1) for row in rows.splitlines())}
     assert links["register"]["model_version"].endswith("/#/models/e2e-model/versions/1")
     assert "/runs/" in links["ingest"]["mlflow_run"] and links["promote"]["checkpoint"].startswith("file://")
     assert links["dedup"]["spark_ui"].startswith("http://127.0.0.1:")  # the driver's UI while the stage ran

@@ -440,7 +440,9 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
         "service_accounts": {"airflow": "airflow:airflow-worker", "spark": "llm-pipeline:spark",
                              "trainer": "llm-pipeline:trainer", "mlflow": "mlflow:mlflow"},
         "irsa_role_arns": {"trainer": "arn:aws:iam::1:role/llmp-prod-trainer"}, "irsa_trust_policies": {},
-        "node_groups": {}, "gpu_efa_interfaces": 32, "fsx": {}, "network": {}, "database": {},
+        "node_groups": {"gpu": {"instance_types": ["p5.48xlarge"], "labels": {"llm-pipeline/pool": "gpu"},
+                                "taints": [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}]}},
+        "gpu_efa_interfaces": 32, "fsx": {}, "network": {}, "database": {},
     }
     digest = "1.dkr.ecr.us-east-1.amazonaws.com/llm-pipeline@sha256:" + "a" * 64
     platform = {
@@ -459,7 +461,8 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
     assert cc.main(["--outputs", str(files[0]), "--outputs", str(files[1]), "--out", str(spec_path),
                     "--connections", str(conn_file)]) == 0
     spec = load_spec(spec_path, env={})
-    assert spec.launcher.kind == "trainjob" and spec.launcher.efa_per_node == 32
+    assert spec.launcher.kind == "trainjob" and spec.launcher.efa_per_node == 32 and spec.launcher.nproc_per_node == 8
+    assert spec.launcher.node_selector == {"node.kubernetes.io/instance-type": "p5.48xlarge", "llm-pipeline/pool": "gpu"}
     assert spec.launcher.image == digest  # an image by digest goes through as it is
     assert spec.launcher.service_account == "trainer" and spec.launcher.shared_fs_claim == "fsx-checkpoints"
     assert spec.services.spark_master.startswith("k8s://https://") and spec.services.s3_endpoint_url == "aws"
@@ -807,7 +810,8 @@ def test_kms_only_via_s3_and_fsx_linked_at_the_l1_path():
     spec = cluster_spec({"service_accounts": {"trainer": "ns:t", "spark": "ns:s"}, "trainer_image": "i",
                          "pipeline_namespace": "ns", "shared_fs_claim": "c", "gpu_efa_interfaces": 0,
                          "spark_master": "k8s://x", "spark_image": "s", "buckets": {"checkpoints": "b", "mlflow": "m"},
-                         "region": "r", "mlflow_tracking_uri": "u"}, {})
+                         "region": "r", "mlflow_tracking_uri": "u",
+                         "node_groups": {"gpu": {"instance_types": ["g6e.xlarge"]}}}, {})
     assert spec["checkpoint"]["l1"] == "/fsx" + fsx_vars["repository_path"]["default"]  # the DRA links L1
 
 
@@ -864,3 +868,27 @@ def test_tf_check_skips_only_a_root_whose_providers_are_absent_never_a_broken_co
     bad = subprocess.run(["bash", str(tree / "scripts/tf_check.sh")], capture_output=True, text=True,
                          env={**env, "TF_PLUGIN_DIR": str(tmp_path / "no-mirror")}, timeout=600, cwd=tree)
     assert bad.returncode == 2 and "holds no registry.terraform.io folder" in bad.stdout
+
+
+def test_run_root_owned_for_the_pods_task_logs_in_s3_no_glacier_admins_and_efa_only_when_asked():
+    """Issue 51's storage and operations: what a cluster would trip on at start, read where it is configured."""
+    job = one("kubernetes_job_v1", "namespaces")
+    container = job["spec"][0]["template"][0]["spec"][0]["container"][0]
+    cmd = " ".join(container["command"]) if isinstance(container["command"], list) else container["command"]
+    assert "install -d -o ${local.run_root_owner.uid} -g ${local.run_root_owner.gid} -m 2775" in cmd
+    owner = local(TF / "modules/namespaces/main.tf", "run_root_owner")
+    assert owner == {"uid": 50000, "gid": 0}  # the image's user and the Airflow chart's uid/gid
+    assert local(TF / "modules/namespaces/main.tf", "run_root") == "${var.shared_fs_mount}/llm-pipeline"
+    assert job["wait_for_completion"] is True
+    airflow = one("helm_release", "metadata")["values"][0]
+    assert 'remote_logging = "True"' in airflow and "s3://${var.mlflow_bucket}/airflow-logs" in airflow
+    assert variables(TF / "modules/storage/variables.tf")["checkpoint_glacier_days"]["default"] is None
+    entries = [b for f, t, n, b in resources("aws_eks_access_entry") if n == "admin"]
+    assert entries and entries[0]["for_each"] == "${toset(var.admin_role_arns)}"
+    assoc = [b for f, t, n, b in resources("aws_eks_access_policy_association") if n == "admin"][0]
+    assert assoc["policy_arn"].endswith("cluster-access-policy/AmazonEKSClusterAdminPolicy")
+    for env in ENVS:
+        assert calls(TF / "envs" / env / "aws/main.tf")["stack_aws"]["admin_role_arns"] == "${var.admin_role_arns}"
+    prod = calls(TF / "envs/prod/aws/main.tf")["stack_aws"]
+    assert prod["gpu_efa_interfaces"] == "${var.gpu_efa_interfaces}"
+    assert variables(TF / "envs/prod/aws/variables.tf")["gpu_efa_interfaces"]["default"] == 0

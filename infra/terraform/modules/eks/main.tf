@@ -295,9 +295,32 @@ resource "aws_eks_node_group" "gpu" {
     value  = "true"
     effect = "NO_SCHEDULE"
   }
-  labels     = { "llm-pipeline/pool" = "gpu", "vpc.amazonaws.com/efa.present" = tostring(var.gpu_efa_interfaces > 0) }
+  # nvidia.com/gpu.present: the label NVIDIA's device-plugin chart's default node affinity accepts (no NFD here);
+  # without it the plugin never runs on these nodes and no nvidia.com/gpu is advertised
+  labels = { "llm-pipeline/pool" = "gpu", "nvidia.com/gpu.present" = "true",
+  "vpc.amazonaws.com/efa.present" = tostring(var.gpu_efa_interfaces > 0) }
   tags       = var.tags
   depends_on = [aws_iam_role_policy_attachment.node]
+}
+
+# ---------------------------------------------------------------- who administers the cluster
+# Access entries (authentication_mode API): each role in admin_role_arns is cluster-admin, besides the creator.
+resource "aws_eks_access_entry" "admin" {
+  for_each      = toset(var.admin_role_arns)
+  cluster_name  = aws_eks_cluster.this.name
+  principal_arn = each.value
+  type          = "STANDARD"
+  tags          = var.tags
+}
+
+resource "aws_eks_access_policy_association" "admin" {
+  for_each      = toset(var.admin_role_arns)
+  cluster_name  = aws_eks_cluster.this.name
+  principal_arn = aws_eks_access_entry.admin[each.value].principal_arn
+  policy_arn    = "arn:${data.aws_partition.current.partition}:eks::aws:cluster-access-policy/AmazonEKSClusterAdminPolicy"
+  access_scope {
+    type = "cluster"
+  }
 }
 
 # ---------------------------------------------------------------- add-ons

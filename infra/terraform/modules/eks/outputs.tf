@@ -34,7 +34,7 @@ output "oidc_issuer" {
 }
 
 output "node_groups" {
-  description = "The managed node groups by name (system, gpu): instance types, AMI, capacity type, scaling sizes, taints."
+  description = "The managed node groups by name (system, gpu): instance types, AMI, capacity type, scaling sizes, taints, labels (pipelines.cluster_config reads the GPU group's)."
   value = { for k, g in { system = aws_eks_node_group.system, gpu = aws_eks_node_group.gpu } : k => {
     instance_types = g.instance_types
     ami_type       = g.ami_type
@@ -42,5 +42,6 @@ output "node_groups" {
     subnet_ids     = g.subnet_ids
     scaling        = one(g.scaling_config)
     taints         = [for t in g.taint : { key = t.key, value = t.value, effect = t.effect }]
+    labels         = g.labels
   } }
 }

@@ -116,3 +116,13 @@ variable "tags" {
   description = "Tags added to every resource."
   default     = {}
 }
+
+variable "admin_role_arns" {
+  type        = list(string)
+  description = "IAM roles (e.g. an SSO administrators' role) given cluster-admin through EKS access entries, so that the cluster is not administered by its creator alone."
+  default     = []
+  validation {
+    condition     = alltrue([for a in var.admin_role_arns : can(regex("^arn:aws[a-z-]*:iam::[0-9]{12}:role/.+$", a))])
+    error_message = "admin_role_arns takes IAM role ARNs (arn:aws:iam::<account>:role/<name>)."
+  }
+}

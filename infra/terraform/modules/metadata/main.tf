@@ -400,6 +400,15 @@ resource "helm_release" "airflow" {
     config = {
       core = { auth_manager = "airflow.providers.fab.auth_manager.fab_auth_manager.FabAuthManager" }
       fab  = { auth_rate_limited = "True" }
+      # task logs outlive their pods (a KubernetesExecutor worker's emptyDir goes with it, and with it the training
+      # replicas' output the launcher copies into the task log): written to S3 through the workers' IRSA role
+      # (the amazon provider; aws_default carries the region, or the default credential chain answers)
+      logging = {
+        remote_logging         = "True"
+        remote_base_log_folder = "s3://${var.mlflow_bucket}/airflow-logs"
+        remote_log_conn_id     = "aws_default"
+        delete_local_logs      = "True"
+      }
     }
     rbac = { create = true }
     # Airflow 3 in chart 1.22 (its upgrading-to-airflow-3 guide): the admin user is createUserJob's (webserver.*

@@ -95,6 +95,71 @@ resource "kubernetes_persistent_volume_claim_v1" "fsx" {
   }
 }
 
+# The run root on FSx, made and owned before the first task: a new Lustre file system's root is root's, 0755, and
+# every pipeline pod runs as uid 50000 group 0 (the image's user, the Airflow chart's uid/gid). The job makes
+# <mount>/llm-pipeline (run.root, L1 and the job specs' LLMP_HOME live under it) owned 50000:0, group-writable with
+# setgid so whatever a pod of another uid in group 0 writes stays shared. Idempotent (install -d), re-run when the
+# mount or the owner changes.
+locals {
+  run_root_owner = { uid = 50000, gid = 0 }
+  run_root       = "${var.shared_fs_mount}/llm-pipeline"
+}
+
+resource "kubernetes_job_v1" "shared_fs_init" {
+  metadata {
+    name      = "shared-fs-init-${substr(sha256("${local.run_root}:${local.run_root_owner.uid}:${local.run_root_owner.gid}"), 0, 8)}"
+    namespace = kubernetes_namespace_v1.pipeline.metadata[0].name
+  }
+  spec {
+    backoff_limit = 4
+    template {
+      metadata {}
+      spec {
+        restart_policy                  = "OnFailure"
+        automount_service_account_token = false
+        container {
+          name              = "init"
+          image             = "public.ecr.aws/docker/library/busybox:1.37"
+          image_pull_policy = "IfNotPresent"
+          command = ["sh", "-ec", join(" ", [
+            "install -d -o ${local.run_root_owner.uid} -g ${local.run_root_owner.gid} -m 2775 ${local.run_root} ${local.run_root}/var",
+            "&& chown ${local.run_root_owner.uid}:${local.run_root_owner.gid} ${local.run_root} ${local.run_root}/var",
+            "&& chmod 2775 ${local.run_root} ${local.run_root}/var && ls -ld ${local.run_root} ${local.run_root}/var",
+          ])]
+          # root only to chown the new directories (baseline Pod Security allows it in this namespace)
+          security_context {
+            run_as_user                = 0
+            allow_privilege_escalation = false
+            read_only_root_filesystem  = true
+            capabilities {
+              drop = ["ALL"]
+              add  = ["CHOWN", "FOWNER"]
+            }
+          }
+          resources {
+            limits   = { cpu = "100m", memory = "64Mi" }
+            requests = { cpu = "10m", memory = "16Mi" }
+          }
+          volume_mount {
+            name       = "shared-fs"
+            mount_path = var.shared_fs_mount
+          }
+        }
+        volume {
+          name = "shared-fs"
+          persistent_volume_claim {
+            claim_name = kubernetes_persistent_volume_claim_v1.fsx["pipeline"].metadata[0].name
+          }
+        }
+      }
+    }
+  }
+  wait_for_completion = true
+  timeouts {
+    create = "10m"
+  }
+}
+
 # ---------------------------------------------------------------- service accounts
 # namespace:name of each plane's account, as the AWS layer's IRSA roles trust them.
 locals {

@@ -34,6 +34,12 @@ variable "shared_fs_claim" {
   default     = "fsx-checkpoints"
 }
 
+variable "shared_fs_mount" {
+  type        = string
+  description = "Where the pods mount the FSx claim (the job spec's launcher.shared_fs_mount); the run root <mount>/llm-pipeline is made there for uid 50000."
+  default     = "/fsx"
+}
+
 variable "service_accounts" {
   type        = object({ airflow = string, spark = string, trainer = string, mlflow = string })
   description = "namespace:serviceaccount by plane, as the AWS layer's IRSA roles trust them."

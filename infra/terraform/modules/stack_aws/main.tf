@@ -49,6 +49,7 @@ module "eks" {
   gpu_nodes                   = var.gpu_nodes
   gpu_capacity_type           = var.gpu_capacity_type
   gpu_capacity_reservation_id = var.gpu_capacity_reservation_id
+  admin_role_arns             = var.admin_role_arns
   tags                        = var.tags
 }
 

@@ -116,3 +116,9 @@ variable "namespaces" {
   description = "Namespaces the platform root creates: Airflow, the training and Spark pods, the MLflow server. The IRSA roles trust service accounts in them."
   default     = { airflow = "airflow", pipeline = "llm-pipeline", mlflow = "mlflow" }
 }
+
+variable "admin_role_arns" {
+  type        = list(string)
+  description = "IAM roles given cluster-admin through EKS access entries (besides the cluster's creator)."
+  default     = []
+}

@@ -202,6 +202,7 @@ resource "aws_s3_bucket_policy" "logs" {
 }
 
 # ---- the pipeline buckets: the bucket/ submodule once per purpose; checkpoints also get cold-tier transitions
+# (Standard-IA, read at once like Standard; Glacier only when checkpoint_glacier_days is set: L2 restore reads old steps)
 locals {
   cold_tiers = {
     checkpoints = { ia_days = var.checkpoint_ia_days, glacier_days = var.checkpoint_glacier_days }

@@ -11,8 +11,8 @@ variable "checkpoint_ia_days" {
 
 variable "checkpoint_glacier_days" {
   type        = number
-  description = "Days after which checkpoint objects move to Glacier Flexible Retrieval."
-  default     = 90
+  description = "Days after which checkpoint objects move to Glacier Flexible Retrieval; null (the default): never. A Glacier object cannot be read without a restore, so L2 restore, FSx's lazy load from the bucket and evaluation of an older step would fail on it: set a number only for a bucket no run reads back."
+  default     = null
 }
 
 variable "noncurrent_expiry_days" {

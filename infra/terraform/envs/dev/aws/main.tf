@@ -22,5 +22,6 @@ module "stack_aws" {
   db_instance_class               = "db.t4g.medium"
   db_multi_az                     = false
   db_deletion_protection          = false
+  admin_role_arns                 = var.admin_role_arns
   tags                            = var.tags
 }

@@ -42,3 +42,9 @@ variable "kubernetes_version" {
   description = "EKS Kubernetes minor version (null: modules/eks's default, in standard support; its validation names the allowed set)."
   default     = null
 }
+
+variable "admin_role_arns" {
+  type        = list(string)
+  description = "IAM roles given cluster-admin through EKS access entries (e.g. your administrators' SSO role), so that not only the identity that ran terraform apply can administer the cluster."
+  default     = []
+}

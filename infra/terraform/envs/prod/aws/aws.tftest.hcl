@@ -111,8 +111,8 @@ run "plan" {
     error_message = "GPU nodes run the NVIDIA AMI and are tainted nvidia.com/gpu"
   }
   assert {
-    condition     = output.stack.gpu_efa_interfaces == 32 && length(output.stack.node_groups.gpu.subnet_ids) == 1
-    error_message = "prod: 32 EFA interfaces per node; GPU nodes in one subnet (one AZ, with FSx, in a placement group)"
+    condition     = output.stack.gpu_efa_interfaces == 0 && length(output.stack.node_groups.gpu.subnet_ids) == 1
+    error_message = "prod: no EFA requested by default (the image has no aws-ofi-nccl); GPU nodes in one subnet (one AZ, with FSx, in a placement group)"
   }
 
   # FSx: the L1 path linked to its own prefix of the checkpoint bucket
@@ -147,6 +147,10 @@ run "plan" {
     error_message = "IRSA trust: web identity from the cluster's OIDC provider, audience sts.amazonaws.com"
   }
   assert {
+    condition     = output.stack.node_groups.gpu.labels["nvidia.com/gpu.present"] == "true"
+    error_message = "GPU nodes carry nvidia.com/gpu.present=true, the label NVIDIA's device-plugin chart's default affinity selects"
+  }
+  assert {
     condition     = contains(["1.34", "1.35", "1.36"], output.stack.kubernetes_version)
     error_message = "the default EKS version must be in standard support"
   }
@@ -167,4 +171,16 @@ run "eks_version_out_of_support_is_refused" {
     kms_key_arn        = "arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555"
   }
   expect_failures = [var.kubernetes_version]
+}
+
+# EFA is requested only when asked for (an image with libfabric and aws-ofi-nccl), and then on every GPU node.
+run "efa_when_asked_for" {
+  command = plan
+  variables {
+    gpu_efa_interfaces = 32
+  }
+  assert {
+    condition     = output.stack.gpu_efa_interfaces == 32 && output.stack.node_groups.gpu.labels["vpc.amazonaws.com/efa.present"] == "true"
+    error_message = "gpu_efa_interfaces = 32 reaches the GPU nodes"
+  }
 }

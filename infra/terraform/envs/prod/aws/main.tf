@@ -13,7 +13,7 @@ module "stack_aws" {
   fsx_throughput_per_tib          = 500
   system_nodes                    = { min = 3, desired = 3, max = 8 }
   gpu_instance_type               = "p5.48xlarge"
-  gpu_efa_interfaces              = 32
+  gpu_efa_interfaces              = var.gpu_efa_interfaces
   gpu_capacity_type               = var.gpu_capacity_type
   create_autoscaling_service_role = var.create_autoscaling_service_role
   gpu_capacity_reservation_id     = var.gpu_capacity_reservation_id
@@ -21,5 +21,6 @@ module "stack_aws" {
   db_instance_class               = "db.r7g.large"
   db_multi_az                     = true
   db_deletion_protection          = true
+  admin_role_arns                 = var.admin_role_arns
   tags                            = var.tags
 }
