@@ -129,6 +129,7 @@ UNTAGGABLE = {
     "aws_iam_role_policy_attachment", "aws_s3_bucket_public_access_block", "aws_s3_bucket_ownership_controls",
     "aws_s3_bucket_versioning", "aws_s3_bucket_server_side_encryption_configuration", "aws_s3_bucket_logging",
     "aws_s3_bucket_lifecycle_configuration", "aws_s3_bucket_policy", "aws_s3_bucket_notification", "aws_kms_key_policy",
+    "aws_eks_access_policy_association",
 }
 
 
@@ -292,8 +293,9 @@ def test_two_roots_per_env_aws_then_platform_with_no_provider_from_its_own_apply
     assert dev["single_nat_gateway"] is True and prod["single_nat_gateway"] is False
     assert dev["db_multi_az"] is False and prod["db_multi_az"] is True and prod["db_deletion_protection"] is True
     assert dev["force_destroy_buckets"] is True and prod["force_destroy_buckets"] is False
-    assert prod["gpu_instance_type"] == "p5.48xlarge" and prod["gpu_efa_interfaces"] == 32
-    assert dev["gpu_nodes"]["max"] == 1 and dev["gpu_efa_interfaces"] == 0
+    # prod asks for EFA only when told (its variable, default 0: the image has no aws-ofi-nccl for NCCL to use it)
+    assert prod["gpu_instance_type"] == "p5.48xlarge" and prod["gpu_efa_interfaces"] == "${var.gpu_efa_interfaces}"
+    assert dev["gpu_nodes"]["max"] == 1 and dev["gpu_efa_interfaces"] == "${var.gpu_efa_interfaces}"
     plat = [(TF / "envs" / e / "platform" / "main.tf").read_text().replace(e, "ENV") for e in ENVS]
     assert plat[0] == plat[1]
     for name in ("variables.tf", "providers.tf", "outputs.tf", "versions.tf"):
@@ -442,7 +444,7 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
         "irsa_role_arns": {"trainer": "arn:aws:iam::1:role/llmp-prod-trainer"}, "irsa_trust_policies": {},
         "node_groups": {"gpu": {"instance_types": ["p5.48xlarge"], "labels": {"llm-pipeline/pool": "gpu"},
                                 "taints": [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}]}},
-        "gpu_efa_interfaces": 32, "fsx": {}, "network": {}, "database": {},
+        "gpu_efa_interfaces": 32, "fsx": {}, "network": {}, "database": {}, "security": {},
     }
     digest = "1.dkr.ecr.us-east-1.amazonaws.com/llm-pipeline@sha256:" + "a" * 64
     platform = {

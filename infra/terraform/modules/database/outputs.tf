@@ -21,3 +21,13 @@ output "encryption" {
     publicly_accessible = aws_db_instance.this.publicly_accessible
   }
 }
+
+output "protection" {
+  description = "What keeps the metadata database from being lost: deletion protection, automated backups, Multi-AZ."
+  value = {
+    deletion_protection   = aws_db_instance.this.deletion_protection
+    backup_retention_days = aws_db_instance.this.backup_retention_period
+    multi_az              = aws_db_instance.this.multi_az
+    skip_final_snapshot   = aws_db_instance.this.skip_final_snapshot
+  }
+}

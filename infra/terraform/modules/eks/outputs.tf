@@ -45,3 +45,17 @@ output "node_groups" {
     labels         = g.labels
   } }
 }
+
+output "security" {
+  description = "The API endpoint's exposure and the nodes' instance metadata and root volumes (IMDSv2 only, encrypted), by node group."
+  value = {
+    endpoint_private_access = one(aws_eks_cluster.this.vpc_config).endpoint_private_access
+    endpoint_public_access  = one(aws_eks_cluster.this.vpc_config).endpoint_public_access
+    public_access_cidrs     = length(var.endpoint_public_cidrs) > 0 ? var.endpoint_public_cidrs : []
+    nodes = { for k, lt in { system = aws_launch_template.system, gpu = aws_launch_template.gpu } : k => {
+      http_tokens = one(lt.metadata_options).http_tokens
+      hop_limit   = one(lt.metadata_options).http_put_response_hop_limit
+      ebs         = [for m in lt.block_device_mappings : { encrypted = one(m.ebs).encrypted, kms_key_id = one(m.ebs).kms_key_id }]
+    } }
+  }
+}

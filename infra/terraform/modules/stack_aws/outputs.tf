@@ -121,3 +121,12 @@ output "database" {
     master_secret_arn = module.database.master_secret_arn
   }
 }
+
+output "security" {
+  description = "What terraform test asserts of the AWS layer: buckets (public access block, versioning, TLS only), EKS (endpoint, IMDSv2, encrypted node volumes), RDS (deletion protection, backups, Multi-AZ)."
+  value = {
+    buckets  = module.storage.bucket_security
+    eks      = module.eks.security
+    database = module.database.protection
+  }
+}

@@ -27,3 +27,8 @@ output "bucket_encryption" {
   description = "Default encryption of each pipeline bucket by purpose: sse_algorithm and kms_master_key_id."
   value       = { for k, b in local.buckets : k => b.encryption }
 }
+
+output "bucket_security" {
+  description = "Each pipeline bucket's public access block, versioning and TLS-only statement, by purpose."
+  value       = { for k, b in local.buckets : k => b.security }
+}

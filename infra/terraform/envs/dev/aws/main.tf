@@ -14,7 +14,7 @@ module "stack_aws" {
   fsx_throughput_per_tib          = 125
   system_nodes                    = { min = 2, desired = 2, max = 3 }
   gpu_instance_type               = "g6e.xlarge"
-  gpu_efa_interfaces              = 0
+  gpu_efa_interfaces              = var.gpu_efa_interfaces
   gpu_capacity_type               = var.gpu_capacity_type
   create_autoscaling_service_role = var.create_autoscaling_service_role
   gpu_capacity_reservation_id     = var.gpu_capacity_reservation_id

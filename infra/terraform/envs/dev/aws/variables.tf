@@ -43,6 +43,16 @@ variable "kubernetes_version" {
   default     = null
 }
 
+variable "gpu_efa_interfaces" {
+  type        = number
+  description = "EFA interfaces per GPU node (32 on p5.48xlarge). 0 (the default): none requested, since the pipeline image carries no libfabric and no aws-ofi-nccl plugin, without which NCCL ignores EFA and falls back to TCP sockets; set 32 with a trainer image that has both (docs/cluster.md)."
+  default     = 0
+  validation {
+    condition     = var.gpu_efa_interfaces >= 0
+    error_message = "gpu_efa_interfaces is a count: 0 or more."
+  }
+}
+
 variable "admin_role_arns" {
   type        = list(string)
   description = "IAM roles given cluster-admin through EKS access entries (e.g. your administrators' SSO role), so that not only the identity that ran terraform apply can administer the cluster."

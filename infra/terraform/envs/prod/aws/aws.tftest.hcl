@@ -150,6 +150,33 @@ run "plan" {
     condition     = output.stack.node_groups.gpu.labels["nvidia.com/gpu.present"] == "true"
     error_message = "GPU nodes carry nvidia.com/gpu.present=true, the label NVIDIA's device-plugin chart's default affinity selects"
   }
+  # buckets: no public access, versioned, TLS only
+  assert {
+    condition = length(output.stack.security.buckets) == 4 && alltrue([for b in values(output.stack.security.buckets) :
+    alltrue(values(b.public_access_block)) && b.versioning == "Enabled"])
+    error_message = "every pipeline bucket blocks public access (all four settings) and is versioned"
+  }
+  assert {
+    condition = alltrue([for b in values(output.stack.security.buckets) : length([for st in b.tls_only : st
+      if st.effect == "Deny" && join(",", st.actions) == "s3:*" && length([for c in st.condition : c
+    if c.test == "Bool" && c.variable == "aws:SecureTransport" && join(",", c.values) == "false"]) == 1]) == 1])
+    error_message = "every pipeline bucket's policy denies any request not made over TLS"
+  }
+  # EKS: a private endpoint, public only from the given CIDRs; nodes IMDSv2 only (hop limit 1), root volumes encrypted
+  assert {
+    condition     = output.stack.security.eks.endpoint_private_access && !output.stack.security.eks.endpoint_public_access && length(output.stack.security.eks.public_access_cidrs) == 0
+    error_message = "with no endpoint_public_cidrs the API endpoint is private only"
+  }
+  assert {
+    condition = alltrue([for n in values(output.stack.security.eks.nodes) : n.http_tokens == "required" && n.hop_limit == 1 &&
+    length(n.ebs) > 0 && alltrue([for e in n.ebs : e.encrypted && e.kms_key_id == output.stack.kms_key_arn])])
+    error_message = "every node group: IMDSv2 required (hop limit 1), root volumes encrypted with the stack's key"
+  }
+  # RDS: deletion protection, a week or more of backups, Multi-AZ, a final snapshot
+  assert {
+    condition     = output.stack.security.database.deletion_protection && output.stack.security.database.backup_retention_days >= 7 && output.stack.security.database.multi_az && !output.stack.security.database.skip_final_snapshot
+    error_message = "prod's metadata database: deletion protection, a week or more of backups, Multi-AZ, a final snapshot"
+  }
   assert {
     condition     = contains(["1.34", "1.35", "1.36"], output.stack.kubernetes_version)
     error_message = "the default EKS version must be in standard support"
