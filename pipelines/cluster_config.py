@@ -90,21 +90,26 @@ def gpu_nodes(out: dict) -> dict:
     """What the training pods need of the GPU node group Terraform made: its node selector (the pool label and the
     instance type) and its GPUs per node (every rank of a node gets one); its taints must be the one the pods
     tolerate (``nvidia.com/gpu``, NoSchedule: pipelines.train.k8s.GPU_TOLERATION)."""
-    group = (out.get("node_groups") or {}).get("gpu")
-    if not group:
-        raise WiringError("Terraform outputs name no GPU node group (node_groups.gpu)")
-    types = group.get("instance_types") or []
-    if len(types) != 1:
-        raise WiringError(f"the GPU node group has instance types {types}: give it exactly one (every node must "
+    groups = out.get("node_groups")
+    group = groups.get("gpu") if isinstance(groups, dict) else None
+    if not isinstance(group, dict):
+        raise WiringError("Terraform outputs name no GPU node group (node_groups.gpu): are these the AWS layer's?")
+    types, taints, labels = group.get("instance_types"), group.get("taints") or [], group.get("labels") or {}
+    if not isinstance(types, list) or len(types) != 1 or not isinstance(types[0], str):
+        raise WiringError(f"the GPU node group has instance types {types!r}: give it exactly one (every node must "
                           "have the same GPUs for nproc_per_node)")
     gpus = GPUS_PER_INSTANCE_TYPE.get(types[0])
     if gpus is None:
         raise WiringError(f"no GPU count known for {types[0]}: add it to pipelines.spec.GPUS_PER_INSTANCE_TYPE")
-    for t in group.get("taints") or []:
-        if t.get("key") != "nvidia.com/gpu" or t.get("effect") != "NO_SCHEDULE":
-            raise WiringError(f"the GPU node group's taint {t} is not the one the training pods tolerate "
+    if not isinstance(taints, list) or not isinstance(labels, dict):
+        raise WiringError("the GPU node group's taints must be a list and its labels a map")
+    for t in taints:
+        if not isinstance(t, dict) or t.get("key") != "nvidia.com/gpu" or t.get("effect") != "NO_SCHEDULE":
+            raise WiringError(f"the GPU node group's taint {t!r} is not the one the training pods tolerate "
                               "(nvidia.com/gpu, NoSchedule)")
-    pool = (group.get("labels") or {}).get("llm-pipeline/pool")
+    pool = labels.get("llm-pipeline/pool")
+    if pool is not None and not isinstance(pool, str):
+        raise WiringError(f"the GPU node group's label llm-pipeline/pool is {pool!r}, not a string")
     selector = {INSTANCE_TYPE_LABEL: types[0], **({"llm-pipeline/pool": pool} if pool else {})}
     return {"node_selector": selector, "nproc_per_node": gpus}
 

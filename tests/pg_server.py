@@ -64,8 +64,11 @@ class Postgres:
         (self.data / "pg_hba.conf").write_text("hostssl all all 127.0.0.1/32 scram-sha-256\n"
                                                "local all admin scram-sha-256\n")
         r = self._as_owner(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "server.log"),
-                           "-w", "-t", "60", "start")
-        assert r.returncode == 0, r.stdout + r.stderr + (self.root / "server.log").read_text()
+                           "-w", "-t", "120", "start")
+        if r.returncode != 0:  # a server still starting after the wait is stopped, not left behind
+            log = (self.root / "server.log").read_text() if (self.root / "server.log").exists() else ""
+            self.stop()
+            raise AssertionError(f"PostgreSQL did not start: {r.stdout}{r.stderr}{log[-2000:]}")
         return self
 
     def _tls(self) -> None:
@@ -95,6 +98,12 @@ class Postgres:
     def dsn(self, role: str, db: str) -> str:
         """The modules/metadata shape: ``postgresql://ROLE:PASSWORD@HOST:PORT/DB?sslmode=require``."""
         return f"postgresql://{role}:{quote(self.passwords[role], safe='')}@127.0.0.1:{self.port}/{db}?sslmode=require"
+
+    def __enter__(self) -> "Postgres":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def stop(self) -> None:
         self._as_owner(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "-t", "60", "stop")

@@ -36,7 +36,7 @@ VERSION = re.search(r'variable "airflow_chart_version" \{[^}]*?default\s*=\s*"([
 CHART = yaml.safe_load((ROOT / f"tests/contracts/airflow-chart-{VERSION}.yaml").read_text())
 TF = module_locals(METADATA / "main.tf", {})
 WORKER_SA = "airflow-worker"  # modules/metadata var.worker_service_account's default
-PROBE_BOUND_S = 240           # the scheduler's startupProbe allows 6 x 10 s; a loaded 2-core machine needs more
+PROBE_BOUND_S = 600           # the scheduler's startupProbe allows 6 x 10 s; a loaded 2-core machine needs more
 
 
 class InClusterAPI(ThreadingHTTPServer):
@@ -111,16 +111,27 @@ def stack(tmp_path_factory):
     image = built_image()
     tmp = tmp_path_factory.mktemp("chart")
     os.chmod(tmp, 0o755)
-    pg = Postgres().start()
-    pg.app("airflow_app", ["airflow"])
-    tls = _tls(tmp / "kube-tls")
-    api = InClusterAPI(tls)
+    with Postgres() as pg:
+        pg.app("airflow_app", ["airflow"])
+        api = InClusterAPI(_tls(tmp / "kube-tls"))
+        boxes = Containers(image)
+        try:
+            api_port = free_port()
+            yield {"image": image, "pg": pg, "api": api, "pod": _chart_pod(tmp, pg, api, api_port), "boxes": boxes,
+                   "api_port": api_port, "tmp": tmp}
+        finally:
+            boxes.close()
+            api.shutdown()
+
+
+def _chart_pod(tmp: Path, pg: Postgres, api: InClusterAPI, api_port: int) -> list[str]:
+    """podman arguments that give a container what the chart's Airflow pods get."""
     sa = tmp / "serviceaccount"
     sa.mkdir()
-    shutil.copy(tls / "tls.crt", sa / "ca.crt")
+    shutil.copy(tmp / "kube-tls" / "tls.crt", sa / "ca.crt")
     (sa / "token").write_text("test-token")
     (sa / "namespace").write_text("airflow")
-    home, api_port = TF["airflow_home"], free_port()
+    home = TF["airflow_home"]
     cfg = tmp / "airflow.cfg"
     # the keys our values (modules/metadata's helm_release) and the chart's KubernetesExecutor settings give
     cfg.write_text("\n".join([
@@ -131,7 +142,7 @@ def stack(tmp_path_factory):
         "[api]", f"port = {api_port}", "host = 127.0.0.1",
         "[kubernetes_executor]", "namespace = airflow",
         f"pod_template_file = {home}/pod_templates/pod_template_file.yaml",
-        f"worker_container_repository = localhost/llm-pipeline", "worker_container_tag = latest",
+        "worker_container_repository = localhost/llm-pipeline", "worker_container_tag = latest",
         "delete_worker_pods = False", ""]))
     template = tmp / "pod_template_file.yaml"
     template.write_text(yaml.safe_dump(_pod_template(home)))
@@ -149,11 +160,31 @@ def stack(tmp_path_factory):
         pod += ["-e", f"{k}={v}"]
     for m in mounts:
         pod += ["-v", m]
-    boxes = Containers(image)
-    yield {"image": image, "pg": pg, "api": api, "pod": pod, "boxes": boxes, "api_port": api_port, "tmp": tmp}
-    boxes.close()
-    api.shutdown()
-    pg.stop()
+    return pod
+
+
+@pytest.fixture(scope="module")
+def jobs(stack) -> dict:
+    """The migrate job, the wait-for-airflow-migrations init container and our create-user job (password from the
+    mounted Secret), in that order, each a container of the image with the chart's args: their results."""
+    boxes, pod, tmp = stack["boxes"], stack["pod"], stack["tmp"]
+    out = {"migrate": boxes.run(*pod, "-e", "PYTHONUNBUFFERED=1", args=CHART["jobs"]["migrate-database"]["args"])}
+    out["wait"] = boxes.run(*pod, args=CHART["init_containers"]["wait-for-airflow-migrations"]["args"])
+    login = tmp / "admin-login"
+    login.mkdir()
+    (login / "password").write_text("s3cret pass\n")
+    os.chmod(login / "password", 0o644)
+    out["create-user"] = boxes.run(*pod, "-v", f"{login}:{TF['admin_login_mount']}:ro", args=TF["create_admin_args"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def components(stack, jobs) -> dict:
+    """scheduler, dag-processor, triggerer and api-server started with the chart's args through the entrypoint."""
+    if any(r.returncode for r in jobs.values()):
+        pytest.fail("the chart's jobs failed (test_jobs_and_init_container_... says how)")
+    boxes = stack["boxes"]
+    return {c: boxes.start(*stack["pod"], args=spec["args"]) for c, spec in CHART["components"].items()}
 
 
 def _pod_template(home: str) -> dict:
@@ -182,20 +213,11 @@ def test_the_image_home_is_where_the_chart_mounts_airflow_cfg(stack):
     assert "airflowHome = local.airflow_home" in (METADATA / "main.tf").read_text()
 
 
-def test_jobs_and_init_container_run_against_postgres_as_the_chart_runs_them(stack):
-    """migrate job → wait-for-airflow-migrations → our create-user job (password from the mounted Secret), each a
-    container of the image with the chart's args, exit 0; the database then holds the schema and the admin."""
-    boxes, pod, tmp = stack["boxes"], stack["pod"], stack["tmp"]
-    r = boxes.run(*pod, "-e", "PYTHONUNBUFFERED=1", args=CHART["jobs"]["migrate-database"]["args"])
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    r = boxes.run(*pod, args=CHART["init_containers"]["wait-for-airflow-migrations"]["args"])
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    login = tmp / "admin-login"
-    login.mkdir()
-    (login / "password").write_text("s3cret pass\n")
-    os.chmod(login / "password", 0o644)
-    r = boxes.run(*pod, "-v", f"{login}:{TF['admin_login_mount']}:ro", args=TF["create_admin_args"])
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+def test_jobs_and_init_container_run_against_postgres_as_the_chart_runs_them(stack, jobs):
+    """migrate job → wait-for-airflow-migrations → our create-user job, each exit 0; the database then holds the
+    schema and the admin."""
+    for job, r in jobs.items():
+        assert r.returncode == 0, (job, (r.stdout + r.stderr)[-3000:])
     pg = stack["pg"]
     assert pg.psql("SELECT username FROM ab_user", db="airflow") == "admin"
     assert int(pg.psql("SELECT count(*) FROM alembic_version", db="airflow")) == 1
@@ -205,14 +227,11 @@ def _probe_passes(boxes: Containers, name: str, argv: list[str]):
     return boxes.alive(name, lambda: boxes.exec(name, argv).returncode == 0)
 
 
-def test_components_start_with_the_charts_args_and_pass_their_probes(stack):
+def test_components_start_with_the_charts_args_and_pass_their_probes(stack, components):
     """scheduler (KubernetesExecutor, in-cluster), dag-processor, triggerer and api-server: each container started
     with the chart's args through the image's entrypoint; each exec probe run inside it as the kubelet does passes
     within the bound; the api-server's HTTP probe answers 200; the log groomer sidecar keeps running."""
-    boxes, pod = stack["boxes"], stack["pod"]
-    if stack["pg"].psql("SELECT count(*) FROM pg_tables WHERE tablename = 'ab_user'", db="airflow") != "1":
-        pytest.fail("the database is not migrated: the jobs test above failed")
-    names = stack["names"] = {c: boxes.start(*pod, args=spec["args"]) for c, spec in CHART["components"].items()}
+    boxes, pod, names = stack["boxes"], stack["pod"], components
     groomer = CHART["sidecars"]["log-groomer"]
     sidecar = boxes.start(*pod, *[x for k, v in groomer["env"].items() for x in ("-e", f"{k}={v}")],
                           args=groomer["args"])
@@ -241,7 +260,7 @@ def test_components_start_with_the_charts_args_and_pass_their_probes(stack):
             f"{component} exited: {boxes.logs(name)}"
 
 
-def test_the_kubernetes_executor_makes_a_worker_pod_for_a_task_of_llm_pipeline(stack):
+def test_the_kubernetes_executor_makes_a_worker_pod_for_a_task_of_llm_pipeline(stack, components):
     """A run of llm_pipeline, triggered through the image's CLI: the scheduler's KubernetesExecutor (the provider's
     own code, merging the chart's pod template) creates the first task's pod in the API: the image, the worker
     service account, FSx mounted, the task's command (the Task SDK's execute_workload) in container ``base``."""
@@ -253,7 +272,7 @@ def test_the_kubernetes_executor_makes_a_worker_pod_for_a_task_of_llm_pipeline(s
     try:
         made = wait_for(lambda: api.pods, PROBE_BOUND_S, "the executor to create a worker pod", every=2)
     except AssertionError:
-        pytest.fail("no worker pod; the scheduler's log:\n" + boxes.logs(stack["names"]["scheduler"]))
+        pytest.fail("no worker pod; the scheduler's log:\n" + boxes.logs(components["scheduler"]))
     spec = made[0]["spec"]
     assert spec["serviceAccountName"] == WORKER_SA
     base = next(c for c in spec["containers"] if c["name"] == "base")

@@ -91,13 +91,19 @@ def test_cluster_config_sizes_and_places_the_training_pods_for_the_node_group(tm
         labels = {**node["labels"], "node.kubernetes.io/instance-type": itype}  # the kubelet's own label
         assert not schedulable(labels, node["taints"], pod["nodeSelector"], pod["tolerations"])
         assert job["spec"]["trainer"]["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == gpus
-    unknown = {**_outputs("x9.huge")}
-    try:
-        cc.gpu_nodes(unknown)
-    except cc.WiringError as e:
-        assert "x9.huge" in str(e)
-    else:
-        raise AssertionError("an instance type of unknown GPU count was accepted")
+    # outputs that are not the AWS layer's, or not of its shapes: one line each (exit 2 from the CLI), no traceback
+    bad = [_outputs("x9.huge"), {"node_groups": ["gpu"]}, {"node_groups": {"gpu": "x"}},
+           {"node_groups": {"gpu": {"instance_types": [["p5.48xlarge"]]}}},
+           {"node_groups": {"gpu": {"instance_types": "p5.48xlarge"}}},
+           {"node_groups": {"gpu": {"instance_types": ["p5.48xlarge"], "taints": ["x"]}}},
+           {"node_groups": {"gpu": {"instance_types": ["p5.48xlarge"], "labels": ["x"]}}}]
+    for outputs in bad:
+        try:
+            cc.gpu_nodes(outputs)
+        except cc.WiringError as e:
+            assert "\n" not in str(e)
+        else:
+            raise AssertionError(f"accepted {outputs}")
 
 
 def test_the_launcher_refuses_more_gpus_per_node_than_the_instance_type_has(tmp_path):

@@ -33,7 +33,16 @@ def server(tmp_path_factory):
     image = built_image()
     tmp = tmp_path_factory.mktemp("mlflow")
     os.chmod(tmp, 0o755)
-    pg = Postgres().start()
+    with Postgres() as pg:
+        boxes = Containers(image)
+        try:
+            yield _serve(pg, boxes, tmp)
+        finally:
+            boxes.close()
+
+
+def _serve(pg: Postgres, boxes: Containers, tmp) -> dict:
+    """The Deployment's container, started; its port, name and args."""
     pg.app("mlflow_app", ["mlflow", "mlflow_auth"])
     port = free_port()
     tf = module_locals(METADATA / "main.tf", {"var.namespaces.mlflow": NAMESPACE, "var.mlflow_bucket": "bucket"})
@@ -52,7 +61,6 @@ def server(tmp_path_factory):
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
     for f in secrets.rglob("*"):
         os.chmod(f, 0o755 if f.is_dir() else 0o644)
-    boxes = Containers(image)
     pod = ["--network", "host", "--user", "50000:0", "--read-only", "--tmpfs", "/tmp:mode=1777",
            "-e", "MLFLOW_AUTH_CONFIG_PATH=/var/run/secrets/mlflow-auth/basic_auth.ini",
            "-e", "CONNECTION_CHECK_MAX_COUNT=0", "-e", "MLFLOW_FLASK_SERVER_SECRET_KEY=contract-flask-key",
@@ -70,9 +78,7 @@ def server(tmp_path_factory):
         wait_for(lambda: boxes.alive(name, up), 300, "the MLflow server in the image", every=2)
     except AssertionError:
         pytest.fail(f"MLflow never answered /health; its log:\n{boxes.logs(name)}")
-    yield {"port": port, "boxes": boxes, "name": name, "pod": pod, "args": args}
-    boxes.close()
-    pg.stop()
+    return {"port": port, "boxes": boxes, "name": name, "pod": pod, "args": args, "password": pg.passwords["mlflow_app"]}
 
 
 def call(port: int, host: str, path: str, body: dict | None = None) -> tuple[int, str]:
@@ -103,6 +109,14 @@ def test_clients_calling_the_service_by_its_dns_names_are_answered(server):
     status, text = call(port, f"mlflow.{NAMESPACE}.svc:{port}",
                         f"/api/2.0/mlflow/experiments/get-by-name?experiment_name={name}")
     assert status == 200 and name in text  # stored in PostgreSQL, read back through another of the names
+
+
+def test_the_database_password_is_on_no_command_line(server):
+    """The backend store's URI reaches mlflow through its environment: no process of the server shows the password
+    in its command line (ps, /proc/<pid>/cmdline)."""
+    r = server["boxes"].exec(server["name"], ["sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"])
+    assert r.returncode == 0 and "mlflow" in r.stdout, r.stderr
+    assert server["password"] not in r.stdout
 
 
 def test_a_foreign_host_and_a_missing_login_are_refused(server):

@@ -156,6 +156,8 @@ def test_an_executor_pod_spark_would_create_runs_from_the_image(master, tmp_path
     finally:
         if drv.poll() is None:
             drv.kill()
+            drv.wait(timeout=60)
+        driver_log.close()
         boxes.close()
 
 

@@ -17,10 +17,9 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def metadata_db():
-    pg = Postgres().start()
-    pg.app("airflow_app", ["airflow"])
-    yield pg
-    pg.stop()
+    with Postgres() as pg:
+        pg.app("airflow_app", ["airflow"])
+        yield pg
 
 
 def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path, metadata_db):

@@ -69,3 +69,24 @@ def test_no_build_secret_and_no_generated_airflow_secret_is_in_the_image(image):
     assert str(ca) not in history.stdout
     config_env = sh("podman", "image", "inspect", "--format", "{{.Config.Env}}", image, env=CONF).stdout
     assert "PIP_CERT" not in config_env and "hostca" not in config_env, config_env
+
+
+def test_the_entrypoint_gives_another_uid_a_home_keeps_airflow_words_and_no_setuid_file(image):
+    """/entrypoint as pods meet it: a uid with no passwd entry (group 0) gets one, with a writable HOME; a first word
+    that is an Airflow group (`users`, also a program on PATH) is Airflow's; no file of the image is setuid or
+    setgid, so the group-writable /etc/passwd is no way to root."""
+    from image_build import Containers
+
+    boxes = Containers(image)
+    # --passwd=false: as Kubernetes' runtimes, podman adds no passwd entry for the uid (by default it would)
+    r = boxes.run("--network", "none", "--passwd=false", "--user", "12345:0", args=[
+        "sh", "-c", "id -un; echo \"$HOME\"; touch \"$HOME/w\" && echo writable; "
+                    "find / -xdev -type f -perm /6000 2>/dev/null | wc -l"], timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # sh is a program on PATH: run as it is, after the entrypoint's passwd entry
+    name, home, writable, setuid = r.stdout.split()[-4:]
+    assert (name, home, writable, setuid) == ("default", "/home/airflow", "writable", "0"), r.stdout
+    r = boxes.run("--network", "none", "-e", "CONNECTION_CHECK_MAX_COUNT=0", args=["users", "--help"], timeout=300)
+    assert r.returncode == 0 and "airflow users" in r.stdout, (r.stdout + r.stderr)[-2000:]
+    r = boxes.run("--network", "none", "-e", "CONNECTION_CHECK_MAX_COUNT=x", args=["airflow", "version"], timeout=300)
+    assert r.returncode == 2 and "CONNECTION_CHECK_MAX_COUNT=x is not a whole number" in r.stderr, r.stderr[-2000:]

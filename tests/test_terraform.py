@@ -878,6 +878,8 @@ def test_run_root_owned_for_the_pods_task_logs_in_s3_no_glacier_admins_and_efa_o
     container = job["spec"][0]["template"][0]["spec"][0]["container"][0]
     cmd = " ".join(container["command"]) if isinstance(container["command"], list) else container["command"]
     assert "install -d -o ${local.run_root_owner.uid} -g ${local.run_root_owner.gid} -m 2775" in cmd
+    dirs = local(TF / "modules/namespaces/main.tf", "run_root_dirs")
+    assert "${local.run_root}/var/tiers/shared" in dirs  # the L1 path the FSx association makes as root
     owner = local(TF / "modules/namespaces/main.tf", "run_root_owner")
     assert owner == {"uid": 50000, "gid": 0}  # the image's user and the Airflow chart's uid/gid
     assert local(TF / "modules/namespaces/main.tf", "run_root") == "${var.shared_fs_mount}/llm-pipeline"
@@ -886,7 +888,8 @@ def test_run_root_owned_for_the_pods_task_logs_in_s3_no_glacier_admins_and_efa_o
     assert 'remote_logging = "True"' in airflow and "s3://${var.mlflow_bucket}/airflow-logs" in airflow
     assert variables(TF / "modules/storage/variables.tf")["checkpoint_glacier_days"]["default"] is None
     entries = [b for f, t, n, b in resources("aws_eks_access_entry") if n == "admin"]
-    assert entries and entries[0]["for_each"] == "${toset(var.admin_role_arns)}"
+    assert entries and entries[0]["for_each"] == "${local.admin_role_arns}"  # less the creator's own entry
+    assert "data.aws_iam_session_context.current.issuer_arn" in local(TF / "modules/eks/main.tf", "admin_role_arns")
     assoc = [b for f, t, n, b in resources("aws_eks_access_policy_association") if n == "admin"][0]
     assert assoc["policy_arn"].endswith("cluster-access-policy/AmazonEKSClusterAdminPolicy")
     for env in ENVS:

@@ -13,9 +13,11 @@ names over http and https (MLflow always allows localhost origins).
         --backend-store-uri-file /var/run/secrets/metadata-db/connection \\
         --artifacts-destination s3://BUCKET/artifacts --app-name basic-auth
     python -m pipelines.eval.tracking_server … --print        # the mlflow command line, as JSON, without running it
+                                                              # (the database URI is not on it)
 
-The backend store's URI is read from a file (the Secret's mount), so the database password is never on a command
-line. Exit 2: a flag or that file is wrong.
+The backend store's URI is read from a file (the Secret's mount) and handed to mlflow in its environment
+(``MLFLOW_BACKEND_STORE_URI``), so the database password is never on a command line. Exit 2: a flag or that file is
+wrong; 75: mlflow could not be started.
 """
 from __future__ import annotations
 
@@ -45,9 +47,9 @@ def cors_origins(service: str, namespace: str, port: int, cluster_domain: str = 
                                                                                        cluster_domain)]
 
 
-def command(args: argparse.Namespace, backend_store_uri: str) -> list[str]:
+def command(args: argparse.Namespace) -> list[str]:
+    """The mlflow command line; the backend store's URI is not on it (MLFLOW_BACKEND_STORE_URI: see main)."""
     cmd = ["mlflow", "server", "--host", args.host, "--port", str(args.port), "--workers", str(args.workers),
-           "--backend-store-uri", backend_store_uri,
            "--allowed-hosts", ",".join(allowed_hosts(args.service, args.namespace, args.port, args.cluster_domain)),
            "--cors-allowed-origins", ",".join(cors_origins(args.service, args.namespace, args.port,
                                                             args.cluster_domain))]
@@ -58,15 +60,28 @@ def command(args: argparse.Namespace, backend_store_uri: str) -> list[str]:
     return cmd
 
 
+def _port(text: str) -> int:
+    n = _positive(text)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port (1-65535)")
+    return n
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number of at least 1")
+    return int(text)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m pipelines.eval.tracking_server",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--service", required=True, help="The Kubernetes Service's name (mlflow).")
     ap.add_argument("--namespace", required=True, help="Its namespace (mlflow).")
-    ap.add_argument("--port", type=int, default=5000, help="The port the Service and the server listen on.")
+    ap.add_argument("--port", type=_port, default=5000, help="The port the Service and the server listen on.")
     ap.add_argument("--cluster-domain", default="cluster.local", help="The cluster's DNS domain (cluster.local).")
     ap.add_argument("--host", default="0.0.0.0", help="The address the server binds (0.0.0.0 in a pod).")
-    ap.add_argument("--workers", type=int, default=4, help="MLflow's worker processes.")
+    ap.add_argument("--workers", type=_positive, default=4, help="MLflow's worker processes.")
     store = ap.add_mutually_exclusive_group(required=True)
     store.add_argument("--backend-store-uri-file", help="A file holding the backend store's URI (a Secret's mount).")
     store.add_argument("--backend-store-uri", help="The backend store's URI itself (local use; it shows in ps).")
@@ -81,18 +96,25 @@ def main(argv: list[str] | None = None) -> int:
     uri = args.backend_store_uri
     if args.backend_store_uri_file:
         try:
-            uri = Path(args.backend_store_uri_file).read_text().strip()
-        except OSError as e:
+            uri = Path(args.backend_store_uri_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
             print(f"tracking_server: error: cannot read --backend-store-uri-file: {e}", file=sys.stderr)
             return 2
     if not uri:
         print("tracking_server: error: the backend store's URI is empty", file=sys.stderr)
         return 2
-    cmd = command(args, uri)
+    cmd = command(args)
     if args.print:
-        print(json.dumps([("<backend-store-uri>" if c == uri else c) for c in cmd]))
+        print(json.dumps(cmd))
         return 0
-    os.execvp(cmd[0], cmd)
+    # the URI (it holds the database password) goes by the environment, which mlflow's --backend-store-uri reads:
+    # never on a command line, where ps and /proc/<pid>/cmdline of the server's processes would show it
+    try:
+        os.execvpe(cmd[0], cmd, {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri})
+    except OSError as e:
+        print(f"tracking_server: error: cannot start {cmd[0]}: {e}", file=sys.stderr)
+        return 75
+    return 0  # not reached: exec replaced this process
 
 
 if __name__ == "__main__":

@@ -304,9 +304,20 @@ resource "aws_eks_node_group" "gpu" {
 }
 
 # ---------------------------------------------------------------- who administers the cluster
-# Access entries (authentication_mode API): each role in admin_role_arns is cluster-admin, besides the creator.
+# Access entries (authentication_mode API): each role in admin_role_arns is cluster-admin, besides the creator, whose
+# entry EKS makes itself (bootstrap_cluster_creator_admin_permissions): a second one for the same role would fail.
+data "aws_caller_identity" "current" {}
+
+data "aws_iam_session_context" "current" {
+  arn = data.aws_caller_identity.current.arn
+}
+
+locals {
+  admin_role_arns = setsubtract(toset(var.admin_role_arns), [data.aws_iam_session_context.current.issuer_arn])
+}
+
 resource "aws_eks_access_entry" "admin" {
-  for_each      = toset(var.admin_role_arns)
+  for_each      = local.admin_role_arns
   cluster_name  = aws_eks_cluster.this.name
   principal_arn = each.value
   type          = "STANDARD"
@@ -314,7 +325,7 @@ resource "aws_eks_access_entry" "admin" {
 }
 
 resource "aws_eks_access_policy_association" "admin" {
-  for_each      = toset(var.admin_role_arns)
+  for_each      = local.admin_role_arns
   cluster_name  = aws_eks_cluster.this.name
   principal_arn = aws_eks_access_entry.admin[each.value].principal_arn
   policy_arn    = "arn:${data.aws_partition.current.partition}:eks::aws:cluster-access-policy/AmazonEKSClusterAdminPolicy"

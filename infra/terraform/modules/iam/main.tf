@@ -7,13 +7,15 @@
 #   spark    raw, curated                   curated               (dedup and filter executors)
 #   trainer  curated, checkpoints           checkpoints           (training pods: shards in, checkpoints out)
 #   mlflow   mlflow                         mlflow                (the tracking server's artifact store)
+#   airflow_logs  mlflow                    —                     (the Airflow API server: task logs in S3, read only)
 
 locals {
   access = {
-    airflow = { read = ["raw", "curated", "checkpoints", "mlflow"], write = ["curated", "checkpoints", "mlflow"] }
-    spark   = { read = ["raw", "curated"], write = ["curated"] }
-    trainer = { read = ["curated", "checkpoints"], write = ["checkpoints"] }
-    mlflow  = { read = ["mlflow"], write = ["mlflow"] }
+    airflow      = { read = ["raw", "curated", "checkpoints", "mlflow"], write = ["curated", "checkpoints", "mlflow"] }
+    spark        = { read = ["raw", "curated"], write = ["curated"] }
+    trainer      = { read = ["curated", "checkpoints"], write = ["checkpoints"] }
+    mlflow       = { read = ["mlflow"], write = ["mlflow"] }
+    airflow_logs = { read = ["mlflow"], write = [] }
   }
 }
 
@@ -57,15 +59,18 @@ data "aws_iam_policy_document" "access" {
     actions   = ["s3:GetObject", "s3:GetObjectVersion", "s3:GetObjectAttributes"]
     resources = [for b in each.value.read : "${var.bucket_arns[b]}/*"]
   }
-  statement {
-    sid = "WriteObjects"
-    actions = ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts",
-    "s3:PutObjectTagging"]
-    resources = [for b in each.value.write : "${var.bucket_arns[b]}/*"]
+  dynamic "statement" {
+    for_each = length(each.value.write) > 0 ? [each.value.write] : []
+    content {
+      sid = "WriteObjects"
+      actions = ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts",
+      "s3:PutObjectTagging"]
+      resources = [for b in statement.value : "${var.bucket_arns[b]}/*"]
+    }
   }
   statement {
     sid       = "BucketKey"
-    actions   = ["kms:Decrypt", "kms:GenerateDataKey", "kms:DescribeKey"]
+    actions   = length(each.value.write) > 0 ? ["kms:Decrypt", "kms:GenerateDataKey", "kms:DescribeKey"] : ["kms:Decrypt", "kms:DescribeKey"]
     resources = [var.kms_key_arn]
     # the key only through S3 (SSE-KMS of the pipeline buckets), not directly or through another service
     condition {

@@ -25,10 +25,11 @@ variable "kms_key_arn" {
 
 variable "service_accounts" {
   type = object({
-    airflow = string
-    spark   = string
-    trainer = string
-    mlflow  = string
+    airflow      = string
+    spark        = string
+    trainer      = string
+    mlflow       = string
+    airflow_logs = string
   })
   description = "namespace:serviceaccount each role may be assumed from (the platform root creates these accounts, or the Airflow chart does)."
 }

@@ -440,6 +440,11 @@ resource "helm_release" "airflow" {
     # the deferred training-job waits run here, as this service account (bound to the read-and-delete job-watcher
     # Role in modules/namespaces; no AWS role: it only talks to the Kubernetes API)
     triggerer = { serviceAccount = { name = var.triggerer_service_account } }
+    # the API server shows finished tasks' logs from S3: a read-only IRSA role (modules/iam airflow_logs)
+    apiServer = { serviceAccount = {
+      name        = "airflow-api-server"
+      annotations = { "eks.amazonaws.com/role-arn" = var.irsa_role_arns["airflow_logs"] }
+    } }
     workers = {
       serviceAccount = {
         name        = var.worker_service_account

@@ -103,6 +103,8 @@ resource "kubernetes_persistent_volume_claim_v1" "fsx" {
 locals {
   run_root_owner = { uid = 50000, gid = 0 }
   run_root       = "${var.shared_fs_mount}/llm-pipeline"
+  run_root_dirs = [local.run_root, "${local.run_root}/var", "${local.run_root}/var/tiers",
+  "${local.run_root}/var/tiers/shared"]
 }
 
 resource "kubernetes_job_v1" "shared_fs_init" {
@@ -121,10 +123,13 @@ resource "kubernetes_job_v1" "shared_fs_init" {
           name              = "init"
           image             = "public.ecr.aws/docker/library/busybox:1.37"
           image_pull_policy = "IfNotPresent"
+          # the run root, var/ and the L1 path the FSx data repository association may already have made (root's):
+          # each made if missing, then owned and group-writable; nothing below them is touched (no -R)
           command = ["sh", "-ec", join(" ", [
-            "install -d -o ${local.run_root_owner.uid} -g ${local.run_root_owner.gid} -m 2775 ${local.run_root} ${local.run_root}/var",
-            "&& chown ${local.run_root_owner.uid}:${local.run_root_owner.gid} ${local.run_root} ${local.run_root}/var",
-            "&& chmod 2775 ${local.run_root} ${local.run_root}/var && ls -ld ${local.run_root} ${local.run_root}/var",
+            "for d in ${join(" ", local.run_root_dirs)}; do",
+            "install -d -o ${local.run_root_owner.uid} -g ${local.run_root_owner.gid} -m 2775 \"$d\";",
+            "chown ${local.run_root_owner.uid}:${local.run_root_owner.gid} \"$d\"; chmod 2775 \"$d\";",
+            "ls -ld \"$d\"; done",
           ])]
           # root only to chown the new directories (baseline Pod Security allows it in this namespace)
           security_context {

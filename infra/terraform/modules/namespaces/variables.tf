@@ -38,6 +38,10 @@ variable "shared_fs_mount" {
   type        = string
   description = "Where the pods mount the FSx claim (the job spec's launcher.shared_fs_mount); the run root <mount>/llm-pipeline is made there for uid 50000."
   default     = "/fsx"
+  validation {
+    condition     = can(regex("^/[A-Za-z0-9._/-]+$", var.shared_fs_mount)) && !strcontains(var.shared_fs_mount, "..")
+    error_message = "shared_fs_mount is an absolute path of letters, digits, '.', '_', '-' and '/' (it reaches a shell command)."
+  }
 }
 
 variable "service_accounts" {

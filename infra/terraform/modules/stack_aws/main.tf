@@ -61,6 +61,8 @@ locals {
     spark   = "${var.namespaces.pipeline}:spark"
     trainer = "${var.namespaces.pipeline}:trainer"
     mlflow  = "${var.namespaces.mlflow}:mlflow"
+    # the Airflow chart's API server: it reads finished tasks' logs from S3 (modules/metadata's remote logging)
+    airflow_logs = "${var.namespaces.airflow}:airflow-api-server"
   }
 }
 

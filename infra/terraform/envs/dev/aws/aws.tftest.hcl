@@ -5,7 +5,10 @@ mock_provider "aws" {
   override_during = plan
 
   mock_data "aws_caller_identity" {
-    defaults = { account_id = "123456789012" }
+    defaults = { account_id = "123456789012", arn = "arn:aws:sts::123456789012:assumed-role/admin/terraform" }
+  }
+  mock_data "aws_iam_session_context" { # who runs apply: EKS makes that role's access entry itself
+    defaults = { issuer_arn = "arn:aws:iam::123456789012:role/admin" }
   }
   mock_data "aws_partition" {
     defaults = { partition = "aws" }
@@ -131,10 +134,11 @@ run "plan" {
   # IRSA: each role trusts exactly its one service account through the cluster's OIDC provider
   assert {
     condition = { for k, p in output.stack.irsa_trust_policies : k => jsondecode(p).Statement[0].Condition.StringEquals["${var.issuer}:sub"] } == {
-      airflow = "system:serviceaccount:airflow:airflow-worker"
-      spark   = "system:serviceaccount:llm-pipeline:spark"
-      trainer = "system:serviceaccount:llm-pipeline:trainer"
-      mlflow  = "system:serviceaccount:mlflow:mlflow"
+      airflow      = "system:serviceaccount:airflow:airflow-worker"
+      spark        = "system:serviceaccount:llm-pipeline:spark"
+      trainer      = "system:serviceaccount:llm-pipeline:trainer"
+      mlflow       = "system:serviceaccount:mlflow:mlflow"
+      airflow_logs = "system:serviceaccount:airflow:airflow-api-server"
     }
     error_message = "each IRSA role must trust system:serviceaccount:<namespace>:<account> of its plane only"
   }
