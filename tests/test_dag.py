@@ -171,13 +171,19 @@ def test_a_kubernetes_spark_master_gets_executor_settings_or_a_clear_error(monke
 
 
 def test_every_dag_file_parses_fast_and_without_errors(capsys):
-    """DagBag over the folder; each file's parse time is measured (Airflow's own stats) and reported."""
+    """DagBag over the folder; each file's parse time is measured (Airflow's own stats) and reported: the best of three
+    parses, so that a stall of a loaded machine (another test file's processes on the same 2 cores) is not taken
+    for the file's own cost."""
     from airflow.dag_processing.dagbag import DagBag
 
     DagBag(dag_folder=str(ROOT / "dags"))  # warm: the first parse pays for importing Airflow itself
-    bag = DagBag(dag_folder=str(ROOT / "dags"))
-    assert bag.import_errors == {}
-    stats = {Path(s.file).name: s.duration.total_seconds() for s in bag.dagbag_stats}
+    stats: dict[str, float] = {}
+    for _ in range(3):
+        bag = DagBag(dag_folder=str(ROOT / "dags"))
+        assert bag.import_errors == {}
+        for s in bag.dagbag_stats:
+            name = Path(s.file).name
+            stats[name] = min(stats.get(name, float("inf")), s.duration.total_seconds())
     with capsys.disabled():
         print("\nDAG file parse times: " + ", ".join(f"{f} {t * 1000:.0f} ms" for f, t in sorted(stats.items())))
     assert stats and all(t < 0.5 for t in stats.values()), stats
