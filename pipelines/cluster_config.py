@@ -20,6 +20,7 @@ running terraform there or from saved files (``--outputs`` once per root, in tha
     python -m pipelines.cluster_config --env dev --out configs/aws-dev.yaml --connections var/aws-dev-connections.json
     airflow connections import var/aws-dev-connections.json
     python -m pipelines.cluster_config --outputs aws.json --outputs platform.json --out configs/aws-dev.yaml
+    python -m pipelines.cluster_config --env dev --outputs stack.json    # saved outputs → configs/aws-dev.yaml
 """
 from __future__ import annotations
 
@@ -149,15 +150,22 @@ def airflow_connections(out: dict) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipelines.cluster_config", description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--env", help="Run `terraform output -json` in infra/terraform/envs/ENV/aws and .../platform.")
-    src.add_argument("--outputs", action="append", help="A saved `terraform output -json`; once per root (aws, then "
-                     "platform), or one file with both roots' outputs.")
+    ap.add_argument("--env", help="The environment (dev, prod): without --outputs, run `terraform output -json` in "
+                    "infra/terraform/envs/ENV/aws and .../platform; its spec goes to configs/aws-ENV.yaml by default.")
+    ap.add_argument("--outputs", action="append", help="A saved `terraform output -json` (read instead of running "
+                    "terraform); once per root (aws, then platform), or one file with both roots' outputs.")
     ap.add_argument("--base", default=str(ROOT / "configs" / "demo.yaml"), help="Spec the cluster settings layer onto.")
-    ap.add_argument("--out", required=True, help="Job spec YAML to write.")
+    ap.add_argument("--out", help="Job spec YAML to write (default with --env: configs/aws-ENV.yaml).")
     ap.add_argument("--connections", help="Write the Airflow connections here (JSON for `airflow connections "
                     "import`, which keeps connections that exist: one set in the UI wins).")
     args = ap.parse_args(argv)
+    if not args.env and not args.outputs:
+        ap.error("give --env ENV (terraform output of its roots), --outputs FILE (saved outputs), or both")
+    if args.env and not all(c.isalnum() or c in "-_" for c in args.env):
+        ap.error(f"--env {args.env!r}: an environment's name (letters, digits, '-', '_')")
+    args.out = args.out or (str(ROOT / "configs" / f"aws-{args.env}.yaml") if args.env else None)
+    if not args.out:
+        ap.error("--out is required without --env")
     try:
         out = read_outputs(args.outputs, args.env)
     except WiringError as e:

@@ -46,13 +46,7 @@ def built_image() -> str:
 
 def run_in(image: str, *cmd: str) -> subprocess.CompletedProcess:
     """``cmd`` in a fresh container of ``image`` with no network; the container is removed whatever happens."""
-    name = f"llmp-test-{uuid.uuid4().hex[:12]}"
-    try:
-        return sh(str(BUILD), "run", "--rm", "--name", name, "--network", "none", image, *cmd, timeout=600)
-    finally:
-        sh("podman", "rm", "-f", "--ignore", name, timeout=120, env=CONF)
-
-
+    return Containers(image).run("--network", "none", args=list(cmd))
 
 
 def podman(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -484,6 +484,15 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
     assert spark["host"] == aws["spark_master"]
     assert conns["kubernetes_default"]["extra"]["in_cluster"] is True
     assert conns["mlflow_default"]["host"] == platform["mlflow_tracking_uri"]
+    # the form: --env names the environment, --outputs the saved outputs (no terraform run); the spec goes to
+    # configs/aws-ENV.yaml unless --out says otherwise
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({"stack": {"value": {**aws, **platform}}}))
+    assert cc.main(["--env", "prod", "--outputs", str(both), "--out", str(tmp_path / "env.yaml")]) == 0
+    assert load_spec(tmp_path / "env.yaml", env={}).launcher.nproc_per_node == 8
+    with pytest.raises(SystemExit) as e:
+        cc.main(["--env", "../x", "--outputs", str(both)])
+    assert e.value.code == 2
     # the AWS layer alone (platform not applied yet) lacks outputs: exit 2 naming them
     assert cc.main(["--outputs", str(files[0]), "--out", str(tmp_path / "x.yaml")]) == 2
     merged = cc.read_outputs([str(f) for f in files], None)
