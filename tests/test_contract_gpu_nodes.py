@@ -5,7 +5,11 @@ that ``pipelines.cluster_config`` configures from that node group's outputs sele
 for no more GPUs than its instance type has; and a spec asking a node for more is refused by the launcher, exit 2.
 
 Scheduling itself needs a cluster (no kube-scheduler here): the matching below is the scheduler's rule for node
-selectors, required node affinity terms (OR of terms, AND within one) and taints/tolerations."""
+selectors, required node affinity terms (OR of terms, AND within one) and taints/tolerations.
+
+The GPU group sits at zero nodes between runs: cluster-autoscaler builds a template node from the group's
+node-template tags (the AWS layer's ``terraform test`` asserts they equal the group's labels and taint) and the
+instance type, and must be of the cluster's Kubernetes minor version and run as the account its IRSA role trusts."""
 from __future__ import annotations
 
 import json
@@ -25,9 +29,14 @@ PLUGIN_VERSION = re.search(r'resource "helm_release" "nvidia_device_plugin" \{[^
 PLUGIN = yaml.safe_load((ROOT / f"tests/contracts/nvidia-device-plugin-{PLUGIN_VERSION}.yaml").read_text())
 
 
+EKS = tf.TF / "modules/eks/main.tf"
+
+
 def gpu_group() -> dict:
     g = [b for f, t, n, b in tf.resources("aws_eks_node_group") if n == "gpu"][0]
-    labels = {k: v for k, v in g["labels"].items() if not v.startswith("${")}  # computed ones are not selectable
+    assert g["labels"] == "${local.gpu_labels}"  # the same labels are the autoscaler's node-template tags
+    labels = {k: v for k, v in tf.local(EKS, "gpu_labels").items()
+              if not v.startswith("${")}  # computed ones are not selectable
     taints = [{"key": t["key"], "value": t["value"], "effect": {"NO_SCHEDULE": "NoSchedule"}.get(t["effect"],
                                                                                                 t["effect"])}
               for t in g["taint"]]
@@ -118,3 +127,27 @@ def test_the_launcher_refuses_more_gpus_per_node_than_the_instance_type_has(tmp_
                         str(manifest)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert "g6e.xlarge has 1 GPU per node" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_cluster_autoscaler_matches_the_cluster_and_its_role():
+    values = tf.local(ADDONS, "cluster_autoscaler_values")
+    images = tf.local(ADDONS, "cluster_autoscaler_images")
+    allowed = re.search(r'contains\((\[[^]]+\]), var\.kubernetes_version\)', (tf.TF / "modules/eks/variables.tf").read_text())
+    # every Kubernetes version the cluster may run has an autoscaler image of the same minor version
+    assert sorted(images) == sorted(json.loads(allowed.group(1)))
+    assert all(tag.startswith(f"v{minor}.") for minor, tag in images.items()), images
+    assert values["image"]["tag"] == "${local.cluster_autoscaler_images[var.kubernetes_version]}"
+    # it runs as the service account the IRSA role trusts (modules/stack_aws), in the namespace the release is in
+    trusted = tf.local(tf.TF / "modules/stack_aws/main.tf", "service_accounts")["cluster_autoscaler"]
+    assert trusted == "kube-system:cluster-autoscaler"
+    sa = values["rbac"]["serviceAccount"]
+    assert sa["name"] == '${split(":", var.autoscaling.service_account)[1]}' and sa["create"] is True
+    assert sa["annotations"] == {"eks.amazonaws.com/role-arn": "${var.autoscaling.role_arn}"}
+    release = [b for f, t, n, b in tf.resources("helm_release") if n == "cluster_autoscaler"][0]
+    assert release["namespace"] == '${split(":", var.autoscaling.service_account)[0]}'
+    # auto-discovery by the cluster's name: the chart turns it into asg:tag=k8s.io/cluster-autoscaler/enabled,
+    # k8s.io/cluster-autoscaler/<name>, the tags EKS puts on a managed node group's Auto Scaling group
+    assert values["autoDiscovery"] == {"clusterName": "${var.autoscaling.cluster_name}"}
+    assert values["cloudProvider"] == "aws" and values["nodeSelector"] == {"llm-pipeline/pool": "system"}
+    # a node whose training pod keeps its L0 tier in an emptyDir is not drained to scale down
+    assert values["extraArgs"]["skip-nodes-with-local-storage"] is True

@@ -129,7 +129,7 @@ UNTAGGABLE = {
     "aws_iam_role_policy_attachment", "aws_s3_bucket_public_access_block", "aws_s3_bucket_ownership_controls",
     "aws_s3_bucket_versioning", "aws_s3_bucket_server_side_encryption_configuration", "aws_s3_bucket_logging",
     "aws_s3_bucket_lifecycle_configuration", "aws_s3_bucket_policy", "aws_s3_bucket_notification", "aws_kms_key_policy",
-    "aws_eks_access_policy_association",
+    "aws_eks_access_policy_association", "aws_autoscaling_group_tag",  # a tag itself
 }
 
 
@@ -445,6 +445,9 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
         "node_groups": {"gpu": {"instance_types": ["p5.48xlarge"], "labels": {"llm-pipeline/pool": "gpu"},
                                 "taints": [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}]}},
         "gpu_efa_interfaces": 32, "fsx": {}, "network": {}, "database": {}, "security": {},
+        "autoscaling": {"cluster_name": "llmp-prod", "region": "us-east-1", "role_arn": "arn:aws:iam::1:role/ca",
+                        "service_account": "kube-system:cluster-autoscaler", "policy": "{}",
+                        "gpu_node_template_tags": {}},
     }
     digest = "1.dkr.ecr.us-east-1.amazonaws.com/llm-pipeline@sha256:" + "a" * 64
     platform = {

@@ -1,3 +1,18 @@
+variable "autoscaling" {
+  type = object({
+    cluster_name    = string
+    region          = string
+    role_arn        = string
+    service_account = string
+  })
+  description = "The AWS layer's `autoscaling` output: the cluster whose node groups the cluster autoscaler discovers, its region, and the IRSA role and namespace:serviceaccount it runs as."
+}
+
+variable "kubernetes_version" {
+  type        = string
+  description = "The cluster's Kubernetes minor version (the AWS layer's output): the cluster autoscaler's image follows it."
+}
+
 variable "gpu_efa_interfaces" {
   type        = number
   description = "EFA interfaces per GPU node: the EFA device plugin is installed when there are any."

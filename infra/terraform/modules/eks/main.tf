@@ -295,12 +295,49 @@ resource "aws_eks_node_group" "gpu" {
     value  = "true"
     effect = "NO_SCHEDULE"
   }
-  # nvidia.com/gpu.present: the label NVIDIA's device-plugin chart's default node affinity accepts (no NFD here);
-  # without it the plugin never runs on these nodes and no nvidia.com/gpu is advertised
-  labels = { "llm-pipeline/pool" = "gpu", "nvidia.com/gpu.present" = "true",
-  "vpc.amazonaws.com/efa.present" = tostring(var.gpu_efa_interfaces > 0) }
+  labels     = local.gpu_labels
   tags       = var.tags
   depends_on = [aws_iam_role_policy_attachment.node]
+  # the cluster autoscaler owns the group's size once it exists: an apply must not reset it to gpu_nodes.desired
+  lifecycle {
+    ignore_changes = [scaling_config[0].desired_size]
+  }
+}
+
+# ---------------------------------------------------------------- scale from zero
+# The GPU group sits at 0 nodes between runs; the cluster autoscaler (the platform root's helm_release, IRSA role
+# cluster_autoscaler) adds nodes when a training pod is pending. It finds the group by the tags EKS puts on a managed
+# node group's Auto Scaling group (k8s.io/cluster-autoscaler/enabled and k8s.io/cluster-autoscaler/<cluster>), and
+# at zero nodes it has no node to copy: it builds a template node from the instance type (CPU, memory,
+# nvidia.com/gpu) and from the group's labels and taints, which it reads with eks:DescribeNodegroup and, for
+# what that does not carry, from these node-template tags on the ASG (EKS does not copy node-group labels or
+# taints to the ASG). Without them a pending pod that selects llm-pipeline/pool=gpu and requests EFA is "never
+# schedulable" on a group with no nodes, and the group never leaves zero.
+locals {
+  # nvidia.com/gpu.present: the label NVIDIA's device-plugin chart's default node affinity accepts (no NFD here);
+  # without it the plugin never runs on these nodes and no nvidia.com/gpu is advertised.
+  # k8s.amazonaws.com/accelerator: the cluster autoscaler's GPU label on AWS; a new node carrying it counts as
+  # not ready until its device plugin advertises the GPUs, so one pending pod does not add a node per loop.
+  gpu_labels = { "llm-pipeline/pool" = "gpu", "nvidia.com/gpu.present" = "true",
+    "k8s.amazonaws.com/accelerator" = "nvidia",
+  "vpc.amazonaws.com/efa.present" = tostring(var.gpu_efa_interfaces > 0) }
+  gpu_node_template_tags = merge(
+    { for k, v in local.gpu_labels : "k8s.io/cluster-autoscaler/node-template/label/${k}" => v },
+    { "k8s.io/cluster-autoscaler/node-template/taint/nvidia.com/gpu" = "true:NoSchedule" },
+    var.gpu_efa_interfaces > 0 ? {
+      "k8s.io/cluster-autoscaler/node-template/resources/vpc.amazonaws.com/efa" = tostring(var.gpu_efa_interfaces)
+    } : {},
+  )
+}
+
+resource "aws_autoscaling_group_tag" "gpu_node_template" {
+  for_each               = local.gpu_node_template_tags
+  autoscaling_group_name = aws_eks_node_group.gpu.resources[0].autoscaling_groups[0].name
+  tag {
+    key                 = each.key
+    value               = each.value
+    propagate_at_launch = false
+  }
 }
 
 # ---------------------------------------------------------------- who administers the cluster

@@ -59,3 +59,8 @@ output "security" {
     } }
   }
 }
+
+output "gpu_node_template_tags" {
+  description = "The cluster autoscaler's node-template tags on the GPU group's Auto Scaling group (labels, taint, EFA): what it builds a node from while the group has none."
+  value       = local.gpu_node_template_tags
+}

@@ -8,6 +8,7 @@
 #   trainer  curated, checkpoints           checkpoints           (training pods: shards in, checkpoints out)
 #   mlflow   mlflow                         mlflow                (the tracking server's artifact store)
 #   airflow_logs  mlflow                    —                     (the Airflow API server: task logs in S3, read only)
+#   cluster_autoscaler  no bucket: resizes the Auto Scaling groups of this cluster's node groups, nothing else
 
 locals {
   access = {
@@ -23,7 +24,7 @@ locals {
 # and `terraform test` can assert on them: web identity through the cluster's OIDC provider, for exactly one
 # service account (sub) and STS as the audience (aud).
 locals {
-  assume_role_policies = { for k in keys(local.access) : k => jsonencode({
+  assume_role_policies = { for k in concat(keys(local.access), ["cluster_autoscaler"]) : k => jsonencode({
     Version = "2012-10-17"
     Statement = [{
       Effect    = "Allow"
@@ -95,4 +96,47 @@ resource "aws_iam_role_policy_attachment" "access" {
   for_each   = local.access
   role       = aws_iam_role.this[each.key].name
   policy_arn = aws_iam_policy.access[each.key].arn
+}
+
+# ---------------------------------------------------------------- the cluster autoscaler
+# What cluster-autoscaler's AWS provider calls (its README's minimal policy with scale-from-zero): describe the
+# groups, launch templates and instance types (to build a template node for a group at zero), the managed node
+# group (its labels and taints), and change the size of, or terminate an instance in, only the Auto Scaling groups
+# tagged as this cluster's (EKS tags its managed node groups' ASGs k8s.io/cluster-autoscaler/<cluster> = owned).
+# jsonencode, not aws_iam_policy_document: known at plan time, so `terraform test` asserts on it.
+locals {
+  cluster_autoscaler_policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [
+      {
+        Sid    = "Describe"
+        Effect = "Allow"
+        Action = ["autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeAutoScalingInstances",
+          "autoscaling:DescribeLaunchConfigurations", "autoscaling:DescribeScalingActivities",
+          "autoscaling:DescribeTags", "ec2:DescribeImages", "ec2:DescribeInstanceTypes",
+        "ec2:DescribeLaunchTemplateVersions", "ec2:GetInstanceTypesFromInstanceRequirements", "eks:DescribeNodegroup"]
+        Resource = "*"
+      },
+      {
+        Sid       = "ResizeThisClustersGroups"
+        Effect    = "Allow"
+        Action    = ["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"]
+        Resource  = "*"
+        Condition = { StringEquals = { "aws:ResourceTag/k8s.io/cluster-autoscaler/${var.cluster_name}" = "owned" } }
+      },
+    ]
+  })
+}
+
+resource "aws_iam_role" "cluster_autoscaler" {
+  name                 = "${var.name}-cluster-autoscaler"
+  assume_role_policy   = local.assume_role_policies["cluster_autoscaler"]
+  max_session_duration = 3600
+  tags                 = merge(var.tags, { Plane = "cluster_autoscaler" })
+}
+
+resource "aws_iam_role_policy" "cluster_autoscaler" {
+  name   = "resize-node-groups"
+  role   = aws_iam_role.cluster_autoscaler.id
+  policy = local.cluster_autoscaler_policy
 }

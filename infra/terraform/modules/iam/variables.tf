@@ -3,6 +3,11 @@ variable "name" {
   description = "Name prefix for the roles."
 }
 
+variable "cluster_name" {
+  type        = string
+  description = "EKS cluster name: the cluster autoscaler may resize only Auto Scaling groups tagged k8s.io/cluster-autoscaler/<this> = owned."
+}
+
 variable "oidc_provider_arn" {
   type        = string
   description = "ARN of the EKS cluster's IAM OIDC provider (IRSA)."
@@ -25,11 +30,12 @@ variable "kms_key_arn" {
 
 variable "service_accounts" {
   type = object({
-    airflow      = string
-    spark        = string
-    trainer      = string
-    mlflow       = string
-    airflow_logs = string
+    airflow            = string
+    spark              = string
+    trainer            = string
+    mlflow             = string
+    airflow_logs       = string
+    cluster_autoscaler = string
   })
   description = "namespace:serviceaccount each role may be assumed from (the platform root creates these accounts, or the Airflow chart does)."
 }

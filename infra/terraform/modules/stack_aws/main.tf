@@ -63,12 +63,15 @@ locals {
     mlflow  = "${var.namespaces.mlflow}:mlflow"
     # the Airflow chart's API server: it reads finished tasks' logs from S3 (modules/metadata's remote logging)
     airflow_logs = "${var.namespaces.airflow}:airflow-api-server"
+    # cluster-autoscaler's chart (modules/cluster_addons), in kube-system like the device plugins
+    cluster_autoscaler = "kube-system:cluster-autoscaler"
   }
 }
 
 module "iam" {
   source            = "../iam"
   name              = var.name
+  cluster_name      = module.eks.cluster_name
   oidc_provider_arn = module.eks.oidc_provider_arn
   oidc_issuer       = module.eks.oidc_issuer
   bucket_arns       = module.storage.bucket_arns

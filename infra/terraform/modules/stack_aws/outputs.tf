@@ -88,6 +88,18 @@ output "node_groups" {
   value       = module.eks.node_groups
 }
 
+output "autoscaling" {
+  description = "What the cluster autoscaler (modules/cluster_addons) needs and is given: the cluster it discovers groups of, its IRSA role and service account, that role's permissions, and the GPU group's node-template tags (scale from zero)."
+  value = {
+    cluster_name           = module.eks.cluster_name
+    region                 = var.region
+    role_arn               = module.iam.role_arns["cluster_autoscaler"]
+    service_account        = module.iam.service_accounts["cluster_autoscaler"]
+    policy                 = module.iam.cluster_autoscaler_policy
+    gpu_node_template_tags = module.eks.gpu_node_template_tags
+  }
+}
+
 output "gpu_efa_interfaces" {
   description = "EFA interfaces per GPU node (launcher.efa_per_node)."
   value       = var.gpu_efa_interfaces

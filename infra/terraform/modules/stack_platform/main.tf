@@ -1,7 +1,7 @@
 # The platform layer of an environment, composed once: what runs inside the cluster the AWS layer made
 # (namespaces, service accounts and RBAC, the FSx volume, device plugins, Kubeflow Trainer v2 and the optional
-# v1 operator, MLflow, Airflow, NetworkPolicies). envs/<env>/platform calls it with the AWS layer's outputs
-# (var.aws, read from that root's state) and the images.
+# v1 operator, the cluster autoscaler, MLflow, Airflow, NetworkPolicies). envs/<env>/platform calls it with the
+# AWS layer's outputs (var.aws, read from that root's state) and the images.
 
 module "namespaces" {
   source                    = "../namespaces"
@@ -17,6 +17,8 @@ module "namespaces" {
 module "cluster_addons" {
   source                      = "../cluster_addons"
   gpu_efa_interfaces          = var.aws.gpu_efa_interfaces
+  autoscaling                 = var.aws.autoscaling
+  kubernetes_version          = var.aws.kubernetes_version
   install_pytorchjob_operator = var.install_pytorchjob_operator
 }
 

@@ -8,6 +8,8 @@ variable "aws" {
     service_accounts   = object({ airflow = string, spark = string, trainer = string, mlflow = string })
     irsa_role_arns     = map(string)
     gpu_efa_interfaces = number
+    kubernetes_version = string
+    autoscaling        = object({ cluster_name = string, region = string, role_arn = string, service_account = string })
     fsx                = object({ file_system_id = string, dns_name = string, mount_name = string, capacity_gib = number })
     network            = object({ vpc_cidr = string, private_subnet_cidrs = list(string) })
     database           = object({ address = string, port = number, master_secret_arn = string })

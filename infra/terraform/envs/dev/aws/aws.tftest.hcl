@@ -134,11 +134,12 @@ run "plan" {
   # IRSA: each role trusts exactly its one service account through the cluster's OIDC provider
   assert {
     condition = { for k, p in output.stack.irsa_trust_policies : k => jsondecode(p).Statement[0].Condition.StringEquals["${var.issuer}:sub"] } == {
-      airflow      = "system:serviceaccount:airflow:airflow-worker"
-      spark        = "system:serviceaccount:llm-pipeline:spark"
-      trainer      = "system:serviceaccount:llm-pipeline:trainer"
-      mlflow       = "system:serviceaccount:mlflow:mlflow"
-      airflow_logs = "system:serviceaccount:airflow:airflow-api-server"
+      airflow            = "system:serviceaccount:airflow:airflow-worker"
+      spark              = "system:serviceaccount:llm-pipeline:spark"
+      trainer            = "system:serviceaccount:llm-pipeline:trainer"
+      mlflow             = "system:serviceaccount:mlflow:mlflow"
+      airflow_logs       = "system:serviceaccount:airflow:airflow-api-server"
+      cluster_autoscaler = "system:serviceaccount:kube-system:cluster-autoscaler"
     }
     error_message = "each IRSA role must trust system:serviceaccount:<namespace>:<account> of its plane only"
   }
@@ -149,6 +150,29 @@ run "plan" {
       jsondecode(p).Statement[0].Principal.Federated == "arn:aws:iam::${var.account}:oidc-provider/${var.issuer}" &&
     jsondecode(p).Statement[0].Condition.StringEquals["${var.issuer}:aud"] == "sts.amazonaws.com"])
     error_message = "IRSA trust: web identity from the cluster's OIDC provider, audience sts.amazonaws.com"
+  }
+  # scale from zero: the cluster autoscaler resizes only this cluster's groups, and finds in the GPU group's ASG
+  # tags the labels and taint a training pod selects and tolerates while the group has no node
+  assert {
+    condition = [for st in jsondecode(output.stack.autoscaling.policy).Statement : st.Condition if st.Sid == "ResizeThisClustersGroups"] == [{
+      StringEquals = { "aws:ResourceTag/k8s.io/cluster-autoscaler/${output.stack.cluster_name}" = "owned" }
+    }] && contains(flatten([for st in jsondecode(output.stack.autoscaling.policy).Statement : st.Action]), "eks:DescribeNodegroup")
+    error_message = "the cluster autoscaler may resize only groups tagged k8s.io/cluster-autoscaler/<cluster> = owned, and reads managed node groups"
+  }
+  assert {
+    condition     = output.stack.autoscaling.gpu_node_template_tags["k8s.io/cluster-autoscaler/node-template/label/llm-pipeline/pool"] == "gpu" && output.stack.autoscaling.gpu_node_template_tags["k8s.io/cluster-autoscaler/node-template/taint/nvidia.com/gpu"] == "true:NoSchedule" && output.stack.node_groups.gpu.scaling.min_size == 0
+    error_message = "the GPU group scales from zero: its ASG carries the pool label and the nvidia.com/gpu taint as node-template tags"
+  }
+  assert {
+    # the template node the autoscaler builds from the ASG's label tags has exactly the labels the group's nodes get
+    # (tests/test_contract_gpu_nodes.py: a training pod schedules on a node with those labels and the group's taints)
+    condition = tomap({ for k, v in output.stack.autoscaling.gpu_node_template_tags : trimprefix(k, "k8s.io/cluster-autoscaler/node-template/label/") => v
+    if startswith(k, "k8s.io/cluster-autoscaler/node-template/label/") }) == tomap(output.stack.node_groups.gpu.labels)
+    error_message = "the GPU group's node-template label tags must equal its node labels"
+  }
+  assert {
+    condition     = output.stack.autoscaling.service_account == "kube-system:cluster-autoscaler" && output.stack.autoscaling.role_arn == output.stack.irsa_role_arns["cluster_autoscaler"]
+    error_message = "the cluster autoscaler runs as kube-system:cluster-autoscaler with its own IRSA role"
   }
   # buckets: no public access, versioned, TLS only
   assert {
