@@ -15,6 +15,9 @@ from typing import Callable, Iterable, Optional
 from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_write_text, load_manifest, run_stage
 from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
 from pipelines.stages import Stage, stage
+from pipelines.storage.s3 import unreachable
+
+RETRY = 75  # pipelines.train.exit_codes.RETRY: infrastructure, a retry may succeed
 
 
 def stage_parser(name: str, inputs_required: bool = True) -> argparse.ArgumentParser:
@@ -85,7 +88,8 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
                call: Call | None = None, inputs_required: bool = True) -> int:
     """Parse, run the stage (``run(spec, *upstream_manifests, out_dir=…)`` unless ``call`` is given), write the
     report, print the one-line summary. A :class:`StageError` or :class:`SpecError` prints ``<stage>: error: …``
-    and exits with its status; :class:`Pending` (a job submitted elsewhere) reports what to wait for."""
+    and exits with its status (an outage's, e.g. L2 not answering, is 75), an object store that does not answer
+    in any other call one line and 75; :class:`Pending` (a job submitted elsewhere) reports what to wait for."""
     ap = stage_parser(name, inputs_required)
     if add_args:
         add_args(ap)
@@ -101,6 +105,11 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
     except (StageError, SpecError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
+    except Exception as e:  # noqa: BLE001 - an object store that did not answer is infrastructure: retry (75)
+        if not unreachable(e):
+            raise
+        print(f"{name}: error: the object store did not answer: {type(e).__name__}: {e}", file=sys.stderr)
+        return RETRY
     write_report(args.report, {"stage": m.stage, "manifest": m.path})
     print(summary(m))
     return 0

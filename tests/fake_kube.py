@@ -11,6 +11,11 @@ unchanged over HTTP on 127.0.0.1:
 * ``GET /api/v1/namespaces/{ns}/pods?labelSelector=K=V`` (the job's pods, by the operator's label) and
   ``GET /api/v1/namespaces/{ns}/pods/{pod}/log`` (``timestamps``, ``sinceSeconds``).
 
+With ``tokens`` set it authenticates as the API server does a bearer token: a request whose
+``Authorization: Bearer <t>`` names none of them is refused with 401 (counted in ``refused``); a test changes the
+set to expire a token, and rewrites the kubeconfig (:meth:`FakeKube.kubeconfig`) to hand out a fresh one, e.g. from
+``on_log``, called with each line a job's process prints (so at a point of the job's run, not of the clock).
+
 Its "operator" runs the job's trainer command (a PyTorchJob's Master container, a TrainJob's ``trainer``) as a
 local process, with the job's env plus the ``PET_*`` rendezvous variables the operators inject (torchrun reads
 them), under the pod name the real operator gives it (``<job>-master-0``; ``<job>-node-0-0-<suffix>`` for a
@@ -110,16 +115,19 @@ class FakeKube:
         self.crds, self.delay = crds or {}, start_delay_s
         self.jobs: dict[tuple[str, str], _Job] = {}
         self.requests: list[tuple[str, str]] = []
+        self.tokens: set[str] | None = None  # None: every request is let in
+        self.refused = 0
+        self.on_log = None  # called with each line a job's process prints
         handler = self._handler()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def kubeconfig(self, path: Path, namespace: str = "llm-pipeline") -> Path:
+    def kubeconfig(self, path: Path, namespace: str = "llm-pipeline", token: str = "fake-token") -> Path:
         path.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "fake",
             "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "tester", "user": {"token": "fake-token"}}],
+            "users": [{"name": "tester", "user": {"token": token}}],
             "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "tester", "namespace": namespace}}],
         }))
         return path
@@ -154,6 +162,8 @@ class FakeKube:
             job.replicas(active=1)
         for line in job.proc.stdout:  # type: ignore[union-attr]
             job.log.append((_now(), line.rstrip("\n")))
+            if self.on_log is not None:
+                self.on_log(line.rstrip("\n"))
         code = job.proc.wait()
         with job.lock:
             job.end(code)
@@ -183,6 +193,15 @@ class FakeKube:
                 self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
                                   "reason": reason, "message": message})
 
+            def _refused(self) -> bool:
+                """401 unless the bearer token is one of ``tokens`` (when set)."""
+                auth, tokens = self.headers.get("Authorization", ""), fake.tokens
+                if tokens is None or (auth.startswith("Bearer ") and auth[len("Bearer "):] in tokens):
+                    return False
+                fake.refused += 1
+                self._status(401, "Unauthorized", "Unauthorized")
+                return True
+
             def do_POST(self):
                 u = urlparse(self.path)
                 fake.requests.append(("POST", u.path))
@@ -190,6 +209,8 @@ class FakeKube:
                 if not m or m.group(3):
                     return self._status(404, "NotFound", u.path)
                 obj = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                if self._refused():
+                    return None
                 ns, name, kind = m.group(1), obj.get("metadata", {}).get("name"), KIND[m.group(2)]
                 if obj.get("kind") != kind:
                     return self._status(400, "BadRequest", f"a {obj.get('kind')} posted to {m.group(2)}")
@@ -211,6 +232,8 @@ class FakeKube:
             def do_GET(self):
                 u = urlparse(self.path)
                 fake.requests.append(("GET", u.path))
+                if self._refused():
+                    return None
                 if (m := JOBS.match(u.path)) and m.group(3):
                     job = fake.jobs.get((m.group(1), m.group(3)))
                     if job is None or KIND[m.group(2)] != job.obj["kind"]:
@@ -240,6 +263,8 @@ class FakeKube:
             def do_DELETE(self):
                 u = urlparse(self.path)
                 fake.requests.append(("DELETE", u.path))
+                if self._refused():
+                    return None
                 m = JOBS.match(u.path)
                 job = fake.jobs.pop((m.group(1), m.group(3)), None) if m and m.group(3) else None
                 if job is None:

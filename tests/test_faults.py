@@ -5,11 +5,13 @@
   0 with a warning, and the promote stage puts the final step on L2 once the endpoint is back (I1, I5);
 * ``train.resume=never`` with a torchrun restart resumes its own new line of training, bitwise equal (I2);
 * restore candidates: L1 and the nodes' disks first, L2 only when none of theirs restores (an L2 that does not
-  answer is then a warning), parts staged on L1 before rank 0's node was lost still make a step, and steps of an abandoned line (after ``train.resume=N``) shadow nothing, in restore or
+  answer is then unknown: exit 75, never a start from step 0 over its steps), parts staged on L1 before rank 0's node was lost still make a step, and steps of an abandoned line (after ``train.resume=N``) shadow nothing, in restore or
   retention;
 * a part uploaded over another attempt's committed L2 step removes that COMMIT first;
 * an S3 endpoint that hangs (issue 44) holds up no L1 commit and no restart's restore, and every S3 call of the
-  checkpoint path ends within its bound, whichever operation hangs (``s3_hang``).
+  checkpoint path ends within its bound, whichever operation hangs (``s3_hang``);
+* (issue 52) L1 lost while L2 cannot list: exit 75, L2 untouched, the next retry resumes from L2; a full L0 disk
+  under DCP's save: exit 75 and one line naming the path; the promote stage with S3 down: exit 75.
 """
 import json
 import subprocess
@@ -71,6 +73,16 @@ def test_an_s3_outage_in_the_middle_of_a_run_degrades_to_l1_and_the_promote_stag
         ckpt_local.verify_local(Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-000060")["L1"]))
         assert not list(store.rglob("step-000060/COMMIT"))
 
+        # the promote stage while the endpoint is down: infrastructure, exit 75 (it was 2: never retried)
+        promote = [sys.executable, "-m", "pipelines.train.promote", "--train-manifest",
+                   str(home / "run" / "train" / "manifest.json"), "--output", str(home / "promote")] \
+            + [a for kv in TINY + sets + [f"run.root={home}/run", f"checkpoint.l0={home}/run/l0",
+                                          f"checkpoint.l1={home}/run/l1", "checkpoint.s3_max_attempts=1"]
+               for a in ("--set", kv)]
+        r = subprocess.run(promote, env=_env(LLMP_HOME=str(home)), cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 75, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "promote: error:" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
         # the endpoint is back: the promote stage puts the final step on L2
         assert subprocess.run(s3 + ["start"], env=_env(LLMP_HOME=str(home)), cwd=ROOT, timeout=300).returncode == 0
         r = subprocess.run([sys.executable, "-m", "pipelines.train.promote", "--train-manifest",
@@ -263,8 +275,10 @@ def test_restore_candidates_survive_an_unanswering_l2_and_see_parts_staged_befor
     c = _Ckpt(spec, "run/key")
     got = candidates(c, {}, None)  # L2 is not asked: L1 and the nodes' disks hold steps
     assert [(x["step"], x["parts"], x["l1"]) for x in got] == [(20, 2, False), (10, 1, True)]
-    assert l2_candidates(c, None, {20, 10}) == []  # asked only when none of those restores: a warning, no step
-    assert any("L2 does not answer" in m for m in c.logs)
+    # asked only when none of those restores; then an L2 that does not answer is unknown, never "no step"
+    with pytest.raises(ck.L2Unavailable) as e:
+        l2_candidates(c, None, {20, 10})
+    assert e.value.exit_code == 75 and any("not starting over" in m for m in c.logs)
 
 
 def test_an_abandoned_line_shadows_nothing_in_restore_or_retention(home):
@@ -374,3 +388,112 @@ def test_rank_0_takes_only_this_attempts_l2_marks_and_clears_them(home):
         assert p._parts_on_l2(l1, 10) is True
     finally:
         p.drain(10)
+
+
+# ---------------------------------------------------------------- issue 52: unknown is not empty; exit codes
+
+
+def _l2_commits(spec, rel_root: str) -> dict[int, str]:
+    """{step: the attempt its L2 manifest names}: what L2 holds of this run, read back."""
+    return {s: (ckpt_s3.read_s3_manifest(spec, ckpt_tiers.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"])
+                or {}).get("attempt") for s in ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"]}
+
+
+def test_l1_lost_while_l2_cannot_list_never_starts_over_and_the_next_retry_resumes_from_l2(home, s3_server):
+    """Attempt 1 is preempted after L2 committed some steps; L0 and L1 are lost (a new cluster, a new FSx) and S3
+    answers 503 to every ListObjectsV2: the retry must not start from step 0 over L2's steps (it did, exit 0, L2
+    then held the new attempt's steps 5/10/15/20): it exits 75 and L2 is untouched; the next retry, with S3 back,
+    resumes from L2's newest step."""
+    import shutil
+
+    tok = _tok(home)
+    sets = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=1", f"services.s3_endpoint_url={s3_server}",
+            "services.s3_bucket=ck-l1-lost", "checkpoint.s3_max_attempts=2", "checkpoint.s3_connect_timeout_s=1"]
+    run = home / "run"
+    preempt = _faults({"at": "step", "do": "preempt", "nth": 17})
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=preempt, LLMP_FAULT_STEP_DELAY_S="0.3"),
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)  # (L2 keeps pace with the steps)
+    assert r.returncode == 75, r.stdout[-3000:] + r.stderr[-3000:]
+    spec = load_spec(None, TINY + sets + [f"checkpoint.l0={run}/l0", f"checkpoint.l1={run}/l1"], env={})
+    rel_root = next((run / "l1").glob("*/*/step-*")).parent.relative_to(run / "l1").as_posix()
+    before = _l2_commits(spec, rel_root)
+    assert before and max(before) >= 5, before
+    from pipelines.train import fence, fence_l2
+
+    old_top = fence_l2.recorded_top(spec, rel_root)  # attempt 1 recorded its term on L2 before its first COMMIT
+    assert old_top == fence.current_term(fence.fence_dir(spec, rel_root)) >= 1
+    shutil.rmtree(run / "l0")
+    shutil.rmtree(run / "l1")  # a new cluster: L0 and L1 are empty; L2 is all that is left
+
+    no_list = _faults({"at": "s3", "do": "s3_503", "op": "ListObjectsV2", "times": 0})
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=no_list), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 75, out[-3000:]
+    assert "starting at step 0" not in out and "did not answer" in out, out[-3000:]  # (the term floor, first)
+    assert "Traceback" not in r.stderr.split("torchrun exited with")[0], r.stderr[-3000:]
+    assert _l2_commits(spec, rel_root) == before  # nothing of attempt 1 replaced
+
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = json.loads((run / "train/manifest.json").read_text())
+    assert m["extra"]["resumed_from"] == {"step": max(before), "tier": "L2"}, m["extra"]["resumed_from"]
+    # the new L1's terms start above every term L2 records: no retry reuses attempt 1's term
+    assert min(fence.read_terms(fence.fence_dir(spec, rel_root))) > old_top
+
+
+def test_a_new_l1_takes_its_first_term_above_l2s_and_waits_while_l2_does_not_answer(home, s3_server):
+    from pipelines.train import fence, fence_l2
+
+    spec = load_spec(None, [f"checkpoint.l1={home}/l1", f"services.s3_endpoint_url={s3_server}",
+                            "services.s3_bucket=ck-terms"], env={})
+    assert fence_l2.recorded_top(spec, "run/key") == 0  # no bucket yet: no term
+    fence_l2.record(spec, "run/key", 7, "old", None)
+    d = fence.fence_dir(spec, "run/key")
+    f = fence.Fence.take(d, "new", 60, ("x",), floor=fence_l2.floor(spec, d, "run/key"))
+    assert f.term == 8 and (d / fence_l2.FLOOR_FILE).is_file()
+    assert fence_l2.floor(spec, d, "run/key") == 0  # read once per L1: its own terms are above L2's from now on
+    down = load_spec(None, [f"checkpoint.l1={home}/l1b", "services.s3_endpoint_url=http://127.0.0.1:9",
+                            "checkpoint.s3_connect_timeout_s=1", "checkpoint.s3_max_attempts=1"], env={})
+    with pytest.raises(ck.L2Unavailable):  # unknown is not 0: no term is taken
+        fence_l2.floor(down, fence.fence_dir(down, "run/key"), "run/key")
+    assert not (fence.fence_dir(down, "run/key") / fence_l2.FLOOR_FILE).exists()
+
+
+def test_a_full_l0_disk_during_a_dcp_save_exits_75_with_one_line_naming_the_path(home):
+    """DCP wraps a rank's write failure in ``CheckpointException``, a BaseException that escaped every handler
+    (a traceback, exit 1); torch's writer even reports ENOSPC as ``RuntimeError: … unexpected pos``. A tmpfs too
+    small for one checkpoint is L0, in a mount namespace of its own: the stage exits 75 with one line."""
+    from pipelines.sim_nodes import namespaces_permitted
+
+    if (why := namespaces_permitted()) is not None:
+        pytest.skip(f"needs a mount namespace for a small tmpfs: {why}")
+    tok = _tok(home)
+    run = home / "run"
+    (run / "l0").mkdir(parents=True)
+    cmd = " ".join(f"'{a}'" for a in _launch_cmd(tok, run, ["train.steps=10", "train.ckpt_every=5"]))
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                        f"mount -t tmpfs -o size=64k tmpfs '{run}/l0' && exec {cmd}"], env=_env(), cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 75, r.stdout[-3000:] + r.stderr[-3000:]
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("train: error:")]
+    assert err and "L0" in err[0] and str(run / "l0") in err[0] and "no space left" in err[0].lower(), r.stderr[-3000:]
+    before = r.stderr.split("torchrun exited with")[0]  # then the launcher quotes torchrun's own last output
+    assert "CheckpointException" not in before and "Traceback" not in before, r.stderr[-3000:]
+
+
+def test_a_hung_l1_promotion_thread_is_found_at_the_next_save_and_the_stage_exits_75(home):
+    """Every L1 write stalls (``slow`` for 600 s on L1 only): before, the promotion thread sat there unseen while
+    training went on and L0 filled (its retention runs in that thread). Now the next save finds it busy past
+    2 × ``train.hang_timeout_s`` and every rank stops: exit 75, one line naming L1. (No other bound is near: a
+    loaded machine cannot make another wait end first.)"""
+    tok = _tok(home)
+    sets = ["train.steps=400", "train.ckpt_every=5", "launcher.nproc_per_node=2", "launcher.max_restarts=0",
+            "train.hang_timeout_s=10"]
+    stall = _faults({"at": "write", "do": "slow", "seconds": 600, "path": f"{home}/run/l1/", "times": 0})
+    r = subprocess.run(_launch_cmd(tok, home / "run", sets), env=_env(LLMP_FAULTS=stall,
+                       LLMP_FAULT_STEP_DELAY_S="0.2"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 75, out[-3000:]
+    assert "L1 promotion has been busy with one step" in out and f"{home}/run/l1" in out, out[:5000]
+    assert not (home / "run" / "train" / "manifest.json").exists()

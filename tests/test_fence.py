@@ -468,3 +468,75 @@ def test_a_zombie_attempt_stops_before_committing_and_the_retry_keeps_its_steps(
                  for p in (home / tier).glob("*/train/step-*/COMMIT")}
         later = {n: (m["attempt"], m["term"]) for n, m in steps.items() if m["step"] > 10}
         assert "step-000030" in later and set(later.values()) == {(mine["attempt"], 2)}, (tier, later)
+
+
+# ---------------------------------------------------------------- issue 52: fences enforced by L2 itself
+
+
+def _part(root: Path, step: int, attempt: str) -> Path:
+    from pipelines.train import checkpoint as ck
+
+    tmp = root / f".tmp-{step}"
+    tmp.mkdir(parents=True)
+    (tmp / "__0_0.distcp").write_bytes(f"step {step} of attempt {attempt}".encode())
+    return ckpt_local.commit_local(tmp, root / ck.step_name(step), {"step": step, "part": 0, "parts": 1,
+                                                                    "attempt": attempt})
+
+
+@pytest.mark.parametrize("server", ["any_key_s3", "s3_server"], ids=["moto-honours-conditions", "rclone-ignores-them"])
+def test_a_writer_paused_between_its_check_and_its_l2_commit_cannot_land_over_a_newer_one(home, request, server,
+                                                                                         monkeypatch, capsys):
+    """Attempt A checked its fence and is about to write step 10's MANIFEST and COMMIT on L2 when it pauses (the
+    fault point ``l2_write``); meanwhile attempt B puts its own part of step 10 and commits it. When A resumes, an
+    endpoint that honours conditional writes (AWS S3, moto) answers 412: A stops with FencedOut (exit 75) and B's
+    commit stays. The embedded endpoint (rclone) ignores the conditions: that is said once, in one line."""
+    from pipelines.storage import faults
+    from pipelines.train import ckpt_parts, ckpt_s3, ckpt_s3_cond
+
+    enforced = server == "any_key_s3"
+    bucket = f"ck-pause-{'moto' if enforced else 'rclone'}"
+    spec = load_spec(None, [f"services.s3_endpoint_url={request.getfixturevalue(server)}",
+                            f"services.s3_bucket={bucket}"], env={})
+    uri = f"s3://{bucket}/run/key/step-000010"
+    old, new = _part(home / "a", 10, "a"), _part(home / "b", 10, "b")
+    ckpt_parts.upload_part(spec, old, uri)
+    paused = []
+
+    def point(phase, **where):  # B commits while A waits between its check and its write
+        if phase == faults.L2_WRITE and not paused:
+            paused.append(phase)
+            ckpt_parts.upload_part(spec, new, uri)
+            assert ckpt_parts.merge_parts_s3(spec, uri, 1, "b")
+            assert ckpt_s3.read_s3_manifest(spec, uri)["attempt"] == "b"
+
+    monkeypatch.setattr(faults, "point", point)
+    if enforced:
+        with pytest.raises(fence.FencedOut) as e:
+            ckpt_parts.merge_parts_s3(spec, uri, 1, "a")
+        assert e.value.exit_code == 75 and "changed since this attempt read it" in str(e.value)
+        assert ckpt_s3.read_s3_manifest(spec, uri)["attempt"] == "b"  # the newer commit stays, whole
+        ckpt_s3.verify_s3(spec, uri)
+    else:
+        ckpt_parts.merge_parts_s3(spec, uri, 1, "a")  # lands: only the client's checks protect here
+        assert "ignores conditional writes" in capsys.readouterr().out
+    from pipelines.storage.s3 import client
+
+    assert paused and ckpt_s3_cond.supported(client(spec), bucket) is enforced
+
+
+def test_own_conditional_writes_retried_after_a_lost_answer_are_not_a_newer_writer(home, any_key_s3):
+    """botocore retries a put whose answer was lost; the object is then already ours and the retry's condition
+    fails (412): that is not another writer."""
+    from pipelines.storage.s3 import client
+    from pipelines.train import ckpt_s3_cond
+
+    spec = load_spec(None, [f"services.s3_endpoint_url={any_key_s3}", "services.s3_bucket=ck-own-retry"], env={})
+    s3 = client(spec)
+    s3.create_bucket(Bucket="ck-own-retry")
+    ckpt_s3_cond.put(s3, "ck-own-retry", "k/COMMIT", b"abc", None, True, "t")
+    ckpt_s3_cond.put(s3, "ck-own-retry", "k/COMMIT", b"abc", None, True, "t")  # the retry: ours, accepted
+    with pytest.raises(fence.FencedOut):
+        ckpt_s3_cond.put(s3, "ck-own-retry", "k/COMMIT", b"xyz", None, True, "t")  # someone else's: refused
+    tag = ckpt_s3_cond.etag(s3, "ck-own-retry", "k/COMMIT")
+    ckpt_s3_cond.delete(s3, "ck-own-retry", "k/COMMIT", tag, True, "t")
+    ckpt_s3_cond.delete(s3, "ck-own-retry", "k/COMMIT", tag, True, "t")  # gone already: our own retried delete

@@ -107,8 +107,8 @@ def test_a_failed_job_fails_the_stage_with_the_masters_last_log_lines(home, kube
         launch.run(spec, tok)
 
 
-def _job(spec, command):
-    job = k8s.RENDER[spec.launcher.job_kind](spec, "unit", [])
+def _job(spec, command, run_id="unit"):
+    job = k8s.RENDER[spec.launcher.job_kind](spec, run_id, [])
     if job["kind"] == "TrainJob":
         job["spec"]["trainer"]["command"] = command
     else:
@@ -384,3 +384,180 @@ def test_a_job_deleted_behind_the_watch_fails_it_with_one_line(home, kube):
     with pytest.raises(k8s.JobFailed, match=r"TrainJob llm-pipeline/llm-pipeline-unit is gone: it was deleted "
                        r"outside this task"):
         k8s.watch(custom, core, k8s.TRAINJOB, "llm-pipeline", "llm-pipeline-unit", 0.2, 60, print)
+
+
+# What the ranks of the fake train job do (the stage's job, its command replaced: tests/fake_kube.py runs it). Every
+# try submits this same command, so only the launcher's record can tell one job from the next: the first job waits
+# for the test's gate, then is preempted after step 4 (status 0: the job ends Succeeded with an outcome file saying
+# 75); the next one trains to the end, and meanwhile a rank of an earlier, larger shape of the job writes its file
+# late (a stale attempt's: it must not count).
+RANKS = """
+import json, pathlib, sys, time
+sys.path.insert(0, ROOT)
+from pipelines.train import exit_codes as xc
+out = pathlib.Path(sys.argv[1])
+xc.clear_outcome(out, 0)  # as a rank does at its start
+while not (out / "gate").exists():
+    time.sleep(0.05)
+runs = out / "runs"
+n = len(runs.read_text().split()) if runs.exists() else 0
+runs.write_text("x " * (n + 1))
+if n == 0:
+    xc.write_outcome(out, 0, xc.RETRY, "preempted (SIGTERM at step 3) after step 4", step=4)
+    print("train: preempted; committed on L1: a retry resumes there", flush=True)
+else:
+    (out / "exit-rank3.json").write_text(json.dumps({"rank": 3, "code": 75, "reason": "preempted", "step": 2,
+                                                     "attempt": "an-earlier-launch"}))
+    (out / "losses.json").write_text(json.dumps([[1, 2.5], [6, 1.5]]))
+    (out / "result.json").write_text(RESULT)
+""".replace("ROOT", repr(str(ROOT))).replace("RESULT", repr(json.dumps({
+    "steps": 6, "tokens_seen": 768, "final_loss": 1.5, "tokens_per_s": 100.0, "params": 1000, "rollbacks": 0,
+    "ckpt": {"stall_s_mean": 0.0, "promoted": 0}, "checkpoint": "step-6", "mlflow_run_id": None, "world_size": 2,
+    "backend": "gloo", "resumed_from": {"step": 4, "tier": "l1"}})))
+
+
+def _tok_manifest(home):
+    """A tokenize manifest for the train stage's key and arguments (the fake ranks read nothing of it)."""
+    from pipelines.manifest import StageDir
+
+    sd = StageDir(home / "var/runs", "tokenize", "test", [{"uri": "x", "sha256": "0"}])
+    with sd:
+        (sd.tmp / "shards.txt").write_text("none")
+        return sd.commit({"shards": "shards.txt"}, extra={"vocab_size": 500})
+
+
+def _until_finished(fake, within_s=120.0):
+    import time
+
+    (key,) = fake.jobs
+    deadline = time.monotonic() + within_s  # a bound for a hung run only: nothing here depends on how fast it is
+    while k8s.job_state(fake.jobs[key].obj)[0] not in ("Succeeded", "Failed"):
+        assert time.monotonic() < deadline, "the fake job did not finish"
+        time.sleep(0.05)
+
+
+def test_a_finished_preempted_job_is_collected_once_and_the_next_retry_makes_a_new_one(home, kube, monkeypatch,
+                                                                                    capsys):
+    """Issue 52 (3): the deferred train task submits its job; the job is preempted and ends Succeeded. The resumed
+    task collects it once (75); the retry does not adopt it again (exit 75 in no time, for ever) but replaces it,
+    and the new job's result is the stage's, although a stale rank of an earlier attempt left a preempted file."""
+    fake, cfg = kube
+    sets = kube_sets(home, cfg)
+    monkeypatch.setattr(k8s, "stage_job", lambda spec, run_id, module, args: _job(
+        spec, [sys.executable, "-c", RANKS, args[args.index("--out") + 1]], run_id))
+    tok = _tok_manifest(home)
+    argv = ["--tokenize-manifest", tok.path, "--report", str(home / "report.json"),
+            *(a for x in sets for a in ("--set", x))]
+    deletes = lambda: sum(v == "DELETE" for v, _ in fake.requests)  # noqa: E731
+
+    monkeypatch.setenv("LLMP_DETACH", "1")  # the deferrable task: submit, defer
+    assert launch.main(argv) == 0 and "pending" in json.loads((home / "report.json").read_text())
+    (key,) = fake.jobs
+    first_uid = fake.jobs[key].obj["metadata"]["uid"]
+    work = Path(fake.jobs[key].obj["spec"]["trainer"]["command"][-1])  # the ranks' --out
+    (work / "gate").touch()
+    _until_finished(fake)
+    assert k8s.job_state(fake.jobs[key].obj)[0] == "Succeeded"
+
+    monkeypatch.setenv("LLMP_DETACH", "0")  # the task resumed from the trigger: it collects the finished job once
+    assert launch.main(argv) == 75
+    assert "preempted (notice to the ranks); step 4 is committed" in capsys.readouterr().err
+    assert fake.jobs[key].obj["metadata"]["uid"] == first_uid and deletes() == 0
+
+    assert launch.main(argv) == 0  # the retry: a new job (not the old outcome again), whose result commits
+    assert fake.jobs[key].obj["metadata"]["uid"] != first_uid and deletes() == 1
+    assert (work / "runs").read_text().split() == ["x", "x"] and (work / "exit-rank3.json").is_file()
+    m = json.loads((home / "report.json").read_text())
+    assert json.loads(Path(m["manifest"]).read_text())["counts"]["steps"] == 6
+
+    asked = len(fake.requests)
+    assert launch.main(argv) == 0  # done: the stage is up to date, the cluster is not asked
+    assert len(fake.requests) == asked
+
+
+def test_outcome_files_of_another_attempt_are_ignored(tmp_path):
+    """Outcome files carry the attempt that wrote them (the id the launcher put in the work dir before it started
+    the ranks, as each rank read it at its start); the launcher leaves out other attempts' files: a rank of an
+    earlier job still running when the next one started, a rank that no longer exists (an elastic job back with
+    fewer nodes). A file without the field (ranks of an older image) still counts."""
+    import subprocess
+
+    from pipelines.train import exit_codes as xc
+
+    work = tmp_path / "work"
+    first = xc.new_attempt(work)
+    rank = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+                             "from pathlib import Path\nfrom pipelines.train import exit_codes as xc\n"
+                             "out = Path(sys.argv[1]); xc.clear_outcome(out, 3); print('started', flush=True)\n"
+                             "sys.stdin.readline(); xc.write_outcome(out, 3, xc.RETRY, 'preempted (SIGTERM)', step=7)",
+                             str(work)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert rank.stdout.readline().strip() == "started"  # it read its attempt
+    second = xc.new_attempt(work)
+    rank.communicate("go\n", timeout=120)
+    assert second != first and json.loads((work / "exit-rank3.json").read_text())["attempt"] == first
+    (work / "exit-rank2.json").write_text(json.dumps({"rank": 2, "code": 2, "reason": "diverged", "attempt": first}))
+    (work / "exit-rank1.json").write_text(json.dumps({"rank": 1, "code": 75, "reason": "storage: EIO"}))  # no field
+    xc.write_outcome(work, 0, xc.RETRY, "storage: ENOSPC")
+    outcomes = xc.read_outcomes(work)
+    assert [(o["rank"], o.get("attempt")) for o in outcomes] == [(0, second), (1, None)]
+    launch.preempted(outcomes, [])  # the stale preempted file of rank 3 says nothing about this attempt
+    assert xc.failed_ranks_code(outcomes) == xc.RETRY  # nor does rank 2's stale "diverged" (it would say 2)
+    xc.new_attempt(work)
+    assert xc.read_outcomes(work) == [] and not list(work.glob("exit-rank*.json"))
+
+
+def _gated_job(monkeypatch, spec, gate):
+    """run_job's job: prints 'working', then waits for ``gate``."""
+    script = (f"import pathlib, time\nprint('working', flush=True)\n"
+              f"while not pathlib.Path({str(gate)!r}).exists():\n    time.sleep(0.05)\nprint('done', flush=True)")
+    monkeypatch.setattr(k8s, "stage_job", lambda spec, run_id, module, args: _job(spec, [sys.executable, "-c", script]))
+
+
+def test_a_token_that_expires_during_the_watch_is_read_again_and_the_watch_goes_on(home, kube, monkeypatch):
+    """A 401 in the middle of a watch (an EKS token lasts 15 minutes) is not the user's error: the launcher reads
+    the credentials again (a new client from the kubeconfig, which now holds a fresh token) and follows the job to
+    its end."""
+    fake, cfg = kube
+    fake.tokens = {"fake-token"}
+    monkeypatch.setattr(k8s, "AUTH_BACKOFF_S", 0.0, raising=False)  # no waits
+    spec = load_spec(None, kube_sets(home, cfg), env={})
+    gate, lines = home / "gate", []
+    _gated_job(monkeypatch, spec, gate)
+
+    def expire(line):  # the job runs (submitted and watched): the token expires, the kubeconfig gets a new one
+        if line == "working":
+            fake.tokens = {"token-2"}
+            fake.kubeconfig(cfg, token="token-2")
+            gate.touch()
+
+    fake.on_log = expire
+    done = k8s.run_job(spec, "unit", "m", [], log=lines.append)
+    assert k8s.job_state(done)[0] == "Succeeded"
+    assert fake.refused >= 1 and any("the API refused the credentials (401); reading them again" in x for x in lines)
+    assert any(x.endswith("] done") for x in lines)  # the pod's log followed with the new client too
+
+
+def test_a_refusal_that_persists_during_the_watch_exits_75_one_line(home, kube, monkeypatch):
+    """The token expired and reading the credentials again does not help (the task's kubeconfig still holds the old
+    one): a few bounded tries, then exit 75, so that the task's retry resolves its credentials anew; one line, no
+    traceback. Refused right at the submit, with credentials read that moment, is the identity's to fix: 2."""
+    fake, cfg = kube
+    fake.tokens = {"fake-token"}
+    monkeypatch.setattr(k8s, "AUTH_BACKOFF_S", 0.0, raising=False)  # no waits
+    spec = load_spec(None, kube_sets(home, cfg), env={})
+    gate, reads = home / "gate", []
+    _gated_job(monkeypatch, spec, gate)
+    real = k8s.api_clients_for
+    monkeypatch.setattr(k8s, "api_clients_for", lambda *a: reads.append(a) or real(*a))
+    fake.on_log = lambda line: fake.tokens.clear() if line == "working" else None  # expired; no new one anywhere
+    with pytest.raises(launch.TrainError) as e:
+        launch.run_ranks(spec, "m", [], run_id="unit")
+    gate.touch()
+    assert type(e.value) is launch.TrainRetry and e.value.exit_code == 75
+    assert "\n" not in str(e.value) and "(401 Unauthorized)" in str(e.value), str(e.value)
+    assert len(reads) == 1 + k8s.AUTH_TRIES  # the credentials were read again, a bounded number of times
+
+    fake.on_log, fake.tokens = None, {"someone-else"}  # refused at the submit: the configured identity is wrong
+    with pytest.raises(launch.TrainError) as e:
+        launch.run_ranks(spec, "m", [], run_id="unit")
+    assert type(e.value) is launch.TrainError and e.value.exit_code == 2 and "\n" not in str(e.value)

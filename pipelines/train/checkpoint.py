@@ -13,14 +13,16 @@ checkpoints (``pipelines.train.checkpointer``) are ``torch.distributed.checkpoin
 
 Where each concern lives (each module imports only the ones above it):
 
-- this module: the errors (:class:`CheckpointError`, :class:`L2Unavailable`), the names (``step-NNNNNN``,
-  ``part-K``, MANIFEST, COMMIT, PARTS), :func:`hash_files`, the consumers (:func:`load_plain_model`,
+- this module: the errors (:class:`CheckpointError`, :class:`TierUnavailable`, :class:`L2Unavailable`), the
+  names (``step-NNNNNN``, ``part-K``, MANIFEST, COMMIT, PARTS), :func:`hash_files`, the consumers (:func:`load_plain_model`,
   :func:`export`) and the command line;
 - :mod:`pipelines.train.fence`: fencing between attempts (terms and leases on L1), checked by the modules below
   before every COMMIT and every deletion of committed data;
 - :mod:`pipelines.train.ckpt_local`: the filesystem tiers (L0, L1): commit, read, verify, copy and remove a local
   copy; the file names a manifest may hold (``safe_rel``);
 - :mod:`pipelines.train.ckpt_s3`: the S3 tier (L2): uploads, downloads, multipart, checks by S3's own checksums;
+- :mod:`pipelines.train.ckpt_s3_cond`: L2's conditional writes (If-None-Match / If-Match): the fence enforced by S3;
+- :mod:`pipelines.train.fence_l2`: the run's terms recorded on L2, so a new L1 never reuses an older term;
 - :mod:`pipelines.train.ckpt_parts`: the part protocol, the one promotion path: each node's part (one machine's
   step is part 0 of 1) staged and merged on L1, uploaded and merged on L2 (a step from its L1 copy too);
 - :mod:`pipelines.train.ckpt_tiers`: the tier layout, a step's read for evaluation (``fetch``), retention (``prune``),
@@ -55,8 +57,17 @@ class CheckpointError(StageError):
     pass
 
 
-class L2Unavailable(CheckpointError):
-    """The object store does not answer (down, refusing, throttling past the retries): L2 is skipped for now."""
+class TierUnavailable(CheckpointError):
+    """A tier did not answer (an object store down, refusing or throttling past the retries; a shared filesystem
+    that fails to list): what it holds is *unknown*, never "nothing". Infrastructure: exit 75, a retry may find it
+    back (``exit_codes.RETRY``)."""
+
+    exit_code = 75
+
+
+class L2Unavailable(TierUnavailable):
+    """The object store does not answer (down, refusing, throttling past the retries): L2 is skipped for now where
+    another tier serves, and never read as "no COMMIT"."""
 
 
 def step_name(step: int) -> str:

@@ -39,7 +39,7 @@ from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
 from pipelines.train import checkpoint as ck
-from pipelines.train import ckpt_local, ckpt_parts, ckpt_tiers, fence
+from pipelines.train import ckpt_local, ckpt_parts, ckpt_tiers, fence, fence_l2
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -153,6 +153,7 @@ class Promoter:
                  attempt: str, rec: Optional[dict] = None):
         self.spec, self.rel_root, self.log, self.events, self.topo, self.rec = spec, rel_root, log, events, topo, rec
         self.attempt = attempt  # this attempt's name: its nodes' L2 marks carry it
+        self.term_on_l2 = False  # this attempt's term recorded on L2 (fence_l2), before its first COMMIT there
         self.no_l2 = ckpt_tiers.l2_available(spec)
         if self.no_l2:
             log(f"[ckpt] promotion during the run goes to L1 only: {self.no_l2.splitlines()[0]}")
@@ -166,6 +167,7 @@ class Promoter:
         self.pin = threading.Lock()  # held by L0/L1 retention, and by the L2 thread while it picks its step
         self.seconds: dict[int, float] = {}  # step → seconds to promote it (rank 0: until its global commit on L1)
         self.submitted: set[int] = set()
+        self.busy_since: Optional[float] = None  # time.monotonic() when the L1 thread took its current step
         self.q: "queue.Queue[Optional[int]]" = queue.Queue()
         self.l2q: "queue.Queue[Optional[tuple]]" = queue.Queue()  # ("step", step, digests), ("missing",), ("final", s)
         self.thread = threading.Thread(target=self._work, daemon=True, name="llmp-promoter")
@@ -225,9 +227,15 @@ class Promoter:
         """Steps waiting for L2: handed to the L2 thread and not done there, or left behind by an outage."""
         return len(self.l2_pending | self.l2_behind)
 
+    def busy_for(self) -> float:
+        """Seconds the L1 thread has spent on the step in its hands (0 when idle): the trainer's heartbeat of it."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def _work(self) -> None:
         lower_priority()
         while (step := self.q.get()) is not None:
+            self.busy_since = time.monotonic()
             try:
                 newer = bool(self.q.queue) and self.q.queue[0] is not None  # never the final step (then None)
                 if self._passed_over(step, newer, ""):
@@ -238,6 +246,7 @@ class Promoter:
                 self.events.add("ckpt/promote_errors", 1, step)
                 self.log(f"[ckpt] promote: step {step} did not reach L1: {self.failed[step]}")
             finally:
+                self.busy_since = None
                 self.q.task_done()
         self.q.task_done()
 
@@ -356,6 +365,7 @@ class Promoter:
             return own
         self.l2_behind.add(step)
         try:
+            self.record_term()
             if own != "behind" and self._parts_on_l2(l1, step):
                 man = ckpt_local.read_local_manifest(l1)
                 if ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt"),
@@ -435,6 +445,8 @@ class Promoter:
         """The committing rank: put on L2 the steps globally committed on L1 that L2 lacks, oldest first: the parts'
         manifests merged when every node's part is there, else the step put from its L1 copy, part by part. A step L1
         retention removed meanwhile is dropped from the list. Raises when L2 does not answer."""
+        if self.l2_behind:
+            self.record_term()
         for st in sorted(self.l2_behind):
             try:
                 self._catch_up_step(st, final)
@@ -442,6 +454,16 @@ class Promoter:
                 raise
             except Exception as e:  # noqa: BLE001 - this step only; the others still catch up
                 self.log(f"[ckpt] L2 catch-up: step {st}: {type(e).__name__}: {e}")
+
+    def record_term(self) -> None:
+        """This attempt's term on L2 (:mod:`pipelines.train.fence_l2`), once, before its first COMMIT there: every
+        step on L2 is then committed by a term L2 records. Raises when L2 does not answer (the step stays behind)."""
+        f = fence.active()
+        if self.term_on_l2 or f is None:
+            return
+        fence.check("recording this attempt's term on L2", ckpt_tiers.tier_locations(self.spec, self.rel_root)["L2"])
+        fence_l2.record(self.spec, self.rel_root, f.term, f.attempt, fence.launch_id())
+        self.term_on_l2 = True
 
     def _catch_up_step(self, st: int, final: bool) -> None:
         """One step L2 lacks: its parts' manifests merged when every node's part is there, else the step put from
@@ -540,6 +562,43 @@ class Promoter:
                      f"{str(e).splitlines()[0]}); the promote stage uploads it when L2 answers")
 
 
+@contextlib.contextmanager
+def dcp_errors(what: str, where: Path):
+    """DCP wraps a rank's failure in ``CheckpointException``, a ``BaseException`` that every ``except Exception``
+    lets through (a traceback, exit 1): here it becomes one line naming the tier's path and the first rank's error,
+    a :class:`~pipelines.train.checkpoint.TierUnavailable` for an ``OSError`` (ENOSPC, EIO, EROFS: the disk, exit
+    75), else a :class:`~pipelines.train.checkpoint.CheckpointError`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failures = sorted(e.failures.items(), key=lambda kv: kv[0])
+        rank, (exc, _) = failures[0] if failures else (None, (e, None))
+        line = f"{what} {where}: rank {rank}: {type(exc).__name__}: {exc}".replace("\n", " ")
+        free = free_bytes(where)
+        full = free is not None and free < DISK_FULL_BYTES  # torch's writer reports ENOSPC as "unexpected pos"
+        if full:
+            line += f" (no space left on the device: {free:,} bytes free)"
+        raise (ck.TierUnavailable if isinstance(exc, OSError) or full else ck.CheckpointError)(line) from None
+
+
+PROMOTE_HUNG = 2  # × train.hang_timeout_s: an L1 promotion busy with one step longer than this is hung
+DISK_FULL_BYTES = 16 << 20  # less free space than this after a failed write: the disk is full
+
+
+def free_bytes(where: Path) -> Optional[int]:
+    """Free bytes on the filesystem of ``where`` (its nearest existing ancestor); None when that cannot be read."""
+    p = Path(where)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def new_stager():
     """DCP's stager: the state copied into host buffers (pinned, copied without blocking, on a GPU)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -614,8 +673,8 @@ class Checkpointer:
         box = [self._take_term() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         attempt, term, why, fenced = box[0]
-        if why is not None:  # every rank stops with rank 0's reason
-            raise (fence.FencedOut if fenced else ck.CheckpointError)(why)
+        if why is not None:  # every rank stops with rank 0's reason: storage that failed or did not answer (75)
+            raise (fence.FencedOut if fenced else ck.TierUnavailable)(why)
         lease_s = self.spec.checkpoint.lease_s
         d = fence.fence_dir(self.spec, self.rel_root)
         if self.fence is None:
@@ -637,12 +696,16 @@ class Checkpointer:
         """Global rank 0: (a new attempt id, the term it took and renews, None, False), or (…, None, why not, whether
         it was fenced out: a superseded launch)."""
         attempt = uuid.uuid4().hex[:8]
+        d = fence.fence_dir(self.spec, self.rel_root)
         try:
-            self.fence = fence.Fence.take(fence.fence_dir(self.spec, self.rel_root), attempt,
-                                          self.spec.checkpoint.lease_s, self._fenced_roots(), self.log,
-                                          fence.launch_id())
+            floor = fence_l2.floor(self.spec, d, self.rel_root, self.log)
+            self.fence = fence.Fence.take(d, attempt, self.spec.checkpoint.lease_s, self._fenced_roots(), self.log,
+                                          fence.launch_id(), floor)
         except fence.FencedOut as e:
             return attempt, None, str(e), True
+        except ck.L2Unavailable as e:
+            return attempt, None, f"L1 holds no record of this run's terms and L2, which does, did not answer: {e}", \
+                False
         except (OSError, ck.CheckpointError) as e:
             return attempt, None, f"checkpoint.l1: cannot take this attempt's term: {e}", False
         self.fence.start_renewing()
@@ -673,6 +736,7 @@ class Checkpointer:
 
         t0 = time.perf_counter()
         self.wait()
+        self.check_promotion()
         fence.check(f"saving step {step}", self.root)  # every rank: a superseded attempt saves nothing more
         tmp = self.root / f".{ck.step_name(step)}.tmp-{self.attempt}"
         rngs = [None] * self.world if self.rank == 0 else None
@@ -680,12 +744,13 @@ class Checkpointer:
         if self.rank == 0:
             self._write_small_files(tmp, state, rngs)
         msd, osd = get_state_dict(model, opt)
-        if self.spec.checkpoint.async_mode == "sync":
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), process_group=self.pg)
-            written: Future = Future()
-            written.set_result(None)
-        else:
-            written = self._async_save({"model": msd, "optim": osd}, tmp)
+        with dcp_errors(f"saving step {step} to L0", tmp):
+            if self.spec.checkpoint.async_mode == "sync":
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), process_group=self.pg)
+                written: Future = Future()
+                written.set_result(None)
+            else:
+                written = self._async_save({"model": msd, "optim": osd}, tmp)
         self.last_saved = step
         self._pending = self.bg.submit(self._commit, step, tmp, written, t0) if self.topo.leader else written
         if self.spec.checkpoint.async_mode == "sync":
@@ -695,6 +760,19 @@ class Checkpointer:
         self.events.add("ckpt/stall_s", stall, step)
         self.log(f"[ckpt] step {step}: training blocked {stall * 1000:.0f} ms ({self.spec.checkpoint.async_mode} save)")
         return stall
+
+    def check_promotion(self) -> None:
+        """A hung L1 promotion thread (a stalled L1 call: nothing would reach L1 again while L0 fills, its retention
+        running there) is found at the next save: busy on one step past :data:`PROMOTE_HUNG` × ``train.hang_timeout_s``
+        (a step's copy to L1 is I/O that makes progress), :class:`~pipelines.train.checkpoint.TierUnavailable` on every
+        rank (exit 75; the restart resumes from the newest step that verifies, L0's own included)."""
+        t = torch.tensor([self.promoter.busy_for() if self.promoter is not None else 0.0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)  # every rank stops together, none waits alone
+        busy, bound = float(t.item()), PROMOTE_HUNG * self.spec.train.hang_timeout_s
+        if busy > bound:
+            raise ck.TierUnavailable(f"L1 promotion has been busy with one step for {busy:.0f} s (more than "
+                                     f"{PROMOTE_HUNG} × train.hang_timeout_s = {bound:g} s): L1 "
+                                     f"{self.spec.checkpoint.l1} stalls")
 
     def _write_small_files(self, tmp: Path, state: dict, rngs: list) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
@@ -706,7 +784,8 @@ class Checkpointer:
     def _commit(self, step: int, tmp: Path, written: Future, t0: float) -> None:
         """This node's part (every part's writes are done once DCP's save returns on any rank): hash, MANIFEST,
         COMMIT, rename into place on this node's L0."""
-        written.result()
+        with dcp_errors(f"saving step {step} to L0", tmp):
+            written.result()
         tmp.mkdir(parents=True, exist_ok=True)  # a node whose ranks had nothing to write
         if self.topo.parts == 1:
             missing = ckpt_local.missing_shards(tmp)
@@ -726,10 +805,20 @@ class Checkpointer:
             self.promoter.submit(step)
 
     def wait(self) -> None:
-        """Block until the save in flight is written (a part leader: and committed on its L0)."""
+        """Block until the save in flight is written (a part leader: and committed on its L0), for at most
+        ``checkpoint.collective_timeout_minutes`` (the bound of every wait here): a save still not done by then is a
+        disk that stalls, :class:`~pipelines.train.checkpoint.TierUnavailable` (exit 75), not a wait forever."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            with dcp_errors(f"saving step {self.last_saved} to L0", self.root):
+                try:
+                    pending.result(timeout=self.wait_s)
+                except FutureTimeout:
+                    raise ck.TierUnavailable(f"saving step {self.last_saved} to L0 {self.root} did not finish within "
+                                             f"checkpoint.collective_timeout_minutes ({self.wait_s / 60:g} min)"
+                                             ) from None
 
     def restore(self, step: Optional[int] = None):
         """Collective: the newest restorable step (or exactly ``step``), each node's parts from its nearest
@@ -750,7 +839,8 @@ class Checkpointer:
         self.wait()
         path = Path(path)
         msd, osd = get_state_dict(model, opt)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path), process_group=self.pg)
+        with dcp_errors("loading", path):
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path), process_group=self.pg)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
         rngs = json.loads((path / "rng.json").read_text())
         if len(rngs) == self.world:

@@ -14,7 +14,7 @@ from typing import Optional
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
-from pipelines.train import fence
+from pipelines.train import ckpt_s3_cond, fence
 from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, MAX_PARTS, PARTS, CheckpointError, parse_step,
                                         part_name)
 from pipelines.train.ckpt_local import (copy_local, install_dir, is_valid_local, manifest_files, missing_shards,
@@ -156,18 +156,20 @@ def put_part(spec: JobSpec, uri: str, src: Path, body: bytes, man: dict, digests
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
     ensure_bucket(s3, bucket, spec.services.s3_region)
+    cond = ckpt_s3_cond.supported(s3, bucket)
     marker = f"{prefix}/{PARTS}/{part_name(k)}.json"
+    marker_tag, commit_tag = (ckpt_s3_cond.etag(s3, bucket, key) for key in (marker, f"{prefix}/{COMMIT}"))
     if s3_body(s3, bucket, marker) == body and all_match(spec, s3, bucket, prefix, src, man["files"], digests):
         return "already-verified"
     committed = read_s3_manifest(spec, uri)
     if committed is not None and committed.get("attempt") != attempt:  # another attempt's step: no longer whole
         fence.guard(f"deleting the COMMIT of {uri}", uri, lambda: committed)
-        s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
-    s3.delete_object(Bucket=bucket, Key=marker)
+        ckpt_s3_cond.delete(s3, bucket, f"{prefix}/{COMMIT}", commit_tag, cond, f"deleting the COMMIT of {uri}")
+    ckpt_s3_cond.delete(s3, bucket, marker, marker_tag, cond, f"replacing part {k} of {uri}")
     abort_multipart(s3, bucket, prefix, {f"{prefix}/{rel}" for rel in man["files"]})
     upload_files(spec, s3, bucket, prefix, src, man["files"], digests)
     fence.check(f"committing part {k} of {uri}", uri)
-    s3.put_object(Bucket=bucket, Key=marker, Body=body)  # last
+    ckpt_s3_cond.put(s3, bucket, marker, body, None, cond, f"committing part {k} of {uri}")  # last
     return "uploaded"
 
 
@@ -244,16 +246,19 @@ def merge_parts_s3(spec: JobSpec, uri: str, parts: int, attempt: Optional[str], 
     bucket, prefix = split_uri(uri.rstrip("/"))
     body = merged_manifest(mans)
     commit = hashlib.sha256(body.encode()).hexdigest()
+    tags = {name: ckpt_s3_cond.etag(s3, bucket, f"{prefix}/{name}") for name in (COMMIT, CKPT_MANIFEST)}  # as read
     current = s3_commit_body(s3, bucket, prefix)
     if current == commit:
         return True
     merged = json.loads(body)
     others = {rel: info for rel, info in merged["files"].items() if merged["part_of"][rel] not in checked}
     check_objects(s3, bucket, prefix, others, uri)
+    cond = ckpt_s3_cond.supported(s3, bucket)
     if current is not None:  # another copy's COMMIT goes before its MANIFEST is replaced
         fence.guard(f"replacing the COMMIT of {uri}", uri, lambda: read_s3_manifest(spec, uri))
-        s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
+        ckpt_s3_cond.delete(s3, bucket, f"{prefix}/{COMMIT}", tags[COMMIT], cond, f"replacing the COMMIT of {uri}")
     fence.check(f"committing {uri}", uri)
-    s3.put_object(Bucket=bucket, Key=f"{prefix}/{CKPT_MANIFEST}", Body=body.encode())
-    s3.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}", Body=commit.encode())  # last
+    ckpt_s3_cond.put(s3, bucket, f"{prefix}/{CKPT_MANIFEST}", body.encode(), tags[CKPT_MANIFEST], cond,
+                     f"committing {uri}")
+    ckpt_s3_cond.put(s3, bucket, f"{prefix}/{COMMIT}", commit.encode(), None, cond, f"committing {uri}")  # last
     return True

@@ -40,17 +40,22 @@ def missing(e: Exception) -> bool:
         "404", "NoSuchKey", "NoSuchBucket", "NotFound")
 
 
-def s3_body(s3, bucket: str, key: str) -> Optional[bytes]:
-    """The object's bytes; None only when it is not there (an endpoint that does not answer raises
-    :class:`L2Unavailable`: an outage must never read as "no COMMIT")."""
+def answered(where: str, call):
+    """``call()``; None only when what it asks for is not there (no key, no bucket); an endpoint that does not
+    answer raises :class:`L2Unavailable` (an outage must never read as "absent"); any other error propagates."""
     try:
-        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        return call()
     except Exception as e:  # noqa: BLE001 - sorted into absent / unreachable / other
         if missing(e):
             return None
         if unreachable(e):
-            raise L2Unavailable(f"s3://{bucket}/{key}: {type(e).__name__}: {e}") from None
+            raise L2Unavailable(f"{where}: {type(e).__name__}: {e}") from None
         raise
+
+
+def s3_body(s3, bucket: str, key: str) -> Optional[bytes]:
+    """The object's bytes; None only when it is not there (:func:`answered`)."""
+    return answered(f"s3://{bucket}/{key}", lambda: s3.get_object(Bucket=bucket, Key=key)["Body"].read())
 
 
 def s3_commit_body(s3, bucket: str, prefix: str) -> Optional[str]:

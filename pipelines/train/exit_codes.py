@@ -9,13 +9,22 @@ A rank (``pipelines.train.trainer``) that stops early writes an outcome file (:f
 ``--out`` directory, since torchrun's own status does not carry the ranks': ``RETRY`` with the step after it
 checkpointed on a preemption notice (its status is then 0, so that torchrun does not restart the ranks) or when
 storage failed, ``USER_ERROR`` when the run diverged or the spec cannot run. The launcher reads them.
+
+Each file names the attempt that wrote it (``attempt``): the id the launcher put in the directory
+(:data:`ATTEMPT_FILE`, :func:`new_attempt`) before it created the ranks' Kubernetes job, as the rank found it at its
+start. :func:`read_outcomes` leaves out the files of other attempts: a rank that no longer exists (an elastic job
+back with fewer nodes) never clears its own, and a rank of an earlier job that outlived it may still write one. The
+local launcher names no attempt (its ranks are its own children, writing in the run's own staging dir): it clears
+the directory, and every file there counts.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import uuid
 from pathlib import Path
+from typing import Optional
 
 OK = 0
 USER_ERROR = 2
@@ -26,35 +35,86 @@ PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # a rank writes this into its --out directory once its preemption checkpoint is on L1 (or it gave up on it)
 PREEMPTED_FILE = "preempted.json"
 OUTCOME_GLOB = "exit-rank*.json"  # what each rank that stopped early says, in the ranks' --out directory
+ATTEMPT_FILE = ".attempt"  # in the ranks' --out directory: the attempt whose outcome files count (new_attempt)
+_ATTEMPT_AT_START: dict[str, Optional[str]] = {}  # the attempt each --out directory named when this process first
+# looked: a rank's, at its start (clear_outcome)
+
+
+def new_attempt(out: Path) -> str:
+    """An attempt starts in ``out`` (the Kubernetes launcher, before it creates the ranks' job; not when it
+    follows a job that runs or collects one that finished): a new id in :data:`ATTEMPT_FILE`, which the ranks started
+    from now on write into their outcome files, and no outcome file of an earlier attempt left."""
+    attempt = uuid.uuid4().hex[:16]
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{ATTEMPT_FILE}.tmp"
+    tmp.write_text(attempt)
+    os.replace(tmp, out / ATTEMPT_FILE)
+    _ATTEMPT_AT_START[str(out)] = attempt
+    clear_outcomes(out)
+    return attempt
+
+
+def current_attempt(out: Path) -> Optional[str]:
+    """The attempt ``out`` names now; None when no launcher named one (an older launcher, a directory of a test)."""
+    try:
+        return (out / ATTEMPT_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def rank_attempt(out: Path) -> Optional[str]:
+    """The attempt this process belongs to: the one ``out`` named when the process first looked (a rank at its
+    start, :func:`clear_outcome`), so that a rank of an earlier job still running after the launcher started the next
+    attempt does not write the new id."""
+    key = str(out)
+    if key not in _ATTEMPT_AT_START:
+        _ATTEMPT_AT_START[key] = current_attempt(out)
+    return _ATTEMPT_AT_START[key]
 
 
 def write_outcome(out: Path, rank: int, code: int, reason: str, **extra) -> None:
-    """A rank's outcome file (``exit-rank<R>.json``): its exit code and why, for the launcher to classify."""
+    """A rank's outcome file (``exit-rank<R>.json``): its exit code and why, for the launcher to classify, and the
+    attempt that wrote it (:func:`rank_attempt`)."""
     try:
+        body = {"rank": rank, "code": code, "reason": reason, "attempt": rank_attempt(out), **extra}
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".exit-rank{rank}.json.tmp"
-        tmp.write_text(json.dumps({"rank": rank, "code": code, "reason": reason, **extra}))
+        tmp.write_text(json.dumps(body))
         os.replace(tmp, out / f"exit-rank{rank}.json")
     except OSError:  # the status still says it; the launcher then counts the failure as infrastructure
         pass
 
 
 def read_outcomes(out: Path) -> list[dict]:
-    found = []
+    """The outcome files of the attempt ``out`` names (:func:`current_attempt`); those of another attempt are stale
+    and left out. A file without an attempt (or with none: its rank found no id) counts: ranks of an image older
+    than the field write such files (the job's image can lag the launcher), and it cannot be an earlier attempt's
+    of this launcher, which removed every outcome file when it started the current one (:func:`new_attempt`)."""
+    current, found = current_attempt(out), []
     for f in sorted(out.glob(OUTCOME_GLOB)):
         try:
-            found.append(json.loads(f.read_text()))
+            o = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
+        if not isinstance(o, dict):
+            continue
+        if current is None or o.get("attempt") in (None, current):
+            found.append(o)
     return found
 
 
 def clear_outcomes(out: Path) -> None:
     for f in out.glob(OUTCOME_GLOB):
-        f.unlink(missing_ok=True)
+        try:
+            f.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def clear_outcome(out: Path, rank: int) -> None:
+    """At a rank's start: its file of an earlier attempt goes; the attempt it belongs to is noted
+    (:func:`rank_attempt`)."""
+    rank_attempt(out)
     try:
         (out / f"exit-rank{rank}.json").unlink(missing_ok=True)
     except OSError:

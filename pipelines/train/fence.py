@@ -223,8 +223,9 @@ class Fence:
 
     @classmethod
     def take(cls, d: Path, attempt: str, lease_s: float, roots: tuple[str, ...],
-             log: Callable[[str], None] = print, launch: Optional[str] = None) -> "Fence":
-        """Global rank 0: take the next term (exclusive create, bounded retries) and write the lease. Raises
+             log: Callable[[str], None] = print, launch: Optional[str] = None, floor: int = 0) -> "Fence":
+        """Global rank 0: take the next term above every one on L1 and above ``floor`` (the highest an older L1
+        held, :mod:`pipelines.train.fence_l2`) (exclusive create, bounded retries) and write the lease. Raises
         :class:`FencedOut` when ``launch`` was superseded by another launch (torchrun restarting fenced-out ranks)."""
         d.mkdir(parents=True, exist_ok=True)
         for _ in range(TAKE_TRIES):
@@ -233,7 +234,7 @@ class Fence:
             if top is not None:
                 raise FencedOut(f"[fence] launch {launch} is superseded by term {top} (attempt "
                                 f"{terms[top].get('attempt')}): this restart stops before touching the checkpoints")
-            n = max(terms, default=0) + 1
+            n = max(max(terms, default=0), floor) + 1
             if _create_term(d, n, attempt, launch):
                 break
         else:

@@ -12,10 +12,11 @@ lives), a memory-backed ``/dev/shm`` for NCCL, and NCCL/EFA environment. :func:`
 :func:`validate_job` / :func:`check_job` say what the cluster would refuse (:mod:`pipelines.train.admission`: the
 CRD's schema and CEL rules, the operator's admission webhook) and what this launcher needs; :func:`run_job` checks
 the job so, then submits it with the kubernetes client (a job of the same name left by an earlier try is adopted
-while it runs or has succeeded, replaced when it failed), polls it every ``launcher.poll_seconds`` to a terminal
-condition, printing each state change (conditions and replica counts) and every replica's new log lines, each
-with its pod (so they reach the Airflow task log), and deletes the job on timeout, SIGTERM (Airflow's kill) or
-Ctrl-C. API clients are built per call from the kubeconfig / context / in-cluster identity (nothing global).
+while it runs; a finished one is collected once, then replaced: :func:`submit`, :class:`JobRecord`), polls it every
+``launcher.poll_seconds`` to a terminal condition, printing each state change (conditions and replica counts) and
+every replica's new log lines, each with its pod (so they reach the Airflow task log), and deletes the job on
+timeout, SIGTERM (Airflow's kill) or Ctrl-C. API clients are built per call from the kubeconfig / context /
+in-cluster identity (nothing global), and built again when the API refuses them during a watch (:class:`Session`).
 
 With node-local L0 (``checkpoint.l0`` an absolute path outside the shared mount) every pod also mounts its
 host's own disk there (``launcher.node_local_path``, or an ``emptyDir`` on the instance-store NVMe).
@@ -323,11 +324,22 @@ def check_job(job: dict, spec: JobSpec | None = None, crd_path: Path | None = No
 
 class JobFailed(RuntimeError):
     """The training job was rejected, failed, or did not finish in time; the message says which and why.
-    ``retryable``: the cluster failed it (its nodes, the API, a timeout), not the spec: the launcher exits 75."""
+    ``retryable``: the cluster failed it (its nodes, the API, a timeout), not the spec: the launcher exits 75.
+    ``job``: the job object when the job itself ended Failed (its outcome was read: :class:`JobRecord`)."""
 
-    def __init__(self, message: str, retryable: bool = False):
+    def __init__(self, message: str, retryable: bool = False, job: dict | None = None):
         super().__init__(message)
         self.retryable = retryable
+        self.job = job
+
+
+class Refused(JobFailed):
+    """The API server refused this identity (401 Unauthorized, 403 Forbidden). Raised as is where the credentials
+    were just read (submit: exit 2, see :func:`call`); a watch reads them again first (:class:`Session`)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 def kube_target(spec: JobSpec) -> tuple[str | None, str | None]:
@@ -349,8 +361,16 @@ TRANSIENT = (429, 500, 502, 503, 504)
 
 def call(fn, *args, tries: int = 5, **kwargs):
     """One API call with a bounded wait: transient answers (429, 5xx, a dropped connection) are retried with backoff
-    (1, 2, 4, 8 s); 401/403 become one line naming the identity problem; other errors (404, 409, 422) go to the
-    caller."""
+    (1, 2, 4, 8 s), then :class:`JobFailed` (retryable); 401/403 become :class:`Refused`, one line naming the
+    identity problem; other errors (404, 409, 422) go to the caller.
+
+    A refusal raised as is (not retryable: exit 2) is the identity's to fix: where it reaches the launcher, the
+    credentials were read moments before (:func:`run_job` builds its clients right before the submit, from the
+    kubeconfig, the Airflow connection's file or the pod's service account; an exec plugin's token is fresh), so a
+    401 means the configured credentials themselves are wrong or a static token in them has expired, and a 403 that
+    the identity's Role lacks a verb: the same command fails the same way until someone fixes it. An expired token
+    *during* a watch (EKS tokens last 15 minutes) is not that: the watch reads the credentials again and goes on
+    (:class:`Session`), and exits 75 if they keep being refused."""
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
@@ -359,11 +379,15 @@ def call(fn, *args, tries: int = 5, **kwargs):
             return fn(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
         except ApiException as e:
             if e.status in (401, 403):
-                raise JobFailed(f"the Kubernetes API refused {getattr(fn, '__name__', 'a call')} ({e.status} "
-                                f"{e.reason}): {_api_error(e)}; check the identity this runs as (launcher.kubeconfig, "
-                                "the kubernetes connection, or the pod's service account and its Role)") from None
-            if e.status not in TRANSIENT or attempt == tries - 1:
+                raise Refused(f"the Kubernetes API refused {getattr(fn, '__name__', 'a call')} ({e.status} "
+                              f"{e.reason}): {_api_error(e)}; check the identity this runs as (launcher.kubeconfig, "
+                              "the kubernetes connection, or the pod's service account and its Role)",
+                              e.status) from None
+            if e.status not in TRANSIENT:
                 raise
+            if attempt == tries - 1:
+                raise JobFailed(f"the Kubernetes API kept answering {getattr(fn, '__name__', 'a call')} with "
+                                f"{e.status} {e.reason} for {tries} tries: {_api_error(e)}", retryable=True) from None
         except (HTTPError, OSError) as e:
             if attempt == tries - 1:
                 raise JobFailed(f"the Kubernetes API did not answer {getattr(fn, '__name__', 'a call')} after "
@@ -447,34 +471,129 @@ def get_or_gone(custom, k: JobKind, ns: str, name: str) -> dict:
         raise
 
 
-def submit(custom, job: dict, log: Callable[[str], None] = print) -> str:
-    """Create the job; returns 'created', 'adopted' (same name, still running or succeeded) or 'replaced'."""
+FINISHED = ("Succeeded", "Failed")
+
+
+def submit(custom, job: dict, log: Callable[[str], None] = print, record: JobRecord | None = None) -> str:
+    """Create the job; returns 'created', 'adopted' or 'replaced'. A job of the same name and command left by an
+    earlier try is adopted while it runs; once finished, it is adopted only to be collected, while no try has read
+    its outcome yet (``record``, the ranks' work dir: :meth:`JobRecord.spent`), and replaced after that (without a
+    record, as before: a Succeeded one adopted, a Failed one replaced). One of another command is replaced once
+    finished; running, it is a clash. ``record`` starts a new attempt of the ranks right before each create."""
     k = kind_of(job)
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
-    if create(custom, k, job):
-        log(f"{k.name} {ns}/{name}: submitted")
-        return "created"
-    existing = get(custom, k, ns, name)
+    existing = find(custom, k, ns, name)
+    if existing is None:
+        return _create_new(custom, k, job, log, record, "created")
     if (existing.get("metadata") or {}).get("deletionTimestamp"):  # a user's stop is deleting it: not to adopt
         log(f"{k.name} {ns}/{name}: an earlier job of this name is being deleted; waiting for it to go")
         delete(custom, k, ns, name, wait_s=DELETE_WAIT_S)
-        if not create(custom, k, job):
-            raise JobFailed(f"{k.kind} {ns}/{name} exists again; delete it (kubectl delete {k.name} -n {ns} {name})")
-        log(f"{k.name} {ns}/{name}: submitted")
-        return "created"
+        return _create_new(custom, k, job, log, record, "created")
     state, _ = job_state(existing)
-    same = _commands(existing) == _commands(job)
-    if same and state != "Failed":
-        log(f"{k.name} {ns}/{name}: already exists ({state}) with the same command, following it")
+    if _commands(existing) == _commands(job) and not _spent(existing, state, record):
+        log(f"{k.name} {ns}/{name}: already exists ({state}) with the same command, "
+            + ("collecting its outcome" if state in FINISHED else "following it"))
         return "adopted"
-    if state not in ("Failed", "Succeeded"):
+    if state not in FINISHED:
         raise JobFailed(f"{k.kind} {ns}/{name} from an earlier try is still {state} with another command; wait "
                         f"for it or delete it (kubectl delete {k.name} -n {ns} {name})")
     log(f"{k.name} {ns}/{name}: replacing the earlier {state} job")
     delete(custom, k, ns, name, wait_s=DELETE_WAIT_S)
+    return _create_new(custom, k, job, log, record, "replaced")
+
+
+def find(custom, k: JobKind, ns: str, name: str) -> dict | None:
+    """The job of that name, or None."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return get(custom, k, ns, name)
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise JobFailed(f"could not read {k.kind} {ns}/{name} ({e.status} {e.reason}): {_api_error(e)}") from None
+
+
+def _create_new(custom, k: JobKind, job: dict, log: Callable[[str], None], record: JobRecord | None,
+                how: str) -> str:
+    """A new attempt (``record``: its id in the work dir, no outcome file of an earlier one left), then the job.
+    The name is free here (looked up or deleted just before; the stage's key lock keeps other tries of it out)."""
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    if record is not None:
+        record.new_attempt()
     if not create(custom, k, job):
         raise JobFailed(f"{k.kind} {ns}/{name} exists again; delete it (kubectl delete {k.name} -n {ns} {name})")
-    return "replaced"
+    log(f"{k.name} {ns}/{name}: submitted")
+    return how
+
+
+def _spent(existing: dict, state: str, record: JobRecord | None) -> bool:
+    """Whether a finished job of the same command gives way to a new one rather than being collected."""
+    if state not in FINISHED:
+        return False
+    return record.spent(existing, state) if record is not None else state == "Failed"
+
+
+OUTCOME_READ_FILE = ".job-outcome-read.json"  # in the ranks' work dir: the finished job a try collected
+
+
+class JobRecord:
+    """What the launcher keeps about its Kubernetes job in the ranks' work dir (their ``--out``): the attempt the
+    ranks write into their outcome files (:func:`pipelines.train.exit_codes.new_attempt`, before each create), and
+    the uid of the finished job whose outcome a try has collected without taking it as done
+    (:data:`OUTCOME_READ_FILE`): a preempted job that ended Succeeded, a failed one, a result the fence refused.
+    Such a job is read once; the next try replaces it (:func:`submit`) instead of reading the same outcome again.
+
+    A file there rather than an annotation on the job: the launcher's Role (infra/terraform/modules/namespaces)
+    may create, get, list, watch and delete training jobs, not patch them. The work dir is on the shared
+    filesystem, named by the stage key as the job is, at the same path on every Airflow worker (checked before
+    submitting), so the record outlives the process, the worker and a deferral to the triggerer (the resumed task
+    collects the job once, and only its failure is recorded). It names the job's uid: a job re-created under the
+    name (by hand, or by a try whose record write was lost) is never taken for the one that was read."""
+
+    def __init__(self, work: Path):
+        self.work = work
+
+    def new_attempt(self) -> str:
+        from pipelines.train import exit_codes
+
+        return exit_codes.new_attempt(self.work)
+
+    def collected(self, job: dict) -> bool:
+        import json
+
+        uid = (job.get("metadata") or {}).get("uid")
+        try:
+            read = json.loads((self.work / OUTCOME_READ_FILE).read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: read the job (again), as before this record
+            return False
+        return bool(uid) and isinstance(read, dict) and read.get("uid") == uid
+
+    def mark_collected(self, job: dict, log: Callable[[str], None] = print) -> None:
+        """``job`` finished and a try read its outcome, which did not finish the stage: the next try replaces it."""
+        import json
+
+        meta = job.get("metadata") or {}
+        body = {"uid": meta.get("uid"), "job": f"{job.get('kind')} {meta.get('namespace')}/{meta.get('name')}",
+                "state": job_state(job)[0], "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        try:
+            tmp = self.work / f"{OUTCOME_READ_FILE}.tmp"
+            tmp.write_text(json.dumps(body))
+            os.replace(tmp, self.work / OUTCOME_READ_FILE)
+        except OSError as e:  # the next try then reads this job once more
+            log(f"{body['job']}: could not record that its outcome was read ({e})")
+
+    def spent(self, job: dict, state: str) -> bool:
+        """A finished job gives way: a try already collected it; or it Failed and its ranks did not say the input
+        must change, so collecting it would only say "retry", which a new job does (a Failed job whose ranks said
+        so is collected once: exit 2)."""
+        if self.collected(job):
+            return True
+        if state != "Failed":
+            return False
+        from pipelines.train import exit_codes as xc
+
+        return xc.failed_ranks_code(xc.read_outcomes(self.work)) != xc.USER_ERROR
 
 
 DELETE_WAIT_S = 600.0  # a foreground delete of a JobSet with GPU pods can take minutes
@@ -575,6 +694,12 @@ class ReplicaLogs:
         self.followers: dict[str, LogFollower] = {}
         self.tail: list[str] = []
 
+    def use(self, core) -> None:
+        """Go on with new clients (credentials read again: :class:`Session`)."""
+        self.core = core
+        for f in self.followers.values():
+            f.core = core
+
     def pods(self) -> list[str]:
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
@@ -604,14 +729,59 @@ class ReplicaLogs:
         return seen[-5:]
 
 
+AUTH_TRIES = 3  # a watch refused (401/403) reads the credentials again this many times before it gives up (75)
+AUTH_BACKOFF_S = 1.0  # before the n-th new try: AUTH_BACKOFF_S * 2**(n-1) seconds (1, 2, 4)
+
+
+class Session:
+    """The API clients of one watch, built again from their credentials' source (``reconnect``: the kubeconfig,
+    the connection's file, the pod's service-account token, all read anew) when the API server refuses them: a
+    token that expired while the job ran. A refusal that outlasts :data:`AUTH_TRIES` fresh reads is
+    :class:`JobFailed` (retryable: the task's retry starts with freshly resolved credentials), one line."""
+
+    def __init__(self, custom, core, reconnect: Callable[[], tuple] | None = None,
+                 log: Callable[[str], None] = print):
+        self.custom, self.core, self.reconnect, self.log = custom, core, reconnect, log
+        self.on_renew: list[Callable[[object], None]] = []  # told of the new core client
+
+    def get(self, k: JobKind, ns: str, name: str) -> dict:
+        """The job (:func:`get_or_gone`), the credentials read again on a refusal."""
+        n = 0
+        while True:
+            try:
+                return get_or_gone(self.custom, k, ns, name)
+            except Refused as e:
+                if self.reconnect is None or n == AUTH_TRIES:
+                    raise JobFailed(f"{k.kind} {ns}/{name}: {e}"
+                                    + (f" (still so after reading the credentials again {n} times)" if n else "")
+                                    + "; a retry starts with the credentials read anew", retryable=True) from None
+                self.log(f"{k.name} {ns}/{name}: the API refused the credentials ({e.status}); reading them again")
+                time.sleep(AUTH_BACKOFF_S * 2 ** n)
+                n += 1
+                self.renew()
+
+    def renew(self) -> None:
+        """New clients; a source that cannot be read now counts as one more refusal (the next get raises)."""
+        try:
+            self.custom, self.core = self.reconnect()  # type: ignore[misc]
+        except JobFailed as e:
+            self.log(f"could not read the Kubernetes credentials again: {e}")
+            return
+        for tell in self.on_renew:
+            tell(self.core)
+
+
 def watch(custom, core, k: JobKind, ns: str, name: str, poll_s: float, timeout_s: float | None,
-          log: Callable[[str], None] = print) -> dict:
-    """Poll to Succeeded (returns the job) or Failed/timeout (raises :class:`JobFailed`)."""
-    logs = ReplicaLogs(core, k, ns, name, window_s=int(poll_s * 3) + 30)
+          log: Callable[[str], None] = print, session: Session | None = None) -> dict:
+    """Poll to Succeeded (returns the job) or Failed/timeout (raises :class:`JobFailed`). With a ``session`` its
+    clients are used (``custom`` and ``core`` are ignored) and built again when the API refuses them."""
+    session = session or Session(custom, core, log=log)
+    logs = ReplicaLogs(session.core, k, ns, name, window_s=int(poll_s * 3) + 30)
+    session.on_renew.append(logs.use)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last = None
     while True:
-        obj = get_or_gone(custom, k, ns, name)
+        obj = session.get(k, ns, name)
         state, msg = job_state(obj)
         line = state_line(obj)
         if line != last:
@@ -625,34 +795,36 @@ def watch(custom, core, k: JobKind, ns: str, name: str, poll_s: float, timeout_s
             errs = logs.errors()
             raise JobFailed(f"{k.kind} {ns}/{name} failed: {msg or 'no message'}"
                             + ("\nerrors in the pods' logs:\n  " + "\n  ".join(errs) if errs else "")
-                            + "\nlast log lines:\n" + "\n".join(logs.tail[-15:]), retryable=True)
+                            + "\nlast log lines:\n" + "\n".join(logs.tail[-15:]), retryable=True, job=obj)
         if deadline is not None and time.monotonic() > deadline:
-            delete(custom, k, ns, name)
+            delete(session.custom, k, ns, name)
             raise JobFailed(f"{k.kind} {ns}/{name} did not finish within launcher.timeout_minutes="
                             f"{timeout_s / 60:g}; it was deleted", retryable=True)
         time.sleep(poll_s)
 
 
-def run_job(spec: JobSpec, run_id: str, module: str, args: list[str],
-            log: Callable[[str], None] = print, detach: bool = False) -> dict:
-    """Render, submit and watch one training job (``launcher.job_kind``) running ``torchrun -m module args``; the
-    job is deleted when this process is told to stop (SIGTERM from Airflow, Ctrl-C) or times out. With ``detach`` a
-    job that has not finished yet raises :class:`pipelines.manifest.Pending` with what a poller needs (a deferrable
-    Airflow task waits in the triggerer, then calls this again, which adopts the finished job)."""
+def run_job(spec: JobSpec, run_id: str, module: str, args: list[str], log: Callable[[str], None] = print,
+            detach: bool = False, record: JobRecord | None = None) -> dict:
+    """Render, submit and watch one training job (``launcher.job_kind``) running ``torchrun -m module args``;
+    returns it once Succeeded. The job is deleted when this process is told to stop (SIGTERM from Airflow, Ctrl-C)
+    or times out. With ``detach`` a job that has not finished yet raises :class:`pipelines.manifest.Pending` with
+    what a poller needs (a deferrable Airflow task waits in the triggerer, then calls this again, which adopts the
+    finished job to collect it). ``record``: the ranks' work dir, which tells a finished job already collected
+    from one to collect (:func:`submit`); the caller marks it (:meth:`JobRecord.mark_collected`)."""
     job = stage_job(spec, run_id, module, args)
     k = kind_of(job)
     check_job(job, spec)  # a job the cluster would refuse is never sent
-    custom, core = api_clients(spec)
+    target = kube_target(spec)
+    session = Session(*api_clients_for(*target), reconnect=lambda: api_clients_for(*target), log=log)
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
-    submit(custom, job, log)
-    if detach and job_state(get_or_gone(custom, k, ns, name))[0] not in ("Succeeded", "Failed"):
+    submit(session.custom, job, log, record)
+    if detach and job_state(session.get(k, ns, name))[0] not in FINISHED:
         from pipelines.manifest import Pending
 
         L, t = spec.launcher, spec.launcher.timeout_minutes
-        kubeconfig, context = kube_target(spec)
         raise Pending({"kind": k.name, "namespace": ns, "name": name, "poll_seconds": L.poll_seconds,
-                       "timeout_s": None if t is None else t * 60, "kubeconfig": kubeconfig,
-                       "kube_context": context, "kube_conn_id": spec.services.kube_conn_id})
+                       "timeout_s": None if t is None else t * 60, "kubeconfig": target[0],
+                       "kube_context": target[1], "kube_conn_id": spec.services.kube_conn_id})
 
     def _term(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -660,10 +832,11 @@ def run_job(spec: JobSpec, run_id: str, module: str, args: list[str],
     previous = signal.signal(signal.SIGTERM, _term) if _in_main_thread() else None
     try:
         t = spec.launcher.timeout_minutes
-        return watch(custom, core, k, ns, name, spec.launcher.poll_seconds, None if t is None else t * 60, log)
+        return watch(None, None, k, ns, name, spec.launcher.poll_seconds, None if t is None else t * 60, log,
+                     session=session)
     except KeyboardInterrupt:
         log(f"{k.name} {ns}/{name}: stopping: deleting the job")
-        delete(custom, k, ns, name)
+        delete(session.custom, k, ns, name)
         raise
     finally:
         if previous is not None:

@@ -24,7 +24,7 @@ import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.manifest import Manifest, StageDir, StageError, input_ref
@@ -85,7 +85,9 @@ def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipeline
     # each restarted worker group gets a store of its own (a shared one hung a restart now and then on gloo)
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if work is not None:
-        xc.clear_outcomes(work)  # an earlier attempt's
+        # an earlier attempt's (no attempt id here, unlike on Kubernetes: the work dir is this run's own staging
+        # dir, published with the result, and every rank is a child this process waits for)
+        xc.clear_outcomes(work)
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd in torchrun_cmds(spec, trainer_args, module, restarts)]
     noticed: list[int] = []
@@ -250,23 +252,56 @@ def collect(work: Path, tmp: Path, names: list[str]) -> None:
 
 
 def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts: bool = True,
-              detachable: bool = False, token: Optional[str] = None, work: Optional[Path] = None) -> None:
+              detachable: bool = False, token: Optional[str] = None, work: Optional[Path] = None,
+              judge: Optional[Callable[[], None]] = None) -> None:
     """Run ``module`` on every rank the spec asks for: torchrun here, or a TrainJob / PyTorchJob on Kubernetes (with
     ``LLMP_DETACH=1``, as a deferrable Airflow task sets it, a ``detachable`` caller, one whose job command and
     work dir are the same when it runs again, gets ``Pending`` after the submit instead of waiting). ``work``: the
     ranks' ``--out``, where a rank that stops early says why (``exit_codes``); a failure is :class:`TrainRetry`
-    (exit 75) unless the spec or the input must change (:class:`TrainError`, exit 2)."""
+    (exit 75) unless the spec or the input must change (:class:`TrainError`, exit 2). ``judge``, once the ranks
+    are done: whether their result is the stage's (a :class:`StageError` says why not, e.g. they were preempted)."""
     if spec.launcher.on_kubernetes:
-        from pipelines.train.k8s import JobFailed, run_job
+        run_kubernetes(spec, module, args, run_id, detachable, work, judge)
+        return
+    run_torchrun(spec, args, module, restarts, {"LLMP_RUN_TOKEN": token} if token else None, work)
+    if judge is not None:
+        judge()
 
-        try:
-            run_job(spec, run_id, module, args, log=lambda m: print(m, flush=True),
-                           detach=detachable and os.environ.get("LLMP_DETACH") == "1")
-        except JobFailed as e:  # refused (the spec must change) or failed by its nodes / the API (retry)
-            user = work is not None and xc.failed_ranks_code(xc.read_outcomes(work)) == xc.USER_ERROR
-            raise (TrainRetry if e.retryable and not user else TrainError)(str(e)) from None
-    else:
-        run_torchrun(spec, args, module, restarts, {"LLMP_RUN_TOKEN": token} if token else None, work)
+
+def run_kubernetes(spec: JobSpec, module: str, args: list[str], run_id: str, detachable: bool,
+                   work: Optional[Path], judge: Optional[Callable[[], None]]) -> None:
+    """The ranks as a Kubernetes job (:func:`pipelines.train.k8s.run_job`). With a ``work`` dir, a finished job
+    whose outcome this try read and did not take as done (it failed, or ``judge`` refused its result) is recorded
+    there, so that the next try replaces it instead of reading the same outcome again (``k8s.JobRecord``)."""
+    from pipelines.train.k8s import JobFailed, JobRecord, run_job
+
+    record = JobRecord(work) if work is not None else None
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    try:
+        done = run_job(spec, run_id, module, args, log=log,
+                       detach=detachable and os.environ.get("LLMP_DETACH") == "1", record=record)
+    except JobFailed as e:  # refused (the spec must change) or failed by its nodes / the API (retry)
+        if record is not None and e.job is not None:
+            record.mark_collected(e.job, log)
+        user = work is not None and xc.failed_ranks_code(xc.read_outcomes(work)) == xc.USER_ERROR
+        raise (TrainRetry if e.retryable and not user else TrainError)(str(e)) from None
+    if judge is None:
+        return
+    try:
+        judge()
+    except StageError:  # preempted, no result, a superseded attempt's result: read once, a new job next time
+        if record is not None:
+            record.mark_collected(done, log)
+        raise
+
+
+def judge_result(spec: JobSpec, rel_root: str, work: Path, tmp: Path) -> None:
+    """The ranks are done: their result is the stage's (copied into ``tmp``), or :class:`TrainRetry` / a
+    :class:`StageError` says why not."""
+    preempted(xc.read_outcomes(work), [])  # on Kubernetes: the pods' ranks stopped on a notice
+    collect(work, tmp, ["result.json", "losses.json"])
+    result = json.loads((tmp / "result.json").read_text())
+    fence.confirm(spec, rel_root, result.get("fence"))  # a superseded attempt's result is not the stage's (75)
 
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
@@ -285,12 +320,9 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
         # one token per stage key and generation: torchrun's restarts and the task's retries are this launch again
         # (train.resume=never starts over once; pipelines.train.lineage); on Kubernetes the job's name does this
         run_ranks(spec, "pipelines.train.trainer", job.args, run_id=job.run_id, detachable=True,
-                  token=f"{job.run_id}:{rel_root}", work=work)
-        preempted(xc.read_outcomes(work), [])  # on Kubernetes: the pods' ranks stopped on a notice
-        collect(work, tmp, ["result.json", "losses.json"])
+                  token=f"{job.run_id}:{rel_root}", work=work, judge=lambda: judge_result(spec, rel_root, work, tmp))
         (tmp / "spec.yaml").write_text(spec.to_yaml())  # the output copy: no secrets
         result = json.loads((tmp / "result.json").read_text())
-        fence.confirm(spec, rel_root, result.get("fence"))  # a superseded attempt's result is not the stage's (75)
         plot_losses(json.loads((tmp / "losses.json").read_text()), tmp / "loss_curve.png", result.get("val"))
         m = sd.commit(
             {"losses": "losses.json", "result": "result.json", "loss_curve": "loss_curve.png", "spec": "spec.yaml"},

@@ -65,12 +65,18 @@ def _bcast(obj):
 
 
 def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
-    """The newest restorable step (or exactly ``step``) made readable on every rank; None when there is none."""
+    """The newest restorable step (or exactly ``step``) made readable on every rank; None when there is none, which
+    only every tier's answer can say: a tier that did not answer (L2 down, a node's L0 unreadable) while no other
+    tier serves a step raises :class:`~pipelines.train.checkpoint.TierUnavailable` on every rank (exit 75: a retry
+    looks again), never "start from step 0" over steps that tier may hold."""
     topo = ckpt.topo
     mine = _inventory(ckpt.root, ckpt.node_log) if topo.local_rank == 0 else None
     per_node: dict[int, dict] = {}
+    unknown: list[str] = []
     for node, inv in _gather((topo.node, mine)):
-        if inv is not None:
+        if isinstance(inv, str):
+            unknown.append(f"node {node}'s L0 ({inv})")
+        elif inv is not None:
             per_node[node] = inv
     tried: set[int] = set()
     for far in (False, True):  # L1 and the nodes' disks; then, only when none of theirs could be restored, L2
@@ -79,6 +85,9 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
             got = _settle(ckpt, c)
             if got is not None:
                 return got
+    if unknown:
+        raise ck.TierUnavailable(f"restore: {', '.join(unknown)} did not answer and no other tier holds a step to "
+                                 "restore: not starting over from step 0 (a retry looks again)")
     return None
 
 
@@ -92,19 +101,20 @@ def _choose(ckpt, per_node: dict[int, dict], want: Optional[int], l2_skip: Optio
         except Exception as e:  # noqa: BLE001 - every rank fails with rank 0's reason, none waits for it
             cands = {"error": f"{type(e).__name__}: {e}"}
     cands = _bcast(cands)
-    if isinstance(cands, dict):
-        raise ck.CheckpointError(f"restore: cannot list this run's checkpoints: {cands['error']}")
+    if isinstance(cands, dict):  # storage that did not answer (exit 75), not a spec to fix
+        raise ck.TierUnavailable(f"restore: cannot list this run's checkpoints: {cands['error']}")
     return cands
 
 
-def _inventory(root: Path, log) -> dict:
+def _inventory(root: Path, log) -> dict | str:
     """This node's committed parts on its L0: {step: (part, parts, attempt, lineage)}; unreadable ones are left
-    out with a line (a failing disk must not leave the other ranks waiting in the gather)."""
+    out with a line; an L0 that cannot be listed is the reason, a string (a failing disk must not leave the other
+    ranks waiting in the gather, nor read as "no parts here")."""
     try:
         found = ckpt_parts.local_parts(root)
-    except OSError as e:
+    except OSError as e:  # unknown, not empty: L1 or L2 may serve; if neither does, the restore does not start over
         log(f"[ckpt] restore: this node's L0 cannot be read ({e}); its parts come from L1 or L2")
-        return {}
+        return str(e)
     return {s: info for s, m in found.items() if (info := _part_info(m)) is not None}
 
 
@@ -145,8 +155,9 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
 
 def l2_candidates(ckpt, want: Optional[int], skip: set[int]) -> list[dict]:
     """Rank 0, when no step of :func:`candidates` could be restored: the steps of this line that L2 holds (less
-    ``skip``, tried already), newest first. Every S3 call is bounded (``checkpoint.s3_*``); an L2 that does not
-    answer is a warning and no candidate."""
+    ``skip``, tried already), newest first. Every S3 call is bounded (``checkpoint.s3_*``: its retries are the
+    wait); an L2 that still does not answer raises :class:`~pipelines.train.checkpoint.L2Unavailable`: it may hold
+    this run's newest steps, so "no answer" is never "no candidate" (a fresh start would write over them)."""
     spec, rel_root, rec = ckpt.spec, ckpt.rel_root, ckpt.rec
     found = []
     try:
@@ -159,8 +170,9 @@ def l2_candidates(ckpt, want: Optional[int], skip: set[int]) -> list[dict]:
             if info is not None and lineage.accepts(rec, s, info[3]):
                 found.append({"step": s, "attempt": info[2], "parts": info[1], "l1": False})
     except ck.L2Unavailable as e:
-        ckpt.log(f"[ckpt] restore: warning: L2 does not answer ({e}); L1 and the nodes' disks hold no step to "
-                 "restore")
+        ckpt.log(f"[ckpt] restore: L2 does not answer ({e}) and L1 and the nodes' disks hold no step to restore: "
+                 "not starting over (a retry looks again)")
+        raise ck.L2Unavailable(f"L2 did not answer: {e}") from None
     return found
 
 

@@ -287,18 +287,20 @@ class Trainer:
         node its own parts (``pipelines.train.restore``); None to start at step 0. A restart of this launch
         (``pipelines.train.lineage``) resumes whatever ``train.resume`` says: ``never`` starts over once."""
         from pipelines.train import lineage
-        from pipelines.train.checkpoint import CheckpointError
+        from pipelines.train.checkpoint import CheckpointError, TierUnavailable
 
         box = [None]
         if self.rank == 0:
             try:
                 box = [self._lineage_start(self.spec.train.resume)]
-            except OSError as e:  # L1 cannot be read or written: every rank stops with the reason
-                box = [("error", f"checkpoint.l1: the lineage record cannot be read or written: {e}")]
+            except (OSError, ValueError) as e:  # L1 cannot be read or written, or handed back a torn record:
+                # every rank stops with the reason (JSON that does not decode is storage that lied, not the spec)
+                box = [("error", f"checkpoint.l1: the lineage record cannot be read or written: "
+                                 f"{type(e).__name__}: {e}")]
         dist.broadcast_object_list(box, src=0)
         rec, mode = box[0]
         if rec == "error":  # storage, not the spec: exit_codes.RETRY
-            raise CheckpointError(mode)
+            raise TierUnavailable(mode)
         self.ckpt.set_lineage(rec)
         if mode == "never":
             return None
@@ -563,9 +565,12 @@ class Trainer:
         else:
             skip = set(self.sampler.skip)
             restored = self.ckpt.restore(last)
-            if restored is None:
-                raise TrainingDiverged(f"step {step}: {why}; the checkpoint of step {last} to roll back to does not "
-                                       "verify on any tier")
+            if restored is None:  # the step this attempt saved is on no tier: storage lost it (exit 75, a retry
+                # resumes from the newest step that verifies), not a run the user must change
+                from pipelines.train.checkpoint import CheckpointError
+
+                raise CheckpointError(f"step {step}: {why}; the checkpoint of step {last} to roll back to does not "
+                                      "verify on any tier")
             st = self.ckpt.load(restored.path, self.model, self.opt)
             self.sampler.load_state_dict(st["loader"])
             self.sampler.skip |= skip

@@ -1,0 +1,124 @@
+"""Fences enforced by L2 itself (issue 52): the step's COMMIT marker, its MANIFEST and each part's
+``PARTS/part-K.json`` are written and deleted with S3 conditional requests, so a writer that paused between its
+fence check and its write (a frozen pod, a stalled process) cannot land over what a newer term wrote meanwhile.
+
+A writer reads the object's ETag when it decides (:func:`etag`); its write then says what it expects there:
+``If-None-Match: *`` to create (the object must still be absent), ``If-Match: <etag>`` to replace or delete (it
+must still be the copy that was read). When another writer changed it in between, S3 answers 412 and the writer
+stops with :class:`~pipelines.train.fence.FencedOut` (exit 75): the newer copy stays. AWS S3 honours both on
+PutObject and If-Match on DeleteObject; so does moto (5.2). Endpoints that ignore them answer 200 to a write whose
+condition is false: ``rclone serve s3`` (the embedded endpoint) does. Each (endpoint, bucket) is probed once per
+process (:func:`supported`) and one line says so where the conditions are not honoured; there the fence checks
+before each write (:func:`pipelines.train.fence.check` / ``guard``) stay the only protection, as before.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Callable, Optional
+
+from pipelines.storage import faults
+from pipelines.train.fence import FencedOut
+
+PROBE_PREFIX = ".llmp-conditional-probe/"
+_probed: dict[tuple[str, str], bool] = {}
+_lock = threading.Lock()
+
+
+def _precondition_failed(e: Exception) -> bool:
+    from botocore.exceptions import ClientError
+
+    return isinstance(e, ClientError) and (
+        str(e.response.get("Error", {}).get("Code")) in ("PreconditionFailed", "412", "ConditionalRequestConflict")
+        or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412))
+
+
+def _refused(s3, **kw) -> bool:
+    """Did the endpoint refuse this put, whose condition is false, with 412?"""
+    from pipelines.storage.s3 import unreachable
+
+    try:
+        s3.put_object(**kw)
+    except Exception as e:  # noqa: BLE001 - only a 412 counts as honoured; an outage propagates
+        if _precondition_failed(e):
+            return True
+        if unreachable(e):
+            raise
+        return False  # e.g. 501 NotImplemented: an endpoint that does not know the header
+    return False
+
+
+def supported(s3, bucket: str, log: Callable[[str], None] = print) -> bool:
+    """Whether the endpoint honours ``If-None-Match: *`` and ``If-Match`` on PutObject for ``bucket``: probed once
+    per process with a small object of its own (then removed); an endpoint that does not is named in one line."""
+    key = (s3.meta.endpoint_url, bucket)
+    with _lock:
+        if key in _probed:
+            return _probed[key]
+    probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    tag = s3.put_object(Bucket=bucket, Key=probe, Body=b"1")["ETag"]
+    try:
+        ok = _refused(s3, Bucket=bucket, Key=probe, Body=b"2", IfNoneMatch="*") and \
+            _refused(s3, Bucket=bucket, Key=probe, Body=b"3", IfMatch='"0"' if tag != '"0"' else '"1"')
+    finally:
+        s3.delete_object(Bucket=bucket, Key=probe)
+    with _lock:
+        _probed[key] = ok
+    if not ok:
+        log(f"[ckpt] L2 {s3.meta.endpoint_url} (bucket {bucket}) ignores conditional writes (If-None-Match, If-Match): "
+            "fences on L2 are checked by this client before each write, and a writer paused between its check and "
+            "its write could land after a newer term (AWS S3 and moto honour them; rclone serve s3 does not)")
+    return ok
+
+
+def etag(s3, bucket: str, key: str) -> Optional[str]:
+    """The object's ETag now, None when it is absent (read when the writer decides what to replace)."""
+    from pipelines.train.ckpt_s3 import answered
+
+    return answered(f"s3://{bucket}/{key}", lambda: s3.head_object(Bucket=bucket, Key=key)["ETag"])
+
+
+def _holds(s3, bucket: str, key: str, body: bytes) -> bool:
+    """Does the object hold exactly ``body`` now?"""
+    from pipelines.train.ckpt_s3 import s3_body
+
+    return s3_body(s3, bucket, key) == body
+
+
+def _conditions(cond: bool, expected: Optional[str]) -> dict:
+    if not cond:
+        return {}
+    return {"IfMatch": expected} if expected else {"IfNoneMatch": "*"}
+
+
+def put(s3, bucket: str, key: str, body: bytes, expected: Optional[str], cond: bool, what: str) -> dict:
+    """Put ``body`` where ``expected`` (an ETag, or None: absent) still is, else :class:`FencedOut`. A ``pause``
+    between a fence check and this write is the fault point ``l2_write`` (``LLMP_FAULTS``)."""
+    faults.point("l2_write")
+    try:
+        return s3.put_object(Bucket=bucket, Key=key, Body=body, **_conditions(cond, expected))
+    except Exception as e:  # noqa: BLE001 - a 412 is another writer's newer copy; the rest propagates
+        if _precondition_failed(e):
+            if _holds(s3, bucket, key, body):  # our own put, retried by botocore after its answer was lost
+                return {}
+            raise FencedOut(f"{what}: s3://{bucket}/{key} changed since this attempt read it (a newer term wrote "
+                            "it): stopping before replacing it") from None
+        raise
+
+
+def delete(s3, bucket: str, key: str, expected: Optional[str], cond: bool, what: str) -> None:
+    """Delete the object only while it is still the copy read (``expected``); absent: nothing to do."""
+    if expected is None:
+        return
+    from pipelines.train.ckpt_s3 import missing
+
+    faults.point("l2_write")
+    try:
+        s3.delete_object(Bucket=bucket, Key=key, **({"IfMatch": expected} if cond else {}))
+    except Exception as e:  # noqa: BLE001 - as in put
+        if missing(e) or (_precondition_failed(e) and etag(s3, bucket, key) is None):
+            return  # gone: our own delete, retried after its answer was lost
+        if _precondition_failed(e):
+            raise FencedOut(f"{what}: s3://{bucket}/{key} changed since this attempt read it (a newer term wrote "
+                            "it): stopping before deleting it") from None
+        raise

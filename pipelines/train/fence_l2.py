@@ -1,0 +1,86 @@
+"""The run's terms where they survive losing L1 (issue 52): a retry on a new cluster (a new FSx, so a new, empty
+``.fence`` on L1) must not take a term that an older attempt already held, or the fence could not tell the two
+apart on L2.
+
+* Each attempt records its term in L2 beside the checkpoints, ``<L2 run prefix>/.fence/term-NNNNNNNNN`` (JSON: the
+  attempt, its launch), before its first COMMIT there (:func:`record`, called by the promoter), so every step on L2
+  was committed by a term that L2 records.
+* An L1 fence directory that has never read L2's terms (it has no ``l2-floor`` file: a new L1) takes its first term
+  above the highest one L2 records (:func:`floor`). While L2 does not answer, that floor is unknown: the attempt
+  does not start (:class:`~pipelines.train.checkpoint.L2Unavailable`, exit 75), since "no answer" is never "no term".
+  Once read, ``l2-floor`` records it on L1, and the terms on L1 stay above every term L2 records from then on.
+
+With no S3 endpoint configured there is no L2 and the floor is 0.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+from pipelines.manifest import atomic_write_text
+from pipelines.spec import JobSpec
+from pipelines.train.ckpt_s3 import answered
+from pipelines.train.ckpt_tiers import l2_available, tier_locations
+from pipelines.train.fence import FENCE_DIR, TERM_PREFIX
+
+FLOOR_FILE = "l2-floor"  # in the L1 fence directory: L2's highest term when this L1 first read it
+
+
+def _prefix(spec: JobSpec, rel_root: str) -> tuple[str, str]:
+    """(bucket, key prefix) of the run's terms on L2."""
+    from pipelines.storage.s3 import split_uri
+
+    bucket, prefix = split_uri(tier_locations(spec, rel_root)["L2"].rstrip("/"))
+    return bucket, f"{prefix}/{FENCE_DIR}/"
+
+
+def recorded_top(spec: JobSpec, rel_root: str) -> int:
+    """The highest term L2 records for this run (0: none, or no L2); raises :class:`L2Unavailable`."""
+    from pipelines.storage.s3 import client
+
+    if l2_available(spec) is not None:
+        return 0
+    s3, (bucket, prefix) = client(spec), _prefix(spec, rel_root)
+
+    def listed() -> list[str]:
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return [o["Key"][len(prefix):] for page in pages for o in page.get("Contents", [])]
+
+    top = 0
+    for name in answered(f"s3://{bucket}/{prefix}", listed) or []:
+        if name.startswith(TERM_PREFIX) and name[len(TERM_PREFIX):].isdigit():
+            top = max(top, int(name[len(TERM_PREFIX):]))
+    return top
+
+
+def floor(spec: JobSpec, fence_dir: Path, rel_root: str, log=print) -> int:
+    """The term a new attempt's must exceed besides L1's own: L2's highest, read once per L1 fence directory (then
+    recorded there as ``l2-floor``); 0 once read. Raises :class:`L2Unavailable` while L2 does not answer."""
+    marker = fence_dir / FLOOR_FILE
+    if marker.is_file():
+        return 0
+    top = recorded_top(spec, rel_root)
+    fence_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(marker, json.dumps({"l2_top": top, "at": time.time()}))
+    if top:
+        log(f"[fence] L1 holds no record of this run's terms: L2 records term {top}, so this attempt takes a newer one")
+    return top
+
+
+def record(spec: JobSpec, rel_root: str, term: int, attempt: str, launch: Optional[str]) -> None:
+    """Put this attempt's term on L2 (before its first COMMIT there); raises :class:`L2Unavailable`."""
+    from pipelines.storage.s3 import client, ensure_bucket
+
+    if l2_available(spec) is not None:
+        return
+    s3, (bucket, prefix) = client(spec), _prefix(spec, rel_root)
+    body = json.dumps({"attempt": attempt, "launch": launch, "at": time.time()}).encode()
+    key = f"{prefix}{TERM_PREFIX}{term:09d}"
+
+    def put() -> dict:
+        ensure_bucket(s3, bucket, spec.services.s3_region)
+        return s3.put_object(Bucket=bucket, Key=key, Body=body)
+
+    answered(f"s3://{bucket}/{key}", put)
