@@ -487,7 +487,7 @@ def _part(root: Path, step: int, attempt: str) -> Path:
 def test_a_writer_paused_between_its_check_and_its_l2_commit_cannot_land_over_a_newer_one(home, request, server,
                                                                                          monkeypatch, capsys):
     """Attempt A checked its fence and is about to write step 10's MANIFEST and COMMIT on L2 when it pauses (the
-    fault point ``l2_write``); meanwhile attempt B puts its own part of step 10 and commits it. When A resumes, an
+    fault point ``act``); meanwhile attempt B puts its own part of step 10 and commits it. When A resumes, an
     endpoint that honours conditional writes (AWS S3, moto) answers 412: A stops with FencedOut (exit 75) and B's
     commit stays. The embedded endpoint (rclone) ignores the conditions: that is said once, in one line."""
     from pipelines.storage import faults
@@ -503,7 +503,7 @@ def test_a_writer_paused_between_its_check_and_its_l2_commit_cannot_land_over_a_
     paused = []
 
     def point(phase, **where):  # B commits while A waits between its check and its write
-        if phase == faults.L2_WRITE and not paused:
+        if phase == faults.ACT and not paused:
             paused.append(phase)
             ckpt_parts.upload_part(spec, new, uri)
             assert ckpt_parts.merge_parts_s3(spec, uri, 1, "b")
@@ -540,3 +540,42 @@ def test_own_conditional_writes_retried_after_a_lost_answer_are_not_a_newer_writ
     tag = ckpt_s3_cond.etag(s3, "ck-own-retry", "k/COMMIT")
     ckpt_s3_cond.delete(s3, "ck-own-retry", "k/COMMIT", tag, True, "t")
     ckpt_s3_cond.delete(s3, "ck-own-retry", "k/COMMIT", tag, True, "t")  # gone already: our own retried delete
+
+
+@pytest.mark.parametrize("deed", ["remove", "replace", "install"])
+def test_a_writer_paused_between_its_check_and_its_act_on_l1_cannot_touch_a_newer_terms_copy(tmp_path, installed,
+                                                                                            monkeypatch, deed):
+    """Attempt A (term 1) passed its checks and pauses right before its act (the fault point ``act``); meanwhile
+    term 2 commits step 30 at the same place. A then removes it (retention), replaces it, or puts its own copy
+    where there was none: each act is a rename that is checked where the copy lands (moved aside, its term read there)
+    or cannot land over a directory: A stops with FencedOut and term 2's copy stays, whole."""
+    from pipelines.storage import faults
+
+    d, root = tmp_path / "l1/run/key/.fence", tmp_path / "l1/run/key"
+    _take(d, "aaaa1111", [root])
+    new = _take(d, "bbbb2222", [root])
+    step = root / "step-000030"
+    if deed != "install":  # an older copy of A's there, which A means to remove or replace
+        ckpt_local.commit_local(_tmp_step(root, "step-000030"), step, meta={"term": 1})
+    stale = fence.Fence(d, "aaaa1111", 1, 60.0, (str(root),))
+    stale._why_fenced = lambda: None  # its checks raced past term 2's take: only the storage can stop it now
+    installed(stale)
+    acted = []
+
+    def point(phase, **where):  # term 2 commits step 30 while A waits between its check and its act
+        if phase == faults.ACT and not acted:
+            acted.append(phase)
+            fence.install(None)
+            if step.exists():
+                ckpt_local.remove_local(step)
+            ckpt_local.commit_local(_tmp_step(root, "step-000030n"), step, meta={"term": new.term})
+            fence.install(stale)
+
+    monkeypatch.setattr(faults, "point", point)
+    with pytest.raises(fence.FencedOut):
+        if deed == "remove":
+            ckpt_local.remove_local(step)
+        else:
+            ckpt_local.commit_local(_tmp_step(root, "step-000030a"), step, meta={"term": 1})
+    assert acted and ckpt_local.read_local_manifest(step)["term"] == 2
+    ckpt_local.verify_local(step)

@@ -21,9 +21,9 @@
   endpoint), ``slow`` (``seconds`` of delay), ``preempt`` (a preemption notice: SIGTERM to this rank's parent,
   its torchrun, as Kubernetes sends a pod it evicts; the process goes on and torchrun passes the notice to every
   rank), ``stop`` (the process stops here, every thread, SIGSTOP: a hung rank, which the heartbeat finds).
-* ``at`` may also be ``step`` (:data:`STEP`): a rank's training step done; or ``l2_write`` (:data:`L2_WRITE`):
-  right before a COMMIT, MANIFEST or part marker is written or deleted on L2, after the fence was checked (a
-  ``slow`` or ``stop`` there is a writer that pauses between its check and its act).
+* ``at`` may also be ``step`` (:data:`STEP`): a rank's training step done; or ``act`` (:data:`ACT`): right before
+  a copy is put in place or removed on L0/L1, or a COMMIT, MANIFEST or part marker is written or deleted on L2,
+  after the fence was checked (a ``slow`` or ``stop`` there is a writer that pauses between its check and its act).
 * ``node`` / ``rank``: only there (torchrun's ``GROUP_RANK`` / ``RANK``); ``nth``: fire from the rule's nth hit;
   ``times``: how many times it fires (0: every hit from then on).
 
@@ -50,8 +50,8 @@ PHASES = ("part_committed",  # a node committed its part on its own L0
           "restage")  # a restore is staging a part on L1 again
 KINDS = ("die", "lose", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "s3_hang", "slow", "preempt", "stop")
 STEP = "step"  # not a phase of the protocol: a rank's training step done (``nth``: the nth step of this process)
-L2_WRITE = "l2_write"  # between the fence check and a COMMIT / MANIFEST / part marker write or delete on L2
-AT = (*PHASES, STEP, L2_WRITE, "read", "write", "s3")
+ACT = "act"  # between a fence check and its act: a COMMIT, MANIFEST or part marker written or deleted, any tier
+AT = (*PHASES, STEP, ACT, "read", "write", "s3")
 
 _rules: Optional[list[dict]] = None
 _hits: dict[int, int] = {}

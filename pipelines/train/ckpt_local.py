@@ -6,6 +6,7 @@ removed COMMIT first. Every file name read from a manifest must stay below its d
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -45,11 +46,34 @@ def missing_shards(d: Path) -> list[str]:
 
 
 def remove_local(d: Path) -> None:
-    """COMMIT first, so a half-removed copy is never read as a checkpoint. Under a fence, never by a superseded
-    attempt, nor a copy a newer term committed (:func:`pipelines.train.fence.guard`)."""
+    """Never a copy a newer term committed, even one committed after this writer's check (it paused in between):
+    the copy is moved aside in one rename (atomic on POSIX filesystems, NFS and Lustre included), its recorded term
+    is read where it now lies, and a newer term's copy is put back (:class:`~pipelines.train.fence.FencedOut`);
+    else COMMIT first, so a half-removed copy is never read as a checkpoint, then the rest. Under a fence, never by
+    a superseded attempt either (:func:`pipelines.train.fence.guard`)."""
     fence.guard(f"removing {d}", d, lambda: fence.local_manifest(d))
-    (d / COMMIT).unlink(missing_ok=True)
-    shutil.rmtree(d, ignore_errors=True)
+    faults.point(faults.ACT)
+    aside = d.with_name(f".{d.name}.tmp-{fence.tmp_tag()}")  # a temp name: start-up cleanup knows whose it is
+    try:
+        os.rename(d, aside)
+    except FileNotFoundError:
+        return
+    try:
+        fence.guard(f"removing {d}", aside, lambda: fence.local_manifest(aside))
+    except fence.FencedOut:
+        _put_back(aside, d)
+        raise
+    (aside / COMMIT).unlink(missing_ok=True)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _put_back(aside: Path, d: Path) -> None:
+    """A newer term's copy moved aside by a stale writer goes back where it was (unless another copy is there now:
+    then it stays aside, a temp entry of this attempt's that start-up cleanup removes once its lease is gone)."""
+    try:
+        os.rename(aside, d)
+    except OSError:
+        pass
 
 
 def read_local_manifest(d: Path) -> dict:
@@ -118,13 +142,22 @@ def _copy_hashing(src: Path, dst: Path, part_size: int) -> tuple[str, list[bytes
 
 
 def install_dir(tmp: Path, dst: Path) -> None:
-    """Put the finished directory ``tmp`` at ``dst``, an older copy there removed first; under a fence only while
-    this attempt's term is current."""
+    """Put the finished directory ``tmp`` at ``dst``, an older copy there removed first (:func:`remove_local`);
+    under a fence only while this attempt's term is current. The last act is a rename that cannot replace a copy
+    put there after the check (a directory is never renamed over a non-empty one): a writer that paused in between
+    stops with :class:`~pipelines.train.fence.FencedOut` and the other copy stays."""
     fence.check(f"putting {dst.name} in place", dst)
     if dst.exists():
         remove_local(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, dst)
+    faults.point(faults.ACT)
+    try:
+        os.rename(tmp, dst)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise fence.FencedOut(f"{dst}: another copy was put in place after this writer's check: it stays, and "
+                                  "this one is not put over it") from None
+        raise
 
 
 def copy_local(src: Path, dst: Path, chunk: int = 8 << 20) -> dict[str, list[bytes]]:

@@ -93,8 +93,8 @@ def _conditions(cond: bool, expected: Optional[str]) -> dict:
 
 def put(s3, bucket: str, key: str, body: bytes, expected: Optional[str], cond: bool, what: str) -> dict:
     """Put ``body`` where ``expected`` (an ETag, or None: absent) still is, else :class:`FencedOut`. A ``pause``
-    between a fence check and this write is the fault point ``l2_write`` (``LLMP_FAULTS``)."""
-    faults.point("l2_write")
+    between a fence check and this write is the fault point ``act`` (``LLMP_FAULTS``)."""
+    faults.point(faults.ACT)
     try:
         return s3.put_object(Bucket=bucket, Key=key, Body=body, **_conditions(cond, expected))
     except Exception as e:  # noqa: BLE001 - a 412 is another writer's newer copy; the rest propagates
@@ -112,7 +112,7 @@ def delete(s3, bucket: str, key: str, expected: Optional[str], cond: bool, what:
         return
     from pipelines.train.ckpt_s3 import missing
 
-    faults.point("l2_write")
+    faults.point(faults.ACT)
     try:
         s3.delete_object(Bucket=bucket, Key=key, **({"IfMatch": expected} if cond else {}))
     except Exception as e:  # noqa: BLE001 - as in put
