@@ -21,7 +21,7 @@ export PYTHONWARNINGS := ignore::FutureWarning
 DEMO_SPEC ?= configs/demo.yaml
 PIP_VERSION := 26.3
 
-.PHONY: image image-save image-demo demo test faults airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser postgres lock lock-check
+.PHONY: image image-save image-demo demo test faults airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser postgres cxx lock lock-check
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
 	@echo "make test   - run the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
@@ -137,10 +137,20 @@ postgres:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq postgresql >/dev/null \
 	    || echo "apt-get install postgresql failed: the contract tests that need it will skip"; }
 
+# torch.compile on CPU (inductor) builds its kernels with a C++ compiler: the benchmark's CPU rows (nanoGPT's recipe
+# compiles the whole model) and parallel.compile on CPU need one; install g++ when missing and this user may.
+cxx:
+	@command -v g++ >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO=sudo; else \
+	    echo "g++ missing and no root: torch.compile on CPU (the gpu_mfu smoke test) will fail"; exit 0; fi; \
+	  echo "installing g++ (apt) for torch.compile on CPU"; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq g++ >/dev/null \
+	    || echo "apt-get install g++ failed: torch.compile on CPU will fail"; }
+
 # two test files at a time (pytest-xdist): a third of the suite's time is spent waiting on its processes; every
 # test's time in var/test-artifacts/junit.xml (to keep the longest files first: tests/conftest.py LONGEST_FIRST)
 TEST_WORKERS ?= 2
-test: $(DEV_STAMP) $(CHECKOV) browser postgres
+test: $(DEV_STAMP) $(CHECKOV) browser postgres cxx
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--junitxml=var/test-artifacts/junit.xml $(PYTEST_ARGS)
 

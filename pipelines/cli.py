@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Optional
 from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_write_text, load_manifest, run_stage
 from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
 from pipelines.stages import Stage, stage
-from pipelines.storage.s3 import unreachable
+from pipelines.storage.s3 import outage
 
 RETRY = 75  # pipelines.train.exit_codes.RETRY: infrastructure, a retry may succeed
 
@@ -105,8 +105,9 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
     except (StageError, SpecError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
-    except Exception as e:  # noqa: BLE001 - an object store that did not answer is infrastructure: retry (75)
-        if not unreachable(e):
+    except Exception as e:  # noqa: BLE001 - an object store that did not answer is infrastructure: retry (75);
+        # credentials or a configuration that do not work are not (they stay a traceback, exit 1)
+        if not outage(e):
             raise
         print(f"{name}: error: the object store did not answer: {type(e).__name__}: {e}", file=sys.stderr)
         return RETRY

@@ -221,6 +221,24 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def read_small_text(path: str | os.PathLike, limit: int = 1 << 16) -> str:
+    """A small control file written by another process (a shared directory others can write): read only when it
+    is a regular file, not through a link, not blocking on a FIFO, at most ``limit`` bytes; else ``OSError``
+    (``ValueError`` when it is larger)."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path}: not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{path}: {st.st_size} bytes, more than the {limit} a control file may have")
+        return os.read(fd, limit + 1).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
+
+
 def is_temp_name(name: str) -> bool:
     """A temp file of :func:`atomic_write_bytes` (``.<name>.tmp-<id>``)."""
     return name.startswith(".") and ".tmp-" in name

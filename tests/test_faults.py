@@ -452,7 +452,12 @@ def test_a_new_l1_takes_its_first_term_above_l2s_and_waits_while_l2_does_not_ans
     d = fence.fence_dir(spec, "run/key")
     f = fence.Fence.take(d, "new", 60, ("x",), floor=fence_l2.floor(spec, d, "run/key"))
     assert f.term == 8 and (d / fence_l2.FLOOR_FILE).is_file()
-    assert fence_l2.floor(spec, d, "run/key") == 0  # read once per L1: its own terms are above L2's from now on
+    assert fence_l2.floor(spec, d, "run/key") == 7  # read once per L1, then from its record (L2 not asked again)
+    # an attempt that recorded the floor and died before taking its term: the next one still takes a term above 7
+    fresh = home / "l1c" / ".fence"
+    assert fence_l2.floor(load_spec(None, [f"checkpoint.l1={home}/l1c", f"services.s3_endpoint_url={s3_server}",
+                                           "services.s3_bucket=ck-terms"], env={}), fresh, "run/key") == 7
+    assert fence.Fence.take(fresh, "next", 60, ("x",), floor=fence_l2.floor(spec, fresh, "run/key")).term == 8
     down = load_spec(None, [f"checkpoint.l1={home}/l1b", "services.s3_endpoint_url=http://127.0.0.1:9",
                             "checkpoint.s3_connect_timeout_s=1", "checkpoint.s3_max_attempts=1"], env={})
     with pytest.raises(ck.L2Unavailable):  # unknown is not 0: no term is taken
@@ -485,11 +490,11 @@ def test_a_full_l0_disk_during_a_dcp_save_exits_75_with_one_line_naming_the_path
 def test_a_hung_l1_promotion_thread_is_found_at_the_next_save_and_the_stage_exits_75(home):
     """Every L1 write stalls (``slow`` for 600 s on L1 only): before, the promotion thread sat there unseen while
     training went on and L0 filled (its retention runs in that thread). Now the next save finds it busy past
-    2 × ``train.hang_timeout_s`` and every rank stops: exit 75, one line naming L1. (No other bound is near: a
-    loaded machine cannot make another wait end first.)"""
+    its bound (``checkpoint.collective_timeout_minutes`` + 2 × ``train.hang_timeout_s``: 18 + 20 s here) and every
+    rank stops: exit 75, one line naming L1."""
     tok = _tok(home)
-    sets = ["train.steps=400", "train.ckpt_every=5", "launcher.nproc_per_node=2", "launcher.max_restarts=0",
-            "train.hang_timeout_s=10"]
+    sets = ["train.steps=600", "train.ckpt_every=5", "launcher.nproc_per_node=2", "launcher.max_restarts=0",
+            "train.hang_timeout_s=10", "checkpoint.collective_timeout_minutes=0.3"]
     stall = _faults({"at": "write", "do": "slow", "seconds": 600, "path": f"{home}/run/l1/", "times": 0})
     r = subprocess.run(_launch_cmd(tok, home / "run", sets), env=_env(LLMP_FAULTS=stall,
                        LLMP_FAULT_STEP_DELAY_S="0.2"), cwd=ROOT, capture_output=True, text=True, timeout=600)

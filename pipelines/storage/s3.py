@@ -317,6 +317,23 @@ def unreachable(e: BaseException) -> bool:
     return isinstance(e, (BotoCoreError, ConnectionError, TimeoutError)) or isinstance(e, S3ConfigError)
 
 
+def outage(e: BaseException) -> bool:
+    """Is ``e`` the endpoint failing to answer (down, refusing, resetting, timing out, 5xx, throttling), as opposed to
+    credentials or a configuration that does not work (401/403, no credentials, a bad parameter), which a retry
+    cannot mend? (:func:`unreachable` counts both: L2 is then unusable either way.)"""
+    from botocore.exceptions import ClientError, ConnectionError as BotoConnectionError, HTTPClientError
+
+    if isinstance(e, ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        return status >= 500 or code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout")
+    from s3transfer.exceptions import RetriesExceededError
+
+    if isinstance(e, RetriesExceededError):
+        return e.last_exception is not None and outage(e.last_exception)
+    return isinstance(e, (BotoConnectionError, HTTPClientError, ConnectionError, TimeoutError))
+
+
 def client(spec: JobSpec):
     """The checkpoint path's client (L2): bounded by :func:`checkpoint_bounds`, every call within its total bound."""
     return client_from(client_settings(spec), checkpoint_bounds(spec))

@@ -360,12 +360,20 @@ class Promoter:
                 return self._from_l1(step)
             self._mark(step, "failed: not on L0")  # rank 0 waits for no mark that cannot come
             return "from-l1"
+        try:  # every node, before its first L2 write: a part put may remove another attempt's COMMIT
+            self.record_term()
+        except Exception as e:  # noqa: BLE001 - L2 is a copy of L1: its faults cost a warning, not the step
+            self._l2_warning(step, e)
+            if not self.commits:  # rank 0 waits for this node's mark (bounded)
+                self._mark(step, f"failed: {type(e).__name__}")
+            else:
+                self.l2_behind.add(step)
+            return "behind"
         own = self._upload_part(Path(locs["L0"]), locs["L2"], step, digests)
         if not self.commits:
             return own
         self.l2_behind.add(step)
         try:
-            self.record_term()
             if own != "behind" and self._parts_on_l2(l1, step):
                 man = ckpt_local.read_local_manifest(l1)
                 if ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt"),
@@ -583,7 +591,7 @@ def dcp_errors(what: str, where: Path):
         raise (ck.TierUnavailable if isinstance(exc, OSError) or full else ck.CheckpointError)(line) from None
 
 
-PROMOTE_HUNG = 2  # × train.hang_timeout_s: an L1 promotion busy with one step longer than this is hung
+PROMOTE_HUNG = 2  # × train.hang_timeout_s beyond the collective timeout: an L1 promotion busy longer is hung
 DISK_FULL_BYTES = 16 << 20  # less free space than this after a failed write: the disk is full
 
 
@@ -698,6 +706,12 @@ class Checkpointer:
         attempt = uuid.uuid4().hex[:8]
         d = fence.fence_dir(self.spec, self.rel_root)
         try:
+            return self._take_term_in(d, attempt)
+        except Exception as e:  # noqa: BLE001 - any failure is every rank's reason (none waits in the broadcast)
+            return attempt, None, f"cannot take this attempt's term: {type(e).__name__}: {e}", False
+
+    def _take_term_in(self, d: Path, attempt: str) -> tuple[str, Optional[int], Optional[str], bool]:
+        try:
             floor = fence_l2.floor(self.spec, d, self.rel_root, self.log)
             self.fence = fence.Fence.take(d, attempt, self.spec.checkpoint.lease_s, self._fenced_roots(), self.log,
                                           fence.launch_id(), floor)
@@ -763,16 +777,20 @@ class Checkpointer:
 
     def check_promotion(self) -> None:
         """A hung L1 promotion thread (a stalled L1 call: nothing would reach L1 again while L0 fills, its retention
-        running there) is found at the next save: busy on one step past :data:`PROMOTE_HUNG` × ``train.hang_timeout_s``
-        (a step's copy to L1 is I/O that makes progress), :class:`~pipelines.train.checkpoint.TierUnavailable` on every
-        rank (exit 75; the restart resumes from the newest step that verifies, L0's own included)."""
+        running there) is found at the next save: busy on one step past its bound, :meth:`promote_bound_s` (the
+        longest wait it makes, for another node's part, plus :data:`PROMOTE_HUNG` × ``train.hang_timeout_s`` for its
+        own copy and retention), :class:`~pipelines.train.checkpoint.TierUnavailable` on every rank (exit 75; the
+        restart resumes from the newest step that verifies, L0's own included)."""
         t = torch.tensor([self.promoter.busy_for() if self.promoter is not None else 0.0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)  # every rank stops together, none waits alone
-        busy, bound = float(t.item()), PROMOTE_HUNG * self.spec.train.hang_timeout_s
+        busy, bound = float(t.item()), self.promote_bound_s()
         if busy > bound:
-            raise ck.TierUnavailable(f"L1 promotion has been busy with one step for {busy:.0f} s (more than "
-                                     f"{PROMOTE_HUNG} × train.hang_timeout_s = {bound:g} s): L1 "
-                                     f"{self.spec.checkpoint.l1} stalls")
+            raise ck.TierUnavailable(f"L1 promotion has been busy with one step for {busy:.0f} s (more than its "
+                                     f"bound, {bound:g} s: checkpoint.collective_timeout_minutes + {PROMOTE_HUNG} × "
+                                     f"train.hang_timeout_s): L1 {self.spec.checkpoint.l1} stalls")
+
+    def promote_bound_s(self) -> float:
+        return self.wait_s + PROMOTE_HUNG * self.spec.train.hang_timeout_s
 
     def _write_small_files(self, tmp: Path, state: dict, rngs: list) -> None:
         tmp.mkdir(parents=True, exist_ok=True)

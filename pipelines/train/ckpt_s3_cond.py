@@ -8,8 +8,11 @@ must still be the copy that was read). When another writer changed it in between
 stops with :class:`~pipelines.train.fence.FencedOut` (exit 75): the newer copy stays. AWS S3 honours both on
 PutObject and If-Match on DeleteObject; so does moto (5.2). Endpoints that ignore them answer 200 to a write whose
 condition is false: ``rclone serve s3`` (the embedded endpoint) does. Each (endpoint, bucket) is probed once per
-process (:func:`supported`) and one line says so where the conditions are not honoured; there the fence checks
-before each write (:func:`pipelines.train.fence.check` / ``guard``) stay the only protection, as before.
+process (:func:`supported`: a conditional put of each kind and a conditional delete, each with a false condition),
+and one line says so where the conditions are not honoured; there the fence checks before each write
+(:func:`pipelines.train.fence.check` / ``guard``) stay the only protection, as before. The data objects of a part
+are not conditional (their keys are the step's): a paused writer's upload can still spoil a newer copy's files,
+which verification then refuses (the step is not read; an older one is).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import uuid
 from typing import Callable, Optional
 
 from pipelines.storage import faults
+from pipelines.train.checkpoint import L2Unavailable
 from pipelines.train.fence import FencedOut
 
 PROBE_PREFIX = ".llmp-conditional-probe/"
@@ -29,16 +33,26 @@ def _precondition_failed(e: Exception) -> bool:
     from botocore.exceptions import ClientError
 
     return isinstance(e, ClientError) and (
-        str(e.response.get("Error", {}).get("Code")) in ("PreconditionFailed", "412", "ConditionalRequestConflict")
-        or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412))
+        str(e.response.get("Error", {}).get("Code")) in ("PreconditionFailed", "412")
+        or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
 
 
-def _refused(s3, **kw) -> bool:
-    """Did the endpoint refuse this put, whose condition is false, with 412?"""
+def _conflict(e: Exception) -> bool:
+    """AWS's 409 ConditionalRequestConflict: another conditional write to the key was in flight; try again later."""
+    from botocore.exceptions import ClientError
+
+    return isinstance(e, ClientError) and (
+        str(e.response.get("Error", {}).get("Code")) == "ConditionalRequestConflict"
+        or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409)
+
+
+def _refused(s3_or_call, **kw) -> bool:
+    """Did the endpoint refuse this put (or this call), whose condition is false, with 412?"""
     from pipelines.storage.s3 import unreachable
 
+    call = s3_or_call if callable(s3_or_call) else s3_or_call.put_object
     try:
-        s3.put_object(**kw)
+        call(**kw)
     except Exception as e:  # noqa: BLE001 - only a 412 counts as honoured; an outage propagates
         if _precondition_failed(e):
             return True
@@ -57,9 +71,11 @@ def supported(s3, bucket: str, log: Callable[[str], None] = print) -> bool:
             return _probed[key]
     probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     tag = s3.put_object(Bucket=bucket, Key=probe, Body=b"1")["ETag"]
+    wrong = '"0"' if tag != '"0"' else '"1"'
     try:
         ok = _refused(s3, Bucket=bucket, Key=probe, Body=b"2", IfNoneMatch="*") and \
-            _refused(s3, Bucket=bucket, Key=probe, Body=b"3", IfMatch='"0"' if tag != '"0"' else '"1"')
+            _refused(s3, Bucket=bucket, Key=probe, Body=b"3", IfMatch=wrong) and \
+            _refused(s3.delete_object, Bucket=bucket, Key=probe, IfMatch=wrong)
     finally:
         s3.delete_object(Bucket=bucket, Key=probe)
     with _lock:
@@ -98,6 +114,8 @@ def put(s3, bucket: str, key: str, body: bytes, expected: Optional[str], cond: b
     try:
         return s3.put_object(Bucket=bucket, Key=key, Body=body, **_conditions(cond, expected))
     except Exception as e:  # noqa: BLE001 - a 412 is another writer's newer copy; the rest propagates
+        if _conflict(e):
+            raise L2Unavailable(f"{what}: s3://{bucket}/{key}: a concurrent conditional write (409): later") from None
         if _precondition_failed(e):
             if _holds(s3, bucket, key, body):  # our own put, retried by botocore after its answer was lost
                 return {}
@@ -116,6 +134,8 @@ def delete(s3, bucket: str, key: str, expected: Optional[str], cond: bool, what:
     try:
         s3.delete_object(Bucket=bucket, Key=key, **({"IfMatch": expected} if cond else {}))
     except Exception as e:  # noqa: BLE001 - as in put
+        if _conflict(e):
+            raise L2Unavailable(f"{what}: s3://{bucket}/{key}: a concurrent conditional write (409): later") from None
         if missing(e) or (_precondition_failed(e) and etag(s3, bucket, key) is None):
             return  # gone: our own delete, retried after its answer was lost
         if _precondition_failed(e):

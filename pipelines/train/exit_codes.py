@@ -26,6 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
+from pipelines.manifest import atomic_write_text, read_small_text
+
 OK = 0
 USER_ERROR = 2
 RETRY = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
@@ -45,10 +47,7 @@ def new_attempt(out: Path) -> str:
     follows a job that runs or collects one that finished): a new id in :data:`ATTEMPT_FILE`, which the ranks started
     from now on write into their outcome files, and no outcome file of an earlier attempt left."""
     attempt = uuid.uuid4().hex[:16]
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"{ATTEMPT_FILE}.tmp"
-    tmp.write_text(attempt)
-    os.replace(tmp, out / ATTEMPT_FILE)
+    atomic_write_text(out / ATTEMPT_FILE, attempt)  # a temp name of its own, fsync'd: no planted link followed
     _ATTEMPT_AT_START[str(out)] = attempt
     clear_outcomes(out)
     return attempt
@@ -57,8 +56,8 @@ def new_attempt(out: Path) -> str:
 def current_attempt(out: Path) -> Optional[str]:
     """The attempt ``out`` names now; None when no launcher named one (an older launcher, a directory of a test)."""
     try:
-        return (out / ATTEMPT_FILE).read_text().strip() or None
-    except OSError:
+        return read_small_text(out / ATTEMPT_FILE).strip() or None
+    except (OSError, ValueError):
         return None
 
 
@@ -93,7 +92,7 @@ def read_outcomes(out: Path) -> list[dict]:
     current, found = current_attempt(out), []
     for f in sorted(out.glob(OUTCOME_GLOB)):
         try:
-            o = json.loads(f.read_text())
+            o = json.loads(read_small_text(f))
         except (OSError, ValueError):
             continue
         if not isinstance(o, dict):

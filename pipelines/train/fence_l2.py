@@ -5,10 +5,10 @@ apart on L2.
 * Each attempt records its term in L2 beside the checkpoints, ``<L2 run prefix>/.fence/term-NNNNNNNNN`` (JSON: the
   attempt, its launch), before its first COMMIT there (:func:`record`, called by the promoter), so every step on L2
   was committed by a term that L2 records.
-* An L1 fence directory that has never read L2's terms (it has no ``l2-floor`` file: a new L1) takes its first term
-  above the highest one L2 records (:func:`floor`). While L2 does not answer, that floor is unknown: the attempt
-  does not start (:class:`~pipelines.train.checkpoint.L2Unavailable`, exit 75), since "no answer" is never "no term".
-  Once read, ``l2-floor`` records it on L1, and the terms on L1 stay above every term L2 records from then on.
+* An L1 fence directory that has never read L2's terms and holds none (a new L1) takes its first term above the
+  highest one L2 records (:func:`floor`). While L2 does not answer, that floor is unknown: the attempt does not
+  start (:class:`~pipelines.train.checkpoint.L2Unavailable`, exit 75), since "no answer" is never "no term". Once
+  read, ``l2-floor`` records it on L1 (before the term is taken), and the terms on L1 stay above it from then on.
 
 With no S3 endpoint configured there is no L2 and the floor is 0.
 """
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipelines.manifest import atomic_write_text
+from pipelines.manifest import atomic_write_text, read_small_text
 from pipelines.spec import JobSpec
 from pipelines.train.ckpt_s3 import answered
 from pipelines.train.ckpt_tiers import l2_available, tier_locations
@@ -56,10 +56,22 @@ def recorded_top(spec: JobSpec, rel_root: str) -> int:
 
 
 def floor(spec: JobSpec, fence_dir: Path, rel_root: str, log=print) -> int:
-    """The term a new attempt's must exceed besides L1's own: L2's highest, read once per L1 fence directory (then
-    recorded there as ``l2-floor``); 0 once read. Raises :class:`L2Unavailable` while L2 does not answer."""
+    """The term a new attempt must exceed besides L1's own: L2's highest, read when this L1 fence directory has
+    neither a record of it (``l2-floor``) nor any term (a new L1; a directory of an older version, with terms, is
+    above every term L2 can record, since L2 recorded none before it). Recorded before the term is taken, and
+    returned from the record ever after (``take`` takes the highest of it and L1's terms, so an attempt that died
+    between the two cannot lower it). Raises :class:`L2Unavailable` while L2 does not answer; with no L2
+    configured (no endpoint yet, the demo before it starts one) it is 0 and nothing is recorded."""
+    from pipelines.train.fence import current_term
+
     marker = fence_dir / FLOOR_FILE
-    if marker.is_file():
+    try:
+        return int(json.loads(read_small_text(marker))["l2_top"])
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable: read L2 again (a higher floor is safe)
+        pass
+    if current_term(fence_dir) > 0 or l2_available(spec) is not None:
         return 0
     top = recorded_top(spec, rel_root)
     fence_dir.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ from typing import Callable
 
 import yaml
 
+from pipelines.manifest import atomic_write_text, read_small_text
 from pipelines.spec import JobSpec, SpecError, load_spec
 
 NCCL_ENV = {
@@ -564,7 +565,7 @@ class JobRecord:
 
         uid = (job.get("metadata") or {}).get("uid")
         try:
-            read = json.loads((self.work / OUTCOME_READ_FILE).read_text())
+            read = json.loads(read_small_text(self.work / OUTCOME_READ_FILE))
         except (OSError, ValueError):  # none yet, or unreadable: read the job (again), as before this record
             return False
         return bool(uid) and isinstance(read, dict) and read.get("uid") == uid
@@ -577,9 +578,7 @@ class JobRecord:
         body = {"uid": meta.get("uid"), "job": f"{job.get('kind')} {meta.get('namespace')}/{meta.get('name')}",
                 "state": job_state(job)[0], "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         try:
-            tmp = self.work / f"{OUTCOME_READ_FILE}.tmp"
-            tmp.write_text(json.dumps(body))
-            os.replace(tmp, self.work / OUTCOME_READ_FILE)
+            atomic_write_text(self.work / OUTCOME_READ_FILE, json.dumps(body))
         except OSError as e:  # the next try then reads this job once more
             log(f"{body['job']}: could not record that its outcome was read ({e})")
 

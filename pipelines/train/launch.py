@@ -289,8 +289,9 @@ def run_kubernetes(spec: JobSpec, module: str, args: list[str], run_id: str, det
         return
     try:
         judge()
-    except StageError:  # preempted, no result, a superseded attempt's result: read once, a new job next time
-        if record is not None:
+    except StageError as e:  # preempted: read once, a new job next time. A result not visible yet, a fence that
+        # could not be read: not a verdict on the job (a finished training must not be replaced and run again)
+        if record is not None and getattr(e, "job_verdict", False):
             record.mark_collected(done, log)
         raise
 
@@ -298,7 +299,11 @@ def run_kubernetes(spec: JobSpec, module: str, args: list[str], run_id: str, det
 def judge_result(spec: JobSpec, rel_root: str, work: Path, tmp: Path) -> None:
     """The ranks are done: their result is the stage's (copied into ``tmp``), or :class:`TrainRetry` / a
     :class:`StageError` says why not."""
-    preempted(xc.read_outcomes(work), [])  # on Kubernetes: the pods' ranks stopped on a notice
+    try:
+        preempted(xc.read_outcomes(work), [])  # on Kubernetes: the pods' ranks stopped on a notice
+    except StageError as e:
+        e.job_verdict = True  # the job's own outcome: the next try replaces it (run_kubernetes)
+        raise
     collect(work, tmp, ["result.json", "losses.json"])
     result = json.loads((tmp / "result.json").read_text())
     fence.confirm(spec, rel_root, result.get("fence"))  # a superseded attempt's result is not the stage's (75)

@@ -763,5 +763,16 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
     return xc.OK
 
 
+def exit_now(code: int) -> None:
+    """End the rank with ``code``. A rank that stops for storage (75) may leave a thread stuck in I/O that never
+    returns (a save's commit on a stalled disk: a worker that interpreter shutdown would join for ever): it leaves
+    without waiting for it, its outcome file and output already written."""
+    if code == 75:  # exit_codes.RETRY
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
