@@ -62,7 +62,8 @@ def timed_steps(step, steps: int, warmup: int, device) -> list[float]:
     return times
 
 
-def ours(spec, device, steps: int, warmup: int) -> dict:
+def ours_step(spec, device):
+    """Our trainer's step on one device: (step function, mode, tokens per step)."""
     import torch
 
     from pipelines.train.model import ModelArgs, Transformer
@@ -89,11 +90,10 @@ def ours(spec, device, steps: int, warmup: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return {"times": timed_steps(step, steps, warmup, device), "mode": mode,
-            "tokens_per_step": t.micro_batch * t.grad_accum * args.seq_len}
+    return step, mode, t.micro_batch * t.grad_accum * args.seq_len
 
 
-def nanogpt_recipe(spec, device, steps: int, warmup: int, compile_model: bool = True) -> dict:
+def recipe_step(spec, device, compile_model: bool = True):
     """nanoGPT's ``train.py`` defaults on our model: ``torch.compile(model)``, its ``configure_optimizers`` (decay on
     parameters of 2+ dimensions), fused AdamW on CUDA, autocast to the spec's dtype, ``clip_grad_norm_``."""
     import torch
@@ -122,15 +122,54 @@ def nanogpt_recipe(spec, device, steps: int, warmup: int, compile_model: bool = 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return {"times": timed_steps(step, steps, warmup, device), "mode": "compiled" if compile_model else "eager",
-            "tokens_per_step": t.micro_batch * t.grad_accum * args.seq_len}
+    return step, "compiled" if compile_model else "eager", t.micro_batch * t.grad_accum * args.seq_len
+
+
+def eager_step(spec, device):
+    return recipe_step(spec, device, compile_model=False)
+
+
+def _timed(build, spec, device, steps: int, warmup: int) -> dict:
+    step, mode, tokens = build(spec, device)
+    return {"times": timed_steps(step, steps, warmup, device), "mode": mode, "tokens_per_step": tokens}
+
+
+def ours(spec, device, steps: int, warmup: int) -> dict:
+    """Our step timed: ``{"times": [...], "tokens_per_step": N, "mode": …}``."""
+    return _timed(ours_step, spec, device, steps, warmup)
+
+
+def nanogpt_recipe(spec, device, steps: int, warmup: int) -> dict:
+    return _timed(recipe_step, spec, device, steps, warmup)
 
 
 def eager(spec, device, steps: int, warmup: int) -> dict:
-    return nanogpt_recipe(spec, device, steps, warmup, compile_model=False)
+    return _timed(eager_step, spec, device, steps, warmup)
 
 
-ROWS = (("ours (trainer step)", ours), ("nanoGPT recipe (torch.compile(model))", nanogpt_recipe))
+def profile(build, spec, device, warmup: int, out: Path, label: str, top: int = 15) -> str:
+    """Where one step's time goes: ``warmup`` steps, then 3 under ``torch.profiler`` (CPU, and CUDA on a GPU);
+    the table of the ops with the most self time is written to ``out`` and returned."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    step, _, _ = build(spec, device)
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(3):
+            step()
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=top)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"{label}: 3 steps after {warmup} of warm-up, sorted by {key}\n{table}\n")
+    return table
+
+
+ROWS = (("ours (trainer step)", ours_step), ("nanoGPT recipe (torch.compile(model))", recipe_step))
 
 
 def _args(argv):
@@ -142,6 +181,8 @@ def _args(argv):
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the rows run (default cuda)")
     ap.add_argument("--cpu-smoke", action="store_true", help="Tiny config on CPU: exercise the script, no MFU.")
     ap.add_argument("--eager-anchor", action="store_true", help="Also the recipe without compile (eager).")
+    ap.add_argument("--profile", metavar="DIR", help="Also profile 3 steps of each row (torch.profiler): a table of "
+                    "the ops with the most self time per row, printed and written under DIR.")
     ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "gpu_mfu.json"))
     return ap.parse_args(argv)
 
@@ -152,8 +193,11 @@ def measure(spec, device, name: str, args, fpt: int) -> list[dict]:
     from pipelines.train.plan import mfu
 
     rows = []
-    for label, fn in ROWS + ((("eager (no compile)", eager),) if args.eager_anchor else ()):
-        r = fn(spec, device, args.steps, args.warmup)
+    for label, build in ROWS + ((("eager (no compile)", eager_step),) if args.eager_anchor else ()):
+        r = _timed(build, spec, device, args.steps, args.warmup)
+        if args.profile:
+            where = Path(args.profile) / f"{r['mode']}-{label.split(' ')[0]}.txt"
+            print(profile(build, spec, device, args.warmup, where, label))
         tps = r["tokens_per_step"] * len(r["times"]) / sum(r["times"])
         u = mfu(tps, fpt, 1, name, spec.train.dtype) if device.type == "cuda" else None
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
