@@ -502,3 +502,21 @@ def test_a_hung_l1_promotion_thread_is_found_at_the_next_save_and_the_stage_exit
     assert r.returncode == 75, out[-3000:]
     assert "L1 promotion has been busy with one step" in out and f"{home}/run/l1" in out, out[:5000]
     assert not (home / "run" / "train" / "manifest.json").exists()
+
+
+def test_an_eio_rule_may_name_another_errno_such_as_erofs(tmp_path, monkeypatch):
+    import errno
+
+    from pipelines.storage import faults
+
+    monkeypatch.delenv("LLMP_FAULTS_STATE", raising=False)
+    try:
+        faults.load(_faults({"at": "write", "do": "eio", "errno": "EROFS", "path": "/l1/"}))
+        with pytest.raises(OSError) as e:
+            faults.file_op("write", tmp_path / "l1" / "x")
+        assert e.value.errno == errno.EROFS
+        for bad in ({"at": "write", "do": "eio", "errno": "ENOPE"}, {"at": "write", "do": "enospc", "errno": "EROFS"}):
+            with pytest.raises(ValueError, match="errno"):
+                faults.load(_faults(bad))
+    finally:
+        faults.load("")

@@ -13,7 +13,8 @@
   simulated node the process stops at once, whole, and leaves ``lose-<LLMP_SIM_NODE>`` in ``LLMP_FAULTS_STATE``
   for the harness, which kills every process of that node and starts a replacement over an empty disk; elsewhere
   it dies as ``die`` does),
-  ``eio`` / ``enospc`` (``OSError``),
+  ``eio`` / ``enospc`` (``OSError``; ``eio`` with ``"errno": "EROFS"`` raises that error instead: a read-only
+  remount),
   ``s3_down`` (the endpoint refuses connections), ``s3_503`` (503 SlowDown), ``s3_reset`` (the connection is
   reset in the middle of the request), ``s3_hang`` (``at: s3`` only: the endpoint accepts the connection and never
   answers: the request is sent to a listener in this process, :func:`blackhole`, that accepts, reads and discards
@@ -70,6 +71,8 @@ def load(text: Optional[str] = None) -> Optional[list[dict]]:
                 raise ValueError(f"LLMP_FAULTS: rule {r} needs at in {AT} and do in {KINDS}")
             if r["do"] == "s3_hang" and r["at"] != "s3":
                 raise ValueError(f"LLMP_FAULTS: rule {r}: s3_hang is a fault of an S3 request (at: s3)")
+            if "errno" in r and (r["do"] != "eio" or not isinstance(getattr(errno, str(r["errno"]), None), int)):
+                raise ValueError(f"LLMP_FAULTS: rule {r}: errno names an error of errno (e.g. EROFS), with do: eio")
         _rules = rules
     _hits.clear()
     return _rules
@@ -138,7 +141,7 @@ def _act(rule: dict, what: str) -> None:
         _signal(kind, what)
         return
     if kind in ("eio", "enospc"):
-        code = errno.EIO if kind == "eio" else errno.ENOSPC
+        code = getattr(errno, rule.get("errno", "EIO")) if kind == "eio" else errno.ENOSPC
         raise OSError(code, f"{os.strerror(code)} (injected at {what})")
     raise _s3_error(kind, what)
 
