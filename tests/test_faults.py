@@ -490,11 +490,11 @@ def test_a_full_l0_disk_during_a_dcp_save_exits_75_with_one_line_naming_the_path
 def test_a_hung_l1_promotion_thread_is_found_at_the_next_save_and_the_stage_exits_75(home):
     """Every L1 write stalls (``slow`` for 600 s on L1 only): before, the promotion thread sat there unseen while
     training went on and L0 filled (its retention runs in that thread). Now the next save finds it busy past
-    its bound (``checkpoint.collective_timeout_minutes`` + 2 × ``train.hang_timeout_s``: 18 + 20 s here) and every
+    its bound (``checkpoint.collective_timeout_minutes`` + 2 × ``train.hang_timeout_s``: 18 + 12 s here) and every
     rank stops: exit 75, one line naming L1."""
     tok = _tok(home)
     sets = ["train.steps=600", "train.ckpt_every=5", "launcher.nproc_per_node=2", "launcher.max_restarts=0",
-            "train.hang_timeout_s=10", "checkpoint.collective_timeout_minutes=0.3"]
+            "train.hang_timeout_s=6", "checkpoint.collective_timeout_minutes=0.3"]
     stall = _faults({"at": "write", "do": "slow", "seconds": 600, "path": f"{home}/run/l1/", "times": 0})
     r = subprocess.run(_launch_cmd(tok, home / "run", sets), env=_env(LLMP_FAULTS=stall,
                        LLMP_FAULT_STEP_DELAY_S="0.2"), cwd=ROOT, capture_output=True, text=True, timeout=600)
