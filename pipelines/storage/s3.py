@@ -71,6 +71,11 @@ def _alive(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+class EmbeddedDown(S3ConfigError):
+    """The spec uses the embedded endpoint and it is not running: down, as far as a stage can tell (a retry works
+    once it is started again), not a configuration to fix."""
+
+
 def embedded_endpoint() -> Optional[str]:
     f = _endpoint_file()
     if not f.is_file():
@@ -89,7 +94,7 @@ def endpoint_url(spec: JobSpec) -> Optional[str]:
         return configured
     url = embedded_endpoint()
     if url is None:
-        raise S3ConfigError(
+        raise EmbeddedDown(
             "no S3 endpoint: start the embedded one with `python -m pipelines.storage.s3 start`, "
             "or set S3_ENDPOINT_URL (and AWS credentials) / services.s3_endpoint_url for a real one"
         )
@@ -331,7 +336,7 @@ def outage(e: BaseException) -> bool:
 
     if isinstance(e, RetriesExceededError):
         return e.last_exception is not None and outage(e.last_exception)
-    return isinstance(e, (BotoConnectionError, HTTPClientError, ConnectionError, TimeoutError))
+    return isinstance(e, (BotoConnectionError, HTTPClientError, ConnectionError, TimeoutError, EmbeddedDown))
 
 
 def client(spec: JobSpec):
