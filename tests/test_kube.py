@@ -513,16 +513,24 @@ def _gated_job(monkeypatch, spec, gate):
     monkeypatch.setattr(k8s, "stage_job", lambda spec, run_id, module, args: _job(spec, [sys.executable, "-c", script]))
 
 
-def test_a_token_that_expires_during_the_watch_is_read_again_and_the_watch_goes_on(home, kube, monkeypatch):
-    """A 401 in the middle of a watch (an EKS token lasts 15 minutes) is not the user's error: the launcher reads
-    the credentials again (a new client from the kubeconfig, which now holds a fresh token) and follows the job to
-    its end."""
+def _watched_with_a_token(home, kube, monkeypatch):
+    """A job that runs until ``gate`` exists, watched with the token ``fake-token`` (no waits between the reads of
+    the credentials): (fake API, kubeconfig, spec, gate)."""
     fake, cfg = kube
     fake.tokens = {"fake-token"}
     monkeypatch.setattr(k8s, "AUTH_BACKOFF_S", 0.0, raising=False)  # no waits
     spec = load_spec(None, kube_sets(home, cfg), env={})
-    gate, lines = home / "gate", []
+    gate = home / "gate"
     _gated_job(monkeypatch, spec, gate)
+    return fake, cfg, spec, gate
+
+
+def test_a_token_that_expires_during_the_watch_is_read_again_and_the_watch_goes_on(home, kube, monkeypatch):
+    """A 401 in the middle of a watch (an EKS token lasts 15 minutes) is not the user's error: the launcher reads
+    the credentials again (a new client from the kubeconfig, which now holds a fresh token) and follows the job to
+    its end."""
+    fake, cfg, spec, gate = _watched_with_a_token(home, kube, monkeypatch)
+    lines = []
 
     def expire(line):  # the job runs (submitted and watched): the token expires, the kubeconfig gets a new one
         if line == "working":
@@ -541,12 +549,8 @@ def test_a_refusal_that_persists_during_the_watch_exits_75_one_line(home, kube, 
     """The token expired and reading the credentials again does not help (the task's kubeconfig still holds the old
     one): a few bounded tries, then exit 75, so that the task's retry resolves its credentials anew; one line, no
     traceback. Refused right at the submit, with credentials read that moment, is the identity's to fix: 2."""
-    fake, cfg = kube
-    fake.tokens = {"fake-token"}
-    monkeypatch.setattr(k8s, "AUTH_BACKOFF_S", 0.0, raising=False)  # no waits
-    spec = load_spec(None, kube_sets(home, cfg), env={})
-    gate, reads = home / "gate", []
-    _gated_job(monkeypatch, spec, gate)
+    fake, cfg, spec, gate = _watched_with_a_token(home, kube, monkeypatch)
+    reads = []
     real = k8s.api_clients_for
     monkeypatch.setattr(k8s, "api_clients_for", lambda *a: reads.append(a) or real(*a))
     fake.on_log = lambda line: fake.tokens.clear() if line == "working" else None  # expired; no new one anywhere

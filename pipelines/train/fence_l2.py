@@ -67,9 +67,7 @@ def floor(spec: JobSpec, fence_dir: Path, rel_root: str, log=print) -> int:
     marker = fence_dir / FLOOR_FILE
     try:
         return int(json.loads(read_small_text(marker))["l2_top"])
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError, KeyError, TypeError):  # unreadable: read L2 again (a higher floor is safe)
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: read L2 (a higher floor is safe)
         pass
     if current_term(fence_dir) > 0 or l2_available(spec) is not None:
         return 0
