@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.spec import load_spec
+from pipelines.storage import faults
 from pipelines.train import checkpoint as ck
 from pipelines.train import ckpt_s3, ckpt_tiers
 
@@ -150,10 +151,20 @@ def test_force_starts_a_new_generation_and_retires_the_old_one_only_after_it_com
     finally:
         os.environ.pop("LLMP_FAULT_EXIT_AT_STEP")
     assert ckpt_tiers.list_steps(spec, old) == {"L0": [10, 20], "L1": [10, 20], "L2": [10, 20]}
-    # Force again (the task's retry): it adopts the pending generation, resumes it, commits, then retires the old
-    second = launch.run(load_spec(None, sets + ["run.force=true"], env={}), tok)
+    # Force again (the task's retry): it adopts the pending generation, resumes it and commits; S3 then refuses
+    # the launcher's deletes (an outage during the stage's commit): the stage is done, the old generation waits
+    faults.load(json.dumps([{"at": "s3", "do": "s3_down", "op": "DeleteObject", "times": 0}]))  # this process only
+    try:
+        second = launch.run(load_spec(None, sets + ["run.force=true"], env={}), tok)
+    finally:
+        faults.load("")
     new = second.extra["checkpoint"].rsplit("/", 1)[0]
     assert new.startswith(f"{old}.gen-") and second.extra["resumed_from"]["step"] == 10
+    assert ckpt_tiers.list_steps(spec, old)["L2"] == [10, 20]
+    assert ckpt_tiers.read_generations(spec, old)["retiring"] == [old]  # the first run's root is the key's
+    # the next train stage of the key retires it, keeping what the registered model needs
+    assert ckpt_tiers.generation(spec, old, force=False) == new
+    assert ckpt_tiers.read_generations(spec, old)["retiring"] == []
     assert ckpt_tiers.list_steps(spec, old) == {"L0": [10], "L1": [10], "L2": [10]}  # only what the model needs
     assert ckpt_tiers.list_steps(spec, new)["L1"][-1] == 20 and ckpt_tiers.list_steps(spec, new)["L0"] == [10, 20]
     # the next plain run uses the committed generation (and finds its stage output done)

@@ -201,6 +201,44 @@ def test_a_starting_attempt_takes_the_next_term_and_clears_only_gone_attempts_te
         fence.install(None)
 
 
+def test_a_renewing_node_whose_clock_is_off_by_more_than_the_lease_fences_no_rank_until_renewals_stop(tmp_path):
+    """Clock skew on lease expiry (issue 52): the renewing rank's wall clock runs 10 lease_s behind (3 s here), so every
+    expiry it writes is in the past by the other ranks' clocks; they judge the lease by how long they see it
+    unchanged, so renewals keep them going, and a lease that stops changing fences them within lease_s."""
+    from pipelines.storage import faults
+
+    d = tmp_path / ".fence"
+    faults.load(json.dumps([{"at": "clock", "do": "skew", "seconds": -3.0}]))  # this process's wall clock
+    try:
+        renewer = _take(d, "aaaa1111", lease_s=0.3)
+        renewer.start_renewing()
+        other = fence.Fence(d, "aaaa1111", renewer.term, 0.3, (), log=lambda m: None)  # a rank on another node
+        for _ in range(8):
+            assert fence.read_leases(d)["aaaa1111"] < time.time() - 2  # expired by the true clock, and renewed
+            other.check("committing")
+            time.sleep(0.1)
+        renewer.release(give_back=False)  # its renewals stop; the expiry it last wrote stays
+        other.check("committing")  # the last renewal, seen
+        time.sleep(0.4)
+        with pytest.raises(fence.FencedOut, match=r"its lease on L1 expired \(not renewed for 0 s by this node's"):
+            other.check("committing")
+    finally:
+        faults.load("")
+
+
+def test_a_clock_skew_rule_is_only_a_skew_of_the_clock():
+    from pipelines.storage import faults
+
+    for rule in ({"at": "clock", "do": "slow"}, {"at": "write", "do": "skew", "seconds": 5}):
+        with pytest.raises(ValueError, match="a clock is skewed"):
+            faults.load(json.dumps([rule]))
+    faults.load(json.dumps([{"at": "clock", "do": "skew", "seconds": 5, "node": 1}]))  # another node's clock
+    try:
+        assert abs(faults.now() - time.time()) < 1
+    finally:
+        faults.load("")
+
+
 def test_an_attempt_whose_lease_lapsed_fences_itself(tmp_path, monkeypatch):
     d = tmp_path / ".fence"
     quiet = _take(d, "aaaa1111", lease_s=0.3)  # nobody renews it

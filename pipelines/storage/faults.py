@@ -7,7 +7,9 @@
      "seconds": 2.0}
 
 * ``at``: a protocol phase (:data:`PHASES`), ``read`` / ``write`` (:func:`file_op` on a file of a tier: ``path`` is a substring of
-  the file's path that picks the tier or the node's disk), or ``s3`` (every S3 request; ``op`` picks one operation
+  the file's path that picks the tier or the node's disk), ``rename`` (the rename that puts a finished copy in
+  place on L0 or L1, its data and COMMIT written: a failure there is a rename that fails after the data is
+  written), or ``s3`` (every S3 request; ``op`` picks one operation
   such as ``UploadPart``).
 * ``do``: ``die`` (the process ends at once, exit 137, as a lost pod), ``lose`` (the node is lost here: on a
   simulated node the process stops at once, whole, and leaves ``lose-<LLMP_SIM_NODE>`` in ``LLMP_FAULTS_STATE``
@@ -21,7 +23,9 @@
   what comes and never writes a byte, so botocore's own read timeout ends it, each attempt as it would on a hung
   endpoint), ``slow`` (``seconds`` of delay), ``preempt`` (a preemption notice: SIGTERM to this rank's parent,
   its torchrun, as Kubernetes sends a pod it evicts; the process goes on and torchrun passes the notice to every
-  rank), ``stop`` (the process stops here, every thread, SIGSTOP: a hung rank, which the heartbeat finds).
+  rank), ``stop`` (the process stops here, every thread, SIGSTOP: a hung rank, which the heartbeat finds),
+  ``skew`` (``at: clock`` only: this process's wall clock, :func:`now`, runs ``seconds`` ahead, or behind when
+  negative, as a node whose clock NTP has not corrected; every read of it, not counted).
 * ``at`` may also be ``step`` (:data:`STEP`): a rank's training step done; or ``act`` (:data:`ACT`): right before
   a copy is put in place or removed on L0/L1, or a COMMIT, MANIFEST or part marker is written or deleted on L2,
   after the fence was checked (a ``slow`` or ``stop`` there is a writer that pauses between its check and its act).
@@ -49,10 +53,12 @@ PHASES = ("part_committed",  # a node committed its part on its own L0
           "l1_committed",  # the step's global COMMIT is on L1, L2 not yet
           "retention",  # between two deletions of retention
           "restage")  # a restore is staging a part on L1 again
-KINDS = ("die", "lose", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "s3_hang", "slow", "preempt", "stop")
+KINDS = ("die", "lose", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "s3_hang", "slow", "preempt", "stop",
+         "skew")
 STEP = "step"  # not a phase of the protocol: a rank's training step done (``nth``: the nth step of this process)
 ACT = "act"  # between a fence check and its act: a COMMIT, MANIFEST or part marker written or deleted, any tier
-AT = (*PHASES, STEP, ACT, "read", "write", "s3")
+CLOCK = "clock"  # the wall clock that leases are written with (:func:`now`)
+AT = (*PHASES, STEP, ACT, CLOCK, "read", "write", "rename", "s3")
 
 _rules: Optional[list[dict]] = None
 _hits: dict[int, int] = {}
@@ -71,6 +77,8 @@ def load(text: Optional[str] = None) -> Optional[list[dict]]:
                 raise ValueError(f"LLMP_FAULTS: rule {r} needs at in {AT} and do in {KINDS}")
             if r["do"] == "s3_hang" and r["at"] != "s3":
                 raise ValueError(f"LLMP_FAULTS: rule {r}: s3_hang is a fault of an S3 request (at: s3)")
+            if (r["do"] == "skew") != (r["at"] == CLOCK):
+                raise ValueError(f"LLMP_FAULTS: rule {r}: a clock is skewed (do: skew) and only skewed (at: clock)")
             if "errno" in r and (r["do"] != "eio" or not isinstance(getattr(errno, str(r["errno"]), None), int)):
                 raise ValueError(f"LLMP_FAULTS: rule {r}: errno names an error of errno (e.g. EROFS), with do: eio")
         _rules = rules
@@ -174,6 +182,30 @@ def _signal(kind: str, what: str) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def now() -> float:
+    """The wall clock (``time.time()``), skewed by the ``skew`` rules that apply to this process."""
+    t = time.time()
+    if _rules is None:
+        return t
+    skews = [(i, r) for i, r in enumerate(_rules) if r["at"] == CLOCK and _here(r)]
+    for i, _ in skews:
+        _mark_skewed(i)
+    return t + sum(float(r.get("seconds", 0.0)) for _, r in skews)
+
+
+_skewed: set[int] = set()
+
+
+def _mark_skewed(i: int) -> None:
+    """A skew rule counts as fired (once a scenario, :func:`fired`) when a skewed clock is first read."""
+    state = os.environ.get("LLMP_FAULTS_STATE")
+    if i in _skewed or not state:
+        return
+    _skewed.add(i)
+    Path(state).mkdir(parents=True, exist_ok=True)
+    Path(state, f"rule-{i}-fired-0").touch()
+
+
 def point(phase: str, **where) -> None:
     """A named phase of the protocol: a rule for it may end the process, fail or delay it here."""
     if _rules is None:
@@ -183,7 +215,7 @@ def point(phase: str, **where) -> None:
 
 
 def file_op(op: str, path) -> None:
-    """A file read or write of a tier (``op``: read / write)."""
+    """A file read, write or rename into place on a tier (``op``: read / write / rename)."""
     if _rules is None:
         return
     for rule in _matching(op, path=path):

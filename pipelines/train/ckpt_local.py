@@ -152,6 +152,7 @@ def install_dir(tmp: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     faults.point(faults.ACT)
     try:
+        faults.file_op("rename", dst)
         os.rename(tmp, dst)
     except OSError as e:
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST):

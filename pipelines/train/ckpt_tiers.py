@@ -250,53 +250,77 @@ def registered_steps(spec: JobSpec, rel_root: str) -> set[int]:
 # ``run.force`` starts a run's training over *beside* the steps it replaces: a new generation, its own rel root
 # ``<run>/<key>.gen-<utc>``. The old generation stays on every tier until the new one's train stage commits; then
 # it is retired, except the steps a registered model version points to. A retried forced run adopts the pending
-# generation (and resumes it) instead of starting yet another. The record lives on L1, beside the key.
+# generation (and resumes it) instead of starting yet another. The record lives on L1, beside the key: the current
+# generation, the pending one, and those being retired (``retiring``: a retirement that storage cut short, L2 not
+# answering, is taken up again by the next train stage of the key; the stage that committed is not held up by it).
 def _generations_file(spec: JobSpec, base_rel: str) -> Path:
     return Path(tier_locations(spec, base_rel)["L1"] + ".generations.json")
 
 
-def _generations(spec: JobSpec, base_rel: str) -> dict:
+def read_generations(spec: JobSpec, base_rel: str) -> dict:
     path = _generations_file(spec, base_rel)
     state = json.loads(path.read_text()) if path.is_file() else {}
-    return {"current": state.get("current", base_rel), "pending": state.get("pending")}
+    return {"current": state.get("current", base_rel), "pending": state.get("pending"),
+            "retiring": [r for r in state.get("retiring") or [] if isinstance(r, str)]}
 
 
-def generation(spec: JobSpec, base_rel: str, force: bool) -> str:
-    """The rel root this run trains in: the current generation, or with ``force`` a pending new one."""
+def _write_generations(spec: JobSpec, base_rel: str, state: dict) -> None:
+    path = _generations_file(spec, base_rel)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(state, indent=2))
+
+
+def generation(spec: JobSpec, base_rel: str, force: bool, log: Callable[[str], None] = print) -> str:
+    """The rel root this run trains in: the current generation, or with ``force`` a pending new one. Generations
+    whose retirement was cut short are retired first (:func:`retire_generations`)."""
     import datetime
 
-    state = _generations(spec, base_rel)
+    retire_generations(spec, base_rel, log)
+    state = read_generations(spec, base_rel)
     if not force:
         return state["current"]
     if state["pending"] is None:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
         state["pending"] = f"{base_rel}.gen-{stamp}"
-        path = _generations_file(spec, base_rel)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(state, indent=2))
+        _write_generations(spec, base_rel, state)
     return state["pending"]
 
 
 def commit_generation(spec: JobSpec, base_rel: str, rel_root: str, log: Callable[[str], None] = print) -> dict:
     """``rel_root``'s run committed: make it current and retire the generation it replaced (every tier), keeping
     the steps a registered model points to. Returns {retired rel root: {tier: steps removed}}."""
-    state = _generations(spec, base_rel)
+    state = read_generations(spec, base_rel)
     old = state["current"]
     if rel_root == old and state["pending"] is None:
         return {}
-    atomic_write_text(_generations_file(spec, base_rel), json.dumps({"current": rel_root, "pending": None}, indent=2))
-    if old == rel_root:
-        return {}
-    try:
-        keep = registered_steps(spec, old)
-    except CheckpointError as e:
-        log(f"[ckpt] generation {old} not retired: {e}")
-        return {}
-    gone = {t: [s for s in v if s not in keep] for t, v in list_steps(spec, old).items()}
-    _remove_steps(spec, old, gone)
-    log(f"[ckpt] generation {rel_root} committed; retired {old}: removed {gone}"
-        + (f", kept registered step(s) {sorted(keep)}" if keep else ""))
-    return {old: gone}
+    retiring = state["retiring"] + ([old] if old != rel_root and old not in state["retiring"] else [])
+    _write_generations(spec, base_rel, {"current": rel_root, "pending": None, "retiring": retiring})
+    log(f"[ckpt] generation {rel_root} committed")
+    return retire_generations(spec, base_rel, log)
+
+
+def retire_generations(spec: JobSpec, base_rel: str, log: Callable[[str], None] = print) -> dict:
+    """Remove the steps of the generations being retired from every tier, but those a registered model version
+    points to; one whose registry or storage does not answer stays in the record (one line says why) for the next
+    train stage of the key. Returns {retired rel root: {tier: steps removed}}."""
+    done = {}
+    for old in read_generations(spec, base_rel)["retiring"]:
+        try:
+            keep = registered_steps(spec, old)
+            gone = {t: [s for s in v if s not in keep] for t, v in list_steps(spec, old).items()}
+            _remove_steps(spec, old, gone)
+        except Exception as e:  # noqa: BLE001 - storage or the registry not answering; anything else is raised
+            if not isinstance(e, (CheckpointError, OSError)) and not unreachable(e):
+                raise
+            log(f"[ckpt] generation {old} not retired yet ({type(e).__name__}: {e}); the next train stage of this "
+                "key retires it")
+            continue
+        done[old] = gone
+        state = read_generations(spec, base_rel)
+        _write_generations(spec, base_rel, {**state, "retiring": [r for r in state["retiring"] if r != old]})
+        log(f"[ckpt] retired generation {old}: removed {gone}" + (f", kept registered step(s) {sorted(keep)}"
+                                                                   if keep else ""))
+    return done
 
 
 # ----------------------------------------------------------------------------- promote

@@ -8,9 +8,13 @@ Each attempt (the :class:`~pipelines.train.checkpointer.Checkpointer`'s attempt 
 * ``term-NNNNNNNNN``: the previous highest term + 1, created exclusively (``O_CREAT | O_EXCL``, atomic on a POSIX
   filesystem, NFS and Lustre included), holding the attempt id and its launch (torchrun's run id). The highest
   term is the current one: a newer attempt supersedes every older one by taking its term.
-* ``lease-<attempt>``: the attempt's expiry (wall clock), renewed by global rank 0 every third of
-  ``checkpoint.lease_s``, written atomically into the existing directory (never made again: a lost fence directory
-  fences the attempts whose term file it held). Clocks across nodes must agree to well under ``lease_s`` (NTP).
+* ``lease-<attempt>``: the attempt's expiry (the renewing node's wall clock), renewed by global rank 0 every third
+  of ``checkpoint.lease_s``, written atomically into the existing directory (never made again: a lost fence
+  directory fences the attempts whose term file it held). A rank judges its own attempt's lease by how long it has
+  seen it unchanged on its own monotonic clock, never by comparing the expiry with its own wall clock: a node whose
+  clock is off by more than ``lease_s`` is not fenced by that (the fault matrix's clock-skew seeds). Start-up
+  cleanup compares expiries with its own wall clock: a node whose clock runs ahead may remove a superseded
+  attempt's temp files early (that attempt cannot commit anyway), one that runs behind leaves them longer.
 
 Every rank installs its attempt's :class:`Fence` for the process (:func:`install`). The storage functions call
 :func:`check` right before each COMMIT (a write or a rename into place) and each deletion of committed data on
@@ -43,6 +47,7 @@ from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 from pipelines.spec import JobSpec, resolve_path
+from pipelines.storage import faults
 from pipelines.train.checkpoint import CKPT_MANIFEST, CheckpointError
 
 FENCE_DIR = ".fence"
@@ -218,6 +223,7 @@ class Fence:
         self.renewed: Optional[float] = None  # time.monotonic() of the last renewal (the renewing rank)
         self.fenced: Optional[str] = None  # why, once fenced out: sticky
         self.read_ok = time.monotonic()  # the last time its term file and lease on L1 could be read
+        self.lease_seen: tuple[Optional[float], float] = (None, 0.0)  # (expiry read, since when: monotonic)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -239,7 +245,7 @@ class Fence:
                 break
         else:
             raise CheckpointError(f"{d}: no term could be taken in {TAKE_TRIES} tries")
-        now = time.time()
+        now = faults.now()
         for other, exp in read_leases(d).items():
             if exp > now and other != attempt:
                 log(f"[fence] attempt {other} still holds a lease ({exp - now:.0f} s left): attempt {attempt} "
@@ -249,6 +255,7 @@ class Fence:
         f = cls(d, attempt, n, lease_s, roots, log)
         write_lease(d, attempt, n, now + lease_s)
         f.renewed = time.monotonic()
+        f.lease_seen = (now + lease_s, f.renewed)
         return f
 
     def start_renewing(self) -> None:
@@ -261,7 +268,7 @@ class Fence:
             try:
                 if self.fenced or current_term(self.dir) > self.term:  # superseded: its lease is left to expire
                     return
-                write_lease(self.dir, self.attempt, self.term, time.time() + self.lease_s)
+                write_lease(self.dir, self.attempt, self.term, faults.now() + self.lease_s)
                 self.renewed = time.monotonic()
             except OSError as e:  # L1 unreachable: check() fences this attempt once lease_s has passed
                 self.log(f"[fence] warning: attempt {self.attempt} could not renew its lease: {e}")
@@ -304,9 +311,22 @@ class Fence:
         expires = read_lease(self.dir, self.attempt)
         if expires is None:
             return f"{me} holds no lease on L1"
-        if expires < time.time():
-            return f"{me}: its lease on L1 expired {time.time() - expires:.0f} s ago"
+        if expires <= 0.0:
+            return f"{me}: its lease on L1 expired (given back)"
+        quiet = self._unchanged_for(expires)
+        if quiet > self.lease_s:
+            return f"{me}: its lease on L1 expired (not renewed for {quiet:.0f} s by this node's clock, " \
+                   f"checkpoint.lease_s={self.lease_s:g})"
         return None
+
+    def _unchanged_for(self, expires: float) -> float:
+        """Seconds this process has seen the lease hold ``expires`` (its monotonic clock: the renewing node's wall
+        clock is never compared with this one's). A rank that did not take the term counts from its first read."""
+        seen, since = self.lease_seen
+        if expires != seen:
+            since = time.monotonic()
+        self.lease_seen = (expires, since)
+        return time.monotonic() - since
 
     def _unreadable(self, me: str, e: Exception) -> Optional[str]:
         """A term or lease read that keeps failing (ESTALE, EIO): fenced only once no read succeeded for ``lease_s``."""
@@ -457,7 +477,7 @@ def removable(path: Path, leases: dict[str, float], lease_s: float, now: Optiona
     """May start-up cleanup remove the temp entry ``path``? Not while an attempt it belongs to holds a live lease;
     yes when every attempt it belongs to has a lease that expired; otherwise (no lease names it: a fence-less
     writer, an older version) only once nothing in it changed for ``lease_s``."""
-    now = time.time() if now is None else now
+    now = faults.now() if now is None else now
     who = owners(path)
     if any(leases.get(o, 0.0) > now for o in who):
         return False
