@@ -44,9 +44,11 @@ def stage_dir(spec: JobSpec, name: str, inputs: list[dict], out_dir: Optional[st
                     force=spec.run.force if force is None else force, out_dir=out_dir)
 
 
-def run_and_log(spec: JobSpec, sd: StageDir, body: Callable, artifacts: Iterable[str] = ()) -> Manifest:
-    """Run the stage unless done, then log its counts (and named outputs) to the pipeline's MLflow run."""
-    m = run_stage(sd, body)
+def run_and_log(spec: JobSpec, sd: StageDir, body: Callable, artifacts: Iterable[str] = (),
+                housekeeping: Optional[Callable[[], None]] = None) -> Manifest:
+    """Run the stage unless done, then log its counts (and named outputs) to the pipeline's MLflow run
+    (``housekeeping``: :func:`pipelines.manifest.run_stage`)."""
+    m = run_stage(sd, body, housekeeping=housekeeping)
     from pipelines.tracking import log_stage
 
     log_stage(spec, m, artifacts=artifacts)

@@ -381,18 +381,23 @@ def check_output_dir(d: Path, stage: str) -> None:
                          "directory (nothing was written)")
 
 
-def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str], None] = print) -> Manifest:
+def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str], None] = print,
+              housekeeping: Optional[Callable[[], None]] = None) -> Manifest:
     """Skip if done, else run ``body(tmp_dir)`` inside the staging dir (which calls sd.commit). One run of a
     stage key at a time: the split DAGs and ``llm_pipeline`` share keys, and a second run waits for the first,
-    then reuses what it committed."""
+    then reuses what it committed. ``housekeeping()`` runs once the output is there (committed now or found done),
+    still under the key's lock; it must not raise."""
     with key_lock(sd.final, lambda holder: log(f"[{sd.stage}] another run of this stage key holds {holder}; "
                                                 "waiting for it")):
         done = sd.existing()
         if done is not None:
             log(f"[{sd.stage}] up to date: {done.path} (use run.force=true to recompute)")
-            return done
-        with sd:
-            return body(sd.tmp)
+        else:
+            with sd:
+                done = body(sd.tmp)
+        if housekeeping is not None:
+            housekeeping()
+        return done
 
 
 @contextlib.contextmanager

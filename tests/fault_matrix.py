@@ -154,9 +154,11 @@ def lost_scenario(rnd: random.Random) -> dict:
                 "rules": rules, "fence_lost": when, "expect": "ok"}
     if kind == "rename":
         tier, times, nth = rnd.choice(["l0", "l1"]), rnd.choice([1, 2, 0]), rnd.randint(1, 3)
-        return {"name": f"eio on {tier} rename into place #{nth} x{times or 'inf'}",
-                "rules": [{"at": "rename", "do": "eio", "path": f"/{tier}/", "nth": nth, "times": times}],
-                "expect": "ok" if times else "fail"}
+        at = rnd.choice(["rename", "renamed"])  # renamed: the rename was made, the caller told it failed (NFS)
+        return {"name": f"eio on {tier} {'rename into place' if at == 'rename' else 'rename, made'} #{nth} "
+                        f"x{times or 'inf'}",
+                "rules": [{"at": at, "do": "eio", "path": f"/{tier}/", "nth": nth, "times": times}],
+                "expect": "ok" if times else "ok|fail"}
     if kind == "skew":
         node, ahead = rnd.choice([(0, -90.0), (1, 90.0)])  # node 0 renews the lease: behind; node 1 reads it: ahead
         return {"name": f"2 nodes: node {node}'s clock {ahead:+.0f} s", "nodes": 2, "expect": "ok",
@@ -286,10 +288,14 @@ def run_one(ctx: dict, name: str, rules, extra_sets: tuple = (), fence_lost: str
 
 
 def _drop_fence(root: Path) -> list[Path]:
-    """L1's fence directories of the run (its terms and leases) removed: a new FSx, a restore from backup."""
+    """L1's fence directories of the run (its terms and leases) removed: a new FSx, a restore from backup. Recorded
+    as the scenario's firing (``faults/rule-harness-fence-lost-fired-0``)."""
     gone = list((root / "l1").glob("*/*/.fence"))
     for d in gone:
         shutil.rmtree(d, ignore_errors=True)
+    if gone:
+        (root / "faults").mkdir(parents=True, exist_ok=True)
+        (root / "faults" / "rule-harness-fence-lost-fired-0").touch()
     return gone
 
 
@@ -559,7 +565,7 @@ def check(ctx: dict, sc: dict, run: dict) -> dict:
     elif run["rc"] != "hang":
         lines = [ln for ln in run["out"].splitlines() if "train: error:" in ln]
         named = lines and any(t in lines[-1] for t in ("L0", "L1", "L2", "/l0/", "/l1/"))
-        inv["I3"] = "ok" if named and sc["expect"].startswith("fail") else \
+        inv["I3"] = "ok" if named and "fail" in sc["expect"].split("|") else \
             f"FAIL: exit {run['rc']}: {(lines or run['out'].splitlines()[-1:] or [''])[-1][:160]}"
     else:
         inv["I3"] = "n/a"

@@ -5,6 +5,7 @@ what a registered model points to."""
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -162,10 +163,42 @@ def test_force_starts_a_new_generation_and_retires_the_old_one_only_after_it_com
     assert new.startswith(f"{old}.gen-") and second.extra["resumed_from"]["step"] == 10
     assert ckpt_tiers.list_steps(spec, old)["L2"] == [10, 20]
     assert ckpt_tiers.read_generations(spec, old)["retiring"] == [old]  # the first run's root is the key's
-    # the next train stage of the key retires it, keeping what the registered model needs
-    assert ckpt_tiers.generation(spec, old, force=False) == new
-    assert ckpt_tiers.read_generations(spec, old)["retiring"] == []
+    # the next run of the stage (a plain one: it finds its output done) retires it, keeping what the model needs
+    third = launch.run(load_spec(None, sets, env={}), tok)
+    assert third.path == second.path and ckpt_tiers.read_generations(spec, old)["retiring"] == []
     assert ckpt_tiers.list_steps(spec, old) == {"L0": [10], "L1": [10], "L2": [10]}  # only what the model needs
     assert ckpt_tiers.list_steps(spec, new)["L1"][-1] == 20 and ckpt_tiers.list_steps(spec, new)["L0"] == [10, 20]
-    # the next plain run uses the committed generation (and finds its stage output done)
-    assert launch.train_job(spec, tok).rel_root == new
+    assert launch.train_job(spec, tok).rel_root == new  # the committed generation is the key's
+
+
+@pytest.mark.parametrize("record", [{"retiring": ["../../victim"]}, {"current": "/abs/elsewhere"},
+                                    {"pending": "llm-pipeline/other.gen-20260101T000000000000"}, "not json{",
+                                    {"retiring": "llm-pipeline/key"}, ["llm-pipeline/key"]])
+def test_a_forged_generations_record_is_refused_and_nothing_is_deleted(tmp_path, record):
+    spec = load_spec(None, TINY + [f"checkpoint.l0={tmp_path}/l0", f"checkpoint.l1={tmp_path}/l1"], env={})
+    base = "llm-pipeline/key"
+    victim = tmp_path / "victim" / "step-000010"
+    victim.mkdir(parents=True)
+    (victim / "COMMIT").write_text("x")
+    path = Path(ckpt_tiers.tier_locations(spec, base)["L1"] + ".generations.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(record if isinstance(record, str) else json.dumps(record))
+    refused = "generations.json: (names .*, not a generation of llm-pipeline/key|the record of this key's " \
+              "generations cannot be read|not a record of generations)"
+    with pytest.raises(ck.CheckpointError, match=refused):
+        ckpt_tiers.generation(spec, base, force=True)
+    said = []
+    assert ckpt_tiers.retire_generations(spec, base, said.append) == {} and re.search(refused, said[0])
+    assert (victim / "COMMIT").is_file()
+
+
+def test_a_record_retiring_the_current_generation_never_deletes_it(tmp_path):
+    spec = load_spec(None, TINY + [f"checkpoint.l0={tmp_path}/l0", f"checkpoint.l1={tmp_path}/l1"], env={})
+    base = "llm-pipeline/key"
+    step = Path(ckpt_tiers.tier_locations(spec, f"{base}/step-000010")["L1"])
+    step.mkdir(parents=True)
+    (step / "COMMIT").write_text("x")
+    Path(ckpt_tiers.tier_locations(spec, base)["L1"] + ".generations.json").write_text(
+        json.dumps({"current": base, "pending": None, "retiring": [base, base]}))
+    assert ckpt_tiers.read_generations(spec, base)["retiring"] == []
+    assert ckpt_tiers.retire_generations(spec, base, lambda m: None) == {} and (step / "COMMIT").is_file()

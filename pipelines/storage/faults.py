@@ -9,7 +9,8 @@
 * ``at``: a protocol phase (:data:`PHASES`), ``read`` / ``write`` (:func:`file_op` on a file of a tier: ``path`` is a substring of
   the file's path that picks the tier or the node's disk), ``rename`` (the rename that puts a finished copy in
   place on L0 or L1, its data and COMMIT written: a failure there is a rename that fails after the data is
-  written), or ``s3`` (every S3 request; ``op`` picks one operation
+  written), ``renamed`` (right after that rename: a failure there is an NFS rename that the server made while the
+  client got an error), or ``s3`` (every S3 request; ``op`` picks one operation
   such as ``UploadPart``).
 * ``do``: ``die`` (the process ends at once, exit 137, as a lost pod), ``lose`` (the node is lost here: on a
   simulated node the process stops at once, whole, and leaves ``lose-<LLMP_SIM_NODE>`` in ``LLMP_FAULTS_STATE``
@@ -58,10 +59,11 @@ KINDS = ("die", "lose", "eio", "enospc", "s3_down", "s3_503", "s3_reset", "s3_ha
 STEP = "step"  # not a phase of the protocol: a rank's training step done (``nth``: the nth step of this process)
 ACT = "act"  # between a fence check and its act: a COMMIT, MANIFEST or part marker written or deleted, any tier
 CLOCK = "clock"  # the wall clock that leases are written with (:func:`now`)
-AT = (*PHASES, STEP, ACT, CLOCK, "read", "write", "rename", "s3")
+AT = (*PHASES, STEP, ACT, CLOCK, "read", "write", "rename", "renamed", "s3")
 
 _rules: Optional[list[dict]] = None
 _hits: dict[int, int] = {}
+_skewed: set[int] = set()  # skew rules recorded as fired in this process (now)
 _lock = threading.Lock()
 
 
@@ -70,6 +72,7 @@ def load(text: Optional[str] = None) -> Optional[list[dict]]:
     global _rules
     text = os.environ.get("LLMP_FAULTS", "") if text is None else text
     _rules = None
+    _skewed.clear()
     if text.strip():
         rules = json.loads(text)
         for r in rules:
@@ -193,8 +196,6 @@ def now() -> float:
     return t + sum(float(r.get("seconds", 0.0)) for _, r in skews)
 
 
-_skewed: set[int] = set()
-
 
 def _mark_skewed(i: int) -> None:
     """A skew rule counts as fired (once a scenario, :func:`fired`) when a skewed clock is first read."""
@@ -215,7 +216,7 @@ def point(phase: str, **where) -> None:
 
 
 def file_op(op: str, path) -> None:
-    """A file read, write or rename into place on a tier (``op``: read / write / rename)."""
+    """A file read, write or rename into place on a tier (``op``: read / write / rename / renamed)."""
     if _rules is None:
         return
     for rule in _matching(op, path=path):

@@ -304,6 +304,32 @@ class _BoundedBody:
         return getattr(self.body, name)
 
 
+def precondition_failed(e: BaseException) -> bool:
+    """Is ``e`` S3's 412: a conditional write or delete (``If-None-Match`` / ``If-Match``) whose condition was false?"""
+    from botocore.exceptions import ClientError
+
+    return isinstance(e, ClientError) and (
+        str(e.response.get("Error", {}).get("Code")) in ("PreconditionFailed", "412")
+        or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
+
+
+def conditional_conflict(e: BaseException) -> bool:
+    """AWS's 409 ConditionalRequestConflict: another conditional write to the key was in flight; try again later."""
+    from botocore.exceptions import ClientError
+
+    return isinstance(e, ClientError) and (
+        str(e.response.get("Error", {}).get("Code")) == "ConditionalRequestConflict"
+        or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409)
+
+
+def conditions(honoured: bool, expected: Optional[str]) -> dict:
+    """A write's conditions: the object must still be the one read (``If-Match: <expected ETag>``) or still be absent
+    (``If-None-Match: *``, ``expected`` None); none where the endpoint does not honour them."""
+    if not honoured:
+        return {}
+    return {"IfMatch": expected} if expected else {"IfNoneMatch": "*"}
+
+
 def unreachable(e: BaseException) -> bool:
     """Is ``e`` the endpoint not answering (down, refusing, resetting, timing out, throttling past the retries)
     rather than an answer about an object?"""

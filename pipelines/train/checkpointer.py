@@ -687,6 +687,7 @@ class Checkpointer:
         d = fence.fence_dir(self.spec, self.rel_root)
         if self.fence is None:
             self.fence = fence.Fence(d, attempt, term, lease_s, self._fenced_roots(), self.log)
+            self.fence.start_watching()  # the lease's age is known at this rank's next check, however late
         fence.install(self.fence)
         if int(os.environ.get("LOCAL_RANK", self.rank)) == 0 and self.root.is_dir():
             leases = fence.read_leases(d)

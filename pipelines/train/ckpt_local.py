@@ -154,6 +154,7 @@ def install_dir(tmp: Path, dst: Path) -> None:
     try:
         faults.file_op("rename", dst)
         os.rename(tmp, dst)
+        faults.file_op("renamed", dst)
     except OSError as e:
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
             raise fence.FencedOut(f"{dst}: another copy was put in place after this writer's check: it stays, and "

@@ -167,7 +167,7 @@ def put_part(spec: JobSpec, uri: str, src: Path, body: bytes, man: dict, digests
         ckpt_s3_cond.delete(s3, bucket, f"{prefix}/{COMMIT}", commit_tag, cond, f"deleting the COMMIT of {uri}")
     ckpt_s3_cond.delete(s3, bucket, marker, marker_tag, cond, f"replacing part {k} of {uri}")
     abort_multipart(s3, bucket, prefix, {f"{prefix}/{rel}" for rel in man["files"]})
-    upload_files(spec, s3, bucket, prefix, src, man["files"], digests)
+    upload_files(spec, s3, bucket, prefix, src, man["files"], digests, cond)
     fence.check(f"committing part {k} of {uri}", uri)
     ckpt_s3_cond.put(s3, bucket, marker, body, None, cond, f"committing part {k} of {uri}")  # last
     return "uploaded"

@@ -14,11 +14,12 @@ import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pipelines.spec import JobSpec
-from pipelines.storage.s3 import (b64, checksums_verified, composite_sha256, object_matches, part_digests,
-                                  part_size_used, unreachable, upload_checked)
+from pipelines.storage import faults
+from pipelines.storage.s3 import (b64, checksums_verified, composite_sha256, conditional_conflict, conditions,
+                                  object_matches, part_digests, part_size_used, precondition_failed, unreachable)
 from pipelines.train import fence
 from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
                                         part_name)
@@ -96,9 +97,11 @@ def abort_multipart(s3, bucket: str, prefix: str, keys: set[str]) -> int:
     return n
 
 
-def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: list[bytes], sha_hex: str) -> None:
+def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: list[bytes], sha_hex: str,
+                  when: dict) -> None:
     """Multipart upload that sends the part digests computed while the file was copied (no second hashing
-    pass): S3 refuses a part whose bytes do not match its ``x-amz-checksum-sha256``."""
+    pass): S3 refuses a part whose bytes do not match its ``x-amz-checksum-sha256``. ``when``: the completion's
+    conditions (:func:`pipelines.storage.s3.conditions`)."""
     # the metadata names the whole file's sha256 and the composite S3 will compute from the verified parts: a later
     # check compares S3's own composite checksum with it (content, not size; see check_objects)
     meta = {"sha256": sha_hex, PARTS_META: f"{composite_sha256(digests)}-{len(digests)}"}
@@ -115,38 +118,75 @@ def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: lis
     try:
         with ThreadPoolExecutor(max_workers=4) as ex:
             parts = list(ex.map(put, range(len(digests))))
-        s3.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": parts})
+        faults.point(faults.ACT)
+        s3.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": parts},
+                                     **when)
     except Exception:
-        s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"])
+        try:  # the first error is the one to tell (a refused completion may have ended the upload already)
+            s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"])
+        except Exception:  # noqa: BLE001 - an upload left open is aborted by the next put of the part
+            pass
         raise
 
 
+def put_file(s3, bucket: str, key: str, path: Path, sha_hex: str, when: dict) -> None:
+    """A file under the multipart threshold in one PutObject, with S3's SHA-256 checksum and its sha256 in the
+    metadata; ``when``: the put's conditions."""
+    faults.point(faults.ACT)
+    s3.put_object(Bucket=bucket, Key=key, Body=path.read_bytes(), ChecksumAlgorithm="SHA256",
+                  Metadata={"sha256": sha_hex}, **when)
+
+
+def object_etag(s3, bucket: str, key: str) -> Optional[str]:
+    """The object's ETag now; None when it is absent (an outage raises, :func:`answered`)."""
+    return answered(f"s3://{bucket}/{key}", lambda: s3.head_object(Bucket=bucket, Key=key)["ETag"])
+
+
 def upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: dict,
-                  parts: dict[str, list[bytes]]) -> None:
+                 parts: dict[str, list[bytes]], honoured: bool = False) -> None:
     """Upload ``files`` of ``src`` under ``prefix``, each object checked against the manifest's sha256. Under a fence,
     checked before each file (:func:`pipelines.train.fence.check`): a part of many files stops sending as soon as its
-    attempt is superseded, not only at its COMMIT."""
-    cfg = transfer_config(spec)
+    attempt is superseded, not only at its COMMIT. Where the endpoint ``honoured`` conditional writes, each object is
+    written only while it is still what this writer read when it decided (absent, or a copy that does not match):
+    a newer term's object written meanwhile stops this writer (:class:`~pipelines.train.fence.FencedOut`)."""
     part = spec.checkpoint.multipart_chunk_mb * 1024 * 1024
+    threshold = transfer_config(spec).multipart_threshold
     for rel, info in files.items():
         key, size = f"{prefix}/{rel}", info["bytes"]
         digests = parts.get(rel)
+        seen = object_etag(s3, bucket, key) if honoured else None  # what this writer decides against
         if object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests) and \
                 _object_ok(s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED"), info,
                            checksums_verified(s3)) in (None, UNCHECKED):
             continue  # uploaded already (a node's part, an interrupted upload): not sent twice
         fence.check(f"uploading {rel} to s3://{bucket}/{prefix}", f"s3://{bucket}/{key}")
-        if size >= cfg.multipart_threshold and not (digests and len(digests) == -(-size // part_size_used(size, part))):
+        if size >= threshold and not (digests and len(digests) == -(-size // part_size_used(size, part))):
             digests = part_digests(src / rel, part_size_used(size, part))  # multipart: always with our part digests
-        if size >= cfg.multipart_threshold:
-            _upload_parts(s3, bucket, key, src / rel, part_size_used(size, part), digests, info["sha256"])
-            if not object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests):
-                raise CheckpointError(f"s3://{bucket}/{key} does not match {rel}'s sha256 after upload")
-        else:
-            try:
-                upload_checked(s3, bucket, key, src / rel, info["sha256"], cfg, part)
-            except IOError as e:
-                raise CheckpointError(str(e)) from None
+        try:
+            if size >= threshold:
+                _upload_parts(s3, bucket, key, src / rel, part_size_used(size, part), digests, info["sha256"],
+                              conditions(honoured, seen))
+            else:
+                put_file(s3, bucket, key, src / rel, info["sha256"], conditions(honoured, seen))
+        except Exception as e:  # noqa: BLE001 - a 412 is a newer term's object; a 409 is retried later
+            _refused_upload(e, f"uploading {rel}: s3://{bucket}/{key}",
+                            lambda: object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests))
+        if not object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests):
+            raise CheckpointError(f"s3://{bucket}/{key} does not match {rel}'s sha256 after upload")
+
+
+def _refused_upload(e: Exception, what: str, ours: Callable[[], bool]) -> None:
+    """After an upload raised ``e``: a 412 whose object holds our bytes is our own write retried after its answer
+    was lost (nothing to do); another 412 is a newer term's object (:class:`FencedOut`); a 409 (a conditional write
+    in flight) is retried later (:class:`L2Unavailable`); anything else is raised as it is."""
+    if conditional_conflict(e):
+        raise L2Unavailable(f"{what}: a concurrent conditional write (409): later") from None
+    if precondition_failed(e):
+        if ours():
+            return
+        raise fence.FencedOut(f"{what} changed since this attempt read it (a newer term wrote it): stopping before "
+                              "replacing it") from None
+    raise e
 
 
 def all_match(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: dict, parts: dict) -> bool:

@@ -11,8 +11,9 @@ condition is false: ``rclone serve s3`` (the embedded endpoint) does. Each (endp
 process (:func:`supported`: a conditional put of each kind and a conditional delete, each with a false condition),
 and one line says so where the conditions are not honoured; there the fence checks before each write
 (:func:`pipelines.train.fence.check` / ``guard``) stay the only protection, as before. The data objects of a part
-are not conditional (their keys are the step's): a paused writer's upload can still spoil a newer copy's files,
-which verification then refuses (the step is not read; an older one is).
+are written the same way (:func:`pipelines.train.ckpt_s3.upload_files`: the object read when the writer decided,
+or its absence, is the condition of the put or of the multipart upload's completion), so a paused writer's upload
+cannot spoil a newer copy's files either.
 """
 from __future__ import annotations
 
@@ -21,29 +22,13 @@ import uuid
 from typing import Callable, Optional
 
 from pipelines.storage import faults
+from pipelines.storage.s3 import conditional_conflict, conditions, precondition_failed
 from pipelines.train.checkpoint import L2Unavailable
 from pipelines.train.fence import FencedOut
 
 PROBE_PREFIX = ".llmp-conditional-probe/"
 _probed: dict[tuple[str, str], bool] = {}
 _lock = threading.Lock()
-
-
-def _precondition_failed(e: Exception) -> bool:
-    from botocore.exceptions import ClientError
-
-    return isinstance(e, ClientError) and (
-        str(e.response.get("Error", {}).get("Code")) in ("PreconditionFailed", "412")
-        or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
-
-
-def _conflict(e: Exception) -> bool:
-    """AWS's 409 ConditionalRequestConflict: another conditional write to the key was in flight; try again later."""
-    from botocore.exceptions import ClientError
-
-    return isinstance(e, ClientError) and (
-        str(e.response.get("Error", {}).get("Code")) == "ConditionalRequestConflict"
-        or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409)
 
 
 def _refused(s3_or_call, **kw) -> bool:
@@ -54,7 +39,7 @@ def _refused(s3_or_call, **kw) -> bool:
     try:
         call(**kw)
     except Exception as e:  # noqa: BLE001 - only a 412 counts as honoured; an outage propagates
-        if _precondition_failed(e):
+        if precondition_failed(e):
             return True
         if unreachable(e):
             raise
@@ -101,22 +86,16 @@ def _holds(s3, bucket: str, key: str, body: bytes) -> bool:
     return s3_body(s3, bucket, key) == body
 
 
-def _conditions(cond: bool, expected: Optional[str]) -> dict:
-    if not cond:
-        return {}
-    return {"IfMatch": expected} if expected else {"IfNoneMatch": "*"}
-
-
 def put(s3, bucket: str, key: str, body: bytes, expected: Optional[str], cond: bool, what: str) -> dict:
     """Put ``body`` where ``expected`` (an ETag, or None: absent) still is, else :class:`FencedOut`. A ``pause``
     between a fence check and this write is the fault point ``act`` (``LLMP_FAULTS``)."""
     faults.point(faults.ACT)
     try:
-        return s3.put_object(Bucket=bucket, Key=key, Body=body, **_conditions(cond, expected))
+        return s3.put_object(Bucket=bucket, Key=key, Body=body, **conditions(cond, expected))
     except Exception as e:  # noqa: BLE001 - a 412 is another writer's newer copy; the rest propagates
-        if _conflict(e):
+        if conditional_conflict(e):
             raise L2Unavailable(f"{what}: s3://{bucket}/{key}: a concurrent conditional write (409): later") from None
-        if _precondition_failed(e):
+        if precondition_failed(e):
             if _holds(s3, bucket, key, body):  # our own put, retried by botocore after its answer was lost
                 return {}
             raise FencedOut(f"{what}: s3://{bucket}/{key} changed since this attempt read it (a newer term wrote "
@@ -134,11 +113,11 @@ def delete(s3, bucket: str, key: str, expected: Optional[str], cond: bool, what:
     try:
         s3.delete_object(Bucket=bucket, Key=key, **({"IfMatch": expected} if cond else {}))
     except Exception as e:  # noqa: BLE001 - as in put
-        if _conflict(e):
+        if conditional_conflict(e):
             raise L2Unavailable(f"{what}: s3://{bucket}/{key}: a concurrent conditional write (409): later") from None
-        if missing(e) or (_precondition_failed(e) and etag(s3, bucket, key) is None):
+        if missing(e) or (precondition_failed(e) and etag(s3, bucket, key) is None):
             return  # gone: our own delete, retried after its answer was lost
-        if _precondition_failed(e):
+        if precondition_failed(e):
             raise FencedOut(f"{what}: s3://{bucket}/{key} changed since this attempt read it (a newer term wrote "
                             "it): stopping before deleting it") from None
         raise

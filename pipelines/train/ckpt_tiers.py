@@ -13,6 +13,7 @@ per-tier retention and never deletes a copy of the newest verified step.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
@@ -58,14 +59,15 @@ def list_steps(spec: JobSpec, rel_root: str, tiers: tuple[str, ...] = TIERS) -> 
             root = Path(loc)
             names = [p.name for p in root.iterdir() if (p / COMMIT).is_file()] if root.is_dir() else []
         elif l2_available(spec) is None:
-            names = _s3_committed_names(spec, loc)
+            names = _s3_step_names(spec, loc)
         else:
             names = []
         out[tier] = sorted(s for s in map(parse_step, names) if s is not None)
     return out
 
 
-def _s3_committed_names(spec: JobSpec, uri: str) -> list[str]:
+def _s3_step_names(spec: JobSpec, uri: str, committed: bool = True) -> list[str]:
+    """The names under ``uri`` of the steps with a COMMIT (``committed``), or of every step with an object."""
     from botocore.exceptions import ClientError
 
     from pipelines.storage.s3 import client, split_uri
@@ -77,7 +79,7 @@ def _s3_committed_names(spec: JobSpec, uri: str) -> list[str]:
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
             for o in page.get("Contents", []):
                 parts = o["Key"][len(prefix) + 1:].split("/")
-                if len(parts) == 2 and parts[1] == COMMIT:
+                if len(parts) == 2 and parts[1] == COMMIT or not committed and len(parts) >= 2:
                     names.append(parts[0])
     except ClientError as e:
         if missing(e):  # no bucket yet: nothing promoted
@@ -89,7 +91,7 @@ def _s3_committed_names(spec: JobSpec, uri: str) -> list[str]:
         if unreachable(e):
             raise L2Unavailable(f"{uri}: {type(e).__name__}: {e}") from None
         raise
-    return names
+    return sorted(set(names))
 
 
 def verify_copy(spec: JobSpec, tier: str, loc: str) -> None:
@@ -251,17 +253,40 @@ def registered_steps(spec: JobSpec, rel_root: str) -> set[int]:
 # ``<run>/<key>.gen-<utc>``. The old generation stays on every tier until the new one's train stage commits; then
 # it is retired, except the steps a registered model version points to. A retried forced run adopts the pending
 # generation (and resumes it) instead of starting yet another. The record lives on L1, beside the key: the current
-# generation, the pending one, and those being retired (``retiring``: a retirement that storage cut short, L2 not
-# answering, is taken up again by the next train stage of the key; the stage that committed is not held up by it).
+# generation, the pending one, and those being retired (``retiring``). Retirement is the train stage's
+# housekeeping, run under the key's lock each time the stage runs or finds its output done
+# (:func:`retire_generations`): a retirement that storage or the registry cut short is taken up again then, and
+# never fails a stage.
 def _generations_file(spec: JobSpec, base_rel: str) -> Path:
     return Path(tier_locations(spec, base_rel)["L1"] + ".generations.json")
 
 
+def _is_generation(base_rel: str, name) -> bool:
+    return name == base_rel or isinstance(name, str) and \
+        re.fullmatch(re.escape(base_rel) + r"\.gen-\d{8}T\d{6,12}", name) is not None
+
+
 def read_generations(spec: JobSpec, base_rel: str) -> dict:
+    """The key's record: {"current", "pending", "retiring"}. Every name in it must be a generation of this key
+    (``base_rel`` or ``base_rel.gen-<utc>``) and ``retiring`` a list: a record that says anything else is refused
+    with one line (:class:`CheckpointError`), so no deletion follows a forged or torn record out of the key's
+    directories; a name being retired that is also current or pending is not retired."""
     path = _generations_file(spec, base_rel)
-    state = json.loads(path.read_text()) if path.is_file() else {}
-    return {"current": state.get("current", base_rel), "pending": state.get("pending"),
-            "retiring": [r for r in state.get("retiring") or [] if isinstance(r, str)]}
+    try:
+        state = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: the record of this key's generations cannot be read ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("retiring", []), list):
+        raise CheckpointError(f"{path}: not a record of generations (an object with a list 'retiring') — fix or "
+                              "remove the record")
+    out = {"current": state.get("current", base_rel), "pending": state.get("pending"),
+           "retiring": state.get("retiring", [])}
+    bad = [n for n in [out["current"], *out["retiring"]] + ([out["pending"]] if out["pending"] is not None else [])
+           if not _is_generation(base_rel, n)]
+    if bad:
+        raise CheckpointError(f"{path}: names {bad[0]!r}, not a generation of {base_rel} — fix or remove the record")
+    out["retiring"] = [n for n in dict.fromkeys(out["retiring"]) if n not in (out["current"], out["pending"])]
+    return out
 
 
 def _write_generations(spec: JobSpec, base_rel: str, state: dict) -> None:
@@ -270,12 +295,10 @@ def _write_generations(spec: JobSpec, base_rel: str, state: dict) -> None:
     atomic_write_text(path, json.dumps(state, indent=2))
 
 
-def generation(spec: JobSpec, base_rel: str, force: bool, log: Callable[[str], None] = print) -> str:
-    """The rel root this run trains in: the current generation, or with ``force`` a pending new one. Generations
-    whose retirement was cut short are retired first (:func:`retire_generations`)."""
+def generation(spec: JobSpec, base_rel: str, force: bool) -> str:
+    """The rel root this run trains in: the current generation, or with ``force`` a pending new one."""
     import datetime
 
-    retire_generations(spec, base_rel, log)
     state = read_generations(spec, base_rel)
     if not force:
         return state["current"]
@@ -286,41 +309,67 @@ def generation(spec: JobSpec, base_rel: str, force: bool, log: Callable[[str], N
     return state["pending"]
 
 
-def commit_generation(spec: JobSpec, base_rel: str, rel_root: str, log: Callable[[str], None] = print) -> dict:
-    """``rel_root``'s run committed: make it current and retire the generation it replaced (every tier), keeping
-    the steps a registered model points to. Returns {retired rel root: {tier: steps removed}}."""
+def commit_generation(spec: JobSpec, base_rel: str, rel_root: str, log: Callable[[str], None] = print) -> None:
+    """``rel_root``'s run committed: make it current; the generation it replaced (and a pending one it did not
+    adopt) are to be retired (:func:`retire_generations`)."""
     state = read_generations(spec, base_rel)
-    old = state["current"]
-    if rel_root == old and state["pending"] is None:
-        return {}
-    retiring = state["retiring"] + ([old] if old != rel_root and old not in state["retiring"] else [])
+    if rel_root == state["current"] and state["pending"] is None:
+        return
+    gone = [g for g in (state["current"], state["pending"]) if g is not None and g != rel_root]
+    retiring = [g for g in dict.fromkeys(state["retiring"] + gone) if g != rel_root]
     _write_generations(spec, base_rel, {"current": rel_root, "pending": None, "retiring": retiring})
-    log(f"[ckpt] generation {rel_root} committed")
-    return retire_generations(spec, base_rel, log)
+    log(f"[ckpt] generation {rel_root} committed" + (f"; retiring {', '.join(gone)}" if gone else ""))
 
 
 def retire_generations(spec: JobSpec, base_rel: str, log: Callable[[str], None] = print) -> dict:
-    """Remove the steps of the generations being retired from every tier, but those a registered model version
-    points to; one whose registry or storage does not answer stays in the record (one line says why) for the next
-    train stage of the key. Returns {retired rel root: {tier: steps removed}}."""
+    """Remove every step of the generations being retired from every tier, committed or not (a removal cut short
+    leaves steps without COMMIT), but those a registered model version points to. Housekeeping: whatever stops it
+    (an unreadable record, a registry or tier that does not answer, L2 unknown) is one line, and the generation
+    stays in the record for the next run of the stage. Returns {retired rel root: {tier: steps removed}}."""
     done = {}
-    for old in read_generations(spec, base_rel)["retiring"]:
+    try:
+        retiring = read_generations(spec, base_rel)["retiring"]
+    except CheckpointError as e:
+        log(f"[ckpt] no generation retired: {e}")
+        return done
+    for old in retiring:
         try:
             keep = registered_steps(spec, old)
-            gone = {t: [s for s in v if s not in keep] for t, v in list_steps(spec, old).items()}
+            gone = {t: [s for s in v if s not in keep] for t, v in _every_step(spec, old).items()}
             _remove_steps(spec, old, gone)
-        except Exception as e:  # noqa: BLE001 - storage or the registry not answering; anything else is raised
-            if not isinstance(e, (CheckpointError, OSError)) and not unreachable(e):
-                raise
-            log(f"[ckpt] generation {old} not retired yet ({type(e).__name__}: {e}); the next train stage of this "
-                "key retires it")
+            state = read_generations(spec, base_rel)
+            _write_generations(spec, base_rel, {**state, "retiring": [r for r in state["retiring"] if r != old]})
+        except Exception as e:  # noqa: BLE001 - housekeeping: the generation waits for the next run
+            log(f"[ckpt] generation {old} not retired yet ({type(e).__name__}: {e}); the next run of this train "
+                "stage retires it")
             continue
         done[old] = gone
-        state = read_generations(spec, base_rel)
-        _write_generations(spec, base_rel, {**state, "retiring": [r for r in state["retiring"] if r != old]})
         log(f"[ckpt] retired generation {old}: removed {gone}" + (f", kept registered step(s) {sorted(keep)}"
                                                                    if keep else ""))
     return done
+
+
+def _every_step(spec: JobSpec, rel_root: str) -> dict[str, list[int]]:
+    """Each tier's step directories of ``rel_root``, committed or not; raises :class:`L2Unavailable` when L2 is
+    configured and does not answer (its steps are unknown, not none)."""
+    from pipelines.storage.s3 import EmbeddedDown, S3ConfigError, endpoint_url
+
+    out: dict[str, list[int]] = {}
+    for tier, loc in tier_locations(spec, rel_root).items():
+        if tier != "L2":
+            root = Path(loc)
+            names = [p.name for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+        else:
+            try:
+                endpoint_url(spec)
+            except EmbeddedDown as e:
+                raise L2Unavailable(f"{loc}: {e}") from None
+            except S3ConfigError:
+                names = []  # no L2 in this setup
+            else:
+                names = _s3_step_names(spec, loc, committed=False)
+        out[tier] = sorted(s for s in map(parse_step, names) if s is not None)
+    return out
 
 
 # ----------------------------------------------------------------------------- promote

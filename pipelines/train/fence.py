@@ -38,6 +38,7 @@ names it and it is older than ``lease_s``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -62,6 +63,12 @@ SHARED_RUN_IDS = ("none", "llmp-")
 SETTLE_S3_S = 10.0  # how long an S3 write waits for an earlier one given up on at the same place (settle_s3)
 
 T = TypeVar("T")
+
+
+def _clock() -> float:
+    """The clock a lease is judged by: monotonic, and (Linux's ``CLOCK_BOOTTIME``) counting the time a suspended
+    machine slept, so a VM frozen and resumed finds its lease as old as it is."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
 
 
 class FencedOut(CheckpointError):
@@ -123,9 +130,12 @@ def current_term(d: Path) -> int:
 def _expiry(p: Path) -> float:
     """A lease file's expiry; raises ``OSError`` (``FileNotFoundError`` when absent) or ``ValueError`` (not a lease)."""
     try:
-        return float(json.loads(p.read_text())["expires"])
+        expires = float(json.loads(p.read_text())["expires"])
     except (KeyError, TypeError) as e:
         raise ValueError(f"{p.name} is not a lease ({type(e).__name__}: {e})") from None
+    if not math.isfinite(expires):
+        raise ValueError(f"{p.name} is not a lease (expires {expires})")
+    return expires
 
 
 def read_leases(d: Path) -> dict[str, float]:
@@ -220,12 +230,13 @@ class Fence:
                  log: Callable[[str], None] = print):
         self.dir, self.attempt, self.term, self.lease_s, self.log = d, attempt, term, lease_s, log
         self.roots = tuple(r.rstrip("/") for r in roots)
-        self.renewed: Optional[float] = None  # time.monotonic() of the last renewal (the renewing rank)
+        self.renewed: Optional[float] = None  # _clock() of the last renewal (the renewing rank)
         self.fenced: Optional[str] = None  # why, once fenced out: sticky
-        self.read_ok = time.monotonic()  # the last time its term file and lease on L1 could be read
+        self.read_ok = _clock()  # the last time its term file and lease on L1 could be read
         self.lease_seen: tuple[Optional[float], float] = (None, 0.0)  # (expiry read, since when: monotonic)
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: Optional[threading.Thread] = None  # the renewing rank's
+        self._watcher: Optional[threading.Thread] = None  # every other rank's (start_watching)
 
     @classmethod
     def take(cls, d: Path, attempt: str, lease_s: float, roots: tuple[str, ...],
@@ -254,7 +265,7 @@ class Fence:
                 (d / f"{LEASE_PREFIX}{other}").unlink(missing_ok=True)
         f = cls(d, attempt, n, lease_s, roots, log)
         write_lease(d, attempt, n, now + lease_s)
-        f.renewed = time.monotonic()
+        f.renewed = _clock()
         f.lease_seen = (now + lease_s, f.renewed)
         return f
 
@@ -263,13 +274,29 @@ class Fence:
         self._thread = threading.Thread(target=self._renew_loop, daemon=True, name="llmp-fence")
         self._thread.start()
 
+    def start_watching(self) -> None:
+        """A rank that does not renew: read the lease every third of ``lease_s`` in a daemon thread, until
+        :meth:`release`, so that how long it has stood unchanged is known whenever this rank checks, however
+        rarely (:meth:`_unchanged_for`)."""
+        self._watcher = threading.Thread(target=self._watch_loop, daemon=True, name="llmp-fence-watch")
+        self._watcher.start()
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                expires = read_lease(self.dir, self.attempt)
+            except (OSError, ValueError):  # check() says what a read that keeps failing means
+                continue
+            if expires is not None:
+                self._unchanged_for(expires)
+
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
             try:
                 if self.fenced or current_term(self.dir) > self.term:  # superseded: its lease is left to expire
                     return
                 write_lease(self.dir, self.attempt, self.term, faults.now() + self.lease_s)
-                self.renewed = time.monotonic()
+                self.renewed = _clock()
             except OSError as e:  # L1 unreachable: check() fences this attempt once lease_s has passed
                 self.log(f"[fence] warning: attempt {self.attempt} could not renew its lease: {e}")
 
@@ -291,14 +318,14 @@ class Fence:
         top = current_term(self.dir)
         if top > self.term:
             return f"{me} is superseded by term {top}"
-        if self.renewed is not None and self._thread is not None and time.monotonic() - self.renewed > self.lease_s:
-            return f"{me}: its lease was not renewed for {time.monotonic() - self.renewed:.0f} s (checkpoint.lease_s=" \
+        if self.renewed is not None and self._thread is not None and _clock() - self.renewed > self.lease_s:
+            return f"{me}: its lease was not renewed for {_clock() - self.renewed:.0f} s (checkpoint.lease_s=" \
                    f"{self.lease_s:g})"
         try:
             why = self._own_records(me)
         except (OSError, ValueError) as e:
             return self._unreadable(me, e)
-        self.read_ok = time.monotonic()
+        self.read_ok = _clock()
         return why
 
     def _own_records(self, me: str) -> Optional[str]:
@@ -324,13 +351,13 @@ class Fence:
         clock is never compared with this one's). A rank that did not take the term counts from its first read."""
         seen, since = self.lease_seen
         if expires != seen:
-            since = time.monotonic()
+            since = _clock()
         self.lease_seen = (expires, since)
-        return time.monotonic() - since
+        return _clock() - since
 
     def _unreadable(self, me: str, e: Exception) -> Optional[str]:
         """A term or lease read that keeps failing (ESTALE, EIO): fenced only once no read succeeded for ``lease_s``."""
-        since = time.monotonic() - self.read_ok
+        since = _clock() - self.read_ok
         if since > self.lease_s:
             return (f"{me}: its term and lease on L1 could not be read for {since:.0f} s (checkpoint.lease_s="
                     f"{self.lease_s:g}): {type(e).__name__}: {e}")
@@ -465,11 +492,11 @@ def _named_owner(name: str) -> Optional[str]:
     return None
 
 
-def _newest_mtime(path: Path) -> float:
+def _newest_mtime(path: Path, now: float) -> float:
     try:
         times = [path.stat().st_mtime] + ([c.stat().st_mtime for c in path.iterdir()] if path.is_dir() else [])
     except OSError:
-        return time.time()  # being changed under us: someone is alive
+        return now  # being changed under us: someone is alive
     return max(times)
 
 
@@ -483,7 +510,7 @@ def removable(path: Path, leases: dict[str, float], lease_s: float, now: Optiona
         return False
     if who and all(o in leases for o in who):
         return True
-    return now - _newest_mtime(path) > lease_s
+    return now - _newest_mtime(path, now) > lease_s
 
 
 def superseded(spec: JobSpec, rel_root: str, info: Optional[dict]) -> Optional[str]:

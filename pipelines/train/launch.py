@@ -310,7 +310,7 @@ def judge_result(spec: JobSpec, rel_root: str, work: Path, tmp: Path) -> None:
 
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
-    from pipelines.train.ckpt_tiers import commit_generation
+    from pipelines.train.ckpt_tiers import commit_generation, retire_generations
 
     check_supported(spec)
     sd = stage_dir(spec, "train", [input_ref(tok)], out_dir)
@@ -343,10 +343,12 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
                    "val": result.get("val", []), "best_val_step": result.get("best_val_step"),
                    **({"mixture": result["mixture"]} if "mixture" in result else {})},
         )
-        commit_generation(spec, f"{spec.run.name}/{sd.final.name}", rel_root)
+        commit_generation(spec, base_rel, rel_root)
         return m
 
-    return run_and_log(spec, sd, body, artifacts=["loss_curve"])
+    base_rel = f"{spec.run.name}/{sd.final.name}"
+    return run_and_log(spec, sd, body, artifacts=["loss_curve"],
+                       housekeeping=lambda: retire_generations(spec, base_rel))
 
 
 def summary(m: Manifest) -> str:
