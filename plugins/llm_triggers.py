@@ -50,9 +50,10 @@ class TrainingJobTrigger(BaseTrigger):
 
         return k8s, k8s.KINDS[self.kind]
 
-    async def _clients(self, k8s, scratch: str):
-        """Clients as the Kubernetes connection says (read here, in the triggerer: the worker's files are not here),
-        else the task's kubeconfig / context, else the triggerer's own in-cluster identity."""
+    async def _target(self, scratch: str) -> tuple[str | None, str | None]:
+        """(kubeconfig, context) as the Kubernetes connection says (read here, in the triggerer: the worker's files
+        are not here), else the task's kubeconfig / context; a kubeconfig of None: the triggerer's own in-cluster
+        identity."""
         from llm_connections import aconnection, kube_env
 
         kubeconfig, context = self.kubeconfig, self.kube_context
@@ -62,25 +63,36 @@ class TrainingJobTrigger(BaseTrigger):
             if "LLMP_KUBECONFIG" in env:
                 kubeconfig = env["LLMP_KUBECONFIG"] or None  # empty: in-cluster, the triggerer's own identity
             context = env.get("LLMP_KUBE_CONTEXT", context)
-        return await asyncio.to_thread(k8s.api_clients_for, kubeconfig, context)
+        return kubeconfig, context
+
+    async def _clients(self, k8s, scratch: str):
+        return await asyncio.to_thread(k8s.api_clients_for, *(await self._target(scratch)))
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Follow the job to its end. A 401/403 while following it (a token that expired: EKS's last 15 minutes)
+        reads the credentials again (``pipelines.train.k8s.Session``: the kubeconfig and its exec plugin, the
+        pod's service-account token), a bounded number of times, before the event says Failed (the task's retry
+        starts with credentials resolved anew)."""
         k8s, k = self._job()
         try:
             with tempfile.TemporaryDirectory(prefix="llmp-trigger-") as scratch:
-                custom, core = await self._clients(k8s, scratch)
-                async for event in self._poll(k8s, k, custom, core):
+                target = await self._target(scratch)
+                custom, core = await asyncio.to_thread(k8s.api_clients_for, *target)
+                session = k8s.Session(custom, core, reconnect=lambda: k8s.api_clients_for(*target),
+                                      log=self.log.info)
+                async for event in self._poll(k8s, k, session):
                     yield event
                     return
         except k8s.JobFailed as e:  # gone, refused (401/403), or the API did not answer: one line, the task fails
             yield TriggerEvent({"state": "Failed", "namespace": self.namespace, "name": self.name, "message": str(e)})
 
-    async def _poll(self, k8s, k, custom, core) -> AsyncIterator[TriggerEvent]:
+    async def _poll(self, k8s, k, session) -> AsyncIterator[TriggerEvent]:
         ns, name = self.namespace, self.name
-        logs = k8s.ReplicaLogs(core, k, ns, name, window_s=int(self.poll_seconds * 3) + 30)
+        logs = k8s.ReplicaLogs(session.core, k, ns, name, window_s=int(self.poll_seconds * 3) + 30)
+        session.on_renew.append(logs.use)
         last = None
         while True:
-            obj = await asyncio.to_thread(k8s.get, custom, k, ns, name)
+            obj = await asyncio.to_thread(session.get, k, ns, name)
             state, msg = k8s.job_state(obj)
             line = k8s.state_line(obj)
             if line != last:
@@ -95,7 +107,7 @@ class TrainingJobTrigger(BaseTrigger):
                                                + (f"; errors in the pods' logs: {errors}" if errors else "")})
                 return
             if self.timeout_s is not None and time.time() - self.started > self.timeout_s:
-                await asyncio.to_thread(k8s.delete, custom, k, ns, name)
+                await asyncio.to_thread(k8s.delete, session.custom, k, ns, name)
                 yield TriggerEvent({"state": "TimedOut", "namespace": ns, "name": name,
                                     "message": f"{k.kind} {ns}/{name} did not finish within {self.timeout_s:g} s; "
                                                "it was deleted"})

@@ -545,6 +545,50 @@ def test_a_token_that_expires_during_the_watch_is_read_again_and_the_watch_goes_
     assert any(x.endswith("] done") for x in lines)  # the pod's log followed with the new client too
 
 
+def test_the_trigger_reads_the_credentials_again_when_the_token_expires_while_it_follows_the_job(home, kube,
+                                                                                                 monkeypatch):
+    """The deferred task's trigger follows the job in the triggerer: a 401 in the middle (the token expired) reads
+    the kubeconfig again, which holds a fresh token, and the trigger goes on to the job's end; a refusal that
+    persists ends in a Failed event after a bounded number of reads (the task's retry)."""
+    import asyncio
+
+    sys.path.insert(0, str(ROOT / "plugins"))
+    from llm_triggers import TrainingJobTrigger
+
+    fake, cfg, spec, gate = _watched_with_a_token(home, kube, monkeypatch)
+    script = (f"import pathlib, time\nprint('working', flush=True)\n"
+              f"while not pathlib.Path({str(gate)!r}).exists():\n    time.sleep(0.05)\nprint('done', flush=True)")
+    custom, _ = k8s.api_clients(spec)
+
+    def follow(name: str) -> dict:
+        job = _job(spec, [sys.executable, "-c", script])
+        job["metadata"]["name"] = name
+        assert k8s.submit(custom, job, print) == "created"
+        trigger = TrainingJobTrigger(kind="trainjob", namespace="llm-pipeline", name=name, poll_seconds=0.2,
+                                     kubeconfig=str(cfg))
+
+        async def first():
+            async for event in trigger.run():
+                return event.payload
+
+        return asyncio.run(asyncio.wait_for(first(), timeout=120))
+
+    def expire(line):  # the job runs and is followed: the token expires, the kubeconfig gets a new one
+        if line == "working":
+            fake.tokens = {"token-2"}
+            fake.kubeconfig(cfg, token="token-2")
+            gate.touch()
+
+    fake.on_log = expire
+    assert follow("llm-pipeline-renewed")["state"] == "Succeeded" and fake.refused >= 1
+    gate.unlink()
+    fake.on_log = lambda line: fake.tokens.clear() if line == "working" else None  # expired; no new one anywhere
+    custom, _ = k8s.api_clients(spec)  # token-2, still good for the submit
+    event = follow("llm-pipeline-refused")
+    gate.touch()
+    assert event["state"] == "Failed" and "still so after reading the credentials again 3 times" in event["message"]
+
+
 def test_a_refusal_that_persists_during_the_watch_exits_75_one_line(home, kube, monkeypatch):
     """The token expired and reading the credentials again does not help (the task's kubeconfig still holds the old
     one): a few bounded tries, then exit 75, so that the task's retry resolves its credentials anew; one line, no
