@@ -12,12 +12,11 @@ import json
 import sys
 from typing import Callable, Iterable, Optional
 
+from pipelines.exit_codes import RETRY
 from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_write_text, load_manifest, run_stage
 from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
 from pipelines.stages import Stage, stage
 from pipelines.storage.s3 import outage
-
-RETRY = 75  # pipelines.train.exit_codes.RETRY: infrastructure, a retry may succeed
 
 
 def stage_parser(name: str, inputs_required: bool = True) -> argparse.ArgumentParser:

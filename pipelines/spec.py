@@ -719,10 +719,14 @@ class EvalCfg(_Section):
     @field_validator("tasks")
     @classmethod
     def _tasks(cls, v: list[str]) -> list[str]:
-        from pipelines.eval.task_files import name_problem  # cheap; lm-eval's index is the stages' check (seconds)
-
-        if name_problem(v):
-            raise ValueError(name_problem(v))
+        """Names non-empty and none twice; whether lm-eval knows a name and can build its task offline is the
+        stages' check (``pipelines.eval.task_files.eval_tasks``: seconds, lm-eval's index)."""
+        bad = [n for n in v if not isinstance(n, str) or not n.strip()]
+        if bad:
+            raise ValueError(f"task names must be non-empty strings, got {bad}")
+        twice = sorted({n for n in v if list(v).count(n) > 1})
+        if twice:
+            raise ValueError(f"task(s) {twice} listed more than once")
         return v
 
 

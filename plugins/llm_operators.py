@@ -48,7 +48,7 @@ if str(_code_root()) not in sys.path:  # ``pipelines`` without an install (the S
 
 # a stage CLI's exit status: 2 = the input or the spec must be fixed (retrying cannot help); 75 = an infrastructure
 # failure or a preemption (a retry resumes); any other non-zero status is treated as possibly transient too
-from pipelines.train.exit_codes import RETRY, USER_ERROR  # noqa: E402 - needs the checkout on sys.path
+from pipelines.exit_codes import RETRY, USER_ERROR  # noqa: E402 - needs the checkout on sys.path
 
 
 def project_root() -> Path:

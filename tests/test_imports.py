@@ -11,18 +11,10 @@ from conftest import ROOT
 PACKAGE = ROOT / "pipelines"
 PLANES = {"pipelines.data": 1, "pipelines.train": 2, "pipelines.eval": 3}  # below them: the foundations (0)
 APPLICATIONS = {"pipelines.lineage", "pipelines.summary"}  # over every plane (4)
-KNOWN_CIRCLES = {  # issue 54
-    frozenset({"pipelines.eval.task_files", "pipelines.spec"}),
-    frozenset({"pipelines.train.checkpoint", "pipelines.train.ckpt_local", "pipelines.train.fence"}),
-    frozenset({"pipelines.train.k8s", "pipelines.train.launch"}),
-    frozenset({"pipelines.eval.lm", "pipelines.eval.serving"}),
-}
+KNOWN_CIRCLES: set[frozenset] = set()  # issue 54 removed the last four
 KNOWN_UPWARD = {  # issue 54
-    ("pipelines.spec", "pipelines.eval.task_files"),
     ("pipelines.data.decontaminate", "pipelines.eval.bpb"),
     ("pipelines.data.decontaminate", "pipelines.eval.task_files"),
-    ("pipelines.data.lineage", "pipelines.train.exit_codes"),
-    ("pipelines.data.tokenize", "pipelines.train.exit_codes"),
 }
 
 

@@ -47,7 +47,7 @@ from ada_url import parse_url
 from pipelines.data.sources import file_key
 from pipelines.manifest import Manifest, StageError, lineage, load_manifest, now_iso
 from pipelines.spec import JobSpec, resolve_path
-from pipelines.train.exit_codes import RETRY
+from pipelines.exit_codes import RETRY
 
 TAG = "takedown.pending"
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")

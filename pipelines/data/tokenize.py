@@ -49,7 +49,7 @@ from pipelines.data.spark import Piece, piece_batches
 from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
 from pipelines.manifest import Manifest, StageError, file_ref, input_ref, load_manifest, sha256_file, under
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
-from pipelines.train.exit_codes import RETRY
+from pipelines.exit_codes import RETRY
 
 SPLITS = ("train", "heldout")
 

@@ -5,6 +5,6 @@ registered model, without pyfunc (imports stay lazy: importing the package costs
 
 
 def load_registered(uri: str, tracking_uri: str | None = None):
-    from pipelines.eval.serving import load_registered as _load
+    from pipelines.eval.model_dir import load_registered as _load
 
     return _load(uri, tracking_uri)

@@ -10,7 +10,6 @@ for every request and the same greedy flags, hence the same scores.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys

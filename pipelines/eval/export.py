@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlflow.exceptions import MlflowException
 
     from pipelines import tracking
-    from pipelines.eval.serving import download, model_dir_of
+    from pipelines.eval.model_dir import download, model_dir_of
     from pipelines.manifest import StageError
 
     try:

@@ -50,7 +50,7 @@ class TextModel:
         """From a registry URI (``models:/NAME@ALIAS``, ``models:/NAME/V``, ``runs:/…``) or a local model directory."""
         if Path(uri).is_dir():
             return cls.load(uri)
-        from pipelines.eval.serving import load_registered
+        from pipelines.eval.model_dir import load_registered
 
         return cls(*load_registered(uri, tracking_uri))
 

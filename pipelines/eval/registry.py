@@ -115,7 +115,7 @@ def rescore(spec: JobSpec, client, cur, sha: str, work: Path) -> float:
     from pipelines import tracking
     from pipelines.eval.evaluate import reference_files, score_model_dir
     from pipelines.eval.scorer import Job
-    from pipelines.eval.serving import download, model_dir_of
+    from pipelines.eval.model_dir import download, model_dir_of
 
     try:
         d = model_dir_of(download(f"models:/{cur.name}/{cur.version}", tracking.tracking_uri(spec), work / "champion"))

@@ -14,21 +14,20 @@ cache (``TextModel.generate_batch``). Params: ``max_new_tokens`` (32; at most th
 ``eval.max_new_tokens``, 256 by default: more is refused with HTTP 400), ``temperature`` (0.8; 0 = greedy),
 ``top_k`` (50; 0 = all), ``seed`` (0).
 
-``load_registered(uri)`` is the plain torch path: (``Transformer`` in eval mode, SentencePiece processor),
-without going through pyfunc.
+``pipelines.eval.model_dir.load_registered(uri)`` is the plain torch path: (``Transformer`` in eval mode,
+SentencePiece processor), without going through pyfunc.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import mlflow.artifacts
 import mlflow.pyfunc
 import pandas as pd
 
+from pipelines.eval.model_dir import MODEL_DIR
+
 PARAMS = {"max_new_tokens": 32, "temperature": 0.8, "top_k": 50, "seed": 0}
-MODEL_DIR = "model_dir"  # the artifact key
-FILES = ("model.pt", "model_args.json", "tokenizer.model")
 LIMITS = "serving.json"  # {"max_new_tokens": cap}, written at registration from eval.max_new_tokens
 
 
@@ -138,47 +137,3 @@ def log_text_model(model_dir: Path, name: str = "model", max_new_tokens: int | N
             code_paths=[str(code)], signature=signature(), input_example=(["Once upon a time"], {"max_new_tokens": min(8, max_new_tokens or 8)}),
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "numpy", "pyarrow",
                               "pydantic", "pyyaml"])
-
-
-def download(uri: str, tracking_uri: str | None = None, dst: str | Path | None = None) -> Path:
-    """Local copy of a logged/registered model (``models:/NAME@ALIAS``, ``models:/NAME/V``, ``runs:/…``)."""
-    from mlflow.exceptions import MlflowException
-
-    from pipelines import tracking
-
-    tracking_uri = tracking_uri or tracking.default_tracking_uri()
-    try:
-        with tracking.using(tracking_uri):  # models:/ URIs resolve against the process-global registry URI
-            local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None)
-    except MlflowException as e:
-        from pipelines.spec import redact
-
-        raise LookupError(f"cannot load {uri} from {redact(tracking_uri or 'the default tracking store')}: "
-                          f"{redact(e.message)}") from None
-    return Path(local)
-
-
-def model_dir_of(local: Path) -> Path:
-    """The weights/args/tokenizer directory inside a downloaded pyfunc model."""
-    import yaml
-
-    mlmodel = yaml.safe_load((local / "MLmodel").read_text())
-    arts = mlmodel.get("flavors", {}).get("python_function", {}).get("artifacts", {})
-    if MODEL_DIR not in arts:
-        raise LookupError(f"{local} is not an llm-pipeline text model (no '{MODEL_DIR}' artifact in MLmodel); "
-                          "versions registered before the pyfunc format carry a pt2 logits export only")
-    d = local / arts[MODEL_DIR]["path"]
-    missing = [f for f in FILES if not (d / f).is_file()]
-    if missing:
-        raise LookupError(f"{d}: missing {missing}")
-    return d
-
-
-def load_registered(uri: str, tracking_uri: str | None = None):
-    """(``Transformer`` in eval mode, ``SentencePieceProcessor``) of a registered text model."""
-    import sentencepiece as spm
-
-    from pipelines.train.checkpoint import load_plain_model
-
-    d = model_dir_of(download(uri, tracking_uri))
-    return load_plain_model(d), spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))

@@ -44,16 +44,6 @@ def offline() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def name_problem(names) -> str:
-    """'' unless a name is empty or repeated (the cheap check of the spec's field; whether lm-eval knows a name and can
-    build its task offline is :func:`eval_tasks`'s, at the stages)."""
-    bad = [n for n in names if not isinstance(n, str) or not n.strip()]
-    if bad:
-        return f"task names must be non-empty strings, got {bad}"
-    twice = sorted({n for n in names if list(names).count(n) > 1})
-    return f"task(s) {twice} listed more than once" if twice else ""
-
-
 @lru_cache(maxsize=8)
 def _manager(include: tuple[str, ...], data_dir: str | None, defaults: bool):
     from lm_eval.tasks import TaskManager

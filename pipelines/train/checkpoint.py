@@ -34,6 +34,7 @@ Where each concern lives (each module imports only the ones above it):
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -42,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-from pipelines.manifest import StageError, sha256_file
+from pipelines.manifest import StageError, plain_rel, sha256_file
 from pipelines.storage import faults
 
 CKPT_MANIFEST = "MANIFEST.json"
@@ -119,12 +120,61 @@ def load_plain_model(ckpt_dir: Path):
     return model.eval()
 
 
+def read_local_manifest(d: Path) -> dict:
+    if not (d / COMMIT).is_file():
+        raise CheckpointError(f"{d}: no COMMIT marker — the checkpoint is incomplete")
+    body = (d / CKPT_MANIFEST).read_text()
+    if hashlib.sha256(body.encode()).hexdigest() != (d / COMMIT).read_text().strip():
+        raise CheckpointError(f"{d}: MANIFEST.json does not match its COMMIT marker")
+    return json.loads(body)
+
+
+def safe_rel(rel: str, where: str) -> str:
+    """A file name from a manifest, refused unless it stays below its checkpoint directory (no absolute path, no
+    ``..``, no empty or odd component): a forged manifest must not make a download or a copy write elsewhere."""
+    if not plain_rel(rel):
+        raise CheckpointError(f"{where}: manifest entry {rel!r} is not a relative path below the checkpoint "
+                              "directory — refusing this checkpoint")
+    return rel
+
+
+def manifest_files(man: dict, where: str) -> dict:
+    """The manifest's ``files``, every name checked with :func:`safe_rel`."""
+    files = man.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{where}: manifest has no files table")
+    for rel in files:
+        safe_rel(rel, where)
+    return files
+
+
+def verify_local(d: Path) -> dict:
+    """Raise CheckpointError unless every file matches; return the manifest."""
+    man = read_local_manifest(d)
+    missing = [rel for rel in manifest_files(man, str(d)) if not (d / rel).is_file()]
+    if missing:
+        raise CheckpointError(f"{d}: {missing[0]} is missing")
+    sums = hash_files(d, list(man["files"]))
+    for rel, info in man["files"].items():
+        if sums[rel] != info["sha256"]:
+            raise CheckpointError(f"{d}: {rel} sha256 {sums[rel][:12]}… does not match the manifest's "
+                                  f"{info['sha256'][:12]}… — refusing this checkpoint")
+    return man
+
+
+def is_valid_local(d: Path) -> bool:
+    try:
+        verify_local(d)
+        return True
+    except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
+        return False
+
+
+
 def export(src: Path, out: Path) -> int:
     """Write ``{name: tensor}`` (what ``Transformer.load_state_dict`` takes, strictly) from a committed local
     checkpoint; returns the number of tensors."""
     import torch
-
-    from pipelines.train.ckpt_local import verify_local  # not at import: ckpt_local imports this module
 
     verify_local(src)
     sd = load_plain_model(src).state_dict()

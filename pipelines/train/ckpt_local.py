@@ -2,7 +2,9 @@
 
 A copy is committed by hashing every file into MANIFEST.json and writing COMMIT last, read back only when COMMIT
 matches the manifest, verified file by file, copied to another tier verified while it is read (COMMIT last), and
-removed COMMIT first. Every file name read from a manifest must stay below its directory (:func:`safe_rel`).
+removed COMMIT first. Every file name read from a manifest must stay below its directory
+(:func:`pipelines.train.checkpoint.safe_rel`; a copy's validity, :func:`~pipelines.train.checkpoint.verify_local`,
+is the protocol's own, in :mod:`pipelines.train.checkpoint`).
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pipelines.manifest import atomic_write_text, plain_rel
+from pipelines.manifest import atomic_write_text
 from pipelines.storage import faults
 from pipelines.storage.s3 import part_size_used
 from pipelines.train import fence
-from pipelines.train.checkpoint import CKPT_MANIFEST, COMMIT, CheckpointError, hash_files
+from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, CheckpointError, hash_files,  # noqa: F401 - below:
+                                        is_valid_local, manifest_files, read_local_manifest, safe_rel, verify_local)
+# read_local_manifest and manifest_files are this module's; the other three stay reachable here for its callers
 
 
 def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Path:
@@ -74,56 +78,6 @@ def _put_back(aside: Path, d: Path) -> None:
         os.rename(aside, d)
     except OSError:
         pass
-
-
-def read_local_manifest(d: Path) -> dict:
-    if not (d / COMMIT).is_file():
-        raise CheckpointError(f"{d}: no COMMIT marker — the checkpoint is incomplete")
-    body = (d / CKPT_MANIFEST).read_text()
-    if hashlib.sha256(body.encode()).hexdigest() != (d / COMMIT).read_text().strip():
-        raise CheckpointError(f"{d}: MANIFEST.json does not match its COMMIT marker")
-    return json.loads(body)
-
-
-def safe_rel(rel: str, where: str) -> str:
-    """A file name from a manifest, refused unless it stays below its checkpoint directory (no absolute path, no
-    ``..``, no empty or odd component): a forged manifest must not make a download or a copy write elsewhere."""
-    if not plain_rel(rel):
-        raise CheckpointError(f"{where}: manifest entry {rel!r} is not a relative path below the checkpoint "
-                              "directory — refusing this checkpoint")
-    return rel
-
-
-def manifest_files(man: dict, where: str) -> dict:
-    """The manifest's ``files``, every name checked with :func:`safe_rel`."""
-    files = man.get("files")
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{where}: manifest has no files table")
-    for rel in files:
-        safe_rel(rel, where)
-    return files
-
-
-def verify_local(d: Path) -> dict:
-    """Raise CheckpointError unless every file matches; return the manifest."""
-    man = read_local_manifest(d)
-    missing = [rel for rel in manifest_files(man, str(d)) if not (d / rel).is_file()]
-    if missing:
-        raise CheckpointError(f"{d}: {missing[0]} is missing")
-    sums = hash_files(d, list(man["files"]))
-    for rel, info in man["files"].items():
-        if sums[rel] != info["sha256"]:
-            raise CheckpointError(f"{d}: {rel} sha256 {sums[rel][:12]}… does not match the manifest's "
-                                  f"{info['sha256'][:12]}… — refusing this checkpoint")
-    return man
-
-
-def is_valid_local(d: Path) -> bool:
-    try:
-        verify_local(d)
-        return True
-    except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
-        return False
 
 
 def _copy_hashing(src: Path, dst: Path, part_size: int) -> tuple[str, list[bytes]]:

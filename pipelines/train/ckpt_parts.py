@@ -15,10 +15,9 @@ from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
 from pipelines.train import ckpt_s3_cond, fence
-from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, MAX_PARTS, PARTS, CheckpointError, parse_step,
-                                        part_name)
-from pipelines.train.ckpt_local import (copy_local, install_dir, is_valid_local, manifest_files, missing_shards,
-                                        read_local_manifest, verify_local)
+from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, MAX_PARTS, PARTS, CheckpointError, is_valid_local,
+                                        manifest_files, parse_step, part_name, read_local_manifest, verify_local)
+from pipelines.train.ckpt_local import copy_local, install_dir, missing_shards
 from pipelines.train.ckpt_s3 import (abort_multipart, all_match, check_objects, part_manifest, read_s3_manifest,
                                      s3_body, s3_commit_body, upload_files)
 

@@ -22,8 +22,8 @@ from pipelines.storage.s3 import (b64, checksums_verified, composite_sha256, con
                                   object_matches, part_digests, part_size_used, precondition_failed, unreachable)
 from pipelines.train import fence
 from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
-                                        part_name)
-from pipelines.train.ckpt_local import install_dir, manifest_files, verify_local
+                                        manifest_files, part_name, verify_local)
+from pipelines.train.ckpt_local import install_dir
 
 
 def transfer_config(spec: JobSpec):

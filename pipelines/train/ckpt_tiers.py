@@ -23,8 +23,9 @@ from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
 from pipelines.storage.s3 import unreachable
 from pipelines.train import fence, lineage
-from pipelines.train.checkpoint import COMMIT, TIERS, CheckpointError, L2Unavailable, parse_step, step_name
-from pipelines.train.ckpt_local import is_valid_local, read_local_manifest, remove_local, verify_local
+from pipelines.train.checkpoint import (COMMIT, TIERS, CheckpointError, L2Unavailable, is_valid_local, parse_step,
+                                        read_local_manifest, step_name, verify_local)
+from pipelines.train.ckpt_local import remove_local
 from pipelines.train.ckpt_parts import merge_parts, part_of, stage_part, upload_step
 from pipelines.train.ckpt_s3 import commit_at, download_checkpoint, missing, read_s3_manifest, remove_s3, verify_s3
 

@@ -1,9 +1,6 @@
-"""What the train stage's exit status means, in one place (the table is in docs/training.md).
-
-* ``OK`` (0): the stage is done.
-* ``USER_ERROR`` (2): the spec or an input must be fixed; a retry cannot help (orchestrators do not retry it).
-* ``RETRY`` (75, ``EX_TEMPFAIL``): an infrastructure failure or a preemption: a retry of the same command resumes
-  from the newest committed checkpoint (Airflow's task retries run for it).
+"""The train stage's ranks and their exit status (the statuses themselves, ``OK``, ``USER_ERROR`` and ``RETRY``,
+are every stage's: :mod:`pipelines.exit_codes`; a retry of the train stage resumes from the newest committed
+checkpoint).
 
 A rank (``pipelines.train.trainer``) that stops early writes an outcome file (:func:`write_outcome`) in its
 ``--out`` directory, since torchrun's own status does not carry the ranks': ``RETRY`` with the step after it
@@ -26,11 +23,8 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
+from pipelines.exit_codes import OK, RETRY, USER_ERROR  # noqa: F401 - the ranks read the three here (xc.OK)
 from pipelines.manifest import atomic_write_text, read_small_text
-
-OK = 0
-USER_ERROR = 2
-RETRY = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
 
 # the notices a scheduler sends before it kills a job (Kubernetes, Slurm's --signal, spot reclaim agents)
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

@@ -866,8 +866,8 @@ def main(argv: list[str] | None = None) -> int:
                     "CRD shipped in infra/k8s/crds, Trainer v2.3.0's for a TrainJob, training-operator v1.8.1's for a "
                     "PyTorchJob). The operator's webhook rules always apply.")
     args = ap.parse_args(argv)
-    from pipelines.manifest import load_manifest
-    from pipelines.train.launch import TrainError, train_job
+    from pipelines.manifest import StageError, load_manifest
+    from pipelines.train.job import train_job
 
     try:
         spec = load_spec(args.spec, args.overrides)
@@ -879,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecError(f"--tokenize-manifest {args.tokenize_manifest}: not a readable manifest "
                             f"({type(e).__name__}: {' '.join(str(e).split())})") from None
         job = train_job(spec, manifest)
-    except (SpecError, TrainError, FileNotFoundError) as e:
+    except (SpecError, StageError, FileNotFoundError) as e:  # a stage error: e.g. the generations record
         print(f"k8s: error: {e}", file=sys.stderr)
         return 2
     rendered = stage_job(spec, args.run_id or job.run_id, "pipelines.train.trainer", job.args)

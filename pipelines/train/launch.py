@@ -22,15 +22,15 @@ import socket
 import subprocess
 import sys
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
-from pipelines.manifest import Manifest, StageDir, StageError, input_ref
+from pipelines.manifest import Manifest, StageError, input_ref
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.train import exit_codes as xc
 from pipelines.train import fence
+from pipelines.train.job import TrainJob, train_job  # noqa: F401 - TrainJob: the launcher's callers read it here
 
 
 class TrainError(StageError):
@@ -206,40 +206,6 @@ def check_mixture(spec: JobSpec, tok: Manifest) -> None:
         train_samples(tok, spec.model.seq_len, spec.train.mixture)
     except MixtureError as e:
         raise TrainError(str(e)) from None
-
-
-def rank_workdir(spec: JobSpec, sd: StageDir, tmp: Optional[Path]) -> Path:
-    """Where the ranks write: the stage's temp dir locally; on Kubernetes (or with no temp dir yet) a directory
-    named by the stage key, so a retried task's job has the same command as the one it adopts."""
-    if not spec.launcher.on_kubernetes and tmp is not None:
-        return tmp
-    return sd.final.with_name(f".{sd.final.name}.work")
-
-
-@dataclass
-class TrainJob:
-    """What the ranks of one train stage run: the same for torchrun here and for the TrainJob or PyTorchJob (whose
-    name and command are fixed by the stage key, so a retried task adopts the job it submitted)."""
-    sd: StageDir
-    rel_root: str  # the run's checkpoints below each tier's root
-    work: Path  # where the ranks write result.json, losses.json and read spec.yaml
-    run_id: str
-    args: list[str]
-
-
-def train_job(spec: JobSpec, tok: Manifest, out_dir: str | None = None, tmp: Optional[Path] = None,
-              sd: Optional[StageDir] = None) -> TrainJob:
-    """The train stage's job for these inputs (``sd``: the stage dir, when the caller has it). The ranks write in
-    the stage's temp dir locally; on Kubernetes in a directory named by the stage key."""
-    from pipelines.train.ckpt_tiers import generation
-
-    sd = sd or stage_dir(spec, "train", [input_ref(tok)], out_dir)
-    rel_root = generation(spec, f"{spec.run.name}/{sd.final.name}", spec.run.force)
-    work = rank_workdir(spec, sd, tmp)
-    ckpt_root = resolve_path(spec.checkpoint.l0) / rel_root
-    args = ["--spec", str(work / "spec.yaml"), "--tokenize-manifest", tok.path, "--out", str(work),
-            "--ckpt-root", str(ckpt_root)]
-    return TrainJob(sd, rel_root, work, f"train-{sd.final.name[:8]}", args)
 
 
 def collect(work: Path, tmp: Path, names: list[str]) -> None:

@@ -1,0 +1,57 @@
+"""A registered text model's directory (the pyfunc artifact ``model_dir``): what it holds (``model.pt``,
+``model_args.json``, ``tokenizer.model``), its download from the registry, and loading it as plain torch
+(:func:`load_registered`). The pyfunc that serves it is :mod:`pipelines.eval.serving`; the text model over it is
+:mod:`pipelines.eval.lm`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow.artifacts
+
+MODEL_DIR = "model_dir"  # the artifact key
+FILES = ("model.pt", "model_args.json", "tokenizer.model")
+
+
+def download(uri: str, tracking_uri: str | None = None, dst: str | Path | None = None) -> Path:
+    """Local copy of a logged/registered model (``models:/NAME@ALIAS``, ``models:/NAME/V``, ``runs:/…``)."""
+    from mlflow.exceptions import MlflowException
+
+    from pipelines import tracking
+
+    tracking_uri = tracking_uri or tracking.default_tracking_uri()
+    try:
+        with tracking.using(tracking_uri):  # models:/ URIs resolve against the process-global registry URI
+            local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None)
+    except MlflowException as e:
+        from pipelines.spec import redact
+
+        raise LookupError(f"cannot load {uri} from {redact(tracking_uri or 'the default tracking store')}: "
+                          f"{redact(e.message)}") from None
+    return Path(local)
+
+
+def model_dir_of(local: Path) -> Path:
+    """The weights/args/tokenizer directory inside a downloaded pyfunc model."""
+    import yaml
+
+    mlmodel = yaml.safe_load((local / "MLmodel").read_text())
+    arts = mlmodel.get("flavors", {}).get("python_function", {}).get("artifacts", {})
+    if MODEL_DIR not in arts:
+        raise LookupError(f"{local} is not an llm-pipeline text model (no '{MODEL_DIR}' artifact in MLmodel); "
+                          "versions registered before the pyfunc format carry a pt2 logits export only")
+    d = local / arts[MODEL_DIR]["path"]
+    missing = [f for f in FILES if not (d / f).is_file()]
+    if missing:
+        raise LookupError(f"{d}: missing {missing}")
+    return d
+
+
+def load_registered(uri: str, tracking_uri: str | None = None):
+    """(``Transformer`` in eval mode, ``SentencePieceProcessor``) of a registered text model."""
+    import sentencepiece as spm
+
+    from pipelines.train.checkpoint import load_plain_model
+
+    d = model_dir_of(download(uri, tracking_uri))
+    return load_plain_model(d), spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
