@@ -523,6 +523,25 @@ def _part(root: Path, step: int, attempt: str, pad: int = 0) -> Path:
                                                                     "attempt": attempt})
 
 
+def _b_commits_at_the_first_act(monkeypatch, spec, part: Path, uri: str) -> list:
+    """The fault point ``act`` (between a writer's check and its act) patched: the first time it is reached, attempt
+    B uploads ``part`` and commits it, while the writer (attempt A) waits there. Returns the list that records it."""
+    from pipelines.storage import faults
+    from pipelines.train import ckpt_parts, ckpt_s3
+
+    paused = []
+
+    def point(phase, **where):
+        if phase == faults.ACT and not paused:
+            paused.append(phase)
+            ckpt_parts.upload_part(spec, part, uri)
+            assert ckpt_parts.merge_parts_s3(spec, uri, 1, "b")
+            assert ckpt_s3.read_s3_manifest(spec, uri)["attempt"] == "b"
+
+    monkeypatch.setattr(faults, "point", point)
+    return paused
+
+
 @pytest.mark.parametrize("server", ["any_key_s3", "s3_server"], ids=["moto-honours-conditions", "rclone-ignores-them"])
 def test_a_writer_paused_between_its_check_and_its_l2_commit_cannot_land_over_a_newer_one(home, request, server,
                                                                                          monkeypatch, capsys):
@@ -530,7 +549,6 @@ def test_a_writer_paused_between_its_check_and_its_l2_commit_cannot_land_over_a_
     fault point ``act``); meanwhile attempt B puts its own part of step 10 and commits it. When A resumes, an
     endpoint that honours conditional writes (AWS S3, moto) answers 412: A stops with FencedOut (exit 75) and B's
     commit stays. The embedded endpoint (rclone) ignores the conditions: that is said once, in one line."""
-    from pipelines.storage import faults
     from pipelines.train import ckpt_parts, ckpt_s3, ckpt_s3_cond
 
     enforced = server == "any_key_s3"
@@ -540,16 +558,7 @@ def test_a_writer_paused_between_its_check_and_its_l2_commit_cannot_land_over_a_
     uri = f"s3://{bucket}/run/key/step-000010"
     old, new = _part(home / "a", 10, "a"), _part(home / "b", 10, "b")
     ckpt_parts.upload_part(spec, old, uri)
-    paused = []
-
-    def point(phase, **where):  # B commits while A waits between its check and its write
-        if phase == faults.ACT and not paused:
-            paused.append(phase)
-            ckpt_parts.upload_part(spec, new, uri)
-            assert ckpt_parts.merge_parts_s3(spec, uri, 1, "b")
-            assert ckpt_s3.read_s3_manifest(spec, uri)["attempt"] == "b"
-
-    monkeypatch.setattr(faults, "point", point)
+    paused = _b_commits_at_the_first_act(monkeypatch, spec, new, uri)
     if enforced:
         with pytest.raises(fence.FencedOut) as e:
             ckpt_parts.merge_parts_s3(spec, uri, 1, "a")
@@ -570,7 +579,6 @@ def test_a_writer_paused_before_a_data_object_cannot_spoil_a_newer_terms_files(h
     object (the fault point ``act``); meanwhile attempt B uploads and commits its own. A's put (or its multipart
     upload's completion) expects the object still absent: S3 answers 412, A stops with FencedOut, and B's files stay
     whole (before: A's bytes replaced B's, and B's committed step no longer verified)."""
-    from pipelines.storage import faults
     from pipelines.train import ckpt_parts, ckpt_s3
 
     bucket = f"ck-pause-data-{pad}"
@@ -578,15 +586,7 @@ def test_a_writer_paused_before_a_data_object_cannot_spoil_a_newer_terms_files(h
                             "checkpoint.multipart_threshold_mb=5", "checkpoint.multipart_chunk_mb=5"], env={})
     uri = f"s3://{bucket}/run/key/step-000010"
     old, new = _part(home / "a", 10, "a", pad), _part(home / "b", 10, "b", pad)
-    paused = []
-
-    def point(phase, **where):  # B commits while A waits between its decision and its write
-        if phase == faults.ACT and not paused:
-            paused.append(phase)
-            ckpt_parts.upload_part(spec, new, uri)
-            assert ckpt_parts.merge_parts_s3(spec, uri, 1, "b")
-
-    monkeypatch.setattr(faults, "point", point)
+    paused = _b_commits_at_the_first_act(monkeypatch, spec, new, uri)
     with pytest.raises(fence.FencedOut, match=r"uploading __0_0.distcp: s3://\S+ changed since this attempt read it"):
         ckpt_parts.upload_part(spec, old, uri)
     assert paused and ckpt_s3.read_s3_manifest(spec, uri)["attempt"] == "b"
