@@ -653,7 +653,7 @@ class TiersCfg(_Section):
     l0: str = "var/tiers/nvme"
     l1: str = "var/tiers/shared"
     l2_prefix: str = Field("checkpoints", description="Key prefix in services.s3_bucket.")
-    multipart_threshold_mb: int = Field(8, ge=5)
+    multipart_threshold_mb: int = Field(8, ge=5, le=4096)  # a PutObject holds at most 5 GiB
     multipart_chunk_mb: int = Field(8, ge=5)
     async_mode: Literal["thread", "sync"] = Field(
         "thread", description="'thread': training blocks only while the state is staged to host memory, DCP writes "

@@ -184,7 +184,7 @@ def test_a_forged_generations_record_is_refused_and_nothing_is_deleted(tmp_path,
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(record if isinstance(record, str) else json.dumps(record))
     refused = "generations.json: (names .*, not a generation of llm-pipeline/key|the record of this key's " \
-              "generations cannot be read|not a record of generations)"
+              "generations is not JSON|not a record of generations)"
     with pytest.raises(ck.CheckpointError, match=refused):
         ckpt_tiers.generation(spec, base, force=True)
     said = []

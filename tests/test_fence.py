@@ -20,7 +20,7 @@ import pytest
 
 from pipelines.spec import load_spec
 from pipelines.train import ckpt_local, ckpt_tiers, fence
-from pipelines.train.checkpoint import COMMIT, CheckpointError
+from pipelines.train.checkpoint import COMMIT, CheckpointError, L2Unavailable
 
 from conftest import ROOT, wait_for
 
@@ -219,8 +219,9 @@ def test_a_renewing_node_whose_clock_is_off_by_more_than_the_lease_fences_no_ran
             assert fence.read_leases(d)["aaaa1111"] < time.time() - 10  # expired by the true clock, and renewed
             other.check("committing")
             time.sleep(0.5)
-        renewer.release(give_back=False)  # its renewals stop; the expiry it last wrote stays
-        time.sleep(4.5)  # no check in between: the watcher saw the last renewal
+        renewer.release(give_back=False)  # its renewals stop
+        fence.write_lease(d, "aaaa1111", renewer.term, faults.now() + 2.0)  # the last one, after the last check
+        time.sleep(4.5)  # no check in between: only a watcher saw the last renewal
         with pytest.raises(fence.FencedOut, match=r"its lease on L1 expired \(not renewed for \d+ s by this node's"):
             other.check("committing")
         other.release()
@@ -523,9 +524,10 @@ def _part(root: Path, step: int, attempt: str, pad: int = 0) -> Path:
                                                                     "attempt": attempt})
 
 
-def _b_commits_at_the_first_act(monkeypatch, spec, part: Path, uri: str) -> list:
+def _b_commits_at_the_first_act(monkeypatch, spec, part: Path, uri: str, supersede: Path | None = None) -> list:
     """The fault point ``act`` (between a writer's check and its act) patched: the first time it is reached, attempt
-    B uploads ``part`` and commits it, while the writer (attempt A) waits there. Returns the list that records it."""
+    B uploads ``part`` and commits it, while the writer (attempt A) waits there; with ``supersede`` (A's fence
+    directory), B's commit is a newer term's. Returns the list that records it."""
     from pipelines.storage import faults
     from pipelines.train import ckpt_parts, ckpt_s3
 
@@ -534,9 +536,14 @@ def _b_commits_at_the_first_act(monkeypatch, spec, part: Path, uri: str) -> list
     def point(phase, **where):
         if phase == faults.ACT and not paused:
             paused.append(phase)
+            held = fence.active()
+            fence.install(None)  # B's writes are B's (this process holds A's fence)
             ckpt_parts.upload_part(spec, part, uri)
             assert ckpt_parts.merge_parts_s3(spec, uri, 1, "b")
             assert ckpt_s3.read_s3_manifest(spec, uri)["attempt"] == "b"
+            if supersede is not None:
+                _take(supersede, "bbbb2222")
+            fence.install(held)
 
     monkeypatch.setattr(faults, "point", point)
     return paused
@@ -574,11 +581,12 @@ def test_a_writer_paused_between_its_check_and_its_l2_commit_cannot_land_over_a_
 
 
 @pytest.mark.parametrize("pad", [0, 6 << 20], ids=["one-put", "multipart"])
-def test_a_writer_paused_before_a_data_object_cannot_spoil_a_newer_terms_files(home, any_key_s3, monkeypatch, pad):
+def test_a_writer_paused_before_a_data_object_cannot_spoil_a_newer_terms_files(home, any_key_s3, monkeypatch, pad,
+                                                                               installed):
     """Attempt A decided to upload its part of step 10 (nothing there yet) and pauses right before its first data
     object (the fault point ``act``); meanwhile attempt B uploads and commits its own. A's put (or its multipart
-    upload's completion) expects the object still absent: S3 answers 412, A stops with FencedOut, and B's files stay
-    whole (before: A's bytes replaced B's, and B's committed step no longer verified)."""
+    upload's completion) expects the object still absent: S3 answers 412, and A, superseded, stops with FencedOut;
+    B's files stay whole (before: A's bytes replaced B's, and B's committed step no longer verified)."""
     from pipelines.train import ckpt_parts, ckpt_s3
 
     bucket = f"ck-pause-data-{pad}"
@@ -586,11 +594,35 @@ def test_a_writer_paused_before_a_data_object_cannot_spoil_a_newer_terms_files(h
                             "checkpoint.multipart_threshold_mb=5", "checkpoint.multipart_chunk_mb=5"], env={})
     uri = f"s3://{bucket}/run/key/step-000010"
     old, new = _part(home / "a", 10, "a", pad), _part(home / "b", 10, "b", pad)
-    paused = _b_commits_at_the_first_act(monkeypatch, spec, new, uri)
-    with pytest.raises(fence.FencedOut, match=r"uploading __0_0.distcp: s3://\S+ changed since this attempt read it"):
+    d = home / "l1/run/key/.fence"
+    installed(_take(d, "aaaa1111", [f"s3://{bucket}/run/key"]))  # A: term 1
+    paused = _b_commits_at_the_first_act(monkeypatch, spec, new, uri, supersede=d)  # B: term 2
+    with pytest.raises(fence.FencedOut, match=r"superseded by term 2: stopping before uploading __0_0.distcp: s3://"):
         ckpt_parts.upload_part(spec, old, uri)
     assert paused and ckpt_s3.read_s3_manifest(spec, uri)["attempt"] == "b"
     ckpt_s3.verify_s3(spec, uri)  # B's files, whole
+
+
+def test_an_object_of_an_older_writer_that_appeared_meanwhile_is_retried_and_then_replaced_whole(home, any_key_s3,
+                                                                                                    monkeypatch):
+    """Without a newer term (no fence says A is superseded), another writer's object that appeared while A waited
+    makes A's upload retryable (L2Unavailable, exit 75 at worst), not FencedOut; A's next upload takes the step's
+    COMMIT away first (a committed step is never left describing other bytes), then replaces the object under its
+    condition."""
+    from pipelines.train import ckpt_parts, ckpt_s3
+
+    spec = load_spec(None, [f"services.s3_endpoint_url={any_key_s3}", "services.s3_bucket=ck-older-writer"], env={})
+    uri = "s3://ck-older-writer/run/key/step-000010"
+    old, new = _part(home / "a", 10, "a"), _part(home / "b", 10, "b")
+    _b_commits_at_the_first_act(monkeypatch, spec, new, uri)
+    with pytest.raises(L2Unavailable, match="another writer's object is there"):
+        ckpt_parts.upload_part(spec, old, uri)
+    assert ckpt_s3.read_s3_manifest(spec, uri)["attempt"] == "b"
+    ckpt_s3.verify_s3(spec, uri)  # B's step, whole
+    assert ckpt_parts.upload_part(spec, old, uri) == "uploaded"  # the retry
+    assert ckpt_s3.read_s3_manifest(spec, uri) is None  # B's COMMIT taken away before its files were replaced
+    assert ckpt_parts.merge_parts_s3(spec, uri, 1, "a")
+    ckpt_s3.verify_s3(spec, uri)
 
 
 def test_own_conditional_writes_retried_after_a_lost_answer_are_not_a_newer_writer(home, any_key_s3):

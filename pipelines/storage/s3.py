@@ -76,6 +76,11 @@ class EmbeddedDown(S3ConfigError):
     once it is started again), not a configuration to fix."""
 
 
+def embedded_configured() -> bool:
+    """Has the embedded endpoint been started here (its state file is there, whether it runs now or not)?"""
+    return _endpoint_file().is_file()
+
+
 def embedded_endpoint() -> Optional[str]:
     f = _endpoint_file()
     if not f.is_file():

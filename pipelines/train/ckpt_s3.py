@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
@@ -118,6 +120,7 @@ def _upload_parts(s3, bucket: str, key: str, path: Path, part: int, digests: lis
     try:
         with ThreadPoolExecutor(max_workers=4) as ex:
             parts = list(ex.map(put, range(len(digests))))
+        fence.check(f"completing the upload of s3://{bucket}/{key}", f"s3://{bucket}/{key}")  # parts take minutes
         faults.point(faults.ACT)
         s3.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": parts},
                                      **when)
@@ -133,8 +136,64 @@ def put_file(s3, bucket: str, key: str, path: Path, sha_hex: str, when: dict) ->
     """A file under the multipart threshold in one PutObject, with S3's SHA-256 checksum and its sha256 in the
     metadata; ``when``: the put's conditions."""
     faults.point(faults.ACT)
-    s3.put_object(Bucket=bucket, Key=key, Body=path.read_bytes(), ChecksumAlgorithm="SHA256",
-                  Metadata={"sha256": sha_hex}, **when)
+    with open(path, "rb") as f:  # streamed (multipart_threshold_mb is at most 4 GiB)
+        s3.put_object(Bucket=bucket, Key=key, Body=f, ChecksumAlgorithm="SHA256", Metadata={"sha256": sha_hex},
+                      **when)
+
+
+_completion: dict[tuple[str, str], tuple[bool, bool]] = {}
+_completion_lock = threading.Lock()
+
+
+def completion_conditions(s3, bucket: str, expected: Optional[str]) -> dict:
+    """The conditions a multipart completion carries at this endpoint: ``If-None-Match: *`` (the object still
+    absent) or ``If-Match: <expected>``, each only where the endpoint honours it on CompleteMultipartUpload (probed
+    once per endpoint and bucket, :func:`completion_honoured`: AWS S3 honours both, moto 5.2 only the first, rclone
+    neither); one it would ignore is not sent, and the fence check right before the completion is then the only
+    protection."""
+    none_match, match = completion_honoured(s3, bucket)
+    if expected is None:
+        return {"IfNoneMatch": "*"} if none_match else {}
+    return {"IfMatch": expected} if match else {}
+
+
+def completion_honoured(s3, bucket: str) -> tuple[bool, bool]:
+    """(If-None-Match honoured, If-Match honoured) on CompleteMultipartUpload: a one-part upload over a small object
+    of its own, completed once with each condition false (a 412 is honoured; a success or another refusal, such as
+    501, is not); the probe object is removed."""
+    key = (s3.meta.endpoint_url, bucket)
+    with _completion_lock:
+        if key in _completion:
+            return _completion[key]
+    probe = f".llmp-conditional-probe/{uuid.uuid4().hex}"
+    tag = s3.put_object(Bucket=bucket, Key=probe, Body=b"1")["ETag"]
+    try:
+        found = (_completion_refused(s3, bucket, probe, {"IfNoneMatch": "*"}),
+                 _completion_refused(s3, bucket, probe, {"IfMatch": '"0"' if tag != '"0"' else '"1"'}))
+    finally:
+        s3.delete_object(Bucket=bucket, Key=probe)
+    with _completion_lock:
+        _completion[key] = found
+    return found
+
+
+def _completion_refused(s3, bucket: str, key: str, when: dict) -> bool:
+    up = s3.create_multipart_upload(Bucket=bucket, Key=key)
+    try:
+        part = s3.upload_part(Bucket=bucket, Key=key, UploadId=up["UploadId"], PartNumber=1, Body=b"2")
+        s3.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"],
+                                     MultipartUpload={"Parts": [{"ETag": part["ETag"], "PartNumber": 1}]}, **when)
+    except Exception as e:  # noqa: BLE001 - only a 412 counts as honoured; an outage propagates
+        status = getattr(e, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if unreachable(e) and not precondition_failed(e) and status != 501:  # 501: the header is not known
+            raise
+        return precondition_failed(e)
+    finally:
+        try:
+            s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"])
+        except Exception:  # noqa: BLE001 - completed (the condition ignored), or already ended by the refusal
+            pass
+    return False
 
 
 def object_etag(s3, bucket: str, key: str) -> Optional[str]:
@@ -165,7 +224,7 @@ def upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: 
         try:
             if size >= threshold:
                 _upload_parts(s3, bucket, key, src / rel, part_size_used(size, part), digests, info["sha256"],
-                              conditions(honoured, seen))
+                              completion_conditions(s3, bucket, seen) if honoured else {})
             else:
                 put_file(s3, bucket, key, src / rel, info["sha256"], conditions(honoured, seen))
         except Exception as e:  # noqa: BLE001 - a 412 is a newer term's object; a 409 is retried later
@@ -176,17 +235,27 @@ def upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: 
 
 
 def _refused_upload(e: Exception, what: str, ours: Callable[[], bool]) -> None:
-    """After an upload raised ``e``: a 412 whose object holds our bytes is our own write retried after its answer
-    was lost (nothing to do); another 412 is a newer term's object (:class:`FencedOut`); a 409 (a conditional write
-    in flight) is retried later (:class:`L2Unavailable`); anything else is raised as it is."""
+    """After an upload raised ``e``. A refusal of its condition (412), or of a multipart completion whose upload is
+    gone (``NoSuchUpload``: another writer of the key aborted it): nothing to do when the object holds our bytes
+    (our own write, retried after its answer was lost); :class:`FencedOut` when this attempt is superseded (a newer
+    term's object); else another, older writer's object appeared meanwhile: :class:`L2Unavailable` (retried: the
+    next upload replaces it, under its condition). A 409 (a conditional write in flight) is retried too; anything
+    else is raised as it is."""
+    from botocore.exceptions import ClientError
+
+    gone = isinstance(e, ClientError) and str(e.response.get("Error", {}).get("Code")) == "NoSuchUpload"
     if conditional_conflict(e):
         raise L2Unavailable(f"{what}: a concurrent conditional write (409): later") from None
-    if precondition_failed(e):
+    if not (precondition_failed(e) or gone):
+        raise e
+    try:
         if ours():
             return
-        raise fence.FencedOut(f"{what} changed since this attempt read it (a newer term wrote it): stopping before "
-                              "replacing it") from None
-    raise e
+    except Exception as read:  # noqa: BLE001 - not answered: an outage, not another writer
+        raise L2Unavailable(f"{what}: refused ({type(e).__name__}), and the object could not be read: {read}") from None
+    fence.check(what, what.rsplit(" ", 1)[-1])  # superseded: FencedOut, the newer term's object stays
+    raise L2Unavailable(f"{what}: another writer's object is there (not this attempt's, nor a newer term's): "
+                        "the next upload replaces it") from None
 
 
 def all_match(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: dict, parts: dict) -> bool:

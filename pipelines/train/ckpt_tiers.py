@@ -23,8 +23,8 @@ from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
 from pipelines.storage.s3 import unreachable
 from pipelines.train import fence, lineage
-from pipelines.train.checkpoint import (COMMIT, TIERS, CheckpointError, L2Unavailable, is_valid_local, parse_step,
-                                        read_local_manifest, step_name, verify_local)
+from pipelines.train.checkpoint import (COMMIT, TIERS, CheckpointError, L2Unavailable, TierUnavailable,
+                                        is_valid_local, parse_step, read_local_manifest, step_name, verify_local)
 from pipelines.train.ckpt_local import remove_local
 from pipelines.train.ckpt_parts import merge_parts, part_of, stage_part, upload_step
 from pipelines.train.ckpt_s3 import commit_at, download_checkpoint, missing, read_s3_manifest, remove_s3, verify_s3
@@ -274,9 +274,15 @@ def read_generations(spec: JobSpec, base_rel: str) -> dict:
     directories; a name being retired that is also current or pending is not retired."""
     path = _generations_file(spec, base_rel)
     try:
-        state = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: the record of this key's generations cannot be read ({e})") from None
+        text = path.read_text() if path.is_file() else "{}"
+    except OSError as e:  # L1 did not answer (EIO, ESTALE): later
+        raise TierUnavailable(f"checkpoint.l1: {path}: the record of this key's generations cannot be read "
+                              f"({e})") from None
+    try:
+        state = json.loads(text)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: the record of this key's generations is not JSON ({e}) — fix or remove "
+                              "the record") from None
     if not isinstance(state, dict) or not isinstance(state.get("retiring", []), list):
         raise CheckpointError(f"{path}: not a record of generations (an object with a list 'retiring') — fix or "
                               "remove the record")
@@ -324,9 +330,10 @@ def commit_generation(spec: JobSpec, base_rel: str, rel_root: str, log: Callable
 
 def retire_generations(spec: JobSpec, base_rel: str, log: Callable[[str], None] = print) -> dict:
     """Remove every step of the generations being retired from every tier, committed or not (a removal cut short
-    leaves steps without COMMIT), but those a registered model version points to. Housekeeping: whatever stops it
-    (an unreadable record, a registry or tier that does not answer, L2 unknown) is one line, and the generation
-    stays in the record for the next run of the stage. Returns {retired rel root: {tier: steps removed}}."""
+    leaves steps without COMMIT), but those a registered model version points to, and the retired generation's
+    staging and temp entries on L0 and L1. Housekeeping: whatever stops it (an unreadable record, a registry or
+    tier that does not answer) is one line, and the generation stays in the record for the next run of the stage;
+    L0 and L1 are cleared even while L2 is unknown. Returns {retired rel root: {tier: steps removed}}."""
     done = {}
     try:
         retiring = read_generations(spec, base_rel)["retiring"]
@@ -336,8 +343,9 @@ def retire_generations(spec: JobSpec, base_rel: str, log: Callable[[str], None] 
     for old in retiring:
         try:
             keep = registered_steps(spec, old)
-            gone = {t: [s for s in v if s not in keep] for t, v in _every_step(spec, old).items()}
-            _remove_steps(spec, old, gone)
+            gone = _retire_local(spec, old, keep)
+            gone["L2"] = [s for s in _l2_steps(spec, old) if s not in keep]
+            _remove_steps(spec, old, {"L2": gone["L2"]})
             state = read_generations(spec, base_rel)
             _write_generations(spec, base_rel, {**state, "retiring": [r for r in state["retiring"] if r != old]})
         except Exception as e:  # noqa: BLE001 - housekeeping: the generation waits for the next run
@@ -350,27 +358,33 @@ def retire_generations(spec: JobSpec, base_rel: str, log: Callable[[str], None] 
     return done
 
 
-def _every_step(spec: JobSpec, rel_root: str) -> dict[str, list[int]]:
-    """Each tier's step directories of ``rel_root``, committed or not; raises :class:`L2Unavailable` when L2 is
-    configured and does not answer (its steps are unknown, not none)."""
-    from pipelines.storage.s3 import EmbeddedDown, S3ConfigError, endpoint_url
+def _retire_local(spec: JobSpec, rel_root: str, keep: set[int]) -> dict[str, list[int]]:
+    """L0 and L1 of a retired generation: every step directory but ``keep``'s, committed or not, then its staging
+    and temp entries (``.step-N.parts``, ``.step-N.l2``, ``.step-N.tmp-…``). Returns {tier: steps removed}."""
+    gone = {}
+    for tier in ("L0", "L1"):
+        root = Path(tier_locations(spec, rel_root)[tier])
+        names = [p.name for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+        gone[tier] = sorted(s for s in map(parse_step, names) if s is not None and s not in keep)
+        _remove_steps(spec, rel_root, {tier: gone[tier]})
+        for entry in root.glob(".step-*") if root.is_dir() else []:
+            shutil.rmtree(entry, ignore_errors=True)
+    return gone
 
-    out: dict[str, list[int]] = {}
-    for tier, loc in tier_locations(spec, rel_root).items():
-        if tier != "L2":
-            root = Path(loc)
-            names = [p.name for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
-        else:
-            try:
-                endpoint_url(spec)
-            except EmbeddedDown as e:
-                raise L2Unavailable(f"{loc}: {e}") from None
-            except S3ConfigError:
-                names = []  # no L2 in this setup
-            else:
-                names = _s3_step_names(spec, loc, committed=False)
-        out[tier] = sorted(s for s in map(parse_step, names) if s is not None)
-    return out
+
+def _l2_steps(spec: JobSpec, rel_root: str) -> list[int]:
+    """The steps with any object on L2 (committed or not); none where this setup has no L2 (no endpoint set and
+    no embedded one ever started here). Raises :class:`L2Unavailable` when L2 does not answer: unknown, not none."""
+    from pipelines.storage.s3 import EmbeddedDown, embedded_configured, endpoint_url
+
+    loc = tier_locations(spec, rel_root)["L2"]
+    try:
+        endpoint_url(spec)
+    except EmbeddedDown as e:
+        if not embedded_configured():
+            return []
+        raise L2Unavailable(f"{loc}: {e}") from None
+    return sorted(s for s in map(parse_step, _s3_step_names(spec, loc, committed=False)) if s is not None)
 
 
 # ----------------------------------------------------------------------------- promote

@@ -763,8 +763,8 @@ class Session:
         """New clients; a source that cannot be read now counts as one more refusal (the next get raises)."""
         try:
             self.custom, self.core = self.reconnect()  # type: ignore[misc]
-        except JobFailed as e:
-            self.log(f"could not read the Kubernetes credentials again: {e}")
+        except Exception as e:  # noqa: BLE001 - a kubeconfig or service-account token unreadable now (ConfigException)
+            self.log(f"could not read the Kubernetes credentials again: {type(e).__name__}: {e}")
             return
         for tell in self.on_renew:
             tell(self.core)
