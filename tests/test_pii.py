@@ -40,7 +40,8 @@ SURVIVE = ["Browser: Microsoft Edge 120.0.0.0 on Windows 11", "UA: Mozilla/5.0 C
            "git clone git@github.com:example/repo.git", "ssh -p 2222 deploy@bastion.example.com",
            "C = A@B.transpose()", "deploy@web-1.internal:~$ ls", "[root@db-2.example.net ~]# uptime",
            "auto v = cafe::ba5e;", "Face::Add(x)", "2024-01-15", "15.01.2024", "12:30:45", "$1,299.99",
-           "Room 1204", "2010-2015-2020"]
+           "Room 1204", "2010-2015-2020", "y = x@W.weight + b", "Please upgrade to 4.2.0.1 first.",
+           "upgrade the cluster to 3.1.0.2", "the steps are in 2.1.3.4 above"]  # the last four: issue 54's review
 
 
 @pytest.mark.parametrize("text", SURVIVE)
@@ -59,7 +60,10 @@ FOUND = [("Call +442079460958 today.", None, None, "+442079460958"),
          ("Mail jane.doe@example.org now", None, None, "jane.doe@example.org"),
          ("Failed password for root from 198.51.100.7 port 22", None, None, "198.51.100.7"),
          ("inet6 2001:db8:85a3::8a2e:370:7334/64", None, None, "2001:db8:85a3::8a2e:370:7334"),
-         ("Blocked 203.0.113.9 after 5 tries", None, None, "203.0.113.9")]
+         ("Blocked 203.0.113.9 after 5 tries", None, None, "203.0.113.9"),
+         ("Write to _admin@example.com for access", None, None, "_admin@example.com"),
+         ("we migrated the traffic to 192.0.2.4", None, None, "192.0.2.4"),
+         ("update the DNS record to 198.51.100.7", None, None, "198.51.100.7")]
 
 
 @pytest.mark.parametrize("text,lang,url,value", FOUND)

@@ -443,11 +443,34 @@ def make_doc(rnd, split: str, n: int) -> dict:
             "pii": page.pii, "keep": page.keep}
 
 
+# Cases a review found (issue 54: an address that starts with "_", code that has an address's shape, a version
+# after "upgrade to", a section number before "above"), written as they were met, one page a half, after the drawn
+# pages (which they leave as they were): (text, label or None)
+REVIEWED = {
+    "dev": [("Write to ", None), ("_admin@example.com", ("pii", "email")), (" for an account. In the notebook, ", None),
+            ("x@W.weight", ("keep", "code")), (" is the projection.\nPlease upgrade to ", None),
+            ("4.2.0.1", ("keep", "version")), (" before Friday; the steps are in ", None),
+            ("2.1.3.4", ("keep", "section")), (" above.", None)],
+    "held": [("Questions: ", None), ("_billing@example.org", ("pii", "email")), (". The layer computes ", None),
+             ("h@V.bias", ("keep", "code")), (" once.\nWe will upgrade the cluster to ", None),
+             ("3.1.0.2", ("keep", "version")), (" next week (see ", None), ("4.2.1.3", ("keep", "section")),
+             (" below).", None)],
+}
+
+
+def reviewed_doc(split: str, n: int) -> dict:
+    page = Page()
+    for text, label in REVIEWED[split]:
+        page.add(text, label)
+    return {"id": f"{split}-{n:04d}", "split": split, "lang": "en", "url": None, "text": page.text,
+            "pii": page.pii, "keep": page.keep}
+
+
 def build() -> list[dict]:
     docs = []
     for split, seed in SEEDS.items():
         rnd = random.Random(seed)
-        docs += [make_doc(rnd, split, n) for n in range(DOCS_PER_SPLIT)]
+        docs += [make_doc(rnd, split, n) for n in range(DOCS_PER_SPLIT)] + [reviewed_doc(split, DOCS_PER_SPLIT)]
     return docs
 
 

@@ -46,6 +46,7 @@ from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import phonenumbers
+from tld import is_tld
 
 PLACEHOLDERS = {"email": "email@example.com", "ipv4": "192.0.2.1", "ipv6": "2001:db8::1", "phone": "+1-555-0100"}
 KINDS = tuple(PLACEHOLDERS)
@@ -65,7 +66,7 @@ _TLD_REGION = {"uk": "GB"}
 # and patterns alone (_national_number): a doc dense in numbers costs a bounded matcher time
 MATCHER_READS = 1000
 
-EMAIL = re.compile(r"(?<![\w.%+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+"
+EMAIL = re.compile(r"(?<![\w.%+-])[A-Za-z0-9_][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+"
                    r"[A-Za-z]{2,24}(?![\w-])")
 _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 IPV4 = re.compile(rf"(?<![\w.]){_OCTET}(?:\.{_OCTET}){{3}}(?![\w]|\.\d)")
@@ -102,9 +103,12 @@ _IP_CUE = re.compile(r"(?:ip|ipv4|inet|from|to|at|via|src|dst|source|destination
 _VERSION_WORDS = (r"v|ver|version|release|build|rev|revision|patch|update|driver|firmware|bios|kernel|"
                   r"§|sec|section|chapter|chap|clause|article|art|paragraph|para|annex|appendix|part|rule|"
                   r"requirement|req|item|step|figure|fig|table|tab|abschnitt|kapitel|absatz|anhang|no|nr")
-_IP_VERSION_BEFORE = re.compile(rf"(?:[A-Za-z]/|version=|(?<![\w.])(?:{_VERSION_WORDS})\.?[\s-]*)$", re.I)
+_IP_VERSION_BEFORE = re.compile(rf"(?:[A-Za-z]/|version=|(?<![\w.])(?:{_VERSION_WORDS})\.?[\s-]*|"
+                                r"\b(?:upgrad|downgrad)(?:e|es|ed|ing)\s+(?:\w+\s+){0,3}to\s+|\bbump(?:s|ed|ing)?\s+"
+                                r"(?:\w+\s+){0,3}to\s+)$", re.I)  # "upgrade the cluster to 4.2.0.1" (not "update
+# the record to": an address as often as a version)
 _VERSION_AFTER = re.compile(r"(?:-(?:alpha|beta|rc|dev|pre|preview|snapshot|final)|\+|\.(?:exe|zip|msi|dmg|tar|gz|"
-                            r"deb|rpm|pkg|apk|jar|whl|so|dll))", re.I)
+                            r"deb|rpm|pkg|apk|jar|whl|so|dll)|\s+(?:above|below)\b)", re.I)  # "see 2.1.3.4 above"
 _PRODUCT_BEFORE = re.compile(r"(?:^|[^\w.+-])([.A-Z][\w.+-]*[\w+]|[A-Za-z]+\d\w*)[ \t]$")
 _IPV6_START = re.compile(r"^(?:2[0-9a-f]{3}|3ffe|fe[89ab][0-9a-f]|f[cd][0-9a-f]{2}|ff0[0-9a-f]|64)$", re.I)
 
@@ -145,6 +149,8 @@ def _email_ok(text: str, m: re.Match) -> bool:
     after = text[m.end():m.end() + 40]
     if _FILE_TLD.search(m.group(0)) or _CODE_AFTER.match(after) or _HOST_AFTER.match(after):
         return False
+    if not is_tld(m.group(0).rsplit(".", 1)[1].lower()):
+        return False  # x@W.weight: code, not an address (the TLD is no top-level domain of the Public Suffix List)
     return not _SSH_BEFORE.search(text[max(0, m.start() - 80):m.start()])
 
 
