@@ -21,10 +21,10 @@ export PYTHONWARNINGS := ignore::FutureWarning
 DEMO_SPEC ?= configs/demo.yaml
 PIP_VERSION := 26.3
 
-.PHONY: image image-save image-demo demo test faults airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser postgres cxx lock lock-check
+.PHONY: image image-save image-demo demo test lint faults airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser postgres cxx lock lock-check
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
-	@echo "make test   - run the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
+	@echo "make test   - the linter (ruff), then the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
 	@echo "make airflow - the Airflow UI on http://127.0.0.1:8080 with the project's DAGs (Ctrl-C or make airflow-stop)"
 	@echo "make faults [SEEDS=N] - the seeded fault matrix: faults in storage and the checkpoint protocol, invariants"
 	@echo "make lock   - regenerate requirements.lock and requirements-dev.lock (uv, every listed platform)"
@@ -147,10 +147,14 @@ cxx:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq g++ >/dev/null \
 	    || echo "apt-get install g++ failed: torch.compile on CPU will fail"; }
 
+# the linter first: pyflakes' errors, syntax errors, mutable defaults, pylint's errors (pyproject.toml [tool.ruff])
+lint: $(DEV_STAMP)
+	$(BIN)/ruff check .
+
 # two test files at a time (pytest-xdist): a third of the suite's time is spent waiting on its processes; every
 # test's time in var/test-artifacts/junit.xml (to keep the longest files first: tests/conftest.py LONGEST_FIRST)
 TEST_WORKERS ?= 2
-test: $(DEV_STAMP) $(CHECKOV) browser postgres cxx
+test: $(DEV_STAMP) $(CHECKOV) browser postgres cxx lint
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--junitxml=var/test-artifacts/junit.xml $(PYTEST_ARGS)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import random
 import string
-import subprocess
 import sys
 from pathlib import Path
 

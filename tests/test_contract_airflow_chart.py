@@ -267,7 +267,7 @@ def test_the_kubernetes_executor_makes_a_worker_pod_for_a_task_of_llm_pipeline(s
     boxes, pod, api = stack["boxes"], stack["pod"], stack["api"]
     for args in (["airflow", "dags", "unpause", "llm_pipeline"],
                  ["airflow", "dags", "trigger", "llm_pipeline", "-c", json.dumps({"spec": "configs/demo.yaml"})]):
-        r = wait_for(lambda: (lambda r: r if r.returncode == 0 else None)(boxes.run(*pod, args=args)), 300,
+        wait_for(lambda: (lambda r: r if r.returncode == 0 else None)(boxes.run(*pod, args=args)), 300,
                      f"`{' '.join(args[:3])}` (the dag-processor serialises the DAG first)", every=10)
     try:
         made = wait_for(lambda: api.pods, PROBE_BOUND_S, "the executor to create a worker pod", every=2)

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pyspark
@@ -91,12 +90,12 @@ def master(tmp_path_factory):
 def _spec(tmp: Path) -> Path:
     """A spec whose Spark stages would run on Kubernetes: the conf our stages give a k8s:// master."""
     spec = tmp / "spec.yaml"
-    spec.write_text(textwrap.dedent(f"""\
-        run: {{name: contract, root: /fsx/llm-pipeline/var/runs}}
-        data: {{inputs: [/fsx/in.jsonl]}}
-        services: {{spark_master: "k8s://https://kubernetes.default.svc", spark_image: "localhost/llm-pipeline:latest",
-                   spark_namespace: llm-pipeline, spark_service_account: spark}}
-        launcher: {{shared_fs_claim: fsx-llm-pipeline, shared_fs_mount: /fsx}}
+    spec.write_text(textwrap.dedent("""\
+        run: {name: contract, root: /fsx/llm-pipeline/var/runs}
+        data: {inputs: [/fsx/in.jsonl]}
+        services: {spark_master: "k8s://https://kubernetes.default.svc", spark_image: "localhost/llm-pipeline:latest",
+                   spark_namespace: llm-pipeline, spark_service_account: spark}
+        launcher: {shared_fs_claim: fsx-llm-pipeline, shared_fs_mount: /fsx}
         """))
     return spec
 
