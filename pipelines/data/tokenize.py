@@ -1,7 +1,7 @@
 """Tokenize on Spark: train (or take) a SentencePiece model, then every partition encodes its documents and writes
 its own mmap shards.
 
-* Canonical text before tokenization (:func:`canonical_text`): Unicode NFKC, ``\\r\\n``/``\\r`` → ``\\n``. The trained model
+* Canonical text before tokenization (:func:`pipelines.data.text.canonical_text`): Unicode NFKC, ``\\r\\n``/``\\r`` → ``\\n``. The trained model
   uses SentencePiece's ``identity`` normaliser, keeps whitespace as is, has ``\\n`` as a piece and
   byte fallback, so ``decode(encode(doc)) == canonical_text(doc)`` exactly. ``tokenizer.model_type``: ``bpe`` or
   ``unigram`` (``vocab_size`` pieces), ``char`` (one piece per character of the sample, no fallback: a character
@@ -36,7 +36,6 @@ import itertools
 import math
 import shutil
 import sys
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from pipelines.data.lineage import (TakedownList, excluded_docs, list_held, read
                                     shards_holding, split_by_exclusion)
 from pipelines.data.shards import ShardWriter, token_dtype
 from pipelines.data.spark import Piece, piece_batches
+from pipelines.data.text import canonical_text
 from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
 from pipelines.manifest import Manifest, StageError, file_ref, input_ref, load_manifest, sha256_file, under
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
@@ -63,14 +63,6 @@ class ListChanged(TokenizeError):
     retry) applies the current list (exit 75)."""
 
     exit_code = RETRY
-
-
-def canonical_text(text: str) -> str:
-    """The text the tokenizer sees (and decodes back to): NFKC, newlines as ``\\n``. Not MinHash's
-    ``normalize`` (lowercase, punctuation dropped), which only decides what counts as a duplicate."""
-    if not text.isascii() and not unicodedata.is_normalized("NFKC", text):  # ASCII is NFKC already
-        text = unicodedata.normalize("NFKC", text)
-    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
 def split_of(doc_id: str, seed: int, heldout_fraction: float) -> str:

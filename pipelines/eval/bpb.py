@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from pipelines.data.tokenize import canonical_text
+from pipelines.data.text import canonical_text
 
 
 def read_text(path: str | Path) -> str:

@@ -121,7 +121,7 @@ def hf_tokenizer(sp_model: Path, seq_len: int):
 
 def tokenizer_mismatches(tok, sp) -> list[str]:
     """The check texts on which ``tok`` (a Hugging Face tokenizer) and SentencePiece give different ids."""
-    from pipelines.data.tokenize import canonical_text
+    from pipelines.data.text import canonical_text
 
     texts = [canonical_text(t) for t in CHECK_TEXTS]
     return [t for t in texts if tok(t, add_special_tokens=False)["input_ids"] != sp.encode(t)]

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from pipelines.data.tokenize import canonical_text
+from pipelines.data.text import canonical_text
 
 
 @dataclass
