@@ -143,3 +143,15 @@ def test_the_register_stage_logs_the_hf_directory_with_the_version_once(bpe_mode
     assert set(export.HF_FILES) <= {p.name for p in got.iterdir()}
     text = (got / "README.md").read_text()
     assert "export-test v1" in text and "llmp_arc_easy: 2/100" in text and "h" * 64 in text and "not found under `run.root`" in text
+
+
+def test_an_out_path_under_a_file_or_that_is_a_file_is_one_line_and_exit_2(tmp_path, capsys):
+    """--out that cannot be a directory is the user's to fix: one line, exit 2, before the registry is asked."""
+    from pipelines.eval import export
+
+    afile = tmp_path / "model.bin"
+    afile.write_text("x")
+    for out in (afile, afile / "hf"):
+        assert export.main(["--model", "m@champion", "--format", "hf", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"export: error: --out {out}: {afile} is a file"), err

@@ -286,9 +286,17 @@ def card_config(spec_dict: dict) -> dict:
 
 def check_out(out: Path) -> dict:
     """``out`` may be new, empty, or hold an earlier export (its :data:`MARKER` lists every file in it; a try cut
-    short leaves a ``.export-*`` directory): nothing of anyone else is overwritten. Returns the earlier marker."""
+    short leaves a ``.export-*`` directory): nothing of anyone else is overwritten; nor below a file, nor where this
+    user cannot write (the nearest existing directory). Returns the earlier marker."""
     if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out}: exists and is not a directory")
+        raise ExportError(f"--out {out}: {out} is a file, not a directory: choose a new or empty directory")
+    for p in out.parents if not out.exists() else (out,):
+        if p.exists():
+            if not p.is_dir():
+                raise ExportError(f"--out {out}: {p} is a file, not a directory: choose a new or empty directory")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ExportError(f"--out {out}: {p} is not writable by this user: choose another directory")
+            break
     names = {p.name for p in out.iterdir() if not p.name.startswith(".export-")} if out.is_dir() else set()
     if not names:
         return {}
@@ -431,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf-dtype", choices=("f32", "f16"), default="f32", help="GGUF matrices (norms stay f32)")
     add_spec_args(ap)
     args = ap.parse_args(argv)
+    try:
+        check_out(Path(args.out))  # before anything is downloaded (export checks again before it writes)
+    except ExportError as e:
+        print(f"export: error: {e}", file=sys.stderr)
+        return 2
     spec = spec_from_args(args)
     from mlflow.exceptions import MlflowException
 
