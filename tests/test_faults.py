@@ -339,8 +339,9 @@ def test_fault_rules_fire_where_and_as_often_as_they_say(tmp_path, monkeypatch):
 # on L1, EIO on L0 with a slow listing, a reset and a refused PUT, a truncated .zst; on two nodes, rank 0's node lost
 # in the merge (its part staged, no COMMIT), then the node of rank 0 (by then the other one: c10d ranks the nodes
 # anew) lost while a restore stages the parts again, and rank 0 dead after staging; and the cluster's events: a preemption notice in the merge (the retry resumes at the
-# step the ranks stopped after) with a hung S3 PutObject, and a rank stopped after step 11 (found by its heartbeat)
-SUBSET = [(2, 14, 36), (8, 31), (1, 9), (25, 84), 29, (5, 147), (46, 143), 23]
+# step the ranks stopped after) with a hung S3 PutObject, and a rank stopped after step 11 (found by its heartbeat);
+# and storage that lies (issue 52): on two nodes, the renewing node's clock 90 s behind, more than the lease
+SUBSET = [(2, 14, 36), (8, 31), (1, 9), (25, 84), 29, (5, 147), (46, 143), 23, 181]
 
 
 def test_a_seeded_subset_of_the_fault_matrix_holds_every_invariant(tmp_path, monkeypatch):
