@@ -327,6 +327,30 @@ def conditional_conflict(e: BaseException) -> bool:
         or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409)
 
 
+_probes: dict[tuple, object] = {}
+_probes_lock = threading.Lock()
+
+
+def probed(what: str, s3, bucket: str, check: Callable[[str, str], object]):
+    """``check(key, etag)`` of a small object of its own under ``.llmp-conditional-probe/`` (removed afterwards),
+    once per process for each ``what``, endpoint and bucket: what an endpoint honours does not change while we run."""
+    import uuid
+
+    memo = (what, s3.meta.endpoint_url, bucket)
+    with _probes_lock:
+        if memo in _probes:
+            return _probes[memo]
+    key = f".llmp-conditional-probe/{uuid.uuid4().hex}"
+    tag = s3.put_object(Bucket=bucket, Key=key, Body=b"1")["ETag"]
+    try:
+        found = check(key, tag)
+    finally:
+        s3.delete_object(Bucket=bucket, Key=key)
+    with _probes_lock:
+        _probes[memo] = found
+    return found
+
+
 def conditions(honoured: bool, expected: Optional[str]) -> dict:
     """A write's conditions: the object must still be the one read (``If-Match: <expected ETag>``) or still be absent
     (``If-None-Match: *``, ``expected`` None); none where the endpoint does not honour them."""

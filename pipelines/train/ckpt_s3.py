@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
@@ -21,7 +19,8 @@ from typing import Callable, Optional
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
 from pipelines.storage.s3 import (b64, checksums_verified, composite_sha256, conditional_conflict, conditions,
-                                  object_matches, part_digests, part_size_used, precondition_failed, unreachable)
+                                  object_matches, part_digests, part_size_used, precondition_failed, probed,
+                                  unreachable)
 from pipelines.train import fence
 from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
                                         manifest_files, part_name, verify_local)
@@ -141,10 +140,6 @@ def put_file(s3, bucket: str, key: str, path: Path, sha_hex: str, when: dict) ->
                       **when)
 
 
-_completion: dict[tuple[str, str], tuple[bool, bool]] = {}
-_completion_lock = threading.Lock()
-
-
 def completion_conditions(s3, bucket: str, expected: Optional[str]) -> dict:
     """The conditions a multipart completion carries at this endpoint: ``If-None-Match: *`` (the object still
     absent) or ``If-Match: <expected>``, each only where the endpoint honours it on CompleteMultipartUpload (probed
@@ -161,20 +156,12 @@ def completion_honoured(s3, bucket: str) -> tuple[bool, bool]:
     """(If-None-Match honoured, If-Match honoured) on CompleteMultipartUpload: a one-part upload over a small object
     of its own, completed once with each condition false (a 412 is honoured; a success or another refusal, such as
     501, is not); the probe object is removed."""
-    key = (s3.meta.endpoint_url, bucket)
-    with _completion_lock:
-        if key in _completion:
-            return _completion[key]
-    probe = f".llmp-conditional-probe/{uuid.uuid4().hex}"
-    tag = s3.put_object(Bucket=bucket, Key=probe, Body=b"1")["ETag"]
-    try:
-        found = (_completion_refused(s3, bucket, probe, {"IfNoneMatch": "*"}),
-                 _completion_refused(s3, bucket, probe, {"IfMatch": '"0"' if tag != '"0"' else '"1"'}))
-    finally:
-        s3.delete_object(Bucket=bucket, Key=probe)
-    with _completion_lock:
-        _completion[key] = found
-    return found
+    def check(key: str, tag: str) -> tuple[bool, bool]:
+        wrong = '"0"' if tag != '"0"' else '"1"'
+        return (_completion_refused(s3, bucket, key, {"IfNoneMatch": "*"}),
+                _completion_refused(s3, bucket, key, {"IfMatch": wrong}))
+
+    return probed("CompleteMultipartUpload", s3, bucket, check)
 
 
 def _completion_refused(s3, bucket: str, key: str, when: dict) -> bool:

@@ -18,16 +18,14 @@ cannot spoil a newer copy's files either.
 from __future__ import annotations
 
 import threading
-import uuid
 from typing import Callable, Optional
 
 from pipelines.storage import faults
-from pipelines.storage.s3 import conditional_conflict, conditions, precondition_failed
+from pipelines.storage.s3 import conditional_conflict, conditions, precondition_failed, probed
 from pipelines.train.checkpoint import L2Unavailable
 from pipelines.train.fence import FencedOut
 
-PROBE_PREFIX = ".llmp-conditional-probe/"
-_probed: dict[tuple[str, str], bool] = {}
+_said: set[tuple[str, str]] = set()  # the endpoints and buckets whose probe was told (one line each)
 _lock = threading.Lock()
 
 
@@ -50,22 +48,17 @@ def _refused(s3_or_call, **kw) -> bool:
 def supported(s3, bucket: str, log: Callable[[str], None] = print) -> bool:
     """Whether the endpoint honours ``If-None-Match: *`` and ``If-Match`` on PutObject for ``bucket``: probed once
     per process with a small object of its own (then removed); an endpoint that does not is named in one line."""
-    key = (s3.meta.endpoint_url, bucket)
+    def check(key: str, tag: str) -> bool:
+        wrong = '"0"' if tag != '"0"' else '"1"'
+        return _refused(s3, Bucket=bucket, Key=key, Body=b"2", IfNoneMatch="*") and \
+            _refused(s3, Bucket=bucket, Key=key, Body=b"3", IfMatch=wrong) and \
+            _refused(s3.delete_object, Bucket=bucket, Key=key, IfMatch=wrong)
+
+    ok = probed("PutObject", s3, bucket, check)
     with _lock:
-        if key in _probed:
-            return _probed[key]
-    probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
-    tag = s3.put_object(Bucket=bucket, Key=probe, Body=b"1")["ETag"]
-    wrong = '"0"' if tag != '"0"' else '"1"'
-    try:
-        ok = _refused(s3, Bucket=bucket, Key=probe, Body=b"2", IfNoneMatch="*") and \
-            _refused(s3, Bucket=bucket, Key=probe, Body=b"3", IfMatch=wrong) and \
-            _refused(s3.delete_object, Bucket=bucket, Key=probe, IfMatch=wrong)
-    finally:
-        s3.delete_object(Bucket=bucket, Key=probe)
-    with _lock:
-        _probed[key] = ok
-    if not ok:
+        first = (s3.meta.endpoint_url, bucket) not in _said
+        _said.add((s3.meta.endpoint_url, bucket))
+    if not ok and first:
         log(f"[ckpt] L2 {s3.meta.endpoint_url} (bucket {bucket}) ignores conditional writes (If-None-Match, If-Match): "
             "fences on L2 are checked by this client before each write, and a writer paused between its check and "
             "its write could land after a newer term (AWS S3 and moto honour them; rclone serve s3 does not)")
