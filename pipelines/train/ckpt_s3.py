@@ -215,13 +215,13 @@ def upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: 
             else:
                 put_file(s3, bucket, key, src / rel, info["sha256"], conditions(honoured, seen))
         except Exception as e:  # noqa: BLE001 - a 412 is a newer term's object; a 409 is retried later
-            _refused_upload(e, f"uploading {rel}: s3://{bucket}/{key}",
+            _refused_upload(e, rel, f"s3://{bucket}/{key}",
                             lambda: object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests))
         if not object_matches(s3, bucket, key, src / rel, info["sha256"], part, digests):
             raise CheckpointError(f"s3://{bucket}/{key} does not match {rel}'s sha256 after upload")
 
 
-def _refused_upload(e: Exception, what: str, ours: Callable[[], bool]) -> None:
+def _refused_upload(e: Exception, rel: str, where: str, ours: Callable[[], bool]) -> None:
     """After an upload raised ``e``. A refusal of its condition (412), or of a multipart completion whose upload is
     gone (``NoSuchUpload``: another writer of the key aborted it): nothing to do when the object holds our bytes
     (our own write, retried after its answer was lost); :class:`FencedOut` when this attempt is superseded (a newer
@@ -230,6 +230,7 @@ def _refused_upload(e: Exception, what: str, ours: Callable[[], bool]) -> None:
     else is raised as it is."""
     from botocore.exceptions import ClientError
 
+    what = f"uploading {rel}: {where}"
     gone = isinstance(e, ClientError) and str(e.response.get("Error", {}).get("Code")) == "NoSuchUpload"
     if conditional_conflict(e):
         raise L2Unavailable(f"{what}: a concurrent conditional write (409): later") from None
@@ -240,7 +241,7 @@ def _refused_upload(e: Exception, what: str, ours: Callable[[], bool]) -> None:
             return
     except Exception as read:  # noqa: BLE001 - not answered: an outage, not another writer
         raise L2Unavailable(f"{what}: refused ({type(e).__name__}), and the object could not be read: {read}") from None
-    fence.check(what, what.rsplit(" ", 1)[-1])  # superseded: FencedOut, the newer term's object stays
+    fence.check(what, where)  # superseded: FencedOut, the newer term's object stays
     raise L2Unavailable(f"{what}: another writer's object is there (not this attempt's, nor a newer term's): "
                         "the next upload replaces it") from None
 
