@@ -72,7 +72,7 @@ def _sync(device: str) -> None:
 
 def stall_rows(sizes: list[str], base: Path, device: str = "cpu") -> tuple[list[dict], Path]:
     from pipelines.spec import load_spec
-    from pipelines.train.checkpointer import Checkpointer
+    from pipelines.train.ckpt.checkpointer import Checkpointer
     from pipelines.train.model import param_count
 
     rows, keep = [], None
@@ -179,7 +179,9 @@ def _empty(client, bucket: str) -> None:
 def promotion_row(ckpt: Path, base: Path, url: str) -> dict:
     from pipelines.spec import load_spec
     from pipelines.storage import s3
-    from pipelines.train import ckpt_local, ckpt_s3, ckpt_tiers
+    from pipelines.train.ckpt import local as ckpt_local
+    from pipelines.train.ckpt import s3_tier as ckpt_s3
+    from pipelines.train.ckpt import tiers as ckpt_tiers
 
     spec = load_spec(None, [f"checkpoint.l0={base}/l0", f"checkpoint.l1={base}/l1", f"services.s3_endpoint_url={url}",
                             "services.s3_bucket=bench-ckpt"], env={})
@@ -287,8 +289,10 @@ def _two_node_job(tok: str, base: Path, url: str, l0: Path, disks: list[Path], s
 def two_node_rows(tok: str, url: str, steps: int = 30) -> dict | None:
     from pipelines.sim_nodes import namespaces_permitted
     from pipelines.spec import load_spec
-    from pipelines.train import checkpoint as ck
-    from pipelines.train import ckpt_local, ckpt_s3, ckpt_tiers
+    from pipelines.train.ckpt import protocol as ck
+    from pipelines.train.ckpt import local as ckpt_local
+    from pipelines.train.ckpt import s3_tier as ckpt_s3
+    from pipelines.train.ckpt import tiers as ckpt_tiers
 
     why = namespaces_permitted()
     if why:
@@ -354,7 +358,7 @@ def endpoint_readers(spec, uri: str) -> dict:
     import subprocess
 
     from pipelines.storage.s3 import endpoint_url, split_uri
-    from pipelines.train import ckpt_s3
+    from pipelines.train.ckpt import s3_tier as ckpt_s3
 
     bucket, prefix = split_uri(uri)
     files = ckpt_s3.read_s3_manifest(spec, uri)["files"]

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import yaml
 
+from pipelines.exit_codes import USER_ERROR
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import GPUS_PER_INSTANCE_TYPE, INSTANCE_TYPE_LABEL, redact
 
@@ -90,7 +91,7 @@ def read_outputs(path: str | list[str] | None, env: str | None) -> dict:
 def gpu_nodes(out: dict) -> dict:
     """What the training pods need of the GPU node group Terraform made: its node selector (the pool label and the
     instance type) and its GPUs per node (every rank of a node gets one); its taints must be the one the pods
-    tolerate (``nvidia.com/gpu``, NoSchedule: pipelines.train.k8s.GPU_TOLERATION)."""
+    tolerate (``nvidia.com/gpu``, NoSchedule: pipelines.launch.k8s.GPU_TOLERATION)."""
     groups = out.get("node_groups")
     group = groups.get("gpu") if isinstance(groups, dict) else None
     if not isinstance(group, dict):
@@ -170,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         out = read_outputs(args.outputs, args.env)
     except WiringError as e:
         print(f"cluster_config: error: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     base = yaml.safe_load(Path(args.base).read_text()) or {}
     try:
         spec = cluster_spec(out, base)
     except WiringError as e:
         print(f"cluster_config: error: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     from pipelines.spec import SpecError, load_spec
 
     text = f"# Written by pipelines.cluster_config from Terraform outputs (region {out['region']}).\n" + \
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         load_spec(args.out, env={})  # the result must be a valid spec
     except SpecError as e:
         print(f"cluster_config: error: the written spec does not validate: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     print(f"cluster_config: wrote {args.out} (launcher.kind=trainjob, Spark {out['spark_master']}, "
           f"MLflow {redact(out['mlflow_tracking_uri'])})")
     if args.connections:

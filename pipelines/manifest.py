@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 from urllib.parse import urlparse
 
+from pipelines.exit_codes import USER_ERROR
+
 MANIFEST_NAME = "manifest.json"
 _CHUNK = 1 << 20
 
@@ -260,7 +262,7 @@ class StageError(RuntimeError):
     """An input or a spec the user must fix: the stage CLI prints it as ``<stage>: error: …`` and exits with
     ``exit_code`` (2: orchestrators do not retry it)."""
 
-    exit_code = 2
+    exit_code = USER_ERROR
 
 
 class ManifestInvalid(StageError, ValueError):

@@ -28,6 +28,8 @@ from typing import Any, ClassVar, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipelines.exit_codes import USER_ERROR
+
 
 def project_home() -> Path:
     """Root that relative paths in the spec resolve against.
@@ -570,7 +572,7 @@ INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 class LauncherCfg(_Section):
     # which ClusterTrainingRuntime a TrainJob references does not change what the ranks compute, and a field new to
     # the key would re-key every train stage (a running week-long run would start over): not part of the key. (The
-    # API credentials a connection gives never enter the spec: pipelines.train.k8s.kube_target.)
+    # API credentials a connection gives never enter the spec: pipelines.launch.k8s.kube_target.)
     unhashed: ClassVar[frozenset[str]] = frozenset({"runtime"})
     kind: Literal["local", "trainjob", "pytorchjob", "kubernetes"] = Field(
         "local", description="'local': torchrun subprocesses here; 'trainjob': a Kubeflow Trainer v2 TrainJob "
@@ -583,7 +585,7 @@ class LauncherCfg(_Section):
     nnodes: int = Field(1, ge=1)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     threads_per_proc: int = Field(1, ge=1, description="OMP/torch threads per rank on CPU.")
-    # a Kubernetes kind: the job (TrainJob or PyTorchJob) the launcher renders (pipelines.train.k8s)
+    # a Kubernetes kind: the job (TrainJob or PyTorchJob) the launcher renders (pipelines.launch.k8s)
     image: str = Field("ghcr.io/llm-pipeline/trainer:latest", description="Container image with this package.")
     namespace: str = "llm-pipeline"
     efa_per_node: int = Field(0, ge=0, description="EFA interfaces per node (vpc.amazonaws.com/efa); 32 on p5.48xlarge.")
@@ -684,7 +686,7 @@ class TiersCfg(_Section):
         60.0, gt=0, description="Fencing: an attempt's lease on L1 expires this long after its last renewal (renewed "
         "every third of it while the attempt runs); an attempt superseded by a newer term, or whose lease expired, "
         "never commits, and start-up cleanup removes only the temp files of attempts whose lease has expired "
-        "(pipelines.train.fence).")
+        "(pipelines.train.ckpt.fence).")
 
 
 class EvalCfg(_Section):
@@ -720,7 +722,7 @@ class EvalCfg(_Section):
     @classmethod
     def _tasks(cls, v: list[str]) -> list[str]:
         """Names non-empty and none twice; whether lm-eval knows a name and can build its task offline is the
-        stages' check (``pipelines.eval.task_files.eval_tasks``: seconds, lm-eval's index)."""
+        stages' check (``pipelines.eval_sets.eval_tasks``: seconds, lm-eval's index)."""
         bad = [n for n in v if not isinstance(n, str) or not n.strip()]
         if bad:
             raise ValueError(f"task names must be non-empty strings, got {bad}")
@@ -972,7 +974,7 @@ def spec_from_args(args) -> JobSpec:
         import sys
 
         print(f"spec: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(USER_ERROR) from None
 
 
 if __name__ == "__main__":  # pragma: no cover - convenience: print the effective spec

@@ -46,7 +46,7 @@ class TrainingJobTrigger(BaseTrigger):
                  "started": self.started, "kube_conn_id": self.kube_conn_id})
 
     def _job(self):
-        from pipelines.train import k8s
+        from pipelines.launch import k8s
 
         return k8s, k8s.KINDS[self.kind]
 
@@ -70,7 +70,7 @@ class TrainingJobTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Follow the job to its end. A 401/403 while following it (a token that expired: EKS's last 15 minutes)
-        reads the credentials again (``pipelines.train.k8s.Session``: the kubeconfig and its exec plugin, the
+        reads the credentials again (``pipelines.launch.k8s.Session``: the kubeconfig and its exec plugin, the
         pod's service-account token), a bounded number of times, before the event says Failed (the task's retry
         starts with credentials resolved anew)."""
         k8s, k = self._job()

@@ -215,7 +215,7 @@ class FakeKube:
                 if obj.get("kind") != kind:
                     return self._status(400, "BadRequest", f"a {obj.get('kind')} posted to {m.group(2)}")
                 if fake.crds.get(kind) is not None:
-                    from pipelines.train.k8s import validate_job
+                    from pipelines.launch.k8s import validate_job
 
                     errs = validate_job(obj, fake.crds[kind])
                     if errs:

@@ -327,7 +327,7 @@ def reference_state(ctx: dict, run: dict, sc: dict) -> dict:
         return ctx["ref_state"]
     key = "ref " + " ".join(sc["sets"])
     if key not in ctx:
-        from pipelines.train import checkpoint as ck
+        from pipelines.train.ckpt import protocol as ck
 
         ref = run_one(ctx, f"reference {len(ctx)}", None, tuple(sc["sets"]))
         assert ref["rc"] == 0, ref["out"][-3000:]
@@ -509,7 +509,7 @@ def run_two(ctx: dict, name: str, rules) -> dict:
 
 
 def _two_node_reference(ctx: dict) -> dict:
-    from pipelines.train import checkpoint as ck
+    from pipelines.train.ckpt import protocol as ck
 
     ref = run_two(ctx, "reference 2 nodes", None)
     assert ref["rc"] == 0, ref["out"][-3000:]
@@ -538,8 +538,9 @@ def equal(a, b) -> bool:
 def check(ctx: dict, sc: dict, run: dict) -> dict:
     """The invariants of one run: {I1..I5: ok / n/a / FAIL: why}."""
     from pipelines.spec import load_spec
-    from pipelines.train import checkpoint as ck
-    from pipelines.train import ckpt_local, ckpt_tiers
+    from pipelines.train.ckpt import protocol as ck
+    from pipelines.train.ckpt import local as ckpt_local
+    from pipelines.train.ckpt import tiers as ckpt_tiers
 
     inv = {}
     root = run["root"]
@@ -748,7 +749,7 @@ def run_matrix(seeds: list, base: Path, log=print) -> list[dict]:
 def _rows(scs: dict, base: Path, stack: contextlib.ExitStack, log) -> list[dict]:
     from pipelines.sim_nodes import namespaces_permitted
     from pipelines.storage import faults
-    from pipelines.train import checkpoint as ck
+    from pipelines.train.ckpt import protocol as ck
 
     ctx = None
     rows = []

@@ -1,4 +1,4 @@
-"""Admission as the cluster decides a create (pipelines.train.admission): metadata, the CRD's schema and CEL rules,
+"""Admission as the cluster decides a create (pipelines.launch.admission): metadata, the CRD's schema and CEL rules,
 training-operator v1.8.1's PyTorchJob webhook and Trainer v2.3.0's TrainJob webhook. Every rule has a job that
 breaks it and the line naming it; the launcher's own jobs pass; the CLI exits 2 with the rule's line."""
 import copy
@@ -9,7 +9,9 @@ import yaml
 
 from pipelines.manifest import StageDir
 from pipelines.spec import load_spec
-from pipelines.train import admission, k8s
+from pipelines.launch import admission
+from pipelines.launch import k8s
+from pipelines.train import k8s as k8s_cli
 
 from conftest import ROOT, SHARED
 
@@ -242,7 +244,7 @@ def test_the_cli_refuses_a_pytorchjob_the_v181_schema_refuses_by_default(home, c
     monkeypatch.setitem(k8s.RENDER, "pytorchjob", wrong_type)
     base = [str(ROOT / "configs/llama3_8b.yaml"), "--tokenize-manifest", tok.path, "--set", "launcher.kind=pytorchjob",
             "--set", "launcher.min_nodes=null"]
-    assert k8s.main(base) == 2
+    assert k8s_cli.main(base) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("k8s: the cluster would refuse PyTorchJob llm-pipeline/"), line
     one([line], "spec.nprocPerNode: 8 is not of type 'string'", "[CRD schema]")
@@ -250,7 +252,7 @@ def test_the_cli_refuses_a_pytorchjob_the_v181_schema_refuses_by_default(home, c
     spec_props = loose["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     spec_props["nprocPerNode"].pop("type")
     (home / "loose.yaml").write_text(yaml.safe_dump(loose))
-    rc, out = k8s.main([*base, "--crd", str(home / "loose.yaml")]), capsys.readouterr()
+    rc, out = k8s_cli.main([*base, "--crd", str(home / "loose.yaml")]), capsys.readouterr()
     assert rc == 0, out.err
     assert yaml.safe_load(out.out)["spec"]["nprocPerNode"] == 8
 
@@ -339,7 +341,7 @@ def _tokenize_manifest(home):
 def test_the_cli_prints_an_accepted_job_for_a_run_name_starting_with_a_digit(home, capsys):
     tok = _tokenize_manifest(home)
     for kind in ("trainjob", "pytorchjob"):
-        rc = k8s.main([str(ROOT / "configs/llama3_8b.yaml"), "--tokenize-manifest",
+        rc = k8s_cli.main([str(ROOT / "configs/llama3_8b.yaml"), "--tokenize-manifest",
                        tok.path, "--set", "run.name=7b-run", "--set", f"launcher.kind={kind}",
                        "--set", "launcher.min_nodes=null"])
         out = capsys.readouterr()
@@ -351,29 +353,29 @@ def test_the_cli_prints_an_accepted_job_for_a_run_name_starting_with_a_digit(hom
 def test_the_cli_exits_2_with_one_line_per_rule_the_job_breaks(home, capsys):
     tok = _tokenize_manifest(home)
     base = [str(ROOT / "configs/llama3_70b.yaml"), "--tokenize-manifest", tok.path]
-    assert k8s.main([*base, "--set", "launcher.image="]) == 2  # a PyTorchJob without an image
+    assert k8s_cli.main([*base, "--set", "launcher.image="]) == 2  # a PyTorchJob without an image
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2
     assert all(line.startswith("k8s: the cluster would refuse PyTorchJob llm-pipeline/") for line in err)
     one(err, "spec.pytorchReplicaSpecs[Master].template.spec.containers[0].image: Required value",
         "[training-operator v1.8.1 webhook: validatePyTorchReplicaSpecs]")
     one(err, "spec.pytorchReplicaSpecs[Worker].template.spec.containers[0].image")
-    assert k8s.main([*base, "--set", "launcher.kind=trainjob", "--set", "launcher.min_nodes=null",
+    assert k8s_cli.main([*base, "--set", "launcher.kind=trainjob", "--set", "launcher.min_nodes=null",
                      "--set", "launcher.namespace=Team_A"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("k8s: the cluster would refuse TrainJob Team_A/") and "[API server: namespace]" in line
-    assert k8s.main([*base, "--crd", str(home / "missing.yaml")]) == 2
+    assert k8s_cli.main([*base, "--crd", str(home / "missing.yaml")]) == 2
     assert "--crd" in capsys.readouterr().err
     # a CRD of the other kind, or a file that is no CRD: the user's to fix (exit 2, one line), never a traceback
-    assert k8s.main([*base, "--crd", str(k8s.DEFAULT_CRDS["trainjob"])]) == 2
+    assert k8s_cli.main([*base, "--crd", str(k8s.DEFAULT_CRDS["trainjob"])]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("k8s: error: --crd: ") and "defines TrainJob, not PyTorchJob" in line, line
     (home / "not-a-manifest.json").write_text("root:x:0:0:root:/root:/bin/bash\n")
-    assert k8s.main([base[0], "--tokenize-manifest", str(home / "not-a-manifest.json")]) == 2
+    assert k8s_cli.main([base[0], "--tokenize-manifest", str(home / "not-a-manifest.json")]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("k8s: error: "), line
     (home / "junk.yaml").write_text("a: [unclosed\n")
-    assert k8s.main([*base, "--crd", str(home / "junk.yaml")]) == 2
+    assert k8s_cli.main([*base, "--crd", str(home / "junk.yaml")]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert "is not a readable CustomResourceDefinition" in line, line
 
@@ -381,12 +383,12 @@ def test_the_cli_exits_2_with_one_line_per_rule_the_job_breaks(home, capsys):
 def test_the_submit_path_refuses_before_it_reaches_the_api_server(home):
     """run_job checks the job first: a refused one raises with the rule (the train stage's TrainError, exit 2)
     before any credentials are loaded (this kubeconfig does not exist)."""
-    from pipelines.train import launch
+    from pipelines.launch import ranks
 
     spec = load_spec(None, ["launcher.kind=trainjob", f"launcher.kubeconfig={home / 'no-kubeconfig'}",
                             "launcher.namespace=Team_A"], env={})
     with pytest.raises(k8s.JobFailed, match=r"^the cluster would refuse TrainJob Team_A/\S+: metadata\.namespace: "
                        r".*\[API server: namespace\]$"):
         k8s.run_job(spec, "unit", "pipelines.train.trainer", [])
-    with pytest.raises(launch.TrainError, match=r"would refuse TrainJob .*\[API server: namespace\]"):
-        launch.run_ranks(spec, "pipelines.train.trainer", [], run_id="unit")
+    with pytest.raises(ranks.TrainError, match=r"would refuse TrainJob .*\[API server: namespace\]"):
+        ranks.run_ranks(spec, "pipelines.train.trainer", [], run_id="unit")

@@ -5,8 +5,10 @@ import os
 import pytest
 
 from pipelines.storage.s3 import client
-from pipelines.train import checkpoint as ck
-from pipelines.train import ckpt_local, ckpt_s3, ckpt_tiers
+from pipelines.train.ckpt import protocol as ck
+from pipelines.train.ckpt import local as ckpt_local
+from pipelines.train.ckpt import s3_tier as ckpt_s3
+from pipelines.train.ckpt import tiers as ckpt_tiers
 from pipelines.spec import load_spec
 
 
@@ -109,7 +111,7 @@ def test_promote_refuses_one_part_of_a_step_that_l1_does_not_hold(home, s3_serve
 
 def test_an_l2_part_manifest_that_is_not_the_part_its_key_names_is_not_merged(home, s3_server):
     """Hostile L2: PARTS/part-1.json that says it is part 0 must not let its files skip the check."""
-    from pipelines.train import ckpt_parts
+    from pipelines.train.ckpt import parts as ckpt_parts
 
     spec = _spec(s3_server, **{"services.s3_bucket": "ckpt-liar"})
     uri = "s3://ckpt-liar/run/key/step-000060"
@@ -128,7 +130,7 @@ def test_a_restore_from_the_nodes_disks_says_that_l2_was_not_consulted(home):
     which may hold a newer step; one line says so (none when L1 holds that step)."""
     from types import SimpleNamespace
 
-    from pipelines.train import restore
+    from pipelines.train.ckpt import restore
 
     logs = []
     ckpt = SimpleNamespace(spec=load_spec(None, [], env={}), rel_root="run/key", rec=None, log=logs.append)

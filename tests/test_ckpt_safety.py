@@ -16,8 +16,9 @@ import pytest
 
 from pipelines.spec import load_spec
 from pipelines.storage import faults
-from pipelines.train import checkpoint as ck
-from pipelines.train import ckpt_s3, ckpt_tiers
+from pipelines.train.ckpt import protocol as ck
+from pipelines.train.ckpt import s3_tier as ckpt_s3
+from pipelines.train.ckpt import tiers as ckpt_tiers
 
 from conftest import ROOT
 from test_resilience import TINY, _env, _tok
@@ -129,6 +130,8 @@ def test_two_concurrent_runs_of_one_stage_key_never_write_at_once(tmp_path):
 
 def test_force_starts_a_new_generation_and_retires_the_old_one_only_after_it_commits(home, s3_server):
     from pipelines import tracking
+    from pipelines.launch import ranks
+    from pipelines.train.job import train_job
     from pipelines.train import launch
 
     sets = TINY + ["train.steps=20", "train.ckpt_every=10", "launcher.nproc_per_node=2", "launcher.max_restarts=0",
@@ -147,7 +150,7 @@ def test_force_starts_a_new_generation_and_retires_the_old_one_only_after_it_com
     # Force, and the new run dies at step 10: the old generation is intact on every tier
     os.environ["LLMP_FAULT_EXIT_AT_STEP"] = "10"
     try:
-        with pytest.raises(launch.TrainError):
+        with pytest.raises(ranks.TrainError):
             launch.run(load_spec(None, sets + ["run.force=true"], env={}), tok)
     finally:
         os.environ.pop("LLMP_FAULT_EXIT_AT_STEP")
@@ -168,7 +171,7 @@ def test_force_starts_a_new_generation_and_retires_the_old_one_only_after_it_com
     assert third.path == second.path and ckpt_tiers.read_generations(spec, old)["retiring"] == []
     assert ckpt_tiers.list_steps(spec, old) == {"L0": [10], "L1": [10], "L2": [10]}  # only what the model needs
     assert ckpt_tiers.list_steps(spec, new)["L1"][-1] == 20 and ckpt_tiers.list_steps(spec, new)["L0"] == [10, 20]
-    assert launch.train_job(spec, tok).rel_root == new  # the committed generation is the key's
+    assert train_job(spec, tok).rel_root == new  # the committed generation is the key's
 
 
 @pytest.mark.parametrize("record", [{"retiring": ["../../victim"]}, {"current": "/abs/elsewhere"},

@@ -79,7 +79,7 @@ def _outputs(instance_type: str) -> dict:
 def test_cluster_config_sizes_and_places_the_training_pods_for_the_node_group(tmp_path):
     from pipelines import cluster_config as cc
     from pipelines.spec import load_spec
-    from pipelines.train import k8s
+    from pipelines.launch import k8s
 
     node = gpu_group()
     for itype, gpus in (("g6e.xlarge", 1), ("p5.48xlarge", 8)):

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, c4_docs
 from pipelines.data import decontaminate as dc
-from pipelines.eval.task_files import read_rows
+from pipelines.eval_sets import read_rows
 from pipelines.spec import DecontaminateCfg
 from test_tokenize import _filter_manifest
 

@@ -21,6 +21,7 @@ from conftest import c4_docs, free_port, shard_layout
 from pipelines.data import tokenize
 from pipelines.eval import bpb, harness, registry, scorer
 from pipelines.eval.lm import TextModel
+from pipelines.eval_sets import set_sha256
 from pipelines.spec import TokenizerCfg, load_spec
 from pipelines.train.model import ModelArgs, Transformer
 
@@ -164,7 +165,7 @@ def test_gate_moves_only_to_no_worse_on_the_same_set_and_rescores_the_champion_o
     ref_a.write_text("The cat sat on the mat. " * 20)
     ref_b.write_text("A different reference set, with other words in it. " * 20)
     spec = _spec(home, "gate-test", [ref_a])
-    sha_a = bpb.set_sha256(reference_files(spec))
+    sha_a = set_sha256(reference_files(spec))
     run_id = tracking.start_run(spec, run_name="t")
     lineage = {"data_manifest_hash": "d" * 64, "tokenizer_hash": "t" * 64, "config_hash": "c" * 64}
     reg = lambda s, ck, value, sha: registry.register(  # noqa: E731
@@ -183,7 +184,7 @@ def test_gate_moves_only_to_no_worse_on_the_same_set_and_rescores_the_champion_o
 
     # a new reference set: the champion (v3 = models[1]) is scored on it before the comparison
     spec_b = _spec(home, "gate-test", [ref_b])
-    sha_b = bpb.set_sha256(reference_files(spec_b))
+    sha_b = set_sha256(reference_files(spec_b))
     truth = bpb.bits_per_byte(TextModel.load(models[1]), bpb.read_text(ref_b))["bits_per_byte"]
     stays = reg(spec_b, models[0], truth + 0.01, sha_b)
     assert stays["champion_rescored"] and not stays["alias_moved"] and champ() == "3"
@@ -293,7 +294,7 @@ def test_the_gate_fails_closed_and_a_retried_register_makes_one_version(models, 
     ref_a.write_text("The cat sat on the mat. " * 20)
     ref_b.write_text("Another set of words for the reference. " * 20)
     spec = _spec(home, "closed", [ref_a])
-    sha_a = bpb.set_sha256(reference_files(spec))
+    sha_a = set_sha256(reference_files(spec))
     run_id = tracking.start_run(spec, run_name="t")
     lineage = {"data_manifest_hash": "d" * 64, "config_hash": "c" * 64}
     c = tracking.client(spec)
@@ -311,7 +312,7 @@ def test_the_gate_fails_closed_and_a_retried_register_makes_one_version(models, 
     for f in art.rglob("model.pt"):
         f.write_bytes(b"not a state dict")
     spec_b = _spec(home, "closed", [ref_b])
-    sha_b = bpb.set_sha256(reference_files(spec_b))
+    sha_b = set_sha256(reference_files(spec_b))
     for _ in range(2):  # the task's retries meet the same failure
         with pytest.raises(registry.GateError, match="could not be re-scored"):
             registry.register(spec_b, models[1], run_id, lineage, {"reference_bpb": 0.5}, _ev_extra(spec_b, sha_b),
@@ -337,7 +338,7 @@ def test_the_version_is_a_logged_model_of_the_training_run_with_its_metrics_on_d
     ref = home / "r.txt"
     ref.write_text("Some reference text to score. " * 30)
     spec = _spec(home, "lineage", [ref])
-    sha = bpb.set_sha256(reference_files(spec))
+    sha = set_sha256(reference_files(spec))
     c = tracking.client(spec)
     train_run = tracking.start_run(spec, run_name="train")
     for step, loss in enumerate([5.0, 4.0, 3.5]):
@@ -415,7 +416,8 @@ def test_register_of_a_model_above_the_single_process_limit_does_not_load_it_in_
     import shutil
 
     from pipelines import tracking
-    from pipelines.train import checkpoint, ckpt_local
+    from pipelines.train.ckpt import protocol as checkpoint
+    from pipelines.train.ckpt import local as ckpt_local
 
     tmp = home / "ckpt.tmp"
     shutil.copytree(models[0], tmp)
@@ -470,7 +472,7 @@ def test_a_stock_mlflow_server_over_http_gets_the_same_lineage(models, home, tmp
         ref = home / "r.txt"
         ref.write_text("Some reference text to score over HTTP. " * 30)
         spec = _spec(home, "stock", [ref], **{"services.mlflow_tracking_uri": f"http://127.0.0.1:{port}"})
-        sha = bpb.set_sha256(reference_files(spec))
+        sha = set_sha256(reference_files(spec))
         run_id = tracking.start_run(spec, run_name="train")
         res = registry.register(spec, models[0], run_id, {"data_manifest_hash": "d" * 64}, {"reference_bpb": 2.5},
                                 _ev_extra(spec, sha), home / "w")
@@ -499,7 +501,7 @@ def test_a_register_that_died_before_the_metrics_reached_the_logged_model_is_com
     ref = home / "r.txt"
     ref.write_text("Reference text for the retried registration. " * 30)
     spec = _spec(home, "retried", [ref])
-    sha = bpb.set_sha256(reference_files(spec))
+    sha = set_sha256(reference_files(spec))
     run_id = tracking.start_run(spec, run_name="train")
     args = (spec, models[0], run_id, {"data_manifest_hash": "d" * 64}, {"reference_bpb": 2.5}, _ev_extra(spec, sha),
             home / "w")

@@ -21,9 +21,12 @@ from pathlib import Path
 import pytest
 
 from pipelines.spec import load_spec
-from pipelines.train import checkpoint as ck
-from pipelines.train import ckpt_local, ckpt_parts, ckpt_s3, ckpt_tiers
-from pipelines.train import lineage
+from pipelines.train.ckpt import protocol as ck
+from pipelines.train.ckpt import local as ckpt_local
+from pipelines.train.ckpt import parts as ckpt_parts
+from pipelines.train.ckpt import s3_tier as ckpt_s3
+from pipelines.train.ckpt import tiers as ckpt_tiers
+from pipelines.train.ckpt import history
 
 from conftest import ROOT
 from test_resilience import TINY, _assert_bitwise_equal, _env, _final_state, _launch_cmd, _tok, _torchrun_trainer
@@ -261,7 +264,7 @@ def _step(root: Path, step: int, part: int = 0, parts: int = 1, attempt: str = "
 
 
 def test_restore_candidates_survive_an_unanswering_l2_and_see_parts_staged_before_the_merge(home):
-    from pipelines.train.restore import candidates, l2_candidates
+    from pipelines.train.ckpt.restore import candidates, l2_candidates
 
     spec = load_spec(None, [f"checkpoint.l1={home}/l1", "services.s3_endpoint_url=http://127.0.0.1:9",
                             "checkpoint.s3_connect_timeout_s=1", "checkpoint.s3_max_attempts=1"], env={})
@@ -282,19 +285,19 @@ def test_restore_candidates_survive_an_unanswering_l2_and_see_parts_staged_befor
 
 
 def test_an_abandoned_line_shadows_nothing_in_restore_or_retention(home):
-    from pipelines.train.restore import candidates
+    from pipelines.train.ckpt.restore import candidates
 
     spec = load_spec(None, [f"checkpoint.l0={home}/l0", f"checkpoint.l1={home}/l1", "checkpoint.keep_l0=2",
                             "checkpoint.keep_l1=2"], env={})
     l0 = home / "l0" / "run" / "key"
     for s in (10, 20, 30, 40):  # the first line, resumed at 20 (train.resume=20): 30 and 40 are abandoned
         _step(l0, s)
-    rec = lineage.fork(None, "tok", 20)
+    rec = history.fork(None, "tok", 20)
     for s in (30,):  # the new line's first step overwrites the old 30; the old 40 stays behind
         _step(home / "new", s, lin="tok")
         ckpt_local.remove_local(l0 / ck.step_name(s))
         (home / "new" / ck.step_name(s)).rename(l0 / ck.step_name(s))
-    inv = {s: (*ckpt_parts.part_of(m), lineage.of(m)) for s, m in ckpt_parts.local_parts(l0).items()}
+    inv = {s: (*ckpt_parts.part_of(m), history.of(m)) for s, m in ckpt_parts.local_parts(l0).items()}
     assert [x["step"] for x in candidates(_Ckpt(spec, "run/key", rec), {0: inv}, None)] == [30, 20, 10]
     assert [x["step"] for x in candidates(_Ckpt(spec, "run/key"), {0: inv}, None)][0] == 40  # by number alone
     deleted = ckpt_tiers.prune(spec, "run/key", upto=30, tiers=("L0",), rec=rec)
@@ -370,7 +373,7 @@ def test_a_seeded_subset_of_the_fault_matrix_holds_every_invariant(tmp_path, mon
 def test_rank_0_takes_only_this_attempts_l2_marks_and_clears_them(home):
     """A node's mark that its part reached L2 names its attempt: a mark a dead attempt left for the same step is not
     taken for this attempt's (that would commit a step on L2 before its parts are there), and the wait is bounded."""
-    from pipelines.train.checkpointer import Events, Promoter, Topology
+    from pipelines.train.ckpt.promoter import Events, Promoter, Topology
 
     spec = load_spec(None, [f"checkpoint.l0={home}/l0", f"checkpoint.l1={home}/l1",
                             "checkpoint.collective_timeout_minutes=0.01"], env={})
@@ -419,7 +422,8 @@ def test_l1_lost_while_l2_cannot_list_never_starts_over_and_the_next_retry_resum
     rel_root = next((run / "l1").glob("*/*/step-*")).parent.relative_to(run / "l1").as_posix()
     before = _l2_commits(spec, rel_root)
     assert before and max(before) >= 5, before
-    from pipelines.train import fence, fence_l2
+    from pipelines.train.ckpt import fence
+    from pipelines.train.ckpt import fence_l2
 
     old_top = fence_l2.recorded_top(spec, rel_root)  # attempt 1 recorded its term on L2 before its first COMMIT
     assert old_top == fence.current_term(fence.fence_dir(spec, rel_root)) >= 1
@@ -444,7 +448,8 @@ def test_l1_lost_while_l2_cannot_list_never_starts_over_and_the_next_retry_resum
 
 
 def test_a_new_l1_takes_its_first_term_above_l2s_and_waits_while_l2_does_not_answer(home, s3_server):
-    from pipelines.train import fence, fence_l2
+    from pipelines.train.ckpt import fence
+    from pipelines.train.ckpt import fence_l2
 
     spec = load_spec(None, [f"checkpoint.l1={home}/l1", f"services.s3_endpoint_url={s3_server}",
                             "services.s3_bucket=ck-terms"], env={})

@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from pipelines.spec import load_spec
-from pipelines.train import ckpt_local, ckpt_tiers, fence
-from pipelines.train.checkpoint import COMMIT, CheckpointError, L2Unavailable
+from pipelines.train.ckpt import local as ckpt_local
+from pipelines.train.ckpt import tiers as ckpt_tiers
+from pipelines.train.ckpt import fence
+from pipelines.train.ckpt.protocol import COMMIT, CheckpointError, L2Unavailable
 
 from conftest import ROOT, wait_for
 
@@ -161,8 +163,9 @@ def test_a_starting_attempt_takes_the_next_term_and_clears_only_gone_attempts_te
     import torch.distributed as dist
 
     from conftest import free_port
-    from pipelines.train import checkpoint as ck
-    from pipelines.train.checkpointer import Checkpointer, Promoter
+    from pipelines.train.ckpt import protocol as ck
+    from pipelines.train.ckpt.checkpointer import Checkpointer
+    from pipelines.train.ckpt.promoter import Promoter
 
     spec = load_spec(None, ["checkpoint.promote_during_run=false"], env={})
     d, l0 = fence.fence_dir(spec, "run/key"), Path(ckpt_tiers.tier_locations(spec, "run/key")["L0"])
@@ -289,7 +292,8 @@ def test_the_launcher_does_not_commit_a_superseded_attempts_result(tmp_path):
 
 
 def test_an_older_term_deletes_no_commit_on_l2(home, s3_server, installed):
-    from pipelines.train import ckpt_parts, ckpt_s3
+    from pipelines.train.ckpt import parts as ckpt_parts
+    from pipelines.train.ckpt import s3_tier as ckpt_s3
 
     spec = load_spec(None, [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=fence"], env={})
     rel = "run/key/step-000020"
@@ -388,7 +392,7 @@ def test_the_launcher_fails_closed_when_the_fence_directory_is_missing_or_empty(
 def test_an_upload_of_many_files_stops_at_the_next_file_once_superseded(tmp_path, monkeypatch, installed):
     """The fence is checked before each file of a part, not only before its COMMIT: a superseded attempt sends no
     more files (fewer writes of an older term that could land after the newer term's)."""
-    from pipelines.train import ckpt_s3
+    from pipelines.train.ckpt import s3_tier as ckpt_s3
 
     spec = load_spec(None, [f"checkpoint.l1={tmp_path}/l1"], env={})
     d = tmp_path / "l1/run/key/.fence"
@@ -515,7 +519,7 @@ def test_a_zombie_attempt_stops_before_committing_and_the_retry_keeps_its_steps(
 
 
 def _part(root: Path, step: int, attempt: str, pad: int = 0) -> Path:
-    from pipelines.train import checkpoint as ck
+    from pipelines.train.ckpt import protocol as ck
 
     tmp = root / f".tmp-{step}"
     tmp.mkdir(parents=True)
@@ -529,7 +533,8 @@ def _b_commits_at_the_first_act(monkeypatch, spec, part: Path, uri: str, superse
     B uploads ``part`` and commits it, while the writer (attempt A) waits there; with ``supersede`` (A's fence
     directory), B's commit is a newer term's. Returns the list that records it."""
     from pipelines.storage import faults
-    from pipelines.train import ckpt_parts, ckpt_s3
+    from pipelines.train.ckpt import parts as ckpt_parts
+    from pipelines.train.ckpt import s3_tier as ckpt_s3
 
     paused = []
 
@@ -556,7 +561,9 @@ def test_a_writer_paused_between_its_check_and_its_l2_commit_cannot_land_over_a_
     fault point ``act``); meanwhile attempt B puts its own part of step 10 and commits it. When A resumes, an
     endpoint that honours conditional writes (AWS S3, moto) answers 412: A stops with FencedOut (exit 75) and B's
     commit stays. The embedded endpoint (rclone) ignores the conditions: that is said once, in one line."""
-    from pipelines.train import ckpt_parts, ckpt_s3, ckpt_s3_cond
+    from pipelines.train.ckpt import parts as ckpt_parts
+    from pipelines.train.ckpt import s3_tier as ckpt_s3
+    from pipelines.train.ckpt import s3_markers as ckpt_s3_cond
 
     enforced = server == "any_key_s3"
     bucket = f"ck-pause-{'moto' if enforced else 'rclone'}"
@@ -587,7 +594,8 @@ def test_a_writer_paused_before_a_data_object_cannot_spoil_a_newer_terms_files(h
     object (the fault point ``act``); meanwhile attempt B uploads and commits its own. A's put (or its multipart
     upload's completion) expects the object still absent: S3 answers 412, and A, superseded, stops with FencedOut;
     B's files stay whole (before: A's bytes replaced B's, and B's committed step no longer verified)."""
-    from pipelines.train import ckpt_parts, ckpt_s3
+    from pipelines.train.ckpt import parts as ckpt_parts
+    from pipelines.train.ckpt import s3_tier as ckpt_s3
 
     bucket = f"ck-pause-data-{pad}"
     spec = load_spec(None, [f"services.s3_endpoint_url={any_key_s3}", f"services.s3_bucket={bucket}",
@@ -609,7 +617,8 @@ def test_an_object_of_an_older_writer_that_appeared_meanwhile_is_retried_and_the
     makes A's upload retryable (L2Unavailable, exit 75 at worst), not FencedOut; A's next upload takes the step's
     COMMIT away first (a committed step is never left describing other bytes), then replaces the object under its
     condition."""
-    from pipelines.train import ckpt_parts, ckpt_s3
+    from pipelines.train.ckpt import parts as ckpt_parts
+    from pipelines.train.ckpt import s3_tier as ckpt_s3
 
     spec = load_spec(None, [f"services.s3_endpoint_url={any_key_s3}", "services.s3_bucket=ck-older-writer"], env={})
     uri = "s3://ck-older-writer/run/key/step-000010"
@@ -629,7 +638,7 @@ def test_own_conditional_writes_retried_after_a_lost_answer_are_not_a_newer_writ
     """botocore retries a put whose answer was lost; the object is then already ours and the retry's condition
     fails (412): that is not another writer."""
     from pipelines.storage.s3 import client
-    from pipelines.train import ckpt_s3_cond
+    from pipelines.train.ckpt import s3_markers as ckpt_s3_cond
 
     spec = load_spec(None, [f"services.s3_endpoint_url={any_key_s3}", "services.s3_bucket=ck-own-retry"], env={})
     s3 = client(spec)

@@ -295,18 +295,18 @@ STUB = textwrap.dedent("""
 def test_a_hang_past_torchruns_restarts_exits_75_naming_the_rank(tmp_path, home, capsys):
     """torchrun with no restarts left: the stage's error is retryable (75) and names the hung rank."""
     from pipelines.spec import load_spec
-    from pipelines.train import launch
+    from pipelines.launch import ranks
 
     (tmp_path / "llmp_hang_stub.py").write_text(STUB)
     spec = load_spec(None, ["launcher.nproc_per_node=2", "launcher.max_restarts=0"], env={})
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "LLMP_HEARTBEAT_DIR": str(tmp_path / "hb")}
     t0, err = time.monotonic(), None
     try:
-        launch.run_torchrun(spec, [], module="llmp_hang_stub", env_extra=env)
-    except launch.TrainError as e:
+        ranks.run_torchrun(spec, [], module="llmp_hang_stub", env_extra=env)
+    except ranks.TrainError as e:
         err = e
     took = time.monotonic() - t0
-    assert type(err) is launch.TrainRetry and err.exit_code == 75, err
+    assert type(err) is ranks.TrainRetry and err.exit_code == 75, err
     first = str(err).splitlines()[0]
     assert first.startswith("[hang] rank 1 (pid ") and "in 'stub work' at step 0" in first, err
     assert "torchrun's restarts are used up" in first and took < 20, (took, err)

@@ -195,8 +195,8 @@ def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rew
     removes new docs of it in the filter stage (reason takedown); once applied, nothing new means the same version."""
     from mlflow import MlflowClient
 
-    from pipelines.data import lineage
-    from pipelines.data.lineage import TAG
+    from pipelines.lineage import queries, takedowns
+    from pipelines.lineage.takedowns import TAG
     from pipelines.manifest import lineage as upstream
 
     docs = [d for d in c4_docs(400) if len(d["text"].split()) > 60]
@@ -209,10 +209,10 @@ def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rew
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'var' / 'mlflow.db'}")
     client.create_registered_model("td-model")
     client.create_model_version("td-model", str(home), tags={"data_manifest_hash": v1.digest})
-    held_b = lineage.source_query(spec, client, "b.jsonl")
+    held_b = queries.source_query(spec, client, "b.jsonl")
     assert held_b["corpus_versions"] and held_b["models"][0]["name"] == "td-model"
     for same in ("./b.jsonl", str(home / "b.jsonl"), str(home / "sub" / ".." / "b.jsonl")):  # one key, however spelt
-        assert lineage.source_query(spec, client, same)["corpus_versions"] == held_b["corpus_versions"]
+        assert queries.source_query(spec, client, same)["corpus_versions"] == held_b["corpus_versions"]
     n_b = held_b["corpus_versions"][0]["source_docs"]
     assert n_b > 20
 
@@ -229,8 +229,8 @@ def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rew
     assert _lineage(home, "--exclude-source", "b.jsonl", "--reason", "again")[1]["exclusion"]["added"] is False
     rc, out = _lineage(home, "--exclude-source", "HTTPS://OK.Example:443/take/", "--reason", "again")  # the same key
     assert rc == 0 and out["exclusion"]["added"] is False and out["exclusion"]["source"] == "https://ok.example/take/"
-    n_a = lineage.source_query(spec, client, "a.jsonl")["corpus_versions"][0]["source_docs"]
-    host = lineage.source_query(spec, client, "HTTPS://OK.EXAMPLE")  # a URL prefix: the host's docs, all of a's
+    n_a = queries.source_query(spec, client, "a.jsonl")["corpus_versions"][0]["source_docs"]
+    host = queries.source_query(spec, client, "HTTPS://OK.EXAMPLE")  # a URL prefix: the host's docs, all of a's
     assert host["source"] == "https://ok.example/" and host["corpus_versions"][0]["source_docs"] == n_a
     r = _lineage_run(home, "--source", "https://ok.ex")  # not a host boundary: nothing, and it says so
     assert r.returncode == 0 and json.loads(r.stdout)["corpus_versions"] == [] and "lineage: warning: no corpus " \
@@ -260,9 +260,9 @@ def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rew
     gone = set(before) - set(after)
     assert len(gone) == n_b + 4 and all(after[i] == before[i] for i in after)  # the rest, token for token
     assert sum(s["text_bytes"] for s in v2.extra["shards"]) < sum(s["text_bytes"] for s in v1.extra["shards"])
-    assert [v["version"] for v in lineage.source_query(spec, client, "b.jsonl")["corpus_versions"]] == [1]
-    assert [e.source for e in lineage.pending_takedowns(spec, v1.digest)] == ["b.jsonl", "https://ok.example/take/"]
-    assert lineage.pending_takedowns(spec, v2.digest) == []
+    assert [v["version"] for v in queries.source_query(spec, client, "b.jsonl")["corpus_versions"]] == [1]
+    assert [e.source for e in queries.pending_takedowns(spec, v1.digest)] == ["b.jsonl", "https://ok.example/take/"]
+    assert queries.pending_takedowns(spec, v2.digest) == []
 
     write_jsonl(home / "c.jsonl", [{"text": d["text"], "url": f"https://ok.example/{'take/' * (i < 2)}c{i}"}
                                    for i, d in enumerate(docs[130:140])])
@@ -276,7 +276,7 @@ def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rew
     assert v4.path == v3.path
     # an exclusion added after a run's filter stage: its tokenize stage applies it to the new docs itself (all of
     # c's here: with nothing else to take out, the version before stands)
-    lineage.add(home / "var" / "exclusions.jsonl", "c.jsonl", "late")
+    takedowns.add(home / "var" / "exclusions.jsonl", "c.jsonl", "late")
     assert tokenize.run(spec, filt, spark=spark, corpus=v2).path == v2.path
 
 
@@ -291,7 +291,7 @@ def test_a_takedown_during_a_curation_run_is_never_published_as_applied(home, sp
     newer list to the new docs itself; one added while tokenize runs is refused when the version would be published
     (exit 75: a retry applies it); the next run applies the list, and the version's record (digest, docs removed
     from earlier versions and by the filter stage) is what happened."""
-    from pipelines.data import lineage
+    from pipelines.lineage import queries, takedowns
     from pipelines.manifest import lineage as upstream
 
     docs = [d for d in c4_docs(300) if len(d["text"].split()) > 60]
@@ -308,7 +308,7 @@ def test_a_takedown_during_a_curation_run_is_never_published_as_applied(home, sp
         real = getattr(module, name)
 
         def hooked(*a, **kw):
-            lineage.add(listed, source, "owner request")
+            takedowns.add(listed, source, "owner request")
             return real(*a, **kw)
         monkeypatch.setattr(module, name, hooked)
         return real
@@ -319,15 +319,15 @@ def test_a_takedown_during_a_curation_run_is_never_published_as_applied(home, sp
     filt = filter_stage.run(spec, dd, spark=spark)
     monkeypatch.setattr(filter_stage, "filter_docs", real)
     assert filt.extra["takedown"] == {"exclusions": 0, "list_sha256": None, "removed": 0, "by_exclusion": []}
-    assert lineage.read_list(listed).sha256 is not None  # the list it did not apply is not recorded as applied
+    assert takedowns.read_list(listed).sha256 is not None  # the list it did not apply is not recorded as applied
     v2a = tokenize.run(spec, filt, spark=spark, corpus=v1)  # tokenize applies the current list to the new docs
     td = v2a.extra["takedown"]
-    assert td["list_sha256"] == lineage.read_list(listed).sha256
+    assert td["list_sha256"] == takedowns.read_list(listed).sha256
     assert [(x["source"], x["docs_removed"], x["new_docs_removed"]) for x in td["exclusions"]] == [
         ("https://b.example/x", 0, 10)] and td["new_docs_removed_by_tokenize"] == td["new_docs_removed"] == 10
     ids = {**tokenize.read_back(v2a, "train"), **tokenize.read_back(v2a, "heldout")}
     assert len({i for i in ids if i.startswith("b.jsonl:")}) == 20 and v2a.counts["new_docs"] == 20  # the y docs
-    assert lineage.pending_takedowns(spec, v2a.digest) == []
+    assert queries.pending_takedowns(spec, v2a.digest) == []
     print(f"filter raced: corpus v2 published with {td['new_docs_removed_by_tokenize']} new docs left out by tokenize")
 
     real = takedown_inside(tokenize, "encode_new", "https://a.example/1")  # while tokenize runs: refused at publish
@@ -336,11 +336,11 @@ def test_a_takedown_during_a_curation_run_is_never_published_as_applied(home, sp
     assert e.value.exit_code == 75  # retried: a retry of the stage applies the current list
     print(f"tokenize raced: {e.value}")
     monkeypatch.setattr(tokenize, "encode_new", real)
-    assert [v.path for v in lineage.corpus_versions(spec)] == [v1.path, v2a.path]
+    assert [v.path for v in queries.corpus_versions(spec)] == [v1.path, v2a.path]
 
     _, _, v2 = _curate(spec, spark, corpus=v1)  # the next run applies the current list
     filt = load_manifest(upstream(v2.path)["filter"])
-    current = lineage.read_list(listed).sha256
+    current = takedowns.read_list(listed).sha256
     td = v2.extra["takedown"]
     assert td["list_sha256"] == filt.extra["takedown"]["list_sha256"] == current
     a1 = [r["id"] for r in pq.read_table(load_manifest(upstream(v1.path)["filter"]).output("kept")).to_pylist()
@@ -353,7 +353,7 @@ def test_a_takedown_during_a_curation_run_is_never_published_as_applied(home, sp
     assert set(before) - set(ids) == set(a1) and len(a1) == 1  # /1 only: not /10 … /19 (a path boundary)
     kept_b = {r["id"] for r in pq.read_table(filt.output("kept")).to_pylist() if r["source"] == "b.jsonl"}
     assert len(kept_b) == 20 and {i for i in ids if i.startswith("b.jsonl:")} == kept_b  # the y docs, no x doc
-    assert lineage.source_query(spec, _NoModels(), "https://b.example/x/")["corpus_versions"] == []
+    assert queries.source_query(spec, _NoModels(), "https://b.example/x/")["corpus_versions"] == []
     print(f"published: corpus v{v2.extra['corpus']['version']}, list {current[:12]} applied; "
           + ", ".join(f"{x['source']}: {x['docs_removed']} from earlier versions, {x['new_docs_removed']} new"
                       for x in td["exclusions"]))
@@ -366,7 +366,7 @@ def test_keys_are_compared_as_sources_not_strings(home):
 
     import pyarrow as pa
 
-    from pipelines.data.lineage import Matcher, source_key
+    from pipelines.lineage.keys import Matcher, source_key
 
     nfd = unicodedata.normalize("NFD", "café.jsonl")
     assert {source_key(k) for k in ("café.jsonl", "./café.jsonl", nfd, str(home / "café.jsonl"))} == {"café.jsonl"}
@@ -412,7 +412,8 @@ def test_the_vectorised_mask_is_the_per_row_rule(home):
 
     import pyarrow as pa
 
-    from pipelines.data.lineage import Exclusion, Matcher, as_is, source_key, split_by_exclusion, whatwg_key
+    from pipelines.lineage.keys import Exclusion, Matcher, as_is, source_key, whatwg_key
+    from pipelines.lineage.takedowns import split_by_exclusion
 
     prefixes = ["https://a.example", "https://a.example/take/", "https://b.example/p?x=1", "s3://bucket/dir", "dir",
                 "café.jsonl", "http://[::1]", "https://xn--fa-hia.de/~u"]
@@ -446,20 +447,20 @@ def test_the_takedown_list_lock_is_waited_for_boundedly_and_never_skipped(tmp_pa
     import errno
     import fcntl
 
-    from pipelines.data import lineage
-    from pipelines.data.lineage import ListUnavailable
+    from pipelines.lineage import takedowns
+    from pipelines.lineage.takedowns import ListUnavailable
 
     listed = tmp_path / "exclusions.jsonl"
-    with lineage.locked(listed, exclusive=True):  # an --exclude-source writing the list
+    with takedowns.locked(listed, exclusive=True):  # an --exclude-source writing the list
         with pytest.raises(ListUnavailable, match=r"still held after 0.05 s \(the lock file says: pid \d+ on .+ since"):
-            with lineage.list_held(listed, wait_s=0.05):
+            with takedowns.list_held(listed, wait_s=0.05):
                 pass
-    with lineage.list_held(listed) as now:  # a corpus version being published
+    with takedowns.list_held(listed) as now:  # a corpus version being published
         assert now is None
         with pytest.raises(ListUnavailable, match="still held after 0.05 s .*holder unknown") as e:
-            lineage.add(listed, "x.jsonl", "r", wait_s=0.05)
+            takedowns.add(listed, "x.jsonl", "r", wait_s=0.05)
     assert e.value.exit_code == 75 and not listed.exists()
-    assert lineage.add(listed, "x.jsonl", "r")[1]
+    assert takedowns.add(listed, "x.jsonl", "r")[1]
 
     real_open = os.open
 
@@ -468,21 +469,21 @@ def test_the_takedown_list_lock_is_waited_for_boundedly_and_never_skipped(tmp_pa
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real_open(path, flags, *a, **kw)
     monkeypatch.setattr(os, "open", read_only)
-    assert lineage.add(listed, "y.jsonl", "r")[1]
+    assert takedowns.add(listed, "y.jsonl", "r")[1]
     monkeypatch.setattr(os, "open", real_open)
 
     def no_flock(fd, mode):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
     monkeypatch.setattr(fcntl, "flock", no_flock)
-    for attempt in (lambda: lineage.add(listed, "z.jsonl", "r"), lambda: lineage.list_held(listed).__enter__()):
+    for attempt in (lambda: takedowns.add(listed, "z.jsonl", "r"), lambda: takedowns.list_held(listed).__enter__()):
         with pytest.raises(ListUnavailable, match="No locks available.*must support flock"):
             attempt()
     monkeypatch.undo()
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / ".exclusions.jsonl.lock").mkdir()  # a lock file that cannot be opened
     with pytest.raises(ListUnavailable, match="cannot open the takedown list's lock"):
-        lineage.add(tmp_path / "other" / "exclusions.jsonl", "x.jsonl", "r")
-    assert [e.source for e in lineage.read_list(listed).exclusions] == ["x.jsonl", "y.jsonl"]
+        takedowns.add(tmp_path / "other" / "exclusions.jsonl", "x.jsonl", "r")
+    assert [e.source for e in takedowns.read_list(listed).exclusions] == ["x.jsonl", "y.jsonl"]
 
 
 def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_one_is_the_users_to_fix(tmp_path,
@@ -491,7 +492,7 @@ def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_
     (exit 75, the task's retry reads it again); a version removed or damaged is not (exit 2, named)."""
     import errno
 
-    from pipelines.data import lineage
+    from pipelines.lineage import queries, takedowns
     from pipelines.manifest import Manifest
 
     prev = tmp_path / "v1" / "manifest.json"
@@ -499,35 +500,35 @@ def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_
     prev.write_text(Manifest(stage="tokenize", config_hash="a").to_json())
     tok = Manifest(stage="tokenize", config_hash="b", extra={"corpus": {"previous": str(prev)}},
                    path=str(tmp_path / "v2" / "manifest.json"))
-    assert [m.config_hash for m in lineage.chain(tok)] == ["b", "a"]
+    assert [m.config_hash for m in queries.chain(tok)] == ["b", "a"]
 
     def eio(path):
         raise OSError(errno.EIO, "Input/output error", str(path))
 
-    monkeypatch.setattr(lineage, "load_manifest", eio)
-    with pytest.raises(lineage.VersionUnreadable, match="could not be read now .*Input/output error") as e:
-        lineage.chain(tok)
+    monkeypatch.setattr(queries, "load_manifest", eio)
+    with pytest.raises(queries.VersionUnreadable, match="could not be read now .*Input/output error") as e:
+        queries.chain(tok)
     assert e.value.exit_code == 75
     monkeypatch.undo()
     # damaged or forged: not a manifest, or a path no retry mends; each one line, exit 2
     for text in ('{"stage": "tokenize", "config_hash": "a", "forged": 1}', '["stage"]', '{"stage": "t", "config_hash":'
                  ' "a", "outputs": [1]}', '{"stage": "t", "config_hash": "a", "extra": "s"}'):
         prev.write_text(text)
-        with pytest.raises(lineage.StageError, match="v1/manifest.json, cannot be read .*is not a manifest") as e:
-            lineage.chain(tok)
+        with pytest.raises(queries.StageError, match="v1/manifest.json, cannot be read .*is not a manifest") as e:
+            queries.chain(tok)
         assert e.value.exit_code == 2
     for forged in ("x" * 5000, ["x"]):  # a name too long for the file system, a list
         bad = Manifest(stage="tokenize", config_hash="c", extra={"corpus": {"previous": forged}}, path=tok.path)
-        with pytest.raises(lineage.StageError) as e:
-            lineage.chain(bad)
-        assert e.value.exit_code == 2 and not isinstance(e.value, lineage.VersionUnreadable)
+        with pytest.raises(queries.StageError) as e:
+            queries.chain(bad)
+        assert e.value.exit_code == 2 and not isinstance(e.value, queries.VersionUnreadable)
     prev.write_text("[" * 200_000)  # nested past the parser
-    with pytest.raises(lineage.StageError, match="is not a manifest") as e:
-        lineage.chain(tok)
+    with pytest.raises(queries.StageError, match="is not a manifest") as e:
+        queries.chain(tok)
     assert e.value.exit_code == 2
     prev.unlink()
-    with pytest.raises(lineage.StageError, match="cannot be read .*no manifest at") as e:
-        lineage.chain(tok)
+    with pytest.raises(queries.StageError, match="cannot be read .*no manifest at") as e:
+        queries.chain(tok)
     assert e.value.exit_code == 2
 
     # the versions under run.root: a foreign file is none, storage's error is retried, never a version passed over
@@ -536,21 +537,21 @@ def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_
     spec = load_spec(None, [f"run.root={tmp_path}/root"], env={})
     (tmp_path / "root" / "tokenize" / "k1").mkdir(parents=True)
     (tmp_path / "root" / "tokenize" / "k1" / "manifest.json").write_text("not json")
-    assert lineage.corpus_versions(spec) == []
-    monkeypatch.setattr(lineage, "load_manifest", eio)
-    with pytest.raises(lineage.VersionUnreadable, match="k1/manifest.json could not be read now") as e:
-        lineage.corpus_versions(spec)
+    assert queries.corpus_versions(spec) == []
+    monkeypatch.setattr(queries, "load_manifest", eio)
+    with pytest.raises(queries.VersionUnreadable, match="k1/manifest.json could not be read now") as e:
+        queries.corpus_versions(spec)
     assert e.value.exit_code == 75
-    assert lineage.storage_error(e.value) and not lineage.storage_error(ValueError())
+    assert queries.storage_error(e.value) and not queries.storage_error(ValueError())
     monkeypatch.undo()
 
     # a takedown that could not read a version for storage's reason: recorded, then exit 75 (its retry tags the rest)
     spec = load_spec(None, [f"run.root={tmp_path}/root", f"data.exclusions={tmp_path}/takedowns.jsonl"], env={})
     unread = [{"manifest": "m", "error": "Input/output error", "storage": True}]
-    monkeypatch.setattr(lineage, "source_holders", lambda spec, key: ([], unread))
-    monkeypatch.setattr(lineage, "models_trained_on", lambda client, digests: [])
-    with pytest.raises(lineage.VersionUnreadable, match="is recorded in .*1 corpus version.*run the same command"):
-        lineage.exclude_source(spec, None, "data/a.jsonl", "request 1")
-    assert [e.source for e in lineage.read_list(tmp_path / "takedowns.jsonl").exclusions] == ["data/a.jsonl"]
+    monkeypatch.setattr(queries, "source_holders", lambda spec, key: ([], unread))
+    monkeypatch.setattr(queries, "models_trained_on", lambda client, digests: [])
+    with pytest.raises(queries.VersionUnreadable, match="is recorded in .*1 corpus version.*run the same command"):
+        queries.exclude_source(spec, None, "data/a.jsonl", "request 1")
+    assert [e.source for e in takedowns.read_list(tmp_path / "takedowns.jsonl").exclusions] == ["data/a.jsonl"]
     unread[0]["storage"] = False  # a damaged version: listed, nothing to retry
-    assert lineage.exclude_source(spec, None, "data/a.jsonl", "request 1")["unreadable"] == unread
+    assert queries.exclude_source(spec, None, "data/a.jsonl", "request 1")["unreadable"] == unread

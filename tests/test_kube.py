@@ -10,7 +10,10 @@ import yaml
 
 from pipelines.data import tokenize
 from pipelines.spec import load_spec
-from pipelines.train import k8s, launch
+from pipelines.launch import k8s
+from pipelines.train import k8s as k8s_cli
+from pipelines.launch import ranks
+from pipelines.train import launch
 
 from conftest import ROOT, SHARED, c4_docs
 from fake_kube import FakeKube
@@ -60,16 +63,16 @@ def test_train_stage_submits_a_training_job_watches_it_and_matches_the_local_run
     for s in STATES[kind]:
         assert f"{kind} llm-pipeline/{name}: {s}" in out, out[-3000:]
     assert f"[{fake.jobs[(ns, name)].pod}] " in out
-    # `python -m pipelines.train.k8s SPEC --tokenize-manifest M` prints exactly the job the stage submitted
+    # `python -m pipelines.launch.k8s SPEC --tokenize-manifest M` prints exactly the job the stage submitted
     spec_file = home / "spec-k.yaml"
     spec_file.write_text(spec_k.to_yaml())
-    assert k8s.main([str(spec_file), "--tokenize-manifest", tok.path]) == 0
+    assert k8s_cli.main([str(spec_file), "--tokenize-manifest", tok.path]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["metadata"]["name"] == name and printed["spec"] == job["spec"]
-    assert k8s.main([str(spec_file), "--tokenize-manifest", tok.path, "--run-id", "R"]) == 0
+    assert k8s_cli.main([str(spec_file), "--tokenize-manifest", tok.path, "--run-id", "R"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["metadata"]["name"].endswith("-r")
     other = {"trainjob": "pytorchjob", "pytorchjob": "trainjob"}[kind]
-    assert k8s.main([str(spec_file), "--tokenize-manifest", tok.path, "--set", f"launcher.kind={other}"]) == 0
+    assert k8s_cli.main([str(spec_file), "--tokenize-manifest", tok.path, "--set", f"launcher.kind={other}"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["kind"] == {"trainjob": "TrainJob", "pytorchjob": "PyTorchJob"}[other]
     # the same job spec on the local launcher gives the same loss curve
     local = launch.run(load_spec(None, TINY, env={}), tok)
@@ -101,7 +104,7 @@ def test_a_failed_job_fails_the_stage_with_the_masters_last_log_lines(home, kube
     # the static rendezvous the restarted ranks hang in init_process_group: seen here with torch 2.13)
     spec = load_spec(None, kube_sets(home, cfg, "model.vocab_size=100", "launcher.max_restarts=0"), env={})
     tok = tokenize.run(spec, _filter_manifest(home, docs))
-    with pytest.raises(launch.TrainError, match=r"(?s)TrainJob llm-pipeline/\S+ failed: jobset failed: node exited "
+    with pytest.raises(ranks.TrainError, match=r"(?s)TrainJob llm-pipeline/\S+ failed: jobset failed: node exited "
                        r"with code 1.*errors in the pods' logs:\n  ValueError: "
                        r"model\.vocab_size=100 is smaller than the tokenizer's 500\n"):
         launch.run(spec, tok)
@@ -162,7 +165,7 @@ def test_the_api_servers_schema_rejection_is_reported(home, kube):
 
 
 def test_the_api_servers_cel_and_webhook_refusals_are_reported(home, kube):
-    """The stand-in admits as the cluster does (pipelines.train.admission): the TrainJob CRD's CEL name rule and
+    """The stand-in admits as the cluster does (pipelines.launch.admission): the TrainJob CRD's CEL name rule and
     the webhook's rules come back as a 422 naming the rule, and the launcher's one line says it."""
     fake, cfg = kube
     spec = load_spec(None, kube_sets(home, cfg), env={})
@@ -181,13 +184,13 @@ def test_kubernetes_needs_the_stage_paths_on_the_shared_filesystem(home, tmp_pat
     elsewhere = tmp_path_factory.mktemp("not-shared")
     spec = load_spec(None, [*TINY, "launcher.kind=kubernetes", "launcher.shared_fs_mount=/fsx",
                             f"run.root={elsewhere}"], env={})
-    with pytest.raises(launch.TrainError, match=rf"run\.root resolves to {elsewhere}, outside "
+    with pytest.raises(ranks.TrainError, match=rf"run\.root resolves to {elsewhere}, outside "
                        r"launcher\.shared_fs_mount=/fsx; the pods would not see it"):
-        launch.check_supported(spec)
+        ranks.check_supported(spec)
     # node-local L0: an absolute path outside the shared mount is each pod's own disk, mounted there
     node_local = load_spec(None, [*TINY, "launcher.kind=kubernetes", "launcher.shared_fs_mount=/fsx",
                                   "run.root=/fsx/runs", "checkpoint.l1=/fsx/l1", "checkpoint.l0=/nvme/llmp"], env={})
-    launch.check_supported(node_local)
+    ranks.check_supported(node_local)
     spec_ = k8s.render_pytorchjob(node_local, "r", [])["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert {"name": "node-local", "mountPath": "/nvme/llmp"} in spec_["containers"][0]["volumeMounts"]
     assert {"name": "node-local", "emptyDir": {}} in spec_["volumes"]
@@ -394,7 +397,7 @@ def test_a_job_deleted_behind_the_watch_fails_it_with_one_line(home, kube):
 RANKS = """
 import json, pathlib, sys, time
 sys.path.insert(0, ROOT)
-from pipelines.train import exit_codes as xc
+from pipelines.launch import outcomes as xc
 out = pathlib.Path(sys.argv[1])
 xc.clear_outcome(out, 0)  # as a rank does at its start
 while not (out / "gate").exists():
@@ -482,12 +485,12 @@ def test_outcome_files_of_another_attempt_are_ignored(tmp_path):
     fewer nodes). A file without the field (ranks of an older image) still counts."""
     import subprocess
 
-    from pipelines.train import exit_codes as xc
+    from pipelines.launch import outcomes as xc
 
     work = tmp_path / "work"
     first = xc.new_attempt(work)
     rank = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-                             "from pathlib import Path\nfrom pipelines.train import exit_codes as xc\n"
+                             "from pathlib import Path\nfrom pipelines.launch import outcomes as xc\n"
                              "out = Path(sys.argv[1]); xc.clear_outcome(out, 3); print('started', flush=True)\n"
                              "sys.stdin.readline(); xc.write_outcome(out, 3, xc.RETRY, 'preempted (SIGTERM)', step=7)",
                              str(work)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -500,7 +503,7 @@ def test_outcome_files_of_another_attempt_are_ignored(tmp_path):
     xc.write_outcome(work, 0, xc.RETRY, "storage: ENOSPC")
     outcomes = xc.read_outcomes(work)
     assert [(o["rank"], o.get("attempt")) for o in outcomes] == [(0, second), (1, None)]
-    launch.preempted(outcomes, [])  # the stale preempted file of rank 3 says nothing about this attempt
+    ranks.preempted(outcomes, [])  # the stale preempted file of rank 3 says nothing about this attempt
     assert xc.failed_ranks_code(outcomes) == xc.RETRY  # nor does rank 2's stale "diverged" (it would say 2)
     xc.new_attempt(work)
     assert xc.read_outcomes(work) == [] and not list(work.glob("exit-rank*.json"))
@@ -598,14 +601,14 @@ def test_a_refusal_that_persists_during_the_watch_exits_75_one_line(home, kube, 
     real = k8s.api_clients_for
     monkeypatch.setattr(k8s, "api_clients_for", lambda *a: reads.append(a) or real(*a))
     fake.on_log = lambda line: fake.tokens.clear() if line == "working" else None  # expired; no new one anywhere
-    with pytest.raises(launch.TrainError) as e:
-        launch.run_ranks(spec, "m", [], run_id="unit")
+    with pytest.raises(ranks.TrainError) as e:
+        ranks.run_ranks(spec, "m", [], run_id="unit")
     gate.touch()
-    assert type(e.value) is launch.TrainRetry and e.value.exit_code == 75
+    assert type(e.value) is ranks.TrainRetry and e.value.exit_code == 75
     assert "\n" not in str(e.value) and "(401 Unauthorized)" in str(e.value), str(e.value)
     assert len(reads) == 1 + k8s.AUTH_TRIES  # the credentials were read again, a bounded number of times
 
     fake.on_log, fake.tokens = None, {"someone-else"}  # refused at the submit: the configured identity is wrong
-    with pytest.raises(launch.TrainError) as e:
-        launch.run_ranks(spec, "m", [], run_id="unit")
-    assert type(e.value) is launch.TrainError and e.value.exit_code == 2 and "\n" not in str(e.value)
+    with pytest.raises(ranks.TrainError) as e:
+        ranks.run_ranks(spec, "m", [], run_id="unit")
+    assert type(e.value) is ranks.TrainError and e.value.exit_code == 2 and "\n" not in str(e.value)

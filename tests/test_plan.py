@@ -117,7 +117,7 @@ def _crd():
 
 @pytest.mark.parametrize("cfg", ["configs/llama3_8b.yaml", "configs/llama3_70b.yaml"])
 def test_rendered_pytorchjob_validates_against_the_kubeflow_crd(cfg):
-    from pipelines.train import k8s
+    from pipelines.launch import k8s
 
     spec = load_spec(cfg, env={})
     job = k8s.render_pytorchjob(spec, "Run_42", ["--spec", "/fsx/s.yaml"])
@@ -135,7 +135,7 @@ def test_rendered_pytorchjob_validates_against_the_kubeflow_crd(cfg):
 
 
 def test_pytorchjob_validation_catches_schema_and_operator_errors():
-    from pipelines.train import k8s
+    from pipelines.launch import k8s
 
     spec = load_spec("configs/llama3_70b.yaml", env={})
     job = k8s.render_pytorchjob(spec, "r", [])
@@ -151,7 +151,7 @@ def test_pytorchjob_validation_catches_schema_and_operator_errors():
 def test_rendered_trainjob_validates_against_trainer_v2s_crd_and_says_what_the_pods_get(cfg):
     """The same spec as a Kubeflow Trainer v2 TrainJob (the CRD of the release infra/terraform installs, shipped in
     infra/k8s/crds): nodes, processes, GPU/EFA per node, the torchrun command, the shared FS and node placement."""
-    from pipelines.train import k8s
+    from pipelines.launch import k8s
 
     spec = load_spec(cfg, ["launcher.kind=trainjob", "launcher.min_nodes=null"], env={})
     job = k8s.render_trainjob(spec, "Run_42", ["--spec", "/fsx/s.yaml"])

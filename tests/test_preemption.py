@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from pipelines.spec import load_spec
-from pipelines.train import exit_codes as xc
-from pipelines.train import k8s
+from pipelines.launch import outcomes as xc
+from pipelines.launch import k8s
 
 from conftest import ROOT, wait_for
 from test_resilience import (_assert_bitwise_equal, _commit_of, _env, _final_state, _launch_cmd, _tok,
@@ -198,20 +198,20 @@ def test_rendered_jobs_give_the_pods_the_preemption_grace(home):
 
 
 def test_a_job_failed_by_its_nodes_is_retried_a_refused_one_is_not(home, monkeypatch, tmp_path):
-    from pipelines.train import launch
+    from pipelines.launch import ranks
 
     spec = load_spec(None, ["launcher.kind=trainjob"], env={})
-    for retryable, want in ((True, launch.TrainRetry), (False, launch.TrainError)):
+    for retryable, want in ((True, ranks.TrainRetry), (False, ranks.TrainError)):
         def fail(*a, _r=retryable, **k):
             raise k8s.JobFailed("TrainJob ns/x failed: node lost", retryable=_r)
 
         monkeypatch.setattr(k8s, "run_job", fail)
-        with pytest.raises(launch.TrainError) as e:
-            launch.run_ranks(spec, "pipelines.train.trainer", [], run_id="x", work=tmp_path)
+        with pytest.raises(ranks.TrainError) as e:
+            ranks.run_ranks(spec, "pipelines.train.trainer", [], run_id="x", work=tmp_path)
         assert type(e.value) is want and e.value.exit_code == (xc.RETRY if retryable else xc.USER_ERROR)
     # a rank that said the input is wrong makes even a failed job a user error
     xc.write_outcome(tmp_path, 0, xc.USER_ERROR, "ValueError: vocab")
     monkeypatch.setattr(k8s, "run_job", lambda *a, **k: (_ for _ in ()).throw(k8s.JobFailed("failed", True)))
-    with pytest.raises(launch.TrainError) as e:
-        launch.run_ranks(spec, "pipelines.train.trainer", [], run_id="x", work=tmp_path)
-    assert type(e.value) is launch.TrainError
+    with pytest.raises(ranks.TrainError) as e:
+        ranks.run_ranks(spec, "pipelines.train.trainer", [], run_id="x", work=tmp_path)
+    assert type(e.value) is ranks.TrainError

@@ -26,8 +26,10 @@ import torch
 from pipelines.data import tokenize
 from pipelines.spec import load_spec
 from pipelines.storage.s3 import part_size_used
-from pipelines.train import checkpoint as ck
-from pipelines.train import ckpt_local, ckpt_s3, ckpt_tiers
+from pipelines.train.ckpt import protocol as ck
+from pipelines.train.ckpt import local as ckpt_local
+from pipelines.train.ckpt import s3_tier as ckpt_s3
+from pipelines.train.ckpt import tiers as ckpt_tiers
 from pipelines.train.resilience import SpikeGuard, young_daly_steps
 
 from conftest import ROOT, c4_docs, wait_for
@@ -164,7 +166,7 @@ def _restore(spec, rel_root: str):
 
     import torch.distributed as dist
 
-    from pipelines.train.checkpointer import Checkpointer
+    from pipelines.train.ckpt.checkpointer import Checkpointer
 
     logs: list[str] = []
     with tempfile.TemporaryDirectory() as d:
@@ -200,7 +202,7 @@ def test_restore_falls_back_tier_by_tier_then_to_an_older_step(home, s3_server):
 
     locs = ckpt_tiers.tier_locations(spec, f"{rel_root}/step-000020")
     flip(Path(locs["L0"]) / "__1_0.distcp")
-    rp, logs = _restore(spec, rel_root)  # the trainer's own restore (pipelines.train.restore), as one rank
+    rp, logs = _restore(spec, rel_root)  # the trainer's own restore (pipelines.train.ckpt.restore), as one rank
     assert (rp.step, rp.tier) == (20, "L1")
     assert any("skipped step-000020 L0" in line and "__1_0.distcp" in line for line in logs), logs
 
@@ -232,7 +234,7 @@ _SLOW_PROMOTE = """
 import sys, time
 from pipelines.spec import load_spec
 from pipelines.storage import s3
-from pipelines.train import ckpt_tiers
+from pipelines.train.ckpt import tiers as ckpt_tiers
 spec = load_spec(None, sys.argv[2:], env={})
 real = s3.client
 def slow_client(spec):
@@ -318,6 +320,7 @@ def test_elastic_resume_on_another_world_size_keeps_the_sample_order_and_the_los
 
 def test_spikes_and_non_finite_steps_roll_back_skip_the_batch_and_the_run_completes(home):
     from pipelines import tracking
+    from pipelines.launch import ranks
     from pipelines.train import launch
 
     tok = _tok(home)
@@ -339,7 +342,7 @@ def test_spikes_and_non_finite_steps_roll_back_skip_the_batch_and_the_run_comple
                                                                                  "train/rollbacks")
         assert [h.value for h in hist] == [1.0, 2.0]
         # one rollback allowed, two bad batches: the run fails and says what to do
-        with pytest.raises(launch.TrainError, match=r"train\.max_rollbacks"):
+        with pytest.raises(ranks.TrainError, match=r"train\.max_rollbacks"):
             launch.run(load_spec(None, sets + ["train.max_rollbacks=1"], env={}), tok)
     finally:
         for k in env:
@@ -372,7 +375,7 @@ def test_a_stager_that_cannot_reuse_its_buffers_costs_a_warning_not_the_run(home
     import torch.distributed as dist
 
     from conftest import free_port
-    from pipelines.train import checkpointer
+    from pipelines.train.ckpt import checkpointer
     from pipelines.train.model import ModelArgs, Transformer
 
     real, made = checkpointer.new_stager, []
@@ -415,7 +418,7 @@ def test_async_save_returns_before_the_commit_and_keeps_the_state_of_its_step(ho
     import torch.distributed as dist
 
     from conftest import free_port
-    from pipelines.train import checkpointer
+    from pipelines.train.ckpt import checkpointer
     from pipelines.train.model import ModelArgs, Transformer
 
     spec = load_spec(None, ["checkpoint.promote_during_run=false"], env={})

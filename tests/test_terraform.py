@@ -423,7 +423,8 @@ def test_tf_check_fails_on_a_terraform_test_that_fails(tmp_path):
 def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
     from pipelines import cluster_config as cc
     from pipelines.spec import load_spec
-    from pipelines.train import k8s, launch
+    from pipelines.launch import k8s
+    from pipelines.launch import ranks
 
     # what `terraform output -json` prints in envs/prod/aws and envs/prod/platform: one object each, the stack's outputs
     for layer in ("aws", "platform"):
@@ -477,7 +478,7 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
     conf = kubernetes_conf(spec)  # what the SparkStageOperator adds to spark-submit for the k8s:// master
     assert conf["spark.kubernetes.container.image"] == platform["spark_image"]
     assert conf["spark.kubernetes.namespace"] == "llm-pipeline" and conf["spark.pyspark.python"] == "python3"
-    launch.check_supported(spec)  # run.root and checkpoint.l0 lie on the shared filesystem
+    ranks.check_supported(spec)  # run.root and checkpoint.l0 lie on the shared filesystem
     job = k8s.render_pytorchjob(spec, "r1", [])
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert pod["serviceAccountName"] == "trainer"
@@ -567,7 +568,7 @@ def test_mlflow_is_authenticated_with_its_credentials_in_secrets_and_its_image_p
     assert "admin_password = ${random_password.mlflow_admin.result}" in ini and "default_permission = NO_PERMISSIONS" in ini
     client = [b for f, t, n, b in resources("kubernetes_secret_v1") if n == "mlflow_client"][0]
     assert set(client["data"]) == {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
-    from pipelines.train.k8s import MLFLOW_CLIENT_SECRET
+    from pipelines.launch.k8s import MLFLOW_CLIENT_SECRET
 
     assert client["metadata"][0]["name"] == MLFLOW_CLIENT_SECRET  # the training pods read this one
     # mlflow_image: a variable validated as a digest, wired from the platform envs through the stack to the Deployment

@@ -6,8 +6,10 @@ import torch
 
 from pipelines.data import tokenize
 from pipelines.spec import load_spec
-from pipelines.train import checkpoint as ck
-from pipelines.train import ckpt_local
+from pipelines.train import checkpoint as checkpoint_cli
+from pipelines.train.ckpt import protocol as ck
+from pipelines.train.ckpt import local as ckpt_local
+from pipelines.launch import ranks
 from pipelines.train import launch
 from pipelines.train.loader import DPSampler
 from pipelines.train.model import ModelArgs, Transformer, param_count
@@ -197,7 +199,7 @@ def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
         ckdir = home / "var/tiers/nvme" / runs[name].extra["checkpoint"]
         plain = ck.load_plain_model(ckdir)
         out = home / f"{name}.pt"
-        assert ck.main(["export", str(ckdir), str(out)]) == 0
+        assert checkpoint_cli.main(["export", str(ckdir), str(out)]) == 0
         args = ModelArgs(**json.loads((ckdir / "model_args.json").read_text()))
         model = Transformer(args)
         model.load_state_dict(torch.load(out, map_location="cpu"))  # strict: every name and shape matches
@@ -214,7 +216,7 @@ def test_two_node_torchrun_on_loopback_trains_like_one_node(home):
               "train.micro_batch=4"]
     two_nodes = load_spec(None, common + ["launcher.nnodes=2", "launcher.nproc_per_node=1"], env={})
     one_node = load_spec(None, common + ["launcher.nnodes=1", "launcher.nproc_per_node=2"], env={})
-    cmds = launch.torchrun_cmds(two_nodes, ["--x"])
+    cmds = ranks.torchrun_cmds(two_nodes, ["--x"])
     assert len(cmds) == 2 and all("--rdzv-backend" in c and "c10d" in c for c in cmds)
     assert [c[c.index("--node-rank") + 1] for c in cmds] == ["0", "1"]
     tok = tokenize.run(one_node, _filter_manifest(home, docs))

@@ -39,7 +39,7 @@ ROOT = HERE.parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pipelines.eval.task_files import read_rows, reference_items  # noqa: E402
+from pipelines.eval_sets import read_rows, reference_items  # noqa: E402
 
 OUT = HERE / "labelled.jsonl"
 EVAL = ROOT / "data" / "eval"

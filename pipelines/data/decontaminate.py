@@ -3,7 +3,7 @@
 Between ``filter`` and ``tokenize``. The items are those of every task ``eval.tasks`` stands for (all of each task's
 documents, not only the ``eval.limit`` scored: a later run may score more) and the reference set (``eval.reference``,
 one item per paragraph or JSONL record). A task's items come from lm-eval's own task objects
-(:func:`pipelines.eval.task_files.eval_tasks`: its ``eval_docs``, ``doc_to_text``, ``doc_to_choice``,
+(:func:`pipelines.eval_sets.eval_tasks`: its ``eval_docs``, ``doc_to_text``, ``doc_to_choice``,
 ``doc_to_target``), so any task lm-eval can build is checked with no code of ours for it; :func:`item_texts` says what
 of an item is looked for (the prompt with each correct answer, as the evaluation shows it and without its labels; the
 parts that give it away alone).
@@ -35,7 +35,7 @@ parts that give it away alone).
   ``reference``): items, items with any overlap, docs removed and cut, the n-gram size, the file digest, and which
   items overlap a doc the stage kept (what reaches the model: the registered version's contamination count). A task
   is recorded under its lm-eval name (a group's tasks each under its own) with the digest of its rendered items
-  (:func:`pipelines.eval.task_files.task_digest`), which is also the stage's input for it.
+  (:func:`pipelines.eval_sets.task_digest`), which is also the stage's input for it.
 
     python -m pipelines.data.decontaminate --input-manifest FILTER_MANIFEST --output DIR [--set K=V …]
 """
@@ -337,7 +337,7 @@ def own_words(text: str, fields: list[str]) -> int:
 
 def item_texts(task, doc, r: dict) -> list[str]:
     """What of one item of an lm-eval task is looked for (``r``: the item as lm-eval renders it,
-    :func:`pipelines.eval.task_files.rendered`): the prompt with each correct answer as the evaluation shows it (a
+    :func:`pipelines.eval_sets.rendered`): the prompt with each correct answer as the evaluation shows it (a
     :class:`Layout`); the doc's own text fields that the prompt shows (its question, its context: the prompt without
     its labels), each with each answer (:class:`Answered`) and alone; the prompt alone; and lm-eval's decontamination
     query when the task has one (the texts without the answer: a :class:`Question` each). ARC: ``Question: q Answer:
@@ -356,8 +356,8 @@ def item_texts(task, doc, r: dict) -> list[str]:
 def eval_items(spec: JobSpec) -> tuple[dict[str, list[list[str]]], dict[str, dict]]:
     """({task: item texts}, {task: its identity}) for the tasks of eval.tasks (lm-eval's task objects, items in
     ``eval_docs`` order) and the reference set."""
-    from pipelines.eval.bpb import set_sha256
-    from pipelines.eval.task_files import eval_tasks, reference_files, reference_items, rendered, task_digest
+    from pipelines.eval_sets import set_sha256
+    from pipelines.eval_sets import eval_tasks, reference_files, reference_items, rendered, task_digest
 
     items, ident = {}, {}
     for name, task in eval_tasks(spec).items():
@@ -372,7 +372,7 @@ def eval_items(spec: JobSpec) -> tuple[dict[str, list[list[str]]], dict[str, dic
 
 def eval_refs(spec: JobSpec, ident: dict[str, dict]) -> list[dict]:
     """The stage's inputs beside the filter result: each task's items (their digest) and the reference files."""
-    from pipelines.eval.task_files import reference_files, task_ref
+    from pipelines.eval_sets import reference_files, task_ref
 
     return [task_ref(t, i["sha256"]) for t, i in ident.items() if t != REFERENCE] + \
         [file_ref(p) for p in reference_files(spec)]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
-from pipelines.data import lineage
+from pipelines.lineage import keys, takedowns
 from pipelines.data.quality import filter_docs
 from pipelines.data.urlfilter import list_files, load_rules
 from pipelines.manifest import Manifest, file_ref, input_ref
@@ -20,7 +20,7 @@ from pipelines.spec import JobSpec, resolve_path
 
 
 def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None, spark=None) -> Manifest:
-    applied = lineage.read_list(resolve_path(spec.data.exclusions))  # read once: what it applies and records
+    applied = takedowns.read_list(resolve_path(spec.data.exclusions))  # read once: what it applies and records
     lists = [*(file_ref(p) for p in list_files(spec.data.filters)), *([applied.ref()] if applied.exclusions else [])]
     sd = stage_dir(spec, "filter", [input_ref(dedup), *lists], out_dir)  # a changed list is a changed input
 
@@ -32,12 +32,12 @@ def run(spec: JobSpec, dedup: Manifest, out_dir: str | None = None, spark=None) 
         kept = dedup.output("kept")
         tasks = task_count(s, dir_bytes(kept), spec.data.task_mb, spec.data.filters.partitions)
         size_shuffles(s, tasks)
-        counts = filter_docs(s, kept, tmp, spec.data.filters, tasks, lineage.Matcher(applied.exclusions), rules)
+        counts = filter_docs(s, kept, tmp, spec.data.filters, tasks, keys.Matcher(applied.exclusions), rules)
         url_filter, found = counts.pop("url_filter"), counts.pop("pii")
         return sd.commit({"kept": "kept", "removed": "removed"}, counts=counts,
                          metrics={"url_filter": url_filter, "pii": {k: v for k, v in found.items() if k != "mode"}},
                          extra={"tasks": tasks, "url_filter": url_filter, "pii": found,
-                                "takedown": lineage.filter_record(applied, tmp / "removed",
+                                "takedown": takedowns.filter_record(applied, tmp / "removed",
                                                                   counts["removed_by_reason"].get("takedown", 0))})
 
     return run_and_log(spec, sd, body)

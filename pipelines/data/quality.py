@@ -35,7 +35,7 @@ import numpy as np
 
 from pipelines.data import pii
 from pipelines.data.pii import KINDS as PII_KINDS
-from pipelines.data.lineage import Matcher
+from pipelines.lineage.keys import Matcher
 from pipelines.data.urlfilter import UrlRules, load_rules
 from pipelines.spec import FilterCfg
 

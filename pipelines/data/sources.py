@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipelines.lineage.keys import file_key
 from pipelines.manifest import StageError, plain_rel, under
 from pipelines.spec import JobSpec, resolve_path
 
@@ -64,12 +65,6 @@ class Source:
         ident = hashlib.sha256(f"{self.name}\0{self.size}\0{version}".encode()).hexdigest()
         out = {"uri": self.uri, "key": self.name, "sha256": ident, "bytes": self.size}
         return {**out, "etag": self.etag} if self.etag is not None else {**out, "mtime_ns": self.mtime_ns}
-
-
-def file_key(path: Path) -> str:
-    """A local input's key: its path relative to the project root, else its absolute path."""
-    root = resolve_path(".").resolve()
-    return path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
 
 
 def is_data_file(name: str) -> bool:

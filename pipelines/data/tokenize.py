@@ -41,8 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.data.lineage import (TakedownList, excluded_docs, list_held, read_list, recorded_sha256,
-                                    shards_holding, split_by_exclusion)
+from pipelines.lineage.queries import excluded_docs, shards_holding
+from pipelines.lineage.takedowns import TakedownList, list_held, read_list, recorded_sha256, split_by_exclusion
 from pipelines.data.shards import ShardWriter, token_dtype
 from pipelines.data.spark import Piece, piece_batches
 from pipelines.data.text import canonical_text

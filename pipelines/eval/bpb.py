@@ -12,7 +12,7 @@ Definition (a contract: outside checks recompute it):
 * ``nats`` = the summed negative log-likelihood, ``bits_per_byte`` = nats / ln 2 / bytes.
 
 A reference *set* (``eval.reference``: several files) is scored file by file and summed: its
-``bits_per_byte`` = Σ nats / ln 2 / Σ bytes. Its identity is :func:`set_sha256` (over the files'
+``bits_per_byte`` = Σ nats / ln 2 / Σ bytes. Its identity is :func:`pipelines.eval_sets.set_sha256` (over the files'
 contents and names), which the gate requires to be equal before it compares two numbers.
 
     python -m pipelines.eval.bpb --model-uri models:/NAME@ALIAS --text-file FILE [--tracking-uri URI]
@@ -22,13 +22,13 @@ prints ``{"bits_per_byte", "nats", "tokens", "bytes"}`` as one JSON object.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pipelines.exit_codes import USER_ERROR
 from pipelines.data.text import canonical_text
 
 
@@ -76,15 +76,6 @@ def bits_per_byte(tm, text: str, batch_size: int = 16, rank: int = 0, world: int
     return {"bits_per_byte": nats / math.log(2) / nbytes, "nats": nats, "tokens": len(ids), "bytes": nbytes}
 
 
-def set_sha256(files: Sequence[str | Path]) -> str:
-    """Identity of a reference set: sha256 of its ``sha256sum``-style listing (file digest, two spaces, name),
-    in the order given."""
-    from pipelines.manifest import sha256_file
-
-    listing = "".join(f"{sha256_file(p)}  {Path(p).name}\n" for p in files)
-    return hashlib.sha256(listing.encode()).hexdigest()
-
-
 def combine(per_file: dict[str, dict]) -> dict:
     """Set-level numbers from per-file ones (nats and bytes add; so do tokens)."""
     nats = sum(r["nats"] for r in per_file.values())
@@ -111,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not Path(args.text_file).is_file():
         print(f"bpb: --text-file {args.text_file}: no such file", file=sys.stderr)
-        return 2
+        return USER_ERROR
     try:
         from pipelines.eval.lm import TextModel
 
@@ -119,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         res = bits_per_byte(tm, read_text(args.text_file), args.batch_size)
     except (LookupError, ValueError) as e:
         print(f"bpb: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     print(json.dumps(res))
     return 0
 

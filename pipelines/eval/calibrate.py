@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+from pipelines.exit_codes import USER_ERROR
+
 
 def hf_tokenizer(sp_model_path: str):
     """The SentencePiece model as a Hugging Face tokenizer (no BOS: our documents are separated by EOS)."""
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         tm = TextModel.open(args.model_uri, args.tracking_uri)
     except LookupError as e:
         print(f"calibrate: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".model") as f:  # the tokenizer the model carries, as a file for HF

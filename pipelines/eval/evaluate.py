@@ -26,7 +26,7 @@ from pathlib import Path
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.eval.scorer import Job, score
 from pipelines.manifest import Manifest, file_ref, input_ref
-from pipelines.eval.task_files import eval_tasks, reference_files, task_digest, task_ref, task_settings
+from pipelines.eval_sets import eval_tasks, reference_files, task_digest, task_ref, task_settings
 from pipelines.spec import JobSpec
 
 
@@ -38,7 +38,7 @@ def score_model_dir(spec: JobSpec, job: Job, work: Path, run_id: str) -> dict:
     args = ModelArgs(**json.loads((Path(job.model_dir) / "model_args.json").read_text()))
     if param_count(args) <= spec.eval.single_process_max_params:
         return score(spec, job)
-    from pipelines.train.launch import run_ranks
+    from pipelines.launch.ranks import run_ranks
 
     work.mkdir(parents=True, exist_ok=True)
     spec.write_work_file(work / "spec.yaml")
@@ -74,7 +74,7 @@ def model_contamination(spec: JobSpec, tok: Manifest, digests: dict[str, str]) -
     """Per scored task (and ``reference``): how many of its items overlap training data that reached the model (the
     corpus version's record, kept by the decontaminate stage), of them how many are among the scored items, or
     ``checked: false`` when the corpus was not checked against these very items (``digests``: :func:`task_inputs`)."""
-    from pipelines.eval.bpb import set_sha256
+    from pipelines.eval_sets import set_sha256
 
     record = tok.extra.get("contamination", {})
     current = {**digests, "reference": set_sha256(reference_files(spec))}
@@ -99,7 +99,7 @@ def contamination_line(con: dict) -> str:
 
 
 def evaluate(spec: JobSpec, promote: Manifest, tok: Manifest, workdir: Path) -> dict:
-    from pipelines.train.ckpt_tiers import fetch
+    from pipelines.train.ckpt.tiers import fetch
 
     tier, ckpt = fetch(spec, promote.extra["checkpoint"], cache=workdir / "checkpoint", prefer=("L2",))
     c = tok.counts

@@ -35,6 +35,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipelines.exit_codes import USER_ERROR
+
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.model", "tokenizer.json",
             "tokenizer_config.json", "README.md")
 GGUF_FILE = "model.gguf"
@@ -257,7 +259,7 @@ class CardInfo:
     version: str
     args: dict                           # model_args.json
     tags: dict = field(default_factory=dict)   # the registered version's (metrics, contamination, lineage hashes)
-    lineage: dict | None = None          # pipelines.data.lineage's answer for the version
+    lineage: dict | None = None          # pipelines.lineage's answer for the version
     config: dict | None = None           # the spec it was trained with (model, tokenizer, train, data sections)
 
 
@@ -360,7 +362,7 @@ def _umask() -> int:
 def export(model_dir: Path, fmt: str, out: Path, card: CardInfo, gguf_dtype: str = "f32") -> list[str]:
     """Write ``fmt`` of the model in ``model_dir`` (``model_args.json``, ``tokenizer.model``, weights) into ``out``;
     returns the file names written. Each file is written in a temporary directory beside ``out``, then renamed."""
-    from pipelines.train.checkpoint import load_plain_model
+    from pipelines.train.ckpt.protocol import load_plain_model
 
     marker = check_out(out)
     model = load_plain_model(model_dir).float().eval()
@@ -421,14 +423,14 @@ def register_hf(spec, client, ckpt_dir: Path, res: dict, work: Path) -> str | No
 # -- the CLI -------------------------------------------------------------------------------------------------------
 
 def resolve_version(client, ref: str):
-    from pipelines.data.lineage import resolve_model
+    from pipelines.lineage.queries import resolve_model
 
     return resolve_model(client, ref.removeprefix("models:/"))
 
 
 def lineage_of(spec, client, name: str, version: str) -> dict | None:
-    """:mod:`pipelines.data.lineage`'s answer for the version; None when its corpus version is not under ``run.root``."""
-    from pipelines.data.lineage import VersionUnreadable, model_query
+    """:mod:`pipelines.lineage`'s answer for the version; None when its corpus version is not under ``run.root``."""
+    from pipelines.lineage.queries import VersionUnreadable, model_query
     from pipelines.manifest import StageError
 
     try:
@@ -468,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         check_out(Path(args.out))  # before anything is downloaded (export checks again before it writes)
     except ExportError as e:
         print(f"export: error: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     spec = spec_from_args(args)
     from mlflow.exceptions import MlflowException
 
@@ -485,12 +487,12 @@ def main(argv: list[str] | None = None) -> int:
                            args.gguf_dtype)
     except (ExportError, LookupError, StageError) as e:
         print(f"export: error: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     except MlflowException as e:  # no such model, version or alias: the user's; anything else is retryable (exit 1)
         if e.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             raise
         print(f"export: error: {args.model}: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     print(f"export: {mv.name} v{mv.version} → {args.out} ({args.format}): {', '.join(names)}")
     return 0
 

@@ -23,16 +23,17 @@ import json
 import sys
 from pathlib import Path
 
+from pipelines.exit_codes import USER_ERROR
 from pipelines.eval.lm_eval_model import PipelineLM
 
 # TASKS (ours), TASKS_DIR and task_manager are re-exported: calibrate, the benchmarks and the tests take them from here
-from pipelines.eval.task_files import TASKS, TASKS_DIR, build_tasks, manager_for, offline, task_manager  # noqa: F401
+from pipelines.eval_sets import TASKS, TASKS_DIR, build_tasks, manager_for, offline, task_manager  # noqa: F401
 
 
 def evaluate(text_model, tasks: list[str], limit: int | None = None, data_dir: str | None = None,
              batch_size: int = 16, include_path=()) -> dict:
     """lm-eval's results dict (``results.<task>.<metric>,<filter>`` …), JSON-safe; every rank must call it. ``tasks``:
-    any names lm-eval knows with ``include_path`` (:func:`pipelines.eval.task_files.manager_for`)."""
+    any names lm-eval knows with ``include_path`` (:func:`pipelines.eval_sets.manager_for`)."""
     offline()
     from lm_eval import simple_evaluate
     from lm_eval.utils import handle_non_serializable
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                        args.batch_size, args.include_path)
     except (LookupError, ValueError, FileNotFoundError) as e:
         print(f"harness: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.output, json.dumps(res, indent=2))
     for k, v in headline(res).items():

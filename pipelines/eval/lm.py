@@ -38,7 +38,7 @@ class TextModel:
         DCP checkpoint, or a plain ``model.pt`` (what ``checkpoint export`` and the registered model carry)."""
         import sentencepiece as spm
 
-        from pipelines.train.checkpoint import load_plain_model
+        from pipelines.train.ckpt.protocol import load_plain_model
 
         d = Path(model_dir)
         sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))

@@ -51,7 +51,7 @@ def load_registered(uri: str, tracking_uri: str | None = None):
     """(``Transformer`` in eval mode, ``SentencePieceProcessor``) of a registered text model."""
     import sentencepiece as spm
 
-    from pipelines.train.checkpoint import load_plain_model
+    from pipelines.train.ckpt.protocol import load_plain_model
 
     d = model_dir_of(download(uri, tracking_uri))
     return load_plain_model(d), spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))

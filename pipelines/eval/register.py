@@ -24,7 +24,7 @@ def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: st
         import shutil
 
         from pipelines import tracking
-        from pipelines.train.ckpt_tiers import fetch
+        from pipelines.train.ckpt.tiers import fetch
 
         tier, ckpt = fetch(spec, ev.extra["checkpoint"], cache=tmp / "checkpoint")
         lineage = {"data_manifest_hash": tok.digest, "tokenizer_hash": tok.extra["tokenizer_sha256"],

@@ -222,7 +222,8 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
 def tag_takedowns(spec: JobSpec, client, mv, digest: str | None) -> None:
     """A version trained on a corpus that holds docs of the takedown list (added while it trained) is tagged
     ``takedown.pending``, as ``--exclude-source`` tags the versions registered before."""
-    from pipelines.data.lineage import TAG, pending_takedowns, tag_versions
+    from pipelines.lineage.queries import pending_takedowns
+    from pipelines.lineage.takedowns import TAG, tag_versions
 
     pending = pending_takedowns(spec, digest)
     if pending is None:
@@ -261,7 +262,7 @@ def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, wor
 
 def datasets(ev_extra: dict) -> dict[str, tuple[str, str]]:
     """{metric prefix: (dataset name, digest)}: the reference set, and each task lm-eval scored (its items' digest,
-    ``pipelines.eval.task_files.task_digest``)."""
+    ``pipelines.eval_sets.task_digest``)."""
     out = {"reference_bpb": (REFERENCE_DATASET, ev_extra["reference_sha256"][:12])}
     for task, sha in ev_extra.get("task_sha256", {}).items():
         out[f"harness.{task}."] = (task, sha[:12])

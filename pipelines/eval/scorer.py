@@ -51,7 +51,8 @@ class Ranks:
 
 
 def reference_scores(tm, files: list[str], ranks: Ranks, batch_size: int) -> dict:
-    from pipelines.eval.bpb import bits_per_byte, combine, read_text, set_sha256
+    from pipelines.eval.bpb import bits_per_byte, combine, read_text
+    from pipelines.eval_sets import set_sha256
 
     per = {Path(f).name: bits_per_byte(tm, read_text(f), batch_size, ranks.rank, ranks.world,
                                        lambda x: ranks.sum([x])[0]) for f in files}

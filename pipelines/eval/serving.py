@@ -99,20 +99,20 @@ def _copy_side_files(ckpt_dir: Path, out: Path) -> Path:
 def model_dir_for(spec, ckpt_dir: Path, out: Path) -> Path:
     """The artifact directory of a committed checkpoint. A model above ``eval.single_process_max_params`` is not
     loaded here (the Airflow worker): its weights are exported on the launcher's first rank
-    (``python -m pipelines.train.checkpoint export``, torchrun or a PyTorchJob)."""
+    (``python -m pipelines.train.ckpt.protocol export``, torchrun or a PyTorchJob)."""
     from pipelines.train.model import ModelArgs, param_count
 
     params = param_count(ModelArgs(**json.loads((ckpt_dir / "model_args.json").read_text())))
     if params <= spec.eval.single_process_max_params:
-        from pipelines.train.checkpoint import load_plain_model
+        from pipelines.train.ckpt.protocol import load_plain_model
 
         return write_model_dir(load_plain_model(ckpt_dir), ckpt_dir, out)
-    from pipelines.train.launch import run_ranks
+    from pipelines.launch.ranks import run_ranks
 
     print(f"[register] {params:,} params > eval.single_process_max_params: exporting the weights on the launcher's "
           f"first rank ({spec.launcher.kind})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    run_ranks(spec, "pipelines.train.checkpoint", ["export", str(ckpt_dir), str(out / "model.pt")],
+    run_ranks(spec, "pipelines.train.ckpt.protocol", ["export", str(ckpt_dir), str(out / "model.pt")],
               run_id=f"export-{out.parent.name}"[:40], restarts=False)
     return _copy_side_files(ckpt_dir, out)
 

@@ -27,6 +27,8 @@ import os
 import sys
 from pathlib import Path
 
+from pipelines.exit_codes import RETRY, USER_ERROR
+
 
 def service_hosts(service: str, namespace: str, port: int, cluster_domain: str = "cluster.local") -> list[str]:
     """Every Host header a client inside the cluster sends for the Service: each DNS form, with and without port."""
@@ -99,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             uri = Path(args.backend_store_uri_file).read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as e:
             print(f"tracking_server: error: cannot read --backend-store-uri-file: {e}", file=sys.stderr)
-            return 2
+            return USER_ERROR
     if not uri:
         print("tracking_server: error: the backend store's URI is empty", file=sys.stderr)
-        return 2
+        return USER_ERROR
     cmd = command(args)
     if args.print:
         print(json.dumps(cmd))
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execvpe(cmd[0], cmd, {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri})
     except OSError as e:
         print(f"tracking_server: error: cannot start {cmd[0]}: {e}", file=sys.stderr)
-        return 75
+        return RETRY
     return 0  # not reached: exec replaced this process
 
 

@@ -17,7 +17,7 @@ freed: the call given up on goes on in its thread (:func:`call_bounded`), and ma
 The embedded endpoint keeps each object as a file, ``var/s3/store/<bucket>/<key>``, served from disk: it starts in
 well under a second whatever it holds, its memory does not grow with what is stored, and L2 copies outlive the DAG
 run that made them and a killed endpoint, as they would on S3. It keeps no SHA-256 checksums, so checkpoint objects
-on it are verified by downloading and hashing them (:func:`pipelines.train.ckpt_s3.verify_s3`).
+on it are verified by downloading and hashing them (:func:`pipelines.train.ckpt.s3_tier.verify_s3`).
 """
 from __future__ import annotations
 

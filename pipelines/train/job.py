@@ -1,6 +1,6 @@
 """The train stage's job for given inputs (:func:`train_job`): its stage dir, the checkpoints' generation, where
 the ranks write, and their arguments; the same for torchrun here and for the TrainJob or PyTorchJob that
-:mod:`pipelines.train.k8s` renders (its CLI prints the job without launching anything)."""
+:mod:`pipelines.launch.k8s` renders (its CLI prints the job without launching anything)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ def train_job(spec: JobSpec, tok: Manifest, out_dir: str | None = None, tmp: Opt
               sd: Optional[StageDir] = None) -> TrainJob:
     """The train stage's job for these inputs (``sd``: the stage dir, when the caller has it). The ranks write in
     the stage's temp dir locally; on Kubernetes in a directory named by the stage key."""
-    from pipelines.train.ckpt_tiers import generation  # not at import: the tiers read S3 and MLflow
+    from pipelines.train.ckpt.tiers import generation  # not at import: the tiers read S3 and MLflow
 
     sd = sd or stage_dir(spec, "train", [input_ref(tok)], out_dir)
     rel_root = generation(spec, f"{spec.run.name}/{sd.final.name}", spec.run.force)

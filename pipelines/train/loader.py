@@ -391,12 +391,12 @@ class MixtureSampler(DPSampler):
 def train_doc_sources(tok) -> list:
     """The source (input key) of every doc of a corpus version's train shards, shard by shard in manifest order: each
     shard's doc ids (``<shard>.ids.parquet``) looked up among the docs its versions added (the decontaminate or filter
-    stage's kept docs, which carry their ``source``; ``pipelines.data.lineage``). Nothing new is stored by tokenize."""
+    stage's kept docs, which carry their ``source``; ``pipelines.lineage``). Nothing new is stored by tokenize."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from pipelines.data.lineage import VersionUnreadable, added_docs, chain
+    from pipelines.lineage.queries import VersionUnreadable, added_docs, chain
     from pipelines.manifest import StageError
 
     try:  # a lineage the user must mend (missing, rewritten, no filter stage); storage's errors: raised, retryable

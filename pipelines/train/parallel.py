@@ -13,7 +13,7 @@ Tensor parallelism (``parallel.tp`` > 1) comes first, on the innermost mesh dime
 (:func:`apply_tensor_parallel`), so FSDP2 then shards the TP-sharded DTensors along the DP axis (2-D).
 The helpers below hide the DDP/FSDP2 differences from the training loop: gradient sync on/off for
 accumulation and the gradient norm as a plain float. (Checkpoints are sharded DCP state dicts:
-``pipelines.train.checkpointer``.)
+``pipelines.train.ckpt.checkpointer``.)
 """
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ import json
 import math
 import sys
 
+from pipelines.exit_codes import USER_ERROR
 from pipelines.spec import JobSpec, SpecError, load_spec
 
 GIB = 1 << 30
@@ -178,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.spec, args.overrides)
     except SpecError as e:
         print(f"plan: error: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     if not (spec.model.vocab_size or spec.tokenizer.vocab_size):
         print("plan: error: set model.vocab_size (or tokenizer.vocab_size)", file=sys.stderr)
-        return 2
+        return USER_ERROR
     plan = memory_plan(spec, args.gpu_mem_gb)
     print(json.dumps(plan) if args.json else format_plan(plan))
     return 0

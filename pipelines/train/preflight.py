@@ -203,7 +203,7 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
     from pipelines.cli import run_and_log, stage_dir
     from pipelines.manifest import input_ref
     from pipelines.train.job import rank_workdir
-    from pipelines.train.launch import TrainError, check_supported, collect, run_ranks
+    from pipelines.launch.ranks import TrainError, check_supported, collect, run_ranks
 
     check_supported(spec)
     sd = stage_dir(spec, "preflight", [input_ref(tok)], out_dir, force=True)

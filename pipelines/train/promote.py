@@ -1,5 +1,5 @@
 """The promote stage: the train stage's final checkpoint L0 → L1 → L2 (S3), verified at every tier, COMMIT last
-(:func:`pipelines.train.ckpt_tiers.promote`, the part protocol of training: a step of one part promoted from L0,
+(:func:`pipelines.train.ckpt.tiers.promote`, the part protocol of training: a step of one part promoted from L0,
 a step already on L1 put on L2). Done only while L2 still holds the committed copy.
 
     python -m pipelines.train.promote --train-manifest M [--spec S]
@@ -13,8 +13,8 @@ from pathlib import Path
 from pipelines.cli import stage_dir, stage_main
 from pipelines.manifest import Manifest, input_ref, run_stage
 from pipelines.spec import JobSpec
-from pipelines.train.ckpt_s3 import commit_at
-from pipelines.train.ckpt_tiers import promote
+from pipelines.train.ckpt.s3_tier import commit_at
+from pipelines.train.ckpt.tiers import promote
 
 
 def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:

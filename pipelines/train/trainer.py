@@ -5,7 +5,7 @@ torchrun really gives) over gloo (CPU) or NCCL (GPU), AdamW (no decay on norms),
 WSD) decay, gradient accumulation without gradient sync on all but the last micro step, gradient clipping.
 Rank 0 logs loss, lr, grad norm and tokens/s to stdout (progress bar) and to MLflow.
 
-Surviving failure (``pipelines.train.checkpointer``, ``pipelines.train.resilience``):
+Surviving failure (``pipelines.train.ckpt.checkpointer``, ``pipelines.train.resilience``):
 
 * **resume**: at start every rank restores the newest step that verifies on the nearest tier (L0 → L1 → L2;
   ``train.resume``) — model, optimizer, step, loader position, skipped batches, RNG states, loss history — so a
@@ -41,6 +41,7 @@ from typing import Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from pipelines.exit_codes import RETRY
 from pipelines.manifest import load_manifest
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 from pipelines.storage import faults as storage_faults
@@ -80,7 +81,7 @@ class Notice:
     def install(self) -> None:
         import signal
 
-        from pipelines.train.exit_codes import PREEMPT_SIGNALS
+        from pipelines.launch.outcomes import PREEMPT_SIGNALS
 
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._handle)
@@ -223,7 +224,7 @@ class Trainer:
 
     def __init__(self, spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path,
                  notice: Optional[Notice] = None):
-        from pipelines.train.checkpointer import Checkpointer
+        from pipelines.train.ckpt.checkpointer import Checkpointer
         from pipelines.train.resilience import Faults, SpikeGuard
 
         self.spec, self.out, t = spec, out, spec.train
@@ -284,10 +285,10 @@ class Trainer:
 
     def _find_restore(self):
         """Every rank together: the newest step of this line of training that verifies on the nearest tier, each
-        node its own parts (``pipelines.train.restore``); None to start at step 0. A restart of this launch
-        (``pipelines.train.lineage``) resumes whatever ``train.resume`` says: ``never`` starts over once."""
-        from pipelines.train import lineage
-        from pipelines.train.checkpoint import CheckpointError, TierUnavailable
+        node its own parts (``pipelines.train.ckpt.restore``); None to start at step 0. A restart of this launch
+        (``pipelines.train.ckpt.history``) resumes whatever ``train.resume`` says: ``never`` starts over once."""
+        from pipelines.train.ckpt import history
+        from pipelines.train.ckpt.protocol import CheckpointError, TierUnavailable
 
         box = [None]
         if self.rank == 0:
@@ -315,10 +316,10 @@ class Trainer:
             raise ResumeError(f"the checkpoint at {restored.path} was written for another model "
                               f"({restored.state['model_args']}); set train.resume=never or use another checkpoint.l0")
         if mode != "auto":  # a fork at step N: what the old line wrote after N no longer counts
-            box = [lineage.fork(rec, lineage.run_token(), mode) if self.rank == 0 else None]
+            box = [history.fork(rec, history.run_token(), mode) if self.rank == 0 else None]
             if self.rank == 0:
                 try:
-                    lineage.write(self.spec, self.rel_root, box[0])
+                    history.write(self.spec, self.rel_root, box[0])
                 except OSError as e:
                     box = [f"checkpoint.l1: the lineage record cannot be written: {e}"]
             dist.broadcast_object_list(box, src=0)
@@ -329,12 +330,12 @@ class Trainer:
 
     def _lineage_start(self, resume):
         """Rank 0: (this line of training's record, how to start: auto / never / a step)."""
-        from pipelines.train import lineage
-        from pipelines.train.checkpoint import CheckpointError
-        from pipelines.train.ckpt_tiers import clear_run
+        from pipelines.train.ckpt import history
+        from pipelines.train.ckpt.protocol import CheckpointError
+        from pipelines.train.ckpt.tiers import clear_run
 
-        token, rec = lineage.run_token(), lineage.read(self.spec, self.rel_root)
-        if lineage.is_restart(rec, token):
+        token, rec = history.run_token(), history.read(self.spec, self.rel_root)
+        if history.is_restart(rec, token):
             if resume != "auto":
                 self.log(f"[ckpt] a restart of this launch: resuming its own steps (train.resume={resume} applied "
                          "once, at its first start)")
@@ -348,8 +349,8 @@ class Trainer:
             self.log(f"[ckpt] train.resume=never: earlier checkpoints kept: {e}")
         if gone:
             self.log(f"[ckpt] train.resume=never: removed this run's earlier checkpoints {gone}")
-        rec = lineage.fresh(token)
-        lineage.write(self.spec, self.rel_root, rec)
+        rec = history.fresh(token)
+        history.write(self.spec, self.rel_root, rec)
         return rec, "never"
 
     def _model(self, state: Optional[dict]) -> None:
@@ -567,7 +568,7 @@ class Trainer:
             restored = self.ckpt.restore(last)
             if restored is None:  # the step this attempt saved is on no tier: storage lost it (exit 75, a retry
                 # resumes from the newest step that verifies), not a run the user must change
-                from pipelines.train.checkpoint import CheckpointError
+                from pipelines.train.ckpt.protocol import CheckpointError
 
                 raise CheckpointError(f"step {step}: {why}; the checkpoint of step {last} to roll back to does not "
                                       "verify on any tier")
@@ -659,7 +660,7 @@ class Trainer:
 
     def finish(self) -> dict:
         """Wait for the last save and the promotions, write ``losses.json``/``result.json`` (rank 0)."""
-        from pipelines.train.checkpoint import step_name
+        from pipelines.train.ckpt.protocol import step_name
 
         t = self.spec.train
         self._beat("close (final save and promotions)", CLOSE_WAITS)  # rank 0 may still upload after the others
@@ -721,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_rank(spec: JobSpec, args, notice: Notice) -> int:
-    """This rank's exit status (``pipelines.train.exit_codes``), its heartbeat and its watcher of the node's ranks
+    """This rank's exit status (``pipelines.launch.outcomes``), its heartbeat and its watcher of the node's ranks
     running meanwhile (``pipelines.train.heartbeat``: a rank silent past ``train.hang_timeout_s`` is killed)."""
     heartbeat.start(spec.train.hang_timeout_s, spec.checkpoint.collective_timeout_minutes * 60)  # start-up counts
     try:
@@ -733,8 +734,8 @@ def run_rank(spec: JobSpec, args, notice: Notice) -> int:
 def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
     """This rank's exit status; a failure or a preemption also leaves an outcome file in ``--out`` that tells the
     launcher which it was (torchrun's own status does not)."""
-    from pipelines.train import exit_codes as xc
-    from pipelines.train.checkpoint import CheckpointError
+    from pipelines.launch import outcomes as xc
+    from pipelines.train.ckpt.protocol import CheckpointError
 
     out, rank = Path(args.out), int(os.environ.get("RANK", 0))
     xc.clear_outcome(out, rank)  # an earlier attempt's
@@ -767,7 +768,7 @@ def exit_now(code: int) -> None:
     """End the rank with ``code``. A rank that stops for storage (75) may leave a thread stuck in I/O that never
     returns (a save's commit on a stalled disk: a worker that interpreter shutdown would join for ever): it leaves
     without waiting for it, its outcome file and output already written."""
-    if code == 75:  # exit_codes.RETRY
+    if code == RETRY:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def _rows(task: str, data_dir: str | None) -> list[dict]:
-    from pipelines.eval.task_files import FILES, read_rows
+    from pipelines.eval_sets import FILES, read_rows
     from pipelines.spec import resolve_bundled
 
     path = resolve_bundled(Path(data_dir or "data/eval") / FILES[task])

@@ -2,7 +2,7 @@
 pod on a partitioned node) stops before it commits or deletes anything, and a starting attempt removes only the
 temp files of attempts that are gone.
 
-Each attempt (the :class:`~pipelines.train.checkpointer.Checkpointer`'s attempt id, agreed by all ranks) takes a
+Each attempt (the :class:`~pipelines.train.ckpt.checkpointer.Checkpointer`'s attempt id, agreed by all ranks) takes a
 *term* on L1, under the run's root, ``<l1>/<rel_root>/.fence/``:
 
 * ``term-NNNNNNNNN``: the previous highest term + 1, created exclusively (``O_CREAT | O_EXCL``, atomic on a POSIX
@@ -47,9 +47,10 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
+from pipelines.exit_codes import RETRY
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
-from pipelines.train.checkpoint import CKPT_MANIFEST, CheckpointError
+from pipelines.train.ckpt.protocol import CKPT_MANIFEST, CheckpointError
 
 FENCE_DIR = ".fence"
 TERM_PREFIX = "term-"
@@ -58,7 +59,7 @@ TAKE_TRIES = 1000  # terms taken by others between our listing and our exclusive
 READ_TRIES = 3  # a lease or term file read that fails (ESTALE, EIO) is tried again this many times in all
 READ_RETRY_S = 0.05
 # torchrun's default rendezvous id, and the rendered Kubernetes jobs' when a pod could not learn its job's uid
-# (pipelines.train.k8s.rendezvous_env): every job has it, so it names no launch
+# (pipelines.launch.k8s.rendezvous_env): every job has it, so it names no launch
 SHARED_RUN_IDS = ("none", "llmp-")
 SETTLE_S3_S = 10.0  # how long an S3 write waits for an earlier one given up on at the same place (settle_s3)
 
@@ -74,7 +75,7 @@ def _clock() -> float:
 class FencedOut(CheckpointError):
     """This attempt is superseded (or its lease lapsed): it stops before committing; a retry is the way on."""
 
-    exit_code = 75  # exit_codes.RETRY: not a user error
+    exit_code = RETRY  # not a user error
 
 
 def fence_dir(spec: JobSpec, rel_root: str) -> Path:
@@ -242,7 +243,7 @@ class Fence:
     def take(cls, d: Path, attempt: str, lease_s: float, roots: tuple[str, ...],
              log: Callable[[str], None] = print, launch: Optional[str] = None, floor: int = 0) -> "Fence":
         """Global rank 0: take the next term above every one on L1 and above ``floor`` (the highest an older L1
-        held, :mod:`pipelines.train.fence_l2`) (exclusive create, bounded retries) and write the lease. Raises
+        held, :mod:`pipelines.train.ckpt.fence_l2`) (exclusive create, bounded retries) and write the lease. Raises
         :class:`FencedOut` when ``launch`` was superseded by another launch (torchrun restarting fenced-out ranks)."""
         d.mkdir(parents=True, exist_ok=True)
         for _ in range(TAKE_TRIES):

@@ -1,10 +1,10 @@
-"""The filesystem tiers of a checkpoint (see :mod:`pipelines.train.checkpoint`): L0 node-local and L1 shared FS.
+"""The filesystem tiers of a checkpoint (see :mod:`pipelines.train.ckpt.protocol`): L0 node-local and L1 shared FS.
 
 A copy is committed by hashing every file into MANIFEST.json and writing COMMIT last, read back only when COMMIT
 matches the manifest, verified file by file, copied to another tier verified while it is read (COMMIT last), and
 removed COMMIT first. Every file name read from a manifest must stay below its directory
-(:func:`pipelines.train.checkpoint.safe_rel`; a copy's validity, :func:`~pipelines.train.checkpoint.verify_local`,
-is the protocol's own, in :mod:`pipelines.train.checkpoint`).
+(:func:`pipelines.train.ckpt.protocol.safe_rel`; a copy's validity, :func:`~pipelines.train.ckpt.protocol.verify_local`,
+is the protocol's own, in :mod:`pipelines.train.ckpt.protocol`).
 """
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ from pathlib import Path
 from pipelines.manifest import atomic_write_text
 from pipelines.storage import faults
 from pipelines.storage.s3 import part_size_used
-from pipelines.train import fence
-from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, CheckpointError, hash_files,  # noqa: F401 - below:
+from pipelines.train.ckpt import fence
+from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, CheckpointError, hash_files,  # noqa: F401 - below:
                                         is_valid_local, manifest_files, read_local_manifest, safe_rel, verify_local)
 # read_local_manifest and manifest_files are this module's; the other three stay reachable here for its callers
 
 
 def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Path:
     """Hash every file in ``tmp_dir``, write MANIFEST + COMMIT, then rename to ``final_dir`` (:func:`install_dir`);
-    under a fence (:mod:`pipelines.train.fence`) only while this attempt's term is current."""
+    under a fence (:mod:`pipelines.train.ckpt.fence`) only while this attempt's term is current."""
     rels = [f.relative_to(tmp_dir).as_posix() for f in sorted(p for p in tmp_dir.rglob("*") if p.is_file())]
     rels = [r for r in rels if r not in (CKPT_MANIFEST, COMMIT)]
     faults.file_op("write", final_dir)
@@ -52,9 +52,9 @@ def missing_shards(d: Path) -> list[str]:
 def remove_local(d: Path) -> None:
     """Never a copy a newer term committed, even one committed after this writer's check (it paused in between):
     the copy is moved aside in one rename (atomic on POSIX filesystems, NFS and Lustre included), its recorded term
-    is read where it now lies, and a newer term's copy is put back (:class:`~pipelines.train.fence.FencedOut`);
+    is read where it now lies, and a newer term's copy is put back (:class:`~pipelines.train.ckpt.fence.FencedOut`);
     else COMMIT first, so a half-removed copy is never read as a checkpoint, then the rest. Under a fence, never by
-    a superseded attempt either (:func:`pipelines.train.fence.guard`)."""
+    a superseded attempt either (:func:`pipelines.train.ckpt.fence.guard`)."""
     fence.guard(f"removing {d}", d, lambda: fence.local_manifest(d))
     faults.point(faults.ACT)
     aside = d.with_name(f".{d.name}.tmp-{fence.tmp_tag()}")  # a temp name: start-up cleanup knows whose it is
@@ -99,7 +99,7 @@ def install_dir(tmp: Path, dst: Path) -> None:
     """Put the finished directory ``tmp`` at ``dst``, an older copy there removed first (:func:`remove_local`);
     under a fence only while this attempt's term is current. The last act is a rename that cannot replace a copy
     put there after the check (a directory is never renamed over a non-empty one): a writer that paused in between
-    stops with :class:`~pipelines.train.fence.FencedOut` and the other copy stays."""
+    stops with :class:`~pipelines.train.ckpt.fence.FencedOut` and the other copy stays."""
     fence.check(f"putting {dst.name} in place", dst)
     if dst.exists():
         remove_local(dst)

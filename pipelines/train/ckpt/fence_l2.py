@@ -7,7 +7,7 @@ apart on L2.
   was committed by a term that L2 records.
 * An L1 fence directory that has never read L2's terms and holds none (a new L1) takes its first term above the
   highest one L2 records (:func:`floor`). While L2 does not answer, that floor is unknown: the attempt does not
-  start (:class:`~pipelines.train.checkpoint.L2Unavailable`, exit 75), since "no answer" is never "no term". Once
+  start (:class:`~pipelines.train.ckpt.protocol.L2Unavailable`, exit 75), since "no answer" is never "no term". Once
   read, ``l2-floor`` records it on L1 (before the term is taken), and the terms on L1 stay above it from then on.
 
 With no S3 endpoint configured there is no L2 and the floor is 0.
@@ -21,9 +21,9 @@ from typing import Optional
 
 from pipelines.manifest import atomic_write_text, read_small_text
 from pipelines.spec import JobSpec
-from pipelines.train.ckpt_s3 import answered
-from pipelines.train.ckpt_tiers import l2_available, tier_locations
-from pipelines.train.fence import FENCE_DIR, TERM_PREFIX
+from pipelines.train.ckpt.s3_tier import answered
+from pipelines.train.ckpt.tiers import l2_available, tier_locations
+from pipelines.train.ckpt.fence import FENCE_DIR, TERM_PREFIX
 
 FLOOR_FILE = "l2-floor"  # in the L1 fence directory: L2's highest term when this L1 first read it
 
@@ -62,7 +62,7 @@ def floor(spec: JobSpec, fence_dir: Path, rel_root: str, log=print) -> int:
     returned from the record ever after (``take`` takes the highest of it and L1's terms, so an attempt that died
     between the two cannot lower it). Raises :class:`L2Unavailable` while L2 does not answer; with no L2
     configured (no endpoint yet, the demo before it starts one) it is 0 and nothing is recorded."""
-    from pipelines.train.fence import current_term
+    from pipelines.train.ckpt.fence import current_term
 
     marker = fence_dir / FLOOR_FILE
     try:

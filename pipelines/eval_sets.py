@@ -1,4 +1,5 @@
-"""The evaluation tasks: any task lm-evaluation-harness knows, built through its own ``TaskManager`` and task objects.
+"""The evaluation sets, read by evaluation and by decontamination alike (so at the root, below both planes): the
+reference set's identity (:func:`set_sha256`) and the evaluation tasks, any task lm-evaluation-harness knows, built through its own ``TaskManager`` and task objects.
 
 ``eval.tasks`` names tasks, groups or tags of lm-eval's own task folder, of ours (``tasks/*.yaml``) and of the
 folders in ``eval.include_path`` (as lm-eval's ``--include_path``; a folder listed later overrides a name listed
@@ -30,8 +31,9 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Sequence
 
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+TASKS_DIR = Path(__file__).resolve().parent / "eval" / "tasks"
 # ours (tasks/*.yaml): name → its file in eval.data_dir (tasks/offline_data.py reads it)
 FILES = {"llmp_arc_easy": "arc_easy_test.jsonl", "llmp_hellaswag": "hellaswag_val.jsonl",
          "llmp_lambada_openai": "lambada_openai_test.jsonl"}
@@ -213,3 +215,12 @@ def reference_files(spec) -> list[str]:
     if missing:
         raise SpecError(f"eval.reference: no such file(s) {missing}; list UTF-8 text or JSONL files")
     return [str(p) for p in files]
+
+
+def set_sha256(files: Sequence[str | Path]) -> str:
+    """Identity of a reference set: sha256 of its ``sha256sum``-style listing (file digest, two spaces, name),
+    in the order given."""
+    from pipelines.manifest import sha256_file
+
+    listing = "".join(f"{sha256_file(p)}  {Path(p).name}\n" for p in files)
+    return hashlib.sha256(listing.encode()).hexdigest()

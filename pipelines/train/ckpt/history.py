@@ -27,7 +27,7 @@ from typing import Optional
 
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
-from pipelines.train import fence
+from pipelines.train.ckpt import fence
 
 
 def record_path(spec: JobSpec, rel_root: str) -> Path:
@@ -45,7 +45,7 @@ def read(spec: JobSpec, rel_root: str) -> Optional[dict]:
 
 
 def write(spec: JobSpec, rel_root: str, rec: dict) -> None:
-    """Under a fence (:mod:`pipelines.train.fence`), only while this attempt's term is current."""
+    """Under a fence (:mod:`pipelines.train.ckpt.fence`), only while this attempt's term is current."""
     fence.check("writing the lineage record", resolve_path(spec.checkpoint.l1) / rel_root)
     p = record_path(spec, rel_root)
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
-"""Node parts of a checkpoint (see :mod:`pipelines.train.checkpoint`): with node-local L0 each node commits its
+"""Node parts of a checkpoint (see :mod:`pipelines.train.ckpt.protocol`): with node-local L0 each node commits its
 *part* of a step on its own disk; the parts meet on L1 and L2, where rank 0 writes the step's global COMMIT (see
-below and :mod:`pipelines.train.restore`).
+below and :mod:`pipelines.train.ckpt.restore`).
 """
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from typing import Optional
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
-from pipelines.train import ckpt_s3_cond, fence
-from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, MAX_PARTS, PARTS, CheckpointError, is_valid_local,
+from pipelines.train.ckpt import s3_markers as ckpt_s3_cond
+from pipelines.train.ckpt import fence
+from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, MAX_PARTS, PARTS, CheckpointError, is_valid_local,
                                         manifest_files, parse_step, part_name, read_local_manifest, verify_local)
-from pipelines.train.ckpt_local import copy_local, install_dir, missing_shards
-from pipelines.train.ckpt_s3 import (abort_multipart, all_match, check_objects, part_manifest, read_s3_manifest,
+from pipelines.train.ckpt.local import copy_local, install_dir, missing_shards
+from pipelines.train.ckpt.s3_tier import (abort_multipart, all_match, check_objects, part_manifest, read_s3_manifest,
                                      s3_body, s3_commit_body, upload_files)
 
 

@@ -1,11 +1,11 @@
 """Where a checkpoint lives on each tier and what moves it between them: the tier layout, retention, generations,
 promote, and :func:`fetch` (one committed step read from its nearest verified tier, for evaluation and
-registration; a training run restores through :mod:`pipelines.train.restore`, the only restore path). The
-checkpoint format: :mod:`pipelines.train.checkpoint`.
+registration; a training run restores through :mod:`pipelines.train.ckpt.restore`, the only restore path). The
+checkpoint format: :mod:`pipelines.train.ckpt.protocol`.
 
 Tiers: L0 node-local (``checkpoint.l0``) → L1 shared FS (``checkpoint.l1``) → L2 S3
 (``s3://services.s3_bucket/checkpoint.l2_prefix/…``). ``promote`` copies L0 → L1 → L2 through the part protocol
-(:mod:`pipelines.train.ckpt_parts`), checking every file at every tier, COMMIT last; a tier that already holds a
+(:mod:`pipelines.train.ckpt.parts`), checking every file at every tier, COMMIT last; a tier that already holds a
 verified copy is skipped.
 :func:`prune` applies the
 per-tier retention and never deletes a copy of the newest verified step.
@@ -22,12 +22,13 @@ from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
 from pipelines.storage.s3 import unreachable
-from pipelines.train import fence, lineage
-from pipelines.train.checkpoint import (COMMIT, TIERS, CheckpointError, L2Unavailable, TierUnavailable,
+from pipelines.train.ckpt import fence
+from pipelines.train.ckpt import history
+from pipelines.train.ckpt.protocol import (COMMIT, TIERS, CheckpointError, L2Unavailable, TierUnavailable,
                                         is_valid_local, parse_step, read_local_manifest, step_name, verify_local)
-from pipelines.train.ckpt_local import remove_local
-from pipelines.train.ckpt_parts import merge_parts, part_of, stage_part, upload_step
-from pipelines.train.ckpt_s3 import commit_at, download_checkpoint, missing, read_s3_manifest, remove_s3, verify_s3
+from pipelines.train.ckpt.local import remove_local
+from pipelines.train.ckpt.parts import merge_parts, part_of, stage_part, upload_step
+from pipelines.train.ckpt.s3_tier import commit_at, download_checkpoint, missing, read_s3_manifest, remove_s3, verify_s3
 
 
 # ----------------------------------------------------------------------------- tier layout
@@ -149,7 +150,7 @@ def newest_verified(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]])
 
 def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
                    rec: Optional[dict]) -> dict[str, list[int]]:
-    """``by_tier`` less the steps another line of training wrote (:mod:`pipelines.train.lineage`); every step
+    """``by_tier`` less the steps another line of training wrote (:mod:`pipelines.train.ckpt.history`); every step
     counts when there is no lineage record."""
     if rec is None:
         return by_tier
@@ -162,7 +163,7 @@ def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
                 man = read_s3_manifest(spec, loc) if tier == "L2" else read_local_manifest(Path(loc))
             except (CheckpointError, OSError, json.JSONDecodeError):
                 man = None
-            if man is not None and lineage.accepts(rec, st, lineage.of(man)):
+            if man is not None and history.accepts(rec, st, history.of(man)):
                 keep.append(st)
         out[tier] = keep
     return out
@@ -205,7 +206,7 @@ def drop_stale_staging(spec: JobSpec, rel_root: str, rec: Optional[dict] = None,
                        keep: frozenset = frozenset()) -> list[int]:
     """Rank 0: L1 staging, L2 marks and merge temp dirs of steps older than the newest globally committed one of
     this line of training (not those of ``keep``: steps still waiting for L2), left by attempts that are gone
-    (:func:`pipelines.train.fence.removable`: a live attempt's, e.g. a concurrent launch's, stay)."""
+    (:func:`pipelines.train.ckpt.fence.removable`: a live attempt's, e.g. a concurrent launch's, stay)."""
     root = Path(tier_locations(spec, rel_root)["L1"])
     newest = max(accepted_steps(spec, rel_root, list_steps(spec, rel_root, ("L1",)), rec)["L1"], default=None)
     dropped = []
@@ -389,7 +390,7 @@ def _l2_steps(spec: JobSpec, rel_root: str) -> list[int]:
 
 # ----------------------------------------------------------------------------- promote
 def promote_l1(spec: JobSpec, rel: str) -> tuple[str, Optional[dict]]:
-    """Step ``rel`` L0 → L1 as training promotes it (:mod:`pipelines.train.ckpt_parts`, a step of one part): staged
+    """Step ``rel`` L0 → L1 as training promotes it (:mod:`pipelines.train.ckpt.parts`, a step of one part): staged
     on L1 (verified while copied, COMMIT last), then merged into the step's global commit. Returns (action, the
     files' part digests for the S3 upload that follows, None when nothing was copied). A verified L1 copy is kept
     (training's close committed the final step there; an L0 copy of another attempt left on this host is older).

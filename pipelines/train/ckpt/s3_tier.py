@@ -1,4 +1,4 @@
-"""The S3 tier (L2) of a checkpoint (see :mod:`pipelines.train.checkpoint`): uploads, downloads, checks, removal.
+"""The S3 tier (L2) of a checkpoint (see :mod:`pipelines.train.ckpt.protocol`): uploads, downloads, checks, removal.
 
 S3 verification uses S3's own SHA-256 checksums (``ChecksumAlgorithm=SHA256``): for a single-part
 upload the object checksum is the file's sha256; for multipart it is the composite
@@ -21,10 +21,10 @@ from pipelines.storage import faults
 from pipelines.storage.s3 import (b64, checksums_verified, composite_sha256, conditional_conflict, conditions,
                                   object_matches, part_digests, part_size_used, precondition_failed, probed,
                                   unreachable)
-from pipelines.train import fence
-from pipelines.train.checkpoint import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
+from pipelines.train.ckpt import fence
+from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
                                         manifest_files, part_name, verify_local)
-from pipelines.train.ckpt_local import install_dir
+from pipelines.train.ckpt.local import install_dir
 
 
 def transfer_config(spec: JobSpec):
@@ -191,10 +191,10 @@ def object_etag(s3, bucket: str, key: str) -> Optional[str]:
 def upload_files(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: dict,
                  parts: dict[str, list[bytes]], honoured: bool = False) -> None:
     """Upload ``files`` of ``src`` under ``prefix``, each object checked against the manifest's sha256. Under a fence,
-    checked before each file (:func:`pipelines.train.fence.check`): a part of many files stops sending as soon as its
+    checked before each file (:func:`pipelines.train.ckpt.fence.check`): a part of many files stops sending as soon as its
     attempt is superseded, not only at its COMMIT. Where the endpoint ``honoured`` conditional writes, each object is
     written only while it is still what this writer read when it decided (absent, or a copy that does not match):
-    a newer term's object written meanwhile stops this writer (:class:`~pipelines.train.fence.FencedOut`)."""
+    a newer term's object written meanwhile stops this writer (:class:`~pipelines.train.ckpt.fence.FencedOut`)."""
     part = spec.checkpoint.multipart_chunk_mb * 1024 * 1024
     threshold = transfer_config(spec).multipart_threshold
     for rel, info in files.items():
@@ -369,7 +369,7 @@ def _object_ok(head: dict, info: dict, trusted: bool) -> Optional[str]:
 
 def remove_s3(spec: JobSpec, uri: str) -> None:
     """COMMIT first, then the rest of the prefix. Under a fence, never by a superseded attempt, nor a copy a newer
-    term committed (:func:`pipelines.train.fence.guard`)."""
+    term committed (:func:`pipelines.train.ckpt.fence.guard`)."""
     from pipelines.storage.s3 import client, split_uri
 
     fence.guard(f"removing {uri}", uri, lambda: read_s3_manifest(spec, uri))

@@ -30,9 +30,12 @@ from typing import Optional
 import torch.distributed as dist
 
 from pipelines.storage import faults
-from pipelines.train import checkpoint as ck
-from pipelines.train import ckpt_local, ckpt_parts, ckpt_s3, ckpt_tiers
-from pipelines.train import lineage
+from pipelines.train.ckpt import protocol as ck
+from pipelines.train.ckpt import local as ckpt_local
+from pipelines.train.ckpt import parts as ckpt_parts
+from pipelines.train.ckpt import s3_tier as ckpt_s3
+from pipelines.train.ckpt import tiers as ckpt_tiers
+from pipelines.train.ckpt import history
 
 NEAR = {"L0": 0, "L1": 1, "L2": 2}
 
@@ -67,7 +70,7 @@ def _bcast(obj):
 def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
     """The newest restorable step (or exactly ``step``) made readable on every rank; None when there is none, which
     only every tier's answer can say: a tier that did not answer (L2 down, a node's L0 unreadable) while no other
-    tier serves a step raises :class:`~pipelines.train.checkpoint.TierUnavailable` on every rank (exit 75: a retry
+    tier serves a step raises :class:`~pipelines.train.ckpt.protocol.TierUnavailable` on every rank (exit 75: a retry
     looks again), never "start from step 0" over steps that tier may hold."""
     topo = ckpt.topo
     mine = _inventory(ckpt.root, ckpt.node_log) if topo.local_rank == 0 else None
@@ -124,7 +127,7 @@ def _part_info(man: dict) -> Optional[tuple]:
         part, parts, attempt = ckpt_parts.part_of(man)
     except (TypeError, ValueError):
         return None
-    return (part, parts, attempt, lineage.of(man)) if 0 <= part < parts <= ck.MAX_PARTS else None
+    return (part, parts, attempt, history.of(man)) if 0 <= part < parts <= ck.MAX_PARTS else None
 
 
 def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dict]:
@@ -136,12 +139,12 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
     l1 = Path(ckpt_tiers.tier_locations(spec, rel_root)["L1"])
     for s, man in ckpt_parts.local_parts(l1).items():
         info = _part_info({**man, "part": 0})
-        if info is not None and lineage.accepts(rec, s, info[3]):
+        if info is not None and history.accepts(rec, s, info[3]):
             found[s] = {"step": s, "attempt": info[2], "parts": info[1], "l1": True}
     spread: dict[tuple, set] = {}  # (step, attempt, parts) → the parts committed on some node's L0 or L1 staging
     for inv in [*per_node.values(), staged_parts(l1)]:
         for s, (part, parts, attempt, lin) in inv.items() if isinstance(inv, dict) else inv:
-            if lineage.accepts(rec, s, lin):
+            if history.accepts(rec, s, lin):
                 spread.setdefault((s, attempt, parts), set()).add(part)
     for (s, attempt, parts), have in spread.items():
         if s not in found and have == set(range(parts)):
@@ -156,7 +159,7 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
 def l2_candidates(ckpt, want: Optional[int], skip: set[int]) -> list[dict]:
     """Rank 0, when no step of :func:`candidates` could be restored: the steps of this line that L2 holds (less
     ``skip``, tried already), newest first. Every S3 call is bounded (``checkpoint.s3_*``: its retries are the
-    wait); an L2 that still does not answer raises :class:`~pipelines.train.checkpoint.L2Unavailable`: it may hold
+    wait); an L2 that still does not answer raises :class:`~pipelines.train.ckpt.protocol.L2Unavailable`: it may hold
     this run's newest steps, so "no answer" is never "no candidate" (a fresh start would write over them)."""
     spec, rel_root, rec = ckpt.spec, ckpt.rel_root, ckpt.rec
     found = []
@@ -167,7 +170,7 @@ def l2_candidates(ckpt, want: Optional[int], skip: set[int]) -> list[dict]:
             uri = ckpt_tiers.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"]
             man = ckpt_s3.read_s3_manifest(spec, uri)
             info = _part_info({**man, "part": 0}) if man is not None else None
-            if info is not None and lineage.accepts(rec, s, info[3]):
+            if info is not None and history.accepts(rec, s, info[3]):
                 found.append({"step": s, "attempt": info[2], "parts": info[1], "l1": False})
     except ck.L2Unavailable as e:
         ckpt.log(f"[ckpt] restore: L2 does not answer ({e}) and L1 and the nodes' disks hold no step to restore: "

@@ -5,7 +5,7 @@
     python -m pipelines.lineage --source KEY|URL-PREFIX [--json] [--strict]
     python -m pipelines.lineage --exclude-source KEY|URL-PREFIX --reason TEXT [--json] [--strict]
 
-The command line of :mod:`pipelines.data.lineage` (where lineage and takedown live):
+The command line of :mod:`pipelines.lineage` (its modules: where lineage and takedown live):
 
 * ``--model``: the corpus version, its inputs (key, bytes, sha256, the version that added it) and docs per source;
 * ``--doc ID``: every corpus version that holds the doc, with its shards, and every registered version trained on
@@ -30,12 +30,12 @@ import argparse
 import json
 import sys
 
-from pipelines.data.lineage import (TAG, NothingMatched, doc_query, exclude_source, model_query, nothing_matched,
-                                    pending_takedowns, resolve_model, source_query)
+from pipelines.exit_codes import USER_ERROR
+from pipelines.lineage.queries import (NothingMatched, doc_query, exclude_source, model_query, nothing_matched,
+                                      source_query)
+from pipelines.lineage.takedowns import TAG
 from pipelines.manifest import StageError
 from pipelines.spec import add_spec_args, spec_from_args
-
-__all__ = ["main", "model_query", "pending_takedowns", "resolve_model"]  # the library: pipelines.data.lineage
 
 
 def _text(res: dict) -> str:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         if type(e).__name__ != "MlflowException":
             raise
         print(f"lineage: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     print(json.dumps(res, indent=1) if args.json else _text(res))
     warning = nothing_matched(res, spec.run.root)
     if warning:

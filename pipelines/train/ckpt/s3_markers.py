@@ -5,13 +5,13 @@ fence check and its write (a frozen pod, a stalled process) cannot land over wha
 A writer reads the object's ETag when it decides (:func:`etag`); its write then says what it expects there:
 ``If-None-Match: *`` to create (the object must still be absent), ``If-Match: <etag>`` to replace or delete (it
 must still be the copy that was read). When another writer changed it in between, S3 answers 412 and the writer
-stops with :class:`~pipelines.train.fence.FencedOut` (exit 75): the newer copy stays. AWS S3 honours both on
+stops with :class:`~pipelines.train.ckpt.fence.FencedOut` (exit 75): the newer copy stays. AWS S3 honours both on
 PutObject and If-Match on DeleteObject; so does moto (5.2). Endpoints that ignore them answer 200 to a write whose
 condition is false: ``rclone serve s3`` (the embedded endpoint) does. Each (endpoint, bucket) is probed once per
 process (:func:`supported`: a conditional put of each kind and a conditional delete, each with a false condition),
 and one line says so where the conditions are not honoured; there the fence checks before each write
-(:func:`pipelines.train.fence.check` / ``guard``) stay the only protection, as before. The data objects of a part
-are written the same way (:func:`pipelines.train.ckpt_s3.upload_files`: the object read when the writer decided,
+(:func:`pipelines.train.ckpt.fence.check` / ``guard``) stay the only protection, as before. The data objects of a part
+are written the same way (:func:`pipelines.train.ckpt.s3_tier.upload_files`: the object read when the writer decided,
 or its absence, is the condition of the put or of the multipart upload's completion), so a paused writer's upload
 cannot spoil a newer copy's files either.
 """
@@ -22,8 +22,8 @@ from typing import Callable, Optional
 
 from pipelines.storage import faults
 from pipelines.storage.s3 import conditional_conflict, conditions, precondition_failed, probed
-from pipelines.train.checkpoint import L2Unavailable
-from pipelines.train.fence import FencedOut
+from pipelines.train.ckpt.protocol import L2Unavailable
+from pipelines.train.ckpt.fence import FencedOut
 
 _said: set[tuple[str, str]] = set()  # the endpoints and buckets whose probe was told (one line each)
 _lock = threading.Lock()
@@ -67,14 +67,14 @@ def supported(s3, bucket: str, log: Callable[[str], None] = print) -> bool:
 
 def etag(s3, bucket: str, key: str) -> Optional[str]:
     """The object's ETag now, None when it is absent (read when the writer decides what to replace)."""
-    from pipelines.train.ckpt_s3 import answered
+    from pipelines.train.ckpt.s3_tier import answered
 
     return answered(f"s3://{bucket}/{key}", lambda: s3.head_object(Bucket=bucket, Key=key)["ETag"])
 
 
 def _holds(s3, bucket: str, key: str, body: bytes) -> bool:
     """Does the object hold exactly ``body`` now?"""
-    from pipelines.train.ckpt_s3 import s3_body
+    from pipelines.train.ckpt.s3_tier import s3_body
 
     return s3_body(s3, bucket, key) == body
 
@@ -100,7 +100,7 @@ def delete(s3, bucket: str, key: str, expected: Optional[str], cond: bool, what:
     """Delete the object only while it is still the copy read (``expected``); absent: nothing to do."""
     if expected is None:
         return
-    from pipelines.train.ckpt_s3 import missing
+    from pipelines.train.ckpt.s3_tier import missing
 
     faults.point(faults.ACT)
     try:
