@@ -17,6 +17,7 @@ from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_w
 from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
 from pipelines.stages import Stage, stage
 from pipelines.storage.s3 import outage
+from pipelines.tracking import log_stage
 
 
 def stage_parser(name: str, inputs_required: bool = True) -> argparse.ArgumentParser:
@@ -48,7 +49,6 @@ def run_and_log(spec: JobSpec, sd: StageDir, body: Callable, artifacts: Iterable
     """Run the stage unless done, then log its counts (and named outputs) to the pipeline's MLflow run
     (``housekeeping``: :func:`pipelines.manifest.run_stage`)."""
     m = run_stage(sd, body, housekeeping=housekeeping)
-    from pipelines.tracking import log_stage
 
     log_stage(spec, m, artifacts=artifacts)
     return m

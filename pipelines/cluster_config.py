@@ -34,7 +34,7 @@ import yaml
 
 from pipelines.exit_codes import USER_ERROR
 from pipelines.manifest import atomic_write_text
-from pipelines.spec import GPUS_PER_INSTANCE_TYPE, INSTANCE_TYPE_LABEL, redact
+from pipelines.spec import GPUS_PER_INSTANCE_TYPE, INSTANCE_TYPE_LABEL, SpecError, load_spec, redact
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("region", "spark_master", "spark_image", "buckets", "mlflow_tracking_uri", "pipeline_namespace", "shared_fs_claim",
@@ -178,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     except WiringError as e:
         print(f"cluster_config: error: {e}", file=sys.stderr)
         return USER_ERROR
-    from pipelines.spec import SpecError, load_spec
 
     text = f"# Written by pipelines.cluster_config from Terraform outputs (region {out['region']}).\n" + \
         yaml.safe_dump(spec, sort_keys=False)

@@ -33,6 +33,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
+from pipelines.manifest import sha256_file
+from pipelines.spec import SpecError, resolve_bundled, resolve_path
+
 TASKS_DIR = Path(__file__).resolve().parent / "eval" / "tasks"
 # ours (tasks/*.yaml): name → its file in eval.data_dir (tasks/offline_data.py reads it)
 FILES = {"llmp_arc_easy": "arc_easy_test.jsonl", "llmp_hellaswag": "hellaswag_val.jsonl",
@@ -57,8 +60,6 @@ def _manager(include: tuple[str, ...], data_dir: str | None, defaults: bool):
 def task_manager(data_dir: str | None = None, include_path=(), defaults: bool = False):
     """lm-eval's ``TaskManager`` over ours and ``include_path`` (folders, resolved against the project root), with
     lm-eval's own tasks when ``defaults``; one per process and arguments."""
-    from pipelines.spec import SpecError, resolve_path
-
     dirs = tuple(str(resolve_path(p)) for p in include_path)
     missing = [d for d in dirs if not Path(d).is_dir()]
     if missing:
@@ -70,8 +71,6 @@ def manager_for(names, data_dir: str | None = None, include_path=()):
     """The ``TaskManager`` that knows every name: ours and ``include_path`` alone when each name is a task of theirs
     (milliseconds; a group or tag there may list lm-eval's own tasks), else with lm-eval's own tasks (seconds); a name
     none knows is a :class:`SpecError` with the names closest to it."""
-    from pipelines.spec import SpecError
-
     tm = task_manager(data_dir, include_path)
     if all(n in tm.all_subtasks for n in names):
         return tm
@@ -94,8 +93,6 @@ def build_tasks(names, data_dir: str | None = None, include_path=()) -> dict:
     as the evaluation builds them; a task that cannot be, for a reason of the spec's (:func:`spec_fault`), is a
     :class:`SpecError` naming it and saying why; any other failure (a cache file's lock, a disk) is raised as it is,
     so the stage fails and is retried."""
-    from pipelines.spec import SpecError
-
     offline()
     tm = manager_for(names, data_dir, include_path)
     out: dict = {}
@@ -208,8 +205,6 @@ def reference_items(paths: list[Path]) -> list[list[str]]:
 
 def reference_files(spec) -> list[str]:
     """The reference set's files (``eval.reference``), each checked to exist."""
-    from pipelines.spec import SpecError, resolve_bundled
-
     files = [resolve_bundled(p) for p in spec.eval.reference]
     missing = [str(p) for p in files if not p.is_file()]
     if missing:
@@ -220,7 +215,5 @@ def reference_files(spec) -> list[str]:
 def set_sha256(files: Sequence[str | Path]) -> str:
     """Identity of a reference set: sha256 of its ``sha256sum``-style listing (file digest, two spaces, name),
     in the order given."""
-    from pipelines.manifest import sha256_file
-
     listing = "".join(f"{sha256_file(p)}  {Path(p).name}\n" for p in files)
     return hashlib.sha256(listing.encode()).hexdigest()

@@ -12,12 +12,15 @@ the same config and inputs returns the existing manifest instead of recomputing.
 """
 from __future__ import annotations
 
-import datetime as _dt
 import contextlib
+import datetime as _dt
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
+import stat
 import subprocess
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -227,8 +230,6 @@ def read_small_text(path: str | os.PathLike, limit: int = 1 << 16) -> str:
     """A small control file written by another process (a shared directory others can write): read only when it
     is a regular file, not through a link, not blocking on a FIFO, at most ``limit`` bytes; else ``OSError``
     (``ValueError`` when it is larger)."""
-    import stat
-
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
@@ -406,9 +407,6 @@ def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str
 def key_lock(final: Path, on_wait: Callable[[str], None]):
     """An exclusive ``flock`` on ``.<key>.lock`` beside the stage's output (FSx for Lustre is mounted with
     ``flock``), held while the stage runs; the lock file names its holder for whoever waits."""
-    import fcntl
-    import socket
-
     final.parent.mkdir(parents=True, exist_ok=True)
     path = final.with_name(f".{final.name}.lock")
     with open(path, "a+") as f:

@@ -8,12 +8,16 @@ a node's command again when it exits non-zero, as the training operator's ``rest
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -129,8 +133,6 @@ class Node:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -138,8 +140,6 @@ def free_port() -> int:
 
 def under_tmp() -> list[Path]:
     """The project checkout and the Python environment, where they lie under /tmp (a node's /tmp is its own)."""
-    import sys
-
     tmp = Path("/tmp")
     found = sorted({p for p in (Path(__file__).resolve().parents[1], Path(sys.prefix).resolve())
                     if p.is_relative_to(tmp) and p != tmp})
@@ -157,8 +157,6 @@ class SparkCluster:
 
     def __init__(self, root: Path, workers: int = 2, cores: int = 1, memory: str = "2g",
                  private_dirs: tuple[Path, ...] = (), pin: bool = False):
-        import sys
-
         self.root = root
         bin_dir = Path(sys.executable).parent
         env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
@@ -189,9 +187,6 @@ class SparkCluster:
             raise
 
     def state(self) -> dict:
-        import json
-        import urllib.request
-
         with urllib.request.urlopen(f"http://127.0.0.1:{self.ui}/json/", timeout=5) as r:  # noqa: S310 - loopback
             return json.loads(r.read())
 

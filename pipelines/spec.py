@@ -22,13 +22,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
 import yaml
+from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipelines.exit_codes import USER_ERROR
+from pipelines.stages import stage as stage_entry
 
 
 def project_home() -> Path:
@@ -342,7 +346,6 @@ class DataCfg(_Section):
         presets = {"@once", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly", "@continuous"}
         if v in presets:
             return v
-        from croniter import croniter
 
         if not croniter.is_valid(v):
             raise ValueError(f"{v!r} is neither a cron expression (5 fields) nor one of {sorted(presets)}")
@@ -858,8 +861,6 @@ class JobSpec(_Section):
 
     def stage_hash(self, stage: str) -> str:
         """sha256 over the sections ``stage`` reads (canonical JSON)."""
-        from pipelines.stages import stage as stage_entry
-
         sections = stage_entry(stage).sections
         payload = {s: self.value(s, hashed=True) for s in sections}
         return sha256_json(payload)
@@ -883,8 +884,6 @@ class JobSpec(_Section):
 def redact(text: str) -> str:
     """``text`` with the password of every URL in it replaced by ``***`` (``https://user:secret@host`` →
     ``https://user:***@host``): for whatever goes into a log, an artifact, a tag or a manifest."""
-    import re
-
     return re.sub(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/\s:@]*):(?P<pw>[^/\s@]*)@",
                   lambda m: f"{m['scheme']}{m['user']}:***@", str(text))
 
@@ -971,8 +970,6 @@ def spec_from_args(args) -> JobSpec:
     try:
         return load_spec(args.spec, args.overrides)
     except SpecError as e:
-        import sys
-
         print(f"spec: error: {e}", file=sys.stderr)
         raise SystemExit(USER_ERROR) from None
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipelines import tracking
+from pipelines.eval.registry import model_id_of
 from pipelines.spec import add_spec_args, redact, spec_from_args
 
 
 def summarize(spec) -> dict:
     from mlflow.exceptions import MlflowException
-
-    from pipelines import tracking
-    from pipelines.eval.registry import model_id_of
 
     c = tracking.client(spec)
     name, alias = spec.registry.model_name, spec.registry.alias
@@ -36,7 +35,6 @@ def summarize(spec) -> dict:
 
 def sample(spec, prompt: str) -> str:
     """A generation from the champion, loaded back from the registry (what a server would answer)."""
-    from pipelines import tracking
     from pipelines.eval.lm import TextModel
 
     tm = TextModel.open(f"models:/{spec.registry.model_name}@{spec.registry.alias}", tracking.tracking_uri(spec))

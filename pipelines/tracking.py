@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
+import time
 from pathlib import Path
 from typing import Iterable
 
-from pipelines.spec import JobSpec, project_home, resolve_path
+from pipelines.spec import JobSpec, load_spec, project_home, resolve_path
 
 
 def tracking_uri(spec: JobSpec) -> str:
@@ -69,8 +70,6 @@ def fluent(spec: JobSpec):
 
 def default_tracking_uri() -> str:
     """``$MLFLOW_TRACKING_URI``, else the spec's default store (``var/mlflow.db`` under the project home)."""
-    from pipelines.spec import load_spec
-
     return tracking_uri(load_spec(None))
 
 
@@ -118,7 +117,6 @@ def log_stage(spec: JobSpec, manifest, artifacts: Iterable[str] = ()) -> None:
     run_id = spec.run.mlflow_run_id
     if not run_id:
         return
-    import time
 
     from mlflow.entities import Metric
 

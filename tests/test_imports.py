@@ -106,3 +106,70 @@ def test_no_new_import_from_a_lower_layer_into_a_higher_one():
     new, gone = upward - KNOWN_UPWARD, KNOWN_UPWARD - upward
     assert not new, f"new upward import(s) (foundations < data < launch < train < eval < applications): {sorted(new)}"
     assert not gone, f"upward import(s) no longer in the code: remove them from KNOWN_UPWARD: {sorted(gone)}"
+
+
+# Imports inside functions only for what is heavy to load (issue 54): packages that take 0.25 s or more to import
+# (measured with `python -c "import X"`: torch 2.2 s, mlflow 2.2, airflow 1.8, transformers 1.0, kubernetes 0.5,
+# pyarrow.dataset 0.56 with pandas, scipy.sparse 0.3-0.4, pyspark 0.27 and a JVM, gguf 0.28, matplotlib 0.23,
+# CEL/jsonschema 0.25 and only on Kubernetes), a project module that loads one at import, or a line that says why
+# ("# lazy: …"). Everything else is imported at the top, where a reader sees the module's arrows.
+HEAVY = {"torch", "pyspark", "mlflow", "transformers", "lm_eval", "kubernetes", "airflow", "matplotlib", "gguf", "boto3",
+         "datasets", "huggingface_hub", "trafilatura", "numba", "tokenizers", "triton", "llama_cpp", "pandas"}
+HEAVY_MODULES = ("pyarrow.dataset", "scipy", "celpy", "jsonschema")
+
+
+def _imports(path: Path):
+    """(node, in a function?) for every import statement of a file."""
+    tree = ast.parse(path.read_text(), str(path))
+
+    def walk(node, in_fn):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child, in_fn
+            yield from walk(child, in_fn or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+    yield from walk(tree, False)
+
+
+def _is_heavy(node) -> bool:
+    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    return any(n.split(".")[0] in HEAVY or any(n == h or n.startswith(h + ".") for h in HEAVY_MODULES) for n in names)
+
+
+def heavy_at_import() -> set[str]:
+    """The project's modules that load a heavy package when imported (their own top-level imports, transitively)."""
+    files = {_name(p): p for p in PACKAGE.rglob("*.py")}
+    own, heavy = {}, set()
+    for mod, path in files.items():
+        own[mod] = set()
+        for node, in_fn in _imports(path):
+            if in_fn:
+                continue
+            if _is_heavy(node):
+                heavy.add(mod)
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+            own[mod] |= {n for n in names if n in files} | {n.rpartition(".")[0] for n in names if n in files}
+    changed = True
+    while changed:
+        changed = False
+        for mod, ts in own.items():
+            if mod not in heavy and ts & heavy:
+                heavy.add(mod)
+                changed = True
+    return heavy
+
+
+def test_imports_inside_functions_are_of_what_is_heavy_to_load_or_say_why():
+    heavy, files = heavy_at_import(), {_name(p): p for p in PACKAGE.rglob("*.py")}
+    bad = []
+    for mod, path in files.items():
+        lines = path.read_text().splitlines()
+        for node, in_fn in _imports(path):
+            if not in_fn or _is_heavy(node) or "# lazy:" in lines[node.end_lineno - 1]:
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+            if any(n in heavy for n in names):
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "imports inside functions of what is light to load (move them to the top):\n" + "\n".join(bad)

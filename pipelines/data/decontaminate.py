@@ -49,9 +49,13 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
+import pyarrow as pa
+
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.manifest import Manifest, file_ref, input_ref
 from pipelines.spec import DecontaminateCfg, JobSpec
+from pipelines.eval_sets import (eval_tasks, reference_files, reference_items, rendered, set_sha256, task_digest,
+                                 task_ref)
 
 WORD = re.compile(r"\w+")
 REFERENCE = "reference"
@@ -356,9 +360,6 @@ def item_texts(task, doc, r: dict) -> list[str]:
 def eval_items(spec: JobSpec) -> tuple[dict[str, list[list[str]]], dict[str, dict]]:
     """({task: item texts}, {task: its identity}) for the tasks of eval.tasks (lm-eval's task objects, items in
     ``eval_docs`` order) and the reference set."""
-    from pipelines.eval_sets import set_sha256
-    from pipelines.eval_sets import eval_tasks, reference_files, reference_items, rendered, task_digest
-
     items, ident = {}, {}
     for name, task in eval_tasks(spec).items():
         shown = [(doc, rendered(task, doc)) for doc in task.eval_docs]
@@ -372,8 +373,6 @@ def eval_items(spec: JobSpec) -> tuple[dict[str, list[list[str]]], dict[str, dic
 
 def eval_refs(spec: JobSpec, ident: dict[str, dict]) -> list[dict]:
     """The stage's inputs beside the filter result: each task's items (their digest) and the reference files."""
-    from pipelines.eval_sets import reference_files, task_ref
-
     return [task_ref(t, i["sha256"]) for t, i in ident.items() if t != REFERENCE] + \
         [file_ref(p) for p in reference_files(spec)]
 
@@ -382,8 +381,6 @@ def eval_refs(spec: JobSpec, ident: dict[str, dict]) -> list[dict]:
 
 def _decontaminate_fn(table_bc, lengths: list[int], cfg_dict: dict, order: list[str]):
     def fn(batches):
-        import pyarrow as pa
-
         cfg = DecontaminateCfg.model_validate(cfg_dict)
         table = table_bc.value
         for rb in batches:
@@ -402,8 +399,6 @@ def _decontaminate_fn(table_bc, lengths: list[int], cfg_dict: dict, order: list[
 
 def _matched_fn(table_bc, lengths: list[int]):
     def fn(batches):
-        import pyarrow as pa
-
         table = table_bc.value
         for rb in batches:
             found = [matched_ngrams(t, table, lengths) for t in rb.column("text").to_pylist()]

@@ -58,16 +58,23 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipelines.cli import (add_corpus_arg, corpus_arg, manifest_arg, run_and_log, stage_dir, stage_main,
                            upstream_manifests)
-from pipelines.manifest import Manifest, StageError, input_ref
-from pipelines.data.spark import dir_bytes, plan_pieces, read_piece, row_groups, size_shuffles, task_count
 from pipelines.data import dedup_outputs as o
 from pipelines.data.keepers import hash_set_column, list_flat, pair_jaccard, resolve_partition
+from pipelines.data.spark import dir_bytes, plan_pieces, read_piece, row_groups, size_shuffles, task_count
+from pipelines.manifest import Manifest, StageError, input_ref
 from pipelines.spec import DedupCfg, JobSpec
 from pipelines.stages import stage
+from pipelines.data.minhash import (band_keys_batch, candidate_probability, integrate, optimal_bands_rows, permutations,
+                                    shingle_hash_texts, signatures_flat, threshold_point)
 
 STAGE = stage("dedup")
 
@@ -82,7 +89,6 @@ def effective_bands_rows(cfg: DedupCfg) -> tuple[int, int]:
     """Explicit bands × rows, else the pair that minimises FP+FN area at the LSH threshold."""
     if cfg.bands is not None:
         return cfg.bands, cfg.rows
-    from pipelines.data.minhash import optimal_bands_rows
 
     b, r, _, _ = optimal_bands_rows(round(lsh_threshold(cfg), 4), cfg.num_perm)
     return b, r
@@ -101,11 +107,6 @@ def _signature_fn(ngram: int, num_perm: int, seed: int, bands: int, rows: int):
     normalized text is empty gets null ``keys``: it is never a duplicate of anything.
     """
     def fn(batches):
-        import numpy as np
-        import pyarrow as pa
-
-        from pipelines.data.minhash import band_keys_batch, permutations, shingle_hash_texts, signatures_flat
-
         a, b = permutations(num_perm, seed)
         for rb in batches:
             raw = [t or "" for t in rb.column(2).to_pylist()]
@@ -157,9 +158,6 @@ def star_edges(sig):
 def bucket_stars(batches):
     """mapInArrow body over bucket entries (band, key, idx) sorted by (band, key, idx): each entry but a bucket's
     first → (idx, the first's idx, band = 0). A bucket that goes on in the next batch carries its first over."""
-    import numpy as np
-    import pyarrow as pa
-
     last = None  # (band, key, root) of the batch's last bucket
     for rb in batches:
         if rb.num_rows == 0:
@@ -186,9 +184,6 @@ def one_task_components(batches):
     (``pipelines.data.spark.label_components``) → (idx, cc, n): every doc that shares a bucket, the smallest idx of
     its component and the component's size. About 100 B per bucket entry at the peak, so callers bound the entries
     (``dedup.cc_single_task_max_edges``)."""
-    import numpy as np
-    import pyarrow as pa
-
     from pipelines.data.spark import label_components
 
     got = [rb for rb in batches if rb.num_rows]
@@ -222,9 +217,6 @@ def _assign_fn(policy: str, threshold: float, verify: bool):
     the keeper's id. One Python call per partition, not per component; a component that straddles
     two Arrow batches is carried over to the next."""
     def fn(batches):
-        import numpy as np
-        import pyarrow as pa
-
         schema = o.arrow_schema(ASSIGN_SCHEMA)
 
         def emit(t):
@@ -272,8 +264,6 @@ def _small_assign(members, n_members: int, sig, cfg: DedupCfg, tasks: int):
 def _pair_jaccard_fn(batches):
     """mapInArrow body: (u, v, x, a, b) → (u, v, x, j), j the exact Jaccard of sets a and b (u, v, x keep their
     names)."""
-    import pyarrow as pa
-
     for rb in batches:
         yield pa.RecordBatch.from_arrays([rb.column(0), rb.column(1), rb.column(2),
                                           pa.array(pair_jaccard(rb.column(3), rb.column(4)))],
@@ -383,9 +373,6 @@ BUCKET_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: a bucket's hash is key X
 def bucket_entries(keys):
     """The bucket entries of a ``keys`` column (a pyarrow ListArray, one list per doc: the exact key, then the band
     keys) as numpy arrays, one entry per key: (band, key, row)."""
-    import numpy as np
-    import pyarrow.compute as pc
-
     lens = pc.list_value_length(keys).fill_null(0).to_numpy().astype(np.int64)
     key = keys.flatten().to_numpy().astype(np.int64)
     row = np.repeat(np.arange(len(lens)), lens)
@@ -395,8 +382,6 @@ def bucket_entries(keys):
 def bucket_hashes(keys):
     """:func:`bucket_entries` and each entry's 64-bit bucket hash: (hash, band, key, row). The hash only narrows the
     search: a match is a bucket whose band and key are both equal."""
-    import numpy as np
-
     band, key, row = bucket_entries(keys)
     with np.errstate(over="ignore"):
         h = key.view(np.uint64) ^ (band.astype(np.uint64) * np.uint64(BUCKET_MIX))
@@ -406,8 +391,6 @@ def bucket_hashes(keys):
 def _new_buckets(sig) -> tuple[bytes, bytes, bytes, bytes]:
     """The buckets of ``sig``'s docs, collected on the driver and sorted by hash, as raw bytes (hash, band, key,
     idx): what each task of the corpus scan holds."""
-    import numpy as np
-
     t = sig.select("idx", "keys").toArrow()
     h, band, key, row = bucket_hashes(t.column("keys").combine_chunks())
     idx = t.column("idx").to_numpy()[row]
@@ -421,9 +404,6 @@ def _corpus_scan_fn(new, verify: bool):
     ``verify``, for near pairs). The task reads the old keys itself (pyarrow) and reads the ids of its matching rows
     only, and their shingle sets only for a row group with a near pair."""
     def fn(pieces):
-        import numpy as np
-        import pyarrow as pa
-
         nh, nband, nkey, nidx = (np.frombuffer(b, dt) for b, dt in
                                  zip(new.value, (np.uint64, np.int64, np.int64, np.int64)))
         for p in pieces:
@@ -505,8 +485,6 @@ class _Phases:
     """Seconds per phase of a lazy Spark job (a phase is timed at its first action)."""
 
     def __init__(self):
-        import time
-
         self.clock, self.marks = time.perf_counter, {}
         self.last = self.clock()
 
@@ -640,8 +618,6 @@ def _stats(t: dict, a: dict, c: dict, cfg: DedupCfg, n_against: int) -> dict:
 
 def s_curve_report(threshold: float, bands: int, rows: int) -> dict:
     """Why these bands × rows: the S-curve's error areas around the threshold and a few points on it."""
-    from pipelines.data.minhash import integrate, candidate_probability, threshold_point
-
     fp = integrate(lambda s: candidate_probability(s, bands, rows), 0.0, threshold)
     fn = integrate(lambda s: 1 - candidate_probability(s, bands, rows), threshold, 1.0)
     return {"false_positive_area": round(fp, 5), "false_negative_area": round(fn, 5),

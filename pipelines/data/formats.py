@@ -41,7 +41,16 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+from fastwarc.warc import ArchiveIterator
+from resiliparse.extract.html2text import extract_plain_text
+from resiliparse.parse.encoding import bytes_to_str, detect_encoding
+from resiliparse.parse.html import HTMLTree
+
 from pipelines.spec import InputFieldsCfg
+from pipelines.storage.s3 import open_object
 
 WARC_SUFFIXES = (".warc", ".warc.gz", ".wet", ".wet.gz")
 _RAW_KEEP = 1 << 20  # quarantined WARC bytes kept inline up to this size (the offset always points at the rest)
@@ -76,7 +85,6 @@ def open_raw(chunk: Chunk) -> BinaryIO:
     """The chunk's file, seekable: the local file or the S3 object (ranged GETs, 8 MB at a time)."""
     if chunk.settings is None:
         return open(chunk.path, "rb")
-    from pipelines.storage.s3 import open_object
 
     return open_object(chunk.settings, chunk.path, chunk.size)
 
@@ -160,8 +168,6 @@ class ZstdFrames(io.RawIOBase):
     told: half a file would vanish without a word.)"""
 
     def __init__(self, raw: BinaryIO, block: int = 1 << 20):
-        import zstandard
-
         self.raw, self.block, self.zd = raw, block, zstandard.ZstdDecompressor()
         self.dobj, self.pending, self.out = None, b"", b""
 
@@ -194,8 +200,6 @@ class CompressionError(Exception):
 
 
 def decompress_errors() -> tuple[type[BaseException], ...]:
-    import zstandard
-
     return EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError
 
 
@@ -358,8 +362,6 @@ def parquet_damage(e: BaseException) -> bool:
     :class:`~pipelines.storage.s3.S3Timeout`), botocore's and urllib3's errors, a disk's ``OSError`` with its
     errno; and memory running out (``ArrowMemoryError``). Those are no fault of the data: they fail the Spark task
     (or the driver's plan), which is retried, rather than quarantine rows the next try would read."""
-    import pyarrow as pa
-
     if isinstance(e, MemoryError):
         return False
     return isinstance(e, pa.ArrowException) or type(e) is OSError and e.errno is None
@@ -372,8 +374,6 @@ def row_group_cuts(source) -> list[tuple[int, int | None, int | None]]:
     (row group None) when the footer does not read (the task quarantines the file), for a single row group, and when
     the row groups do not lie in order in the file. A read that fails (not the data: :func:`parquet_damage`) is
     raised."""
-    import pyarrow.parquet as pq
-
     whole = [(0, None, None)]
     try:
         with open_raw(Chunk(0, source.name, source.location, "parquet", size=source.size,
@@ -400,8 +400,6 @@ def group_start(rg) -> int:
 def parquet_rows(chunk: Chunk, cfg, fields: InputFieldsCfg) -> Iterator[Row]:
     """A Row per row of the chunk's row group (all of them when ``group`` is None), numbered through the file from
     1; a file whose footer does not read is one ``bad_parquet`` Row. A read that fails is raised."""
-    import pyarrow.parquet as pq
-
     with open_raw(chunk) as raw:
         try:
             pf = pq.ParquetFile(raw)
@@ -490,8 +488,6 @@ def utf8_records(batch) -> Iterator[tuple[dict, tuple | None]]:
 def as_bytes(col, i: int) -> Any:
     """Value ``i`` of an Arrow column with every string in it as its bytes (:func:`binary_type`); None for a type
     Arrow does not cast so (a union …)."""
-    import pyarrow as pa
-
     try:
         return col.slice(i, 1).cast(binary_type(col.type))[0].as_py()
     except (UnicodeDecodeError, pa.ArrowException):
@@ -500,8 +496,6 @@ def as_bytes(col, i: int) -> Any:
 
 def binary_type(t):
     """Arrow type ``t`` with each string type in it (also in lists, structs, maps and dictionaries) binary."""
-    import pyarrow as pa
-
     swap = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.string_view(): pa.binary_view()}
     if t in swap:
         return swap[t]
@@ -597,8 +591,6 @@ def raw_at(chunk: Chunk, off: int, length: int) -> dict:
 
 def warc_rows(chunk: Chunk, cfg, fields: InputFieldsCfg) -> Iterator[Row | str]:
     """A Row per document-like record; the record type's name for a record that is not a document."""
-    from fastwarc.warc import ArchiveIterator
-
     if not chunk.name.lower().endswith(".gz"):  # plain WARC: FastWARC streams it; a bad record ends the file
         pos = 0
         try:
@@ -678,15 +670,11 @@ def text_row(off: int, text: str, meta: dict, q: dict, cfg) -> Row:
 
 def extract(body: bytes, charset: str | None, extractor: str) -> str:
     """HTML bytes → main-content text."""
-    from resiliparse.parse.encoding import bytes_to_str, detect_encoding
-
     html = bytes_to_str(body, charset or detect_encoding(body))
     if extractor == "trafilatura":
         import trafilatura
 
         return trafilatura.extract(html, include_comments=False, include_tables=True) or ""
-    from resiliparse.extract.html2text import extract_plain_text
-    from resiliparse.parse.html import HTMLTree
 
     return extract_plain_text(HTMLTree.parse(html), main_content=True)
 

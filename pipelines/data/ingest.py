@@ -58,6 +58,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from pydantic import ValidationError
 
 from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
 from pipelines.data.formats import Chunk, plan_chunks, range_sha256, rows
@@ -329,8 +330,6 @@ def _options(ap) -> None:
 
 def _call(spec: JobSpec, args, ups) -> Manifest:
     if args.input:
-        from pydantic import ValidationError
-
         try:
             spec.data.inputs = args.input  # validated like data.inputs
         except ValidationError as e:

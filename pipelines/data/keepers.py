@@ -12,6 +12,7 @@ Shingle-hash sets travel as one Arrow ``binary`` value per doc (:func:`hash_set_
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 
 from pipelines.data.minhash import compiled
 
@@ -20,8 +21,6 @@ def hash_set_column(x, offsets, valid):
     """Per-doc sorted uint32 hash sets as one Arrow ``binary`` column (little-endian uint32s), built
     from the flat array without a Python loop. Binary, not ``array<int>``: Spark moves it between
     the JVM and Python (and caches it) as one block of bytes, not element by element."""
-    import pyarrow as pa
-
     n = offsets.size - 1
     byte_off = (np.asarray(offsets, dtype=np.int64) * 4).astype(np.int32)
     bitmap = pa.py_buffer(np.packbits(np.asarray(valid, dtype=bool), bitorder="little").tobytes())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import unicodedata
 from functools import lru_cache
 
@@ -34,8 +35,6 @@ _MASK29 = np.uint64((1 << 29) - 1)
 
 
 def _build_punct_set() -> frozenset[str]:
-    import sys
-
     return frozenset(chr(i) for i in range(sys.maxunicode + 1) if unicodedata.category(chr(i)).startswith("P"))
 
 
@@ -165,8 +164,6 @@ def separator_table() -> np.ndarray:
     """uint8[0x110000]: 1 where ``normalize`` breaks words (Unicode category P or whitespace)."""
     global _SEP_TABLE
     if _SEP_TABLE is None:
-        import sys
-
         t = np.zeros(sys.maxunicode + 1, dtype=np.uint8)
         for i in range(sys.maxunicode + 1):
             c = chr(i)

@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import numpy as np
+import pyarrow as pa
 
 from pipelines.data import pii
 from pipelines.data.pii import KINDS as PII_KINDS
-from pipelines.lineage.keys import Matcher
 from pipelines.data.urlfilter import UrlRules, load_rules
+from pipelines.lineage.keys import Matcher
 from pipelines.spec import FilterCfg
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
@@ -97,7 +98,7 @@ _LID = None
 def _identifier():
     global _LID
     if _LID is None:
-        from py3langid.langid import MODEL_FILE, LanguageIdentifier
+        from py3langid.langid import MODEL_FILE, LanguageIdentifier  # lazy: its model loads on first use
 
         _LID = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
     return _LID
@@ -314,8 +315,6 @@ def _filter_fn(cfg_dict: dict, url_rules: UrlRules, names: list[str], excluded: 
     """Each batch: every input column (text rewritten for kept docs: C4's line drops, then PII placeholders), the
     reason (``takedown`` first: a doc of an excluded source), the language, and the tallies."""
     def fn(batches):
-        import pyarrow as pa
-
         cfg = FilterCfg.model_validate(cfg_dict)
         for rb in batches:
             texts = rb.column("text").to_pylist()  # the other columns pass through as they are

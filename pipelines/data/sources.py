@@ -27,6 +27,7 @@ from pathlib import Path
 from pipelines.lineage.keys import file_key
 from pipelines.manifest import StageError, plain_rel, under
 from pipelines.spec import JobSpec, resolve_path
+from pipelines.storage.s3 import S3ConfigError, client_from, client_settings, split_uri
 
 DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc", ".txt", ".parquet")  # .jsonl.gz, .warc.gz …
 FORMATS = ("JSONL (.jsonl/.json, plain, .gz or .zst)", "Parquet (.parquet: a Spark task per row group)",
@@ -90,8 +91,6 @@ def local_sources(pattern: str) -> list[Source]:
 def s3_sources(spec: JobSpec, uri: str, refused: list[dict] | None = None) -> list[Source]:
     """The data objects under ``uri``. A key that is not a plain relative path (``a/../../x.jsonl``, ``/abs.jsonl``,
     empty components) is refused, never copied or read: it goes into ``refused`` with the reason."""
-    from pipelines.storage.s3 import S3ConfigError, client_from, client_settings, split_uri
-
     bucket, prefix = split_uri(uri)
     try:
         settings = client_settings(spec)

@@ -30,6 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipelines.spec import SpecError, resolve_path
+
 if TYPE_CHECKING:  # pragma: no cover
     from pyspark.sql import DataFrame, SparkSession
 
@@ -136,7 +142,6 @@ def row_groups(path: str | Path, column: str) -> list[tuple[str, int, int, int]]
     """(file, row group, rows, uncompressed bytes of ``column``) of every non-empty row group of a parquet directory,
     in file order, from the footers (nothing else is read)."""
     import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
 
     out = []
     for f in sorted(ds.dataset(str(path), format="parquet").files):
@@ -165,8 +170,6 @@ def plan_pieces(groups: list[tuple[str, int, int, int]], n: int) -> list[list[Pi
 
 def read_piece(p: Piece, columns: list[str]):
     """A piece's rows (a pyarrow Table of ``columns``), read by the task itself: no JVM in the data's path."""
-    import pyarrow.parquet as pq
-
     return pq.ParquetFile(p.file).read_row_group(p.group, columns=columns).slice(p.start, p.stop - p.start)
 
 
@@ -191,8 +194,6 @@ def kubernetes_conf(spec) -> dict[str, str]:
     executors (``run.root`` lives there: every task reads and writes the same paths as the driver), and node-local
     scratch for ``spark.local.dir`` (a volume named ``spark-local-dir-1``: ``services.spark_local_dir`` on the host,
     else an emptyDir on the node's instance store)."""
-    from pipelines.spec import SpecError, resolve_path
-
     svc, la = spec.services, spec.launcher
     if not svc.spark_master.startswith("k8s://"):
         return {}
@@ -293,7 +294,6 @@ def package_zip(dest: Path) -> Path:
 def label_components(u, v):
     """Connected components of the undirected graph of edges ``u[i]``–``v[i]`` (int64 numpy arrays, repeats allowed):
     (nodes, roots), every node that has an edge, sorted, and the smallest node of its component (scipy)."""
-    import numpy as np
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components as scc
 
@@ -316,9 +316,6 @@ def components_single_task(edges: "DataFrame") -> "DataFrame":
     like it.
     """
     def fn(batches):
-        import numpy as np
-        import pyarrow as pa
-
         src, dst = [], []
         for rb in batches:
             src.append(rb.column(0).to_numpy(zero_copy_only=False))

@@ -34,22 +34,31 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import os
 import shutil
 import sys
+import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2 as pb
 
-from pipelines.lineage.queries import excluded_docs, shards_holding
-from pipelines.lineage.takedowns import TakedownList, list_held, read_list, recorded_sha256, split_by_exclusion
-from pipelines.data.shards import ShardWriter, token_dtype
+from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
+from pipelines.data.shards import Shard, ShardWriter, token_dtype
 from pipelines.data.spark import Piece, piece_batches
 from pipelines.data.text import canonical_text
-from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
-from pipelines.manifest import Manifest, StageError, file_ref, input_ref, load_manifest, sha256_file, under
-from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
 from pipelines.exit_codes import RETRY
+from pipelines.lineage.queries import excluded_docs, shards_holding
+from pipelines.lineage.takedowns import TakedownList, list_held, read_list, recorded_sha256, split_by_exclusion
+from pipelines.manifest import Manifest, StageError, file_ref, input_ref, lineage, load_manifest, sha256_file, under
+from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
+from pipelines.storage.s3 import (S3ConfigError, client_from, client_settings, ensure_bucket, object_matches, split_uri,
+                                  upload_checked)
 
 SPLITS = ("train", "heldout")
 
@@ -123,8 +132,6 @@ def splitter(docs_path: Path, cfg: TokenizerCfg, seed: int) -> Splitter:
 def train_sentencepiece(texts: list[str], out_prefix: Path, cfg: TokenizerCfg, seed: int) -> Path:
     """A SentencePiece model of ``cfg.model_type`` trained on ``texts`` (bpe / unigram: ``vocab_size`` pieces with
     byte fallback; char: every character of the sample, no fallback), written portable to ``out_prefix.model``."""
-    import sentencepiece as spm
-
     spm.set_random_generator_seed(seed)
     sample = out_prefix.with_suffix(".sample.txt")
     with open(sample, "w", encoding="utf-8") as f:
@@ -149,8 +156,6 @@ def train_sentencepiece(texts: list[str], out_prefix: Path, cfg: TokenizerCfg, s
 def byte_model(path: Path) -> Path:
     """The byte tokenizer: ``<unk>``, ``<s>``, ``</s>``, then the 256 bytes (id = byte + 3), text as it is (no
     whitespace escape, no prefix): every text encodes to its UTF-8 bytes and decodes back exactly."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     piece = pb.ModelProto.SentencePiece
     proto = pb.ModelProto()
     for name, kind in (("<unk>", piece.UNKNOWN), ("<s>", piece.CONTROL), ("</s>", piece.CONTROL)):
@@ -167,8 +172,6 @@ def byte_model(path: Path) -> Path:
 
 def portable(model: Path) -> Path:
     """Drop the trainer's file paths from the model, so that the same sample gives the same bytes anywhere."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     proto = pb.ModelProto()
     proto.ParseFromString(model.read_bytes())
     proto.trainer_spec.ClearField("input")
@@ -186,8 +189,6 @@ def trained_model(docs, cfg: TokenizerCfg, seed: int, split: Splitter) -> bytes 
     from pyspark.sql import functions as F
 
     def rank(batches):
-        import pyarrow as pa
-
         for b in batches:
             cols = [b.column(k).to_pylist() for k in range(b.num_columns)]
             ids = [i for i, src, idx in zip(cols[0], *(cols[1:] or [[None] * b.num_rows] * 2))
@@ -206,10 +207,6 @@ def trained_model(docs, cfg: TokenizerCfg, seed: int, split: Splitter) -> bytes 
 def _train_task(cfg: TokenizerCfg, seed: int, split: Splitter):
     """mapInArrow body, one task over the sample's (key, id, text[, source, idx]) rows → one row: the model's bytes."""
     def fn(batches):
-        import tempfile
-
-        import pyarrow as pa
-
         got = [b for b in batches if b.num_rows]
         if not got:
             return
@@ -279,9 +276,6 @@ class PartitionShards:
             i = j
 
     def close(self, split: str) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         w, ids, nbytes = self.open.pop(split)
         w.close()
         pq.write_table(pa.table({"id": pa.array(ids, pa.string())}), w.prefix.with_suffix(".ids.parquet"))
@@ -316,8 +310,6 @@ class Upload:
 
     def put(self, s3, path: Path, rel: str, sha_hex: str) -> bool:
         """Upload one file unless the object already holds its bytes; True if it uploaded."""
-        from pipelines.storage.s3 import object_matches, upload_checked
-
         key = f"{self.prefix}/{rel}"
         if object_matches(s3, self.bucket, key, path, sha_hex, 8 << 20):
             return False
@@ -327,8 +319,6 @@ class Upload:
 
 def upload_shards(up: Upload, out: Path, rows: list[dict]) -> None:
     """A task's shards (its files in ``out``) to S3, each file checked against S3's SHA-256 after upload."""
-    from pipelines.storage.s3 import client_from
-
     s3 = client_from(up.settings)
     for r in rows:
         for ext in SHARD_FILES:
@@ -339,8 +329,6 @@ def upload_shards(up: Upload, out: Path, rows: list[dict]) -> None:
 def publish(m: Manifest, up: Upload) -> dict:
     """Complete the S3 copy of a committed result: every output checked against the manifest's sha256 (uploaded if
     missing or different), ``manifest.json`` last, so a reader that finds it finds every file."""
-    from pipelines.storage.s3 import client_from
-
     s3 = client_from(up.settings)
     uploaded = sum(up.put(s3, m.dir / o["path"], o["path"], o["sha256"]) for o in m.outputs)
     s3.upload_file(str(m.path), up.bucket, f"{up.prefix}/manifest.json")
@@ -352,8 +340,6 @@ def encoder(model: bytes, out: str, cfg: TokenizerCfg, split: Splitter, up: Uplo
     in an attempt directory of its own under ``out`` (published by the driver); return one row per shard written,
     each with that directory."""
     def fn(part: int, tasks):
-        import sentencepiece as spm
-
         from pipelines.data.spark import attempt_dir, maybe_fail
 
         sp = spm.SentencePieceProcessor(model_proto=model)
@@ -395,8 +381,6 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
                   task_mb: int = 128, model_from: Path | None = None, rel: str = "shards") -> dict:
     """Encode the docs into shards under ``out/rel`` with the tokenizer of ``model_from`` (else tokenizer.model_path,
     else one trained here); returns the counts and the shard rows."""
-    import sentencepiece as spm
-
     split = splitter(docs_path, cfg, seed)
     docs = spark.read.parquet(str(docs_path)).select("id", "text", *split.columns)
     model = tokenizer_model(docs, out, cfg, seed, split, model_from)
@@ -432,10 +416,6 @@ def shard_counts(shards: list[dict]) -> dict:
 
 def read_back(m: Manifest, split: str) -> dict[str, list[int]]:
     """Every doc of a split, id → token ids (EOS included), read from the shards the manifest lists."""
-    import pyarrow.parquet as pq
-
-    from pipelines.data.shards import Shard
-
     out: dict[str, list[int]] = {}
     for s in (s for s in m.extra["shards"] if s["split"] == split):
         sh = Shard.open(m.dir / s["prefix"])
@@ -448,7 +428,6 @@ def upload_target(spec: JobSpec, name: str) -> Upload | None:
     """services.shards_uri + the stage directory's name, with the bucket made if missing; None when unset."""
     if not spec.services.shards_uri:
         return None
-    from pipelines.storage.s3 import S3ConfigError, client_from, client_settings, ensure_bucket, split_uri
 
     bucket, prefix = split_uri(spec.services.shards_uri)
     try:
@@ -462,8 +441,6 @@ def upload_target(spec: JobSpec, name: str) -> Upload | None:
 def corpus_record(filt: Manifest, prev: Manifest | None) -> dict:
     """The corpus version a tokenize result is: its number, the identities of every input curated into it, the dedup
     results whose kept docs it holds (what the next version dedups against), and the version before it."""
-    from pipelines.manifest import lineage
-
     lin = lineage(filt.path)  # a filter result made by hand has no ingest or dedup before it
     ing = load_manifest(lin["ingest"]) if "ingest" in lin else None
     ingested = ing.inputs if ing is not None else []
@@ -479,8 +456,6 @@ def contamination_record(filt: Manifest, prev: Manifest | None) -> dict:
     """Per evaluation task, which of its items overlap docs of this corpus version: the items the decontaminate
     stage saw in docs it kept, over every version so far (``complete`` is false when part of the corpus was not
     checked against these same files, e.g. tokenized straight from a filter result)."""
-    from pipelines.manifest import lineage
-
     lin = lineage(filt.path)
     new = load_manifest(lin["decontaminate"]).extra["contamination"] if "decontaminate" in lin else {}
     before = prev.extra.get("contamination", {}) if prev is not None else {}
@@ -499,8 +474,6 @@ def contamination_record(filt: Manifest, prev: Manifest | None) -> dict:
 def link_shards(prev: Manifest, out: Path, skip: frozenset[str] = frozenset()) -> list[dict]:
     """The previous version's shards (but ``skip``), hard-linked into ``out`` under their own names (copied across
     file systems): byte for byte the same files."""
-    import os
-
     rows = [sh for sh in prev.extra["shards"] if sh["prefix"] not in skip]
     for sh in rows:
         for ext in SHARD_FILES:
@@ -518,8 +491,6 @@ def keep_shards(prev: Manifest, out: Path, rel: str, drop: dict, held: dict) -> 
     hold entries of ``drop``: id → exclusion index) written again as ``rel/takedown-<split>-NNNNN`` without them (a
     shard left empty is dropped); the entries each exclusion removed, and the shards rewritten (old prefix → new, or
     None)."""
-    import sentencepiece as spm
-
     sp = spm.SentencePieceProcessor(model_file=str(prev.output("tokenizer"))) if held else None
     linked = {sh["prefix"]: sh for sh in link_shards(prev, out, frozenset(held))}
     removed, rows, rewritten = [0] * (max(drop.values(), default=-1) + 1), [], {}
@@ -539,11 +510,6 @@ def strip_shard(src: Path, row: dict, drop: dict[str, int], dest: Path, prefix: 
     """Shard ``row`` of the directory ``src`` written again as ``dest/prefix`` without the entries in ``drop`` (ids
     beside it; ``removed[k]`` counts exclusion k's; the text bytes of each are its tokens decoded by ``sp``, the
     corpus's tokenizer); its new row, or None when no entry is left."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from pipelines.data.shards import Shard
-
     shard = Shard.open(under(src, row["prefix"]))
     ids = pq.read_table(under(src, row["prefix"] + ".ids.parquet"), columns=["id"]).column("id").to_pylist()
     kept, gone_bytes = [], 0
@@ -570,8 +536,6 @@ def takedown_record(applied: TakedownList, removed: list[int], rewritten: dict, 
     versions it removed here (``docs_removed``) and the new docs it kept out (``new_docs_removed``: the filter
     stage's count, from ``by_filter``, its record, null where it did not count them, plus those this stage left out
     itself, ``late``: id → exclusion, when the filter stage applied another list), and the shards rewritten."""
-    from collections import Counter
-
     gone = removed + [0] * (len(applied.exclusions) - len(removed))
     per = {x.get("source"): x.get("docs_removed") for x in by_filter.get("by_exclusion", [])}
     if recorded_sha256(by_filter) == applied.sha256:
@@ -663,7 +627,6 @@ def encode_new(spec: JobSpec, filt: Manifest, corpus: Manifest | None, tmp: Path
 
 def without_docs(src: Path, ids, dest: Path) -> Path:
     """The docs of the parquet directory ``src`` but ``ids``, in their order, written to ``dest``."""
-    import pyarrow as pa
     import pyarrow.dataset as ds
 
     data = ds.dataset(str(src), format="parquet")
@@ -678,8 +641,6 @@ def _short(sha: str | None) -> str:
 
 def filter_takedown(filt: Manifest) -> dict:
     """The ``extra.takedown`` of the filter stage of ``filt``'s run ({} when it recorded none)."""
-    from pipelines.manifest import lineage
-
     at = filt.path if filt.stage == "filter" else lineage(filt.path).get("filter")
     return load_manifest(at).extra.get("takedown", {}) if at else {}
 

@@ -35,6 +35,8 @@ from urllib.parse import unquote_plus, urlsplit
 
 from ada_url import normalize_url, parse_url
 
+from pipelines.spec import SpecError, resolve_path
+
 LISTS = Path(__file__).resolve().parent / "lists"
 _WORD = re.compile(r"[a-z]+")
 _SCHEME = re.compile(r"[a-zA-Z][a-zA-Z0-9+-]*:(?!\d)")  # no dot and no port: `example.com:8080/a` has no scheme
@@ -265,8 +267,6 @@ def parse_line(text: str) -> tuple[str, list[str]]:
 def read_blocklist(path: Path) -> dict[str, set[str]]:
     """A block list file's entries by kind (see :func:`parse_line`); a line in no accepted form is the spec's error,
     ``<file>:<line>: <why>: <line>``."""
-    from pipelines.spec import SpecError
-
     out: dict[str, set[str]] = {"blocked": set(), "under": set(), "paths": set()}
     with open(path, encoding="utf-8", errors="replace") as f:  # bytes that are not UTF-8: a line refused, named
         for n, line in enumerate(f, 1):
@@ -287,8 +287,6 @@ def read_blocklist(path: Path) -> dict[str, set[str]]:
 def block_lists(cfg) -> list[Path]:
     """The block list files the URL step reads (the bundled one unless turned off, then ``url_blocklist``'s); a named
     file that is missing is the spec's error, with its key."""
-    from pipelines.spec import SpecError, resolve_path
-
     files = [LISTS / "url_blocklist.txt"] if cfg.url.bundled_blocklist else []
     for f in cfg.url_blocklist:
         p = resolve_path(f)
@@ -307,8 +305,6 @@ def list_files(cfg) -> list[Path]:
 
 
 def _allowed(entries: list[str]) -> frozenset[str]:
-    from pipelines.spec import SpecError
-
     hosts = {e: host_name(e.strip().lstrip(".")) for e in entries}
     bad = [e for e, h in hosts.items() if h is None]
     if bad:

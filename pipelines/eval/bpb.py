@@ -28,8 +28,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from pipelines.exit_codes import USER_ERROR
+import numpy as np
+
 from pipelines.data.text import canonical_text
+from pipelines.exit_codes import USER_ERROR
 
 
 def read_text(path: str | Path) -> str:
@@ -48,7 +50,6 @@ def windows(n: int, seq_len: int) -> list[tuple[int, int]]:
 
 def window_nats(tm, ids: Sequence[int], rank: int = 0, world: int = 1, batch_size: int = 16) -> float:
     """Summed NLL (nats) of this rank's windows (k ≡ rank mod world); the ranks' sums add up to the text's."""
-    import numpy as np
     import torch
     import torch.nn.functional as F
 

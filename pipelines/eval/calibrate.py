@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 
+from pipelines.eval.bpb import model_parser
+from pipelines.eval.export import hf_llama
 from pipelines.exit_codes import USER_ERROR
 
 
@@ -32,7 +35,6 @@ def compare(text_model, sp_model_path: str, tasks: list[str], limit: int, data_d
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from pipelines.eval.export import hf_llama
     from pipelines.eval.harness import PipelineLM, task_manager
 
     ref = HFLM(pretrained=hf_llama(text_model.model), tokenizer=hf_tokenizer(sp_model_path), batch_size=8,
@@ -55,7 +57,6 @@ def compare(text_model, sp_model_path: str, tasks: list[str], limit: int, data_d
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelines.eval.bpb import model_parser
     from pipelines.eval.harness import TASKS
     from pipelines.eval.lm import TextModel
 
@@ -68,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     except LookupError as e:
         print(f"calibrate: {e}", file=sys.stderr)
         return USER_ERROR
-    import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".model") as f:  # the tokenizer the model carries, as a file for HF
         f.write(tm.sp.serialized_model_proto())

@@ -25,9 +25,11 @@ from pathlib import Path
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.eval.scorer import Job, score
+from pipelines.eval_sets import eval_tasks, reference_files, set_sha256, task_digest, task_ref, task_settings
+from pipelines.launch.ranks import run_ranks
 from pipelines.manifest import Manifest, file_ref, input_ref
-from pipelines.eval_sets import eval_tasks, reference_files, task_digest, task_ref, task_settings
 from pipelines.spec import JobSpec
+from pipelines.train.ckpt.tiers import fetch
 
 
 def score_model_dir(spec: JobSpec, job: Job, work: Path, run_id: str) -> dict:
@@ -38,7 +40,6 @@ def score_model_dir(spec: JobSpec, job: Job, work: Path, run_id: str) -> dict:
     args = ModelArgs(**json.loads((Path(job.model_dir) / "model_args.json").read_text()))
     if param_count(args) <= spec.eval.single_process_max_params:
         return score(spec, job)
-    from pipelines.launch.ranks import run_ranks
 
     work.mkdir(parents=True, exist_ok=True)
     spec.write_work_file(work / "spec.yaml")
@@ -74,8 +75,6 @@ def model_contamination(spec: JobSpec, tok: Manifest, digests: dict[str, str]) -
     """Per scored task (and ``reference``): how many of its items overlap training data that reached the model (the
     corpus version's record, kept by the decontaminate stage), of them how many are among the scored items, or
     ``checked: false`` when the corpus was not checked against these very items (``digests``: :func:`task_inputs`)."""
-    from pipelines.eval_sets import set_sha256
-
     record = tok.extra.get("contamination", {})
     current = {**digests, "reference": set_sha256(reference_files(spec))}
     out = {}
@@ -99,8 +98,6 @@ def contamination_line(con: dict) -> str:
 
 
 def evaluate(spec: JobSpec, promote: Manifest, tok: Manifest, workdir: Path) -> dict:
-    from pipelines.train.ckpt.tiers import fetch
-
     tier, ckpt = fetch(spec, promote.extra["checkpoint"], cache=workdir / "checkpoint", prefer=("L2",))
     c = tok.counts
     job = Job(model_dir=str(ckpt), reference=reference_files(spec),

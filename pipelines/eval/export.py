@@ -27,6 +27,7 @@ finished exports, nothing else.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -35,7 +36,18 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import sentencepiece as spm
+import yaml
+from sentencepiece import sentencepiece_model_pb2 as pb
+
+from pipelines import tracking
+from pipelines.data.text import canonical_text
 from pipelines.exit_codes import USER_ERROR
+from pipelines.lineage.queries import VersionUnreadable, model_query, resolve_model
+from pipelines.manifest import StageError
+from pipelines.spec import add_spec_args, spec_from_args
+from pipelines.train.ckpt.protocol import load_plain_model
 
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.model", "tokenizer.json",
             "tokenizer_config.json", "README.md")
@@ -98,8 +110,6 @@ def hf_llama(model, bos_id: int = 1, eos_id: int = 2):
 # -- tokenizer -----------------------------------------------------------------------------------------------------
 
 def sp_proto(sp_model: Path):
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     proto = pb.ModelProto()
     proto.ParseFromString(sp_model.read_bytes())
     return proto
@@ -132,8 +142,6 @@ def hf_tokenizer(sp_model: Path, seq_len: int):
 def tokenizer_mismatches(tok, sp) -> list[str]:
     """The check texts on which ``tok`` (a Hugging Face tokenizer, given the raw text) and SentencePiece (given the
     canonical text, as the tokenize stage gives it) give different ids."""
-    from pipelines.data.text import canonical_text
-
     return [t for t in CHECK_TEXTS if tok(t, add_special_tokens=False)["input_ids"] != sp.encode(canonical_text(t))]
 
 
@@ -144,8 +152,6 @@ TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token
 
 
 def write_tokenizer(sp_model: Path, seq_len: int, out: Path) -> None:
-    import sentencepiece as spm
-
     tok = hf_tokenizer(sp_model, seq_len)
     bad = tokenizer_mismatches(tok, spm.SentencePieceProcessor(model_file=str(sp_model)))
     if bad:
@@ -185,8 +191,6 @@ GGUF_NAMES = {"attn.wq": "attn_q", "attn.wk": "attn_k", "attn.wv": "attn_v", "at
 def gguf_tensors(model, dtype: str) -> dict:
     """llama.cpp's names; q/k stay in our interleaved rotary layout, which is llama.cpp's (Meta's) own. Norms stay
     fp32 (llama.cpp's rule for 1-D tensors)."""
-    import numpy as np
-
     a, sd = model.args, {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     out = {"token_embd.weight": sd["tok_embeddings.weight"], "output_norm.weight": sd["norm.weight"]}
     if not a.tie_embeddings:  # absent: the loaders tie the head to the embedding
@@ -297,8 +301,6 @@ def model_card(info: CardInfo) -> str:
               f"`{t.get('tokenizer_hash', 'not recorded')}`; checkpoint `{t.get('checkpoint_uri', 'not recorded')}`.",
               ""]
     if info.config is not None:
-        import yaml
-
         lines += ["```yaml", yaml.safe_dump(info.config, sort_keys=False).rstrip(), "```", ""]
     return "\n".join(lines)
 
@@ -338,8 +340,6 @@ def check_out(out: Path) -> dict:
 
 
 def file_entry(path: Path, card: "CardInfo", fmt: str) -> dict:
-    import hashlib
-
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -362,8 +362,6 @@ def _umask() -> int:
 def export(model_dir: Path, fmt: str, out: Path, card: CardInfo, gguf_dtype: str = "f32") -> list[str]:
     """Write ``fmt`` of the model in ``model_dir`` (``model_args.json``, ``tokenizer.model``, weights) into ``out``;
     returns the file names written. Each file is written in a temporary directory beside ``out``, then renamed."""
-    from pipelines.train.ckpt.protocol import load_plain_model
-
     marker = check_out(out)
     model = load_plain_model(model_dir).float().eval()
     out.mkdir(parents=True, exist_ok=True)
@@ -423,16 +421,11 @@ def register_hf(spec, client, ckpt_dir: Path, res: dict, work: Path) -> str | No
 # -- the CLI -------------------------------------------------------------------------------------------------------
 
 def resolve_version(client, ref: str):
-    from pipelines.lineage.queries import resolve_model
-
     return resolve_model(client, ref.removeprefix("models:/"))
 
 
 def lineage_of(spec, client, name: str, version: str) -> dict | None:
     """:mod:`pipelines.lineage`'s answer for the version; None when its corpus version is not under ``run.root``."""
-    from pipelines.lineage.queries import VersionUnreadable, model_query
-    from pipelines.manifest import StageError
-
     try:
         return model_query(spec, client, f"{name}/{version}")
     except VersionUnreadable:
@@ -445,8 +438,6 @@ def version_card(spec, client, mv, model_dir: Path, tmp: Path) -> CardInfo:
     """What the card says of a registered version: its tags, its lineage, the spec its training run logged."""
     lin = lineage_of(spec, client, mv.name, str(mv.version))
     try:
-        import yaml
-
         local = client.download_artifacts(mv.run_id, "spec.yaml", str(tmp))
         config = card_config(yaml.safe_load(Path(local).read_text()))
     except Exception:  # noqa: BLE001 - a run without its spec: the card says so
@@ -456,8 +447,6 @@ def version_card(spec, client, mv, model_dir: Path, tmp: Path) -> CardInfo:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelines.spec import add_spec_args, spec_from_args
-
     ap = argparse.ArgumentParser(prog="python -m pipelines.eval.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, metavar="NAME@ALIAS|NAME/VERSION", help="the registered version")
     ap.add_argument("--format", required=True, choices=("hf", "gguf"), help="hf: a transformers directory; gguf: "
@@ -474,9 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = spec_from_args(args)
     from mlflow.exceptions import MlflowException
 
-    from pipelines import tracking
     from pipelines.eval.model_dir import download, model_dir_of
-    from pipelines.manifest import StageError
 
     try:
         client = tracking.client(spec)

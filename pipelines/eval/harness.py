@@ -23,11 +23,13 @@ import json
 import sys
 from pathlib import Path
 
-from pipelines.exit_codes import USER_ERROR
 from pipelines.eval.lm_eval_model import PipelineLM
+from pipelines.exit_codes import USER_ERROR
 
 # TASKS (ours), TASKS_DIR and task_manager are re-exported: calibrate, the benchmarks and the tests take them from here
 from pipelines.eval_sets import TASKS, TASKS_DIR, build_tasks, manager_for, offline, task_manager  # noqa: F401
+from pipelines.eval.bpb import model_parser
+from pipelines.manifest import atomic_write_text
 
 
 def evaluate(text_model, tasks: list[str], limit: int | None = None, data_dir: str | None = None,
@@ -64,7 +66,6 @@ def headline(results: dict) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelines.eval.bpb import model_parser
     from pipelines.eval.lm import TextModel
 
     ap = model_parser("pipelines.eval.harness", "Run lm-evaluation-harness tasks offline (local files or the Hugging "
@@ -78,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", default=None, help="Our tasks' files (default: the repo's data/eval slices).")
     args = ap.parse_args(argv)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    from pipelines.manifest import atomic_write_text
 
     try:
         build_tasks(tasks, args.data_dir, args.include_path)  # each task can be built offline, or say which and why

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
 from pipelines.data.text import canonical_text
+from pipelines.train.ckpt.protocol import load_plain_model
 
 
 @dataclass
@@ -36,10 +38,6 @@ class TextModel:
     def load(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> "TextModel":
         """From a directory holding ``model_args.json``, ``tokenizer.model`` and the weights: a committed
         DCP checkpoint, or a plain ``model.pt`` (what ``checkpoint export`` and the registered model carry)."""
-        import sentencepiece as spm
-
-        from pipelines.train.ckpt.protocol import load_plain_model
-
         d = Path(model_dir)
         sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
         dev = torch.device(device)

@@ -8,6 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlflow.artifacts
+import sentencepiece as spm
+import yaml
+
+from pipelines import tracking
+from pipelines.spec import redact
+from pipelines.train.ckpt.protocol import load_plain_model
 
 MODEL_DIR = "model_dir"  # the artifact key
 FILES = ("model.pt", "model_args.json", "tokenizer.model")
@@ -17,15 +23,11 @@ def download(uri: str, tracking_uri: str | None = None, dst: str | Path | None =
     """Local copy of a logged/registered model (``models:/NAME@ALIAS``, ``models:/NAME/V``, ``runs:/…``)."""
     from mlflow.exceptions import MlflowException
 
-    from pipelines import tracking
-
     tracking_uri = tracking_uri or tracking.default_tracking_uri()
     try:
         with tracking.using(tracking_uri):  # models:/ URIs resolve against the process-global registry URI
             local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None)
     except MlflowException as e:
-        from pipelines.spec import redact
-
         raise LookupError(f"cannot load {uri} from {redact(tracking_uri or 'the default tracking store')}: "
                           f"{redact(e.message)}") from None
     return Path(local)
@@ -33,8 +35,6 @@ def download(uri: str, tracking_uri: str | None = None, dst: str | Path | None =
 
 def model_dir_of(local: Path) -> Path:
     """The weights/args/tokenizer directory inside a downloaded pyfunc model."""
-    import yaml
-
     mlmodel = yaml.safe_load((local / "MLmodel").read_text())
     arts = mlmodel.get("flavors", {}).get("python_function", {}).get("artifacts", {})
     if MODEL_DIR not in arts:
@@ -49,9 +49,5 @@ def model_dir_of(local: Path) -> Path:
 
 def load_registered(uri: str, tracking_uri: str | None = None):
     """(``Transformer`` in eval mode, ``SentencePieceProcessor``) of a registered text model."""
-    import sentencepiece as spm
-
-    from pipelines.train.ckpt.protocol import load_plain_model
-
     d = model_dir_of(download(uri, tracking_uri))
     return load_plain_model(d), spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))

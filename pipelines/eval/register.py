@@ -7,25 +7,23 @@ directory with its model card, logged as the ``hf/`` artifact of its model (:mod
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
+from pipelines import tracking
 from pipelines.cli import stage_dir, stage_main
 from pipelines.eval.export import register_hf
 from pipelines.eval.registry import eval_report, lineage_config_hash, register
 from pipelines.manifest import Manifest, input_ref, run_stage
 from pipelines.spec import JobSpec
+from pipelines.train.ckpt.tiers import fetch
 
 
 def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: str | None = None) -> Manifest:
     sd = stage_dir(spec, "register", [input_ref(ev), input_ref(train), input_ref(tok)], out_dir)
 
     def body(tmp: Path) -> Manifest:
-        import shutil
-
-        from pipelines import tracking
-        from pipelines.train.ckpt.tiers import fetch
-
         tier, ckpt = fetch(spec, ev.extra["checkpoint"], cache=tmp / "checkpoint")
         lineage = {"data_manifest_hash": tok.digest, "tokenizer_hash": tok.extra["tokenizer_sha256"],
                    "config_hash": lineage_config_hash(spec), "checkpoint_uri": ev.extra["checkpoint_uri"],

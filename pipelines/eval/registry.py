@@ -26,10 +26,17 @@ The decision, with both numbers, is logged, tagged on the version and on the MLf
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from pipelines import tracking
+from pipelines.eval import report
+from pipelines.eval.evaluate import reference_files, score_model_dir
+from pipelines.eval.scorer import Job
+from pipelines.lineage.queries import pending_takedowns
+from pipelines.lineage.takedowns import TAG, tag_versions
 from pipelines.manifest import Manifest, StageError
 from pipelines.spec import JobSpec, redact, sha256_json
 from pipelines.tracking import airflow_ids
@@ -112,9 +119,6 @@ def champion_value(spec: JobSpec, client, cur, metric: str, sha: str, data_hash:
 
 def rescore(spec: JobSpec, client, cur, sha: str, work: Path) -> float:
     """Score the champion on this reference set (in this process or on the launcher's ranks)."""
-    from pipelines import tracking
-    from pipelines.eval.evaluate import reference_files, score_model_dir
-    from pipelines.eval.scorer import Job
     from pipelines.eval.model_dir import download, model_dir_of
 
     try:
@@ -187,8 +191,6 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
              work: Path, eval_run_id: str | None = None) -> dict:
     """Gate, then find or create the version (``run_id``: the training run, the LoggedModel's source; ``eval_run_id``:
     the run the eval metrics are logged from, by default the same), then set the alias."""
-    from pipelines import tracking
-
     name, alias, gm = spec.registry.model_name, spec.registry.alias, spec.registry.gate_metric
     if gm not in metrics:
         raise ValueError(f"registry.gate_metric={gm} was not measured by the evaluate stage")
@@ -222,9 +224,6 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
 def tag_takedowns(spec: JobSpec, client, mv, digest: str | None) -> None:
     """A version trained on a corpus that holds docs of the takedown list (added while it trained) is tagged
     ``takedown.pending``, as ``--exclude-source`` tags the versions registered before."""
-    from pipelines.lineage.queries import pending_takedowns
-    from pipelines.lineage.takedowns import TAG, tag_versions
-
     pending = pending_takedowns(spec, digest)
     if pending is None:
         print(f"register: warning: the takedown list has exclusions, but corpus version {str(digest)[:12]} is not "
@@ -241,7 +240,6 @@ def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, wor
     and the LoggedModel's id (``log_model``'s; the version's source ``models:/<model_id>`` carries it back)."""
     import mlflow
 
-    from pipelines import tracking
     from pipelines.eval.serving import log_text_model, model_dir_for
 
     model_dir = model_dir_for(spec, ckpt_dir, work / "model_dir")
@@ -272,8 +270,6 @@ def datasets(ev_extra: dict) -> dict[str, tuple[str, str]]:
 def log_eval_metrics(client, model_id: str, run_id: str, metrics: dict, ev_extra: dict) -> None:
     """The eval numbers on the LoggedModel, each with the dataset it was measured on; the datasets as inputs of the
     evaluation run."""
-    import time
-
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
     sets = datasets(ev_extra)
@@ -298,8 +294,6 @@ def link_runs(client, train_run: str, eval_run: str | None) -> None:
 
 def eval_report(spec: JobSpec, res: dict, ev: Manifest, train: Manifest, out: Path, client) -> list[Path]:
     """report.md + report.png: this version beside the champion it was gated against (same sets only)."""
-    from pipelines.eval import report
-
     champ: dict = {}
     comparable: set[str] = set()
     if res["previous_champion"] is not None:

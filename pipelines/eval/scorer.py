@@ -15,6 +15,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipelines.data.shards import TokenStream
+from pipelines.eval.bpb import bits_per_byte, combine, read_text, window_nats, windows
+from pipelines.eval_sets import set_sha256
+from pipelines.manifest import atomic_write_text
 from pipelines.spec import add_spec_args, spec_from_args
 
 PARTS = ("reference", "heldout", "harness", "sample")
@@ -51,9 +55,6 @@ class Ranks:
 
 
 def reference_scores(tm, files: list[str], ranks: Ranks, batch_size: int) -> dict:
-    from pipelines.eval.bpb import bits_per_byte, combine, read_text
-    from pipelines.eval_sets import set_sha256
-
     per = {Path(f).name: bits_per_byte(tm, read_text(f), batch_size, ranks.rank, ranks.world,
                                        lambda x: ranks.sum([x])[0]) for f in files}
     return {**combine(per), "sha256": set_sha256(files), "files": per}
@@ -64,9 +65,6 @@ def heldout_scores(tm, job: Job, ranks: Ranks, batch_size: int, max_tokens: int 
     to back, so the windows do not depend on how tokenization cut the shards). A diagnostic: it scores the run's
     own corpus, so it compares runs of the same data only. The stream is read a chunk of 1,024 whole windows at a time
     (each rank scores its share of every chunk's windows), so memory stays flat however large the split."""
-    from pipelines.data.shards import TokenStream
-    from pipelines.eval.bpb import window_nats, windows
-
     stream = TokenStream(job.heldout)
     n = min(len(stream), max_tokens + 1) if max_tokens else len(stream)
     chunk = tm.seq_len * 1024
@@ -111,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job", required=True, help="JSON of a scorer.Job.")
     ap.add_argument("--out", required=True, help="Rank 0 writes the scores here.")
     args = ap.parse_args(argv)
-    from pipelines.manifest import atomic_write_text
     from pipelines.train.trainer import init_distributed
 
     spec = spec_from_args(args)

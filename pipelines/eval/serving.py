@@ -20,12 +20,17 @@ SentencePiece processor), without going through pyfunc.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import mlflow.pyfunc
 import pandas as pd
 
+import pipelines
 from pipelines.eval.model_dir import MODEL_DIR
+from pipelines.launch.ranks import run_ranks
+from pipelines.train.ckpt.protocol import load_plain_model
 
 PARAMS = {"max_new_tokens": 32, "temperature": 0.8, "top_k": 50, "seed": 0}
 LIMITS = "serving.json"  # {"max_new_tokens": cap}, written at registration from eval.max_new_tokens
@@ -89,8 +94,6 @@ def write_model_dir(model, ckpt_dir: Path, out: Path) -> Path:
 
 
 def _copy_side_files(ckpt_dir: Path, out: Path) -> Path:
-    import shutil
-
     for name in ("model_args.json", "tokenizer.model"):
         shutil.copyfile(ckpt_dir / name, out / name)
     return out
@@ -104,10 +107,7 @@ def model_dir_for(spec, ckpt_dir: Path, out: Path) -> Path:
 
     params = param_count(ModelArgs(**json.loads((ckpt_dir / "model_args.json").read_text())))
     if params <= spec.eval.single_process_max_params:
-        from pipelines.train.ckpt.protocol import load_plain_model
-
         return write_model_dir(load_plain_model(ckpt_dir), ckpt_dir, out)
-    from pipelines.launch.ranks import run_ranks
 
     print(f"[register] {params:,} params > eval.single_process_max_params: exporting the weights on the launcher's "
           f"first rank ({spec.launcher.kind})", flush=True)
@@ -120,12 +120,7 @@ def model_dir_for(spec, ckpt_dir: Path, out: Path) -> Path:
 def log_text_model(model_dir: Path, name: str = "model", max_new_tokens: int | None = None):
     """Log the pyfunc into the active MLflow run (this package's code travels with it, no caches);
     returns MLflow's ``ModelInfo``."""
-    import shutil
-    import tempfile
-
     import torch
-
-    import pipelines
 
     if max_new_tokens is not None:
         (model_dir / LIMITS).write_text(json.dumps({"max_new_tokens": int(max_new_tokens)}))

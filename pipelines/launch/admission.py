@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import re2
 import yaml
 
 TRAINING_OPERATOR = "training-operator v1.8.1 webhook"
@@ -235,7 +236,6 @@ def _string(value: str, fmt: str | None):
 @functools.lru_cache(maxsize=1)
 def k8s_functions() -> dict:
     """The Kubernetes CEL string-library and regex functions celpy lacks (cel-go's ext.Strings, k8s regex)."""
-    import re2
     from celpy import celtypes
 
     S, L = celtypes.StringType, celtypes.ListType

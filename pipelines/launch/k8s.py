@@ -28,18 +28,25 @@ host's own disk there (``launcher.node_local_path``, or an ``emptyDir`` on the i
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import math
 import os
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from urllib3.exceptions import HTTPError
 
-from pipelines.manifest import atomic_write_text, read_small_text
-from pipelines.spec import JobSpec
+
+from pipelines.launch import outcomes as exit_codes, outcomes as xc
+from pipelines.launch.admission import refusals
+from pipelines.manifest import Pending, atomic_write_text, read_small_text
+from pipelines.spec import JobSpec, project_home
 
 NCCL_ENV = {
     "NCCL_DEBUG": "WARN",
@@ -58,8 +65,6 @@ def job_name(spec: JobSpec, run_id: str) -> str:
     require: lowercase, ``[a-z0-9-]`` only, starting with a letter (``r-`` put before a name that does not), at
     most :data:`NAME_LIMIT` characters; a longer one is cut and ends with a digest of the whole, so two runs whose
     names differ only past the cut keep different jobs."""
-    import hashlib
-
     base = re.sub(r"[^a-z0-9-]+", "-", f"{spec.run.name}-{run_id}".lower()).strip("-")
     if not base[:1].isalpha():
         base = f"r-{base}".rstrip("-")
@@ -261,8 +266,6 @@ RENDER = {"trainjob": render_trainjob, "pytorchjob": render_pytorchjob}
 
 def stage_job(spec: JobSpec, run_id: str, module: str, args: list[str]) -> dict:
     """The job a stage submits: the pods resolve relative spec paths against this project's home, as here."""
-    from pipelines.spec import project_home
-
     return RENDER[spec.launcher.job_kind](spec, run_id, args, module, extra_env={"LLMP_HOME": str(project_home())})
 
 
@@ -278,8 +281,6 @@ def validate_job(job: dict, crd_path: Path | None, spec: JobSpec | None = None) 
     (metadata, the CRD's schema and CEL rules when ``crd_path`` is given, the operator's webhook), each naming its
     field and rule, then what the launcher itself needs (the trainer container's name, the nodes adding up to the
     spec's)."""
-    from pipelines.launch.admission import refusals
-
     return [str(r) for r in refusals(job, crd_path)] + launcher_errors(job, spec)
 
 
@@ -370,7 +371,6 @@ def call(fn, *args, tries: int = 5, **kwargs):
     *during* a watch (EKS tokens last 15 minutes) is not that: the watch reads the credentials again and goes on
     (:class:`Session`), and exits 75 if they keep being refused."""
     from kubernetes.client.exceptions import ApiException
-    from urllib3.exceptions import HTTPError
 
     for attempt in range(tries):
         try:
@@ -445,8 +445,6 @@ def state_line(obj: dict) -> str:
 
 
 def _api_error(e) -> str:
-    import json
-
     try:
         return json.loads(e.body).get("message") or str(e.body)
     except (TypeError, ValueError, AttributeError):
@@ -553,13 +551,9 @@ class JobRecord:
         self.work = work
 
     def new_attempt(self) -> str:
-        from pipelines.launch import outcomes as exit_codes
-
         return exit_codes.new_attempt(self.work)
 
     def collected(self, job: dict) -> bool:
-        import json
-
         uid = (job.get("metadata") or {}).get("uid")
         try:
             read = json.loads(read_small_text(self.work / OUTCOME_READ_FILE))
@@ -569,8 +563,6 @@ class JobRecord:
 
     def mark_collected(self, job: dict, log: Callable[[str], None] = print) -> None:
         """``job`` finished and a try read its outcome, which did not finish the stage: the next try replaces it."""
-        import json
-
         meta = job.get("metadata") or {}
         body = {"uid": meta.get("uid"), "job": f"{job.get('kind')} {meta.get('namespace')}/{meta.get('name')}",
                 "state": job_state(job)[0], "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -587,7 +579,6 @@ class JobRecord:
             return True
         if state != "Failed":
             return False
-        from pipelines.launch import outcomes as xc
 
         return xc.failed_ranks_code(xc.read_outcomes(self.work)) != xc.USER_ERROR
 
@@ -657,8 +648,6 @@ class LogFollower:
     def poll(self) -> list[str]:
         from kubernetes.client.exceptions import ApiException
 
-        from urllib3.exceptions import HTTPError
-
         try:  # raw bytes: with content preloading the client hands back str(bytes) for a non-JSON body
             resp = self.core.read_namespaced_pod_log(self.pod, self.ns, container=self.container, timestamps=True,
                                                      since_seconds=self.window, _preload_content=False,
@@ -698,7 +687,6 @@ class ReplicaLogs:
 
     def pods(self) -> list[str]:
         from kubernetes.client.exceptions import ApiException
-        from urllib3.exceptions import HTTPError
 
         try:
             found = self.core.list_namespaced_pod(self.ns, label_selector=self.k.selector(self.name),
@@ -815,8 +803,6 @@ def run_job(spec: JobSpec, run_id: str, module: str, args: list[str], log: Calla
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     submit(session.custom, job, log, record)
     if detach and job_state(session.get(k, ns, name))[0] not in FINISHED:
-        from pipelines.manifest import Pending
-
         L, t = spec.launcher, spec.launcher.timeout_minutes
         raise Pending({"kind": k.name, "namespace": ns, "name": name, "poll_seconds": L.poll_seconds,
                        "timeout_s": None if t is None else t * 60, "kubeconfig": target[0],
@@ -840,6 +826,4 @@ def run_job(spec: JobSpec, run_id: str, module: str, args: list[str], log: Calla
 
 
 def _in_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from pipelines.launch import outcomes as xc
+from pipelines.launch.k8s import JobFailed, JobRecord, node_local_l0, run_job
 from pipelines.manifest import StageError
 from pipelines.spec import JobSpec, resolve_path
 
@@ -146,7 +147,6 @@ def check_supported(spec: JobSpec) -> None:
     either there too or an absolute path where each pod mounts its own host's disk."""
     if not spec.launcher.on_kubernetes:
         return
-    from pipelines.launch.k8s import node_local_l0
 
     mount = Path(spec.launcher.shared_fs_mount)
     keys = [("run.root", spec.run.root), ("checkpoint.l1", spec.checkpoint.l1)]
@@ -193,8 +193,6 @@ def run_kubernetes(spec: JobSpec, module: str, args: list[str], run_id: str, det
     """The ranks as a Kubernetes job (:func:`pipelines.launch.k8s.run_job`). With a ``work`` dir, a finished job
     whose outcome this try read and did not take as done (it failed, or ``judge`` refused its result) is recorded
     there, so that the next try replaces it instead of reading the same outcome again (``k8s.JobRecord``)."""
-    from pipelines.launch.k8s import JobFailed, JobRecord, run_job
-
     record = JobRecord(work) if work is not None else None
     log = lambda m: print(m, flush=True)  # noqa: E731
     try:

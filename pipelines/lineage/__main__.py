@@ -36,6 +36,7 @@ from pipelines.lineage.queries import (NothingMatched, doc_query, exclude_source
 from pipelines.lineage.takedowns import TAG
 from pipelines.manifest import StageError
 from pipelines.spec import add_spec_args, spec_from_args
+from pipelines.tracking import client
 
 
 def _text(res: dict) -> str:
@@ -86,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.exclude_source is not None and not (args.reason or "").strip():
         ap.error("--exclude-source needs --reason TEXT (the takedown list keeps why each source left the corpus)")
     spec = spec_from_args(args)
-    from pipelines.tracking import client
 
     try:
         c = client(spec)

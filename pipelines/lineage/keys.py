@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from ada_url import parse_url
 
 from pipelines.spec import resolve_path
@@ -138,9 +140,6 @@ def under_prefix(key: str, prefix: str) -> bool:
 
 def _under_mask(keys, prefix: str):
     """:func:`under_prefix` over an Arrow string array (null where ``keys`` is null)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     after = pc.utf8_slice_codeunits(keys, start=len(prefix), stop=len(prefix) + 1)  # code points, as len()
     return pc.and_kleene(pc.starts_with(keys, pattern=prefix),
                          pc.is_in(after, value_set=pa.array(["", *_bounds(prefix)], pa.string())))
@@ -149,9 +148,6 @@ def _under_mask(keys, prefix: str):
 def _url_keys(values):
     """:func:`url_key` of an Arrow string array: the URLs it gives back as they are found vectorised (the same
     patterns as :func:`as_is`), only the others parsed one by one."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     fast = pc.and_kleene(pc.match_substring_regex(values, f"^(?:{_AS_IS.pattern})$"),
                          pc.invert(pc.match_substring_regex(values, _SLOW.pattern)))
     slow = pc.invert(pc.fill_null(fast, True))  # a null stays null
@@ -163,9 +159,6 @@ def _distinct_keys(column, key):
     """(the distinct values of an Arrow column as ``key`` writes them, each row's index among them, None when every
     row's value is distinct: the values are the rows then): each value is normalised once, however many rows hold
     it."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     values = pc.unique(column)  # in the order they first appear
     keys = (_url_keys(values) if key is url_key else
             pa.array([None if v is None else key(v) for v in values.to_pylist()], values.type))
@@ -173,8 +166,6 @@ def _distinct_keys(column, key):
 
 
 def _per_row(mask, rows):
-    import pyarrow.compute as pc
-
     return mask if rows is None else pc.take(mask, rows)
 
 
@@ -212,8 +203,6 @@ class Matcher:
         """Per source, in order, a boolean array over an Arrow table's rows (``source``, and ``url`` when it has
         one): the rows it takes. Each distinct ``source`` and ``url`` is normalised once; each prefix is compared
         over them vectorised."""
-        import pyarrow.compute as pc
-
         if not self.keys:
             return []
         src, src_rows = _distinct_keys(table.column("source"), input_key)
@@ -229,7 +218,4 @@ class Matcher:
 
     def mask(self, table):
         """A boolean array over an Arrow table's rows: the rows any of the sources takes."""
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
         return functools.reduce(pc.or_, self.masks(table), pa.repeat(False, table.num_rows))

@@ -5,7 +5,12 @@ and a source taken down (:func:`exclude_source`)."""
 from __future__ import annotations
 
 import errno
+from collections import Counter
 from typing import Iterable, Optional
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 
 from pipelines.exit_codes import RETRY
@@ -108,8 +113,6 @@ def inputs_of(tok: Manifest) -> list[dict]:
 
 
 def docs_per_source(tok: Manifest) -> dict[str, int]:
-    from collections import Counter
-
     counts = Counter()
     for v in chain(tok):
         counts.update(added_docs(v, ["source"]).column("source").to_pylist())
@@ -119,10 +122,6 @@ def docs_per_source(tok: Manifest) -> dict[str, int]:
 def held_in_shards(tok: Manifest, ids: set[str]):
     """(shard prefix, the entries of ``ids`` it holds) for each of the version's shards (the ones it links from
     earlier versions included) that holds any."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     wanted = pa.array(sorted(ids), pa.string())
     for sh in tok.extra.get("shards", []):
         col = pq.read_table(tok.dir / (sh["prefix"] + ".ids.parquet"), columns=["id"]).column("id")

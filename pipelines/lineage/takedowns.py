@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional
+
+import pyarrow.compute as pc
 
 
 from pipelines.exit_codes import RETRY
@@ -118,8 +122,6 @@ def _claim(fd: int, line: str) -> None:
 def _take(fd: int, lock: Path, exclusive: bool, wait_s: float) -> None:
     """``flock`` without blocking, tried again until ``wait_s`` has passed (one line on stderr while it waits);
     :class:`ListUnavailable` then, or at once when the file system refuses ``flock``."""
-    import fcntl
-
     mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
     deadline, pause, told = time.monotonic() + wait_s, 0.01, False
     while True:
@@ -148,8 +150,6 @@ def locked(path: Path, exclusive: bool = False, wait_s: float = LOCK_WAIT_S):
     """The lock beside the takedown list at ``path`` (``.<name>.lock``), shared or exclusive, waited for at most
     ``wait_s`` seconds (:class:`ListUnavailable`: never the list unlocked); the exclusive holder names itself in
     it."""
-    import socket
-
     fd, lock = _lock_file(path)
     try:
         _take(fd, lock, exclusive, wait_s)
@@ -225,8 +225,6 @@ def tag_versions(client, versions: list[dict], exclusion: Exclusion) -> list[dic
 def split_by_exclusion(table, exclusions: Iterable[Exclusion]):
     """(k, the rows of an Arrow table (``source``, ``url``) that exclusion k takes and no earlier one took); the
     table's keys normalised once for all of them (:meth:`Matcher.masks`)."""
-    import pyarrow.compute as pc
-
     taken = None
     for k, hit in enumerate(Matcher(exclusions).masks(table)):
         yield k, table.filter(hit if taken is None else pc.and_(hit, pc.invert(taken)))

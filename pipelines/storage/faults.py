@@ -42,10 +42,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+import selectors
+import signal
+import socket
 import threading
 import time
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlsplit, urlunsplit
+
+from botocore.awsrequest import AWSResponse
+from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
 
 # the checkpoint protocol's named phases, in the order a step goes through them
 PHASES = ("part_committed",  # a node committed its part on its own L0
@@ -162,8 +169,6 @@ def _lose(what: str) -> None:
     this process stops, every thread of it, and leaves ``lose-<LLMP_SIM_NODE>`` in ``LLMP_FAULTS_STATE``: the
     harness kills the node's processes (this one included) within its own bound and starts a replacement.
     Anywhere else nothing would ever end a stopped process: it dies instead."""
-    import signal
-
     print(f"[faults] {what}: the node is lost here (LLMP_FAULTS)", flush=True)
     state, node = os.environ.get("LLMP_FAULTS_STATE"), os.environ.get("LLMP_SIM_NODE")
     if state and node:
@@ -175,8 +180,6 @@ def _lose(what: str) -> None:
 def _signal(kind: str, what: str) -> None:
     """``preempt``: SIGTERM to this rank's torchrun (its parent), which sends it on to every rank; ``stop``: this
     process stops, whole, until something kills it."""
-    import signal
-
     if kind == "preempt":
         print(f"[faults] {what}: a preemption notice, SIGTERM to torchrun (pid {os.getppid()}) (LLMP_FAULTS)", flush=True)
         os.kill(os.getppid(), signal.SIGTERM)
@@ -224,8 +227,6 @@ def file_op(op: str, path) -> None:
 
 
 def _s3_error(kind: str, what: str) -> Exception:
-    from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
-
     if kind == "s3_reset":
         return ConnectionClosedError(endpoint_url=f"(injected at {what})")
     return EndpointConnectionError(endpoint_url=f"(injected at {what})")
@@ -240,8 +241,6 @@ def blackhole() -> tuple[str, int]:
     global _hole
     with _lock:
         if _hole is None:
-            import socket
-
             srv = socket.create_server(("127.0.0.1", 0), backlog=128)
             threading.Thread(target=_swallow, args=(srv,), daemon=True, name="llmp-s3-blackhole").start()
             _hole = srv.getsockname()[:2]
@@ -249,8 +248,6 @@ def blackhole() -> tuple[str, int]:
 
 
 def _swallow(srv) -> None:
-    import selectors
-
     sel = selectors.DefaultSelector()
     sel.register(srv, selectors.EVENT_READ)
     while True:
@@ -270,8 +267,6 @@ def _swallow(srv) -> None:
 
 def _hang(request) -> None:
     """Send ``request`` to :func:`blackhole` instead of the endpoint (the same path and query)."""
-    from urllib.parse import urlsplit, urlunsplit
-
     host, port = blackhole()
     u = urlsplit(request.url)
     request.url = urlunsplit(("http", f"{host}:{port}", u.path, u.query, u.fragment))
@@ -298,8 +293,6 @@ def install_s3(client) -> None:
                 _hang(request)
                 return None
             if rule["do"] == "s3_503":
-                from botocore.awsrequest import AWSResponse
-
                 body = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
                 return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Body(body))
             _act(rule, f"S3 {op}")

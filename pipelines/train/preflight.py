@@ -30,6 +30,7 @@ as already done.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -40,8 +41,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipelines.manifest import StageError
-from pipelines.spec import JobSpec, spec_from_args
+from pipelines.cli import run_and_log, stage_dir, stage_main
+from pipelines.launch.ranks import TrainError, check_supported, collect, run_ranks
+from pipelines.manifest import StageError, input_ref
+from pipelines.spec import JobSpec, add_spec_args, spec_from_args
+from pipelines.train.job import rank_workdir
 
 
 class PreflightFailed(StageError):
@@ -200,11 +204,6 @@ def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters
 def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
         straggler_factor: float = 1.5):
     """The stage: launch the ranks, commit the measurements, or raise :class:`PreflightFailed`."""
-    from pipelines.cli import run_and_log, stage_dir
-    from pipelines.manifest import input_ref
-    from pipelines.train.job import rank_workdir
-    from pipelines.launch.ranks import TrainError, check_supported, collect, run_ranks
-
     check_supported(spec)
     sd = stage_dir(spec, "preflight", [input_ref(tok)], out_dir, force=True)
 
@@ -250,10 +249,6 @@ def _options(ap) -> None:
 
 def rank_main(argv: list[str]) -> int:
     """One rank under torchrun (what the stage launches): measure, and rank 0 writes preflight.json."""
-    import argparse
-
-    from pipelines.spec import add_spec_args
-
     ap = argparse.ArgumentParser(prog="python -m pipelines.train.preflight --rank-out DIR",
                                  description="One preflight rank (launched by the preflight stage under torchrun).")
     add_spec_args(ap)
@@ -277,7 +272,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a == "--rank-out" or a.startswith("--rank-out=") for a in argv):
         return rank_main(argv)
-    from pipelines.cli import stage_main
 
     return stage_main("preflight", run, summary, argv, add_args=_options,
                       call=lambda spec, args, ups: run(spec, *ups, args.output, args.size_mb, args.straggler_factor))

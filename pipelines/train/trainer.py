@@ -32,6 +32,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,11 +42,21 @@ from typing import Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from pipelines import tracking
 from pipelines.exit_codes import RETRY
+from pipelines.launch import outcomes as xc
+from pipelines.launch.outcomes import PREEMPT_SIGNALS
 from pipelines.manifest import load_manifest
+from pipelines.progress import progress
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 from pipelines.storage import faults as storage_faults
 from pipelines.train import heartbeat
+from pipelines.train.ckpt import history
+from pipelines.train.ckpt.protocol import CheckpointError, TierUnavailable, step_name
+from pipelines.train.ckpt.tiers import clear_run
+from pipelines.train.loader import Prefetcher, mixture_keys, mixture_metrics, sampler_for, train_samples
+from pipelines.train.plan import flops_per_token, mfu, model_shape, param_count as shape_params
+from pipelines.train.resilience import Faults, SpikeGuard, young_daly_steps
 
 
 FWD_BWD, AGREE = "forward/backward", "all-reduce (agree on a spike or a notice)"  # heartbeat phases in a step
@@ -79,10 +90,6 @@ class Notice:
         self.step: Optional[int] = None  # the steps done when the notice came
 
     def install(self) -> None:
-        import signal
-
-        from pipelines.launch.outcomes import PREEMPT_SIGNALS
-
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -92,8 +99,6 @@ class Notice:
             self.step = self.progress.step if self.progress is not None else 0
 
     def describe(self) -> str:
-        import signal
-
         return f"{signal.Signals(self.signum).name} at step {self.step}" if self.signum else "another rank's notice"
 
 
@@ -176,8 +181,6 @@ class Tracker:
     promotions) flushed with them."""
 
     def __init__(self, spec: JobSpec, run_id: Optional[str]):
-        from pipelines import tracking
-
         self.client = tracking.client(spec)
         self.run_id = run_id or tracking.start_run(spec, run_name=f"{spec.run.name}-train")
         self.pending: list[tuple[str, float, int]] = []
@@ -225,7 +228,6 @@ class Trainer:
     def __init__(self, spec: JobSpec, tok_manifest_path: str, out: Path, ckpt_root: Path,
                  notice: Optional[Notice] = None):
         from pipelines.train.ckpt.checkpointer import Checkpointer
-        from pipelines.train.resilience import Faults, SpikeGuard
 
         self.spec, self.out, t = spec, out, spec.train
         self.notice = notice or Notice()
@@ -273,7 +275,6 @@ class Trainer:
         return got
 
     def _data(self, tok_manifest_path: str) -> None:
-        from pipelines.train.loader import train_samples
         from pipelines.train.model import ModelArgs
 
         self.tok = load_manifest(tok_manifest_path)
@@ -287,9 +288,6 @@ class Trainer:
         """Every rank together: the newest step of this line of training that verifies on the nearest tier, each
         node its own parts (``pipelines.train.ckpt.restore``); None to start at step 0. A restart of this launch
         (``pipelines.train.ckpt.history``) resumes whatever ``train.resume`` says: ``never`` starts over once."""
-        from pipelines.train.ckpt import history
-        from pipelines.train.ckpt.protocol import CheckpointError, TierUnavailable
-
         box = [None]
         if self.rank == 0:
             try:
@@ -330,10 +328,6 @@ class Trainer:
 
     def _lineage_start(self, resume):
         """Rank 0: (this line of training's record, how to start: auto / never / a step)."""
-        from pipelines.train.ckpt import history
-        from pipelines.train.ckpt.protocol import CheckpointError
-        from pipelines.train.ckpt.tiers import clear_run
-
         token, rec = history.run_token(), history.read(self.spec, self.rel_root)
         if history.is_restart(rec, token):
             if resume != "auto":
@@ -354,7 +348,6 @@ class Trainer:
         return rec, "never"
 
     def _model(self, state: Optional[dict]) -> None:
-        from pipelines.train.loader import sampler_for
         from pipelines.train.model import Transformer, param_count
         from pipelines.train.parallel import apply_parallelism, dp_coords
 
@@ -382,8 +375,6 @@ class Trainer:
                  f"{st['loader']['consumed_samples']}, saved by {st['world_size']} ranks, now {self.world})")
 
     def _loader(self):
-        from pipelines.train.loader import Prefetcher
-
         return Prefetcher(self.samples, self.sampler, self.accum, depth=self.spec.train.prefetch,
                           pin_memory=self.device.type == "cuda")
 
@@ -396,8 +387,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> None:
-        from pipelines.progress import progress
-
         t = self.spec.train
         self._log_params()
         bar = progress(desc=f"train ({self.world} ranks)", total=t.steps, initial=self.prog.step, unit="step") \
@@ -529,8 +518,6 @@ class Trainer:
     def _young_daly(self) -> int:
         """Rank 0's Young/Daly interval from the measured stalls and its median step time, broadcast: every rank
         must save at the same steps."""
-        from pipelines.train.resilience import young_daly_steps
-
         box = [None]
         if self.rank == 0:
             recent = sorted(self.step_times[-50:])
@@ -568,7 +555,6 @@ class Trainer:
             restored = self.ckpt.restore(last)
             if restored is None:  # the step this attempt saved is on no tier: storage lost it (exit 75, a retry
                 # resumes from the newest step that verifies), not a run the user must change
-                from pipelines.train.ckpt.protocol import CheckpointError
 
                 raise CheckpointError(f"step {step}: {why}; the checkpoint of step {last} to roll back to does not "
                                       "verify on any tier")
@@ -607,7 +593,6 @@ class Trainer:
     def _report(self, bar, loss: float, gnorm: float, lr: float) -> None:
         if self.rank != 0:
             return
-        from pipelines.train.plan import mfu
 
         tps = self.G * self.margs.seq_len / self.step_times[-1]
         bar.update(1)
@@ -627,8 +612,6 @@ class Trainer:
 
     def _flops_per_token(self) -> float:
         # 6N + 12·L·H·d_head·T FLOPs per token (pipelines.train.plan)
-        from pipelines.train.plan import flops_per_token, model_shape
-        from pipelines.train.plan import param_count as shape_params
 
         shape = {**model_shape(self.spec), "vocab": self.margs.vocab_size}
         return flops_per_token(shape, shape_params(shape))
@@ -643,8 +626,6 @@ class Trainer:
         """Rank 0: the last metrics and checkpoint events to MLflow, and with ``train.mixture`` its report (metrics
         under :func:`~pipelines.train.loader.mixture_keys`, and all of it, full source names included, as the
         artifact ``train/mixture.json``). The run is over: MLflow failing here is said, never the run's end."""
-        from pipelines.train.loader import mixture_keys, mixture_metrics
-
         mix = result.get("mixture")
         try:
             if mix:
@@ -660,8 +641,6 @@ class Trainer:
 
     def finish(self) -> dict:
         """Wait for the last save and the promotions, write ``losses.json``/``result.json`` (rank 0)."""
-        from pipelines.train.ckpt.protocol import step_name
-
         t = self.spec.train
         self._beat("close (final save and promotions)", CLOSE_WAITS)  # rank 0 may still upload after the others
         self.ckpt.close(t.steps)
@@ -734,9 +713,6 @@ def run_rank(spec: JobSpec, args, notice: Notice) -> int:
 def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
     """This rank's exit status; a failure or a preemption also leaves an outcome file in ``--out`` that tells the
     launcher which it was (torchrun's own status does not)."""
-    from pipelines.launch import outcomes as xc
-    from pipelines.train.ckpt.protocol import CheckpointError
-
     out, rank = Path(args.out), int(os.environ.get("RANK", 0))
     xc.clear_outcome(out, rank)  # an earlier attempt's
     try:

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipelines.train.loader import TokenSamples, batch_tensors
+
 
 class Validator:
     def __init__(self, tok, seq_len: int, eval_every: int, eval_tokens: int, micro_batch: int, last_step: int,
                  dp_rank: int, dp: int, device: torch.device):
-        from pipelines.train.loader import TokenSamples
-
         heldout = [tok.dir / s["prefix"] for s in tok.extra["shards"] if s["split"] == "heldout"]
         self.samples: Optional[TokenSamples] = None
         if eval_every and heldout:
@@ -52,8 +52,6 @@ class Validator:
     @torch.no_grad()
     def run(self, model: torch.nn.Module, autocast) -> dict:
         """Every rank together: {loss, bpb, tokens} over the slice."""
-        from pipelines.train.loader import batch_tensors
-
         was_training = model.training
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss × tokens, tokens

@@ -14,11 +14,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from pipelines.eval_sets import FILES, read_rows
+from pipelines.spec import resolve_bundled
+
 
 def _rows(task: str, data_dir: str | None) -> list[dict]:
-    from pipelines.eval_sets import FILES, read_rows
-    from pipelines.spec import resolve_bundled
-
     path = resolve_bundled(Path(data_dir or "data/eval") / FILES[task])
     if not path.is_file():
         raise FileNotFoundError(f"{task}: {path} is missing; set eval.data_dir (or --metadata data_dir=…) to a "

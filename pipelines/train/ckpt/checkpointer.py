@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import json
 import os
 import random
 import shutil
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -34,11 +35,7 @@ import torch.distributed as dist
 
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
-from pipelines.train.ckpt import protocol as ck
-from pipelines.train.ckpt import local as ckpt_local
-from pipelines.train.ckpt import tiers as ckpt_tiers
-from pipelines.train.ckpt import fence
-from pipelines.train.ckpt import fence_l2
+from pipelines.train.ckpt import fence, fence_l2, local as ckpt_local, protocol as ck, tiers as ckpt_tiers
 from pipelines.train.ckpt.promoter import Events, Promoter, Topology, lower_priority
 
 
@@ -124,8 +121,6 @@ class Checkpointer:
 
     def __init__(self, spec: JobSpec, rel_root: str, rank: int, world: int, log: Callable[[str], None],
                  files: dict[str, bytes]):
-        import datetime
-
         self.spec, self.rel_root, self.rank, self.world, self.log, self.files = spec, rel_root, rank, world, log, files
         self.root = resolve_path(spec.checkpoint.l0) / rel_root
         self.wait_s = spec.checkpoint.collective_timeout_minutes * 60  # the bound of every wait below
@@ -328,8 +323,6 @@ class Checkpointer:
         """Block until the save in flight is written (a part leader: and committed on its L0), for at most
         ``checkpoint.collective_timeout_minutes`` (the bound of every wait here): a save still not done by then is a
         disk that stalls, :class:`~pipelines.train.ckpt.protocol.TierUnavailable` (exit 75), not a wait forever."""
-        from concurrent.futures import TimeoutError as FutureTimeout
-
         if self._pending is not None:
             pending, self._pending = self._pending, None
             with dcp_errors(f"saving step {self.last_saved} to L0", self.root):

@@ -50,6 +50,7 @@ from typing import Callable, Optional, TypeVar
 from pipelines.exit_codes import RETRY
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
+from pipelines.storage.s3 import abandoned_writes
 from pipelines.train.ckpt.protocol import CKPT_MANIFEST, CheckpointError
 
 FENCE_DIR = ".fence"
@@ -428,8 +429,6 @@ def settle_s3(what: str, where: str) -> None:
     """An earlier S3 write or delete of this process at ``where`` that was given up on after its bound and still
     runs could land after this one (a stale object over a new one, a COMMIT deleted): waited for at most
     :data:`SETTLE_S3_S`, then refused with :class:`CheckpointError` (L2 leaves the step for a later try)."""
-    from pipelines.storage.s3 import abandoned_writes
-
     deadline = time.monotonic() + SETTLE_S3_S
     while left := abandoned_writes(where):
         if time.monotonic() > deadline:

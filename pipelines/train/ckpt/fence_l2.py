@@ -21,25 +21,22 @@ from typing import Optional
 
 from pipelines.manifest import atomic_write_text, read_small_text
 from pipelines.spec import JobSpec
+from pipelines.storage.s3 import client, ensure_bucket, split_uri
+from pipelines.train.ckpt.fence import FENCE_DIR, TERM_PREFIX, current_term
 from pipelines.train.ckpt.s3_tier import answered
 from pipelines.train.ckpt.tiers import l2_available, tier_locations
-from pipelines.train.ckpt.fence import FENCE_DIR, TERM_PREFIX
 
 FLOOR_FILE = "l2-floor"  # in the L1 fence directory: L2's highest term when this L1 first read it
 
 
 def _prefix(spec: JobSpec, rel_root: str) -> tuple[str, str]:
     """(bucket, key prefix) of the run's terms on L2."""
-    from pipelines.storage.s3 import split_uri
-
     bucket, prefix = split_uri(tier_locations(spec, rel_root)["L2"].rstrip("/"))
     return bucket, f"{prefix}/{FENCE_DIR}/"
 
 
 def recorded_top(spec: JobSpec, rel_root: str) -> int:
     """The highest term L2 records for this run (0: none, or no L2); raises :class:`L2Unavailable`."""
-    from pipelines.storage.s3 import client
-
     if l2_available(spec) is not None:
         return 0
     s3, (bucket, prefix) = client(spec), _prefix(spec, rel_root)
@@ -62,8 +59,6 @@ def floor(spec: JobSpec, fence_dir: Path, rel_root: str, log=print) -> int:
     returned from the record ever after (``take`` takes the highest of it and L1's terms, so an attempt that died
     between the two cannot lower it). Raises :class:`L2Unavailable` while L2 does not answer; with no L2
     configured (no endpoint yet, the demo before it starts one) it is 0 and nothing is recorded."""
-    from pipelines.train.ckpt.fence import current_term
-
     marker = fence_dir / FLOOR_FILE
     try:
         return int(json.loads(read_small_text(marker))["l2_top"])
@@ -81,8 +76,6 @@ def floor(spec: JobSpec, fence_dir: Path, rel_root: str, log=print) -> int:
 
 def record(spec: JobSpec, rel_root: str, term: int, attempt: str, launch: Optional[str]) -> None:
     """Put this attempt's term on L2 (before its first COMMIT there); raises :class:`L2Unavailable`."""
-    from pipelines.storage.s3 import client, ensure_bucket
-
     if l2_available(spec) is not None:
         return
     s3, (bucket, prefix) = client(spec), _prefix(spec, rel_root)

@@ -14,13 +14,13 @@ from typing import Optional
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
-from pipelines.train.ckpt import s3_markers as ckpt_s3_cond
-from pipelines.train.ckpt import fence
+from pipelines.train.ckpt import fence, s3_markers as ckpt_s3_cond
 from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, MAX_PARTS, PARTS, CheckpointError, is_valid_local,
                                         manifest_files, parse_step, part_name, read_local_manifest, verify_local)
 from pipelines.train.ckpt.local import copy_local, install_dir, missing_shards
 from pipelines.train.ckpt.s3_tier import (abort_multipart, all_match, check_objects, part_manifest, read_s3_manifest,
                                      s3_body, s3_commit_body, upload_files)
+from pipelines.storage.s3 import client, ensure_bucket, split_uri
 
 
 # With node-local L0, node K's local leader commits *its part* of a step on its own disk: its ranks' shards (node 0
@@ -149,8 +149,6 @@ def put_part(spec: JobSpec, uri: str, src: Path, body: bytes, man: dict, digests
     manifest ``body`` as ``PARTS/part-K.json``, last. A step of another attempt committed there loses its COMMIT
     first (it is no longer whole). Aborts only this part's unfinished multipart uploads (another node may be
     uploading its part there now)."""
-    from pipelines.storage.s3 import client, ensure_bucket, split_uri
-
     k, _, attempt = part_of(man)
     fence.check(f"uploading part {k} to {uri}", uri)  # a superseded attempt sends nothing
     s3 = client(spec)
@@ -190,8 +188,6 @@ def upload_step(spec: JobSpec, l1_step: Path, uri: str, digests: Optional[dict] 
     (:func:`merge_parts_s3`). The one path to L2, with :func:`upload_part`. ``digests``: the files' part digests
     from a copy that just verified ``l1_step`` (else it is verified here). An L2 copy with L1's COMMIT whose
     objects check is kept as it is."""
-    from pipelines.storage.s3 import client, split_uri
-
     man = verify_local(l1_step) if digests is None else read_local_manifest(l1_step)
     bucket, prefix = split_uri(uri.rstrip("/"))
     s3 = client(spec)
@@ -212,8 +208,6 @@ def upload_step(spec: JobSpec, l1_step: Path, uri: str, digests: Optional[dict] 
 
 def s3_part_manifests(spec: JobSpec, uri: str, parts: int) -> Optional[list[dict]]:
     """The parts' manifests on L2, or None while one is missing."""
-    from pipelines.storage.s3 import client, split_uri
-
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
     mans = []
@@ -237,8 +231,6 @@ def merge_parts_s3(spec: JobSpec, uri: str, parts: int, attempt: Optional[str], 
     """Rank 0, on L2: when every part of ``attempt`` is there and each object matches its part's manifest (S3's
     checksums; see check_objects), put the merged MANIFEST and COMMIT last. False while a part is missing.
     ``checked``: the parts whose objects the caller has just put or checked itself (not read twice)."""
-    from pipelines.storage.s3 import client, split_uri
-
     mans = s3_part_manifests(spec, uri, parts)
     if mans is None or any(part_of(m)[2] != attempt for m in mans):
         return False

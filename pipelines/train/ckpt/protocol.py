@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -105,8 +106,6 @@ def load_plain_model(ckpt_dir: Path):
     model = Transformer(ModelArgs(**json.loads((ckpt_dir / "model_args.json").read_text())))
     if (ckpt_dir / ".metadata").is_file():
         import torch.distributed.checkpoint as dcp
-
-        import warnings
 
         sd = model.state_dict()
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is

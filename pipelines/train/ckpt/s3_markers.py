@@ -21,9 +21,10 @@ import threading
 from typing import Callable, Optional
 
 from pipelines.storage import faults
-from pipelines.storage.s3 import conditional_conflict, conditions, precondition_failed, probed
-from pipelines.train.ckpt.protocol import L2Unavailable
+from pipelines.storage.s3 import conditional_conflict, conditions, precondition_failed, probed, unreachable
 from pipelines.train.ckpt.fence import FencedOut
+from pipelines.train.ckpt.protocol import L2Unavailable
+from pipelines.train.ckpt.s3_tier import answered, missing, s3_body
 
 _said: set[tuple[str, str]] = set()  # the endpoints and buckets whose probe was told (one line each)
 _lock = threading.Lock()
@@ -31,8 +32,6 @@ _lock = threading.Lock()
 
 def _refused(s3_or_call, **kw) -> bool:
     """Did the endpoint refuse this put (or this call), whose condition is false, with 412?"""
-    from pipelines.storage.s3 import unreachable
-
     call = s3_or_call if callable(s3_or_call) else s3_or_call.put_object
     try:
         call(**kw)
@@ -67,15 +66,11 @@ def supported(s3, bucket: str, log: Callable[[str], None] = print) -> bool:
 
 def etag(s3, bucket: str, key: str) -> Optional[str]:
     """The object's ETag now, None when it is absent (read when the writer decides what to replace)."""
-    from pipelines.train.ckpt.s3_tier import answered
-
     return answered(f"s3://{bucket}/{key}", lambda: s3.head_object(Bucket=bucket, Key=key)["ETag"])
 
 
 def _holds(s3, bucket: str, key: str, body: bytes) -> bool:
     """Does the object hold exactly ``body`` now?"""
-    from pipelines.train.ckpt.s3_tier import s3_body
-
     return s3_body(s3, bucket, key) == body
 
 
@@ -100,7 +95,6 @@ def delete(s3, bucket: str, key: str, expected: Optional[str], cond: bool, what:
     """Delete the object only while it is still the copy read (``expected``); absent: nothing to do."""
     if expected is None:
         return
-    from pipelines.train.ckpt.s3_tier import missing
 
     faults.point(faults.ACT)
     try:

@@ -16,10 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
+from botocore.exceptions import ClientError
+
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
-from pipelines.storage.s3 import (b64, checksums_verified, composite_sha256, conditional_conflict, conditions,
-                                  object_matches, part_digests, part_size_used, precondition_failed, probed,
+from pipelines.storage.s3 import (b64, checksums_verified, client, composite_sha256, conditional_conflict, conditions,
+                                  object_matches, part_digests, part_size_used, precondition_failed, probed, split_uri,
                                   unreachable)
 from pipelines.train.ckpt import fence
 from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
@@ -36,8 +38,6 @@ def transfer_config(spec: JobSpec):
 
 
 def missing(e: Exception) -> bool:
-    from botocore.exceptions import ClientError
-
     return isinstance(e, ClientError) and str(e.response.get("Error", {}).get("Code")) in (
         "404", "NoSuchKey", "NoSuchBucket", "NotFound")
 
@@ -67,8 +67,6 @@ def s3_commit_body(s3, bucket: str, prefix: str) -> Optional[str]:
 
 def commit_at(spec: JobSpec, uri: str) -> Optional[str]:
     """The COMMIT marker's body of the S3 copy at ``uri``; None when there is none."""
-    from pipelines.storage.s3 import client, split_uri
-
     bucket, prefix = split_uri(uri.rstrip("/"))
     return s3_commit_body(client(spec), bucket, prefix)
 
@@ -76,8 +74,6 @@ def commit_at(spec: JobSpec, uri: str) -> Optional[str]:
 def multipart_uploads(s3, bucket: str, prefix: str = "") -> list[dict]:
     """The multipart uploads in progress under ``prefix`` (an endpoint that answers NoSuchUpload when there are
     none, as rclone's does, has none)."""
-    from botocore.exceptions import ClientError
-
     try:
         return [up for page in s3.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix)
                 for up in page.get("Uploads", [])]
@@ -228,8 +224,6 @@ def _refused_upload(e: Exception, rel: str, where: str, ours: Callable[[], bool]
     term's object); else another, older writer's object appeared meanwhile: :class:`L2Unavailable` (retried: the
     next upload replaces it, under its condition). A 409 (a conditional write in flight) is retried too; anything
     else is raised as it is."""
-    from botocore.exceptions import ClientError
-
     what = f"uploading {rel}: {where}"
     gone = isinstance(e, ClientError) and str(e.response.get("Error", {}).get("Code")) == "NoSuchUpload"
     if conditional_conflict(e):
@@ -255,8 +249,6 @@ def all_match(spec: JobSpec, s3, bucket: str, prefix: str, src: Path, files: dic
 def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int] = None) -> Path:
     """Fetch ``uri`` into ``dest`` and verify every file; raise if the copy is incomplete or corrupt. With
     ``part``, only that node's part (its files and its manifest, ``PARTS/part-K.json``), as a committed part dir."""
-    from pipelines.storage.s3 import client, split_uri
-
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
     if part is None:
@@ -299,8 +291,6 @@ def part_manifest(man: Optional[dict], k: int) -> Optional[bytes]:
 
 def read_s3_manifest(spec: JobSpec, uri: str) -> Optional[dict]:
     """The manifest of a committed S3 copy (COMMIT matches MANIFEST.json), objects not checked; None if absent."""
-    from pipelines.storage.s3 import client, split_uri
-
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
     commit = s3_commit_body(s3, bucket, prefix)
@@ -313,8 +303,6 @@ def read_s3_manifest(spec: JobSpec, uri: str) -> Optional[dict]:
 def verify_s3(spec: JobSpec, uri: str) -> dict:
     """Check an S3 copy by content (COMMIT, manifest, each object against the manifest's sha256 through S3's own
     checksums, see :func:`check_objects`); returns the manifest or raises CheckpointError."""
-    from pipelines.storage.s3 import client, split_uri
-
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
     commit = s3_commit_body(s3, bucket, prefix)
@@ -370,8 +358,6 @@ def _object_ok(head: dict, info: dict, trusted: bool) -> Optional[str]:
 def remove_s3(spec: JobSpec, uri: str) -> None:
     """COMMIT first, then the rest of the prefix. Under a fence, never by a superseded attempt, nor a copy a newer
     term committed (:func:`pipelines.train.ckpt.fence.guard`)."""
-    from pipelines.storage.s3 import client, split_uri
-
     fence.guard(f"removing {uri}", uri, lambda: read_s3_manifest(spec, uri))
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))

@@ -12,20 +12,24 @@ per-tier retention and never deletes a copy of the newest verified step.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
+from botocore.exceptions import ClientError
+
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
-from pipelines.storage.s3 import unreachable
-from pipelines.train.ckpt import fence
-from pipelines.train.ckpt import history
+from pipelines.storage.s3 import (EmbeddedDown, S3ConfigError, client, embedded_configured, endpoint_url, split_uri,
+                                  unreachable)
+from pipelines.train.ckpt import fence, history
 from pipelines.train.ckpt.protocol import (COMMIT, TIERS, CheckpointError, L2Unavailable, TierUnavailable,
                                         is_valid_local, parse_step, read_local_manifest, step_name, verify_local)
+from pipelines import tracking
 from pipelines.train.ckpt.local import remove_local
 from pipelines.train.ckpt.parts import merge_parts, part_of, stage_part, upload_step
 from pipelines.train.ckpt.s3_tier import commit_at, download_checkpoint, missing, read_s3_manifest, remove_s3, verify_s3
@@ -43,8 +47,6 @@ def tier_locations(spec: JobSpec, rel: str) -> dict[str, str]:
 
 def l2_available(spec: JobSpec) -> Optional[str]:
     """None when an S3 endpoint is configured or running, else the reason L2 cannot be used now."""
-    from pipelines.storage.s3 import S3ConfigError, endpoint_url
-
     try:
         endpoint_url(spec)
         return None
@@ -70,10 +72,6 @@ def list_steps(spec: JobSpec, rel_root: str, tiers: tuple[str, ...] = TIERS) -> 
 
 def _s3_step_names(spec: JobSpec, uri: str, committed: bool = True) -> list[str]:
     """The names under ``uri`` of the steps with a COMMIT (``committed``), or of every step with an object."""
-    from botocore.exceptions import ClientError
-
-    from pipelines.storage.s3 import client, split_uri
-
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
     names = []
@@ -237,8 +235,6 @@ def registered_steps(spec: JobSpec, rel_root: str) -> set[int]:
     CheckpointError when the registry cannot be read: then nothing may be deleted."""
     prefix = tier_locations(spec, rel_root)["L2"] + "/"
     try:
-        from pipelines import tracking
-
         versions = tracking.client(spec).search_model_versions(f"name='{spec.registry.model_name}'")
     except Exception as e:  # noqa: BLE001 - unknown = everything may be needed
         raise CheckpointError(f"cannot read the model registry ({type(e).__name__}: {e}); deleting no checkpoint")
@@ -305,8 +301,6 @@ def _write_generations(spec: JobSpec, base_rel: str, state: dict) -> None:
 
 def generation(spec: JobSpec, base_rel: str, force: bool) -> str:
     """The rel root this run trains in: the current generation, or with ``force`` a pending new one."""
-    import datetime
-
     state = read_generations(spec, base_rel)
     if not force:
         return state["current"]
@@ -376,8 +370,6 @@ def _retire_local(spec: JobSpec, rel_root: str, keep: set[int]) -> dict[str, lis
 def _l2_steps(spec: JobSpec, rel_root: str) -> list[int]:
     """The steps with any object on L2 (committed or not); none where this setup has no L2 (no endpoint set and
     no embedded one ever started here). Raises :class:`L2Unavailable` when L2 does not answer: unknown, not none."""
-    from pipelines.storage.s3 import EmbeddedDown, embedded_configured, endpoint_url
-
     loc = tier_locations(spec, rel_root)["L2"]
     try:
         endpoint_url(spec)
