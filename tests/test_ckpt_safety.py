@@ -16,9 +16,11 @@ import pytest
 
 from pipelines.spec import load_spec
 from pipelines.storage import faults
+from pipelines.storage.s3 import client as s3_client, split_uri
 from pipelines.train.ckpt import protocol as ck
 from pipelines.train.ckpt import s3_tier as ckpt_s3
 from pipelines.train.ckpt import tiers as ckpt_tiers
+from pipelines.train.ckpt.s3_tier import multipart_uploads
 
 from conftest import ROOT
 from test_resilience import TINY, _env, _tok
@@ -166,10 +168,18 @@ def test_force_starts_a_new_generation_and_retires_the_old_one_only_after_it_com
     assert new.startswith(f"{old}.gen-") and second.extra["resumed_from"]["step"] == 10
     assert ckpt_tiers.list_steps(spec, old)["L2"] == [10, 20]
     assert ckpt_tiers.read_generations(spec, old)["retiring"] == [old]  # the first run's root is the key's
+    # multipart uploads a promotion of the old generation left in progress: one into the registered step, one into
+    # a step of its own (no object of it listed anywhere)
+    s3 = s3_client(spec)
+    bucket, prefix = split_uri(ckpt_tiers.tier_locations(spec, old)["L2"])
+    for step in ("step-000010", "step-000030"):
+        s3.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/{step}/__0_0.distcp")
     # the next run of the stage (a plain one: it finds its output done) retires it, keeping what the model needs
     third = launch.run(load_spec(None, sets, env={}), tok)
     assert third.path == second.path and ckpt_tiers.read_generations(spec, old)["retiring"] == []
     assert ckpt_tiers.list_steps(spec, old) == {"L0": [10], "L1": [10], "L2": [10]}  # only what the model needs
+    left = [u["Key"] for u in multipart_uploads(s3, bucket, f"{prefix}/")]
+    assert left == [f"{prefix}/step-000010/__0_0.distcp"]  # the retired step's upload aborted, the kept one's not
     assert ckpt_tiers.list_steps(spec, new)["L1"][-1] == 20 and ckpt_tiers.list_steps(spec, new)["L0"] == [10, 20]
     assert train_job(spec, tok).rel_root == new  # the committed generation is the key's
 
@@ -193,6 +203,27 @@ def test_a_forged_generations_record_is_refused_and_nothing_is_deleted(tmp_path,
     said = []
     assert ckpt_tiers.retire_generations(spec, base, said.append) == {} and re.search(refused, said[0])
     assert (victim / "COMMIT").is_file()
+
+
+def test_retiring_stops_at_its_budget_with_one_line_and_the_next_run_finishes(tmp_path):
+    """Housekeeping is bounded (issue 52): past its budget a retirement stops before its next part, says so in one
+    line and keeps the generation listed; a run with time left retires it."""
+    spec = load_spec(None, TINY + [f"checkpoint.l0={tmp_path}/l0", f"checkpoint.l1={tmp_path}/l1",
+                                   f"services.mlflow_tracking_uri=sqlite:///{tmp_path}/mlflow.db"], env={})
+    base, old = "llm-pipeline/key", "llm-pipeline/key.gen-20260101T000000000000"
+    for tier in ("L0", "L1"):
+        step = Path(ckpt_tiers.tier_locations(spec, f"{old}/step-000010")[tier])
+        step.mkdir(parents=True)
+        (step / "COMMIT").write_text("x")
+    Path(ckpt_tiers.tier_locations(spec, base)["L1"] + ".generations.json").write_text(
+        json.dumps({"current": base, "pending": None, "retiring": [old]}))
+    said = []
+    assert ckpt_tiers.retire_generations(spec, base, said.append, budget_s=0.0) == {}
+    assert len(said) == 1 and re.search(r"not retired yet \(TimeoutError: housekeeping past its budget of 0 min "
+                                        r"before reading the registry\)", said[0]), said
+    assert ckpt_tiers.read_generations(spec, base)["retiring"] == [old] and ckpt_tiers.list_steps(spec, old)["L1"] == [10]
+    gone = ckpt_tiers.retire_generations(spec, base, said.append)
+    assert gone == {old: {"L0": [10], "L1": [10], "L2": []}} and ckpt_tiers.read_generations(spec, base)["retiring"] == []
 
 
 def test_a_record_retiring_the_current_generation_never_deletes_it(tmp_path):

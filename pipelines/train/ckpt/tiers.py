@@ -12,15 +12,19 @@ per-tier retention and never deletes a copy of the newest verified step.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from botocore.exceptions import ClientError
 
+from pipelines import tracking
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
@@ -29,10 +33,10 @@ from pipelines.storage.s3 import (EmbeddedDown, S3ConfigError, client, embedded_
 from pipelines.train.ckpt import fence, history
 from pipelines.train.ckpt.protocol import (COMMIT, TIERS, CheckpointError, L2Unavailable, TierUnavailable,
                                         is_valid_local, parse_step, read_local_manifest, step_name, verify_local)
-from pipelines import tracking
 from pipelines.train.ckpt.local import remove_local
 from pipelines.train.ckpt.parts import merge_parts, part_of, stage_part, upload_step
-from pipelines.train.ckpt.s3_tier import commit_at, download_checkpoint, missing, read_s3_manifest, remove_s3, verify_s3
+from pipelines.train.ckpt.s3_tier import (commit_at, download_checkpoint, missing, multipart_uploads, read_s3_manifest,
+                                          remove_s3, verify_s3)
 
 
 # ----------------------------------------------------------------------------- tier layout
@@ -323,13 +327,20 @@ def commit_generation(spec: JobSpec, base_rel: str, rel_root: str, log: Callable
     log(f"[ckpt] generation {rel_root} committed" + (f"; retiring {', '.join(gone)}" if gone else ""))
 
 
-def retire_generations(spec: JobSpec, base_rel: str, log: Callable[[str], None] = print) -> dict:
+RETIRE_BUDGET_S = 600.0  # one run of the train stage's housekeeping; past it, what is left waits for the next run
+# the registry read while retiring: 30 s a request, 2 retries (MLflow's own defaults allow minutes per request)
+REGISTRY_BOUNDS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
+
+
+def retire_generations(spec: JobSpec, base_rel: str, log: Callable[[str], None] = print,
+                       budget_s: float = RETIRE_BUDGET_S) -> dict:
     """Remove every step of the generations being retired from every tier, committed or not (a removal cut short
-    leaves steps without COMMIT), but those a registered model version points to, and the retired generation's
-    staging and temp entries on L0 and L1. Housekeeping: whatever stops it (an unreadable record, a registry or
-    tier that does not answer) is one line, and the generation stays in the record for the next run of the stage;
-    L0 and L1 are cleared even while L2 is unknown. Returns {retired rel root: {tier: steps removed}}."""
-    done = {}
+    leaves steps without COMMIT), but those a registered model version points to, the retired generation's
+    staging and temp entries on L0 and L1, and the multipart uploads left in progress under its L2 prefix.
+    Housekeeping: whatever stops it (an unreadable record, a registry or tier that does not answer, ``budget_s``
+    spent) is one line, and the generation stays in the record for the next run of the stage; L0 and L1 are cleared
+    even while L2 is unknown. Returns {retired rel root: {tier: steps removed, "uploads_aborted": n}}."""
+    done, deadline = {}, time.monotonic() + budget_s
     try:
         retiring = read_generations(spec, base_rel)["retiring"]
     except CheckpointError as e:
@@ -337,10 +348,7 @@ def retire_generations(spec: JobSpec, base_rel: str, log: Callable[[str], None] 
         return done
     for old in retiring:
         try:
-            keep = registered_steps(spec, old)
-            gone = _retire_local(spec, old, keep)
-            gone["L2"] = [s for s in _l2_steps(spec, old) if s not in keep]
-            _remove_steps(spec, old, {"L2": gone["L2"]})
+            gone = _retire(spec, old, lambda what: _within(deadline, budget_s, what))
             state = read_generations(spec, base_rel)
             _write_generations(spec, base_rel, {**state, "retiring": [r for r in state["retiring"] if r != old]})
         except Exception as e:  # noqa: BLE001 - housekeeping: the generation waits for the next run
@@ -348,9 +356,59 @@ def retire_generations(spec: JobSpec, base_rel: str, log: Callable[[str], None] 
                 "stage retires it")
             continue
         done[old] = gone
-        log(f"[ckpt] retired generation {old}: removed {gone}" + (f", kept registered step(s) {sorted(keep)}"
-                                                                   if keep else ""))
+        log(f"[ckpt] retired generation {old}: removed {gone}")
     return done
+
+
+def _within(deadline: float, budget_s: float, what: str) -> None:
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"housekeeping past its budget of {budget_s / 60:g} min before {what}")
+
+
+def _retire(spec: JobSpec, old: str, check: Callable[[str], None]) -> dict:
+    """One retired generation off every tier (``check(what)`` before each part: raises when the budget is spent)."""
+    check("reading the registry")
+    with _bounded_registry():
+        keep = registered_steps(spec, old)
+    check("L0 and L1")
+    gone = _retire_local(spec, old, keep)
+    check("L2")
+    gone["L2"] = [s for s in _l2_steps(spec, old) if s not in keep]
+    for s in gone["L2"]:
+        check(f"L2 step {s}")
+        _remove_steps(spec, old, {"L2": [s]})
+    if _l2_in_use(spec, old):
+        check("the L2 uploads in progress")
+        gone["uploads_aborted"] = _abort_l2_uploads(spec, old, keep)
+    if keep:
+        gone["kept_registered"] = sorted(keep)
+    return gone
+
+
+@contextlib.contextmanager
+def _bounded_registry():
+    """MLflow's HTTP client bounded (:data:`REGISTRY_BOUNDS`) for a block, unless the user set those bounds."""
+    set_here = {k: v for k, v in REGISTRY_BOUNDS.items() if k not in os.environ}
+    os.environ.update(set_here)
+    try:
+        yield
+    finally:
+        for k in set_here:
+            os.environ.pop(k, None)
+
+
+def _abort_l2_uploads(spec: JobSpec, rel_root: str, keep: set[int]) -> int:
+    """Abort the multipart uploads in progress under a retired generation's L2 prefix (a promotion cut short there
+    leaves one; no object listing shows it, and its parts are stored, and billed, until aborted), but those into a
+    kept step. Returns how many."""
+    bucket, prefix = split_uri(tier_locations(spec, rel_root)["L2"].rstrip("/"))
+    kept = tuple(f"{prefix}/{step_name(s)}/" for s in keep)
+    s3, n = client(spec), 0
+    for up in multipart_uploads(s3, bucket, f"{prefix}/"):
+        if not up["Key"].startswith(kept):
+            s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+            n += 1
+    return n
 
 
 def _retire_local(spec: JobSpec, rel_root: str, keep: set[int]) -> dict[str, list[int]]:
@@ -367,16 +425,23 @@ def _retire_local(spec: JobSpec, rel_root: str, keep: set[int]) -> dict[str, lis
     return gone
 
 
-def _l2_steps(spec: JobSpec, rel_root: str) -> list[int]:
-    """The steps with any object on L2 (committed or not); none where this setup has no L2 (no endpoint set and
-    no embedded one ever started here). Raises :class:`L2Unavailable` when L2 does not answer: unknown, not none."""
-    loc = tier_locations(spec, rel_root)["L2"]
+def _l2_in_use(spec: JobSpec, rel_root: str) -> bool:
+    """Whether this setup has an L2 (an endpoint set, or an embedded one started here once). Raises
+    :class:`L2Unavailable` when it has one that does not answer: unknown, not none."""
     try:
         endpoint_url(spec)
     except EmbeddedDown as e:
         if not embedded_configured():
-            return []
-        raise L2Unavailable(f"{loc}: {e}") from None
+            return False
+        raise L2Unavailable(f"{tier_locations(spec, rel_root)['L2']}: {e}") from None
+    return True
+
+
+def _l2_steps(spec: JobSpec, rel_root: str) -> list[int]:
+    """The steps with any object on L2 (committed or not); none where this setup has no L2."""
+    if not _l2_in_use(spec, rel_root):
+        return []
+    loc = tier_locations(spec, rel_root)["L2"]
     return sorted(s for s in map(parse_step, _s3_step_names(spec, loc, committed=False)) if s is not None)
 
 
