@@ -28,6 +28,9 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+RECONNECT_S = 60.0  # reading the Kubernetes connection again after a 401/403 (the secrets backend answers)
+
+
 class TrainingJobTrigger(BaseTrigger):
     def __init__(self, namespace: str, name: str, kind: str = "pytorchjob", poll_seconds: float = 30.0,
                  timeout_s: float | None = None, kubeconfig: str | None = None, kube_context: str | None = None,
@@ -70,16 +73,22 @@ class TrainingJobTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Follow the job to its end. A 401/403 while following it (a token that expired: EKS's last 15 minutes)
-        reads the credentials again (``pipelines.launch.k8s.Session``: the kubeconfig and its exec plugin, the
-        pod's service-account token), a bounded number of times, before the event says Failed (the task's retry
-        starts with credentials resolved anew)."""
+        reads the credentials again (``pipelines.launch.k8s.Session``): the Kubernetes connection first (a user or a
+        rotation may have put a new kubeconfig there), then the kubeconfig and its exec plugin, the pod's
+        service-account token; a bounded number of times, before the event says Failed (the task's retry starts
+        with credentials resolved anew)."""
         k8s, k = self._job()
+        loop = asyncio.get_running_loop()
         try:
             with tempfile.TemporaryDirectory(prefix="llmp-trigger-") as scratch:
                 target = await self._target(scratch)
                 custom, core = await asyncio.to_thread(k8s.api_clients_for, *target)
-                session = k8s.Session(custom, core, reconnect=lambda: k8s.api_clients_for(*target),
-                                      log=self.log.info)
+
+                def reconnect():  # in the session's thread: the connection is read on the event loop, bounded
+                    fresh = asyncio.run_coroutine_threadsafe(self._target(scratch), loop).result(RECONNECT_S)
+                    return k8s.api_clients_for(*fresh)
+
+                session = k8s.Session(custom, core, reconnect=reconnect, log=self.log.info)
                 async for event in self._poll(k8s, k, session):
                     yield event
                     return

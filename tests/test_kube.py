@@ -592,6 +592,48 @@ def test_the_trigger_reads_the_credentials_again_when_the_token_expires_while_it
     assert event["state"] == "Failed" and "still so after reading the credentials again 3 times" in event["message"]
 
 
+def test_the_trigger_reads_the_kubernetes_connection_again_when_the_token_expires(home, kube, monkeypatch):
+    """On the triggerer the credentials come from the Kubernetes connection (its inline kubeconfig, written to a
+    scratch file): a 401 while following the job reads the connection again, where a rotation put the new token,
+    not only the scratch file that still holds the old one."""
+    import asyncio
+    import json as _json
+
+    sys.path.insert(0, str(ROOT / "plugins"))
+    from llm_triggers import TrainingJobTrigger
+
+    fake, cfg, spec, gate = _watched_with_a_token(home, kube, monkeypatch)
+    script = (f"import pathlib, time\nprint('working', flush=True)\n"
+              f"while not pathlib.Path({str(gate)!r}).exists():\n    time.sleep(0.05)\nprint('done', flush=True)")
+
+    def connection(token: str) -> None:
+        fake.kubeconfig(home / "conn-kubeconfig", token=token)
+        monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_DEFAULT", _json.dumps(
+            {"conn_type": "kubernetes", "extra": {"kube_config": (home / "conn-kubeconfig").read_text()}}))
+
+    connection("fake-token")
+    custom, _ = k8s.api_clients(spec)
+    job = _job(spec, [sys.executable, "-c", script])
+    assert k8s.submit(custom, job, print) == "created"
+
+    def rotate(line):  # the token expires; the connection (not the task's kubeconfig) gets the new one
+        if line == "working":
+            fake.tokens = {"token-2"}
+            connection("token-2")
+            gate.touch()
+
+    fake.on_log = rotate
+    trigger = TrainingJobTrigger(kind="trainjob", namespace="llm-pipeline", name=job["metadata"]["name"],
+                                 poll_seconds=0.2, kubeconfig="/not/on/the/triggerer", kube_conn_id="kubernetes_default")
+
+    async def first():
+        async for event in trigger.run():
+            return event.payload
+
+    event = asyncio.run(asyncio.wait_for(first(), timeout=120))
+    assert event["state"] == "Succeeded" and fake.refused >= 1, event
+
+
 def test_a_refusal_that_persists_during_the_watch_exits_75_one_line(home, kube, monkeypatch):
     """The token expired and reading the credentials again does not help (the task's kubeconfig still holds the old
     one): a few bounded tries, then exit 75, so that the task's retry resolves its credentials anew; one line, no
