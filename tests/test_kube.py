@@ -63,7 +63,7 @@ def test_train_stage_submits_a_training_job_watches_it_and_matches_the_local_run
     for s in STATES[kind]:
         assert f"{kind} llm-pipeline/{name}: {s}" in out, out[-3000:]
     assert f"[{fake.jobs[(ns, name)].pod}] " in out
-    # `python -m pipelines.launch.k8s SPEC --tokenize-manifest M` prints exactly the job the stage submitted
+    # `python -m pipelines.train.k8s SPEC --tokenize-manifest M` prints exactly the job the stage submitted
     spec_file = home / "spec-k.yaml"
     spec_file.write_text(spec_k.to_yaml())
     assert k8s_cli.main([str(spec_file), "--tokenize-manifest", tok.path]) == 0

@@ -102,7 +102,7 @@ def _copy_side_files(ckpt_dir: Path, out: Path) -> Path:
 def model_dir_for(spec, ckpt_dir: Path, out: Path) -> Path:
     """The artifact directory of a committed checkpoint. A model above ``eval.single_process_max_params`` is not
     loaded here (the Airflow worker): its weights are exported on the launcher's first rank
-    (``python -m pipelines.train.ckpt.protocol export``, torchrun or a PyTorchJob)."""
+    (``python -m pipelines.train.checkpoint export``, torchrun or a PyTorchJob)."""
     from pipelines.train.model import ModelArgs, param_count
 
     params = param_count(ModelArgs(**json.loads((ckpt_dir / "model_args.json").read_text())))
@@ -112,7 +112,7 @@ def model_dir_for(spec, ckpt_dir: Path, out: Path) -> Path:
     print(f"[register] {params:,} params > eval.single_process_max_params: exporting the weights on the launcher's "
           f"first rank ({spec.launcher.kind})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    run_ranks(spec, "pipelines.train.ckpt.protocol", ["export", str(ckpt_dir), str(out / "model.pt")],
+    run_ranks(spec, "pipelines.train.checkpoint", ["export", str(ckpt_dir), str(out / "model.pt")],
               run_id=f"export-{out.parent.name}"[:40], restarts=False)
     return _copy_side_files(ckpt_dir, out)
 

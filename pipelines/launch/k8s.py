@@ -21,7 +21,7 @@ in-cluster identity (nothing global), and built again when the API refuses them 
 With node-local L0 (``checkpoint.l0`` an absolute path outside the shared mount) every pod also mounts its
 host's own disk there (``launcher.node_local_path``, or an ``emptyDir`` on the instance-store NVMe).
 
-    python -m pipelines.launch.k8s SPEC.yaml --tokenize-manifest M [--run-id ID] [--set launcher.kind=pytorchjob]
+    python -m pipelines.train.k8s SPEC.yaml --tokenize-manifest M [--run-id ID] [--set launcher.kind=pytorchjob]
     # prints the TrainJob (or PyTorchJob) the train stage would submit for these inputs (YAML); exit 2 with one
     # line per rule (field, message, rule) when the cluster would refuse it
 """

@@ -1,4 +1,4 @@
-"""A committed checkpoint as a plain state dict: ``python -m pipelines.train.ckpt.protocol export SRC OUT.pt`` (the
+"""A committed checkpoint as a plain state dict: ``python -m pipelines.train.checkpoint export SRC OUT.pt`` (the
 register stage runs it on the launcher's ranks for a big model). The checkpoint protocol itself is
 :mod:`pipelines.train.ckpt`.
 """
@@ -29,7 +29,7 @@ def export(src: Path, out: Path) -> int:
 
 
 def export_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.train.ckpt.protocol export",
+    ap = argparse.ArgumentParser(prog="python -m pipelines.train.checkpoint export",
                                  description="Write a consolidated plain state dict ({name: tensor}, loadable strictly "
                                  "by Transformer.load_state_dict) from a committed local checkpoint directory.")
     ap.add_argument("src", help="A committed checkpoint directory (step-NNNNNN with MANIFEST.json and COMMIT).")
@@ -49,7 +49,7 @@ def export_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] != ["export"]:
-        print("usage: python -m pipelines.train.ckpt.protocol export SRC OUT.pt\n(the promote stage is "
+        print("usage: python -m pipelines.train.checkpoint export SRC OUT.pt\n(the promote stage is "
               "python -m pipelines.train.promote)", file=sys.stderr)
         return USER_ERROR
     return export_main(argv[1:])

@@ -1,7 +1,7 @@
 """The train stage's Kubernetes job, printed without launching anything (:mod:`pipelines.launch.k8s` renders and checks
 it as the cluster's admission would):
 
-    python -m pipelines.launch.k8s SPEC.yaml --tokenize-manifest M [--run-id ID] [--set launcher.kind=pytorchjob]
+    python -m pipelines.train.k8s SPEC.yaml --tokenize-manifest M [--run-id ID] [--set launcher.kind=pytorchjob]
     # prints the TrainJob (or PyTorchJob) the train stage would submit for these inputs (YAML); exit 2 with one
     # line per rule (field, message, rule) when the cluster would refuse it
 """
@@ -21,7 +21,7 @@ from pipelines.train.job import train_job
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.launch.k8s",
+    ap = argparse.ArgumentParser(prog="python -m pipelines.train.k8s",
                                  description="Print the Kubernetes training job (a Kubeflow Trainer v2 TrainJob, or a "
                                  "v1 PyTorchJob with --set launcher.kind=pytorchjob) that the train stage would submit "
                                  "for a job spec and a tokenize manifest (same trainer arguments, same name), "

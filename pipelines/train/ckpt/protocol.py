@@ -28,7 +28,7 @@ Where each concern lives (each module imports only the ones above it):
 - :mod:`pipelines.train.ckpt.tiers`: the tier layout, a step's read for evaluation (``fetch``), retention (``prune``),
   generations and ``promote`` (the promote stage's entry into the part protocol).
 
-    python -m pipelines.train.ckpt.protocol export SRC OUT.pt   # plain {name: tensor} weights
+    python -m pipelines.train.checkpoint export SRC OUT.pt   # plain {name: tensor} weights
     (the promote stage, :mod:`pipelines.train.promote`, runs :func:`pipelines.train.ckpt.tiers.promote` on a train
     stage's checkpoint)
 """
