@@ -416,6 +416,7 @@ def test_register_of_a_model_above_the_single_process_limit_does_not_load_it_in_
     import shutil
 
     from pipelines import tracking
+    from pipelines.eval import serving
     from pipelines.train.ckpt import protocol as checkpoint
     from pipelines.train.ckpt import local as ckpt_local
 
@@ -430,6 +431,7 @@ def test_register_of_a_model_above_the_single_process_limit_does_not_load_it_in_
 
     with monkeypatch.context() as m:
         m.setattr(checkpoint, "load_plain_model", refuse)
+        m.setattr(serving, "load_plain_model", refuse)  # serving's own name for it
         res = registry.register(spec, ckpt, run_id, {}, {"reference_bpb": 3.0}, _ev_extra(spec, "s" * 64), home / "w")
     from pipelines.eval import load_registered
 

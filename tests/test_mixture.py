@@ -320,18 +320,18 @@ def test_a_storage_error_reading_the_sources_is_raised_for_a_retry_a_broken_line
     import errno
     from types import SimpleNamespace
 
-    from pipelines.lineage import queries
     from pipelines.manifest import StageError
+    from pipelines.train import loader
 
     tok = SimpleNamespace(path="/runs/tokenize/m.json", extra={"shards": []})
-    monkeypatch.setattr(queries, "chain", lambda t: [t])
+    monkeypatch.setattr(loader, "chain", lambda t: [t])
     for error, raised in [(OSError(errno.EIO, "Input/output error"), OSError), (TimeoutError("NFS"), TimeoutError),
                           (StageError("no filter or decontaminate stage in its lineage"), MixtureError),
                           (FileNotFoundError(2, "No such file", "kept"), MixtureError)]:
         def fail(*a, _e=error, **k):
             raise _e
 
-        monkeypatch.setattr(queries, "added_docs", fail)
+        monkeypatch.setattr(loader, "added_docs", fail)
         with pytest.raises(raised) as e:
             train_doc_sources(tok)
         assert (raised is MixtureError) == str(e.value).startswith("train.mixture: the sources of /runs/tokenize")

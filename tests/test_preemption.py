@@ -205,13 +205,13 @@ def test_a_job_failed_by_its_nodes_is_retried_a_refused_one_is_not(home, monkeyp
         def fail(*a, _r=retryable, **k):
             raise k8s.JobFailed("TrainJob ns/x failed: node lost", retryable=_r)
 
-        monkeypatch.setattr(k8s, "run_job", fail)
+        monkeypatch.setattr(ranks, "run_job", fail)
         with pytest.raises(ranks.TrainError) as e:
             ranks.run_ranks(spec, "pipelines.train.trainer", [], run_id="x", work=tmp_path)
         assert type(e.value) is want and e.value.exit_code == (xc.RETRY if retryable else xc.USER_ERROR)
     # a rank that said the input is wrong makes even a failed job a user error
     xc.write_outcome(tmp_path, 0, xc.USER_ERROR, "ValueError: vocab")
-    monkeypatch.setattr(k8s, "run_job", lambda *a, **k: (_ for _ in ()).throw(k8s.JobFailed("failed", True)))
+    monkeypatch.setattr(ranks, "run_job", lambda *a, **k: (_ for _ in ()).throw(k8s.JobFailed("failed", True)))
     with pytest.raises(ranks.TrainError) as e:
         ranks.run_ranks(spec, "pipelines.train.trainer", [], run_id="x", work=tmp_path)
     assert type(e.value) is ranks.TrainError
