@@ -13,7 +13,8 @@ import pytest  # noqa: E402
 
 from conftest import c4_docs, write_jsonl  # noqa: E402
 from pipelines.data import decontaminate as dc  # noqa: E402
-from pipelines.eval import harness, scorer, task_files  # noqa: E402
+from pipelines import eval_sets as task_files  # noqa: E402
+from pipelines.eval import harness, scorer  # noqa: E402
 from pipelines.spec import DecontaminateCfg, SpecError, load_spec  # noqa: E402
 from test_eval import models  # noqa: E402,F401 - the two tiny random models (and their SentencePiece model)
 

@@ -15,5 +15,6 @@
 | ``promoter`` | promotion while training runs: L0 → L1 → L2 in the part leaders' background threads |
 
 The plain export CLI is :mod:`pipelines.train.checkpoint`; the promote stage :mod:`pipelines.train.promote`. Nothing
-here imports the trainer; the trainer imports :mod:`.checkpointer` and :mod:`.restore`.
+here imports the trainer; the trainer imports :mod:`.checkpointer` (which restores through :mod:`.restore`), :mod:`.tiers`,
+:mod:`.protocol` and :mod:`.history`.
 """
