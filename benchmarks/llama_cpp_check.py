@@ -124,7 +124,7 @@ def report(mine: dict, theirs: dict) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", type=Path, help="A model directory (model.pt, model_args.json, tokenizer.model), "
-                    "e.g. a registered version's (python -m pipelines.eval.model_dir); default: one made here.")
+                    "e.g. a registered version's, as pipelines.eval.model_dir.download fetches it; default: one made here.")
     ap.add_argument("--text-file", type=Path, action="append", help="A reference file (repeatable); default: "
                     "the demo's eval.reference set.")
     ap.add_argument("--llama-python", type=Path, default=LLAMA_PYTHON, help="The llama venv's python.")

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
 import yaml
-from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipelines.exit_codes import USER_ERROR
@@ -346,6 +345,8 @@ class DataCfg(_Section):
         presets = {"@once", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly", "@continuous"}
         if v in presets:
             return v
+
+        from croniter import croniter  # lazy: the served model reads the spec, and its requirements have no croniter
 
         if not croniter.is_valid(v):
             raise ValueError(f"{v!r} is neither a cron expression (5 fields) nor one of {sorted(presets)}")

@@ -85,7 +85,12 @@ class TrainingJobTrigger(BaseTrigger):
                 custom, core = await asyncio.to_thread(k8s.api_clients_for, *target)
 
                 def reconnect():  # in the session's thread: the connection is read on the event loop, bounded
-                    fresh = asyncio.run_coroutine_threadsafe(self._target(scratch), loop).result(RECONNECT_S)
+                    read = asyncio.run_coroutine_threadsafe(self._target(scratch), loop)
+                    try:
+                        fresh = read.result(RECONNECT_S)
+                    except BaseException:
+                        read.cancel()  # not left running on the loop (it writes into the scratch dir)
+                        raise
                     return k8s.api_clients_for(*fresh)
 
                 session = k8s.Session(custom, core, reconnect=reconnect, log=self.log.info)

@@ -210,20 +210,24 @@ def test_retiring_stops_at_its_budget_with_one_line_and_the_next_run_finishes(tm
     line and keeps the generation listed; a run with time left retires it."""
     spec = load_spec(None, TINY + [f"checkpoint.l0={tmp_path}/l0", f"checkpoint.l1={tmp_path}/l1",
                                    f"services.mlflow_tracking_uri=sqlite:///{tmp_path}/mlflow.db"], env={})
-    base, old = "llm-pipeline/key", "llm-pipeline/key.gen-20260101T000000000000"
-    for tier in ("L0", "L1"):
-        step = Path(ckpt_tiers.tier_locations(spec, f"{old}/step-000010")[tier])
-        step.mkdir(parents=True)
-        (step / "COMMIT").write_text("x")
+    base = "llm-pipeline/key"
+    olds = [f"llm-pipeline/key.gen-2026010{i}T000000000000" for i in (1, 2)]
+    for old in olds:
+        for tier in ("L0", "L1"):
+            step = Path(ckpt_tiers.tier_locations(spec, f"{old}/step-000010")[tier])
+            step.mkdir(parents=True)
+            (step / "COMMIT").write_text("x")
     Path(ckpt_tiers.tier_locations(spec, base)["L1"] + ".generations.json").write_text(
-        json.dumps({"current": base, "pending": None, "retiring": [old]}))
+        json.dumps({"current": base, "pending": None, "retiring": olds}))
     said = []
     assert ckpt_tiers.retire_generations(spec, base, said.append, budget_s=0.0) == {}
     assert len(said) == 1 and re.search(r"not retired yet \(TimeoutError: housekeeping past its budget of 0 min "
-                                        r"before reading the registry\)", said[0]), said
-    assert ckpt_tiers.read_generations(spec, base)["retiring"] == [old] and ckpt_tiers.list_steps(spec, old)["L1"] == [10]
+                                        r"before reading the registry\)", said[0]), said  # one line for both
+    assert ckpt_tiers.read_generations(spec, base)["retiring"] == olds
+    assert all(ckpt_tiers.list_steps(spec, old)["L1"] == [10] for old in olds)
     gone = ckpt_tiers.retire_generations(spec, base, said.append)
-    assert gone == {old: {"L0": [10], "L1": [10], "L2": []}} and ckpt_tiers.read_generations(spec, base)["retiring"] == []
+    assert gone == {old: {"L0": [10], "L1": [10], "L2": []} for old in olds}
+    assert ckpt_tiers.read_generations(spec, base)["retiring"] == []
 
 
 def test_a_record_retiring_the_current_generation_never_deletes_it(tmp_path):

@@ -208,3 +208,14 @@ def test_an_out_path_under_a_file_or_that_is_a_file_is_one_line_and_exit_2(tmp_p
         assert export.main(["--model", "m@champion", "--format", "hf", "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"export: error: --out {out}: {afile} is a file"), err
+
+
+def test_gguf_types_pad_the_embedding_and_refuse_pieces_past_it(bpe_model):
+    """Rows of the embedding past the tokenizer's pieces are llama.cpp's converter's ``[PAD<i>]`` (UNUSED, score
+    -10000); a tokenizer with more pieces than the embedding has rows is refused (those ids have no weights)."""
+    proto = export.sp_proto(bpe_model / "tokenizer.model")
+    n = len(proto.pieces)
+    tokens, scores, types = export.gguf_vocab(proto, n + 2)
+    assert tokens[n:] == [f"[PAD{n}]", f"[PAD{n + 1}]"] and scores[n:] == [-10000.0] * 2 and types[n:] == [5, 5]
+    with pytest.raises(export.ExportError, match=f"{n} pieces and the model's embedding {n - 1} rows"):
+        export.gguf_vocab(proto, n - 1)

@@ -173,3 +173,21 @@ def test_imports_inside_functions_are_of_what_is_heavy_to_load_or_say_why():
                 continue
             bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not bad, "imports inside functions of what is light to load (move them to the top):\n" + "\n".join(bad)
+
+
+def test_the_served_model_loads_only_what_its_requirements_declare():
+    """``mlflow models serve`` builds the model's environment from ``serving.pip_requirements`` (torch,
+    sentencepiece, numpy, pyarrow, pydantic, pyyaml; MLflow brings pandas): importing what the served model imports
+    (the pyfunc and our text model) may load nothing else, or serving from a fresh environment fails."""
+    import subprocess
+    import sys
+
+    script = ("import importlib, sys\n"
+              "for m in ['mlflow.pyfunc', 'pandas', 'torch', 'sentencepiece', 'numpy', 'pyarrow', 'pydantic', 'yaml']:\n"
+              "    importlib.import_module(m)\n"
+              "base = {m.split('.')[0] for m in sys.modules}\n"
+              "import pipelines.eval.serving, pipelines.eval.lm\n"
+              "print(sorted({m.split('.')[0] for m in sys.modules} - base - set(sys.stdlib_module_names) - {'pipelines'}))")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", f"undeclared packages the served model loads: {r.stdout}"

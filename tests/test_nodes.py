@@ -147,7 +147,7 @@ def test_two_nodes_with_node_local_l0_complete_and_commit_globally_on_l1_and_l2(
     assert sorted(p.name for p in (disks[1] / SUB).iterdir() if not p.name.startswith(".")) == \
         ["step-000140", "step-000150"]  # keep_l0 = 2 on each node's own disk
     # the export contract reads the L1 step directory
-    from pipelines.train.ckpt.protocol import main as ck_main
+    from pipelines.train.checkpoint import main as ck_main
 
     assert ck_main(["export", str(final), str(tmp_path / "w.pt")]) == 0
     assert set(torch.load(tmp_path / "w.pt", weights_only=True)) == set(state["model"])

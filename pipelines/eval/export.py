@@ -211,8 +211,11 @@ def gguf_vocab(proto, vocab_size: int) -> tuple[list[str], list[float], list[int
     if not proto.normalizer_spec.escape_whitespaces:
         raise ExportError("the tokenizer keeps spaces as bytes (tokenizer.model_type=byte), and llama.cpp's "
                           "SentencePiece tokenizer always writes them as '▁': no GGUF equivalent; export --format hf")
+    if len(proto.pieces) > vocab_size:
+        raise ExportError(f"the tokenizer has {len(proto.pieces)} pieces and the model's embedding {vocab_size} rows: "
+                          "ids past the embedding have no weights; export the tokenizer the model was trained with")
     kept = {2, 3, 5, 6}  # UNKNOWN, CONTROL, UNUSED, BYTE
-    pieces = list(proto.pieces)[:vocab_size]
+    pieces = list(proto.pieces)
     pad = range(len(pieces), vocab_size)
     return ([p.piece for p in pieces] + [f"[PAD{i}]" for i in pad], [p.score for p in pieces] + [-10000.0] * len(pad),
             [int(p.type) if int(p.type) in kept else 1 for p in pieces] + [5] * len(pad))

@@ -29,8 +29,6 @@ import pandas as pd
 
 import pipelines
 from pipelines.eval.model_dir import MODEL_DIR
-from pipelines.launch.ranks import run_ranks
-from pipelines.train import checkpoint as checkpoint_cli  # its module runs on the ranks: named by the import
 from pipelines.train.ckpt.protocol import load_plain_model
 
 PARAMS = {"max_new_tokens": 32, "temperature": 0.8, "top_k": 50, "seed": 0}
@@ -113,6 +111,9 @@ def model_dir_for(spec, ckpt_dir: Path, out: Path) -> Path:
     print(f"[register] {params:,} params > eval.single_process_max_params: exporting the weights on the launcher's "
           f"first rank ({spec.launcher.kind})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
+    from pipelines.launch.ranks import run_ranks  # lazy: the served model imports this module; its requirements
+    from pipelines.train import checkpoint as checkpoint_cli  # lazy: (serving.pip_requirements) have no launcher
+
     run_ranks(spec, checkpoint_cli.__name__, ["export", str(ckpt_dir), str(out / "model.pt")],
               run_id=f"export-{out.parent.name}"[:40], restarts=False)
     return _copy_side_files(ckpt_dir, out)

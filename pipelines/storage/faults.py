@@ -51,8 +51,6 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit, urlunsplit
 
-from botocore.awsrequest import AWSResponse
-from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
 
 # the checkpoint protocol's named phases, in the order a step goes through them
 PHASES = ("part_committed",  # a node committed its part on its own L0
@@ -227,6 +225,9 @@ def file_op(op: str, path) -> None:
 
 
 def _s3_error(kind: str, what: str) -> Exception:
+    from botocore.exceptions import ConnectionClosedError, EndpointConnectionError  # lazy: the served model loads
+    # this module (through the checkpoint protocol) and its requirements have no botocore
+
     if kind == "s3_reset":
         return ConnectionClosedError(endpoint_url=f"(injected at {what})")
     return EndpointConnectionError(endpoint_url=f"(injected at {what})")
@@ -294,6 +295,8 @@ def install_s3(client) -> None:
                 return None
             if rule["do"] == "s3_503":
                 body = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+                from botocore.awsrequest import AWSResponse  # lazy: as in _s3_error
+
                 return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Body(body))
             _act(rule, f"S3 {op}")
         return None

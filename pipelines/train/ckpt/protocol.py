@@ -14,8 +14,8 @@ checkpoints (``pipelines.train.ckpt.checkpointer``) are ``torch.distributed.chec
 Where each concern lives (each module imports only the ones above it):
 
 - this module: the errors (:class:`CheckpointError`, :class:`TierUnavailable`, :class:`L2Unavailable`), the
-  names (``step-NNNNNN``, ``part-K``, MANIFEST, COMMIT, PARTS), :func:`hash_files`, the consumers (:func:`load_plain_model`,
-  :func:`export`) and the command line;
+  names (``step-NNNNNN``, ``part-K``, MANIFEST, COMMIT, PARTS), :func:`hash_files`, its consumer
+  :func:`load_plain_model` (the plain export's command line: :mod:`pipelines.train.checkpoint`);
 - :mod:`pipelines.train.ckpt.fence`: fencing between attempts (terms and leases on L1), checked by the modules below
   before every COMMIT and every deletion of committed data;
 - :mod:`pipelines.train.ckpt.local`: the filesystem tiers (L0, L1): commit, read, verify, copy and remove a local

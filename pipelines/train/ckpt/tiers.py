@@ -354,6 +354,8 @@ def retire_generations(spec: JobSpec, base_rel: str, log: Callable[[str], None] 
         except Exception as e:  # noqa: BLE001 - housekeeping: the generation waits for the next run
             log(f"[ckpt] generation {old} not retired yet ({type(e).__name__}: {e}); the next run of this train "
                 "stage retires it")
+            if isinstance(e, TimeoutError):  # the budget is spent: the others wait too, without a line each
+                break
             continue
         done[old] = gone
         log(f"[ckpt] retired generation {old}: removed {gone}")
@@ -371,7 +373,7 @@ def _retire(spec: JobSpec, old: str, check: Callable[[str], None]) -> dict:
     with _bounded_registry():
         keep = registered_steps(spec, old)
     check("L0 and L1")
-    gone = _retire_local(spec, old, keep)
+    gone = _retire_local(spec, old, keep, check)
     check("L2")
     gone["L2"] = [s for s in _l2_steps(spec, old) if s not in keep]
     for s in gone["L2"]:
@@ -379,7 +381,7 @@ def _retire(spec: JobSpec, old: str, check: Callable[[str], None]) -> dict:
         _remove_steps(spec, old, {"L2": [s]})
     if _l2_in_use(spec, old):
         check("the L2 uploads in progress")
-        gone["uploads_aborted"] = _abort_l2_uploads(spec, old, keep)
+        gone["uploads_aborted"] = _abort_l2_uploads(spec, old, keep, check)
     if keep:
         gone["kept_registered"] = sorted(keep)
     return gone
@@ -397,7 +399,7 @@ def _bounded_registry():
             os.environ.pop(k, None)
 
 
-def _abort_l2_uploads(spec: JobSpec, rel_root: str, keep: set[int]) -> int:
+def _abort_l2_uploads(spec: JobSpec, rel_root: str, keep: set[int], check: Callable[[str], None]) -> int:
     """Abort the multipart uploads in progress under a retired generation's L2 prefix (a promotion cut short there
     leaves one; no object listing shows it, and its parts are stored, and billed, until aborted), but those into a
     kept step. Returns how many."""
@@ -406,12 +408,13 @@ def _abort_l2_uploads(spec: JobSpec, rel_root: str, keep: set[int]) -> int:
     s3, n = client(spec), 0
     for up in multipart_uploads(s3, bucket, f"{prefix}/"):
         if not up["Key"].startswith(kept):
+            check(f"aborting the upload to {up['Key']}")
             s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
             n += 1
     return n
 
 
-def _retire_local(spec: JobSpec, rel_root: str, keep: set[int]) -> dict[str, list[int]]:
+def _retire_local(spec: JobSpec, rel_root: str, keep: set[int], check: Callable[[str], None]) -> dict[str, list[int]]:
     """L0 and L1 of a retired generation: every step directory but ``keep``'s, committed or not, then its staging
     and temp entries (``.step-N.parts``, ``.step-N.l2``, ``.step-N.tmp-…``). Returns {tier: steps removed}."""
     gone = {}
@@ -419,7 +422,9 @@ def _retire_local(spec: JobSpec, rel_root: str, keep: set[int]) -> dict[str, lis
         root = Path(tier_locations(spec, rel_root)[tier])
         names = [p.name for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
         gone[tier] = sorted(s for s in map(parse_step, names) if s is not None and s not in keep)
-        _remove_steps(spec, rel_root, {tier: gone[tier]})
+        for s in gone[tier]:
+            check(f"{tier} step {s}")
+            _remove_steps(spec, rel_root, {tier: [s]})
         for entry in root.glob(".step-*") if root.is_dir() else []:
             shutil.rmtree(entry, ignore_errors=True)
     return gone
