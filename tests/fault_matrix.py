@@ -114,7 +114,10 @@ def scenario(seed: int) -> dict:
     rule = {"at": "s3", "do": kind if kind != "slow" else "slow", "op": op, "nth": rnd.randint(1, 6), "times": times}
     if kind == "slow":
         rule["seconds"] = 2.0
-    return {"name": f"{kind} on S3 {op} x{times or 'inf'}", "rules": [rule], "expect": "ok"}
+    # every listing failing from the first on is lies_scenario's "new L1" case: the run's first listing reads L2's
+    # terms, and while they are unknown no attempt starts (exit 75 naming L1 and L2, issue 52), never a fresh term
+    never_listed = op == "ListObjectsV2" and times == 0 and rule["nth"] == 1 and kind != "slow"
+    return {"name": f"{kind} on S3 {op} x{times or 'inf'}", "rules": [rule], "expect": "fail" if never_listed else "ok"}
 
 
 def lies_scenario(rnd: random.Random) -> dict:
