@@ -375,11 +375,13 @@ def _retire(spec: JobSpec, old: str, check: Callable[[str], None]) -> dict:
     check("L0 and L1")
     gone = _retire_local(spec, old, keep, check)
     check("L2")
-    gone["L2"] = [s for s in _l2_steps(spec, old) if s not in keep]
-    for s in gone["L2"]:
-        check(f"L2 step {s}")
-        _remove_steps(spec, old, {"L2": [s]})
-    if _l2_in_use(spec, old):
+    gone["L2"] = []
+    if _l2_in_use(spec, old):  # every step with an object there, committed or not
+        names = _s3_step_names(spec, tier_locations(spec, old)["L2"], committed=False)
+        gone["L2"] = sorted(s for s in map(parse_step, names) if s is not None and s not in keep)
+        for s in gone["L2"]:
+            check(f"L2 step {s}")
+            _remove_steps(spec, old, {"L2": [s]})
         check("the L2 uploads in progress")
         gone["uploads_aborted"] = _abort_l2_uploads(spec, old, keep, check)
     if keep:
@@ -440,14 +442,6 @@ def _l2_in_use(spec: JobSpec, rel_root: str) -> bool:
             return False
         raise L2Unavailable(f"{tier_locations(spec, rel_root)['L2']}: {e}") from None
     return True
-
-
-def _l2_steps(spec: JobSpec, rel_root: str) -> list[int]:
-    """The steps with any object on L2 (committed or not); none where this setup has no L2."""
-    if not _l2_in_use(spec, rel_root):
-        return []
-    loc = tier_locations(spec, rel_root)["L2"]
-    return sorted(s for s in map(parse_step, _s3_step_names(spec, loc, committed=False)) if s is not None)
 
 
 # ----------------------------------------------------------------------------- promote
