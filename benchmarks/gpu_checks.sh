@@ -2,8 +2,8 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # GPU checks on one CUDA machine, run from the repo root (the line above installs pydantic & co. from .whl/):
 #   1. environment (nvidia-smi; python, torch, CUDA, cuDNN, NCCL, triton versions)
-#   2. MFU + bf16: benchmarks/gpu_mfu.py on configs/gpu_350m.yaml (ours vs nanoGPT's recipe, torch.compile(model)),
-#      with a torch.profiler table of each row in $OUT/profile
+#   2. MFU + bf16: benchmarks/gpu_mfu.py on configs/gpu_350m.yaml (ours vs nanoGPT's recipe, torch.compile(model),
+#      and ours with the full-logits loss), with a torch.profiler table of ours and the recipe in $OUT/profile
 #   3. checkpoint save stall, model + AdamW state on the GPU: ckpt_bench.py --only stall --device cuda
 #   4. NCCL: torchrun (1 process) joins an nccl group and all-reduces; then the stall of 3 with the NCCL
 #      default group (the Checkpointer's collectives on it, as in a GPU training run)
@@ -97,7 +97,9 @@ EOF
 
     # 2. MFU + bf16 (compile warm-up included; writes var/bench/gpu_mfu.json)
     rm -f var/bench/gpu_mfu.json
-    if step "gpu_mfu (ours vs the compiled recipe)" 300 python3 benchmarks/gpu_mfu.py --steps 50 --profile "$OUT/profile"; then
+    # (+ a row of ours with the full-logits loss: what the chunked loss is worth)
+    if step "gpu_mfu (ours vs the compiled recipe)" 360 python3 benchmarks/gpu_mfu.py --steps 50 --profile "$OUT/profile" \
+        --variant train.loss_chunk_tokens=0; then
         cp var/bench/gpu_mfu.json "$OUT/gpu_mfu.json" && echo "copied gpu_mfu.json to OUT"
     else
         step "gpu_mfu fallback (parallel.compile=false)" 150 python3 benchmarks/gpu_mfu.py --steps 30 \

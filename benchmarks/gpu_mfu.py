@@ -5,13 +5,17 @@ Model: ``configs/gpu_350m.yaml`` (24 × 1024, GQA 16/4 heads, seq 2048, vocab 50
 (MFU does not depend on the data) at the spec's micro batch:
 
 * **ours**: the trainer's step as ``pipelines.train.trainer`` runs it on one device: ``apply_parallelism``
-  (activation checkpointing / ``torch.compile`` from the spec), bf16 autocast, fused AdamW (CUDA) with no decay on
-  norms, DTensor-aware grad clipping, batches from a pinned-memory copy;
+  (activation checkpointing / ``torch.compile`` from the spec, the head's loss a chunk of
+  ``train.loss_chunk_tokens`` tokens at a time), bf16 autocast, fused AdamW (CUDA) with no decay on norms,
+  DTensor-aware grad clipping, batches from a pinned-memory copy;
 * **nanoGPT's recipe** (the anchor): what nanoGPT's ``train.py`` does by default, on our model: the whole model
-  compiled (``compile = True``: ``torch.compile(model)``), bf16 autocast where the device has it (``dtype``), its
+  compiled (``compile = True``: ``torch.compile(model)``), the loss on the full logits (``F.cross_entropy``, as
+  nanoGPT's ``GPT.forward``), bf16 autocast where the device has it (``dtype``), its
   ``configure_optimizers`` (decay on every parameter of 2 or more dimensions, none on the others; fused AdamW on
   CUDA), ``clip_grad_norm_(1.0)``, ``zero_grad(set_to_none=True)``;
-* **eager** (``--eager-anchor``): the same without compile (the anchor this benchmark used before issue 53).
+* **eager** (``--eager-anchor``): the same without compile (the anchor this benchmark used before issue 53);
+* **ours with KEY=VALUE** (``--variant KEY=VALUE``, repeatable, one row each): our step with one setting changed,
+  e.g. ``train.loss_chunk_tokens=0`` (the full-logits loss): what that setting is worth. Not an anchor.
 
 ``ratio`` = our tokens/s ÷ the fastest anchor's (on a GPU, MFU ratio is the same number). nanoGPT's own ``GPT``
 class is not run here: the workplace does not let developers commit code fetched from another repository, and its
@@ -23,6 +27,7 @@ allocator) are excluded. Writes ``var/bench/gpu_mfu.json``.
 
     python benchmarks/gpu_mfu.py [--spec configs/gpu_350m.yaml] [--steps 30] [--set train.micro_batch=4]
     python benchmarks/gpu_mfu.py --device cpu --set …   # the same rows on CPU (fp32 unless the spec says bf16)
+    python benchmarks/gpu_mfu.py --variant train.loss_chunk_tokens=0   # + a row of ours with that setting
     python benchmarks/gpu_mfu.py --cpu-smoke            # a tiny config on CPU: checks the script
 
 Without a CUDA device (and without ``--device cpu`` or ``--cpu-smoke``) it says so and exits 2, writing nothing.
@@ -181,28 +186,40 @@ def _args(argv):
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the rows run (default cuda)")
     ap.add_argument("--cpu-smoke", action="store_true", help="Tiny config on CPU: exercise the script, no MFU.")
     ap.add_argument("--eager-anchor", action="store_true", help="Also the recipe without compile (eager).")
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
+                    help="Also our step with this setting changed (one row each; not an anchor).")
     ap.add_argument("--profile", metavar="DIR", help="Also profile 3 steps of each row (torch.profiler): a table of "
                     "the ops with the most self time per row, printed and written under DIR.")
     ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "gpu_mfu.json"))
     return ap.parse_args(argv)
 
 
-def measure(spec, device, name: str, args, fpt: int) -> list[dict]:
+def row_builds(args, spec_with) -> list[tuple[str, object, object, bool]]:
+    """(label, step builder, its spec, anchor?) of every row asked for, ours first."""
+    spec = spec_with([])
+    rows = [(ROWS[0][0], ours_step, spec, False), (ROWS[1][0], recipe_step, spec, True)]
+    if args.eager_anchor:
+        rows.append(("eager (no compile)", eager_step, spec, True))
+    return rows + [(f"ours with {kv}", ours_step, spec_with([kv]), False) for kv in args.variant]
+
+
+def measure(spec_with, device, name: str, args, fpt: int) -> list[dict]:
     import torch
 
     from pipelines.train.plan import mfu
 
     rows = []
-    for label, build in ROWS + ((("eager (no compile)", eager_step),) if args.eager_anchor else ()):
+    for label, build, spec, anchor in row_builds(args, spec_with):
         r = _timed(build, spec, device, args.steps, args.warmup)
-        if args.profile:
+        if args.profile and not label.startswith("ours with"):  # where the time goes: ours and the anchors
             where = Path(args.profile) / f"{r['mode']}-{label.split(' ')[0]}.txt"
             print(profile(build, spec, device, args.warmup, where, label))
         tps = r["tokens_per_step"] * len(r["times"]) / sum(r["times"])
         u = mfu(tps, fpt, 1, name, spec.train.dtype) if device.type == "cuda" else None
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         rows.append({"impl": label, "tokens_per_s": tps, "mfu": u, "step_ms": 1e3 * sum(r["times"]) / len(r["times"]),
-                     "mode": r["mode"], "peak_mem_gib": mem})
+                     "mode": r["mode"], "peak_mem_gib": mem, "anchor": anchor,
+                     "loss_chunk_tokens": spec.train.loss_chunk_tokens})
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -215,7 +232,7 @@ def report(result: dict) -> None:
           f"{result['flops_per_token'] / 1e9:.3f} GFLOP/token, batch {result['micro_batch']} × {result['seq_len']}, "
           f"{result['dtype']}, torch {result['torch']}")
     print("| impl | tokens/s | step ms | MFU | peak mem GiB | vs the fastest anchor |\n|---|---|---|---|---|---|")
-    best = max(r["tokens_per_s"] for r in rows[1:])
+    best = max(r["tokens_per_s"] for r in rows if r["anchor"])
     for r in rows:
         mfu_s = f"{100 * r['mfu']:.1f} %" if r["mfu"] is not None else "— (CPU)"
         mem_s = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "—"
@@ -230,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pipelines.manifest import atomic_write_text
-    from pipelines.spec import load_spec
+    from pipelines.spec import SpecError, load_spec
     from pipelines.train.plan import flops_per_token, model_shape, param_count, peak_flops
 
     on_cpu = args.cpu_smoke or args.device == "cpu"
@@ -239,8 +256,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     overrides = (SMOKE if args.cpu_smoke else []) + args.overrides
-    spec = load_spec(args.spec, overrides + ["launcher.nproc_per_node=1", "parallel.dp_shard=1",
-                                             "parallel.dp_replicate=1"], env={})
+    one = ["launcher.nproc_per_node=1", "parallel.dp_shard=1", "parallel.dp_replicate=1"]
+
+    def spec_with(extra: list[str]):
+        return load_spec(args.spec, overrides + extra + one, env={})
+
+    try:  # a spec or a variant that does not hold says so before anything runs
+        spec = spec_with([])
+        for kv in args.variant:
+            spec_with([kv])
+    except SpecError as e:
+        print(f"gpu_mfu: {e}", file=sys.stderr)
+        return 2
     device = torch.device("cpu") if on_cpu else torch.device("cuda:0")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -249,12 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     shape = model_shape(spec)
     params = param_count(shape)
     fpt = flops_per_token(shape, params)
-    rows = measure(spec, device, name, args, fpt)
-    anchor = max(rows[1:], key=lambda r: r["tokens_per_s"])
+    rows = measure(spec_with, device, name, args, fpt)
+    anchor = max((r for r in rows if r["anchor"]), key=lambda r: r["tokens_per_s"])
     result = {"device": name, "peak_flops": peak_flops(name, spec.train.dtype) if device.type == "cuda" else None,
               "spec": args.spec, "overrides": overrides, "params": params["total"], "flops_per_token": fpt,
               "micro_batch": spec.train.micro_batch, "seq_len": spec.model.seq_len, "dtype": spec.train.dtype,
               "compile": spec.parallel.compile, "activation_checkpointing": spec.parallel.activation_checkpointing,
+              "loss_chunk_tokens": spec.train.loss_chunk_tokens,
               "steps": args.steps, "warmup": args.warmup, "rows": rows, "anchor": anchor["impl"],
               "ratio": rows[0]["tokens_per_s"] / anchor["tokens_per_s"],
               "ratio_of": f"tokens/s ours ÷ {anchor['impl']} (the fastest anchor)", "torch": torch.__version__}

@@ -479,7 +479,8 @@ class ParallelCfg(_Section):
 class TrainCfg(_Section):
     # validation during training reads the weights and changes none (no dropout, no RNG): not part of the stage's key,
     # so turning it on or off does not start a running week-long training over
-    unhashed: ClassVar[frozenset[str]] = frozenset({"eval_every", "eval_tokens", "preempt_grace_s", "hang_timeout_s"})
+    unhashed: ClassVar[frozenset[str]] = frozenset({"eval_every", "eval_tokens", "preempt_grace_s", "hang_timeout_s",
+                                                    "loss_chunk_tokens"})
 
     steps: int = Field(200, ge=1)
     micro_batch: int = Field(8, ge=1, description="Sequences per rank per micro step.")
@@ -496,6 +497,12 @@ class TrainCfg(_Section):
         "decay_fraction of the steps.")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of train.steps spent decaying.")
     prefetch: int = Field(2, ge=0, description="Steps of batches a loader thread prepares ahead (0 = inline).")
+    loss_chunk_tokens: int | Literal["auto"] = Field(
+        "auto", description="The LM head and cross-entropy run on this many tokens at a time, their gradients "
+        "computed in the forward, so no full-vocabulary fp32 logits exist (pipelines/train/loss.py); 'auto' = the "
+        "largest power of two whose logits hold at most 2^27 values (2,048 tokens at a 50,304 vocabulary); 0 = the "
+        "whole micro batch's logits at once (nanoGPT's way). The same loss and gradients to float rounding, so not "
+        "part of the stage's key (a run can change it and resume).")
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
@@ -527,6 +534,10 @@ class TrainCfg(_Section):
             raise ValueError(f"train.ckpt_every={self.ckpt_every}: use a number of steps ≥ 1 or 'auto'")
         if isinstance(self.resume, int) and self.resume < 1:
             raise ValueError(f"train.resume={self.resume}: use 'auto', 'never' or a saved step ≥ 1")
+        chunk = self.loss_chunk_tokens
+        if chunk != "auto" and (chunk < 0 or 0 < chunk < 64):
+            raise ValueError(f"train.loss_chunk_tokens={chunk!r}: use 'auto', 0 (the full logits) or a number of "
+                             "tokens ≥ 64 (each chunk adds a pass over the head's gradient)")
         return self
     log_every: int = Field(10, ge=1)
     dtype: Literal["fp32", "bf16"] = "fp32"

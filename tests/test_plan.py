@@ -60,7 +60,9 @@ def test_memory_plan_of_llama3_8b_is_the_hand_arithmetic():
     # activations, by hand: s=8192, b=1, h=4096, f=14336, k=8/32, bf16, selective = 16 of 32 blocks stored
     sbh = 8192 * 4096
     block = 8 * sbh + 2 * sbh * (2 + 2 * 0.25) + 6 * 8192 * 14336
-    acts = 16 * block + 16 * 2 * sbh + 8192 * 128256 * (2 + 4)
+    # the head's loss in chunks of 1,024 tokens ('auto': 1024 · 128,256 ≤ 2^27): one chunk's bf16 logits and fp32
+    # softmax, the head's fp32 gradient and the hidden states' bf16 one
+    acts = 16 * block + 16 * 2 * sbh + 1024 * 128256 * (2 + 4) + 128256 * 4096 * 4 + sbh * 2
     assert p["activations_bytes"] == int(acts)
     assert p["flops_per_token"] == 6 * (n - 128256 * 4096) + 12 * 32 * 32 * 128 * 8192
     assert p["fits"] and p["per_gpu_bytes"] < 80 * GIB
@@ -221,18 +223,24 @@ def test_gpu_mfu_benchmark_runs_its_cpu_smoke_and_refuses_without_a_gpu(tmp_path
     gm = importlib.util.module_from_spec(mod)
     mod.loader.exec_module(gm)
     out = tmp_path / "gpu_mfu.json"
-    assert gm.main(["--cpu-smoke", "--steps", "3", "--warmup", "2", "--eager-anchor", "--out", str(out)]) == 0
+    assert gm.main(["--cpu-smoke", "--steps", "3", "--warmup", "2", "--eager-anchor", "--out", str(out),
+                    "--variant", "train.loss_chunk_tokens=0"]) == 0
     res = json.loads(out.read_text())
     assert [r["impl"] for r in res["rows"]] == ["ours (trainer step)", "nanoGPT recipe (torch.compile(model))",
-                                                "eager (no compile)"]
-    assert [r["mode"] for r in res["rows"][1:]] == ["compiled", "eager"]  # the anchor as nanoGPT runs: compiled
+                                                "eager (no compile)", "ours with train.loss_chunk_tokens=0"]
+    assert [r["mode"] for r in res["rows"][1:3]] == ["compiled", "eager"]  # the anchor as nanoGPT runs: compiled
+    assert [r["anchor"] for r in res["rows"]] == [False, True, True, False] and res["loss_chunk_tokens"] == "auto"
+    assert [r["loss_chunk_tokens"] for r in res["rows"]] == ["auto", "auto", "auto", 0]  # the variant's own spec
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in res["rows"])  # no MFU on CPU
-    fastest = max(res["rows"][1:], key=lambda r: r["tokens_per_s"])
+    fastest = max(res["rows"][1:3], key=lambda r: r["tokens_per_s"])
     assert res["anchor"] == fastest["impl"]  # no speed assertion: the comparison runs, the figures are reported
     assert res["ratio"] == pytest.approx(res["rows"][0]["tokens_per_s"] / fastest["tokens_per_s"])
     assert "vs the fastest anchor" in capsys.readouterr().out
     plan = P.memory_plan(load_spec("configs/gpu_350m.yaml", env={}))
     assert 350e6 <= plan["params"] <= 1e9 and plan["fits"]  # the measured config is in the issue's range
+    # a variant that is no setting stops before any row runs: one line, exit 2
+    assert gm.main(["--cpu-smoke", "--variant", "train.no_such=1", "--out", str(tmp_path / "v.json")]) == 2
+    assert "no_such" in capsys.readouterr().err and not (tmp_path / "v.json").exists()
     if not torch.cuda.is_available():
         assert gm.main(["--out", str(tmp_path / "x.json")]) == 2 and not (tmp_path / "x.json").exists()
         assert "no CUDA device here" in capsys.readouterr().err

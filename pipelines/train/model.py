@@ -186,6 +186,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(a.seq_len, a.head_dim, a.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # the loss with targets: None = full logits and F.cross_entropy; the trainer sets pipelines.train.loss's
+        # chunked LinearCrossEntropy (apply_parallelism)
+        self.loss_fn = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -204,7 +207,10 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
-        logits = self.output(self.norm(x))
+        h = self.norm(x)
+        if targets is not None and self.loss_fn is not None:
+            return self.loss_fn(h, self.output.weight, targets)
+        logits = self.output(h)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))

@@ -3,7 +3,8 @@
 0. tensor parallel (DTensor ``parallelize_module``) when ``parallel.tp`` > 1;
 1. activation checkpointing (``parallel.activation_checkpointing``: none / selective = every other
    block / full = every block), wrapping each block with ``checkpoint_wrapper``;
-2. ``torch.compile`` per block (``parallel.compile``);
+2. ``torch.compile`` per block (``parallel.compile``), and the LM head's loss a chunk of tokens at a time
+   (``train.loss_chunk_tokens``, :mod:`pipelines.train.loss`, its kernel compiled with the blocks);
 3. data parallelism from the spec's resolved degrees: ``dp_shard`` > 1 → FSDP2 ``fully_shard`` on each
    block and then on the root, over a (dp_replicate, dp_shard) device mesh (HSDP when both > 1), with
    a ``MixedPrecisionPolicy`` (bf16 parameters for compute under ``train.dtype = bf16``, fp32
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pipelines.spec import JobSpec
+from pipelines.train import loss
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -81,6 +83,8 @@ def apply_parallelism(model: nn.Module, spec: JobSpec, device: torch.device) -> 
     if spec.parallel.compile:
         for i, blk in enumerate(model.layers):
             model.layers[i] = torch.compile(blk)
+    # the head and its loss a chunk of tokens at a time, compiled as the blocks are
+    model.loss_fn = loss.for_spec(spec, model.args.vocab_size)
     tp = "+tp" if deg["tp"] > 1 else ""
     if deg["dp_shard"] > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -21,7 +21,8 @@ sequence s, micro-batch b, hidden h, SwiGLU width f, KV share k = kv_heads / hea
 ``selective`` checkpointing recomputes every other block (torchtitan's layer-selective mode, frequency
 2): those keep only their 16-bit input (2·s·b·h); ``full`` keeps only the inputs of every block plus
 one block's full set during its recompute. The logits add s·b·V·(2 + 4) bytes (16-bit logits and the
-fp32 softmax the loss keeps). The method follows Korthikanti et al. ("Reducing Activation
+fp32 softmax the loss keeps) with the full-logits loss; with the chunked one (``train.loss_chunk_tokens``) one
+chunk's c·V·(2 + 4), plus the gradients it keeps for the backward: the head's V·h·4 and the hidden states' s·b·h·2. The method follows Korthikanti et al. ("Reducing Activation
 Recomputation in Large Transformer Models", 2022), whose GPT count is s·b·h·(10 + 24/t) with dropout.
 
 FLOPs per token (PaLM appendix B, as the issue and torchtitan count them): ``6·N + 12·L·H·d_head·T``,
@@ -100,7 +101,18 @@ def mfu(tokens_per_s: float, flops_per_token: float, n_gpus: int, device_name: s
     return None if peak is None else tokens_per_s * flops_per_token / (peak * n_gpus)
 
 
-def activation_bytes(shape: dict, micro_batch: int, tp: int, mode: str, bytes_per: int) -> int:
+LOSS_CHUNK_VALUES = 2 ** 27  # 'auto' loss chunk: logits of at most this many values (512 MiB in fp32)
+
+
+def loss_chunk(setting: int | str, vocab: int) -> int:
+    """Tokens per chunk of the head's loss (``train.loss_chunk_tokens``; 0 = the full logits): 'auto' is the largest
+    power of two ≤ LOSS_CHUNK_VALUES / vocab, at least 64."""
+    if setting != "auto":
+        return int(setting)
+    return max(64, 1 << max(0, (LOSS_CHUNK_VALUES // max(1, vocab)).bit_length() - 1))
+
+
+def activation_bytes(shape: dict, micro_batch: int, tp: int, mode: str, bytes_per: int, chunk: int = 0) -> int:
     s, b, h, f, L, V = shape["seq"], micro_batch, shape["d"], shape["ffn"], shape["layers"], shape["vocab"]
     k = shape["kv_heads"] / shape["heads"]
     scale = bytes_per / 2                              # the counts below are for 16-bit tensors
@@ -112,7 +124,10 @@ def activation_bytes(shape: dict, micro_batch: int, tp: int, mode: str, bytes_pe
         layers = (L - L // 2) * block + (L // 2) * block_input
     else:
         layers = L * block
-    logits = s * b * V * (bytes_per + 4)
+    if chunk and chunk < s * b:  # one chunk's logits and fp32 softmax, the saved head and hidden-state gradients
+        logits = chunk * V * (bytes_per + 4) + V * h * 4 + s * b * h * bytes_per
+    else:
+        logits = s * b * V * (bytes_per + 4)
     return int(layers + logits)
 
 
@@ -127,7 +142,7 @@ def memory_plan(spec: JobSpec, gpu_mem_gb: float = 80.0) -> dict:
     states = (weights + grads + optim) / shard
     gathered = 2 * 2 * (p["block"] / deg["tp"]) if deg["dp_shard"] > 1 else 0  # FSDP2 unsharded bf16 blocks
     acts = activation_bytes(shape, spec.train.micro_batch, deg["tp"], spec.parallel.activation_checkpointing,
-                            2 if bf16 else 4)
+                            2 if bf16 else 4, loss_chunk(spec.train.loss_chunk_tokens, shape["vocab"]))
     per_gpu = int(states + gathered + acts)
     limit = int(gpu_mem_gb * GIB)
     return {

@@ -1,0 +1,114 @@
+"""The LM head and its cross-entropy, a chunk of tokens at a time, gradients computed in the forward.
+
+The plain way (``F.cross_entropy(output(h).float(), targets)``, nanoGPT's) materialises the logits of every token of
+the micro batch at full vocabulary, then an fp32 copy, its log-softmax (kept for the backward) and, in the backward,
+an fp32 gradient of the same size: at 8 × 2,048 tokens and a 50,304 vocabulary that is 3.3 GB per fp32 copy, read
+and written about ten times a step. ``LinearCrossEntropy`` (the idea of Liger-Kernel's fused linear cross-entropy,
+written here for our model) instead takes ``chunk`` tokens at a time: their logits (in the autocast dtype), the
+log-sum-exp and the loss in fp32, and at once the gradient of the mean loss with respect to those logits, turned
+into the gradients of the hidden states and of the head's weight (summed in fp32); the chunk's logits are then
+dropped. The backward only scales the two stored gradients by the incoming one. Loss and gradients equal the plain
+way's to float rounding (``tests/test_loss.py``); ``ignore_index`` is -100 as in ``F.cross_entropy``.
+
+The chunk (``train.loss_chunk_tokens``, 'auto': ``plan.loss_chunk``) trades memory (one chunk's logits and their fp32
+softmax) against one pass over the head's gradient per chunk. With ``compile`` (``parallel.compile``, as for the
+blocks) the per-chunk softmax and gradient run as one compiled kernel instead of a few elementwise passes. Without
+autograd (validation, evaluation) only the losses are computed, still a chunk at a time.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from pipelines.train.plan import loss_chunk
+
+IGNORE = -100  # F.cross_entropy's default ignore_index
+
+
+def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, inv_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed loss of one chunk (fp32) and the gradient of the batch's mean loss with respect to its logits (in the
+    logits' dtype): (softmax − one-hot) / n for each counted token, 0 for an ignored one. Works in place on an fp32
+    copy of ``logits`` (on ``logits`` itself when they are fp32: the caller's temporary)."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    counted = targets != IGNORE
+    t = torch.where(counted, targets, 0)
+    rows = torch.arange(lf.shape[0], device=lf.device)
+    loss = torch.where(counted, lse - lf[rows, t], 0.0).sum()
+    grad = lf.sub_(lse[:, None]).exp_()
+    grad.index_put_((rows, t), torch.full_like(lse, -1.0), accumulate=True)
+    grad.mul_(torch.where(counted, inv_n, 0.0)[:, None])
+    return loss, grad.to(logits.dtype)
+
+
+def _loss_chunk(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    lf = logits.float()
+    counted = targets != IGNORE
+    picked = lf.gather(1, torch.where(counted, targets, 0)[:, None]).squeeze(1)
+    return torch.where(counted, torch.logsumexp(lf, dim=-1) - picked, 0.0).sum()
+
+
+def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    kind = h.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return torch.promote_types(h.dtype, weight.dtype)
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk, kernel):
+        dt = _compute_dtype(h, weight)
+        want_w = ctx.needs_input_grad[1]
+        with torch.autocast(h.device.type, enabled=False):
+            hc, wc = h.to(dt), weight.to(dt)
+            inv_n = 1.0 / (targets != IGNORE).sum().to(torch.float32)
+            loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            grad_h = torch.empty_like(hc)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+            for lo in range(0, hc.shape[0], chunk):
+                part = hc[lo:lo + chunk]
+                s, g = kernel(part @ wc.t(), targets[lo:lo + chunk], inv_n)
+                loss += s
+                torch.mm(g, wc, out=grad_h[lo:lo + chunk])
+                if want_w:
+                    grad_w.add_(g.t() @ part)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (h.dtype, weight.dtype)
+        return loss * inv_n
+
+    @staticmethod
+    @once_differentiable  # the gradients are numbers computed in the forward: no graph for a second derivative
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        dh, dw = ctx.dtypes
+        gw = None if grad_w is None else (grad_w * grad_out).to(dw)
+        return grad_h.to(dh) * grad_out, gw, None, None, None
+
+
+class LinearCrossEntropy:
+    """``loss(h, weight, targets)``: the mean cross-entropy of ``h @ weight.T`` (h: (..., d), weight: (V, d),
+    targets: (...)), ``chunk`` tokens at a time."""
+
+    def __init__(self, chunk: int, compile: bool = False):
+        if chunk < 1:
+            raise ValueError(f"chunk must be at least 1 token, got {chunk}")
+        self.chunk = chunk
+        self.kernel = torch.compile(ce_chunk, dynamic=False) if compile else ce_chunk
+
+    def __call__(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            return _FusedLinearCE.apply(h2, weight, t, self.chunk, self.kernel)
+        dt = _compute_dtype(h2, weight)
+        wc, total = weight.to(dt), torch.zeros((), dtype=torch.float32, device=h.device)
+        for lo in range(0, h2.shape[0], self.chunk):
+            total += _loss_chunk(h2[lo:lo + self.chunk].to(dt) @ wc.t(), t[lo:lo + self.chunk])
+        return total / (t != IGNORE).sum()
+
+
+def for_spec(spec, vocab: int) -> LinearCrossEntropy | None:
+    """The trainer's loss: ``train.loss_chunk_tokens`` tokens at a time ('auto' by the vocabulary; 0: None, the
+    plain full-logits way)."""
+    n = loss_chunk(spec.train.loss_chunk_tokens, vocab)
+    return LinearCrossEntropy(n, compile=spec.parallel.compile) if n else None
