@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from pipelines.spec import SpecError, load_spec
 from pipelines.train import plan
-from pipelines.train.loss import IGNORE, LinearCrossEntropy, for_spec
+from pipelines.train.loss import IGNORE, LinearCrossEntropy, ce_chunk, ce_chunk_pointwise, for_spec
 from pipelines.train.model import ModelArgs, Transformer
 
 
@@ -131,12 +131,25 @@ def test_a_second_derivative_is_refused_not_silently_wrong():
         gh.sum().backward()
 
 
-def test_the_kernel_compiles_and_gives_the_eager_numbers_with_a_short_last_chunk():
+def test_the_compiled_kernel_gives_the_eager_numbers_with_a_short_last_chunk():
     h, w, t = _inputs(n=100, d=8, v=40)  # chunks of 32, 32, 32 and 4
     ref = _grads(LinearCrossEntropy(32), h, w, t)
     got = _grads(LinearCrossEntropy(32, compile=True), h, w, t)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_two_kernels_agree_on_bf16_logits_and_ignored_targets():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(3)).bfloat16()
+    t = torch.randint(0, 50, (64,), generator=torch.Generator().manual_seed(4))
+    t[::5] = IGNORE
+    inv = torch.tensor(1 / 51.0)
+    (l1, g1), (l2, g2) = ce_chunk(logits.clone(), t, inv), ce_chunk_pointwise(logits.clone(), t, inv)
+    assert g1.dtype == g2.dtype == torch.bfloat16 and torch.count_nonzero(g1[::5]) == 0
+    torch.testing.assert_close(l1, l2, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(g1.float(), g2.float(), rtol=0, atol=1e-4)
+    ref = F.cross_entropy(logits.float(), t, reduction="sum")
+    torch.testing.assert_close(l1, ref, rtol=1e-6, atol=1e-5)
 
 
 def test_the_spec_chooses_the_chunk_which_is_not_part_of_the_stage_key():
