@@ -1,6 +1,8 @@
 """The chunked LM head + cross-entropy (pipelines/train/loss.py) against the plain full-logits way."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,7 +71,7 @@ def test_under_bf16_autocast_the_logits_are_bf16_like_the_plain_way_and_the_grad
     ref, got = _grads(auto(_plain), h, w, t), _grads(auto(LinearCrossEntropy(128)), h, w, t)
     assert got[1].dtype == got[2].dtype == torch.float32
     torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)  # the same bf16 logits, fp32 softmax
-    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-2 * ref[1].abs().max().item())
     # the head's gradient: bf16 products summed chunk by chunk (fp32) instead of one bf16 product
     torch.testing.assert_close(got[2], ref[2], rtol=0, atol=2e-2 * ref[2].abs().max().item())
 
@@ -126,11 +128,14 @@ def test_bf16_parameters_without_autocast_give_bf16_gradients_summed_in_fp32():
 
 def test_a_second_derivative_is_refused_not_silently_wrong():
     h, w, t = _inputs(n=20)
-    (gh,) = torch.autograd.grad(LinearCrossEntropy(8)(h, w, t), h, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|not have a grad_fn"):
+    scale = torch.tensor(2.0, requires_grad=True)  # the incoming gradient depends on it: a graph to differentiate
+    (gh,) = torch.autograd.grad(LinearCrossEntropy(8)(h, w, t) * scale, h, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
         gh.sum().backward()
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor on CPU needs a C++ compiler "
+                    "(make test installs g++)")
 def test_the_compiled_kernel_gives_the_eager_numbers_with_a_short_last_chunk():
     h, w, t = _inputs(n=100, d=8, v=40)  # chunks of 32, 32, 32 and 4
     ref = _grads(LinearCrossEntropy(32), h, w, t)

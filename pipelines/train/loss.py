@@ -14,7 +14,7 @@ The chunk (``train.loss_chunk_tokens``, 'auto': ``plan.loss_chunk``) trades memo
 softmax) against one pass over the head's gradient per chunk. With ``compile`` (``parallel.compile``, as for the
 blocks) the per-chunk softmax and gradient are compiled (``ce_chunk_pointwise``: a reduction and one pointwise pass
 over the logits); eager, ``ce_chunk`` (the fused log-softmax, the gradient made in place). Without
-autograd (validation, evaluation) only the losses are computed, still a chunk at a time.
+autograd (validation during training) only the losses are computed, still a chunk at a time.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ IGNORE = -100  # F.cross_entropy's default ignore_index
 
 def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, inv_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss of one chunk (fp32) and the gradient of the batch's mean loss with respect to its logits (in the
-    logits' dtype): (softmax − one-hot) / n for each counted token, 0 for an ignored one. One fp32 buffer: the
-    log-softmax (one fused kernel), turned into the gradient in place."""
+    logits' dtype): (softmax − one-hot) / n for each counted token, 0 for an ignored one. The fp32 log-softmax
+    (one kernel; on CPU bf16 logits are first copied to fp32) is turned into the gradient in place."""
     lsm = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     counted = targets != IGNORE
     t = torch.where(counted, targets, 0)
@@ -85,6 +85,7 @@ class _FusedLinearCE(torch.autograd.Function):
                 torch.mm(g, wc, out=grad_h[lo:lo + chunk])
                 if want_w:
                     grad_w.add_(g.t() @ part)
+                del s, g  # before the next chunk's logits: one chunk's buffers alive at a time
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
         return loss * inv_n
@@ -106,8 +107,9 @@ class LinearCrossEntropy:
         if chunk < 1:
             raise ValueError(f"chunk must be at least 1 token, got {chunk}")
         self.chunk = chunk
-        # compiled (GPU configs) the pointwise form fuses; eager (measured on CPU, where the compiled kernel was
-        # slower: 52 vs 33 ms a 2,048 × 8,192 chunk) the fused log-softmax and an in-place gradient are fastest
+        # compiled (parallel.compile, as the GPU configs set it) the pointwise form, which fuses; eager the fused
+        # log-softmax and an in-place gradient (on CPU the compiled kernel was the slower: 52 vs 33 ms a 2,048 × 8,192
+        # chunk)
         self.kernel = torch.compile(ce_chunk_pointwise, dynamic=False) if compile else ce_chunk
 
     def __call__(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,7 @@ LOSS_CHUNK_VALUES = 2 ** 27  # 'auto' loss chunk: logits of at most this many va
 
 def loss_chunk(setting: int | str, vocab: int) -> int:
     """Tokens per chunk of the head's loss (``train.loss_chunk_tokens``; 0 = the full logits): 'auto' is the largest
-    power of two ≤ LOSS_CHUNK_VALUES / vocab, at least 64."""
+    power of two ≤ LOSS_CHUNK_VALUES / vocab, at least 64 (so above 2^21 entries a chunk holds more)."""
     if setting != "auto":
         return int(setting)
     return max(64, 1 << max(0, (LOSS_CHUNK_VALUES // max(1, vocab)).bit_length() - 1))
@@ -124,8 +124,8 @@ def activation_bytes(shape: dict, micro_batch: int, tp: int, mode: str, bytes_pe
         layers = (L - L // 2) * block + (L // 2) * block_input
     else:
         layers = L * block
-    if chunk and chunk < s * b:  # one chunk's logits and fp32 softmax, the saved head and hidden-state gradients
-        logits = chunk * V * (bytes_per + 4) + V * h * 4 + s * b * h * bytes_per
+    if chunk:  # one chunk's logits and fp32 softmax, the saved head and hidden-state gradients
+        logits = min(chunk, s * b) * V * (bytes_per + 4) + V * h * 4 + s * b * h * bytes_per
     else:
         logits = s * b * V * (bytes_per + 4)
     return int(layers + logits)
