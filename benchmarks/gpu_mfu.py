@@ -174,7 +174,6 @@ def profile(build, spec, device, warmup: int, out: Path, label: str, top: int = 
     return table
 
 
-ROWS = (("ours (trainer step)", ours_step), ("nanoGPT recipe (torch.compile(model))", recipe_step))
 
 
 def _args(argv):
@@ -194,31 +193,33 @@ def _args(argv):
     return ap.parse_args(argv)
 
 
-def row_builds(args, spec_with) -> list[tuple[str, object, object, bool]]:
-    """(label, step builder, its spec, anchor?) of every row asked for, ours first."""
+def row_builds(args, spec_with) -> list[tuple[str, object, object, str]]:
+    """(label, step builder, its spec, kind: ours / anchor / variant) of every row asked for, ours first; every
+    spec is loaded (and checked) here."""
     spec = spec_with([])
-    rows = [(ROWS[0][0], ours_step, spec, False), (ROWS[1][0], recipe_step, spec, True)]
+    rows = [("ours (trainer step)", ours_step, spec, "ours"),
+            ("nanoGPT recipe (torch.compile(model))", recipe_step, spec, "anchor")]
     if args.eager_anchor:
-        rows.append(("eager (no compile)", eager_step, spec, True))
-    return rows + [(f"ours with {kv}", ours_step, spec_with([kv]), False) for kv in args.variant]
+        rows.append(("eager (no compile)", eager_step, spec, "anchor"))
+    return rows + [(f"ours with {kv}", ours_step, spec_with([kv]), "variant") for kv in args.variant]
 
 
-def measure(spec_with, device, name: str, args, fpt: int) -> list[dict]:
+def measure(builds, device, name: str, args, fpt: int) -> list[dict]:
     import torch
 
     from pipelines.train.plan import mfu
 
     rows = []
-    for label, build, spec, anchor in row_builds(args, spec_with):
+    for label, build, spec, kind in builds:
         r = _timed(build, spec, device, args.steps, args.warmup)
-        if args.profile and not label.startswith("ours with"):  # where the time goes: ours and the anchors
+        if args.profile and kind != "variant":  # where the time goes: ours and the anchors
             where = Path(args.profile) / f"{r['mode']}-{label.split(' ')[0]}.txt"
             print(profile(build, spec, device, args.warmup, where, label))
         tps = r["tokens_per_step"] * len(r["times"]) / sum(r["times"])
         u = mfu(tps, fpt, 1, name, spec.train.dtype) if device.type == "cuda" else None
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         rows.append({"impl": label, "tokens_per_s": tps, "mfu": u, "step_ms": 1e3 * sum(r["times"]) / len(r["times"]),
-                     "mode": r["mode"], "peak_mem_gib": mem, "anchor": anchor,
+                     "mode": r["mode"], "peak_mem_gib": mem, "anchor": kind == "anchor",
                      "loss_chunk_tokens": spec.train.loss_chunk_tokens})
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -262,12 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         return load_spec(args.spec, overrides + extra + one, env={})
 
     try:  # a spec or a variant that does not hold says so before anything runs
-        spec = spec_with([])
-        for kv in args.variant:
-            spec_with([kv])
+        builds = row_builds(args, spec_with)
     except SpecError as e:
         print(f"gpu_mfu: {e}", file=sys.stderr)
         return 2
+    spec = builds[0][2]  # ours, the spec as given
     device = torch.device("cpu") if on_cpu else torch.device("cuda:0")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = model_shape(spec)
     params = param_count(shape)
     fpt = flops_per_token(shape, params)
-    rows = measure(spec_with, device, name, args, fpt)
+    rows = measure(builds, device, name, args, fpt)
     anchor = max((r for r in rows if r["anchor"]), key=lambda r: r["tokens_per_s"])
     result = {"device": name, "peak_flops": peak_flops(name, spec.train.dtype) if device.type == "cuda" else None,
               "spec": args.spec, "overrides": overrides, "params": params["total"], "flops_per_token": fpt,
