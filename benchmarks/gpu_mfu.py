@@ -6,7 +6,7 @@ Model: ``configs/gpu_350m.yaml`` (24 × 1024, GQA 16/4 heads, seq 2048, vocab 50
 
 * **ours**: the trainer's step as ``pipelines.train.trainer`` runs it on one device: ``apply_parallelism``
   (activation checkpointing / ``torch.compile`` from the spec, the head's loss a chunk of
-  ``train.loss_chunk_tokens`` tokens at a time), bf16 autocast, fused AdamW (CUDA) with no decay on norms,
+  ``train.loss_chunk_tokens`` tokens at a time), bf16 autocast, fused AdamW with no decay on norms,
   DTensor-aware grad clipping, batches from a pinned-memory copy;
 * **nanoGPT's recipe** (the anchor): what nanoGPT's ``train.py`` does by default, on our model: the whole model
   compiled (``compile = True``: ``torch.compile(model)``), the loss on the full logits (``F.cross_entropy``, as
@@ -73,13 +73,13 @@ def ours_step(spec, device):
 
     from pipelines.train.model import ModelArgs, Transformer
     from pipelines.train.parallel import apply_parallelism, clip_grad_norm
-    from pipelines.train.trainer import param_groups
+    from pipelines.train.trainer import optimizer
 
     torch.manual_seed(spec.run.seed)
     args = ModelArgs.from_spec(spec.model, spec.model.vocab_size or spec.tokenizer.vocab_size)
     model, mode = apply_parallelism(Transformer(args).to(device), spec, device)
     t = spec.train
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas, fused=device.type == "cuda")
+    opt = optimizer(model, spec)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.dtype == "bf16")
     batch = torch.randint(0, args.vocab_size, (t.micro_batch, args.seq_len + 1))
     if device.type == "cuda":

@@ -438,7 +438,13 @@ class ParallelCfg(_Section):
     pp: int = Field(1, ge=1, description="Pipeline-parallel degree (not implemented: 1).")
     cp: int = Field(1, ge=1, description="Context-parallel degree (not implemented: 1).")
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
-    compile: bool = Field(False, description="torch.compile each transformer block.")
+    compile: bool = Field(False, description="torch.compile the model (parallel.compile_scope says how much).")
+    compile_scope: Literal["auto", "block", "model"] = Field(
+        "auto", description="With compile: 'model' compiles the embedding, every block and the final norm as one "
+        "graph (the LM head's chunked loss stays outside), 'block' each transformer block on its own (what FSDP2 "
+        "and TP need: their hooks are per block); 'auto' = model on one process, block on several. The same "
+        "numbers to float rounding, so not part of the stage's key.")
+    unhashed: ClassVar[frozenset[str]] = frozenset({"compile_scope"})  # how much one graph holds, not what it computes
 
     @model_validator(mode="after")
     def _axes(self) -> "ParallelCfg":
@@ -455,6 +461,10 @@ class ParallelCfg(_Section):
                              "(shard with parallel.dp_shard / parallel.tp instead)")
         if self.cp != 1:
             raise ValueError(f"parallel.cp={self.cp}: context parallelism is not implemented; set parallel.cp=1")
+        if self.compile_scope == "model" and (self.tp > 1 or self.dp_shard != 1):
+            raise ValueError("parallel.compile_scope=model compiles the whole model as one graph, but FSDP2 "
+                             "(parallel.dp_shard) and TP (parallel.tp) wrap each block on its own; use "
+                             "parallel.compile_scope=block or auto")
         return self
 
     def resolve(self, world: int) -> dict[str, int]:

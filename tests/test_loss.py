@@ -12,6 +12,8 @@ from pipelines.train import plan
 from pipelines.train.loss import IGNORE, LinearCrossEntropy, ce_chunk, ce_chunk_pointwise, for_spec
 from pipelines.train.model import ModelArgs, Transformer
 
+CPU = torch.device("cpu")
+
 
 def _inputs(n=300, d=16, v=97, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -126,6 +128,32 @@ def test_bf16_parameters_without_autocast_give_bf16_gradients_summed_in_fp32():
     torch.testing.assert_close(got[2].float(), ref[2].float(), rtol=0, atol=1e-2 * ref[2].abs().max().item())
 
 
+def test_the_kept_cpu_buffers_carry_nothing_from_one_call_to_the_next():
+    """On CPU the chunk's logits and log-softmax buffers are kept between calls (no caching allocator there): a
+    second call on other inputs gives its own numbers, the first call's gradients are not overwritten by it, and a
+    larger call after a smaller one (and the short last chunk) gets buffers of its own size."""
+    fn = LinearCrossEntropy(64)
+    h1, w1, t1 = _inputs(n=150, d=16, v=97, seed=5)  # chunks of 64, 64, 22
+    h2, w2, t2 = _inputs(n=40, d=16, v=97, seed=6)  # one chunk of 40 (a slice of the kept buffer)
+    loss1 = fn(h1, w1, t1)
+    loss1.backward()
+    first = (loss1.detach(), h1.grad, w1.grad)  # the tensors themselves, not copies
+    kept = {k: b.data_ptr() for k, b in fn.buffers.kept.items()}
+    assert set(kept) == {"logits", "lsm"}
+    second = _grads(fn, h2, w2, t2)
+    assert {k: b.data_ptr() for k, b in fn.buffers.kept.items()} == kept  # reused, not reallocated
+    for got, (h, w, t) in ((second, (h2, w2, t2)), (first, (h1, w1, t1))):
+        ref = (_plain(h.detach(), w.detach(), t), *torch.autograd.grad(_plain(h, w, t), (h, w)))
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    big = LinearCrossEntropy(256)
+    _grads(big, h2, w2, t2)
+    got = _grads(big, h1, w1, t1)  # 150 rows after 40: a new, larger buffer
+    assert big.buffers.kept["logits"].shape == (150, 97)
+    for a, b in zip(got, _grads(_plain, h1, w1, t1)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_a_second_derivative_is_refused_not_silently_wrong():
     h, w, t = _inputs(n=20)
     scale = torch.tensor(2.0, requires_grad=True)  # the incoming gradient depends on it: a graph to differentiate
@@ -159,10 +187,13 @@ def test_the_two_kernels_agree_on_bf16_logits_and_ignored_targets():
 
 def test_the_spec_chooses_the_chunk_which_is_not_part_of_the_stage_key():
     spec = load_spec("configs/gpu_350m.yaml", [], env={})
-    assert spec.train.loss_chunk_tokens == "auto" and for_spec(spec, 50_304).chunk == 2048  # 2048·50304 ≤ 2^27
-    assert for_spec(spec, 8192).chunk == 16384 and for_spec(spec, 10**9).chunk == 64
-    assert for_spec(load_spec(None, ["train.loss_chunk_tokens=0"], env={}), 50_304) is None
-    assert for_spec(load_spec(None, ["train.loss_chunk_tokens=512"], env={}), 50_304).chunk == 512
+    assert spec.train.loss_chunk_tokens == "auto" and for_spec(spec, 50_304, CPU).chunk == 2048  # 2048·50304 ≤ 2^27
+    assert for_spec(spec, 8192, CPU).chunk == 16384 and for_spec(spec, 10**9, CPU).chunk == 64
+    assert for_spec(load_spec(None, ["train.loss_chunk_tokens=0"], env={}), 50_304, CPU) is None
+    assert for_spec(load_spec(None, ["train.loss_chunk_tokens=512"], env={}), 50_304, CPU).chunk == 512
+    # with parallel.compile (gpu_350m's) the kernel is compiled on a GPU, eager on CPU (where it is the faster)
+    assert for_spec(spec, 50_304, CPU).compiled is None
+    assert for_spec(spec, 50_304, torch.device("cuda")).compiled is not None
     # the same loss to float rounding: a running training can change it and resume in the same stage directory
     keys = {load_spec(None, [f"train.loss_chunk_tokens={v}"], env={}).stage_hash("train") for v in ("auto", 0, 4096)}
     assert len(keys) == 1

@@ -25,6 +25,28 @@ def test_param_count_formula_matches_the_module(kv, tie):
     assert param_count(a) == sum(p.numel() for p in m.parameters())
 
 
+def test_compile_scope_is_one_graph_on_one_process_and_per_block_where_wrappers_need_blocks():
+    from pipelines.spec import SpecError
+    from pipelines.train.parallel import compile_scope
+
+    spec = lambda *sets: load_spec(None, list(sets), env={})  # noqa: E731
+    assert compile_scope(spec(), sharded=False, world=1) is None  # parallel.compile off (the default)
+    on = spec("parallel.compile=true")
+    assert on.parallel.compile_scope == "auto"
+    assert compile_scope(on, sharded=False, world=1) == "model"
+    assert compile_scope(on, sharded=False, world=2) == "block"  # DDP: buckets overlap the backward block by block
+    assert compile_scope(on, sharded=True, world=2) == "block"  # FSDP2 / TP wrap each block
+    assert compile_scope(spec("parallel.compile=true", "parallel.compile_scope=block"), False, 1) == "block"
+    assert compile_scope(spec("parallel.compile=true", "parallel.compile_scope=model"), False, 2) == "model"
+    for sharded in ("parallel.dp_shard=2", "parallel.tp=2"):
+        with pytest.raises(SpecError, match="compile_scope=model"):
+            spec("parallel.compile=true", "parallel.compile_scope=model", sharded)
+    # how much one graph holds is not part of the stage's key (the same numbers to float rounding)
+    keys = {spec("parallel.compile=true", f"parallel.compile_scope={s}").stage_hash("train")
+            for s in ("auto", "block", "model")}
+    assert len(keys) == 1
+
+
 def test_model_is_causal():
     torch.manual_seed(0)
     m = Transformer(ModelArgs(vocab_size=50, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, seq_len=16)).eval()
@@ -157,7 +179,8 @@ def test_torchrun_two_ranks_trains_and_checkpoints_to_l0(home):
 
 
 def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
-    """Same seed, same global batch (8 sequences per step): 1 rank with 2 accumulation steps, DDP on 2 ranks,
+    """Same seed, same global batch (8 sequences per step): 1 rank with 2 accumulation steps (also compiled: the
+    trunk as one graph), DDP on 2 ranks,
     FSDP2 (fully_shard per block + root, gloo) on 2 ranks, tensor parallel on 2 ranks and FSDP2 × TP on 4
     ranks give the same loss curve; FSDP2's checkpoint is a full state dict that loads into a plain model."""
     docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
@@ -167,6 +190,7 @@ def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
               "train.eval_tokens=288"]
     layouts = {
         "one": ["launcher.nproc_per_node=1", "train.grad_accum=2"],
+        "one, compiled": ["launcher.nproc_per_node=1", "train.grad_accum=2", "parallel.compile=true"],  # one graph
         "ddp": ["launcher.nproc_per_node=2", "train.grad_accum=1"],
         "fsdp2": ["launcher.nproc_per_node=2", "train.grad_accum=1", "parallel.dp_shard=-1"],
         "tp": ["launcher.nproc_per_node=2", "train.grad_accum=1", "train.micro_batch=8", "parallel.dp_replicate=1",
@@ -180,7 +204,7 @@ def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
         spec = load_spec(None, common + extra, env={})
         m = launch.run(spec, tok)
         result = json.loads(m.output("result").read_text())
-        assert result["parallel"] == {"one": "single"}.get(name, name)
+        assert result["parallel"] == {"one": "single", "one, compiled": "single"}.get(name, name)
         curves[name] = np.array([loss for _, loss in json.loads(m.output("losses").read_text())])
         vals[name] = np.array([[v["step"], v["loss"]] for v in result["val"]])
         runs[name] = m
@@ -190,7 +214,7 @@ def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
         np.testing.assert_allclose(vals[name], vals["one"], rtol=0, atol=2e-4, err_msg=name)
     assert len(curves["one"]) == 8 and curves["one"][-1] < curves["one"][0]
     np.testing.assert_allclose(curves["ddp"], curves["one"], rtol=0, atol=2e-4)
-    for name in ("fsdp2", "tp", "fsdp2+tp"):
+    for name in ("one, compiled", "fsdp2", "tp", "fsdp2+tp"):
         np.testing.assert_allclose(curves[name], curves["one"], rtol=0, atol=2e-4, err_msg=name)
     assert abs(curves["tp"][0] - curves["one"][0]) < 1e-5  # the first step's loss: TP forward = plain forward
     print({k: float(np.abs(c - curves["one"]).max()) for k, c in curves.items()})

@@ -12,7 +12,7 @@ way's to float rounding (``tests/test_loss.py``); ``ignore_index`` is -100 as in
 
 The chunk (``train.loss_chunk_tokens``, 'auto': ``plan.loss_chunk``) trades memory (one chunk's logits and their fp32
 softmax) against one pass over the head's gradient per chunk. With ``compile`` (``parallel.compile``, as for the
-blocks) the per-chunk softmax and gradient are compiled (``ce_chunk_pointwise``: a reduction and one pointwise pass
+blocks) on a GPU the per-chunk softmax and gradient are compiled (``ce_chunk_pointwise``: a reduction and one pointwise pass
 over the logits); eager, ``ce_chunk`` (the fused log-softmax, the gradient made in place). Without
 autograd (validation during training) only the losses are computed, still a chunk at a time.
 """
@@ -27,11 +27,13 @@ from pipelines.train.plan import loss_chunk
 IGNORE = -100  # F.cross_entropy's default ignore_index
 
 
-def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, inv_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, inv_n: torch.Tensor,
+             lsm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss of one chunk (fp32) and the gradient of the batch's mean loss with respect to its logits (in the
     logits' dtype): (softmax − one-hot) / n for each counted token, 0 for an ignored one. The fp32 log-softmax
-    (one kernel; on CPU bf16 logits are first copied to fp32) is turned into the gradient in place."""
-    lsm = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    (one kernel; on CPU bf16 logits are first copied to fp32), written into ``lsm`` when given (an fp32 buffer of
+    the logits' shape), is turned into the gradient in place."""
+    lsm = torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=lsm)
     counted = targets != IGNORE
     t = torch.where(counted, targets, 0)
     rows = torch.arange(lsm.shape[0], device=lsm.device)
@@ -67,9 +69,28 @@ def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(h.dtype, weight.dtype)
 
 
+class Buffers:
+    """The chunk's logits and fp32 log-softmax, kept from chunk to chunk and step to step on CPU, where PyTorch has
+    no caching allocator: each fresh tensor that large is a fresh mapping whose pages the kernel zeroes on first
+    touch (on 2 cores the logits product of a 2,048 × 8,192 fp32 chunk took 72 ms into a new tensor, 53 ms into a
+    kept one; its log-softmax 29 and 11 ms). On a GPU the caching allocator already reuses the memory: none kept."""
+
+    def __init__(self):
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A (rows, cols) buffer to write into (its contents are garbage), or None off the CPU."""
+        if device.type != "cpu":
+            return None
+        b = self.kept.get(name)
+        if b is None or b.shape[0] < rows or b.shape[1] != cols or b.dtype != dtype:
+            b = self.kept[name] = torch.empty(rows, cols, dtype=dtype, device=device)
+        return b[:rows]
+
+
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk, kernel):
+    def forward(ctx, h, weight, targets, chunk, compiled, buffers):
         dt = _compute_dtype(h, weight)
         want_w = ctx.needs_input_grad[1]
         with torch.autocast(h.device.type, enabled=False):
@@ -78,14 +99,22 @@ class _FusedLinearCE(torch.autograd.Function):
             loss = torch.zeros((), dtype=torch.float32, device=h.device)
             grad_h = torch.empty_like(hc)
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+            V = wc.shape[0]
             for lo in range(0, hc.shape[0], chunk):
-                part = hc[lo:lo + chunk]
-                s, g = kernel(part @ wc.t(), targets[lo:lo + chunk], inv_n)
+                part, t = hc[lo:lo + chunk], targets[lo:lo + chunk]
+                n = part.shape[0]
+                logits = torch.mm(part, wc.t(), out=buffers.take("logits", n, V, dt, h.device))
+                if compiled is not None:
+                    s, g = compiled(logits, t, inv_n)
+                else:
+                    s, g = ce_chunk(logits, t, inv_n, lsm=buffers.take("lsm", n, V, torch.float32, h.device))
                 loss += s
                 torch.mm(g, wc, out=grad_h[lo:lo + chunk])
-                if want_w:
-                    grad_w.add_(g.t() @ part)
-                del s, g  # before the next chunk's logits: one chunk's buffers alive at a time
+                if want_w and g.dtype == grad_w.dtype:
+                    grad_w.addmm_(g.t(), part)  # one product summed into the fp32 gradient, no temporary
+                elif want_w:
+                    grad_w.add_(g.t() @ part)  # bf16 product (autocast), summed in fp32
+                del s, g, logits  # before the next chunk's logits: one chunk's buffers alive at a time
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
         return loss * inv_n
@@ -96,7 +125,7 @@ class _FusedLinearCE(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         dh, dw = ctx.dtypes
         gw = None if grad_w is None else (grad_w * grad_out).to(dw)
-        return grad_h.to(dh) * grad_out, gw, None, None, None
+        return grad_h.to(dh) * grad_out, gw, None, None, None, None
 
 
 class LinearCrossEntropy:
@@ -107,15 +136,16 @@ class LinearCrossEntropy:
         if chunk < 1:
             raise ValueError(f"chunk must be at least 1 token, got {chunk}")
         self.chunk = chunk
-        # compiled (parallel.compile, as the GPU configs set it) the pointwise form, which fuses; eager the fused
-        # log-softmax and an in-place gradient (on CPU the compiled kernel was the slower: 52 vs 33 ms a 2,048 × 8,192
-        # chunk)
-        self.kernel = torch.compile(ce_chunk_pointwise, dynamic=False) if compile else ce_chunk
+        # compiled (on a GPU with parallel.compile, as the GPU configs set it) the pointwise form, which fuses; else
+        # the fused log-softmax and an in-place gradient (on CPU the compiled kernel was no faster a 2,048 × 8,192
+        # chunk, 36-52 vs 33-37 ms, and the step with it 6 % slower)
+        self.compiled = torch.compile(ce_chunk_pointwise, dynamic=False) if compile else None
+        self.buffers = Buffers()
 
     def __call__(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            return _FusedLinearCE.apply(h2, weight, t, self.chunk, self.kernel)
+            return _FusedLinearCE.apply(h2, weight, t, self.chunk, self.compiled, self.buffers)
         dt = _compute_dtype(h2, weight)
         wc, total = weight.to(dt), torch.zeros((), dtype=torch.float32, device=h.device)
         for lo in range(0, h2.shape[0], self.chunk):
@@ -123,8 +153,8 @@ class LinearCrossEntropy:
         return total / (t != IGNORE).sum()
 
 
-def for_spec(spec, vocab: int) -> LinearCrossEntropy | None:
-    """The trainer's loss: ``train.loss_chunk_tokens`` tokens at a time ('auto' by the vocabulary; 0: None, the
-    plain full-logits way)."""
+def for_spec(spec, vocab: int, device: torch.device) -> LinearCrossEntropy | None:
+    """The trainer's loss on ``device``: ``train.loss_chunk_tokens`` tokens at a time ('auto' by the vocabulary; 0:
+    None, the plain full-logits way), its kernel compiled with the model on a GPU."""
     n = loss_chunk(spec.train.loss_chunk_tokens, vocab)
-    return LinearCrossEntropy(n, compile=spec.parallel.compile) if n else None
+    return LinearCrossEntropy(n, compile=spec.parallel.compile and device.type == "cuda") if n else None

@@ -204,16 +204,21 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         if tokens.shape[1] > self.args.seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds model.seq_len={self.args.seq_len}")
-        x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
-        h = self.norm(x)
+        h = self.trunk(tokens)
         if targets is not None and self.loss_fn is not None:
             return self.loss_fn(h, self.output.weight, targets)
         logits = self.output(h)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def trunk(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (normed) of ``tokens``: everything but the head; ``parallel.compile_scope: model``
+        compiles this as one graph (``pipelines.train.parallel``)."""
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return self.norm(x)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,10 @@
 0. tensor parallel (DTensor ``parallelize_module``) when ``parallel.tp`` > 1;
 1. activation checkpointing (``parallel.activation_checkpointing``: none / selective = every other
    block / full = every block), wrapping each block with ``checkpoint_wrapper``;
-2. ``torch.compile`` per block (``parallel.compile``), and the LM head's loss a chunk of tokens at a time
-   (``train.loss_chunk_tokens``, :mod:`pipelines.train.loss`, its kernel compiled with the blocks);
+2. ``torch.compile`` (``parallel.compile``): of the trunk (embedding, blocks, final norm) as one graph on one
+   process, of each block on its own on several (``parallel.compile_scope``, :func:`compile_scope`); and the LM
+   head's loss a chunk of tokens at a time (``train.loss_chunk_tokens``, :mod:`pipelines.train.loss`, its kernel
+   compiled when the model is, on a GPU);
 3. data parallelism from the spec's resolved degrees: ``dp_shard`` > 1 → FSDP2 ``fully_shard`` on each
    block and then on the root, over a (dp_replicate, dp_shard) device mesh (HSDP when both > 1), with
    a ``MixedPrecisionPolicy`` (bf16 parameters for compute under ``train.dtype = bf16``, fp32
@@ -66,6 +68,18 @@ def dp_coords(spec: JobSpec, rank: int) -> tuple[int, int]:
     return rank // deg["tp"], deg["dp"]
 
 
+def compile_scope(spec: JobSpec, sharded: bool, world: int) -> str | None:
+    """What ``parallel.compile`` compiles: None (nothing), ``block`` (each block on its own: FSDP2's and TP's
+    per-block wrapping needs it; 'auto' on several processes, where DDP's gradient buckets overlap the backward
+    block by block) or ``model`` (the trunk as one graph: 'auto' on one process)."""
+    p = spec.parallel
+    if not p.compile:
+        return None
+    if p.compile_scope == "auto":
+        return "model" if world == 1 and not sharded else "block"
+    return p.compile_scope
+
+
 def apply_parallelism(model: nn.Module, spec: JobSpec, device: torch.device) -> tuple[nn.Module, str]:
     """Wrap ``model`` (already on ``device``) as the spec says; returns (model, mode) with mode one of
     ``single``, ``ddp``, ``fsdp2``, ``hsdp``, ``tp``, ``fsdp2+tp``, ``hsdp+tp``."""
@@ -80,11 +94,14 @@ def apply_parallelism(model: nn.Module, spec: JobSpec, device: torch.device) -> 
     if deg["tp"] > 1:  # (TP with DDP is refused by the spec validator)
         apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, spec.parallel.activation_checkpointing)
-    if spec.parallel.compile:
+    scope = compile_scope(spec, sharded=mesh is not None, world=world)
+    if scope == "block":
         for i, blk in enumerate(model.layers):
             model.layers[i] = torch.compile(blk)
+    elif scope == "model":  # one graph from the tokens to the final norm: what the blocks' elementwise work fuses into
+        model.trunk = torch.compile(model.trunk)
     # the head and its loss a chunk of tokens at a time, compiled as the blocks are
-    model.loss_fn = loss.for_spec(spec, model.args.vocab_size)
+    model.loss_fn = loss.for_spec(spec, model.args.vocab_size, device)
     tp = "+tp" if deg["tp"] > 1 else ""
     if deg["dp_shard"] > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -1,0 +1,159 @@
+"""The whole trainer against its own step: what the loader, logging, MLflow and async checkpoints cost on a GPU.
+
+Runs ``pipelines.train.trainer`` end to end (``pipelines.train.launch``: torchrun, tokenized shards, the prefetching
+loader, checkpoints every ``--every`` steps promoted L0 → L1, validation every ``--every`` steps, MLflow logging to
+the spec's tracking store) on ``configs/gpu_350m.yaml`` unless ``--spec`` says otherwise, then the step benchmark
+(``benchmarks/gpu_mfu.py``'s ``ours``: the same step on random tokens, nothing around it) on the same config — or
+takes that figure from ``--step-json`` (a ``gpu_mfu.json`` of the same session and config) instead of measuring
+it again. The row:
+
+* the trainer's **step** rate (``tokens_per_s``: steady steps, loader wait, clipping and optimizer included);
+* its **steady wall** rate (``steady_wall_tokens_per_s``: after the first 5 steps, everything but validation —
+  logging, MLflow, checkpoint stalls, the background saves and promotions competing for the machine);
+* its **goodput** (the whole fit's wall rate: compile, validation and all);
+* ``ratio`` = steady wall ÷ the step benchmark (issue 53 asks ≥ 0.95 on a GPU).
+
+    python benchmarks/trainer_gpu.py --tokenize-manifest M [--steps 60] [--every 20] [--step-json J] [--set k=v]
+    python benchmarks/trainer_gpu.py --cpu-smoke --tokenize-manifest M    # a tiny config on CPU: checks the script
+
+``M`` defaults to ``.gpu/tokenize/manifest.json`` (``make gpu-bundle`` puts a tokenized corpus there for the device
+machine, which has no Spark), else the newest under ``var/runs``. Writes ``var/bench/trainer_gpu.json``. Without a
+CUDA device (and without ``--device cpu`` or ``--cpu-smoke``) it says so and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_mfu  # noqa: E402  (benchmarks/, beside this file)
+
+BUNDLED = ROOT / ".gpu" / "tokenize" / "manifest.json"
+MATCH = ("params", "micro_batch", "seq_len", "dtype", "compile")  # what makes a gpu_mfu.json the same config
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spec", default=str(ROOT / "configs" / "gpu_350m.yaml"))
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--tokenize-manifest", default=None, help="default .gpu/tokenize, else the newest under var/runs")
+    ap.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    ap.add_argument("--every", type=int, default=20, help="a checkpoint and a validation every N steps (default 20)")
+    ap.add_argument("--step-json", default=None, help="take the step benchmark from this gpu_mfu.json (same config)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--cpu-smoke", action="store_true", help="Tiny config on CPU: exercise the script.")
+    ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "trainer_gpu.json"))
+    return ap.parse_args(argv)
+
+
+def tokenize_manifest(given: str | None) -> str | None:
+    if given:
+        return given
+    if BUNDLED.is_file():
+        return str(BUNDLED)
+    found = sorted((ROOT / "var" / "runs" / "tokenize").glob("*/manifest.json"), key=os.path.getmtime)
+    return str(found[-1]) if found else None
+
+
+def step_figure(path: str | None, want: dict, run_bench) -> tuple[float, str]:
+    """(tokens/s of the step benchmark, where it came from): ``ours`` of ``path`` when it measured this config,
+    else measured now by ``run_bench()``."""
+    if path and Path(path).is_file():
+        got = json.loads(Path(path).read_text())
+        same = all(got.get(k) == want[k] for k in MATCH)
+        ours = next((r for r in got.get("rows", []) if r.get("impl", "").startswith("ours (")), None)
+        if same and ours:
+            return ours["tokens_per_s"], f"{path} (ours, {got.get('steps')} steps)"
+        print(f"trainer_gpu: {path} measured another config "
+              f"({ {k: got.get(k) for k in MATCH} } vs { {k: want[k] for k in MATCH} }); measuring the step here")
+    return run_bench(), "measured here after the trainer"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+
+    import torch
+
+    from pipelines.manifest import atomic_write_text, load_manifest
+    from pipelines.spec import SpecError, load_spec
+    from pipelines.train import launch
+    from pipelines.train.plan import model_shape, param_count
+
+    on_cpu = args.cpu_smoke or args.device == "cpu"
+    if not torch.cuda.is_available() and not on_cpu:
+        print("trainer_gpu: no CUDA device here; run it on a GPU machine (or --device cpu / --cpu-smoke)",
+              file=sys.stderr)
+        return 2
+    mpath = tokenize_manifest(args.tokenize_manifest)
+    if mpath is None:
+        print("trainer_gpu: no tokenized corpus: pass --tokenize-manifest, run `make gpu-bundle` or `make demo`",
+              file=sys.stderr)
+        return 2
+    if args.steps <= 5 or args.every < 1:
+        print("trainer_gpu: --steps must be more than 5 (the warm-up steps) and --every at least 1", file=sys.stderr)
+        return 2
+    smoke = [s for s in gpu_mfu.SMOKE if "vocab_size" not in s] + ["model.vocab_size=null"]  # the corpus's vocab
+    sets = (smoke if args.cpu_smoke else []) + args.overrides + [
+        f"train.steps={args.steps}", f"train.ckpt_every={args.every}", f"train.eval_every={args.every}",
+        "run.root=var/bench/trainer-gpu", "run.force=true"]
+    try:
+        spec = load_spec(args.spec, sets, env={})
+    except SpecError as e:
+        print(f"trainer_gpu: {e}", file=sys.stderr)
+        return 2
+    tok = load_manifest(mpath)
+    m = launch.run(spec, tok)
+    res = json.loads(m.output("result").read_text())
+
+    device = torch.device("cpu") if on_cpu else torch.device("cuda:0")
+    vocab = spec.model.vocab_size or tok.extra["vocab_size"]  # the trainer's model, whatever the spec leaves open
+    bench_spec = load_spec(args.spec, sets + [f"model.vocab_size={vocab}", "launcher.nproc_per_node=1",
+                                              "parallel.dp_shard=1", "parallel.dp_replicate=1"], env={})
+
+    def run_bench() -> float:
+        r = gpu_mfu.ours(bench_spec, device, steps=min(30, args.steps), warmup=5)
+        return r["tokens_per_step"] * len(r["times"]) / sum(r["times"])
+
+    want = {"params": param_count(model_shape(bench_spec))["total"], "micro_batch": spec.train.micro_batch,
+            "seq_len": spec.model.seq_len, "dtype": spec.train.dtype, "compile": spec.parallel.compile}
+    bench, source = step_figure(None if args.cpu_smoke else args.step_json, want, run_bench)
+    wall = res.get("steady_wall_tokens_per_s")
+    result = {"spec": args.spec, "overrides": sets, "tokenize_manifest": mpath, "device": res.get("device"),
+              "steps": args.steps, "every": args.every, "parallel": res.get("parallel"),
+              "world_size": res.get("world_size"), "trainer_step_tokens_per_s": res.get("tokens_per_s"),
+              "trainer_steady_wall_tokens_per_s": wall, "trainer_goodput_tokens_per_s": res.get("goodput_tokens_per_s"),
+              "step_bench_tokens_per_s": bench, "step_bench_from": source,
+              "ratio": wall / bench if wall and bench else None,
+              "ratio_of": "trainer's steady wall tokens/s ÷ the step benchmark's",
+              "checkpoints": res.get("ckpt", {}).get("saves"), "stall_s_max": res.get("ckpt", {}).get("stall_s_max"),
+              "evaluations": len(res.get("val") or []), "mlflow_run_id": res.get("mlflow_run_id"),
+              "torch": torch.__version__, **want}
+    report(result)
+    atomic_write_text(args.out, json.dumps(result, indent=2))  # parents made, temp + rename
+    print(f"wrote {args.out}")
+    return 0
+
+
+def report(r: dict) -> None:
+    print(f"trainer_gpu: {r['device']}, {r['params'] / 1e6:,.1f}M params, batch {r['micro_batch']} × {r['seq_len']}, "
+          f"{r['dtype']}, {r['steps']} steps ({r['parallel']}, {r['world_size']} rank(s)), a checkpoint and a "
+          f"validation every {r['every']} ({r['checkpoints']} saves, stall max {r['stall_s_max'] or 0:.2f} s; "
+          f"{r['evaluations']} validations), MLflow run {r['mlflow_run_id']}")
+    print("| the whole trainer | step tokens/s | steady wall tokens/s | goodput tokens/s | step benchmark tokens/s | "
+          "wall ÷ benchmark |\n|---|---|---|---|---|---|")
+    fmt = lambda v: f"{v:,.0f}" if v else "—"  # noqa: E731
+    ratio = f"{r['ratio']:.3f}" if r["ratio"] else "—"
+    print(f"| torchrun, loader, checkpoints, validation, MLflow | {fmt(r['trainer_step_tokens_per_s'])} | "
+          f"{fmt(r['trainer_steady_wall_tokens_per_s'])} | {fmt(r['trainer_goodput_tokens_per_s'])} | "
+          f"{fmt(r['step_bench_tokens_per_s'])} | {ratio} |")
+    print(f"step benchmark from: {r['step_bench_from']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

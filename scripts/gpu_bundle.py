@@ -1,0 +1,139 @@
+"""Gather into ``.gpu/`` what the lent GPU machine lacks for ``bash benchmarks/gpu_checks.sh`` (ignored by git: name
+``.gpu`` in the device tool's ``carry``).
+
+That machine (CPython 3.12 with torch, numpy, pyarrow, sentencepiece … : ``benchmarks/device_packages.txt``) has no
+Java, so no Spark, and reaches no package index. This writes:
+
+* ``.gpu/wheels/``: a wheel of every distribution that the trainer, its launcher (torchrun), MLflow's sqlite store and
+  the benchmarks import here and that machine's image lacks, at the version installed here, for CPython 3.12 on
+  manylinux x86-64. Which ones is found by running: ``benchmarks/trainer_gpu.py --cpu-smoke`` (the whole trainer
+  under torchrun, checkpoints, validation, MLflow) and ``benchmarks/gpu_mfu.py --cpu-smoke`` with every Python
+  process recording the modules it imported (a ``sitecustomize`` on ``PYTHONPATH``);
+* ``.gpu/tokenize/``: a tokenized corpus, a copy of the tokenize stage's directory (``--tokenize-manifest``, default the
+  newest under ``var/runs``: ``make demo`` makes one), for ``benchmarks/trainer_gpu.py``.
+
+    python scripts/gpu_bundle.py [--tokenize-manifest M] [--out .gpu]     # make gpu-bundle
+
+Exit 2 when there is no tokenized corpus; 75 when the index cannot be reached for a wheel (try again).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(5, 40)] + ["manylinux2014_x86_64", "manylinux2010_x86_64",
+                                                                     "manylinux1_x86_64"]
+# imported here but not needed there: each is imported by a package only when it is installed
+NOT_NEEDED = {
+    "pyspark": "Spark: the data stages' engine; mlflow.types imports it when present",
+    "py4j": "Spark's bridge to the JVM (with pyspark)",
+    "mlflow": "mlflow-skinny and mlflow-tracing hold the client and the sqlite store; the full package adds the UI",
+    "zstandard": "urllib3 decodes zstd responses with it when present",
+    "brotli": "urllib3 decodes brotli responses with it when present",
+}
+RECORDER = """import atexit, os, sys
+def _dump(d=os.environ["LLMP_IMPORTS_DIR"]):
+    with open(os.path.join(d, f"{os.getpid()}.txt"), "w") as f:
+        f.write("\\n".join(sorted({m.split(".")[0] for m in list(sys.modules)})))
+atexit.register(_dump)
+"""
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def device_has() -> set[str]:
+    lines = (ROOT / "benchmarks" / "device_packages.txt").read_text().splitlines()
+    return {canonical(x.strip()) for x in lines if x.strip() and not x.startswith("#")}
+
+
+def newest_tokenize() -> Path | None:
+    found = sorted((ROOT / "var" / "runs" / "tokenize").glob("*/manifest.json"), key=os.path.getmtime)
+    return found[-1] if found else None
+
+
+def imported_modules(tok_manifest: Path) -> set[str]:
+    """Top-level modules imported by every Python process of the two smoke runs."""
+    with tempfile.TemporaryDirectory() as site, tempfile.TemporaryDirectory() as dump:
+        Path(site, "sitecustomize.py").write_text(RECORDER)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               "LLMP_IMPORTS_DIR": dump, "LLMP_PROGRESS": "0"}
+        bench = ROOT / "var" / "bench" / "gpu-bundle"
+        runs = [["benchmarks/trainer_gpu.py", "--cpu-smoke", "--steps", "8", "--every", "4", "--tokenize-manifest",
+                 str(tok_manifest), "--out", str(bench / "trainer_gpu.json")],
+                ["benchmarks/gpu_mfu.py", "--cpu-smoke", "--steps", "2", "--warmup", "1", "--out",
+                 str(bench / "gpu_mfu.json")]]
+        for argv in runs:
+            r = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{argv[0]} --cpu-smoke failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
+        return {m for f in Path(dump).glob("*.txt") for m in f.read_text().split()}
+
+
+def needed(modules: set[str]) -> dict[str, str]:
+    """{distribution: version installed here} of the imported modules that the device machine's image lacks."""
+    own = {canonical(d) for d in md.packages_distributions().get("pipelines", [])}
+    have = device_has()
+    out = {}
+    for m in modules:
+        for dist in md.packages_distributions().get(m, []):
+            c = canonical(dist)
+            if c not in have and c not in own and c not in NOT_NEEDED:
+                out[c] = md.version(dist)
+    return dict(sorted(out.items()))
+
+
+def download(dists: dict[str, str], into: Path, python: str) -> list[str]:
+    """pip download each pin as a wheel for CPython ``python`` on manylinux x86-64; the pins it could not get."""
+    into.mkdir(parents=True, exist_ok=True)
+    missing = []
+    for name, version in dists.items():
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+               python, "--implementation", "cp", *(a for p in PLATFORMS for a in ("--platform", p)), "-d", str(into),
+               f"{name}=={version}"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            missing.append(f"{name}=={version}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenize-manifest", default=None, help="default: the newest under var/runs/tokenize")
+    ap.add_argument("--out", default=str(ROOT / ".gpu"))
+    ap.add_argument("--python-version", default="3.12", help="the device machine's CPython (default 3.12)")
+    args = ap.parse_args(argv)
+    tok = Path(args.tokenize_manifest) if args.tokenize_manifest else newest_tokenize()
+    if tok is None or not tok.is_file():
+        print("gpu_bundle: no tokenized corpus: run `make demo` first or pass --tokenize-manifest", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    dists = needed(imported_modules(tok))
+    print(f"gpu_bundle: {len(dists)} distributions the device lacks: {', '.join(f'{k}=={v}' for k, v in dists.items())}")
+    shutil.rmtree(out / "wheels", ignore_errors=True)
+    missing = download(dists, out / "wheels", args.python_version)
+    if missing:
+        print("gpu_bundle: no wheel for:\n  " + "\n  ".join(missing), file=sys.stderr)
+        return 75
+    shutil.rmtree(out / "tokenize", ignore_errors=True)
+    shutil.copytree(tok.parent, out / "tokenize")
+    (out / "bundle.json").write_text(json.dumps({"wheels": dists, "tokenize": str(tok), "python": args.python_version},
+                                                indent=2))
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"gpu_bundle: wrote {out} ({size / 2**20:.1f} MiB: {len(list((out / 'wheels').iterdir()))} wheels, the corpus "
+          f"of {tok.parent.name}); carry it: run(carry=['.gpu'], command='bash benchmarks/gpu_checks.sh')")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

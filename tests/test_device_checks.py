@@ -1,0 +1,71 @@
+"""What benchmarks/gpu_checks.sh runs on a lent GPU, checked here on CPU: the whole trainer against its own step
+(benchmarks/trainer_gpu.py) and the bundle of wheels and corpus carried there (scripts/gpu_bundle.py)."""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from conftest import ROOT
+from test_resilience import _tok
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def trainer_gpu():
+    return _load(ROOT / "benchmarks" / "trainer_gpu.py")
+
+
+def test_the_whole_trainer_runs_beside_its_step_benchmark_on_cpu(home, trainer_gpu, tmp_path, capsys):
+    tok = _tok(home)
+    out = tmp_path / "trainer_gpu.json"
+    assert trainer_gpu.main(["--cpu-smoke", "--tokenize-manifest", tok.path, "--steps", "8", "--every", "4",
+                             "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    # the trainer ran with checkpoints, validation and MLflow on, and its rates were measured
+    assert r["checkpoints"] == 2 and r["evaluations"] == 2 and r["mlflow_run_id"]
+    assert r["trainer_step_tokens_per_s"] > 0 and r["trainer_steady_wall_tokens_per_s"] > 0
+    assert r["trainer_goodput_tokens_per_s"] > 0 and r["step_bench_tokens_per_s"] > 0
+    assert r["step_bench_from"] == "measured here after the trainer"  # no speed assertion: the row is reported
+    assert r["ratio"] == pytest.approx(r["trainer_steady_wall_tokens_per_s"] / r["step_bench_tokens_per_s"])
+    assert r["params"] < 1e6  # the smoke model, at the corpus's vocabulary (500)
+    assert "wall ÷ benchmark" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert trainer_gpu.main(["--tokenize-manifest", tok.path, "--out", str(tmp_path / "x.json")]) == 2
+        assert "no CUDA device here" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_the_step_figure_is_taken_from_gpu_mfu_only_when_it_measured_the_same_config(trainer_gpu, tmp_path):
+    want = {"params": 368_000_000, "micro_batch": 8, "seq_len": 2048, "dtype": "bf16", "compile": True}
+    rows = [{"impl": "ours (trainer step)", "tokens_per_s": 170_000.0}, {"impl": "nanoGPT recipe", "tokens_per_s": 1.0}]
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({**want, "steps": 50, "rows": rows}))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**want, "micro_batch": 4, "rows": rows}))
+    measured = []
+
+    def bench():
+        measured.append(1)
+        return 123.0
+    assert trainer_gpu.step_figure(str(same), want, bench)[0] == 170_000.0 and not measured
+    assert trainer_gpu.step_figure(str(other), want, bench) == (123.0, "measured here after the trainer")
+    assert trainer_gpu.step_figure(str(tmp_path / "absent.json"), want, bench)[0] == 123.0 and len(measured) == 2
+
+
+def test_the_bundle_takes_what_the_device_lacks_and_leaves_optional_and_own_packages():
+    bundle = _load(ROOT / "scripts" / "gpu_bundle.py")
+    have = bundle.device_has()
+    assert {"torch", "numpy", "sentencepiece", "pyarrow"} <= have and "pydantic" not in have
+    got = bundle.needed({"pydantic", "torch", "numpy", "pyspark", "mlflow", "pipelines", "json", "botocore"})
+    assert {"pydantic", "mlflow-skinny", "botocore"} <= set(got)
+    assert not {"torch", "numpy", "pyspark", "mlflow", "llm-pipeline"} & set(got)  # there, optional, or ours
+    assert got["pydantic"] == importlib.metadata.version("pydantic")  # the version installed here
