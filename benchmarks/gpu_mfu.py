@@ -48,6 +48,20 @@ SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_
          "train.dtype=fp32"]
 
 
+ONE_PROCESS = ["launcher.nproc_per_node=1", "parallel.dp_shard=1", "parallel.dp_replicate=1"]
+
+
+def no_cuda(args, prog: str) -> bool:
+    """True, having said so, when the rows are to run on a GPU (not ``--device cpu`` / ``--cpu-smoke``) and there is
+    none."""
+    import torch
+
+    if torch.cuda.is_available() or args.cpu_smoke or args.device == "cpu":
+        return False
+    print(f"{prog}: no CUDA device here; run it on a GPU machine (or --device cpu / --cpu-smoke)", file=sys.stderr)
+    return True
+
+
 def _sync(device):
     import torch
 
@@ -251,16 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.spec import SpecError, load_spec
     from pipelines.train.plan import flops_per_token, model_shape, param_count, peak_flops
 
-    on_cpu = args.cpu_smoke or args.device == "cpu"
-    if not torch.cuda.is_available() and not on_cpu:
-        print("gpu_mfu: no CUDA device here; run it on a GPU machine (or --device cpu / --cpu-smoke)",
-              file=sys.stderr)
+    if no_cuda(args, "gpu_mfu"):
         return 2
+    on_cpu = args.cpu_smoke or args.device == "cpu"
     overrides = (SMOKE if args.cpu_smoke else []) + args.overrides
-    one = ["launcher.nproc_per_node=1", "parallel.dp_shard=1", "parallel.dp_replicate=1"]
 
     def spec_with(extra: list[str]):
-        return load_spec(args.spec, overrides + extra + one, env={})
+        return load_spec(args.spec, overrides + extra + ONE_PROCESS, env={})
 
     try:  # a spec or a variant that does not hold says so before anything runs
         builds = row_builds(args, spec_with)

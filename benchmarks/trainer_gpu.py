@@ -75,46 +75,44 @@ def step_figure(path: str | None, want: dict, run_bench) -> tuple[float, str]:
     return run_bench(), "measured here after the trainer"
 
 
+def specs(args, vocab_of_corpus: int):
+    """(the trainer's spec, the step benchmark's: the same model on one process, its vocabulary made explicit)."""
+    from pipelines.spec import load_spec
+
+    smoke = [s for s in gpu_mfu.SMOKE if "vocab_size" not in s] + ["model.vocab_size=null"]  # the corpus's vocab
+    sets = (smoke if args.cpu_smoke else []) + args.overrides + [
+        f"train.steps={args.steps}", f"train.ckpt_every={args.every}", f"train.eval_every={args.every}",
+        "run.name=bench-trainer-gpu", "run.root=var/bench/trainer-gpu", "run.force=true"]  # a lineage of its own
+    spec = load_spec(args.spec, sets, env={})
+    vocab = spec.model.vocab_size or vocab_of_corpus  # the trainer's model, whatever the spec leaves open
+    return spec, load_spec(args.spec, sets + [f"model.vocab_size={vocab}", *gpu_mfu.ONE_PROCESS], env={})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
 
     import torch
 
-    from pipelines.manifest import atomic_write_text, load_manifest
-    from pipelines.spec import SpecError, load_spec
+    from pipelines.manifest import StageError, atomic_write_text, load_manifest
+    from pipelines.spec import SpecError
     from pipelines.train import launch
     from pipelines.train.plan import model_shape, param_count
 
-    on_cpu = args.cpu_smoke or args.device == "cpu"
-    if not torch.cuda.is_available() and not on_cpu:
-        print("trainer_gpu: no CUDA device here; run it on a GPU machine (or --device cpu / --cpu-smoke)",
-              file=sys.stderr)
+    if gpu_mfu.no_cuda(args, "trainer_gpu"):
         return 2
     mpath = tokenize_manifest(args.tokenize_manifest)
-    if mpath is None:
-        print("trainer_gpu: no tokenized corpus: pass --tokenize-manifest, run `make gpu-bundle` or `make demo`",
-              file=sys.stderr)
+    if args.steps <= 5 or args.every < 1 or mpath is None:
+        print("trainer_gpu: --steps must be more than 5 (the warm-up steps) and --every at least 1, with a tokenized "
+              "corpus (--tokenize-manifest, `make gpu-bundle` or `make demo`)", file=sys.stderr)
         return 2
-    if args.steps <= 5 or args.every < 1:
-        print("trainer_gpu: --steps must be more than 5 (the warm-up steps) and --every at least 1", file=sys.stderr)
-        return 2
-    smoke = [s for s in gpu_mfu.SMOKE if "vocab_size" not in s] + ["model.vocab_size=null"]  # the corpus's vocab
-    sets = (smoke if args.cpu_smoke else []) + args.overrides + [
-        f"train.steps={args.steps}", f"train.ckpt_every={args.every}", f"train.eval_every={args.every}",
-        "run.root=var/bench/trainer-gpu", "run.force=true"]
     try:
-        spec = load_spec(args.spec, sets, env={})
-    except SpecError as e:
-        print(f"trainer_gpu: {e}", file=sys.stderr)
-        return 2
-    tok = load_manifest(mpath)
-    m = launch.run(spec, tok)
-    res = json.loads(m.output("result").read_text())
-
-    device = torch.device("cpu") if on_cpu else torch.device("cuda:0")
-    vocab = spec.model.vocab_size or tok.extra["vocab_size"]  # the trainer's model, whatever the spec leaves open
-    bench_spec = load_spec(args.spec, sets + [f"model.vocab_size={vocab}", "launcher.nproc_per_node=1",
-                                              "parallel.dp_shard=1", "parallel.dp_replicate=1"], env={})
+        tok = load_manifest(mpath)
+        spec, bench_spec = specs(args, tok.extra["vocab_size"])
+        res = json.loads(launch.run(spec, tok).output("result").read_text())
+    except (SpecError, StageError, FileNotFoundError, KeyError) as e:  # the trainer failed: 2, or 75 to retry
+        print(f"trainer_gpu: {type(e).__name__}: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    device = torch.device("cpu") if args.cpu_smoke or args.device == "cpu" else torch.device("cuda:0")
 
     def run_bench() -> float:
         r = gpu_mfu.ours(bench_spec, device, steps=min(30, args.steps), warmup=5)
@@ -124,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             "seq_len": spec.model.seq_len, "dtype": spec.train.dtype, "compile": spec.parallel.compile}
     bench, source = step_figure(None if args.cpu_smoke else args.step_json, want, run_bench)
     wall = res.get("steady_wall_tokens_per_s")
-    result = {"spec": args.spec, "overrides": sets, "tokenize_manifest": mpath, "device": res.get("device"),
+    result = {"spec": args.spec, "overrides": args.overrides, "tokenize_manifest": mpath, "device": res.get("device"),
               "steps": args.steps, "every": args.every, "parallel": res.get("parallel"),
               "world_size": res.get("world_size"), "trainer_step_tokens_per_s": res.get("tokens_per_s"),
               "trainer_steady_wall_tokens_per_s": wall, "trainer_goodput_tokens_per_s": res.get("goodput_tokens_per_s"),

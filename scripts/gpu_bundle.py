@@ -118,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_bundle: no tokenized corpus: run `make demo` first or pass --tokenize-manifest", file=sys.stderr)
         return 2
     out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not (out / "bundle.json").is_file():
+        print(f"gpu_bundle: {out} holds files this script did not write (no bundle.json); refusing to replace its "
+              "wheels/ and tokenize/: pass another --out", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    mark = out / "bundle.json"  # the mark that this script wrote here, so that a later run may replace it
+    mark.write_text(json.dumps({"complete": False}))
     dists = needed(imported_modules(tok))
     print(f"gpu_bundle: {len(dists)} distributions the device lacks: {', '.join(f'{k}=={v}' for k, v in dists.items())}")
     shutil.rmtree(out / "wheels", ignore_errors=True)
@@ -127,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         return 75
     shutil.rmtree(out / "tokenize", ignore_errors=True)
     shutil.copytree(tok.parent, out / "tokenize")
-    (out / "bundle.json").write_text(json.dumps({"wheels": dists, "tokenize": str(tok), "python": args.python_version},
-                                                indent=2))
+    mark.write_text(json.dumps({"complete": True, "wheels": dists, "tokenize": str(tok), "python": args.python_version},
+                               indent=2))
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"gpu_bundle: wrote {out} ({size / 2**20:.1f} MiB: {len(list((out / 'wheels').iterdir()))} wheels, the corpus "
           f"of {tok.parent.name}); carry it: run(carry=['.gpu'], command='bash benchmarks/gpu_checks.sh')")

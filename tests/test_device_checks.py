@@ -61,8 +61,18 @@ def test_the_step_figure_is_taken_from_gpu_mfu_only_when_it_measured_the_same_co
     assert trainer_gpu.step_figure(str(tmp_path / "absent.json"), want, bench)[0] == 123.0 and len(measured) == 2
 
 
-def test_the_bundle_takes_what_the_device_lacks_and_leaves_optional_and_own_packages():
+def test_the_bundle_takes_what_the_device_lacks_and_leaves_optional_and_own_packages(tmp_path, capsys):
     bundle = _load(ROOT / "scripts" / "gpu_bundle.py")
+    # a folder it did not write is not replaced; no corpus is the user's to fix: exit 2 both, nothing touched
+    theirs = tmp_path / "theirs"
+    (theirs / "wheels").mkdir(parents=True)
+    (theirs / "wheels" / "keep.txt").write_text("mine")
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text("{}")
+    assert bundle.main(["--out", str(theirs), "--tokenize-manifest", str(manifest)]) == 2
+    assert (theirs / "wheels" / "keep.txt").read_text() == "mine" and "did not write" in capsys.readouterr().err
+    assert bundle.main(["--out", str(tmp_path / "new"), "--tokenize-manifest", str(tmp_path / "none.json")]) == 2
+    assert "no tokenized corpus" in capsys.readouterr().err and not (tmp_path / "new").exists()
     have = bundle.device_has()
     assert {"torch", "numpy", "sentencepiece", "pyarrow"} <= have and "pydantic" not in have
     got = bundle.needed({"pydantic", "torch", "numpy", "pyspark", "mlflow", "pipelines", "json", "botocore"})
