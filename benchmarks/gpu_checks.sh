@@ -6,7 +6,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # corpus in .gpu/tokenize/ (the machine has no Spark); carry it: run(carry=[".gpu"], command="bash benchmarks/gpu_checks.sh")
 #   1. environment (nvidia-smi; python, torch, CUDA, cuDNN, NCCL, triton versions)
 #   2. MFU + bf16: benchmarks/gpu_mfu.py on configs/gpu_350m.yaml (ours vs nanoGPT's recipe, torch.compile(model),
-#      and ours with the full-logits loss), with a torch.profiler table of ours and the recipe in $OUT/profile;
+#      and ours with the full-logits loss; GPU_PROFILE=1: a torch.profiler table of ours and the recipe in $OUT/profile);
 #      then the whole trainer (torchrun, loader, checkpoints, validation, MLflow) on the same config against that
 #      step: benchmarks/trainer_gpu.py (skipped without .gpu/tokenize)
 #   3. checkpoint save stall, model + AdamW state on the GPU: ckpt_bench.py --only stall --device cuda
@@ -103,7 +103,10 @@ EOF
     # 2. MFU + bf16 (compile warm-up included; writes var/bench/gpu_mfu.json)
     rm -f var/bench/gpu_mfu.json
     # (+ a row of ours with the full-logits loss: what the chunked loss is worth)
-    if step "gpu_mfu (ours vs the compiled recipe)" 360 python3 benchmarks/gpu_mfu.py --steps 50 --profile "$OUT/profile" \
+    # (GPU_PROFILE=1: also a torch.profiler table of ours and the recipe in $OUT/profile: two more compiles)
+    PROFILE=()
+    [[ ${GPU_PROFILE:-0} == 1 ]] && PROFILE=(--profile "$OUT/profile")
+    if step "gpu_mfu (ours vs the compiled recipe)" 300 python3 benchmarks/gpu_mfu.py --steps 50 "${PROFILE[@]}" \
         --variant train.loss_chunk_tokens=0; then
         cp var/bench/gpu_mfu.json "$OUT/gpu_mfu.json" && echo "copied gpu_mfu.json to OUT"
     else
@@ -113,7 +116,7 @@ EOF
 
     # 2b. the whole trainer on the same config against that step (steady wall tokens/s ÷ gpu_mfu's ours)
     if [[ -f .gpu/tokenize/manifest.json ]]; then
-        step "the whole trainer vs its step (trainer_gpu)" 270 python3 benchmarks/trainer_gpu.py --steps 60 --every 30 \
+        step "the whole trainer vs its step (trainer_gpu)" 240 python3 benchmarks/trainer_gpu.py --steps 60 --every 30 \
             --tokenize-manifest .gpu/tokenize/manifest.json --step-json var/bench/gpu_mfu.json --out "$OUT/trainer_gpu.json"
     else
         echo "### SKIP trainer_gpu: no .gpu/tokenize (make gpu-bundle here, then carry .gpu)"

@@ -461,7 +461,7 @@ class ParallelCfg(_Section):
                              "(shard with parallel.dp_shard / parallel.tp instead)")
         if self.cp != 1:
             raise ValueError(f"parallel.cp={self.cp}: context parallelism is not implemented; set parallel.cp=1")
-        if self.compile_scope == "model" and (self.tp > 1 or self.dp_shard != 1):
+        if self.compile and self.compile_scope == "model" and (self.tp > 1 or self.dp_shard != 1):
             raise ValueError("parallel.compile_scope=model compiles the whole model as one graph, but FSDP2 "
                              "(parallel.dp_shard) and TP (parallel.tp) wrap each block on its own; use "
                              "parallel.compile_scope=block or auto")

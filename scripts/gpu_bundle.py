@@ -14,7 +14,9 @@ Java, so no Spark, and reaches no package index. This writes:
 
     python scripts/gpu_bundle.py [--tokenize-manifest M] [--out .gpu]     # make gpu-bundle
 
-Exit 2 when there is no tokenized corpus; 75 when the index cannot be reached for a wheel (try again).
+Built aside and swapped in whole (a failed run leaves the last bundle as it was); an ``--out`` that holds anything
+but a bundle of this script is refused. Exit 2 when there is no tokenized corpus, ``--out`` is not ours or the index
+has no wheel of a pin; 75 when the index or the disk did not answer (try again); a failed smoke run's own code.
 """
 from __future__ import annotations
 
@@ -48,6 +50,16 @@ atexit.register(_dump)
 """
 
 
+MARK = "bundle.json"
+MADE_BY = "scripts/gpu_bundle.py"  # the marker's "made_by": only a folder that says so is replaced
+
+
+class BundleError(RuntimeError):
+    def __init__(self, why: str, exit_code: int):
+        super().__init__(why)
+        self.exit_code = exit_code
+
+
 def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -76,7 +88,8 @@ def imported_modules(tok_manifest: Path) -> set[str]:
         for argv in runs:
             r = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True)
             if r.returncode != 0:
-                raise RuntimeError(f"{argv[0]} --cpu-smoke failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
+                raise BundleError(f"{argv[0]} --cpu-smoke failed ({r.returncode}):\n{r.stdout[-2000:]}"
+                                  f"{r.stderr[-3000:]}", r.returncode if r.returncode in (2, 75) else 1)
         return {m for f in Path(dump).glob("*.txt") for m in f.read_text().split()}
 
 
@@ -93,18 +106,42 @@ def needed(modules: set[str]) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def download(dists: dict[str, str], into: Path, python: str) -> list[str]:
-    """pip download each pin as a wheel for CPython ``python`` on manylinux x86-64; the pins it could not get."""
+def download(dists: dict[str, str], into: Path, python: str) -> None:
+    """pip download each pin as a wheel for CPython ``python`` on manylinux x86-64; BundleError naming the pins it
+    could not get: exit 2 when the index has no such wheel (another version or platform is the user's to choose),
+    75 when the index did not answer (try again)."""
     into.mkdir(parents=True, exist_ok=True)
-    missing = []
+    missing, absent = [], False
     for name, version in dists.items():
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
                python, "--implementation", "cp", *(a for p in PLATFORMS for a in ("--platform", p)), "-d", str(into),
                f"{name}=={version}"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            missing.append(f"{name}=={version}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
-    return missing
+            last = (r.stderr.strip().splitlines() or ["?"])[-1]
+            absent |= "No matching distribution" in r.stderr
+            missing.append(f"{name}=={version}: {last}")
+    if missing:
+        raise BundleError("no wheel for:\n  " + "\n  ".join(missing), 2 if absent else 75)
+
+
+def build(tok: Path, into: Path, python: str) -> dict:
+    """Everything in ``into`` (a new folder): the wheels, the corpus, the marker last; returns the marker."""
+    dists = needed(imported_modules(tok))
+    print(f"gpu_bundle: {len(dists)} distributions the device lacks: {', '.join(f'{k}=={v}' for k, v in dists.items())}")
+    download(dists, into / "wheels", python)
+    shutil.copytree(tok.parent, into / "tokenize")
+    mark = {"made_by": MADE_BY, "wheels": dists, "tokenize": str(tok), "python": python}
+    (into / MARK).write_text(json.dumps(mark, indent=2))
+    return mark
+
+
+def ours(out: Path) -> bool:
+    """Whether ``out`` is a bundle this script wrote (its marker says so)."""
+    try:
+        return json.loads((out / MARK).read_text()).get("made_by") == MADE_BY
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,24 +155,25 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_bundle: no tokenized corpus: run `make demo` first or pass --tokenize-manifest", file=sys.stderr)
         return 2
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not (out / "bundle.json").is_file():
-        print(f"gpu_bundle: {out} holds files this script did not write (no bundle.json); refusing to replace its "
-              "wheels/ and tokenize/: pass another --out", file=sys.stderr)
+    if out.exists() and not (out.is_dir() and (ours(out) or not any(out.iterdir()))):
+        print(f"gpu_bundle: {out} is not a bundle this script wrote (no {MARK} of {MADE_BY}); refusing to replace "
+              "it: pass another --out", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    mark = out / "bundle.json"  # the mark that this script wrote here, so that a later run may replace it
-    mark.write_text(json.dumps({"complete": False}))
-    dists = needed(imported_modules(tok))
-    print(f"gpu_bundle: {len(dists)} distributions the device lacks: {', '.join(f'{k}=={v}' for k, v in dists.items())}")
-    shutil.rmtree(out / "wheels", ignore_errors=True)
-    missing = download(dists, out / "wheels", args.python_version)
-    if missing:
-        print("gpu_bundle: no wheel for:\n  " + "\n  ".join(missing), file=sys.stderr)
-        return 75
-    shutil.rmtree(out / "tokenize", ignore_errors=True)
-    shutil.copytree(tok.parent, out / "tokenize")
-    mark.write_text(json.dumps({"complete": True, "wheels": dists, "tokenize": str(tok), "python": args.python_version},
-                               indent=2))
+    if tok.resolve().is_relative_to(out.resolve()):
+        print(f"gpu_bundle: the corpus {tok} lies inside {out}, which this replaces: pass one from var/runs",
+              file=sys.stderr)
+        return 2
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:  # built aside, then swapped in: a failed run leaves the last good bundle as it was
+        build(tok, tmp, args.python_version)
+    except (BundleError, OSError) as e:  # OSError: the disk here (75: try again)
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"gpu_bundle: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 75)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"gpu_bundle: wrote {out} ({size / 2**20:.1f} MiB: {len(list((out / 'wheels').iterdir()))} wheels, the corpus "
           f"of {tok.parent.name}); carry it: run(carry=['.gpu'], command='bash benchmarks/gpu_checks.sh')")

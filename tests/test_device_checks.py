@@ -36,9 +36,12 @@ def test_the_whole_trainer_runs_beside_its_step_benchmark_on_cpu(home, trainer_g
     assert r["trainer_step_tokens_per_s"] > 0 and r["trainer_steady_wall_tokens_per_s"] > 0
     assert r["trainer_goodput_tokens_per_s"] > 0 and r["step_bench_tokens_per_s"] > 0
     assert r["step_bench_from"] == "measured here after the trainer"  # no speed assertion: the row is reported
-    assert r["ratio"] == pytest.approx(r["trainer_steady_wall_tokens_per_s"] / r["step_bench_tokens_per_s"])
+    assert r["world_size"] == 1 and r["ratio"] == pytest.approx(
+        r["trainer_steady_wall_tokens_per_s"] / r["step_bench_tokens_per_s"])  # per process: one here
     assert r["params"] < 1e6  # the smoke model, at the corpus's vocabulary (500)
     assert "wall ÷ benchmark" in capsys.readouterr().out
+    # a folder as --out is refused before anything runs (not after minutes of training)
+    assert trainer_gpu.main(["--cpu-smoke", "--tokenize-manifest", tok.path, "--out", str(tmp_path)]) == 2
     if not torch.cuda.is_available():
         assert trainer_gpu.main(["--tokenize-manifest", tok.path, "--out", str(tmp_path / "x.json")]) == 2
         assert "no CUDA device here" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
@@ -70,9 +73,19 @@ def test_the_bundle_takes_what_the_device_lacks_and_leaves_optional_and_own_pack
     manifest = tmp_path / "manifest.json"
     manifest.write_text("{}")
     assert bundle.main(["--out", str(theirs), "--tokenize-manifest", str(manifest)]) == 2
-    assert (theirs / "wheels" / "keep.txt").read_text() == "mine" and "did not write" in capsys.readouterr().err
+    assert (theirs / "wheels" / "keep.txt").read_text() == "mine" and "not a bundle" in capsys.readouterr().err
+    (theirs / "bundle.json").write_text(json.dumps({"made_by": "another tool"}))  # a marker that is not ours
+    assert bundle.main(["--out", str(theirs), "--tokenize-manifest", str(manifest)]) == 2
+    assert (theirs / "wheels" / "keep.txt").read_text() == "mine" and "did not write" not in capsys.readouterr().out
     assert bundle.main(["--out", str(tmp_path / "new"), "--tokenize-manifest", str(tmp_path / "none.json")]) == 2
     assert "no tokenized corpus" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    # the corpus inside the bundle it would replace: refused before anything is removed
+    mine = tmp_path / "mine"
+    (mine / "tokenize").mkdir(parents=True)
+    (mine / "bundle.json").write_text(json.dumps({"made_by": bundle.MADE_BY}))
+    (mine / "tokenize" / "manifest.json").write_text("{}")
+    assert bundle.main(["--out", str(mine), "--tokenize-manifest", str(mine / "tokenize" / "manifest.json")]) == 2
+    assert "lies inside" in capsys.readouterr().err and (mine / "tokenize" / "manifest.json").exists()
     have = bundle.device_has()
     assert {"torch", "numpy", "sentencepiece", "pyarrow"} <= have and "pydantic" not in have
     got = bundle.needed({"pydantic", "torch", "numpy", "pyspark", "mlflow", "pipelines", "json", "botocore"})

@@ -47,6 +47,28 @@ def test_compile_scope_is_one_graph_on_one_process_and_per_block_where_wrappers_
     assert len(keys) == 1
 
 
+def test_a_restore_keeps_the_optimizer_kernel_this_run_chose():
+    """A checkpoint saved by a multi-tensor AdamW (an older run, or tensor parallel alone) restored into a fused one
+    (and back): the state comes back, the kernel stays this run's."""
+    from pipelines.train.ckpt.checkpointer import keeping_kernels
+
+    def trained(fused: bool):
+        torch.manual_seed(0)
+        model = Transformer(ModelArgs(vocab_size=50, n_layers=1, d_model=16, n_heads=2, seq_len=8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=None if fused else True)
+        model(torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))).backward()
+        opt.step()
+        return opt
+    for saved, mine in ((False, True), (True, False)):
+        old, new = trained(saved), trained(mine)
+        old.param_groups[0]["lr"] = 0.5  # a saved option that a restore does take
+        keeping_kernels(new, lambda: new.load_state_dict(old.state_dict()))
+        g = new.param_groups[0]
+        assert bool(g["fused"]) is mine and bool(g["foreach"]) is (not mine) and g["lr"] == 0.5
+        assert all(torch.equal(new.state[p]["exp_avg"], old.state[q]["exp_avg"])
+                   for p, q in zip(g["params"], old.param_groups[0]["params"]))
+
+
 def test_model_is_causal():
     torch.manual_seed(0)
     m = Transformer(ModelArgs(vocab_size=50, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, seq_len=16)).eval()

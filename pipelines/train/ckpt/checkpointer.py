@@ -38,6 +38,8 @@ from pipelines.storage import faults
 from pipelines.train.ckpt import fence, fence_l2, local as ckpt_local, protocol as ck, tiers as ckpt_tiers
 from pipelines.train.ckpt.promoter import Events, Promoter, Topology, lower_priority
 
+KERNEL_KEYS = ("fused", "foreach")  # optimizer options a restore keeps as this run built them
+
 
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.numpy().tobytes()).decode()
@@ -103,6 +105,16 @@ def free_bytes(where: Path) -> Optional[int]:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def keeping_kernels(opt: torch.optim.Optimizer, load: Callable[[], None]) -> None:
+    """``load()`` (which sets ``opt``'s state and options from a checkpoint), keeping how ``opt`` steps as this run
+    built it: the saver's ``fused``/``foreach`` may not fit this run (the fused kernel cannot take the DTensors and
+    plain tensors that a resharded world may mix), and an older checkpoint would slow this one down."""
+    kernels = [{k: g.get(k) for k in KERNEL_KEYS} for g in opt.param_groups]
+    load()
+    for g, k in zip(opt.param_groups, kernels):
+        g.update(k)
 
 
 def new_stager():
@@ -354,7 +366,7 @@ class Checkpointer:
         msd, osd = get_state_dict(model, opt)
         with dcp_errors("loading", path):
             dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path), process_group=self.pg)
-        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        keeping_kernels(opt, lambda: set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd))
         rngs = json.loads((path / "rng.json").read_text())
         if len(rngs) == self.world:
             set_rng_state(rngs[self.rank])
