@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 #   2. MFU + bf16: benchmarks/gpu_mfu.py on configs/gpu_350m.yaml (ours vs nanoGPT's recipe, torch.compile(model),
 #      and ours with the full-logits loss; GPU_PROFILE=1: a torch.profiler table of ours and the recipe in $OUT/profile);
 #      then the whole trainer (torchrun, loader, checkpoints, validation, MLflow) on the same config against that
-#      step: benchmarks/trainer_gpu.py (skipped without .gpu/tokenize)
+#      step: benchmarks/trainer_gpu.py (skipped without .gpu/tokenize); then gpu_mfu.py on configs/gpu_1b.yaml (0.9 B)
 #   3. checkpoint save stall, model + AdamW state on the GPU: ckpt_bench.py --only stall --device cuda
 #   4. NCCL: torchrun (1 process) joins an nccl group and all-reduces; then the stall of 3 with the NCCL
 #      default group (the Checkpointer's collectives on it, as in a GPU training run)
@@ -122,6 +122,10 @@ EOF
         echo "### SKIP trainer_gpu: no .gpu/tokenize (make gpu-bundle here, then carry .gpu)"
         SUMMARY+=("trainer_gpu: skipped (no .gpu/tokenize)")
     fi
+
+    # 2c. the same comparison on the ~1 B config (ours and the compiled recipe)
+    step "gpu_mfu 1B (ours vs the compiled recipe)" 240 python3 benchmarks/gpu_mfu.py --spec configs/gpu_1b.yaml \
+        --steps 30 --out "$OUT/gpu_mfu_1b.json"
 
     # 3. async checkpoint stall with the model + AdamW state on the GPU (default gloo group)
     step "ckpt stall, device cuda" 180 python3 benchmarks/ckpt_bench.py --only stall --device cuda \

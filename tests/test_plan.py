@@ -238,6 +238,8 @@ def test_gpu_mfu_benchmark_runs_its_cpu_smoke_and_refuses_without_a_gpu(tmp_path
     assert "vs the fastest anchor" in capsys.readouterr().out
     plan = P.memory_plan(load_spec("configs/gpu_350m.yaml", env={}))
     assert 350e6 <= plan["params"] <= 1e9 and plan["fits"]  # the measured config is in the range
+    big = P.memory_plan(load_spec("configs/gpu_1b.yaml", env={}))
+    assert 0.85e9 <= big["params"] <= 1.1e9 and big["fits"]  # and the "~1 B config"
     # a variant that is no setting stops before any row runs: one line, exit 2
     assert gm.main(["--cpu-smoke", "--variant", "train.no_such=1", "--out", str(tmp_path / "v.json")]) == 2
     assert "no_such" in capsys.readouterr().err and not (tmp_path / "v.json").exists()
