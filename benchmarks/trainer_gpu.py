@@ -11,7 +11,8 @@ it again. The row:
 * its **steady wall** rate (``steady_wall_tokens_per_s``: after the first 5 steps, everything but validation —
   logging, MLflow, checkpoint stalls, the background saves and promotions competing for the machine);
 * its **goodput** (the whole fit's wall rate: compile, validation and all);
-* ``ratio`` = steady wall per process ÷ the step benchmark (one process; issue 53 asks ≥ 0.95 on a GPU).
+* ``ratio`` = steady wall per process ÷ the step benchmark (one process; data parallel: every process trains
+  the step's batch; issue 53 asks ≥ 0.95 on a GPU).
 
     python benchmarks/trainer_gpu.py --tokenize-manifest M [--steps 60] [--every 20] [--step-json J] [--set k=v]
     python benchmarks/trainer_gpu.py --cpu-smoke --tokenize-manifest M    # a tiny config on CPU: checks the script
@@ -108,17 +109,21 @@ def main(argv: list[str] | None = None) -> int:
               "a tokenized corpus (--tokenize-manifest, `make gpu-bundle` or `make demo`)", file=sys.stderr)
         return 2
     on_cpu = args.cpu_smoke or args.device == "cpu"
-    if on_cpu:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the trainer's ranks too: the step benchmark runs on the CPU
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         tok = load_manifest(mpath)
         if not isinstance(tok.extra.get("vocab_size"), int):
             raise StageError(f"{mpath} is not a tokenize stage's manifest (no vocab_size)")
         spec, bench_spec = specs(args, tok.extra["vocab_size"])
+        if on_cpu:  # the trainer's ranks on the CPU too, as the step benchmark below
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
         res = json.loads(launch.run(spec, tok).output("result").read_text())
     except (SpecError, StageError, FileNotFoundError) as e:  # the input, or the trainer failed: 2, or 75 to retry
         print(f"trainer_gpu: {type(e).__name__}: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
+    finally:  # as it was, for whatever runs in this process next
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None) if hidden is None else os.environ.update(
+            CUDA_VISIBLE_DEVICES=hidden)
     device = torch.device("cpu") if on_cpu else torch.device("cuda:0")
 
     def run_bench() -> float:

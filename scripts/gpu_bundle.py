@@ -16,7 +16,8 @@ Java, so no Spark, and reaches no package index. This writes:
 
 Built aside and swapped in whole (a failed run leaves the last bundle as it was); an ``--out`` that holds anything
 but a bundle of this script is refused. Exit 2 when there is no tokenized corpus, ``--out`` is not ours or the index
-has no wheel of a pin; 75 when the index or the disk did not answer (try again); a failed smoke run's own code.
+has no wheel of a pin; 75 when the index or the disk did not answer (try again); a failed smoke run's own code
+when it is 2 or 75, else 1.
 """
 from __future__ import annotations
 
@@ -119,7 +120,9 @@ def download(dists: dict[str, str], into: Path, python: str) -> None:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["?"])[-1]
-            absent |= "No matching distribution" in r.stderr
+            # the index answered without this wheel (it lists other versions); "from versions: none" is also what an
+            # index that did not answer gives: that one is retried
+            absent |= "No matching distribution" in r.stderr and "from versions: none" not in r.stderr
             missing.append(f"{name}=={version}: {last}")
     if missing:
         raise BundleError("no wheel for:\n  " + "\n  ".join(missing), 2 if absent else 75)
@@ -144,6 +147,32 @@ def ours(out: Path) -> bool:
         return False
 
 
+def refusal(tok: Path | None, raw_out: Path) -> str | None:
+    """Why this run must not go ahead (the user's to fix), or None."""
+    if tok is None or not tok.is_file():
+        return "no tokenized corpus: run `make demo` first or pass --tokenize-manifest"
+    out = raw_out.resolve()
+    if raw_out.is_symlink() or (out.exists() and not (out.is_dir() and (ours(out) or not any(out.iterdir())))):
+        return (f"{raw_out} is not a bundle this script wrote (a folder with the {MARK} of {MADE_BY}); refusing to "
+                "replace it: pass another --out (or delete it, if it is a bundle of an older version of this script)")
+    corpus = tok.parent.resolve()
+    if corpus.is_relative_to(out) or out.is_relative_to(corpus):
+        return f"the corpus {corpus} and --out {out} lie one inside the other: pass a corpus from var/runs"
+    return None
+
+
+def swap_in(tmp: Path, out: Path) -> None:
+    """``tmp`` becomes ``out``; the bundle there before is moved aside first and removed last."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+        old.rmdir()
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenize-manifest", default=None, help="default: the newest under var/runs/tokenize")
@@ -151,29 +180,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python-version", default="3.12", help="the device machine's CPython (default 3.12)")
     args = ap.parse_args(argv)
     tok = Path(args.tokenize_manifest) if args.tokenize_manifest else newest_tokenize()
-    if tok is None or not tok.is_file():
-        print("gpu_bundle: no tokenized corpus: run `make demo` first or pass --tokenize-manifest", file=sys.stderr)
+    why = refusal(tok, Path(args.out))
+    if why:
+        print(f"gpu_bundle: {why}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    if out.exists() and not (out.is_dir() and (ours(out) or not any(out.iterdir()))):
-        print(f"gpu_bundle: {out} is not a bundle this script wrote (no {MARK} of {MADE_BY}); refusing to replace "
-              "it: pass another --out", file=sys.stderr)
-        return 2
-    if tok.resolve().is_relative_to(out.resolve()):
-        print(f"gpu_bundle: the corpus {tok} lies inside {out}, which this replaces: pass one from var/runs",
-              file=sys.stderr)
-        return 2
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    out = Path(args.out).resolve()  # '.', '..' made plain: the folder built aside is a sibling, never inside it
+    tmp = None
     try:  # built aside, then swapped in: a failed run leaves the last good bundle as it was
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
         build(tok, tmp, args.python_version)
-    except (BundleError, OSError) as e:  # OSError: the disk here (75: try again)
-        shutil.rmtree(tmp, ignore_errors=True)
+        swap_in(tmp, out)
+    except (BundleError, OSError) as e:  # OSError: the disk here: 2 when refused (permissions), else 75 (try again)
         print(f"gpu_bundle: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 75)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+        return getattr(e, "exit_code", 2 if isinstance(e, PermissionError) else 75)
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"gpu_bundle: wrote {out} ({size / 2**20:.1f} MiB: {len(list((out / 'wheels').iterdir()))} wheels, the corpus "
           f"of {tok.parent.name}); carry it: run(carry=['.gpu'], command='bash benchmarks/gpu_checks.sh')")

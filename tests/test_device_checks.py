@@ -85,10 +85,35 @@ def test_the_bundle_takes_what_the_device_lacks_and_leaves_optional_and_own_pack
     (mine / "bundle.json").write_text(json.dumps({"made_by": bundle.MADE_BY}))
     (mine / "tokenize" / "manifest.json").write_text("{}")
     assert bundle.main(["--out", str(mine), "--tokenize-manifest", str(mine / "tokenize" / "manifest.json")]) == 2
-    assert "lies inside" in capsys.readouterr().err and (mine / "tokenize" / "manifest.json").exists()
+    assert "one inside the other" in capsys.readouterr().err and (mine / "tokenize" / "manifest.json").exists()
+    corpus = tmp_path / "corpus"  # and --out inside the corpus's folder (the copy would copy itself)
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text("{}")
+    assert bundle.main(["--out", str(corpus / "out"), "--tokenize-manifest", str(corpus / "manifest.json")]) == 2
+    assert "one inside the other" in capsys.readouterr().err and not (corpus / "out").exists()
+    link = tmp_path / "link"  # a link as --out is not replaced (nor what it points to)
+    link.symlink_to(mine)
+    assert bundle.main(["--out", str(link), "--tokenize-manifest", str(corpus / "manifest.json")]) == 2
+    assert link.is_symlink() and (mine / "bundle.json").exists()
     have = bundle.device_has()
     assert {"torch", "numpy", "sentencepiece", "pyarrow"} <= have and "pydantic" not in have
     got = bundle.needed({"pydantic", "torch", "numpy", "pyspark", "mlflow", "pipelines", "json", "botocore"})
     assert {"pydantic", "mlflow-skinny", "botocore"} <= set(got)
     assert not {"torch", "numpy", "pyspark", "mlflow", "llm-pipeline"} & set(got)  # there, optional, or ours
     assert got["pydantic"] == importlib.metadata.version("pydantic")  # the version installed here
+
+
+def test_a_new_bundle_replaces_the_old_one_whole():
+    import tempfile
+    from pathlib import Path
+
+    bundle = _load(ROOT / "scripts" / "gpu_bundle.py")
+    with tempfile.TemporaryDirectory() as d:
+        out, new = Path(d) / ".gpu", Path(d) / ".gpu.tmp-1"
+        (out / "wheels").mkdir(parents=True)
+        (out / "wheels" / "old-1.0-py3-none-any.whl").write_text("old")
+        (new / "wheels").mkdir(parents=True)
+        (new / "wheels" / "new-2.0-py3-none-any.whl").write_text("new")
+        bundle.swap_in(new, out)
+        assert [p.name for p in (out / "wheels").iterdir()] == ["new-2.0-py3-none-any.whl"]
+        assert sorted(p.name for p in Path(d).iterdir()) == [".gpu"]  # neither the old one nor the new one's folder

@@ -107,14 +107,14 @@ def free_bytes(where: Path) -> Optional[int]:
     return st.f_bavail * st.f_frsize
 
 
-def keeping_kernels(opt: torch.optim.Optimizer, load: Callable[[], None]) -> None:
-    """``load()`` (which sets ``opt``'s state and options from a checkpoint), keeping how ``opt`` steps as this run
-    built it: the saver's ``fused``/``foreach`` may not fit this run (the fused kernel cannot take the DTensors and
-    plain tensors that a resharded world may mix), and an older checkpoint would slow this one down."""
-    kernels = [{k: g.get(k) for k in KERNEL_KEYS} for g in opt.param_groups]
-    load()
-    for g, k in zip(opt.param_groups, kernels):
-        g.update(k)
+def keeping_kernels(opt: torch.optim.Optimizer, osd: dict) -> dict:
+    """``osd``, an optimizer state dict about to be loaded into ``opt``, with each group's ``fused``/``foreach`` set to
+    how ``opt`` steps as this run built it: the saver's may not fit this run (the fused kernel cannot take the
+    DTensors and plain tensors that a resharded world may mix), an older checkpoint would slow this one down, and
+    torch places each parameter's ``step`` (on its device or the CPU) by the loaded group's ``fused``."""
+    for mine, saved in zip(opt.param_groups, osd.get("param_groups", [])):
+        saved.update({k: mine.get(k) for k in KERNEL_KEYS})
+    return osd
 
 
 def new_stager():
@@ -366,7 +366,7 @@ class Checkpointer:
         msd, osd = get_state_dict(model, opt)
         with dcp_errors("loading", path):
             dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path), process_group=self.pg)
-        keeping_kernels(opt, lambda: set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=keeping_kernels(opt, osd))
         rngs = json.loads((path / "rng.json").read_text())
         if len(rngs) == self.world:
             set_rng_state(rngs[self.rank])
