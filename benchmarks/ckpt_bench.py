@@ -396,8 +396,10 @@ def print_two_nodes(rows: dict) -> None:
 
 
 def _newest_tokenize_manifest() -> str | None:
-    found = sorted((ROOT / "var" / "runs" / "tokenize").glob("*/manifest.json"), key=os.path.getmtime)
-    return str(found[-1]) if found else None
+    from pipelines.manifest import newest_manifest
+
+    found = newest_manifest(ROOT / "var" / "runs", "tokenize")
+    return str(found) if found else None
 
 
 def main(argv: list[str] | None = None) -> int:

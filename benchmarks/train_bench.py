@@ -105,18 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.out = args.out or str(ROOT / "var" / "bench" / ("train_validation.json" if args.validation else "train.json"))
 
-    from pipelines.manifest import atomic_write_text, load_manifest
+    from pipelines.manifest import atomic_write_text, load_manifest, newest_manifest
     from pipelines.spec import load_spec
     from pipelines.train import launch
 
     mpath = args.tokenize_manifest
     if mpath is None:
-        found = sorted((ROOT / "var" / "runs" / "tokenize").glob("*/manifest.json"), key=os.path.getmtime)
-        if not found:
+        found = newest_manifest(ROOT / "var" / "runs", "tokenize")
+        if found is None:
             print("train_bench: no tokenize manifest under var/runs; run `make demo` first or pass "
                   "--tokenize-manifest", file=sys.stderr)
             return 2
-        mpath = str(found[-1])
+        mpath = str(found)
     tok = load_manifest(mpath)
     base = [f"train.steps={args.steps}", f"train.ckpt_every={args.steps}", "run.root=var/bench/train-runs",
             "run.force=true", *args.overrides]

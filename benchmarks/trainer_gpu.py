@@ -58,8 +58,10 @@ def tokenize_manifest(given: str | None) -> str | None:
         return given
     if BUNDLED.is_file():
         return str(BUNDLED)
-    found = sorted((ROOT / "var" / "runs" / "tokenize").glob("*/manifest.json"), key=os.path.getmtime)
-    return str(found[-1]) if found else None
+    from pipelines.manifest import newest_manifest
+
+    found = newest_manifest(ROOT / "var" / "runs", "tokenize")
+    return str(found) if found else None
 
 
 def step_figure(path: str | None, want: dict, run_bench) -> tuple[float, str]:

@@ -171,6 +171,13 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     return m
 
 
+def newest_manifest(runs: str | os.PathLike, stage: str) -> Optional[Path]:
+    """The most recently written manifest of ``stage`` under ``runs`` (``runs/<stage>/<key>/manifest.json``: what a
+    benchmark takes when not told which run), or None when there is none."""
+    found = sorted((Path(runs) / stage).glob(f"*/{MANIFEST_NAME}"), key=os.path.getmtime)
+    return found[-1] if found else None
+
+
 _FIELD_TYPES = (("stage", str), ("config_hash", str), ("inputs", list), ("outputs", list), ("counts", dict),
                 ("metrics", dict), ("extra", dict))
 

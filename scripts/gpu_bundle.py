@@ -33,6 +33,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipelines.manifest import newest_manifest  # noqa: E402  (this checkout's package, run as a script)
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(5, 40)] + ["manylinux2014_x86_64", "manylinux2010_x86_64",
                                                                      "manylinux1_x86_64"]
 # imported here but not needed there: each is imported by a package only when it is installed
@@ -68,11 +71,6 @@ def canonical(name: str) -> str:
 def device_has() -> set[str]:
     lines = (ROOT / "benchmarks" / "device_packages.txt").read_text().splitlines()
     return {canonical(x.strip()) for x in lines if x.strip() and not x.startswith("#")}
-
-
-def newest_tokenize() -> Path | None:
-    found = sorted((ROOT / "var" / "runs" / "tokenize").glob("*/manifest.json"), key=os.path.getmtime)
-    return found[-1] if found else None
 
 
 def imported_modules(tok_manifest: Path) -> set[str]:
@@ -179,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / ".gpu"))
     ap.add_argument("--python-version", default="3.12", help="the device machine's CPython (default 3.12)")
     args = ap.parse_args(argv)
-    tok = Path(args.tokenize_manifest) if args.tokenize_manifest else newest_tokenize()
+    tok = Path(args.tokenize_manifest) if args.tokenize_manifest else newest_manifest(ROOT / "var" / "runs", "tokenize")
     why = refusal(tok, Path(args.out))
     if why:
         print(f"gpu_bundle: {why}", file=sys.stderr)
