@@ -5,8 +5,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # mlflow-skinny, botocore & co.) from .gpu/wheels/, which `make gpu-bundle` fills here together with a tokenized
 # corpus in .gpu/tokenize/ (the machine has no Spark); carry it: run(carry=[".gpu"], command="bash benchmarks/gpu_checks.sh")
 #   1. environment (nvidia-smi; python, torch, CUDA, cuDNN, NCCL, triton versions)
-#   2. MFU + bf16: benchmarks/gpu_mfu.py on configs/gpu_350m.yaml (ours vs nanoGPT's recipe, torch.compile(model),
-#      and ours with the full-logits loss; GPU_PROFILE=1: a torch.profiler table of ours and the recipe in $OUT/profile);
+#   2. MFU + bf16: benchmarks/gpu_mfu.py on configs/gpu_350m.yaml (ours vs nanoGPT's recipe, torch.compile(model);
+#      GPU_VARIANTS="k=v …": rows of ours with a setting changed, e.g. the full-logits loss train.loss_chunk_tokens=0;
+#      GPU_PROFILE=1: a torch.profiler table of ours and the recipe in $OUT/profile: each a compile more);
 #      then the whole trainer (torchrun, loader, checkpoints, validation, MLflow) on the same config against that
 #      step: benchmarks/trainer_gpu.py (skipped without .gpu/tokenize); then gpu_mfu.py on configs/gpu_1b.yaml (0.9 B)
 #   3. checkpoint save stall, model + AdamW state on the GPU: ckpt_bench.py --only stall --device cuda
@@ -25,13 +26,14 @@ START=$SECONDS
 END=$((START + ${GPU_CHECKS_BUDGET_S:-540}))
 SUMMARY=()
 
-step() {  # step NAME CAP_S CMD...: run CMD under timeout min(CAP_S, time left); its rc, never fatal
-    local name=$1 cap=$2 left t t0 rc
+step() {  # [STEP_MIN_S=S] step NAME CAP_S CMD...: run CMD under timeout min(CAP_S, time left); its rc, never fatal;
+    # skipped when less than STEP_MIN_S (default 20) seconds are left: a step that cannot finish is not started
+    local name=$1 cap=$2 min=${STEP_MIN_S:-20} left t t0 rc
     shift 2
     left=$((END - SECONDS))
     t=$((cap < left ? cap : left))
-    if ((t < 20)); then
-        echo "### SKIP $name: ${left} s left of the budget"
+    if ((t < min)); then
+        echo "### SKIP $name: ${left} s left of the budget, it needs ${min} s"
         SUMMARY+=("$name: skipped (budget)")
         return 99
     fi
@@ -102,12 +104,15 @@ EOF
 
     # 2. MFU + bf16 (compile warm-up included; writes var/bench/gpu_mfu.json)
     rm -f var/bench/gpu_mfu.json
-    # (+ a row of ours with the full-logits loss: what the chunked loss is worth)
-    # (GPU_PROFILE=1: also a torch.profiler table of ours and the recipe in $OUT/profile: two more compiles)
-    PROFILE=()
-    [[ ${GPU_PROFILE:-0} == 1 ]] && PROFILE=(--profile "$OUT/profile")
-    if step "gpu_mfu (ours vs the compiled recipe)" 300 python3 benchmarks/gpu_mfu.py --steps 50 "${PROFILE[@]}" \
-        --variant train.loss_chunk_tokens=0; then
+    # Each row costs a compile of its own (its "build + warm-up s" column), so by default only the two rows the
+    # targets need; then the whole trainer and the 1B rows. More, when the budget allows:
+    #   GPU_VARIANTS="train.loss_chunk_tokens=0"  a row of ours with each setting (here the full-logits loss: what
+    #                                             the chunked loss is worth), space-separated
+    #   GPU_PROFILE=1                             a torch.profiler table of ours and the recipe in $OUT/profile
+    EXTRA=()
+    [[ ${GPU_PROFILE:-0} == 1 ]] && EXTRA+=(--profile "$OUT/profile")
+    for kv in ${GPU_VARIANTS:-}; do EXTRA+=(--variant "$kv"); done
+    if step "gpu_mfu (ours vs the compiled recipe)" 300 python3 benchmarks/gpu_mfu.py --steps 50 "${EXTRA[@]}"; then
         cp var/bench/gpu_mfu.json "$OUT/gpu_mfu.json" && echo "copied gpu_mfu.json to OUT"
     else
         step "gpu_mfu fallback (parallel.compile=false)" 150 python3 benchmarks/gpu_mfu.py --steps 30 \
@@ -116,7 +121,7 @@ EOF
 
     # 2b. the whole trainer on the same config against that step (steady wall tokens/s ÷ gpu_mfu's ours)
     if [[ -f .gpu/tokenize/manifest.json ]]; then
-        step "the whole trainer vs its step (trainer_gpu)" 240 python3 benchmarks/trainer_gpu.py --steps 60 --every 30 \
+        STEP_MIN_S=90 step "the whole trainer vs its step (trainer_gpu)" 240 python3 benchmarks/trainer_gpu.py --steps 60 --every 30 \
             --tokenize-manifest .gpu/tokenize/manifest.json --step-json var/bench/gpu_mfu.json --out "$OUT/trainer_gpu.json"
     else
         echo "### SKIP trainer_gpu: no .gpu/tokenize (make gpu-bundle here, then carry .gpu)"
@@ -124,7 +129,7 @@ EOF
     fi
 
     # 2c. the same comparison on the ~1 B config (ours and the compiled recipe)
-    step "gpu_mfu 1B (ours vs the compiled recipe)" 240 python3 benchmarks/gpu_mfu.py --spec configs/gpu_1b.yaml \
+    STEP_MIN_S=120 step "gpu_mfu 1B (ours vs the compiled recipe)" 240 python3 benchmarks/gpu_mfu.py --spec configs/gpu_1b.yaml \
         --steps 30 --out "$OUT/gpu_mfu_1b.json"
 
     # 3. async checkpoint stall with the model + AdamW state on the GPU (default gloo group)

@@ -69,6 +69,16 @@ def test_a_restore_keeps_the_optimizer_kernel_this_run_chose():
                    for p, q in zip(g["params"], old.param_groups[0]["params"]))
 
 
+def test_a_cpu_node_with_idle_cores_is_told_which_thread_count_uses_them():
+    from pipelines.train.trainer import idle_cores_note
+
+    assert idle_cores_note(1, 2, 2) is None and idle_cores_note(2, 1, 2) is None  # the demo: 2 ranks of 1 thread
+    assert idle_cores_note(4, 4, 8) is None  # more threads than cores is the user's choice, not idle cores
+    one = idle_cores_note(1, 1, 2)
+    assert "use 1 of the 2 cores" in one and "launcher.threads_per_proc=2 would" in one
+    assert "launcher.threads_per_proc=2 would" in idle_cores_note(1, 3, 8)  # 3 ranks × 2 threads of 8 cores
+
+
 def test_model_is_causal():
     torch.manual_seed(0)
     m = Transformer(ModelArgs(vocab_size=50, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, seq_len=16)).eval()

@@ -161,6 +161,16 @@ def init_distributed(spec: JobSpec) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def idle_cores_note(threads: int, local_ranks: int, cores: int) -> str | None:
+    """On CPU, when this node's ranks leave cores idle (``launcher.threads_per_proc`` is 1 by default, torchrun's
+    choice): the line that says so and what would use them (one rank of 1 thread on 2 cores trains at half the
+    speed: measured with ``benchmarks/trainer_gpu.py --device cpu``, docs/training.md)."""
+    if threads * local_ranks >= cores:
+        return None
+    return (f"[train] CPU: {local_ranks} rank(s) × launcher.threads_per_proc={threads} use {threads * local_ranks} of "
+            f"the {cores} cores this node gives us; launcher.threads_per_proc={cores // local_ranks} would use them all")
+
+
 def runtime_batch(spec: JobSpec, dp: int, saved_global: Optional[int]) -> tuple[int, int]:
     """(global batch, grad accumulation) for this world's DP size. The global batch is the checkpoint's when
     resuming, else ``train.global_batch``, else micro × accum × DP; accumulation makes up the difference, so an
@@ -245,6 +255,11 @@ class Trainer:
         self.notice = notice or Notice()
         self.rank, self.world, self.device = init_distributed(spec)
         self.log = (lambda m: print(m, flush=True)) if self.rank == 0 else (lambda m: None)
+        if self.device.type == "cpu":
+            note = idle_cores_note(spec.launcher.threads_per_proc, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                   len(os.sched_getaffinity(0)))
+            if note:
+                self.log(note)
         torch.manual_seed(spec.run.seed)
         self._data(tok_manifest_path)
         self.rel_root = _rel_root(spec, ckpt_root)
