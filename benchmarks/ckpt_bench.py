@@ -402,7 +402,7 @@ def _newest_tokenize_manifest() -> str | None:
     return str(found) if found else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenize-manifest", default=None, help="For the goodput runs (default: the newest under var/runs).")
     ap.add_argument("--steps", type=int, default=150, help="Steps of each goodput run.")
@@ -416,33 +416,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
                     help="--only stall: the default process group (nccl: run it under torchrun, --device cuda).")
     args = ap.parse_args(argv)
-    if args.only == "stall":
-        return only_stall(args)
-    if args.device != "cpu" or args.backend != "gloo":
+    if args.only != "stall" and (args.device != "cpu" or args.backend != "gloo"):
         ap.error("--device/--backend apply to --only stall")
-    args.out = args.out or str(ROOT / "var" / "bench" / "ckpt.json")
-    tok = args.tokenize_manifest or _newest_tokenize_manifest()
-    if tok is None:
-        print("ckpt_bench: no tokenize manifest under var/runs; run `make demo` first or pass --tokenize-manifest",
-              file=sys.stderr)
-        return 2
+    return args
+
+
+def only_nodes(tok: str, out: str) -> int:
+    from pipelines.manifest import atomic_write_text
+    from pipelines.storage import s3
+
+    url = s3.start()
+    try:
+        rows = two_node_rows(tok, url)
+    finally:
+        s3.stop()
+    if rows:
+        print_two_nodes(rows)
+        atomic_write_text(out.replace(".json", "-nodes.json"), json.dumps(rows, indent=2))
+    return 0
+
+
+def every_part(args, tok: str) -> dict:
+    """The stall rows (one process group of one rank), the promotion row, the goodput runs and the two nodes."""
     import torch
     import torch.distributed as dist
 
-    from pipelines.manifest import atomic_write_text
+    from pipelines.storage import s3
 
-    if args.only == "nodes":
-        from pipelines.storage import s3
-
-        url = s3.start()
-        try:
-            rows = two_node_rows(tok, url)
-        finally:
-            s3.stop()
-        if rows:
-            print_two_nodes(rows)
-            atomic_write_text(args.out.replace(".json", "-nodes.json"), json.dumps(rows, indent=2))
-        return 0
     torch.set_num_threads(2)
     base = ROOT / "var" / "bench" / "ckpt-sizes"
     shutil.rmtree(base, ignore_errors=True)
@@ -452,8 +452,6 @@ def main(argv: list[str] | None = None) -> int:
         stalls, ckpt = stall_rows(args.sizes.split(","), base)
     finally:
         dist.destroy_process_group()
-    from pipelines.storage import s3
-
     url = s3.start()  # the embedded S3 endpoint (rclone serve s3) on 127.0.0.1 for L2
     try:
         promo = promotion_row(ckpt, base, url)
@@ -462,19 +460,41 @@ def main(argv: list[str] | None = None) -> int:
         nodes = two_node_rows(tok, url)
     finally:
         s3.stop()
-    result = {"stall": stalls, "promotion": promo, "goodput": good, "two_nodes": nodes,
-              "machine": {"cpus": os.cpu_count()}}
-    print_stalls(stalls)
+    return {"stall": stalls, "promotion": promo, "goodput": good, "two_nodes": nodes,
+            "machine": {"cpus": os.cpu_count()}}
+
+
+def print_every_part(result: dict, repeats: int) -> None:
+    promo = result["promotion"]
+    print_stalls(result["stall"])
     print(f"\n| promotion of {promo['bytes'] / 1e9:.2f} GB | MB/s | ours ÷ plain |\n|---|---|---|")
     print(f"| ours: L0 → L1 → L2, verified, COMMIT last | {promo['ours_MBps']} | {promo['ratio']:.2f} |")
     print(f"| plain copyfile + upload_file (anchor) | {promo['plain_MBps']} | 1.00 |")
-    print(f"\n| 2-rank demo run (median of {args.repeats}) | goodput tokens/s | runs | saves | ÷ no checkpoints |")
+    print(f"\n| 2-rank demo run (median of {repeats}) | goodput tokens/s | runs | saves | ÷ no checkpoints |")
     print("|---|---|---|---|---|")
-    for r in good:
+    for r in result["goodput"]:
         print(f"| {r['run']} | {r['goodput_tokens_per_s']:,.0f} | {', '.join(f'{x:,}' for x in r['all_tokens_per_s'])} | "
               f"{r['saves']} | {r['ratio']:.3f} |")
-    if nodes:
-        print_two_nodes(nodes)
+    if result["two_nodes"]:
+        print_two_nodes(result["two_nodes"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    if args.only == "stall":
+        return only_stall(args)
+    args.out = args.out or str(ROOT / "var" / "bench" / "ckpt.json")
+    tok = args.tokenize_manifest or _newest_tokenize_manifest()
+    if tok is None:
+        print("ckpt_bench: no tokenize manifest under var/runs; run `make demo` first or pass --tokenize-manifest",
+              file=sys.stderr)
+        return 2
+    if args.only == "nodes":
+        return only_nodes(tok, args.out)
+    from pipelines.manifest import atomic_write_text
+
+    result = every_part(args, tok)
+    print_every_part(result, args.repeats)
     atomic_write_text(args.out, json.dumps(result, indent=2))
     print(f"written {args.out}")
     return 0

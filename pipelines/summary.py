@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     except LookupError as e:
         print(f"summary: {e}", file=sys.stderr)
         return 1
+    print_summary(spec, s)
+    return 0
+
+
+def print_summary(spec, s: dict) -> None:
+    """The demo's closing block: what went in and out of each stage, the registered model and how to use it."""
     m, t = s["metrics"], s["tags"]
 
     def g(k, fmt="{:,.0f}"):
@@ -103,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
           f"registered copy: {t.get('export.hf', 'n/a')}")
     print(f"lm-eval             : .venv/bin/llmp-lm-eval --model llm-pipeline --model_args uri={uri},tracking_uri="
           f"{s['tracking_uri']} --include_path pipelines/eval/tasks --tasks llmp_arc_easy,llmp_hellaswag,llmp_lambada_openai --limit 20")
-    return 0
 
 
 if __name__ == "__main__":
