@@ -38,6 +38,10 @@ def test_the_whole_trainer_runs_beside_its_step_benchmark_on_cpu(home, trainer_g
     assert r["step_bench_from"] == "measured here after the trainer"  # no speed assertion: the row is reported
     assert r["world_size"] == 1 and r["ratio"] == pytest.approx(
         r["trainer_steady_wall_tokens_per_s"] / r["step_bench_tokens_per_s"])  # per process: one here
+    # the save at step 8 lies in the steady window (after 5 steps): its stall is reported and taken out of the other
+    assert r["steady_stall_s"] > 0 and r["ratio_less_stalls"] > r["ratio"]
+    assert r["ratio_less_stalls"] == pytest.approx(
+        r["trainer_steady_wall_less_stalls_tokens_per_s"] / r["step_bench_tokens_per_s"])
     assert r["params"] < 1e6  # the smoke model, at the corpus's vocabulary (500)
     assert "wall ÷ benchmark" in capsys.readouterr().out
     # a folder as --out is refused before anything runs (not after minutes of training)

@@ -421,7 +421,7 @@ class Trainer:
         self.val_s, self.steady_from = 0.0, None
         while self.prog.step < t.steps:
             if self.steady_from is None and self.prog.step - first >= WARM_STEPS:
-                self.steady_from = (time.perf_counter(), self.prog.step, self.val_s)
+                self.steady_from = (time.perf_counter(), self.prog.step, self.val_s, len(self.ckpt.stalls))
             t0 = time.perf_counter()
             lr = lr_at(self.prog.step, self.spec)
             for g in self.opt.param_groups:
@@ -671,15 +671,20 @@ class Trainer:
             self.log(f"[train] MLflow: the last metrics were not logged ({type(e).__name__}: {e}); the run's result "
                      "is written all the same")
 
-    def _steady_wall(self) -> Optional[float]:
+    def _steady_stall_s(self) -> Optional[float]:
+        """The seconds checkpoint saves blocked training in the steady window (None without one)."""
+        return None if self.steady_from is None else sum(self.ckpt.stalls[self.steady_from[3]:])
+
+    def _steady_wall(self, less_stalls: bool = False) -> Optional[float]:
         """Tokens/s over the wall time after the first ``WARM_STEPS`` steps of this start (compile, first
-        collectives), everything but validation counted: loader waits, logging, MLflow, checkpoint stalls. None
-        when the run had no step after them."""
-        if self.steady_from is None:
+        collectives), everything but validation counted: loader waits, logging, MLflow, checkpoint stalls (less
+        those with ``less_stalls``: what runs beside training without its saves' pauses, whose share of the wall
+        the cadence sets). None when the run had no step after them."""
+        if self.steady_from is None or self.prog.step <= self.steady_from[1]:
             return None
-        t0, step0, val0 = self.steady_from
-        seconds = self.fit_end - t0 - (self.val_s - val0)
-        return (self.prog.step - step0) * self.G * self.margs.seq_len / seconds if self.prog.step > step0 else None
+        t0, step0, val0, _ = self.steady_from
+        seconds = self.fit_end - t0 - (self.val_s - val0) - (self._steady_stall_s() if less_stalls else 0.0)
+        return (self.prog.step - step0) * self.G * self.margs.seq_len / seconds
 
     def finish(self) -> dict:
         """Wait for the last save and the promotions, write ``losses.json``/``result.json`` (rank 0)."""
@@ -703,6 +708,8 @@ class Trainer:
             "consumed_samples": self.sampler.consumed_samples, "fence": self.ckpt.fence_info(),
             "goodput_tokens_per_s": self.fit_steps * self.G * self.margs.seq_len / self.fit_s if self.fit_steps else None,
             "steady_wall_tokens_per_s": self._steady_wall(),
+            "steady_wall_less_stalls_tokens_per_s": self._steady_wall(less_stalls=True),
+            "steady_stall_s": self._steady_stall_s(),
             "val": self.prog.val, "best_val_step": min(self.prog.val, key=lambda v: v["loss"])["step"]
             if self.prog.val else None,
             "ckpt": {"saves": len(stalls), "stall_s_mean": sum(stalls) / len(stalls) if stalls else None,
