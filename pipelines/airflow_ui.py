@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipelines.procs import (boot_id, cmdline, descendants, identity, in_sessions, kill_all, still_running, stop_group,
-                            stop_group_but, stop_unless, with_env)
+                            stop_group_but, stop_unless, usable_cores, with_env)
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 STACK_ENV = "LLMP_AIRFLOW_STACK"
@@ -83,7 +83,7 @@ def component_env(port: int) -> dict[str, str]:
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "300",
             # LocalExecutor's worker processes: as many as the cores, not Airflow's default 32
             "AIRFLOW__CORE__PARALLELISM": os.environ.get("AIRFLOW__CORE__PARALLELISM",
-                                                         str(max(2, len(os.sched_getaffinity(0)))))}
+                                                         str(max(2, usable_cores())))}
 
 
 def busy_worker(pid: int) -> bool:

@@ -19,6 +19,14 @@ from pathlib import Path
 from typing import Callable
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS has one (Linux: a cgroup or taskset
+    narrows it), else the machine's count (macOS has no ``sched_getaffinity``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _stat(pid: int) -> list[str] | None:
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()

@@ -79,6 +79,17 @@ def test_a_cpu_node_with_idle_cores_is_told_which_thread_count_uses_them():
     assert "launcher.threads_per_proc=2 would" in idle_cores_note(1, 3, 8)  # 3 ranks × 2 threads of 8 cores
 
 
+def test_usable_cores_is_the_affinity_mask_where_there_is_one_and_the_machine_count_on_macos(monkeypatch):
+    import os
+
+    from pipelines.procs import usable_cores
+
+    assert usable_cores() == len(os.sched_getaffinity(0))
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS: the trainer and the UI still start
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert usable_cores() == 8
+
+
 def test_model_is_causal():
     torch.manual_seed(0)
     m = Transformer(ModelArgs(vocab_size=50, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, seq_len=16)).eval()

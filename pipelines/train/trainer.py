@@ -47,6 +47,7 @@ from pipelines.exit_codes import RETRY
 from pipelines.launch import outcomes as xc
 from pipelines.launch.outcomes import PREEMPT_SIGNALS
 from pipelines.manifest import load_manifest
+from pipelines.procs import usable_cores
 from pipelines.progress import progress
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 from pipelines.storage import faults as storage_faults
@@ -257,7 +258,7 @@ class Trainer:
         self.log = (lambda m: print(m, flush=True)) if self.rank == 0 else (lambda m: None)
         if self.device.type == "cpu":
             note = idle_cores_note(spec.launcher.threads_per_proc, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                                   len(os.sched_getaffinity(0)))
+                                   usable_cores())
             if note:
                 self.log(note)
         torch.manual_seed(spec.run.seed)
