@@ -111,7 +111,8 @@ EOF
     #   GPU_PROFILE=1                             a torch.profiler table of ours and the recipe in $OUT/profile
     EXTRA=()
     [[ ${GPU_PROFILE:-0} == 1 ]] && EXTRA+=(--profile "$OUT/profile")
-    for kv in ${GPU_VARIANTS:-}; do EXTRA+=(--variant "$kv"); done
+    read -ra VARIANTS <<<"${GPU_VARIANTS:-}"  # split on spaces, no glob expansion
+    for kv in "${VARIANTS[@]}"; do EXTRA+=(--variant "$kv"); done
     if step "gpu_mfu (ours vs the compiled recipe)" 300 python3 benchmarks/gpu_mfu.py --steps 50 "${EXTRA[@]}"; then
         cp var/bench/gpu_mfu.json "$OUT/gpu_mfu.json" && echo "copied gpu_mfu.json to OUT"
     else

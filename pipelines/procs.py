@@ -19,12 +19,26 @@ from pathlib import Path
 from typing import Callable
 
 
-def usable_cores() -> int:
-    """The cores this process may run on: its affinity mask where the OS has one (Linux: a cgroup or taskset
-    narrows it), else the machine's count (macOS has no ``sched_getaffinity``)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" or "max <period>" (a container's CPU limit)
+
+
+def usable_cores(cpu_max: str = CPU_MAX) -> int:
+    """The cores this process may use: its affinity mask where the OS has one (taskset, cpusets), else the machine's
+    count (macOS has no ``sched_getaffinity``), capped by the cgroup's CPU limit rounded up (a pod limited to 2 CPUs
+    on a 64-core node: 2)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = cgroup_cpus(cpu_max)
+    return max(1, min(n, limit)) if limit else n
+
+
+def cgroup_cpus(cpu_max: str = CPU_MAX) -> int | None:
+    """The cgroup v2 CPU limit in whole CPUs (rounded up), or None: no limit, no such file, or not readable."""
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        return -(-int(quota) // int(period)) if quota != "max" and int(period) > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 def _stat(pid: int) -> list[str] | None:

@@ -39,7 +39,7 @@ def test_the_whole_trainer_runs_beside_its_step_benchmark_on_cpu(home, trainer_g
     assert r["world_size"] == 1 and r["ratio"] == pytest.approx(
         r["trainer_steady_wall_tokens_per_s"] / r["step_bench_tokens_per_s"])  # per process: one here
     # the save at step 8 lies in the steady window (after 5 steps): its stall is reported and taken out of the other
-    assert r["steady_stall_s"] > 0 and r["ratio_less_stalls"] > r["ratio"]
+    assert 0 < r["steady_stall_s"] <= r["stall_s_max"] and r["ratio_less_stalls"] > r["ratio"]  # step 4's is not
     assert r["ratio_less_stalls"] == pytest.approx(
         r["trainer_steady_wall_less_stalls_tokens_per_s"] / r["step_bench_tokens_per_s"])
     assert r["params"] < 1e6  # the smoke model, at the corpus's vocabulary (500)

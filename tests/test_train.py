@@ -75,19 +75,28 @@ def test_a_cpu_node_with_idle_cores_is_told_which_thread_count_uses_them():
     assert idle_cores_note(1, 2, 2) is None and idle_cores_note(2, 1, 2) is None  # the demo: 2 ranks of 1 thread
     assert idle_cores_note(4, 4, 8) is None  # more threads than cores is the user's choice, not idle cores
     one = idle_cores_note(1, 1, 2)
-    assert "use 1 of the 2 cores" in one and "launcher.threads_per_proc=2 would" in one
-    assert "launcher.threads_per_proc=2 would" in idle_cores_note(1, 3, 8)  # 3 ranks × 2 threads of 8 cores
+    assert "use 1 of the 2 cores" in one and "launcher.threads_per_proc=2 would use 2" in one
+    assert "launcher.threads_per_proc=2 would use 6" in idle_cores_note(1, 3, 8)  # 3 ranks × 2 threads of 8 cores
+    assert idle_cores_note(2, 3, 8) is None and idle_cores_note(1, 2, 3) is None  # no whole thread more per rank
 
 
-def test_usable_cores_is_the_affinity_mask_where_there_is_one_and_the_machine_count_on_macos(monkeypatch):
+def test_usable_cores_is_the_affinity_mask_or_the_machine_count_on_macos_capped_by_the_cgroup(monkeypatch, tmp_path):
     import os
 
-    from pipelines.procs import usable_cores
+    from pipelines.procs import cgroup_cpus, usable_cores
 
-    assert usable_cores() == len(os.sched_getaffinity(0))
+    none = str(tmp_path / "absent")
+    assert usable_cores(none) == len(os.sched_getaffinity(0))
+    limit = tmp_path / "cpu.max"
+    for text, want in (("150000 100000\n", 2), ("max 100000\n", None), ("100000 100000", 1), ("garbage", None),
+                       ("", None), ("5 0", None)):
+        limit.write_text(text)
+        assert cgroup_cpus(str(limit)) == want, text
+    limit.write_text("100000 100000")  # a pod limited to 1 CPU on a bigger machine
+    assert usable_cores(str(limit)) == 1
     monkeypatch.delattr(os, "sched_getaffinity")  # macOS: the trainer and the UI still start
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    assert usable_cores() == 8
+    assert usable_cores(none) == 8
 
 
 def test_model_is_causal():

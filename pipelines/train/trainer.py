@@ -166,10 +166,11 @@ def idle_cores_note(threads: int, local_ranks: int, cores: int) -> str | None:
     """On CPU, when this node's ranks leave cores idle (``launcher.threads_per_proc`` is 1 by default, torchrun's
     choice): the line that says so and what would use them (one rank of 1 thread on 2 cores trains at half the
     speed: measured with ``benchmarks/trainer_gpu.py --device cpu``, docs/training.md)."""
-    if threads * local_ranks >= cores:
+    best = cores // max(1, local_ranks)
+    if best <= threads:
         return None
     return (f"[train] CPU: {local_ranks} rank(s) × launcher.threads_per_proc={threads} use {threads * local_ranks} of "
-            f"the {cores} cores this node gives us; launcher.threads_per_proc={cores // local_ranks} would use them all")
+            f"the {cores} cores this node gives us; launcher.threads_per_proc={best} would use {best * local_ranks}")
 
 
 def runtime_batch(spec: JobSpec, dp: int, saved_global: Optional[int]) -> tuple[int, int]:
@@ -257,7 +258,7 @@ class Trainer:
         self.rank, self.world, self.device = init_distributed(spec)
         self.log = (lambda m: print(m, flush=True)) if self.rank == 0 else (lambda m: None)
         if self.device.type == "cpu":
-            note = idle_cores_note(spec.launcher.threads_per_proc, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            note = idle_cores_note(spec.launcher.threads_per_proc, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)),
                                    usable_cores())
             if note:
                 self.log(note)
@@ -674,7 +675,9 @@ class Trainer:
 
     def _steady_stall_s(self) -> Optional[float]:
         """The seconds checkpoint saves blocked training in the steady window (None without one)."""
-        return None if self.steady_from is None else sum(self.ckpt.stalls[self.steady_from[3]:])
+        if self.steady_from is None or self.prog.step <= self.steady_from[1]:  # no rate either (_steady_wall)
+            return None
+        return sum(self.ckpt.stalls[self.steady_from[3]:])
 
     def _steady_wall(self, less_stalls: bool = False) -> Optional[float]:
         """Tokens/s over the wall time after the first ``WARM_STEPS`` steps of this start (compile, first
