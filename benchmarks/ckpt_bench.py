@@ -395,13 +395,6 @@ def print_two_nodes(rows: dict) -> None:
           f"{e[2] / e[1]:.2f} |")
 
 
-def _newest_tokenize_manifest() -> str | None:
-    from pipelines.manifest import newest_manifest
-
-    found = newest_manifest(ROOT / "var" / "runs", "tokenize")
-    return str(found) if found else None
-
-
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenize-manifest", default=None, help="For the goodput runs (default: the newest under var/runs).")
@@ -484,14 +477,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "stall":
         return only_stall(args)
     args.out = args.out or str(ROOT / "var" / "bench" / "ckpt.json")
-    tok = args.tokenize_manifest or _newest_tokenize_manifest()
+    from pipelines.manifest import atomic_write_text, newest_manifest
+
+    tok = args.tokenize_manifest or newest_manifest(ROOT / "var" / "runs", "tokenize")
     if tok is None:
         print("ckpt_bench: no tokenize manifest under var/runs; run `make demo` first or pass --tokenize-manifest",
               file=sys.stderr)
         return 2
+    tok = str(tok)
     if args.only == "nodes":
         return only_nodes(tok, args.out)
-    from pipelines.manifest import atomic_write_text
 
     result = every_part(args, tok)
     print_every_part(result, args.repeats)

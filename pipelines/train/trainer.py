@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import Callable, NamedTuple, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -183,6 +183,15 @@ def runtime_batch(spec: JobSpec, dp: int, saved_global: Optional[int]) -> tuple[
         raise ValueError(f"global batch {G} is not divisible by train.micro_batch × DP = {t.micro_batch} × {dp} "
                          "on this world size; pick a train.micro_batch that divides the global batch / DP")
     return G, G // (t.micro_batch * dp)
+
+
+class Steady(NamedTuple):
+    """Where the steady window of a start begins (after ``WARM_STEPS`` steps): its time, step, the validation
+    seconds and the saves so far."""
+    t0: float
+    step: int
+    val_s: float
+    saves: int
 
 
 @dataclass
@@ -423,7 +432,7 @@ class Trainer:
         self.val_s, self.steady_from = 0.0, None
         while self.prog.step < t.steps:
             if self.steady_from is None and self.prog.step - first >= WARM_STEPS:
-                self.steady_from = (time.perf_counter(), self.prog.step, self.val_s, len(self.ckpt.stalls))
+                self.steady_from = Steady(time.perf_counter(), self.prog.step, self.val_s, len(self.ckpt.stalls))
             t0 = time.perf_counter()
             lr = lr_at(self.prog.step, self.spec)
             for g in self.opt.param_groups:
@@ -673,22 +682,26 @@ class Trainer:
             self.log(f"[train] MLflow: the last metrics were not logged ({type(e).__name__}: {e}); the run's result "
                      "is written all the same")
 
+    def _steady(self) -> Optional[Steady]:
+        """The steady window's start, or None when the run had no step after it."""
+        s = self.steady_from
+        return s if s is not None and self.prog.step > s.step else None
+
     def _steady_stall_s(self) -> Optional[float]:
         """The seconds checkpoint saves blocked training in the steady window (None without one)."""
-        if self.steady_from is None or self.prog.step <= self.steady_from[1]:  # no rate either (_steady_wall)
-            return None
-        return sum(self.ckpt.stalls[self.steady_from[3]:])
+        s = self._steady()
+        return None if s is None else sum(self.ckpt.stalls[s.saves:])
 
     def _steady_wall(self, less_stalls: bool = False) -> Optional[float]:
         """Tokens/s over the wall time after the first ``WARM_STEPS`` steps of this start (compile, first
         collectives), everything but validation counted: loader waits, logging, MLflow, checkpoint stalls (less
         those with ``less_stalls``: what runs beside training without its saves' pauses, whose share of the wall
         the cadence sets). None when the run had no step after them."""
-        if self.steady_from is None or self.prog.step <= self.steady_from[1]:
+        s = self._steady()
+        if s is None:
             return None
-        t0, step0, val0, _ = self.steady_from
-        seconds = self.fit_end - t0 - (self.val_s - val0) - (self._steady_stall_s() if less_stalls else 0.0)
-        return (self.prog.step - step0) * self.G * self.margs.seq_len / seconds
+        seconds = self.fit_end - s.t0 - (self.val_s - s.val_s) - (self._steady_stall_s() if less_stalls else 0.0)
+        return (self.prog.step - s.step) * self.G * self.margs.seq_len / seconds
 
     def finish(self) -> dict:
         """Wait for the last save and the promotions, write ``losses.json``/``result.json`` (rank 0)."""
