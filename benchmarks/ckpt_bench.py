@@ -485,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     tok = str(tok)
+    if not Path(tok).is_file():
+        print(f"ckpt_bench: --tokenize-manifest {tok}: no such file (a tokenize stage's manifest.json)", file=sys.stderr)
+        return 2
     if args.only == "nodes":
         return only_nodes(tok, args.out)
 
