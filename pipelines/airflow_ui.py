@@ -155,7 +155,11 @@ class Supervisor:
         kill_all(sorted(in_sessions(sessions())), 10.0)
         sessions_file().unlink(missing_ok=True)
         self.launch("api-server")
-        if not wait_answering(self.port, 270.0, lambda: self.stopping):
+        api = self.procs["api-server"]
+        if not wait_answering(self.port, 270.0, lambda: self.stopping or api.poll() is not None):
+            if api.poll() is not None:  # e.g. its port taken: said at once, not after the whole wait
+                raise RuntimeError(f"the api-server exited ({api.returncode}) before answering on port {self.port}; "
+                                   f"see {self.logs / 'api-server.log'}")
             if not self.stopping:
                 raise RuntimeError("the api-server did not answer within 270 s")
             return
