@@ -206,6 +206,8 @@ def test_load_registered_and_mlflow_models_serve_answer_with_generated_text(mode
     uri, turi = "models:/serve-test@champion", tracking.tracking_uri(spec)
     model, sp = load_registered(uri, turi)
     assert isinstance(model, Transformer) and not model.training and sp.get_piece_size() == model.args.vocab_size
+    from pipelines.eval.model_dir import download  # a model small enough to load here carries its input example
+    assert (download(uri, turi, home / "dl") / "serving_input_example.json").is_file()
     ref = TextModel.load(models[0])
     for a, b in zip(model.state_dict().values(), ref.model.state_dict().values()):
         assert torch.equal(a, b)
@@ -426,13 +428,18 @@ def test_register_of_a_model_above_the_single_process_limit_does_not_load_it_in_
     spec = _spec(home, "big", [Path(__file__)], **{"eval.single_process_max_params": 0})
     run_id = tracking.start_run(spec, run_name="big")
 
-    def refuse(*a, **k):
+    loads = []
+
+    def refuse(*a, **k):  # recorded too: MLflow turns a failed input-example check into a warning
+        loads.append(a)
         raise AssertionError("the model was loaded in the registering process")
 
     with monkeypatch.context() as m:
         m.setattr(checkpoint, "load_plain_model", refuse)
         m.setattr(serving, "load_plain_model", refuse)  # serving's own name for it
+        m.setattr(TextModel, "load", refuse)  # the pyfunc's own load (MLflow validates an input example with it)
         res = registry.register(spec, ckpt, run_id, {}, {"reference_bpb": 3.0}, _ev_extra(spec, "s" * 64), home / "w")
+    assert not loads
     from pipelines.eval import load_registered
 
     model, _ = load_registered(f"models:/big/{res['version']}", tracking.tracking_uri(spec))

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
+from pipelines.eval.model_dir import loads_here, params_of
 from pipelines.eval.scorer import Job, score
 from pipelines.eval_sets import eval_tasks, reference_files, set_sha256, task_digest, task_ref, task_settings
 from pipelines.launch.ranks import run_ranks
@@ -35,17 +36,14 @@ from pipelines.train.ckpt.tiers import fetch
 def score_model_dir(spec: JobSpec, job: Job, work: Path, run_id: str) -> dict:
     """Score in this process, or on the launcher's ranks when the model is above
     ``eval.single_process_max_params`` (each rank loads it on its own device)."""
-    from pipelines.train.model import ModelArgs, param_count
-
-    args = ModelArgs(**json.loads((Path(job.model_dir) / "model_args.json").read_text()))
-    if param_count(args) <= spec.eval.single_process_max_params:
+    if loads_here(spec, Path(job.model_dir)):
         return score(spec, job)
 
     work.mkdir(parents=True, exist_ok=True)
     spec.write_work_file(work / "spec.yaml")
     (work / "job.json").write_text(json.dumps(job.__dict__))
     out = work / "scores.json"
-    print(f"[eval] {param_count(args):,} params > eval.single_process_max_params: scoring on "
+    print(f"[eval] {params_of(Path(job.model_dir)):,} params > eval.single_process_max_params: scoring on "
           f"{spec.world_size} ranks ({spec.launcher.kind})", flush=True)
     run_ranks(spec, "pipelines.eval.scorer", ["--spec", str(work / "spec.yaml"), "--job", str(work / "job.json"),
                                               "--out", str(out)], run_id=run_id, restarts=False)

@@ -43,6 +43,7 @@ from sentencepiece import sentencepiece_model_pb2 as pb
 
 from pipelines import tracking
 from pipelines.data.text import canonical_text
+from pipelines.eval.model_dir import loads_here
 from pipelines.exit_codes import USER_ERROR
 from pipelines.lineage.queries import VersionUnreadable, model_query, resolve_model
 from pipelines.manifest import StageError
@@ -395,11 +396,9 @@ def register_hf(spec, client, ckpt_dir: Path, res: dict, work: Path) -> str | No
     """The ``hf`` directory of a version the register stage created (or found), logged as the ``hf/`` artifact of its
     model and named by the version's ``export.hf`` tag; returns that URI, or None for a model above
     ``eval.single_process_max_params`` (not loaded in the Airflow worker: export it with the CLI)."""
-    from pipelines.train.model import ModelArgs, param_count
-
     name, version, model_id = res["model_name"], str(res["version"]), res["model_id"]
     args = json.loads((ckpt_dir / "model_args.json").read_text())
-    if model_id is None or param_count(ModelArgs(**args)) > spec.eval.single_process_max_params:
+    if model_id is None or not loads_here(spec, ckpt_dir):
         print(f"[register] {name} v{version}: no hf export at registration (model above "
               "eval.single_process_max_params, or no logged model): python -m pipelines.eval.export", flush=True)
         return None

@@ -19,6 +19,21 @@ MODEL_DIR = "model_dir"  # the artifact key
 FILES = ("model.pt", "model_args.json", "tokenizer.model")
 
 
+def params_of(model_dir: Path) -> int:
+    """The parameter count of a model directory (or checkpoint), from its ``model_args.json``."""
+    import json
+
+    from pipelines.train.model import ModelArgs, param_count
+
+    return param_count(ModelArgs(**json.loads((Path(model_dir) / "model_args.json").read_text())))
+
+
+def loads_here(spec, model_dir: Path) -> bool:
+    """Whether this process (the Airflow worker) may load the model: at most ``eval.single_process_max_params``;
+    a bigger one is loaded on the launcher's ranks."""
+    return params_of(model_dir) <= spec.eval.single_process_max_params
+
+
 def download(uri: str, tracking_uri: str | None = None, dst: str | Path | None = None) -> Path:
     """Local copy of a logged/registered model (``models:/NAME@ALIAS``, ``models:/NAME/V``, ``runs:/…``)."""
     from mlflow.exceptions import MlflowException

@@ -240,11 +240,12 @@ def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, wor
     and the LoggedModel's id (``log_model``'s; the version's source ``models:/<model_id>`` carries it back)."""
     import mlflow
 
+    from pipelines.eval.model_dir import loads_here
     from pipelines.eval.serving import log_text_model, model_dir_for
 
     model_dir = model_dir_for(spec, ckpt_dir, work / "model_dir")
-    with mlflow.start_run(run_id=run_id):
-        info = log_text_model(model_dir, max_new_tokens=spec.eval.max_new_tokens)
+    with mlflow.start_run(run_id=run_id):  # MLflow checks an input example by loading the model: small ones only
+        info = log_text_model(model_dir, max_new_tokens=spec.eval.max_new_tokens, example=loads_here(spec, ckpt_dir))
     client = tracking.client(spec)
     try:
         client.create_registered_model(spec.registry.model_name, description="LLM pipeline models (see tags for lineage)")

@@ -28,7 +28,7 @@ import mlflow.pyfunc
 import pandas as pd
 
 import pipelines
-from pipelines.eval.model_dir import MODEL_DIR
+from pipelines.eval.model_dir import MODEL_DIR, loads_here, params_of
 from pipelines.train.ckpt.protocol import load_plain_model
 
 PARAMS = {"max_new_tokens": 32, "temperature": 0.8, "top_k": 50, "seed": 0}
@@ -102,13 +102,10 @@ def model_dir_for(spec, ckpt_dir: Path, out: Path) -> Path:
     """The artifact directory of a committed checkpoint. A model above ``eval.single_process_max_params`` is not
     loaded here (the Airflow worker): its weights are exported on the launcher's first rank
     (``python -m pipelines.train.checkpoint export``, torchrun or a PyTorchJob)."""
-    from pipelines.train.model import ModelArgs, param_count
-
-    params = param_count(ModelArgs(**json.loads((ckpt_dir / "model_args.json").read_text())))
-    if params <= spec.eval.single_process_max_params:
+    if loads_here(spec, ckpt_dir):
         return write_model_dir(load_plain_model(ckpt_dir), ckpt_dir, out)
 
-    print(f"[register] {params:,} params > eval.single_process_max_params: exporting the weights on the launcher's "
+    print(f"[register] {params_of(ckpt_dir):,} params > eval.single_process_max_params: exporting the weights on the launcher's "
           f"first rank ({spec.launcher.kind})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     from pipelines.launch.ranks import run_ranks  # lazy: the served model imports this module; its requirements
@@ -119,18 +116,20 @@ def model_dir_for(spec, ckpt_dir: Path, out: Path) -> Path:
     return _copy_side_files(ckpt_dir, out)
 
 
-def log_text_model(model_dir: Path, name: str = "model", max_new_tokens: int | None = None):
+def log_text_model(model_dir: Path, name: str = "model", max_new_tokens: int | None = None, example: bool = True):
     """Log the pyfunc into the active MLflow run (this package's code travels with it, no caches);
-    returns MLflow's ``ModelInfo``."""
+    returns MLflow's ``ModelInfo``. With ``example``, an input example is logged too, and MLflow checks it by
+    loading the model here and generating: pass ``example=False`` for a model this process must not load."""
     import torch
 
     if max_new_tokens is not None:
         (model_dir / LIMITS).write_text(json.dumps({"max_new_tokens": int(max_new_tokens)}))
+    sample = (["Once upon a time"], {"max_new_tokens": min(8, max_new_tokens or 8)}) if example else None
     with tempfile.TemporaryDirectory(prefix="llmp-code-") as tmp:
         code = Path(tmp) / "pipelines"
         shutil.copytree(Path(pipelines.__file__).parent, code, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         return mlflow.pyfunc.log_model(
             name=name, python_model=TextGenerator(), artifacts={MODEL_DIR: str(model_dir)},
-            code_paths=[str(code)], signature=signature(), input_example=(["Once upon a time"], {"max_new_tokens": min(8, max_new_tokens or 8)}),
+            code_paths=[str(code)], signature=signature(), input_example=sample,
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "sentencepiece", "numpy", "pyarrow",
                               "pydantic", "pyyaml"])
