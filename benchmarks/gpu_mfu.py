@@ -222,13 +222,24 @@ def row_builds(args, spec_with) -> list[tuple[str, object, object, str]]:
     return rows + [(f"ours with {kv}", ours_step, spec_with([kv]), "variant") for kv in args.variant]
 
 
-def measure(builds, device, name: str, args, fpt: int) -> list[dict]:
+def spec_flops(spec) -> tuple[dict, int]:
+    """(parameter counts, FLOPs per token) of a spec's model: each row's MFU uses its own (a ``model.*`` variant
+    is another model)."""
+    from pipelines.train.plan import flops_per_token, model_shape, param_count
+
+    shape = model_shape(spec)
+    params = param_count(shape)
+    return params, flops_per_token(shape, params)
+
+
+def measure(builds, device, name: str, args) -> list[dict]:
     import torch
 
     from pipelines.train.plan import mfu
 
     rows = []
     for label, build, spec, kind in builds:
+        fpt = spec_flops(spec)[1]
         r = _timed(build, spec, device, args.steps, args.warmup)
         if args.profile and kind != "variant":  # where the time goes: ours and the anchors
             where = Path(args.profile) / f"{r['mode']}-{label.split(' ')[0]}.txt"
@@ -238,7 +249,7 @@ def measure(builds, device, name: str, args, fpt: int) -> list[dict]:
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         rows.append({"impl": label, "tokens_per_s": tps, "mfu": u, "step_ms": 1e3 * sum(r["times"]) / len(r["times"]),
                      "mode": r["mode"], "peak_mem_gib": mem, "anchor": kind == "anchor", "warmup_s": r["warmup_s"],
-                     "loss_chunk_tokens": spec.train.loss_chunk_tokens})
+                     "loss_chunk_tokens": spec.train.loss_chunk_tokens, "flops_per_token": fpt})
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -268,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipelines.manifest import atomic_write_text
     from pipelines.spec import SpecError, load_spec
-    from pipelines.train.plan import flops_per_token, model_shape, param_count, peak_flops
+    from pipelines.train.plan import peak_flops
 
     if no_cuda(args, "gpu_mfu"):
         return 2
@@ -289,10 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    shape = model_shape(spec)
-    params = param_count(shape)
-    fpt = flops_per_token(shape, params)
-    rows = measure(builds, device, name, args, fpt)
+    params, fpt = spec_flops(spec)
+    rows = measure(builds, device, name, args)
     anchor = max((r for r in rows if r["anchor"]), key=lambda r: r["tokens_per_s"])
     result = {"device": name, "peak_flops": peak_flops(name, spec.train.dtype) if device.type == "cuda" else None,
               "spec": args.spec, "overrides": overrides, "params": params["total"], "flops_per_token": fpt,

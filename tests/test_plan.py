@@ -224,10 +224,14 @@ def test_gpu_mfu_benchmark_runs_its_cpu_smoke_and_refuses_without_a_gpu(tmp_path
     mod.loader.exec_module(gm)
     out = tmp_path / "gpu_mfu.json"
     assert gm.main(["--cpu-smoke", "--steps", "3", "--warmup", "2", "--eager-anchor", "--out", str(out),
-                    "--variant", "train.loss_chunk_tokens=0"]) == 0
+                    "--variant", "train.loss_chunk_tokens=0", "--variant", "model.n_layers=1"]) == 0
     res = json.loads(out.read_text())
     assert [r["impl"] for r in res["rows"]] == ["ours (trainer step)", "nanoGPT recipe (torch.compile(model))",
-                                                "eager (no compile)", "ours with train.loss_chunk_tokens=0"]
+                                                "eager (no compile)", "ours with train.loss_chunk_tokens=0",
+                                                "ours with model.n_layers=1"]
+    fpt = [r["flops_per_token"] for r in res["rows"]]  # each row's MFU from its own model: a model.* variant's
+    assert fpt[:4] == [res["flops_per_token"]] * 4 and fpt[4] < fpt[0]
+    del res["rows"][4]
     assert [r["mode"] for r in res["rows"][1:3]] == ["compiled", "eager"]  # the anchor as nanoGPT runs: compiled
     assert [r["anchor"] for r in res["rows"]] == [False, True, True, False] and res["loss_chunk_tokens"] == "auto"
     assert [r["loss_chunk_tokens"] for r in res["rows"]] == ["auto", "auto", "auto", 0]  # the variant's own spec
