@@ -55,6 +55,16 @@ def test_an_ignored_target_contributes_nothing():
     torch.testing.assert_close(loss, F.cross_entropy((h[3:4] @ w.t()).float(), t[3:4]))
 
 
+@pytest.mark.parametrize("bad", [-1, -99, 97])
+def test_a_target_outside_the_vocabulary_is_refused_as_f_cross_entropy_refuses_it(bad):
+    h, w, t = _inputs(n=10)  # vocabulary 97
+    t[4] = bad
+    with pytest.raises((RuntimeError, IndexError)):
+        _plain(h, w, t)
+    with pytest.raises(RuntimeError, match="outside 0..96"):
+        LinearCrossEntropy(4)(h, w, t)
+
+
 def test_without_autograd_only_the_loss_is_computed_and_it_is_the_same():
     h, w, t = _inputs()
     with torch.no_grad():

@@ -58,6 +58,13 @@ def ce_chunk_pointwise(logits: torch.Tensor, targets: torch.Tensor,
     return loss, grad.to(logits.dtype)
 
 
+def check_targets(targets: torch.Tensor, vocab: int) -> None:
+    """A target outside 0..vocab-1 that is not ``IGNORE`` stops the step, as in ``F.cross_entropy`` (the kernels
+    above would read a negative one as a column from the end). Asynchronous on a GPU: no wait for the device."""
+    torch._assert_async(((targets == IGNORE) | ((targets >= 0) & (targets < vocab))).all(),
+                        f"a target outside 0..{vocab - 1} that is not the ignore index {IGNORE}")
+
+
 def _loss_chunk(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
 
@@ -103,6 +110,7 @@ class _FusedLinearCE(torch.autograd.Function):
             grad_h = torch.empty_like(hc)
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
             V = wc.shape[0]
+            check_targets(targets, V)
             for lo in range(0, hc.shape[0], chunk):
                 part, t = hc[lo:lo + chunk], targets[lo:lo + chunk]
                 n = part.shape[0]
