@@ -102,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from pipelines.manifest import StageError, atomic_write_text, load_manifest
-    from pipelines.spec import SpecError
-    from pipelines.train import launch
+    from pipelines.manifest import atomic_write_text
     from pipelines.train.plan import model_shape, param_count
 
     if gpu_mfu.no_cuda(args, "trainer_gpu"):
@@ -115,21 +113,10 @@ def main(argv: list[str] | None = None) -> int:
               "a tokenized corpus (--tokenize-manifest, `make gpu-bundle` or `make demo`)", file=sys.stderr)
         return 2
     on_cpu = args.cpu_smoke or args.device == "cpu"
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    try:
-        tok = load_manifest(mpath)
-        if not isinstance(tok.extra.get("vocab_size"), int):
-            raise StageError(f"{mpath} is not a tokenize stage's manifest (no vocab_size)")
-        spec, bench_spec = specs(args, tok.extra["vocab_size"])
-        if on_cpu:  # the trainer's ranks on the CPU too, as the step benchmark below
-            os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        res = json.loads(launch.run(spec, tok).output("result").read_text())
-    except (SpecError, StageError, FileNotFoundError) as e:  # the input, or the trainer failed: 2, or 75 to retry
-        print(f"trainer_gpu: {type(e).__name__}: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)
-    finally:  # as it was, for whatever runs in this process next
-        os.environ.pop("CUDA_VISIBLE_DEVICES", None) if hidden is None else os.environ.update(
-            CUDA_VISIBLE_DEVICES=hidden)
+    ran = run_trainer(args, mpath, on_cpu)
+    if isinstance(ran, int):
+        return ran
+    res, spec, bench_spec = ran
     device = torch.device("cpu") if on_cpu else torch.device("cuda:0")
 
     def run_bench() -> float:
@@ -139,28 +126,57 @@ def main(argv: list[str] | None = None) -> int:
     want = {"params": param_count(model_shape(bench_spec))["total"], "micro_batch": spec.train.micro_batch,
             "seq_len": spec.model.seq_len, "dtype": spec.train.dtype, "compile": spec.parallel.compile}
     bench, source = step_figure(None if args.cpu_smoke else args.step_json, want, run_bench)
-    world = res.get("world_size") or 1
-    wall = res["steady_wall_tokens_per_s"] / world if res.get("steady_wall_tokens_per_s") else None  # a process's
-    less = res.get("steady_wall_less_stalls_tokens_per_s")
-    less = less / world if less else None
-    result = {"spec": args.spec, "overrides": args.overrides, "tokenize_manifest": mpath, "device": res.get("device"),
-              "steps": args.steps, "every": args.every, "parallel": res.get("parallel"),
-              "world_size": res.get("world_size"), "trainer_step_tokens_per_s": res.get("tokens_per_s"),
-              "trainer_steady_wall_tokens_per_s": res.get("steady_wall_tokens_per_s"),
-              "trainer_steady_wall_less_stalls_tokens_per_s": res.get("steady_wall_less_stalls_tokens_per_s"),
-              "trainer_goodput_tokens_per_s": res.get("goodput_tokens_per_s"),
-              "step_bench_tokens_per_s": bench, "step_bench_from": source,
-              "ratio": wall / bench if wall and bench else None,
-              "ratio_of": "trainer's steady wall tokens/s per process ÷ the step benchmark's (one process)",
-              "ratio_less_stalls": less / bench if less and bench else None,
-              "checkpoints": res.get("ckpt", {}).get("saves"), "stall_s_max": res.get("ckpt", {}).get("stall_s_max"),
-              "steady_stall_s": res.get("steady_stall_s"),
-              "evaluations": len(res.get("val") or []), "mlflow_run_id": res.get("mlflow_run_id"),
-              "torch": torch.__version__, **want}
+    result = {**summary(args, mpath, res, bench, source), "torch": torch.__version__, **want}
     report(result)
     atomic_write_text(args.out, json.dumps(result, indent=2))  # parents made, temp + rename
     print(f"wrote {args.out}")
     return 0
+
+
+def run_trainer(args, mpath: str, on_cpu: bool):
+    """The trainer end to end on the tokenized corpus: (its result.json, its spec, the step benchmark's spec), or
+    the exit code when the input or the trainer failed (2, or 75 to retry)."""
+    from pipelines.manifest import StageError, load_manifest
+    from pipelines.spec import SpecError
+    from pipelines.train import launch
+
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        tok = load_manifest(mpath)
+        if not isinstance(tok.extra.get("vocab_size"), int):
+            raise StageError(f"{mpath} is not a tokenize stage's manifest (no vocab_size)")
+        spec, bench_spec = specs(args, tok.extra["vocab_size"])
+        if on_cpu:  # the trainer's ranks on the CPU too, as the step benchmark
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        res = json.loads(launch.run(spec, tok).output("result").read_text())
+    except (SpecError, StageError, FileNotFoundError) as e:
+        print(f"trainer_gpu: {type(e).__name__}: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    finally:  # as it was, for whatever runs in this process next
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None) if hidden is None else os.environ.update(
+            CUDA_VISIBLE_DEVICES=hidden)
+    return res, spec, bench_spec
+
+
+def summary(args, mpath: str, res: dict, bench: float | None, source: str) -> dict:
+    """The row: the trainer's figures (its steady wall per process) beside the step benchmark's, and their ratios."""
+    world = res.get("world_size") or 1
+    wall = res["steady_wall_tokens_per_s"] / world if res.get("steady_wall_tokens_per_s") else None  # a process's
+    less = res.get("steady_wall_less_stalls_tokens_per_s")
+    less = less / world if less else None
+    return {"spec": args.spec, "overrides": args.overrides, "tokenize_manifest": mpath, "device": res.get("device"),
+            "steps": args.steps, "every": args.every, "parallel": res.get("parallel"),
+            "world_size": res.get("world_size"), "trainer_step_tokens_per_s": res.get("tokens_per_s"),
+            "trainer_steady_wall_tokens_per_s": res.get("steady_wall_tokens_per_s"),
+            "trainer_steady_wall_less_stalls_tokens_per_s": res.get("steady_wall_less_stalls_tokens_per_s"),
+            "trainer_goodput_tokens_per_s": res.get("goodput_tokens_per_s"),
+            "step_bench_tokens_per_s": bench, "step_bench_from": source,
+            "ratio": wall / bench if wall and bench else None,
+            "ratio_of": "trainer's steady wall tokens/s per process ÷ the step benchmark's (one process)",
+            "ratio_less_stalls": less / bench if less and bench else None,
+            "checkpoints": res.get("ckpt", {}).get("saves"), "stall_s_max": res.get("ckpt", {}).get("stall_s_max"),
+            "steady_stall_s": res.get("steady_stall_s"),
+            "evaluations": len(res.get("val") or []), "mlflow_run_id": res.get("mlflow_run_id")}
 
 
 def report(r: dict) -> None:
