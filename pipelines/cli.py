@@ -41,7 +41,8 @@ def stage_dir(spec: JobSpec, name: str, inputs: list[dict], out_dir: Optional[st
               force: Optional[bool] = None) -> StageDir:
     """The staging directory of stage ``name`` for these inputs (its done-check compares config and inputs)."""
     return StageDir(resolve_path(spec.run.root), name, spec.stage_hash(name), inputs,
-                    force=spec.run.force if force is None else force, out_dir=out_dir)
+                    force=spec.run.force if force is None else force, out_dir=out_dir,
+                    lock_wait_s=60 * spec.run.lock_wait_min)
 
 
 def run_and_log(spec: JobSpec, sd: StageDir, body: Callable, artifacts: Iterable[str] = (),

@@ -22,13 +22,14 @@ import shutil
 import socket
 import stat
 import subprocess
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 from urllib.parse import urlparse
 
-from pipelines.exit_codes import USER_ERROR
+from pipelines.exit_codes import RETRY, USER_ERROR
 
 MANIFEST_NAME = "manifest.json"
 _CHUNK = 1 << 20
@@ -273,6 +274,13 @@ class StageError(RuntimeError):
     exit_code = USER_ERROR
 
 
+class KeyBusy(StageError):
+    """Another run of the same stage key held its lock past ``run.lock_wait_min``: exit 75, for the orchestrator's
+    retry to wait again (a hung holder is thus seen, not waited on for ever)."""
+
+    exit_code = RETRY
+
+
 class ManifestInvalid(StageError, ValueError):
     """A file in a manifest's place that is not one (not JSON, other fields or types than a manifest's, outputs that
     leave its directory): exit 2; a ``ValueError`` too, for the callers that pass over a damaged or foreign file."""
@@ -299,8 +307,9 @@ class StageDir:
     """
 
     def __init__(self, root: str | os.PathLike, stage: str, config_hash: str, inputs: list[dict],
-                 force: bool = False, out_dir: str | os.PathLike | None = None):
+                 force: bool = False, out_dir: str | os.PathLike | None = None, lock_wait_s: float = 3600.0):
         self.stage = stage
+        self.lock_wait_s = lock_wait_s  # how long run_stage waits for another run of this key
         self.config_hash = config_hash
         self.inputs = inputs
         self.force = force
@@ -391,6 +400,22 @@ def check_output_dir(d: Path, stage: str) -> None:
                          "directory (nothing was written)")
 
 
+def wait_for_lock(f, holder: str, wait_s: float) -> None:
+    """Take the lock on ``f`` once its holder lets go, polling without blocking (a blocking ``flock`` could not be
+    bounded); past ``wait_s``, :class:`KeyBusy`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KeyBusy(f"another run of this stage key still holds {holder} after {wait_s / 60:g} min "
+                              "(run.lock_wait_min): retry later, or stop that run") from None
+            time.sleep(min(LOCK_POLL_S, left))
+
+
 def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str], None] = print,
               housekeeping: Optional[Callable[[], None]] = None) -> Manifest:
     """Skip if done, else run ``body(tmp_dir)`` inside the staging dir (which calls sd.commit). One run of a
@@ -398,7 +423,8 @@ def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str
     then reuses what it committed. ``housekeeping()`` runs once the output is there (committed now or found done),
     still under the key's lock; it must not raise."""
     with key_lock(sd.final, lambda holder: log(f"[{sd.stage}] another run of this stage key holds {holder}; "
-                                                "waiting for it")):
+                                                f"waiting for it (at most {sd.lock_wait_s / 60:g} min)"),
+                  sd.lock_wait_s):
         done = sd.existing()
         if done is not None:
             log(f"[{sd.stage}] up to date: {done.path} (use run.force=true to recompute)")
@@ -410,10 +436,14 @@ def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str
         return done
 
 
+LOCK_POLL_S = 1.0
+
+
 @contextlib.contextmanager
-def key_lock(final: Path, on_wait: Callable[[str], None]):
+def key_lock(final: Path, on_wait: Callable[[str], None], wait_s: float = 3600.0):
     """An exclusive ``flock`` on ``.<key>.lock`` beside the stage's output (FSx for Lustre is mounted with
-    ``flock``), held while the stage runs; the lock file names its holder for whoever waits."""
+    ``flock``), held while the stage runs; the lock file names its holder for whoever waits, at most ``wait_s``
+    (then :class:`KeyBusy`, exit 75)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     path = final.with_name(f".{final.name}.lock")
     with open(path, "a+") as f:
@@ -421,8 +451,9 @@ def key_lock(final: Path, on_wait: Callable[[str], None]):
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            on_wait(f"{path} ({f.read().strip() or 'holder unknown'})")
-            fcntl.flock(f, fcntl.LOCK_EX)
+            holder = f"{path} ({f.read().strip() or 'holder unknown'})"
+            on_wait(holder)
+            wait_for_lock(f, holder, wait_s)
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {now_iso()}\n")

@@ -130,6 +130,39 @@ def test_two_concurrent_runs_of_one_stage_key_never_write_at_once(tmp_path):
     assert sum("up to date" in o for o in outs) == 1
 
 
+def test_a_run_waits_for_the_key_lock_at_most_run_lock_wait_min_then_exits_75(tmp_path):
+    """A holder that never lets go (hung) is not waited on for ever: past the bound the waiting run raises KeyBusy
+    (exit 75) and its body never ran; once the holder is gone, the retry runs."""
+    import fcntl
+
+    from pipelines.cli import stage_dir
+    from pipelines.exit_codes import RETRY
+    from pipelines.manifest import KeyBusy, StageDir, run_stage
+    from pipelines.spec import load_spec
+
+    assert stage_dir(load_spec(None, ["run.lock_wait_min=0.5", f"run.root={tmp_path}"], env={}), "filter",
+                     [{"uri": "x", "sha256": "0"}]).lock_wait_s == 30
+    sd = StageDir(tmp_path / "runs", "demo", "cfg", [{"uri": "x", "sha256": "0"}], lock_wait_s=1.0)
+    ran, said = [], []
+
+    def body(tmp):
+        ran.append(1)
+        (tmp / "out.txt").write_text("made")
+        return sd.commit({"out": "out.txt"})
+
+    sd.final.parent.mkdir(parents=True)
+    lock = sd.final.with_name(f".{sd.final.name}.lock")
+    lock.write_text("pid 1 on elsewhere since then\n")
+    with open(lock, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another open file: held as another process would hold it
+        t0 = time.monotonic()
+        with pytest.raises(KeyBusy, match=r"still holds .*pid 1 on elsewhere.* after 0\.0166667 min") as e:
+            run_stage(sd, body, log=said.append)
+        assert 1.0 <= time.monotonic() - t0 < 30 and e.value.exit_code == RETRY and not ran
+        assert said and "at most" in said[0]
+    assert run_stage(sd, body, log=said.append).output("out").read_text() == "made" and ran == [1]
+
+
 def test_force_starts_a_new_generation_and_retires_the_old_one_only_after_it_commits(home, s3_server):
     from pipelines import tracking
     from pipelines.launch import ranks

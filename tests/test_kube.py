@@ -86,10 +86,17 @@ def test_a_pytorchjob_goes_the_same_way_with_its_own_states_pods_and_path(home, 
     fake, cfg = kube
     spec = load_spec(None, kube_sets(home, cfg, kind="pytorchjob"), env={})
     custom, core = k8s.api_clients(spec)
-    lines = []
-    rank0 = [sys.executable, "-c", "import time; time.sleep(2); print('hello from rank 0')"]  # Running is seen
-    assert k8s.submit(custom, _job(spec, rank0), lines.append) == "created"
-    done = k8s.watch(custom, core, k8s.PYTORCHJOB, "llm-pipeline", "llm-pipeline-unit", 0.2, 60, lines.append)
+    lines, seen = [], home / "running-seen"
+
+    def log(line: str) -> None:  # the rank ends once the watch has said Running: seen however slow the machine
+        lines.append(line)
+        if ": Running" in line:
+            seen.touch()
+
+    rank0 = [sys.executable, "-c", "import os, time\nfor _ in range(1200):\n    if os.path.exists("
+             f"{str(seen)!r}):\n        break\n    time.sleep(0.1)\nprint('hello from rank 0')"]
+    assert k8s.submit(custom, _job(spec, rank0), log) == "created"
+    done = k8s.watch(custom, core, k8s.PYTORCHJOB, "llm-pipeline", "llm-pipeline-unit", 0.2, 300, log)
     assert k8s.job_state(done)[0] == "Succeeded"
     assert ("POST", COLLECTION["pytorchjob"]) in fake.requests
     for s in STATES["pytorchjob"][1:]:
