@@ -355,7 +355,7 @@ def test_each_aws_root_has_terraform_tests_of_what_matters():
                        "AWSServiceRoleForAutoScaling", "AWSServiceRoleForFSxS3Access_", "node_groups.system",
                        "node_groups.gpu", "data_repository_path", "/llm-pipeline/var/tiers/shared",
                        "system:serviceaccount:llm-pipeline:spark", "system:serviceaccount:llm-pipeline:trainer",
-                       "expect_failures = [var.kubernetes_version]"):
+                       "expect_failures = [var.kubernetes_version]", 'r.prefix == "airflow-logs/"'):
             assert needle in text, f"envs/{env}/aws tests do not check {needle}"
         assert text.count("assert {") >= 12
 
@@ -899,6 +899,8 @@ def test_run_root_owned_for_the_pods_task_logs_in_s3_no_glacier_admins_and_efa_o
     assert job["wait_for_completion"] is True
     airflow = one("helm_release", "metadata")["values"][0]
     assert 'remote_logging = "True"' in airflow and "s3://${var.mlflow_bucket}/airflow-logs" in airflow
+    # and those logs expire: the MLflow bucket's rule for the same prefix (terraform test asserts the planned rule)
+    assert local(TF / "modules/storage/main.tf", "expiring") == {"mlflow": {"airflow-logs/": "${var.task_log_days}"}}
     assert variables(TF / "modules/storage/variables.tf")["checkpoint_glacier_days"]["default"] is None
     entries = [b for f, t, n, b in resources("aws_eks_access_entry") if n == "admin"]
     assert entries and entries[0]["for_each"] == "${local.admin_role_arns}"  # less the creator's own entry

@@ -142,3 +142,8 @@ output "security" {
     database = module.database.protection
   }
 }
+
+output "lifecycle" {
+  description = "Each pipeline bucket's lifecycle rules (purpose → id, prefix, transitions, expiry days)."
+  value       = module.storage.bucket_lifecycle
+}

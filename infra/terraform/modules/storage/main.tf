@@ -207,6 +207,10 @@ locals {
   cold_tiers = {
     checkpoints = { ia_days = var.checkpoint_ia_days, glacier_days = var.checkpoint_glacier_days }
   }
+  # the platform layer's remote task logs (modules/metadata: remote_base_log_folder) expire; nothing else does
+  expiring = {
+    mlflow = { "airflow-logs/" = var.task_log_days }
+  }
 }
 
 module "bucket" {
@@ -220,6 +224,7 @@ module "bucket" {
   abort_multipart_days = var.abort_multipart_days
   ia_days              = try(local.cold_tiers[each.key].ia_days, null)
   glacier_days         = try(local.cold_tiers[each.key].glacier_days, null)
+  expire_prefixes      = try(local.expiring[each.key], {})
   force_destroy        = var.force_destroy
   tags                 = var.tags
 }

@@ -32,3 +32,8 @@ output "bucket_security" {
   description = "Each pipeline bucket's public access block, versioning and TLS-only statement, by purpose."
   value       = { for k, b in local.buckets : k => b.security }
 }
+
+output "bucket_lifecycle" {
+  description = "Each pipeline bucket's lifecycle rules (purpose → rules)."
+  value       = { for k, b in local.buckets : k => b.lifecycle }
+}

@@ -27,6 +27,12 @@ variable "abort_multipart_days" {
   default     = 3
 }
 
+variable "task_log_days" {
+  type        = number
+  description = "Days after which Airflow's task logs (airflow-logs/ in the MLflow bucket, written by the platform layer's remote logging) expire."
+  default     = 30
+}
+
 variable "force_destroy" {
   type        = bool
   description = "Let terraform destroy delete non-empty buckets (dev only)."

@@ -51,6 +51,18 @@ variables {
 run "plan" {
   command = plan
 
+  # lifecycle: Airflow's task logs (airflow-logs/ in the MLflow bucket) expire; no bucket is archived to Glacier by
+  # default (L2 restore, FSx's lazy load and evaluation read old objects back)
+  assert {
+    condition     = [for r in output.stack.lifecycle.mlflow : r.expiration_days if r.prefix == "airflow-logs/"] == [30]
+    error_message = "Airflow's task logs in the MLflow bucket must expire (30 days by default)"
+  }
+  assert {
+    condition = alltrue(flatten([for rules in values(output.stack.lifecycle) : [for r in rules :
+    !contains(keys(r.transitions), "GLACIER") && (r.prefix != "" || r.expiration_days == null)]]))
+    error_message = "no pipeline bucket may be archived to Glacier by default, and nothing but a prefix may expire"
+  }
+
   # KMS: every store is encrypted with the stack's customer-managed key
   assert {
     condition = alltrue([for b in values(output.stack.encryption.buckets) :

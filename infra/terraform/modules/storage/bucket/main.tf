@@ -81,6 +81,22 @@ resource "aws_s3_bucket_lifecycle_configuration" "this" {
       days_after_initiation = var.abort_multipart_days
     }
   }
+
+  # objects under a prefix that expire (e.g. Airflow's task logs in the MLflow bucket); their noncurrent versions
+  # go with the rule above
+  dynamic "rule" {
+    for_each = var.expire_prefixes
+    content {
+      id     = "expire-${trimsuffix(rule.key, "/")}"
+      status = "Enabled"
+      filter {
+        prefix = rule.key
+      }
+      expiration {
+        days = rule.value
+      }
+    }
+  }
 }
 
 data "aws_iam_policy_document" "tls_only" {

@@ -31,3 +31,13 @@ output "security" {
     policy = aws_s3_bucket_policy.this.policy
   }
 }
+
+output "lifecycle" {
+  description = "The bucket's lifecycle rules: id, prefix (\"\" for the whole bucket), transitions and expiry days (terraform test asserts them)."
+  value = [for r in aws_s3_bucket_lifecycle_configuration.this.rule : {
+    id              = r.id
+    prefix          = try(one(r.filter).prefix, null) == null ? "" : one(r.filter).prefix
+    transitions     = { for t in r.transition : t.storage_class => t.days }
+    expiration_days = try(one(r.expiration).days, null)
+  }]
+}

@@ -40,6 +40,12 @@ variable "glacier_days" {
   default     = null
 }
 
+variable "expire_prefixes" {
+  type        = map(number)
+  description = "Key prefix (ending in /) → days after which its objects expire."
+  default     = {}
+}
+
 variable "force_destroy" {
   type        = bool
   description = "Let terraform destroy delete a non-empty bucket."
