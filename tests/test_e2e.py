@@ -1,6 +1,7 @@
 """The whole DAG via `airflow dags test`, on real Spark, torchrun, the embedded S3 endpoint and MLflow, with Airflow's
 metadata in PostgreSQL as on the cluster (modules/metadata's DSN shape: its own login and database, sslmode=require,
 the async engine through psycopg_async)."""
+import hashlib
 import json
 import os
 import sqlite3
@@ -119,6 +120,8 @@ def test_dag_runs_end_to_end_and_registers_a_model_with_lineage(tmp_path, metada
     assert got["corpus"]["digest"] == tags["data_manifest_hash"] and got["model"]["version"] == str(mv.version)
     keys = {Path(i["key"]).name: i["key"] for i in got["inputs"]}
     assert set(keys) == {"good.jsonl", "bad.jsonl"} and set(got["docs_per_source"]) <= set(keys.values())
+    for i in got["inputs"]:  # the digest of the bytes read (one task each here: the file's), not the listing identity
+        assert i["sha256"] == hashlib.sha256((tmp_path / Path(i["key"]).name).read_bytes()).hexdigest() != i["identity"]
     assert got["docs_per_source"][keys["good.jsonl"]] >= 100
     champion = {"name": "e2e-model", "version": str(mv.version)}
     import pyarrow.parquet as pq

@@ -284,7 +284,8 @@ def lineage_lines(lin: dict | None, digest: str | None) -> list[str]:
     out = [f"Corpus version {c['version']} (tokenize manifest digest `{c['digest']}`): {c['docs']} documents, "
            f"{c['tokens']} tokens.", "", "| source | documents | bytes | sha256 |", "|---|---|---|---|"]
     docs = lin.get("docs_per_source", {})
-    out += [f"| `{i['key']}` | {docs.get(i['key'], 0)} | {i['bytes']} | `{i['sha256'][:12]}` |" for i in lin["inputs"]]
+    out += [f"| `{i['key']}` | {docs.get(i['key'], 0)} | {i['bytes']} | `{(i['sha256'] or 'not recorded')[:12]}` |"
+            for i in lin["inputs"]]
     return out
 
 

@@ -7,7 +7,8 @@
 
 The command line of :mod:`pipelines.lineage` (its modules: where lineage and takedown live):
 
-* ``--model``: the corpus version, its inputs (key, bytes, sha256, the version that added it) and docs per source;
+* ``--model``: the corpus version, its inputs (key, bytes, sha256 of the bytes read, the listing identity the stage
+  key holds, the version that added it) and docs per source;
 * ``--doc ID``: every corpus version that holds the doc, with its shards, and every registered version trained on
   one of them;
 * ``--source KEY``: an input's key as ingest records it (``data/sample/c4_en_train_1k.jsonl.gz``; ``./…``, the
@@ -45,8 +46,8 @@ def _text(res: dict) -> str:
         m, c = res["model"], res["corpus"]
         lines.append(f"{m['name']} v{m['version']} {m['aliases']} ← corpus v{c['version']} ({c['docs']} docs, "
                      f"{c['tokens']} tokens) {c['manifest']}")
-        lines += [f"  input {i['key']} ({i['bytes']} bytes, sha256 {i['sha256'][:12]}, corpus v{i['corpus_version']})"
-                  for i in res["inputs"]]
+        lines += [f"  input {i['key']} ({i['bytes']} bytes, sha256 {(i['sha256'] or 'not recorded')[:12]}, "
+                  f"corpus v{i['corpus_version']})" for i in res["inputs"]]
         lines += [f"  {n:>8} docs from {s}" for s, n in res["docs_per_source"].items()]
         return "\n".join(lines)
     if "exclusion" in res:

@@ -98,16 +98,21 @@ def added_docs(tok: Manifest, columns: list[str], where=None):
 
 
 def inputs_of(tok: Manifest) -> list[dict]:
-    """The inputs of the corpus version: each ingested file (key, bytes, sha256) with the version that added it."""
+    """The inputs of the corpus version: each ingested file (key, bytes, sha256, identity) with the version that
+    added it. ``sha256`` is the digest of the bytes ingest's tasks read (``extra.input_sha256``: the file's sha256
+    when one task read it, else the sha256 of its ranges' digests in order; None in a manifest without it);
+    ``identity`` is what the stage key holds: the sha256 of key, size and mtime or ETag, from the listing."""
     out, seen = [], set()
     for v in reversed(chain(tok)):
         ing = _stage(v, "ingest")
+        read = (ing.extra.get("input_sha256") or {}) if ing else {}
         for i in ing.inputs if ing else []:
             held = v.extra.get("corpus", {}).get("inputs", [])
             if "stage" in i or i["sha256"] in seen or i["sha256"] not in held:
                 continue
             seen.add(i["sha256"])
-            out.append({"key": i.get("key") or i["uri"], "bytes": i.get("bytes"), "sha256": i["sha256"],
+            key = i.get("key") or i["uri"]
+            out.append({"key": key, "bytes": i.get("bytes"), "sha256": read.get(key), "identity": i["sha256"],
                         "corpus_version": v.extra["corpus"].get("version")})
     return out
 
