@@ -196,6 +196,12 @@ def test_the_register_stage_logs_the_hf_directory_with_the_version_once(bpe_mode
     assert set(export.HF_FILES) <= {p.name for p in got.iterdir()}
     text = (got / "README.md").read_text()
     assert "export-test v1" in text and "llmp_arc_easy: 2/100" in text and "h" * 64 in text and "not found under `run.root`" in text
+    # the model's own directory is fetched without the hf/ export logged beside it (twice the bytes otherwise)
+    from pipelines.eval.model_dir import download_model_dir
+
+    d = download_model_dir(f"models:/export-test/{res['version']}", tracking.tracking_uri(spec), home / "md")
+    assert {p.name for p in d.iterdir()} >= {"model.pt", "model_args.json", "tokenizer.model"}
+    assert not list((home / "md").rglob("config.json")) and not (home / "md" / "hf").exists()
 
 
 def test_an_out_path_under_a_file_or_that_is_a_file_is_one_line_and_exit_2(tmp_path, capsys):

@@ -466,13 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     spec = spec_from_args(args)
     from mlflow.exceptions import MlflowException
 
-    from pipelines.eval.model_dir import download, model_dir_of
+    from pipelines.eval.model_dir import download_model_dir
 
     try:
         client = tracking.client(spec)
         mv = resolve_version(client, args.model)
         with tempfile.TemporaryDirectory(prefix="llmp-export-") as tmp:
-            d = model_dir_of(download(f"models:/{mv.name}/{mv.version}", tracking.tracking_uri(spec), tmp))
+            d = download_model_dir(f"models:/{mv.name}/{mv.version}", tracking.tracking_uri(spec), tmp)
             names = export(d, args.format, Path(args.out), version_card(spec, client, mv, d, Path(tmp)),
                            args.gguf_dtype)
     except (ExportError, LookupError, StageError) as e:

@@ -119,10 +119,10 @@ def champion_value(spec: JobSpec, client, cur, metric: str, sha: str, data_hash:
 
 def rescore(spec: JobSpec, client, cur, sha: str, work: Path) -> float:
     """Score the champion on this reference set (in this process or on the launcher's ranks)."""
-    from pipelines.eval.model_dir import download, model_dir_of
+    from pipelines.eval.model_dir import download_model_dir
 
     try:
-        d = model_dir_of(download(f"models:/{cur.name}/{cur.version}", tracking.tracking_uri(spec), work / "champion"))
+        d = download_model_dir(f"models:/{cur.name}/{cur.version}", tracking.tracking_uri(spec), work / "champion")
         res = score_model_dir(spec, Job(model_dir=str(d), reference=reference_files(spec), parts=["reference"]),
                               work / "champion-ranks", run_id=f"rescore-{cur.name}-{cur.version}"[:40])
     except Exception as e:  # noqa: BLE001 - whatever broke, the gate must not fail open
