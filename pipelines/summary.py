@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from pipelines import tracking
 from pipelines.eval.registry import model_id_of
@@ -101,14 +102,21 @@ def print_summary(spec, s: dict) -> None:
             text = f"n/a ({e})"
         print(f"champion sample     : {s['prompt']!r} → {text}")
     uri = f"models:/{s['model']}@{spec.registry.alias}"
-    print(f"browse              : .venv/bin/mlflow ui --backend-store-uri {s['tracking_uri']}")
-    print(f"serve               : PATH=$PWD/.venv/bin:$PATH MLFLOW_TRACKING_URI={s['tracking_uri']} mlflow models serve -m {uri} "
+    b = bin_dir()
+    print(f"browse              : {b}/mlflow ui --backend-store-uri {s['tracking_uri']}")
+    print(f"serve               : PATH={b}:$PATH MLFLOW_TRACKING_URI={s['tracking_uri']} mlflow models serve -m {uri} "
           "--env-manager local --host 127.0.0.1 --port 5001")
-    print(f"export              : .venv/bin/python -m pipelines.eval.export --model {s['model']}@{spec.registry.alias} "
+    print(f"export              : {b}/python -m pipelines.eval.export --model {s['model']}@{spec.registry.alias} "
           f"--format hf --out var/export/{s['model']}  (transformers; --format gguf: model.gguf for llama.cpp); "
           f"registered copy: {t.get('export.hf', 'n/a')}")
-    print(f"lm-eval             : .venv/bin/llmp-lm-eval --model llm-pipeline --model_args uri={uri},tracking_uri="
+    print(f"lm-eval             : {b}/llmp-lm-eval --model llm-pipeline --model_args uri={uri},tracking_uri="
           f"{s['tracking_uri']} --include_path pipelines/eval/tasks --tasks llmp_arc_easy,llmp_hellaswag,llmp_lambada_openai --limit 20")
+
+
+def bin_dir() -> str:
+    """Where this Python's commands are (``.venv/bin`` in a checkout, the image's own elsewhere), for the hints."""
+    d = Path(sys.executable).parent
+    return f"$PWD/{d.relative_to(Path.cwd())}" if d.is_relative_to(Path.cwd()) else str(d)
 
 
 if __name__ == "__main__":

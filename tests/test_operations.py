@@ -272,3 +272,15 @@ def test_the_stack_executor_adopts_only_a_live_task_process_and_counts_it_agains
     finally:
         if task.poll() is None:
             task.kill()
+
+
+def test_the_summary_hints_name_this_pythons_commands_in_a_checkout_and_in_the_image(tmp_path, monkeypatch):
+    """`python -m pipelines.summary`'s commands point at the interpreter's own bin: the checkout's .venv under
+    make demo, the image's own directory where there is no .venv."""
+    from pipelines import summary
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
+    assert summary.bin_dir() == "$PWD/.venv/bin"
+    monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python3")
+    assert summary.bin_dir() == "/opt/venv/bin"
