@@ -127,6 +127,25 @@ def test_the_plan_covers_every_row_once_in_order_with_balanced_tasks():
     assert len(plan_pieces(groups, 40)) > 30  # the 1000-row group alone is cut into ~25 pieces
 
 
+def test_a_piece_is_read_as_its_rows_of_the_group_streaming_across_batches(tmp_path, monkeypatch):
+    """read_piece gives exactly the rows start..stop of its group (the columns asked, in that order), whether the
+    piece lies inside one decoded batch, across several or at the group's end."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipelines.data import spark as sp
+
+    monkeypatch.setattr(sp, "PIECE_READ_ROWS", 7)  # small batches: pieces cross their edges
+    path = tmp_path / "g.parquet"
+    t = pa.table({"id": [f"d{i}" for i in range(100)], "text": [f"t{i}" for i in range(100)], "n": list(range(100))})
+    pq.write_table(t, path, row_group_size=40)  # groups of 40, 40, 20
+    for g, rows in ((0, 40), (1, 40), (2, 20)):
+        group = pq.ParquetFile(path).read_row_group(g)
+        for a, b in ((0, rows), (0, 1), (3, 5), (6, 15), (13, 14), (rows - 1, rows), (5, 5)):
+            got = sp.read_piece(sp.Piece(str(path), g, a, b, 0), ["n", "id"])
+            assert got.column_names == ["n", "id"] and got.to_pylist() == group.select(["n", "id"]).slice(a, b - a).to_pylist()
+
+
 def test_shards_published_to_s3_match_the_manifest_and_a_rerun_repairs_the_copy(home, spark, s3_server, capsys):
     """services.shards_uri: the tasks upload their shards, the driver checks every object and uploads the
     manifest last; the S3 copy equals the stage directory byte for byte. A re-run (the stage is reused) finds a

@@ -168,9 +168,25 @@ def plan_pieces(groups: list[tuple[str, int, int, int]], n: int) -> list[list[Pi
     return [t for t in tasks if t]
 
 
+PIECE_READ_ROWS = 8192  # rows decoded at a time while a piece is read
+
+
 def read_piece(p: Piece, columns: list[str]):
-    """A piece's rows (a pyarrow Table of ``columns``), read by the task itself: no JVM in the data's path."""
-    return pq.ParquetFile(p.file).read_row_group(p.group, columns=columns).slice(p.start, p.stop - p.start)
+    """A piece's rows (a pyarrow Table of ``columns``), read by the task itself: no JVM in the data's path. The row
+    group is streamed and decoding stops at the piece's end: a task holds its piece, not the whole group (a large
+    group is cut into many pieces, one task each)."""
+    f = pq.ParquetFile(p.file)
+    parts, at = [], 0
+    for b in f.iter_batches(batch_size=PIECE_READ_ROWS, row_groups=[p.group], columns=columns):
+        lo, hi = max(p.start - at, 0), min(p.stop - at, b.num_rows)
+        if hi > lo:
+            parts.append(b.slice(lo, hi - lo))
+        at += b.num_rows
+        if at >= p.stop:
+            break
+    if not parts:
+        return f.schema_arrow.empty_table().select(columns)
+    return pa.Table.from_batches(parts).select(columns)
 
 
 def piece_batches(pieces: list[Piece], columns: list[str], rows: int = 2048):
