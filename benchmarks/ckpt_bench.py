@@ -316,7 +316,7 @@ def two_node_rows(tok: str, url: str, steps: int = 30) -> dict | None:
                             f"checkpoint.l2_prefix={RUN}/local"], env={})
     rel = f"run/key/{ck.step_name(steps)}"
     final_l1 = Path(ckpt_tiers.tier_locations(spec, rel)["L1"])
-    nbytes = sum(i["bytes"] for i in ckpt_local.verify_local(final_l1)["files"].values())
+    nbytes = sum(i["bytes"] for i in ck.verify_local(final_l1)["files"].values())
     t0 = time.perf_counter()
     ckpt_local.copy_local(final_l1, base / "one-rank-l1")
     one_l1 = time.perf_counter() - t0

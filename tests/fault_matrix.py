@@ -542,7 +542,6 @@ def check(ctx: dict, sc: dict, run: dict) -> dict:
     """The invariants of one run: {I1..I5: ok / n/a / FAIL: why}."""
     from pipelines.spec import load_spec
     from pipelines.train.ckpt import protocol as ck
-    from pipelines.train.ckpt import local as ckpt_local
     from pipelines.train.ckpt import tiers as ckpt_tiers
 
     inv = {}
@@ -555,7 +554,7 @@ def check(ctx: dict, sc: dict, run: dict) -> dict:
     newest = max(steps["L1"], default=None)
     try:
         if newest is not None:
-            ckpt_local.verify_local(root / "l1" / rel_root / ck.step_name(newest))
+            ck.verify_local(root / "l1" / rel_root / ck.step_name(newest))
         inv["I1"] = "ok"
     except ck.CheckpointError as e:
         inv["I1"] = f"FAIL: newest L1 step does not verify: {e}"

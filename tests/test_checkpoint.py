@@ -71,7 +71,7 @@ def test_a_copy_without_commit_marker_is_never_taken(home, s3_server):
         ckpt_s3.download_checkpoint(spec, f"s3://ckpt-partial/checkpoints/{rel}", home / "dl")
     (d / "COMMIT").unlink()
     with pytest.raises(ck.CheckpointError, match="incomplete"):
-        ckpt_local.verify_local(d)
+        ck.verify_local(d)
     # restore falls through tiers: L0 is incomplete, L1 still verifies
     tier, _ = ckpt_tiers.fetch(spec, rel)
     assert tier == "L1"
@@ -85,7 +85,7 @@ def test_promote_stage_puts_a_step_whose_l0_is_gone_on_l2_from_l1_part_by_part(h
     d = _make_ckpt(spec, rel, big_mb=1)
     assert ckpt_tiers.promote(spec, rel, tiers=("L1",))["actions"] == {"L1": "copied"}
     l1 = home / "var/tiers/shared" / rel
-    assert ckpt_local.read_local_manifest(l1)["part_of"] == {"model.pt": 0, "model_args.json": 0}
+    assert ck.read_local_manifest(l1)["part_of"] == {"model.pt": 0, "model_args.json": 0}
     assert not (l1.parent / ".step-000040.parts").exists()  # the staging went with the merge
     ckpt_local.remove_local(d)  # an emptyDir L0, gone with the pod
     rep = ckpt_tiers.promote(spec, rel)

@@ -73,7 +73,7 @@ def test_an_s3_outage_in_the_middle_of_a_run_degrades_to_l1_and_the_promote_stag
                          env={})
         assert ckpt_tiers.list_steps(spec, rel_root, ("L0", "L1")) == {"L0": [50, 60], "L1": [50, 60]}  # bounded (I5)
         # the final step on L1 (I3)
-        ckpt_local.verify_local(Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-000060")["L1"]))
+        ck.verify_local(Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-000060")["L1"]))
         assert not list(store.rglob("step-000060/COMMIT"))
 
         # the promote stage while the endpoint is down: infrastructure, exit 75 (it was 2: never retried)

@@ -22,7 +22,7 @@ from pipelines.spec import load_spec
 from pipelines.train.ckpt import local as ckpt_local
 from pipelines.train.ckpt import tiers as ckpt_tiers
 from pipelines.train.ckpt import fence
-from pipelines.train.ckpt.protocol import COMMIT, CheckpointError, L2Unavailable
+from pipelines.train.ckpt.protocol import COMMIT, CheckpointError, L2Unavailable, read_local_manifest, verify_local
 
 from conftest import ROOT, wait_for
 
@@ -100,7 +100,7 @@ def test_a_commit_of_a_newer_term_is_never_deleted_by_an_older_one(tmp_path, ins
                                                     env={}), "run/key", tiers=("L1",))):  # retention: step 10
         with pytest.raises(fence.FencedOut):
             deed()
-        assert [ckpt_local.read_local_manifest(s)["term"] for s in (older, step)] == [2, 2]  # untouched
+        assert [read_local_manifest(s)["term"] for s in (older, step)] == [2, 2]  # untouched
     # the recorded term alone refuses, once the fence knows it (a check that raced past the new term's take)
     raced = fence.Fence(d, "aaaa1111", 1, 60.0, (str(root),))
     raced._why_fenced = lambda: None
@@ -509,7 +509,7 @@ def test_a_zombie_attempt_stops_before_committing_and_the_retry_keeps_its_steps(
     mine = json.loads((home / "b/train/result.json").read_text())["fence"]
     assert mine["term"] == 2 and fence.current_term(home / "l1/llm-pipeline/train/.fence") == 2, mine
     for tier in ("l0", "l1"):
-        steps = {p.parent.name: ckpt_local.read_local_manifest(p.parent)
+        steps = {p.parent.name: read_local_manifest(p.parent)
                  for p in (home / tier).glob("*/train/step-*/COMMIT")}
         later = {n: (m["attempt"], m["term"]) for n, m in steps.items() if m["step"] > 10}
         assert "step-000030" in later and set(later.values()) == {(mine["attempt"], 2)}, (tier, later)
@@ -687,5 +687,5 @@ def test_a_writer_paused_between_its_check_and_its_act_on_l1_cannot_touch_a_newe
             ckpt_local.remove_local(step)
         else:
             ckpt_local.commit_local(_tmp_step(root, "step-000030a"), step, meta={"term": 1})
-    assert acted and ckpt_local.read_local_manifest(step)["term"] == 2
-    ckpt_local.verify_local(step)
+    assert acted and read_local_manifest(step)["term"] == 2
+    verify_local(step)

@@ -91,7 +91,7 @@ class Cluster:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         d = self.shared / "l1" / SUB / ck.step_name(step)
-        ckpt_local.verify_local(d)
+        ck.verify_local(d)
         dcp_to_torch_save(d, self.base / "final.pt")
         return torch.load(self.base / "final.pt", weights_only=False)  # our own test file, just written
 
@@ -131,14 +131,14 @@ def test_two_nodes_with_node_local_l0_complete_and_commit_globally_on_l1_and_l2(
     disks = sorted((c.base / "disks").iterdir())
     parts = {}
     for d in disks:
-        man = ckpt_local.verify_local(d / SUB / ck.step_name(STEPS))
+        man = ck.verify_local(d / SUB / ck.step_name(STEPS))
         parts[man["part"]] = set(man["files"])
         assert man["parts"] == 2
     assert "__0_0.distcp" in parts[0] and "__1_0.distcp" not in parts[0]
     assert parts[1] == {"__1_0.distcp"}
     # globally committed on L1 (all parts, merged manifest) and on L2; retention kept the windows
     final = c.shared / "l1" / SUB / ck.step_name(STEPS)
-    man = ckpt_local.verify_local(final)
+    man = ck.verify_local(final)
     assert man["parts"] == 2 and man["part_of"]["__1_0.distcp"] == 1 and ckpt_local.missing_shards(final) == []
     uri = ckpt_tiers.tier_locations(c.spec, f"{SUB}/{ck.step_name(STEPS)}")["L2"]
     assert ckpt_s3.verify_s3(c.spec, uri)["files"] == man["files"]
@@ -202,7 +202,7 @@ def test_restore_takes_each_part_from_its_nearest_tier(reference, tok, s3_server
         newest = c.newest_l1()
         for d in disks:  # node 1's parts (its own disk) of every step from the newest globally committed one
             for step_dir in (d / SUB).glob("step-*"):
-                if ckpt_local.read_local_manifest(step_dir)["part"] == 1 and ck.parse_step(step_dir.name) >= newest:
+                if ck.read_local_manifest(step_dir)["part"] == 1 and ck.parse_step(step_dir.name) >= newest:
                     _corrupt(step_dir / "__1_0.distcp")
         run_until_committed(newest + 20, fresh=False)
         logs = c.logs()

@@ -87,7 +87,7 @@ def _final_state(root: Path, name: str) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     step_dir = next((root / "l0").glob(f"*/*/{name}"))
-    ckpt_local.verify_local(step_dir)
+    ck.verify_local(step_dir)
     dcp_to_torch_save(step_dir, root / "final.pt")
     return torch.load(root / "final.pt", weights_only=False)
 
@@ -209,7 +209,7 @@ def test_restore_falls_back_tier_by_tier_then_to_an_older_step(home, s3_server):
     ckpt_local.remove_local(Path(locs["L1"]))
     rp, logs = _restore(spec, rel_root)
     assert (rp.step, rp.tier, rp.parts) == (20, "L2", {0: "L2"})
-    ckpt_local.verify_local(Path(locs["L1"]))  # staged from L2 and committed on L1 again
+    ck.verify_local(Path(locs["L1"]))  # staged from L2 and committed on L1 again
 
     from pipelines.storage.s3 import client, split_uri
 
@@ -408,7 +408,7 @@ def test_a_stager_that_cannot_reuse_its_buffers_costs_a_warning_not_the_run(home
         saver.close(None)
     finally:
         dist.destroy_process_group()
-    assert [ckpt_local.verify_local(saver.path(s))["step"] for s in (1, 2, 3)] == [1, 2, 3]
+    assert [ck.verify_local(saver.path(s))["step"] for s in (1, 2, 3)] == [1, 2, 3]
     assert len(made) == 3 and sum("cannot reuse its buffers" in m for m in logs) == 1
 
 
@@ -442,7 +442,7 @@ def test_async_save_returns_before_the_commit_and_keeps_the_state_of_its_step(ho
                 p.add_(1.0)
         gate.set()
         saver.wait()
-        assert (final / "COMMIT").exists() and ckpt_local.verify_local(final)["step"] == 7 and stall < 5
+        assert (final / "COMMIT").exists() and ck.verify_local(final)["step"] == 7 and stall < 5
         saver.close(None)
     finally:
         dist.destroy_process_group()

@@ -8,7 +8,6 @@ from pipelines.data import tokenize
 from pipelines.spec import load_spec
 from pipelines.train import checkpoint as checkpoint_cli
 from pipelines.train.ckpt import protocol as ck
-from pipelines.train.ckpt import local as ckpt_local
 from pipelines.launch import ranks
 from pipelines.train import launch
 from pipelines.train.loader import DPSampler
@@ -200,14 +199,14 @@ def test_torchrun_two_ranks_trains_and_checkpoints_to_l0(home):
     assert len(losses) == 24 and m.extra["world_size"] == 2 and m.extra["backend"] == "gloo"
     assert np.mean([l for _, l in losses[-4:]]) < np.mean([l for _, l in losses[:4]]) - 0.5  # it learns
     ckdir = home / "var/tiers/nvme" / m.extra["checkpoint"]
-    man = ckpt_local.verify_local(ckdir)
+    man = ck.verify_local(ckdir)
     # a sharded DCP checkpoint: one shard file per rank, the metadata, the run's state, COMMIT last
     assert man["step"] == 24 and set(man["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng.json",
                                                        "trainer_state.json", "tokenizer.model", "model_args.json"}
     # retention (keep_l0=2): step 10 left L0 once promoted to L1, where steps 10, 20 and 24 all verify
-    assert not (ckdir.parent / "step-000010").exists() and ckpt_local.is_valid_local(ckdir.parent / "step-000020")
+    assert not (ckdir.parent / "step-000010").exists() and ck.is_valid_local(ckdir.parent / "step-000020")
     l1 = home / "var/tiers/shared" / m.extra["checkpoint"]
-    assert all(ckpt_local.is_valid_local(l1.parent / f"step-0000{s}") for s in (10, 20, 24))
+    assert all(ck.is_valid_local(l1.parent / f"step-0000{s}") for s in (10, 20, 24))
     assert m.extra["promoted_during_run"] == {"10": {"L1": "copied"}, "20": {"L1": "copied"}, "24": {"L1": "copied"}}
     assert m.extra["resumed_from"] is None
     state = json.loads((ckdir / "trainer_state.json").read_text())

@@ -457,7 +457,7 @@ class Checkpointer:
         """Rank 0: None when ``step`` is globally committed on L1, else why not."""
         l1 = Path(ckpt_tiers.tier_locations(self.spec, f"{self.rel_root}/{ck.step_name(step)}")["L1"])
         try:
-            ckpt_local.read_local_manifest(l1)
+            ck.read_local_manifest(l1)
             return None
         except (ck.CheckpointError, OSError, ValueError) as e:
             failed = self.promoter.failed.get(step) if self.promoter is not None else None

@@ -20,9 +20,8 @@ from pipelines.manifest import atomic_write_text
 from pipelines.storage import faults
 from pipelines.storage.s3 import part_size_used
 from pipelines.train.ckpt import fence
-from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, CheckpointError, hash_files,  # noqa: F401 - below:
-                                        is_valid_local, manifest_files, read_local_manifest, safe_rel, verify_local)
-# read_local_manifest and manifest_files are this module's; the other three stay reachable here for its callers
+from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, CheckpointError, hash_files, manifest_files,
+                                        read_local_manifest)
 
 
 def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Path:

@@ -23,7 +23,6 @@ from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
 from pipelines.train.ckpt import protocol as ck
-from pipelines.train.ckpt import local as ckpt_local
 from pipelines.train.ckpt import parts as ckpt_parts
 from pipelines.train.ckpt import tiers as ckpt_tiers
 from pipelines.train.ckpt import fence
@@ -245,7 +244,7 @@ class Promoter:
         locs = ckpt_tiers.tier_locations(self.spec, rel)
         l0 = Path(locs["L0"])
         if not (l0 / ck.COMMIT).is_file():
-            if ckpt_local.is_valid_local(Path(locs["L1"])):  # e.g. restored at the final step on a fresh node
+            if ck.is_valid_local(Path(locs["L1"])):  # e.g. restored at the final step on a fresh node
                 return {"L1": "already-verified"}, None
             raise ck.CheckpointError(f"L0 part {l0} is not committed on this node: nothing to promote")
         action, digests = ckpt_parts.stage_part(l0, Path(locs["L1"]), self.spec.checkpoint.multipart_chunk_mb << 20)
@@ -256,7 +255,7 @@ class Promoter:
 
     def _merge_l1(self, l1: Path, l0: Path, step: int) -> None:
         """Rank 0: wait for every node's part on L1 (bounded), then write the step's global COMMIT there."""
-        _, parts, attempt = ckpt_parts.part_of(ckpt_local.read_local_manifest(l0))
+        _, parts, attempt = ckpt_parts.part_of(ck.read_local_manifest(l0))
         deadline = time.monotonic() + self.spec.checkpoint.collective_timeout_minutes * 60
         while not ckpt_parts.merge_parts(l1, parts, attempt):
             if time.monotonic() > deadline:
@@ -335,7 +334,7 @@ class Promoter:
         self.l2_behind.add(step)
         try:
             if own != "behind" and self._parts_on_l2(l1, step):
-                man = ckpt_local.read_local_manifest(l1)
+                man = ck.read_local_manifest(l1)
                 if ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt"),
                                              checked=frozenset({self.topo.part})):  # its own part, checked as put
                     self.l2_behind.discard(step)
@@ -447,7 +446,7 @@ class Promoter:
             self.log(f"[ckpt] L2 catch-up: step {st} left L1 before L2 answered; skipped")
             self.l2_behind.discard(st)
             return
-        man = ckpt_local.read_local_manifest(l1)
+        man = ck.read_local_manifest(l1)
         try:
             merged = ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt"))
         except ck.L2Unavailable:

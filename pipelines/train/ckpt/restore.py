@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from pipelines.storage import faults
 from pipelines.train.ckpt import protocol as ck
-from pipelines.train.ckpt import local as ckpt_local
 from pipelines.train.ckpt import parts as ckpt_parts
 from pipelines.train.ckpt import s3_tier as ckpt_s3
 from pipelines.train.ckpt import tiers as ckpt_tiers
@@ -187,7 +186,7 @@ def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
         step = ck.parse_step(d.name[1:-len(".parts")])
         for p in sorted(d.glob("part-*")) if step is not None else []:
             try:
-                info = _part_info(ckpt_local.read_local_manifest(p))
+                info = _part_info(ck.read_local_manifest(p))
             except (ck.CheckpointError, OSError, ValueError):
                 continue
             if info is not None:
@@ -226,7 +225,7 @@ def _verify_own_part(l0: Path, c: dict, log) -> set[int]:
     if not (l0 / ck.COMMIT).is_file():
         return set()
     try:
-        man = ckpt_local.verify_local(l0)
+        man = ck.verify_local(l0)
     except Exception as e:  # noqa: BLE001 - a corrupt or partial copy is a reason to use another tier
         log(f"[ckpt] restore: skipped {l0.name} L0: {e}")
         return set()
@@ -277,8 +276,8 @@ def _merge(l1: Path, c: dict, again: bool) -> bool:
 def _verify_l1_parts(l1: Path, topo, log) -> list[int]:
     """This node's share of verifying the L1 copy: the files of parts ``k ≡ node (mod nodes)``; the bad parts."""
     try:
-        man = ckpt_local.read_local_manifest(l1)
-        files = ckpt_local.manifest_files(man, str(l1))
+        man = ck.read_local_manifest(l1)
+        files = ck.manifest_files(man, str(l1))
     except Exception as e:  # noqa: BLE001 - any reason makes the L1 copy unusable: its parts are staged again
         log(f"[ckpt] restore: skipped {l1.name} L1: {e}")
         return [0]
@@ -307,8 +306,8 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
             ckpt_parts.stage_part(l0, l1, spec.checkpoint.multipart_chunk_mb << 20, again=True)
             return "L0"
         staged = ckpt_parts.staging_dir(l1) / ck.part_name(k)
-        if ckpt_local.is_valid_local(staged) and \
-                ckpt_parts.part_of(ckpt_local.read_local_manifest(staged)) == (k, c["parts"], c["attempt"]):
+        if ck.is_valid_local(staged) and \
+                ckpt_parts.part_of(ck.read_local_manifest(staged)) == (k, c["parts"], c["attempt"]):
             return "L1"
         if ckpt_tiers.l2_available(spec) is not None:
             raise ck.CheckpointError("no S3 endpoint for L2")
@@ -326,10 +325,10 @@ def _view(ckpt, c: dict, mine: set[int], l0: Path, l1: Path) -> Path:
     why = None
     if ckpt.topo.local_rank == 0:
         try:
-            man = ckpt_local.read_local_manifest(l1)
+            man = ck.read_local_manifest(l1)
             owner = man.get("part_of", {})
             shutil.rmtree(view, ignore_errors=True)
-            for rel in ckpt_local.manifest_files(man, str(l1)):
+            for rel in ck.manifest_files(man, str(l1)):
                 src = (l0 if int(owner.get(rel, 0)) in mine else l1) / rel
                 (view / rel).parent.mkdir(parents=True, exist_ok=True)
                 os.symlink(src, view / rel)
