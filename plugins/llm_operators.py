@@ -71,11 +71,15 @@ def spec_sets(overrides: Sequence[str]) -> list[str]:
     return [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"]
 
 
-def _read_report(path: str) -> str:
+def read_report(path: str, who: str = "the stage", key: str | None = None) -> dict:
+    """The report a stage that exited 0 wrote (``--report``); with ``key``, one it must hold."""
     try:
-        return json.loads(Path(path).read_text())["manifest"]
+        rep = json.loads(Path(path).read_text())
+        if key is not None and key not in rep:
+            raise KeyError(key)
+        return rep
     except (OSError, ValueError, KeyError) as e:
-        raise AirflowException(f"the stage exited 0 but wrote no report at {path}: {e}") from e
+        raise AirflowException(f"{who} exited 0 but wrote no report at {path}: {e}") from e
 
 
 class _StageLink(BaseOperatorLink):
@@ -159,10 +163,7 @@ def _run_cli(op: BaseOperator, module: str, args: list[str], env: dict[str, str]
         failure = exit_failure(module, p.returncode, tail)
         if failure is not None:
             raise failure
-        try:
-            return json.loads(Path(report).read_text())
-        except (OSError, ValueError) as e:
-            raise AirflowException(f"{module} exited 0 but wrote no report at {report}: {e}") from e
+        return read_report(report, module)
 
 
 def exit_failure(module: str, code: int, tail: Sequence[str] = ()) -> AirflowException | None:
@@ -370,7 +371,7 @@ class SparkStageOperator(SparkSubmitOperator):
                 except BaseException:  # a timeout or a kill: spark-submit's JVM and its Python workers go too
                     self.on_kill()
                     raise
-            return finish(self, context, _read_report(report), spark_ui)
+            return finish(self, context, read_report(report, key="manifest")["manifest"], spark_ui)
 
     def on_kill(self) -> None:
         """spark-submit and every process under it (the driver JVM, its Python workers): SIGTERM, then SIGKILL after

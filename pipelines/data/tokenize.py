@@ -57,8 +57,8 @@ from pipelines.lineage.queries import excluded_docs, shards_holding
 from pipelines.lineage.takedowns import TakedownList, list_held, read_list, recorded_sha256, split_by_exclusion
 from pipelines.manifest import Manifest, StageError, file_ref, input_ref, lineage, load_manifest, sha256_file, under
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
-from pipelines.storage.s3 import (S3ConfigError, client_from, client_settings, ensure_bucket, object_matches, split_uri,
-                                  upload_checked)
+from pipelines.storage.s3 import (UPLOAD_PART, S3ConfigError, client_from, client_settings, ensure_bucket,
+                                  object_matches, split_uri, upload_checked)
 
 SPLITS = ("train", "heldout")
 
@@ -311,7 +311,7 @@ class Upload:
     def put(self, s3, path: Path, rel: str, sha_hex: str) -> bool:
         """Upload one file unless the object already holds its bytes; True if it uploaded."""
         key = f"{self.prefix}/{rel}"
-        if object_matches(s3, self.bucket, key, path, sha_hex, 8 << 20):
+        if object_matches(s3, self.bucket, key, path, sha_hex, UPLOAD_PART):
             return False
         upload_checked(s3, self.bucket, key, path, sha_hex)
         return True

@@ -469,7 +469,11 @@ def object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part_siz
     return h.hexdigest() == sha_hex
 
 
-def upload_checked(s3, bucket: str, key: str, path: Path, sha_hex: str, config=None, part_size: int = 8 << 20) -> None:
+UPLOAD_PART = 8 << 20  # boto3's default multipart chunk size (TransferConfig): the parts upload_file makes
+
+
+def upload_checked(s3, bucket: str, key: str, path: Path, sha_hex: str, config=None,
+                   part_size: int = UPLOAD_PART) -> None:
     """Upload one file with S3's SHA-256 checksums (S3 refuses a part whose bytes do not match), its sha256 in the
     object's metadata, then check the object against the file; raises if it does not match."""
     s3.upload_file(str(path), bucket, key, Config=config,
