@@ -29,7 +29,7 @@ variable "abort_multipart_days" {
 
 variable "task_log_days" {
   type        = number
-  description = "Days after which Airflow's task logs (airflow-logs/ in the MLflow bucket, written by the platform layer's remote logging) expire."
+  description = "Days after which Airflow's task logs (airflow-logs/ in the MLflow bucket, written by the platform layer's remote logging) expire; the bucket is versioned, so their bytes go noncurrent_expiry_days later."
   default     = 30
 }
 

@@ -62,6 +62,10 @@ run "plan" {
     !contains(keys(r.transitions), "GLACIER") && (r.prefix != "" || r.expiration_days == null)]]))
     error_message = "no pipeline bucket may be archived to Glacier by default, and nothing but a prefix may expire"
   }
+  assert {
+    condition     = alltrue([for rules in values(output.stack.lifecycle) : anytrue([for r in rules : r.delete_markers])])
+    error_message = "every pipeline bucket must remove the delete markers an expiry leaves"
+  }
 
   # KMS: every store is encrypted with the stack's customer-managed key
   assert {

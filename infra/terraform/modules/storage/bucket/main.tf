@@ -74,6 +74,10 @@ resource "aws_s3_bucket_lifecycle_configuration" "this" {
         storage_class = "GLACIER"
       }
     }
+    # an object that expired (a prefix rule below) leaves a delete marker; once its versions are gone, so does that
+    expiration {
+      expired_object_delete_marker = true
+    }
     noncurrent_version_expiration {
       noncurrent_days = var.noncurrent_days
     }
@@ -82,8 +86,8 @@ resource "aws_s3_bucket_lifecycle_configuration" "this" {
     }
   }
 
-  # objects under a prefix that expire (e.g. Airflow's task logs in the MLflow bucket); their noncurrent versions
-  # go with the rule above
+  # objects under a prefix that expire (e.g. Airflow's task logs in the MLflow bucket): after `days` the current
+  # version becomes noncurrent (the bucket is versioned) and is removed noncurrent_days later by the rule above
   dynamic "rule" {
     for_each = var.expire_prefixes
     content {

@@ -39,5 +39,6 @@ output "lifecycle" {
     prefix          = try(one(r.filter).prefix, null) == null ? "" : one(r.filter).prefix
     transitions     = { for t in r.transition : t.storage_class => t.days }
     expiration_days = try(one(r.expiration).days, null)
+    delete_markers  = try(one(r.expiration).expired_object_delete_marker, false) == true
   }]
 }
