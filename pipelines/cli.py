@@ -42,7 +42,7 @@ def stage_dir(spec: JobSpec, name: str, inputs: list[dict], out_dir: Optional[st
     """The staging directory of stage ``name`` for these inputs (its done-check compares config and inputs)."""
     return StageDir(resolve_path(spec.run.root), name, spec.stage_hash(name), inputs,
                     force=spec.run.force if force is None else force, out_dir=out_dir,
-                    lock_wait_s=60 * spec.run.lock_wait_min)
+                    lock_stale_s=60 * spec.run.lock_stale_min)
 
 
 def run_and_log(spec: JobSpec, sd: StageDir, body: Callable, artifacts: Iterable[str] = (),

@@ -22,6 +22,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -275,8 +276,9 @@ class StageError(RuntimeError):
 
 
 class KeyBusy(StageError):
-    """Another run of the same stage key held its lock past ``run.lock_wait_min``: exit 75, for the orchestrator's
-    retry to wait again (a hung holder is thus seen, not waited on for ever)."""
+    """Another run of the same stage key holds its lock and has not shown it is alive (its heartbeat on the lock
+    file) for ``run.lock_stale_min``: exit 75, for the orchestrator's retry to look again (a hung or lost holder is
+    thus seen, not waited on for ever; a live one, however long it runs, is waited for)."""
 
     exit_code = RETRY
 
@@ -307,9 +309,9 @@ class StageDir:
     """
 
     def __init__(self, root: str | os.PathLike, stage: str, config_hash: str, inputs: list[dict],
-                 force: bool = False, out_dir: str | os.PathLike | None = None, lock_wait_s: float = 3600.0):
+                 force: bool = False, out_dir: str | os.PathLike | None = None, lock_stale_s: float = 600.0):
         self.stage = stage
-        self.lock_wait_s = lock_wait_s  # how long run_stage waits for another run of this key
+        self.lock_stale_s = lock_stale_s  # run_stage waits for another run of this key while it beats, no longer
         self.config_hash = config_hash
         self.inputs = inputs
         self.force = force
@@ -400,20 +402,52 @@ def check_output_dir(d: Path, stage: str) -> None:
                          "directory (nothing was written)")
 
 
-def wait_for_lock(f, holder: str, wait_s: float) -> None:
+def wait_for_lock(f, path: Path, holder: str, stale_s: float) -> None:
     """Take the lock on ``f`` once its holder lets go, polling without blocking (a blocking ``flock`` could not be
-    bounded); past ``wait_s``, :class:`KeyBusy`."""
-    deadline = time.monotonic() + wait_s
+    bounded). The holder touches the lock file every :data:`LOCK_BEAT_S`; a file unchanged for ``stale_s`` of this
+    process's clock (no other host's clock is compared) is a holder that hangs or is lost: :class:`KeyBusy`."""
+    seen, since = beat_of(path), time.monotonic()
     while True:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise KeyBusy(f"another run of this stage key still holds {holder} after {wait_s / 60:g} min "
-                              "(run.lock_wait_min): retry later, or stop that run") from None
-            time.sleep(min(LOCK_POLL_S, left))
+            now, beat = time.monotonic(), beat_of(path)
+            if beat != seen:
+                seen, since = beat, now
+            elif now - since >= stale_s:
+                raise KeyBusy(f"another run of this stage key holds {holder} and has not shown it is alive for "
+                              f"{stale_s / 60:g} min (run.lock_stale_min): retry later, or stop that run") from None
+            time.sleep(LOCK_POLL_S)
+
+
+def beat_of(path: Path) -> int | None:
+    """The lock file's modification time (ns): what the holder's heartbeat changes."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def heartbeat(path: Path):
+    """Touch ``path`` every :data:`LOCK_BEAT_S` while the block runs (a thread of this process)."""
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(LOCK_BEAT_S):
+            try:
+                os.utime(path)
+            except OSError:  # a waiter then sees no beat and gives up (75): nothing is lost
+                pass
+
+    t = threading.Thread(target=beat, name="llmp-key-lock-beat", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=5)
 
 
 def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str], None] = print,
@@ -423,8 +457,7 @@ def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str
     then reuses what it committed. ``housekeeping()`` runs once the output is there (committed now or found done),
     still under the key's lock; it must not raise."""
     with key_lock(sd.final, lambda holder: log(f"[{sd.stage}] another run of this stage key holds {holder}; "
-                                                f"waiting for it (at most {sd.lock_wait_s / 60:g} min)"),
-                  sd.lock_wait_s):
+                                                f"waiting for it while it shows it is alive"), sd.lock_stale_s):
         done = sd.existing()
         if done is not None:
             log(f"[{sd.stage}] up to date: {done.path} (use run.force=true to recompute)")
@@ -436,14 +469,15 @@ def run_stage(sd: StageDir, body: Callable[[Path], Manifest], log: Callable[[str
         return done
 
 
-LOCK_POLL_S = 1.0
+LOCK_POLL_S = 1.0  # how often a waiter tries the lock again
+LOCK_BEAT_S = 30.0  # how often the holder touches the lock file (run.lock_stale_min is at least 1 min)
 
 
 @contextlib.contextmanager
-def key_lock(final: Path, on_wait: Callable[[str], None], wait_s: float = 3600.0):
+def key_lock(final: Path, on_wait: Callable[[str], None], stale_s: float = 600.0):
     """An exclusive ``flock`` on ``.<key>.lock`` beside the stage's output (FSx for Lustre is mounted with
-    ``flock``), held while the stage runs; the lock file names its holder for whoever waits, at most ``wait_s``
-    (then :class:`KeyBusy`, exit 75)."""
+    ``flock``), held while the stage runs; the lock file names its holder and carries its heartbeat for whoever
+    waits (:func:`wait_for_lock`: as long as the holder beats, then :class:`KeyBusy`, exit 75)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     path = final.with_name(f".{final.name}.lock")
     with open(path, "a+") as f:
@@ -453,12 +487,13 @@ def key_lock(final: Path, on_wait: Callable[[str], None], wait_s: float = 3600.0
             f.seek(0)
             holder = f"{path} ({f.read().strip() or 'holder unknown'})"
             on_wait(holder)
-            wait_for_lock(f, holder, wait_s)
+            wait_for_lock(f, path, holder, stale_s)
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {now_iso()}\n")
         f.flush()
         try:
-            yield
+            with heartbeat(path):
+                yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)

@@ -83,8 +83,9 @@ class RunCfg(_Section):
     seed: int = 1234
     root: str = Field("var/runs", description="Where stage outputs are written.")
     force: bool = Field(False, description="Re-run stages even when a verified manifest exists.")
-    lock_wait_min: float = Field(60.0, gt=0, description="How long a stage waits for another run of the same stage "
-                                 "key (it holds the key's lock) before it exits 75 for the orchestrator to retry.")
+    lock_stale_min: float = Field(10.0, ge=1, description="A stage waits for another run of the same stage key (it "
+                                  "holds the key's lock) as long as that run beats on the lock file; silent this "
+                                  "long, it is taken for hung or lost and the stage exits 75 for a retry.")
     mlflow_run_id: Optional[str] = Field(None, description="MLflow run the stages log into (set by the DAG).")
 
 

@@ -71,14 +71,15 @@ def spec_sets(overrides: Sequence[str]) -> list[str]:
     return [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"]
 
 
-def read_report(path: str, who: str = "the stage", key: str | None = None) -> dict:
-    """The report a stage that exited 0 wrote (``--report``); with ``key``, one it must hold."""
+def read_report(path: str, who: str = "the stage") -> dict:
+    """The report a stage that exited 0 wrote (``--report``): a JSON object naming its ``manifest``, or what it
+    waits for (``pending``)."""
     try:
         rep = json.loads(Path(path).read_text())
-        if key is not None and key not in rep:
-            raise KeyError(key)
+        if not isinstance(rep, dict) or not ({"manifest", "pending"} & set(rep)):
+            raise ValueError(f"not a stage report (no manifest or pending): {str(rep)[:200]}")
         return rep
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError) as e:
         raise AirflowException(f"{who} exited 0 but wrote no report at {path}: {e}") from e
 
 
@@ -371,7 +372,7 @@ class SparkStageOperator(SparkSubmitOperator):
                 except BaseException:  # a timeout or a kill: spark-submit's JVM and its Python workers go too
                     self.on_kill()
                     raise
-            return finish(self, context, read_report(report, key="manifest")["manifest"], spark_ui)
+            return finish(self, context, read_report(report)["manifest"], spark_ui)
 
     def on_kill(self) -> None:
         """spark-submit and every process under it (the driver JVM, its Python workers): SIGTERM, then SIGKILL after

@@ -130,19 +130,26 @@ def test_two_concurrent_runs_of_one_stage_key_never_write_at_once(tmp_path):
     assert sum("up to date" in o for o in outs) == 1
 
 
-def test_a_run_waits_for_the_key_lock_at_most_run_lock_wait_min_then_exits_75(tmp_path):
-    """A holder that never lets go (hung) is not waited on for ever: past the bound the waiting run raises KeyBusy
-    (exit 75) and its body never ran; once the holder is gone, the retry runs."""
+def test_a_run_waits_for_a_live_key_holder_and_exits_75_when_the_holder_stops_beating(tmp_path, monkeypatch):
+    """A live holder (it touches the lock file) is waited for however long it runs; a holder that hangs or is lost
+    (no beat) for run.lock_stale_min makes the waiting run raise KeyBusy (exit 75) without running its body; once
+    the holder is gone, the retry runs."""
     import fcntl
+    import threading
 
+    from pipelines import manifest
     from pipelines.cli import stage_dir
     from pipelines.exit_codes import RETRY
-    from pipelines.manifest import KeyBusy, StageDir, run_stage
-    from pipelines.spec import load_spec
+    from pipelines.manifest import KeyBusy, StageDir, key_lock, run_stage
+    from pipelines.spec import SpecError, load_spec
 
-    assert stage_dir(load_spec(None, ["run.lock_wait_min=0.5", f"run.root={tmp_path}"], env={}), "filter",
-                     [{"uri": "x", "sha256": "0"}]).lock_wait_s == 30
-    sd = StageDir(tmp_path / "runs", "demo", "cfg", [{"uri": "x", "sha256": "0"}], lock_wait_s=1.0)
+    assert stage_dir(load_spec(None, ["run.lock_stale_min=2", f"run.root={tmp_path}"], env={}), "filter",
+                     [{"uri": "x", "sha256": "0"}]).lock_stale_s == 120
+    with pytest.raises(SpecError, match="lock_stale_min"):  # at least a minute: longer than the holder's beat
+        load_spec(None, ["run.lock_stale_min=0.1"], env={})
+    monkeypatch.setattr(manifest, "LOCK_BEAT_S", 0.1)
+    monkeypatch.setattr(manifest, "LOCK_POLL_S", 0.1)
+    sd = StageDir(tmp_path / "runs", "demo", "cfg", [{"uri": "x", "sha256": "0"}], lock_stale_s=3.0)
     ran, said = [], []
 
     def body(tmp):
@@ -150,16 +157,31 @@ def test_a_run_waits_for_the_key_lock_at_most_run_lock_wait_min_then_exits_75(tm
         (tmp / "out.txt").write_text("made")
         return sd.commit({"out": "out.txt"})
 
-    sd.final.parent.mkdir(parents=True)
+    held, release = threading.Event(), threading.Event()
+
+    def live_holder():  # another run of the key, alive for longer than the waiter's stale bound
+        with key_lock(sd.final, print, 3.0):
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=live_holder)
+    t.start()
+    assert held.wait(30)
+    threading.Timer(5.0, release.set).start()
+    t0 = time.monotonic()
+    assert run_stage(sd, body, log=said.append).output("out").read_text() == "made" and ran == [1]
+    assert time.monotonic() - t0 >= 4.5 and said and "waiting for it while it shows it is alive" in said[0]
+    t.join(30)
+
+    sd.force, ran[:] = True, []
     lock = sd.final.with_name(f".{sd.final.name}.lock")
     lock.write_text("pid 1 on elsewhere since then\n")
-    with open(lock, "a+") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # another open file: held as another process would hold it
+    with open(lock, "a+") as hung:
+        fcntl.flock(hung, fcntl.LOCK_EX)  # held by another open file, as a frozen process would hold it: no beat
         t0 = time.monotonic()
-        with pytest.raises(KeyBusy, match=r"still holds .*pid 1 on elsewhere.* after 0\.0166667 min") as e:
+        with pytest.raises(KeyBusy, match=r"holds .*pid 1 on elsewhere.* has not shown it is alive for 0\.05 min") as e:
             run_stage(sd, body, log=said.append)
-        assert 1.0 <= time.monotonic() - t0 < 30 and e.value.exit_code == RETRY and not ran
-        assert said and "at most" in said[0]
+        assert 3.0 <= time.monotonic() - t0 < 60 and e.value.exit_code == RETRY and not ran
     assert run_stage(sd, body, log=said.append).output("out").read_text() == "made" and ran == [1]
 
 

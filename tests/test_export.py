@@ -199,9 +199,11 @@ def test_the_register_stage_logs_the_hf_directory_with_the_version_once(bpe_mode
     # the model's own directory is fetched without the hf/ export logged beside it (twice the bytes otherwise)
     from pipelines.eval.model_dir import download_model_dir
 
-    d = download_model_dir(f"models:/export-test/{res['version']}", tracking.tracking_uri(spec), home / "md")
-    assert {p.name for p in d.iterdir()} >= {"model.pt", "model_args.json", "tokenizer.model"}
-    assert not list((home / "md").rglob("config.json")) and not (home / "md" / "hf").exists()
+    logged = client.get_logged_model(res["model_id"]).artifact_location  # file://…: MLflow names it otherwise
+    for i, uri in enumerate([f"models:/export-test/{res['version']}", logged, logged.removeprefix("file://")]):
+        d = download_model_dir(uri, tracking.tracking_uri(spec), home / f"md{i}")
+        assert d.is_relative_to(home / f"md{i}") and {p.name for p in d.iterdir()} >= {"model.pt", "tokenizer.model"}
+        assert not list((home / f"md{i}").rglob("config.json"))  # no hf/
 
 
 def test_an_out_path_under_a_file_or_that_is_a_file_is_one_line_and_exit_2(tmp_path, capsys):

@@ -12,6 +12,7 @@ import sentencepiece as spm
 import yaml
 
 from pipelines import tracking
+from pipelines.manifest import plain_rel
 from pipelines.spec import redact
 from pipelines.train.ckpt.protocol import load_plain_model
 
@@ -48,34 +49,34 @@ def download(uri: str, tracking_uri: str | None = None, dst: str | Path | None =
     return Path(local)
 
 
-def download_model_dir(uri: str, tracking_uri: str | None = None, dst: str | Path | None = None) -> Path:
-    """The model directory of a logged/registered model, fetched without the model's other artifacts (the ``hf/``
-    export logged beside it would double the bytes): its ``MLmodel`` first, then the directory that names."""
-    import tempfile
-
-    base = uri.rstrip("/")  # a folder of our own: a local store may hand back its own file when none is given
-    root = download(f"{base}/MLmodel", tracking_uri, dst or tempfile.mkdtemp(prefix="llmp-model-")).parent
-    download(f"{base}/{model_dir_path(root)}", tracking_uri, root)
-    return model_dir_of(root)
+def download_model_dir(uri: str, tracking_uri: str | None, dst: str | Path) -> Path:
+    """The model directory of a logged/registered model, fetched into ``dst`` without the model's other artifacts
+    (the ``hf/`` export logged beside it would double the bytes): its ``MLmodel`` first, then the directory that
+    names (where MLflow puts it: under its own path for ``models:/``, by its last name for other URIs)."""
+    base = uri.rstrip("/")
+    root = download(f"{base}/MLmodel", tracking_uri, dst).parent
+    got = download(f"{base}/{model_dir_path(root)}", tracking_uri, dst)
+    if not got.resolve().is_relative_to(Path(dst).resolve()):
+        raise LookupError(f"{uri}: its model directory was not fetched into {dst} ({got})")
+    return checked(got)
 
 
 def model_dir_path(local: Path) -> str:
-    """Where the model directory lies in a pyfunc model (``artifacts/model_dir``), from its ``MLmodel``: a relative
-    path that stays inside the model."""
+    """Where the model directory lies in a pyfunc model (``artifacts/model_dir``), from its ``MLmodel``: a plain
+    relative path that stays inside the model."""
     mlmodel = yaml.safe_load((local / "MLmodel").read_text())
     arts = mlmodel.get("flavors", {}).get("python_function", {}).get("artifacts", {})
     if MODEL_DIR not in arts:
         raise LookupError(f"{local} is not an llm-pipeline text model (no '{MODEL_DIR}' artifact in MLmodel); "
                           "versions registered before the pyfunc format carry a pt2 logits export only")
-    rel = str(arts[MODEL_DIR].get("path", ""))
-    if not rel or rel.startswith("/") or ".." in Path(rel).parts:
-        raise LookupError(f"{local}/MLmodel: the '{MODEL_DIR}' artifact's path {rel!r} leaves the model")
+    rel = arts[MODEL_DIR].get("path") if isinstance(arts[MODEL_DIR], dict) else None
+    if not plain_rel(rel):
+        raise LookupError(f"{local}/MLmodel: the '{MODEL_DIR}' artifact's path {rel!r} is not a plain relative path")
     return rel
 
 
-def model_dir_of(local: Path) -> Path:
-    """The weights/args/tokenizer directory inside a downloaded pyfunc model."""
-    d = local / model_dir_path(local)
+def checked(d: Path) -> Path:
+    """``d``, a model directory holding every file of :data:`FILES`."""
     missing = [f for f in FILES if not (d / f).is_file()]
     if missing:
         raise LookupError(f"{d}: missing {missing}")
@@ -84,5 +85,8 @@ def model_dir_of(local: Path) -> Path:
 
 def load_registered(uri: str, tracking_uri: str | None = None):
     """(``Transformer`` in eval mode, ``SentencePieceProcessor``) of a registered text model."""
-    d = download_model_dir(uri, tracking_uri)
-    return load_plain_model(d), spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="llmp-model-") as tmp:  # both read into memory: nothing left behind
+        d = download_model_dir(uri, tracking_uri, tmp)
+        return load_plain_model(d), spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
