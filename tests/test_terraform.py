@@ -355,7 +355,8 @@ def test_each_aws_root_has_terraform_tests_of_what_matters():
                        "AWSServiceRoleForAutoScaling", "AWSServiceRoleForFSxS3Access_", "node_groups.system",
                        "node_groups.gpu", "data_repository_path", "/llm-pipeline/var/tiers/shared",
                        "system:serviceaccount:llm-pipeline:spark", "system:serviceaccount:llm-pipeline:trainer",
-                       "expect_failures = [var.kubernetes_version]", 'r.prefix == "airflow-logs/"'):
+                       "expect_failures = [var.kubernetes_version]", 'r.prefix == "airflow-logs/"',
+                       'labels["nvidia.com/gpu.present"]'):
             assert needle in text, f"envs/{env}/aws tests do not check {needle}"
         assert text.count("assert {") >= 12
 
@@ -445,7 +446,7 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
         "irsa_role_arns": {"trainer": "arn:aws:iam::1:role/llmp-prod-trainer"}, "irsa_trust_policies": {},
         "node_groups": {"gpu": {"instance_types": ["p5.48xlarge"], "labels": {"llm-pipeline/pool": "gpu"},
                                 "taints": [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}]}},
-        "gpu_efa_interfaces": 32, "fsx": {}, "network": {}, "database": {}, "security": {},
+        "gpu_efa_interfaces": 32, "fsx": {}, "network": {}, "database": {}, "security": {}, "lifecycle": {},
         "autoscaling": {"cluster_name": "llmp-prod", "region": "us-east-1", "role_arn": "arn:aws:iam::1:role/ca",
                         "service_account": "kube-system:cluster-autoscaler", "policy": "{}",
                         "gpu_node_template_tags": {}},

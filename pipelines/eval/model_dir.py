@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 
 import mlflow.artifacts
@@ -22,8 +24,6 @@ FILES = ("model.pt", "model_args.json", "tokenizer.model")
 
 def params_of(model_dir: Path) -> int:
     """The parameter count of a model directory (or checkpoint), from its ``model_args.json``."""
-    import json
-
     from pipelines.train.model import ModelArgs, param_count
 
     return param_count(ModelArgs(**json.loads((Path(model_dir) / "model_args.json").read_text())))
@@ -85,8 +85,6 @@ def checked(d: Path) -> Path:
 
 def load_registered(uri: str, tracking_uri: str | None = None):
     """(``Transformer`` in eval mode, ``SentencePieceProcessor``) of a registered text model."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="llmp-model-") as tmp:  # both read into memory: nothing left behind
         d = download_model_dir(uri, tracking_uri, tmp)
         return load_plain_model(d), spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))

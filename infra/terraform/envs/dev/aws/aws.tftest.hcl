@@ -130,6 +130,10 @@ run "plan" {
     error_message = "GPU nodes run the NVIDIA AMI and are tainted nvidia.com/gpu"
   }
   assert {
+    condition     = output.stack.node_groups.gpu.labels["nvidia.com/gpu.present"] == "true"
+    error_message = "GPU nodes carry nvidia.com/gpu.present=true, the label NVIDIA's device-plugin chart's default affinity selects"
+  }
+  assert {
     condition     = output.stack.gpu_efa_interfaces == 0 && length(output.stack.node_groups.gpu.subnet_ids) == 1
     error_message = "dev: no EFA; GPU nodes in one subnet (one AZ, with FSx)"
   }
