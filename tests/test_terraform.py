@@ -2,6 +2,7 @@
 providers install here; checkov), and HCL-level assertions of the security properties and the wiring (python-hcl2
 parses every file here; checkov runs from its own venv, .venv-checkov, because it ships a fork of the same `hcl2`
 module)."""
+import importlib.util
 import functools
 import json
 import os
@@ -88,6 +89,16 @@ def local(path: Path, name: str):
     return [loc for loc in parse(path)["locals"] if name in loc][0][name]
 
 
+def _module_from(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gen_readmes = _module_from(TF / "gen_readmes.py")
+
+
 def test_every_file_parses_and_every_module_has_its_files_and_readme():
     assert len(FILES) > 50
     for f in FILES:
@@ -97,6 +108,7 @@ def test_every_file_parses_and_every_module_has_its_files_and_readme():
         d = TF / "modules" / m
         assert {p.name for p in d.glob("*.tf")} >= {"main.tf", "variables.tf", "outputs.tf", "versions.tf"}, m
         readme = (d / "README.md").read_text()
+        assert readme == gen_readmes.render(m), f"modules/{m}/README.md: run infra/terraform/gen_readmes.py"
         for f, name, _ in blocks("variable", [d / "variables.tf"]):
             assert f"`{name}`" in readme, f"modules/{m}/README.md does not list variable {name}"
         for f, name, _ in blocks("output", [d / "outputs.tf"]):
@@ -812,6 +824,24 @@ def test_identities_get_only_what_they_do():
     stack = calls(TF / "modules/stack_platform/main.tf")
     assert stack["metadata"]["triggerer_service_account"] == "${module.namespaces.triggerer_service_account}"
     assert stack["metadata"]["worker_service_account"] == '${split(":", var.aws.service_accounts.airflow)[1]}'
+
+
+def test_the_mlflow_bucket_is_shared_by_prefix_and_each_role_touches_only_its_own():
+    """The MLflow bucket holds the tracking server's artifacts and Airflow's task logs: the IRSA role of each may
+    read (and the server write) only its own prefix, the one modules/metadata configures, and only the logs expire."""
+    prefixes = local(TF / "modules/iam/main.tf", "object_prefixes")
+    assert prefixes == {"mlflow": {"mlflow": "artifacts/"}, "airflow_logs": {"mlflow": "airflow-logs/"}}
+    meta = (TF / "modules/metadata/main.tf").read_text()
+    assert '"s3://${var.mlflow_bucket}/artifacts"' in meta  # the server's --artifacts-destination
+    assert 'remote_base_log_folder = "s3://${var.mlflow_bucket}/airflow-logs"' in meta
+    assert local(TF / "modules/storage/main.tf", "expiring") == {"mlflow": {"airflow-logs/": "${var.task_log_days}"}}
+    doc = [b for f, t, n, b in blocks("data", sorted((TF / "modules/iam").rglob("*.tf")))
+           if t == "aws_iam_policy_document" and n == "access"][0]
+    scoped = '${var.bucket_arns[b]}/${try(local.object_prefixes[each.key][b], "")}*'
+    read = [s for s in doc["statement"] if s.get("sid") == "ReadObjects"][0]
+    assert scoped in read["resources"]
+    write = doc["dynamic"][0]["statement"]["content"][0]
+    assert write["sid"] == "WriteObjects" and scoped in write["resources"]
 
 
 def test_kms_only_via_s3_and_fsx_linked_at_the_l1_path():

@@ -95,6 +95,22 @@ def test_char_and_byte_tokenizers_and_a_held_out_tail_per_input(home, spark):
         load_spec(None, ["tokenizer.vocab_size=10"], env={})  # bpe: vocab_size means something, so it is checked
 
 
+@pytest.mark.parametrize("vocab, says", [
+    (300, r"tokenizer.vocab_size=300 is smaller than the \d+ pieces it must hold .*: raise tokenizer.vocab_size or "
+          r"lower tokenizer.character_coverage$"),
+    (60000, r"tokenizer.vocab_size=60000 is more pieces than the tokenizer's sample yields \(at most \d+\): lower "
+            r"tokenizer.vocab_size"),
+])
+def test_a_vocabulary_sentencepiece_cannot_train_is_the_specs_to_fix_in_one_line(home, spark, vocab, says):
+    """SentencePiece refuses in the Spark task that trains it: the driver says which key to change (exit 2), no
+    executor traceback, no task retried."""
+    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(60))]
+    spec = load_spec(None, [f"tokenizer.vocab_size={vocab}"], env={})
+    with pytest.raises(tokenize.TokenizerRefused, match=says) as e:
+        tokenize.run(spec, _filter_manifest(home, docs), spark=spark)
+    assert e.value.exit_code == 2 and "\n" not in str(e.value)
+
+
 def test_idx_is_megatron_mmidx_and_uint32_for_large_vocabs(tmp_path):
     assert token_dtype(65535) == np.uint16 and token_dtype(65536) == np.uint32
     w = ShardWriter(tmp_path / "big", token_dtype(128_000))

@@ -175,6 +175,42 @@ def test_prefetcher_gives_the_inline_batches_and_keeps_the_position_exact(tmp_pa
     assert all(torch.equal(x, xi) for (x, _), (xi, _) in zip(nxt, inline.next_step()))
 
 
+def test_a_token_outside_the_vocabulary_is_named_on_the_host_before_the_step(tmp_path):
+    from pipelines.train.loader import Prefetcher, TokenOutOfVocab, TokenSamples, batch_tensors
+
+    docs = [np.arange(40) % 29, np.array([5, 6, 29, 7, 8])]
+    samples = TokenSamples(shard_layout(tmp_path / "s", docs, []), seq_len=4)
+    x, y = batch_tensors(samples, np.array([0, 10]), vocab=30)  # 29, the largest id the vocabulary has: fine
+    assert x.shape == y.shape == (2, 4)
+    with pytest.raises(TokenOutOfVocab, match="sample 10 holds token id 29, outside the model's vocabulary of 29"):
+        batch_tensors(samples, np.array([0, 10, 3]), vocab=29)  # sample 10: tokens 40..44, the second doc's 29
+    loader = Prefetcher(samples, DPSampler(len(samples), len(samples), 0, 1, seed=1), grad_accum=1, depth=2, vocab=29)
+    with pytest.raises(TokenOutOfVocab):  # raised in the prefetch thread, surfaced on the trainer's next step
+        loader.next_step()
+    loader.close()
+
+
+def test_a_damaged_shard_stops_the_train_stage_with_one_line_and_exit_2(home, capfd):
+    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
+    spec = load_spec(None, [
+        "tokenizer.vocab_size=500", "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.seq_len=16",
+        "train.steps=3", "train.micro_batch=2", "train.warmup_steps=1", "train.ckpt_every=10",
+        "launcher.nproc_per_node=1", "train.eval_every=0", "tokenizer.heldout_fraction=0",
+    ], env={})
+    tok = tokenize.run(spec, _filter_manifest(home, docs))
+    shard = next(s for s in tok.extra["shards"] if s["split"] == "train")
+    b = tok.dir / (shard["prefix"] + ".bin")
+    b.chmod(0o644)
+    b.write_bytes(b"\xff" * b.stat().st_size)  # every id 65,535: same size, so nothing but the ids changed
+    with pytest.raises(launch.TrainError) as e:
+        launch.run(spec, tok)
+    assert e.value.exit_code == 2 and "outside the model's vocabulary of 500" in str(e.value), str(e.value)
+    err = "".join(capfd.readouterr())
+    # the ranks torchrun restarted stopped at their start, without training again (a stop for the input is final)
+    assert err.count("train: error: sample ") == 1, err
+    assert err.count("; not training again") == spec.launcher.max_restarts > 0, err
+
+
 def test_resuming_at_k_on_a_different_dp_size_keeps_the_global_order():
     a = DPSampler(50, 8, 0, 1, seed=9)
     order = [a.next_local() for _ in range(10)]

@@ -21,7 +21,8 @@ under one customer-managed key (rotation on), versioning, all four public-access
 objects, a TLS-only bucket policy (deny when `aws:SecureTransport` is false), server access logs to a log
 bucket, EventBridge notifications, and a lifecycle rule that aborts incomplete multipart uploads and expires
 noncurrent versions; `checkpoints` also moves to Standard-IA after `checkpoint_ia_days` and Glacier after
-`checkpoint_glacier_days`.
+`checkpoint_glacier_days`; in `mlflow`, Airflow's task logs (`airflow-logs/`) expire after `task_log_days` (their bytes
+`noncurrent_expiry_days` later: the bucket is versioned), and delete markers left alone are removed.
 
 The key policy (built with `jsonencode`, so `terraform test` sees it at plan) names the account root, EC2 Auto
 Scaling's service-linked role (the node volumes), CloudWatch Logs (the stack's log groups) and the FSx file system's
@@ -70,7 +71,12 @@ stack's key, through S3 only:
 | airflow | raw, curated, checkpoints, mlflow | curated, checkpoints, mlflow |
 | spark | raw, curated | curated |
 | trainer | curated, checkpoints | checkpoints |
-| mlflow | mlflow | mlflow |
+| mlflow | mlflow: `artifacts/` only | mlflow: `artifacts/` only |
+| airflow_logs | mlflow: `airflow-logs/` only | — |
+
+In the MLflow bucket, shared by the tracking server's artifacts and Airflow's task logs, the `mlflow` and
+`airflow_logs` roles read (and the server writes) only their own prefix (`object_prefixes`, the paths
+`modules/metadata` configures); listing stays bucket-wide (names, not bytes).
 
 The service accounts themselves are the platform layer's (`namespaces`, the Airflow chart, `metadata`). AWS
 layer.""",
@@ -151,24 +157,29 @@ def _fmt(v):
     return f"`{text}`" if len(text) < 60 else f"`{text[:57]}…`"
 
 
+def render(module: str) -> str:
+    """Module ``module``'s README: its purpose, then its variables and outputs as its .tf files declare them."""
+    d = HERE / "modules" / module
+    var_rows, out_rows = [], []
+    for item in hcl2.load(open(d / "variables.tf")).get("variable", []):
+        for name, b in item.items():
+            typ = _unq(str(b.get("type", "")))
+            typ = typ[2:-1] if typ.startswith("${") and typ.endswith("}") else typ
+            var_rows.append(f"| `{_unq(name)}` | `{typ}` | "
+                            f"{_fmt(b.get('default'))} | {_unq(b.get('description', ''))} |")
+    for item in hcl2.load(open(d / "outputs.tf")).get("output", []):
+        for name, b in item.items():
+            out_rows.append(f"| `{_unq(name)}` | {_unq(b.get('description', ''))} |")
+    return (f"# Module `{module}`\n\n{PURPOSE[module]}\n\n## Variables\n\n| name | type | default | description |\n"
+            "|---|---|---|---|\n" + "\n".join(var_rows) + "\n\n## Outputs\n\n| name | description |\n|---|---|\n"
+            + "\n".join(out_rows) + "\n")
+
+
 def main() -> None:
-    for module, purpose in PURPOSE.items():
-        d = HERE / "modules" / module
-        var_rows, out_rows = [], []
-        for item in hcl2.load(open(d / "variables.tf")).get("variable", []):
-            for name, b in item.items():
-                typ = _unq(str(b.get("type", "")))
-                typ = typ[2:-1] if typ.startswith("${") and typ.endswith("}") else typ
-                var_rows.append(f"| `{_unq(name)}` | `{typ}` | "
-                                f"{_fmt(b.get('default'))} | {_unq(b.get('description', ''))} |")
-        for item in hcl2.load(open(d / "outputs.tf")).get("output", []):
-            for name, b in item.items():
-                out_rows.append(f"| `{_unq(name)}` | {_unq(b.get('description', ''))} |")
-        text = (f"# Module `{module}`\n\n{purpose}\n\n## Variables\n\n| name | type | default | description |\n"
-                "|---|---|---|---|\n" + "\n".join(var_rows) + "\n\n## Outputs\n\n| name | description |\n|---|---|\n"
-                + "\n".join(out_rows) + "\n")
-        (d / "README.md").write_text(text)
-        print(f"wrote {d / 'README.md'}: {len(var_rows)} variables, {len(out_rows)} outputs")
+    for module in PURPOSE:
+        path = HERE / "modules" / module / "README.md"
+        path.write_text(render(module))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

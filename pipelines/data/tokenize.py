@@ -35,6 +35,7 @@ import hashlib
 import itertools
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -65,6 +66,29 @@ SPLITS = ("train", "heldout")
 
 class TokenizeError(StageError):
     pass
+
+
+class TokenizerRefused(TokenizeError):
+    """SentencePiece cannot train the tokenizer the spec asks for on this sample (a vocabulary smaller than the
+    characters it must cover, one larger than the sample supports): the spec's to fix, exit 2."""
+
+
+REQUIRED_CHARS = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
+
+
+def refusal(e: RuntimeError, cfg) -> RuntimeError:
+    """SentencePiece's trainer error as the spec key to change, when it is one (else ``e`` itself)."""
+    if m := REQUIRED_CHARS.search(str(e)):
+        return TokenizerRefused(
+            f"tokenizer.vocab_size={m.group(1)} is smaller than the {m.group(2)} pieces it must hold (the sample's "
+            f"characters at tokenizer.character_coverage={cfg.character_coverage}, the 256 byte-fallback pieces, the "
+            "special ones): raise tokenizer.vocab_size or lower tokenizer.character_coverage")
+    if m := TOO_HIGH.search(str(e)):
+        return TokenizerRefused(
+            f"tokenizer.vocab_size={m.group(1)} is more pieces than the tokenizer's sample yields (at most "
+            f"{m.group(2)}): lower tokenizer.vocab_size, or raise tokenizer.sample_docs on a larger corpus")
+    return e
 
 
 class ListChanged(TokenizeError):
@@ -142,13 +166,16 @@ def train_sentencepiece(texts: list[str], out_prefix: Path, cfg: TokenizerCfg, s
     char = cfg.model_type == "char"
     kind = {"vocab_size": 1 << 20, "hard_vocab_limit": False, "character_coverage": 1.0, "byte_fallback": False} \
         if char else {"vocab_size": cfg.vocab_size, "character_coverage": cfg.character_coverage, "byte_fallback": True}
-    spm.SentencePieceTrainer.train(
-        input=str(sample), model_prefix=str(out_prefix), model_type=cfg.model_type, **kind,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=not char,
-        user_defined_symbols=["\n"], unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        num_threads=2, input_sentence_size=2_000_000, shuffle_input_sentence=True,
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            input=str(sample), model_prefix=str(out_prefix), model_type=cfg.model_type, **kind,
+            normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=not char,
+            user_defined_symbols=["\n"], unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            num_threads=2, input_sentence_size=2_000_000, shuffle_input_sentence=True,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        raise refusal(e, cfg) from None
     sample.unlink()
     return portable(out_prefix.with_suffix(".model"))
 
@@ -200,7 +227,9 @@ def trained_model(docs, cfg: TokenizerCfg, seed: int, split: Splitter) -> bytes 
     top = docs.select("id", *split.columns).mapInArrow(rank, "key binary, id string").orderBy("key") \
         .limit(cfg.sample_docs)
     winners = docs.join(F.broadcast(top), "id").select("key", "id", "text", *split.columns)
-    got = winners.repartition(1).mapInArrow(_train_task(cfg, seed, split), "model binary").collect()
+    got = winners.repartition(1).mapInArrow(_train_task(cfg, seed, split), "model binary, refused string").collect()
+    if got and got[0]["refused"]:
+        raise TokenizerRefused(got[0]["refused"])
     return got[0]["model"] if got else None
 
 
@@ -216,8 +245,14 @@ def _train_task(cfg: TokenizerCfg, seed: int, split: Splitter):
                                                       canonical_text(text or "")) if part == "train"), "")
                  for i, text, *rest in zip(*cols)]
         with tempfile.TemporaryDirectory() as d:
-            model = train_sentencepiece([canonical_text(x) for x in texts], Path(d) / "tokenizer", cfg, seed)
-            yield pa.RecordBatch.from_arrays([pa.array([model.read_bytes()], pa.binary())], names=["model"])
+            try:
+                model = train_sentencepiece([canonical_text(x) for x in texts], Path(d) / "tokenizer", cfg, seed)
+            except TokenizerRefused as e:  # the spec's to fix: a row for the driver, not a task error Spark retries
+                yield pa.RecordBatch.from_arrays([pa.array([None], pa.binary()), pa.array([str(e)])],
+                                                 names=["model", "refused"])
+                return
+            yield pa.RecordBatch.from_arrays([pa.array([model.read_bytes()], pa.binary()), pa.array([None], pa.string())],
+                                             names=["model", "refused"])
     return fn
 
 

@@ -114,10 +114,23 @@ class DPSampler:
         self.skip = set(sd.get("skip", []))
 
 
-def batch_tensors(samples: TokenSamples, ids: np.ndarray):
+class TokenOutOfVocab(ValueError):
+    """A sample holds a token id the model has no row for: shards written by another tokenizer, or damaged."""
+
+
+def batch_tensors(samples: TokenSamples, ids: np.ndarray, vocab: int | None = None):
+    """The samples' inputs and targets, ``(len(ids), seq_len)`` each. With ``vocab``, a token id ≥ it raises
+    :class:`TokenOutOfVocab` here, on the host, naming the sample (on a GPU the embedding or the loss would stop the
+    step with a device-side assert that ends the CUDA context and says nothing of the data)."""
     import torch
 
     arr = np.stack([samples[int(i)] for i in ids])
+    if vocab is not None and arr.size and int(arr.max()) >= vocab:
+        row = int(np.argmax(arr.max(axis=1) >= vocab))
+        raise TokenOutOfVocab(f"sample {int(ids[row])} holds token id {int(arr[row].max())}, outside the model's "
+                              f"vocabulary of {vocab}: the shards were written by another tokenizer or are damaged; "
+                              "re-run the tokenize stage (a shard that fails its checksum is written again; run.force=true "
+                              "writes them all)")
     t = torch.from_numpy(arr)
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
@@ -128,8 +141,8 @@ class Prefetcher:
     by one global batch per :meth:`next_step`, never by what is only prefetched."""
 
     def __init__(self, samples: TokenSamples, sampler: DPSampler, grad_accum: int, depth: int = 2,
-                 pin_memory: bool = False):
-        self.samples, self.sampler, self.accum, self.pin = samples, sampler, grad_accum, pin_memory
+                 pin_memory: bool = False, vocab: int | None = None):
+        self.samples, self.sampler, self.accum, self.pin, self.vocab = samples, sampler, grad_accum, pin_memory, vocab
         self.depth = depth
         self.position = -1  # global batch position of the step last handed out
         self._q: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
@@ -144,7 +157,7 @@ class Prefetcher:
         micro = self.sampler.local_at(consumed).reshape(self.accum, -1)
         out = []
         for ids in micro:
-            x, y = batch_tensors(self.samples, ids)
+            x, y = batch_tensors(self.samples, ids, self.vocab)
             if self.pin:
                 x, y = x.pin_memory(), y.pin_memory()
             out.append((x, y))

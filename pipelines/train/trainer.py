@@ -55,7 +55,8 @@ from pipelines.train import heartbeat
 from pipelines.train.ckpt import history
 from pipelines.train.ckpt.protocol import CheckpointError, TierUnavailable, step_name
 from pipelines.train.ckpt.tiers import clear_run
-from pipelines.train.loader import Prefetcher, mixture_keys, mixture_metrics, sampler_for, train_samples
+from pipelines.train.loader import (Prefetcher, TokenOutOfVocab, mixture_keys, mixture_metrics, sampler_for,
+                                   train_samples)
 from pipelines.train.plan import flops_per_token, mfu, model_shape, param_count as shape_params
 from pipelines.train.resilience import Faults, SpikeGuard, young_daly_steps
 
@@ -413,7 +414,7 @@ class Trainer:
 
     def _loader(self):
         return Prefetcher(self.samples, self.sampler, self.accum, depth=self.spec.train.prefetch,
-                          pin_memory=self.device.type == "cuda")
+                          pin_memory=self.device.type == "cuda", vocab=self.margs.vocab_size)
 
     def _state(self) -> dict:
         return {"step": self.prog.step, "tokens_seen": self.prog.step * self.G * self.margs.seq_len,
@@ -454,12 +455,12 @@ class Trainer:
             time.sleep(self.faults.step_delay_s)
             storage_faults.point(storage_faults.STEP)  # LLMP_FAULTS: a notice or a stop after a step
             self.step_times.append(time.perf_counter() - t0)
+            if self.validator.due(self.prog.step):  # before the report: the bar shows this step's val loss
+                self._validate()
             self._beat("report")
             self._report(bar, loss, gnorm, lr)
             if self._to_mlflow():
                 self._mlflow(lambda: self.tracker.flush(self.ckpt.events.take()))
-            if self.validator.due(self.prog.step):
-                self._validate()
             if self._due():
                 self._save()
             if stop and self.prog.step < t.steps:  # at the last step finish() commits it as usual
@@ -492,7 +493,7 @@ class Trainer:
 
         t = self.spec.train
         v = Validator(self.tok, self.margs.seq_len, t.eval_every, t.eval_tokens, t.micro_batch, t.steps, self.dp_rank,
-                      self.dp, self.device)
+                      self.dp, self.device, vocab=self.margs.vocab_size)
         if v.off_reason and t.eval_every:
             self.log(f"[val] no validation during training: {v.off_reason}")
         elif not v.off_reason:
@@ -777,10 +778,23 @@ def run_rank(spec: JobSpec, args, notice: Notice) -> int:
         heartbeat.stop()
 
 
+def stopped_for_input(out: Path) -> dict | None:
+    """The outcome of a rank of this launch (this attempt: ``pipelines.launch.outcomes``) that stopped with
+    ``USER_ERROR``, else None. Such a stop is deterministic (a diverged run rolls back to the same checkpoint, a
+    damaged shard stays damaged), so a restart of the ranks ends at once instead of loading the model again; the
+    launcher clears the outcomes when it starts a new attempt (a retry after the user's fix)."""
+    return next((o for o in xc.read_outcomes(out) if o.get("code") == xc.USER_ERROR), None)
+
+
 def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
     """This rank's exit status; a failure or a preemption also leaves an outcome file in ``--out`` that tells the
     launcher which it was (torchrun's own status does not)."""
     out, rank = Path(args.out), int(os.environ.get("RANK", 0))
+    stopped = stopped_for_input(out)
+    if stopped is not None:  # torchrun (or the pod's restart policy) restarted ranks that would stop the same way
+        print(f"train: error: rank {stopped.get('rank')} of this launch stopped for the spec or the data: "
+              f"{stopped.get('reason')}; not training again", file=sys.stderr)
+        return xc.USER_ERROR
     xc.clear_outcome(out, rank)  # an earlier attempt's
     try:
         train(spec, args.tokenize_manifest, out, Path(args.ckpt_root), notice)
@@ -789,7 +803,7 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
         print(f"train: {e}; committed on L1: a retry resumes there", flush=True)
         xc.write_outcome(out, rank, xc.RETRY, str(e), step=e.step)
         return xc.OK
-    except (TrainingDiverged, ResumeError) as e:  # the spec or the data must change
+    except (TrainingDiverged, ResumeError, TokenOutOfVocab) as e:  # the spec or the data must change
         print(f"train: error: {e}", file=sys.stderr)
         xc.write_outcome(out, rank, xc.USER_ERROR, str(e))
         return xc.USER_ERROR

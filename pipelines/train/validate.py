@@ -23,7 +23,7 @@ from pipelines.train.loader import TokenSamples, batch_tensors
 
 class Validator:
     def __init__(self, tok, seq_len: int, eval_every: int, eval_tokens: int, micro_batch: int, last_step: int,
-                 dp_rank: int, dp: int, device: torch.device):
+                 dp_rank: int, dp: int, device: torch.device, vocab: int | None = None):
         heldout = [tok.dir / s["prefix"] for s in tok.extra["shards"] if s["split"] == "heldout"]
         self.samples: Optional[TokenSamples] = None
         if eval_every and heldout:
@@ -32,6 +32,7 @@ class Validator:
             except ValueError:  # fewer than seq_len + 1 held-out tokens
                 self.samples = None
         self.every, self.last, self.micro, self.device, self.seq_len = eval_every, last_step, micro_batch, device, seq_len
+        self.vocab = vocab
         self.windows = min(len(self.samples), max(1, eval_tokens // seq_len)) if self.samples else 0
         self.mine = list(range(dp_rank, self.windows, dp))
         self.passes = math.ceil(math.ceil(self.windows / dp) / micro_batch) if self.windows else 0
@@ -58,7 +59,7 @@ class Validator:
         for p in range(self.passes):
             ids = self.mine[p * self.micro:(p + 1) * self.micro]
             weight = len(ids)
-            x, y = batch_tensors(self.samples, np.array(ids or [0]))
+            x, y = batch_tensors(self.samples, np.array(ids or [0]), self.vocab)
             with autocast:
                 loss = model(x.to(self.device), y.to(self.device))
             n = weight * y.shape[1]

@@ -6,8 +6,8 @@
 #            mlflow                         mlflow                 register)
 #   spark    raw, curated                   curated               (dedup and filter executors)
 #   trainer  curated, checkpoints           checkpoints           (training pods: shards in, checkpoints out)
-#   mlflow   mlflow                         mlflow                (the tracking server's artifact store)
-#   airflow_logs  mlflow                    —                     (the Airflow API server: task logs in S3, read only)
+#   mlflow   mlflow (artifacts/)            mlflow (artifacts/)   (the tracking server's artifact store)
+#   airflow_logs  mlflow (airflow-logs/)    —                     (the Airflow API server: task logs in S3, read only)
 #   cluster_autoscaler  no bucket: resizes the Auto Scaling groups of this cluster's node groups, nothing else
 
 locals {
@@ -17,6 +17,13 @@ locals {
     trainer      = { read = ["curated", "checkpoints"], write = ["checkpoints"] }
     mlflow       = { read = ["mlflow"], write = ["mlflow"] }
     airflow_logs = { read = ["mlflow"], write = [] }
+  }
+  # the objects a role may read and write in a bucket it shares with another plane: only its own prefix (the
+  # tracking server's --artifacts-destination, Airflow's remote_base_log_folder; modules/metadata). Listing stays
+  # bucket-wide: the names, not the bytes.
+  object_prefixes = {
+    mlflow       = { mlflow = "artifacts/" }
+    airflow_logs = { mlflow = "airflow-logs/" }
   }
 }
 
@@ -58,7 +65,7 @@ data "aws_iam_policy_document" "access" {
   statement {
     sid       = "ReadObjects"
     actions   = ["s3:GetObject", "s3:GetObjectVersion", "s3:GetObjectAttributes"]
-    resources = [for b in each.value.read : "${var.bucket_arns[b]}/*"]
+    resources = [for b in each.value.read : "${var.bucket_arns[b]}/${try(local.object_prefixes[each.key][b], "")}*"]
   }
   dynamic "statement" {
     for_each = length(each.value.write) > 0 ? [each.value.write] : []
@@ -66,7 +73,7 @@ data "aws_iam_policy_document" "access" {
       sid = "WriteObjects"
       actions = ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts",
       "s3:PutObjectTagging"]
-      resources = [for b in statement.value : "${var.bucket_arns[b]}/*"]
+      resources = [for b in statement.value : "${var.bucket_arns[b]}/${try(local.object_prefixes[each.key][b], "")}*"]
     }
   }
   statement {
