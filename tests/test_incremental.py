@@ -259,6 +259,17 @@ def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rew
     after = {**tokenize.read_back(v2, "train"), **tokenize.read_back(v2, "heldout")}
     gone = set(before) - set(after)
     assert len(gone) == n_b + 4 and all(after[i] == before[i] for i in after)  # the rest, token for token
+    # every shard, rewritten or not, keeps each doc's source beside its id, as the lineage records it
+    from pipelines.train.loader import lineage_sources, train_doc_sources
+
+    ids, sources = lineage_sources(v2)
+    known = dict(zip(ids.to_pylist(), sources.to_pylist()))
+    for s in (s for s in v2.extra["shards"] if s["prefix"] in rewritten.values()):
+        beside = pq.read_table(v2.dir / (s["prefix"] + ".ids.parquet")).to_pydict()
+        assert beside["source"] == [known[i] for i in beside["id"]]
+    train_ids = [i for s in v2.extra["shards"] if s["split"] == "train"
+                 for i in pq.read_table(v2.dir / (s["prefix"] + ".ids.parquet")).column("id").to_pylist()]
+    assert [x for part in train_doc_sources(v2) for x in part.to_pylist()] == [known[i] for i in train_ids]
     assert sum(s["text_bytes"] for s in v2.extra["shards"]) < sum(s["text_bytes"] for s in v1.extra["shards"])
     assert [v["version"] for v in queries.source_query(spec, client, "b.jsonl")["corpus_versions"]] == [1]
     assert [e.source for e in queries.pending_takedowns(spec, v1.digest)] == ["b.jsonl", "https://ok.example/take/"]

@@ -316,6 +316,39 @@ def test_the_last_mlflow_logging_sends_every_source_and_cannot_fail_a_finished_r
     assert down.tracker.pending == []
 
 
+def test_tokenize_writes_each_docs_source_beside_its_id_and_the_loader_reads_no_lineage_for_it(home, spark,
+                                                                                               monkeypatch):
+    """Every rank would otherwise read every doc the lineage added (ids and sources of the whole corpus) to learn
+    which source each train doc is; the shards' own ``source`` column says it, in shard order."""
+    from conftest import c4_docs
+    from test_tokenize import _filter_manifest
+
+    from pipelines.data import tokenize
+    from pipelines.train import loader
+
+    docs = [{"id": f"d{i}", "text": d["text"], "source": f"data/src-{i % 3}.jsonl"} for i, d in enumerate(c4_docs(90))]
+    spec = load_spec(None, ["tokenizer.vocab_size=500", "tokenizer.heldout_fraction=0.2"], env={})
+    tok = tokenize.run(spec, _filter_manifest(home, docs), spark=spark)
+    by_id = {d["id"]: d["source"] for d in docs}
+    want = []
+    for sh in tok.extra["shards"]:
+        beside = pq.read_table(tok.dir / (sh["prefix"] + ".ids.parquet")).to_pydict()
+        assert beside["source"] == [by_id[i] for i in beside["id"]]  # the held-out shards too
+        want += [by_id[i] for i in beside["id"]] if sh["split"] == "train" else []
+    ids, sources = loader.lineage_sources(tok)  # what the lineage says of each doc
+    known = dict(zip(ids.to_pylist(), sources.to_pylist()))
+    lineage = [known[i] for sh in tok.extra["shards"] if sh["split"] == "train"
+               for i in pq.read_table(tok.dir / (sh["prefix"] + ".ids.parquet")).column("id").to_pylist()]
+
+    def unread(*a, **k):
+        raise AssertionError("the lineage was read")
+
+    monkeypatch.setattr(loader, "added_docs", unread)
+    assert [x for part in train_doc_sources(tok) for x in part.to_pylist()] == want == lineage
+    samples = train_samples(tok, 16, {"data/src-0.jsonl": 1, "*": 1})
+    assert samples.names == ["data/src-0.jsonl", "data/src-1.jsonl", "data/src-2.jsonl"]
+
+
 def test_a_storage_error_reading_the_sources_is_raised_for_a_retry_a_broken_lineage_is_the_users(monkeypatch):
     import errno
     from types import SimpleNamespace
@@ -333,5 +366,5 @@ def test_a_storage_error_reading_the_sources_is_raised_for_a_retry_a_broken_line
 
         monkeypatch.setattr(loader, "added_docs", fail)
         with pytest.raises(raised) as e:
-            train_doc_sources(tok)
+            loader.lineage_sources(tok)  # what train_doc_sources reads for a shard without its sources beside it
         assert (raised is MixtureError) == str(e.value).startswith("train.mixture: the sources of /runs/tokenize")

@@ -280,23 +280,25 @@ class PartitionShards:
 
     def __init__(self, out: Path, part: int, dtype, shard_tokens: int, rel: str = "shards"):
         self.out, self.part, self.dtype, self.limit, self.rel = out, part, np.dtype(dtype), shard_tokens, rel
-        self.open: dict[str, tuple[ShardWriter, list[str], list[int]]] = {}
+        self.open: dict[str, tuple[ShardWriter, list[str], list[int], list]] = {}
         self.count = {s: 0 for s in SPLITS}
         self.done: list[dict] = []
 
-    def writer(self, split: str) -> tuple[ShardWriter, list[str], list[int]]:
+    def writer(self, split: str) -> tuple[ShardWriter, list[str], list[int], list]:
         if split not in self.open:
             name = f"{split}-{self.part:05d}-{self.count[split]:04d}"
-            self.open[split] = (ShardWriter(self.out / name, self.dtype), [], [0])
+            self.open[split] = (ShardWriter(self.out / name, self.dtype), [], [0], [])
             self.count[split] += 1
         return self.open[split]
 
-    def add(self, split: str, doc_ids: list[str], docs: list[list[int]], text_bytes: list[int]) -> None:
-        """A batch of one split's docs (token ids, EOS included), written a shard's run of docs at a time."""
+    def add(self, split: str, doc_ids: list[str], docs: list[list[int]], text_bytes: list[int],
+            sources: list) -> None:
+        """A batch of one split's docs (token ids, EOS included) and their sources (None where the input has no
+        ``source``), written a shard's run of docs at a time."""
         lengths = [len(d) for d in docs]
         i = 0
         while i < len(docs):
-            w, ids, nbytes = self.writer(split)
+            w, ids, nbytes, srcs = self.writer(split)
             j, take = i, 0
             while j < len(docs) and (w.tokens + take + lengths[j] <= self.limit or (not w.lengths and j == i)):
                 take += lengths[j]
@@ -305,15 +307,16 @@ class PartitionShards:
                 flat = np.fromiter(itertools.chain.from_iterable(docs[i:j]), self.dtype, count=take)
                 w.add_many(flat, lengths[i:j])
                 ids.extend(doc_ids[i:j])
+                srcs.extend(sources[i:j])
                 nbytes[0] += sum(text_bytes[i:j])
             if j < len(docs):
                 self.close(split)
             i = j
 
     def close(self, split: str) -> None:
-        w, ids, nbytes = self.open.pop(split)
+        w, ids, nbytes, srcs = self.open.pop(split)
         w.close()
-        pq.write_table(pa.table({"id": pa.array(ids, pa.string())}), w.prefix.with_suffix(".ids.parquet"))
+        write_doc_ids(w.prefix.with_suffix(".ids.parquet"), ids, srcs)
         self.done.append({"split": split, "prefix": f"{self.rel}/{w.prefix.name}", "partition": self.part,
                           "docs": len(w.lengths), "tokens": w.tokens, "text_bytes": nbytes[0]})
 
@@ -323,12 +326,22 @@ class PartitionShards:
         return self.done
 
 
+def write_doc_ids(path: Path, ids: list[str], sources: list) -> None:
+    """A shard's ``.ids.parquet``: its docs' ids in shard order and, when every doc has one, their ``source`` (the
+    loader's ``train.mixture`` reads it there instead of looking every id up in the lineage)."""
+    cols = {"id": pa.array(ids, pa.string())}
+    if ids and len(sources) == len(ids) and all(x is not None for x in sources):
+        cols["source"] = pa.array(sources, pa.string()).dictionary_encode()
+    pq.write_table(pa.table(cols), path)
+
+
 def read_pieces(pieces: list[Piece], extra: tuple[str, ...] = (), batch_rows: int = 2048):
     """(ids, texts, sources, idxs) batches of a task's rows, read by the task itself (pyarrow, no JVM in the text's
-    path); sources and idxs are read when ``extra`` names them, else None each."""
+    path); ``source`` and ``idx`` are read when ``extra`` names them, else None each."""
     for b in piece_batches(pieces, ["id", "text", *extra], batch_rows):
-        cols = [b.column(k).to_pylist() for k in range(b.num_columns)]
-        yield (*cols[:2], *(cols[2:] or [[None] * b.num_rows] * 2))
+        none = [None] * b.num_rows
+        cols = {name: b.column(name).to_pylist() for name in b.schema.names}
+        yield cols["id"], cols["text"], cols.get("source", none), cols.get("idx", none)
 
 
 SHARD_FILES = (".bin", ".idx", ".ids.parquet")
@@ -370,10 +383,11 @@ def publish(m: Manifest, up: Upload) -> dict:
     return {"uri": f"s3://{up.bucket}/{up.prefix}", "objects": len(m.outputs) + 1, "uploaded_by_driver": uploaded}
 
 
-def encoder(model: bytes, out: str, cfg: TokenizerCfg, split: Splitter, up: Upload | None = None, rel: str = "shards"):
-    """The Spark task: read a task's pieces, encode them (one thread: Spark runs a task per core) into its shards,
-    in an attempt directory of its own under ``out`` (published by the driver); return one row per shard written,
-    each with that directory."""
+def encoder(model: bytes, out: str, cfg: TokenizerCfg, split: Splitter, up: Upload | None = None, rel: str = "shards",
+            extra: tuple[str, ...] = ()):
+    """The Spark task: read a task's pieces (``extra``: the columns besides id and text), encode them (one thread:
+    Spark runs a task per core) into its shards, in an attempt directory of its own under ``out`` (published by the
+    driver); return one row per shard written, each with that directory."""
     def fn(part: int, tasks):
         from pipelines.data.spark import attempt_dir, maybe_fail
 
@@ -382,19 +396,21 @@ def encoder(model: bytes, out: str, cfg: TokenizerCfg, split: Splitter, up: Uplo
         mine = attempt_dir(out)
         shards = PartitionShards(mine, part, token_dtype(sp.get_piece_size()), cfg.shard_tokens, rel)
         for pieces in tasks:
-            for doc_ids, raw, sources, idxs in read_pieces(pieces, split.columns):
-                parts = [p for i, t, src, idx in zip(doc_ids, raw, sources, idxs)
+            for doc_ids, raw, sources, idxs in read_pieces(pieces, extra):
+                parts = [(p, src) for i, t, src, idx in zip(doc_ids, raw, sources, idxs)
                          for p in split.parts(i, src, idx, canonical_text(t or ""))]
-                by_split: dict[str, tuple[list, list, list]] = {s: ([], [], []) for s in SPLITS}
-                for (part_split, doc_id, text), ids in zip(parts, sp.encode([p[2] for p in parts], num_threads=1)):
+                by_split: dict[str, tuple[list, list, list, list]] = {s: ([], [], [], []) for s in SPLITS}
+                encoded = sp.encode([p[2] for p, _ in parts], num_threads=1)
+                for ((part_split, doc_id, text), src), ids in zip(parts, encoded):
                     ids.append(eos)
                     dest = by_split[part_split]
                     dest[0].append(doc_id)
                     dest[1].append(ids)
                     dest[2].append(len(text.encode("utf-8")))
-                for name, (ids_, docs, nbytes) in by_split.items():
+                    dest[3].append(src)
+                for name, (ids_, docs, nbytes, srcs) in by_split.items():
                     if docs:
-                        shards.add(name, ids_, docs, nbytes)
+                        shards.add(name, ids_, docs, nbytes, srcs)
         rows = shards.finish()
         if up:
             upload_shards(up, mine, rows)
@@ -417,7 +433,10 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
     """Encode the docs into shards under ``out/rel`` with the tokenizer of ``model_from`` (else tokenizer.model_path,
     else one trained here); returns the counts and the shard rows."""
     split = splitter(docs_path, cfg, seed)
-    docs = spark.read.parquet(str(docs_path)).select("id", "text", *split.columns)
+    frame = spark.read.parquet(str(docs_path))
+    docs = frame.select("id", "text", *split.columns)
+    # what the encoder reads besides id and text: the split's columns, and each doc's source for its shard's ids
+    extra = tuple(dict.fromkeys((*split.columns, *(("source",) if "source" in frame.columns else ()))))
     model = tokenizer_model(docs, out, cfg, seed, split, model_from)
     sp = spm.SentencePieceProcessor(model_proto=model)
     if sp.eos_id() < 0:
@@ -427,7 +446,7 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
     groups = row_groups(docs_path, "text")
     tasks = plan_pieces(groups, partitions(spark, groups, cfg, task_mb))
     rows = spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitionsWithIndex(
-        encoder(model, prepare_attempts(out / "_shards"), cfg, split, up, rel)).collect()
+        encoder(model, prepare_attempts(out / "_shards"), cfg, split, up, rel, extra)).collect()
     publish_attempts(out / "_shards", sorted({r.pop("dir") for r in rows}), {".": out / rel})
     shutil.rmtree(out / "_shards")
     n = len(tasks)
@@ -546,7 +565,9 @@ def strip_shard(src: Path, row: dict, drop: dict[str, int], dest: Path, prefix: 
     beside it; ``removed[k]`` counts exclusion k's; the text bytes of each are its tokens decoded by ``sp``, the
     corpus's tokenizer); its new row, or None when no entry is left."""
     shard = Shard.open(under(src, row["prefix"]))
-    ids = pq.read_table(under(src, row["prefix"] + ".ids.parquet"), columns=["id"]).column("id").to_pylist()
+    beside = pq.read_table(under(src, row["prefix"] + ".ids.parquet"))
+    ids = beside.column("id").to_pylist()
+    sources = beside.column("source").to_pylist() if "source" in beside.column_names else []
     kept, gone_bytes = [], 0
     for k, i in enumerate(ids):
         if i in drop:
@@ -561,7 +582,7 @@ def strip_shard(src: Path, row: dict, drop: dict[str, int], dest: Path, prefix: 
     for k in kept:
         w.add(shard.doc(k))
     w.close()
-    pq.write_table(pa.table({"id": pa.array([ids[k] for k in kept], pa.string())}), dest / (prefix + ".ids.parquet"))
+    write_doc_ids(dest / (prefix + ".ids.parquet"), [ids[k] for k in kept], [sources[k] for k in kept] if sources else [])
     return {**row, "prefix": prefix, "docs": len(kept), "tokens": w.tokens,
             "text_bytes": max(0, row["text_bytes"] - gone_bytes)}
 

@@ -403,9 +403,29 @@ class MixtureSampler(DPSampler):
 
 
 def train_doc_sources(tok) -> list:
-    """The source (input key) of every doc of a corpus version's train shards, shard by shard in manifest order: each
-    shard's doc ids (``<shard>.ids.parquet``) looked up among the docs its versions added (the decontaminate or filter
-    stage's kept docs, which carry their ``source``; ``pipelines.lineage``). Nothing new is stored by tokenize."""
+    """The source (input key) of every doc of a corpus version's train shards, shard by shard in manifest order: the
+    ``source`` column tokenize writes beside each shard's doc ids (``<shard>.ids.parquet``), else (a shard written
+    before that column, or by hand) the shard's ids looked up among the docs its versions added (the decontaminate
+    or filter stage's kept docs, which carry their ``source``; ``pipelines.lineage``), read only if a shard needs it."""
+    out, lineage = [], None
+    for sh in (s for s in tok.extra["shards"] if s["split"] == "train"):
+        beside = pq.read_table(tok.dir / (sh["prefix"] + ".ids.parquet"))
+        if "source" in beside.column_names and beside.column("source").null_count == 0:
+            out.append(beside.column("source").cast(pa.string()).combine_chunks().dictionary_encode())
+            continue
+        lineage = lineage or lineage_sources(tok)
+        ids = beside.column("id").combine_chunks()
+        at = pc.index_in(ids, value_set=lineage[0])
+        if at.null_count:
+            lost = ids.filter(pc.is_null(at))[0].as_py()
+            raise MixtureError(f"train.mixture: doc {lost!r} of shard {sh['prefix']} is not among the docs of "
+                               f"{tok.path}'s lineage: its source is unknown")
+        out.append(pc.take(lineage[1], at))
+    return out
+
+
+def lineage_sources(tok) -> tuple:
+    """(ids, sources) of every doc a corpus version's lineage added, sources dictionary-encoded."""
     try:  # a lineage the user must mend (missing, rewritten, no filter stage); storage's errors: raised, retryable
         known = pa.concat_tables([added_docs(v, ["id", "source"]) for v in chain(tok)], promote_options="permissive")
     except VersionUnreadable:
@@ -414,18 +434,7 @@ def train_doc_sources(tok) -> list:
         raise MixtureError(f"train.mixture: the sources of {tok.path}'s docs cannot be read: {e}") from None
     if "source" not in known.column_names:
         raise MixtureError(f"train.mixture: the docs of {tok.path}'s lineage have no source column")
-    ids_known = known.column("id").combine_chunks()
-    sources = known.column("source").combine_chunks().dictionary_encode()
-    out = []
-    for sh in (s for s in tok.extra["shards"] if s["split"] == "train"):
-        ids = pq.read_table(tok.dir / (sh["prefix"] + ".ids.parquet"), columns=["id"]).column("id").combine_chunks()
-        at = pc.index_in(ids, value_set=ids_known)
-        if at.null_count:
-            lost = ids.filter(pc.is_null(at))[0].as_py()
-            raise MixtureError(f"train.mixture: doc {lost!r} of shard {sh['prefix']} is not among the docs of "
-                               f"{tok.path}'s lineage: its source is unknown")
-        out.append(pc.take(sources, at))
-    return out
+    return known.column("id").combine_chunks(), known.column("source").combine_chunks().dictionary_encode()
 
 
 def train_samples(tok, seq_len: int, mixture: dict[str, float]):
