@@ -9,6 +9,10 @@ module "storage" {
   tags                            = var.tags
   create_autoscaling_service_role = var.create_autoscaling_service_role
   fsx_s3_access_role_arns         = [module.fsx.s3_access_role_arn]
+  checkpoint_ia_days              = var.retention.checkpoint_ia_days
+  checkpoint_glacier_days         = var.retention.checkpoint_glacier_days
+  noncurrent_expiry_days          = var.retention.noncurrent_expiry_days
+  task_log_days                   = var.retention.task_log_days
 }
 
 module "network" {

@@ -122,3 +122,14 @@ variable "admin_role_arns" {
   description = "IAM roles given cluster-admin through EKS access entries (besides the cluster's creator)."
   default     = []
 }
+
+variable "retention" {
+  type = object({
+    checkpoint_ia_days      = optional(number, 30)
+    checkpoint_glacier_days = optional(number)
+    noncurrent_expiry_days  = optional(number, 30)
+    task_log_days           = optional(number, 30)
+  })
+  description = "How long the buckets keep what: checkpoints move to Standard-IA after checkpoint_ia_days and to Glacier after checkpoint_glacier_days (null: never; a Glacier object cannot be read back without a restore); noncurrent versions expire after noncurrent_expiry_days; Airflow's task logs (airflow-logs/ in the MLflow bucket) after task_log_days."
+  default     = {}
+}

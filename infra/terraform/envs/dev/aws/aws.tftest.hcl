@@ -243,3 +243,20 @@ run "eks_version_out_of_support_is_refused" {
   }
   expect_failures = [var.kubernetes_version]
 }
+
+# Retention is the root's to set: the lifecycle rules follow var.retention (here: logs kept a week, checkpoints
+# archived after a year).
+run "retention_follows_the_roots_variable" {
+  command = plan
+  variables {
+    retention = { task_log_days = 7, checkpoint_glacier_days = 365 }
+  }
+  assert {
+    condition     = [for r in output.stack.lifecycle.mlflow : r.expiration_days if r.prefix == "airflow-logs/"] == [7]
+    error_message = "retention.task_log_days must set the expiry of Airflow's task logs"
+  }
+  assert {
+    condition     = [for r in output.stack.lifecycle.checkpoints : r.transitions["GLACIER"] if contains(keys(r.transitions), "GLACIER")] == [365]
+    error_message = "retention.checkpoint_glacier_days must set the checkpoints' Glacier transition"
+  }
+}

@@ -23,5 +23,6 @@ module "stack_aws" {
   db_multi_az                     = false
   db_deletion_protection          = false
   admin_role_arns                 = var.admin_role_arns
+  retention                       = var.retention
   tags                            = var.tags
 }

@@ -255,3 +255,20 @@ run "efa_when_asked_for" {
     error_message = "gpu_efa_interfaces = 32 reaches the GPU nodes, and the autoscaler's template node (EFA devices of a group at zero)"
   }
 }
+
+# Retention is the root's to set: the lifecycle rules follow var.retention (here: logs kept a week, checkpoints
+# archived after a year).
+run "retention_follows_the_roots_variable" {
+  command = plan
+  variables {
+    retention = { task_log_days = 7, checkpoint_glacier_days = 365 }
+  }
+  assert {
+    condition     = [for r in output.stack.lifecycle.mlflow : r.expiration_days if r.prefix == "airflow-logs/"] == [7]
+    error_message = "retention.task_log_days must set the expiry of Airflow's task logs"
+  }
+  assert {
+    condition     = [for r in output.stack.lifecycle.checkpoints : r.transitions["GLACIER"] if contains(keys(r.transitions), "GLACIER")] == [365]
+    error_message = "retention.checkpoint_glacier_days must set the checkpoints' Glacier transition"
+  }
+}

@@ -22,5 +22,6 @@ module "stack_aws" {
   db_multi_az                     = true
   db_deletion_protection          = true
   admin_role_arns                 = var.admin_role_arns
+  retention                       = var.retention
   tags                            = var.tags
 }
