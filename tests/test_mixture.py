@@ -349,14 +349,18 @@ def test_tokenize_writes_each_docs_source_beside_its_id_and_the_loader_reads_no_
     assert samples.names == ["data/src-0.jsonl", "data/src-1.jsonl", "data/src-2.jsonl"]
 
 
-def test_a_storage_error_reading_the_sources_is_raised_for_a_retry_a_broken_lineage_is_the_users(monkeypatch):
+def test_a_storage_error_reading_the_sources_is_raised_for_a_retry_a_broken_lineage_is_the_users(monkeypatch,
+                                                                                                 tmp_path):
     import errno
     from types import SimpleNamespace
 
     from pipelines.manifest import StageError
     from pipelines.train import loader
 
-    tok = SimpleNamespace(path="/runs/tokenize/m.json", extra={"shards": []})
+    (tmp_path / "s.ids.parquet").parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": ["d0"]}), tmp_path / "s.ids.parquet")  # no sources beside the ids: the lineage
+    tok = SimpleNamespace(path="/runs/tokenize/m.json", dir=tmp_path, extra={"shards": [{"split": "train",
+                                                                                         "prefix": "s"}]})
     monkeypatch.setattr(loader, "chain", lambda t: [t])
     for error, raised in [(OSError(errno.EIO, "Input/output error"), OSError), (TimeoutError("NFS"), TimeoutError),
                           (StageError("no filter or decontaminate stage in its lineage"), MixtureError),
@@ -366,5 +370,35 @@ def test_a_storage_error_reading_the_sources_is_raised_for_a_retry_a_broken_line
 
         monkeypatch.setattr(loader, "added_docs", fail)
         with pytest.raises(raised) as e:
-            loader.lineage_sources(tok)  # what train_doc_sources reads for a shard without its sources beside it
+            train_doc_sources(tok)
         assert (raised is MixtureError) == str(e.value).startswith("train.mixture: the sources of /runs/tokenize")
+
+
+def test_shards_with_and_without_their_sources_beside_read_the_lineage_once_and_agree(home, monkeypatch):
+    from pipelines.train import loader
+
+    docs, sources = corpus_docs()
+    tok = _tokenized(home, docs, sources)  # two shards whose .ids.parquet hold the ids only
+    first = tok.dir / (tok.extra["shards"][0]["prefix"] + ".ids.parquet")
+    ids = pq.read_table(first).column("id").to_pylist()
+    cut = tok.extra["shards"][0]["docs"]
+    first.chmod(0o644)
+    pq.write_table(pa.table({"id": ids, "source": sources[:cut]}), first)  # the first as tokenize writes it now
+    reads = []
+    real = loader.added_docs
+    monkeypatch.setattr(loader, "added_docs", lambda *a, **k: reads.append(1) or real(*a, **k))
+    assert [s for part in train_doc_sources(tok) for s in part.to_pylist()] == sources
+    assert len(reads) == len(loader.chain(tok))  # each version's docs once, for the second shard alone
+    pq.write_table(pa.table({"id": ids, "source": [None] + sources[1:cut]}), first)
+    with pytest.raises(MixtureError, match=f"doc 'doc0' of shard {tok.extra['shards'][0]['prefix']} has no source"):
+        train_doc_sources(tok)
+
+
+def test_a_samples_token_is_found_where_the_stream_holds_it(corpus):
+    """``position``: where the loader says a bad token id lies (the shard named to the user)."""
+    for samples in (mixed(corpus), TokenSamples(corpus[0], L)):
+        for i in range(0, len(samples), max(1, len(samples) // 97)):
+            row = samples[i]
+            for col in (0, 5, L):
+                pos = samples.position(i, col)
+                assert samples.stream.read(pos, pos + 1)[0] == row[col], (type(samples).__name__, i, col)

@@ -182,7 +182,8 @@ def test_a_token_outside_the_vocabulary_is_named_on_the_host_before_the_step(tmp
     samples = TokenSamples(shard_layout(tmp_path / "s", docs, []), seq_len=4)
     x, y = batch_tensors(samples, np.array([0, 10]), vocab=30)  # 29, the largest id the vocabulary has: fine
     assert x.shape == y.shape == (2, 4)
-    with pytest.raises(TokenOutOfVocab, match="sample 10 holds token id 29, outside the model's vocabulary of 29"):
+    with pytest.raises(TokenOutOfVocab, match=r"train-00000-0000.bin holds token id 29 \(sample 10\), outside the "
+                                              "tokenizer's vocabulary of 29: that shard"):
         batch_tensors(samples, np.array([0, 10, 3]), vocab=29)  # sample 10: tokens 40..44, the second doc's 29
     loader = Prefetcher(samples, DPSampler(len(samples), len(samples), 0, 1, seed=1), grad_accum=1, depth=2, vocab=29)
     with pytest.raises(TokenOutOfVocab):  # raised in the prefetch thread, surfaced on the trainer's next step
@@ -190,25 +191,52 @@ def test_a_token_outside_the_vocabulary_is_named_on_the_host_before_the_step(tmp
     loader.close()
 
 
-def test_a_damaged_shard_stops_the_train_stage_with_one_line_and_exit_2(home, capfd):
+@pytest.mark.parametrize("split", ["train", "heldout"])  # the loader's batches, validation's windows
+def test_a_damaged_shard_stops_the_train_stage_with_one_line_and_exit_2(home, capfd, split):
     docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
     spec = load_spec(None, [
         "tokenizer.vocab_size=500", "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.seq_len=16",
         "train.steps=3", "train.micro_batch=2", "train.warmup_steps=1", "train.ckpt_every=10",
-        "launcher.nproc_per_node=1", "train.eval_every=0", "tokenizer.heldout_fraction=0",
+        "launcher.nproc_per_node=1", "train.eval_every=2", "train.eval_tokens=64", "tokenizer.heldout_fraction=0.2",
     ], env={})
     tok = tokenize.run(spec, _filter_manifest(home, docs))
-    shard = next(s for s in tok.extra["shards"] if s["split"] == "train")
+    shard = next(s for s in tok.extra["shards"] if s["split"] == split)
     b = tok.dir / (shard["prefix"] + ".bin")
     b.chmod(0o644)
     b.write_bytes(b"\xff" * b.stat().st_size)  # every id 65,535: same size, so nothing but the ids changed
     with pytest.raises(launch.TrainError) as e:
         launch.run(spec, tok)
-    assert e.value.exit_code == 2 and "outside the model's vocabulary of 500" in str(e.value), str(e.value)
+    assert e.value.exit_code == 2 and f"{shard['prefix']}.bin holds token id 65535" in str(e.value), str(e.value)
+    assert "outside the tokenizer's vocabulary of 500" in str(e.value)
     err = "".join(capfd.readouterr())
     # the ranks torchrun restarted stopped at their start, without training again (a stop for the input is final)
-    assert err.count("train: error: sample ") == 1, err
+    assert err.count("train: error: /") == 1, err
     assert err.count("; not training again") == spec.launcher.max_restarts > 0, err
+
+
+def test_only_a_final_stop_of_this_attempt_stops_a_restarted_rank(tmp_path):
+    from pipelines.launch import outcomes as xc
+    from pipelines.train.trainer import stopped_for_input
+
+    local = tmp_path / "local"  # the local launcher names no attempt: it cleared the directory before torchrun
+    xc.write_outcome(local, 1, xc.USER_ERROR, "ValueError: Expecting value")  # a torn read: the restart may pass
+    xc.write_outcome(local, 2, xc.RETRY, "storage: EIO", final=True)
+    assert stopped_for_input(local) is None
+    xc.write_outcome(local, 0, xc.USER_ERROR, "step 9: diverged", final=True)
+    assert stopped_for_input(local)["rank"] == 0
+
+    k8s = tmp_path / "k8s"  # Kubernetes: the attempt the launcher named when it created the job
+    first = xc.new_attempt(k8s)
+    xc.write_outcome(k8s, 0, xc.USER_ERROR, "step 9: diverged", final=True)
+    assert stopped_for_input(k8s)["attempt"] == first
+    xc.new_attempt(k8s)  # the next job: it starts clean even if a rank of the first writes late
+    (k8s / "exit-rank3.json").write_text(json.dumps({"rank": 3, "code": 2, "reason": "x", "final": True,
+                                                     "attempt": first}))
+    (k8s / "exit-rank4.json").write_text(json.dumps({"rank": 4, "code": 2, "reason": "x", "final": True}))
+    assert stopped_for_input(k8s) is None  # another attempt's, and one that names none: not this job's verdict
+    (k8s / xc.ATTEMPT_FILE).unlink()
+    (k8s / xc.ATTEMPT_FILE).mkdir()  # an attempt file that cannot be read now (every outcome file would count)
+    assert xc.current_attempt(k8s) is None and stopped_for_input(k8s) is None
 
 
 def test_resuming_at_k_on_a_different_dp_size_keeps_the_global_order():

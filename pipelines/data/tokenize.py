@@ -15,7 +15,8 @@ its own mmap shards.
   tail becomes a doc ``<id>#tail``). The manifest's ``extra.heldout`` says which.
 * Shards: partition ``p`` writes ``shards/{train,heldout}-PPPPP-KKKK.{bin,idx}`` (format in
   ``pipelines.data.shards``, Megatron's ``MMIDIDX``) straight into the output directory, EOS after every doc, a
-  new shard every ``shard_tokens`` tokens, and ``….ids.parquet`` with the doc ids in shard order. The number of
+  new shard every ``shard_tokens`` tokens, and ``….ids.parquet`` with the doc ids in shard order (and each doc's
+  ``source``, when the input has that column: what ``train.mixture`` reads). The number of
   partitions (Spark tasks) is ``tokenizer.partitions``, or by default the executors' parallelism, raised so that a
   partition holds about ``shard_tokens`` tokens. The driver plans them from the parquet footers: the docs' row
   groups, in order, cut into partitions of about equal text bytes (a big row group is cut by rows); each task
@@ -327,10 +328,11 @@ class PartitionShards:
 
 
 def write_doc_ids(path: Path, ids: list[str], sources: list) -> None:
-    """A shard's ``.ids.parquet``: its docs' ids in shard order and, when every doc has one, their ``source`` (the
-    loader's ``train.mixture`` reads it there instead of looking every id up in the lineage)."""
+    """A shard's ``.ids.parquet``: its docs' ids in shard order and, when the input has them, their ``source`` (null
+    for a doc without one; the loader's ``train.mixture`` reads it there instead of looking every id up in the
+    lineage)."""
     cols = {"id": pa.array(ids, pa.string())}
-    if ids and len(sources) == len(ids) and all(x is not None for x in sources):
+    if len(sources) == len(ids) and any(x is not None for x in sources):
         cols["source"] = pa.array(sources, pa.string()).dictionary_encode()
     pq.write_table(pa.table(cols), path)
 
@@ -436,7 +438,7 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
     frame = spark.read.parquet(str(docs_path))
     docs = frame.select("id", "text", *split.columns)
     # what the encoder reads besides id and text: the split's columns, and each doc's source for its shard's ids
-    extra = tuple(dict.fromkeys((*split.columns, *(("source",) if "source" in frame.columns else ()))))
+    extra = tuple(dict.fromkeys((*split.columns, *(("source",) if dict(frame.dtypes).get("source") == "string" else ()))))
     model = tokenizer_model(docs, out, cfg, seed, split, model_from)
     sp = spm.SentencePieceProcessor(model_proto=model)
     if sp.eos_id() < 0:

@@ -5,7 +5,9 @@ checkpoint).
 A rank (``pipelines.train.trainer``) that stops early writes an outcome file (:func:`write_outcome`) in its
 ``--out`` directory, since torchrun's own status does not carry the ranks': ``RETRY`` with the step after it
 checkpointed on a preemption notice (its status is then 0, so that torchrun does not restart the ranks) or when
-storage failed, ``USER_ERROR`` when the run diverged or the spec cannot run. The launcher reads them.
+storage failed, ``USER_ERROR`` when the run diverged or the spec cannot run; ``final`` when every try would stop
+the same way (the ranks torchrun or the pod restarts then stop at their start: ``pipelines.train.trainer``). The
+launcher reads them.
 
 Each file names the attempt that wrote it (``attempt``): the id the launcher put in the directory
 (:data:`ATTEMPT_FILE`, :func:`new_attempt`) before it created the ranks' Kubernetes job, as the rank found it at its

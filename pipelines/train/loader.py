@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import hashlib
 import queue
@@ -53,6 +54,10 @@ class TokenSamples:
         if not 0 <= i < self.count:
             raise IndexError(f"sample {i} of {self.count}")
         return self.stream.read(i * self.seq_len, (i + 1) * self.seq_len + 1)
+
+    def position(self, i: int, col: int) -> int:
+        """Where token ``col`` of sample ``i`` lies in the token stream."""
+        return i * self.seq_len + col
 
 
 class DPSampler:
@@ -127,10 +132,13 @@ def batch_tensors(samples: TokenSamples, ids: np.ndarray, vocab: int | None = No
     arr = np.stack([samples[int(i)] for i in ids])
     if vocab is not None and arr.size and int(arr.max()) >= vocab:
         row = int(np.argmax(arr.max(axis=1) >= vocab))
-        raise TokenOutOfVocab(f"sample {int(ids[row])} holds token id {int(arr[row].max())}, outside the model's "
-                              f"vocabulary of {vocab}: the shards were written by another tokenizer or are damaged; "
-                              "re-run the tokenize stage (a shard that fails its checksum is written again; run.force=true "
-                              "writes them all)")
+        col = int(np.argmax(arr[row] >= vocab))
+        pos = samples.position(int(ids[row]), col)
+        shard = samples.stream.shards[bisect.bisect_right(samples.stream.starts, pos) - 1]
+        raise TokenOutOfVocab(f"{shard.bin_path} holds token id {int(arr[row, col])} (sample {int(ids[row])}), outside "
+                              f"the tokenizer's vocabulary of {vocab}: that shard was written by another tokenizer or "
+                              "is damaged; re-run the tokenize stage (a shard that fails its checksum is written again; "
+                              "run.force=true writes them all)")
     t = torch.from_numpy(arr)
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
@@ -304,6 +312,13 @@ class MixtureSamples:
         j = i - int(self.offsets[k])
         return self.read(k, j * self.seq_len, (j + 1) * self.seq_len + 1)
 
+    def position(self, i: int, col: int) -> int:
+        """Where token ``col`` of sample ``i`` lies in the token stream (of every source)."""
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        t = (i - int(self.offsets[k])) * self.seq_len + col
+        r = int(np.searchsorted(self.cum[k], t, side="right")) - 1
+        return int(self.spans[k][r, 0] + t - self.cum[k][r])
+
     def read(self, k: int, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of source k's stream, across its runs."""
         cum, spans = self.cum[k], self.spans[k]
@@ -409,12 +424,16 @@ def train_doc_sources(tok) -> list:
     or filter stage's kept docs, which carry their ``source``; ``pipelines.lineage``), read only if a shard needs it."""
     out, lineage = [], None
     for sh in (s for s in tok.extra["shards"] if s["split"] == "train"):
-        beside = pq.read_table(tok.dir / (sh["prefix"] + ".ids.parquet"))
-        if "source" in beside.column_names and beside.column("source").null_count == 0:
-            out.append(beside.column("source").cast(pa.string()).combine_chunks().dictionary_encode())
+        path = tok.dir / (sh["prefix"] + ".ids.parquet")
+        if "source" in pq.read_schema(path).names:  # the sources alone: no rank reads the ids
+            src = pq.read_table(path, columns=["source"]).column("source").cast(pa.string()).combine_chunks()
+            if src.null_count:
+                lost = pq.read_table(path, columns=["id"]).column("id").filter(src.is_null())[0].as_py()
+                raise MixtureError(f"train.mixture: doc {lost!r} of shard {sh['prefix']} has no source")
+            out.append(src.dictionary_encode())
             continue
         lineage = lineage or lineage_sources(tok)
-        ids = beside.column("id").combine_chunks()
+        ids = pq.read_table(path, columns=["id"]).column("id").combine_chunks()
         at = pc.index_in(ids, value_set=lineage[0])
         if at.null_count:
             lost = ids.filter(pc.is_null(at))[0].as_py()

@@ -414,7 +414,7 @@ class Trainer:
 
     def _loader(self):
         return Prefetcher(self.samples, self.sampler, self.accum, depth=self.spec.train.prefetch,
-                          pin_memory=self.device.type == "cuda", vocab=self.margs.vocab_size)
+                          pin_memory=self.device.type == "cuda", vocab=self.tok.extra["vocab_size"])
 
     def _state(self) -> dict:
         return {"step": self.prog.step, "tokens_seen": self.prog.step * self.G * self.margs.seq_len,
@@ -493,7 +493,7 @@ class Trainer:
 
         t = self.spec.train
         v = Validator(self.tok, self.margs.seq_len, t.eval_every, t.eval_tokens, t.micro_batch, t.steps, self.dp_rank,
-                      self.dp, self.device, vocab=self.margs.vocab_size)
+                      self.dp, self.device, vocab=self.tok.extra["vocab_size"])
         if v.off_reason and t.eval_every:
             self.log(f"[val] no validation during training: {v.off_reason}")
         elif not v.off_reason:
@@ -779,11 +779,17 @@ def run_rank(spec: JobSpec, args, notice: Notice) -> int:
 
 
 def stopped_for_input(out: Path) -> dict | None:
-    """The outcome of a rank of this launch (this attempt: ``pipelines.launch.outcomes``) that stopped with
-    ``USER_ERROR``, else None. Such a stop is deterministic (a diverged run rolls back to the same checkpoint, a
-    damaged shard stays damaged), so a restart of the ranks ends at once instead of loading the model again; the
-    launcher clears the outcomes when it starts a new attempt (a retry after the user's fix)."""
-    return next((o for o in xc.read_outcomes(out) if o.get("code") == xc.USER_ERROR), None)
+    """The outcome of a rank of this launch (this attempt: ``pipelines.launch.outcomes``) that stopped with a
+    ``final`` ``USER_ERROR``, else None. Only a stop that would repeat is final (a diverged run rolls back to the same
+    checkpoint, a damaged shard stays damaged, no tier holds the step asked for), so a restart of the ranks ends at
+    once instead of loading the model again; any other exit 2 (a ``ValueError``, which a torn read can raise too)
+    leaves the restart to train. The launcher clears the outcomes when it starts a new attempt; an attempt file that
+    cannot be read now gives no verdict."""
+    current = xc.current_attempt(out)
+    if current is None and (out / xc.ATTEMPT_FILE).exists():
+        return None
+    return next((o for o in xc.read_outcomes(out) if o.get("code") == xc.USER_ERROR and o.get("final") is True
+                 and (current is None or o.get("attempt") == current)), None)
 
 
 def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
@@ -792,8 +798,9 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
     out, rank = Path(args.out), int(os.environ.get("RANK", 0))
     stopped = stopped_for_input(out)
     if stopped is not None:  # torchrun (or the pod's restart policy) restarted ranks that would stop the same way
-        print(f"train: error: rank {stopped.get('rank')} of this launch stopped for the spec or the data: "
-              f"{stopped.get('reason')}; not training again", file=sys.stderr)
+        print(f"train: error: rank {stopped.get('rank')} of this launch stopped for the spec or the data "
+              f"({out}/exit-rank{stopped.get('rank')}.json): {stopped.get('reason')}; not training again",
+              file=sys.stderr)
         return xc.USER_ERROR
     xc.clear_outcome(out, rank)  # an earlier attempt's
     try:
@@ -803,9 +810,9 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
         print(f"train: {e}; committed on L1: a retry resumes there", flush=True)
         xc.write_outcome(out, rank, xc.RETRY, str(e), step=e.step)
         return xc.OK
-    except (TrainingDiverged, ResumeError, TokenOutOfVocab) as e:  # the spec or the data must change
-        print(f"train: error: {e}", file=sys.stderr)
-        xc.write_outcome(out, rank, xc.USER_ERROR, str(e))
+    except (TrainingDiverged, ResumeError, TokenOutOfVocab) as e:  # the spec or the data must change: every try
+        print(f"train: error: {e}", file=sys.stderr)              # would stop the same way (final)
+        xc.write_outcome(out, rank, xc.USER_ERROR, str(e), final=True)
         return xc.USER_ERROR
     except ValueError as e:  # a spec this world cannot run (batch sizes, vocabulary): the traceback stays
         xc.write_outcome(out, rank, xc.USER_ERROR, f"{type(e).__name__}: {e}")
