@@ -16,8 +16,8 @@ import pytest
 from pipelines.data.shards import ShardWriter
 from pipelines.manifest import StageDir, input_ref
 from pipelines.spec import load_spec
-from pipelines.train.loader import (DPSampler, MixtureError, MixtureSampler, MixtureSamples, Prefetcher, TokenSamples,
-                                    batch_tensors, mixture_metrics, mixture_weights, sampler_for, train_doc_sources,
+from pipelines.train.loader import (DPSampler, MixtureError, MixtureSampler, MixtureSamples, Prefetcher,
+                                    TokenOutOfVocab, TokenSamples, batch_tensors, mixture_metrics, mixture_weights, sampler_for, train_doc_sources,
                                     train_samples)
 
 from conftest import shard_layout
@@ -383,22 +383,36 @@ def test_shards_with_and_without_their_sources_beside_read_the_lineage_once_and_
     ids = pq.read_table(first).column("id").to_pylist()
     cut = tok.extra["shards"][0]["docs"]
     first.chmod(0o644)
-    pq.write_table(pa.table({"id": ids, "source": sources[:cut]}), first)  # the first as tokenize writes it now
-    reads = []
-    real = loader.added_docs
+    beside = [f"beside/{s}" for s in sources[:cut]]  # not the lineage's names: which one was read shows
+    pq.write_table(pa.table({"id": ids, "source": beside}), first)  # the first as tokenize writes it now
+    reads, tables = [], []
+    real, read_table = loader.added_docs, pq.read_table
     monkeypatch.setattr(loader, "added_docs", lambda *a, **k: reads.append(1) or real(*a, **k))
-    assert [s for part in train_doc_sources(tok) for s in part.to_pylist()] == sources
+    monkeypatch.setattr(pq, "read_table", lambda path, *a, **k: tables.append((str(path), k.get("columns")))
+                        or read_table(path, *a, **k))
+    assert [s for part in train_doc_sources(tok) for s in part.to_pylist()] == beside + sources[cut:]
     assert len(reads) == len(loader.chain(tok))  # each version's docs once, for the second shard alone
+    assert [c for p, c in tables if p == str(first)] == [["source"]]  # its sources alone, not its ids
+    monkeypatch.setattr(pq, "read_table", read_table)
     pq.write_table(pa.table({"id": ids, "source": [None] + sources[1:cut]}), first)
     with pytest.raises(MixtureError, match=f"doc 'doc0' of shard {tok.extra['shards'][0]['prefix']} has no source"):
         train_doc_sources(tok)
 
 
-def test_a_samples_token_is_found_where_the_stream_holds_it(corpus):
-    """``position``: where the loader says a bad token id lies (the shard named to the user)."""
-    for samples in (mixed(corpus), TokenSamples(corpus[0], L)):
-        for i in range(0, len(samples), max(1, len(samples) // 97)):
-            row = samples[i]
-            for col in (0, 5, L):
-                pos = samples.position(i, col)
-                assert samples.stream.read(pos, pos + 1)[0] == row[col], (type(samples).__name__, i, col)
+def test_a_samples_token_is_found_where_the_stream_holds_it(corpus, tmp_path):
+    """``position``: where the loader says a bad token id lies (the shard named to the user), against the stream
+    positions each source's runs cover, for every token of every sample."""
+    samples = mixed(corpus)
+    at = [np.concatenate([np.arange(s, s + n) for s, n in spans]) for spans in samples.spans]
+    for i in range(len(samples)):
+        k = int(np.searchsorted(samples.offsets, i, side="right")) - 1
+        j = i - int(samples.offsets[k])
+        assert [samples.position(i, c) for c in range(L + 1)] == at[k][j * L:(j + 1) * L + 1].tolist(), i
+    plain = TokenSamples(corpus[0], L)
+    assert [plain.position(7, c) for c in (0, L)] == [7 * L, 8 * L]
+    # a sample across an empty shard: the id is in the third shard, and that is the one named
+    docs = [np.arange(10) % 5, np.arange(7) % 5, np.array([9, 1, 2])]
+    across = TokenSamples(shard_layout(tmp_path / "s", docs, [2, 2]), seq_len=3)
+    with pytest.raises(TokenOutOfVocab, match=r"train-00002-0000.bin holds token id 9 \(sample 5\)"):
+        batch_tensors(across, np.array([1, 5]), vocab=5)  # sample 5: tokens 15..18, 17 the third shard's first
+

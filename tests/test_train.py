@@ -239,6 +239,29 @@ def test_only_a_final_stop_of_this_attempt_stops_a_restarted_rank(tmp_path):
     assert xc.current_attempt(k8s) is None and stopped_for_input(k8s) is None
 
 
+def test_a_rank_marks_final_only_the_stops_that_would_repeat(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from pipelines.launch import outcomes as xc
+    from pipelines.train import trainer as tr
+    from pipelines.train.loader import TokenOutOfVocab
+
+    cases = [(tr.TrainingDiverged("step 9: diverged"), True), (TokenOutOfVocab("shard"), True),
+             (tr.ResumeError("another model"), True), (tr.ResumeError("no tier holds step 5", final=False), False)]
+    for n, (error, final) in enumerate(cases):
+        def fail(*a, _e=error, **k):
+            raise _e
+
+        monkeypatch.setattr(tr, "train", fail)
+        out = tmp_path / f"o{n}"
+        assert tr._run_rank(None, SimpleNamespace(out=str(out), tokenize_manifest="m", ckpt_root=str(out)), None) == 2
+        assert [o.get("final", False) for o in xc.read_outcomes(out)] == [final], error
+    monkeypatch.setattr(tr, "train", lambda *a, **k: json.loads("{"))  # a torn read: not final
+    with pytest.raises(ValueError):
+        tr._run_rank(None, SimpleNamespace(out=str(tmp_path / "v"), tokenize_manifest="m", ckpt_root="c"), None)
+    assert [(o["code"], o.get("final", False)) for o in xc.read_outcomes(tmp_path / "v")] == [(2, False)]
+
+
 def test_resuming_at_k_on_a_different_dp_size_keeps_the_global_order():
     a = DPSampler(50, 8, 0, 1, seed=9)
     order = [a.next_local() for _ in range(10)]

@@ -16,7 +16,7 @@ its own mmap shards.
 * Shards: partition ``p`` writes ``shards/{train,heldout}-PPPPP-KKKK.{bin,idx}`` (format in
   ``pipelines.data.shards``, Megatron's ``MMIDIDX``) straight into the output directory, EOS after every doc, a
   new shard every ``shard_tokens`` tokens, and ``….ids.parquet`` with the doc ids in shard order (and each doc's
-  ``source``, when the input has that column: what ``train.mixture`` reads). The number of
+  ``source``, when the input has a string column of them: what ``train.mixture`` reads). The number of
   partitions (Spark tasks) is ``tokenizer.partitions``, or by default the executors' parallelism, raised so that a
   partition holds about ``shard_tokens`` tokens. The driver plans them from the parquet footers: the docs' row
   groups, in order, cut into partitions of about equal text bytes (a big row group is cut by rows); each task
@@ -386,10 +386,11 @@ def publish(m: Manifest, up: Upload) -> dict:
 
 
 def encoder(model: bytes, out: str, cfg: TokenizerCfg, split: Splitter, up: Upload | None = None, rel: str = "shards",
-            extra: tuple[str, ...] = ()):
+            extra: tuple[str, ...] = (), keep_sources: bool = False):
     """The Spark task: read a task's pieces (``extra``: the columns besides id and text), encode them (one thread:
-    Spark runs a task per core) into its shards, in an attempt directory of its own under ``out`` (published by the
-    driver); return one row per shard written, each with that directory."""
+    Spark runs a task per core) into its shards (with each doc's source beside its id when ``keep_sources``), in an
+    attempt directory of its own under ``out`` (published by the driver); return one row per shard written, each
+    with that directory."""
     def fn(part: int, tasks):
         from pipelines.data.spark import attempt_dir, maybe_fail
 
@@ -409,7 +410,7 @@ def encoder(model: bytes, out: str, cfg: TokenizerCfg, split: Splitter, up: Uplo
                     dest[0].append(doc_id)
                     dest[1].append(ids)
                     dest[2].append(len(text.encode("utf-8")))
-                    dest[3].append(src)
+                    dest[3].append(src if keep_sources else None)
                 for name, (ids_, docs, nbytes, srcs) in by_split.items():
                     if docs:
                         shards.add(name, ids_, docs, nbytes, srcs)
@@ -438,7 +439,8 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
     frame = spark.read.parquet(str(docs_path))
     docs = frame.select("id", "text", *split.columns)
     # what the encoder reads besides id and text: the split's columns, and each doc's source for its shard's ids
-    extra = tuple(dict.fromkeys((*split.columns, *(("source",) if dict(frame.dtypes).get("source") == "string" else ()))))
+    keep_sources = dict(frame.dtypes).get("source") == "string"
+    extra = tuple(dict.fromkeys((*split.columns, *(("source",) if keep_sources else ()))))
     model = tokenizer_model(docs, out, cfg, seed, split, model_from)
     sp = spm.SentencePieceProcessor(model_proto=model)
     if sp.eos_id() < 0:
@@ -448,7 +450,7 @@ def tokenize_docs(spark, docs_path: Path, out: Path, cfg: TokenizerCfg, seed: in
     groups = row_groups(docs_path, "text")
     tasks = plan_pieces(groups, partitions(spark, groups, cfg, task_mb))
     rows = spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitionsWithIndex(
-        encoder(model, prepare_attempts(out / "_shards"), cfg, split, up, rel, extra)).collect()
+        encoder(model, prepare_attempts(out / "_shards"), cfg, split, up, rel, extra, keep_sources)).collect()
     publish_attempts(out / "_shards", sorted({r.pop("dir") for r in rows}), {".": out / rel})
     shutil.rmtree(out / "_shards")
     n = len(tasks)

@@ -120,13 +120,15 @@ class DPSampler:
 
 
 class TokenOutOfVocab(ValueError):
-    """A sample holds a token id the model has no row for: shards written by another tokenizer, or damaged."""
+    """A sample holds a token id outside the tokenizer's vocabulary: shards written by another tokenizer, or
+    damaged (exit 2, final: every try would read the same id)."""
 
 
 def batch_tensors(samples: TokenSamples, ids: np.ndarray, vocab: int | None = None):
     """The samples' inputs and targets, ``(len(ids), seq_len)`` each. With ``vocab``, a token id ≥ it raises
-    :class:`TokenOutOfVocab` here, on the host, naming the sample (on a GPU the embedding or the loss would stop the
-    step with a device-side assert that ends the CUDA context and says nothing of the data)."""
+    :class:`TokenOutOfVocab` here, on the host, naming the shard that holds it and the sample (on a GPU the
+    embedding or the loss would stop the step with a device-side assert that ends the CUDA context and says nothing of
+    the data)."""
     import torch
 
     arr = np.stack([samples[int(i)] for i in ids])

@@ -244,7 +244,13 @@ class Tracker:
 
 
 class ResumeError(RuntimeError):
-    pass
+    """A resume the spec asks for that cannot be: ``final`` when every try would fail the same way (a checkpoint of
+    another model, a --ckpt-root outside checkpoint.l0), not when storage may be why (no tier gave a verified copy
+    of the step asked for: a tier that did not answer or could not stage it looks the same)."""
+
+    def __init__(self, message: str, final: bool = True):
+        super().__init__(message)
+        self.final = final
 
 
 def _rel_root(spec: JobSpec, ckpt_root: Path) -> str:
@@ -346,7 +352,7 @@ class Trainer:
         if restored is None:
             if mode != "auto":
                 raise ResumeError(f"train.resume={mode}: no tier holds a verified copy of step {mode} (see the "
-                                  "log above)")
+                                  "log above)", final=False)
             self.log("[ckpt] restore: no checkpoint of this run on any tier; starting at step 0")
             return None
         if restored.state["model_args"] != self.margs.to_dict():
@@ -781,12 +787,15 @@ def run_rank(spec: JobSpec, args, notice: Notice) -> int:
 def stopped_for_input(out: Path) -> dict | None:
     """The outcome of a rank of this launch (this attempt: ``pipelines.launch.outcomes``) that stopped with a
     ``final`` ``USER_ERROR``, else None. Only a stop that would repeat is final (a diverged run rolls back to the same
-    checkpoint, a damaged shard stays damaged, no tier holds the step asked for), so a restart of the ranks ends at
+    checkpoint, a damaged shard stays damaged, a checkpoint of another model stays one), so a restart of the ranks ends at
     once instead of loading the model again; any other exit 2 (a ``ValueError``, which a torn read can raise too)
     leaves the restart to train. The launcher clears the outcomes when it starts a new attempt; an attempt file that
     cannot be read now gives no verdict."""
     current = xc.current_attempt(out)
-    if current is None and (out / xc.ATTEMPT_FILE).exists():
+    try:
+        if current is None and (out / xc.ATTEMPT_FILE).exists():
+            return None
+    except OSError:  # the directory itself does not answer: no verdict
         return None
     return next((o for o in xc.read_outcomes(out) if o.get("code") == xc.USER_ERROR and o.get("final") is True
                  and (current is None or o.get("attempt") == current)), None)
@@ -812,7 +821,7 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
         return xc.OK
     except (TrainingDiverged, ResumeError, TokenOutOfVocab) as e:  # the spec or the data must change: every try
         print(f"train: error: {e}", file=sys.stderr)              # would stop the same way (final)
-        xc.write_outcome(out, rank, xc.USER_ERROR, str(e), final=True)
+        xc.write_outcome(out, rank, xc.USER_ERROR, str(e), final=getattr(e, "final", True))
         return xc.USER_ERROR
     except ValueError as e:  # a spec this world cannot run (batch sizes, vocabulary): the traceback stays
         xc.write_outcome(out, rank, xc.USER_ERROR, f"{type(e).__name__}: {e}")
