@@ -11,7 +11,9 @@
 * an S3 endpoint that hangs (issue 44) holds up no L1 commit and no restart's restore, and every S3 call of the
   checkpoint path ends within its bound, whichever operation hangs (``s3_hang``);
 * (issue 52) L1 lost while L2 cannot list: exit 75, L2 untouched, the next retry resumes from L2; a full L0 disk
-  under DCP's save: exit 75 and one line naming the path; the promote stage with S3 down: exit 75.
+  under DCP's save: exit 75 and one line naming the path; the promote stage with S3 down: exit 75;
+* L2 that lists its steps and then answers 503 to the reads of their parts: exit 75, never a start from step 0 (it
+  was one: each step skipped as a bad copy), and the next retry resumes from L2.
 """
 import json
 import subprocess
@@ -401,6 +403,44 @@ def _l2_commits(spec, rel_root: str) -> dict[int, str]:
     """{step: the attempt its L2 manifest names}: what L2 holds of this run, read back."""
     return {s: (ckpt_s3.read_s3_manifest(spec, ckpt_tiers.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"])
                 or {}).get("attempt") for s in ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"]}
+
+
+def test_l2_that_lists_its_steps_and_then_does_not_answer_their_reads_never_starts_over(home, s3_server):
+    """The steps' directories are gone from L0 and L1 (L1's fence kept), L2 lists them, and then answers 503 to every
+    GetObject while their parts are fetched: the retry must not start from step 0 over L2's steps (it did: each step
+    was skipped as if its copy were bad, then "no checkpoint of this run"); it exits 75, L2 untouched; with S3 back,
+    the next retry resumes from L2's newest step."""
+    import shutil
+
+    tok = _tok(home)
+    sets = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=1", f"services.s3_endpoint_url={s3_server}",
+            "services.s3_bucket=ck-l2-reads", "checkpoint.s3_max_attempts=2", "checkpoint.s3_connect_timeout_s=1"]
+    run = home / "run"
+    preempt = _faults({"at": "step", "do": "preempt", "nth": 17})
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=preempt, LLMP_FAULT_STEP_DELAY_S="0.3"),
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 75, r.stdout[-3000:] + r.stderr[-3000:]
+    spec = load_spec(None, TINY + sets + [f"checkpoint.l0={run}/l0", f"checkpoint.l1={run}/l1"], env={})
+    rel_root = next((run / "l1").glob("*/*/step-*")).parent.relative_to(run / "l1").as_posix()
+    before = _l2_commits(spec, rel_root)
+    assert before and max(before) >= 5, before
+    for tier in ("l0", "l1"):  # the steps are gone from the disks; L1's fence and lineage stay
+        for d in (run / tier).glob("*/*/step-*"):
+            shutil.rmtree(d)
+
+    # the listing reads each step's COMMIT and manifest; the parts' files then answer 503
+    no_read = _faults({"at": "s3", "do": "s3_503", "op": "GetObject", "path": ".distcp", "times": 0})
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=no_read), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 75, out[-3000:]
+    assert "starting at step 0" not in out and "did not answer" in out and "not starting over" in out, out[-3000:]
+    assert _l2_commits(spec, rel_root) == before  # nothing of attempt 1 replaced
+
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = json.loads((run / "train/manifest.json").read_text())
+    assert m["extra"]["resumed_from"] == {"step": max(before), "tier": "L2"}, m["extra"]["resumed_from"]
 
 
 def test_l1_lost_while_l2_cannot_list_never_starts_over_and_the_next_retry_resumes_from_l2(home, s3_server):

@@ -30,6 +30,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from pipelines.storage import faults
+from pipelines.storage.s3 import unreachable
 from pipelines.train.ckpt import protocol as ck
 from pipelines.train.ckpt import parts as ckpt_parts
 from pipelines.train.ckpt import s3_tier as ckpt_s3
@@ -68,9 +69,10 @@ def _bcast(obj):
 
 def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
     """The newest restorable step (or exactly ``step``) made readable on every rank; None when there is none, which
-    only every tier's answer can say: a tier that did not answer (L2 down, a node's L0 unreadable) while no other
-    tier serves a step raises :class:`~pipelines.train.ckpt.protocol.TierUnavailable` on every rank (exit 75: a retry
-    looks again), never "start from step 0" over steps that tier may hold."""
+    only every tier's answer can say: a tier that did not answer (L2 down, a node's L0 unreadable; or L2 that listed a
+    step and then did not answer while its parts were fetched) while no other tier serves a step raises
+    :class:`~pipelines.train.ckpt.protocol.TierUnavailable` on every rank (exit 75: a retry looks again), never
+    "start from step 0" over steps that tier may hold. A step whose copies answered but do not verify is skipped."""
     topo = ckpt.topo
     mine = _inventory(ckpt.root, ckpt.node_log) if topo.local_rank == 0 else None
     per_node: dict[int, dict] = {}
@@ -84,7 +86,7 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
     for far in (False, True):  # L1 and the nodes' disks; then, only when none of theirs could be restored, L2
         for c in _choose(ckpt, per_node, step, tried if far else None):
             tried.add(c["step"])
-            got = _settle(ckpt, c)
+            got = _settle(ckpt, c, unknown)
             if got is not None:
                 return got
     if unknown:
@@ -194,8 +196,9 @@ def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
     return out
 
 
-def _settle(ckpt, c: dict) -> Optional[Restored]:
-    """Make step ``c`` readable on every rank, or return None on every rank (then an older step is tried)."""
+def _settle(ckpt, c: dict, unknown: list[str]) -> Optional[Restored]:
+    """Make step ``c`` readable on every rank, or return None on every rank (then an older step is tried); a tier
+    that did not answer while it was read is added to ``unknown`` (the same on every rank)."""
     topo, spec = ckpt.topo, ckpt.spec
     rel = f"{ckpt.rel_root}/{ck.step_name(c['step'])}"
     locs = ckpt_tiers.tier_locations(spec, rel)
@@ -208,7 +211,7 @@ def _settle(ckpt, c: dict) -> Optional[Restored]:
         sources = {k: "L0" for k in every}
         view = l0
     else:
-        sources = _meet_on_l1(ckpt, c, have, locs, log)
+        sources = _meet_on_l1(ckpt, c, have, locs, log, unknown)
         if sources is None:
             return None
         view = _view(ckpt, c, have.get(topo.node, set()), l0, l1)
@@ -236,8 +239,9 @@ def _verify_own_part(l0: Path, c: dict, log) -> set[int]:
     return {part}
 
 
-def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log) -> Optional[dict[int, str]]:
-    """Make the step globally committed and verified on L1; returns part → source tier, or None."""
+def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log, unknown: list[str]) -> Optional[dict[int, str]]:
+    """Make the step globally committed and verified on L1; returns part → source tier, or None (a part whose tier
+    did not answer: named in ``unknown``)."""
     topo = ckpt.topo
     l1 = Path(locs["L1"])
     every = range(c["parts"])
@@ -256,7 +260,10 @@ def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log) -> Optiona
             if node == topo.node:
                 done[k] = _stage(ckpt, c, k, how, locs, log)
     results = {k: t for d in _gather(done) if d for k, t in d.items()}
-    ok = len(results) == c["parts"] and all(t is not None for t in results.values())
+    for t in results.values():  # the same on every rank: each tier and error that did not answer, once
+        if t and t.startswith(UNANSWERED) and t[1:] not in unknown:
+            unknown.append(t[1:])
+    ok = len(results) == c["parts"] and all(t in NEAR for t in results.values())
     merged = _bcast(_merge(l1, c, again=c["l1"]) if ok and ckpt.rank == 0 else None)
     if not merged:
         if ckpt.rank == 0:
@@ -296,8 +303,13 @@ def _verify_l1_parts(l1: Path, topo, log) -> list[int]:
     return sorted(bad)
 
 
+UNANSWERED = "?"  # what _stage returns before the tier and the error when that tier did not answer
+
+
 def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
-    """Put part ``k`` on L1's staging: from this node's L0, else a staged copy already there, else from L2."""
+    """Put part ``k`` on L1's staging: from this node's L0, else a staged copy already there, else from L2. Returns
+    the tier it came from; None when its copy answered but is missing or does not verify; ``UNANSWERED`` + what
+    happened when the tier did not answer (:func:`pipelines.storage.s3.unreachable`)."""
     spec = ckpt.spec
     l0, l1 = Path(locs["L0"]), Path(locs["L1"])
     try:
@@ -315,6 +327,8 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
         return "L2"
     except Exception as e:  # noqa: BLE001 - reported; the step is skipped on every rank
         log(f"[ckpt] restore: part-{k} of {l1.name}: {e}")
+        if how != "L0" and (isinstance(e, ck.TierUnavailable) or unreachable(e)):
+            return f"{UNANSWERED}L2 ({type(e).__name__}: {e})"[:300]
         return None
 
 
