@@ -405,6 +405,26 @@ def _l2_commits(spec, rel_root: str) -> dict[int, str]:
                 or {}).get("attempt") for s in ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"]}
 
 
+def test_a_part_read_that_did_not_answer_is_told_from_a_copy_that_answered_bad():
+    import errno
+
+    from botocore.exceptions import ClientError, ReadTimeoutError
+
+    from pipelines.train.ckpt.restore import unanswered_tier
+
+    def client_error(code, status):
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+
+    answered_bad = [client_error("404", 404), client_error("NoSuchKey", 404), ck.CheckpointError("sha256 mismatch"),
+                    ck.CheckpointError("no S3 endpoint for L2"), OSError(errno.EIO, "Input/output error", "/l1/x")]
+    assert [unanswered_tier(e) for e in answered_bad] == [None] * len(answered_bad)
+    no_answer = [client_error("SlowDown", 503), client_error("AccessDenied", 403), ReadTimeoutError(endpoint_url="u"),
+                 ck.L2Unavailable("down")]
+    assert all(unanswered_tier(e).startswith("L2 (") for e in no_answer), [unanswered_tier(e) for e in no_answer]
+    nfs = OSError(errno.ETIMEDOUT, "Connection timed out", "/fsx/ckpt/.step-10.parts/part-0")
+    assert unanswered_tier(nfs).startswith("L1 (TimeoutError")  # L1's file system, not S3
+
+
 def test_l2_that_lists_its_steps_and_then_does_not_answer_their_reads_never_starts_over(home, s3_server):
     """The steps' directories are gone from L0 and L1 (L1's fence kept), L2 lists them, and then answers 503 to every
     GetObject while their parts are fetched: the retry must not start from step 0 over L2's steps (it did: each step
@@ -434,7 +454,8 @@ def test_l2_that_lists_its_steps_and_then_does_not_answer_their_reads_never_star
                        text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 75, out[-3000:]
-    assert "starting at step 0" not in out and "did not answer" in out and "not starting over" in out, out[-3000:]
+    assert "starting at step 0" not in out and "train: error: restore: L2 (ClientError" in out, out[-3000:]
+    assert "did not answer and no other tier holds a step to restore: not starting over" in out, out[-3000:]
     assert _l2_commits(spec, rel_root) == before  # nothing of attempt 1 replaced
 
     r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)

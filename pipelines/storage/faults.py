@@ -11,7 +11,8 @@
   place on L0 or L1, its data and COMMIT written: a failure there is a rename that fails after the data is
   written), ``renamed`` (right after that rename: a failure there is an NFS rename that the server made while the
   client got an error), or ``s3`` (every S3 request; ``op`` picks one operation
-  such as ``UploadPart``, ``path`` a substring of the request's URL path: the bucket and key).
+  such as ``UploadPart``, ``path`` a substring of the request's URL path: the key, percent-encoded, after the
+  bucket with path-style addressing).
 * ``do``: ``die`` (the process ends at once, exit 137, as a lost pod), ``lose`` (the node is lost here: on a
   simulated node the process stops at once, whole, and leaves ``lose-<LLMP_SIM_NODE>`` in ``LLMP_FAULTS_STATE``
   for the harness, which kills every process of that node and starts a replacement over an empty disk; elsewhere

@@ -90,8 +90,10 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
             if got is not None:
                 return got
     if unknown:
-        raise ck.TierUnavailable(f"restore: {', '.join(unknown)} did not answer and no other tier holds a step to "
-                                 "restore: not starting over from step 0 (a retry looks again)")
+        listed = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        raise ck.TierUnavailable(f"restore: {listed} did not answer and no other tier holds "
+                                 + ("a step to restore: not starting over from step 0" if step is None else
+                                    f"step {step} to restore") + " (a retry looks again)")
     return None
 
 
@@ -165,6 +167,8 @@ def l2_candidates(ckpt, want: Optional[int], skip: set[int]) -> list[dict]:
     spec, rel_root, rec = ckpt.spec, ckpt.rel_root, ckpt.rec
     found = []
     try:
+        if not ckpt_tiers.l2_in_use(spec, rel_root):  # an embedded endpoint started here once and down now: unknown
+            return found
         for s in reversed(ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"]):
             if s in skip or (want is not None and s != want):
                 continue
@@ -308,8 +312,8 @@ UNANSWERED = "?"  # what _stage returns before the tier and the error when that 
 
 def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
     """Put part ``k`` on L1's staging: from this node's L0, else a staged copy already there, else from L2. Returns
-    the tier it came from; None when its copy answered but is missing or does not verify; ``UNANSWERED`` + what
-    happened when the tier did not answer (:func:`pipelines.storage.s3.unreachable`)."""
+    the tier it came from; None when its copy answered but is missing or does not verify; ``UNANSWERED`` + the tier
+    and what happened when it did not answer (:func:`unanswered_tier`)."""
     spec = ckpt.spec
     l0, l1 = Path(locs["L0"]), Path(locs["L1"])
     try:
@@ -321,15 +325,24 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
         if ck.is_valid_local(staged) and \
                 ckpt_parts.part_of(ck.read_local_manifest(staged)) == (k, c["parts"], c["attempt"]):
             return "L1"
-        if ckpt_tiers.l2_available(spec) is not None:
+        if not ckpt_tiers.l2_in_use(spec, ckpt.rel_root):  # raises L2Unavailable for one that does not answer
             raise ck.CheckpointError("no S3 endpoint for L2")
         ckpt_s3.download_checkpoint(spec, locs["L2"], staged, part=k if c["parts"] > 1 else None)
         return "L2"
     except Exception as e:  # noqa: BLE001 - reported; the step is skipped on every rank
         log(f"[ckpt] restore: part-{k} of {l1.name}: {e}")
-        if how != "L0" and (isinstance(e, ck.TierUnavailable) or unreachable(e)):
-            return f"{UNANSWERED}L2 ({type(e).__name__}: {e})"[:300]
+        tier = unanswered_tier(e) if how != "L0" else None
+        return f"{UNANSWERED}{tier}" if tier else None
+
+
+def unanswered_tier(e: BaseException) -> Optional[str]:
+    """``'L2 (…)'`` or ``'L1 (…)'`` when ``e``, raised while a part was fetched from L2 onto L1, is a tier that did
+    not answer (an S3 endpoint down, throttling, timing out or refusing past its retries; L1's file system timing out
+    or dropping the connection); None when a tier answered with a copy that is missing or does not verify."""
+    if not (isinstance(e, ck.TierUnavailable) or unreachable(e)):
         return None
+    tier = "L1" if isinstance(e, OSError) and e.filename else "L2"  # a file of L1's staging, not an S3 request
+    return f"{tier} ({type(e).__name__}: {str(e)[:240]})"
 
 
 def _view(ckpt, c: dict, mine: set[int], l0: Path, l1: Path) -> Path:

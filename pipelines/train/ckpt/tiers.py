@@ -376,7 +376,7 @@ def _retire(spec: JobSpec, old: str, check: Callable[[str], None]) -> dict:
     gone = _retire_local(spec, old, keep, check)
     check("L2")
     gone["L2"] = []
-    if _l2_in_use(spec, old):  # every step with an object there, committed or not
+    if l2_in_use(spec, old):  # every step with an object there, committed or not
         names = _s3_step_names(spec, tier_locations(spec, old)["L2"], committed=False)
         gone["L2"] = sorted(s for s in map(parse_step, names) if s is not None and s not in keep)
         for s in gone["L2"]:
@@ -432,7 +432,7 @@ def _retire_local(spec: JobSpec, rel_root: str, keep: set[int], check: Callable[
     return gone
 
 
-def _l2_in_use(spec: JobSpec, rel_root: str) -> bool:
+def l2_in_use(spec: JobSpec, rel_root: str) -> bool:
     """Whether this setup has an L2 (an endpoint set, or an embedded one started here once). Raises
     :class:`L2Unavailable` when it has one that does not answer: unknown, not none."""
     try:
