@@ -425,6 +425,32 @@ def test_a_part_read_that_did_not_answer_is_told_from_a_copy_that_answered_bad()
     assert unanswered_tier(nfs).startswith("L1 (TimeoutError")  # L1's file system, not S3
 
 
+def _preempted_with_l2_steps(home, s3_server, bucket: str):
+    """Attempt 1 of a 20-step run, preempted after step 17 while L2 kept pace with its steps (every 5): (tok, run,
+    sets, spec, rel_root, {step: attempt} of what L2 committed)."""
+    tok = _tok(home)
+    sets = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=1", f"services.s3_endpoint_url={s3_server}",
+            f"services.s3_bucket={bucket}", "checkpoint.s3_max_attempts=2", "checkpoint.s3_connect_timeout_s=1"]
+    run = home / "run"
+    preempt = _faults({"at": "step", "do": "preempt", "nth": 17})
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=preempt, LLMP_FAULT_STEP_DELAY_S="0.3"),
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)  # (L2 keeps pace with the steps)
+    assert r.returncode == 75, r.stdout[-3000:] + r.stderr[-3000:]
+    spec = load_spec(None, TINY + sets + [f"checkpoint.l0={run}/l0", f"checkpoint.l1={run}/l1"], env={})
+    rel_root = next((run / "l1").glob("*/*/step-*")).parent.relative_to(run / "l1").as_posix()
+    before = _l2_commits(spec, rel_root)
+    assert before and max(before) >= 5, before
+    return tok, run, sets, spec, rel_root, before
+
+
+def _resumes_from_l2(tok, run: Path, sets: list[str], step: int) -> None:
+    """A retry with S3 answering again ends 0, resumed from L2's ``step``."""
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = json.loads((run / "train/manifest.json").read_text())
+    assert m["extra"]["resumed_from"] == {"step": step, "tier": "L2"}, m["extra"]["resumed_from"]
+
+
 def test_l2_that_lists_its_steps_and_then_does_not_answer_their_reads_never_starts_over(home, s3_server):
     """The steps' directories are gone from L0 and L1 (L1's fence kept), L2 lists them, and then answers 503 to every
     GetObject while their parts are fetched: the retry must not start from step 0 over L2's steps (it did: each step
@@ -432,18 +458,7 @@ def test_l2_that_lists_its_steps_and_then_does_not_answer_their_reads_never_star
     the next retry resumes from L2's newest step."""
     import shutil
 
-    tok = _tok(home)
-    sets = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=1", f"services.s3_endpoint_url={s3_server}",
-            "services.s3_bucket=ck-l2-reads", "checkpoint.s3_max_attempts=2", "checkpoint.s3_connect_timeout_s=1"]
-    run = home / "run"
-    preempt = _faults({"at": "step", "do": "preempt", "nth": 17})
-    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=preempt, LLMP_FAULT_STEP_DELAY_S="0.3"),
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 75, r.stdout[-3000:] + r.stderr[-3000:]
-    spec = load_spec(None, TINY + sets + [f"checkpoint.l0={run}/l0", f"checkpoint.l1={run}/l1"], env={})
-    rel_root = next((run / "l1").glob("*/*/step-*")).parent.relative_to(run / "l1").as_posix()
-    before = _l2_commits(spec, rel_root)
-    assert before and max(before) >= 5, before
+    tok, run, sets, spec, rel_root, before = _preempted_with_l2_steps(home, s3_server, "ck-l2-reads")
     for tier in ("l0", "l1"):  # the steps are gone from the disks; L1's fence and lineage stay
         for d in (run / tier).glob("*/*/step-*"):
             shutil.rmtree(d)
@@ -458,10 +473,7 @@ def test_l2_that_lists_its_steps_and_then_does_not_answer_their_reads_never_star
     assert "did not answer and no other tier holds a step to restore: not starting over" in out, out[-3000:]
     assert _l2_commits(spec, rel_root) == before  # nothing of attempt 1 replaced
 
-    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    m = json.loads((run / "train/manifest.json").read_text())
-    assert m["extra"]["resumed_from"] == {"step": max(before), "tier": "L2"}, m["extra"]["resumed_from"]
+    _resumes_from_l2(tok, run, sets, max(before))
 
 
 def test_l1_lost_while_l2_cannot_list_never_starts_over_and_the_next_retry_resumes_from_l2(home, s3_server):
@@ -471,18 +483,7 @@ def test_l1_lost_while_l2_cannot_list_never_starts_over_and_the_next_retry_resum
     resumes from L2's newest step."""
     import shutil
 
-    tok = _tok(home)
-    sets = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=1", f"services.s3_endpoint_url={s3_server}",
-            "services.s3_bucket=ck-l1-lost", "checkpoint.s3_max_attempts=2", "checkpoint.s3_connect_timeout_s=1"]
-    run = home / "run"
-    preempt = _faults({"at": "step", "do": "preempt", "nth": 17})
-    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=preempt, LLMP_FAULT_STEP_DELAY_S="0.3"),
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)  # (L2 keeps pace with the steps)
-    assert r.returncode == 75, r.stdout[-3000:] + r.stderr[-3000:]
-    spec = load_spec(None, TINY + sets + [f"checkpoint.l0={run}/l0", f"checkpoint.l1={run}/l1"], env={})
-    rel_root = next((run / "l1").glob("*/*/step-*")).parent.relative_to(run / "l1").as_posix()
-    before = _l2_commits(spec, rel_root)
-    assert before and max(before) >= 5, before
+    tok, run, sets, spec, rel_root, before = _preempted_with_l2_steps(home, s3_server, "ck-l1-lost")
     from pipelines.train.ckpt import fence
     from pipelines.train.ckpt import fence_l2
 
@@ -500,10 +501,7 @@ def test_l1_lost_while_l2_cannot_list_never_starts_over_and_the_next_retry_resum
     assert "Traceback" not in r.stderr.split("torchrun exited with")[0], r.stderr[-3000:]
     assert _l2_commits(spec, rel_root) == before  # nothing of attempt 1 replaced
 
-    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    m = json.loads((run / "train/manifest.json").read_text())
-    assert m["extra"]["resumed_from"] == {"step": max(before), "tier": "L2"}, m["extra"]["resumed_from"]
+    _resumes_from_l2(tok, run, sets, max(before))
     # the new L1's terms start above every term L2 records: no retry reuses attempt 1's term
     assert min(fence.read_terms(fence.fence_dir(spec, rel_root))) > old_top
 

@@ -216,27 +216,26 @@ def test_a_damaged_shard_stops_the_train_stage_with_one_line_and_exit_2(home, ca
 
 def test_only_a_final_stop_of_this_attempt_stops_a_restarted_rank(tmp_path):
     from pipelines.launch import outcomes as xc
-    from pipelines.train.trainer import stopped_for_input
 
     local = tmp_path / "local"  # the local launcher names no attempt: it cleared the directory before torchrun
     xc.write_outcome(local, 1, xc.USER_ERROR, "ValueError: Expecting value")  # a torn read: the restart may pass
     xc.write_outcome(local, 2, xc.RETRY, "storage: EIO", final=True)
-    assert stopped_for_input(local) is None
+    assert xc.final_stop(local) is None
     xc.write_outcome(local, 0, xc.USER_ERROR, "step 9: diverged", final=True)
-    assert stopped_for_input(local)["rank"] == 0
+    assert xc.final_stop(local)["rank"] == 0
 
     k8s = tmp_path / "k8s"  # Kubernetes: the attempt the launcher named when it created the job
     first = xc.new_attempt(k8s)
     xc.write_outcome(k8s, 0, xc.USER_ERROR, "step 9: diverged", final=True)
-    assert stopped_for_input(k8s)["attempt"] == first
+    assert xc.final_stop(k8s)["attempt"] == first
     xc.new_attempt(k8s)  # the next job: it starts clean even if a rank of the first writes late
     (k8s / "exit-rank3.json").write_text(json.dumps({"rank": 3, "code": 2, "reason": "x", "final": True,
                                                      "attempt": first}))
     (k8s / "exit-rank4.json").write_text(json.dumps({"rank": 4, "code": 2, "reason": "x", "final": True}))
-    assert stopped_for_input(k8s) is None  # another attempt's, and one that names none: not this job's verdict
+    assert xc.final_stop(k8s) is None  # another attempt's, and one that names none: not this job's verdict
     (k8s / xc.ATTEMPT_FILE).unlink()
     (k8s / xc.ATTEMPT_FILE).mkdir()  # an attempt file that cannot be read now (every outcome file would count)
-    assert xc.current_attempt(k8s) is None and stopped_for_input(k8s) is None
+    assert xc.current_attempt(k8s) is None and xc.final_stop(k8s) is None
 
 
 def test_a_rank_marks_final_only_the_stops_that_would_repeat(tmp_path, monkeypatch):

@@ -146,6 +146,10 @@ class TokenStream:
     def __len__(self) -> int:
         return self.starts[-1]
 
+    def shard_at(self, pos: int) -> Shard:
+        """The shard that holds token ``pos`` of the stream."""
+        return self.shards[bisect.bisect_right(self.starts, pos) - 1]
+
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` as int64 (clipped to the end), across shard boundaries."""
         stop = min(int(stop), len(self))

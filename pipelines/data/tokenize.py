@@ -249,12 +249,16 @@ def _train_task(cfg: TokenizerCfg, seed: int, split: Splitter):
             try:
                 model = train_sentencepiece([canonical_text(x) for x in texts], Path(d) / "tokenizer", cfg, seed)
             except TokenizerRefused as e:  # the spec's to fix: a row for the driver, not a task error Spark retries
-                yield pa.RecordBatch.from_arrays([pa.array([None], pa.binary()), pa.array([str(e)])],
-                                                 names=["model", "refused"])
+                yield _model_row(None, str(e))
                 return
-            yield pa.RecordBatch.from_arrays([pa.array([model.read_bytes()], pa.binary()), pa.array([None], pa.string())],
-                                             names=["model", "refused"])
+            yield _model_row(model.read_bytes(), None)
     return fn
+
+
+def _model_row(model: bytes | None, refused: str | None) -> pa.RecordBatch:
+    """The tokenizer task's one row: the model's bytes, or why SentencePiece refused to train it."""
+    return pa.RecordBatch.from_arrays([pa.array([model], pa.binary()), pa.array([refused], pa.string())],
+                                      names=["model", "refused"])
 
 
 def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int, split: Splitter, given: Path | None = None) -> bytes:

@@ -98,6 +98,23 @@ def read_outcomes(out: Path) -> list[dict]:
     return found
 
 
+def final_stop(out: Path) -> Optional[dict]:
+    """The outcome of a rank of this launch (this attempt) that stopped with a ``final`` ``USER_ERROR``, else None.
+    Only a stop that would repeat is final (a diverged run rolls back to the same checkpoint, a damaged shard stays
+    damaged, a checkpoint of another model stays one), so a restart of the ranks (``pipelines.train.trainer``) ends at
+    once instead of loading the model again; any other exit 2 (a ``ValueError``, which a torn read can raise too)
+    leaves the restart to train. The launcher clears the outcomes when it starts a new attempt; an attempt file that
+    cannot be read now gives no verdict."""
+    current = current_attempt(out)
+    try:
+        if current is None and (out / ATTEMPT_FILE).exists():
+            return None
+    except OSError:  # the directory itself does not answer: no verdict
+        return None
+    return next((o for o in read_outcomes(out) if o.get("code") == USER_ERROR and o.get("final") is True
+                 and (current is None or o.get("attempt") == current)), None)
+
+
 def clear_outcomes(out: Path) -> None:
     for f in out.glob(OUTCOME_GLOB):
         try:

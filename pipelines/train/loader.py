@@ -20,7 +20,6 @@
 """
 from __future__ import annotations
 
-import bisect
 import fnmatch
 import hashlib
 import queue
@@ -135,8 +134,7 @@ def batch_tensors(samples: TokenSamples, ids: np.ndarray, vocab: int | None = No
     if vocab is not None and arr.size and int(arr.max()) >= vocab:
         row = int(np.argmax(arr.max(axis=1) >= vocab))
         col = int(np.argmax(arr[row] >= vocab))
-        pos = samples.position(int(ids[row]), col)
-        shard = samples.stream.shards[bisect.bisect_right(samples.stream.starts, pos) - 1]
+        shard = samples.stream.shard_at(samples.position(int(ids[row]), col))
         raise TokenOutOfVocab(f"{shard.bin_path} holds token id {int(arr[row, col])} (sample {int(ids[row])}), outside "
                               f"the tokenizer's vocabulary of {vocab}: that shard was written by another tokenizer or "
                               "is damaged; re-run the tokenize stage (a shard that fails its checksum is written again; "

@@ -784,28 +784,11 @@ def run_rank(spec: JobSpec, args, notice: Notice) -> int:
         heartbeat.stop()
 
 
-def stopped_for_input(out: Path) -> dict | None:
-    """The outcome of a rank of this launch (this attempt: ``pipelines.launch.outcomes``) that stopped with a
-    ``final`` ``USER_ERROR``, else None. Only a stop that would repeat is final (a diverged run rolls back to the same
-    checkpoint, a damaged shard stays damaged, a checkpoint of another model stays one), so a restart of the ranks ends at
-    once instead of loading the model again; any other exit 2 (a ``ValueError``, which a torn read can raise too)
-    leaves the restart to train. The launcher clears the outcomes when it starts a new attempt; an attempt file that
-    cannot be read now gives no verdict."""
-    current = xc.current_attempt(out)
-    try:
-        if current is None and (out / xc.ATTEMPT_FILE).exists():
-            return None
-    except OSError:  # the directory itself does not answer: no verdict
-        return None
-    return next((o for o in xc.read_outcomes(out) if o.get("code") == xc.USER_ERROR and o.get("final") is True
-                 and (current is None or o.get("attempt") == current)), None)
-
-
 def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
     """This rank's exit status; a failure or a preemption also leaves an outcome file in ``--out`` that tells the
     launcher which it was (torchrun's own status does not)."""
     out, rank = Path(args.out), int(os.environ.get("RANK", 0))
-    stopped = stopped_for_input(out)
+    stopped = xc.final_stop(out)
     if stopped is not None:  # torchrun (or the pod's restart policy) restarted ranks that would stop the same way
         print(f"train: error: rank {stopped.get('rank')} of this launch stopped for the spec or the data "
               f"({out}/exit-rank{stopped.get('rank')}.json): {stopped.get('reason')}; not training again",
