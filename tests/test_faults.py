@@ -530,6 +530,33 @@ def test_a_new_l1_takes_its_first_term_above_l2s_and_waits_while_l2_does_not_ans
     assert not (fence.fence_dir(down, "run/key") / fence_l2.FLOOR_FILE).exists()
 
 
+def test_an_embedded_endpoint_started_here_and_down_now_is_unknown_not_empty(home):
+    """The embedded endpoint's state file is there (started here once) but its process is gone: its terms and steps
+    are unknown, not none. The term floor, the listing of steps and the record of a term raise L2Unavailable
+    instead of answering 0, nothing and "done" (a new L1 would reuse an older term; a term never recorded would let
+    that attempt's steps reach L2 once the endpoint is back). Never started here: no L2, as on a laptop before."""
+    from pipelines.train.ckpt import fence
+    from pipelines.train.ckpt import fence_l2
+
+    spec = load_spec(None, [f"checkpoint.l1={home}/l1"], env={})
+    d = fence.fence_dir(spec, "run/key")
+    assert fence_l2.floor(spec, d, "run/key") == 0 and ckpt_tiers.list_steps(spec, "run/key")["L2"] == []
+    fence_l2.record(spec, "run/key", 3, "a", None)  # nothing to record on: no L2
+
+    state = home / "var" / "s3" / "endpoint.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"url": "http://127.0.0.1:9", "pid": 2 ** 22 + 1, "start": 0}))  # no such process
+    with pytest.raises(ck.L2Unavailable):
+        fence_l2.floor(spec, d, "run/key")
+    assert not (d / fence_l2.FLOOR_FILE).exists()
+    with pytest.raises(ck.L2Unavailable):
+        ckpt_tiers.list_steps(spec, "run/key")
+    with pytest.raises(ck.L2Unavailable):
+        fence_l2.record(spec, "run/key", 3, "a", None)
+    assert ckpt_tiers.list_steps(spec, "run/key", ("L0", "L1")) == {"L0": [], "L1": []}  # the other tiers answer
+    assert ckpt_tiers.prune(spec, "run/key", log=lambda m: None) == {"L0": [], "L1": []}  # pruned without L2
+
+
 def test_a_full_l0_disk_during_a_dcp_save_exits_75_with_one_line_naming_the_path(home):
     """DCP wraps a rank's write failure in ``CheckpointException``, a BaseException that escaped every handler
     (a traceback, exit 1); torch's writer even reports ENOSPC as ``RuntimeError: … unexpected pos``. A tmpfs too

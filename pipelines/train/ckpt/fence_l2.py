@@ -10,7 +10,7 @@ apart on L2.
   start (:class:`~pipelines.train.ckpt.protocol.L2Unavailable`, exit 75), since "no answer" is never "no term". Once
   read, ``l2-floor`` records it on L1 (before the term is taken), and the terms on L1 stay above it from then on.
 
-With no S3 endpoint configured there is no L2 and the floor is 0.
+With no S3 endpoint configured (and no embedded one ever started here) there is no L2 and the floor is 0.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pipelines.spec import JobSpec
 from pipelines.storage.s3 import client, ensure_bucket, split_uri
 from pipelines.train.ckpt.fence import FENCE_DIR, TERM_PREFIX, current_term
 from pipelines.train.ckpt.s3_tier import answered
-from pipelines.train.ckpt.tiers import l2_available, tier_locations
+from pipelines.train.ckpt.tiers import l2_in_use, tier_locations
 
 FLOOR_FILE = "l2-floor"  # in the L1 fence directory: L2's highest term when this L1 first read it
 
@@ -36,8 +36,9 @@ def _prefix(spec: JobSpec, rel_root: str) -> tuple[str, str]:
 
 
 def recorded_top(spec: JobSpec, rel_root: str) -> int:
-    """The highest term L2 records for this run (0: none, or no L2); raises :class:`L2Unavailable`."""
-    if l2_available(spec) is not None:
+    """The highest term L2 records for this run (0: none, or no L2); raises :class:`L2Unavailable` (also for an
+    embedded endpoint started here once and down now: unknown, not none)."""
+    if not l2_in_use(spec, rel_root):
         return 0
     s3, (bucket, prefix) = client(spec), _prefix(spec, rel_root)
 
@@ -64,7 +65,7 @@ def floor(spec: JobSpec, fence_dir: Path, rel_root: str, log=print) -> int:
         return int(json.loads(read_small_text(marker))["l2_top"])
     except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: read L2 (a higher floor is safe)
         pass
-    if current_term(fence_dir) > 0 or l2_available(spec) is not None:
+    if current_term(fence_dir) > 0 or not l2_in_use(spec, rel_root):
         return 0
     top = recorded_top(spec, rel_root)
     fence_dir.mkdir(parents=True, exist_ok=True)
@@ -75,8 +76,9 @@ def floor(spec: JobSpec, fence_dir: Path, rel_root: str, log=print) -> int:
 
 
 def record(spec: JobSpec, rel_root: str, term: int, attempt: str, launch: Optional[str]) -> None:
-    """Put this attempt's term on L2 (before its first COMMIT there); raises :class:`L2Unavailable`."""
-    if l2_available(spec) is not None:
+    """Put this attempt's term on L2 (before its first COMMIT there); raises :class:`L2Unavailable` (a down
+    embedded endpoint too: returning would let a step reach L2 once it is back without its term recorded)."""
+    if not l2_in_use(spec, rel_root):
         return
     s3, (bucket, prefix) = client(spec), _prefix(spec, rel_root)
     body = json.dumps({"attempt": attempt, "launch": launch, "at": time.time()}).encode()

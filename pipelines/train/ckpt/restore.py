@@ -167,8 +167,6 @@ def l2_candidates(ckpt, want: Optional[int], skip: set[int]) -> list[dict]:
     spec, rel_root, rec = ckpt.spec, ckpt.rel_root, ckpt.rec
     found = []
     try:
-        if not ckpt_tiers.l2_in_use(spec, rel_root):  # an embedded endpoint started here once and down now: unknown
-            return found
         for s in reversed(ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"]):
             if s in skip or (want is not None and s != want):
                 continue

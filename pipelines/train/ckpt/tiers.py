@@ -59,14 +59,16 @@ def l2_available(spec: JobSpec) -> Optional[str]:
 
 
 def list_steps(spec: JobSpec, rel_root: str, tiers: tuple[str, ...] = TIERS) -> dict[str, list[int]]:
-    """Steps that have a COMMIT marker at each tier (not yet verified), oldest first."""
+    """Steps that have a COMMIT marker at each tier (not yet verified), oldest first. An L2 that does not answer
+    (an endpoint down, or the embedded one started here once and down now) raises :class:`L2Unavailable`; only a
+    setup without any L2 lists none there."""
     out: dict[str, list[int]] = {}
     for tier in tiers:
         loc = tier_locations(spec, rel_root)[tier]
         if tier != "L2":
             root = Path(loc)
             names = [p.name for p in root.iterdir() if (p / COMMIT).is_file()] if root.is_dir() else []
-        elif l2_available(spec) is None:
+        elif l2_in_use(spec, rel_root):
             names = _s3_step_names(spec, loc)
         else:
             names = []
