@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -113,6 +114,27 @@ def test_heldout_loss_is_the_hand_computation_over_the_stream_whatever_the_shard
     capped = scorer.heldout_scores(tm, four, scorer.Ranks(), 16, 1000)
     assert capped["heldout_tokens_scored"] == 1000
     assert capped["heldout_loss"] == pytest.approx(_hand_nats(tm, flat[:1001])[0] / 1000, rel=1e-5)
+
+
+def test_a_heldout_shard_with_an_id_outside_the_vocabulary_stops_scoring_with_one_line_and_exit_2(models, home):
+    """A damaged or foreign held-out shard is named (file, id, position) on the host before the model sees it, in
+    one process and on the launcher's ranks (their outcome file makes the stage exit 2, not a retry)."""
+    from pipelines.eval.evaluate import score_model_dir
+    from pipelines.launch.ranks import TrainError
+
+    docs = [np.arange(n, dtype=np.int64) % 400 for n in (300, 500, 700)]
+    docs[2][650] = 400  # the first id the 400-piece tokenizer cannot have written, in the last shard
+    job = scorer.Job(model_dir=str(models[0]), heldout=shard_layout(home / "h", docs, [1, 2]),
+                     heldout_text_bytes=4500, heldout_tokens=1500, parts=["heldout"])
+    spec = _spec(home, "vocab", [Path(__file__)])
+    where = r"train-00002-0000\.bin holds token id 400 \(held-out token 1450\), outside the model's tokenizer vocab"
+    with pytest.raises(scorer.HeldoutShardError, match=where) as e:
+        scorer.score(spec, job)
+    assert e.value.exit_code == 2
+    spec.eval.single_process_max_params = 0
+    with pytest.raises(TrainError, match=where) as e:
+        score_model_dir(spec, job, home / "ranks", run_id="vocab")
+    assert e.value.exit_code == 2
 
 
 @torch.no_grad()

@@ -46,7 +46,7 @@ def score_model_dir(spec: JobSpec, job: Job, work: Path, run_id: str) -> dict:
     print(f"[eval] {params_of(Path(job.model_dir)):,} params > eval.single_process_max_params: scoring on "
           f"{spec.world_size} ranks ({spec.launcher.kind})", flush=True)
     run_ranks(spec, "pipelines.eval.scorer", ["--spec", str(work / "spec.yaml"), "--job", str(work / "job.json"),
-                                              "--out", str(out)], run_id=run_id, restarts=False)
+                                              "--out", str(out)], run_id=run_id, restarts=False, work=work)
     return json.loads(out.read_text())
 
 

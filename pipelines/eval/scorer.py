@@ -15,10 +15,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from pipelines.data.shards import TokenStream
 from pipelines.eval.bpb import bits_per_byte, combine, read_text, window_nats, windows
 from pipelines.eval_sets import set_sha256
-from pipelines.manifest import atomic_write_text
+from pipelines.manifest import StageError, atomic_write_text
 from pipelines.spec import add_spec_args, spec_from_args
 
 PARTS = ("reference", "heldout", "harness", "sample")
@@ -60,6 +62,25 @@ def reference_scores(tm, files: list[str], ranks: Ranks, batch_size: int) -> dic
     return {**combine(per), "sha256": set_sha256(files), "files": per}
 
 
+class HeldoutShardError(StageError):
+    """A held-out shard holds a token id outside the model's tokenizer: written by another tokenizer, or damaged
+    (exit 2: every try reads the same id; the embedding would fail with an index error, on a GPU a device-side
+    assert that names nothing)."""
+
+
+def checked_tokens(stream: TokenStream, start: int, stop: int, vocab: int) -> "np.ndarray":
+    """Tokens ``[start, stop)`` of ``stream``; raises :class:`HeldoutShardError` naming the shard and the position of
+    the first id ≥ ``vocab``."""
+    ids = stream.read(start, stop)
+    if ids.size and int(ids.max()) >= vocab:
+        at = start + int(np.argmax(ids >= vocab))
+        shard = stream.shard_at(at)
+        raise HeldoutShardError(f"{shard.bin_path} holds token id {int(ids[at - start])} (held-out token {at}), outside "
+                                f"the model's tokenizer vocabulary of {vocab}: that shard was written by another "
+                                "tokenizer or is damaged; re-run the tokenize stage (run.force=true writes every shard)")
+    return ids
+
+
 def heldout_scores(tm, job: Job, ranks: Ranks, batch_size: int, max_tokens: int | None) -> dict:
     """Mean next-token loss over the non-overlapping windows of the held-out token stream (the held-out shards back
     to back, so the windows do not depend on how tokenization cut the shards). A diagnostic: it scores the run's
@@ -67,9 +88,9 @@ def heldout_scores(tm, job: Job, ranks: Ranks, batch_size: int, max_tokens: int 
     (each rank scores its share of every chunk's windows), so memory stays flat however large the split."""
     stream = TokenStream(job.heldout)
     n = min(len(stream), max_tokens + 1) if max_tokens else len(stream)
-    chunk = tm.seq_len * 1024
-    nats = sum(window_nats(tm, stream.read(a, min(a + chunk + 1, n)), ranks.rank, ranks.world, batch_size)
-               for a in range(0, max(0, n - 1), chunk))
+    chunk, vocab = tm.seq_len * 1024, tm.sp.get_piece_size()
+    nats = sum(window_nats(tm, checked_tokens(stream, a, min(a + chunk + 1, n), vocab), ranks.rank, ranks.world,
+                           batch_size) for a in range(0, max(0, n - 1), chunk))
     nats = ranks.sum([nats])[0]
     count = sum(e - s - 1 for s, e in windows(n, tm.seq_len))
     if count == 0:
@@ -107,14 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipelines.eval.scorer", description=__doc__.splitlines()[0])
     add_spec_args(ap)
     ap.add_argument("--job", required=True, help="JSON of a scorer.Job.")
-    ap.add_argument("--out", required=True, help="Rank 0 writes the scores here.")
+    ap.add_argument("--out", required=True, help="Rank 0 writes the scores here; a rank that stops for the data "
+                                                 "writes its outcome file (exit-rank<R>.json) beside it.")
     args = ap.parse_args(argv)
+    from pipelines.launch import outcomes as xc
     from pipelines.train.trainer import init_distributed
 
     spec = spec_from_args(args)
     rank, world, device = init_distributed(spec)
+    work = Path(args.out).parent
+    xc.clear_outcome(work, rank)
     job = Job(**json.loads(Path(args.job).read_text()))
-    res = score(spec, job, Ranks(rank, world), str(device))
+    try:
+        res = score(spec, job, Ranks(rank, world), str(device))
+    except StageError as e:  # the data or the spec: one line, and the launcher reads exit 2 from the outcome file
+        print(f"scorer: error: {e}", file=sys.stderr, flush=True)
+        xc.write_outcome(work, rank, e.exit_code, str(e), final=True)
+        return e.exit_code
     if rank == 0:
         atomic_write_text(args.out, json.dumps(res, indent=2))
     import torch.distributed as dist
