@@ -67,7 +67,7 @@ $(DEV_STAMP): $(STAMP) requirements-dev.lock
 	$(call pip_lock,requirements-dev.lock)
 	@touch $@
 
-# Regenerate both locks from requirements.in / requirements-dev.in (uv's universal resolution: every platform and
+# Regenerate the locks from requirements.in / requirements-dev.in / requirements-tf4.in (uv's universal resolution: every platform and
 # Python at once). The dev lock is compiled with the runtime lock as constraints, so shared pins agree.
 LOCK_VENV := .venv-lock
 UV_VERSION := 0.13.9
@@ -80,10 +80,15 @@ $(LOCK_VENV)/.installed:
 
 UV_COMPILE = $(LOCK_VENV)/bin/uv pip compile --universal --generate-hashes --python-version 3.11 --no-header \
   --index-url $(LOCK_INDEX) --no-emit-package pyspark-client --custom-compile-command "make lock"
+# The tf4 lock (transformers 4.x beside the venv's 5.x) takes the runtime lock's pins as constraints, except the
+# three it exists to differ on: on the export test's PYTHONPATH its copies of numpy, packaging … are the venv's own.
+TF4_OWN := transformers|huggingface-hub|tokenizers
 lock: $(LOCK_VENV)/.installed
 	$(UV_COMPILE) requirements.in -o requirements.lock
 	$(UV_COMPILE) -c requirements.lock requirements-dev.in -o requirements-dev.lock
-	$(UV_COMPILE) requirements-tf4.in -o requirements-tf4.lock
+	@mkdir -p var && grep -oE '^[A-Za-z0-9._-]+==[^ ;]+' requirements.lock | grep -vE '^($(TF4_OWN))==' \
+	  > var/tf4-constraints.txt
+	$(UV_COMPILE) -c var/tf4-constraints.txt requirements-tf4.in -o requirements-tf4.lock
 
 # Every pin of every lock has a file with a matching hash on the public index, for each platform the README lists.
 lock-check: $(LOCK_VENV)/.installed

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import lock_check  # noqa: E402
 
-RUNTIME, DEV = ROOT / "requirements.lock", ROOT / "requirements-dev.lock"
+RUNTIME, DEV, TF4 = ROOT / "requirements.lock", ROOT / "requirements-dev.lock", ROOT / "requirements-tf4.lock"
 TEST_ONLY = {"pytest", "playwright", "python-hcl2", "warcio", "datasketch", "accelerate", "cfn-lint"}  # transformers: runtime (export)
 
 
@@ -45,6 +45,15 @@ def test_the_runtime_lock_holds_no_test_package_and_the_dev_lock_agrees_with_it_
     assert "pip" not in dev and re.search(r"^PIP_VERSION := \d+\.\d+", (ROOT / "Makefile").read_text(), re.M)
 
 
+def test_the_tf4_lock_pins_what_it_shares_with_the_runtime_lock_as_the_runtime_lock_does():
+    """var/tf4 goes first on the export test's PYTHONPATH: every package it carries besides the three it exists to
+    differ on (Makefile's TF4_OWN) is the venv's own version, so torch and the rest never import another numpy."""
+    own = set(re.search(r"^TF4_OWN := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split("|"))
+    run, tf4 = pins(RUNTIME), pins(TF4)
+    assert own == {"transformers", "huggingface-hub", "tokenizers"} and tf4["transformers"].version.startswith("4.")
+    assert {n: p.version for n, p in tf4.items() if n not in own} == {n: run[n].version for n in tf4 if n not in own}
+
+
 def test_every_pin_has_a_hash_for_each_listed_platform_family():
     """A portable lock has more than this machine's file: torch has wheels for Linux x86_64 and aarch64 and macOS
     (public index hashes, not a local CPU build's), and its CUDA libraries are marked Linux-only."""
@@ -57,7 +66,7 @@ def test_every_pin_has_a_hash_for_each_listed_platform_family():
 
 def test_each_lock_satisfies_its_inputs():
     """requirements*.in and their locks agree (a stale lock after an edited .in fails here; `make lock` fixes it)."""
-    for src, lock in (("requirements.in", RUNTIME), ("requirements-dev.in", DEV)):
+    for src, lock in (("requirements.in", RUNTIME), ("requirements-dev.in", DEV), ("requirements-tf4.in", TF4)):
         have = pins(lock)
         for req in requirements(ROOT / src):
             pin = have.get(canonicalize_name(req.name))
