@@ -395,3 +395,29 @@ def test_sigstop_of_one_rank_is_named_killed_and_the_restarted_run_ends_bitwise_
     assert m["extra"]["resumed_from"]["step"] >= 5 and m["counts"]["steps"] == 20
     _assert_bitwise_equal(_final_state(ref, "step-000020"), _final_state(run, "step-000020"), "final")
     assert json.loads((run / "train/losses.json").read_text()) == json.loads((ref / "train/losses.json").read_text())
+
+
+def test_the_launcher_reads_every_nodes_output_all_along_so_no_node_stops_on_a_full_pipe():
+    """Local torchrun, one per node: node 1 writes far more than a pipe holds (64 KiB) before it ends, and names its
+    error. The launcher read only node 0's pipe until the end, so node 1 stopped in its write and the launch never
+    ended (on a cluster node 0 then waits in its collectives). Now every pipe is read as it fills, and node 1's error
+    line reaches the failure's message."""
+    from pipelines.launch.ranks import _stream
+
+    talk = "import sys\nfor i in range(20000): print('promotion line', i, 'x' * 60)\n" \
+           "print('train: error: node 1 says why', flush=True)\nsys.exit(2)"
+    procs = [subprocess.Popen([sys.executable, "-c", c], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in ("print('node 0 done')", talk)]
+    box = []
+    t = threading.Thread(target=lambda: box.append(_stream(procs)), daemon=True)
+    try:
+        t.start()
+        t.join(timeout=120)
+        assert box, "the launch did not end: node 1 is stopped on its full pipe"
+        codes, tail, errors = box[0]
+        assert codes == [0, 2] and errors == ["train: error: node 1 says why\n"]
+        assert tail[-1] == "train: error: node 1 says why\n"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

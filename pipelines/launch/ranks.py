@@ -124,20 +124,39 @@ def _forward_notices(procs: list[subprocess.Popen], noticed: list[int]) -> dict:
 
 
 def _stream(procs: list[subprocess.Popen]) -> tuple[list[int], deque, list[str]]:
-    """Node 0's output to stdout until every rank closed it; other nodes' output kept for the error message.
+    """Node 0's output to stdout until every rank closed it; other nodes' output read all along (a pipe left unread
+    fills at 64 KiB and stops that node's ranks, and with them node 0's collectives) and kept for the error message.
     Returns (exit codes, the last lines, the ranks' own "train: error: …" lines and the hung ranks' "[hang] rank …"
     lines, ``pipelines.train.heartbeat``)."""
     tail: deque[str] = deque(maxlen=40)
     errors: list[str] = []
+    lock = threading.Lock()
+
+    def note(line: str) -> None:
+        if ": error: " in line or line.startswith("[hang] rank "):
+            with lock:
+                if line not in errors:
+                    errors.append(line)
+
+    def drain(p: subprocess.Popen, keep: deque) -> None:  # another node's pipe, read all along: never full
+        for line in p.stdout:  # type: ignore[union-attr]
+            keep.append(line)
+            note(line)
+
+    others = [deque(maxlen=10) for _ in procs[1:]]
+    readers = [threading.Thread(target=drain, args=(p, keep), daemon=True, name=f"llmp-node{n + 1}-output")
+               for n, (p, keep) in enumerate(zip(procs[1:], others))]
+    for t in readers:
+        t.start()
     for line in procs[0].stdout:  # type: ignore[union-attr]
         sys.stdout.write(line)
         sys.stdout.flush()
         tail.append(line)
-        if (": error: " in line or line.startswith("[hang] rank ")) and line not in errors:
-            errors.append(line)
+        note(line)
     codes = [p.wait() for p in procs]
-    for p in procs[1:]:
-        tail.extend((p.stdout.read() or "").splitlines(keepends=True)[-10:])  # type: ignore[union-attr]
+    for t, keep in zip(readers, others):
+        t.join(timeout=30)  # the pipe closed with its process (a grandchild holding it open is not waited for)
+        tail.extend(list(keep))
     return codes, tail, errors
 
 
