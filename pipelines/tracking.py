@@ -40,6 +40,18 @@ def client(spec: JobSpec):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+def model_versions(client, filter_string: str | None = None, page: int = 1000):
+    """Every model version the registry holds (matching ``filter_string``), a page at a time: one call returns at
+    most a page, and a caller that decides what may be deleted must see them all."""
+    token = None
+    while True:
+        got = client.search_model_versions(filter_string, max_results=page, page_token=token)
+        yield from got
+        token = got.token
+        if not token:
+            return
+
+
 @contextlib.contextmanager
 def using(uri: str):
     """Point MLflow's fluent API (``mlflow.start_run``, ``log_model``, ``models:/`` downloads) at ``uri`` for a

@@ -295,3 +295,22 @@ def test_a_record_retiring_the_current_generation_never_deletes_it(tmp_path):
         json.dumps({"current": base, "pending": None, "retiring": [base, base]}))
     assert ckpt_tiers.read_generations(spec, base)["retiring"] == []
     assert ckpt_tiers.retire_generations(spec, base, lambda m: None) == {} and (step / "COMMIT").is_file()
+
+
+def test_every_page_of_the_registry_counts_for_the_steps_a_registered_model_needs(home):
+    """``registered_steps`` guards deletes (``clear_run``, retiring a generation): it must read every version, not
+    the registry's first page (MLflow answers one page per call)."""
+    from pipelines import tracking
+
+    spec = load_spec(None, ["registry.model_name=paged"], env={})
+    client = tracking.client(spec)
+    client.create_registered_model("paged")
+    run = client.create_run(client.create_experiment("paged"))
+    rel_root = "run/key"
+    for step in (10, 20, 30, 40, 50):
+        client.create_model_version("paged", "file:///dev/null", run.info.run_id, tags={
+            "checkpoint_uri": ckpt_tiers.tier_locations(spec, f"{rel_root}/{ck.step_name(step)}")["L2"]})
+    client.create_model_version("paged", "file:///dev/null", run.info.run_id, tags={"checkpoint_uri": "s3://x/y"})
+    assert len(client.search_model_versions("name='paged'", max_results=2)) == 2  # one page is not all of them
+    assert [int(v.version) for v in tracking.model_versions(client, "name='paged'", page=2)] == [6, 5, 4, 3, 2, 1]
+    assert ckpt_tiers.registered_steps(spec, rel_root) == {10, 20, 30, 40, 50}

@@ -476,6 +476,42 @@ def test_l2_that_lists_its_steps_and_then_does_not_answer_their_reads_never_star
     _resumes_from_l2(tok, run, sets, max(before))
 
 
+def test_an_l1_that_cannot_take_the_parts_fetched_from_l2_never_starts_over(home, s3_server):
+    """The steps are gone from L0 and L1 and L2 answers, but L1 refuses the parts fetched onto it (ENOSPC on every
+    write there: a full shared file system). Each step was taken for a bad copy, then "no checkpoint of this run":
+    a start at step 0 whose steps would replace L2's. Now L1 did not serve: exit 75, one line naming it, L2 untouched;
+    with L1 writable again the next retry resumes from L2's newest step."""
+    import shutil
+
+    tok, run, sets, spec, rel_root, before = _preempted_with_l2_steps(home, s3_server, "ck-l1-full")
+    for tier in ("l0", "l1"):
+        for d in (run / tier).glob("*/*/step-*"):
+            shutil.rmtree(d)
+    full = _faults({"at": "write", "do": "enospc", "path": "/l1/", "times": 0})
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=full), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 75, out[-3000:]
+    assert "starting at step 0" not in out and "train: error: restore: L1 (OSError: [Errno 28]" in out, out[-3000:]
+    assert _l2_commits(spec, rel_root) == before
+
+    _resumes_from_l2(tok, run, sets, max(before))
+
+
+def test_a_failed_write_or_rename_on_l1_is_l1_not_answering_a_failed_read_elsewhere_is_a_bad_copy(tmp_path):
+    import errno
+
+    from pipelines.train.ckpt.restore import l1_failed
+
+    root = tmp_path / "l1" / "run" / "key"
+    assert l1_failed(OSError(errno.ENOSPC, "No space left", str(root / ".step-000005.parts" / "x")), root)
+    assert l1_failed(OSError(errno.EIO, "I/O error", str(tmp_path / "l0" / "a"), None, str(root / "step-5")), root)
+    assert l1_failed(OSError(errno.ENOENT, "gone", str(root / "step-000005")), root) is None  # an answer
+    assert l1_failed(OSError(errno.EIO, "I/O error", str(tmp_path / "l0" / "run" / "key" / "a")), root) is None
+    assert l1_failed(OSError(errno.EIO, "I/O error"), root) is None  # a read() names no file: the copy's
+    assert l1_failed(ck.CheckpointError("sha256 mismatch"), root) is None
+
+
 def test_l1_lost_while_l2_cannot_list_never_starts_over_and_the_next_retry_resumes_from_l2(home, s3_server):
     """Attempt 1 is preempted after L2 committed some steps; L0 and L1 are lost (a new cluster, a new FSx) and S3
     answers 503 to every ListObjectsV2: the retry must not start from step 0 over L2's steps (it did, exit 0, L2
@@ -534,14 +570,18 @@ def test_an_embedded_endpoint_started_here_and_down_now_is_unknown_not_empty(hom
     """The embedded endpoint's state file is there (started here once) but its process is gone: its terms and steps
     are unknown, not none. The term floor, the listing of steps and the record of a term raise L2Unavailable
     instead of answering 0, nothing and "done" (a new L1 would reuse an older term; a term never recorded would let
-    that attempt's steps reach L2 once the endpoint is back). Never started here: no L2, as on a laptop before."""
+    that attempt's steps reach L2 once the endpoint is back), and the promoter keeps L2 (its steps wait on L1) instead
+    of promoting to L1 only for the whole run. Never started here: no L2, as on a laptop before."""
     from pipelines.train.ckpt import fence
     from pipelines.train.ckpt import fence_l2
+
+    from pipelines.train.ckpt.promoter import no_l2
 
     spec = load_spec(None, [f"checkpoint.l1={home}/l1"], env={})
     d = fence.fence_dir(spec, "run/key")
     assert fence_l2.floor(spec, d, "run/key") == 0 and ckpt_tiers.list_steps(spec, "run/key")["L2"] == []
     fence_l2.record(spec, "run/key", 3, "a", None)  # nothing to record on: no L2
+    assert "no S3 endpoint" in no_l2(spec, "run/key", print)  # the run promotes to L1 only
 
     state = home / "var" / "s3" / "endpoint.json"
     state.parent.mkdir(parents=True)
@@ -553,8 +593,17 @@ def test_an_embedded_endpoint_started_here_and_down_now_is_unknown_not_empty(hom
         ckpt_tiers.list_steps(spec, "run/key")
     with pytest.raises(ck.L2Unavailable):
         fence_l2.record(spec, "run/key", 3, "a", None)
+    said = []
+    assert no_l2(spec, "run/key", said.append) is None and "L2 does not answer now" in said[0]  # steps wait on L1
     assert ckpt_tiers.list_steps(spec, "run/key", ("L0", "L1")) == {"L0": [], "L1": []}  # the other tiers answer
     assert ckpt_tiers.prune(spec, "run/key", log=lambda m: None) == {"L0": [], "L1": []}  # pruned without L2
+    # stopped by a teardown (its state file goes), its objects kept: still this setup's L2, down now
+    state.unlink()
+    (home / "var" / "s3" / "store").mkdir()
+    assert ckpt_tiers.list_steps(spec, "run/key")["L2"] == []  # an empty store: nothing was ever put there
+    (home / "var" / "s3" / "store" / "llm-pipeline").mkdir()
+    with pytest.raises(ck.L2Unavailable, match="start the embedded one"):
+        fence_l2.floor(spec, d, "run/key")
 
 
 def test_a_full_l0_disk_during_a_dcp_save_exits_75_with_one_line_naming_the_path(home):

@@ -555,6 +555,14 @@ def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_
     assert e.value.exit_code == 75
     assert queries.storage_error(e.value) and not queries.storage_error(ValueError())
     monkeypatch.undo()
+    def refused(p):
+        raise PermissionError(errno.EACCES, "Permission denied", str(p))
+
+    monkeypatch.setattr(queries, "load_manifest", refused)  # (root here reads a file whatever its mode)
+    with pytest.raises(queries.StageError, match="k1/manifest.json cannot be read .*give this user read") as e:
+        queries.corpus_versions(spec)  # was: passed over, as if it held nothing
+    assert e.value.exit_code == 2
+    monkeypatch.undo()
 
     # a takedown that could not read a version for storage's reason: recorded, then exit 75 (its retry tags the rest)
     spec = load_spec(None, [f"run.root={tmp_path}/root", f"data.exclusions={tmp_path}/takedowns.jsonl"], env={})

@@ -18,6 +18,8 @@ from pipelines.lineage.keys import Exclusion, Matcher, source_key
 from pipelines.lineage.takedowns import add, read_list, split_by_exclusion, tag_versions
 from pipelines.manifest import Manifest, StageError, lineage, load_manifest
 from pipelines.spec import JobSpec, resolve_path
+from pipelines.tracking import model_versions
+
 
 class NothingMatched(StageError):
     """A ``--strict`` query or takedown that no corpus version holds anything of (exit 1)."""
@@ -49,6 +51,9 @@ def corpus_versions(spec: JobSpec) -> list[Manifest]:
         except OSError as e:
             if storage_error(e):  # not a missing file: a version that may hold what is asked
                 raise VersionUnreadable(f"{p} could not be read now ({e}); run it again") from None
+            if e.errno in (errno.EACCES, errno.EPERM):  # a version all the same, which no retry reads: never passed over
+                raise StageError(f"{p} cannot be read ({e.strerror}): a corpus version this query must read; give "
+                                 "this user read access to it (or remove the version) and run it again") from None
         except ValueError:
             continue  # a half-written or foreign file: not a corpus version
     return sorted(found, key=lambda m: (m.extra.get("corpus", {}).get("version", 0), str(m.path)))
@@ -186,15 +191,9 @@ def resolve_model(client, ref: str):
 
 def models_trained_on(client, digests: set[str]) -> list[dict]:
     """Every registered version whose corpus version is one of ``digests``."""
-    out, token = [], None
-    while digests:  # every version of every model, a page at a time (no filter string: names are data)
-        page = client.search_model_versions(max_results=1000, page_token=token)
-        for mv in page:
-            if (mv.tags or {}).get("data_manifest_hash") in digests:
-                out.append(_version_info(client.get_model_version(mv.name, mv.version)))
-        token = page.token
-        if not token:
-            break
+    # every version of every model (no filter string: names are data)
+    out = [_version_info(client.get_model_version(mv.name, mv.version)) for mv in model_versions(client)
+           if (mv.tags or {}).get("data_manifest_hash") in digests] if digests else []
     return sorted(out, key=lambda m: (m["name"], int(m["version"])))
 
 

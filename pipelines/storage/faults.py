@@ -144,7 +144,9 @@ def _matching(at: str, **where) -> list[dict]:
     return out
 
 
-def _act(rule: dict, what: str) -> None:
+def _act(rule: dict, what: str, filename: Optional[str] = None) -> None:
+    """Do what ``rule`` says at ``what``; an injected OSError names ``filename`` as the real one would (a write,
+    rename or open names its file; a failing read() of an open file names none)."""
     kind = rule["do"]
     if kind == "die":
         print(f"[faults] {what}: process dies here (LLMP_FAULTS)", flush=True)
@@ -159,7 +161,7 @@ def _act(rule: dict, what: str) -> None:
         return
     if kind in ("eio", "enospc"):
         code = getattr(errno, rule.get("errno", "EIO")) if kind == "eio" else errno.ENOSPC
-        raise OSError(code, f"{os.strerror(code)} (injected at {what})")
+        raise OSError(code, f"{os.strerror(code)} (injected at {what})", *([filename] if filename else []))
     raise _s3_error(kind, what)
 
 
@@ -222,7 +224,7 @@ def file_op(op: str, path) -> None:
     if _rules is None:
         return
     for rule in _matching(op, path=path):
-        _act(rule, f"{op} {path}")
+        _act(rule, f"{op} {path}", None if op == "read" else str(path))
 
 
 def _s3_error(kind: str, what: str) -> Exception:

@@ -89,9 +89,30 @@ def _copy_hashing(src: Path, dst: Path, part_size: int) -> tuple[str, list[bytes
         while chunk := f.read(part_size):  # the part's digest is computed beside the whole-file hash and the write
             part = part_hasher.submit(lambda c: hashlib.sha256(c).digest(), chunk)
             whole.update(chunk)
-            g.write(chunk)
+            _write(g, chunk, dst)
             parts.append(part.result())
+        _write(g, b"", dst, flush=True)
     return whole.hexdigest(), parts
+
+
+def _copy_small(src: Path, dst: Path) -> None:
+    """A small file copied whole, a failed write naming ``dst`` (:func:`_write`)."""
+    data = src.read_bytes()
+    with open(dst, "wb") as g:
+        _write(g, data, dst, flush=True)
+
+
+def _write(g, chunk: bytes, dst: Path, flush: bool = False) -> None:
+    """``g.write(chunk)`` (and a flush), a failure naming ``dst``: a write refused (ENOSPC, EIO) is the destination
+    tier's, not the source copy's (Python's write errors carry no file name)."""
+    try:
+        g.write(chunk)
+        if flush:
+            g.flush()
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, str(dst)) from e
 
 
 def install_dir(tmp: Path, dst: Path) -> None:
@@ -135,8 +156,8 @@ def copy_local(src: Path, dst: Path, chunk: int = 8 << 20) -> dict[str, list[byt
             if got[rel][0] != info["sha256"]:
                 raise CheckpointError(f"{src}: {rel} sha256 {got[rel][0][:12]}… does not match the manifest's "
                                       f"{info['sha256'][:12]}… — refusing this checkpoint")
-        shutil.copyfile(src / CKPT_MANIFEST, tmp / CKPT_MANIFEST)
-        shutil.copyfile(src / COMMIT, tmp / COMMIT)  # last
+        _copy_small(src / CKPT_MANIFEST, tmp / CKPT_MANIFEST)
+        _copy_small(src / COMMIT, tmp / COMMIT)  # last
         install_dir(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -93,6 +93,18 @@ class Events:
         return items
 
 
+
+def no_l2(spec, rel_root: str, log: Callable[[str], None]) -> Optional[str]:
+    """Why this run has no L2 (no endpoint set and none started here), else None. An L2 that does not answer now
+    (an endpoint down, the embedded one started here once and down, or slow to answer its health check) is still
+    this run's L2: its steps wait on L1 (``l2_behind``) and catch up when it answers, instead of the run going to
+    L1 only, where L1 retention would remove the steps L2 keeps (``l2_keep_every``) before they ever reach it."""
+    try:
+        return None if ckpt_tiers.l2_in_use(spec, rel_root) else ckpt_tiers.l2_available(spec)
+    except ck.L2Unavailable as e:
+        log(f"[ckpt] L2 does not answer now ({str(e).splitlines()[0]}): its steps wait on L1 and catch up when it does")
+        return None
+
 class Promoter:
     """A part leader's two background threads. The L1 thread: its part of each committed step L0 → L1, verified,
     COMMIT last; global rank 0 merges the parts into the step's global commit on L1; then L0/L1 retention
@@ -113,7 +125,7 @@ class Promoter:
         self.spec, self.rel_root, self.log, self.events, self.topo, self.rec = spec, rel_root, log, events, topo, rec
         self.attempt = attempt  # this attempt's name: its nodes' L2 marks carry it
         self.term_on_l2 = False  # this attempt's term recorded on L2 (fence_l2), before its first COMMIT there
-        self.no_l2 = ckpt_tiers.l2_available(spec)
+        self.no_l2 = no_l2(spec, rel_root, log)
         if self.no_l2:
             log(f"[ckpt] promotion during the run goes to L1 only: {self.no_l2.splitlines()[0]}")
         self.tiers = ("L1",) if self.no_l2 else ("L1", "L2")

@@ -20,6 +20,7 @@ Each node logs which tier every part came from; ``tier`` is the farthest any par
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -191,8 +192,11 @@ def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
         for p in sorted(d.glob("part-*")) if step is not None else []:
             try:
                 info = _part_info(ck.read_local_manifest(p))
-            except (ck.CheckpointError, OSError, ValueError):
+            except FileNotFoundError:  # merged or dropped meanwhile
                 continue
+            except (ck.CheckpointError, ValueError):  # a manifest that answered but is not whole
+                continue
+            # any other OSError propagates: L1 did not answer for that step (exit 75), it is not "no such step"
             if info is not None:
                 out.append((step, info))
     return out
@@ -267,6 +271,10 @@ def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log, unknown: l
             unknown.append(t[1:])
     ok = len(results) == c["parts"] and all(t in NEAR for t in results.values())
     merged = _bcast(_merge(l1, c, again=c["l1"]) if ok and ckpt.rank == 0 else None)
+    if isinstance(merged, str):  # L1 failed under the merge: the same on every rank
+        if merged[1:] not in unknown:
+            unknown.append(merged[1:])
+        merged = False
     if not merged:
         if ckpt.rank == 0:
             log(f"[ckpt] restore: skipped {l1.name}: no tier holds every part ({results})")
@@ -274,12 +282,14 @@ def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log, unknown: l
     return results
 
 
-def _merge(l1: Path, c: dict, again: bool) -> bool:
-    """Rank 0: the staged parts merged into the step's global commit (replacing a copy that failed to verify)."""
+def _merge(l1: Path, c: dict, again: bool) -> bool | str:
+    """Rank 0: the staged parts merged into the step's global commit (replacing a copy that failed to verify);
+    ``UNANSWERED`` + why when L1's file system failed under it (:func:`l1_failed`)."""
     try:
         return ckpt_parts.merge_parts(l1, c["parts"], c["attempt"], again=again)
-    except Exception:  # noqa: BLE001 - reported by the caller as the step skipped
-        return False
+    except Exception as e:  # noqa: BLE001 - reported by the caller as the step skipped
+        tier = l1_failed(e, l1.parent)
+        return f"{UNANSWERED}{tier}" if tier else False
 
 
 def _verify_l1_parts(l1: Path, topo, log) -> list[int]:
@@ -329,8 +339,21 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
         return "L2"
     except Exception as e:  # noqa: BLE001 - reported; the step is skipped on every rank
         log(f"[ckpt] restore: part-{k} of {l1.name}: {e}")
-        tier = unanswered_tier(e) if how != "L0" else None
+        tier = l1_failed(e, l1.parent) or (unanswered_tier(e) if how != "L0" else None)
         return f"{UNANSWERED}{tier}" if tier else None
+
+
+def l1_failed(e: BaseException, l1_root: Path) -> Optional[str]:
+    """``'L1 (…)'`` when ``e`` is L1's file system failing on a path under the run's L1 root ``l1_root`` while a
+    part was staged or merged there (a write refused with ENOSPC, EIO or EROFS, a rename or a read that failed): L1
+    did not serve, which says nothing of the copy being staged, so the step is unknown, not bad (a failing L1 must
+    not send a restore down to older steps and at last to step 0). A file missing there is an answer (None)."""
+    if not isinstance(e, OSError) or e.errno in (None, errno.ENOENT):
+        return None
+    for name in (e.filename, e.filename2):
+        if isinstance(name, (str, bytes, os.PathLike)) and Path(os.fsdecode(name)).is_relative_to(l1_root):
+            return f"L1 ({type(e).__name__}: {str(e)[:240]})"
+    return None
 
 
 def unanswered_tier(e: BaseException) -> Optional[str]:

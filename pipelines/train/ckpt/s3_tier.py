@@ -9,6 +9,7 @@ interrupted promotion are aborted before the next upload of the same part's file
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -267,16 +268,32 @@ def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int]
     try:
         if body is None or hashlib.sha256(body).hexdigest() != commit:
             raise CheckpointError(f"{uri}: MANIFEST.json does not match its COMMIT marker")
-        (tmp / CKPT_MANIFEST).write_bytes(body)
-        for rel in manifest_files(json.loads(body), uri):
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            s3.download_file(bucket, f"{prefix}/{rel}", str(tmp / rel))
-        (tmp / COMMIT).write_text(commit)
+        with local_writes(tmp):
+            (tmp / CKPT_MANIFEST).write_bytes(body)
+            for rel in manifest_files(json.loads(body), uri):
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                faults.file_op("write", tmp / rel)
+                s3.download_file(bucket, f"{prefix}/{rel}", str(tmp / rel))
+            (tmp / COMMIT).write_text(commit)
         verify_local(tmp)
         install_dir(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+@contextlib.contextmanager
+def local_writes(tmp: Path):
+    """A download into ``tmp``: a local file system error that names no file (a write refused with ENOSPC or EIO;
+    Python's and s3transfer's writes say no name) is raised naming ``tmp``, the destination tier's, so that it is
+    never taken for the source copy being bad. The endpoint's errors (botocore's, a connection or a timeout) pass
+    as they are."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or isinstance(e, (ConnectionError, TimeoutError)) or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(tmp)) from e
 
 
 def part_manifest(man: Optional[dict], k: int) -> Optional[bytes]:

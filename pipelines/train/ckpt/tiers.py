@@ -241,7 +241,7 @@ def registered_steps(spec: JobSpec, rel_root: str) -> set[int]:
     CheckpointError when the registry cannot be read: then nothing may be deleted."""
     prefix = tier_locations(spec, rel_root)["L2"] + "/"
     try:
-        versions = tracking.client(spec).search_model_versions(f"name='{spec.registry.model_name}'")
+        versions = list(tracking.model_versions(tracking.client(spec), f"name='{spec.registry.model_name}'"))
     except Exception as e:  # noqa: BLE001 - unknown = everything may be needed
         raise CheckpointError(f"cannot read the model registry ({type(e).__name__}: {e}); deleting no checkpoint")
     steps = set()
