@@ -86,7 +86,7 @@ TF4_OWN := transformers|huggingface-hub|tokenizers
 lock: $(LOCK_VENV)/.installed
 	$(UV_COMPILE) requirements.in -o requirements.lock
 	$(UV_COMPILE) -c requirements.lock requirements-dev.in -o requirements-dev.lock
-	@mkdir -p var && grep -oE '^[A-Za-z0-9._-]+==[^ ;]+' requirements.lock | grep -vE '^($(TF4_OWN))==' \
+	@mkdir -p var && grep -E '^[A-Za-z0-9._-]+==' requirements.lock | sed 's/ *\\$$//' | grep -vE '^($(TF4_OWN))==' \
 	  > var/tf4-constraints.txt
 	$(UV_COMPILE) -c var/tf4-constraints.txt requirements-tf4.in -o requirements-tf4.lock
 

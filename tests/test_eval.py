@@ -135,6 +135,10 @@ def test_a_heldout_shard_with_an_id_outside_the_vocabulary_stops_scoring_with_on
     with pytest.raises(TrainError, match=where) as e:
         score_model_dir(spec, job, home / "ranks", run_id="vocab")
     assert e.value.exit_code == 2
+    # a restarted rank (a pod's torchrun on Kubernetes) finds the final stop and does not load the model again
+    outcome = json.loads((home / "ranks" / "exit-rank0.json").read_text())
+    assert outcome["code"] == 2 and outcome["final"] is True
+    assert scorer.main(["--job", "/nonexistent", "--out", str(home / "ranks" / "scores.json")]) == 2
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@
   was one: each step skipped as a bad copy), and the next retry resumes from L2.
 """
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -507,6 +508,10 @@ def test_a_failed_write_or_rename_on_l1_is_l1_not_answering_a_failed_read_elsewh
     assert l1_failed(OSError(errno.ENOSPC, "No space left", str(root / ".step-000005.parts" / "x")), root)
     assert l1_failed(OSError(errno.EIO, "I/O error", str(tmp_path / "l0" / "a"), None, str(root / "step-5")), root)
     assert l1_failed(OSError(errno.ENOENT, "gone", str(root / "step-000005")), root) is None  # an answer
+    assert l1_failed(OSError(errno.ENOTDIR, "Not a directory", str(root / "step-000005")), root) is None
+    assert l1_failed(PermissionError(errno.EACCES, "Permission denied", str(root / "x")), root)  # a mode changed
+    assert l1_failed(OSError(errno.ESTALE, "Stale file handle", os.fsencode(root / "x")), root)  # bytes names too
+    assert l1_failed(OSError(errno.EIO, "I/O error", str(tmp_path / "l1" / "run" / "other")), root) is None
     assert l1_failed(OSError(errno.EIO, "I/O error", str(tmp_path / "l0" / "run" / "key" / "a")), root) is None
     assert l1_failed(OSError(errno.EIO, "I/O error"), root) is None  # a read() names no file: the copy's
     assert l1_failed(ck.CheckpointError("sha256 mismatch"), root) is None
@@ -597,13 +602,30 @@ def test_an_embedded_endpoint_started_here_and_down_now_is_unknown_not_empty(hom
     assert no_l2(spec, "run/key", said.append) is None and "L2 does not answer now" in said[0]  # steps wait on L1
     assert ckpt_tiers.list_steps(spec, "run/key", ("L0", "L1")) == {"L0": [], "L1": []}  # the other tiers answer
     assert ckpt_tiers.prune(spec, "run/key", log=lambda m: None) == {"L0": [], "L1": []}  # pruned without L2
-    # stopped by a teardown (its state file goes), its objects kept: still this setup's L2, down now
-    state.unlink()
-    (home / "var" / "s3" / "store").mkdir()
-    assert ckpt_tiers.list_steps(spec, "run/key")["L2"] == []  # an empty store: nothing was ever put there
-    (home / "var" / "s3" / "store" / "llm-pipeline").mkdir()
-    with pytest.raises(ck.L2Unavailable, match="start the embedded one"):
-        fence_l2.floor(spec, d, "run/key")
+
+
+@pytest.mark.parametrize("size", [1000, 3 << 20])  # refused at the close (buffered), at the write
+def test_a_copy_names_the_destination_of_a_refused_write_and_the_source_of_a_failed_read(tmp_path, size):
+    """Python's write(), close() and read() errors name no file; the copies' do, so that restore can tell L1
+    refusing a part (unknown) from the copy being bad. /dev/full refuses every write with a real ENOSPC."""
+    import errno
+
+    from pipelines.train.ckpt.local import _copy_hashing, _copy_small, naming
+    from pipelines.train.ckpt.restore import l1_failed
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(size))
+    for copy in (lambda: _copy_hashing(src, Path("/dev/full"), 1 << 20), lambda: _copy_small(src, Path("/dev/full"))):
+        with pytest.raises(OSError) as e:
+            copy()
+        assert e.value.errno == errno.ENOSPC and e.value.filename == "/dev/full"
+        assert l1_failed(e.value, Path("/dev"))
+    with pytest.raises(OSError) as e, naming(src):
+        raise OSError(errno.EIO, "Input/output error")  # a read() of the source
+    assert e.value.filename == str(src) and l1_failed(e.value, tmp_path / "l1") is None
+    with pytest.raises(ConnectionResetError) as e, naming(src, keep=(ConnectionError,)):
+        raise ConnectionResetError(errno.ECONNRESET, "reset")  # a download's connection: the endpoint's
+    assert e.value.filename is None
 
 
 def test_a_full_l0_disk_during_a_dcp_save_exits_75_with_one_line_naming_the_path(home):

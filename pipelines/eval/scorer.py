@@ -134,16 +134,21 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.launch import outcomes as xc
     from pipelines.train.trainer import init_distributed
 
+    work = Path(args.out).parent
+    stopped = xc.final_stop(work)
+    if stopped is not None:  # a restart (a pod's torchrun) of ranks that would stop the same way: not loaded again
+        print(f"scorer: error: rank {stopped.get('rank')} of this launch stopped for the data: {stopped.get('reason')}",
+              file=sys.stderr)
+        return xc.USER_ERROR
     spec = spec_from_args(args)
     rank, world, device = init_distributed(spec)
-    work = Path(args.out).parent
     xc.clear_outcome(work, rank)
     job = Job(**json.loads(Path(args.job).read_text()))
     try:
         res = score(spec, job, Ranks(rank, world), str(device))
     except StageError as e:  # the data or the spec: one line, and the launcher reads exit 2 from the outcome file
         print(f"scorer: error: {e}", file=sys.stderr, flush=True)
-        xc.write_outcome(work, rank, e.exit_code, str(e), final=True)
+        xc.write_outcome(work, rank, e.exit_code, str(e), final=e.exit_code == xc.USER_ERROR)
         return e.exit_code
     if rank == 0:
         atomic_write_text(args.out, json.dumps(res, indent=2))

@@ -80,7 +80,8 @@ def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipeline
         # an earlier attempt's (no attempt id here, unlike on Kubernetes: the work dir is this run's own staging
         # dir, published with the result, and every rank is a child this process waits for)
         xc.clear_outcomes(work)
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              errors="replace")  # bytes that are not UTF-8 never stop a reader
              for cmd in torchrun_cmds(spec, trainer_args, module, restarts)]
     noticed: list[int] = []
     previous = _forward_notices(procs, noticed)

@@ -86,18 +86,8 @@ class EmbeddedDown(S3ConfigError):
 
 
 def embedded_configured() -> bool:
-    """Is the embedded endpoint this setup's L2: started here (its state file is there, whether it runs now or not),
-    or its store holding a bucket? Its objects outlive it (stopped between DAG runs, after a teardown), so a stopped
-    endpoint over a store with buckets is an L2 that does not answer now, not a setup without one. A store that
-    cannot be listed counts as one (unknown, not none)."""
-    if _endpoint_file().is_file():
-        return True
-    try:
-        return any(p.is_dir() and not p.name.startswith(".") for p in (_state_dir() / "store").iterdir())
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
+    """Has the embedded endpoint been started here (its state file is there, whether it runs now or not)?"""
+    return _endpoint_file().is_file()
 
 
 def embedded_endpoint() -> Optional[str]:

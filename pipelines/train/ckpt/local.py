@@ -8,6 +8,7 @@ is the protocol's own, in :mod:`pipelines.train.ckpt.protocol`).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -81,38 +82,46 @@ def _put_back(aside: Path, d: Path) -> None:
 
 def _copy_hashing(src: Path, dst: Path, part_size: int) -> tuple[str, list[bytes]]:
     """Copy in one read pass, hashing what was read: (sha256 hex of the file, sha256 digest of each
-    ``part_size`` part, the parts S3 will checksum when this file is uploaded)."""
+    ``part_size`` part, the parts S3 will checksum when this file is uploaded). A failure names its file: ``src``
+    for a read, ``dst`` for a write or the close (where NFS reports ENOSPC and EIO) (:func:`naming`)."""
     whole, parts = hashlib.sha256(), []
     faults.file_op("read", src)
     faults.file_op("write", dst)
-    with open(src, "rb") as f, open(dst, "wb") as g, ThreadPoolExecutor(1) as part_hasher:
-        while chunk := f.read(part_size):  # the part's digest is computed beside the whole-file hash and the write
-            part = part_hasher.submit(lambda c: hashlib.sha256(c).digest(), chunk)
-            whole.update(chunk)
-            _write(g, chunk, dst)
-            parts.append(part.result())
-        _write(g, b"", dst, flush=True)
+    with naming(dst), open(dst, "wb") as g:
+        with open(src, "rb") as f, ThreadPoolExecutor(1) as part_hasher:
+            while chunk := _read(f, part_size, src):  # each part's digest beside the whole-file hash and the write
+                part = part_hasher.submit(lambda c: hashlib.sha256(c).digest(), chunk)
+                whole.update(chunk)
+                g.write(chunk)
+                parts.append(part.result())
     return whole.hexdigest(), parts
 
 
+def _read(f, size: int, src: Path) -> bytes:
+    with naming(src):
+        return f.read(size)
+
+
 def _copy_small(src: Path, dst: Path) -> None:
-    """A small file copied whole, a failed write naming ``dst`` (:func:`_write`)."""
-    data = src.read_bytes()
-    with open(dst, "wb") as g:
-        _write(g, data, dst, flush=True)
+    """A small file copied whole, a failure naming its file (:func:`naming`)."""
+    with naming(src):
+        data = src.read_bytes()
+    with naming(dst), open(dst, "wb") as g:
+        g.write(data)
 
 
-def _write(g, chunk: bytes, dst: Path, flush: bool = False) -> None:
-    """``g.write(chunk)`` (and a flush), a failure naming ``dst``: a write refused (ENOSPC, EIO) is the destination
-    tier's, not the source copy's (Python's write errors carry no file name)."""
+@contextlib.contextmanager
+def naming(path: Path, keep: tuple = ()):
+    """An OSError raised in the block without a file name (Python's read(), write() and close() say none) is raised
+    again naming ``path``, so that a caller can tell the tier that failed (a write refused on the destination is
+    not the source copy being bad: :func:`pipelines.train.ckpt.restore.l1_failed`). ``keep``: error types passed as
+    they are (a download's connection errors, the endpoint's)."""
     try:
-        g.write(chunk)
-        if flush:
-            g.flush()
+        yield
     except OSError as e:
-        if e.filename is not None:
+        if e.filename is not None or e.errno is None or isinstance(e, keep):
             raise
-        raise OSError(e.errno, e.strerror, str(dst)) from e
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def install_dir(tmp: Path, dst: Path) -> None:

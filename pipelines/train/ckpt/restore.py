@@ -192,11 +192,12 @@ def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
         for p in sorted(d.glob("part-*")) if step is not None else []:
             try:
                 info = _part_info(ck.read_local_manifest(p))
-            except FileNotFoundError:  # merged or dropped meanwhile
-                continue
             except (ck.CheckpointError, ValueError):  # a manifest that answered but is not whole
                 continue
-            # any other OSError propagates: L1 did not answer for that step (exit 75), it is not "no such step"
+            except OSError as e:  # L1 failing (exit 75: it is not "no such step"); gone or damaged: skipped
+                if l1_failed(e, l1_root) is not None:
+                    raise
+                continue
             if info is not None:
                 out.append((step, info))
     return out
@@ -343,12 +344,19 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
         return f"{UNANSWERED}{tier}" if tier else None
 
 
+# L1's file system failing, not an answer about a file: full, failing, read-only, stale (NFS), timing out, busy,
+# refusing this user (a mode an admin changed)
+L1_FAILING = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN,
+              errno.EBUSY, errno.ENOLCK, errno.EACCES, errno.EPERM, errno.EREMOTEIO, errno.ENOTCONN, errno.EHOSTDOWN}
+
+
 def l1_failed(e: BaseException, l1_root: Path) -> Optional[str]:
-    """``'L1 (…)'`` when ``e`` is L1's file system failing on a path under the run's L1 root ``l1_root`` while a
-    part was staged or merged there (a write refused with ENOSPC, EIO or EROFS, a rename or a read that failed): L1
-    did not serve, which says nothing of the copy being staged, so the step is unknown, not bad (a failing L1 must
-    not send a restore down to older steps and at last to step 0). A file missing there is an answer (None)."""
-    if not isinstance(e, OSError) or e.errno in (None, errno.ENOENT):
+    """``'L1 (…)'`` when ``e`` is L1's file system failing (:data:`L1_FAILING`) on a path under the run's L1 root
+    ``l1_root`` while a part was staged or merged there (a write refused, a rename or an open that failed): L1 did
+    not serve, which says nothing of the copy being staged, so the step is unknown, not bad (if no step restores,
+    the run does not start over). An answer about an entry (missing, not a directory, a loop) is None, as is a
+    failing read() of an open file, which names none: that copy's."""
+    if not isinstance(e, OSError) or e.errno not in L1_FAILING:
         return None
     for name in (e.filename, e.filename2):
         if isinstance(name, (str, bytes, os.PathLike)) and Path(os.fsdecode(name)).is_relative_to(l1_root):

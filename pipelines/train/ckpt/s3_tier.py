@@ -9,7 +9,6 @@ interrupted promotion are aborted before the next upload of the same part's file
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import shutil
@@ -27,7 +26,7 @@ from pipelines.storage.s3 import (b64, checksums_verified, client, composite_sha
 from pipelines.train.ckpt import fence
 from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
                                         manifest_files, part_name, verify_local)
-from pipelines.train.ckpt.local import install_dir
+from pipelines.train.ckpt.local import install_dir, naming
 
 
 def transfer_config(spec: JobSpec):
@@ -268,7 +267,7 @@ def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int]
     try:
         if body is None or hashlib.sha256(body).hexdigest() != commit:
             raise CheckpointError(f"{uri}: MANIFEST.json does not match its COMMIT marker")
-        with local_writes(tmp):
+        with naming(tmp, keep=(ConnectionError, TimeoutError)):  # a local write's error names the L1 dir
             (tmp / CKPT_MANIFEST).write_bytes(body)
             for rel in manifest_files(json.loads(body), uri):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -280,20 +279,6 @@ def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
-
-
-@contextlib.contextmanager
-def local_writes(tmp: Path):
-    """A download into ``tmp``: a local file system error that names no file (a write refused with ENOSPC or EIO;
-    Python's and s3transfer's writes say no name) is raised naming ``tmp``, the destination tier's, so that it is
-    never taken for the source copy being bad. The endpoint's errors (botocore's, a connection or a timeout) pass
-    as they are."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is not None or isinstance(e, (ConnectionError, TimeoutError)) or e.errno is None:
-            raise
-        raise OSError(e.errno, e.strerror, str(tmp)) from e
 
 
 def part_manifest(man: Optional[dict], k: int) -> Optional[bytes]:
