@@ -460,9 +460,15 @@ def test_register_of_a_model_above_the_single_process_limit_does_not_load_it_in_
         loads.append(a)
         raise AssertionError("the model was loaded in the registering process")
 
+    from pipelines.eval import export, model_dir
+    from pipelines.train import checkpoint as train_checkpoint
+
     with monkeypatch.context() as m:
         m.setattr(checkpoint, "load_plain_model", refuse)
-        m.setattr(serving, "load_plain_model", refuse)  # serving's own name for it
+        # each module's own name for it, imported before the patch: a module first imported under the patch would
+        # keep `refuse` after it (a later test of the same worker then failed to export)
+        for mod in (serving, export, model_dir, train_checkpoint):
+            m.setattr(mod, "load_plain_model", refuse)
         m.setattr(TextModel, "load", refuse)  # the pyfunc's own load (MLflow validates an input example with it)
         res = registry.register(spec, ckpt, run_id, {}, {"reference_bpb": 3.0}, _ev_extra(spec, "s" * 64), home / "w")
     assert not loads
