@@ -486,11 +486,30 @@ def _stock_mlflow_server(tmp_path: Path, port: int) -> subprocess.Popen:
     boot = f"import sys; sys.path.append({site!r}); sys.argv[0] = 'mlflow'; from mlflow.cli import cli; cli()"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "MLFLOW_"))}
     srv = tmp_path / "server"
-    srv.mkdir()
+    srv.mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-S", "-c", boot, "server", "--host", "127.0.0.1", "--port", str(port),
                              "--backend-store-uri", f"sqlite:///{srv / 'mlflow.db'}", "--artifacts-destination",
                              str(srv / "artifacts"), "--workers", "1"], cwd=srv, env=env, start_new_session=True,
                             stdout=open(srv / "log", "w"), stderr=subprocess.STDOUT)
+
+
+def _serving_stock_mlflow(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """The stock server, answering /health: (its process, its port). A port that another process took between
+    free_port() and the server's bind (tests run two files at once) is replaced by another."""
+    for _ in range(3):
+        port = free_port()
+        server = _stock_mlflow_server(tmp_path, port)
+        deadline = time.monotonic() + 180
+        while server.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+                return server, port
+            except OSError:
+                assert time.monotonic() < deadline, (tmp_path / "server/log").read_text()
+                time.sleep(0.5)
+        log = (tmp_path / "server/log").read_text()
+        assert "address already in use" in log, log
+    raise AssertionError(f"no free port for the MLflow server in 3 tries:\n{log}")
 
 
 def test_a_stock_mlflow_server_over_http_gets_the_same_lineage(models, home, tmp_path):
@@ -499,17 +518,8 @@ def test_a_stock_mlflow_server_over_http_gets_the_same_lineage(models, home, tmp
     from pipelines import procs, tracking
     from pipelines.eval.evaluate import reference_files
 
-    port = free_port()
-    server = _stock_mlflow_server(tmp_path, port)
+    server, port = _serving_stock_mlflow(tmp_path)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server/log").read_text()
-                time.sleep(0.5)
         ref = home / "r.txt"
         ref.write_text("Some reference text to score over HTTP. " * 30)
         spec = _spec(home, "stock", [ref], **{"services.mlflow_tracking_uri": f"http://127.0.0.1:{port}"})
