@@ -370,6 +370,19 @@ def test_term_files_that_are_not_json_objects_read_as_empty(tmp_path):
     assert _take(d, "aaaa1111", launch="torchrun-A").term == 3  # no AttributeError on rank 0
 
 
+def test_a_term_file_l1_fails_to_return_stops_the_take_instead_of_reading_as_nobodys(tmp_path):
+    """Launch A's term 1 cannot be read (here a directory where its file was: read_text fails as an EIO would),
+    launch B holds term 2. A's restart read term 1 as nobody's, so it was not superseded and took term 3 over B's
+    live attempt; now the read error stops the take (the checkpointer's exit 75) and B keeps the newest term."""
+    d = tmp_path / ".fence"
+    d.mkdir()
+    (d / "term-000000001").mkdir()
+    (d / "term-000000002").write_text(json.dumps({"attempt": "bbbb2222", "launch": "torchrun-B"}))
+    with pytest.raises(OSError):
+        _take(d, "aaaa1111", launch="torchrun-A")
+    assert fence.current_term(d) == 2
+
+
 def test_the_launcher_fails_closed_when_the_fence_directory_is_missing_or_empty(tmp_path):
     import shutil
 

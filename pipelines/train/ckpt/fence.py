@@ -111,16 +111,21 @@ def _numbered(d: Path) -> dict[int, Path]:
 
 
 def _term_body(p: Path) -> dict:
-    """A term file's record; one being written, unreadable or not a JSON object reads as ``{}``."""
+    """A term file's record; one being written (empty, half a JSON object) or not a JSON object reads as ``{}``.
+    A file that L1 fails to return raises (OSError): whose launch holds that term is unknown, so no term is taken
+    over it (a superseded launch must not read its own older term as nobody's and take a newer one)."""
     try:
         body = json.loads(p.read_text() or "{}")
-    except (OSError, ValueError):
+    except FileNotFoundError:
+        return {}
+    except ValueError:
         return {}
     return body if isinstance(body, dict) else {}
 
 
 def read_terms(d: Path) -> dict[int, dict]:
-    """{term: {"attempt", "launch"}}: every term taken; one being written reads as ``{}``."""
+    """{term: {"attempt", "launch"}}: every term taken; one being written reads as ``{}``; raises OSError when L1
+    fails to return one."""
     return {n: _term_body(p) for n, p in _numbered(d).items()}
 
 
