@@ -494,19 +494,36 @@ def _stock_mlflow_server(tmp_path: Path, port: int) -> subprocess.Popen:
 
 
 def _serving_stock_mlflow(tmp_path: Path) -> tuple[subprocess.Popen, int]:
-    """The stock server, answering /health: (its process, its port). A port that another process took between
-    free_port() and the server's bind (tests run two files at once) is replaced by another."""
+    """The stock server, answering /health on a port its own process listens on: (its process, its port). A port
+    that another process took between free_port() and the server's bind (tests run two files at once, some with
+    MLflow servers of their own) is replaced by another; a server that does not come up is stopped."""
+    import psutil
+
+    from pipelines import procs
+
+    def ours(server: subprocess.Popen, port: int) -> bool:
+        tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+        return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                   for p in tree for c in p.net_connections("tcp"))
+
+    log = ""
     for _ in range(3):
         port = free_port()
         server = _stock_mlflow_server(tmp_path, port)
-        deadline = time.monotonic() + 180
-        while server.poll() is None:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                return server, port
-            except OSError:
+        try:
+            deadline = time.monotonic() + 180
+            while server.poll() is None:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+                    if ours(server, port):
+                        return server, port
+                except (OSError, psutil.Error):
+                    pass
                 assert time.monotonic() < deadline, (tmp_path / "server/log").read_text()
                 time.sleep(0.5)
+        except BaseException:
+            procs.stop_group(server.pid, grace_s=10, reap=server.pid)
+            raise
         log = (tmp_path / "server/log").read_text()
         assert "address already in use" in log, log
     raise AssertionError(f"no free port for the MLflow server in 3 tries:\n{log}")

@@ -512,6 +512,7 @@ def test_a_failed_write_or_rename_on_l1_is_l1_not_answering_a_failed_read_elsewh
     assert l1_failed(PermissionError(errno.EACCES, "Permission denied", str(root / "x")), root)  # a mode changed
     assert l1_failed(OSError(errno.ESTALE, "Stale file handle", os.fsencode(root / "x")), root)  # bytes names too
     assert l1_failed(OSError(errno.EIO, "I/O error", str(tmp_path / "l1" / "run" / "other")), root) is None
+    assert l1_failed(OSError(errno.ESHUTDOWN, "evicted", str(root / "x")), root)  # any errno but an answer's
     assert l1_failed(OSError(errno.EIO, "I/O error", str(tmp_path / "l0" / "run" / "key" / "a")), root) is None
     assert l1_failed(OSError(errno.EIO, "I/O error"), root) is None  # a read() names no file: the copy's
     assert l1_failed(ck.CheckpointError("sha256 mismatch"), root) is None
@@ -626,6 +627,45 @@ def test_a_copy_names_the_destination_of_a_refused_write_and_the_source_of_a_fai
     with pytest.raises(ConnectionResetError) as e, naming(src, keep=(ConnectionError,)):
         raise ConnectionResetError(errno.ECONNRESET, "reset")  # a download's connection: the endpoint's
     assert e.value.filename is None
+
+
+def test_a_copy_names_the_destination_of_an_error_at_its_close_and_the_source_of_a_failed_read(tmp_path, monkeypatch):
+    """NFS reports ENOSPC and EIO at close(); a read() that fails names no file either. Files that fail so (only
+    those two calls; everything else is the real file) show which file each error is told of."""
+    import builtins
+    import errno
+
+    from pipelines.train.ckpt import local
+
+    class Failing:
+        def __init__(self, f, at: str):
+            self.f, self.at = f, at
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+            if self.at == "close" and exc[0] is None:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        def read(self, n):
+            if self.at == "read":
+                raise OSError(errno.EIO, "Input/output error")
+            return self.f.read(n)
+
+        def write(self, b):
+            return self.f.write(b)
+
+    src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
+    src.write_bytes(os.urandom(1000))
+    for at, named in (("close", dst), ("read", src)):
+        monkeypatch.setattr(local, "open", lambda p, mode="r", *a, **k: Failing(builtins.open(p, mode, *a, **k), at)
+                            if ("w" in mode) == (at == "close") else builtins.open(p, mode, *a, **k), raising=False)
+        with pytest.raises(OSError) as e:
+            local._copy_hashing(src, dst, 1 << 20)
+        assert e.value.errno in (errno.ENOSPC, errno.EIO) and e.value.filename == str(named), (at, e.value)
+    monkeypatch.undo()
 
 
 def test_a_full_l0_disk_during_a_dcp_save_exits_75_with_one_line_naming_the_path(home):

@@ -112,12 +112,14 @@ def _numbered(d: Path) -> dict[int, Path]:
 
 def _term_body(p: Path) -> dict:
     """A term file's record; one being written (empty, half a JSON object) or not a JSON object reads as ``{}``.
-    A file that L1 fails to return raises (OSError): whose launch holds that term is unknown, so no term is taken
-    over it (a superseded launch must not read its own older term as nobody's and take a newer one)."""
+    A file that L1 fails to return after :func:`_retried`'s tries raises (OSError): whose launch holds that term is
+    unknown, so no term is taken over it (a superseded launch must not read its own older term as nobody's and take a newer one)."""
     try:
-        body = json.loads(p.read_text() or "{}")
+        text = _retried(p.read_text)  # a transient error (ESTALE, EIO) is read again first
     except FileNotFoundError:
         return {}
+    try:
+        body = json.loads(text or "{}")
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}

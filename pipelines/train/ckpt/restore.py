@@ -37,6 +37,7 @@ from pipelines.train.ckpt import parts as ckpt_parts
 from pipelines.train.ckpt import s3_tier as ckpt_s3
 from pipelines.train.ckpt import tiers as ckpt_tiers
 from pipelines.train.ckpt import history
+from pipelines.train.ckpt.local import naming
 
 NEAR = {"L0": 0, "L1": 1, "L2": 2}
 
@@ -191,10 +192,11 @@ def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
         step = ck.parse_step(d.name[1:-len(".parts")])
         for p in sorted(d.glob("part-*")) if step is not None else []:
             try:
-                info = _part_info(ck.read_local_manifest(p))
+                with naming(p):  # a read() error names the part
+                    info = _part_info(ck.read_local_manifest(p))
             except (ck.CheckpointError, ValueError):  # a manifest that answered but is not whole
                 continue
-            except OSError as e:  # L1 failing (exit 75: it is not "no such step"); gone or damaged: skipped
+            except OSError as e:  # L1 failing (exit 75: it is not "no such step"); gone or not a part: skipped
                 if l1_failed(e, l1_root) is not None:
                     raise
                 continue
@@ -344,19 +346,18 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
         return f"{UNANSWERED}{tier}" if tier else None
 
 
-# L1's file system failing, not an answer about a file: full, failing, read-only, stale (NFS), timing out, busy,
-# refusing this user (a mode an admin changed)
-L1_FAILING = {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN,
-              errno.EBUSY, errno.ENOLCK, errno.EACCES, errno.EPERM, errno.EREMOTEIO, errno.ENOTCONN, errno.EHOSTDOWN}
+# answers about an entry of L1 (missing, not a directory, a loop, a name too long, in the way): the copy's state,
+# not L1 failing; any other errno on a path of L1 is L1 failing (full, I/O, stale, read-only, refused, evicted …)
+L1_ANSWERS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG, errno.EEXIST,
+              errno.ENOTEMPTY}
 
 
 def l1_failed(e: BaseException, l1_root: Path) -> Optional[str]:
-    """``'L1 (…)'`` when ``e`` is L1's file system failing (:data:`L1_FAILING`) on a path under the run's L1 root
-    ``l1_root`` while a part was staged or merged there (a write refused, a rename or an open that failed): L1 did
-    not serve, which says nothing of the copy being staged, so the step is unknown, not bad (if no step restores,
-    the run does not start over). An answer about an entry (missing, not a directory, a loop) is None, as is a
-    failing read() of an open file, which names none: that copy's."""
-    if not isinstance(e, OSError) or e.errno not in L1_FAILING:
+    """``'L1 (…)'`` when ``e`` is L1's file system failing (any errno but :data:`L1_ANSWERS`) on a path under the
+    run's L1 root ``l1_root`` while a part was staged, merged or listed there (a write or close refused, a rename, an
+    open or a read that failed; the copies name the file of each, ``local.naming``): L1 did not serve, which says
+    nothing of the copy, so the step is unknown, not bad (if no step restores, the run does not start over)."""
+    if not isinstance(e, OSError) or e.errno is None or e.errno in L1_ANSWERS:
         return None
     for name in (e.filename, e.filename2):
         if isinstance(name, (str, bytes, os.PathLike)) and Path(os.fsdecode(name)).is_relative_to(l1_root):
