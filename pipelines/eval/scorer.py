@@ -20,6 +20,7 @@ import numpy as np
 from pipelines.data.shards import TokenStream
 from pipelines.eval.bpb import bits_per_byte, combine, read_text, window_nats, windows
 from pipelines.eval_sets import set_sha256
+from pipelines.launch import outcomes as xc
 from pipelines.manifest import StageError, atomic_write_text
 from pipelines.spec import add_spec_args, spec_from_args
 
@@ -131,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="Rank 0 writes the scores here; a rank that stops for the data "
                                                  "writes its outcome file (exit-rank<R>.json) beside it.")
     args = ap.parse_args(argv)
-    from pipelines.launch import outcomes as xc
     from pipelines.train.trainer import init_distributed
 
     work = Path(args.out).parent
