@@ -679,7 +679,7 @@ class LauncherCfg(_Section):
 class TiersCfg(_Section):
     # how storage calls are bounded and fenced changes no byte of a checkpoint: not part of the stage's key
     unhashed: ClassVar[frozenset[str]] = frozenset({"s3_connect_timeout_s", "s3_read_timeout_s", "s3_max_attempts",
-                                                    "s3_min_mb_per_s", "lease_s"})
+                                                    "s3_min_mb_per_s", "lease_s", "l1_hold_for_l2"})
     l0: str = "var/tiers/nvme"
     l1: str = "var/tiers/shared"
     l2_prefix: str = Field("checkpoints", description="Key prefix in services.s3_bucket.")
@@ -695,6 +695,10 @@ class TiersCfg(_Section):
     keep_l1: int = Field(5, ge=1, description="Committed steps kept on L1.")
     keep_l2: int = Field(1, ge=1, description="Newest steps kept on L2, besides those kept by l2_keep_every.")
     l2_keep_every: int = Field(0, ge=0, description="Also keep L2 steps that are multiples of this (0 = keep all).")
+    l1_hold_for_l2: int = Field(
+        5, ge=0, description="While L2 lags (an outage), L1 retention also keeps up to this many of the newest steps "
+        "that L2 would keep (l2_keep_every) and has not got yet, so they reach it when it answers; past that the "
+        "oldest of them leave L1 with a warning and a ckpt/l2_dropped metric (L1 stays bounded whatever L2 does).")
     mtbf_hours: float = Field(
         5000.0, gt=0, description="Mean time between failures of one node, for train.ckpt_every=auto (the job's MTBF "
         "is this / nodes). Llama 3's 405B run saw 466 interruptions in 54 days on 2,048 nodes: ≈ 5,700 h per node.")

@@ -74,7 +74,11 @@ def test_an_s3_outage_in_the_middle_of_a_run_degrades_to_l1_and_the_promote_stag
         rel_root = m["extra"]["checkpoint"].rsplit("/", 1)[0]
         spec = load_spec(None, TINY + sets + [f"checkpoint.l0={home}/run/l0", f"checkpoint.l1={home}/run/l1"],
                          env={})
-        assert ckpt_tiers.list_steps(spec, rel_root, ("L0", "L1")) == {"L0": [50, 60], "L1": [50, 60]}  # bounded (I5)
+        steps = ckpt_tiers.list_steps(spec, rel_root, ("L0", "L1", "L2"))
+        # L2 keeps every step (l2_keep_every=0): L1 holds back the newest 5 it lacks (l1_hold_for_l2), bounded (I5)
+        held = [s for s in steps["L1"] if s != 60 and s not in steps["L2"]]
+        assert steps["L0"] == [50, 60] and steps["L1"][-2:] == [50, 60] and len(steps["L1"]) <= 2 + 5, steps
+        assert len(held) >= 2 and held[-1] == 50, steps  # the outage began at step 10 or later
         # the final step on L1 (I3)
         ck.verify_local(Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-000060")["L1"]))
         assert not list(store.rglob("step-000060/COMMIT"))
@@ -98,8 +102,41 @@ def test_an_s3_outage_in_the_middle_of_a_run_degrades_to_l1_and_the_promote_stag
                            env=_env(LLMP_HOME=str(home)), cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         assert list(store.rglob("step-000060/COMMIT"))
+        assert f"steps L1 held while L2 lagged, now on L2: {held}" in r.stdout, r.stdout[-2000:]
+        assert set(ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"]) >= {*held, 60}
     finally:
         subprocess.run(s3 + ["stop"], env=_env(LLMP_HOME=str(home)), cwd=ROOT, timeout=300)
+
+
+def test_steps_l2_keeps_wait_on_l1_while_it_refuses_writes_and_the_promote_stage_puts_them_there(home, s3_server):
+    """L2 answers reads and refuses every write (503) for the whole run; it keeps every 10th step. L1 retention
+    (keep_l1=1) removed each such step before L2 got it, so none of 10, 20, 30 ever reached L2. Now L1 holds back the
+    newest checkpoint.l1_hold_for_l2=2 of them (30, 40), says which older ones it gave up (10, 20) and the promote
+    stage, with L2 taking writes again, puts them on L2 beside the final step."""
+    tok = _tok(home)
+    sets = ["train.steps=40", "train.ckpt_every=5", "launcher.nproc_per_node=1", "checkpoint.keep_l1=1",
+            "checkpoint.l2_keep_every=10", "checkpoint.l1_hold_for_l2=2", f"services.s3_endpoint_url={s3_server}",
+            "services.s3_bucket=ck-held", "checkpoint.s3_max_attempts=2"]
+    no_write = _faults({"at": "s3", "do": "s3_503", "op": "PutObject", "times": 0})
+    r = subprocess.run(_launch_cmd(tok, home / "run", sets), env=_env(LLMP_FAULTS=no_write), cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    spec = load_spec(None, TINY + sets + [f"checkpoint.l0={home}/run/l0", f"checkpoint.l1={home}/run/l1"], env={})
+    rel_root = json.loads((home / "run/train/manifest.json").read_text())["extra"]["checkpoint"].rsplit("/", 1)[0]
+    steps = ckpt_tiers.list_steps(spec, rel_root)
+    assert steps["L1"] == [30, 40] and steps["L2"] == [], (steps, out[-4000:])
+    for lost in (10, 20):
+        assert f"L1 retention removed step(s) [{lost}] before L2 got them" in out, out[-4000:]
+
+    promote = [sys.executable, "-m", "pipelines.train.promote", "--train-manifest",
+               str(home / "run/train/manifest.json"), "--output", str(home / "promote")] \
+        + [a for kv in TINY + sets + [f"run.root={home}/run", f"checkpoint.l0={home}/run/l0",
+                                      f"checkpoint.l1={home}/run/l1"] for a in ("--set", kv)]
+    r = subprocess.run(promote, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"] == [30, 40]
+    assert "now on L2: [30]" in r.stdout, r.stdout[-2000:]
 
 
 def test_l1_retention_after_a_slow_l2_keeps_exactly_keep_l1_steps(home, s3_server):
@@ -471,10 +508,47 @@ def test_l2_that_lists_its_steps_and_then_does_not_answer_their_reads_never_star
     out = r.stdout + r.stderr
     assert r.returncode == 75, out[-3000:]
     assert "starting at step 0" not in out and "train: error: restore: L2 (ClientError" in out, out[-3000:]
-    assert "did not answer and no other tier holds a step to restore: not starting over" in out, out[-3000:]
+    assert f"did not answer for step {max(before)}: not resuming from the older step" in out, out[-3000:]
     assert _l2_commits(spec, rel_root) == before  # nothing of attempt 1 replaced
 
     _resumes_from_l2(tok, run, sets, max(before))
+
+
+def test_a_newer_step_whose_tier_does_not_answer_is_not_given_up_for_an_older_one(home, s3_server):
+    """The newest step's L1 copy fails its checksums and L0 lost it, so its parts must come from L2, which answers
+    503 to every read of them; an older step is whole on L1. The retry resumed from the older step (exit 0) and its
+    line of training superseded the newer steps for good; now it exits 75 naming the step, the tier and
+    ``train.resume=<older>`` (the user's choice to give them up), and with S3 back the next retry resumes from the
+    newer step, fetched from L2."""
+    import shutil
+
+    tok, run, sets, spec, rel_root, before = _preempted_with_l2_steps(home, s3_server, "ck-newer-unknown")
+    l1_steps = ckpt_tiers.list_steps(spec, rel_root, ("L1",))["L1"]
+    newer = max(s for s in l1_steps if s in before)
+    older = max(s for s in l1_steps if s < newer)
+    for d in (run / "l0").glob("*/*/step-*"):
+        shutil.rmtree(d)  # a new node: L0 holds nothing
+    for s in l1_steps:
+        if s > newer:  # the newest step is one L2 holds
+            shutil.rmtree(Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L1"]))
+    l1_newer = Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/{ck.step_name(newer)}")["L1"])
+    shard = max(l1_newer.rglob("*.distcp"), key=lambda f: f.stat().st_size)
+    with open(shard, "r+b") as f:  # a flipped byte: the L1 copy answers, and is bad
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+    no_read = _faults({"at": "s3", "do": "s3_503", "op": "GetObject", "path": ".distcp", "times": 0})
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=no_read), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 75, out[-3000:]
+    assert f"train: error: restore: L2 (ClientError" in out and f"did not answer for step {newer}: not resuming " \
+        f"from the older step {older} over it" in out and f"train.resume={older}" in out, out[-3000:]
+    assert not (run / "train/manifest.json").exists(), out[-3000:]
+    assert _l2_commits(spec, rel_root) == before
+
+    _resumes_from_l2(tok, run, sets, newer)
 
 
 def test_an_l1_that_cannot_take_the_parts_fetched_from_l2_never_starts_over(home, s3_server):

@@ -1,6 +1,7 @@
 """The promote stage: the train stage's final checkpoint L0 → L1 → L2 (S3), verified at every tier, COMMIT last
 (:func:`pipelines.train.ckpt.tiers.promote`, the part protocol of training: a step of one part promoted from L0,
-a step already on L1 put on L2). Done only while L2 still holds the committed copy.
+a step already on L1 put on L2), with the steps L1 held for L2 while training's L2 lagged
+(:func:`pipelines.train.ckpt.tiers.promote_held`). Done only while L2 still holds the committed copy.
 
     python -m pipelines.train.promote --train-manifest M [--spec S]
 """
@@ -14,7 +15,8 @@ from pipelines.cli import stage_dir, stage_main
 from pipelines.manifest import Manifest, input_ref, run_stage
 from pipelines.spec import JobSpec
 from pipelines.train.ckpt.s3_tier import commit_at
-from pipelines.train.ckpt.tiers import promote
+from pipelines.train.ckpt.protocol import parse_step
+from pipelines.train.ckpt.tiers import promote, promote_held
 
 
 def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
@@ -23,6 +25,11 @@ def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
 
     def body(tmp: Path) -> Manifest:
         rep = promote(spec, rel)
+        root, name = rel.rsplit("/", 1)
+        final = parse_step(name)
+        rep["held_to_l2"] = promote_held(spec, root, final) if final is not None else []
+        if rep["held_to_l2"]:
+            print(f"[promote] steps L1 held while L2 lagged, now on L2: {rep['held_to_l2']}")
         (tmp / "tiers.json").write_text(json.dumps(rep, indent=2))
         return sd.commit({"tiers": "tiers.json"}, counts={"tiers": 3},
                          extra={"checkpoint": rel, "l2_uri": rep["tiers"]["L2"], "commit": rep["l2_commit"],

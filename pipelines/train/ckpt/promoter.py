@@ -109,7 +109,7 @@ class Promoter:
     """A part leader's two background threads. The L1 thread: its part of each committed step L0 → L1, verified,
     COMMIT last; global rank 0 merges the parts into the step's global commit on L1; then L0/L1 retention
     (``ckpt_tiers.prune``: each node on its own L0, the committing rank on L1, counted from the L1 commits, so L0
-    and L1 stay bounded whatever L2 does). L1 is required: a step that does not reach it is recorded
+    and L1 stay bounded whatever L2 does; L1 holds back at most ``checkpoint.l1_hold_for_l2`` steps L2 still needs). L1 is required: a step that does not reach it is recorded
     (:attr:`failed`) and the final step's is checked at :meth:`Checkpointer.close`. The L2 thread, when an S3
     endpoint is configured, takes each step the L1 thread committed: each node uploads its part, the committing
     rank writes the step's global COMMIT there, catches up the steps L2 missed and applies L2 retention. The two
@@ -134,6 +134,7 @@ class Promoter:
         self.failed: dict[int, str] = {}  # step → why it did not reach L1
         self.l2_behind: set[int] = set()  # globally committed on L1, not yet on L2 (the L2 thread's)
         self.l2_pending: set[int] = set()  # handed to the L2 thread, not done there yet
+        self.l2_known = False  # L2 answered what it lacks of L1's steps (missing_on_l2) in this run
         self.reading: list[int] = []  # the steps the L2 thread reads from L0/L1 now (nested: a step twice): kept
         self.pin = threading.Lock()  # held by L0/L1 retention, and by the L2 thread while it picks its step
         self.seconds: dict[int, float] = {}  # step → seconds to promote it (rank 0: until its global commit on L1)
@@ -304,6 +305,8 @@ class Promoter:
             result = self._to_l2(f"{self.rel_root}/{ck.step_name(step)}", step, digests)
         dt = time.perf_counter() - t0
         self.done.setdefault(step, {})["L2"] = result
+        if result == "committed" and self.commits and not self.l2_known:  # L2 answers again: what does it lack?
+            self.l2_behind |= self.missing_on_l2()
         self.events.add("ckpt/l2_s", dt, step)
         deleted = self.retain_l2(step)
         self.events.add("ckpt/l2_behind", len((self.l2_pending - {step}) | self.l2_behind), step)
@@ -481,21 +484,50 @@ class Promoter:
         except ck.CheckpointError as e:
             self.log(f"[ckpt] L2 catch-up: cannot compare L1 with L2 now ({e})")
             return set()
-        c = self.spec.checkpoint
-        wanted = {s for s in by_tier["L1"] if not c.l2_keep_every or s % c.l2_keep_every == 0} | set(by_tier["L1"][-1:])
+        wanted = {s for s in by_tier["L1"] if self._l2_keeps(s)} | set(by_tier["L1"][-1:])
+        self.l2_known = True
         return wanted - set(by_tier["L2"])
+
+    def _l2_keeps(self, step: int) -> bool:
+        every = self.spec.checkpoint.l2_keep_every
+        return not every or step % every == 0
+
+    def held_for_l2(self, l1_steps: Optional[list[int]] = None) -> set[int]:
+        """The steps L1 retention keeps for L2 (``checkpoint.l1_hold_for_l2`` at most, the newest): those L2 would
+        keep and has not got yet — waiting in the L2 thread or behind it; before L2 first said what it lacks in this
+        run (a restart while it is down), every such step on L1 (``l1_steps``, listed when not given)."""
+        if self.l2_thread is None or not self.commits:
+            return set()
+        if self.l2_known:
+            waiting = self.l2_pending | self.l2_behind
+        else:
+            waiting = set(l1_steps if l1_steps is not None else ckpt_tiers.accepted_steps(
+                self.spec, self.rel_root, ckpt_tiers.list_steps(self.spec, self.rel_root, ("L1",)), self.rec)["L1"])
+        hold = self.spec.checkpoint.l1_hold_for_l2
+        return set(sorted(s for s in waiting if self._l2_keeps(s))[-hold:]) if hold else set()
+
+    def _dropped_for_l2(self, deleted: dict[str, list[int]]) -> None:
+        """A warning and ``ckpt/l2_dropped`` for steps L2 would keep that L1 retention removed before L2 got them."""
+        lost = sorted(s for s in deleted.get("L1", []) if self._l2_keeps(s) and s in self.l2_pending | self.l2_behind)
+        if lost:
+            self.events.add("ckpt/l2_dropped", len(lost), lost[-1])
+            self.log(f"[ckpt] warning: L1 retention removed step(s) {lost} before L2 got them (L2 is "
+                     f"{self.l2_waiting()} step(s) behind; checkpoint.l1_hold_for_l2="
+                     f"{self.spec.checkpoint.l1_hold_for_l2} are kept for it)")
 
     def retain(self, step: int) -> dict[str, list[int]]:
         """L0/L1 retention after ``step`` (the L1 thread; L2's is :meth:`retain_l2`), never a step the L2 thread
         reads now, nor the L1 staging and L2 marks of a step still waiting for it: a node's L0 keeps every step
-        newer than the newest global commit (it may still be needed to promote), and that one."""
+        newer than the newest global commit (it may still be needed to promote), and that one; L1 also keeps the
+        steps L2 still needs (:meth:`held_for_l2`, bounded)."""
         c = ckpt_tiers
         with self.pin:
             reading, waiting = frozenset(self.reading), frozenset(self.l2_pending)
             if self.topo.parts == 1:
                 deleted = c.prune(self.spec, self.rel_root, upto=step, tiers=("L0", "L1"), protect=reading,
-                                  rec=self.rec, log=self.log)
+                                  rec=self.rec, log=self.log, hold_l1=self.held_for_l2())
                 c.drop_stale_staging(self.spec, self.rel_root, self.rec, keep=waiting)
+                self._dropped_for_l2(deleted)
                 return deleted
             committed = c.accepted_steps(self.spec, self.rel_root, c.list_steps(self.spec, self.rel_root, ("L1",)),
                                          self.rec)["L1"]
@@ -504,8 +536,9 @@ class Promoter:
                               protect=protect, rec=self.rec, log=self.log)
             if self.commits:
                 deleted.update(c.prune(self.spec, self.rel_root, upto=step, tiers=("L1",), protect=reading,
-                                       rec=self.rec, log=self.log))
+                                       rec=self.rec, log=self.log, hold_l1=self.held_for_l2(committed)))
                 c.drop_stale_staging(self.spec, self.rel_root, self.rec, keep=waiting)
+                self._dropped_for_l2(deleted)
             return deleted
 
     def retain_at_close(self, step: int) -> None:

@@ -16,6 +16,9 @@ Then, for that step:
 4. each rank reads through a *view* on its node's L0: links to its node's verified part files, and to L1 for
    the rest. No node reads another node's disk.
 
+A step whose copies answered but do not verify is skipped for the next older one; a step that a tier did not answer
+for stops the restore (exit 75) instead: resuming an older step would give the newer ones up for good.
+
 Each node logs which tier every part came from; ``tier`` is the farthest any part came from.
 """
 from __future__ import annotations
@@ -74,7 +77,8 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
     only every tier's answer can say: a tier that did not answer (L2 down, a node's L0 unreadable; or L2 that listed a
     step and then did not answer while its parts were fetched) while no other tier serves a step raises
     :class:`~pipelines.train.ckpt.protocol.TierUnavailable` on every rank (exit 75: a retry looks again), never
-    "start from step 0" over steps that tier may hold. A step whose copies answered but do not verify is skipped."""
+    "start from step 0" over steps that tier may hold. A step whose copies answered but do not verify is skipped;
+    one that a tier did not answer for is not skipped for an older step (:func:`_not_older`: exit 75)."""
     topo = ckpt.topo
     mine = _inventory(ckpt.root, ckpt.node_log) if topo.local_rank == 0 else None
     per_node: dict[int, dict] = {}
@@ -85,18 +89,33 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
         elif inv is not None:
             per_node[node] = inv
     tried: set[int] = set()
+    blocked: Optional[tuple[int, list[str]]] = None  # the newest step a tier did not answer for, and why
     for far in (False, True):  # L1 and the nodes' disks; then, only when none of theirs could be restored, L2
         for c in _choose(ckpt, per_node, step, tried if far else None):
+            if blocked is not None and c["step"] < blocked[0]:
+                raise ck.TierUnavailable(_not_older(*blocked, c["step"]))
             tried.add(c["step"])
+            before = len(unknown)
             got = _settle(ckpt, c, unknown)
             if got is not None:
                 return got
+            if len(unknown) > before and blocked is None:
+                blocked = (c["step"], unknown[before:])
     if unknown:
         listed = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         raise ck.TierUnavailable(f"restore: {listed} did not answer and no other tier holds "
                                  + ("a step to restore: not starting over from step 0" if step is None else
                                     f"step {step} to restore") + " (a retry looks again)")
     return None
+
+
+def _not_older(newer: int, why: list[str], older: int) -> str:
+    """Why a restore stops rather than take an older step: ``newer``'s copy is in a tier that did not answer, so
+    its steps are unknown, not lost; resuming at ``older`` would drop them (its line of training would supersede
+    them). Only the user can choose that: ``train.resume`` set to the older step forks the line there."""
+    return (f"restore: {'; '.join(why)} did not answer for step {newer}: not resuming from the older step {older} "
+            f"over it (a retry looks again; train.resume={older} resumes from step {older} and gives up the steps "
+            "after it)")
 
 
 def _choose(ckpt, per_node: dict[int, dict], want: Optional[int], l2_skip: Optional[set[int]]) -> list[dict]:

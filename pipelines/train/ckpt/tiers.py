@@ -175,11 +175,12 @@ def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
 
 def prune(spec: JobSpec, rel_root: str, upto: Optional[int] = None, tiers: tuple[str, ...] = TIERS,
           protect: set[int] = frozenset(), rec: Optional[dict] = None,
-          log: Callable[[str], None] = print) -> dict[str, list[int]]:
+          log: Callable[[str], None] = print, hold_l1: set[int] = frozenset()) -> dict[str, list[int]]:
     """Apply ``checkpoint.keep_l0/keep_l1/keep_l2`` and ``l2_keep_every`` to this run's checkpoints. Only steps
-    ≤ ``upto`` are touched (newer ones may still be waiting for promotion), neither ``protect`` nor the newest step
-    that verifies on these tiers is ever deleted; only the steps of this line of training (``rec``) count. With L2
-    not answering, the other tiers are pruned all the same. Returns the steps deleted per tier."""
+    ≤ ``upto`` are touched (newer ones may still be waiting for promotion), neither ``protect`` (nor ``hold_l1`` on
+    L1: steps L2 still needs) nor the newest step that verifies on these tiers is ever deleted; only the steps of
+    this line of training (``rec``) count. With L2 not answering, the other tiers are pruned all the same. Returns
+    the steps deleted per tier."""
     c = spec.checkpoint
     try:
         by_tier = list_steps(spec, rel_root, tiers)
@@ -189,7 +190,8 @@ def prune(spec: JobSpec, rel_root: str, upto: Optional[int] = None, tiers: tuple
         by_tier = list_steps(spec, rel_root, tiers)
     by_tier = accepted_steps(spec, rel_root, by_tier, rec)
     plan = retention_plan(by_tier, {"L0": c.keep_l0, "L1": c.keep_l1, "L2": c.keep_l2}, c.l2_keep_every)
-    plan = {t: [s for s in v if (upto is None or s <= upto) and s not in protect] for t, v in plan.items()}
+    plan = {t: [s for s in v if (upto is None or s <= upto) and s not in protect and not (t == "L1" and s in hold_l1)]
+            for t, v in plan.items()}
     if not any(plan.values()):
         return plan
     guard = newest_verified(spec, rel_root, by_tier)
@@ -468,6 +470,20 @@ def promote_l1(spec: JobSpec, rel: str) -> tuple[str, Optional[dict]]:
     if not merge_parts(l1, 1, attempt, again=True):
         raise CheckpointError(f"{l1}: the part staged from {l0} is gone before its merge")
     return action, digests
+
+
+def promote_held(spec: JobSpec, rel_root: str, final: int) -> list[int]:
+    """The steps before ``final`` of this line of training that L1 holds and L2 would keep but lacks (training's L2
+    lagged: ``checkpoint.l1_hold_for_l2`` kept them on L1 for it) put on L2 from L1, verified, COMMIT last, oldest
+    first. Returns them; raises :class:`L2Unavailable` when L2 does not answer."""
+    rec = history.read(spec, rel_root)
+    by_tier = accepted_steps(spec, rel_root, list_steps(spec, rel_root, ("L1", "L2")), rec)
+    every = spec.checkpoint.l2_keep_every
+    lacking = [s for s in by_tier["L1"] if s < final and (not every or s % every == 0) and s not in by_tier["L2"]]
+    for s in lacking:
+        locs = tier_locations(spec, f"{rel_root}/{step_name(s)}")
+        upload_step(spec, Path(locs["L1"]), locs["L2"])
+    return lacking
 
 
 def promote(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2")) -> dict:
