@@ -601,7 +601,7 @@ class LauncherCfg(_Section):
     # which ClusterTrainingRuntime a TrainJob references does not change what the ranks compute, and a field new to
     # the key would re-key every train stage (a running week-long run would start over): not part of the key. (The
     # API credentials a connection gives never enter the spec: pipelines.launch.k8s.kube_target.)
-    unhashed: ClassVar[frozenset[str]] = frozenset({"runtime"})
+    unhashed: ClassVar[frozenset[str]] = frozenset({"runtime", "pending_minutes"})
     kind: Literal["local", "trainjob", "pytorchjob", "kubernetes"] = Field(
         "local", description="'local': torchrun subprocesses here; 'trainjob': a Kubeflow Trainer v2 TrainJob "
         "(trainer.kubeflow.org/v1alpha1, the current API); 'pytorchjob': a training-operator v1 PyTorchJob "
@@ -642,6 +642,10 @@ class LauncherCfg(_Section):
     timeout_minutes: Optional[float] = Field(
         None, gt=0, description="Delete the job (TrainJob or PyTorchJob) and fail when it has not finished by then "
         "(None = no limit).")
+    pending_minutes: Optional[float] = Field(
+        60.0, gt=0, description="Delete the job and fail (exit 75, the pods' reasons in the message) when none of its "
+        "pods has started for this long: all Pending (no node with the GPUs it asks for, an image that cannot be "
+        "pulled) or none created. A suspended job (held by a queue such as Kueue) does not count; None = no limit.")
     node_selector: dict[str, str] = Field(
         default_factory=lambda: {"node.kubernetes.io/instance-type": "p5.48xlarge"},
         description="Pod node selector (the GPU node group).")

@@ -3,7 +3,8 @@
 ``TrainingJobTrigger`` polls a Kubeflow training job, a TrainJob or a PyTorchJob (submitted by the train or
 preflight stage with ``LLMP_DETACH=1``), every ``poll_seconds``, logs its state changes and every replica's new log
 lines, each with its pod (they reach the task log), and fires once the job has Succeeded or Failed. A job that
-outlives ``timeout_s`` is deleted and reported as timed out; a deferred task that a user marks failed or
+outlives ``timeout_s`` is deleted and reported as timed out, one none of whose pods started for ``pending_s``
+(``launcher.pending_minutes``) as not started, with the pods' reasons; a deferred task that a user marks failed or
 succeeded, or clears, deletes its job (``on_kill``, which Airflow calls only on such a user action, not when a
 triggerer restarts). The trigger builds its own Kubernetes clients from the task's kubeconfig / context (or the
 triggerer pod's in-cluster identity, which Terraform grants its own read-and-delete Role: infra/terraform/modules/namespaces) and changes no
@@ -34,11 +35,12 @@ RECONNECT_S = 60.0  # reading the Kubernetes connection again after a 401/403 (t
 class TrainingJobTrigger(BaseTrigger):
     def __init__(self, namespace: str, name: str, kind: str = "pytorchjob", poll_seconds: float = 30.0,
                  timeout_s: float | None = None, kubeconfig: str | None = None, kube_context: str | None = None,
-                 started: float | None = None, kube_conn_id: str | None = None):
+                 started: float | None = None, kube_conn_id: str | None = None, pending_s: float | None = None):
         super().__init__()
         self.kube_conn_id = kube_conn_id  # a connection that exists wins over kubeconfig / kube_context
         self.kind, self.namespace, self.name = kind, namespace, name  # kind's default: tasks deferred before TrainJobs
         self.poll_seconds, self.timeout_s = poll_seconds, timeout_s
+        self.pending_s = pending_s  # launcher.pending_minutes: none of its pods started for this long → deleted
         self.kubeconfig, self.kube_context = kubeconfig, kube_context
         self.started = started if started is not None else time.time()  # survives a triggerer restart
 
@@ -46,7 +48,7 @@ class TrainingJobTrigger(BaseTrigger):
         return ("llm_triggers.TrainingJobTrigger",
                 {"kind": self.kind, "namespace": self.namespace, "name": self.name, "poll_seconds": self.poll_seconds,
                  "timeout_s": self.timeout_s, "kubeconfig": self.kubeconfig, "kube_context": self.kube_context,
-                 "started": self.started, "kube_conn_id": self.kube_conn_id})
+                 "started": self.started, "kube_conn_id": self.kube_conn_id, "pending_s": self.pending_s})
 
     def _job(self):
         from pipelines.launch import k8s
@@ -104,6 +106,7 @@ class TrainingJobTrigger(BaseTrigger):
         ns, name = self.namespace, self.name
         logs = k8s.ReplicaLogs(session.core, k, ns, name, window_s=int(self.poll_seconds * 3) + 30)
         session.on_renew.append(logs.use)
+        start = k8s.StartBound(self.pending_s)  # (a triggerer restart counts the wait anew: bounded all the same)
         last = None
         while True:
             obj = await asyncio.to_thread(session.get, k, ns, name)
@@ -114,6 +117,8 @@ class TrainingJobTrigger(BaseTrigger):
                 last = line
             for out in await asyncio.to_thread(logs.poll):
                 self.log.info("%s", out)
+            for why in start.update(state, logs.listed):
+                self.log.info("%s %s/%s: waiting to start: %s", k.name, ns, name, why)
             if state in ("Succeeded", "Failed"):
                 errors = "; ".join(logs.errors())
                 yield TriggerEvent({"state": state, "namespace": ns, "name": name,
@@ -125,6 +130,11 @@ class TrainingJobTrigger(BaseTrigger):
                 yield TriggerEvent({"state": "TimedOut", "namespace": ns, "name": name,
                                     "message": f"{k.kind} {ns}/{name} did not finish within {self.timeout_s:g} s; "
                                                "it was deleted"})
+                return
+            if start.expired():
+                await asyncio.to_thread(k8s.delete, session.custom, k, ns, name)
+                yield TriggerEvent({"state": "NotStarted", "namespace": ns, "name": name,
+                                    "message": start.message(k, ns, name)})
                 return
             await asyncio.sleep(self.poll_seconds)
 

@@ -20,8 +20,9 @@ Its "operator" runs the job's trainer command (a PyTorchJob's Master container, 
 local process, with the job's env plus the ``PET_*`` rendezvous variables the operators inject (torchrun reads
 them), under the pod name the real operator gives it (``<job>-master-0``; ``<job>-node-0-0-<suffix>`` for a
 TrainJob's JobSet), and moves the job's status as the real one does: a PyTorchJob's conditions Created → Running →
-Succeeded/Failed with replica counts, a TrainJob's ``jobsStatus`` and its Complete/Failed condition. Only
-single-node jobs run.
+Succeeded/Failed with replica counts, a TrainJob's ``jobsStatus`` and its Complete/Failed condition; its pods are
+listed with their phase. Only single-node jobs run. With ``unschedulable`` set, a new job's pod stays Pending with
+the scheduler's ``PodScheduled=False`` / ``Unschedulable`` condition and that message (no node has the GPUs).
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class _Job:
                        if self.trainjob else {"training.kubeflow.org/job-name": name,
                                               "training.kubeflow.org/replica-type": "master"})
         self.proc: subprocess.Popen | None = None
+        self.unscheduled: str | None = None  # the scheduler's message while its pod stays Pending (no node fits)
         self.log: list[tuple[str, str]] = []
         self.lock = threading.Lock()
 
@@ -88,6 +90,17 @@ class _Job:
             return t["command"] + t.get("args", []), _values(t.get("env", [])), str(t.get("numProcPerNode", 1))
         c = spec["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
         return c["command"], _values(c.get("env", [])), str(spec.get("nprocPerNode", "1"))
+
+    def pod_obj(self, ns: str) -> dict:
+        """The job's pod as the API lists it: Pending with the scheduler's PodScheduled=False condition, else Running
+        and then Succeeded/Failed with its process."""
+        if self.proc is None:
+            status = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                                                          "reason": "Unschedulable", "message": self.unscheduled}]}
+        else:
+            code = self.proc.poll()
+            status = {"phase": "Running" if code is None else "Succeeded" if code == 0 else "Failed"}
+        return {"metadata": {"name": self.pod, "namespace": ns, "labels": self.labels}, "status": status}
 
     def single_node(self) -> bool:
         spec = self.obj["spec"]
@@ -118,6 +131,7 @@ class FakeKube:
         self.tokens: set[str] | None = None  # None: every request is let in
         self.refused = 0
         self.on_log = None  # called with each line a job's process prints
+        self.unschedulable: str | None = None  # set: new jobs' pods stay Pending with this scheduler message
         handler = self._handler()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -142,6 +156,9 @@ class FakeKube:
         import time
 
         time.sleep(self.delay)  # scheduling
+        if self.unschedulable is not None:  # no node fits: the pod stays Pending (the job's state says nothing)
+            job.unscheduled = self.unschedulable
+            return
         if not job.single_node():
             job.condition("Failed", "Unsupported", "the fake operator runs single-node jobs only")
             return
@@ -242,9 +259,8 @@ class FakeKube:
                         return self._send(200, job.obj)
                 if m := PODS.match(u.path):
                     key, _, value = parse_qs(u.query).get("labelSelector", ["="])[0].partition("=")
-                    pods = [{"metadata": {"name": j.pod, "namespace": ns, "labels": j.labels}}
-                            for (ns, _), j in list(fake.jobs.items())
-                            if ns == m.group(1) and j.proc is not None and j.labels.get(key) == value]
+                    pods = [j.pod_obj(ns) for (ns, _), j in list(fake.jobs.items()) if ns == m.group(1)
+                            and (j.proc is not None or j.unscheduled is not None) and j.labels.get(key) == value]
                     return self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": pods})
                 if m := LOG.match(u.path):
                     job = next((j for (ns, _), j in list(fake.jobs.items()) if ns == m.group(1) and j.pod == m.group(2)),

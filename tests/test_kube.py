@@ -2,6 +2,7 @@
 (``fake_kube``; no cluster can run here), whose "operator" runs the job's real torchrun command."""
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +140,61 @@ def test_timeout_deletes_the_job_and_stops_its_processes(home, kube):
     assert ("DELETE", COLLECTION["trainjob"] + "/llm-pipeline-unit") in fake.requests
     assert fake.jobs == {}
     assert "[llm-pipeline-unit-node-0-0-x7k2p] working" in lines  # the pod's log was streamed while it ran
+
+
+NO_GPU = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are available: 3 No " \
+    "preemption victims found for incoming pod."
+
+
+def test_a_job_whose_pods_never_start_is_deleted_after_launcher_pending_minutes_with_the_schedulers_reason(home, kube):
+    """No node has the GPUs the pod asks for: the scheduler leaves it Pending (PodScheduled=False, Unschedulable) and
+    the job's own state says nothing. The watch waited for it until launcher.timeout_minutes (None by default: for
+    ever); now it logs why the pod waits, and after launcher.pending_minutes deletes the job and fails (retryable)
+    with the scheduler's message."""
+    fake, cfg = kube
+    fake.unschedulable = NO_GPU
+    spec = load_spec(None, kube_sets(home, cfg, "launcher.pending_minutes=0.03"), env={})
+    assert spec.launcher.pending_minutes == 0.03 and load_spec(None, [], env={}).launcher.pending_minutes == 60
+    custom, core = k8s.api_clients(spec)
+    job = _job(spec, [sys.executable, "-c", "print('never runs')"])
+    lines = []
+    assert k8s.submit(custom, job, lines.append) == "created"
+    with pytest.raises(k8s.JobFailed) as e:
+        k8s.watch(custom, core, k8s.TRAINJOB, "llm-pipeline", "llm-pipeline-unit", poll_s=0.2, timeout_s=None,
+                  log=lines.append, pending_s=spec.launcher.pending_minutes * 60)
+    assert e.value.retryable
+    assert str(e.value) == ("no pod of TrainJob llm-pipeline/llm-pipeline-unit started within "
+                            f"launcher.pending_minutes=0.03 (llm-pipeline-unit-node-0-0-x7k2p: Pending (Unschedulable: "
+                            f"{NO_GPU})); it was deleted")
+    waiting = [ln for ln in lines if "waiting to start" in ln]
+    assert waiting[-1] == (f"trainjob llm-pipeline/llm-pipeline-unit: waiting to start: llm-pipeline-unit-node-0-0-x7k2p:"
+                           f" Pending (Unschedulable: {NO_GPU})") and len(set(waiting)) == len(waiting), lines
+    assert ("DELETE", COLLECTION["trainjob"] + "/llm-pipeline-unit") in fake.requests and fake.jobs == {}
+
+
+def test_pods_that_started_or_a_suspended_job_are_not_held_to_the_start_bound():
+    from kubernetes.client import (V1ContainerState, V1ContainerStateWaiting, V1ContainerStatus, V1ObjectMeta, V1Pod,
+                                   V1PodStatus)
+
+    def pod(name, phase, waiting=None):
+        cs = [V1ContainerStatus(name="trainer", image="i", image_id="", ready=False, restart_count=0,
+                                state=V1ContainerState(waiting=V1ContainerStateWaiting(**waiting)))] if waiting else None
+        return V1Pod(metadata=V1ObjectMeta(name=name), status=V1PodStatus(phase=phase, container_statuses=cs))
+
+    pulling = pod("a", "Pending", {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "x:1"'})
+    assert k8s.pod_waits([pulling]) == ['a: Pending (trainer: ImagePullBackOff: Back-off pulling image "x:1")']
+    assert k8s.pod_waits([pulling, pod("b", "Running")]) is None and k8s.pod_waits([]) == []
+    bound = k8s.StartBound(0.0)
+    assert bound.update("Created", [pulling]) and not bound.update("Created", [pulling])  # logged once per change
+    time.sleep(0.01)
+    assert bound.expired()
+    assert bound.update("Created", None) == [] and bound.expired()  # a listing that did not answer: no news
+    bound.update("Suspended", [pulling])  # held by a queue: not waiting to start
+    assert not bound.expired()
+    bound.update("Created", [])
+    assert bound.expired() and "(no pod was created)" in bound.message(k8s.TRAINJOB, "ns", "j")
+    bound.update("Running", [pod("a", "Running")])
+    assert not bound.expired() and not k8s.StartBound(None).expired()
 
 
 def test_a_retried_task_adopts_its_running_job_and_refuses_a_clash(home, kube):
@@ -305,6 +361,34 @@ def test_a_user_stopping_the_deferred_task_deletes_its_job(home, kube):
     asyncio.run(asyncio.wait_for(trigger.on_kill(), timeout=60))
     assert ("DELETE", COLLECTION["trainjob"] + "/llm-pipeline-unit") in fake.requests and fake.jobs == {}
     assert client.Configuration.get_default_copy().host == before != fake.url
+
+
+def test_the_deferred_wait_deletes_a_job_whose_pods_never_start_and_says_why(home, kube):
+    """The triggerer's wait (a deferred train task) holds the same bound as the watch: launcher.pending_minutes
+    reaches the trigger (serialized), which deletes the job and fires NotStarted with the scheduler's reason; the
+    task then fails with it (a retry submits anew)."""
+    import asyncio
+
+    sys.path.insert(0, str(ROOT / "plugins"))
+    from llm_triggers import TrainingJobTrigger
+
+    fake, cfg = kube
+    fake.unschedulable = NO_GPU
+    spec = load_spec(None, kube_sets(home, cfg, "launcher.pending_minutes=0.01"), env={})
+    custom, _ = k8s.api_clients(spec)
+    assert k8s.submit(custom, _job(spec, [sys.executable, "-c", "print('never runs')"]), print) == "created"
+    trigger = TrainingJobTrigger(kind="trainjob", namespace="llm-pipeline", name="llm-pipeline-unit",
+                                 kubeconfig=str(cfg), poll_seconds=0.2, pending_s=spec.launcher.pending_minutes * 60)
+    _, kwargs = trigger.serialize()
+    assert kwargs["pending_s"] == 0.6
+
+    async def first_event():
+        async for event in TrainingJobTrigger(**kwargs).run():
+            return event
+
+    event = asyncio.run(asyncio.wait_for(first_event(), timeout=120))
+    assert event.payload["state"] == "NotStarted" and f"(Unschedulable: {NO_GPU})" in event.payload["message"]
+    assert ("DELETE", COLLECTION["trainjob"] + "/llm-pipeline-unit") in fake.requests and fake.jobs == {}
 
 
 def test_airflow_connections_set_the_services_and_win_over_the_spec(home, kube, monkeypatch, tmp_path):

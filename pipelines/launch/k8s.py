@@ -678,6 +678,7 @@ class ReplicaLogs:
         self.core, self.k, self.ns, self.name, self.window = core, k, ns, name, window_s
         self.followers: dict[str, LogFollower] = {}
         self.tail: list[str] = []
+        self.listed: list | None = None  # the pods of the last poll (V1Pod), None when their listing did not answer
 
     def use(self, core) -> None:
         """Go on with new clients (credentials read again: :class:`Session`)."""
@@ -686,13 +687,17 @@ class ReplicaLogs:
             f.core = core
 
     def pods(self) -> list[str]:
+        """The job's pods' names (the ones followed already when the API did not answer); :attr:`listed` keeps the
+        pods themselves, None when the listing did not answer."""
         from kubernetes.client.exceptions import ApiException
 
         try:
             found = self.core.list_namespaced_pod(self.ns, label_selector=self.k.selector(self.name),
                                                   _request_timeout=REQUEST_TIMEOUT)
         except (ApiException, HTTPError, OSError):
+            self.listed = None
             return sorted(self.followers)
+        self.listed = list(found.items)
         return sorted(p.metadata.name for p in found.items)
 
     def poll(self) -> list[str]:
@@ -711,6 +716,57 @@ class ReplicaLogs:
             if m and "ChildFailedError" not in line and m.group(0) not in seen:
                 seen.append(m.group(0))
         return seen[-5:]
+
+
+STARTED = ("Running", "Succeeded", "Failed")  # pod phases past scheduling, image pulls and container creation
+
+
+def pod_waits(pods: list) -> list[str] | None:
+    """Why none of the job's pods has started: each pod with its phase and what it waits for (the scheduler's
+    ``PodScheduled=False`` reason and message, a container's waiting reason such as ``ImagePullBackOff``); None
+    once one of them has started; ``[]`` when there is no pod yet."""
+    out = []
+    for pod in pods:
+        st = pod.status
+        phase = (st.phase if st is not None else None) or "Pending"
+        if phase in STARTED:
+            return None
+        why = [f"{c.reason}: {c.message}" if c.message else str(c.reason) for c in (st.conditions or [])
+               if c.type == "PodScheduled" and c.status == "False"] if st is not None else []
+        for cs in [*(st.init_container_statuses or []), *(st.container_statuses or [])] if st is not None else []:
+            w = cs.state.waiting if cs.state is not None else None
+            if w is not None and w.reason not in (None, "ContainerCreating", "PodInitializing"):
+                why.append(f"{cs.name}: {w.reason}" + (f": {w.message}" if w.message else ""))
+        out.append(f"{pod.metadata.name}: {phase}" + (f" ({'; '.join(why)})" if why else ""))
+    return out
+
+
+class StartBound:
+    """``launcher.pending_minutes``: how long a job may go with none of its pods started (all Pending, or none
+    created), counted from the first poll that found it so, reset when one starts; a suspended job (a queue holds
+    it) and a poll whose pod listing did not answer count as neither. :meth:`update` returns the pods' reasons when
+    they change (to log)."""
+
+    def __init__(self, bound_s: float | None):
+        self.bound_s, self.since, self.reasons = bound_s, None, None
+
+    def update(self, state: str, pods: list | None) -> list[str]:
+        if pods is None:  # the listing did not answer: nothing learned
+            return []
+        reasons = None if state in ("Suspended", *FINISHED) else pod_waits(pods)
+        if reasons is None:
+            self.since = self.reasons = None
+            return []
+        self.since = time.monotonic() if self.since is None else self.since
+        changed, self.reasons = reasons != self.reasons, reasons
+        return (reasons or ["no pod created yet"]) if changed else []
+
+    def expired(self) -> bool:
+        return self.bound_s is not None and self.since is not None and time.monotonic() - self.since > self.bound_s
+
+    def message(self, k: JobKind, ns: str, name: str) -> str:
+        return (f"no pod of {k.kind} {ns}/{name} started within launcher.pending_minutes={self.bound_s / 60:g} ("
+                + ("; ".join(self.reasons or []) or "no pod was created") + "); it was deleted")
 
 
 AUTH_TRIES = 3  # a watch refused (401/403) reads the credentials again this many times before it gives up (75)
@@ -756,13 +812,15 @@ class Session:
 
 
 def watch(custom, core, k: JobKind, ns: str, name: str, poll_s: float, timeout_s: float | None,
-          log: Callable[[str], None] = print, session: Session | None = None) -> dict:
-    """Poll to Succeeded (returns the job) or Failed/timeout (raises :class:`JobFailed`). With a ``session`` its
+          log: Callable[[str], None] = print, session: Session | None = None, pending_s: float | None = None) -> dict:
+    """Poll to Succeeded (returns the job) or Failed/timeout (raises :class:`JobFailed`); a job none of whose pods
+    starts within ``pending_s`` (:class:`StartBound`) is deleted and fails (retryable). With a ``session`` its
     clients are used (``custom`` and ``core`` are ignored) and built again when the API refuses them."""
     session = session or Session(custom, core, log=log)
     logs = ReplicaLogs(session.core, k, ns, name, window_s=int(poll_s * 3) + 30)
     session.on_renew.append(logs.use)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    start = StartBound(pending_s)
     last = None
     while True:
         obj = session.get(k, ns, name)
@@ -773,6 +831,8 @@ def watch(custom, core, k: JobKind, ns: str, name: str, poll_s: float, timeout_s
             last = line
         for out in logs.poll():
             log(out)
+        for why in start.update(state, logs.listed):
+            log(f"{k.name} {ns}/{name}: waiting to start: {why}")
         if state == "Succeeded":
             return obj
         if state == "Failed":
@@ -784,6 +844,9 @@ def watch(custom, core, k: JobKind, ns: str, name: str, poll_s: float, timeout_s
             delete(session.custom, k, ns, name)
             raise JobFailed(f"{k.kind} {ns}/{name} did not finish within launcher.timeout_minutes="
                             f"{timeout_s / 60:g}; it was deleted", retryable=True)
+        if start.expired():
+            delete(session.custom, k, ns, name)
+            raise JobFailed(start.message(k, ns, name), retryable=True)
         time.sleep(poll_s)
 
 
@@ -805,7 +868,7 @@ def run_job(spec: JobSpec, run_id: str, module: str, args: list[str], log: Calla
     if detach and job_state(session.get(k, ns, name))[0] not in FINISHED:
         L, t = spec.launcher, spec.launcher.timeout_minutes
         raise Pending({"kind": k.name, "namespace": ns, "name": name, "poll_seconds": L.poll_seconds,
-                       "timeout_s": None if t is None else t * 60, "kubeconfig": target[0],
+                       "timeout_s": None if t is None else t * 60, "pending_s": _pending_s(spec), "kubeconfig": target[0],
                        "kube_context": target[1], "kube_conn_id": spec.services.kube_conn_id})
 
     def _term(signum, frame):
@@ -815,7 +878,7 @@ def run_job(spec: JobSpec, run_id: str, module: str, args: list[str], log: Calla
     try:
         t = spec.launcher.timeout_minutes
         return watch(None, None, k, ns, name, spec.launcher.poll_seconds, None if t is None else t * 60, log,
-                     session=session)
+                     session=session, pending_s=_pending_s(spec))
     except KeyboardInterrupt:
         log(f"{k.name} {ns}/{name}: stopping: deleting the job")
         delete(session.custom, k, ns, name)
@@ -823,6 +886,11 @@ def run_job(spec: JobSpec, run_id: str, module: str, args: list[str], log: Calla
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _pending_s(spec: JobSpec) -> float | None:
+    m = spec.launcher.pending_minutes
+    return None if m is None else m * 60
 
 
 def _in_main_thread() -> bool:
