@@ -582,6 +582,10 @@ class TrainCfg(_Section):
         d = super().hashed()
         if not self.mixture:  # no mixture: the same stage key (and checkpoints) as before train.mixture existed
             d.pop("mixture")
+        # where a launch resumes (auto, never, a step) changes no byte of what it computes (a resumed run ends bitwise
+        # equal) and must name this run's checkpoints: train.resume=N forks its own steps, never clears them. The
+        # key keeps 'auto' in its place, so no existing key changes.
+        d["resume"] = "auto"
         return d
 
 

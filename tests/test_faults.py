@@ -78,7 +78,7 @@ def test_an_s3_outage_in_the_middle_of_a_run_degrades_to_l1_and_the_promote_stag
         # L2 keeps every step (l2_keep_every=0): L1 holds back the newest 5 it lacks (l1_hold_for_l2), bounded (I5)
         held = [s for s in steps["L1"] if s != 60 and s not in steps["L2"]]
         assert steps["L0"] == [50, 60] and steps["L1"][-2:] == [50, 60] and len(steps["L1"]) <= 2 + 5, steps
-        assert len(held) >= 2 and held[-1] == 50, steps  # the outage began at step 10 or later
+        assert held and held[-1] == 50, steps  # the outage began after step 10 reached L2
         # the final step on L1 (I3)
         ck.verify_local(Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-000060")["L1"]))
         assert not list(store.rglob("step-000060/COMMIT"))
@@ -518,8 +518,8 @@ def test_a_newer_step_whose_tier_does_not_answer_is_not_given_up_for_an_older_on
     """The newest step's L1 copy fails its checksums and L0 lost it, so its parts must come from L2, which answers
     503 to every read of them; an older step is whole on L1. The retry resumed from the older step (exit 0) and its
     line of training superseded the newer steps for good; now it exits 75 naming the step, the tier and
-    ``train.resume=<older>`` (the user's choice to give them up), and with S3 back the next retry resumes from the
-    newer step, fetched from L2."""
+    ``train.resume=<older>`` (the user's choice to give them up), and the same stage with that setting resumes from
+    the older step."""
     import shutil
 
     tok, run, sets, spec, rel_root, before = _preempted_with_l2_steps(home, s3_server, "ck-newer-unknown")
@@ -548,7 +548,45 @@ def test_a_newer_step_whose_tier_does_not_answer_is_not_given_up_for_an_older_on
     assert not (run / "train/manifest.json").exists(), out[-3000:]
     assert _l2_commits(spec, rel_root) == before
 
-    _resumes_from_l2(tok, run, sets, newer)
+    # the user gives the newer steps up as the line says: train.resume is not part of the stage's key, so the same
+    # stage (same checkpoints) forks at the older step, with L2 still refusing reads
+    r = subprocess.run(_launch_cmd(tok, run, sets + [f"train.resume={older}"]), env=_env(LLMP_FAULTS=no_read),
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    m = json.loads((run / "train/manifest.json").read_text())
+    assert m["extra"]["resumed_from"] == {"step": older, "tier": "L1"}, m["extra"]["resumed_from"]
+    assert m["extra"]["checkpoint"].rsplit("/", 1)[0] == rel_root
+
+
+def test_l1_copies_that_fail_to_be_read_never_make_a_start_from_step_0(home):
+    """No L2; the nodes' disks are new (L0 empty) and every read of an L1 checkpoint file fails (EIO: a storage
+    server of the shared file system down). Each step was skipped as a bad copy and the run started at step 0, its
+    new steps then replacing L1's under the same names; now it exits 75 naming the copies, L1 untouched, and with the
+    reads answering again the retry resumes from L1's newest step."""
+    import shutil
+
+    tok = _tok(home)
+    run = home / "run"
+    sets = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=1"]
+    preempt = _faults({"at": "step", "do": "preempt", "nth": 12})
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=preempt), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 75, (r.stdout + r.stderr)[-3000:]
+    shutil.rmtree(run / "l0")
+    commits = {p: p.read_bytes() for p in (run / "l1").rglob("COMMIT")}
+    assert commits, list((run / "l1").rglob("*"))
+    eio = _faults({"at": "read", "do": "eio", "path": "/l1/", "times": 0})
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=eio), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 75, out[-3000:]
+    assert "starting at step 0" not in out and "could not be read and no other copy restores: not starting over" \
+        in out and "train: error: restore: L1 step-0000" in out, out[-3000:]
+    assert {p: p.read_bytes() for p in (run / "l1").rglob("COMMIT")} == commits
+    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    resumed = json.loads((run / "train/manifest.json").read_text())["extra"]["resumed_from"]
+    assert resumed["tier"] == "L1" and resumed["step"] >= 10, resumed
 
 
 def test_an_l1_that_cannot_take_the_parts_fetched_from_l2_never_starts_over(home, s3_server):

@@ -184,11 +184,14 @@ def test_pods_that_started_or_a_suspended_job_are_not_held_to_the_start_bound():
     pulling = pod("a", "Pending", {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "x:1"'})
     assert k8s.pod_waits([pulling]) == ['a: Pending (trainer: ImagePullBackOff: Back-off pulling image "x:1")']
     assert k8s.pod_waits([pulling, pod("b", "Running")]) is None and k8s.pod_waits([]) == []
+    assert k8s.pod_waits([pod("init", "Succeeded"), pulling])[0] == "init: Succeeded"  # an initializer that ended
     bound = k8s.StartBound(0.0)
     assert bound.update("Created", [pulling]) and not bound.update("Created", [pulling])  # logged once per change
     time.sleep(0.01)
     assert bound.expired()
-    assert bound.update("Created", None) == [] and bound.expired()  # a listing that did not answer: no news
+    assert bound.update("Created", None) == [] and not bound.expired()  # a listing that did not answer: no news
+    bound.update("Created", [pulling])
+    assert bound.expired()
     bound.update("Suspended", [pulling])  # held by a queue: not waiting to start
     assert not bound.expired()
     bound.update("Created", [])
@@ -374,13 +377,13 @@ def test_the_deferred_wait_deletes_a_job_whose_pods_never_start_and_says_why(hom
 
     fake, cfg = kube
     fake.unschedulable = NO_GPU
-    spec = load_spec(None, kube_sets(home, cfg, "launcher.pending_minutes=0.01"), env={})
+    spec = load_spec(None, kube_sets(home, cfg, "launcher.pending_minutes=0.02"), env={})
     custom, _ = k8s.api_clients(spec)
     assert k8s.submit(custom, _job(spec, [sys.executable, "-c", "print('never runs')"]), print) == "created"
     trigger = TrainingJobTrigger(kind="trainjob", namespace="llm-pipeline", name="llm-pipeline-unit",
                                  kubeconfig=str(cfg), poll_seconds=0.2, pending_s=spec.launcher.pending_minutes * 60)
     _, kwargs = trigger.serialize()
-    assert kwargs["pending_s"] == 0.6
+    assert kwargs["pending_s"] == 1.2
 
     async def first_event():
         async for event in TrainingJobTrigger(**kwargs).run():

@@ -24,6 +24,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -128,6 +129,21 @@ class Shard:
     def doc(self, i: int) -> np.ndarray:
         start = int(self.pointers[i]) // self.tokens.dtype.itemsize
         return np.asarray(self.tokens[start:start + int(self.lengths[i])])
+
+
+def first_out_of_vocab(ids: np.ndarray, vocab: int) -> Optional[tuple[int, ...]]:
+    """The index of the first token id ≥ ``vocab`` in ``ids`` (any shape, row-major order); None when every id is
+    below it."""
+    if not ids.size or int(ids.max()) < vocab:
+        return None
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(ids >= vocab)), ids.shape))
+
+
+def out_of_vocab_message(shard: "Shard", token: int, where: str, vocab: int, whose: str) -> str:
+    """One line for a token id outside a vocabulary: the shard that holds it, where it is read, what to do."""
+    return (f"{shard.bin_path} holds token id {token} ({where}), outside {whose} vocabulary of {vocab}: that shard was "
+            "written by another tokenizer or is damaged; re-run the tokenize stage (a shard that fails its checksum "
+            "is written again; run.force=true writes them all)")
 
 
 class TokenStream:

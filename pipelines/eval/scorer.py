@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.data.shards import TokenStream
+from pipelines.data.shards import TokenStream, first_out_of_vocab, out_of_vocab_message
 from pipelines.eval.bpb import bits_per_byte, combine, read_text, window_nats, windows
 from pipelines.eval_sets import set_sha256
 from pipelines.launch import outcomes as xc
@@ -73,12 +73,11 @@ def checked_tokens(stream: TokenStream, start: int, stop: int, vocab: int) -> "n
     """Tokens ``[start, stop)`` of ``stream``; raises :class:`HeldoutShardError` naming the shard and the position of
     the first id ≥ ``vocab``."""
     ids = stream.read(start, stop)
-    if ids.size and int(ids.max()) >= vocab:
-        at = start + int(np.argmax(ids >= vocab))
-        shard = stream.shard_at(at)
-        raise HeldoutShardError(f"{shard.bin_path} holds token id {int(ids[at - start])} (held-out token {at}), outside "
-                                f"the model's tokenizer vocabulary of {vocab}: that shard was written by another "
-                                "tokenizer or is damaged; re-run the tokenize stage (run.force=true writes every shard)")
+    bad = first_out_of_vocab(ids, vocab)
+    if bad is not None:
+        at = start + bad[0]
+        raise HeldoutShardError(out_of_vocab_message(stream.shard_at(at), int(ids[bad[0]]), f"held-out token {at}",
+                                                     vocab, "the model's tokenizer"))
     return ids
 
 

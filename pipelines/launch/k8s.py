@@ -718,13 +718,15 @@ class ReplicaLogs:
         return seen[-5:]
 
 
-STARTED = ("Running", "Succeeded", "Failed")  # pod phases past scheduling, image pulls and container creation
+# a pod past scheduling, image pulls and container creation, running now (one that ended, e.g. an initializer's or a
+# crashed one kept for its job's back-off, does not say the job's pods run: its replacement may wait for a node)
+STARTED = ("Running",)
 
 
 def pod_waits(pods: list) -> list[str] | None:
     """Why none of the job's pods has started: each pod with its phase and what it waits for (the scheduler's
     ``PodScheduled=False`` reason and message, a container's waiting reason such as ``ImagePullBackOff``); None
-    once one of them has started; ``[]`` when there is no pod yet."""
+    while one of them runs; ``[]`` when there is no pod yet."""
     out = []
     for pod in pods:
         st = pod.status
@@ -744,14 +746,15 @@ def pod_waits(pods: list) -> list[str] | None:
 class StartBound:
     """``launcher.pending_minutes``: how long a job may go with none of its pods started (all Pending, or none
     created), counted from the first poll that found it so, reset when one starts; a suspended job (a queue holds
-    it) and a poll whose pod listing did not answer count as neither. :meth:`update` returns the pods' reasons when
+    it) does not count, and a poll whose pod listing did not answer decides nothing (never "still pending"). :meth:`update` returns the pods' reasons when
     they change (to log)."""
 
     def __init__(self, bound_s: float | None):
-        self.bound_s, self.since, self.reasons = bound_s, None, None
+        self.bound_s, self.since, self.reasons, self.seen = bound_s, None, None, False
 
     def update(self, state: str, pods: list | None) -> list[str]:
-        if pods is None:  # the listing did not answer: nothing learned
+        self.seen = pods is not None
+        if pods is None:  # the listing did not answer: nothing learned (no expiry on what it said before)
             return []
         reasons = None if state in ("Suspended", *FINISHED) else pod_waits(pods)
         if reasons is None:
@@ -762,7 +765,9 @@ class StartBound:
         return (reasons or ["no pod created yet"]) if changed else []
 
     def expired(self) -> bool:
-        return self.bound_s is not None and self.since is not None and time.monotonic() - self.since > self.bound_s
+        """Past the bound, by a listing that answered just now."""
+        return self.bound_s is not None and self.since is not None and self.seen and \
+            time.monotonic() - self.since > self.bound_s
 
     def message(self, k: JobKind, ns: str, name: str) -> str:
         return (f"no pod of {k.kind} {ns}/{name} started within launcher.pending_minutes={self.bound_s / 60:g} ("

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.data.shards import TokenStream
+from pipelines.data.shards import TokenStream, first_out_of_vocab, out_of_vocab_message
 from pipelines.lineage.queries import VersionUnreadable, added_docs, chain
 from pipelines.manifest import StageError
 
@@ -131,14 +131,12 @@ def batch_tensors(samples: TokenSamples, ids: np.ndarray, vocab: int | None = No
     import torch
 
     arr = np.stack([samples[int(i)] for i in ids])
-    if vocab is not None and arr.size and int(arr.max()) >= vocab:
-        row = int(np.argmax(arr.max(axis=1) >= vocab))
-        col = int(np.argmax(arr[row] >= vocab))
+    bad = first_out_of_vocab(arr, vocab) if vocab is not None else None
+    if bad is not None:
+        row, col = bad
         shard = samples.stream.shard_at(samples.position(int(ids[row]), col))
-        raise TokenOutOfVocab(f"{shard.bin_path} holds token id {int(arr[row, col])} (sample {int(ids[row])}), outside "
-                              f"the tokenizer's vocabulary of {vocab}: that shard was written by another tokenizer or "
-                              "is damaged; re-run the tokenize stage (a shard that fails its checksum is written again; "
-                              "run.force=true writes them all)")
+        raise TokenOutOfVocab(out_of_vocab_message(shard, int(arr[row, col]), f"sample {int(ids[row])}", vocab,
+                                                   "the tokenizer's"))
     t = torch.from_numpy(arr)
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 

@@ -25,11 +25,12 @@ def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
 
     def body(tmp: Path) -> Manifest:
         rep = promote(spec, rel)
-        root, name = rel.rsplit("/", 1)
+        root, _, name = rel.rpartition("/")
         final = parse_step(name)
-        rep["held_to_l2"] = promote_held(spec, root, final) if final is not None else []
-        if rep["held_to_l2"]:
-            print(f"[promote] steps L1 held while L2 lagged, now on L2: {rep['held_to_l2']}")
+        held = promote_held(spec, root, final) if root and final is not None else {"done": [], "failed": {}}
+        rep["held_to_l2"], rep["held_failed"] = held["done"], held["failed"]
+        if held["done"]:
+            print(f"[promote] steps L1 held while L2 lagged, now on L2: {held['done']}")
         (tmp / "tiers.json").write_text(json.dumps(rep, indent=2))
         return sd.commit({"tiers": "tiers.json"}, counts={"tiers": 3},
                          extra={"checkpoint": rel, "l2_uri": rep["tiers"]["L2"], "commit": rep["l2_commit"],

@@ -283,7 +283,7 @@ class Promoter:
                 if item[0] == "step":
                     self.promote_l2(item[1], item[2])
                 elif item[0] == "missing":
-                    self.l2_behind |= self.missing_on_l2()
+                    self.learn_missing()
                 else:
                     self._final_to_l2(item[1])
             except Exception as e:  # noqa: BLE001 - L2 is a copy of L1: its faults cost a warning, never the thread
@@ -306,7 +306,7 @@ class Promoter:
         dt = time.perf_counter() - t0
         self.done.setdefault(step, {})["L2"] = result
         if result == "committed" and self.commits and not self.l2_known:  # L2 answers again: what does it lack?
-            self.l2_behind |= self.missing_on_l2()
+            self.learn_missing()
         self.events.add("ckpt/l2_s", dt, step)
         deleted = self.retain_l2(step)
         self.events.add("ckpt/l2_behind", len((self.l2_pending - {step}) | self.l2_behind), step)
@@ -475,18 +475,26 @@ class Promoter:
         if merged:
             self.l2_behind.discard(st)
 
-    def missing_on_l2(self) -> set[int]:
-        """Steps of this line globally committed on L1 that L2 would keep but does not hold (empty when L2 does not
-        answer: they are found at the next start)."""
+    def missing_on_l2(self) -> Optional[set[int]]:
+        """Steps of this line globally committed on L1 that L2 would keep but does not hold; None when L2 does not
+        answer (they are looked for again when it does, or at the next start)."""
         try:
             by_tier = ckpt_tiers.accepted_steps(self.spec, self.rel_root,
                                                 ckpt_tiers.list_steps(self.spec, self.rel_root, ("L1", "L2")), self.rec)
         except ck.CheckpointError as e:
             self.log(f"[ckpt] L2 catch-up: cannot compare L1 with L2 now ({e})")
-            return set()
+            return None
         wanted = {s for s in by_tier["L1"] if self._l2_keeps(s)} | set(by_tier["L1"][-1:])
-        self.l2_known = True
         return wanted - set(by_tier["L2"])
+
+    def learn_missing(self) -> None:
+        """The L2 thread: the steps L2 lacks join :attr:`l2_behind`, and only then L1 retention holds back just the
+        steps waiting for L2 (:meth:`held_for_l2`; before, every step L2 would keep): under the retention's lock."""
+        missing = self.missing_on_l2()
+        if missing is not None:
+            with self.pin:
+                self.l2_behind |= missing
+                self.l2_known = True
 
     def _l2_keeps(self, step: int) -> bool:
         every = self.spec.checkpoint.l2_keep_every

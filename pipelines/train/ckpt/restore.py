@@ -89,6 +89,7 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
         elif inv is not None:
             per_node[node] = inv
     tried: set[int] = set()
+    unread: list[str] = []  # L1 copies whose read failed: an older step may serve, but "none" is not proven
     blocked: Optional[tuple[int, list[str]]] = None  # the newest step a tier did not answer for, and why
     for far in (False, True):  # L1 and the nodes' disks; then, only when none of theirs could be restored, L2
         for c in _choose(ckpt, per_node, step, tried if far else None):
@@ -96,7 +97,7 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
                 raise ck.TierUnavailable(_not_older(*blocked, c["step"]))
             tried.add(c["step"])
             before = len(unknown)
-            got = _settle(ckpt, c, unknown)
+            got = _settle(ckpt, c, unknown, unread)
             if got is not None:
                 return got
             if len(unknown) > before and blocked is None:
@@ -106,6 +107,10 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
         raise ck.TierUnavailable(f"restore: {listed} did not answer and no other tier holds "
                                  + ("a step to restore: not starting over from step 0" if step is None else
                                     f"step {step} to restore") + " (a retry looks again)")
+    if unread and step is None:  # copies L1 failed to return are not copies that are gone: not step 0 over them
+        listed = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
+        raise ck.TierUnavailable(f"restore: {listed} could not be read and no other copy restores: not starting "
+                                 "over from step 0 (a retry looks again)")
     return None
 
 
@@ -224,9 +229,10 @@ def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
     return out
 
 
-def _settle(ckpt, c: dict, unknown: list[str]) -> Optional[Restored]:
+def _settle(ckpt, c: dict, unknown: list[str], unread: list[str]) -> Optional[Restored]:
     """Make step ``c`` readable on every rank, or return None on every rank (then an older step is tried); a tier
-    that did not answer while it was read is added to ``unknown`` (the same on every rank)."""
+    that did not answer while it was read is added to ``unknown``, an L1 copy whose read failed to ``unread`` (the
+    same on every rank)."""
     topo, spec = ckpt.topo, ckpt.spec
     rel = f"{ckpt.rel_root}/{ck.step_name(c['step'])}"
     locs = ckpt_tiers.tier_locations(spec, rel)
@@ -239,7 +245,7 @@ def _settle(ckpt, c: dict, unknown: list[str]) -> Optional[Restored]:
         sources = {k: "L0" for k in every}
         view = l0
     else:
-        sources = _meet_on_l1(ckpt, c, have, locs, log, unknown)
+        sources = _meet_on_l1(ckpt, c, have, locs, log, unknown, unread)
         if sources is None:
             return None
         view = _view(ckpt, c, have.get(topo.node, set()), l0, l1)
@@ -267,16 +273,19 @@ def _verify_own_part(l0: Path, c: dict, log) -> set[int]:
     return {part}
 
 
-def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log, unknown: list[str]) -> Optional[dict[int, str]]:
+def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log, unknown: list[str],
+                unread: list[str]) -> Optional[dict[int, str]]:
     """Make the step globally committed and verified on L1; returns part → source tier, or None (a part whose tier
-    did not answer: named in ``unknown``)."""
+    did not answer: named in ``unknown``; an L1 copy that failed to be read: in ``unread``)."""
     topo = ckpt.topo
     l1 = Path(locs["L1"])
     every = range(c["parts"])
     local = {k for h in have.values() for k in h}
     if c["l1"]:
-        bad = _verify_l1_parts(l1, topo, log) if topo.local_rank == 0 else []
-        bad = sorted({k for b in _gather(bad) if b for k in b})
+        got = _verify_l1_parts(l1, topo, log) if topo.local_rank == 0 else ([], None)
+        got = _gather(got)  # the same on every rank
+        bad = sorted({k for b, _ in got for k in b})
+        unread.extend(why for _, why in got if why and why not in unread)
         if not bad:
             return {k: "L0" if k in local else "L1" for k in every}
         # the parts are staged again; the copy that failed keeps its COMMIT until a whole one replaces it (a failed
@@ -314,14 +323,15 @@ def _merge(l1: Path, c: dict, again: bool) -> bool | str:
         return f"{UNANSWERED}{tier}" if tier else False
 
 
-def _verify_l1_parts(l1: Path, topo, log) -> list[int]:
-    """This node's share of verifying the L1 copy: the files of parts ``k ≡ node (mod nodes)``; the bad parts."""
+def _verify_l1_parts(l1: Path, topo, log) -> tuple[list[int], Optional[str]]:
+    """This node's share of verifying the L1 copy: the files of parts ``k ≡ node (mod nodes)``; (the bad parts, what
+    failed to be read: an OSError other than a missing file, None when every file read answered)."""
     try:
         man = ck.read_local_manifest(l1)
         files = ck.manifest_files(man, str(l1))
     except Exception as e:  # noqa: BLE001 - any reason makes the L1 copy unusable: its parts are staged again
         log(f"[ckpt] restore: skipped {l1.name} L1: {e}")
-        return [0]
+        return [0], _unread(e, l1)
     owner = man.get("part_of", {})
     mine = [rel for rel in files if int(owner.get(rel, 0)) % topo.nodes == topo.node]
     bad = set()
@@ -329,12 +339,20 @@ def _verify_l1_parts(l1: Path, topo, log) -> list[int]:
         sums = ck.hash_files(l1, [r for r in mine if (l1 / r).is_file()])
     except OSError as e:  # a failed read: these parts are staged again (the copy keeps its COMMIT meanwhile)
         log(f"[ckpt] restore: skipped {l1.name} L1: {e}")
-        return sorted({int(owner.get(rel, 0)) for rel in mine}) or [0]
+        return sorted({int(owner.get(rel, 0)) for rel in mine}) or [0], _unread(e, l1)
     for rel in mine:
         if sums.get(rel) != files[rel]["sha256"]:
             bad.add(int(owner.get(rel, 0)))
             log(f"[ckpt] restore: skipped {l1.name} L1: {rel} is missing or does not match its sha256")
-    return sorted(bad)
+    return sorted(bad), None
+
+
+def _unread(e: BaseException, l1: Path) -> Optional[str]:
+    """``'L1 <step> (…)'`` for a read of the step's L1 copy that failed (EIO, ESTALE, EACCES …: not a missing file,
+    not a copy that answered and is bad); None otherwise."""
+    if isinstance(e, OSError) and e.errno not in (errno.ENOENT, errno.ENOTDIR):
+        return f"L1 {l1.name} ({type(e).__name__}: {str(e)[:240]})"
+    return None
 
 
 UNANSWERED = "?"  # what _stage returns before the tier and the error when that tier did not answer

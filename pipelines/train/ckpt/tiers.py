@@ -472,18 +472,34 @@ def promote_l1(spec: JobSpec, rel: str) -> tuple[str, Optional[dict]]:
     return action, digests
 
 
-def promote_held(spec: JobSpec, rel_root: str, final: int) -> list[int]:
+def promote_held(spec: JobSpec, rel_root: str, final: int, log: Callable[[str], None] = print) -> dict:
     """The steps before ``final`` of this line of training that L1 holds and L2 would keep but lacks (training's L2
     lagged: ``checkpoint.l1_hold_for_l2`` kept them on L1 for it) put on L2 from L1, verified, COMMIT last, oldest
-    first. Returns them; raises :class:`L2Unavailable` when L2 does not answer."""
-    rec = history.read(spec, rel_root)
-    by_tier = accepted_steps(spec, rel_root, list_steps(spec, rel_root, ("L1", "L2")), rec)
+    first. Returns ``{"done": [steps], "failed": {step: why}}``: a step whose L1 copy answered but does not verify is
+    a warning (its copy was lost; the final step is the stage's). L1 that cannot be listed or L2 that does not
+    answer raise :class:`TierUnavailable` (exit 75): unknown, never "nothing held"."""
+    try:
+        rec = history.read(spec, rel_root)
+        by_tier = accepted_steps(spec, rel_root, list_steps(spec, rel_root, ("L1", "L2")), rec)
+    except (OSError, ValueError) as e:  # L1 failing, a torn lineage record
+        raise TierUnavailable(f"L1: the steps held for L2 under {rel_root} cannot be read: {type(e).__name__}: {e}") \
+            from None
     every = spec.checkpoint.l2_keep_every
-    lacking = [s for s in by_tier["L1"] if s < final and (not every or s % every == 0) and s not in by_tier["L2"]]
-    for s in lacking:
+    out: dict = {"done": [], "failed": {}}
+    for s in by_tier["L1"]:
+        if s >= final or (every and s % every) or s in by_tier["L2"]:
+            continue
         locs = tier_locations(spec, f"{rel_root}/{step_name(s)}")
-        upload_step(spec, Path(locs["L1"]), locs["L2"])
-    return lacking
+        try:
+            upload_step(spec, Path(locs["L1"]), locs["L2"])
+        except Exception as e:  # noqa: BLE001 - sorted below: only a copy that answered bad is this step's alone
+            if isinstance(e, TierUnavailable) or unreachable(e) or not isinstance(e, (CheckpointError, OSError)):
+                raise
+            out["failed"][s] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log(f"[promote] warning: step {s}, held on L1 for L2, did not reach it: {out['failed'][s]}")
+            continue
+        out["done"].append(s)
+    return out
 
 
 def promote(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2")) -> dict:
