@@ -543,7 +543,7 @@ def test_a_newer_step_whose_tier_does_not_answer_is_not_given_up_for_an_older_on
                        text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 75, out[-3000:]
-    assert f"train: error: restore: L2 (ClientError" in out and f"did not answer for step {newer}: not resuming " \
+    assert "train: error: restore: L2 (ClientError" in out and f"did not answer for step {newer}: not resuming " \
         f"from the older step {older} over it" in out and f"train.resume={older}" in out, out[-3000:]
     assert not (run / "train/manifest.json").exists(), out[-3000:]
     assert _l2_commits(spec, rel_root) == before

@@ -64,6 +64,16 @@ def test_train_stage_submits_a_training_job_watches_it_and_matches_the_local_run
     for s in STATES[kind]:
         assert f"{kind} llm-pipeline/{name}: {s}" in out, out[-3000:]
     assert f"[{fake.jobs[(ns, name)].pod}] " in out
+    # the ranks' lineage token is the stage's launch, not the job object: a job re-created for a retry is the same
+    # launch (train.resume=never starts over once, not at every new job), one with another train.resume a new one
+    from pipelines.train.job import train_job
+
+    token = fake.jobs[(ns, name)].command_and_env()[1]["LLMP_RUN_TOKEN"]
+    launched = train_job(spec_k, tok)
+    assert token == launched.token == f"{launched.run_id}:{m.extra['checkpoint'].rsplit('/', 1)[0]}"
+    never = load_spec(None, kube_sets(home, cfg, "train.resume=never", kind=kind), env={})
+    assert train_job(never, tok).token == token + ":resume=never"
+    assert never.stage_hash("train") == spec_k.stage_hash("train")
     # `python -m pipelines.train.k8s SPEC --tokenize-manifest M` prints exactly the job the stage submitted
     spec_file = home / "spec-k.yaml"
     spec_file.write_text(spec_k.to_yaml())
@@ -167,8 +177,9 @@ def test_a_job_whose_pods_never_start_is_deleted_after_launcher_pending_minutes_
                             f"launcher.pending_minutes=0.03 (llm-pipeline-unit-node-0-0-x7k2p: Pending (Unschedulable: "
                             f"{NO_GPU})); it was deleted")
     waiting = [ln for ln in lines if "waiting to start" in ln]
-    assert waiting[-1] == (f"trainjob llm-pipeline/llm-pipeline-unit: waiting to start: llm-pipeline-unit-node-0-0-x7k2p:"
-                           f" Pending (Unschedulable: {NO_GPU})") and len(set(waiting)) == len(waiting), lines
+    assert waiting[-1] == ("trainjob llm-pipeline/llm-pipeline-unit: waiting to start: "
+                           f"llm-pipeline-unit-node-0-0-x7k2p: Pending (Unschedulable: {NO_GPU})"), lines
+    assert len(set(waiting)) == len(waiting), lines
     assert ("DELETE", COLLECTION["trainjob"] + "/llm-pipeline-unit") in fake.requests and fake.jobs == {}
 
 
@@ -177,8 +188,9 @@ def test_pods_that_started_or_a_suspended_job_are_not_held_to_the_start_bound():
                                    V1PodStatus)
 
     def pod(name, phase, waiting=None):
+        state = V1ContainerState(waiting=V1ContainerStateWaiting(**waiting)) if waiting else None
         cs = [V1ContainerStatus(name="trainer", image="i", image_id="", ready=False, restart_count=0,
-                                state=V1ContainerState(waiting=V1ContainerStateWaiting(**waiting)))] if waiting else None
+                                state=state)] if waiting else None
         return V1Pod(metadata=V1ObjectMeta(name=name), status=V1PodStatus(phase=phase, container_statuses=cs))
 
     pulling = pod("a", "Pending", {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "x:1"'})

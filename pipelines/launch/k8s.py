@@ -264,9 +264,11 @@ def render_trainjob(spec: JobSpec, run_id: str, trainer_args: list[str],
 RENDER = {"trainjob": render_trainjob, "pytorchjob": render_pytorchjob}
 
 
-def stage_job(spec: JobSpec, run_id: str, module: str, args: list[str]) -> dict:
-    """The job a stage submits: the pods resolve relative spec paths against this project's home, as here."""
-    return RENDER[spec.launcher.job_kind](spec, run_id, args, module, extra_env={"LLMP_HOME": str(project_home())})
+def stage_job(spec: JobSpec, run_id: str, module: str, args: list[str], env: dict[str, str] | None = None) -> dict:
+    """The job a stage submits: the pods resolve relative spec paths against this project's home, as here; ``env``
+    for the ranks besides (the train stage's launch token)."""
+    return RENDER[spec.launcher.job_kind](spec, run_id, args, module,
+                                          extra_env={"LLMP_HOME": str(project_home()), **(env or {})})
 
 
 # the CRD a kind is checked against by default (schema and CEL rules), shipped in infra/k8s/crds: Trainer v2.3.0's
@@ -746,8 +748,8 @@ def pod_waits(pods: list) -> list[str] | None:
 class StartBound:
     """``launcher.pending_minutes``: how long a job may go with none of its pods started (all Pending, or none
     created), counted from the first poll that found it so, reset when one starts; a suspended job (a queue holds
-    it) does not count, and a poll whose pod listing did not answer decides nothing (never "still pending"). :meth:`update` returns the pods' reasons when
-    they change (to log)."""
+    it) does not count, and a poll whose pod listing did not answer decides nothing (never "still pending").
+    :meth:`update` returns the pods' reasons when they change (to log)."""
 
     def __init__(self, bound_s: float | None):
         self.bound_s, self.since, self.reasons, self.seen = bound_s, None, None, False
@@ -856,14 +858,14 @@ def watch(custom, core, k: JobKind, ns: str, name: str, poll_s: float, timeout_s
 
 
 def run_job(spec: JobSpec, run_id: str, module: str, args: list[str], log: Callable[[str], None] = print,
-            detach: bool = False, record: JobRecord | None = None) -> dict:
+            detach: bool = False, record: JobRecord | None = None, env: dict[str, str] | None = None) -> dict:
     """Render, submit and watch one training job (``launcher.job_kind``) running ``torchrun -m module args``;
     returns it once Succeeded. The job is deleted when this process is told to stop (SIGTERM from Airflow, Ctrl-C)
     or times out. With ``detach`` a job that has not finished yet raises :class:`pipelines.manifest.Pending` with
     what a poller needs (a deferrable Airflow task waits in the triggerer, then calls this again, which adopts the
     finished job to collect it). ``record``: the ranks' work dir, which tells a finished job already collected
     from one to collect (:func:`submit`); the caller marks it (:meth:`JobRecord.mark_collected`)."""
-    job = stage_job(spec, run_id, module, args)
+    job = stage_job(spec, run_id, module, args, env)
     k = kind_of(job)
     check_job(job, spec)  # a job the cluster would refuse is never sent
     target = kube_target(spec)
@@ -873,7 +875,8 @@ def run_job(spec: JobSpec, run_id: str, module: str, args: list[str], log: Calla
     if detach and job_state(session.get(k, ns, name))[0] not in FINISHED:
         L, t = spec.launcher, spec.launcher.timeout_minutes
         raise Pending({"kind": k.name, "namespace": ns, "name": name, "poll_seconds": L.poll_seconds,
-                       "timeout_s": None if t is None else t * 60, "pending_s": _pending_s(spec), "kubeconfig": target[0],
+                       "timeout_s": None if t is None else t * 60, "pending_s": _pending_s(spec),
+                       "kubeconfig": target[0],
                        "kube_context": target[1], "kube_conn_id": spec.services.kube_conn_id})
 
     def _term(signum, frame):

@@ -200,16 +200,18 @@ def run_ranks(spec: JobSpec, module: str, args: list[str], run_id: str, restarts
     ranks' ``--out``, where a rank that stops early says why (``exit_codes``); a failure is :class:`TrainRetry`
     (exit 75) unless the spec or the input must change (:class:`TrainError`, exit 2). ``judge``, once the ranks
     are done: whether their result is the stage's (a :class:`StageError` says why not, e.g. they were preempted)."""
+    env = {"LLMP_RUN_TOKEN": token} if token else None  # the launch, for the ranks' lineage (history.run_token)
     if spec.launcher.on_kubernetes:
-        run_kubernetes(spec, module, args, run_id, detachable, work, judge)
+        run_kubernetes(spec, module, args, run_id, detachable, work, judge, env)
         return
-    run_torchrun(spec, args, module, restarts, {"LLMP_RUN_TOKEN": token} if token else None, work)
+    run_torchrun(spec, args, module, restarts, env, work)
     if judge is not None:
         judge()
 
 
 def run_kubernetes(spec: JobSpec, module: str, args: list[str], run_id: str, detachable: bool,
-                   work: Optional[Path], judge: Optional[Callable[[], None]]) -> None:
+                   work: Optional[Path], judge: Optional[Callable[[], None]],
+                   env: Optional[dict[str, str]] = None) -> None:
     """The ranks as a Kubernetes job (:func:`pipelines.launch.k8s.run_job`). With a ``work`` dir, a finished job
     whose outcome this try read and did not take as done (it failed, or ``judge`` refused its result) is recorded
     there, so that the next try replaces it instead of reading the same outcome again (``k8s.JobRecord``)."""
@@ -217,7 +219,7 @@ def run_kubernetes(spec: JobSpec, module: str, args: list[str], run_id: str, det
     log = lambda m: print(m, flush=True)  # noqa: E731
     try:
         done = run_job(spec, run_id, module, args, log=log,
-                       detach=detachable and os.environ.get("LLMP_DETACH") == "1", record=record)
+                       detach=detachable and os.environ.get("LLMP_DETACH") == "1", record=record, env=env)
     except JobFailed as e:  # refused (the spec must change) or failed by its nodes / the API (retry)
         if record is not None and e.job is not None:
             record.mark_collected(e.job, log)

@@ -30,6 +30,7 @@ class TrainJob:
     work: Path  # where the ranks write result.json, losses.json and read spec.yaml
     run_id: str
     args: list[str]
+    token: str  # the launch's lineage token (LLMP_RUN_TOKEN, pipelines.train.ckpt.history)
 
 
 def train_job(spec: JobSpec, tok: Manifest, out_dir: str | None = None, tmp: Optional[Path] = None,
@@ -42,4 +43,13 @@ def train_job(spec: JobSpec, tok: Manifest, out_dir: str | None = None, tmp: Opt
     ckpt_root = resolve_path(spec.checkpoint.l0) / rel_root
     args = ["--spec", str(work / "spec.yaml"), "--tokenize-manifest", tok.path, "--out", str(work),
             "--ckpt-root", str(ckpt_root)]
-    return TrainJob(sd, rel_root, work, f"train-{sd.final.name[:8]}", args)
+    run_id = f"train-{sd.final.name[:8]}"
+    return TrainJob(sd, rel_root, work, run_id, args, launch_token(spec, run_id, rel_root))
+
+
+def launch_token(spec: JobSpec, run_id: str, rel_root: str) -> str:
+    """One token per stage key, generation and ``train.resume`` (not in the key): torchrun's restarts, the task's
+    retries and a job re-created on Kubernetes are this launch again (``train.resume=never`` starts over once, ``=N``
+    forks once: :mod:`pipelines.train.ckpt.history`); a launch with another ``train.resume`` is a new one."""
+    resume = spec.train.resume
+    return f"{run_id}:{rel_root}" + ("" if resume == "auto" else f":resume={resume}")

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, StageError, FileNotFoundError) as e:  # a stage error: e.g. the generations record
         print(f"k8s: error: {e}", file=sys.stderr)
         return USER_ERROR
-    rendered = stage_job(spec, args.run_id or job.run_id, "pipelines.train.trainer", job.args)
+    rendered = stage_job(spec, args.run_id or job.run_id, "pipelines.train.trainer", job.args,
+                         {"LLMP_RUN_TOKEN": job.token})
     if args.crd and not Path(args.crd).is_file():
         print(f"k8s: error: --crd {args.crd}: no such file", file=sys.stderr)
         return USER_ERROR

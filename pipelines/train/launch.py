@@ -82,13 +82,8 @@ def run(spec: JobSpec, tok: Manifest, out_dir: str | None = None) -> Manifest:
         rel_root, work = job.rel_root, job.work
         work.mkdir(parents=True, exist_ok=True)
         spec.write_work_file(work / "spec.yaml")
-        # one token per stage key, generation and train.resume (not in the key): torchrun's restarts and the task's
-        # retries are this launch again (train.resume=never starts over once, =N forks once; history); a launch
-        # with another train.resume is a new one; on Kubernetes the job's id does this
-        resume = spec.train.resume
-        token = f"{job.run_id}:{rel_root}" + ("" if resume == "auto" else f":resume={resume}")
         run_ranks(spec, "pipelines.train.trainer", job.args, run_id=job.run_id, detachable=True,
-                  token=token, work=work, judge=lambda: judge_result(spec, rel_root, work, tmp))
+                  token=job.token, work=work, judge=lambda: judge_result(spec, rel_root, work, tmp))
         (tmp / "spec.yaml").write_text(spec.to_yaml())  # the output copy: no secrets
         result = json.loads((tmp / "result.json").read_text())
         plot_losses(json.loads((tmp / "losses.json").read_text()), tmp / "loss_curve.png", result.get("val"))

@@ -109,16 +109,17 @@ class Promoter:
     """A part leader's two background threads. The L1 thread: its part of each committed step L0 → L1, verified,
     COMMIT last; global rank 0 merges the parts into the step's global commit on L1; then L0/L1 retention
     (``ckpt_tiers.prune``: each node on its own L0, the committing rank on L1, counted from the L1 commits, so L0
-    and L1 stay bounded whatever L2 does; L1 holds back at most ``checkpoint.l1_hold_for_l2`` steps L2 still needs). L1 is required: a step that does not reach it is recorded
-    (:attr:`failed`) and the final step's is checked at :meth:`Checkpointer.close`. The L2 thread, when an S3
-    endpoint is configured, takes each step the L1 thread committed: each node uploads its part, the committing
-    rank writes the step's global COMMIT there, catches up the steps L2 missed and applies L2 retention. The two
-    never wait for each other: a hung or failing L2 (every S3 call answers within its bound, ``checkpoint.s3_*``) is a
-    warning and a ``ckpt/l2_errors`` metric, never a late or lost L1 commit; the step waits in :attr:`l2_behind`
-    (``ckpt/l2_behind``: steps waiting for L2) and L2 catches up from L1 at the next step that finds it answering
-    (the ``promote`` stage finishes the final step). L0/L1 retention never removes a step the L2 thread reads
-    (:attr:`reading`); a step it removed before the L2 thread got to it is skipped there. With one part, a step
-    that L2 retention would not keep is passed over, by either thread, for a newer one when that thread is behind."""
+    and L1 stay bounded whatever L2 does; L1 holds back at most ``checkpoint.l1_hold_for_l2`` steps L2 still needs).
+    L1 is required: a step that does not reach it is recorded (:attr:`failed`) and the final step's is checked at
+    :meth:`Checkpointer.close`. The L2 thread, when an S3 endpoint is configured, takes each step the L1 thread
+    committed: each node uploads its part, the committing rank writes the step's global COMMIT there, catches up the
+    steps L2 missed and applies L2 retention. The two never wait for each other: a hung or failing L2 (every S3 call
+    answers within its bound, ``checkpoint.s3_*``) is a warning and a ``ckpt/l2_errors`` metric, never a late or
+    lost L1 commit; the step waits in :attr:`l2_behind` (``ckpt/l2_behind``: steps waiting for L2) and L2 catches up
+    from L1 at the next step that finds it answering (the ``promote`` stage finishes the final step). L0/L1
+    retention never removes a step the L2 thread reads (:attr:`reading`); a step it removed before the L2 thread got
+    to it is skipped there. With one part, a step that L2 retention would not keep is passed over, by either thread,
+    for a newer one when that thread is behind."""
 
     def __init__(self, spec: JobSpec, rel_root: str, log: Callable[[str], None], events: Events, topo: Topology,
                  attempt: str, rec: Optional[dict] = None):
