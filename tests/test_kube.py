@@ -552,7 +552,7 @@ def test_a_finished_preempted_job_is_collected_once_and_the_next_retry_makes_a_n
     and the new job's result is the stage's, although a stale rank of an earlier attempt left a preempted file."""
     fake, cfg = kube
     sets = kube_sets(home, cfg)
-    monkeypatch.setattr(k8s, "stage_job", lambda spec, run_id, module, args: _job(
+    monkeypatch.setattr(k8s, "stage_job", lambda spec, run_id, module, args, env=None: _job(
         spec, [sys.executable, "-c", RANKS, args[args.index("--out") + 1]], run_id))
     tok = _tok_manifest(home)
     argv = ["--tokenize-manifest", tok.path, "--report", str(home / "report.json"),
@@ -619,7 +619,8 @@ def _gated_job(monkeypatch, spec, gate):
     """run_job's job: prints 'working', then waits for ``gate``."""
     script = (f"import pathlib, time\nprint('working', flush=True)\n"
               f"while not pathlib.Path({str(gate)!r}).exists():\n    time.sleep(0.05)\nprint('done', flush=True)")
-    monkeypatch.setattr(k8s, "stage_job", lambda spec, run_id, module, args: _job(spec, [sys.executable, "-c", script]))
+    monkeypatch.setattr(k8s, "stage_job",
+                        lambda spec, run_id, module, args, env=None: _job(spec, [sys.executable, "-c", script]))
 
 
 def _watched_with_a_token(home, kube, monkeypatch):
