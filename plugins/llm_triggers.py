@@ -106,7 +106,7 @@ class TrainingJobTrigger(BaseTrigger):
         ns, name = self.namespace, self.name
         logs = k8s.ReplicaLogs(session.core, k, ns, name, window_s=int(self.poll_seconds * 3) + 30)
         session.on_renew.append(logs.use)
-        start = k8s.StartBound(self.pending_s)  # (a triggerer restart counts the wait anew: bounded all the same)
+        start = k8s.StartBound(self.pending_s)  # (from the pods' creation: a triggerer restart goes on counting)
         last = None
         while True:
             obj = await asyncio.to_thread(session.get, k, ns, name)

@@ -207,9 +207,23 @@ def test_pods_that_started_or_a_suspended_job_are_not_held_to_the_start_bound():
     bound.update("Suspended", [pulling])  # held by a queue: not waiting to start
     assert not bound.expired()
     bound.update("Created", [])
+    time.sleep(0.01)
     assert bound.expired() and "(no pod was created)" in bound.message(k8s.TRAINJOB, "ns", "j")
     bound.update("Running", [pod("a", "Running")])
     assert not bound.expired() and not k8s.StartBound(None).expired()
+    # counted from the waiting pod's creation (the API server's clock), so a watch or a triggerer that starts again
+    # goes on counting: a pod Pending for 2 h is past an hour's bound at the first poll of a new StartBound
+    import datetime
+
+    old = pulling
+    old.metadata.creation_timestamp = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=2)
+    again = k8s.StartBound(3600.0)
+    again.update("Created", [old])
+    assert again.expired()
+    old.metadata.creation_timestamp = datetime.datetime.now(datetime.timezone.utc)
+    fresh = k8s.StartBound(3600.0)
+    fresh.update("Created", [old])
+    assert not fresh.expired()
 
 
 def test_a_retried_task_adopts_its_running_job_and_refuses_a_clash(home, kube):

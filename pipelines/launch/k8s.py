@@ -746,10 +746,11 @@ def pod_waits(pods: list) -> list[str] | None:
 
 
 class StartBound:
-    """``launcher.pending_minutes``: how long a job may go with none of its pods started (all Pending, or none
-    created), counted from the first poll that found it so, reset when one starts; a suspended job (a queue holds
-    it) does not count, and a poll whose pod listing did not answer decides nothing (never "still pending").
-    :meth:`update` returns the pods' reasons when they change (to log)."""
+    """``launcher.pending_minutes``: how long a job may go with none of its pods running (all Pending, or none
+    created), counted from the oldest waiting pod's creation (the API server's timestamp: a watch or a triggerer that
+    starts again goes on counting), else from the first poll that found none; reset when one runs. A suspended job
+    (a queue holds it) does not count, and a poll whose pod listing did not answer decides nothing (never "still
+    pending"). :meth:`update` returns the pods' reasons when they change (to log)."""
 
     def __init__(self, bound_s: float | None):
         self.bound_s, self.since, self.reasons, self.seen = bound_s, None, None, False
@@ -762,14 +763,16 @@ class StartBound:
         if reasons is None:
             self.since = self.reasons = None
             return []
-        self.since = time.monotonic() if self.since is None else self.since
+        created = [p.metadata.creation_timestamp.timestamp() for p in pods
+                   if p.metadata is not None and p.metadata.creation_timestamp is not None]
+        self.since = min([*created, *([] if self.since is None else [self.since])], default=time.time())
         changed, self.reasons = reasons != self.reasons, reasons
         return (reasons or ["no pod created yet"]) if changed else []
 
     def expired(self) -> bool:
         """Past the bound, by a listing that answered just now."""
         return self.bound_s is not None and self.since is not None and self.seen and \
-            time.monotonic() - self.since > self.bound_s
+            time.time() - self.since > self.bound_s
 
     def message(self, k: JobKind, ns: str, name: str) -> str:
         return (f"no pod of {k.kind} {ns}/{name} started within launcher.pending_minutes={self.bound_s / 60:g} ("
