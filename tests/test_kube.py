@@ -197,6 +197,8 @@ def test_pods_that_started_or_a_suspended_job_are_not_held_to_the_start_bound():
     assert k8s.pod_waits([pulling]) == ['a: Pending (trainer: ImagePullBackOff: Back-off pulling image "x:1")']
     assert k8s.pod_waits([pulling, pod("b", "Running")]) is None and k8s.pod_waits([]) == []
     assert k8s.pod_waits([pod("init", "Succeeded"), pulling])[0] == "init: Succeeded"  # an initializer that ended
+    nodes = [pod(f"n{i}", "Pending", {"reason": "ErrImagePull"}) for i in range(3)]  # alike: one line
+    assert k8s.pod_waits(nodes) == ["3 pods (n0, n1, …): Pending (trainer: ErrImagePull)"]
     bound = k8s.StartBound(0.0)
     assert bound.update("Created", [pulling]) and not bound.update("Created", [pulling])  # logged once per change
     time.sleep(0.01)

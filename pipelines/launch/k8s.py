@@ -726,10 +726,11 @@ STARTED = ("Running",)
 
 
 def pod_waits(pods: list) -> list[str] | None:
-    """Why none of the job's pods has started: each pod with its phase and what it waits for (the scheduler's
-    ``PodScheduled=False`` reason and message, a container's waiting reason such as ``ImagePullBackOff``); None
-    while one of them runs; ``[]`` when there is no pod yet."""
-    out = []
+    """Why none of the job's pods has started: each pod's phase and what it waits for (the scheduler's
+    ``PodScheduled=False`` reason and message, a container's waiting reason such as ``ImagePullBackOff``), pods that
+    wait alike in one line (``3 pods (a, b, …): Pending (…)``: a job of many nodes says it once); None while one of
+    them runs; ``[]`` when there is no pod yet."""
+    alike: dict[str, list[str]] = {}
     for pod in pods:
         st = pod.status
         phase = (st.phase if st is not None else None) or "Pending"
@@ -741,8 +742,10 @@ def pod_waits(pods: list) -> list[str] | None:
             w = cs.state.waiting if cs.state is not None else None
             if w is not None and w.reason not in (None, "ContainerCreating", "PodInitializing"):
                 why.append(f"{cs.name}: {w.reason}" + (f": {w.message}" if w.message else ""))
-        out.append(f"{pod.metadata.name}: {phase}" + (f" ({'; '.join(why)})" if why else ""))
-    return out
+        alike.setdefault(phase + (f" ({'; '.join(why)})" if why else ""), []).append(pod.metadata.name)
+    return [f"{names[0]}: {what}" if len(names) == 1 else
+            f"{len(names)} pods ({', '.join(names[:2])}{', …' if len(names) > 2 else ''}): {what}"
+            for what, names in alike.items()]
 
 
 class StartBound:
