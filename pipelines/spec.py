@@ -582,10 +582,6 @@ class TrainCfg(_Section):
         d = super().hashed()
         if not self.mixture:  # no mixture: the same stage key (and checkpoints) as before train.mixture existed
             d.pop("mixture")
-        # where a launch resumes (auto, never, a step) changes no byte of what it computes (a resumed run ends bitwise
-        # equal) and must name this run's checkpoints: train.resume=N forks its own steps, never clears them. The
-        # key keeps 'auto' in its place, so no existing key changes.
-        d["resume"] = "auto"
         return d
 
 
@@ -687,7 +683,8 @@ class LauncherCfg(_Section):
 class TiersCfg(_Section):
     # how storage calls are bounded and fenced changes no byte of a checkpoint: not part of the stage's key
     unhashed: ClassVar[frozenset[str]] = frozenset({"s3_connect_timeout_s", "s3_read_timeout_s", "s3_max_attempts",
-                                                    "s3_min_mb_per_s", "lease_s", "l1_hold_for_l2"})
+                                                    "s3_min_mb_per_s", "lease_s", "l1_hold_for_l2",
+                                                    "restore_past_unanswered"})
     l0: str = "var/tiers/nvme"
     l1: str = "var/tiers/shared"
     l2_prefix: str = Field("checkpoints", description="Key prefix in services.s3_bucket.")
@@ -703,6 +700,10 @@ class TiersCfg(_Section):
     keep_l1: int = Field(5, ge=1, description="Committed steps kept on L1.")
     keep_l2: int = Field(1, ge=1, description="Newest steps kept on L2, besides those kept by l2_keep_every.")
     l2_keep_every: int = Field(0, ge=0, description="Also keep L2 steps that are multiples of this (0 = keep all).")
+    restore_past_unanswered: bool = Field(
+        False, description="A restore that finds a newer step in a tier that does not answer stops (exit 75: a retry "
+        "looks again) rather than resume from an older step, whose line of training would give the newer ones up for "
+        "good; true resumes from the newest step that restores now (logged).")
     l1_hold_for_l2: int = Field(
         5, ge=0, description="While L2 lags (an outage), L1 retention also keeps up to this many of the newest steps "
         "that L2 would keep (l2_keep_every) and has not got yet, so they reach it when it answers; past that the "

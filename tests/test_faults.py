@@ -518,8 +518,8 @@ def test_a_newer_step_whose_tier_does_not_answer_is_not_given_up_for_an_older_on
     """The newest step's L1 copy fails its checksums and L0 lost it, so its parts must come from L2, which answers
     503 to every read of them; an older step is whole on L1. The retry resumed from the older step (exit 0) and its
     line of training superseded the newer steps for good; now it exits 75 naming the step, the tier and
-    ``train.resume=<older>`` (the user's choice to give them up), and the same stage with that setting resumes from
-    the older step."""
+    ``checkpoint.restore_past_unanswered`` (the user's choice to give them up), and the same stage with it set resumes
+    from the older step."""
     import shutil
 
     tok, run, sets, spec, rel_root, before = _preempted_with_l2_steps(home, s3_server, "ck-newer-unknown")
@@ -544,14 +544,14 @@ def test_a_newer_step_whose_tier_does_not_answer_is_not_given_up_for_an_older_on
     out = r.stdout + r.stderr
     assert r.returncode == 75, out[-3000:]
     assert "train: error: restore: L2 (ClientError" in out and f"did not answer for step {newer}: not resuming " \
-        f"from the older step {older} over it" in out and f"train.resume={older}" in out, out[-3000:]
+        f"from the older step {older} over it" in out and "checkpoint.restore_past_unanswered=true" in out, out[-3000:]
     assert not (run / "train/manifest.json").exists(), out[-3000:]
     assert _l2_commits(spec, rel_root) == before
 
-    # the user gives the newer steps up as the line says: train.resume is not part of the stage's key, so the same
-    # stage (same checkpoints) forks at the older step, with L2 still refusing reads
-    r = subprocess.run(_launch_cmd(tok, run, sets + [f"train.resume={older}"]), env=_env(LLMP_FAULTS=no_read),
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    # the user gives the newer steps up as the line says (not part of the stage's key: the same checkpoints), with L2
+    # still refusing reads: the run resumes from the older step
+    r = subprocess.run(_launch_cmd(tok, run, sets + ["checkpoint.restore_past_unanswered=true"]),
+                       env=_env(LLMP_FAULTS=no_read), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     m = json.loads((run / "train/manifest.json").read_text())
     assert m["extra"]["resumed_from"] == {"step": older, "tier": "L1"}, m["extra"]["resumed_from"]

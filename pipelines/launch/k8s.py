@@ -750,7 +750,7 @@ def pod_waits(pods: list) -> list[str] | None:
 
 class StartBound:
     """``launcher.pending_minutes``: how long a job may go with none of its pods running (all Pending, or none
-    created), counted from the oldest waiting pod's creation (the API server's timestamp: a watch or a triggerer that
+    created), counted from the oldest Pending pod's creation (the API server's timestamp: a watch or a triggerer that
     starts again goes on counting), else from the first poll that found none; reset when one runs. A suspended job
     (a queue holds it) does not count, and a poll whose pod listing did not answer decides nothing (never "still
     pending"). :meth:`update` returns the pods' reasons when they change (to log)."""
@@ -766,8 +766,9 @@ class StartBound:
         if reasons is None:
             self.since = self.reasons = None
             return []
-        created = [p.metadata.creation_timestamp.timestamp() for p in pods
-                   if p.metadata is not None and p.metadata.creation_timestamp is not None]
+        created = [p.metadata.creation_timestamp.timestamp() for p in pods  # waiting pods only: not one that ended
+                   if p.metadata is not None and p.metadata.creation_timestamp is not None
+                   and (p.status is None or p.status.phase in (None, "Pending"))]
         self.since = min([*created, *([] if self.since is None else [self.since])], default=time.time())
         changed, self.reasons = reasons != self.reasons, reasons
         return (reasons or ["no pod created yet"]) if changed else []

@@ -44,12 +44,11 @@ def train_job(spec: JobSpec, tok: Manifest, out_dir: str | None = None, tmp: Opt
     args = ["--spec", str(work / "spec.yaml"), "--tokenize-manifest", tok.path, "--out", str(work),
             "--ckpt-root", str(ckpt_root)]
     run_id = f"train-{sd.final.name[:8]}"
-    return TrainJob(sd, rel_root, work, run_id, args, launch_token(spec, run_id, rel_root))
+    return TrainJob(sd, rel_root, work, run_id, args, launch_token(run_id, rel_root))
 
 
-def launch_token(spec: JobSpec, run_id: str, rel_root: str) -> str:
-    """One token per stage key, generation and ``train.resume`` (not in the key): torchrun's restarts, the task's
-    retries and a job re-created on Kubernetes are this launch again (``train.resume=never`` starts over once, ``=N``
-    forks once: :mod:`pipelines.train.ckpt.history`); a launch with another ``train.resume`` is a new one."""
-    resume = spec.train.resume
-    return f"{run_id}:{rel_root}" + ("" if resume == "auto" else f":resume={resume}")
+def launch_token(run_id: str, rel_root: str) -> str:
+    """One token per job name, stage key (``train.resume`` is part of it) and generation: torchrun's restarts, the
+    task's retries and a job re-created on Kubernetes are this launch again (``train.resume=never`` starts over
+    once, ``=N`` forks once: :mod:`pipelines.train.ckpt.history`)."""
+    return f"{run_id}:{rel_root}"

@@ -17,7 +17,7 @@ from pipelines.exit_codes import USER_ERROR
 from pipelines.launch.k8s import JobFailed, check_job, stage_job
 from pipelines.manifest import StageError, load_manifest
 from pipelines.spec import SpecError, load_spec
-from pipelines.train.job import train_job
+from pipelines.train.job import launch_token, train_job
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, StageError, FileNotFoundError) as e:  # a stage error: e.g. the generations record
         print(f"k8s: error: {e}", file=sys.stderr)
         return USER_ERROR
-    rendered = stage_job(spec, args.run_id or job.run_id, "pipelines.train.trainer", job.args,
-                         {"LLMP_RUN_TOKEN": job.token})
+    run_id = args.run_id or job.run_id
+    rendered = stage_job(spec, run_id, "pipelines.train.trainer", job.args,
+                         {"LLMP_RUN_TOKEN": launch_token(run_id, job.rel_root)})
     if args.crd and not Path(args.crd).is_file():
         print(f"k8s: error: --crd {args.crd}: no such file", file=sys.stderr)
         return USER_ERROR

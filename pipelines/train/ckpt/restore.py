@@ -17,13 +17,13 @@ Then, for that step:
    the rest. No node reads another node's disk.
 
 A step whose copies answered but do not verify is skipped for the next older one; a step that a tier did not answer
-for stops the restore (exit 75) instead: resuming an older step would give the newer ones up for good.
+for stops the restore (exit 75) instead: resuming an older step would give the newer ones up for good (unless
+``checkpoint.restore_past_unanswered``).
 
 Each node logs which tier every part came from; ``tier`` is the farthest any part came from.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -89,7 +89,7 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
         elif inv is not None:
             per_node[node] = inv
     tried: set[int] = set()
-    unread: list[str] = []  # L1 copies whose read failed: an older step may serve, but "none" is not proven
+    unread: list[str] = []  # L0/L1 copies whose read failed: an older step may serve, but "none" is not proven
     blocked: Optional[tuple[int, list[str]]] = None  # the newest step a tier did not answer for, and why
     for far in (False, True):  # L1 and the nodes' disks; then, only when none of theirs could be restored, L2
         for c in _choose(ckpt, per_node, step, tried if far else None):
@@ -100,14 +100,14 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
             got = _settle(ckpt, c, unknown, unread)
             if got is not None:
                 return got
-            if len(unknown) > before and blocked is None:
+            if len(unknown) > before and blocked is None and not ckpt.spec.checkpoint.restore_past_unanswered:
                 blocked = (c["step"], unknown[before:])
     if unknown:
         listed = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         raise ck.TierUnavailable(f"restore: {listed} did not answer and no other tier holds "
                                  + ("a step to restore: not starting over from step 0" if step is None else
                                     f"step {step} to restore") + " (a retry looks again)")
-    if unread and step is None:  # copies L1 failed to return are not copies that are gone: not step 0 over them
+    if unread and step is None:  # copies a disk failed to return are not copies that are gone: not step 0 over them
         listed = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
         raise ck.TierUnavailable(f"restore: {listed} could not be read and no other copy restores: not starting "
                                  "over from step 0 (a retry looks again)")
@@ -116,11 +116,11 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
 
 def _not_older(newer: int, why: list[str], older: int) -> str:
     """Why a restore stops rather than take an older step: ``newer``'s copy is in a tier that did not answer, so
-    its steps are unknown, not lost; resuming at ``older`` would drop them (its line of training would supersede
-    them). Only the user can choose that: ``train.resume`` set to the older step forks the line there."""
+    its steps are unknown, not lost; resuming at ``older`` would give them up for good (the run's new steps replace
+    them). Only the user can choose that: ``checkpoint.restore_past_unanswered``."""
     return (f"restore: {'; '.join(why)} did not answer for step {newer}: not resuming from the older step {older} "
-            f"over it (a retry looks again; train.resume={older} resumes from step {older} and gives up the steps "
-            "after it)")
+            f"over it (a retry looks again; checkpoint.restore_past_unanswered=true resumes from step {older} and "
+            "gives up the steps after it)")
 
 
 def _choose(ckpt, per_node: dict[int, dict], want: Optional[int], l2_skip: Optional[set[int]]) -> list[dict]:
@@ -238,8 +238,10 @@ def _settle(ckpt, c: dict, unknown: list[str], unread: list[str]) -> Optional[Re
     locs = ckpt_tiers.tier_locations(spec, rel)
     l0, l1 = Path(locs["L0"]), Path(locs["L1"])
     log = ckpt.node_log
-    held = _verify_own_part(l0, c, log) if topo.local_rank == 0 else None
-    have = {node: h for node, h in _gather((topo.node, held)) if h is not None}
+    held, why = _verify_own_part(l0, c, log) if topo.local_rank == 0 else (None, None)
+    got = _gather((topo.node, held, why))  # the same on every rank
+    have = {node: h for node, h, _ in got if h is not None}
+    unread.extend(w for _, _, w in got if w and w not in unread)
     every = set(range(c["parts"]))
     if all(have.get(g, set()) >= every for g in range(topo.nodes)):
         sources = {k: "L0" for k in every}
@@ -257,20 +259,21 @@ def _settle(ckpt, c: dict, unknown: list[str], unread: list[str]) -> Optional[Re
     return Restored(c["step"], max(sources.values(), key=NEAR.get), view, sources, state)
 
 
-def _verify_own_part(l0: Path, c: dict, log) -> set[int]:
-    """The parts of this step (this attempt) that this node's L0 holds and that verify."""
-    if not (l0 / ck.COMMIT).is_file():
-        return set()
+def _verify_own_part(l0: Path, c: dict, log) -> tuple[set[int], Optional[str]]:
+    """The parts of this step (this attempt) that this node's L0 holds and that verify, and what failed to be read
+    there (an errno other than an answer about an entry: :func:`_unread`), else None."""
     try:
+        if not (l0 / ck.COMMIT).is_file():
+            return set(), None
         man = ck.verify_local(l0)
     except Exception as e:  # noqa: BLE001 - a corrupt or partial copy is a reason to use another tier
         log(f"[ckpt] restore: skipped {l0.name} L0: {e}")
-        return set()
+        return set(), _unread(e, l0, "L0")
     part, parts, attempt = ckpt_parts.part_of(man)
     if attempt != c["attempt"] or parts != c["parts"]:
         log(f"[ckpt] restore: skipped {l0.name} L0: another attempt's part ({attempt}, not {c['attempt']})")
-        return set()
-    return {part}
+        return set(), None
+    return {part}, None
 
 
 def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log, unknown: list[str],
@@ -347,11 +350,11 @@ def _verify_l1_parts(l1: Path, topo, log) -> tuple[list[int], Optional[str]]:
     return sorted(bad), None
 
 
-def _unread(e: BaseException, l1: Path) -> Optional[str]:
-    """``'L1 <step> (…)'`` for a read of the step's L1 copy that failed (EIO, ESTALE, EACCES …: not a missing file,
-    not a copy that answered and is bad); None otherwise."""
-    if isinstance(e, OSError) and e.errno not in (errno.ENOENT, errno.ENOTDIR):
-        return f"L1 {l1.name} ({type(e).__name__}: {str(e)[:240]})"
+def _unread(e: BaseException, copy: Path, tier: str = "L1") -> Optional[str]:
+    """``'L1 <step> (…)'`` for a read of the step's copy on ``tier`` that failed (EIO, ESTALE, EACCES …: not an
+    answer about an entry, not a copy that answered and is bad); None otherwise."""
+    if isinstance(e, OSError) and e.errno is not None and e.errno not in L1_ANSWERS:
+        return f"{tier} {copy.name} ({type(e).__name__}: {str(e)[:240]})"
     return None
 
 
@@ -383,10 +386,7 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
         return f"{UNANSWERED}{tier}" if tier else None
 
 
-# answers about an entry of L1 (missing, not a directory, a loop, a name too long, in the way): the copy's state,
-# not L1 failing; any other errno on a path of L1 is L1 failing (full, I/O, stale, read-only, refused, evicted …)
-L1_ANSWERS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG, errno.EEXIST,
-              errno.ENOTEMPTY}
+L1_ANSWERS = ck.FS_ANSWERS  # answers about an entry of L1 (missing, in the way …), not L1 failing
 
 
 def l1_failed(e: BaseException, l1_root: Path) -> Optional[str]:

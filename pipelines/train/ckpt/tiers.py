@@ -31,8 +31,9 @@ from pipelines.storage import faults
 from pipelines.storage.s3 import (EmbeddedDown, S3ConfigError, client, embedded_configured, endpoint_url, split_uri,
                                   unreachable)
 from pipelines.train.ckpt import fence, history
-from pipelines.train.ckpt.protocol import (COMMIT, TIERS, CheckpointError, L2Unavailable, TierUnavailable,
-                                        is_valid_local, parse_step, read_local_manifest, step_name, verify_local)
+from pipelines.train.ckpt.protocol import (COMMIT, FS_ANSWERS, TIERS, CheckpointError, L2Unavailable,
+                                           TierUnavailable, is_valid_local, parse_step, read_local_manifest, step_name,
+                                           verify_local)
 from pipelines.train.ckpt.local import remove_local
 from pipelines.train.ckpt.parts import merge_parts, part_of, stage_part, upload_step
 from pipelines.train.ckpt.s3_tier import (commit_at, download_checkpoint, missing, multipart_uploads, read_s3_manifest,
@@ -493,6 +494,8 @@ def promote_held(spec: JobSpec, rel_root: str, final: int, log: Callable[[str], 
         try:
             upload_step(spec, Path(locs["L1"]), locs["L2"])
         except Exception as e:  # noqa: BLE001 - sorted below: only a copy that answered bad is this step's alone
+            if isinstance(e, OSError) and e.errno is not None and e.errno not in FS_ANSWERS and not unreachable(e):
+                raise TierUnavailable(f"L1 step {s}: {type(e).__name__}: {e}") from None  # L1 failing: unknown
             if isinstance(e, TierUnavailable) or unreachable(e) or not isinstance(e, (CheckpointError, OSError)):
                 raise
             out["failed"][s] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
