@@ -39,6 +39,14 @@ def _faults(*rules) -> str:
     return json.dumps(list(rules))
 
 
+def _promote_cmd(home: Path, sets: list[str]) -> list[str]:
+    """The promote stage on the train stage's manifest under ``home/run`` (its tiers there), with ``sets``."""
+    roots = [f"run.root={home}/run", f"checkpoint.l0={home}/run/l0", f"checkpoint.l1={home}/run/l1"]
+    return [sys.executable, "-m", "pipelines.train.promote", "--train-manifest",
+            str(home / "run" / "train" / "manifest.json"), "--output", str(home / "promote")] \
+        + [a for kv in TINY + sets + roots for a in ("--set", kv)]
+
+
 def test_a_final_step_that_cannot_reach_l1_fails_the_run_with_one_line(home):
     tok = _tok(home)
     sets = ["train.steps=20", "train.ckpt_every=10", "launcher.nproc_per_node=2", "launcher.max_restarts=0"]
@@ -84,22 +92,15 @@ def test_an_s3_outage_in_the_middle_of_a_run_degrades_to_l1_and_the_promote_stag
         assert not list(store.rglob("step-000060/COMMIT"))
 
         # the promote stage while the endpoint is down: infrastructure, exit 75 (it was 2: never retried)
-        promote = [sys.executable, "-m", "pipelines.train.promote", "--train-manifest",
-                   str(home / "run" / "train" / "manifest.json"), "--output", str(home / "promote")] \
-            + [a for kv in TINY + sets + [f"run.root={home}/run", f"checkpoint.l0={home}/run/l0",
-                                          f"checkpoint.l1={home}/run/l1", "checkpoint.s3_max_attempts=1"]
-               for a in ("--set", kv)]
+        promote = _promote_cmd(home, sets + ["checkpoint.s3_max_attempts=1"])
         r = subprocess.run(promote, env=_env(LLMP_HOME=str(home)), cwd=ROOT, capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 75, r.stdout[-2000:] + r.stderr[-2000:]
         assert "promote: error:" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
         # the endpoint is back: the promote stage puts the final step on L2
         assert subprocess.run(s3 + ["start"], env=_env(LLMP_HOME=str(home)), cwd=ROOT, timeout=300).returncode == 0
-        r = subprocess.run([sys.executable, "-m", "pipelines.train.promote", "--train-manifest",
-                            str(home / "run" / "train" / "manifest.json"), "--output", str(home / "promote")]
-                           + [a for kv in TINY + sets + [f"run.root={home}/run", f"checkpoint.l0={home}/run/l0",
-                                                         f"checkpoint.l1={home}/run/l1"] for a in ("--set", kv)],
-                           env=_env(LLMP_HOME=str(home)), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(_promote_cmd(home, sets), env=_env(LLMP_HOME=str(home)), cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         assert list(store.rglob("step-000060/COMMIT"))
         assert f"steps L1 held while L2 lagged, now on L2: {held}" in r.stdout, r.stdout[-2000:]
@@ -129,11 +130,7 @@ def test_steps_l2_keeps_wait_on_l1_while_it_refuses_writes_and_the_promote_stage
     for lost in (10, 20):
         assert f"L1 retention removed step(s) [{lost}] before L2 got them" in out, out[-4000:]
 
-    promote = [sys.executable, "-m", "pipelines.train.promote", "--train-manifest",
-               str(home / "run/train/manifest.json"), "--output", str(home / "promote")] \
-        + [a for kv in TINY + sets + [f"run.root={home}/run", f"checkpoint.l0={home}/run/l0",
-                                      f"checkpoint.l1={home}/run/l1"] for a in ("--set", kv)]
-    r = subprocess.run(promote, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(_promote_cmd(home, sets), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"] == [30, 40]
     assert "now on L2: [30]" in r.stdout, r.stdout[-2000:]

@@ -225,8 +225,7 @@ class Promoter:
 
     def _passed_over(self, step: int, newer: bool, where: str) -> bool:
         """With one part, a step that L2 retention would not keep is passed over when a newer one waits (logged)."""
-        every = self.spec.checkpoint.l2_keep_every
-        if self.topo.parts == 1 and newer and every and step % every:
+        if self.topo.parts == 1 and newer and not self._l2_keeps(step):
             self.log(f"[ckpt] promote: step {step} passed over{where} for a newer one (not kept at L2)")
             return True
         return False
@@ -498,8 +497,7 @@ class Promoter:
                 self.l2_known = True
 
     def _l2_keeps(self, step: int) -> bool:
-        every = self.spec.checkpoint.l2_keep_every
-        return not every or step % every == 0
+        return ckpt_tiers.l2_keeps(self.spec.checkpoint.l2_keep_every, step)
 
     def held_for_l2(self, l1_steps: Optional[list[int]] = None) -> set[int]:
         """The steps L1 retention keeps for L2 (``checkpoint.l1_hold_for_l2`` at most, the newest): those L2 would

@@ -103,15 +103,17 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
             if len(unknown) > before and blocked is None and not ckpt.spec.checkpoint.restore_past_unanswered:
                 blocked = (c["step"], unknown[before:])
     if unknown:
-        listed = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
-        raise ck.TierUnavailable(f"restore: {listed} did not answer and no other tier holds "
+        raise ck.TierUnavailable(f"restore: {_listed(unknown)} did not answer and no other tier holds "
                                  + ("a step to restore: not starting over from step 0" if step is None else
                                     f"step {step} to restore") + " (a retry looks again)")
     if unread and step is None:  # copies a disk failed to return are not copies that are gone: not step 0 over them
-        listed = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
-        raise ck.TierUnavailable(f"restore: {listed} could not be read and no other copy restores: not starting "
-                                 "over from step 0 (a retry looks again)")
+        raise ck.TierUnavailable(f"restore: {_listed(unread)} could not be read and no other copy restores: not "
+                                 "starting over from step 0 (a retry looks again)")
     return None
+
+
+def _listed(why: list[str]) -> str:
+    return ", ".join(why[:3]) + (f" and {len(why) - 3} more" if len(why) > 3 else "")
 
 
 def _not_older(newer: int, why: list[str], older: int) -> str:

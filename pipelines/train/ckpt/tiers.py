@@ -126,6 +126,11 @@ def fetch(spec: JobSpec, rel: str, cache: Optional[Path] = None, prefer: tuple[s
 
 
 # ----------------------------------------------------------------------------- retention
+def l2_keeps(l2_every: int, step: int) -> bool:
+    """Does L2 retention keep ``step`` for good (``checkpoint.l2_keep_every``: its multiples; 0 = every step)?"""
+    return not l2_every or step % l2_every == 0
+
+
 def retention_plan(by_tier: dict[str, list[int]], keep: dict[str, int], l2_every: int) -> dict[str, list[int]]:
     """Steps to delete per tier: L0/L1 keep their last ``keep[tier]`` steps; L2 keeps the last ``keep['L2']``
     plus every step that is a multiple of ``l2_every`` (0 = keeps every L2 step)."""
@@ -134,7 +139,7 @@ def retention_plan(by_tier: dict[str, list[int]], keep: dict[str, int], l2_every
         steps = sorted(steps)
         kept = set(steps[-keep[tier]:]) if keep[tier] > 0 else set(steps)
         if tier == "L2":
-            kept |= {s for s in steps if not l2_every or s % l2_every == 0}
+            kept |= {s for s in steps if l2_keeps(l2_every, s)}
         out[tier] = [s for s in steps if s not in kept]
     return out
 
@@ -485,19 +490,18 @@ def promote_held(spec: JobSpec, rel_root: str, final: int, log: Callable[[str], 
     except (OSError, ValueError) as e:  # L1 failing, a torn lineage record
         raise TierUnavailable(f"L1: the steps held for L2 under {rel_root} cannot be read: {type(e).__name__}: {e}") \
             from None
-    every = spec.checkpoint.l2_keep_every
     out: dict = {"done": [], "failed": {}}
     for s in by_tier["L1"]:
-        if s >= final or (every and s % every) or s in by_tier["L2"]:
+        if s >= final or not l2_keeps(spec.checkpoint.l2_keep_every, s) or s in by_tier["L2"]:
             continue
         locs = tier_locations(spec, f"{rel_root}/{step_name(s)}")
         try:
             upload_step(spec, Path(locs["L1"]), locs["L2"])
-        except Exception as e:  # noqa: BLE001 - sorted below: only a copy that answered bad is this step's alone
-            if isinstance(e, OSError) and e.errno is not None and e.errno not in FS_ANSWERS and not unreachable(e):
-                raise TierUnavailable(f"L1 step {s}: {type(e).__name__}: {e}") from None  # L1 failing: unknown
-            if isinstance(e, TierUnavailable) or unreachable(e) or not isinstance(e, (CheckpointError, OSError)):
+        except (CheckpointError, OSError) as e:  # only a copy that answered bad is this step's alone
+            if isinstance(e, TierUnavailable) or unreachable(e):
                 raise
+            if isinstance(e, OSError) and e.errno is not None and e.errno not in FS_ANSWERS:
+                raise TierUnavailable(f"L1 step {s}: {type(e).__name__}: {e}") from None  # L1 failing: unknown
             out["failed"][s] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log(f"[promote] warning: step {s}, held on L1 for L2, did not reach it: {out['failed'][s]}")
             continue
