@@ -497,6 +497,28 @@ def test_the_takedown_list_lock_is_waited_for_boundedly_and_never_skipped(tmp_pa
     assert [e.source for e in takedowns.read_list(listed).exclusions] == ["x.jsonl", "y.jsonl"]
 
 
+def test_a_query_that_could_not_look_into_a_corpus_version_never_exits_0(tmp_path, monkeypatch, capsys):
+    """``--source``/``--doc``/``--exclude-source`` print their answer with the version they could not look into, and
+    end 2 for a damaged version (it ended 0, the version only in the JSON, a takedown's text not naming it) and 75 for
+    one storage did not return."""
+    from pipelines.lineage import __main__ as cli
+
+    damaged = {"manifest": f"{tmp_path}/tokenize/k1/manifest.json", "error": "no shard shard-00000.bin",
+               "storage": False}
+    answer = {"source": "data/a.jsonl", "corpus_versions": [], "models": [], "unreadable": [damaged]}
+    monkeypatch.setattr(cli, "client", lambda spec: None)
+    monkeypatch.setattr(cli, "source_query", lambda spec, c, source: answer)
+    assert cli.main(["--source", "data/a.jsonl", "--set", f"run.root={tmp_path}"]) == 2
+    out, err = capsys.readouterr()
+    assert f"unreadable: {damaged['manifest']}: no shard" in out, out
+    assert "lineage: error: 1 corpus version(s) cannot be looked into" in err and "Traceback" not in err, err
+    damaged["storage"] = True
+    assert cli.main(["--source", "data/a.jsonl", "--set", f"run.root={tmp_path}"]) == 75
+    assert "could not be read now" in capsys.readouterr().err
+    answer["unreadable"] = []
+    assert cli.main(["--source", "data/a.jsonl", "--set", f"run.root={tmp_path}"]) == 0
+
+
 def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_one_is_the_users_to_fix(tmp_path,
                                                                                                        monkeypatch):
     """The chain of corpus versions: an I/O error reading the version a corpus extends is the infrastructure's
@@ -572,5 +594,14 @@ def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_
     with pytest.raises(queries.VersionUnreadable, match="is recorded in .*1 corpus version.*run the same command"):
         queries.exclude_source(spec, None, "data/a.jsonl", "request 1")
     assert [e.source for e in takedowns.read_list(tmp_path / "takedowns.jsonl").exclusions] == ["data/a.jsonl"]
-    unread[0]["storage"] = False  # a damaged version: listed, nothing to retry
-    assert queries.exclude_source(spec, None, "data/a.jsonl", "request 1")["unreadable"] == unread
+    unread[0]["storage"] = False  # a damaged version: listed, nothing to retry, and never an exit 0 (it was one)
+    res = queries.exclude_source(spec, None, "data/a.jsonl", "request 1")
+    assert res["unreadable"] == unread
+    code, line = queries.incomplete(res)
+    assert code == 2 and "1 corpus version(s) cannot be looked into (m: Input/output error)" in line \
+        and "not tagged" in line, line
+    code, line = queries.incomplete({"doc": "d", "corpus_versions": [], "unreadable": [*unread, {**unread[0],
+                                                                                          "storage": True}]})
+    assert code == 75 and "2 corpus version(s) could not be read now (m: Input/output error and 1 more)" in line \
+        and "leaves it out" in line, line
+    assert queries.incomplete({"doc": "d", "corpus_versions": [], "unreadable": []}) is None

@@ -22,8 +22,10 @@ The command line of :mod:`pipelines.lineage` (its modules: where lineage and tak
 A query or takedown that no corpus version holds anything of prints a warning and exits 0; with ``--strict`` it exits
 1 (a takedown is then not recorded). A bad source or reason, an unknown model: exit 2 with one line. A takedown list
 whose lock is still held after ``LOCK_WAIT_S`` (a line names the holder), or that cannot be locked, read or written:
-exit 75 with one line, nothing recorded (run it again). A corpus version
-that cannot be read is listed under ``unreadable`` instead of ending a ``--doc``/``--source`` query.
+exit 75 with one line, nothing recorded (run it again). A corpus version that cannot be looked into is listed under
+``unreadable``, the rest of the answer printed, and the command ends with one line naming it: exit 75 when storage did
+not return it (run it again), 2 when it is damaged (its shards or lineage do not read): never 0 over a version it
+could not look into (a takedown is recorded all the same, and the registered versions trained on it are not tagged).
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ import json
 import sys
 
 from pipelines.exit_codes import USER_ERROR
-from pipelines.lineage.queries import (NothingMatched, doc_query, exclude_source, model_query, nothing_matched,
-                                      source_query)
+from pipelines.lineage.queries import (NothingMatched, doc_query, exclude_source, incomplete, model_query,
+                                      nothing_matched, source_query)
 from pipelines.lineage.takedowns import TAG
 from pipelines.manifest import StageError
 from pipelines.spec import add_spec_args, spec_from_args
@@ -56,6 +58,7 @@ def _text(res: dict) -> str:
                      f"held by {len(res['corpus_versions'])} corpus version(s); the next curation run publishes a "
                      "version without its docs")
         lines += [f"  tagged {TAG}: {m['name']} v{m['version']}" for m in res["models_tagged"]]
+        lines += [f"  unreadable: {u['manifest']}: {u['error']}" for u in res.get("unreadable", [])]
         return "\n".join(lines)
     what = res.get("doc") or res.get("source")
     lines.append(f"{what}: in {len(res['corpus_versions'])} corpus version(s), {len(res['models'])} registered model "
@@ -110,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     warning = nothing_matched(res, spec.run.root)
     if warning:
         print(f"lineage: warning: {warning}", file=sys.stderr)
+    if short := incomplete(res):  # not 0 over a version it could not look into
+        print(f"lineage: error: {short[1]}", file=sys.stderr)
+        return short[0]
     return 1 if warning and args.strict else 0
 
 

@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 
-from pipelines.exit_codes import RETRY
+from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.lineage.keys import Exclusion, Matcher, source_key
 from pipelines.lineage.takedowns import add, read_list, split_by_exclusion, tag_versions
 from pipelines.manifest import Manifest, StageError, lineage, load_manifest
@@ -317,6 +317,23 @@ def exclude_source(spec: JobSpec, client, source: str, reason: str, strict: bool
                                 "to tag the registered versions trained on them")
     return {"exclusion": {**rec.__dict__, "list": str(path), "added": added}, "corpus_versions": versions,
             "models_tagged": [{k: m[k] for k in ("name", "version")} for m in tagged], "unreadable": unreadable}
+
+
+def incomplete(res: dict) -> Optional[tuple[int, str]]:
+    """An answer (of :func:`doc_query`, :func:`source_query`, :func:`exclude_source`) that could not look into every
+    corpus version: (exit code, one line) — 75 when storage did not return one (a retry reads it), 2 when one is
+    damaged (its shards or lineage do not read: the user's to repair); None when it looked into every one."""
+    unread = res.get("unreadable") or []
+    if not unread:
+        return None
+    first = f"{unread[0]['manifest']}: {unread[0]['error']}" + (f" and {len(unread) - 1} more" if len(unread) > 1
+                                                                  else "")
+    left = ("the exclusion is recorded, but the registered versions trained on it are not tagged" if "exclusion" in res
+            else "the answer above leaves it out")
+    if any(u["storage"] for u in unread):
+        return RETRY, f"{len(unread)} corpus version(s) could not be read now ({first}): {left}; run it again"
+    return USER_ERROR, (f"{len(unread)} corpus version(s) cannot be looked into ({first}): {left}; the version must "
+                        "be repaired (or moved out of run.root) before the answer is whole")
 
 
 def _unread_note(unreadable: list[dict]) -> str:
