@@ -774,11 +774,28 @@ class EvalCfg(_Section):
 
 
 class RegistryCfg(_Section):
-    model_name: str = "llm-pipeline-gpt"
-    alias: str = "champion"
+    model_name: str = Field("llm-pipeline-gpt", description="The registered model's name: letters, digits, '_', "
+                            "'-', '.' and spaces (it is quoted in the registry's search filters and in models:/ URIs).")
+    alias: str = Field("champion", description="The alias the gate moves: letters, digits, '_' and '-'.")
     gate_metric: Literal["reference_bpb", "heldout_loss", "heldout_bpb"] = Field(
         "reference_bpb", description="Lower is better. reference_bpb is compared only on the same reference set "
         "(sha256); heldout_* are on each run's own corpus, so only comparable between runs of the same data.")
+
+    @field_validator("model_name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\- ]{0,199}", v):
+            raise ValueError(f"{v!r} is not a model name this pipeline can search for and load: use letters, digits, "
+                             "'_', '-', '.' and spaces (no quotes, '/', ':' or '@'), 1 to 200 characters")
+        return v
+
+    @field_validator("alias")
+    @classmethod
+    def _plain_alias(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_\-]{1,200}", v) or re.fullmatch(r"latest|v\d+", v, re.IGNORECASE):
+            raise ValueError(f"{v!r} is not an alias the registry takes: letters, digits, '_' and '-', not 'latest' "
+                             "nor v<number>")
+        return v
 
 
 class ServicesCfg(_Section):

@@ -18,7 +18,7 @@ def summarize(spec) -> dict:
 
     c = tracking.client(spec)
     name, alias = spec.registry.model_name, spec.registry.alias
-    versions = c.search_model_versions(f"name='{name}'")
+    versions = list(tracking.model_versions(c, f"name='{name}'"))  # every page: the newest may be on any
     if not versions:
         raise LookupError(f"no registered versions of {name!r} in {redact(tracking.tracking_uri(spec))}")
     latest = max(versions, key=lambda v: int(v.version))

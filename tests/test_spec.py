@@ -32,6 +32,13 @@ def test_errors_name_the_key_to_fix(tmp_path):
         load_spec(tmp_path / "missing.yaml", env={})
     with pytest.raises(SpecError, match=r"trian"):
         load_spec(None, ["trian.steps=3"], env={})  # unknown section
+    # a model name goes into the registry's search filters and models:/ URIs: a quote broke the filter (a traceback)
+    for bad in ("it's", "a/b", "m@champion", ""):
+        with pytest.raises(SpecError, match=r"registry\.model_name: .* is not a model name"):
+            load_spec(None, [f"registry.model_name={bad}"], env={})
+    with pytest.raises(SpecError, match=r"registry\.alias: 'latest' is not an alias"):
+        load_spec(None, ["registry.alias=latest"], env={})
+    assert load_spec(None, ["registry.model_name=My model-2.1"], env={}).registry.model_name == "My model-2.1"
 
 
 def test_stage_hash_depends_only_on_the_sections_a_stage_reads():

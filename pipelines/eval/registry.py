@@ -179,7 +179,7 @@ def existing_version(client, name: str, key: str):
     from mlflow.exceptions import MlflowException
 
     try:
-        found = client.search_model_versions(f"name = '{name}' and tags.lineage_key = '{key}'")
+        found = list(tracking.model_versions(client, f"name = '{name}' and tags.lineage_key = '{key}'"))
     except MlflowException as e:
         if e.error_code == "RESOURCE_DOES_NOT_EXIST":
             return None
