@@ -132,6 +132,7 @@ class FakeKube:
         self.refused = 0
         self.on_log = None  # called with each line a job's process prints
         self.unschedulable: str | None = None  # set: new jobs' pods stay Pending with this scheduler message
+        self.pods_forbidden = False  # set: listing pods is refused (403), as for a Role without `list` on pods
         handler = self._handler()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -257,6 +258,9 @@ class FakeKube:
                         return self._status(404, "NotFound", f'{m.group(2)} "{m.group(3)}" not found')
                     with job.lock:
                         return self._send(200, job.obj)
+                if (m := PODS.match(u.path)) and fake.pods_forbidden:
+                    return self._status(403, "Forbidden", f'pods is forbidden: cannot list resource "pods" in API '
+                                                          f'group "" in the namespace "{m.group(1)}"')
                 if m := PODS.match(u.path):
                     key, _, value = parse_qs(u.query).get("labelSelector", ["="])[0].partition("=")
                     pods = [j.pod_obj(ns) for (ns, _), j in list(fake.jobs.items()) if ns == m.group(1)

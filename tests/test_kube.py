@@ -182,6 +182,24 @@ def test_a_job_whose_pods_never_start_is_deleted_after_launcher_pending_minutes_
     assert ("DELETE", COLLECTION["trainjob"] + "/llm-pipeline-unit") in fake.requests and fake.jobs == {}
 
 
+def test_a_watch_that_may_not_list_the_pods_says_so_once(home, kube):
+    """A Role without `list` on pods: the watch polled the job to its end with no pod log and no start bound, and not
+    a line saying why; now it says so once (no retry grants a verb), and the job is still watched to its end."""
+    fake, cfg = kube
+    fake.pods_forbidden = True
+    spec = load_spec(None, kube_sets(home, cfg, "launcher.pending_minutes=0.01"), env={})
+    custom, core = k8s.api_clients(spec)
+    lines = []
+    assert k8s.submit(custom, _job(spec, [sys.executable, "-c", "import time; time.sleep(2); print('done')"]),
+                      lines.append) == "created"
+    k8s.watch(custom, core, k8s.TRAINJOB, "llm-pipeline", "llm-pipeline-unit", poll_s=0.2, timeout_s=120,
+              log=lines.append, pending_s=spec.launcher.pending_minutes * 60)  # not deleted at 0.6 s: nothing known
+    said = [ln for ln in lines if "refused to list the job's pods" in ln]
+    assert len(said) == 1 and "(403 Forbidden)" in said[0] and "launcher.pending_minutes cannot apply" in said[0] \
+        and "`list` on pods" in said[0], lines
+    assert ("DELETE", COLLECTION["trainjob"] + "/llm-pipeline-unit") not in fake.requests
+
+
 def test_pods_that_started_or_a_suspended_job_are_not_held_to_the_start_bound():
     from kubernetes.client import (V1ContainerState, V1ContainerStateWaiting, V1ContainerStatus, V1ObjectMeta, V1Pod,
                                    V1PodStatus)

@@ -681,6 +681,7 @@ class ReplicaLogs:
         self.followers: dict[str, LogFollower] = {}
         self.tail: list[str] = []
         self.listed: list | None = None  # the pods of the last poll (V1Pod), None when their listing did not answer
+        self.refused: str | None = None  # the API's 403 to that listing, said once
 
     def use(self, core) -> None:
         """Go on with new clients (credentials read again: :class:`Session`)."""
@@ -696,15 +697,23 @@ class ReplicaLogs:
         try:
             found = self.core.list_namespaced_pod(self.ns, label_selector=self.k.selector(self.name),
                                                   _request_timeout=REQUEST_TIMEOUT)
-        except (ApiException, HTTPError, OSError):
+        except (ApiException, HTTPError, OSError) as e:
             self.listed = None
+            if isinstance(e, ApiException) and e.status == 403:
+                self.refused = self.refused or f"403 {e.reason}"
             return sorted(self.followers)
         self.listed = list(found.items)
         return sorted(p.metadata.name for p in found.items)
 
     def poll(self) -> list[str]:
+        said = self.refused
         new = []
-        for pod in self.pods():
+        names = self.pods()
+        if self.refused is not None and said is None:  # a Role without the verb: no retry grants it, so say it once
+            new.append(f"[k8s] the API refused to list the job's pods ({self.refused}): their logs are not followed "
+                       "and launcher.pending_minutes cannot apply; this identity needs `list` on pods and `get` on "
+                       "pods/log in the job's namespace (docs/cluster.md)")
+        for pod in names:
             f = self.followers.setdefault(pod, LogFollower(self.core, self.ns, pod, self.k.container, self.window))
             new += [f"[{pod}] {line}" for line in f.poll()]
         self.tail = (self.tail + new)[-400:]
