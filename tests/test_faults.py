@@ -440,6 +440,59 @@ def _l2_commits(spec, rel_root: str) -> dict[int, str]:
                 or {}).get("attempt") for s in ckpt_tiers.list_steps(spec, rel_root, ("L2",))["L2"]}
 
 
+def test_the_restore_never_takes_an_older_step_over_one_that_did_not_answer(monkeypatch):
+    """The restore's choice alone (its collectives and tiers stood in for, one rank): a newer step whose copy failed
+    to be read (or whose tier did not answer) stops it before an older step (exit 75, the setting named); with
+    ``checkpoint.restore_past_unanswered`` the older step restores; when the older steps cannot even be listed the
+    line still names the newer one; a copy that answered bad is passed over as before."""
+    from types import SimpleNamespace
+
+    from pipelines.train.ckpt import restore as rs
+
+    def ckpt(past=False):
+        return SimpleNamespace(topo=SimpleNamespace(local_rank=0, node=0), root=Path("/nonexistent"), rank=0,
+                               node_log=lambda m: None, spec=SimpleNamespace(
+                                   checkpoint=SimpleNamespace(restore_past_unanswered=past)))
+
+    def run(outcomes: dict, past=False, far=()):
+        """``outcomes``: step → "ok", "bad" (answered, does not verify), "unread", "down" (its tier did not answer);
+        ``far``: L2's own steps, or an exception its listing raises."""
+        def choose(ck_, per_node, want, l2_skip):
+            if l2_skip is None:
+                return [{"step": s} for s in sorted(outcomes, reverse=True)]
+            if isinstance(far, Exception):
+                raise far
+            return [{"step": s} for s in far]
+
+        def settle(ck_, c, missed):
+            how = outcomes.get(c["step"], "ok")
+            if how == "unread":
+                missed.copy(f"L1 {ck.step_name(c['step'])} (OSError: [Errno 5] Input/output error)")
+            elif how == "down":
+                missed.tier("L2 (ClientError: SlowDown)")
+            return SimpleNamespace(step=c["step"]) if how == "ok" else None
+
+        monkeypatch.setattr(rs, "_gather", lambda obj: [obj])
+        monkeypatch.setattr(rs, "_inventory", lambda root, log: {})
+        monkeypatch.setattr(rs, "_choose", choose)
+        monkeypatch.setattr(rs, "_settle", settle)
+        return rs.restore(ckpt(past))
+
+    assert run({15: "bad", 10: "ok"}).step == 10  # a copy that answered bad: the older step
+    for how in ("unread", "down"):
+        with pytest.raises(ck.TierUnavailable, match="did not answer for step 15: not resuming from the older step 10 "
+                                                     ".*restore_past_unanswered=true resumes from step 10"):
+            run({15: how, 10: "ok"})
+        assert run({15: how, 10: "ok"}, past=True).step == 10
+    with pytest.raises(ck.TierUnavailable, match="could not be read and no other copy restores: not starting over"):
+        run({15: "unread"})
+    with pytest.raises(ck.TierUnavailable, match=r"cannot list this run's checkpoints: L2Unavailable: down; and L1 "
+                                                 r"step-000015 \(OSError.*\) did not answer for step 15 \(a retry"):
+        run({15: "unread"}, far=ck.TierUnavailable("restore: cannot list this run's checkpoints: L2Unavailable: down"))
+    assert run({15: "unread"}, far=(20,)).step == 20  # L2 holds a newer step: it restores
+    assert run({15: "bad"}) is None  # every copy answered and none restores: step 0 is the answer
+
+
 def test_a_part_read_that_did_not_answer_is_told_from_a_copy_that_answered_bad():
     import errno
 
@@ -555,11 +608,12 @@ def test_a_newer_step_whose_tier_does_not_answer_is_not_given_up_for_an_older_on
     assert m["extra"]["checkpoint"].rsplit("/", 1)[0] == rel_root
 
 
-def test_l1_copies_that_fail_to_be_read_never_make_a_start_from_step_0(home):
-    """No L2; the nodes' disks are new (L0 empty) and every read of an L1 checkpoint file fails (EIO: a storage
-    server of the shared file system down). Each step was skipped as a bad copy and the run started at step 0, its
-    new steps then replacing L1's under the same names; now it exits 75 naming the copies, L1 untouched, and with the
-    reads answering again the retry resumes from L1's newest step."""
+def test_l1_copies_that_fail_to_be_read_are_never_given_up_for_an_older_step_or_step_0(home):
+    """No L2; the nodes' disks are new (L0 empty). Every read of the newest L1 copy fails (EIO: a storage server of the
+    shared file system down): the restore took the older step (exit 0) and its line of training then replaced the
+    newer step for good; every read of every L1 copy failing started at step 0, its new steps replacing L1's under the
+    same names. Now both exit 75 naming the copy, L1 untouched, and with the reads answering again the retry resumes
+    from L1's newest step."""
     import shutil
 
     tok = _tok(home)
@@ -571,19 +625,23 @@ def test_l1_copies_that_fail_to_be_read_never_make_a_start_from_step_0(home):
     assert r.returncode == 75, (r.stdout + r.stderr)[-3000:]
     shutil.rmtree(run / "l0")
     commits = {p: p.read_bytes() for p in (run / "l1").rglob("COMMIT")}
-    assert commits, list((run / "l1").rglob("*"))
-    eio = _faults({"at": "read", "do": "eio", "path": "/l1/", "times": 0})
-    r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=eio), cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode == 75, out[-3000:]
-    assert "starting at step 0" not in out and "could not be read and no other copy restores: not starting over" \
-        in out and "train: error: restore: L1 step-0000" in out, out[-3000:]
-    assert {p: p.read_bytes() for p in (run / "l1").rglob("COMMIT")} == commits
+    newest = max(int(p.parent.name.split("-")[1]) for p in commits)
+    assert newest >= 10 and len(commits) >= 2, list(commits)
+    newer_eio = _faults({"at": "read", "do": "eio", "path": f"/{ck.step_name(newest)}/", "times": 0})
+    every_eio = _faults({"at": "read", "do": "eio", "path": "/l1/", "times": 0})
+    for faults, says in ((newer_eio, f"did not answer for step {newest}: not resuming from the older step"),
+                         (every_eio, f"did not answer for step {newest}: not resuming from the older step")):
+        r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=faults), cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+        out = r.stdout + r.stderr
+        assert r.returncode == 75, out[-3000:]
+        assert "starting at step 0" not in out and says in out and \
+            f"train: error: restore: L1 {ck.step_name(newest)} (OSError" in out, out[-3000:]
+        assert {p: p.read_bytes() for p in (run / "l1").rglob("COMMIT")} == commits
     r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     resumed = json.loads((run / "train/manifest.json").read_text())["extra"]["resumed_from"]
-    assert resumed["tier"] == "L1" and resumed["step"] >= 10, resumed
+    assert resumed == {"step": newest, "tier": "L1"}, resumed
 
 
 def test_an_l1_that_cannot_take_the_parts_fetched_from_l2_never_starts_over(home, s3_server):
@@ -712,6 +770,27 @@ def test_an_embedded_endpoint_started_here_and_down_now_is_unknown_not_empty(hom
     assert no_l2(spec, "run/key", said.append) is None and "L2 does not answer now" in said[0]  # steps wait on L1
     assert ckpt_tiers.list_steps(spec, "run/key", ("L0", "L1")) == {"L0": [], "L1": []}  # the other tiers answer
     assert ckpt_tiers.prune(spec, "run/key", log=lambda m: None) == {"L0": [], "L1": []}  # pruned without L2
+
+    # stopped by a DAG's teardown (the state file removed), its objects kept on this disk: a stage run by hand then
+    # read this run's L2 as none (a new L1 took a term under L2's, a restore started at step 0 over L2's steps)
+    state.unlink()
+    bucket, key = ckpt_tiers.tier_locations(spec, "run/key")["L2"][5:].split("/", 1)
+    other = home / "var" / "s3" / "store" / bucket / key.replace("run/key", "run/other")
+    other.mkdir(parents=True)
+    (other / "COMMIT").write_text("x")  # another run's objects: not this one's L2
+    assert fence_l2.floor(spec, d, "run/key") == 0 and ckpt_tiers.list_steps(spec, "run/key")["L2"] == []
+    (home / "var" / "s3" / "store" / bucket / key / "step-000010").mkdir(parents=True)
+    (home / "var" / "s3" / "store" / bucket / key / "step-000010" / "COMMIT").write_text("x")
+    with pytest.raises(ck.L2Unavailable, match="embedded endpoint is stopped and its store .* holds this run's "
+                                               "objects: start it"):
+        ckpt_tiers.list_steps(spec, "run/key")
+    with pytest.raises(ck.L2Unavailable):
+        fence_l2.floor(spec, d, "run/key")
+    from pipelines.storage.s3 import embedded_holds
+
+    (home / "var" / "s3" / "secret").mkdir()
+    (home / "var" / "s3" / "secret" / "f").write_text("x")
+    assert not embedded_holds("s3://../secret") and not embedded_holds("s3://b/../../secret")  # nothing outside it
 
 
 @pytest.mark.parametrize("size", [1000, 3 << 20])  # refused at the close (buffered), at the write

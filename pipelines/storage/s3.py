@@ -90,6 +90,21 @@ def embedded_configured() -> bool:
     return _endpoint_file().is_file()
 
 
+def embedded_holds(uri: str) -> bool:
+    """Whether the embedded endpoint's store (``var/s3/store``: its objects stay there when it stops) holds an object
+    under ``uri`` (``s3://bucket/prefix``), read from the disk while the endpoint is down; a store that cannot be read
+    holds what it may: True."""
+    bucket, key = split_uri(uri)
+    store = (_state_dir() / "store").resolve()
+    where = (store / bucket / key).resolve()
+    if not bucket or not where.is_relative_to(store) or where == store:  # a key of "..": nothing of the store's
+        return False
+    try:
+        return where.is_dir() and next((True for p in where.rglob("*") if p.is_file()), False)
+    except OSError:
+        return True
+
+
 def embedded_endpoint() -> Optional[str]:
     f = _endpoint_file()
     if not f.is_file():

@@ -17,8 +17,8 @@ Then, for that step:
    the rest. No node reads another node's disk.
 
 A step whose copies answered but do not verify is skipped for the next older one; a step that a tier did not answer
-for stops the restore (exit 75) instead: resuming an older step would give the newer ones up for good (unless
-``checkpoint.restore_past_unanswered``).
+for, or whose copy failed to be read (EIO, ESTALE …), stops the restore (exit 75) instead: resuming an older step would
+give the newer ones up for good (unless ``checkpoint.restore_past_unanswered``).
 
 Each node logs which tier every part came from; ``tier`` is the farthest any part came from.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -72,43 +72,71 @@ def _bcast(obj):
     return box[0]
 
 
+@dataclass
+class Unanswered:
+    """What did not answer while a restore looked, in the order met: tiers (L2 down or throttling, L1's file system
+    failing, a node's L0 that cannot be listed) and copies whose read failed (EIO, ESTALE …: not an answer about the
+    copy). The steps they hold are unknown, not gone: no older step is taken over them, nor step 0."""
+    said: list[tuple[str, str]] = field(default_factory=list)  # ("tier" | "copy", why)
+
+    def tier(self, why: str) -> None:
+        if ("tier", why) not in self.said:
+            self.said.append(("tier", why))
+
+    def copy(self, why: str) -> None:
+        if ("copy", why) not in self.said:
+            self.said.append(("copy", why))
+
+    def of(self, kind: str) -> list[str]:
+        return [why for k, why in self.said if k == kind]
+
+    def since(self, n: int) -> list[str]:
+        return [why for _, why in self.said[n:]]
+
+
 def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
     """The newest restorable step (or exactly ``step``) made readable on every rank; None when there is none, which
     only every tier's answer can say: a tier that did not answer (L2 down, a node's L0 unreadable; or L2 that listed a
-    step and then did not answer while its parts were fetched) while no other tier serves a step raises
-    :class:`~pipelines.train.ckpt.protocol.TierUnavailable` on every rank (exit 75: a retry looks again), never
-    "start from step 0" over steps that tier may hold. A step whose copies answered but do not verify is skipped;
-    one that a tier did not answer for is not skipped for an older step (:func:`_not_older`: exit 75)."""
+    step and then did not answer while its parts were fetched) or a copy that failed to be read, while no other tier
+    serves a step, raises :class:`~pipelines.train.ckpt.protocol.TierUnavailable` on every rank (exit 75: a retry
+    looks again), never "start from step 0" over steps that may be there. A step whose copies answered but do not
+    verify is skipped; one that did not answer is not skipped for an older step (:func:`_not_older`: exit 75)."""
     topo = ckpt.topo
     mine = _inventory(ckpt.root, ckpt.node_log) if topo.local_rank == 0 else None
     per_node: dict[int, dict] = {}
-    unknown: list[str] = []
+    missed = Unanswered()
     for node, inv in _gather((topo.node, mine)):
         if isinstance(inv, str):
-            unknown.append(f"node {node}'s L0 ({inv})")
+            missed.tier(f"node {node}'s L0 ({inv})")
         elif inv is not None:
             per_node[node] = inv
     tried: set[int] = set()
-    unread: list[str] = []  # L0/L1 copies whose read failed: an older step may serve, but "none" is not proven
-    blocked: Optional[tuple[int, list[str]]] = None  # the newest step a tier did not answer for, and why
+    blocked: Optional[tuple[int, list[str]]] = None  # the newest step that did not answer, and why
     for far in (False, True):  # L1 and the nodes' disks; then, only when none of theirs could be restored, L2
-        for c in _choose(ckpt, per_node, step, tried if far else None):
+        try:
+            cands = _choose(ckpt, per_node, step, tried if far else None)
+        except ck.TierUnavailable as e:  # (the same on every rank) name the newer step that did not answer too
+            if blocked is None:
+                raise
+            raise ck.TierUnavailable(f"{e}; and {_not_older(*blocked)}") from None
+        for c in cands:
             if blocked is not None and c["step"] < blocked[0]:
                 raise ck.TierUnavailable(_not_older(*blocked, c["step"]))
             tried.add(c["step"])
-            before = len(unknown)
-            got = _settle(ckpt, c, unknown, unread)
+            before = len(missed.said)
+            got = _settle(ckpt, c, missed)
             if got is not None:
                 return got
-            if len(unknown) > before and blocked is None and not ckpt.spec.checkpoint.restore_past_unanswered:
-                blocked = (c["step"], unknown[before:])
-    if unknown:
-        raise ck.TierUnavailable(f"restore: {_listed(unknown)} did not answer and no other tier holds "
-                                 + ("a step to restore: not starting over from step 0" if step is None else
-                                    f"step {step} to restore") + " (a retry looks again)")
-    if unread and step is None:  # copies a disk failed to return are not copies that are gone: not step 0 over them
-        raise ck.TierUnavailable(f"restore: {_listed(unread)} could not be read and no other copy restores: not "
-                                 "starting over from step 0 (a retry looks again)")
+            if missed.since(before) and blocked is None and not ckpt.spec.checkpoint.restore_past_unanswered:
+                blocked = (c["step"], missed.since(before))
+    want = "a step to restore: not starting over from step 0" if step is None else f"step {step} to restore"
+    if tiers := missed.of("tier"):
+        raise ck.TierUnavailable(f"restore: {_listed(tiers)} did not answer and no other tier holds {want} "
+                                 "(a retry looks again)")
+    if copies := missed.of("copy"):  # copies a disk failed to return are not copies that are gone
+        raise ck.TierUnavailable(f"restore: {_listed(copies)} could not be read and no other copy "
+                                 + ("restores: not starting over from step 0" if step is None else
+                                    f"of step {step} restores") + " (a retry looks again)")
     return None
 
 
@@ -116,10 +144,13 @@ def _listed(why: list[str]) -> str:
     return ", ".join(why[:3]) + (f" and {len(why) - 3} more" if len(why) > 3 else "")
 
 
-def _not_older(newer: int, why: list[str], older: int) -> str:
-    """Why a restore stops rather than take an older step: ``newer``'s copy is in a tier that did not answer, so
-    its steps are unknown, not lost; resuming at ``older`` would give them up for good (the run's new steps replace
+def _not_older(newer: int, why: list[str], older: Optional[int] = None) -> str:
+    """Why a restore stops rather than take an older step: ``newer``'s copy is in a tier that did not answer, or
+    failed to be read, so it is unknown, not lost; resuming at ``older`` would give them up for good (the run's new steps replace
     them). Only the user can choose that: ``checkpoint.restore_past_unanswered``."""
+    if older is None:  # the older steps could not be listed either
+        return (f"{'; '.join(why)} did not answer for step {newer} (a retry looks again; "
+                "checkpoint.restore_past_unanswered=true resumes from an older step and gives up the steps after it)")
     return (f"restore: {'; '.join(why)} did not answer for step {newer}: not resuming from the older step {older} "
             f"over it (a retry looks again; checkpoint.restore_past_unanswered=true resumes from step {older} and "
             "gives up the steps after it)")
@@ -231,10 +262,10 @@ def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
     return out
 
 
-def _settle(ckpt, c: dict, unknown: list[str], unread: list[str]) -> Optional[Restored]:
+def _settle(ckpt, c: dict, missed: Unanswered) -> Optional[Restored]:
     """Make step ``c`` readable on every rank, or return None on every rank (then an older step is tried); a tier
-    that did not answer while it was read is added to ``unknown``, an L1 copy whose read failed to ``unread`` (the
-    same on every rank)."""
+    that did not answer while it was read, and a copy whose read failed, are added to ``missed`` (the same on every
+    rank)."""
     topo, spec = ckpt.topo, ckpt.spec
     rel = f"{ckpt.rel_root}/{ck.step_name(c['step'])}"
     locs = ckpt_tiers.tier_locations(spec, rel)
@@ -243,13 +274,15 @@ def _settle(ckpt, c: dict, unknown: list[str], unread: list[str]) -> Optional[Re
     held, why = _verify_own_part(l0, c, log) if topo.local_rank == 0 else (None, None)
     got = _gather((topo.node, held, why))  # the same on every rank
     have = {node: h for node, h, _ in got if h is not None}
-    unread.extend(w for _, _, w in got if w and w not in unread)
+    for _, _, why in got:
+        if why:
+            missed.copy(why)
     every = set(range(c["parts"]))
     if all(have.get(g, set()) >= every for g in range(topo.nodes)):
         sources = {k: "L0" for k in every}
         view = l0
     else:
-        sources = _meet_on_l1(ckpt, c, have, locs, log, unknown, unread)
+        sources = _meet_on_l1(ckpt, c, have, locs, log, missed)
         if sources is None:
             return None
         view = _view(ckpt, c, have.get(topo.node, set()), l0, l1)
@@ -278,10 +311,9 @@ def _verify_own_part(l0: Path, c: dict, log) -> tuple[set[int], Optional[str]]:
     return {part}, None
 
 
-def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log, unknown: list[str],
-                unread: list[str]) -> Optional[dict[int, str]]:
+def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log, missed: Unanswered) -> Optional[dict[int, str]]:
     """Make the step globally committed and verified on L1; returns part → source tier, or None (a part whose tier
-    did not answer: named in ``unknown``; an L1 copy that failed to be read: in ``unread``)."""
+    did not answer, or an L1 copy that failed to be read: named in ``missed``)."""
     topo = ckpt.topo
     l1 = Path(locs["L1"])
     every = range(c["parts"])
@@ -290,7 +322,9 @@ def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log, unknown: l
         got = _verify_l1_parts(l1, topo, log) if topo.local_rank == 0 else ([], None)
         got = _gather(got)  # the same on every rank
         bad = sorted({k for b, _ in got for k in b})
-        unread.extend(why for _, why in got if why and why not in unread)
+        for _, why in got:
+            if why:
+                missed.copy(why)
         if not bad:
             return {k: "L0" if k in local else "L1" for k in every}
         # the parts are staged again; the copy that failed keeps its COMMIT until a whole one replaces it (a failed
@@ -303,13 +337,12 @@ def _meet_on_l1(ckpt, c: dict, have: dict[int, set], locs: dict, log, unknown: l
                 done[k] = _stage(ckpt, c, k, how, locs, log)
     results = {k: t for d in _gather(done) if d for k, t in d.items()}
     for t in results.values():  # the same on every rank: each tier and error that did not answer, once
-        if t and t.startswith(UNANSWERED) and t[1:] not in unknown:
-            unknown.append(t[1:])
+        if t and t.startswith(UNANSWERED):
+            missed.tier(t[1:])
     ok = len(results) == c["parts"] and all(t in NEAR for t in results.values())
     merged = _bcast(_merge(l1, c, again=c["l1"]) if ok and ckpt.rank == 0 else None)
     if isinstance(merged, str):  # L1 failed under the merge: the same on every rank
-        if merged[1:] not in unknown:
-            unknown.append(merged[1:])
+        missed.tier(merged[1:])
         merged = False
     if not merged:
         if ckpt.rank == 0:

@@ -28,8 +28,8 @@ from pipelines import tracking
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
-from pipelines.storage.s3 import (EmbeddedDown, S3ConfigError, client, embedded_configured, endpoint_url, split_uri,
-                                  unreachable)
+from pipelines.storage.s3 import (STATE_DIR, EmbeddedDown, S3ConfigError, client, embedded_configured, embedded_holds,
+                                  endpoint_url, split_uri, unreachable)
 from pipelines.train.ckpt import fence, history
 from pipelines.train.ckpt.protocol import (COMMIT, FS_ANSWERS, TIERS, CheckpointError, L2Unavailable,
                                            TierUnavailable, is_valid_local, parse_step, read_local_manifest, step_name,
@@ -443,14 +443,19 @@ def _retire_local(spec: JobSpec, rel_root: str, keep: set[int], check: Callable[
 
 
 def l2_in_use(spec: JobSpec, rel_root: str) -> bool:
-    """Whether this setup has an L2 (an endpoint set, or an embedded one started here once). Raises
-    :class:`L2Unavailable` when it has one that does not answer: unknown, not none."""
+    """Whether this setup has an L2 (an endpoint set, an embedded one started here once, or an embedded one's store
+    holding objects of this run: stopped by a DAG's teardown). Raises :class:`L2Unavailable` when it has one that does
+    not answer: unknown, not none."""
     try:
         endpoint_url(spec)
     except EmbeddedDown as e:
-        if not embedded_configured():
-            return False
-        raise L2Unavailable(f"{tier_locations(spec, rel_root)['L2']}: {e}") from None
+        where = tier_locations(spec, rel_root)["L2"]
+        if embedded_configured():
+            raise L2Unavailable(f"{where}: {e}") from None
+        if embedded_holds(where):  # its steps are on this disk, only not served: not "no L2"
+            raise L2Unavailable(f"{where}: the embedded endpoint is stopped and its store ({STATE_DIR}/store) holds "
+                                "this run's objects: start it, `python -m pipelines.storage.s3 start`") from None
+        return False
     return True
 
 
