@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Optional
 from urllib.parse import urlparse
 
 from pipelines.exit_codes import RETRY, USER_ERROR
+from pipelines.listing import walk_files
 
 MANIFEST_NAME = "manifest.json"
 _CHUNK = 1 << 20
@@ -52,7 +53,7 @@ def sha256_path(path: str | os.PathLike) -> str:
     if not p.is_dir():
         raise FileNotFoundError(f"{p} does not exist")
     h = hashlib.sha256()
-    for f in sorted(x for x in p.rglob("*") if x.is_file() and not _ignorable(x)):
+    for f in sorted(x for x in walk_files(p) if x.is_file() and not _ignorable(x)):  # a failing folder raises
         h.update(f.relative_to(p).as_posix().encode())
         h.update(b"\0")
         h.update(sha256_file(f).encode())
@@ -69,7 +70,7 @@ def path_bytes(path: str | os.PathLike) -> int:
     p = Path(path)
     if p.is_file():
         return p.stat().st_size
-    return sum(x.stat().st_size for x in p.rglob("*") if x.is_file() and not _ignorable(x))
+    return sum(x.stat().st_size for x in walk_files(p) if x.is_file() and not _ignorable(x))
 
 
 def now_iso() -> str:

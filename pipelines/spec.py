@@ -701,9 +701,10 @@ class TiersCfg(_Section):
     keep_l2: int = Field(1, ge=1, description="Newest steps kept on L2, besides those kept by l2_keep_every.")
     l2_keep_every: int = Field(0, ge=0, description="Also keep L2 steps that are multiples of this (0 = keep all).")
     restore_past_unanswered: bool = Field(
-        False, description="A restore that finds a newer step in a tier that does not answer stops (exit 75: a retry "
-        "looks again) rather than resume from an older step, whose line of training would give the newer ones up for "
-        "good; true resumes from the newest step that restores now (logged).")
+        False, description="A restore that finds a newer step in a tier that does not answer, or whose copy fails to "
+        "be read (EIO …; a node's L0 that cannot be listed may hold any), stops (exit 75: a retry looks again; exit 2 "
+        "for copies refused to this user) rather than resume from an older step, whose line of training would give "
+        "the newer ones up for good; true resumes from the newest step that restores now (logged).")
     l1_hold_for_l2: int = Field(
         5, ge=0, description="While L2 lags (an outage), L1 retention also keeps up to this many of the newest steps "
         "that L2 would keep (l2_keep_every) and has not got yet, so they reach it when it answers; past that the "

@@ -18,6 +18,18 @@ from typing import Iterable
 from pipelines.spec import JobSpec, load_spec, project_home, resolve_path
 
 
+# MLflow's answers about what was asked (no such model or alias, a bad name, refused credentials): the user's to fix;
+# any other error code (INTERNAL_ERROR for a server that did not answer, TEMPORARILY_UNAVAILABLE, a 5xx …) is the
+# tracking server failing: a retry may find it back (exit 75)
+MLFLOW_ANSWERS = frozenset({"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS",
+                            "PERMISSION_DENIED", "UNAUTHENTICATED", "BAD_REQUEST", "INVALID_STATE", "NOT_FOUND"})
+
+
+def mlflow_answered(e: BaseException) -> bool:
+    """Whether ``e`` (an ``MlflowException``) is the registry's answer about the request, not the server failing."""
+    return getattr(e, "error_code", None) in MLFLOW_ANSWERS
+
+
 def tracking_uri(spec: JobSpec) -> str:
     """``sqlite:///var/mlflow.db`` is relative to the project root, whatever the cwd."""
     uri = spec.services.mlflow_tracking_uri

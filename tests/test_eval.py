@@ -586,3 +586,24 @@ def test_a_register_that_died_before_the_metrics_reached_the_logged_model_is_com
     assert res["reused_version"] and res["version"] == 1
     metrics = {m.key: m.value for m in tracking.client(spec).get_logged_model(res["model_id"]).metrics}
     assert metrics == {"reference_bpb": pytest.approx(2.5)}
+
+
+def test_a_model_the_tracking_server_did_not_return_is_a_retry_and_a_missing_one_the_users(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Every MLflow error loading a model was "cannot load" and exit 2 (never retried), a server that is down too;
+    now only MLflow's answers about the request (no such model, a bad name) are 2, a server that did not answer 75."""
+    from pipelines.eval import model_dir
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(model_dir.ModelUnavailable, match="tracking server did not answer") as e:
+        model_dir.download("models:/m/1", down)
+    assert e.value.exit_code == 75
+    with pytest.raises(LookupError, match="cannot load models:/m/1") as e:
+        model_dir.download("models:/m/1", f"sqlite:///{tmp_path}/mlflow.db")  # answered: no such model
+    assert not isinstance(e.value, model_dir.ModelUnavailable)
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    assert bpb.main(["--model-uri", "models:/m/1", "--tracking-uri", down, "--text-file", str(text)]) == 75
+    assert "tracking server did not answer" in capsys.readouterr().err

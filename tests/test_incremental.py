@@ -585,6 +585,22 @@ def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_
         queries.corpus_versions(spec)  # was: passed over, as if it held nothing
     assert e.value.exit_code == 2
     monkeypatch.undo()
+    # a version's folder that cannot be listed: Path.glob dropped it (a refusal) and the version with it
+    real = os.scandir
+
+    def folder(code):
+        def scandir(path="."):
+            if str(path).endswith("/tokenize"):
+                raise OSError(code, os.strerror(code), str(path))
+            return real(path)
+        return scandir
+
+    for code, exit_code in ((errno.EACCES, 2), (errno.EIO, 75)):
+        monkeypatch.setattr(os, "scandir", folder(code))
+        with pytest.raises(queries.StageError, match="tokenize (could not be listed now|cannot be listed)") as e:
+            queries.corpus_versions(spec)
+        assert e.value.exit_code == exit_code
+        monkeypatch.undo()
 
     # a takedown that could not read a version for storage's reason: recorded, then exit 75 (its retry tags the rest)
     spec = load_spec(None, [f"run.root={tmp_path}/root", f"data.exclusions={tmp_path}/takedowns.jsonl"], env={})
@@ -605,3 +621,11 @@ def test_a_previous_version_that_storage_cannot_return_is_retried_and_a_missing_
     assert code == 75 and "2 corpus version(s) could not be read now (m: Input/output error and 1 more)" in line \
         and "leaves it out" in line, line
     assert queries.incomplete({"doc": "d", "corpus_versions": [], "unreadable": []}) is None
+    # --strict records nothing when no version holds it; a version it could not look into may: not "nothing" (exit 1)
+    for storage, code in ((False, 2), (True, 75)):
+        unread[0]["storage"] = storage
+        with pytest.raises(queries.StageError, match="--strict: nothing recorded: no corpus version it could look "
+                                                     "into holds docs of it, and 1 corpus version") as e:
+            queries.exclude_source(spec, None, "data/b.jsonl", "request 2", strict=True)
+        assert e.value.exit_code == code and not isinstance(e.value, queries.NothingMatched)
+    assert [e.source for e in takedowns.read_list(tmp_path / "takedowns.jsonl").exclusions] == ["data/a.jsonl"]

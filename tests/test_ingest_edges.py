@@ -161,3 +161,50 @@ def test_a_session_under_spark_submit_keeps_spark_submit_s_conf_and_one_built_he
     assert laptop["spark.ui.enabled"] == "false" and "spark.sql.shuffle.partitions" not in laptop
     assert cluster["spark.ui.enabled"] == "true" and cluster["spark.shuffle.readHostLocalDisk"] == "false"
     assert cluster["spark.speculation"] == "true"
+
+
+def test_a_folder_that_cannot_be_listed_is_never_passed_over(tmp_path, monkeypatch):
+    """``glob.glob`` drops every directory it fails to scan and ``Path.rglob`` the ones it may not read: an input
+    folder whose server answered EIO (or ESTALE) lost its files from the corpus, exit 0. Now the listing matches as
+    glob does and a failing folder ends the stage: exit 75 for storage's error, 2 for a refusal, the folder named;
+    and a stage's hash of a directory (done work) raises rather than hash a part of it."""
+    import errno
+    import glob
+
+    from pipelines.data import sources
+    from pipelines.listing import strict_glob
+    from pipelines.manifest import sha256_path
+
+    root = tmp_path / "raw"
+    for rel in ("a.jsonl", "x/b.jsonl", "x/y/c.jsonl.gz", "x/.hidden.jsonl", "z/d.jsonl", "z/e.txt"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("{}\n")
+    for pat in ("**/*.jsonl", "*/*.jsonl", "x/**", "[xz]/*", "*.jsonl", "nope/*.jsonl", "a.jsonl/*"):
+        assert strict_glob(str(root / pat)) == sorted(Path(os.path.normpath(p))
+                                                      for p in glob.glob(str(root / pat), recursive=True)), pat
+    assert [s.name.rsplit("/", 1)[-1] for s in sources.local_sources(str(root / "**/*.jsonl"))] == \
+        ["a.jsonl", "b.jsonl", "d.jsonl"]
+    before = sha256_path(root)
+
+    real = os.scandir
+
+    def failing(path=".", code=errno.EIO):
+        if str(path).rstrip("/").endswith("/x"):
+            raise OSError(code, os.strerror(code), str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", failing)
+    assert len(glob.glob(str(root / "**/*.jsonl"), recursive=True)) == 2  # what glob says: b.jsonl is gone
+    for pattern in (str(root / "**/*.jsonl"), str(root)):
+        with pytest.raises(sources.IngestError, match=r"raw/x could not be listed now \(OSError: Input/output "
+                                                      r"error\); run it again") as e:
+            sources.local_sources(pattern)
+        assert e.value.exit_code == 75
+    with pytest.raises(OSError):
+        sha256_path(root)
+    monkeypatch.setattr(os, "scandir", lambda path=".": failing(path, errno.EACCES))
+    with pytest.raises(sources.IngestError, match="raw/x cannot be read .*give this user read access") as e:
+        sources.local_sources(str(root / "*/*.jsonl"))
+    assert e.value.exit_code == 2
+    monkeypatch.undo()
+    assert sha256_path(root) == before

@@ -16,7 +16,6 @@ reused).
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -24,10 +23,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipelines.exit_codes import RETRY
 from pipelines.lineage.keys import file_key
+from pipelines.listing import glob_magic, strict_glob, walk_files
 from pipelines.manifest import StageError, plain_rel, under
 from pipelines.spec import JobSpec, resolve_path
-from pipelines.storage.s3 import S3ConfigError, client_from, client_settings, split_uri
+from pipelines.storage.s3 import EmbeddedDown, S3ConfigError, client_from, client_settings, outage, split_uri
 
 DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc", ".txt", ".parquet")  # .jsonl.gz, .warc.gz …
 FORMATS = ("JSONL (.jsonl/.json, plain, .gz or .zst)", "Parquet (.parquet: a Spark task per row group)",
@@ -36,6 +37,13 @@ FORMATS = ("JSONL (.jsonl/.json, plain, .gz or .zst)", "Parquet (.parquet: a Spa
 
 class IngestError(StageError):
     """An input that does not exist or cannot be read: the message names it and what to fix."""
+
+
+class InputUnavailable(IngestError):
+    """Storage that did not answer while an input was listed (a file system's EIO or ESTALE, an S3 endpoint down or
+    throttling): exit 75, a retry lists it again."""
+
+    exit_code = RETRY
 
 
 @dataclass(frozen=True)
@@ -73,11 +81,26 @@ def is_data_file(name: str) -> bool:
 
 
 def local_sources(pattern: str) -> list[Source]:
+    """The files of a local input: a file, a directory's data files, or a glob's matches. A folder that cannot be
+    listed is never passed over (its files would be missing from the corpus): exit 75 for storage's error (EIO,
+    ESTALE …), 2 for one this user may not read."""
+    try:
+        return _local_sources(pattern)
+    except OSError as e:
+        where = e.filename or pattern
+        if isinstance(e, PermissionError):
+            raise IngestError(f"input {pattern!r}: {where} cannot be read ({e.strerror}): give this user read access "
+                              "to it (or narrow data.inputs)") from None
+        raise InputUnavailable(f"input {pattern!r}: {where} could not be listed now ({type(e).__name__}: "
+                               f"{e.strerror or e}); run it again") from None
+
+
+def _local_sources(pattern: str) -> list[Source]:
     p = resolve_path(pattern)
-    if any(c in pattern for c in "*?["):
-        paths = [Path(x) for x in sorted(glob.glob(str(p), recursive=True)) if Path(x).is_file()]
+    if glob_magic(pattern):
+        paths = [x for x in strict_glob(str(p)) if x.is_file()]
     elif p.is_dir():
-        paths = sorted(x for x in p.rglob("*") if x.is_file() and is_data_file(x.name))
+        paths = sorted(x for x in walk_files(p) if x.is_file() and is_data_file(x.name))
     else:
         paths = [p] if p.is_file() else []
         if paths and not is_data_file(p.name):
@@ -97,9 +120,14 @@ def s3_sources(spec: JobSpec, uri: str, refused: list[dict] | None = None) -> li
         s3 = client_from(settings)
         objects = [o for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
                    for o in page.get("Contents", [])]
+    except EmbeddedDown as e:  # down, not a configuration to fix
+        raise InputUnavailable(f"input {uri}: {e}") from None
     except S3ConfigError as e:
         raise IngestError(f"input {uri}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - botocore's errors: no bucket, no access, no endpoint
+    except Exception as e:  # noqa: BLE001 - botocore's errors: no bucket, no access (2); no answer (75)
+        if outage(e):
+            raise InputUnavailable(f"input {uri}: the endpoint did not answer the listing ({type(e).__name__}: {e}); "
+                                   "run it again") from None
         raise IngestError(f"input {uri}: cannot list it ({type(e).__name__}: {e})") from None
     objects = sorted((o for o in objects if o["Key"] == prefix or is_data_file(o["Key"])), key=lambda o: o["Key"])
     bad = [o for o in objects if not plain_rel(o["Key"])]

@@ -60,7 +60,7 @@ from pipelines.lineage.takedowns import TakedownList, list_held, read_list, reco
 from pipelines.manifest import Manifest, StageError, file_ref, input_ref, lineage, load_manifest, sha256_file, under
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
 from pipelines.storage.s3 import (UPLOAD_PART, S3ConfigError, client_from, client_settings, ensure_bucket,
-                                  object_matches, split_uri, upload_checked)
+                                  object_matches, outage, split_uri, upload_checked)
 
 SPLITS = ("train", "heldout")
 
@@ -496,6 +496,8 @@ def upload_target(spec: JobSpec, name: str) -> Upload | None:
         settings = client_settings(spec)
         ensure_bucket(client_from(settings), bucket, spec.services.s3_region)
     except S3ConfigError as e:
+        if outage(e):  # the embedded endpoint down: a retry finds it started (75, stage_main), not a spec to fix
+            raise
         raise TokenizeError(f"services.shards_uri={spec.services.shards_uri}: {e}") from None
     return Upload(settings, bucket, f"{prefix}/{name}".strip("/"))
 

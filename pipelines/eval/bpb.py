@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         res = bits_per_byte(tm, read_text(args.text_file), args.batch_size)
     except (LookupError, ValueError) as e:
         print(f"bpb: {e}", file=sys.stderr)
-        return USER_ERROR
+        return getattr(e, "exit_code", USER_ERROR)  # 75: the tracking server did not answer
     print(json.dumps(res))
     return 0
 

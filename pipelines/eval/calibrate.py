@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         tm = TextModel.open(args.model_uri, args.tracking_uri)
     except LookupError as e:
         print(f"calibrate: {e}", file=sys.stderr)
-        return USER_ERROR
+        return getattr(e, "exit_code", USER_ERROR)  # 75: the tracking server did not answer
 
     with tempfile.NamedTemporaryFile(suffix=".model") as f:  # the tokenizer the model carries, as a file for HF
         f.write(tm.sp.serialized_model_proto())

@@ -44,7 +44,7 @@ from sentencepiece import sentencepiece_model_pb2 as pb
 from pipelines import tracking
 from pipelines.data.text import canonical_text
 from pipelines.eval.model_dir import loads_here
-from pipelines.exit_codes import USER_ERROR
+from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.lineage.queries import VersionUnreadable, model_query, resolve_model
 from pipelines.manifest import StageError
 from pipelines.spec import add_spec_args, spec_from_args
@@ -477,12 +477,10 @@ def main(argv: list[str] | None = None) -> int:
                            args.gguf_dtype)
     except (ExportError, LookupError, StageError) as e:
         print(f"export: error: {e}", file=sys.stderr)
-        return USER_ERROR
-    except MlflowException as e:  # no such model, version or alias: the user's; anything else is retryable (exit 1)
-        if e.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            raise
+        return getattr(e, "exit_code", USER_ERROR)  # 75: the tracking server did not answer
+    except MlflowException as e:  # no such model, version or alias: the user's (2); the server failing: 75
         print(f"export: error: {args.model}: {str(e).splitlines()[0]}", file=sys.stderr)
-        return USER_ERROR
+        return USER_ERROR if tracking.mlflow_answered(e) else RETRY
     print(f"export: {mv.name} v{mv.version} → {args.out} ({args.format}): {', '.join(names)}")
     return 0
 

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                        args.batch_size, args.include_path)
     except (LookupError, ValueError, FileNotFoundError) as e:
         print(f"harness: {e}", file=sys.stderr)
-        return USER_ERROR
+        return getattr(e, "exit_code", USER_ERROR)  # 75: the tracking server did not answer
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.output, json.dumps(res, indent=2))
     for k, v in headline(res).items():

@@ -14,6 +14,7 @@ import sentencepiece as spm
 import yaml
 
 from pipelines import tracking
+from pipelines.exit_codes import RETRY
 from pipelines.manifest import plain_rel
 from pipelines.spec import redact
 from pipelines.train.ckpt.protocol import load_plain_model
@@ -44,9 +45,18 @@ def download(uri: str, tracking_uri: str | None = None, dst: str | Path | None =
         with tracking.using(tracking_uri):  # models:/ URIs resolve against the process-global registry URI
             local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None)
     except MlflowException as e:
-        raise LookupError(f"cannot load {uri} from {redact(tracking_uri or 'the default tracking store')}: "
-                          f"{redact(e.message)}") from None
+        where = f"{uri} from {redact(tracking_uri or 'the default tracking store')}: {redact(e.message)}"
+        if not tracking.mlflow_answered(e):
+            raise ModelUnavailable(f"could not load {where} (the tracking server did not answer: run it again)") \
+                from None
+        raise LookupError(f"cannot load {where}") from None
     return Path(local)
+
+
+class ModelUnavailable(LookupError):
+    """A model the tracking server did not return (down, a 5xx): exit 75 (``exit_code``), not the user's to fix."""
+
+    exit_code = RETRY
 
 
 def download_model_dir(uri: str, tracking_uri: str | None, dst: str | Path) -> Path:

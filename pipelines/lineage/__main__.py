@@ -33,13 +33,13 @@ import argparse
 import json
 import sys
 
-from pipelines.exit_codes import USER_ERROR
+from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.lineage.queries import (NothingMatched, doc_query, exclude_source, incomplete, model_query,
                                       nothing_matched, source_query)
 from pipelines.lineage.takedowns import TAG
 from pipelines.manifest import StageError
 from pipelines.spec import add_spec_args, spec_from_args
-from pipelines.tracking import client
+from pipelines.tracking import client, mlflow_answered
 
 
 def _text(res: dict) -> str:
@@ -104,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     except StageError as e:  # 2: the source, reason or model must be fixed; 75: the takedown list is busy (retry)
         print(f"lineage: error: {e}", file=sys.stderr)
         return e.exit_code
-    except Exception as e:  # MLflow: no such model / alias
+    except Exception as e:  # MLflow: no such model / alias (2), or the server did not answer (75)
         if type(e).__name__ != "MlflowException":
             raise
         print(f"lineage: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return USER_ERROR
+        return USER_ERROR if mlflow_answered(e) else RETRY
     print(json.dumps(res, indent=1) if args.json else _text(res))
     warning = nothing_matched(res, spec.run.root)
     if warning:

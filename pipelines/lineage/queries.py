@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.lineage.keys import Exclusion, Matcher, source_key
 from pipelines.lineage.takedowns import add, read_list, split_by_exclusion, tag_versions
+from pipelines.listing import strict_glob
 from pipelines.manifest import Manifest, StageError, lineage, load_manifest
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.tracking import model_versions
@@ -45,7 +46,7 @@ class VersionUnreadable(StageError):
 def corpus_versions(spec: JobSpec) -> list[Manifest]:
     """Every committed tokenize manifest under ``run.root``, oldest version first."""
     found = []
-    for p in sorted((resolve_path(spec.run.root) / "tokenize").glob("*/manifest.json")):
+    for p in _manifest_paths(resolve_path(spec.run.root) / "tokenize"):
         try:
             found.append(load_manifest(p))
         except OSError as e:
@@ -57,6 +58,18 @@ def corpus_versions(spec: JobSpec) -> list[Manifest]:
         except ValueError:
             continue  # a half-written or foreign file: not a corpus version
     return sorted(found, key=lambda m: (m.extra.get("corpus", {}).get("version", 0), str(m.path)))
+
+
+def _manifest_paths(root) -> list:
+    """``root/*/manifest.json``; a folder that cannot be listed is never passed over (``Path.glob`` drops the ones
+    this user may not read): 75 for storage's error, 2 for a refusal."""
+    try:
+        return strict_glob("*/manifest.json", root)
+    except OSError as e:
+        if storage_error(e):
+            raise VersionUnreadable(f"{e.filename or root} could not be listed now ({e}); run it again") from None
+        raise StageError(f"{e.filename or root} cannot be listed ({e.strerror}): it may hold corpus versions this "
+                         "query must read; give this user read access to it and run it again") from None
 
 
 def chain(tok: Manifest) -> list[Manifest]:
@@ -297,6 +310,11 @@ def exclude_source(spec: JobSpec, client, source: str, reason: str, strict: bool
     path = resolve_path(spec.data.exclusions)
     key = _source_key(source, "--exclude-source")
     held = source_holders(spec, key) if strict else None
+    if held is not None and not held[0] and held[1]:  # what it could not look into may hold it: not "nothing"
+        code, what = _not_looked_into(held[1])
+        raise (VersionUnreadable if code == RETRY else StageError)(
+            f"--exclude-source {key!r} --strict: nothing recorded: no corpus version it could look into holds docs of "
+            f"it, and {what}: " + ("run it again" if code == RETRY else "the version must be repaired first"))
     if held is not None and not held[0]:
         raise NothingMatched(f"--exclude-source {key!r}: no corpus version under run.root={spec.run.root} holds docs "
                              f"of it{_unread_note(held[1])}; nothing recorded (--strict)")
@@ -326,14 +344,22 @@ def incomplete(res: dict) -> Optional[tuple[int, str]]:
     unread = res.get("unreadable") or []
     if not unread:
         return None
-    first = f"{unread[0]['manifest']}: {unread[0]['error']}" + (f" and {len(unread) - 1} more" if len(unread) > 1
-                                                                  else "")
+    code, what = _not_looked_into(unread)
     left = ("the exclusion is recorded, but the registered versions trained on it are not tagged" if "exclusion" in res
             else "the answer above leaves it out")
+    return code, f"{what}: {left}; " + ("run it again" if code == RETRY else
+                                        "the version must be repaired (or moved out of run.root) before the answer "
+                                        "is whole")
+
+
+def _not_looked_into(unread: list[dict]) -> tuple[int, str]:
+    """(75 when storage was a reason, else 2; "N corpus version(s) could not be read now / cannot be looked into
+    (the first's manifest: error and N more)")."""
+    first = f"{unread[0]['manifest']}: {unread[0]['error']}" + (f" and {len(unread) - 1} more" if len(unread) > 1
+                                                                  else "")
     if any(u["storage"] for u in unread):
-        return RETRY, f"{len(unread)} corpus version(s) could not be read now ({first}): {left}; run it again"
-    return USER_ERROR, (f"{len(unread)} corpus version(s) cannot be looked into ({first}): {left}; the version must "
-                        "be repaired (or moved out of run.root) before the answer is whole")
+        return RETRY, f"{len(unread)} corpus version(s) could not be read now ({first})"
+    return USER_ERROR, f"{len(unread)} corpus version(s) cannot be looked into ({first})"
 
 
 def _unread_note(unreadable: list[dict]) -> str:

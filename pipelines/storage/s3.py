@@ -93,14 +93,25 @@ def embedded_configured() -> bool:
 def embedded_holds(uri: str) -> bool:
     """Whether the embedded endpoint's store (``var/s3/store``: its objects stay there when it stops) holds an object
     under ``uri`` (``s3://bucket/prefix``), read from the disk while the endpoint is down; a store that cannot be read
-    holds what it may: True."""
+    (a folder refused to this user, an I/O error) holds what it may: True."""
     bucket, key = split_uri(uri)
     store = (_state_dir() / "store").resolve()
-    where = (store / bucket / key).resolve()
-    if not bucket or not where.is_relative_to(store) or where == store:  # a key of "..": nothing of the store's
+    try:  # the key's parts under the bucket's folder (an empty part, as S3 has in "a//b", is no folder)
+        where = store.joinpath(bucket, *[p for p in key.split("/") if p]).resolve()
+    except ValueError:  # a NUL: no such file can exist
         return False
+    except (OSError, RuntimeError):  # a symlink loop, a folder that fails
+        return True
+    if not bucket or where == store or not where.is_relative_to(store):  # "..": nothing of the store's
+        return False
+
+    def fail(e: OSError):
+        raise e
+
     try:
-        return where.is_dir() and next((True for p in where.rglob("*") if p.is_file()), False)
+        if not where.is_dir():
+            return False
+        return any(not f.startswith(".rclone_temp") for _, _, files in os.walk(where, onerror=fail) for f in files)
     except OSError:
         return True
 

@@ -53,7 +53,7 @@ from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 from pipelines.storage import faults as storage_faults
 from pipelines.train import heartbeat
 from pipelines.train.ckpt import history
-from pipelines.train.ckpt.protocol import CheckpointError, TierUnavailable, step_name
+from pipelines.train.ckpt.protocol import CheckpointError, CopyRefused, TierUnavailable, step_name
 from pipelines.train.ckpt.tiers import clear_run
 from pipelines.train.loader import (Prefetcher, TokenOutOfVocab, mixture_keys, mixture_metrics, sampler_for,
                                    train_samples)
@@ -802,8 +802,8 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
         print(f"train: {e}; committed on L1: a retry resumes there", flush=True)
         xc.write_outcome(out, rank, xc.RETRY, str(e), step=e.step)
         return xc.OK
-    except (TrainingDiverged, ResumeError, TokenOutOfVocab) as e:  # the spec or the data must change: every try
-        print(f"train: error: {e}", file=sys.stderr)              # would stop the same way (final)
+    except (TrainingDiverged, ResumeError, TokenOutOfVocab, CopyRefused) as e:  # the spec, data or access must change:
+        print(f"train: error: {e}", file=sys.stderr)                           # every try would stop the same way
         xc.write_outcome(out, rank, xc.USER_ERROR, str(e), final=getattr(e, "final", True))
         return xc.USER_ERROR
     except ValueError as e:  # a spec this world cannot run (batch sizes, vocabulary): the traceback stays

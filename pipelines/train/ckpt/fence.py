@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 from pipelines.exit_codes import RETRY
+from pipelines.listing import strict_glob
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
 from pipelines.storage.s3 import abandoned_writes
@@ -102,7 +103,7 @@ def launch_id() -> Optional[str]:
 def _numbered(d: Path) -> dict[int, Path]:
     """{term: its file}: the names only, no file read (a name that is not ``term-<number>`` is left out)."""
     out = {}
-    for p in d.glob(f"{TERM_PREFIX}*") if d.is_dir() else []:
+    for p in strict_glob(f"{TERM_PREFIX}*", d):  # a folder that cannot be listed raises: no term is read as none
         try:
             out[int(p.name[len(TERM_PREFIX):])] = p
         except ValueError:
@@ -150,7 +151,7 @@ def _expiry(p: Path) -> float:
 def read_leases(d: Path) -> dict[str, float]:
     """{attempt: expiry (time.time())}; an unreadable lease counts as expired."""
     out = {}
-    for p in d.glob(f"{LEASE_PREFIX}*") if d.is_dir() else []:
+    for p in strict_glob(f"{LEASE_PREFIX}*", d):
         try:
             out[p.name[len(LEASE_PREFIX):]] = _expiry(p)
         except (OSError, ValueError):

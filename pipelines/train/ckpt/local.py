@@ -17,6 +17,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pipelines.listing import walk_files
 from pipelines.manifest import atomic_write_text
 from pipelines.storage import faults
 from pipelines.storage.s3 import part_size_used
@@ -28,7 +29,7 @@ from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, CheckpointErro
 def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Path:
     """Hash every file in ``tmp_dir``, write MANIFEST + COMMIT, then rename to ``final_dir`` (:func:`install_dir`);
     under a fence (:mod:`pipelines.train.ckpt.fence`) only while this attempt's term is current."""
-    rels = [f.relative_to(tmp_dir).as_posix() for f in sorted(p for p in tmp_dir.rglob("*") if p.is_file())]
+    rels = [f.relative_to(tmp_dir).as_posix() for f in sorted(p for p in walk_files(tmp_dir) if p.is_file())]
     rels = [r for r in rels if r not in (CKPT_MANIFEST, COMMIT)]
     faults.file_op("write", final_dir)
     sums = hash_files(tmp_dir, rels)

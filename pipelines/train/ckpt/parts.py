@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from pipelines.listing import strict_glob
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
@@ -55,16 +56,22 @@ def merged_manifest(mans: list[dict]) -> str:
     return json.dumps({"files": files, "part_of": owner, "parts": len(mans), **meta}, indent=2, sort_keys=True)
 
 
-def local_parts(root: Path) -> dict[int, dict]:
-    """This node's committed parts under ``root`` (a run's L0 directory): {step: manifest}, not yet hashed."""
+def local_parts(root: Path, failed: Optional[dict[int, str]] = None) -> dict[int, dict]:
+    """This node's committed parts under ``root`` (a run's L0 directory): {step: manifest}, not yet hashed. A step
+    whose manifest fails to be read (an OSError but a missing file) raises, or with ``failed`` is put there
+    (step → why) and left out."""
     out = {}
-    for d in sorted(root.glob("step-*")) if root.is_dir() else []:
+    for d in strict_glob("step-*", root):  # a folder refused to this user raises (Path.glob says "none")
         step = parse_step(d.name)
         try:
             if step is not None:
                 out[step] = read_local_manifest(d)
         except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
             continue
+        except OSError as e:
+            if failed is None:
+                raise
+            failed[step] = f"{type(e).__name__}: {str(e)[:240]}"
     return out
 
 

@@ -480,8 +480,9 @@ class Promoter:
         answer (they are looked for again when it does, or at the next start)."""
         try:
             by_tier = ckpt_tiers.accepted_steps(self.spec, self.rel_root,
-                                                ckpt_tiers.list_steps(self.spec, self.rel_root, ("L1", "L2")), self.rec)
-        except ck.CheckpointError as e:
+                                                ckpt_tiers.list_steps(self.spec, self.rel_root, ("L1", "L2")), self.rec,
+                                                strict=True)
+        except (ck.CheckpointError, OSError) as e:  # L2 or L1 did not answer: unknown, looked for again
             self.log(f"[ckpt] L2 catch-up: cannot compare L1 with L2 now ({e})")
             return None
         wanted = {s for s in by_tier["L1"] if self._l2_keeps(s)} | set(by_tier["L1"][-1:])

@@ -73,6 +73,12 @@ class TierUnavailable(CheckpointError):
     exit_code = RETRY  # not a user error
 
 
+class CopyRefused(CheckpointError):
+    """Copies of a checkpoint that the file system refuses to this user (EACCES, EPERM) while it holds them: no retry
+    reads them, and they are not absent either (an older step is not taken over them). The user's to fix (exit 2):
+    read access, or ``checkpoint.restore_past_unanswered``."""
+
+
 class L2Unavailable(TierUnavailable):
     """The object store does not answer (down, refusing, throttling past the retries): L2 is skipped for now where
     another tier serves, and never read as "no COMMIT"."""

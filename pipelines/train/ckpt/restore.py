@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from pipelines.listing import strict_glob
 from pipelines.storage import faults
 from pipelines.storage.s3 import unreachable
 from pipelines.train.ckpt import protocol as ck
@@ -87,6 +88,12 @@ class Unanswered:
         if ("copy", why) not in self.said:
             self.said.append(("copy", why))
 
+    @staticmethod
+    def stop(msg: str, why: list[str]) -> ck.CheckpointError:
+        """The restore's stop over ``why``: the user's to fix (exit 2) when every reason is a copy refused to this
+        user (``PermissionError``: no retry reads it), else exit 75."""
+        return ck.CopyRefused(msg) if _refused(why) else ck.TierUnavailable(msg)
+
     def of(self, kind: str) -> list[str]:
         return [why for k, why in self.said if k == kind]
 
@@ -100,28 +107,21 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
     step and then did not answer while its parts were fetched) or a copy that failed to be read, while no other tier
     serves a step, raises :class:`~pipelines.train.ckpt.protocol.TierUnavailable` on every rank (exit 75: a retry
     looks again), never "start from step 0" over steps that may be there. A step whose copies answered but do not
-    verify is skipped; one that did not answer is not skipped for an older step (:func:`_not_older`: exit 75)."""
-    topo = ckpt.topo
-    mine = _inventory(ckpt.root, ckpt.node_log) if topo.local_rank == 0 else None
-    per_node: dict[int, dict] = {}
+    verify is skipped; one that did not answer is not skipped for an older step (:func:`_not_older`: exit 75; exit 2,
+    :class:`~pipelines.train.ckpt.protocol.CopyRefused`, when every such copy is refused to this user)."""
     missed = Unanswered()
-    for node, inv in _gather((topo.node, mine)):
-        if isinstance(inv, str):
-            missed.tier(f"node {node}'s L0 ({inv})")
-        elif inv is not None:
-            per_node[node] = inv
+    per_node, blocked = _nodes(ckpt, missed, step)  # blocked: the newest step that did not answer (None: any), why
     tried: set[int] = set()
-    blocked: Optional[tuple[int, list[str]]] = None  # the newest step that did not answer, and why
     for far in (False, True):  # L1 and the nodes' disks; then, only when none of theirs could be restored, L2
         try:
             cands = _choose(ckpt, per_node, step, tried if far else None)
         except ck.TierUnavailable as e:  # (the same on every rank) name the newer step that did not answer too
             if blocked is None:
                 raise
-            raise ck.TierUnavailable(f"{e}; and {_not_older(*blocked)}") from None
+            raise ck.TierUnavailable(f"{e}; and {_not_older(*blocked)}") from None  # (L2 too: 75)
         for c in cands:
-            if blocked is not None and c["step"] < blocked[0]:
-                raise ck.TierUnavailable(_not_older(*blocked, c["step"]))
+            if blocked is not None and (blocked[0] is None or c["step"] < blocked[0]):
+                raise Unanswered.stop(_not_older(*blocked, c["step"]), blocked[1])
             tried.add(c["step"])
             before = len(missed.said)
             got = _settle(ckpt, c, missed)
@@ -134,26 +134,62 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
         raise ck.TierUnavailable(f"restore: {_listed(tiers)} did not answer and no other tier holds {want} "
                                  "(a retry looks again)")
     if copies := missed.of("copy"):  # copies a disk failed to return are not copies that are gone
-        raise ck.TierUnavailable(f"restore: {_listed(copies)} could not be read and no other copy "
-                                 + ("restores: not starting over from step 0" if step is None else
-                                    f"of step {step} restores") + " (a retry looks again)")
+        raise Unanswered.stop(f"restore: {_listed(copies)} could not be read and no other copy "
+                              + ("restores: not starting over from step 0" if step is None else
+                                 f"of step {step} restores") + f" ({_again(copies)})", copies)
     return None
+
+
+def _nodes(ckpt, missed: Unanswered, step: Optional[int]) -> tuple[dict[int, dict], Optional[tuple]]:
+    """Collective: every node's committed L0 parts ({node: {step: part info}}), and what the nodes' disks did not
+    answer for, put in ``missed``: a step whose manifest failed to be read there blocks the older steps (``(step,
+    why)``), a disk that cannot be listed every step (``(None, why)``: it may hold any), unless ``step`` is asked for
+    or ``checkpoint.restore_past_unanswered``."""
+    mine = _inventory(ckpt.root, ckpt.node_log) if ckpt.topo.local_rank == 0 else None
+    per_node: dict[int, dict] = {}
+    newest: list[Optional[int]] = []
+    for node, inv in _gather((ckpt.topo.node, mine)):
+        if isinstance(inv, str):
+            missed.tier(f"node {node}'s L0 ({inv})")
+            newest.append(None)
+        elif inv is not None:
+            per_node[node], failed = inv
+            for s, why in sorted(failed.items()):
+                missed.copy(f"node {node}'s L0 {ck.step_name(s)} ({why})")
+            newest += [max(failed)] if failed else []
+    if not newest or step is not None or ckpt.spec.checkpoint.restore_past_unanswered:
+        return per_node, None
+    return per_node, (None if None in newest else max(newest), missed.since(0))
 
 
 def _listed(why: list[str]) -> str:
     return ", ".join(why[:3]) + (f" and {len(why) - 3} more" if len(why) > 3 else "")
 
 
-def _not_older(newer: int, why: list[str], older: Optional[int] = None) -> str:
+def _not_older(newer: Optional[int], why: list[str], older: Optional[int] = None) -> str:
     """Why a restore stops rather than take an older step: ``newer``'s copy is in a tier that did not answer, or
-    failed to be read, so it is unknown, not lost; resuming at ``older`` would give them up for good (the run's new steps replace
-    them). Only the user can choose that: ``checkpoint.restore_past_unanswered``."""
+    failed to be read, so it is unknown, not lost; resuming at ``older`` would give it up for good (the run's new
+    steps replace it). Only the user can choose that: ``checkpoint.restore_past_unanswered``."""
+    said, again = "; ".join(why), _again(why)
+    if newer is None:  # a node's disk that cannot be listed: any step may be there
+        return (f"restore: {said} did not answer: that disk may hold a step newer than step {older}: not resuming "
+                f"from step {older} over it ({again}; checkpoint.restore_past_unanswered=true resumes from step "
+                f"{older} and gives up what that disk may hold)")
     if older is None:  # the older steps could not be listed either
-        return (f"{'; '.join(why)} did not answer for step {newer} (a retry looks again; "
-                "checkpoint.restore_past_unanswered=true resumes from an older step and gives up the steps after it)")
-    return (f"restore: {'; '.join(why)} did not answer for step {newer}: not resuming from the older step {older} "
-            f"over it (a retry looks again; checkpoint.restore_past_unanswered=true resumes from step {older} and "
-            "gives up the steps after it)")
+        return (f"{said} did not answer for step {newer} ({again}; checkpoint.restore_past_unanswered=true resumes "
+                "from an older step and gives up the steps after it)")
+    return (f"restore: {said} did not answer for step {newer}: not resuming from the older step {older} over it "
+            f"({again}; checkpoint.restore_past_unanswered=true resumes from step {older} and gives up the steps "
+            "after it)")
+
+
+def _again(why: list[str]) -> str:
+    """What brings the copies back: a retry, or for copies refused to this user (no retry reads them) access."""
+    return "this user may not read them: give it read access" if _refused(why) else "a retry looks again"
+
+
+def _refused(why: list[str]) -> bool:
+    return bool(why) and all(REFUSED in w for w in why)
 
 
 def _choose(ckpt, per_node: dict[int, dict], want: Optional[int], l2_skip: Optional[set[int]]) -> list[dict]:
@@ -171,16 +207,19 @@ def _choose(ckpt, per_node: dict[int, dict], want: Optional[int], l2_skip: Optio
     return cands
 
 
-def _inventory(root: Path, log) -> dict | str:
-    """This node's committed parts on its L0: {step: (part, parts, attempt, lineage)}; unreadable ones are left
-    out with a line; an L0 that cannot be listed is the reason, a string (a failing disk must not leave the other
-    ranks waiting in the gather, nor read as "no parts here")."""
+def _inventory(root: Path, log) -> tuple[dict, dict[int, str]] | str:
+    """This node's committed parts on its L0, {step: (part, parts, attempt, lineage)}, and the steps whose manifest
+    failed to be read there ({step: why}: unknown, not absent); an L0 that cannot be listed is the reason, a string
+    (a failing disk must not leave the other ranks waiting in the gather, nor read as "no parts here")."""
+    failed: dict[int, str] = {}
     try:
-        found = ckpt_parts.local_parts(root)
-    except OSError as e:  # unknown, not empty: L1 or L2 may serve; if neither does, the restore does not start over
-        log(f"[ckpt] restore: this node's L0 cannot be read ({e}); its parts come from L1 or L2")
-        return str(e)
-    return {s: info for s, m in found.items() if (info := _part_info(m)) is not None}
+        found = ckpt_parts.local_parts(root, failed)
+    except OSError as e:  # unknown, not empty: no step is resumed over what it may hold
+        log(f"[ckpt] restore: this node's L0 cannot be read ({e})")
+        return f"{type(e).__name__}: {str(e)[:240]}"
+    for s, why in failed.items():
+        log(f"[ckpt] restore: this node's L0 {ck.step_name(s)} cannot be read ({why})")
+    return {s: info for s, m in found.items() if (info := _part_info(m)) is not None}, failed
 
 
 def _part_info(man: dict) -> Optional[tuple]:
@@ -245,9 +284,9 @@ def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
     """Parts committed in L1's staging (``.step-N.parts/part-K``), e.g. staged by every node before rank 0's node
     was lost, so never merged: [(step, (part, parts, attempt, lineage))]."""
     out = []
-    for d in sorted(l1_root.glob(".step-*.parts")) if l1_root.is_dir() else []:
+    for d in strict_glob(".step-*.parts", l1_root):  # a folder that cannot be listed raises (exit 75)
         step = ck.parse_step(d.name[1:-len(".parts")])
-        for p in sorted(d.glob("part-*")) if step is not None else []:
+        for p in strict_glob("part-*", d) if step is not None else []:
             try:
                 with naming(p):  # a read() error names the part
                     info = _part_info(ck.read_local_manifest(p))
@@ -274,9 +313,9 @@ def _settle(ckpt, c: dict, missed: Unanswered) -> Optional[Restored]:
     held, why = _verify_own_part(l0, c, log) if topo.local_rank == 0 else (None, None)
     got = _gather((topo.node, held, why))  # the same on every rank
     have = {node: h for node, h, _ in got if h is not None}
-    for _, _, why in got:
+    for node, _, why in got:
         if why:
-            missed.copy(why)
+            missed.copy(f"node {node}'s {why}")
     every = set(range(c["parts"]))
     if all(have.get(g, set()) >= every for g in range(topo.nodes)):
         sources = {k: "L0" for k in every}
@@ -300,14 +339,14 @@ def _verify_own_part(l0: Path, c: dict, log) -> tuple[set[int], Optional[str]]:
     try:
         if not (l0 / ck.COMMIT).is_file():
             return set(), None
-        man = ck.verify_local(l0)
+        part, parts, attempt = ckpt_parts.part_of(ck.read_local_manifest(l0))
+        if attempt != c["attempt"] or parts != c["parts"]:  # before its files are read: it never serves this step
+            log(f"[ckpt] restore: skipped {l0.name} L0: another attempt's part ({attempt}, not {c['attempt']})")
+            return set(), None
+        ck.verify_local(l0)
     except Exception as e:  # noqa: BLE001 - a corrupt or partial copy is a reason to use another tier
         log(f"[ckpt] restore: skipped {l0.name} L0: {e}")
         return set(), _unread(e, l0, "L0")
-    part, parts, attempt = ckpt_parts.part_of(man)
-    if attempt != c["attempt"] or parts != c["parts"]:
-        log(f"[ckpt] restore: skipped {l0.name} L0: another attempt's part ({attempt}, not {c['attempt']})")
-        return set(), None
     return {part}, None
 
 
@@ -387,12 +426,14 @@ def _verify_l1_parts(l1: Path, topo, log) -> tuple[list[int], Optional[str]]:
 
 def _unread(e: BaseException, copy: Path, tier: str = "L1") -> Optional[str]:
     """``'L1 <step> (…)'`` for a read of the step's copy on ``tier`` that failed (EIO, ESTALE, EACCES …: not an
-    answer about an entry, not a copy that answered and is bad); None otherwise."""
+    answer about an entry, not a copy that answered and is bad); None otherwise. The reason names the exception's
+    class: ``PermissionError`` (EACCES, EPERM) is :data:`REFUSED`."""
     if isinstance(e, OSError) and e.errno is not None and e.errno not in L1_ANSWERS:
         return f"{tier} {copy.name} ({type(e).__name__}: {str(e)[:240]})"
     return None
 
 
+REFUSED = "(PermissionError: "  # in a reason: a copy this user may not read (EACCES, EPERM)
 UNANSWERED = "?"  # what _stage returns before the tier and the error when that tier did not answer
 
 

@@ -153,15 +153,19 @@ def newest_verified(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]])
                 try:
                     verify_copy(spec, tier, locs[tier])
                     return s
+                except TierUnavailable:  # unknown, not "does not verify": no older step is taken for the newest
+                    raise
                 except CheckpointError:
                     continue
     return None
 
 
 def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
-                   rec: Optional[dict]) -> dict[str, list[int]]:
+                   rec: Optional[dict], strict: bool = False) -> dict[str, list[int]]:
     """``by_tier`` less the steps another line of training wrote (:mod:`pipelines.train.ckpt.history`); every step
-    counts when there is no lineage record."""
+    counts when there is no lineage record. A step whose manifest did not answer (L2 down, L1's EIO …) is left out
+    (retention then neither removes nor counts it), or with ``strict`` raises (for a caller that must put every step
+    somewhere: unknown is not "not this line's")."""
     if rec is None:
         return by_tier
     out = {}
@@ -171,7 +175,9 @@ def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
             loc = tier_locations(spec, f"{rel_root}/{step_name(st)}")[tier]
             try:
                 man = read_s3_manifest(spec, loc) if tier == "L2" else read_local_manifest(Path(loc))
-            except (CheckpointError, OSError, json.JSONDecodeError):
+            except (CheckpointError, OSError, json.JSONDecodeError) as e:
+                if strict and (isinstance(e, TierUnavailable) or isinstance(e, OSError) and e.errno not in FS_ANSWERS):
+                    raise
                 man = None
             if man is not None and history.accepts(rec, st, history.of(man)):
                 keep.append(st)
@@ -491,7 +497,7 @@ def promote_held(spec: JobSpec, rel_root: str, final: int, log: Callable[[str], 
     answer raise :class:`TierUnavailable` (exit 75): unknown, never "nothing held"."""
     try:
         rec = history.read(spec, rel_root)
-        by_tier = accepted_steps(spec, rel_root, list_steps(spec, rel_root, ("L1", "L2")), rec)
+        by_tier = accepted_steps(spec, rel_root, list_steps(spec, rel_root, ("L1", "L2")), rec, strict=True)
     except (OSError, ValueError) as e:  # L1 failing, a torn lineage record
         raise TierUnavailable(f"L1: the steps held for L2 under {rel_root} cannot be read: {type(e).__name__}: {e}") \
             from None
