@@ -3,11 +3,13 @@
 ``glob.glob`` drops every OSError of the directories it scans (EIO, ESTALE, EACCES) and ``Path.glob``/``rglob`` drop
 the directories they may not read: the files under them vanish from the answer. What ingest lists becomes a corpus,
 and what a stage hashes says whether its done work stands, so here a directory that fails raises (its path named);
-only a path that is not there (ENOENT, ENOTDIR) is an answer.
+only a path that is not there (ENOENT, ENOTDIR: one removed while it was listed too) is an answer, and so is an
+entry whose kind cannot be told (a symlink loop: not a directory).
 
-:func:`strict_glob` matches as ``glob.glob(pattern, recursive=True)`` does (``*``, ``?``, ``[…]`` within a component,
-``**`` for any depth, names starting with ``.`` only when the component does; symlinked directories are not
-descended by ``**``); :func:`walk_files` lists every file below a directory.
+:func:`strict_glob` matches as ``glob.glob(pattern, recursive=True)`` does and returns its paths sorted as strings:
+``*``, ``?``, ``[…]`` within a component, ``**`` for any depth (through symlinked directories, a loop entered once),
+names starting with ``.`` only when the component does; :func:`walk_files` lists every file below a directory (not
+through symlinked directories, as ``Path.rglob`` in Python 3.11).
 """
 from __future__ import annotations
 
@@ -20,20 +22,69 @@ from typing import Iterator
 ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR})  # answers: the path is not there, or not a directory
 
 
-def _raise(e: OSError) -> None:
-    raise e
+def _absent_or_raise(e: OSError) -> None:
+    if e.errno not in ABSENT:
+        raise e
 
 
 def walk_files(root: Path) -> Iterator[Path]:
     """Every file below ``root`` (not following symlinked directories), in no particular order; raises the OSError
-    of a directory that cannot be read (``root`` absent: nothing)."""
+    of a directory that cannot be read (one that is not there, or went while it was walked: nothing)."""
+    for d, _, files in os.walk(root, onerror=_absent_or_raise):
+        for f in files:
+            yield Path(d) / f
+
+
+def _is_dir(e: os.DirEntry) -> bool:
     try:
-        for d, _, files in os.walk(root, onerror=_raise):
-            for f in files:
-                yield Path(d) / f
+        return e.is_dir()
+    except OSError:  # a symlink loop, a dangling link: not a directory
+        return False
+
+
+def _entries(d: Path, dirs_only: bool) -> list[os.DirEntry]:
+    try:
+        with os.scandir(d) as it:
+            return [e for e in it if not dirs_only or _is_dir(e)]
     except OSError as e:
-        if e.errno not in ABSENT or Path(e.filename or "") != Path(root):
-            raise
+        _absent_or_raise(e)
+        return []
+
+
+def _below(b: Path, files: bool) -> list[Path]:
+    """``b`` and every directory below it whose name does not start with ``.``, through symlinks as glob goes, and
+    their files too when ``files``: what ``**`` stands for. A link back to a directory above it (a loop, which glob
+    follows until the path is too long) is not entered again."""
+    out, todo = [], [(b, frozenset())]
+    while todo:
+        d, above = todo.pop()
+        try:
+            st = d.stat()
+        except OSError as e:
+            _absent_or_raise(e)
+            continue
+        if (st.st_dev, st.st_ino) in above:
+            continue
+        out.append(d)
+        above = above | {(st.st_dev, st.st_ino)}
+        for e in _entries(d, False):
+            if e.name.startswith("."):
+                continue
+            if _is_dir(e):
+                todo.append((d / e.name, above))
+            elif files:
+                out.append(d / e.name)
+    return out
+
+
+def _expand(bases: list[Path], comp: str, last: bool) -> list[Path]:
+    if comp == "**":  # the base itself and every directory below it (every file too, when it ends the pattern)
+        return [p for b in bases for p in _below(b, last)]
+    if not glob_magic(comp):
+        return [b / comp for b in bases if _there(b / comp)]
+    hidden = comp.startswith(".")
+    return [b / e.name for b in bases for e in _entries(b, not last)
+            if (hidden or not e.name.startswith(".")) and fnmatch.fnmatchcase(e.name, comp)]
 
 
 def _there(p: Path) -> bool:
@@ -41,37 +92,9 @@ def _there(p: Path) -> bool:
     try:
         os.lstat(p)
     except OSError as e:
-        if e.errno in ABSENT:
-            return False
-        raise
+        _absent_or_raise(e)
+        return False
     return True
-
-
-def _entries(d: Path, dirs_only: bool) -> list[os.DirEntry]:
-    try:
-        with os.scandir(d) as it:
-            return [e for e in it if not dirs_only or e.is_dir()]
-    except OSError as e:
-        if e.errno in ABSENT:
-            return []
-        raise
-
-
-def _expand(bases: list[Path], comp: str, last: bool) -> list[Path]:
-    if comp == "**":  # the base itself and every directory below it (every file too, when it ends the pattern)
-        out = []
-        for b in bases:
-            out.append(b)
-            for d, dirs, files in os.walk(b, onerror=lambda e: _raise(e) if e.errno not in ABSENT else None):
-                dirs[:] = sorted(x for x in dirs if not x.startswith("."))
-                out += [Path(d) / x for x in dirs]
-                out += [Path(d) / x for x in files if last and not x.startswith(".")]
-        return out
-    if not glob_magic(comp):
-        return [b / comp for b in bases if _there(b / comp)]
-    hidden = comp.startswith(".")
-    return [b / e.name for b in bases for e in _entries(b, not last)
-            if (hidden or not e.name.startswith(".")) and fnmatch.fnmatchcase(e.name, comp)]
 
 
 def glob_magic(s: str) -> bool:
@@ -80,12 +103,14 @@ def glob_magic(s: str) -> bool:
 
 def strict_glob(pattern: str, root: Path | None = None) -> list[Path]:
     """The paths matching ``pattern`` (absolute, or relative to ``root``, taken as it is: its name is no pattern; by
-    default the working directory), sorted; raises the OSError of a directory on the way that cannot be read."""
+    default the working directory), sorted as strings (as ``sorted(glob.glob(…))``); raises the OSError of a
+    directory on the way that cannot be read."""
     parts = Path(pattern).parts
     if not parts:
         return []
-    bases = [Path(parts[0])] if Path(pattern).is_absolute() else [Path(root) if root is not None else Path(".")]
-    parts = parts[1:] if Path(pattern).is_absolute() else parts
+    absolute = Path(pattern).is_absolute()
+    bases = [Path(parts[0])] if absolute else [Path(root) if root is not None else Path(".")]
+    parts = parts[1:] if absolute else parts
     for i, comp in enumerate(parts):
         bases = _expand(bases, comp, i == len(parts) - 1)
-    return sorted({Path(os.path.normpath(p)) for p in bases})
+    return [Path(p) for p in sorted({str(p) for p in bases})]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
+import re
 import time
 from pathlib import Path
 from typing import Iterable
@@ -18,16 +19,20 @@ from typing import Iterable
 from pipelines.spec import JobSpec, load_spec, project_home, resolve_path
 
 
-# MLflow's answers about what was asked (no such model or alias, a bad name, refused credentials): the user's to fix;
-# any other error code (INTERNAL_ERROR for a server that did not answer, TEMPORARILY_UNAVAILABLE, a 5xx …) is the
-# tracking server failing: a retry may find it back (exit 75)
-MLFLOW_ANSWERS = frozenset({"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS",
-                            "PERMISSION_DENIED", "UNAUTHENTICATED", "BAD_REQUEST", "INVALID_STATE", "NOT_FOUND"})
+# the tracking server failing (a retry may find it back: exit 75): these codes, and an INTERNAL_ERROR whose message
+# is MLflow's client saying the request got no answer (a connection refused or reset, a timeout) or a 5xx/429 one;
+# every other error is an answer about what was asked (no such model, a bad name or URI, refused credentials): exit 2
+MLFLOW_OUTAGE = frozenset({"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "RESOURCE_EXHAUSTED",
+                           "DEADLINE_EXCEEDED"})
+_NO_ANSWER = re.compile(r"API request to (endpoint )?\S+ failed with (exception|error code (5\d\d|429)\b)")
 
 
 def mlflow_answered(e: BaseException) -> bool:
     """Whether ``e`` (an ``MlflowException``) is the registry's answer about the request, not the server failing."""
-    return getattr(e, "error_code", None) in MLFLOW_ANSWERS
+    code = getattr(e, "error_code", None)
+    if code in MLFLOW_OUTAGE:
+        return False
+    return not (code == "INTERNAL_ERROR" and _NO_ANSWER.search(str(getattr(e, "message", e))))
 
 
 def tracking_uri(spec: JobSpec) -> str:

@@ -603,6 +603,19 @@ def test_a_model_the_tracking_server_did_not_return_is_a_retry_and_a_missing_one
     with pytest.raises(LookupError, match="cannot load models:/m/1") as e:
         model_dir.download("models:/m/1", f"sqlite:///{tmp_path}/mlflow.db")  # answered: no such model
     assert not isinstance(e.value, model_dir.ModelUnavailable)
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import ENDPOINT_NOT_FOUND, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
+
+    from pipelines.tracking import mlflow_answered
+
+    no_answer = [MlflowException("API request to http://m/api/2.0/x failed with exception ConnectionError(…)"),
+                 MlflowException("API request to endpoint /api/2.0/x failed with error code 503 != 200. Response …"),
+                 MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE)]
+    answers = [MlflowException("Registered Model with name=m not found", error_code=RESOURCE_DOES_NOT_EXIST),
+               MlflowException("API request to endpoint /api/2.0/x failed with error code 404 != 200."),
+               MlflowException("Detected out-of-date database schema"),  # INTERNAL_ERROR, the user's to migrate
+               MlflowException("no", error_code=ENDPOINT_NOT_FOUND)]
+    assert [mlflow_answered(e) for e in no_answer + answers] == [False] * 3 + [True] * 4
     text = tmp_path / "t.txt"
     text.write_text("some text")
     assert bpb.main(["--model-uri", "models:/m/1", "--tracking-uri", down, "--text-file", str(text)]) == 75

@@ -512,6 +512,11 @@ def test_the_restore_never_takes_an_older_step_over_one_that_did_not_answer(monk
     with pytest.raises(ck.TierUnavailable, match="node 0's L0 .* did not answer: that disk may hold a step newer than "
                                                  "step 15: not resuming from step 15"):
         run({15: "ok"}, disk=eio)
+    with pytest.raises(ck.TierUnavailable, match=r"L2Unavailable: down; and node 0's L0 \(OSError.*\) did not "
+                                                 "answer: that disk may hold this run's steps"):  # (not "step None")
+        run({}, disk=eio, far=ck.TierUnavailable("restore: cannot list this run's checkpoints: L2Unavailable: down"))
+    with pytest.raises(ck.CopyRefused, match="did not answer and no other tier holds a step .*this user may not"):
+        run({}, disk="PermissionError: [Errno 13] Permission denied: '/nvme/run'")  # refused, nothing else: 2
     assert run({15: "bad"}) is None  # every copy answered and none restores: step 0 is the answer
 
 

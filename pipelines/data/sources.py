@@ -16,6 +16,7 @@ reused).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -91,14 +92,18 @@ def local_sources(pattern: str) -> list[Source]:
         if isinstance(e, PermissionError):
             raise IngestError(f"input {pattern!r}: {where} cannot be read ({e.strerror}): give this user read access "
                               "to it (or narrow data.inputs)") from None
+        if e.errno in (errno.ELOOP, errno.ENAMETOOLONG, errno.EINVAL):  # the tree's own shape: no retry mends it
+            raise IngestError(f"input {pattern!r}: {where} cannot be listed ({e.strerror}); fix the tree or narrow "
+                              "data.inputs") from None
         raise InputUnavailable(f"input {pattern!r}: {where} could not be listed now ({type(e).__name__}: "
                                f"{e.strerror or e}); run it again") from None
 
 
 def _local_sources(pattern: str) -> list[Source]:
     p = resolve_path(pattern)
-    if glob_magic(pattern):
-        paths = [x for x in strict_glob(str(p)) if x.is_file()]
+    if glob_magic(pattern):  # a relative pattern under the project root, whose own name is no pattern
+        found = strict_glob(pattern) if Path(pattern).is_absolute() else strict_glob(pattern, resolve_path("."))
+        paths = [x for x in found if x.is_file()]
     elif p.is_dir():
         paths = sorted(x for x in walk_files(p) if x.is_file() and is_data_file(x.name))
     else:

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lineage: error: {e}", file=sys.stderr)
         return e.exit_code
     except Exception as e:  # MLflow: no such model / alias (2), or the server did not answer (75)
-        if type(e).__name__ != "MlflowException":
+        if "MlflowException" not in {t.__name__ for t in type(e).__mro__}:  # (RestException, …: its subclasses)
             raise
         print(f"lineage: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return USER_ERROR if mlflow_answered(e) else RETRY

@@ -131,8 +131,8 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
                 blocked = (c["step"], missed.since(before))
     want = "a step to restore: not starting over from step 0" if step is None else f"step {step} to restore"
     if tiers := missed.of("tier"):
-        raise ck.TierUnavailable(f"restore: {_listed(tiers)} did not answer and no other tier holds {want} "
-                                 "(a retry looks again)")
+        raise Unanswered.stop(f"restore: {_listed(tiers)} did not answer and no other tier holds {want} "
+                              f"({_again(tiers)})", tiers)
     if copies := missed.of("copy"):  # copies a disk failed to return are not copies that are gone
         raise Unanswered.stop(f"restore: {_listed(copies)} could not be read and no other copy "
                               + ("restores: not starting over from step 0" if step is None else
@@ -171,6 +171,9 @@ def _not_older(newer: Optional[int], why: list[str], older: Optional[int] = None
     failed to be read, so it is unknown, not lost; resuming at ``older`` would give it up for good (the run's new
     steps replace it). Only the user can choose that: ``checkpoint.restore_past_unanswered``."""
     said, again = "; ".join(why), _again(why)
+    if newer is None and older is None:  # a node's disk that cannot be listed, and no other step either
+        return (f"{said} did not answer: that disk may hold this run's steps ({again}; "
+                "checkpoint.restore_past_unanswered=true resumes from an older step and gives up what it may hold)")
     if newer is None:  # a node's disk that cannot be listed: any step may be there
         return (f"restore: {said} did not answer: that disk may hold a step newer than step {older}: not resuming "
                 f"from step {older} over it ({again}; checkpoint.restore_past_unanswered=true resumes from step "
