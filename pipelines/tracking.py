@@ -27,6 +27,11 @@ MLFLOW_OUTAGE = frozenset({"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", 
 _NO_ANSWER = re.compile(r"API request to (endpoint )?\S+ failed with (exception|error code (5\d\d|429)\b)")
 
 
+def mlflow_error(e: BaseException) -> bool:
+    """Whether ``e`` is an ``MlflowException`` (or a subclass: ``RestException`` …), without importing MLflow."""
+    return "MlflowException" in {t.__name__ for t in type(e).__mro__}
+
+
 def mlflow_answered(e: BaseException) -> bool:
     """Whether ``e`` (an ``MlflowException``) is the registry's answer about the request, not the server failing."""
     code = getattr(e, "error_code", None)

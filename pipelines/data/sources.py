@@ -102,8 +102,7 @@ def local_sources(pattern: str) -> list[Source]:
 def _local_sources(pattern: str) -> list[Source]:
     p = resolve_path(pattern)
     if glob_magic(pattern):  # a relative pattern under the project root, whose own name is no pattern
-        found = strict_glob(pattern) if Path(pattern).is_absolute() else strict_glob(pattern, resolve_path("."))
-        paths = [x for x in found if x.is_file()]
+        paths = [x for x in strict_glob(pattern, resolve_path(".")) if x.is_file()]
     elif p.is_dir():
         paths = sorted(x for x in walk_files(p) if x.is_file() and is_data_file(x.name))
     else:

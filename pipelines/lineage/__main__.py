@@ -39,7 +39,7 @@ from pipelines.lineage.queries import (NothingMatched, doc_query, exclude_source
 from pipelines.lineage.takedowns import TAG
 from pipelines.manifest import StageError
 from pipelines.spec import add_spec_args, spec_from_args
-from pipelines.tracking import client, mlflow_answered
+from pipelines.tracking import client, mlflow_answered, mlflow_error
 
 
 def _text(res: dict) -> str:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lineage: error: {e}", file=sys.stderr)
         return e.exit_code
     except Exception as e:  # MLflow: no such model / alias (2), or the server did not answer (75)
-        if "MlflowException" not in {t.__name__ for t in type(e).__mro__}:  # (RestException, …: its subclasses)
+        if not mlflow_error(e):
             raise
         print(f"lineage: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return USER_ERROR if mlflow_answered(e) else RETRY

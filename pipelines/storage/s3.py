@@ -50,6 +50,7 @@ from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as B
 from s3transfer.exceptions import RetriesExceededError
 from s3transfer.utils import ChunksizeAdjuster
 
+from pipelines.listing import walk_files
 from pipelines.procs import identity, still_running
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 from pipelines.storage import faults
@@ -104,14 +105,8 @@ def embedded_holds(uri: str) -> bool:
         return True
     if not bucket or where == store or not where.is_relative_to(store):  # "..": nothing of the store's
         return False
-
-    def fail(e: OSError):
-        raise e
-
-    try:
-        if not where.is_dir():
-            return False
-        return any(not f.startswith(".rclone_temp") for _, _, files in os.walk(where, onerror=fail) for f in files)
+    try:  # (a folder that is not there holds nothing; one that fails raises)
+        return any(not p.name.startswith(".rclone_temp") for p in walk_files(where))
     except OSError:
         return True
 

@@ -81,12 +81,14 @@ class Unanswered:
     said: list[tuple[str, str]] = field(default_factory=list)  # ("tier" | "copy", why)
 
     def tier(self, why: str) -> None:
-        if ("tier", why) not in self.said:
-            self.said.append(("tier", why))
+        self._add("tier", why)
 
     def copy(self, why: str) -> None:
-        if ("copy", why) not in self.said:
-            self.said.append(("copy", why))
+        self._add("copy", why)
+
+    def _add(self, kind: str, why: str) -> None:
+        if (kind, why) not in self.said:
+            self.said.append((kind, why))
 
     @staticmethod
     def stop(msg: str, why: list[str]) -> ck.CheckpointError:
