@@ -16,7 +16,6 @@ reused).
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ from pipelines.lineage.keys import file_key
 from pipelines.listing import glob_magic, strict_glob, walk_files
 from pipelines.manifest import StageError, plain_rel, under
 from pipelines.spec import JobSpec, resolve_path
+from pipelines.storage import oserrors
 from pipelines.storage.s3 import EmbeddedDown, S3ConfigError, client_from, client_settings, outage, split_uri
 
 DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc", ".txt", ".parquet")  # .jsonl.gz, .warc.gz …
@@ -89,10 +89,10 @@ def local_sources(pattern: str) -> list[Source]:
         return _local_sources(pattern)
     except OSError as e:
         where = e.filename or pattern
-        if isinstance(e, PermissionError):
+        if oserrors.refused(e):
             raise IngestError(f"input {pattern!r}: {where} cannot be read ({e.strerror}): give this user read access "
                               "to it (or narrow data.inputs)") from None
-        if e.errno in (errno.ELOOP, errno.ENAMETOOLONG, errno.EINVAL):  # the tree's own shape: no retry mends it
+        if e.errno in oserrors.ANSWERS:  # the tree's own shape (a loop, a name too long): no retry mends it
             raise IngestError(f"input {pattern!r}: {where} cannot be listed ({e.strerror}); fix the tree or narrow "
                               "data.inputs") from None
         raise InputUnavailable(f"input {pattern!r}: {where} could not be listed now ({type(e).__name__}: "

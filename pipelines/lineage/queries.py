@@ -4,7 +4,6 @@ and a source taken down (:func:`exclude_source`)."""
 
 from __future__ import annotations
 
-import errno
 from collections import Counter
 from typing import Iterable, Optional
 
@@ -19,6 +18,7 @@ from pipelines.lineage.takedowns import add, read_list, split_by_exclusion, tag_
 from pipelines.listing import strict_glob
 from pipelines.manifest import Manifest, StageError, lineage, load_manifest
 from pipelines.spec import JobSpec, resolve_path
+from pipelines.storage import oserrors
 from pipelines.tracking import mlflow_answered, mlflow_error, model_versions
 
 
@@ -26,14 +26,12 @@ class NothingMatched(StageError):
     """A ``--strict`` query or takedown that no corpus version holds anything of (exit 1)."""
 
     exit_code = 1
-# an OSError reading a manifest that no retry mends (a missing or forged path, permissions); any other is storage's
-_NOT_STORAGE = {None, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG,
-                errno.ELOOP, errno.EINVAL}
 
 
 def storage_error(e: Exception) -> bool:
-    """Whether ``e`` is storage's (a retry may read it), not a missing, forged or damaged file's."""
-    return isinstance(e, VersionUnreadable) or (isinstance(e, OSError) and e.errno not in _NOT_STORAGE)
+    """Whether ``e`` is storage's (a retry may read it), not a missing, forged, refused or damaged file's
+    (:mod:`pipelines.storage.oserrors`)."""
+    return isinstance(e, VersionUnreadable) or oserrors.storage_failing(e)
 
 
 class VersionUnreadable(StageError):
@@ -52,7 +50,7 @@ def corpus_versions(spec: JobSpec) -> list[Manifest]:
         except OSError as e:
             if storage_error(e):  # not a missing file: a version that may hold what is asked
                 raise VersionUnreadable(f"{p} could not be read now ({e}); run it again") from None
-            if e.errno in (errno.EACCES, errno.EPERM):  # a version all the same, which no retry reads: never passed over
+            if oserrors.refused(e):  # a version all the same, which no retry reads: never passed over
                 raise StageError(f"{p} cannot be read ({e.strerror}): a corpus version this query must read; give "
                                  "this user read access to it (or remove the version) and run it again") from None
         except ValueError:

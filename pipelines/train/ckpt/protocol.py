@@ -34,7 +34,6 @@ Where each concern lives (each module imports only the ones above it):
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import warnings
@@ -54,11 +53,6 @@ TIERS = ("L0", "L1", "L2")
 MAX_PARTS = 1 << 16  # more parts than any job has nodes: a manifest that says so is not ours
 
 
-# answers about an entry of a file-system tier (missing, not a directory, a loop, a name too long, in the way): the
-# copy's state, not the tier failing; any other errno on a path of L1 is L1 failing (full, I/O, stale, read-only,
-# refused, evicted …): what it holds is unknown
-FS_ANSWERS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG, errno.EEXIST,
-                        errno.ENOTEMPTY})
 
 
 class CheckpointError(StageError):

@@ -34,7 +34,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from pipelines.listing import strict_glob
-from pipelines.storage import faults
+from pipelines.storage import faults, oserrors
 from pipelines.storage.s3 import unreachable
 from pipelines.train.ckpt import protocol as ck
 from pipelines.train.ckpt import parts as ckpt_parts
@@ -433,7 +433,7 @@ def _unread(e: BaseException, copy: Path, tier: str = "L1") -> Optional[str]:
     """``'L1 <step> (…)'`` for a read of the step's copy on ``tier`` that failed (EIO, ESTALE, EACCES …: not an
     answer about an entry, not a copy that answered and is bad); None otherwise. The reason names the exception's
     class: ``PermissionError`` (EACCES, EPERM) is :data:`REFUSED`."""
-    if isinstance(e, OSError) and e.errno is not None and e.errno not in L1_ANSWERS:
+    if oserrors.unanswered(e):
         return f"{tier} {copy.name} ({type(e).__name__}: {str(e)[:240]})"
     return None
 
@@ -467,15 +467,13 @@ def _stage(ckpt, c: dict, k: int, how: str, locs: dict, log) -> Optional[str]:
         return f"{UNANSWERED}{tier}" if tier else None
 
 
-L1_ANSWERS = ck.FS_ANSWERS  # answers about an entry of L1 (missing, in the way …), not L1 failing
-
-
 def l1_failed(e: BaseException, l1_root: Path) -> Optional[str]:
-    """``'L1 (…)'`` when ``e`` is L1's file system failing (any errno but :data:`L1_ANSWERS`) on a path under the
-    run's L1 root ``l1_root`` while a part was staged, merged or listed there (a write or close refused, a rename, an
-    open or a read that failed; the copies name the file of each, ``local.naming``): L1 did not serve, which says
-    nothing of the copy, so the step is unknown, not bad (if no step restores, the run does not start over)."""
-    if not isinstance(e, OSError) or e.errno is None or e.errno in L1_ANSWERS:
+    """``'L1 (…)'`` when ``e`` is L1's file system failing (:func:`pipelines.storage.oserrors.unanswered`) on a
+    path under the run's L1 root ``l1_root`` while a part was staged, merged or listed there (a write or close
+    refused, a rename, an open or a read that failed; the copies name the file of each, ``local.naming``): L1 did not
+    serve, which says nothing of the copy, so the step is unknown, not bad (if no step restores, the run does not
+    start over)."""
+    if not oserrors.unanswered(e):
         return None
     for name in (e.filename, e.filename2):
         if isinstance(name, (str, bytes, os.PathLike)) and Path(os.fsdecode(name)).is_relative_to(l1_root):

@@ -27,11 +27,11 @@ from botocore.exceptions import ClientError
 from pipelines import tracking
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
-from pipelines.storage import faults
+from pipelines.storage import faults, oserrors
 from pipelines.storage.s3 import (STATE_DIR, EmbeddedDown, S3ConfigError, client, embedded_configured, embedded_holds,
                                   endpoint_url, split_uri, unreachable)
 from pipelines.train.ckpt import fence, history
-from pipelines.train.ckpt.protocol import (COMMIT, FS_ANSWERS, TIERS, CheckpointError, L2Unavailable,
+from pipelines.train.ckpt.protocol import (COMMIT, TIERS, CheckpointError, L2Unavailable,
                                            TierUnavailable, is_valid_local, parse_step, read_local_manifest, step_name,
                                            verify_local)
 from pipelines.train.ckpt.local import remove_local
@@ -176,7 +176,7 @@ def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
             try:
                 man = read_s3_manifest(spec, loc) if tier == "L2" else read_local_manifest(Path(loc))
             except (CheckpointError, OSError, json.JSONDecodeError) as e:
-                if strict and (isinstance(e, TierUnavailable) or isinstance(e, OSError) and e.errno not in FS_ANSWERS):
+                if strict and (isinstance(e, TierUnavailable) or isinstance(e, OSError) and e.errno not in oserrors.ANSWERS):
                     raise
                 man = None
             if man is not None and history.accepts(rec, st, history.of(man)):
@@ -511,7 +511,7 @@ def promote_held(spec: JobSpec, rel_root: str, final: int, log: Callable[[str], 
         except (CheckpointError, OSError) as e:  # only a copy that answered bad is this step's alone
             if isinstance(e, TierUnavailable) or unreachable(e):
                 raise
-            if isinstance(e, OSError) and e.errno is not None and e.errno not in FS_ANSWERS:
+            if oserrors.unanswered(e):
                 raise TierUnavailable(f"L1 step {s}: {type(e).__name__}: {e}") from None  # L1 failing: unknown
             out["failed"][s] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log(f"[promote] warning: step {s}, held on L1 for L2, did not reach it: {out['failed'][s]}")
