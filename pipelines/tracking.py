@@ -40,6 +40,11 @@ def mlflow_answered(e: BaseException) -> bool:
     return not (code == "INTERNAL_ERROR" and _NO_ANSWER.search(str(getattr(e, "message", e))))
 
 
+def mlflow_outage(e: BaseException) -> bool:
+    """Whether ``e`` is MLflow's server failing (unavailable, throttling, 5xx, unreachable): a retry may pass."""
+    return mlflow_error(e) and not mlflow_answered(e)
+
+
 def tracking_uri(spec: JobSpec) -> str:
     """``sqlite:///var/mlflow.db`` is relative to the project root, whatever the cwd."""
     uri = spec.services.mlflow_tracking_uri

@@ -261,6 +261,50 @@ def test_a_rank_marks_final_only_the_stops_that_would_repeat(tmp_path, monkeypat
     assert [(o["code"], o.get("final", False)) for o in xc.read_outcomes(tmp_path / "v")] == [(2, False)]
 
 
+def test_mlflow_that_does_not_answer_is_a_retry_and_its_answers_are_not(tmp_path, monkeypatch, capsys):
+    """The trainer's params and metrics go to MLflow on rank 0: a server that does not answer past its client's
+    retries ends the rank 75 in one line (it ended 1 with a traceback, and params it could not log were passed over
+    in silence); MLflow's answer that params are logged already (a resumed run) is not an error."""
+    from types import SimpleNamespace
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, TEMPORARILY_UNAVAILABLE
+
+    from pipelines.launch import outcomes as xc
+    from pipelines.train import trainer as tr
+
+    down = MlflowException("the tracking server is restarting", error_code=TEMPORARILY_UNAVAILABLE)
+    logged = MlflowException("Changing param values is not allowed", error_code=INVALID_PARAMETER_VALUE)
+
+    class Client:
+        def __init__(self, error):
+            self.error = error
+
+        def log_batch(self, run_id, params=()):
+            raise self.error
+
+    tracker = tr.Tracker.__new__(tr.Tracker)
+    tracker.run_id = "run"
+    tracker.client = Client(logged)
+    tracker.params({"world_size": 2})  # the first values stay
+    tracker.client = Client(down)
+    with pytest.raises(MlflowException):
+        tracker.params({"world_size": 2})
+
+    def fail(*a, _e=down, **k):
+        raise _e
+
+    monkeypatch.setattr(tr, "train", fail)
+    args = SimpleNamespace(out=str(tmp_path / "o"), tokenize_manifest="m", ckpt_root="c")
+    assert tr._run_rank(None, args, None) == 75
+    assert [(o["code"], o.get("final", False)) for o in xc.read_outcomes(tmp_path / "o")] == [(75, False)]
+    err = capsys.readouterr().err
+    assert "train: error: MLflow did not answer (MlflowException: the tracking server is restarting)" in err, err
+    monkeypatch.setattr(tr, "train", lambda *a, **k: fail(_e=logged))  # an answer about the request: a bug's trace
+    with pytest.raises(MlflowException):
+        tr._run_rank(None, SimpleNamespace(out=str(tmp_path / "p"), tokenize_manifest="m", ckpt_root="c"), None)
+
+
 def test_resuming_at_k_on_a_different_dp_size_keeps_the_global_order():
     a = DPSampler(50, 8, 0, 1, seed=9)
     order = [a.next_local() for _ in range(10)]

@@ -19,7 +19,7 @@ from pipelines.listing import strict_glob
 from pipelines.manifest import Manifest, StageError, lineage, load_manifest
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import oserrors
-from pipelines.tracking import mlflow_answered, mlflow_error, model_versions
+from pipelines.tracking import mlflow_outage, model_versions
 
 
 class NothingMatched(StageError):
@@ -324,7 +324,7 @@ def exclude_source(spec: JobSpec, client, source: str, reason: str, strict: bool
         versions, unreadable = held if held is not None else source_holders(spec, rec.source)
         tagged = tag_versions(client, models_trained_on(client, _digests(versions)), rec)
     except Exception as e:  # noqa: BLE001 - MLflow or a corpus version: the exclusion itself is recorded
-        again = storage_error(e) or mlflow_error(e) and not mlflow_answered(e)  # the server or storage: a retry tags
+        again = storage_error(e) or mlflow_outage(e)  # the server or storage: a retry tags
         raise (VersionUnreadable if again else StageError)(
             f"the exclusion of {rec.source!r} is recorded in {path}, but tagging the registered versions that saw it "
             f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); run the same command again to "

@@ -224,8 +224,9 @@ class Tracker:
 
         try:
             self.client.log_batch(self.run_id, params=[Param(f"train.{k}", str(v)) for k, v in params.items()])
-        except Exception:  # params are immutable: a resumed/re-run stage logs them again
-            pass
+        except Exception as e:  # params are immutable: a resumed run (another world size) keeps the first ones
+            if tracking.mlflow_outage(e):  # the server failing: not "logged already"
+                raise
 
     def add(self, step: int, metrics: dict) -> None:
         self.pending.extend((k, float(v), step) for k, v in metrics.items())
@@ -816,6 +817,13 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
     except OSError as e:  # a tier's disk (ENOSPC, EIO …): one line with the path, and torchrun may try again
         print(f"train: error: storage: {e}", file=sys.stderr)
         xc.write_outcome(out, rank, xc.RETRY, f"storage: {e}")
+        return xc.RETRY
+    except Exception as e:  # MLflow that did not answer past its client's retries (minutes): resume from L1 later
+        if not tracking.mlflow_outage(e):
+            raise
+        line = f"MLflow did not answer ({type(e).__name__}: {str(e)[:300]})"
+        print(f"train: error: {line}; a retry resumes from the last checkpoint", file=sys.stderr)
+        xc.write_outcome(out, rank, xc.RETRY, line)
         return xc.RETRY
     return xc.OK
 
