@@ -218,6 +218,36 @@ def test_an_out_path_under_a_file_or_that_is_a_file_is_one_line_and_exit_2(tmp_p
         assert err.count("\n") == 1 and err.startswith(f"export: error: --out {out}: {afile} is a file"), err
 
 
+def test_the_card_leaves_out_a_spec_the_run_does_not_have_never_one_that_did_not_come(tmp_path, monkeypatch):
+    """The card of an exported version says what its training run logged: a run without ``spec.yaml`` gets a card
+    that says so; an MLflow that did not answer, or storage failing, stops the export (75) instead of a card with
+    the spec left out and exit 0."""
+    import errno
+    from types import SimpleNamespace
+
+    import yaml
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
+
+    monkeypatch.setattr(export, "lineage_of", lambda *a: None)
+    (tmp_path / "model_args.json").write_text(json.dumps({"d_model": 8}))
+    mv = SimpleNamespace(name="m", version=3, run_id="r", tags={"gate": "passed"})
+
+    def card(error):
+        def download(run_id, path, dst):
+            raise error
+        return export.version_card(None, SimpleNamespace(download_artifacts=download), mv, tmp_path, tmp_path)
+
+    assert card(MlflowException("no spec.yaml", error_code=RESOURCE_DOES_NOT_EXIST)).config is None
+    assert card(yaml.YAMLError("mapping values are not allowed here")).config is None  # not YAML: said too
+    for down in (MlflowException("restarting", error_code=TEMPORARILY_UNAVAILABLE),
+                 MlflowException("API request to http://mlflow:5000/api/2.0/mlflow-artifacts/artifacts/x failed "
+                                 "with exception HTTPConnectionPool(host='mlflow', port=5000)"),
+                 OSError(errno.EIO, "Input/output error", str(tmp_path / "spec.yaml"))):
+        with pytest.raises(type(down)):
+            card(down)
+
+
 def test_gguf_types_pad_the_embedding_and_refuse_pieces_past_it(bpe_model):
     """Rows of the embedding past the tokenizer's pieces are llama.cpp's converter's ``[PAD<i>]`` (UNUSED, score
     -10000); a tokenizer with more pieces than the embedding has rows is refused (those ids have no weights)."""

@@ -48,6 +48,7 @@ from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.lineage.queries import VersionUnreadable, model_query, resolve_model
 from pipelines.manifest import StageError
 from pipelines.spec import add_spec_args, spec_from_args
+from pipelines.storage import oserrors
 from pipelines.train.ckpt.protocol import load_plain_model
 
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.model", "tokenizer.json",
@@ -443,7 +444,9 @@ def version_card(spec, client, mv, model_dir: Path, tmp: Path) -> CardInfo:
     try:
         local = client.download_artifacts(mv.run_id, "spec.yaml", str(tmp))
         config = card_config(yaml.safe_load(Path(local).read_text()))
-    except Exception:  # noqa: BLE001 - a run without its spec: the card says so
+    except Exception as e:  # noqa: BLE001 - a run without its spec (or not YAML): the card says so
+        if tracking.mlflow_outage(e) or oserrors.storage_failing(e):
+            raise  # the server or storage did not answer: no card that leaves the spec out for that (a retry)
         config = None
     return CardInfo(mv.name, str(mv.version), json.loads((model_dir / "model_args.json").read_text()),
                     dict(mv.tags or {}), lin, config)
@@ -481,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     except MlflowException as e:  # no such model, version or alias: the user's (2); the server failing: 75
         print(f"export: error: {args.model}: {str(e).splitlines()[0]}", file=sys.stderr)
         return USER_ERROR if tracking.mlflow_answered(e) else RETRY
+    except OSError as e:  # the model's files or --out: storage failing (75); refused or in the way (2)
+        print(f"export: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return RETRY if oserrors.storage_failing(e) else USER_ERROR
     print(f"export: {mv.name} v{mv.version} → {args.out} ({args.format}): {', '.join(names)}")
     return 0
 
