@@ -102,11 +102,15 @@ def test_a_forged_manifest_entry_is_refused_on_download(home, any_key_s3, tmp_pa
 
 
 _LOCKED_STAGE = """
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
 from pipelines.manifest import StageDir, run_stage
 log = Path(sys.argv[2])
 sd = StageDir(sys.argv[1], "demo", "cfg", [{"uri": "x", "sha256": "0"}])
+(log.parent / f"ready-{os.getpid()}").touch()  # both start the stage together, however late one was scheduled
+end = time.time() + 50
+while len(list(log.parent.glob("ready-*"))) < 2 and time.time() < end:
+    time.sleep(0.01)
 def body(tmp):
     with open(log, "a") as f: f.write(f"start {time.time()}\\n")
     (tmp / "out.txt").write_text("made")

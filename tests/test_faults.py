@@ -168,7 +168,7 @@ def test_a_hung_s3_endpoint_never_holds_up_l1_and_a_restart_restores_without_wai
     import signal
 
     from pipelines.storage.s3 import launch_server
-    from test_resilience import _trainer_ranks, _wait_for
+    from test_resilience import _act_on, _held_after, _rank, _wait_for
 
     tok = _tok(home)
     proc, url = launch_server(home / "s3", subprocess.DEVNULL, auth=False)
@@ -176,14 +176,16 @@ def test_a_hung_s3_endpoint_never_holds_up_l1_and_a_restart_restores_without_wai
         sets = ["train.steps=40", "train.ckpt_every=10", "launcher.nproc_per_node=2", "launcher.max_restarts=1",
                 f"services.s3_endpoint_url={url}", "services.s3_bucket=ck-hang", "checkpoint.s3_connect_timeout_s=0.5",
                 "checkpoint.s3_read_timeout_s=0.5", "checkpoint.s3_max_attempts=2"]
-        p = subprocess.Popen(_launch_cmd(tok, home / "run", sets), env=_env(LLMP_FAULT_STEP_DELAY_S="0.15"),
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(_launch_cmd(tok, home / "run", sets), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True,
+                             env=_env(LLMP_FAULT_STEP_DELAY_S="0.15", **_held_after(34, home / "state")))
         _wait_for(lambda: list((home / "s3").rglob("step-000010/COMMIT")), 120, "step 10 on L2")
         os.kill(proc.pid, signal.SIGSTOP)
         l1 = home / "run" / "l1"
         # before the fix the one promoter thread sat in step 20's L2 calls (minutes each): step 30 never got here
         _wait_for(lambda: list(l1.glob("*/*/step-000030/COMMIT")), 60, "step 30 on L1 while L2 hangs")
-        _wait_for(lambda: _trainer_ranks(p)[-1:], 10, "a trainer rank")[0].send_signal(signal.SIGKILL)
+        _act_on(home / "state")
+        _rank(p, 1).send_signal(signal.SIGKILL)  # the held one, or the one that would be
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out[-4000:]
         assert "warning: L2 did not take step" in out, out[-4000:]

@@ -262,10 +262,10 @@ def test_an_attempt_whose_lease_lapsed_fences_itself(tmp_path, monkeypatch):
 
 def test_a_renewed_lease_stays_live(tmp_path):
     d = tmp_path / ".fence"
-    f = _take(d, "aaaa1111", lease_s=0.3)
+    f = _take(d, "aaaa1111", lease_s=3.0)  # (a renewal's fsync may stall a second on a busy CI disk)
     f.start_renewing()
-    time.sleep(0.7)
-    f.check("committing")  # renewed every 0.1 s
+    time.sleep(4.0)
+    f.check("committing")  # renewed every second: live past its first expiry
     f.release()
     assert fence.read_leases(d)["aaaa1111"] == 0.0  # given back: its temp files may go
 
@@ -497,7 +497,9 @@ def test_a_zombie_attempt_stops_before_committing_and_the_retry_keeps_its_steps(
     from test_resilience import _commit_of, _tok
 
     tok = _tok(home)
-    zombie = _launch(tok, home, "a", LLMP_FAULT_STEP_DELAY_S="0.2")
+    # A's ranks pause a minute after step 12, so it is frozen before its save of step 20 however loaded the machine
+    hold = [{"at": "step", "do": "slow", "seconds": 60, "nth": 12, "times": 1}]
+    zombie = _launch(tok, home, "a", LLMP_FAULT_STEP_DELAY_S="0.2", LLMP_FAULTS=json.dumps(hold))
     retry = None
     try:
         wait_for(_commit_of(home, 10), 240, "launch A's COMMIT of step 10 on L0")

@@ -233,7 +233,9 @@ def test_elastic_two_nodes_to_one_and_back_keep_the_global_batch(reference, tok,
     _, ref_res, _ = reference
     c = Cluster(tmp_path, tok, s3_server, "nodes-elastic", sets=["train.global_batch=8", "train.grad_accum=1"])
     try:
-        a = c.start(0, c.new_disk(), nnodes="1:2", delay=0.05)
+        # node a's steps are slow enough that the returning node (a Python start, torch's import, the rendezvous)
+        # joins before a ends alone, on a busy machine too: ~100 steps × 0.1 s after it is started again
+        a = c.start(0, c.new_disk(), nnodes="1:2", delay=0.1)
         b = c.start(1, c.new_disk(), nnodes="1:2", delay=0.05)
         _wait_for(lambda: c.l1_committed(20), 120, "step 20 committed on L1")
         b.lose()  # the job shrinks to one node and goes on

@@ -43,8 +43,12 @@ def _stops(out: str) -> tuple[list[int], list[int]]:
     return [int(a) for a, _ in found if a], [int(s) for _, s in found]
 
 
+# every rank pauses 8 s after step 15: the notice sent once step 10's COMMIT is seen lands by then on a busy machine
+HOLD = {"LLMP_FAULTS": json.dumps([{"at": "step", "do": "slow", "seconds": 8, "nth": 15, "times": 1}])}
+
+
 def _start(tok, root: Path) -> subprocess.Popen:
-    return subprocess.Popen(_launch_cmd(tok, root, SETS), env=_env(**DELAY), cwd=ROOT, stdout=subprocess.PIPE,
+    return subprocess.Popen(_launch_cmd(tok, root, SETS), env=_env(**DELAY, **HOLD), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

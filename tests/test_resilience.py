@@ -77,6 +77,28 @@ def _commit_of(root: Path, step: int):
     return lambda: next(iter((root / "l0").glob(f"*/*/step-{step:06d}/COMMIT")), None)
 
 
+def _held_after(step: int, state: Path, rank: int = 1, seconds: float = 60) -> dict:
+    """The environment that holds ``rank`` for ``seconds`` after its ``step``-th step, once across torchrun's
+    restarts (``state``): a test that acts once a checkpoint appears acts while the run is still there, however
+    loaded the machine (the run went on at its pace and could be past the state the test waited for, or done). A
+    test that acted before the hold spends it (:func:`_act_on`), so that no restart is held."""
+    rule = {"at": "step", "do": "slow", "seconds": seconds, "nth": step, "rank": rank, "times": 1}
+    return {"LLMP_FAULTS": json.dumps([rule]), "LLMP_FAULTS_STATE": str(state)}
+
+
+def _act_on(state: Path) -> None:
+    """The test acts now: the hold of :func:`_held_after` is spent, whether or not it began."""
+    from pipelines.storage import faults
+
+    faults.spend(state, 0)
+
+
+def _rank(proc: subprocess.Popen, rank: int) -> psutil.Process:
+    """Trainer rank ``rank`` of the launch ``proc`` (its RANK)."""
+    return _wait_for(lambda: [k for k in _trainer_ranks(proc) if k.environ().get("RANK") == str(rank)], 10,
+                     f"trainer rank {rank}")[0]
+
+
 def _trainer_ranks(proc: subprocess.Popen) -> list[psutil.Process]:
     kids = psutil.Process(proc.pid).children(recursive=True)
     return [k for k in kids if "pipelines.train.trainer" in " ".join(k.cmdline()) and "torch.distributed.run"
@@ -110,11 +132,12 @@ def test_kill_a_rank_or_the_whole_launcher_and_resume_to_the_same_bits(home):
     assert subprocess.run(_launch_cmd(tok, ref, sets), env=_env(), cwd=ROOT, capture_output=True).returncode == 0
 
     # 1. kill -9 one trainer rank after the first COMMIT: torchrun restarts both ranks, they resume
-    p = subprocess.Popen(_launch_cmd(tok, killed_rank, sets), env=_env(LLMP_FAULT_STEP_DELAY_S="0.05"), cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(_launch_cmd(tok, killed_rank, sets), cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True,
+                         env=_env(LLMP_FAULT_STEP_DELAY_S="0.05", **_held_after(12, home / "state-rank")))
     _wait_for(_commit_of(killed_rank, 10), 120, "the first COMMIT")
-    victim = _wait_for(lambda: _trainer_ranks(p)[-1:], 10, "a trainer rank")[0]
-    victim.send_signal(signal.SIGKILL)
+    _act_on(home / "state-rank")
+    _rank(p, 1).send_signal(signal.SIGKILL)  # the held one, or the one that would be
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]
     assert "exitcode: -9" in out or "Signals.SIGKILL" in out  # torchrun saw the kill and restarted the ranks
@@ -123,9 +146,10 @@ def test_kill_a_rank_or_the_whole_launcher_and_resume_to_the_same_bits(home):
 
     # 2. kill -9 the whole process tree (launcher, torchrun, ranks), then re-run the same command (an Airflow retry)
     cmd = _launch_cmd(tok, killed_all, sets)
-    p = subprocess.Popen(cmd, env=_env(LLMP_FAULT_STEP_DELAY_S="0.05"), cwd=ROOT, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(cmd, env=_env(LLMP_FAULT_STEP_DELAY_S="0.05", **_held_after(22, home / "state-all")),
+                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     _wait_for(_commit_of(killed_all, 20), 120, "the COMMIT of step 20")
+    _act_on(home / "state-all")
     tree = [psutil.Process(p.pid)] + psutil.Process(p.pid).children(recursive=True)
     for proc in tree:
         proc.send_signal(signal.SIGKILL)
@@ -236,8 +260,9 @@ from pipelines.spec import load_spec
 from pipelines.train.ckpt import tiers as ckpt_tiers
 ckpt_tiers.promote(load_spec(None, sys.argv[2:], env={}), sys.argv[1])
 """
-# the file's upload is never completed: its completion waits ten minutes and the test kills the process while the
-# upload is open (the endpoint's probe of conditional writes, on a key of its own, goes on)
+# the file's upload is not completed while the test looks: its completion waits (until the client gives up on the
+# call, after its bound of some 25 s, and aborts the upload) and the test kills the process as soon as the upload is
+# open (the endpoint's probe of conditional writes, on a key of its own, goes on)
 _UNCOMPLETED = json.dumps([{"at": "s3", "do": "slow", "op": "CompleteMultipartUpload", "path": ".distcp",
                             "seconds": 600, "times": 0}])
 

@@ -124,6 +124,18 @@ def _claim(i: int, rule: dict) -> bool:
     return False
 
 
+def spend(state: str | Path, rule: int) -> None:
+    """Count rule number ``rule`` fired once more under ``LLMP_FAULTS_STATE`` ``state``: a harness that acted before
+    the rule's hit (a test that killed the process the rule was to hold) keeps it from firing in a restart."""
+    Path(state).mkdir(parents=True, exist_ok=True)
+    for k in range(1 << 30):
+        try:
+            os.close(os.open(Path(state) / f"rule-{rule}-fired-{k}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return
+        except FileExistsError:
+            continue
+
+
 def fired(state: str | Path) -> list[str]:
     """The firings recorded under ``LLMP_FAULTS_STATE`` (for a scenario's report)."""
     p = Path(state)
