@@ -25,6 +25,10 @@ from pipelines.spec import JobSpec, load_spec, project_home, resolve_path
 MLFLOW_OUTAGE = frozenset({"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "RESOURCE_EXHAUSTED",
                            "DEADLINE_EXCEEDED"})
 _NO_ANSWER = re.compile(r"API request to (endpoint )?\S+ failed with (exception|error code (5\d\d|429)\b)")
+# MLflow's own wrapper of files that failed to come from the artifact store (EIO, S3 down, a reset): the store, not an
+# answer, unless a file was refused (a permission, S3's AccessDenied: the user's to grant)
+_NOT_FETCHED = "The following failures occurred while downloading"
+_REFUSED = re.compile(r"PermissionError|Permission denied|AccessDenied|Forbidden")
 
 
 def mlflow_error(e: BaseException) -> bool:
@@ -34,10 +38,12 @@ def mlflow_error(e: BaseException) -> bool:
 
 def mlflow_answered(e: BaseException) -> bool:
     """Whether ``e`` (an ``MlflowException``) is the registry's answer about the request, not the server failing."""
-    code = getattr(e, "error_code", None)
+    code, text = getattr(e, "error_code", None), str(getattr(e, "message", e))
     if code in MLFLOW_OUTAGE:
         return False
-    return not (code == "INTERNAL_ERROR" and _NO_ANSWER.search(str(getattr(e, "message", e))))
+    if code == "INTERNAL_ERROR" and _NOT_FETCHED in text:
+        return bool(_REFUSED.search(text))
+    return not (code == "INTERNAL_ERROR" and _NO_ANSWER.search(text))
 
 
 def mlflow_outage(e: BaseException) -> bool:

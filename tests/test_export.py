@@ -219,33 +219,53 @@ def test_an_out_path_under_a_file_or_that_is_a_file_is_one_line_and_exit_2(tmp_p
 
 
 def test_the_card_leaves_out_a_spec_the_run_does_not_have_never_one_that_did_not_come(tmp_path, monkeypatch):
-    """The card of an exported version says what its training run logged: a run without ``spec.yaml`` gets a card
-    that says so; an MLflow that did not answer, or storage failing, stops the export (75) instead of a card with
-    the spec left out and exit 0."""
-    import errno
+    """The card of an exported version says what its training run logged: a run without ``spec.yaml`` (or gone, or
+    a file that is not a spec) gets a card that says so; a spec the run lists that does not come (MLflow down, the
+    artifact store failing: MLflow wraps the file's EIO in INTERNAL_ERROR) stops the export, 75, instead of a card
+    with the spec left out and exit 0."""
     from types import SimpleNamespace
 
-    import yaml
     from mlflow.exceptions import MlflowException
-    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
+    from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
+
+    from pipelines import tracking
 
     monkeypatch.setattr(export, "lineage_of", lambda *a: None)
     (tmp_path / "model_args.json").write_text(json.dumps({"d_model": 8}))
     mv = SimpleNamespace(name="m", version=3, run_id="r", tags={"gate": "passed"})
+    spec_file = tmp_path / "got" / "spec.yaml"
+    spec_file.parent.mkdir()
 
-    def card(error):
+    def card(listed=("spec.yaml",), listing=None, fetch=None, text="model: {d_model: 8}\ntrain: {steps: 5}\n"):
+        def list_artifacts(run_id):
+            if listing:
+                raise listing
+            return [SimpleNamespace(path=n) for n in listed]
+
         def download(run_id, path, dst):
-            raise error
-        return export.version_card(None, SimpleNamespace(download_artifacts=download), mv, tmp_path, tmp_path)
+            if fetch:
+                raise fetch
+            spec_file.write_text(text)
+            return str(spec_file)
+        client = SimpleNamespace(list_artifacts=list_artifacts, download_artifacts=download)
+        return export.version_card(None, client, mv, tmp_path, tmp_path)
 
-    assert card(MlflowException("no spec.yaml", error_code=RESOURCE_DOES_NOT_EXIST)).config is None
-    assert card(yaml.YAMLError("mapping values are not allowed here")).config is None  # not YAML: said too
-    for down in (MlflowException("restarting", error_code=TEMPORARILY_UNAVAILABLE),
-                 MlflowException("API request to http://mlflow:5000/api/2.0/mlflow-artifacts/artifacts/x failed "
-                                 "with exception HTTPConnectionPool(host='mlflow', port=5000)"),
-                 OSError(errno.EIO, "Input/output error", str(tmp_path / "spec.yaml"))):
-        with pytest.raises(type(down)):
-            card(down)
+    assert card().config == {"model": {"d_model": 8}, "train": {"steps": 5}, "data": {"inputs": None}}
+    assert card(listed=("MLmodel",)).config is None  # the run logged no spec
+    assert card(listing=MlflowException("run r not found", error_code=RESOURCE_DOES_NOT_EXIST)).config is None
+    assert card(text="a: [").config is None and card(text="- a list").config is None  # not a spec: said too
+    eio = MlflowException("The following failures occurred while downloading one or more artifacts from "
+                          "file:///mlruns/1/r/artifacts:\n##### File spec.yaml #####\n[Errno 5] Input/output error",
+                          error_code=INTERNAL_ERROR)
+    refused = MlflowException(eio.message.replace("[Errno 5] Input/output error", "PermissionError: [Errno 13] "
+                              "Permission denied"), error_code=INTERNAL_ERROR)
+    assert not tracking.mlflow_answered(eio) and tracking.mlflow_answered(refused)
+    for down in (dict(fetch=eio), dict(listing=MlflowException("restarting", error_code=TEMPORARILY_UNAVAILABLE)),
+                 dict(fetch=MlflowException("API request to http://mlflow:5000/api/2.0/mlflow-artifacts/artifacts/x "
+                                            "failed with exception HTTPConnectionPool(host='mlflow', port=5000)"))):
+        with pytest.raises(MlflowException) as e:
+            card(**down)
+        assert tracking.mlflow_outage(e.value), down  # main() ends 75 for it
 
 
 def test_gguf_types_pad_the_embedding_and_refuse_pieces_past_it(bpe_model):

@@ -494,16 +494,16 @@ def test_a_zombie_attempt_stops_before_committing_and_the_retry_keeps_its_steps(
     """Launch A trains; once it committed step 10 it is frozen (SIGSTOP: a partitioned node, thought dead) and
     launch B, the retry, runs to the end. A wakes up: it stops at its next save, exit 75, no stage manifest; every
     step after 10 on L0 and L1 is B's, with B's term."""
-    from test_resilience import _commit_of, _tok
+    from test_resilience import _act_on, _commit_of, _held_after, _tok
 
     tok = _tok(home)
-    # A's ranks pause a minute after step 12, so it is frozen before its save of step 20 however loaded the machine
-    hold = [{"at": "step", "do": "slow", "seconds": 60, "nth": 12, "times": 1}]
-    zombie = _launch(tok, home, "a", LLMP_FAULT_STEP_DELAY_S="0.2", LLMP_FAULTS=json.dumps(hold))
+    # A is held 30 s after step 12, so it is frozen before its save of step 20 however loaded the machine
+    zombie = _launch(tok, home, "a", LLMP_FAULT_STEP_DELAY_S="0.2", **_held_after(12, home / "state", seconds=30))
     retry = None
     try:
         wait_for(_commit_of(home, 10), 240, "launch A's COMMIT of step 10 on L0")
         frozen = _signal_tree(zombie, signal.SIGSTOP)  # the ranks too: torchrun starts them in sessions of their own
+        _act_on(home / "state")  # (a hold not begun never begins)
         retry = _launch(tok, home, "b")
         said, _ = retry.communicate(timeout=240)
         for proc in frozen:

@@ -43,8 +43,9 @@ def _stops(out: str) -> tuple[list[int], list[int]]:
     return [int(a) for a, _ in found if a], [int(s) for _, s in found]
 
 
-# every rank pauses 8 s after step 15: the notice sent once step 10's COMMIT is seen lands by then on a busy machine
-HOLD = {"LLMP_FAULTS": json.dumps([{"at": "step", "do": "slow", "seconds": 8, "nth": 15, "times": 1}])}
+# every rank pauses 4 s after step 15: the notice sent once step 10's COMMIT is seen lands by then on a busy machine
+# (and leaves most of train.preempt_grace_s to commit the step)
+HOLD = {"LLMP_FAULTS": json.dumps([{"at": "step", "do": "slow", "seconds": 4, "nth": 15, "times": 1}])}
 
 
 def _start(tok, root: Path) -> subprocess.Popen:

@@ -95,8 +95,12 @@ def _act_on(state: Path) -> None:
 
 def _rank(proc: subprocess.Popen, rank: int) -> psutil.Process:
     """Trainer rank ``rank`` of the launch ``proc`` (its RANK)."""
-    return _wait_for(lambda: [k for k in _trainer_ranks(proc) if k.environ().get("RANK") == str(rank)], 10,
-                     f"trainer rank {rank}")[0]
+    def found():
+        try:
+            return [k for k in _trainer_ranks(proc) if k.environ().get("RANK") == str(rank)]
+        except psutil.Error:  # one that ended while it was looked at
+            return []
+    return _wait_for(found, 10, f"trainer rank {rank}")[0]
 
 
 def _trainer_ranks(proc: subprocess.Popen) -> list[psutil.Process]:

@@ -1,3 +1,4 @@
+import errno
 import json
 
 import numpy as np
@@ -268,7 +269,7 @@ def test_mlflow_that_does_not_answer_is_a_retry_and_its_answers_are_not(tmp_path
     from types import SimpleNamespace
 
     from mlflow.exceptions import MlflowException
-    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, TEMPORARILY_UNAVAILABLE
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 
     from pipelines.launch import outcomes as xc
     from pipelines.train import trainer as tr
@@ -287,9 +288,10 @@ def test_mlflow_that_does_not_answer_is_a_retry_and_its_answers_are_not(tmp_path
     tracker.run_id = "run"
     tracker.client = Client(logged)
     tracker.params({"world_size": 2})  # the first values stay
-    tracker.client = Client(down)
-    with pytest.raises(MlflowException):
-        tracker.params({"world_size": 2})
+    for error in (down, MlflowException("run r not found", error_code=RESOURCE_DOES_NOT_EXIST), RuntimeError("x")):
+        tracker.client = Client(error)  # the server failing, or any other answer: not "logged already"
+        with pytest.raises(type(error)):
+            tracker.params({"world_size": 2})
 
     def fail(*a, _e=down, **k):
         raise _e
@@ -303,6 +305,13 @@ def test_mlflow_that_does_not_answer_is_a_retry_and_its_answers_are_not(tmp_path
     monkeypatch.setattr(tr, "train", lambda *a, **k: fail(_e=logged))  # an answer about the request: a bug's trace
     with pytest.raises(MlflowException):
         tr._run_rank(None, SimpleNamespace(out=str(tmp_path / "p"), tokenize_manifest="m", ckpt_root="c"), None)
+    # storage: 75 for a tier failing; a path this user may not write is the user's (2), final (no retry writes it)
+    for n, (error, code) in enumerate(((OSError(errno.EIO, "Input/output error", "/l1/x"), 75),
+                                       (PermissionError(errno.EACCES, "Permission denied", "/l0/x"), 2))):
+        monkeypatch.setattr(tr, "train", lambda *a, _e=error, **k: fail(_e=_e))
+        out = tmp_path / f"s{n}"
+        assert tr._run_rank(None, SimpleNamespace(out=str(out), tokenize_manifest="m", ckpt_root="c"), None) == code
+        assert [(o["code"], o.get("final", False)) for o in xc.read_outcomes(out)] == [(code, code == 2)]
 
 
 def test_resuming_at_k_on_a_different_dp_size_keeps_the_global_order():

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pipelines.exit_codes import RETRY
 from pipelines.lineage.keys import file_key
-from pipelines.listing import glob_magic, strict_glob, walk_files
+from pipelines.listing import ABSENT, glob_magic, strict_glob, walk_files
 from pipelines.manifest import StageError, plain_rel, under
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import oserrors
@@ -92,7 +92,7 @@ def local_sources(pattern: str) -> list[Source]:
         if oserrors.refused(e):
             raise IngestError(f"input {pattern!r}: {where} cannot be read ({e.strerror}): give this user read access "
                               "to it (or narrow data.inputs)") from None
-        if e.errno in oserrors.ANSWERS:  # the tree's own shape (a loop, a name too long): no retry mends it
+        if e.errno in oserrors.ANSWERS and e.errno not in ABSENT:  # the tree's shape (a loop, a name too long)
             raise IngestError(f"input {pattern!r}: {where} cannot be listed ({e.strerror}); fix the tree or narrow "
                               "data.inputs") from None
         raise InputUnavailable(f"input {pattern!r}: {where} could not be listed now ({type(e).__name__}: "

@@ -441,15 +441,27 @@ def lineage_of(spec, client, name: str, version: str) -> dict | None:
 def version_card(spec, client, mv, model_dir: Path, tmp: Path) -> CardInfo:
     """What the card says of a registered version: its tags, its lineage, the spec its training run logged."""
     lin = lineage_of(spec, client, mv.name, str(mv.version))
-    try:
-        local = client.download_artifacts(mv.run_id, "spec.yaml", str(tmp))
-        config = card_config(yaml.safe_load(Path(local).read_text()))
-    except Exception as e:  # noqa: BLE001 - a run without its spec (or not YAML): the card says so
-        if tracking.mlflow_outage(e) or oserrors.storage_failing(e):
-            raise  # the server or storage did not answer: no card that leaves the spec out for that (a retry)
-        config = None
     return CardInfo(mv.name, str(mv.version), json.loads((model_dir / "model_args.json").read_text()),
-                    dict(mv.tags or {}), lin, config)
+                    dict(mv.tags or {}), lin, run_spec(client, mv.run_id, tmp))
+
+
+def run_spec(client, run_id: str, tmp: Path) -> dict | None:
+    """The card's view of the spec the training run logged (``spec.yaml``); None when the run has none (MLflow says
+    so: no such file, or no such run) or it is not a spec. A spec listed that does not come (the server or the
+    artifact store failing) raises: no card leaves it out for that (exit 75 in :func:`main`)."""
+    try:
+        listed = {Path(f.path).name for f in client.list_artifacts(run_id)}
+    except Exception as e:  # noqa: BLE001 - MLflow's answer that the run is gone: the card says so
+        if not tracking.mlflow_error(e) or tracking.mlflow_outage(e):
+            raise
+        return None
+    if "spec.yaml" not in listed:
+        return None
+    local = client.download_artifacts(run_id, "spec.yaml", str(tmp))
+    try:
+        return card_config(yaml.safe_load(Path(local).read_text(encoding="utf-8")))
+    except (yaml.YAMLError, ValueError, TypeError, AttributeError, KeyError):  # not a spec: the card says so
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -486,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR if tracking.mlflow_answered(e) else RETRY
     except OSError as e:  # the model's files or --out: storage failing (75); refused or in the way (2)
         print(f"export: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return RETRY if oserrors.storage_failing(e) else USER_ERROR
+        return USER_ERROR if e.errno in oserrors.ANSWERS or oserrors.refused(e) else RETRY
     print(f"export: {mv.name} v{mv.version} → {args.out} ({args.format}): {', '.join(names)}")
     return 0
 

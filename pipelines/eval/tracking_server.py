@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from pipelines.exit_codes import RETRY, USER_ERROR
+from pipelines.storage import oserrors
 
 
 def service_hosts(service: str, namespace: str, port: int, cluster_domain: str = "cluster.local") -> list[str]:
@@ -99,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend_store_uri_file:
         try:
             uri = Path(args.backend_store_uri_file).read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as e:
+        except (OSError, UnicodeDecodeError) as e:  # a mounted Secret that storage did not return: a retry (75)
             print(f"tracking_server: error: cannot read --backend-store-uri-file: {e}", file=sys.stderr)
-            return USER_ERROR
+            return RETRY if oserrors.storage_failing(e) else USER_ERROR
     if not uri:
         print("tracking_server: error: the backend store's URI is empty", file=sys.stderr)
         return USER_ERROR

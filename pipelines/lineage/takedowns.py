@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 from pipelines.exit_codes import RETRY
 from pipelines.lineage.keys import Exclusion, Matcher, check_text, source_key
 from pipelines.manifest import StageError, now_iso
+from pipelines.storage import oserrors
 
 TAG = "takedown.pending"
 LOCK_WAIT_S = 120.0  # the longest a stage or an --exclude-source waits for the list's lock (each holds it briefly)
@@ -72,9 +73,17 @@ def read_list(path: Path) -> TakedownList:
     except FileNotFoundError:  # no list: nothing is excluded (a list that was moved away takes nothing down)
         return TakedownList(path, (), None)
     except OSError as e:
-        raise ListUnavailable(f"cannot read the takedown list {path} ({e.strerror or e})") from None
+        raise _cannot(f"cannot read the takedown list {path}", e, "") from None
     found = tuple(_parse(data, path))
     return TakedownList(path, found, hashlib.sha256(data).hexdigest() if found else None)
+
+
+def _cannot(what: str, e: OSError, then: str) -> StageError:
+    """The list or its lock that could not be used: :class:`ListUnavailable` (75); a refusal to this user (EACCES,
+    EPERM) is the user's to fix (2: no retry is let in)."""
+    if oserrors.refused(e):
+        return StageError(f"{what} ({e.strerror or e}): this user may not; give it access (nothing was done)")
+    return ListUnavailable(f"{what} ({e.strerror or e}){then}")
 
 
 def recorded_sha256(record: dict) -> Optional[str]:
@@ -97,8 +106,8 @@ def _lock_file(path: Path) -> tuple[int, Path]:
                 raise
             return os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666), lock
     except OSError as e:
-        raise ListUnavailable(f"cannot open the takedown list's lock {lock} ({e.strerror or e}); nothing was done: "
-                              "this user must be able to create or read that file beside data.exclusions") from None
+        raise _cannot(f"cannot open the takedown list's lock {lock}", e, "; nothing was done: this user must be able "
+                      "to create or read that file beside data.exclusions") from None
 
 
 def _holder(fd: int) -> str:
@@ -206,8 +215,8 @@ def add(path: Path, source: str, reason: str, wait_s: float = LOCK_WAIT_S) -> tu
         try:
             _write_list(path, [*held, new])
         except OSError as e:
-            raise ListUnavailable(f"cannot write the takedown list {path} ({e.strerror or e}); run the same "
-                                  "command again (an exclusion already there is kept once)") from None
+            raise _cannot(f"cannot write the takedown list {path}", e, "; run the same command again (an exclusion "
+                          "already there is kept once)") from None
     return new, True
 
 

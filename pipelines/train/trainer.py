@@ -51,6 +51,7 @@ from pipelines.procs import usable_cores
 from pipelines.progress import progress
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 from pipelines.storage import faults as storage_faults
+from pipelines.storage import oserrors
 from pipelines.train import heartbeat
 from pipelines.train.ckpt import history
 from pipelines.train.ckpt.protocol import CheckpointError, CopyRefused, TierUnavailable, step_name
@@ -225,8 +226,8 @@ class Tracker:
         try:
             self.client.log_batch(self.run_id, params=[Param(f"train.{k}", str(v)) for k, v in params.items()])
         except Exception as e:  # params are immutable: a resumed run (another world size) keeps the first ones
-            if tracking.mlflow_outage(e):  # the server failing: not "logged already"
-                raise
+            if getattr(e, "error_code", None) != "INVALID_PARAMETER_VALUE" or not tracking.mlflow_error(e):
+                raise  # the server failing (75), or any other answer: not "logged already"
 
     def add(self, step: int, metrics: dict) -> None:
         self.pending.extend((k, float(v), step) for k, v in metrics.items())
@@ -814,7 +815,11 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
         print(f"train: error: {e}", file=sys.stderr)
         xc.write_outcome(out, rank, xc.RETRY, str(e))
         return xc.RETRY
-    except OSError as e:  # a tier's disk (ENOSPC, EIO …): one line with the path, and torchrun may try again
+    except OSError as e:  # a tier's disk (ENOSPC, EIO …): one line with the path, and torchrun may try again;
+        if oserrors.refused(e):  # a path this user may not write: no try would
+            print(f"train: error: {e}: this user may not; give it access", file=sys.stderr)
+            xc.write_outcome(out, rank, xc.USER_ERROR, f"refused: {e}", final=True)
+            return xc.USER_ERROR
         print(f"train: error: storage: {e}", file=sys.stderr)
         xc.write_outcome(out, rank, xc.RETRY, f"storage: {e}")
         return xc.RETRY

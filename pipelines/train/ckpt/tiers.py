@@ -176,6 +176,7 @@ def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
             try:
                 man = read_s3_manifest(spec, loc) if tier == "L2" else read_local_manifest(Path(loc))
             except (CheckpointError, OSError, json.JSONDecodeError) as e:
+                # (an OSError without errno too: not an answer about the copy, so not "another line's step")
                 if strict and (isinstance(e, TierUnavailable) or isinstance(e, OSError) and e.errno not in oserrors.ANSWERS):
                     raise
                 man = None
