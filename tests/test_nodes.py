@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pipelines.spec import load_spec
+from pipelines.storage import faults
 from pipelines.train.ckpt import protocol as ck
 from pipelines.train.ckpt import local as ckpt_local
 from pipelines.train.ckpt import s3_tier as ckpt_s3
@@ -64,9 +65,9 @@ class Cluster:
                 "-m", "pipelines.train.trainer", "--spec", str(self.spec_file), "--tokenize-manifest", self.tok.path,
                 "--out", str(self.out), "--ckpt-root", str(self.l0 / SUB), *extra]
 
-    def start(self, rank: int, disk: Path, nnodes: str = "2", delay: float = 0.0, extra=()) -> Node:
+    def start(self, rank: int, disk: Path, nnodes: str = "2", delay: float = 0.0, extra=(), env=None) -> Node:
         env = {**os.environ, "LLMP_PROGRESS": "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMP_FAULT_STEP_DELAY_S": str(delay)}
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMP_FAULT_STEP_DELAY_S": str(delay), **(env or {})}
         log = self.base / f"node-{len(self.nodes)}-rank{rank}.log"
         node = Node(f"{rank}", disk, self.l0, self.cmd(nnodes, rank, extra), env, log, cwd=ROOT)
         self.nodes.append(node)
@@ -233,15 +234,17 @@ def test_elastic_two_nodes_to_one_and_back_keep_the_global_batch(reference, tok,
     _, ref_res, _ = reference
     c = Cluster(tmp_path, tok, s3_server, "nodes-elastic", sets=["train.global_batch=8", "train.grad_accum=1"])
     try:
-        # node a's steps are slow enough that the returning node (a Python start, torch's import, the rendezvous)
-        # joins before a ends alone, on a busy machine too: ~100 steps × 0.1 s after it is started again
-        a = c.start(0, c.new_disk(), nnodes="1:2", delay=0.1)
+        # node a alone is held 30 s after its 20th step on one node (a one-shot rule of the job's one-rank phase):
+        # the returning node (a Python start, torch's import, the rendezvous) joins before a could end alone
+        state = tmp_path / "faults"
+        hold = {"at": "step", "do": "slow", "seconds": 30, "nth": 20, "world": 1, "times": 1}
+        a = c.start(0, c.new_disk(), nnodes="1:2", delay=0.05,
+                    env={"LLMP_FAULTS": json.dumps([hold]), "LLMP_FAULTS_STATE": str(state)})
         b = c.start(1, c.new_disk(), nnodes="1:2", delay=0.05)
         _wait_for(lambda: c.l1_committed(20), 120, "step 20 committed on L1")
         b.lose()  # the job shrinks to one node and goes on
         _wait_for(lambda: "grad_accum 2 keeps the global batch of 8" in a.output(), 120, "the shrink")
-        shrunk = c.newest_l1()
-        _wait_for(lambda: c.newest_l1() >= shrunk + 20, 120, "progress on one node")
+        _wait_for(lambda: faults.fired(state), 120, "20 steps on one node")
         c.start(1, c.new_disk(), nnodes="1:2", delay=0.05)  # a node comes back: the job grows again
         res = c.finish()
     finally:

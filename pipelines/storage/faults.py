@@ -31,7 +31,8 @@
 * ``at`` may also be ``step`` (:data:`STEP`): a rank's training step done; or ``act`` (:data:`ACT`): right before
   a copy is put in place or removed on L0/L1, or a COMMIT, MANIFEST or part marker is written or deleted on L2,
   after the fence was checked (a ``slow`` or ``stop`` there is a writer that pauses between its check and its act).
-* ``node`` / ``rank``: only there (torchrun's ``GROUP_RANK`` / ``RANK``); ``nth``: fire from the rule's nth hit;
+* ``node`` / ``rank``: only there (torchrun's ``GROUP_RANK`` / ``RANK``); ``world``: only in a job of that many ranks
+  (``WORLD_SIZE``: an elastic job's phase on fewer nodes); ``nth``: fire from the rule's nth hit;
   ``times``: how many times it fires (0: every hit from then on).
 
 With ``LLMP_FAULTS_STATE=DIR`` a rule's firings are counted in files under DIR, across processes: a ``die`` fires
@@ -101,7 +102,7 @@ def active() -> bool:
 
 def _here(rule: dict) -> bool:
     return all(str(rule[k]) == os.environ.get(env, "0")
-               for k, env in (("node", "GROUP_RANK"), ("rank", "RANK")) if k in rule)
+               for k, env in (("node", "GROUP_RANK"), ("rank", "RANK"), ("world", "WORLD_SIZE")) if k in rule)
 
 
 def _claim(i: int, rule: dict) -> bool:
