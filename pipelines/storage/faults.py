@@ -115,8 +115,13 @@ def _claim(i: int, rule: dict) -> bool:
     state = os.environ.get("LLMP_FAULTS_STATE")
     if not state:
         return times == 0 or _hits[i] < int(rule.get("nth", 1)) + times
+    return _record_firing(state, i, times if times else 1 << 30)
+
+
+def _record_firing(state: str | Path, i: int, limit: int) -> bool:
+    """Record one more firing of rule ``i`` under ``state`` unless it has fired ``limit`` times; whether it did."""
     Path(state).mkdir(parents=True, exist_ok=True)
-    for k in range(times if times else 1 << 30):
+    for k in range(limit):
         try:  # one file per firing, created exclusively: every process agrees how often the rule has fired
             os.close(os.open(Path(state) / f"rule-{i}-fired-{k}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             return True
@@ -128,13 +133,7 @@ def _claim(i: int, rule: dict) -> bool:
 def spend(state: str | Path, rule: int) -> None:
     """Count rule number ``rule`` fired once more under ``LLMP_FAULTS_STATE`` ``state``: a harness that acted before
     the rule's hit (a test that killed the process the rule was to hold) keeps it from firing in a restart."""
-    Path(state).mkdir(parents=True, exist_ok=True)
-    for k in range(1 << 30):
-        try:
-            os.close(os.open(Path(state) / f"rule-{rule}-fired-{k}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return
-        except FileExistsError:
-            continue
+    _record_firing(state, rule, 1 << 30)
 
 
 def fired(state: str | Path) -> list[str]:
