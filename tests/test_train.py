@@ -314,6 +314,65 @@ def test_mlflow_that_does_not_answer_is_a_retry_and_its_answers_are_not(tmp_path
         assert [(o["code"], o.get("final", False)) for o in xc.read_outcomes(out)] == [(code, code == 2)]
 
 
+_RANK_OF_TWO = """
+import datetime, json, os, sys, time
+import torch.distributed as dist
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+from pipelines.train import trainer as tr
+
+rank, store, kind = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+t = tr.Trainer.__new__(tr.Trainer)
+t.rank, t.world, t._beat = rank, 2, lambda *a, **k: None
+errors = {"outage": MlflowException("the tracking server is restarting", error_code=TEMPORARILY_UNAVAILABLE),
+          "bug": KeyError("metric")}
+
+def call():
+    if kind == "fine":
+        return "logged"
+    raise errors[kind]
+
+t0 = time.monotonic()
+try:
+    got = t._mlflow(call)
+    print(json.dumps({"got": got}))
+except Exception as e:
+    print(json.dumps({"raised": type(e).__name__, "said": str(e), "s": time.monotonic() - t0}))
+sys.stdout.flush()
+os._exit(0)  # as the trainer's exit_now: no wait on gloo's threads at interpreter shutdown
+"""
+
+
+@pytest.mark.parametrize("kind", ["fine", "outage", "bug"])
+def test_mlflow_failing_on_rank_0_stops_every_rank_at_once(tmp_path, kind):
+    """Rank 0 logs to MLflow while the others wait for its word: when MLflow does not answer, every rank stops with
+    MlflowUnavailable (exit 75) at once, not at a barrier until torchrun's grace runs out; any other failure on
+    rank 0 stops the others as a peer's failure."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_OF_TWO, str(r), str(store), kind],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    said = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        said.append(json.loads(out.strip().splitlines()[-1]))
+    if kind == "fine":
+        assert said == [{"got": "logged"}, {"got": None}]
+        return
+    assert said[0]["raised"] == {"outage": "MlflowUnavailable", "bug": "KeyError"}[kind]
+    assert said[1]["raised"] == {"outage": "MlflowUnavailable", "bug": "RuntimeError"}[kind]
+    assert said[1]["s"] < 30, said  # the 60 s collective timeout was not what stopped it
+    if kind == "outage":
+        assert said[0]["said"] == said[1]["said"] == "MlflowException: the tracking server is restarting"
+    else:
+        assert "rank 0 failed while logging to MLflow (KeyError: 'metric')" in said[1]["said"]
+
+
 def test_resuming_at_k_on_a_different_dp_size_keeps_the_global_order():
     a = DPSampler(50, 8, 0, 1, seed=9)
     order = [a.next_local() for _ in range(10)]

@@ -63,7 +63,7 @@ from pipelines.train.resilience import Faults, SpikeGuard, young_daly_steps
 
 
 FWD_BWD, AGREE = "forward/backward", "all-reduce (agree on a spike or a notice)"  # heartbeat phases in a step
-MLFLOW = "MLflow logging (rank 0; the others wait at a barrier)"  # its client retries for minutes
+MLFLOW = "MLflow logging (rank 0; the others wait for its word)"  # its client retries for minutes
 # the final close's waits in a row, each bounded by the collective timeout: the save in flight, the promotions'
 # drain, the final step promoted again when L1 lacks it, L2 for half of it (Checkpointer.close)
 CLOSE_WAITS = 3.5
@@ -81,6 +81,11 @@ class Preempted(RuntimeError):
     def __init__(self, step: int, signame: str):
         super().__init__(f"preempted ({signame}) after step {step}")
         self.step, self.signame = step, signame
+
+
+class MlflowUnavailable(RuntimeError):
+    """MLflow did not answer rank 0 past its client's retries (the server down, throttling, 5xx): every rank stops
+    with it (exit_codes.RETRY) and a retry resumes from the last checkpoint."""
 
 
 class Notice:
@@ -255,6 +260,10 @@ class ResumeError(RuntimeError):
         self.final = final
 
 
+def _said(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def _rel_root(spec: JobSpec, ckpt_root: Path) -> str:
     l0 = resolve_path(spec.checkpoint.l0).resolve()
     try:
@@ -313,12 +322,31 @@ class Trainer:
         self.cold.discard(phase)
 
     def _mlflow(self, call: Callable[[], T]) -> Optional[T]:
-        """Rank 0 talks to MLflow (``call``'s result; None on the other ranks) while the others wait at a barrier:
-        one phase allowed one wait on every rank (MLflow's client retries for minutes), over when rank 0 is done."""
+        """Rank 0 talks to MLflow (``call``'s result; None on the other ranks) while the others wait for its word:
+        one phase allowed one wait on every rank (MLflow's client retries for minutes), over when rank 0 is done.
+        MLflow that did not answer stops every rank at once with :class:`MlflowUnavailable` (the others no longer
+        wait at a barrier until torchrun stops them); anything else rank 0 raises stops the others as a peer's
+        failure."""
         self._beat(MLFLOW, waits=1)
-        got = call() if self.rank == 0 else None
+        got, word = None, [None]
+        if self.rank == 0:
+            try:
+                got = call()
+            except Exception as e:
+                outage = tracking.mlflow_outage(e)
+                word = [("outage" if outage else "failed", _said(e))]
+                if self.world > 1:
+                    dist.broadcast_object_list(word, src=0)
+                if outage:
+                    raise MlflowUnavailable(word[0][1]) from e
+                raise
         if self.world > 1:
-            dist.barrier()
+            dist.broadcast_object_list(word, src=0)
+        if word[0] is not None:  # only the other ranks get here with rank 0's failure
+            kind, line = word[0]
+            if kind == "outage":
+                raise MlflowUnavailable(line)
+            raise RuntimeError(f"rank 0 failed while logging to MLflow ({line}); see rank 0's log")
         return got
 
     def _data(self, tok_manifest_path: str) -> None:
@@ -824,9 +852,9 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
         xc.write_outcome(out, rank, xc.RETRY, f"storage: {e}")
         return xc.RETRY
     except Exception as e:  # MLflow that did not answer past its client's retries (minutes): resume from L1 later
-        if not tracking.mlflow_outage(e):
+        if not isinstance(e, MlflowUnavailable) and not tracking.mlflow_outage(e):
             raise
-        line = f"MLflow did not answer ({type(e).__name__}: {str(e)[:300]})"
+        line = f"MLflow did not answer ({e if isinstance(e, MlflowUnavailable) else _said(e)})"
         print(f"train: error: {line}; a retry resumes from the last checkpoint", file=sys.stderr)
         xc.write_outcome(out, rank, xc.RETRY, line)
         return xc.RETRY
