@@ -84,6 +84,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serving(start, log, path: str = "/health", tries: int = 3, up_s: float = 180) -> tuple:
+    """A server started by ``start(port)`` (a Popen in a session of its own) answering ``path`` on a port its own
+    process tree listens on: (its process, its port). A port that another process took between free_port() and the
+    server's bind (``make test`` runs two files at once, some with servers of their own) is replaced by another, up
+    to ``tries`` times (``log()``: the server's output, which must say "address already in use" for that); a server
+    that does not come up within ``up_s`` is stopped and fails the test with its output."""
+    import urllib.request
+
+    import psutil
+
+    from pipelines import procs
+
+    def ours(server, port: int) -> bool:
+        tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+        return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                   for p in tree for c in p.net_connections("tcp"))
+
+    said = ""
+    for _ in range(tries):
+        port = free_port()
+        server = start(port)
+        try:
+            deadline = time.monotonic() + up_s
+            while server.poll() is None:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).close()
+                    if ours(server, port):
+                        return server, port
+                except (OSError, psutil.Error):
+                    pass
+                assert time.monotonic() < deadline, log()
+                time.sleep(0.5)
+        except BaseException:
+            procs.stop_group(server.pid, grace_s=10, reap=server.pid)
+            raise
+        said = log()
+        assert "address already in use" in said.lower(), said
+    raise AssertionError(f"no free port for the server in {tries} tries:\n{said}")
+
+
 def log_server_ports() -> dict[str, str]:
     """Airflow settings that put an Airflow stack's log servers (scheduler, triggerer) on free ports, not 8793 and
     8794, so that two test files may each run a stack at once (make test runs two files at a time)."""

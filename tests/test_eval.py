@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from conftest import c4_docs, free_port, shard_layout
+from conftest import c4_docs, free_port, serving, shard_layout
 from pipelines.data import tokenize
 from pipelines.eval import bpb, harness, registry, scorer
 from pipelines.eval.lm import TextModel
@@ -239,11 +239,15 @@ def test_load_registered_and_mlflow_models_serve_answer_with_generated_text(mode
         assert torch.equal(a, b)
     expect = ref.generate("Once upon a time", max_new_tokens=6, temperature=0.8, top_k=20, seed=3)
 
-    port = free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": turi, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", uri, "--env-manager",
-                             "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    log = home / "serve.log"
+
+    def start(port: int) -> subprocess.Popen:
+        return subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", uri,
+                                 "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port), "--workers",
+                                 "1"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    proc, port = serving(start, log.read_text, path="/ping")
     try:
         body = json.dumps({"inputs": ["Once upon a time"],
                            "params": {"max_new_tokens": 6, "temperature": 0.8, "top_k": 20, "seed": 3}}).encode()
@@ -256,7 +260,7 @@ def test_load_registered_and_mlflow_models_serve_answer_with_generated_text(mode
                 break
             except OSError:
                 time.sleep(1)
-        assert answer is not None, proc.stdout.read1(20000).decode(errors="replace") if proc.poll() is not None else "timeout"
+        assert answer is not None, log.read_text()[-20000:] if proc.poll() is not None else "timeout"
         assert answer == {"predictions": [expect]} and expect.strip()
     finally:  # the server and every process it started (uvicorn runs in a session of its own)
         import psutil
@@ -494,39 +498,8 @@ def _stock_mlflow_server(tmp_path: Path, port: int) -> subprocess.Popen:
 
 
 def _serving_stock_mlflow(tmp_path: Path) -> tuple[subprocess.Popen, int]:
-    """The stock server, answering /health on a port its own process listens on: (its process, its port). A port
-    that another process took between free_port() and the server's bind (tests run two files at once, some with
-    MLflow servers of their own) is replaced by another; a server that does not come up is stopped."""
-    import psutil
-
-    from pipelines import procs
-
-    def ours(server: subprocess.Popen, port: int) -> bool:
-        tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
-        return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
-                   for p in tree for c in p.net_connections("tcp"))
-
-    log = ""
-    for _ in range(3):
-        port = free_port()
-        server = _stock_mlflow_server(tmp_path, port)
-        try:
-            deadline = time.monotonic() + 180
-            while server.poll() is None:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                    if ours(server, port):
-                        return server, port
-                except (OSError, psutil.Error):
-                    pass
-                assert time.monotonic() < deadline, (tmp_path / "server/log").read_text()
-                time.sleep(0.5)
-        except BaseException:
-            procs.stop_group(server.pid, grace_s=10, reap=server.pid)
-            raise
-        log = (tmp_path / "server/log").read_text()
-        assert "address already in use" in log, log
-    raise AssertionError(f"no free port for the MLflow server in 3 tries:\n{log}")
+    """The stock server, answering /health on a port its own process listens on (``conftest.serving``)."""
+    return serving(lambda port: _stock_mlflow_server(tmp_path, port), lambda: (tmp_path / "server/log").read_text())
 
 
 def test_a_stock_mlflow_server_over_http_gets_the_same_lineage(models, home, tmp_path):

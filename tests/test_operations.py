@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, c4_docs, free_port, write_jsonl
+from conftest import ROOT, c4_docs, serving, write_jsonl
 
 SLEEPY = '''
 import json, os, subprocess, sys, time
@@ -157,23 +157,17 @@ def test_a_tracking_uri_with_credentials_reaches_no_artifact_tag_manifest_or_log
     from pipelines.eval import registry
     from pipelines.spec import load_spec
 
-    port = free_port()
-    store = home / "mlflow-server"
-    srv = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
-                            str(port), "--backend-store-uri", f"sqlite:///{store}.db", "--artifacts-destination",
-                            str(store / "artifacts"), "--workers", "1"], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
+    store, log = home / "mlflow-server", home / "mlflow-server.log"
+
+    def start(port: int) -> subprocess.Popen:
+        return subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+                                 "--port", str(port), "--backend-store-uri", f"sqlite:///{store}.db",
+                                 "--artifacts-destination", str(store / "artifacts"), "--workers", "1"],
+                                stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    srv, port = serving(start, log.read_text)
     try:
         uri = f"http://user:s3cretPW@127.0.0.1:{port}"
-        deadline = time.time() + 90
-        import urllib.request
-
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
         spec = load_spec(None, [f"services.mlflow_tracking_uri={uri}", "registry.model_name=secret-test",
                                 f"eval.reference={json.dumps([str(ROOT / 'data/reference/tinystories_val_tail.txt')])}"],
                          env={})
