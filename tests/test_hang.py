@@ -357,20 +357,27 @@ def _wait(pred, timeout: float, what: str, lines: list[str]):
 
 
 def test_sigstop_of_one_rank_is_named_killed_and_the_restarted_run_ends_bitwise_equal(home):
-    """The reference run (no hang) runs beside the one whose rank 1 is SIGSTOPped after the COMMIT of step 5."""
+    """The reference run (no hang) runs beside the one whose rank 1 stops (SIGSTOP, a ``stop`` fault rule) after
+    its 7th step, once: in a step's phase whatever the machine's pace (a signal sent by the test once it saw the
+    COMMIT of step 5 could land in a save, whose allowance is minutes). Saves are synchronous, so step 5 is
+    committed on L0 by then (rank 0 commits it before step 6's all-reduce)."""
     tok = _tok(home)
-    ref, run = home / "ref", home / "hang"
+    ref, run, state = home / "ref", home / "hang", home / "faults"
+    sets = SETS + ["checkpoint.async_mode=sync"]
     # a home of its own: two runs creating one MLflow database at the same time collide in its migrations
-    p_ref = _start(_launch_cmd(tok, ref, SETS), _env(LLMP_HOME=str(home / "ref-home")), subprocess.DEVNULL)
-    p = _start(_launch_cmd(tok, run, SETS), _env(LLMP_FAULT_STEP_DELAY_S="0.1", LLMP_HEARTBEAT_DIR=str(run / "hb")))
+    p_ref = _start(_launch_cmd(tok, ref, sets), _env(LLMP_HOME=str(home / "ref-home")), subprocess.DEVNULL)
+    stop = {"at": "step", "do": "stop", "rank": 1, "nth": 7, "times": 1}
+    p = _start(_launch_cmd(tok, run, sets), _env(LLMP_FAULT_STEP_DELAY_S="0.1", LLMP_HEARTBEAT_DIR=str(run / "hb"),
+                                                 LLMP_FAULTS=json.dumps([stop]), LLMP_FAULTS_STATE=str(state)))
     lines, reader = _read(p)
     try:
-        _wait(lambda: _commit_of(run, 5)() or p.poll() is not None, 240, "the COMMIT of step 5 on L0", lines)
+        _wait(lambda: "this rank stops here, SIGSTOP" in "".join(lines) or p.poll() is not None, 240,
+              "rank 1's stop after its 7th step", lines)
         assert p.poll() is None, _brief("".join(lines))
-        pid = _rank_beat(run, 1)["pid"]
-        psutil.Process(pid).send_signal(signal.SIGSTOP)
+        pid = int(re.search(r"this rank stops here, SIGSTOP \(pid (\d+)\)", "".join(lines)).group(1))
         stopped_at = time.monotonic()
         wait_for(lambda: hb.proc_state(pid) is None or hb.proc_state(pid)[0] == "T", 10, "rank 1 stopped")
+        assert _commit_of(run, 5)(), _brief("".join(lines))
         last = _rank_beat(run, 1)  # frozen now: what the log must name
         _wait(lambda: p.poll() is not None, 120, "the end of the run", lines)
         took = time.monotonic() - stopped_at
