@@ -167,6 +167,33 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def listens_on(pid: int, port: int) -> bool:
+    """Whether ``pid`` or one of its descendants holds a TCP socket listening on ``port`` (IPv4 or IPv6): the
+    server this process started answers there, not another process that took the port first."""
+    inodes = set()
+    for tcp in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(tcp).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:  # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    for p in [pid, *descendants(pid)] if inodes else []:
+        try:
+            fds = list(Path(f"/proc/{p}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) in inodes:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
 def stop_tree(pid: int, grace_s: float = 10.0) -> None:
     """SIGTERM ``pid`` and its descendants (found now), SIGKILL the survivors after ``grace_s``."""
     kill_all([pid, *descendants(pid)], grace_s, reap=pid)

@@ -92,14 +92,7 @@ def serving(start, log, path: str = "/health", tries: int = 3, up_s: float = 180
     that does not come up within ``up_s`` is stopped and fails the test with its output."""
     import urllib.request
 
-    import psutil
-
     from pipelines import procs
-
-    def ours(server, port: int) -> bool:
-        tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
-        return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
-                   for p in tree for c in p.net_connections("tcp"))
 
     said = ""
     for _ in range(tries):
@@ -110,9 +103,9 @@ def serving(start, log, path: str = "/health", tries: int = 3, up_s: float = 180
             while server.poll() is None:
                 try:
                     urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).close()
-                    if ours(server, port):
+                    if procs.listens_on(server.pid, port):
                         return server, port
-                except (OSError, psutil.Error):
+                except OSError:
                     pass
                 assert time.monotonic() < deadline, log()
                 time.sleep(0.5)

@@ -33,6 +33,44 @@ def _s3(url):
                         aws_secret_access_key="embedded-secret")
 
 
+def test_an_endpoint_whose_port_another_process_took_starts_on_another_and_is_its_own(tmp_path, monkeypatch):
+    """The port chosen for the embedded endpoint is taken before rclone binds it (another process's listener that
+    accepts and never answers, as a busy machine's): the server exits, another port is tried, and the URL returned
+    is one the server's own process listens on (``procs.listens_on``), never the other process's."""
+    import socket
+
+    from pipelines import procs
+    from pipelines.storage import s3
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    assert procs.listens_on(os.getpid(), port)
+    real = s3._free_port
+    ports = iter([port])
+    monkeypatch.setattr(s3, "_free_port", lambda: next(ports, None) or real())
+    log = tmp_path / "s3.log"
+    with open(log, "wb") as f:
+        proc, url = s3.launch_server(tmp_path / "store", f, auth=False)
+    try:
+        assert url != f"http://127.0.0.1:{port}" and procs.listens_on(proc.pid, int(url.rsplit(":", 1)[1]))
+        assert not procs.listens_on(proc.pid, port)
+        assert "address already in use" in log.read_text()
+        _s3(url).create_bucket(Bucket="bucket")  # it answers S3
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        taken.close()
+    ports = iter([port] * 3)  # the port taken on every try: one clear error, no server left behind
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", port))
+    taken.listen()
+    with open(log, "wb") as f, pytest.raises(RuntimeError, match="exited with 1 on 3 ports in turn"):
+        s3.launch_server(tmp_path / "store", f, auth=False)
+    taken.close()
+
+
 def test_a_killed_embedded_endpoint_loses_nothing_and_deleted_objects_stay_deleted(home):
     from pipelines.storage import s3
 

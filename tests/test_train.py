@@ -480,9 +480,11 @@ def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
             assert torch.equal(a, b), k
 
 
-def test_two_node_torchrun_on_loopback_trains_like_one_node(home):
+def test_two_node_torchrun_on_loopback_trains_like_one_node(home, monkeypatch):
     """--nnodes 2 with c10d rendezvous on 127.0.0.1 (one rank per "node") gives the same run as one node with
-    two ranks: same world size, same global batch, same loss curve."""
+    two ranks: same world size, same global batch, same loss curve. The rendezvous store is the launcher's, on a
+    port bound when it was chosen: no free port is picked for a torchrun to bind later (another process could take
+    it first: every torchrun then failed to host and joined a stranger)."""
     docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
     common = ["tokenizer.vocab_size=500", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",
               "model.seq_len=32", "train.steps=6", "train.warmup_steps=2", "train.ckpt_every=6", "train.lr=0.01",
@@ -492,7 +494,14 @@ def test_two_node_torchrun_on_loopback_trains_like_one_node(home):
     cmds = ranks.torchrun_cmds(two_nodes, ["--x"])
     assert len(cmds) == 2 and all("--rdzv-backend" in c and "c10d" in c for c in cmds)
     assert [c[c.index("--node-rank") + 1] for c in cmds] == ["0", "1"]
+    hosted = ranks.torchrun_cmds(two_nodes, ["--x"], rdzv_port=29123)
+    assert all(c[c.index("--rdzv-conf") + 1] == "is_host=false" and "127.0.0.1:29123" in c for c in hosted)
     tok = tokenize.run(one_node, _filter_manifest(home, docs))
+
+    def no_free_port():
+        raise AssertionError("a launch picked a port for torchrun to bind later")
+
+    monkeypatch.setattr(ranks, "_free_port", no_free_port)
     m2, m1 = launch.run(two_nodes, tok), launch.run(one_node, tok)
     assert m2.extra["world_size"] == 2 and m2.counts["steps"] == 6
     c2 = [loss for _, loss in json.loads(m2.output("losses").read_text())]

@@ -51,19 +51,30 @@ def _free_port() -> int:
 
 
 def torchrun_cmds(spec: JobSpec, trainer_args: list[str], module: str = "pipelines.train.trainer",
-                  restarts: bool = True) -> list[list[str]]:
+                  restarts: bool = True, rdzv_port: Optional[int] = None) -> list[list[str]]:
     """One torchrun command per node (all on this machine for a local multi-node run). With ``restarts``
     torchrun restarts the ranks up to ``launcher.max_restarts`` times when one dies (they resume from the
-    newest checkpoint); a health check (preflight) runs once."""
+    newest checkpoint); a health check (preflight) runs once. ``rdzv_port``: the rendezvous store this process
+    hosts (:func:`rendezvous_store`), which every node's torchrun joins (none hosts it: no port chosen here can
+    be taken by another process before a torchrun binds it)."""
     L = spec.launcher
     base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(L.nproc_per_node),
             "--max-restarts", str(L.max_restarts if restarts else 0), *torchrun_flags(spec)]
     if L.nnodes == 1:
         return [base + ["--standalone", "-m", module, *trainer_args]]
-    port = _free_port()
+    port = rdzv_port or _free_port()
+    hosted = ["--rdzv-conf", "is_host=false"] if rdzv_port else []
     return [base + ["--nnodes", str(L.nnodes), "--node-rank", str(n), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"llmp-{port}",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"llmp-{port}", *hosted,
                     "-m", module, *trainer_args] for n in range(L.nnodes)]
+
+
+def rendezvous_store():
+    """A c10d store on a loopback port the kernel gives it (bound at once, no window for another process) for a
+    local multi-node launch's rendezvous; it serves while the object lives."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipelines.train.trainer",
@@ -80,9 +91,10 @@ def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipeline
         # an earlier attempt's (no attempt id here, unlike on Kubernetes: the work dir is this run's own staging
         # dir, published with the result, and every rank is a child this process waits for)
         xc.clear_outcomes(work)
+    store = rendezvous_store() if spec.launcher.nnodes > 1 else None  # held until every torchrun ended
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               errors="replace")  # bytes that are not UTF-8 never stop a reader
-             for cmd in torchrun_cmds(spec, trainer_args, module, restarts)]
+             for cmd in torchrun_cmds(spec, trainer_args, module, restarts, store.port if store else None)]
     noticed: list[int] = []
     previous = _forward_notices(procs, noticed)
     try:

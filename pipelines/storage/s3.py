@@ -51,7 +51,7 @@ from s3transfer.exceptions import RetriesExceededError
 from s3transfer.utils import ChunksizeAdjuster
 
 from pipelines.listing import walk_files
-from pipelines.procs import identity, still_running
+from pipelines.procs import identity, listens_on, still_running
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 from pipelines.storage import faults
 
@@ -580,23 +580,28 @@ def serve(port: int) -> None:
     os.execv(cmd[0], cmd)
 
 
-def launch_server(store: Path, log, auth: bool = True, wait_s: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """Start a server over ``store`` in its own session; return it and its URL once it answers."""
+def launch_server(store: Path, log, auth: bool = True, wait_s: float = 30.0,
+                  tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """Start a server over ``store`` in its own session; return it and its URL once it answers on a port it listens
+    on itself. A port another process took between :func:`_free_port` and rclone's bind (the server exits at once)
+    is replaced by another, up to ``tries`` times; a server that answers nowhere within ``wait_s`` is killed."""
     store.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    proc = subprocess.Popen(server_command(store, port, auth), stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(resolve_path(".")))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"embedded S3 server exited with {proc.returncode}; see {getattr(log, 'name', log)}")
-        if _alive(url, 0.5):
-            return proc, url
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"embedded S3 server did not answer on {url} within {wait_s:.0f}s")
+    for _ in range(tries):
+        port = _free_port()
+        proc = subprocess.Popen(server_command(store, port, auth), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(resolve_path(".")))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            if _alive(url, 0.5) and listens_on(proc.pid, port):
+                return proc, url
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"embedded S3 server did not answer on {url} within {wait_s:.0f}s")
+    raise RuntimeError(f"embedded S3 server exited with {proc.returncode} on {tries} ports in turn; see "
+                       f"{getattr(log, 'name', log)}")
 
 
 def sweep_temps(store: Path, min_age_s: float = 3600.0) -> int:
