@@ -77,6 +77,41 @@ def test_a_copy_without_commit_marker_is_never_taken(home, s3_server):
     assert tier == "L1"
 
 
+def test_fetch_says_unknown_when_a_tier_did_not_answer_and_refuses_a_path_outside_the_tiers(home, s3_server):
+    """Evaluate and register read the promoted step from L2 first: L2 down (or a disk failing) is a retry (75), not
+    "no tier holds it" (2, never retried); a step that every tier answered for and none holds stays 2; a step name
+    from a manifest that leads outside the tiers is refused, never read."""
+    import json as _json
+
+    from pipelines.spec import resolve_path
+    from pipelines.storage import faults
+
+    spec = _spec(s3_server, **{"services.s3_bucket": "ckpt-fetch"})
+    rel = "run/key/step-000050"
+    _make_ckpt(spec, rel, big_mb=1)
+    ckpt_tiers.promote(spec, rel)
+    faults.load(_json.dumps([{"at": "s3", "do": "s3_down", "times": 0}]))
+    try:
+        with pytest.raises(ck.TierUnavailable, match="one did not answer") as e:
+            ckpt_tiers.fetch(spec, rel, cache=home / "cache", prefer=("L2",))
+        assert e.value.exit_code == 75
+    finally:
+        faults.load("")
+    l0 = resolve_path(spec.checkpoint.l0) / rel
+    faults.load(_json.dumps([{"at": "read", "do": "eio", "path": str(l0), "times": 0}]))
+    try:  # L0's disk failing and L1, L2 without the step: unknown too
+        with pytest.raises(ck.TierUnavailable):
+            ckpt_tiers.fetch(spec, "run/key/step-000050", prefer=("L0",))
+    finally:
+        faults.load("")
+    with pytest.raises(ck.CheckpointError, match="no tier holds") as e:  # every tier answered: not there
+        ckpt_tiers.fetch(spec, "run/key/step-000099", cache=home / "cache")
+    assert not isinstance(e.value, ck.TierUnavailable)
+    for forged in ("/etc", "../../outside/step-000050", "run/../../x"):
+        with pytest.raises(ck.CheckpointError, match="not a plain relative path"):
+            ckpt_tiers.fetch(spec, forged)
+
+
 def test_promote_stage_puts_a_step_whose_l0_is_gone_on_l2_from_l1_part_by_part(home, s3_server):
     """One promotion path: a one-part step is staged and merged on L1 (the part protocol), and a step whose L0 left
     with its pod reaches L2 from its L1 copy as its part, then the step's COMMIT, equal to L1's."""

@@ -25,11 +25,11 @@ from typing import Callable, Optional
 from botocore.exceptions import ClientError
 
 from pipelines import tracking
-from pipelines.manifest import atomic_write_text
+from pipelines.manifest import atomic_write_text, plain_rel
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults, oserrors
 from pipelines.storage.s3 import (STATE_DIR, EmbeddedDown, S3ConfigError, client, embedded_configured, embedded_holds,
-                                  endpoint_url, split_uri, unreachable)
+                                  endpoint_url, outage, split_uri, unreachable)
 from pipelines.train.ckpt import fence, history
 from pipelines.train.ckpt.protocol import (COMMIT, TIERS, CheckpointError, L2Unavailable,
                                            TierUnavailable, is_valid_local, parse_step, read_local_manifest, step_name,
@@ -110,9 +110,16 @@ def verify_copy(spec: JobSpec, tier: str, loc: str) -> None:
 
 
 def fetch(spec: JobSpec, rel: str, cache: Optional[Path] = None, prefer: tuple[str, ...] = TIERS) -> tuple[str, Path]:
-    """Restore from the nearest tier whose copy verifies; returns (tier, local dir)."""
+    """Restore from the nearest tier whose copy verifies; returns (tier, local dir). ``rel`` comes from a manifest:
+    one that is not a plain relative path (absolute, ``..``) is refused (exit 2), never read outside the tiers.
+    When no tier gives a verified copy and one of them did not answer (an object store down, a disk failing),
+    :class:`TierUnavailable` (exit 75: a retry may read it); when every tier answered, :class:`CheckpointError`
+    (exit 2: the copy is not there or does not verify)."""
+    if not plain_rel(rel):
+        raise CheckpointError(f"checkpoint {rel!r} is not a plain relative path below the tiers (a manifest that "
+                              "names it was not written by this pipeline)")
     locs = tier_locations(spec, rel)
-    errors = []
+    errors, unknown = [], False
     for tier in prefer:
         loc = locs[tier]
         try:
@@ -121,8 +128,13 @@ def fetch(spec: JobSpec, rel: str, cache: Optional[Path] = None, prefer: tuple[s
             verify_local(Path(loc))
             return tier, Path(loc)
         except Exception as e:  # noqa: BLE001 - report every tier's reason
-            errors.append(f"{tier} {loc}: {e}")
-    raise CheckpointError("no tier holds a verified copy of the checkpoint:\n  " + "\n  ".join(errors))
+            errors.append(f"{tier} {loc}: {type(e).__name__}: {e}")
+            unknown = unknown or isinstance(e, TierUnavailable) or oserrors.storage_failing(e) or outage(e)
+    said = "\n  ".join(errors)
+    if unknown:
+        raise TierUnavailable(f"no tier gave a verified copy of the checkpoint and one did not answer; a retry may "
+                              f"read it:\n  {said}")
+    raise CheckpointError(f"no tier holds a verified copy of the checkpoint:\n  {said}")
 
 
 # ----------------------------------------------------------------------------- retention
