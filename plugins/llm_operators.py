@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Sequence
@@ -218,6 +219,30 @@ def finish(op: BaseOperator, context, manifest: str, links: dict | None = None) 
     return manifest
 
 
+DEFER_MARGIN_S = 300.0  # past the trigger's own bound, Airflow ends the deferral (a triggerer that does not run it)
+
+
+def deferral(pending: dict, execution_timeout, context, now: float | None = None) -> tuple[dict, Any]:
+    """The trigger's arguments and the deferral's timeout for a job the stage submitted: Airflow does not bound a
+    deferred task by its ``execution_timeout`` (the task SDK passes only ``defer``'s own timeout to the triggerer),
+    so the trigger deletes the job and reports it timed out when the task's ``execution_timeout`` (counted from the
+    task's start) is spent, or ``launcher.timeout_minutes`` if that comes first; Airflow's own deferral timeout,
+    :data:`DEFER_MARGIN_S` later, ends a deferral whose trigger does not run at all."""
+    from datetime import datetime, timedelta
+
+    if execution_timeout is None:
+        return pending, None
+    now = time.time() if now is None else now
+    ti = context.get("ti") if context else None
+    start = getattr(ti, "start_date", None)
+    began = start.timestamp() if isinstance(start, datetime) else now
+    left = max(60.0, execution_timeout.total_seconds() - (now - began))
+    started = pending.get("started") or now  # the trigger counts its timeout from the job's submit
+    bound = now - started + left
+    timeout_s = min(bound, pending["timeout_s"]) if pending.get("timeout_s") else bound
+    return {**pending, "started": started, "timeout_s": timeout_s}, timedelta(seconds=left + DEFER_MARGIN_S)
+
+
 class StageOperator(BaseOperator):
     """Run ``python -m <module> --spec … --set … <stage_args> --report FILE``; return the manifest path.
 
@@ -264,8 +289,9 @@ class StageOperator(BaseOperator):
         if "pending" in rep:
             from llm_triggers import TrainingJobTrigger
 
-            self.log.info("deferring: the triggerer polls %s", rep["pending"])
-            self.defer(trigger=TrainingJobTrigger(**rep["pending"]), method_name="execute_complete")
+            pending, timeout = deferral(rep["pending"], self.execution_timeout, context)
+            self.log.info("deferring: the triggerer polls %s", pending)
+            self.defer(trigger=TrainingJobTrigger(**pending), method_name="execute_complete", timeout=timeout)
         return finish(self, context, rep["manifest"])
 
     def execute_complete(self, context, event: dict) -> str:

@@ -3,6 +3,7 @@
 import json
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -348,6 +349,30 @@ def test_each_rendered_job_gives_its_pods_a_rendezvous_id_of_its_own():
     assert "PET_RDZV_ID" not in str(elastic) and "LLMP_JOB_UID" not in str(elastic)
 
 
+def test_a_deferral_is_bounded_by_what_is_left_of_the_tasks_execution_timeout():
+    """Airflow's task SDK passes only ``defer``'s timeout to the triggerer (execution_timeout does not bound a
+    deferred task): the trigger's timeout is what is left of it since the task started, or launcher.timeout_minutes
+    when that is shorter; without an execution_timeout nothing changes."""
+    from datetime import datetime, timezone
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "plugins"))
+    from llm_operators import DEFER_MARGIN_S, deferral
+
+    now = 1_000_000.0
+    ti = SimpleNamespace(start_date=datetime.fromtimestamp(now - 600, tz=timezone.utc))  # started 10 min ago
+    pending = {"namespace": "n", "name": "j", "timeout_s": None}
+    got, timeout = deferral(pending, timedelta(hours=1), {"ti": ti}, now=now)
+    assert got["timeout_s"] == 3000 and got["started"] == now and timeout == timedelta(seconds=3000 + DEFER_MARGIN_S)
+    got, _ = deferral({**pending, "timeout_s": 1200.0}, timedelta(hours=1), {"ti": ti}, now=now)
+    assert got["timeout_s"] == 1200  # launcher.timeout_minutes, shorter, stays
+    got, _ = deferral({**pending, "started": now - 100}, timedelta(hours=1), {"ti": ti}, now=now)
+    assert got["timeout_s"] == 3100  # counted from the job's submit, as the trigger counts it
+    assert deferral(pending, None, {"ti": ti}, now=now) == (pending, None)
+    got, timeout = deferral(pending, timedelta(minutes=5), {"ti": ti}, now=now)  # spent already: a minute to act
+    assert got["timeout_s"] == 60 and timeout == timedelta(seconds=60 + DEFER_MARGIN_S)
+
+
 def test_the_train_task_defers_while_the_job_runs_and_resumes_to_collect_it(home, kube):
     """Deferrable wait: the task submits the PyTorchJob and defers (its worker slot is freed); the trigger polls
     the job to Succeeded; the resumed task adopts the finished job (no second submit) and commits the manifest."""
@@ -365,11 +390,15 @@ def test_the_train_task_defers_while_the_job_runs_and_resumes_to_collect_it(home
     sets = kube_sets(home, cfg)
     tok = tokenize.run(load_spec(None, sets, env={}), _filter_manifest(home, docs))
     op = StageOperator(task_id="train", module="pipelines.train.launch", overrides=sets,
-                       stage_args=["--tokenize-manifest", tok.path])
+                       stage_args=["--tokenize-manifest", tok.path], execution_timeout=timedelta(hours=2))
     with pytest.raises(TaskDeferred) as deferred:
         op.execute({})
     trigger, (ns, name) = deferred.value.trigger, next(iter(fake.jobs))
     assert isinstance(trigger, TrainingJobTrigger) and deferred.value.method_name == "execute_complete"
+    # the deferral is bounded by the task's execution_timeout (Airflow does not do it for a deferred task): the
+    # trigger deletes the job when it is spent, Airflow's own timeout comes DEFER_MARGIN_S later
+    assert trigger.timeout_s == 900  # launcher.timeout_minutes=15 (kube_sets), shorter than the 2 h left
+    assert deferred.value.timeout == timedelta(seconds=7200 + 300)
     assert (trigger.kind, trigger.namespace, trigger.name) == ("trainjob", ns, name)
     assert k8s.job_state(fake.jobs[(ns, name)].obj)[0] != "Succeeded"  # the task returned while the job runs
 
