@@ -395,10 +395,23 @@ class SparkStageOperator(SparkSubmitOperator):
             with scoped_env(self.submit_env(r)):
                 try:
                     super().execute(context)
-                except BaseException:  # a timeout or a kill: spark-submit's JVM and its Python workers go too
+                except BaseException as e:  # a timeout or a kill: spark-submit's JVM and its Python workers go too
                     self.on_kill()
+                    failure = self._stage_failure(e)
+                    if failure is not None:
+                        raise failure from None
                     raise
             return finish(self, context, read_report(report)["manifest"], spark_ui)
+
+    def _stage_failure(self, e: BaseException) -> AirflowException | None:
+        """The stage's own exit status through spark-submit (the driver runs here, and spark-submit exits with the
+        Python application's status): 2 fails the task at once, 75 is a retry that says so (:func:`exit_failure`),
+        as for a stage run by :class:`StageOperator`; None for anything else (the provider's error stands)."""
+        sp = getattr(self._hook, "_submit_sp", None) if self._hook is not None else None
+        code = sp.poll() if sp is not None else None
+        if not isinstance(e, AirflowException) or code not in (USER_ERROR, RETRY):
+            return None
+        return exit_failure(self.module, code, [str(e)])
 
     def on_kill(self) -> None:
         """spark-submit and every process under it (the driver JVM, its Python workers): SIGTERM, then SIGKILL after

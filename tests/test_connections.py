@@ -311,6 +311,21 @@ def test_a_users_spark_connection_is_the_master_and_stays_as_it_was(home, connec
     assert os.environ["AIRFLOW_CONN_SPARK_PIPELINE"] == user and "SPARK_MASTER" not in os.environ
 
 
+def test_a_spark_stage_that_rejects_its_input_fails_the_task_at_once(home, clean_env, spec_file, no_embedded_s3):
+    """A real spark-submit (client mode: the driver runs here, and spark-submit exits with the stage's status) of a
+    stage that rejects its input (exit 2): the task fails with AirflowFailException (no retries) naming the stage,
+    as a StageOperator's does; it was the provider's retryable AirflowException ("Error code is: 2"), retried
+    twice with backoff."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from llm_operators import SparkStageOperator
+
+    op = SparkStageOperator(task_id="dedup", module="pipelines.data.dedup", spec=str(spec_file),
+                            stage_args=["--ingest-manifest", str(home / "no-such/manifest.json")])
+    with pytest.raises(AirflowFailException, match=r"pipelines\.data\.dedup rejected its input \(exit 2\)") as e:
+        op.execute({})
+    assert "Error code is: 2" in str(e.value)
+
+
 def test_scoped_env_puts_back_values_and_absence_on_error(clean_env):
     from llm_connections import scoped_env
 
