@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from conftest import c4_docs, free_port, serving, shard_layout
+from conftest import c4_docs, free_port, serving, shard_layout, wait_for
 from pipelines.data import tokenize
 from pipelines.eval import bpb, harness, registry, scorer
 from pipelines.eval.lm import TextModel
@@ -361,6 +361,42 @@ def test_the_gate_fails_closed_and_a_retried_register_makes_one_version(models, 
     same = registry.register(held, models[1], run_id, lineage, {"reference_bpb": 1.0, "heldout_loss": 4.0},
                              _ev_extra(held, sha_a), home / "w3")
     assert same["alias_moved"] and "heldout_loss 4.0000 ≤ 'champion' v1's 5.0000 on the same data" in same["reason"]
+
+
+def test_two_registrations_of_one_model_take_turns_from_the_gate_to_the_alias(models, home, capsys):
+    """Each registration reads the champion, then moves the alias on what it read: two at once (the evaluation DAG
+    and llm_pipeline, a CLI run) each took the alias on a champion the other was replacing, and the last to set it
+    won, however it compared. They now take turns on the model's lock (run.root/registry): the second waits while
+    the first holds it, then gates against what the first registered."""
+    import threading
+
+    from pipelines import tracking
+    from pipelines.eval.evaluate import reference_files
+
+    ref = home / "a.txt"
+    ref.write_text("The cat sat on the mat. " * 20)
+    spec = _spec(home, "turns", [ref])
+    sha = set_sha256(reference_files(spec))
+    run_id = tracking.start_run(spec, run_name="t")
+    c = tracking.client(spec)
+    got = {}
+
+    def second():
+        got["r"] = registry.register(spec, models[1], run_id, {"data_manifest_hash": "d" * 64, "config_hash": "c" * 64},
+                                     {"reference_bpb": 3.0}, _ev_extra(spec, sha), home / "w2")
+
+    with registry.model_lock(spec, "turns"):  # a registration of this model in progress elsewhere
+        t = threading.Thread(target=second, daemon=True)
+        t.start()
+        wait_for(lambda: "another registration of turns holds" in capsys.readouterr().out, 120,
+                 "the second registration waiting for the lock")
+        assert t.is_alive() and not list(c.search_model_versions("name = 'turns'"))  # nothing gated or made
+    t.join(300)
+    assert not t.is_alive() and got["r"]["alias_moved"] and got["r"]["version"] == 1
+    worse = registry.register(spec, models[0], run_id, {"data_manifest_hash": "e" * 64, "config_hash": "c" * 64},
+                              {"reference_bpb": 4.0}, _ev_extra(spec, sha), home / "w3")
+    assert not worse["alias_moved"] and str(c.get_model_version_by_alias("turns", "champion").version) == "1"
+    assert list(home.rglob("registry/.turns-*.lock"))  # under run.root, where every register of the cluster looks
 
 
 def test_the_version_is_a_logged_model_of_the_training_run_with_its_metrics_on_datasets(models, home):

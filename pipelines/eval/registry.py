@@ -25,7 +25,9 @@ The decision, with both numbers, is logged, tagged on the version and on the MLf
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +39,8 @@ from pipelines.eval.evaluate import reference_files, score_model_dir
 from pipelines.eval.scorer import Job
 from pipelines.lineage.queries import pending_takedowns
 from pipelines.lineage.takedowns import TAG, tag_versions
-from pipelines.manifest import Manifest, StageError
-from pipelines.spec import JobSpec, redact, sha256_json
+from pipelines.manifest import Manifest, StageError, key_lock
+from pipelines.spec import JobSpec, redact, resolve_path, sha256_json
 from pipelines.tracking import airflow_ids
 
 CHALLENGER = "challenger"
@@ -196,7 +198,8 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
         raise ValueError(f"registry.gate_metric={gm} was not measured by the evaluate stage")
     tags = {**version_tags(lineage, metrics, ev_extra), "lineage_key": lineage_key(name, lineage, metrics, ev_extra)}
     client = tracking.client(spec)
-    with tracking.fluent(spec):  # the client resolves the logged model's models:/ source through the global URI
+    # the gate reads the champion and the alias moves on what it found: one registration of this model at a time
+    with model_lock(spec, name), tracking.fluent(spec):  # the fluent URI: the logged model's models:/ source
         d = gate(spec, client, metrics[gm], ev_extra["reference_sha256"], lineage.get("data_manifest_hash", ""), work)
         mv = existing_version(client, name, tags["lineage_key"])
         reused = mv is not None
@@ -219,6 +222,17 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
             "champion_rescored": d.rescored, "reason": d.reason, "gate_metric": gm, "value": metrics[gm],
             "reused_version": reused, "tags": dict(mv.tags), "mlflow_run_id": run_id,
             "eval_run_id": eval_run_id or run_id, "tracking_uri": redact(tracking.tracking_uri(spec))}
+
+
+def model_lock(spec: JobSpec, name: str):
+    """The registered model's lock (``run.root/registry/.<name>-<hash>.lock``, :func:`pipelines.manifest.key_lock`):
+    two registrations at once (the evaluation DAG's and llm_pipeline's, a CLI run) each read the champion, and the
+    one that set the alias last won, however it compared. Held from the gate to the alias; a holder that stops
+    beating for ``run.lock_stale_min`` is given up on (exit 75)."""
+    slug = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] + "-" + hashlib.sha256(name.encode()).hexdigest()[:12]
+    return key_lock(resolve_path(spec.run.root) / "registry" / slug,
+                    lambda holder: print(f"register: another registration of {name} holds {holder}; waiting for it "
+                                         "while it shows it is alive", flush=True), 60 * spec.run.lock_stale_min)
 
 
 def tag_takedowns(spec: JobSpec, client, mv, digest: str | None) -> None:
