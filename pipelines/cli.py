@@ -17,7 +17,7 @@ from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_w
 from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
 from pipelines.stages import Stage, stage
 from pipelines.storage.s3 import outage
-from pipelines.tracking import log_stage
+from pipelines.tracking import log_stage, mlflow_outage
 
 
 def stage_parser(name: str, inputs_required: bool = True) -> argparse.ArgumentParser:
@@ -90,8 +90,9 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
                call: Call | None = None, inputs_required: bool = True) -> int:
     """Parse, run the stage (``run(spec, *upstream_manifests, out_dir=…)`` unless ``call`` is given), write the
     report, print the one-line summary. A :class:`StageError` or :class:`SpecError` prints ``<stage>: error: …``
-    and exits with its status (an outage's, e.g. L2 not answering, is 75), an object store that does not answer
-    in any other call one line and 75; :class:`Pending` (a job submitted elsewhere) reports what to wait for."""
+    and exits with its status (an outage's, e.g. L2 not answering, is 75), an object store or a tracking server
+    that does not answer in any other call one line and 75; :class:`Pending` (a job submitted elsewhere) reports
+    what to wait for."""
     ap = stage_parser(name, inputs_required)
     if add_args:
         add_args(ap)
@@ -107,11 +108,15 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
     except (StageError, SpecError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
-    except Exception as e:  # noqa: BLE001 - an object store that did not answer is infrastructure: retry (75);
-        # credentials or a configuration that do not work are not (they stay a traceback, exit 1)
-        if not outage(e):
+    except Exception as e:  # noqa: BLE001 - an object store or MLflow that did not answer is infrastructure:
+        # retry (75); credentials or a configuration that do not work are not (they stay a traceback, exit 1)
+        if outage(e):
+            print(f"{name}: error: the object store did not answer: {type(e).__name__}: {e}", file=sys.stderr)
+        elif mlflow_outage(e):
+            print(f"{name}: error: the tracking server did not answer: {type(e).__name__}: {str(e)[:300]}; run it "
+                  "again", file=sys.stderr)
+        else:
             raise
-        print(f"{name}: error: the object store did not answer: {type(e).__name__}: {e}", file=sys.stderr)
         return RETRY
     write_report(args.report, {"stage": m.stage, "manifest": m.path})
     print(summary(m))

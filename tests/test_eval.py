@@ -399,6 +399,49 @@ def test_two_registrations_of_one_model_take_turns_from_the_gate_to_the_alias(mo
     assert list(home.rglob("registry/.turns-*.lock"))  # under run.root, where every register of the cluster looks
 
 
+def test_a_champion_that_cannot_be_read_or_rescored_says_whose_it_is_to_fix():
+    """The gate never fails open; how it fails says who acts: what did not answer (MLflow, the artifact store, a
+    disk, the ranks' infrastructure) is 75; a champion no retry can re-score (not an llm-pipeline model, ranks that
+    rejected it, a file or a registry that refuses this identity) is 2 (it was 1, retried twice, a large champion re-scored
+    on GPU ranks each time); anything else stays 1. A stage meeting MLflow down anywhere else exits 75 in one line."""
+    import errno
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, TEMPORARILY_UNAVAILABLE
+
+    from pipelines.cli import stage_main
+    from pipelines.eval.model_dir import ModelUnavailable
+    from pipelines.launch.ranks import TrainError, TrainRetry
+
+    down = MlflowException("the tracking server is restarting", error_code=TEMPORARILY_UNAVAILABLE)
+    cases = [(down, 75), (ModelUnavailable("models:/x/1: not returned"), 75), (TrainRetry("ranks lost"), 75),
+             (OSError(errno.EIO, "Input/output error"), 75), (LookupError("not an llm-pipeline text model"), 2),
+             (TrainError("the ranks rejected the model"), 2), (RuntimeError("a bug"), 1),
+             (PermissionError(errno.EACCES, "Permission denied"), 2)]
+    for e, code in cases:
+        got = registry.unscored("'champion' v1 could not be re-scored", e)
+        assert got.exit_code == code, (e, got)
+        assert isinstance(got, registry.NotComparable if code == 2 else registry.GateError), (e, got)
+
+    class Registry:
+        def __init__(self, error):
+            self.error = error
+
+        def get_registered_model(self, name):
+            raise self.error
+
+    with pytest.raises(registry.GateError) as e:
+        registry.current_champion(Registry(down), "m", "champion")
+    assert e.value.exit_code == 75
+    with pytest.raises(registry.NotComparable):
+        registry.current_champion(Registry(MlflowException("no", error_code=PERMISSION_DENIED)), "m", "champion")
+
+    def run(spec, *ups, out_dir=None):
+        raise down
+
+    assert stage_main("register", run, str, argv=[], inputs_required=False) == 75
+
+
 def test_the_version_is_a_logged_model_of_the_training_run_with_its_metrics_on_datasets(models, home):
     from pipelines import tracking
     from pipelines.eval.evaluate import reference_files

@@ -37,10 +37,12 @@ from pipelines import tracking
 from pipelines.eval import report
 from pipelines.eval.evaluate import reference_files, score_model_dir
 from pipelines.eval.scorer import Job
+from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.lineage.queries import pending_takedowns
 from pipelines.lineage.takedowns import TAG, tag_versions
 from pipelines.manifest import Manifest, StageError, key_lock
 from pipelines.spec import JobSpec, redact, resolve_path, sha256_json
+from pipelines.storage import oserrors
 from pipelines.tracking import airflow_ids
 
 CHALLENGER = "challenger"
@@ -56,9 +58,15 @@ def model_id_of(source: str | None) -> str | None:
 
 
 class GateError(StageError):
-    """The champion could not be read or scored: the stage fails (and is retried); no alias moves."""
+    """The champion could not be read or scored: the stage fails and no alias moves; exit 75 when the tracking
+    server, the artifact store or the ranks' infrastructure did not answer, else 1 (retried: what broke is not
+    known to be the user's)."""
 
     exit_code = 1
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class NotComparable(StageError):
@@ -91,7 +99,10 @@ def current_champion(client, name: str, alias: str):
     except MlflowException as e:
         if e.error_code == "RESOURCE_DOES_NOT_EXIST":
             return None
-        raise GateError(f"cannot read registered model {name!r}: {e.message}") from None
+        if tracking.mlflow_answered(e):  # refused, a bad name: the same on every retry
+            raise NotComparable(f"cannot read registered model {name!r}: {e.message}") from None
+        raise GateError(f"cannot read registered model {name!r}: the tracking server did not answer: {e.message}",
+                        RETRY) from None
     if alias not in model.aliases:
         return None
     return client.get_model_version(name, model.aliases[alias])
@@ -128,11 +139,24 @@ def rescore(spec: JobSpec, client, cur, sha: str, work: Path) -> float:
         res = score_model_dir(spec, Job(model_dir=str(d), reference=reference_files(spec), parts=["reference"]),
                               work / "champion-ranks", run_id=f"rescore-{cur.name}-{cur.version}"[:40])
     except Exception as e:  # noqa: BLE001 - whatever broke, the gate must not fail open
-        raise GateError(f"'{spec.registry.alias}' v{cur.version} could not be re-scored on reference set {sha[:12]} "
-                        f"({type(e).__name__}: {e}); the alias stays where it is") from e
+        raise unscored(f"'{spec.registry.alias}' v{cur.version} could not be re-scored on reference set {sha[:12]} "
+                       f"({type(e).__name__}: {e}); the alias stays where it is", e) from e
     value = res["reference"]["bits_per_byte"]
     client.set_model_version_tag(cur.name, cur.version, f"reference_bpb.{sha[:12]}", f"{value:.6f}")
     return value
+
+
+def unscored(message: str, e: BaseException) -> StageError:
+    """Why the champion could not be re-scored, with its exit status: 75 when what failed did not answer (the
+    tracking server, the artifact store, a disk, the ranks' infrastructure); 2 when every retry would fail the same
+    way (the champion is not an llm-pipeline text model, its ranks rejected it, a file this user may not read):
+    give access, or set the alias by hand after checking; else 1 (retried)."""
+    code = getattr(e, "exit_code", None)
+    if code == RETRY or tracking.mlflow_outage(e) or oserrors.storage_failing(e):
+        return GateError(message, RETRY)
+    if code == USER_ERROR or type(e) is LookupError or oserrors.refused(e):
+        return NotComparable(f"{message}: no retry re-scores it; set registry.alias by hand after checking")
+    return GateError(message)
 
 
 def gate(spec: JobSpec, client, value: float, sha: str, data_hash: str, work: Path) -> Decision:
