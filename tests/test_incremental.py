@@ -274,6 +274,11 @@ def test_a_source_taken_down_leaves_the_next_version_and_only_its_shards_are_rew
     assert [v["version"] for v in queries.source_query(spec, client, "b.jsonl")["corpus_versions"]] == [1]
     assert [e.source for e in queries.pending_takedowns(spec, v1.digest)] == ["b.jsonl", "https://ok.example/take/"]
     assert queries.pending_takedowns(spec, v2.digest) == []
+    # a corpus not under this spec's run.root (tokenize run with --output, another run.root): by digest nothing can
+    # be said; the register stage passes the manifest it holds, which is read wherever it lives
+    away = load_spec(None, sets + [f"run.root={home / 'another-root'}"], env={})
+    assert queries.pending_takedowns(away, v1.digest) is None
+    assert [e.source for e in queries.pending_takedowns(away, v1.digest, v1)] == ["b.jsonl", "https://ok.example/take/"]
 
     write_jsonl(home / "c.jsonl", [{"text": d["text"], "url": f"https://ok.example/{'take/' * (i < 2)}c{i}"}
                                    for i, d in enumerate(docs[130:140])])

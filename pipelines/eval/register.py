@@ -31,7 +31,8 @@ def run(spec: JobSpec, ev: Manifest, train: Manifest, tok: Manifest, out_dir: st
         train_run = train.extra.get("mlflow_run_id") or spec.run.mlflow_run_id  # the LoggedModel's source run
         eval_run = spec.run.mlflow_run_id or train_run
         work = tmp / "work"
-        res = register(spec, ckpt, train_run, lineage, dict(ev.metrics), ev.extra, work, eval_run_id=eval_run)
+        res = register(spec, ckpt, train_run, lineage, dict(ev.metrics), ev.extra, work, eval_run_id=eval_run,
+                       corpus=tok)
         client = tracking.client(spec)
         res["export_hf"] = register_hf(spec, client, ckpt, res, work)
         for p in eval_report(spec, res, ev, train, tmp, client):

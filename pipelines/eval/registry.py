@@ -214,9 +214,10 @@ def existing_version(client, name: str, key: str):
 
 
 def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics: dict, ev_extra: dict,
-             work: Path, eval_run_id: str | None = None) -> dict:
+             work: Path, eval_run_id: str | None = None, corpus: Optional[Manifest] = None) -> dict:
     """Gate, then find or create the version (``run_id``: the training run, the LoggedModel's source; ``eval_run_id``:
-    the run the eval metrics are logged from, by default the same), then set the alias."""
+    the run the eval metrics are logged from, by default the same), then set the alias. ``corpus``: the tokenize
+    manifest the model was trained on (the register stage's input), which the takedown check reads wherever it is."""
     name, alias, gm = spec.registry.model_name, spec.registry.alias, spec.registry.gate_metric
     if gm not in metrics:
         raise ValueError(f"registry.gate_metric={gm} was not measured by the evaluate stage")
@@ -236,7 +237,7 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
             if not set(metrics) <= logged:
                 log_eval_metrics(client, model_id, eval_run_id or run_id, metrics, ev_extra)
         link_runs(client, run_id, eval_run_id)
-        tag_takedowns(spec, client, mv, lineage.get("data_manifest_hash"))  # before the alias can move to it
+        tag_takedowns(spec, client, mv, lineage.get("data_manifest_hash"), corpus)  # before the alias can move
         client.set_registered_model_alias(name, alias if d.take else CHALLENGER, mv.version)
         client.set_model_version_tag(name, mv.version, "gate", d.reason)
         client.set_tag(eval_run_id or run_id, "register.gate", d.reason)
@@ -259,10 +260,10 @@ def model_lock(spec: JobSpec, name: str):
                                          "while it shows it is alive", flush=True), 60 * spec.run.lock_stale_min)
 
 
-def tag_takedowns(spec: JobSpec, client, mv, digest: str | None) -> None:
+def tag_takedowns(spec: JobSpec, client, mv, digest: str | None, corpus: Optional[Manifest] = None) -> None:
     """A version trained on a corpus that holds docs of the takedown list (added while it trained) is tagged
     ``takedown.pending``, as ``--exclude-source`` tags the versions registered before."""
-    pending = pending_takedowns(spec, digest)
+    pending = pending_takedowns(spec, digest, corpus)
     if pending is None:
         print(f"register: warning: the takedown list has exclusions, but corpus version {str(digest)[:12]} is not "
               f"under run.root={spec.run.root}: whether {mv.name} v{mv.version} saw an excluded source is not known",

@@ -287,13 +287,15 @@ def source_query(spec: JobSpec, client, source: str) -> dict:
             "unreadable": unreadable}
 
 
-def pending_takedowns(spec: JobSpec, digest: str | None) -> Optional[list[Exclusion]]:
-    """The exclusions of the takedown list whose docs the corpus version ``digest`` still holds; None when there are
-    exclusions but that version is not under run.root (nothing can be said)."""
+def pending_takedowns(spec: JobSpec, digest: str | None, tok: Optional[Manifest] = None) -> Optional[list[Exclusion]]:
+    """The exclusions of the takedown list whose docs the corpus version ``digest`` (the tokenize manifest ``tok``
+    when the caller holds it, wherever it lives) still holds; None when there are exclusions and no manifest was
+    given and that version is not under run.root (nothing can be said)."""
     exclusions = read_list(resolve_path(spec.data.exclusions)).exclusions
     if not exclusions:
         return []
-    tok = next((v for v in corpus_versions(spec) if v.digest == digest), None) if digest else None
+    if tok is None:
+        tok = next((v for v in corpus_versions(spec) if v.digest == digest), None) if digest else None
     if tok is None:
         return None
     per = matching_ids(tok, Matcher(exclusions))
