@@ -181,7 +181,7 @@ def upstream_assets_task(asset: Asset, source: str, needed: list[str]):
     Asset event that triggered the run, else the newest event of the Asset; the others by following the source
     manifest's inputs."""
 
-    @task(task_id=UPSTREAM_TASK, inlets=[asset], retries=0)
+    @task(task_id=UPSTREAM_TASK, inlets=[asset])  # the DAG's retries: only storage failing raises a retryable error
     def upstream_assets(params=None) -> dict:
         from airflow.sdk import get_current_context
 

@@ -453,6 +453,13 @@ def upstream_manifests(asset: str, source: str, needed: list[str], given: str | 
         found = lineage(path)
     except (StageError, FileNotFoundError, TypeError) as e:
         raise AirflowFailException(f"{source} manifest {path!r} from {how}: {e}") from None
+    except OSError as e:  # storage failing under a manifest (EIO, ESTALE …) is a retry; a refusal the user's
+        from pipelines.storage import oserrors
+
+        if oserrors.storage_failing(e):
+            raise AirflowException(f"{source} manifest {path!r} from {how} could not be read now ({e}); the task's "
+                                   "retry reads it again") from None
+        raise AirflowFailException(f"{source} manifest {path!r} from {how}: {e}") from None
     missing = [s for s in needed if s not in found]
     if missing:
         raise AirflowFailException(f"{path} (from {how}) does not lead to a {', '.join(missing)} manifest")

@@ -58,7 +58,7 @@ def test_rerun_reuses_force_recomputes_and_a_changed_input_invalidates_even_with
     assert json.loads((home / "r.json").read_text())["stage"] == "ingest"
 
 
-def test_lineage_follows_inputs_and_refuses_a_rewritten_upstream(home, spark):
+def test_lineage_follows_inputs_and_refuses_a_rewritten_upstream(home, spark, monkeypatch):
     sys.path.insert(0, str(ROOT / "plugins"))
     from llm_operators import AirflowFailException, upstream_manifests
 
@@ -86,6 +86,19 @@ def test_lineage_follows_inputs_and_refuses_a_rewritten_upstream(home, spark):
     (home / "var/runs/ingest").glob("*/manifest.json").__next__().write_text(json.dumps(doc))
     with pytest.raises(StageError, match="re-run from ingest"):
         lineage(dd.path)
+    # storage failing under a manifest is the task's retry (AirflowException), a refusal the user's (no retry)
+    import errno
+
+    from llm_operators import AirflowException
+
+    from pipelines import manifest
+
+    for error, final in ((OSError(errno.EIO, "Input/output error", dd.path), False),
+                         (PermissionError(errno.EACCES, "Permission denied", dd.path), True)):
+        monkeypatch.setattr(manifest, "lineage", lambda path, _e=error: (_ for _ in ()).throw(_e))
+        with pytest.raises(AirflowException, match="dedup manifest") as e:
+            upstream_manifests("a", "dedup", ["dedup"], dd.path, [], [])
+        assert isinstance(e.value, AirflowFailException) == final, e.value
 
 
 def test_the_readme_is_short_shows_the_two_commands_and_every_doc_it_links_exists():
