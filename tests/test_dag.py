@@ -192,7 +192,7 @@ def test_every_dag_file_parses_fast_and_without_errors(capsys):
 def test_tasks_retry_transient_failures_with_backoff_have_time_limits_and_a_failure_summary(bag):
     from llm_operators import failure_summary
 
-    for t in (t for d in bag.dags.values() for t in d.tasks if t.task_id != "upstream_assets"):
+    for t in (t for d in bag.dags.values() for t in d.tasks):
         assert t.execution_timeout is not None, t.task_id
         assert t.retries >= 1 and t.retry_exponential_backoff, t.task_id
         assert failure_summary in (t.on_failure_callback if isinstance(t.on_failure_callback, list)
