@@ -3,6 +3,7 @@ deleted; a forged manifest cannot make a download write outside its directory; t
 write at once; Force starts a new generation and retires the old one only after the new one commits, keeping
 what a registered model points to."""
 import hashlib
+import io
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -158,6 +160,68 @@ def body(tmp):
 m = run_stage(sd, body)
 print(m.path)
 """
+
+
+class _Runs:  # what a forged checkpoint file would run: a marker file written when unpickled
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_checkpoint_file_that_would_run_code_is_refused_and_a_real_one_loads(tmp_path):
+    """DCP reads ``.metadata`` with pickle and its non-tensor values (the optimizer's param_groups) with
+    ``torch.load(weights_only=False)``: a copy rewritten on a tier ran what it named when a restore, evaluation
+    or registration read it. ``dcp_read`` builds only DCP's metadata classes and plain values: the forged files are
+    refused (UnsafeCheckpoint, exit 2) and run nothing; the checkpoint DCP wrote loads, model and optimizer."""
+    import pickle
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from pipelines.train.ckpt import dcp_read
+    from pipelines.train.model import ModelArgs, Transformer
+
+    args = ModelArgs(vocab_size=64, n_layers=1, d_model=16, n_heads=2, seq_len=8)
+    model = Transformer(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.zeros(1, 8, dtype=torch.long)).float().mean().backward()
+    opt.step()
+    ckpt = tmp_path / "step-000001"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=str(ckpt), no_dist=True)
+    (ckpt / "model_args.json").write_text(json.dumps(args.to_dict()))
+    plain = dcp_read.load_plain_model(ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
+    fresh = Transformer(args)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=5.0)
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_read.load({"model": msd, "optim": osd}, ckpt, no_dist=True)  # param_groups: the bytes values
+    assert osd["param_groups"][0]["lr"] == 1e-3 and osd["param_groups"][0]["betas"] == (0.9, 0.999)
+
+    marker = tmp_path / "ran"
+    good = (ckpt / ".metadata").read_bytes()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Runs(str(marker))))
+    with pytest.raises(ck.UnsafeCheckpoint, match="pathlib.Path.touch|not part of a DCP checkpoint"):
+        dcp_read.load_plain_model(ckpt)
+    with pytest.raises(ck.UnsafeCheckpoint):
+        dcp_read.read_metadata(ckpt)
+    assert not marker.exists()
+    (ckpt / ".metadata").write_bytes(good)
+    planner, item = dcp_read.SafePlanner(), SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
+    forged = io.BytesIO()
+    torch.save(_Runs(str(marker)), forged)
+    forged.seek(0)
+    with pytest.raises(ck.UnsafeCheckpoint, match="optim.param_groups.0.lr"):
+        planner.load_bytes(item, forged)
+    assert not marker.exists()
+    assert isinstance(dcp_read.read_metadata(ckpt), dcp.metadata.Metadata)
 
 
 def test_two_concurrent_runs_of_one_stage_key_never_write_at_once(tmp_path):

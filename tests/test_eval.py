@@ -528,7 +528,7 @@ def test_register_of_a_model_above_the_single_process_limit_does_not_load_it_in_
 
     from pipelines import tracking
     from pipelines.eval import serving
-    from pipelines.train.ckpt import protocol as checkpoint
+    from pipelines.train.ckpt import dcp_read as checkpoint
     from pipelines.train.ckpt import local as ckpt_local
 
     tmp = home / "ckpt.tmp"

@@ -65,7 +65,7 @@ def ours_on(model_dir: Path) -> dict:
     """What our own model and SentencePiece give: the reference every consumer is held to."""
     import sentencepiece as spm
 
-    from pipelines.train.ckpt.protocol import load_plain_model
+    from pipelines.train.ckpt.dcp_read import load_plain_model
 
     ours, sp = load_plain_model(model_dir), spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
     ids = [sp.encode(tokenize.canonical_text(t)) for t in TEXTS]

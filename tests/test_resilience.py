@@ -27,6 +27,7 @@ from pipelines.data import tokenize
 from pipelines.spec import load_spec
 from pipelines.storage.s3 import part_size_used
 from pipelines.train.ckpt import protocol as ck
+from pipelines.train.ckpt.dcp_read import load_plain_model
 from pipelines.train.ckpt import local as ckpt_local
 from pipelines.train.ckpt import s3_tier as ckpt_s3
 from pipelines.train.ckpt import tiers as ckpt_tiers
@@ -479,7 +480,7 @@ def test_async_save_returns_before_the_commit_and_keeps_the_state_of_its_step(ho
     shutil.copytree(final, partial)
     (partial / "__0_0.distcp").unlink()
     assert ckpt_local.missing_shards(partial) == ["__0_0.distcp"]
-    restored = ck.load_plain_model(final).state_dict()
+    restored = load_plain_model(final).state_dict()
     for k, v in before.items():
         assert torch.equal(restored[k], v), k  # the state of step 7, not the weights changed afterwards
 

@@ -9,6 +9,7 @@ from pipelines.data import tokenize
 from pipelines.spec import load_spec
 from pipelines.train import checkpoint as checkpoint_cli
 from pipelines.train.ckpt import protocol as ck
+from pipelines.train.ckpt.dcp_read import load_plain_model
 from pipelines.launch import ranks
 from pipelines.train import launch
 from pipelines.train.loader import DPSampler
@@ -470,7 +471,7 @@ def test_ddp_fsdp2_and_tp_follow_one_process_with_the_same_global_batch(home):
     # sharded runs' DCP checkpoints load into a plain model (resharded), and export to a plain state dict
     for name in ("fsdp2", "fsdp2+tp"):
         ckdir = home / "var/tiers/nvme" / runs[name].extra["checkpoint"]
-        plain = ck.load_plain_model(ckdir)
+        plain = load_plain_model(ckdir)
         out = home / f"{name}.pt"
         assert checkpoint_cli.main(["export", str(ckdir), str(out)]) == 0
         args = ModelArgs(**json.loads((ckdir / "model_args.json").read_text()))

@@ -49,7 +49,7 @@ from pipelines.lineage.queries import VersionUnreadable, model_query, resolve_mo
 from pipelines.manifest import StageError
 from pipelines.spec import add_spec_args, spec_from_args
 from pipelines.storage import oserrors
-from pipelines.train.ckpt.protocol import load_plain_model
+from pipelines.train.ckpt.dcp_read import load_plain_model
 
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.model", "tokenizer.json",
             "tokenizer_config.json", "README.md")

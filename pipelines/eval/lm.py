@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pipelines.data.text import canonical_text
-from pipelines.train.ckpt.protocol import load_plain_model
+from pipelines.train.ckpt.dcp_read import load_plain_model
 
 
 @dataclass

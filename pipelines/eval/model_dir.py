@@ -17,7 +17,7 @@ from pipelines import tracking
 from pipelines.exit_codes import RETRY
 from pipelines.manifest import plain_rel
 from pipelines.spec import redact
-from pipelines.train.ckpt.protocol import load_plain_model
+from pipelines.train.ckpt.dcp_read import load_plain_model
 
 MODEL_DIR = "model_dir"  # the artifact key
 FILES = ("model.pt", "model_args.json", "tokenizer.model")

@@ -29,7 +29,7 @@ import pandas as pd
 
 import pipelines
 from pipelines.eval.model_dir import MODEL_DIR, loads_here, params_of
-from pipelines.train.ckpt.protocol import load_plain_model
+from pipelines.train.ckpt.dcp_read import load_plain_model
 
 PARAMS = {"max_new_tokens": 32, "temperature": 0.8, "top_k": 50, "seed": 0}
 LIMITS = "serving.json"  # {"max_new_tokens": cap}, written at registration from eval.max_new_tokens

@@ -11,7 +11,8 @@ import uuid
 from pathlib import Path
 
 from pipelines.exit_codes import USER_ERROR
-from pipelines.train.ckpt.protocol import CheckpointError, load_plain_model, verify_local
+from pipelines.train.ckpt.dcp_read import load_plain_model
+from pipelines.train.ckpt.protocol import CheckpointError, verify_local
 
 
 def export(src: Path, out: Path) -> int:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
-from pipelines.train.ckpt import fence, fence_l2, local as ckpt_local, protocol as ck, tiers as ckpt_tiers
+from pipelines.train.ckpt import dcp_read, fence, fence_l2, local as ckpt_local, protocol as ck, tiers as ckpt_tiers
 from pipelines.train.ckpt.promoter import Events, Promoter, Topology, lower_priority
 
 KERNEL_KEYS = ("fused", "foreach")  # optimizer options a restore keeps as this run built them
@@ -358,14 +358,13 @@ class Checkpointer:
     def load(self, path: str | Path, model, opt) -> dict:
         """Restore model + optimizer (DCP reshards to this world's layout) and, when the world size is the one
         that saved, this rank's RNG states; returns the trainer state."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         self.wait()
         path = Path(path)
         msd, osd = get_state_dict(model, opt)
-        with dcp_errors("loading", path):
-            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path), process_group=self.pg)
+        with dcp_errors("loading", path):  # nothing in the copy runs code (dcp_read)
+            dcp_read.load({"model": msd, "optim": osd}, path, process_group=self.pg)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=keeping_kernels(opt, osd))
         rngs = json.loads((path / "rng.json").read_text())
         if len(rngs) == self.world:

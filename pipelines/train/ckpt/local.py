@@ -44,9 +44,9 @@ def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Pa
 
 def missing_shards(d: Path) -> list[str]:
     """Shard files that the DCP metadata in ``d`` names but ``d`` lacks (e.g. written on another node's disk)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from pipelines.train.ckpt.dcp_read import read_metadata
 
-    named = {info.relative_path for info in FileSystemReader(str(d)).read_metadata().storage_data.values()}
+    named = {info.relative_path for info in read_metadata(d).storage_data.values()}
     return sorted(n for n in named if not (d / n).is_file())
 
 

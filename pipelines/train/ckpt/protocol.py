@@ -13,9 +13,11 @@ checkpoints (``pipelines.train.ckpt.checkpointer``) are ``torch.distributed.chec
 
 Where each concern lives (each module imports only the ones above it):
 
-- this module: the errors (:class:`CheckpointError`, :class:`TierUnavailable`, :class:`L2Unavailable`), the
-  names (``step-NNNNNN``, ``part-K``, MANIFEST, COMMIT, PARTS), :func:`hash_files`, its consumer
-  :func:`load_plain_model` (the plain export's command line: :mod:`pipelines.train.checkpoint`);
+- this module: the errors (:class:`CheckpointError`, :class:`TierUnavailable`, :class:`L2Unavailable`,
+  :class:`UnsafeCheckpoint`), the names (``step-NNNNNN``, ``part-K``, MANIFEST, COMMIT, PARTS), :func:`hash_files`;
+- :mod:`pipelines.train.ckpt.dcp_read`: a DCP checkpoint's content read without running code from storage (its
+  metadata, its non-tensor values), and :func:`~pipelines.train.ckpt.dcp_read.load_plain_model` (evaluation,
+  serving, export, the plain export's command line: :mod:`pipelines.train.checkpoint`);
 - :mod:`pipelines.train.ckpt.fence`: fencing between attempts (terms and leases on L1), checked by the modules below
   before every COMMIT and every deletion of committed data;
 - :mod:`pipelines.train.ckpt.local`: the filesystem tiers (L0, L1): commit, read, verify, copy and remove a local
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -73,6 +74,11 @@ class CopyRefused(CheckpointError):
     read access, or ``checkpoint.restore_past_unanswered``."""
 
 
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint file that names something a DCP checkpoint does not hold (a function to call, a class of
+    another module): not read, whatever wrote it (exit 2: that copy must be replaced)."""
+
+
 class L2Unavailable(TierUnavailable):
     """The object store does not answer (down, refusing, throttling past the retries): L2 is skipped for now where
     another tier serves, and never read as "no COMMIT"."""
@@ -104,27 +110,6 @@ def hash_files(root: Path, rels: list[str]) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- consumers
-def load_plain_model(ckpt_dir: Path):
-    """A plain ``Transformer`` (eval mode, CPU) from a committed checkpoint directory: a DCP checkpoint
-    (resharded from whatever layout wrote it; no process group needed) or a legacy ``model.pt``."""
-    import torch
-
-    from pipelines.train.model import ModelArgs, Transformer
-
-    model = Transformer(ModelArgs(**json.loads((ckpt_dir / "model_args.json").read_text())))
-    if (ckpt_dir / ".metadata").is_file():
-        import torch.distributed.checkpoint as dcp
-
-        sd = model.state_dict()
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": sd}, checkpoint_id=str(ckpt_dir), no_dist=True)
-        model.load_state_dict(sd)  # strict: every name and shape matched
-    else:
-        model.load_state_dict(torch.load(ckpt_dir / "model.pt", map_location="cpu", weights_only=True))
-    return model.eval()
-
-
 def read_local_manifest(d: Path) -> dict:
     if not (d / COMMIT).is_file():
         raise CheckpointError(f"{d}: no COMMIT marker — the checkpoint is incomplete")
