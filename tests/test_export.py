@@ -155,9 +155,30 @@ def test_export_leaves_others_files_alone_and_refuses_what_has_no_equivalent(bpe
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     cut = tmp_path / "cut"  # an export cut short before its export.json: its files are not taken for a finished one
     export.export(bpe_model, "hf", cut, card(bpe_model))
+    marker = json.loads((cut / "export.json").read_text())
     (cut / "export.json").unlink()
     with pytest.raises(export.ExportError, match="no finished export wrote"):
         export.export(bpe_model, "hf", cut, card(bpe_model))
+    # ... but one killed while it put its files in place left its record of them: a retry finishes it (it was refused
+    # for ever, the directory to be cleaned by hand)
+    (cut / export.PENDING).write_text(json.dumps(marker))
+    export.export(bpe_model, "hf", cut, card(bpe_model))
+    assert (cut / "export.json").is_file() and not (cut / export.PENDING).exists()
+    assert set(json.loads((cut / "export.json").read_text())) == set(marker)
+    import errno
+
+    real = Path.read_text
+
+    def failing(self, *a, **k):  # the directory's disk fails under the record: not "no finished export here" (2)
+        if self.name == "export.json":
+            raise OSError(errno.EIO, "Input/output error", str(self))
+        return real(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Path, "read_text", failing)
+        with pytest.raises(OSError) as e:
+            export.check_out(cut)
+    assert not isinstance(e.value, export.ExportError) and e.value.errno == errno.EIO
     byte = model_dir(tmp_path / "byte", tokenize.byte_model(tmp_path / "byte.model"), tie_embeddings=False)
     with pytest.raises(export.ExportError, match="no GGUF equivalent"):  # llama.cpp writes spaces as ▁, bytes don't
         export.export(byte, "gguf", tmp_path / "b", card(byte))
@@ -266,6 +287,24 @@ def test_the_card_leaves_out_a_spec_the_run_does_not_have_never_one_that_did_not
         with pytest.raises(MlflowException) as e:
             card(**down)
         assert tracking.mlflow_outage(e.value), down  # main() ends 75 for it
+
+
+def test_the_card_says_a_corpus_is_not_found_only_when_it_is_not_there(monkeypatch):
+    """The card's lineage: a corpus version not under run.root is said on the card (None); one storage did not
+    return (75) or this user may not read (2) stops the export: no card says "not found" for those."""
+    from pipelines.lineage.queries import CorpusNotFound, VersionUnreadable
+    from pipelines.manifest import StageError
+
+    for error in (CorpusNotFound("not under run.root"), VersionUnreadable("EIO"), StageError("Permission denied")):
+        def query(spec, client, ref, _e=error):
+            raise _e
+
+        monkeypatch.setattr(export, "model_query", query)
+        if isinstance(error, CorpusNotFound):
+            assert export.lineage_of(None, None, "m", "1") is None
+        else:
+            with pytest.raises(type(error)):
+                export.lineage_of(None, None, "m", "1")
 
 
 def test_gguf_types_pad_the_embedding_and_refuse_pieces_past_it(bpe_model):

@@ -45,7 +45,7 @@ from pipelines import tracking
 from pipelines.data.text import canonical_text
 from pipelines.eval.model_dir import loads_here
 from pipelines.exit_codes import RETRY, USER_ERROR
-from pipelines.lineage.queries import VersionUnreadable, model_query, resolve_model
+from pipelines.lineage.queries import CorpusNotFound, model_query, resolve_model
 from pipelines.manifest import StageError
 from pipelines.spec import add_spec_args, spec_from_args
 from pipelines.storage import oserrors
@@ -55,6 +55,7 @@ HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "token
             "tokenizer_config.json", "README.md")
 GGUF_FILE = "model.gguf"
 MARKER = "export.json"  # written last: {file: {bytes, sha256, model, format}} of every file an export put in DIR
+PENDING = ".export-pending.json"  # while the files are put in place: the marker to be, so a try cut short is ours
 CHECK_TEXTS = ("Once upon a time, there was a little girl named Lily.", "  two  spaces, a\ttab\nand\n\nnew lines ",
                "Numbers 12345 and 3.14159; e-mail a@b.org, URL https://example.com/x?y=1",
                "naïve café — Ünïcödé, 東京, Москва, ελληνικά 🙂", "x",
@@ -335,14 +336,25 @@ def check_out(out: Path) -> dict:
     names = {p.name for p in out.iterdir() if not p.name.startswith(".export-")} if out.is_dir() else set()
     if not names:
         return {}
-    try:
-        marker = json.loads((out / MARKER).read_text())
-    except (OSError, ValueError):
-        marker = None
+    marker = _record(out / MARKER)
+    if marker is None:  # an export cut short while it put its files in place: what it was writing
+        marker = _record(out / PENDING)
     if not isinstance(marker, dict) or not names - {MARKER} <= set(marker):
         raise ExportError(f"--out {out}: holds files that no finished export wrote ({', '.join(sorted(names)[:5])}): "
                           "choose an empty or new directory, or remove them")
     return marker
+
+
+def _record(path: Path) -> dict | None:
+    """The export record at ``path``; None when there is none or it is not one (a read that fails is raised: storage
+    that did not answer is not "no export here")."""
+    try:
+        got = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def file_entry(path: Path, card: "CardInfo", fmt: str) -> dict:
@@ -382,11 +394,15 @@ def export(model_dir: Path, fmt: str, out: Path, card: CardInfo, gguf_dtype: str
         mode = 0o666 & ~_umask()  # as a plain write would leave it (a library's own temp file may be 0600)
         for n in names:
             os.chmod(tmp / n, mode)
-        (out / MARKER).unlink(missing_ok=True)  # cut short from here on, DIR holds no finished export
+        body = json.dumps(marker, indent=1, sort_keys=True) + "\n"
+        (tmp / PENDING).write_text(body)
+        os.replace(tmp / PENDING, out / PENDING)  # cut short from here on, a retry knows these files are ours
+        (out / MARKER).unlink(missing_ok=True)  # and DIR holds no finished export
         for n in names:
             os.replace(tmp / n, out / n)
-        (tmp / MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+        (tmp / MARKER).write_text(body)
         os.replace(tmp / MARKER, out / MARKER)
+        (out / PENDING).unlink(missing_ok=True)
         return names + [MARKER]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -429,12 +445,12 @@ def resolve_version(client, ref: str):
 
 
 def lineage_of(spec, client, name: str, version: str) -> dict | None:
-    """:mod:`pipelines.lineage`'s answer for the version; None when its corpus version is not under ``run.root``."""
+    """:mod:`pipelines.lineage`'s answer for the version; None when its corpus version is not under ``run.root``.
+    A corpus version that storage did not return (75) or that this user may not read (2) is raised: no card says
+    "not found" for those."""
     try:
         return model_query(spec, client, f"{name}/{version}")
-    except VersionUnreadable:
-        raise  # storage: the card is not written without its lineage (retried)
-    except StageError:
+    except CorpusNotFound:
         return None
 
 

@@ -28,6 +28,10 @@ class NothingMatched(StageError):
     exit_code = 1
 
 
+class CorpusNotFound(StageError):
+    """A registered version whose corpus version is not under ``run.root`` (exit 2: point run.root at its runs)."""
+
+
 def storage_error(e: Exception) -> bool:
     """Whether ``e`` is storage's (a retry may read it), not a missing, forged, refused or damaged file's
     (:mod:`pipelines.storage.oserrors`)."""
@@ -221,7 +225,7 @@ def model_query(spec: JobSpec, client, ref: str) -> dict:
 
 def _model_answer(info: dict, tok: Optional[Manifest], spec: JobSpec, ref: str) -> dict:
     if tok is None:
-        raise StageError(f"{ref}: its corpus version (tokenize manifest digest {str(info['corpus_digest'])[:12]}) is not "
+        raise CorpusNotFound(f"{ref}: its corpus version (tokenize manifest digest {str(info['corpus_digest'])[:12]}) is not "
                          f"under run.root={spec.run.root}; point --set run.root=… at the runs that trained it")
     return {"model": info, "corpus": _corpus_info(tok), "inputs": inputs_of(tok), "docs_per_source": docs_per_source(tok)}
 
