@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from pipelines import tracking
+from pipelines.exit_codes import RETRY
 from pipelines.eval.registry import model_id_of
 from pipelines.spec import add_spec_args, redact, spec_from_args
 
@@ -24,7 +25,9 @@ def summarize(spec) -> dict:
     latest = max(versions, key=lambda v: int(v.version))
     try:
         champ = c.get_model_version_by_alias(name, alias)
-    except MlflowException:
+    except MlflowException as e:  # no such alias yet: none; the server failing is not "no champion"
+        if not tracking.mlflow_answered(e):
+            raise
         champ = None
     run = c.get_run(latest.run_id)
     m = run.data.metrics
@@ -53,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     except LookupError as e:
         print(f"summary: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # noqa: BLE001 - the tracking server did not answer: 75, one line
+        if not tracking.mlflow_outage(e):
+            raise
+        print(f"summary: the tracking server did not answer ({type(e).__name__}: {str(e)[:300]}); run it again",
+              file=sys.stderr)
+        return RETRY
     print_summary(spec, s)
     return 0
 

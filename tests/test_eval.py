@@ -672,3 +672,7 @@ def test_a_model_the_tracking_server_did_not_return_is_a_retry_and_a_missing_one
     text.write_text("some text")
     assert bpb.main(["--model-uri", "models:/m/1", "--tracking-uri", down, "--text-file", str(text)]) == 75
     assert "tracking server did not answer" in capsys.readouterr().err
+    from pipelines import summary  # the run's summary: a server down is not "no registered versions" (1)
+
+    assert summary.main(["--set", f"services.mlflow_tracking_uri={down}"]) == 75
+    assert "summary: the tracking server did not answer" in capsys.readouterr().err

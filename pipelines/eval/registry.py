@@ -288,8 +288,9 @@ def log_and_register(spec: JobSpec, ckpt_dir: Path, run_id: str, tags: dict, wor
     client = tracking.client(spec)
     try:
         client.create_registered_model(spec.registry.model_name, description="LLM pipeline models (see tags for lineage)")
-    except Exception:  # already exists
-        pass
+    except Exception as e:  # noqa: BLE001 - MLflow's answer that it exists already; anything else is raised
+        if getattr(e, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
+            raise
     mv = client.create_model_version(spec.registry.model_name, info.model_uri, run_id=run_id, tags=tags,
                                      model_id=info.model_id)
     # the LoggedModel → version link, as mlflow.register_model records it (the logged model's page lists the version)
