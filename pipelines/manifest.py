@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.listing import walk_files
@@ -212,12 +213,18 @@ def lineage(path: str | os.PathLike) -> dict[str, str]:
     for ref in m.inputs:
         if "stage" not in ref:
             continue
-        up = load_manifest(Path(urlparse(ref["uri"]).path))
+        up = load_manifest(uri_path(ref["uri"]))
         if up.digest != ref["sha256"]:
             raise StageError(f"{m.stage} manifest {m.path} was made from another {up.stage} result than the one now "
                              f"at {up.path} (digest {ref['sha256'][:12]} ≠ {up.digest[:12]}): re-run from {up.stage}")
         out.update({k: v for k, v in lineage(up.path).items() if k not in out})
     return out
+
+
+def uri_path(uri: str) -> Path:
+    """The path of a ``file://`` URI as :func:`input_ref` and :func:`file_ref` write them (``Path.as_uri``
+    percent-encodes a space, ``%``, non-ASCII: ``/runs/LLM runs/é`` is ``file:///runs/LLM%20runs/%C3%A9``)."""
+    return Path(url2pathname(urlparse(uri).path))
 
 
 def file_ref(path: str | os.PathLike) -> dict:

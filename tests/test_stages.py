@@ -101,6 +101,27 @@ def test_lineage_follows_inputs_and_refuses_a_rewritten_upstream(home, spark, mo
         assert isinstance(e.value, AirflowFailException) == final, e.value
 
 
+def test_lineage_follows_inputs_under_a_run_root_with_a_space_and_non_ascii(home):
+    """input_ref records an upstream manifest as a file URI, which percent-encodes a space or an é: read back
+    undecoded, every stage that follows its inputs (tokenize's corpus record, the Asset hand-off) failed on a
+    run.root such as /mnt/fsx/LLM runs."""
+    from pipelines.cli import stage_dir
+    from pipelines.manifest import input_ref, lineage
+    from pipelines.spec import load_spec
+
+    spec = load_spec(None, [f"run.root={home / 'LLM runs' / 'été'}"], env={})
+    up = stage_dir(spec, "ingest", [])
+    with up:
+        (up.tmp / "x").write_text("x")
+        ing = up.commit({"x": "x"})
+    down = stage_dir(spec, "dedup", [input_ref(ing)])
+    with down:
+        (down.tmp / "y").write_text("y")
+        dd = down.commit({"y": "y"})
+    assert "%20" in input_ref(ing)["uri"]
+    assert lineage(dd.path) == {"dedup": dd.path, "ingest": ing.path}
+
+
 def test_the_readme_is_short_shows_the_two_commands_and_every_doc_it_links_exists():
     import re
 

@@ -28,7 +28,7 @@ from pipelines.eval.model_dir import loads_here, params_of
 from pipelines.eval.scorer import Job, score
 from pipelines.eval_sets import eval_tasks, reference_files, set_sha256, task_digest, task_ref, task_settings
 from pipelines.launch.ranks import run_ranks
-from pipelines.manifest import Manifest, file_ref, input_ref
+from pipelines.manifest import Manifest, file_ref, input_ref, uri_path
 from pipelines.spec import JobSpec
 from pipelines.train.ckpt.tiers import fetch
 
@@ -127,7 +127,7 @@ def run(spec: JobSpec, promote: Manifest, tok: Manifest, out_dir: str | None = N
                    "reference": {k: v for k, v in ref.items() if k != "sha256"}, "tasks": list(spec.eval.tasks),
                    "limit": spec.eval.limit, "sample": res.get("sample"), "scored_on_ranks": res["world_size"],
                    "params": res["params"], "contamination": model_contamination(spec, tok, digests),
-                   "files": {Path(r["uri"]).name: r["sha256"] for r in refs}, "task_sha256": digests})
+                   "files": {uri_path(r["uri"]).name: r["sha256"] for r in refs}, "task_sha256": digests})
 
     return run_and_log(spec, sd, body, artifacts=["harness"])
 
