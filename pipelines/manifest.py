@@ -170,7 +170,10 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
         raise ManifestInvalid(f"manifest {p} is not a manifest (its fields are not of a manifest's types)")
     m.path = str(p.resolve())
     bad = [o.get("path") for o in m.outputs if not plain_rel(o.get("path"))]
-    if bad:  # a forged or damaged manifest must not make a stage read, verify or remove files elsewhere
+    shards = m.extra.get("shards")  # a corpus version's shards (tokenize): read, linked and copied by their prefix
+    bad += [sh.get("prefix") if isinstance(sh, dict) else sh for sh in shards if not isinstance(sh, dict)
+            or not plain_rel(sh.get("prefix"))] if isinstance(shards, list) else []
+    if bad:  # a forged or damaged manifest must not make a stage read, verify, link or remove files elsewhere
         raise ManifestInvalid(f"manifest {p}: output path(s) {bad} do not stay below its directory; refusing it")
     return m
 

@@ -131,6 +131,23 @@ def test_promote_stage_puts_a_step_whose_l0_is_gone_on_l2_from_l1_part_by_part(h
     assert ckpt_tiers.promote(spec, rel)["actions"] == {"L1": "already-verified", "L2": "already-verified"}
 
 
+def test_the_promote_stage_refuses_a_checkpoint_path_that_leaves_the_tiers(home, tmp_path):
+    """The train manifest's extra.checkpoint is data: one that leads outside the tiers (absolute, ``..``) is refused
+    (exit 2) before any tier is touched; it was copied, written and uploaded wherever it led."""
+    from types import SimpleNamespace
+
+    from pipelines.manifest import StageError
+    from pipelines.train import promote as promote_stage
+
+    spec = load_spec(None, [], env={})
+    for forged in ("../../../outside/step-000010", "/etc/step-000010", None):
+        train = SimpleNamespace(extra={"checkpoint": forged}, path=str(tmp_path / "train/manifest.json"))
+        with pytest.raises(StageError, match="not a plain relative path") as e:
+            promote_stage.run(spec, train)
+        assert getattr(e.value, "exit_code", 2) == 2
+    assert not (home / "var/runs/promote").exists()
+
+
 def test_promote_refuses_one_part_of_a_step_that_l1_does_not_hold(home, s3_server):
     spec = _spec(s3_server, **{"services.s3_bucket": "ckpt-one-part"})
     rel = "run/key/step-000050"

@@ -134,6 +134,17 @@ def test_a_forged_manifest_output_path_is_refused(home):
         Path(m.path).write_text(json.dumps(data))
         with pytest.raises(StageError, match="do not stay below its directory"):
             load_manifest(m.path)
+    # a corpus version's shards are read, linked and copied by their prefix: one that leaves the directory is refused
+    data["outputs"][0]["path"] = "kept"
+    for forged in ("../../../home/u/data", "/etc/x", "shards/../../y", None):
+        data["extra"] = {"shards": [{"prefix": "shards/train-00000-0000", "split": "train"},
+                                    {"prefix": forged, "split": "train"}]}
+        Path(m.path).write_text(json.dumps(data))
+        with pytest.raises(StageError, match="do not stay below its directory"):
+            load_manifest(m.path)
+    data["extra"] = {"shards": [{"prefix": "shards/train-00000-0000", "split": "train"}]}
+    Path(m.path).write_text(json.dumps(data))
+    assert load_manifest(m.path).extra["shards"][0]["prefix"] == "shards/train-00000-0000"
 
 
 def test_output_on_a_folder_of_the_user_exits_2_and_touches_nothing(home):

@@ -32,6 +32,7 @@ tokens and the UTF-8 bytes of its source text (for bits-per-byte), plus ``spark_
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import math
@@ -535,6 +536,9 @@ def contamination_record(filt: Manifest, prev: Manifest | None) -> dict:
     return out
 
 
+LINK_REFUSED = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}  # copy instead
+
+
 def link_shards(prev: Manifest, out: Path, skip: frozenset[str] = frozenset()) -> list[dict]:
     """The previous version's shards (but ``skip``), hard-linked into ``out`` under their own names (copied across
     file systems): byte for byte the same files."""
@@ -545,7 +549,9 @@ def link_shards(prev: Manifest, out: Path, skip: frozenset[str] = frozenset()) -
             dest.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(prev.dir / (sh["prefix"] + ext), dest)
-            except OSError:
+            except OSError as e:  # another file system, or one without hard links: a copy; anything else is raised
+                if e.errno not in LINK_REFUSED:
+                    raise
                 shutil.copyfile(prev.dir / (sh["prefix"] + ext), dest)
     return rows
 

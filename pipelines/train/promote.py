@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from pipelines.cli import stage_dir, stage_main
-from pipelines.manifest import Manifest, input_ref, run_stage
+from pipelines.manifest import Manifest, StageError, input_ref, plain_rel, run_stage
 from pipelines.spec import JobSpec
 from pipelines.train.ckpt.s3_tier import commit_at
 from pipelines.train.ckpt.protocol import parse_step
@@ -20,7 +20,10 @@ from pipelines.train.ckpt.tiers import promote, promote_held
 
 
 def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
-    rel = train.extra["checkpoint"]
+    rel = train.extra.get("checkpoint")
+    if not plain_rel(rel):  # a path from data: never a copy, write or upload outside the tiers
+        raise StageError(f"train manifest {train.path}: extra.checkpoint {rel!r} is not a plain relative path below "
+                         "the tiers; it was not written by the train stage")
     sd = stage_dir(spec, "promote", [input_ref(train)], out_dir)
 
     def body(tmp: Path) -> Manifest:
