@@ -12,10 +12,11 @@ import json
 import sys
 from typing import Callable, Iterable, Optional
 
-from pipelines.exit_codes import RETRY
+from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_write_text, load_manifest, run_stage
 from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
 from pipelines.stages import Stage, stage
+from pipelines.storage import oserrors
 from pipelines.storage.s3 import outage
 from pipelines.tracking import log_stage, mlflow_outage
 
@@ -90,9 +91,9 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
                call: Call | None = None, inputs_required: bool = True) -> int:
     """Parse, run the stage (``run(spec, *upstream_manifests, out_dir=…)`` unless ``call`` is given), write the
     report, print the one-line summary. A :class:`StageError` or :class:`SpecError` prints ``<stage>: error: …``
-    and exits with its status (an outage's, e.g. L2 not answering, is 75), an object store or a tracking server
-    that does not answer in any other call one line and 75; :class:`Pending` (a job submitted elsewhere) reports
-    what to wait for."""
+    and exits with its status (an outage's, e.g. L2 not answering, is 75), an object store, a tracking server or a
+    disk that does not answer in any other call one line and 75, a path refused to this user one line and 2;
+    :class:`Pending` (a job submitted elsewhere) reports what to wait for."""
     ap = stage_parser(name, inputs_required)
     if add_args:
         add_args(ap)
@@ -110,11 +111,16 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
         return getattr(e, "exit_code", 2)
     except Exception as e:  # noqa: BLE001 - an object store or MLflow that did not answer is infrastructure:
         # retry (75); credentials or a configuration that do not work are not (they stay a traceback, exit 1)
+        if oserrors.refused(e):  # a path this user may not read or write: no retry will
+            print(f"{name}: error: {e}: this user may not; give it access", file=sys.stderr)
+            return USER_ERROR
         if outage(e):
             print(f"{name}: error: the object store did not answer: {type(e).__name__}: {e}", file=sys.stderr)
         elif mlflow_outage(e):
             print(f"{name}: error: the tracking server did not answer: {type(e).__name__}: {str(e)[:300]}; run it "
                   "again", file=sys.stderr)
+        elif oserrors.storage_failing(e):  # EIO, ESTALE, ENOSPC … under run.root or an input
+            print(f"{name}: error: storage: {e}; a retry reuses the work done", file=sys.stderr)
         else:
             raise
         return RETRY

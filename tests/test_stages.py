@@ -122,6 +122,28 @@ def test_lineage_follows_inputs_under_a_run_root_with_a_space_and_non_ascii(home
     assert lineage(dd.path) == {"dedup": dd.path, "ingest": ing.path}
 
 
+def test_a_stage_meeting_a_failing_disk_exits_75_and_a_refused_path_2_each_in_one_line(capsys):
+    """An OSError no stage classified itself (hashing outputs, the key lock, linking shards): storage failing
+    (EIO, ESTALE, ENOSPC) is 75 and a path refused to this user 2, each one line; they were a traceback and 1,
+    which Airflow retried (a refusal for ever)."""
+    import errno
+
+    from pipelines.cli import stage_main
+
+    for error, code in ((OSError(errno.EIO, "Input/output error", "/runs/x"), 75),
+                        (OSError(errno.ESTALE, "Stale file handle", "/runs/x"), 75),
+                        (PermissionError(errno.EACCES, "Permission denied", "/runs/.k.lock"), 2)):
+        def run(spec, *ups, out_dir=None, _e=error):
+            raise _e
+
+        assert stage_main("dedup", run, str, argv=[], inputs_required=False) == code
+        err = capsys.readouterr().err
+        assert err.startswith("dedup: error: ") and len(err.strip().splitlines()) == 1 and "/runs/" in err, err
+    with pytest.raises(FileNotFoundError):  # an answer about a path no stage expected: a bug's traceback
+        stage_main("dedup", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError(2, "No such file", "/x")), str,
+                   argv=[], inputs_required=False)
+
+
 def test_the_readme_is_short_shows_the_two_commands_and_every_doc_it_links_exists():
     import re
 
