@@ -214,3 +214,52 @@ def test_a_folder_that_cannot_be_listed_is_never_passed_over(tmp_path, monkeypat
     assert e.value.exit_code == 2
     monkeypatch.undo()
     assert sha256_path(root) == before
+
+
+def test_an_s3_input_replaced_after_its_listing_is_never_read_as_the_listed_one(s3_server, home):
+    """An input is identified by its listing (key, size, ETag), then read: an object replaced in between was read
+    as the new bytes under the old identity (or two versions mixed in one input, chunk by chunk). Its reads ask for
+    the listed ETag and check the one they get (the embedded store ignores If-Match: the check is what holds
+    here); the copy path checks it after the download; both stop the stage 75 for a retry to list it again. A
+    cache record torn by a crash is a copy to download again, not a traceback."""
+    import boto3
+    from botocore.config import Config
+
+    from pipelines.data.sources import InputUnavailable, cached_copy
+    from pipelines.storage.s3 import ObjectChanged, open_object
+
+    settings = {"endpoint_url": s3_server, "region_name": "us-east-1", "aws_access_key_id": "k",
+                "aws_secret_access_key": "s"}
+    s3 = boto3.client("s3", config=Config(response_checksum_validation="when_required"), **settings)
+    s3.create_bucket(Bucket="inputs")
+    s3.put_object(Bucket="inputs", Key="week.jsonl", Body=b'{"text": "the listed version"}\n')
+    listed = s3.list_objects_v2(Bucket="inputs")["Contents"][0]
+    with open_object(settings, "s3://inputs/week.jsonl", listed["Size"], etag=listed["ETag"]) as f:
+        assert f.read() == b'{"text": "the listed version"}\n'
+    s3.put_object(Bucket="inputs", Key="week.jsonl", Body=b'{"text": "a replacement, same size"}\n'[:listed["Size"]])
+    with pytest.raises(ObjectChanged, match="changed since it was listed"):
+        with open_object(settings, "s3://inputs/week.jsonl", listed["Size"], etag=listed["ETag"]) as f:
+            f.read()
+    spec = load_spec(None, [f"services.s3_endpoint_url={s3_server}"], env={})
+    with pytest.raises(InputUnavailable, match="changed since it was listed") as e:
+        cached_copy(s3, "inputs", listed, spec)
+    assert e.value.exit_code == 75
+    now = s3.list_objects_v2(Bucket="inputs")["Contents"][0]
+    dest = cached_copy(s3, "inputs", now, spec)
+    record = dest.with_name(dest.name + ".s3.json")
+    record.write_text('{"size": 3')  # torn by a crash, or read while another ingest wrote it
+    assert cached_copy(s3, "inputs", now, spec) == dest and json.loads(record.read_text())["etag"] == now["ETag"]
+
+
+def test_a_corpus_manifest_that_is_not_a_corpus_version_is_one_line_and_exit_2(home, tmp_path):
+    from pipelines.manifest import StageDir
+
+    write = home / "in.jsonl"
+    write.write_text('{"text": "one doc"}\n')
+    sd = StageDir(home / "runs", "filter", "k", [{"uri": "x", "sha256": "0"}])
+    with sd:
+        (sd.tmp / "kept").mkdir()
+        filt = sd.commit({"kept": "kept"})
+    spec = load_spec(None, [f"data.inputs=[{write}]"], env={})
+    with pytest.raises(IngestError, match="is a filter result, not a corpus version"):
+        ingest.run(spec, corpus=filt)

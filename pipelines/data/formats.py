@@ -79,14 +79,16 @@ class Chunk:
     size: int = 0
     settings: dict | None = None
     group: int | None = None
+    etag: str | None = None  # an S3 object's, as listed: what its reads must answer with
 
 
 def open_raw(chunk: Chunk) -> BinaryIO:
-    """The chunk's file, seekable: the local file or the S3 object (ranged GETs, 8 MB at a time)."""
+    """The chunk's file, seekable: the local file or the S3 object (ranged GETs, 8 MB at a time, each of the
+    listed version: ``ObjectChanged`` otherwise)."""
     if chunk.settings is None:
         return open(chunk.path, "rb")
 
-    return open_object(chunk.settings, chunk.path, chunk.size)
+    return open_object(chunk.settings, chunk.path, chunk.size, etag=chunk.etag)
 
 
 @dataclass
@@ -135,7 +137,8 @@ def plan_chunks(sources, chunk_mb: int, step: int | None = None) -> list[Chunk]:
         fmt, size = fmt_of(s.name), s.size
         cuts = row_group_cuts(s) if fmt == "parquet" else byte_cuts(s.name, fmt, size, step)
         for a, end, group in cuts:
-            out.append(Chunk(len(out), s.name, s.location, fmt, a, end, size, s.settings, group))
+            out.append(Chunk(len(out), s.name, s.location, fmt, a, end, size, s.settings, group,
+                             s.etag if s.settings is not None else None))
     return out
 
 
@@ -377,7 +380,7 @@ def row_group_cuts(source) -> list[tuple[int, int | None, int | None]]:
     whole = [(0, None, None)]
     try:
         with open_raw(Chunk(0, source.name, source.location, "parquet", size=source.size,
-                            settings=source.settings)) as f:
+                            settings=source.settings, etag=source.etag if source.settings else None)) as f:
             md = pq.read_metadata(f)
     except Exception as e:  # noqa: BLE001 - only damage is answered here; anything else is raised
         if not parquet_damage(e):

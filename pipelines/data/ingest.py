@@ -62,10 +62,11 @@ from pydantic import ValidationError
 
 from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
 from pipelines.data.formats import Chunk, plan_chunks, range_sha256, rows
-from pipelines.data.sources import IngestError, resolve
+from pipelines.data.sources import IngestError, InputUnavailable, resolve
 from pipelines.data.spark import attempt_dir, maybe_fail, prepare_attempts, publish_attempts
 from pipelines.manifest import Manifest, input_ref
 from pipelines.spec import IngestCfg, InputFieldsCfg, JobSpec, SpecError
+from pipelines.storage.s3 import ObjectChanged
 
 META = ("url", "warc_record_id", "date", "meta")
 DOCS_SCHEMA = pa.schema([("idx", pa.int64()), ("id", pa.string()), ("text", pa.string()), ("source", pa.string()),
@@ -80,7 +81,16 @@ SAMPLE_PER_TASK = 20  # quarantine entries each task returns for the bounded sam
 def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str, fields: InputFieldsCfg | None = None) -> dict:
     """Pass 1, on an executor: one chunk → ``docs-NNNNN.parquet`` + ``quarantine-NNNNN.jsonl`` in an attempt
     directory under ``parts``; returns that directory, its counts, a few quarantine entries and the sha256 of the
-    chunk's bytes."""
+    chunk's bytes; or, for an S3 object replaced since it was listed, ``{"no", "changed": why}`` (the driver stops
+    the stage 75: a retry lists it again)."""
+    try:
+        return read_chunk_parts(chunk, cfg, parts, fields)
+    except ObjectChanged as e:
+        return {"no": chunk.no, "changed": str(e)}
+
+
+def read_chunk_parts(chunk: Chunk, cfg: IngestCfg, parts: str, fields: InputFieldsCfg | None = None) -> dict:
+    """:func:`read_chunk`'s work."""
     part_dir = attempt_dir(parts)
     c: Counter = Counter()
     reasons: Counter = Counter()
@@ -204,7 +214,10 @@ def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg, fields: InputFie
     """Write docs/ and quarantine/ under out_dir on Spark; return counts. Ids are checked for uniqueness at the
     end: an id given by the data that repeats (across inputs or within one) is qualified by where each copy was
     read, ``<source>:<line>#<id>``, and the docs are written again."""
-    chunks = plan_chunks(sources, cfg.chunk_mb)
+    try:
+        chunks = plan_chunks(sources, cfg.chunk_mb)
+    except ObjectChanged as e:  # a Parquet footer read from another version than the one listed
+        raise InputUnavailable(str(e)) from None
     parts, docs_dir, q_dir = out_dir / "_parts", out_dir / "docs", out_dir / "quarantine"
     if not chunks:  # nothing new to read
         for d in (docs_dir, q_dir):
@@ -214,6 +227,10 @@ def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg, fields: InputFie
     sc = spark.sparkContext
     results = sc.parallelize(chunks, len(chunks)).map(
         partial(read_chunk, cfg=cfg, parts=prepare_attempts(parts), fields=fields)).collect()
+    changed = [r["changed"] for r in results if "changed" in r]
+    if changed:
+        raise InputUnavailable(f"{len(changed)} chunk(s) read an input that changed since it was listed: "
+                               f"{changed[0]}")
     jobs = offsets(results)
     qualify: frozenset[str] = frozenset()
     for attempt in range(2):
@@ -276,7 +293,10 @@ def run(spec: JobSpec, out_dir: str | None = None, spark=None, corpus: Manifest 
     refused: list[dict] = []  # S3 objects whose keys could lead outside the cache: never read
     inputs = resolve(spec, spec.data.inputs, refused)  # local files, globs, s3:// prefixes (copied, or read by tasks)
     cfg = spec.data.ingest
-    held = set(corpus.extra.get("corpus", {}).get("inputs", [])) if corpus is not None else set()
+    if corpus is not None and not isinstance(corpus.extra.get("corpus"), dict):
+        raise IngestError(f"--corpus-manifest {corpus.path} is a {corpus.stage} result, not a corpus version (the "
+                          "tokenize manifest of a curation run); pass one, or leave it out for a first version")
+    held = set(corpus.extra["corpus"].get("inputs", [])) if corpus is not None else set()
     new = [s for s in inputs if s.ref()["sha256"] not in held]
     if corpus is not None:
         print(f"ingest: {len(inputs) - len(new)} of {len(inputs)} inputs are in corpus version "

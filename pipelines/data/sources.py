@@ -26,10 +26,11 @@ from pathlib import Path
 from pipelines.exit_codes import RETRY
 from pipelines.lineage.keys import file_key
 from pipelines.listing import ABSENT, glob_magic, strict_glob, walk_files
-from pipelines.manifest import StageError, plain_rel, under
+from pipelines.manifest import StageError, atomic_write_text, plain_rel, under
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import oserrors
-from pipelines.storage.s3 import EmbeddedDown, S3ConfigError, client_from, client_settings, outage, split_uri
+from pipelines.storage.s3 import (EmbeddedDown, S3ConfigError, client_from, client_settings, outage, same_etag,
+                                  split_uri)
 
 DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc", ".txt", ".parquet")  # .jsonl.gz, .warc.gz …
 FORMATS = ("JSONL (.jsonl/.json, plain, .gz or .zst)", "Parquet (.parquet: a Spark task per row group)",
@@ -163,18 +164,32 @@ def cached_copy(s3, bucket: str, obj: dict, spec: JobSpec) -> Path:
         raise IngestError(f"s3://{bucket}/{obj['Key']}: {e}; refusing it") from None
     meta = dest.with_name(dest.name + ".s3.json")
     want = {"size": obj["Size"], "etag": obj["ETag"]}
-    if dest.is_file() and meta.is_file() and json.loads(meta.read_text()) == want:
+    if dest.is_file() and _cached_as(meta) == want:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
     s3.download_file(bucket, obj["Key"], str(tmp))
     got = tmp.stat().st_size
-    if got != obj["Size"]:
+    now = s3.head_object(Bucket=bucket, Key=obj["Key"]).get("ETag")  # the version downloaded is the one listed
+    if got != obj["Size"] or not same_etag(now, obj["ETag"]):
         tmp.unlink()
-        raise IngestError(f"s3://{bucket}/{obj['Key']}: downloaded {got} bytes, listed {obj['Size']}")
+        raise InputUnavailable(f"s3://{bucket}/{obj['Key']}: changed since it was listed ({got} bytes, ETag {now}; "
+                               f"listed {obj['Size']} bytes, ETag {obj['ETag']}); a retry lists it again")
     os.replace(tmp, dest)
-    meta.write_text(json.dumps(want))
+    atomic_write_text(meta, json.dumps(want))  # another ingest may read it at any moment
     return dest
+
+
+def _cached_as(meta: Path) -> dict | None:
+    """What a cached copy's record says it holds; None when there is none or it does not read as one (a copy
+    downloaded again, never a stage that stops on it)."""
+    try:
+        got = json.loads(meta.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def resolve(spec: JobSpec, inputs: list[str], refused: list[dict] | None = None) -> list[Source]:

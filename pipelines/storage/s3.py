@@ -503,13 +503,26 @@ def upload_checked(s3, bucket: str, key: str, path: Path, sha_hex: str, config=N
         raise IOError(f"s3://{bucket}/{key} does not match {path}'s sha256 {sha_hex[:12]}… after upload")
 
 
+class ObjectChanged(Exception):
+    """The object answered with another ETag than the listing's: it was replaced since it was listed. Its reader
+    stops (a retry lists it again) rather than mix two versions of one input, or record one and read the other."""
+
+
+def same_etag(a: str | None, b: str | None) -> bool:
+    """ETags compared without their quotes (a listing may give them bare, a GET quoted)."""
+    return (a or "").strip('"') == (b or "").strip('"')
+
+
 class ObjectReader(io.RawIOBase):
     """A seekable, read-only file over one S3 object, each read one ranged GET (wrap it in ``io.BufferedReader``
-    for fewer, larger requests). Built from plain settings, so a Spark task opens its own."""
+    for fewer, larger requests). Built from plain settings, so a Spark task opens its own. With ``etag`` (the
+    listing's) each GET asks for that version (``If-Match``, where the store honours it) and checks the ETag it
+    answered with (where it does not): :class:`ObjectChanged`."""
 
-    def __init__(self, settings: dict, bucket: str, key: str, size: int):
+    def __init__(self, settings: dict, bucket: str, key: str, size: int, etag: str | None = None):
         super().__init__()
         self.s3, self.bucket, self.key, self.size, self.pos = client_from(settings), bucket, key, size, 0
+        self.etag = etag
 
     def readable(self) -> bool:
         return True
@@ -528,16 +541,27 @@ class ObjectReader(io.RawIOBase):
         n = min(len(b), self.size - self.pos)
         if n <= 0:
             return 0
-        body = self.s3.get_object(Bucket=self.bucket, Key=self.key,
-                                  Range=f"bytes={self.pos}-{self.pos + n - 1}")["Body"].read()
+        pinned = {"IfMatch": self.etag} if self.etag else {}
+        try:
+            got = self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={self.pos}-{self.pos + n - 1}",
+                                     **pinned)
+        except ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 412:
+                raise
+            got = {"ETag": "(not the listed one: 412 Precondition Failed)"}
+        if self.etag and not same_etag(got.get("ETag"), self.etag):
+            raise ObjectChanged(f"s3://{self.bucket}/{self.key} changed since it was listed (ETag {self.etag} → "
+                                f"{got.get('ETag')}); a retry lists it again")
+        body = got["Body"].read()
         b[:len(body)] = body
         self.pos += len(body)
         return len(body)
 
 
-def open_object(settings: dict, uri: str, size: int, buffer: int = 8 << 20) -> io.BufferedReader:
+def open_object(settings: dict, uri: str, size: int, buffer: int = 8 << 20,
+                etag: str | None = None) -> io.BufferedReader:
     bucket, key = split_uri(uri)
-    return io.BufferedReader(ObjectReader(settings, bucket, key, size), buffer_size=buffer)
+    return io.BufferedReader(ObjectReader(settings, bucket, key, size, etag), buffer_size=buffer)
 
 
 # ----------------------------------------------------------------------------- embedded server
