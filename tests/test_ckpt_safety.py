@@ -214,7 +214,7 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_and_a_real_one_loads(t
         dcp_read.read_metadata(ckpt)
     assert not marker.exists()
     (ckpt / ".metadata").write_bytes(good)
-    planner, item = dcp_read.SafePlanner(), SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
+    planner, item = dcp_read.safe_classes()[1](), SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
     forged = io.BytesIO()
     torch.save(_Runs(str(marker)), forged)
     forged.seek(0)

@@ -18,9 +18,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from pipelines.train.ckpt.protocol import CheckpointError, UnsafeCheckpoint
 
@@ -48,8 +45,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpoint(f"{module}.{name} is not part of a DCP checkpoint's metadata")
 
 
-def read_metadata(path: Path) -> Metadata:
-    """The metadata of the DCP checkpoint in directory ``path``, unpickled by :class:`_MetadataUnpickler`."""
+def read_metadata(path: Path):
+    """The metadata of the DCP checkpoint in directory ``path`` (``torch.distributed.checkpoint.metadata.Metadata``),
+    unpickled by :class:`_MetadataUnpickler`."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     data = (path / ".metadata").read_bytes()
     try:
         got = _MetadataUnpickler(io.BytesIO(data)).load()
@@ -63,44 +63,61 @@ def read_metadata(path: Path) -> Metadata:
     return got
 
 
-class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata comes from :func:`read_metadata`."""
-
-    def __init__(self, path: str | Path):
-        super().__init__(str(path))
-        self.dir = Path(path)
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = read_metadata(self.dir)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+def safe_classes() -> tuple[type, type]:
+    """(``SafeReader``, ``SafePlanner``): torch's ``FileSystemReader`` whose metadata comes from
+    :func:`read_metadata`, and its ``DefaultLoadPlanner`` that loads a non-tensor value only when
+    ``weights_only=True`` can (plain containers, numbers, strings, tensors; anything else is
+    :class:`UnsafeCheckpoint`). Built on first use: importing ``torch.distributed.checkpoint`` loads packages a
+    served model does not declare (sympy, zstandard), and serving never reads a DCP checkpoint."""
+    global _CLASSES
+    if _CLASSES is None:
+        _CLASSES = _build_classes()
+    return _CLASSES
 
 
-class SafePlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that loads a non-tensor value only when ``weights_only=True`` can (plain containers,
-    numbers, strings, tensors): anything else is :class:`UnsafeCheckpoint`."""
+_CLASSES: tuple[type, type] | None = None
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        data = value.read()
-        try:
-            torch.load(io.BytesIO(data), weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UnsafeCheckpoint(f"{read_item.dest_index.fqn}: the value stored for it names what a checkpoint does "
-                                   f"not hold ({str(e).splitlines()[0][:200]}); refusing this checkpoint") from None
-        super().load_bytes(read_item, io.BytesIO(data))
+
+def _build_classes() -> tuple[type, type]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def __init__(self, path: str | Path):
+            super().__init__(str(path))
+            self.dir = Path(path)
+
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_metadata(self.dir)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            data = value.read()
+            try:
+                torch.load(io.BytesIO(data), weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise UnsafeCheckpoint(f"{read_item.dest_index.fqn}: the value stored for it names what a checkpoint "
+                                       f"does not hold ({str(e).splitlines()[0][:200]}); refusing this checkpoint") from None
+            super().load_bytes(read_item, io.BytesIO(data))
+
+    return SafeReader, SafePlanner
 
 
 def load(state: dict, path: Path, **kwargs) -> None:
-    """``dcp.load`` of ``state`` from the checkpoint directory ``path`` through :class:`SafeReader` and
-    :class:`SafePlanner` (``kwargs``: ``process_group``, ``no_dist``)."""
+    """``dcp.load`` of ``state`` from the checkpoint directory ``path`` through the reader and planner of
+    :func:`safe_classes` (``kwargs``: ``process_group``, ``no_dist``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     read_metadata(path)  # a forged metadata file refused with its own error, before DCP wraps it
+    reader, planner = safe_classes()
     try:
-        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), **kwargs)
+        dcp.load(state, storage_reader=reader(path), planner=planner(), **kwargs)
     except CheckpointException as e:  # a rank's refusal, as itself (the caller's CheckpointError, exit 2)
         unsafe = next((exc for exc, _ in e.failures.values() if isinstance(exc, UnsafeCheckpoint)), None)
         if unsafe is None:
