@@ -396,7 +396,7 @@ def test_two_registrations_of_one_model_take_turns_from_the_gate_to_the_alias(mo
     worse = registry.register(spec, models[0], run_id, {"data_manifest_hash": "e" * 64, "config_hash": "c" * 64},
                               {"reference_bpb": 4.0}, _ev_extra(spec, sha), home / "w3")
     assert not worse["alias_moved"] and str(c.get_model_version_by_alias("turns", "champion").version) == "1"
-    assert list(home.rglob("registry/.turns-*.lock"))  # under run.root, where every register of the cluster looks
+    assert list(home.rglob("register/.model-turns-*.lock"))  # under run.root, where every register of a cluster looks
 
 
 def test_a_champion_that_cannot_be_read_or_rescored_says_whose_it_is_to_fix():

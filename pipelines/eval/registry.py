@@ -250,12 +250,13 @@ def register(spec: JobSpec, ckpt_dir: Path, run_id: str, lineage: dict, metrics:
 
 
 def model_lock(spec: JobSpec, name: str):
-    """The registered model's lock (``run.root/registry/.<name>-<hash>.lock``, :func:`pipelines.manifest.key_lock`):
+    """The registered model's lock (``run.root/register/.model-<name>-<hash>.lock``, beside the register stage's
+    key locks: :func:`pipelines.manifest.key_lock`):
     two registrations at once (the evaluation DAG's and llm_pipeline's, a CLI run) each read the champion, and the
     one that set the alias last won, however it compared. Held from the gate to the alias; a holder that stops
     beating for ``run.lock_stale_min`` is given up on (exit 75)."""
     slug = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] + "-" + hashlib.sha256(name.encode()).hexdigest()[:12]
-    return key_lock(resolve_path(spec.run.root) / "registry" / slug,
+    return key_lock(resolve_path(spec.run.root) / "register" / f"model-{slug}",
                     lambda holder: print(f"register: another registration of {name} holds {holder}; waiting for it "
                                          "while it shows it is alive", flush=True), 60 * spec.run.lock_stale_min)
 
