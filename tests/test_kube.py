@@ -45,6 +45,29 @@ STATES = {"trainjob": ("submitted", "Pending [node: active 1]", "Succeeded [node
           "pytorchjob": ("submitted", "Created", "Running [Master: active 1]", "Succeeded [Master: succeeded 1]")}
 
 
+def test_preflight_measures_again_on_each_dag_run_and_a_retry_collects_its_own_job(home, kube, monkeypatch):
+    """Preflight's job and its report were named by the stage key alone: a later DAG run with the same spec found
+    the earlier run's Succeeded job (jobs have no TTL), adopted it and committed its old measurements as today's.
+    Now each DAG run launches its own job (a retry or a deferred task's resume of the same run collects it), in a
+    work dir of its own."""
+    from pipelines.train import preflight
+
+    fake, cfg = kube
+    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]
+    spec = load_spec(None, kube_sets(home, cfg), env={})
+    tok = tokenize.run(spec, _filter_manifest(home, docs))
+    monkeypatch.setenv("AIRFLOW_CTX_DAG_ID", "llm_pipeline")
+    monkeypatch.setenv("AIRFLOW_CTX_DAG_RUN_ID", "scheduled__2026-11-30")
+    first = preflight.run(spec, tok, straggler_factor=1e9)  # measured, whatever the shared machine's pace
+    assert len(fake.jobs) == 1
+    again = preflight.run(spec, tok, straggler_factor=1e9)  # the same DAG run's retry: its job, collected again
+    assert len(fake.jobs) == 1 and again.metrics == first.metrics
+    monkeypatch.setenv("AIRFLOW_CTX_DAG_RUN_ID", "scheduled__2026-12-01")
+    later = preflight.run(spec, tok, straggler_factor=1e9)
+    assert len(fake.jobs) == 2  # a job of its own
+    assert later.metrics != first.metrics  # measured again (timings never repeat to the bit)
+
+
 def test_train_stage_submits_a_training_job_watches_it_and_matches_the_local_run(home, kube, capsys, kind="trainjob"):
     fake, cfg = kube
     docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(120))]

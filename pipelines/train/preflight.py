@@ -31,11 +31,13 @@ as already done.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -45,6 +47,7 @@ from pipelines.cli import run_and_log, stage_dir, stage_main
 from pipelines.launch.ranks import TrainError, check_supported, collect, run_ranks
 from pipelines.manifest import StageError, input_ref
 from pipelines.spec import JobSpec, add_spec_args, spec_from_args
+from pipelines.tracking import airflow_ids
 from pipelines.train.job import rank_workdir
 
 
@@ -201,6 +204,15 @@ def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters
     return result
 
 
+def launch_id() -> str:
+    """Which launch of the preflight this is: one per Airflow DAG run (a deferred task's resume, a retry, collect
+    the job they submitted), a new one for each run outside Airflow. The job and its work dir are named by it, so
+    a later run never adopts an earlier run's finished job and its report (preflight always measures again)."""
+    ids = airflow_ids()
+    key = f"{ids.get('airflow.dag_id')}/{ids.get('airflow.run_id')}" if "airflow.run_id" in ids else uuid.uuid4().hex
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
 def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
         straggler_factor: float = 1.5):
     """The stage: launch the ranks, commit the measurements, or raise :class:`PreflightFailed`."""
@@ -208,21 +220,24 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
     sd = stage_dir(spec, "preflight", [input_ref(tok)], out_dir, force=True)
 
     def body(tmp: Path):
+        launch = launch_id()
         work = rank_workdir(spec, sd, tmp)
+        if spec.launcher.on_kubernetes:  # the job's own dir, kept for a deferred task's resume: this launch's only
+            work = work / launch
         work.mkdir(parents=True, exist_ok=True)
         spec_file = work / "spec.yaml"
         spec.write_work_file(spec_file)
         report = work / "preflight.json"
-        if not spec.launcher.on_kubernetes:  # there the work dir is the job's: kept for an adopted job
+        if not spec.launcher.on_kubernetes:  # a fresh temp dir; on Kubernetes this launch's own, kept for a resume
             report.unlink(missing_ok=True)
         try:
             run_ranks(spec, "pipelines.train.preflight",
                       ["--spec", str(spec_file), "--rank-out", str(work), "--vocab-size", str(tok.extra["vocab_size"]),
                        "--size-mb", str(size_mb), "--straggler-factor", str(straggler_factor)],
-                      run_id=f"preflight-{sd.final.name[:8]}", restarts=False, detachable=True)
-        except TrainError as e:
+                      run_id=f"preflight-{sd.final.name[:8]}-{launch}", restarts=False, detachable=True, work=work)
+        except TrainError:  # its own status (2: refused, 75: the nodes or the API), unless the ranks reported
             if not report.is_file():
-                raise PreflightFailed(f"the preflight ranks did not finish: {e}") from None
+                raise
         res = json.loads(report.read_text())
         if res["failures"]:
             raise PreflightFailed("preflight failed: " + "; ".join(res["failures"]), res)
