@@ -262,6 +262,19 @@ def read_small_text(path: str | os.PathLike, limit: int = 1 << 16) -> str:
         os.close(fd)
 
 
+def read_json_record(path: str | os.PathLike) -> dict | None:
+    """A JSON object this pipeline wrote at ``path`` (a cache's or an export's record); None when there is none,
+    or it is not one (torn by a crash, another writer's half): the caller treats it as absent. A read that fails
+    (EIO, a refusal) is raised: storage that did not answer is not "no record"."""
+    try:
+        got = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
+
+
 def is_temp_name(name: str) -> bool:
     """A temp file of :func:`atomic_write_bytes` (``.<name>.tmp-<id>``)."""
     return name.startswith(".") and ".tmp-" in name

@@ -26,7 +26,7 @@ from pathlib import Path
 from pipelines.exit_codes import RETRY
 from pipelines.lineage.keys import file_key
 from pipelines.listing import ABSENT, glob_magic, strict_glob, walk_files
-from pipelines.manifest import StageError, atomic_write_text, plain_rel, under
+from pipelines.manifest import StageError, atomic_write_text, plain_rel, read_json_record, under
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import oserrors
 from pipelines.storage.s3 import (EmbeddedDown, S3ConfigError, client_from, client_settings, outage, same_etag,
@@ -164,7 +164,7 @@ def cached_copy(s3, bucket: str, obj: dict, spec: JobSpec) -> Path:
         raise IngestError(f"s3://{bucket}/{obj['Key']}: {e}; refusing it") from None
     meta = dest.with_name(dest.name + ".s3.json")
     want = {"size": obj["Size"], "etag": obj["ETag"]}
-    if dest.is_file() and _cached_as(meta) == want:
+    if dest.is_file() and read_json_record(meta) == want:  # a torn record: downloaded again
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -178,18 +178,6 @@ def cached_copy(s3, bucket: str, obj: dict, spec: JobSpec) -> Path:
     os.replace(tmp, dest)
     atomic_write_text(meta, json.dumps(want))  # another ingest may read it at any moment
     return dest
-
-
-def _cached_as(meta: Path) -> dict | None:
-    """What a cached copy's record says it holds; None when there is none or it does not read as one (a copy
-    downloaded again, never a stage that stops on it)."""
-    try:
-        got = json.loads(meta.read_text())
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        return None
-    return got if isinstance(got, dict) else None
 
 
 def resolve(spec: JobSpec, inputs: list[str], refused: list[dict] | None = None) -> list[Source]:

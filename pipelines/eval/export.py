@@ -46,7 +46,7 @@ from pipelines.data.text import canonical_text
 from pipelines.eval.model_dir import loads_here
 from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.lineage.queries import CorpusNotFound, model_query, resolve_model
-from pipelines.manifest import StageError
+from pipelines.manifest import StageError, read_json_record
 from pipelines.spec import add_spec_args, spec_from_args
 from pipelines.storage import oserrors
 from pipelines.train.ckpt.dcp_read import load_plain_model
@@ -336,25 +336,13 @@ def check_out(out: Path) -> dict:
     names = {p.name for p in out.iterdir() if not p.name.startswith(".export-")} if out.is_dir() else set()
     if not names:
         return {}
-    marker = _record(out / MARKER)
+    marker = read_json_record(out / MARKER)
     if marker is None:  # an export cut short while it put its files in place: what it was writing
-        marker = _record(out / PENDING)
+        marker = read_json_record(out / PENDING)
     if not isinstance(marker, dict) or not names - {MARKER} <= set(marker):
         raise ExportError(f"--out {out}: holds files that no finished export wrote ({', '.join(sorted(names)[:5])}): "
                           "choose an empty or new directory, or remove them")
     return marker
-
-
-def _record(path: Path) -> dict | None:
-    """The export record at ``path``; None when there is none or it is not one (a read that fails is raised: storage
-    that did not answer is not "no export here")."""
-    try:
-        got = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        return None
-    return got if isinstance(got, dict) else None
 
 
 def file_entry(path: Path, card: "CardInfo", fmt: str) -> dict:
