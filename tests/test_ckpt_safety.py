@@ -213,6 +213,20 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_and_a_real_one_loads(t
     with pytest.raises(ck.UnsafeCheckpoint):
         dcp_read.read_metadata(ckpt)
     assert not marker.exists()
+    # a stream that names only allowed classes and sets an attribute on one of them (pickle's BUILD): every later
+    # containment check of the process (PurePosixPath.is_relative_to) would pass; the class is left as it was
+    is_dir = Path.is_dir
+    (ckpt / ".metadata").write_bytes(b"\x80\x02cpathlib\nPosixPath\nN}X\x06\x00\x00\x00is_dircpathlib\nPosixPath\ns\x86b.")
+    with pytest.raises(ck.UnsafeCheckpoint, match="BUILD of a type this stream did not create"):
+        dcp_read.read_metadata(ckpt)
+    assert Path.is_dir is is_dir and Path("/").is_dir() is True
+    # a shard named outside the checkpoint's directory (another run's weights) is refused
+    forged = pickle.loads(good)  # (the test's own bytes: DCP's metadata as written above)
+    first = next(iter(forged.storage_data))
+    forged.storage_data[first].relative_path = "../other-run/step-000100/__0_0.distcp"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(forged))
+    with pytest.raises(ck.UnsafeCheckpoint, match="is not a shard file of this checkpoint"):
+        dcp_read.load_plain_model(ckpt)
     (ckpt / ".metadata").write_bytes(good)
     planner, item = dcp_read.safe_classes()[1](), SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
     forged = io.BytesIO()

@@ -366,7 +366,7 @@ def test_the_gate_fails_closed_and_a_retried_register_makes_one_version(models, 
 def test_two_registrations_of_one_model_take_turns_from_the_gate_to_the_alias(models, home, capsys):
     """Each registration reads the champion, then moves the alias on what it read: two at once (the evaluation DAG
     and llm_pipeline, a CLI run) each took the alias on a champion the other was replacing, and the last to set it
-    won, however it compared. They now take turns on the model's lock (run.root/registry): the second waits while
+    won, however it compared. They now take turns on the model's lock (under run.root/register): the second waits while
     the first holds it, then gates against what the first registered."""
     import threading
 

@@ -23,14 +23,16 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from botocore.exceptions import ClientError
+
 from pipelines.exit_codes import RETRY
 from pipelines.lineage.keys import file_key
 from pipelines.listing import ABSENT, glob_magic, strict_glob, walk_files
 from pipelines.manifest import StageError, atomic_write_text, plain_rel, read_json_record, under
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import oserrors
-from pipelines.storage.s3 import (EmbeddedDown, S3ConfigError, client_from, client_settings, outage, same_etag,
-                                  split_uri)
+from pipelines.storage.s3 import (EmbeddedDown, S3ConfigError, client_from, client_settings, missing, outage,
+                                  same_etag, split_uri)
 
 DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc", ".txt", ".parquet")  # .jsonl.gz, .warc.gz …
 FORMATS = ("JSONL (.jsonl/.json, plain, .gz or .zst)", "Parquet (.parquet: a Spark task per row group)",
@@ -168,14 +170,21 @@ def cached_copy(s3, bucket: str, obj: dict, spec: JobSpec) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
-    s3.download_file(bucket, obj["Key"], str(tmp))
-    got = tmp.stat().st_size
-    now = s3.head_object(Bucket=bucket, Key=obj["Key"]).get("ETag")  # the version downloaded is the one listed
-    if got != obj["Size"] or not same_etag(now, obj["ETag"]):
-        tmp.unlink()
-        raise InputUnavailable(f"s3://{bucket}/{obj['Key']}: changed since it was listed ({got} bytes, ETag {now}; "
-                               f"listed {obj['Size']} bytes, ETag {obj['ETag']}); a retry lists it again")
-    os.replace(tmp, dest)
+    try:
+        s3.download_file(bucket, obj["Key"], str(tmp))
+        got = tmp.stat().st_size
+        now = s3.head_object(Bucket=bucket, Key=obj["Key"]).get("ETag")  # the version downloaded is the listed one
+        if got != obj["Size"] or not same_etag(now, obj["ETag"]):
+            raise InputUnavailable(f"s3://{bucket}/{obj['Key']}: changed since it was listed ({got} bytes, ETag {now}; "
+                                   f"listed {obj['Size']} bytes, ETag {obj['ETag']}); a retry lists it again")
+        os.replace(tmp, dest)
+    except ClientError as e:  # gone since it was listed (deleted, or replaced under a lifecycle rule): list again
+        if missing(e):
+            raise InputUnavailable(f"s3://{bucket}/{obj['Key']}: gone since it was listed; a retry lists it "
+                                   "again") from None
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)  # nothing half-downloaded is left in the cache
     atomic_write_text(meta, json.dumps(want))  # another ingest may read it at any moment
     return dest
 

@@ -536,7 +536,7 @@ def contamination_record(filt: Manifest, prev: Manifest | None) -> dict:
     return out
 
 
-LINK_REFUSED = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}  # copy instead
+LINK_REFUSED = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}  # a copy
 
 
 def link_shards(prev: Manifest, out: Path, skip: frozenset[str] = frozenset()) -> list[dict]:

@@ -482,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as e:
         print(f"export: error: {e}", file=sys.stderr)
         return USER_ERROR
+    except OSError as e:
+        return _os_error(e)
     spec = spec_from_args(args)
     from mlflow.exceptions import MlflowException
 
@@ -500,11 +502,16 @@ def main(argv: list[str] | None = None) -> int:
     except MlflowException as e:  # no such model, version or alias: the user's (2); the server failing: 75
         print(f"export: error: {args.model}: {str(e).splitlines()[0]}", file=sys.stderr)
         return USER_ERROR if tracking.mlflow_answered(e) else RETRY
-    except OSError as e:  # the model's files or --out: storage failing (75); refused or in the way (2)
-        print(f"export: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return USER_ERROR if e.errno in oserrors.ANSWERS or oserrors.refused(e) else RETRY
+    except OSError as e:
+        return _os_error(e)
     print(f"export: {mv.name} v{mv.version} → {args.out} ({args.format}): {', '.join(names)}")
     return 0
+
+
+def _os_error(e: OSError) -> int:
+    """The model's files or --out: storage failing (75); refused or in the way (2); one line."""
+    print(f"export: error: {type(e).__name__}: {e}", file=sys.stderr)
+    return USER_ERROR if e.errno in oserrors.ANSWERS or oserrors.refused(e) else RETRY
 
 
 if __name__ == "__main__":

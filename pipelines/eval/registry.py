@@ -254,7 +254,8 @@ def model_lock(spec: JobSpec, name: str):
     key locks: :func:`pipelines.manifest.key_lock`):
     two registrations at once (the evaluation DAG's and llm_pipeline's, a CLI run) each read the champion, and the
     one that set the alias last won, however it compared. Held from the gate to the alias; a holder that stops
-    beating for ``run.lock_stale_min`` is given up on (exit 75)."""
+    beating for ``run.lock_stale_min`` is given up on (exit 75). Per ``run.root``: registrations of the model from
+    runs under another root are not held off (MLflow has no compare-and-set on an alias)."""
     slug = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] + "-" + hashlib.sha256(name.encode()).hexdigest()[:12]
     return key_lock(resolve_path(spec.run.root) / "register" / f"model-{slug}",
                     lambda holder: print(f"register: another registration of {name} holds {holder}; waiting for it "

@@ -336,6 +336,12 @@ class _BoundedBody:
         return getattr(self.body, name)
 
 
+def missing(e: BaseException) -> bool:
+    """Is ``e`` S3's answer that the key or the bucket is not there (404, NoSuchKey, NoSuchBucket)?"""
+    return isinstance(e, ClientError) and str(e.response.get("Error", {}).get("Code")) in (
+        "404", "NoSuchKey", "NoSuchBucket", "NotFound")
+
+
 def precondition_failed(e: BaseException) -> bool:
     """Is ``e`` S3's 412: a conditional write or delete (``If-None-Match`` / ``If-Match``) whose condition was false?"""
     return isinstance(e, ClientError) and (
@@ -546,7 +552,7 @@ class ObjectReader(io.RawIOBase):
             got = self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={self.pos}-{self.pos + n - 1}",
                                      **pinned)
         except ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 412:
+            if not precondition_failed(e):
                 raise
             got = {"ETag": "(not the listed one: 412 Precondition Failed)"}
         if self.etag and not same_etag(got.get("ETag"), self.etag):

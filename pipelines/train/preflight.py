@@ -34,6 +34,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -52,9 +53,11 @@ from pipelines.train.job import rank_workdir
 
 
 class PreflightFailed(StageError):
-    """The ranks are unhealthy (slow all-reduce, a straggler, no progress): exit 1, a retry may land elsewhere."""
+    """The ranks are unhealthy (slow all-reduce, a straggler, no progress): exit 1, a retry may land elsewhere
+    (on Kubernetes a new job: this one's verdict is read once, ``job_verdict``)."""
 
     exit_code = 1
+    job_verdict = True
 
     def __init__(self, message: str, result: dict | None = None):
         super().__init__(message)
@@ -204,6 +207,21 @@ def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters
     return result
 
 
+LAUNCH_KEEP_S = 7 * 86400  # an earlier launch's work dir (its report, the ranks' spec) is kept this long
+
+
+def sweep_launches(base: Path, keep: str) -> None:
+    """Remove the work dirs of earlier launches (``base/<launch>``) older than :data:`LAUNCH_KEEP_S`, never
+    ``keep``'s: each DAG run leaves one; a deferred run's own is far younger."""
+    try:
+        old = [d for d in base.iterdir() if d.is_dir() and d.name != keep
+               and time.time() - d.stat().st_mtime > LAUNCH_KEEP_S]
+    except OSError:  # none yet; a listing that fails leaves them for the next run
+        return
+    for d in old:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def launch_id() -> str:
     """Which launch of the preflight this is: one per Airflow DAG run (a deferred task's resume, a retry, collect
     the job they submitted), a new one for each run outside Airflow. The job and its work dir are named by it, so
@@ -223,6 +241,7 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
         launch = launch_id()
         work = rank_workdir(spec, sd, tmp)
         if spec.launcher.on_kubernetes:  # the job's own dir, kept for a deferred task's resume: this launch's only
+            sweep_launches(work, launch)
             work = work / launch
         work.mkdir(parents=True, exist_ok=True)
         spec_file = work / "spec.yaml"
@@ -230,17 +249,22 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
         report = work / "preflight.json"
         if not spec.launcher.on_kubernetes:  # a fresh temp dir; on Kubernetes this launch's own, kept for a resume
             report.unlink(missing_ok=True)
+        def verdict() -> dict:  # a failed check is this job's verdict: read once, a retry launches a new job
+            res = json.loads(report.read_text())
+            if res["failures"]:
+                raise PreflightFailed("preflight failed: " + "; ".join(res["failures"]), res)
+            return res
+
         try:
             run_ranks(spec, "pipelines.train.preflight",
                       ["--spec", str(spec_file), "--rank-out", str(work), "--vocab-size", str(tok.extra["vocab_size"]),
                        "--size-mb", str(size_mb), "--straggler-factor", str(straggler_factor)],
-                      run_id=f"preflight-{sd.final.name[:8]}-{launch}", restarts=False, detachable=True, work=work)
+                      run_id=f"preflight-{sd.final.name[:8]}-{launch}", restarts=False, detachable=True, work=work,
+                      judge=lambda: report.is_file() and verdict())
         except TrainError:  # its own status (2: refused, 75: the nodes or the API), unless the ranks reported
             if not report.is_file():
                 raise
-        res = json.loads(report.read_text())
-        if res["failures"]:
-            raise PreflightFailed("preflight failed: " + "; ".join(res["failures"]), res)
+        res = verdict()
         collect(work, tmp, ["preflight.json"])
         (tmp / "spec.yaml").write_text(spec.to_yaml())  # the kept copy: no secrets
         bw = res["allreduce"]

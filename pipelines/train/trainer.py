@@ -54,7 +54,8 @@ from pipelines.storage import faults as storage_faults
 from pipelines.storage import oserrors
 from pipelines.train import heartbeat
 from pipelines.train.ckpt import history
-from pipelines.train.ckpt.protocol import CheckpointError, CopyRefused, TierUnavailable, step_name
+from pipelines.train.ckpt.protocol import (CheckpointError, CopyRefused, TierUnavailable, UnsafeCheckpoint,
+                                           step_name)
 from pipelines.train.ckpt.tiers import clear_run
 from pipelines.train.loader import (Prefetcher, TokenOutOfVocab, mixture_keys, mixture_metrics, sampler_for,
                                    train_samples)
@@ -832,8 +833,9 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
         print(f"train: {e}; committed on L1: a retry resumes there", flush=True)
         xc.write_outcome(out, rank, xc.RETRY, str(e), step=e.step)
         return xc.OK
-    except (TrainingDiverged, ResumeError, TokenOutOfVocab, CopyRefused) as e:  # the spec, data or access must change:
-        print(f"train: error: {e}", file=sys.stderr)                           # every try would stop the same way
+    except (TrainingDiverged, ResumeError, TokenOutOfVocab, CopyRefused, UnsafeCheckpoint) as e:
+        print(f"train: error: {e}", file=sys.stderr)  # the spec, data, access or a forged copy must change: every
+        # try would stop the same way
         xc.write_outcome(out, rank, xc.USER_ERROR, str(e), final=getattr(e, "final", True))
         return xc.USER_ERROR
     except ValueError as e:  # a spec this world cannot run (batch sizes, vocabulary): the traceback stays

@@ -3,22 +3,25 @@
 torch's ``FileSystemReader`` reads a checkpoint's ``.metadata`` with a plain ``pickle.load`` and its planner loads
 every non-tensor value (the optimizer's ``param_groups``: learning rates, betas, flags) with
 ``torch.load(weights_only=False)``: a ``.metadata`` or a shard rewritten on L1, L2 or a node's disk would run
-whatever it names when a restore, an evaluation or a registration reads the step. Here the metadata is unpickled
-by an unpickler that builds only the classes a DCP metadata file holds (:data:`ALLOWED`), anything else refused
-with :class:`UnsafeCheckpoint`, and each non-tensor value is first loaded with ``weights_only=True`` (plain
-containers and numbers), the same bytes then handed to torch's planner. Tensors torch already reads with
-``weights_only=True``.
+whatever it names when a restore, an evaluation or a registration reads the step. Here the metadata is read as
+data (:mod:`pipelines.train.ckpt.pickle_data`: only the classes a DCP metadata file holds, :data:`ALLOWED`, are
+built, nothing else is called or changed; anything else is :class:`UnsafeCheckpoint`) and every shard it names
+must lie in the checkpoint's directory; each non-tensor value is loaded with ``weights_only=True`` (plain
+containers and numbers) and handed to torch's planner as our own serialization of what that load built. Tensors
+torch already reads with ``weights_only=True``.
 """
 from __future__ import annotations
 
+import importlib
 import io
 import json
-import pickle
 import warnings
 from pathlib import Path
 
 import torch
 
+from pipelines.manifest import plain_rel
+from pipelines.train.ckpt import pickle_data
 from pipelines.train.ckpt.protocol import CheckpointError, UnsafeCheckpoint
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # its classes (dataclasses, an enum), all of them
@@ -30,37 +33,57 @@ ALLOWED = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module == METADATA_MODULE:
-            import torch.distributed.checkpoint.metadata as md
+def allow(module: str, name: str):
+    """The globals a DCP metadata file may name (:mod:`pipelines.train.ckpt.pickle_data`'s ``allow``)."""
+    if module == METADATA_MODULE:
+        import torch.distributed.checkpoint.metadata as md
 
-            found = getattr(md, name, None)
-            if isinstance(found, type) and found.__module__ == METADATA_MODULE:
-                return found
-        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        elif name in ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        raise UnsafeCheckpoint(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+        found = getattr(md, name, None)
+        if isinstance(found, type) and found.__module__ == METADATA_MODULE:
+            return found
+    elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+        return getattr(torch, name)
+    elif name in ALLOWED.get(module, ()):
+        return getattr(importlib.import_module(module), name)
+    raise UnsafeCheckpoint(f"{module}.{name} is not part of a DCP checkpoint's metadata")
 
 
 def read_metadata(path: Path):
     """The metadata of the DCP checkpoint in directory ``path`` (``torch.distributed.checkpoint.metadata.Metadata``),
-    unpickled by :class:`_MetadataUnpickler`."""
+    read as data (:mod:`pipelines.train.ckpt.pickle_data`), each shard it names checked to lie in ``path``."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    data = (path / ".metadata").read_bytes()
+    where = path / ".metadata"
+    with open(where, "rb") as f:
+        data = f.read(pickle_data.MAX_BYTES + 1)
     try:
-        got = _MetadataUnpickler(io.BytesIO(data)).load()
+        got = pickle_data.loads(data, allow)
     except UnsafeCheckpoint as e:
-        raise UnsafeCheckpoint(f"{path}/.metadata: {e}: refusing this checkpoint (it was not written by DCP, or was "
-                               "changed since)") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}/.metadata cannot be read as DCP metadata ({type(e).__name__}: {e})") from None
+        raise UnsafeCheckpoint(f"{where}: {e}: refusing this checkpoint (it was not written by DCP, or was changed "
+                               "since)") from None
+    except Exception as e:  # noqa: BLE001 - a file that does not decode, or arguments its classes refuse
+        raise CheckpointError(f"{where} cannot be read as DCP metadata ({type(e).__name__}: {e})") from None
     if not isinstance(got, Metadata):
-        raise UnsafeCheckpoint(f"{path}/.metadata holds a {type(got).__name__}, not DCP metadata")
+        raise UnsafeCheckpoint(f"{where} holds a {type(got).__name__}, not DCP metadata")
+    check_storage(got, where)
     return got
+
+
+def check_storage(metadata, where: Path) -> None:
+    """Every item's place: a shard file in the checkpoint's own directory (a plain relative name), a non-negative
+    offset and length, no transform (DCP writes none unless asked: a stream to decompress could be made to grow
+    without bound)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    data = metadata.storage_data
+    if not isinstance(data, dict):
+        raise UnsafeCheckpoint(f"{where}: storage_data is a {type(data).__name__}, not DCP's")
+    for info in data.values():
+        ok = isinstance(info, _StorageInfo) and plain_rel(str(info.relative_path)) \
+            and all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)) \
+            and not getattr(info, "transform_descriptors", None)
+        if not ok:
+            raise UnsafeCheckpoint(f"{where}: an item's place ({info!r:.200}) is not a shard file of this checkpoint")
 
 
 def safe_classes() -> tuple[type, type]:
@@ -97,13 +120,16 @@ def _build_classes() -> tuple[type, type]:
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            data = value.read()
             try:
-                torch.load(io.BytesIO(data), weights_only=True)
-            except pickle.UnpicklingError as e:
-                raise UnsafeCheckpoint(f"{read_item.dest_index.fqn}: the value stored for it names what a checkpoint "
-                                       f"does not hold ({str(e).splitlines()[0][:200]}); refusing this checkpoint") from None
-            super().load_bytes(read_item, io.BytesIO(data))
+                plain = torch.load(value, weights_only=True)
+            except Exception as e:  # noqa: BLE001 - whatever the weights-only loader refuses (names, formats)
+                raise UnsafeCheckpoint(f"{read_item.dest_index.fqn}: the value stored for it is not plain data "
+                                       f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                                       "refusing this checkpoint") from None
+            ours = io.BytesIO()  # what torch's planner loads is our serialization of what the safe load built
+            torch.save(plain, ours)
+            ours.seek(0)
+            super().load_bytes(read_item, ours)
 
     return SafeReader, SafePlanner
 

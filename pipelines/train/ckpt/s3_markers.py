@@ -21,10 +21,10 @@ import threading
 from typing import Callable, Optional
 
 from pipelines.storage import faults
-from pipelines.storage.s3 import conditional_conflict, conditions, precondition_failed, probed, unreachable
+from pipelines.storage.s3 import conditional_conflict, conditions, missing, precondition_failed, probed, unreachable
 from pipelines.train.ckpt.fence import FencedOut
 from pipelines.train.ckpt.protocol import L2Unavailable
-from pipelines.train.ckpt.s3_tier import answered, missing, s3_body
+from pipelines.train.ckpt.s3_tier import answered, s3_body
 
 _said: set[tuple[str, str]] = set()  # the endpoints and buckets whose probe was told (one line each)
 _lock = threading.Lock()

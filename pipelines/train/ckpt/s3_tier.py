@@ -21,8 +21,8 @@ from botocore.exceptions import ClientError
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
 from pipelines.storage.s3 import (b64, checksums_verified, client, composite_sha256, conditional_conflict, conditions,
-                                  object_matches, part_digests, part_size_used, precondition_failed, probed, split_uri,
-                                  unreachable)
+                                  missing, object_matches, part_digests, part_size_used, precondition_failed, probed,
+                                  split_uri, unreachable)
 from pipelines.train.ckpt import fence
 from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
                                         manifest_files, part_name, verify_local)
@@ -35,11 +35,6 @@ def transfer_config(spec: JobSpec):
     mb = 1024 * 1024
     return TransferConfig(multipart_threshold=spec.checkpoint.multipart_threshold_mb * mb,
                           multipart_chunksize=spec.checkpoint.multipart_chunk_mb * mb, max_concurrency=4)
-
-
-def missing(e: Exception) -> bool:
-    return isinstance(e, ClientError) and str(e.response.get("Error", {}).get("Code")) in (
-        "404", "NoSuchKey", "NoSuchBucket", "NotFound")
 
 
 def answered(where: str, call):

@@ -29,14 +29,14 @@ from pipelines.manifest import atomic_write_text, plain_rel
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults, oserrors
 from pipelines.storage.s3 import (STATE_DIR, EmbeddedDown, S3ConfigError, client, embedded_configured, embedded_holds,
-                                  endpoint_url, outage, split_uri, unreachable)
+                                  endpoint_url, missing, outage, split_uri, unreachable)
 from pipelines.train.ckpt import fence, history
 from pipelines.train.ckpt.protocol import (COMMIT, TIERS, CheckpointError, L2Unavailable,
                                            TierUnavailable, is_valid_local, parse_step, read_local_manifest, step_name,
                                            verify_local)
 from pipelines.train.ckpt.local import remove_local
 from pipelines.train.ckpt.parts import merge_parts, part_of, stage_part, upload_step
-from pipelines.train.ckpt.s3_tier import (commit_at, download_checkpoint, missing, multipart_uploads, read_s3_manifest,
+from pipelines.train.ckpt.s3_tier import (commit_at, download_checkpoint, multipart_uploads, read_s3_manifest,
                                           remove_s3, verify_s3)
 
 
