@@ -171,8 +171,9 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     m.path = str(p.resolve())
     bad = [o.get("path") for o in m.outputs if not plain_rel(o.get("path"))]
     shards = m.extra.get("shards")  # a corpus version's shards (tokenize): read, linked and copied by their prefix
-    bad += [sh.get("prefix") if isinstance(sh, dict) else sh for sh in shards if not isinstance(sh, dict)
-            or not plain_rel(sh.get("prefix"))] if isinstance(shards, list) else []
+    if isinstance(shards, list):
+        bad += [sh.get("prefix") if isinstance(sh, dict) else sh for sh in shards
+                if not (isinstance(sh, dict) and plain_rel(sh.get("prefix")))]
     if bad:  # a forged or damaged manifest must not make a stage read, verify, link or remove files elsewhere
         raise ManifestInvalid(f"manifest {p}: output path(s) {bad} do not stay below its directory; refusing it")
     return m
@@ -268,9 +269,7 @@ def read_json_record(path: str | os.PathLike) -> dict | None:
     (EIO, a refusal) is raised: storage that did not answer is not "no record"."""
     try:
         got = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return None
-    except ValueError:
+    except (FileNotFoundError, ValueError):
         return None
     return got if isinstance(got, dict) else None
 

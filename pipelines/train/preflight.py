@@ -246,9 +246,8 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
         work.mkdir(parents=True, exist_ok=True)
         spec_file = work / "spec.yaml"
         spec.write_work_file(spec_file)
-        report = work / "preflight.json"
-        if not spec.launcher.on_kubernetes:  # a fresh temp dir; on Kubernetes this launch's own, kept for a resume
-            report.unlink(missing_ok=True)
+        report = work / "preflight.json"  # a fresh temp dir's, or on Kubernetes this launch's own (kept for a resume)
+
         def verdict() -> dict:  # a failed check is this job's verdict: read once, a retry launches a new job
             res = json.loads(report.read_text())
             if res["failures"]:

@@ -329,26 +329,22 @@ class Trainer:
         wait at a barrier until torchrun stops them); anything else rank 0 raises stops the others as a peer's
         failure."""
         self._beat(MLFLOW, waits=1)
-        got, word = None, [None]
+        got, word, error = None, [None], None
         if self.rank == 0:
             try:
                 got = call()
             except Exception as e:
-                outage = tracking.mlflow_outage(e)
-                word = [("outage" if outage else "failed", _said(e))]
-                if self.world > 1:
-                    dist.broadcast_object_list(word, src=0)
-                if outage:
-                    raise MlflowUnavailable(word[0][1]) from e
-                raise
+                error, word = e, [("outage" if tracking.mlflow_outage(e) else "failed", _said(e))]
         if self.world > 1:
             dist.broadcast_object_list(word, src=0)
-        if word[0] is not None:  # only the other ranks get here with rank 0's failure
-            kind, line = word[0]
-            if kind == "outage":
-                raise MlflowUnavailable(line)
-            raise RuntimeError(f"rank 0 failed while logging to MLflow ({line}); see rank 0's log")
-        return got
+        if word[0] is None:
+            return got
+        kind, line = word[0]
+        if kind == "outage":
+            raise MlflowUnavailable(line) from error
+        if error is not None:
+            raise error
+        raise RuntimeError(f"rank 0 failed while logging to MLflow ({line}); see rank 0's log")
 
     def _data(self, tok_manifest_path: str) -> None:
         from pipelines.train.model import ModelArgs
