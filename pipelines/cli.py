@@ -17,7 +17,7 @@ from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_w
 from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
 from pipelines.stages import Stage, stage
 from pipelines.storage import oserrors
-from pipelines.storage.s3 import outage
+from pipelines.storage.s3 import outage, unreachable
 from pipelines.tracking import log_stage, mlflow_outage
 
 
@@ -91,39 +91,57 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
                call: Call | None = None, inputs_required: bool = True) -> int:
     """Parse, run the stage (``run(spec, *upstream_manifests, out_dir=…)`` unless ``call`` is given), write the
     report, print the one-line summary. A :class:`StageError` or :class:`SpecError` prints ``<stage>: error: …``
-    and exits with its status (an outage's, e.g. L2 not answering, is 75), an object store, a tracking server or a
-    disk that does not answer in any other call one line and 75, a path refused to this user one line and 2;
-    :class:`Pending` (a job submitted elsewhere) reports what to wait for."""
+    and exits with its status (an outage's, e.g. L2 not answering, is 75); any other failure that is not a bug is one
+    line and :func:`failure_code`'s status (the report's write included: the stage has committed, a retry reuses
+    it); :class:`Pending` (a job submitted elsewhere) reports what to wait for."""
     ap = stage_parser(name, inputs_required)
     if add_args:
         add_args(ap)
     args = ap.parse_args(argv)
-    spec = spec_from_args(args)
     try:
+        spec = spec_from_args(args)
         ups = upstream_manifests(stage(name), args) if inputs_required else []
-        m = call(spec, args, ups) if call else run(spec, *ups, out_dir=args.output)
-    except Pending as p:
-        write_report(args.report, {"stage": name, "pending": p.wait})
-        print(f"{name}: submitted; waiting for {p.wait}")
-        return 0
+        try:
+            m = call(spec, args, ups) if call else run(spec, *ups, out_dir=args.output)
+        except Pending as p:
+            write_report(args.report, {"stage": name, "pending": p.wait})
+            print(f"{name}: submitted; waiting for {p.wait}")
+            return 0
+        write_report(args.report, {"stage": m.stage, "manifest": m.path})  # after the commit: a retry reuses it
     except (StageError, SpecError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
-    except Exception as e:  # noqa: BLE001 - an object store or MLflow that did not answer is infrastructure:
-        # retry (75); credentials or a configuration that do not work are not (they stay a traceback, exit 1)
-        if oserrors.refused(e):  # a path this user may not read or write: no retry will
-            print(f"{name}: error: {e}: this user may not; give it access", file=sys.stderr)
-            return USER_ERROR
-        if outage(e):
-            print(f"{name}: error: the object store did not answer: {type(e).__name__}: {e}", file=sys.stderr)
-        elif mlflow_outage(e):
-            print(f"{name}: error: the tracking server did not answer: {type(e).__name__}: {str(e)[:300]}; run it "
-                  "again", file=sys.stderr)
-        elif oserrors.storage_failing(e):  # EIO, ESTALE, ENOSPC … under run.root or an input
-            print(f"{name}: error: storage: {e}; a retry reuses the work done", file=sys.stderr)
-        else:
+    except Exception as e:  # noqa: BLE001 - classified below; anything else is a bug's traceback
+        code = failure_code(e)
+        if code is None:
             raise
-        return RETRY
-    write_report(args.report, {"stage": m.stage, "manifest": m.path})
+        print(f"{name}: error: {failure_line(e, code)}", file=sys.stderr)
+        return code
     print(summary(m))
     return 0
+
+
+def failure_code(e: BaseException) -> Optional[int]:
+    """A stage's exit status for ``e`` where it is not a bug: a path refused to this user, or an object store that
+    refused these credentials or this configuration (2: no retry mends it); an object store, a tracking server or
+    a disk that did not answer (75: retry). None for anything else."""
+    if oserrors.refused(e) or (unreachable(e) and not outage(e)):
+        return USER_ERROR
+    if outage(e) or mlflow_outage(e) or oserrors.storage_failing(e):
+        return RETRY
+    return None
+
+
+def failure_line(e: BaseException, code: int) -> str:
+    """:func:`failure_code`'s one line for ``e``."""
+    what = f"{type(e).__name__}: {str(e)[:300]}"
+    if oserrors.refused(e):  # a path this user may not read or write
+        return f"{e}: this user may not; give it access"
+    if code == USER_ERROR:
+        return (f"the object store refused the request: {what}; check services.s3_endpoint_url, services.s3_bucket "
+                "and the AWS credentials this process gets")
+    if outage(e):
+        return f"the object store did not answer: {what}; run it again"
+    if mlflow_outage(e):
+        return f"the tracking server did not answer: {what}; run it again"
+    return f"storage: {e}; a retry reuses the work done"  # EIO, ESTALE, ENOSPC … under run.root or an input

@@ -28,6 +28,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -149,6 +150,34 @@ def airflow_connections(out: dict) -> dict[str, dict]:
     }
 
 
+def wire(outputs, env: str | None, base_path: str) -> tuple[dict, str]:
+    """The Terraform outputs and the spec's text, validated as a spec; outputs or a base spec that cannot be read or
+    do not have the shape expected are :class:`WiringError` (one line, exit 2)."""
+    try:
+        out = read_outputs(outputs, env)
+        base = yaml.safe_load(Path(base_path).read_text(encoding="utf-8")) or {}
+        if not isinstance(base, dict):
+            raise WiringError(f"--base {base_path}: not a spec (a mapping of sections)")
+        spec = cluster_spec(out, base)
+        text = f"# Written by pipelines.cluster_config from Terraform outputs (region {out['region']}).\n" + \
+            yaml.safe_dump(spec, sort_keys=False)
+    except WiringError:
+        raise
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
+        raise WiringError(f"cannot read the outputs or the base spec: {type(e).__name__}: {e}") from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise WiringError(f"the Terraform outputs do not have the shape expected ({type(e).__name__}: {e}): are "
+                          "these the outputs of infra/terraform/envs/<env>/aws and .../platform?") from None
+    with tempfile.TemporaryDirectory(prefix="cluster-config-") as d:
+        (Path(d) / "spec.yaml").write_text(text, encoding="utf-8")
+        try:
+            load_spec(Path(d) / "spec.yaml", env={})
+        except SpecError as e:
+            said = str(e).replace(f" in {Path(d) / 'spec.yaml'}", "")  # not a temporary file's name
+            raise WiringError(f"the spec these outputs make does not validate (nothing written): {said}") from None
+    return out, text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipelines.cluster_config", description=__doc__.splitlines()[0])
     ap.add_argument("--env", help="The environment (dev, prod): without --outputs, run `terraform output -json` in "
@@ -167,27 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or (str(ROOT / "configs" / f"aws-{args.env}.yaml") if args.env else None)
     if not args.out:
         ap.error("--out is required without --env")
+    out_path = Path(args.out).resolve()  # as the user's shell means it (load_spec reads relative paths elsewhere)
     try:
-        out = read_outputs(args.outputs, args.env)
+        out, text = wire(args.outputs, args.env, args.base)
     except WiringError as e:
         print(f"cluster_config: error: {e}", file=sys.stderr)
         return USER_ERROR
-    base = yaml.safe_load(Path(args.base).read_text()) or {}
-    try:
-        spec = cluster_spec(out, base)
-    except WiringError as e:
-        print(f"cluster_config: error: {e}", file=sys.stderr)
-        return USER_ERROR
-
-    text = f"# Written by pipelines.cluster_config from Terraform outputs (region {out['region']}).\n" + \
-        yaml.safe_dump(spec, sort_keys=False)
-    atomic_write_text(args.out, text)
-    try:
-        load_spec(args.out, env={})  # the result must be a valid spec
-    except SpecError as e:
-        print(f"cluster_config: error: the written spec does not validate: {e}", file=sys.stderr)
-        return USER_ERROR
-    print(f"cluster_config: wrote {args.out} (launcher.kind=trainjob, Spark {out['spark_master']}, "
+    atomic_write_text(out_path, text)  # only once it validates: a working spec there is never replaced by a bad one
+    print(f"cluster_config: wrote {out_path} (launcher.kind=trainjob, Spark {out['spark_master']}, "
           f"MLflow {redact(out['mlflow_tracking_uri'])})")
     if args.connections:
         conns = airflow_connections(out)

@@ -166,7 +166,9 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     except (TypeError, ValueError, RecursionError) as e:  # not JSON (or nested past the parser), other fields
         raise ManifestInvalid(f"manifest {p} is not a manifest ({e})") from None
     if m is None or not all(isinstance(getattr(m, f), t) for f, t in _FIELD_TYPES) \
-            or not all(isinstance(o, dict) for o in m.inputs + m.outputs):
+            or not all(isinstance(o, dict) for o in m.inputs + m.outputs) \
+            or not all(isinstance(o.get(k), str) for o in m.outputs for k in ("name", "sha256")) \
+            or not all(isinstance(i.get(k), str) for i in m.inputs if "stage" in i for k in ("uri", "sha256", "stage")):
         raise ManifestInvalid(f"manifest {p} is not a manifest (its fields are not of a manifest's types)")
     m.path = str(p.resolve())
     bad = [o.get("path") for o in m.outputs if not plain_rel(o.get("path"))]
@@ -209,19 +211,26 @@ def input_ref(m: Manifest) -> dict:
     return {"uri": Path(m.path).resolve().as_uri(), "stage": m.stage, "sha256": m.digest}
 
 
-def lineage(path: str | os.PathLike) -> dict[str, str]:
+def lineage(path: str | os.PathLike, _below: frozenset[str] = frozenset()) -> dict[str, str]:
     """{stage: manifest path} of a manifest and of every upstream manifest it was made from (its ``inputs``, and
-    theirs), each checked against the digest its downstream recorded: a result rewritten since is refused."""
+    theirs), each checked against the digest its downstream recorded: a result rewritten since is refused, and so is
+    an upstream result that is gone (re-run it) or a chain that leads back to itself (a forged manifest)."""
     m = load_manifest(path)
+    if m.path in _below:
+        raise ManifestInvalid(f"manifest {m.path} is its own upstream (a loop in its inputs); refusing it")
     out = {m.stage: str(m.path)}
     for ref in m.inputs:
         if "stage" not in ref:
             continue
-        up = load_manifest(uri_path(ref["uri"]))
+        try:
+            up = load_manifest(uri_path(ref["uri"]))
+        except FileNotFoundError:
+            raise StageError(f"{m.stage} manifest {m.path} was made from the {ref['stage']} result at {ref['uri']}, "
+                             f"which is gone: re-run from {ref['stage']}") from None
         if up.digest != ref["sha256"]:
             raise StageError(f"{m.stage} manifest {m.path} was made from another {up.stage} result than the one now "
                              f"at {up.path} (digest {ref['sha256'][:12]} ≠ {up.digest[:12]}): re-run from {up.stage}")
-        out.update({k: v for k, v in lineage(up.path).items() if k not in out})
+        out.update({k: v for k, v in lineage(up.path, _below | {m.path}).items() if k not in out})
     return out
 
 

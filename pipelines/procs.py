@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Callable
@@ -165,6 +166,14 @@ def descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def free_port() -> int:
+    """A loopback TCP port free now. Another process may take it before ours binds: whoever starts a server on it
+    checks that its own process listens there (:func:`listens_on`) or binds at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def listens_on(pid: int, port: int) -> bool:

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Optional
+
+from pipelines.procs import free_port
 
 
 def namespaces_permitted() -> Optional[str]:
@@ -130,12 +131,6 @@ class Node:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def under_tmp() -> list[Path]:

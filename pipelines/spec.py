@@ -19,6 +19,7 @@ eval planes read it as much as training does.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -824,6 +825,16 @@ class ServicesCfg(_Section):
         "(each Spark task uploads the shards it wrote, checked with S3's SHA-256 checksums; the driver checks every "
         "object and uploads manifest.json last). None = the stage directory only. A location, not in the hash.")
 
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or v == "aws":
+            return v
+        scheme, _, rest = v.partition("://")
+        if scheme not in ("http", "https") or not rest.split("/")[0]:
+            raise ValueError("must be 'aws' or an http(s)://host[:port] URL (S3_ENDPOINT_URL sets it too)")
+        return v
+
     @field_validator("shards_uri")
     @classmethod
     def _s3_uri(cls, v: Optional[str]) -> Optional[str]:
@@ -954,7 +965,17 @@ class SpecError(ValueError):
 
 def _parse_scalar(text: str) -> Any:
     """``--set`` values are parsed as YAML scalars/lists (``10`` → int, ``[a, b]`` → list)."""
-    return yaml.safe_load(text) if text != "" else ""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as e:
+        raise SpecError(f"value {text!r} is not YAML ({_yaml_problem(e)}); quote it or close its brackets") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: what and where (line and column), without the excerpt it quotes."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or type(e).__name__}{where}"
 
 
 def apply_overrides(raw: dict, overrides: dict[str, Any] | list[str] | None) -> dict:
@@ -990,7 +1011,16 @@ def load_spec(
         p = resolve_path(path)
         if not p.is_file():
             raise SpecError(f"spec file {p} does not exist; pass an existing YAML file (see configs/)")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise SpecError(f"spec file {p} is not UTF-8 text (byte {e.start}); pass a YAML file") from None
+        except yaml.YAMLError as e:
+            raise SpecError(f"spec file {p} is not valid YAML: {_yaml_problem(e)}") from None
+        except OSError as e:  # refused (2), or a disk that failed under it: the caller's exit rule for OSError
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise SpecError(f"spec file {p} cannot be read ({e.strerror}): give this user read access") from None
+            raise
         if not isinstance(loaded, dict):
             raise SpecError(f"spec file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         raw = loaded
@@ -998,7 +1028,12 @@ def load_spec(
     env = os.environ if env is None else env
     for var, (section, key) in ENV_OVERRIDES.items():
         if env.get(var):
-            raw.setdefault(section, {})[key] = env[var]
+            if raw.get(section) is None:  # absent, or "services:" left empty
+                raw[section] = {}
+            if not isinstance(raw[section], dict):
+                raise SpecError(f"{section}: must be a mapping of settings, got {type(raw[section]).__name__} "
+                                f"(and {var} sets {section}.{key})")
+            raw[section][key] = env[var]
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as e:

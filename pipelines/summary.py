@@ -62,12 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"summary: the tracking server did not answer ({type(e).__name__}: {str(e)[:300]}); run it again",
               file=sys.stderr)
         return RETRY
-    print_summary(spec, s)
+    if not print_summary(spec, s):
+        print("summary: the tracking server did not answer for the champion's sample; run it again", file=sys.stderr)
+        return RETRY
     return 0
 
 
-def print_summary(spec, s: dict) -> None:
-    """The demo's closing block: what went in and out of each stage, the registered model and how to use it."""
+def print_summary(spec, s: dict) -> bool:
+    """The demo's closing block: what went in and out of each stage, the registered model and how to use it. False
+    when the tracking server did not answer for the champion's sample (its line says so)."""
     m, t = s["metrics"], s["tags"]
 
     def g(k, fmt="{:,.0f}"):
@@ -104,11 +107,16 @@ def print_summary(spec, s: dict) -> None:
     print("lineage tags        : " + ", ".join(f"{k}={t[k][:12]}…" for k in
                                              ("data_manifest_hash", "tokenizer_hash", "config_hash") if k in t))
     print(f"checkpoint (L2)     : {t.get('checkpoint_uri', 'n/a')}")
+    answered = True
     if s["champion_version"]:
         try:
             text = repr(sample(spec, s["prompt"]))
         except LookupError as e:
             text = f"n/a ({e})"
+        except Exception as e:  # noqa: BLE001 - only the tracking server not answering is said here
+            if not tracking.mlflow_outage(e):
+                raise
+            text, answered = f"n/a (the tracking server did not answer: {type(e).__name__})", False
         print(f"champion sample     : {s['prompt']!r} → {text}")
     uri = f"models:/{s['model']}@{spec.registry.alias}"
     b = bin_dir()
@@ -120,6 +128,7 @@ def print_summary(spec, s: dict) -> None:
           f"registered copy: {t.get('export.hf', 'n/a')}")
     print(f"lm-eval             : {b}/llmp-lm-eval --model llm-pipeline --model_args uri={uri},tracking_uri="
           f"{s['tracking_uri']} --include_path pipelines/eval/tasks --tasks llmp_arc_easy,llmp_hellaswag,llmp_lambada_openai --limit 20")
+    return answered
 
 
 def bin_dir() -> str:

@@ -50,6 +50,7 @@ if str(_code_root()) not in sys.path:  # ``pipelines`` without an install (the S
 # a stage CLI's exit status: 2 = the input or the spec must be fixed (retrying cannot help); 75 = an infrastructure
 # failure or a preemption (a retry resumes); any other non-zero status is treated as possibly transient too
 from pipelines.exit_codes import RETRY, USER_ERROR  # noqa: E402 - needs the checkout on sys.path
+from pipelines.procs import free_port  # noqa: E402
 
 
 def project_root() -> Path:
@@ -349,7 +350,7 @@ class SparkStageOperator(SparkSubmitOperator):
         self._conn_id = spec.services.spark_conn_id
         if self._conn_id in r.found:
             self.log.info("Spark master from connection %s: %s", self._conn_id, master)
-        ui_port = _free_port()
+        ui_port = free_port()
         self.conf = {**spec.services.spark_conf, **(self.conf or {}), "spark.pyspark.python": sys.executable,
                      "spark.pyspark.driver.python": sys.executable, "spark.ui.port": str(ui_port),
                      "spark.driver.memory": spec.services.spark_driver_memory}
@@ -422,14 +423,6 @@ class SparkStageOperator(SparkSubmitOperator):
         if sp is not None and sp.poll() is None:
             stop_tree(sp.pid, KILL_GRACE_S)
         super().on_kill()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def upstream_manifests(asset: str, source: str, needed: list[str], given: str | None, triggering: list,

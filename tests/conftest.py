@@ -7,12 +7,13 @@ import time
 import json
 import logging
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from pipelines.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -76,12 +77,6 @@ def shard_layout(root: Path, docs: list, cuts: list[int]) -> list[str]:
         w.close()
         prefixes.append(str(root / f"train-{k:05d}-0000"))
     return prefixes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serving(start, log, path: str = "/health", tries: int = 3, up_s: float = 180) -> tuple:

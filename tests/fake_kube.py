@@ -31,12 +31,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
+
+from pipelines.procs import free_port
 
 JOBS = re.compile(r"^/apis/(?:kubeflow\.org/v1|trainer\.kubeflow\.org/v1alpha1)/namespaces/([^/]+)/"
                   r"(pytorchjobs|trainjobs)(?:/([^/]+))?$")
@@ -47,12 +48,6 @@ KIND = {"pytorchjobs": "PyTorchJob", "trainjobs": "TrainJob"}
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Job:
@@ -165,7 +160,7 @@ class FakeKube:
             return
         command, job_env, nproc = job.command_and_env()
         env = {**os.environ, **job_env, "PET_NPROC_PER_NODE": nproc, "PET_NNODES": "1", "PET_NODE_RANK": "0",
-               "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(_free_port())}
+               "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(free_port())}
         with job.lock:
             if job.obj.get("metadata", {}).get("deletionTimestamp"):
                 return

@@ -49,9 +49,9 @@ def test_an_endpoint_whose_port_another_process_took_starts_on_another_and_is_it
     taken.listen()
     port = taken.getsockname()[1]
     assert procs.listens_on(os.getpid(), port)
-    real = s3._free_port
+    real = s3.free_port
     ports = iter([port])
-    monkeypatch.setattr(s3, "_free_port", lambda: next(ports, None) or real())
+    monkeypatch.setattr(s3, "free_port", lambda: next(ports, None) or real())
     log = tmp_path / "s3.log"
     with open(log, "wb") as f:
         proc, url = s3.launch_server(tmp_path / "store", f, auth=False)
@@ -71,6 +71,44 @@ def test_an_endpoint_whose_port_another_process_took_starts_on_another_and_is_it
     with open(log, "wb") as f, pytest.raises(RuntimeError, match="exited with 1 on 3 ports in turn"):
         s3.launch_server(tmp_path / "store", f, auth=False)
     taken.close()
+
+
+def test_an_embedded_endpoint_that_runs_but_is_slow_to_answer_is_never_started_twice(home):
+    """The embedded server runs but does not answer a probe at once (busy with a large upload; here stopped with
+    SIGSTOP). One probe of a second made that "not running": the next start launched a second server over the
+    same store and rewrote the state file, the first one orphaned. Now start waits its bound for the one that runs,
+    then says it did not answer (75); the spec's client keeps its credentials; once it answers it is used again."""
+    from pipelines.storage import s3
+
+    url = s3.start()
+    state = (home / "var/s3/endpoint.json").read_text()
+    pid = json.loads(state)["pid"]
+    spec = load_spec(None, [], env={})
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(s3.EmbeddedDown, match="runs .* but has not answered") as e:
+            s3.start(wait_s=1.5)
+        assert e.value.__class__.__name__ == "EmbeddedDown"
+        assert (home / "var/s3/endpoint.json").read_text() == state  # no second server recorded over it
+        assert s3.client_settings(spec)["endpoint_url"] == url
+        assert s3.client_settings(spec)["aws_access_key_id"] == s3._EMBEDDED_CREDS["aws_access_key_id"]
+        assert s3.main(["status"]) == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        assert s3.start() == url and s3.main(["status"]) == 0
+        servers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _rclone_serving(p, home)]
+        assert servers == [Path(f"/proc/{pid}")], servers
+    finally:
+        s3.stop()
+
+
+def _rclone_serving(proc: Path, home: Path) -> bool:
+    try:
+        argv = (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"serve" in argv and any(str(home).encode() in a for a in argv)
 
 
 def test_a_killed_embedded_endpoint_loses_nothing_and_deleted_objects_stay_deleted(home):

@@ -676,3 +676,17 @@ def test_a_model_the_tracking_server_did_not_return_is_a_retry_and_a_missing_one
 
     assert summary.main(["--set", f"services.mlflow_tracking_uri={down}"]) == 75
     assert "summary: the tracking server did not answer" in capsys.readouterr().err
+    # the server answered the summary's reads, then not the champion's sample: that line says so, and exit 75
+    # (was a traceback and 1)
+    told = {"metrics": {}, "tags": {}, "tracking_uri": down, "model": "m", "latest_version": 2, "champion_version": 1,
+            "run_id": "r", "prompt": "Once", "model_id": None}
+    monkeypatch.setattr(summary, "summarize", lambda spec: told)
+
+    def busy(spec, prompt):
+        raise MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE)
+
+    monkeypatch.setattr(summary, "sample", busy)
+    assert summary.main([]) == 75
+    out, err = capsys.readouterr()
+    assert "champion sample     : 'Once' → n/a (the tracking server did not answer: MlflowException)" in out
+    assert err.strip() == "summary: the tracking server did not answer for the champion's sample; run it again"

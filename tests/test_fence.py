@@ -653,7 +653,7 @@ def test_own_conditional_writes_retried_after_a_lost_answer_are_not_a_newer_writ
     """botocore retries a put whose answer was lost; the object is then already ours and the retry's condition
     fails (412): that is not another writer."""
     from pipelines.storage.s3 import client
-    from pipelines.train.ckpt import s3_markers as ckpt_s3_cond
+    from pipelines.train.ckpt import s3_markers as ckpt_s3_cond, s3_tier
 
     spec = load_spec(None, [f"services.s3_endpoint_url={any_key_s3}", "services.s3_bucket=ck-own-retry"], env={})
     s3 = client(spec)
@@ -662,7 +662,7 @@ def test_own_conditional_writes_retried_after_a_lost_answer_are_not_a_newer_writ
     ckpt_s3_cond.put(s3, "ck-own-retry", "k/COMMIT", b"abc", None, True, "t")  # the retry: ours, accepted
     with pytest.raises(fence.FencedOut):
         ckpt_s3_cond.put(s3, "ck-own-retry", "k/COMMIT", b"xyz", None, True, "t")  # someone else's: refused
-    tag = ckpt_s3_cond.etag(s3, "ck-own-retry", "k/COMMIT")
+    tag = s3_tier.object_etag(s3, "ck-own-retry", "k/COMMIT")
     ckpt_s3_cond.delete(s3, "ck-own-retry", "k/COMMIT", tag, True, "t")
     ckpt_s3_cond.delete(s3, "ck-own-retry", "k/COMMIT", tag, True, "t")  # gone already: our own retried delete
 

@@ -251,6 +251,36 @@ def test_an_s3_input_replaced_after_its_listing_is_never_read_as_the_listed_one(
     assert cached_copy(s3, "inputs", now, spec) == dest and json.loads(record.read_text())["etag"] == now["ETag"]
 
 
+def test_an_s3_endpoint_that_stops_answering_the_tasks_reads_is_one_line_and_exit_75(home, s3_server):
+    """The inputs are listed, then every ranged GET the Spark tasks send gets 503 SlowDown past botocore's retries.
+    The tasks said so only by raising, and Spark failed the stage as it fails a bug: a traceback and exit 1, which
+    Airflow cannot tell from a broken stage. It is now one line and exit 75, no corpus is written, and the same
+    command on an endpoint that answers again reads every record."""
+    from pipelines.storage.s3 import client, ensure_bucket
+
+    sets = [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=raw"]
+    s3 = client(load_spec(None, sets, env={}))
+    ensure_bucket(s3, "raw")
+    for k in range(2):
+        s3.put_object(Bucket="raw", Key=f"week/in{k}.jsonl",
+                      Body=_lines({"text": f"input {k} record {i}"} for i in range(300)))
+    out = home / "out"
+    cmd = [sys.executable, "-m", "pipelines.data.ingest", "--output", str(out), "--set", "services.spark_master=local[2,4]",
+           "--set", "data.inputs=[s3://raw/week/]", "--set", "data.ingest.s3_read=direct",
+           *(a for x in sets for a in ("--set", x))]
+    env = {**os.environ, "LLMP_HOME": str(home),
+           "LLMP_FAULTS": json.dumps([{"at": "s3", "do": "s3_503", "op": "GetObject", "times": 0}])}
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 75, r.stdout[-2000:] + r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if "could not be read" in line]
+    assert len(said) == 1 and "s3://raw/week/in" in said[0] and "run it again" in said[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and not (out / "COMMIT").exists()
+    env.pop("LLMP_FAULTS")
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert load_manifest(out).counts["docs"] == 600
+
+
 def test_a_corpus_manifest_that_is_not_a_corpus_version_is_one_line_and_exit_2(home, tmp_path):
     from pipelines.manifest import StageDir
 

@@ -122,6 +122,45 @@ def test_lineage_follows_inputs_under_a_run_root_with_a_space_and_non_ascii(home
     assert lineage(dd.path) == {"dedup": dd.path, "ingest": ing.path}
 
 
+def test_forged_or_dangling_upstream_manifests_are_refused_in_one_line_not_a_traceback(home):
+    """An output without a name or checksum (KeyError in its digest), an upstream result deleted since (a bare
+    FileNotFoundError) and a manifest that names itself as its input (RecursionError) were each a traceback and
+    exit 1 in every stage that follows inputs; each is now a StageError (exit 2) naming the manifest."""
+    from pipelines.cli import stage_dir
+    from pipelines.manifest import ManifestInvalid, StageError, input_ref, lineage, load_manifest
+    from pipelines.spec import load_spec
+
+    spec = load_spec(None, [], env={})
+    up = stage_dir(spec, "ingest", [])
+    with up:
+        (up.tmp / "x").write_text("x")
+        ing = up.commit({"x": "x"})
+    down = stage_dir(spec, "dedup", [input_ref(ing)])
+    with down:
+        (down.tmp / "y").write_text("y")
+        dd = down.commit({"y": "y"})
+    raw = json.loads(open(ing.path).read())
+    nameless = home / "nameless" / "manifest.json"
+    nameless.parent.mkdir()
+    nameless.write_text(json.dumps({**raw, "outputs": [{"path": "x", "sha256": "0" * 64}]}))
+    with pytest.raises(ManifestInvalid, match="not a manifest") as e:
+        load_manifest(nameless)
+    assert e.value.exit_code == 2
+    loop = home / "loop" / "manifest.json"
+    loop.parent.mkdir()
+    loop.write_text(json.dumps({**raw, "inputs": []}))
+    me = load_manifest(loop)
+    loop.write_text(json.dumps({**raw, "inputs": [input_ref(me)]}))  # its digest does not cover its inputs
+    with pytest.raises(ManifestInvalid, match="its own upstream"):
+        lineage(loop)
+    for f in (home / "var" / "runs" / "ingest").rglob("*"):
+        if f.is_file():
+            f.unlink()
+    with pytest.raises(StageError, match="which is gone: re-run from ingest") as e:
+        lineage(dd.path)
+    assert e.value.exit_code == 2
+
+
 def test_a_stage_meeting_a_failing_disk_exits_75_and_a_refused_path_2_each_in_one_line(capsys):
     """An OSError no stage classified itself (hashing outputs, the key lock, linking shards): storage failing
     (EIO, ESTALE, ENOSPC) is 75 and a path refused to this user 2, each one line; they were a traceback and 1,
@@ -142,6 +181,52 @@ def test_a_stage_meeting_a_failing_disk_exits_75_and_a_refused_path_2_each_in_on
     with pytest.raises(FileNotFoundError):  # an answer about a path no stage expected: a bug's traceback
         stage_main("dedup", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError(2, "No such file", "/x")), str,
                    argv=[], inputs_required=False)
+
+
+def test_a_report_failing_after_the_commit_credentials_refused_and_an_unparsable_spec_are_each_one_line(
+        capsys, monkeypatch, tmp_path):
+    """Three failures that were a traceback and exit 1: the report's write failing after the stage committed (EIO:
+    75, a retry reuses the commit), an object store refusing these credentials (403, no credentials at all: 2) and
+    a spec or a --set value that is not YAML, or a file that is not text (2)."""
+    import errno
+    from types import SimpleNamespace
+
+    from botocore.exceptions import ClientError, NoCredentialsError
+
+    from pipelines import cli
+
+    def failing_report(path, payload):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(cli, "write_report", failing_report)
+    done = SimpleNamespace(stage="dedup", path="/runs/dedup/k")
+    assert cli.stage_main("dedup", lambda *a, **k: done, str, argv=["--report", "/r.json"],
+                          inputs_required=False) == 75
+    err = capsys.readouterr().err
+    assert err.startswith("dedup: error: storage: ") and "/r.json" in err and len(err.splitlines()) == 1, err
+    monkeypatch.undo()
+    denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"},
+                          "ResponseMetadata": {"HTTPStatusCode": 403}}, "PutObject")
+    for error in (denied, NoCredentialsError()):
+        def run(spec, *ups, out_dir=None, _e=error):
+            raise _e
+
+        assert cli.stage_main("dedup", run, str, argv=[], inputs_required=False) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("dedup: error: the object store refused the request: ") and \
+            len(err.strip().splitlines()) == 1, err
+    (tmp_path / "torn.yaml").write_text("train: [1\n")
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00binary")
+    for argv in (["--set", "train.steps=[1"], ["--spec", str(tmp_path / "torn.yaml")],
+                 ["--spec", str(tmp_path / "binary.yaml")], ["--set", "services.s3_endpoint_url=minio:9000"]):
+        with pytest.raises(SystemExit) as e:
+            cli.stage_main("dedup", lambda *a, **k: done, str, argv=argv, inputs_required=False)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("spec: error: ") and "Traceback" not in err, (argv, err)
+    monkeypatch.setenv("S3_ENDPOINT_URL", "http://minio:9000")
+    (tmp_path / "empty.yaml").write_text("services:\n")
+    assert cli.spec_from_args(SimpleNamespace(spec=str(tmp_path / "empty.yaml"), overrides=[])) \
+        .services.s3_endpoint_url == "http://minio:9000"
 
 
 def test_the_readme_is_short_shows_the_two_commands_and_every_doc_it_links_exists():

@@ -435,7 +435,7 @@ def test_tf_check_fails_on_a_terraform_test_that_fails(tmp_path):
     assert "FSx service-linked role" in r.stdout + r.stderr  # the assertion that failed, named
 
 
-def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
+def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path, capsys):
     from pipelines import cluster_config as cc
     from pipelines.spec import load_spec
     from pipelines.launch import k8s
@@ -518,6 +518,23 @@ def test_terraform_outputs_wire_the_dag_to_the_cluster_by_config_only(tmp_path):
     assert merged["trainer_image"] == digest and merged["region"] == "us-east-1"
     with pytest.raises(cc.WiringError, match="mlflow_tracking_uri"):
         cc.read_outputs(str(files[0]), None)
+    # a spec these outputs make that does not validate never replaces the working one, and outputs of another shape
+    # or that cannot be read are one line and exit 2 (were: the good file overwritten; tracebacks)
+    good = (tmp_path / "env.yaml").read_text()
+    bad_base = tmp_path / "bad-base.yaml"
+    bad_base.write_text("parallel: {tp: 3}\n")
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"stack": {"value": {**aws, **platform, "service_accounts": {
+        **aws["service_accounts"], "trainer": "no-namespace"}}}}))
+    for argv, said in ((["--base", str(bad_base)], "does not validate (nothing written)"),
+                       (["--outputs", str(tmp_path / "missing.json")], "cannot read the outputs"),
+                       (["--outputs", str(odd)], "do not have the shape expected")):
+        argv = argv if "--outputs" in argv else ["--outputs", str(both), *argv]
+        capsys.readouterr()
+        assert cc.main([*argv, "--out", str(tmp_path / "env.yaml")]) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err.splitlines()[0] and "Traceback" not in err and "cluster-config-" not in err, err
+        assert (tmp_path / "env.yaml").read_text() == good
 
 
 def test_cluster_config_reads_both_roots_of_an_env_aws_then_platform(tmp_path, monkeypatch):

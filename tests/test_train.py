@@ -502,7 +502,7 @@ def test_two_node_torchrun_on_loopback_trains_like_one_node(home, monkeypatch):
     def no_free_port():
         raise AssertionError("a launch picked a port for torchrun to bind later")
 
-    monkeypatch.setattr(ranks, "_free_port", no_free_port)
+    monkeypatch.setattr(ranks, "free_port", no_free_port)
     m2, m1 = launch.run(two_nodes, tok), launch.run(one_node, tok)
     assert m2.extra["world_size"] == 2 and m2.counts["steps"] == 6
     c2 = [loss for _, loss in json.loads(m2.output("losses").read_text())]

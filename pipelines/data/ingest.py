@@ -66,7 +66,7 @@ from pipelines.data.sources import IngestError, InputUnavailable, resolve
 from pipelines.data.spark import attempt_dir, maybe_fail, prepare_attempts, publish_attempts
 from pipelines.manifest import Manifest, input_ref
 from pipelines.spec import IngestCfg, InputFieldsCfg, JobSpec, SpecError
-from pipelines.storage.s3 import ObjectChanged
+from pipelines.storage.s3 import ObjectChanged, missing, outage
 
 META = ("url", "warc_record_id", "date", "meta")
 DOCS_SCHEMA = pa.schema([("idx", pa.int64()), ("id", pa.string()), ("text", pa.string()), ("source", pa.string()),
@@ -81,12 +81,19 @@ SAMPLE_PER_TASK = 20  # quarantine entries each task returns for the bounded sam
 def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str, fields: InputFieldsCfg | None = None) -> dict:
     """Pass 1, on an executor: one chunk → ``docs-NNNNN.parquet`` + ``quarantine-NNNNN.jsonl`` in an attempt
     directory under ``parts``; returns that directory, its counts, a few quarantine entries and the sha256 of the
-    chunk's bytes; or, for an S3 object replaced since it was listed, ``{"no", "changed": why}`` (the driver stops
-    the stage 75: a retry lists it again)."""
+    chunk's bytes; or, for an S3 object replaced or deleted since it was listed, ``{"no", "changed": why}``, and for
+    an endpoint that did not answer (past its bounded retries) ``{"no", "unavailable": why}``: the driver stops the
+    stage 75 (a retry lists the inputs again), where a raised error would fail it through Spark as any bug does."""
     try:
         return read_chunk_parts(chunk, cfg, parts, fields)
     except ObjectChanged as e:
         return {"no": chunk.no, "changed": str(e)}
+    except Exception as e:  # noqa: BLE001 - only an S3 object's answers are read here; anything else is raised
+        if chunk.settings is None or not (outage(e) or missing(e)):
+            raise
+        if missing(e):
+            return {"no": chunk.no, "changed": f"{chunk.path} is gone since it was listed"}
+        return {"no": chunk.no, "unavailable": f"{chunk.path}: the endpoint did not answer ({type(e).__name__}: {e})"}
 
 
 def read_chunk_parts(chunk: Chunk, cfg: IngestCfg, parts: str, fields: InputFieldsCfg | None = None) -> dict:
@@ -231,6 +238,10 @@ def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg, fields: InputFie
     if changed:
         raise InputUnavailable(f"{len(changed)} chunk(s) read an input that changed since it was listed: "
                                f"{changed[0]}")
+    unanswered = [r["unavailable"] for r in results if "unavailable" in r]
+    if unanswered:
+        raise InputUnavailable(f"{len(unanswered)} of {len(results)} chunk(s) could not be read: {unanswered[0]}; "
+                               "run it again")
     jobs = offsets(results)
     qualify: frozenset[str] = frozenset()
     for attempt in range(2):

