@@ -199,6 +199,50 @@ def test_shards_published_to_s3_match_the_manifest_and_a_rerun_repairs_the_copy(
     assert remote() == got
 
 
+def test_an_endpoint_refusing_the_shards_uploads_is_one_line_and_75_and_the_retry_publishes(home, s3_server):
+    """Every PutObject answered 503 past botocore's retries: a Spark task's upload raised S3UploadFailedError, which
+    failed the stage through Spark (a traceback, exit 1). The tasks now leave their uploads to the driver, whose
+    publish (after the commit) says in one line that the store did not answer (75); the same command once the
+    store answers reuses the committed result and publishes every object."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from pipelines.storage.s3 import S3UploadFailedError, client, outage, unreachable
+    from botocore.exceptions import ClientError
+
+    slow = ClientError({"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
+    try:
+        try:
+            raise slow
+        except ClientError as e:  # as boto3's upload_file wraps it
+            raise S3UploadFailedError(f"Failed to upload: {e}")
+    except S3UploadFailedError as e:
+        assert outage(e) and unreachable(e)
+    docs = [{"id": f"d{i}", "text": d["text"]} for i, d in enumerate(c4_docs(80))]
+    filt = _filter_manifest(home, docs, files=2)
+    sets = ["tokenizer.vocab_size=400", "tokenizer.shard_tokens=4000", f"services.s3_endpoint_url={s3_server}",
+            "services.shards_uri=s3://curated/down/", "services.spark_master=local[2]"]
+    cmd = [sys.executable, "-m", "pipelines.data.tokenize", "--input-manifest", filt.path,
+           *(a for x in sets for a in ("--set", x))]
+    env = {**os.environ, "LLMP_HOME": str(home), "LLMP_FAULTS": json.dumps(
+        [{"at": "s3", "do": "s3_503", "op": op, "times": 0} for op in ("PutObject", "UploadPart")])}
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 75, r.stdout[-2000:] + r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if line.startswith("tokenize: error: ")]
+    assert len(said) == 1 and "the object store did not answer: S3UploadFailedError" in said[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "the shards' upload left to the driver" in r.stderr, r.stderr[-3000:]
+    env.pop("LLMP_FAULTS")
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "published to s3://curated/down/" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    m = load_manifest(next((home / "var" / "runs" / "tokenize").glob("*/manifest.json")))
+    s3 = client(load_spec(None, sets, env={}))
+    keys = {o["Key"].split("/", 2)[2] for o in s3.list_objects_v2(Bucket="curated", Prefix="down/")["Contents"]}
+    assert keys == {o["path"] for o in m.outputs} | {"manifest.json"}
+
+
 def sha256_of(path) -> str:
     import hashlib
     from pathlib import Path

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
+from boto3.exceptions import RetriesExceededError as Boto3RetriesExceeded, S3UploadFailedError
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as BotoConnectionError, HTTPClientError
 from s3transfer.exceptions import RetriesExceededError
@@ -399,18 +400,27 @@ def conditions(honoured: bool, expected: Optional[str]) -> dict:
     return {"IfMatch": expected} if expected else {"IfNoneMatch": "*"}
 
 
+def wrapped(e: BaseException) -> Optional[BaseException]:
+    """The error a transfer wrapped (boto3's ``upload_file`` turns a ``ClientError`` into ``S3UploadFailedError``,
+    its ``download_file`` and s3transfer a last attempt's error into ``RetriesExceededError``), else None."""
+    if isinstance(e, (RetriesExceededError, Boto3RetriesExceeded)):
+        return e.last_exception
+    if isinstance(e, S3UploadFailedError):
+        return e.__cause__ or e.__context__
+    return None
+
+
 def unreachable(e: BaseException) -> bool:
     """Is ``e`` the endpoint not answering (down, refusing, resetting, timing out, throttling past the retries)
     rather than an answer about an object?"""
+    if isinstance(e, (RetriesExceededError, Boto3RetriesExceeded, S3UploadFailedError)):  # a transfer's: its cause says
+        return wrapped(e) is not None and unreachable(wrapped(e))
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         return code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "AccessDenied",
                         "ExpiredToken", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status >= 500 \
             or status in (401, 403)  # credentials that do not work: L2 unusable, as if down
-
-    if isinstance(e, RetriesExceededError):  # a transfer's download: its last attempt's error says
-        return e.last_exception is not None and unreachable(e.last_exception)
     return isinstance(e, (BotoCoreError, ConnectionError, TimeoutError)) or isinstance(e, S3ConfigError)
 
 
@@ -418,13 +428,12 @@ def outage(e: BaseException) -> bool:
     """Is ``e`` the endpoint failing to answer (down, refusing, resetting, timing out, 5xx, throttling), as opposed to
     credentials or a configuration that does not work (401/403, no credentials, a bad parameter), which a retry
     cannot mend? (:func:`unreachable` counts both: L2 is then unusable either way.)"""
+    if isinstance(e, (RetriesExceededError, Boto3RetriesExceeded, S3UploadFailedError)):
+        return wrapped(e) is not None and outage(wrapped(e))
     if isinstance(e, ClientError):
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = str(e.response.get("Error", {}).get("Code", ""))
         return status >= 500 or code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout")
-
-    if isinstance(e, RetriesExceededError):
-        return e.last_exception is not None and outage(e.last_exception)
     return isinstance(e, (BotoConnectionError, HTTPClientError, ConnectionError, TimeoutError, EmbeddedDown))
 
 
