@@ -33,8 +33,9 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from pipelines.procs import (boot_id, cmdline, descendants, identity, in_sessions, kill_all, still_running, stop_group,
-                            stop_group_but, stop_unless, usable_cores, with_env)
+from pipelines.exit_codes import RETRY, USER_ERROR
+from pipelines.procs import (boot_id, cmdline, descendants, identity, in_sessions, kill_all, listens_on, still_running,
+                            stop_group, stop_group_but, stop_unless, usable_cores, with_env)
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 STACK_ENV = "LLMP_AIRFLOW_STACK"
@@ -48,19 +49,41 @@ def home() -> Path:
     return Path(os.environ.get("AIRFLOW_HOME", "var/airflow")).resolve()
 
 
+class PasswordFileError(Exception):
+    """The UI's password file cannot be used as it is: the user fixes or deletes it (exit 2)."""
+
+
 def password_file() -> Path:
-    """{"admin": "<password>"}, created once with mode 0600; an existing file readable by others (or not ours) is
-    refused until it is fixed."""
+    """{"admin": "<password>"}, created once with mode 0600, whole (written aside, then linked into place: a crash
+    leaves no empty file, which Airflow would fill with a password it prints to its log); an existing file readable
+    by others, not ours, or not such a record is refused until it is fixed."""
     p = home() / "passwords.json"
     if not p.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({USER: secrets.token_urlsafe(12)}, f)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({USER: secrets.token_urlsafe(12)}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, p)  # never over a file another start wrote meanwhile
+            except FileExistsError:
+                pass
+        finally:
+            tmp.unlink(missing_ok=True)
     st = p.stat()
     if st.st_mode & 0o077 or st.st_uid != os.getuid():
-        raise PermissionError(f"{p} has mode {oct(st.st_mode & 0o777)} and owner uid {st.st_uid}: it holds the UI "
-                              f"login, so it must be yours with mode 0600 (chmod 600 {p}, or delete it to get a new one)")
+        raise PasswordFileError(f"{p} has mode {oct(st.st_mode & 0o777)} and owner uid {st.st_uid}: it holds the UI "
+                                f"login, so it must be yours with mode 0600 (chmod 600 {p}, or delete it to get a new "
+                                "one)")
+    try:
+        pw = json.loads(p.read_text(encoding="utf-8")).get(USER)
+    except (ValueError, AttributeError):
+        pw = None
+    if not isinstance(pw, str) or not pw:
+        raise PasswordFileError(f"{p} is not {{\"{USER}\": \"<password>\"}}: delete it to get a new one")
     return p
 
 
@@ -156,7 +179,7 @@ class Supervisor:
         sessions_file().unlink(missing_ok=True)
         self.launch("api-server")
         api = self.procs["api-server"]
-        if not wait_answering(self.port, 270.0, lambda: self.stopping or api.poll() is not None):
+        if not wait_answering(self.port, 270.0, lambda: self.stopping or api.poll() is not None, api.pid):
             if api.poll() is not None:  # e.g. its port taken: said at once, not after the whole wait
                 raise RuntimeError(f"the api-server exited ({api.returncode}) before answering on port {self.port}; "
                                    f"see {self.logs / 'api-server.log'}")
@@ -177,6 +200,7 @@ class Supervisor:
             now = time.monotonic()
             self.restarts[c] = [t for t in self.restarts[c] if now - t < self.WINDOW_S] + [now]
             if len(self.restarts[c]) > self.MAX_RESTARTS:
+                stop_group(p.pid, 10.0)  # what is left of its group (its log server, its workers): stop_all never sees it
                 return f"{c} exited {self.MAX_RESTARTS + 1} times in {self.WINDOW_S:.0f} s; stopping the stack"
             self.log(f"{c} exited ({p.returncode}); stopping what is left of its group and starting it again")
             # the group outlives its leader; its pgid is not reused while it has members
@@ -195,10 +219,11 @@ class Supervisor:
             why = self.reap()
             if why is not None:
                 self.log(why)
-                return 1
+                return RETRY
             if "api-server" in self.pending:
                 self.launch("api-server")
-            if self.pending and wait_answering(self.port, 1.0, lambda: self.stopping):
+            api = self.procs.get("api-server")
+            if self.pending and api is not None and wait_answering(self.port, 1.0, lambda: self.stopping, api.pid):
                 for c in [c for c in COMPONENTS if c in self.pending]:
                     self.launch(c)
             time.sleep(1)
@@ -227,27 +252,32 @@ def supervise(port: int) -> int:
         code = sup.watch()
     except RuntimeError as e:
         sup.log(str(e))
-        code = 1
+        code = RETRY
     finally:
         sup.stop_all()
         pid_file().unlink(missing_ok=True)
     return code
 
 
-def health(port: int) -> dict:
-    """The api-server's health answer ({} when it does not answer)."""
+def health(port: int, pid: Optional[int] = None) -> dict:
+    """The api-server's health answer: {} when it does not answer, when the answer is not a health record, or, with
+    ``pid``, when the server on the port is not that process's (another stack's server took the port)."""
     try:
         with urllib.request.urlopen(f"http://{HOST}:{port}/api/v2/monitor/health", timeout=5) as r:
-            return json.loads(r.read())
+            got = json.loads(r.read())
     except (OSError, ValueError):
         return {}
+    if pid is not None and not listens_on(pid, port):
+        return {}
+    return {k: v for k, v in got.items() if isinstance(v, dict)} if isinstance(got, dict) else {}
 
 
-def wait_for(port: int, parts: tuple[str, ...], timeout: float, go_on=lambda: True) -> bool:
-    """Until ``parts`` of the health answer are healthy (True), ``timeout`` passes or ``go_on`` says stop (False)."""
+def wait_for(port: int, parts: tuple[str, ...], timeout: float, go_on=lambda: True, pid: Optional[int] = None) -> bool:
+    """Until ``parts`` of the health answer (of ``pid``'s server, when given) are healthy (True), ``timeout`` passes
+    or ``go_on`` says stop (False)."""
     deadline = time.time() + timeout
     while go_on():
-        h = health(port)
+        h = health(port, pid)
         if all(h.get(k, {}).get("status") == "healthy" for k in parts):
             return True
         if time.time() >= deadline:
@@ -256,14 +286,28 @@ def wait_for(port: int, parts: tuple[str, ...], timeout: float, go_on=lambda: Tr
     return False
 
 
-def wait_answering(port: int, timeout: float, give_up=lambda: False) -> bool:
-    """The api-server answers (whatever the scheduler's state)."""
-    return wait_for(port, ("metadatabase",), timeout, lambda: not give_up())
+def wait_answering(port: int, timeout: float, give_up=lambda: False, pid: Optional[int] = None) -> bool:
+    """The api-server (``pid``'s, when given) answers (whatever the scheduler's state)."""
+    return wait_for(port, ("metadatabase",), timeout, lambda: not give_up(), pid)
 
 
-def wait_healthy(port: int, timeout: float = 280.0, alive=lambda: True) -> bool:
-    """The api-server answers and the scheduler is healthy (False at once when ``alive`` says the supervisor died)."""
-    return wait_for(port, ("metadatabase", "scheduler"), timeout, alive)
+def wait_healthy(port: int, timeout: float = 280.0, alive=lambda: True, pid: Optional[int] = None) -> bool:
+    """The api-server (under ``pid``, when given) answers and the scheduler is healthy (False at once when ``alive``
+    says the supervisor died)."""
+    return wait_for(port, ("metadatabase", "scheduler"), timeout, alive, pid)
+
+
+def port_taken(port: int) -> bool:
+    """Does another process listen on ``port`` already (our api-server could not bind it)?"""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return True
+    return False
 
 
 def recorded() -> dict[str, dict]:
@@ -308,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipelines.airflow_ui", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="Start the UI and the components; Ctrl-C stops them.")
-    s.add_argument("--port", type=int, default=int(os.environ.get("AIRFLOW_UI_PORT", 8080)))
+    s.add_argument("--port", type=int, default=None, help="default: $AIRFLOW_UI_PORT, else 8080")
     s.add_argument("--detach", action="store_true", help="Return once healthy; stop with `make airflow-stop`.")
     sub.add_parser("stop", help="Stop what `start` started.")
     sv = sub.add_parser("supervise", help="(internal) the supervisor that `start` runs in the background.")
@@ -321,21 +365,31 @@ def main(argv: list[str] | None = None) -> int:
         return supervise(args.port)
     if running_components(with_supervisor=True):
         print(f"airflow: Airflow is already running (pids in {pid_file()}); `make airflow-stop` first", file=sys.stderr)
-        return 1
+        return USER_ERROR
+    if args.port is None:
+        given = os.environ.get("AIRFLOW_UI_PORT", "8080")
+        if not given.isdigit() or not 0 < int(given) < 65536:
+            print(f"airflow: AIRFLOW_UI_PORT={given!r} is not a port number", file=sys.stderr)
+            return USER_ERROR
+        args.port = int(given)
+    if port_taken(args.port):
+        print(f"airflow: port {args.port} is taken by another process (another Airflow?): give AIRFLOW_UI_PORT or "
+              "--port another one", file=sys.stderr)
+        return USER_ERROR
     try:
         password_file()
-    except PermissionError as e:
+    except PasswordFileError as e:
         print(f"airflow: {e}", file=sys.stderr)
-        return 1
+        return USER_ERROR
     (home() / "ui-logs").mkdir(parents=True, exist_ok=True)
     try:
         with open(home() / "ui-logs" / "supervisor.log", "ab") as out:
             sup = subprocess.Popen([sys.executable, "-m", "pipelines.airflow_ui", "supervise", "--port", str(args.port)],
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        if not wait_healthy(args.port, alive=lambda: sup.poll() is None):
+        if not wait_healthy(args.port, alive=lambda: sup.poll() is None, pid=sup.pid):
             stop()
             print(f"airflow: not healthy in time; see {home() / 'ui-logs'}", file=sys.stderr)
-            return 1
+            return RETRY
         pw = json.loads(password_file().read_text())[USER]
         print(f"Airflow UI: http://{HOST}:{args.port}  (user: {USER}, password: {pw}; kept in {password_file()})")
         print(f"components: {', '.join(COMPONENTS)} (a component that dies is restarted alone); logs in "
@@ -343,12 +397,12 @@ def main(argv: list[str] | None = None) -> int:
               + ("`make airflow-stop`" if args.detach else "Ctrl-C (or `make airflow-stop`)"), flush=True)
         if args.detach:
             return 0
-        sup.wait()
-        print("airflow: the supervisor stopped (see ui-logs/supervisor.log)", file=sys.stderr)
-    except KeyboardInterrupt:
-        pass
+        code = sup.wait()
+        print(f"airflow: the supervisor stopped ({code}; see ui-logs/supervisor.log)", file=sys.stderr)
+    except KeyboardInterrupt:  # the user's stop
+        code = 0
     stop()
-    return 0
+    return RETRY if code else 0
 
 
 if __name__ == "__main__":

@@ -113,13 +113,29 @@ def spec_fault(e: BaseException) -> bool:
     not there (``FileNotFoundError``, also the hub's "no such dataset"), a dataset neither local nor in the Hugging
     Face cache while offline (``ConnectionError`` with ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` on)? Not when
     it, or an error it was raised from, is another ``OSError`` (a file lock of ``datasets`` that times out, a cache
-    on a full or failing disk, the hub unreachable while online) or a ``MemoryError``: the machine's, retryable."""
-    while e is not None:
+    on a full or failing disk, the hub unreachable while online: an ``httpx`` transport error too, which is no
+    ``OSError``) or a ``MemoryError``: the machine's, retryable. The chain is followed by cause and by context (the
+    hub raises its "not found locally" from inside the handler of the transport error)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
         if isinstance(e, MemoryError) or isinstance(e, OSError) and not (
                 isinstance(e, FileNotFoundError) or isinstance(e, ConnectionError) and hub_offline()):
             return False
-        e = e.__cause__
+        if _transport_error(e) and not hub_offline():
+            return False
+        e = e.__cause__ or e.__context__
     return True
+
+
+def _transport_error(e: BaseException) -> bool:
+    """Is ``e`` an HTTP client's failure to reach a server (``httpx.TransportError``: a timeout, a refused or reset
+    connection)?"""
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - the hub's client needs it
+        return False
+    return isinstance(e, httpx.TransportError)
 
 
 def hub_offline() -> bool:
@@ -188,18 +204,44 @@ def task_ref(name: str, digest: str, settings: str | None = None) -> dict:
 
 
 def read_rows(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a JSONL file; a line that is not a JSON object, or a file that is not UTF-8, is
+    :class:`SpecError` naming the file and the line."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise SpecError(f"{path}:{no}: not JSON ({e.__class__.__name__}: {e}); fix or remove the line") \
+                        from None
+                if not isinstance(row, dict):
+                    raise SpecError(f"{path}:{no}: a record must be a JSON object, got {type(row).__name__}")
+                rows.append(row)
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not UTF-8 text (byte {e.start}); list UTF-8 text or JSONL files") from None
+    return rows
 
 
 def reference_items(paths: list[Path]) -> list[list[str]]:
-    """The reference set as items: each paragraph (blank-line separated) of a text file, each record of a JSONL file."""
+    """The reference set as items: each paragraph (blank-line separated) of a text file, each record of a JSONL file
+    (its ``text``, a non-empty string: a record without one would check nothing); a file that cannot be read as
+    such is :class:`SpecError` (``eval.reference``)."""
     out: list[str] = []
     for p in paths:
         if p.suffix == ".jsonl":
-            out += [r.get("text", "") for r in read_rows(p)]
-        else:
-            out += [b for b in p.read_text(encoding="utf-8").replace("\r\n", "\n").split("\n\n") if b.strip()]
+            for no, r in enumerate(read_rows(p), 1):
+                if not isinstance(r.get("text"), str) or not r["text"].strip():
+                    raise SpecError(f"eval.reference: {p}: record {no} has no text (a non-empty \"text\" string)")
+                out.append(r["text"])
+            continue
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise SpecError(f"eval.reference: {p}: not UTF-8 text (byte {e.start})") from None
+        out += [b for b in text.replace("\r\n", "\n").split("\n\n") if b.strip()]
     return [[t] for t in out]
 
 

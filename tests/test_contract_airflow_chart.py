@@ -281,3 +281,28 @@ def test_the_kubernetes_executor_makes_a_worker_pod_for_a_task_of_llm_pipeline(s
     assert "airflow.sdk.execution_time.execute_workload" in argv, argv
     assert {"mountPath": "/fsx", "name": "shared-fs"} in base["volumeMounts"]
     assert any(v.get("persistentVolumeClaim", {}).get("claimName") == "fsx-llm-pipeline" for v in spec["volumes"])
+
+
+def test_the_entrypoints_database_wait_bounds_each_try_and_every_airflow_word_is_airflows(tmp_path):
+    """Run on this host with a stand-in `airflow` (no image needed): a metadata database that accepts and never
+    answers held `airflow db check`, and so the pod's start, for ever (each try had no bound): each try now ends
+    after CONNECTION_CHECK_TIMEOUT s and the wait exits 75 after its tries. And the words at the ends of the Airflow
+    word list's lines (`partitions`, `kerberos`) were not recognised, so a program of that name on PATH ran."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "airflow").write_text('#!/bin/sh\n[ "$1 $2" = "db check" ] && exec sleep 600\necho "airflow $*"\n')
+    (bin_dir / "partitions").write_text("#!/bin/sh\necho not-airflow\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CONNECTION_CHECK_MAX_COUNT": "2",
+           "CONNECTION_CHECK_SLEEP_TIME": "0", "CONNECTION_CHECK_TIMEOUT": "1"}
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(ROOT / "infra/image/entrypoint"), "airflow", "version"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 75 and "did not answer after 2 tries" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    env["CONNECTION_CHECK_MAX_COUNT"] = "0"
+    for word in ("partitions", "kerberos", "celery", "assets"):
+        r = subprocess.run(["bash", str(ROOT / "infra/image/entrypoint"), word, "list"], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == f"airflow {word} list", (word, r.stdout, r.stderr)

@@ -235,3 +235,33 @@ def test_only_the_specs_faults_are_spec_errors_the_machines_are_raised_for_a_ret
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     with pytest.raises(ConnectionError):  # online, an unreachable hub is an outage, not the spec
         _cannot_build(monkeypatch, ConnectionError("Couldn't reach 'piqa' on the Hub"))
+    import httpx
+
+    # the hub's own form (huggingface_hub 1.x): "not found locally", a FileNotFoundError, raised while handling the
+    # httpx error (its context, not its cause); was read as the spec's fault (2, never retried)
+    try:
+        try:
+            raise httpx.ReadTimeout("timed out")
+        except httpx.ReadTimeout:
+            raise FileNotFoundError("LocalEntryNotFoundError: cannot find the file in the local cache")
+    except FileNotFoundError as e:
+        hub = e
+    with pytest.raises(FileNotFoundError):
+        _cannot_build(monkeypatch, hub)
+    assert task_files.spec_fault(hub) is False
+
+
+def test_a_reference_file_that_is_not_what_it_says_is_one_line_naming_it(tmp_path):
+    """eval.reference: a torn JSONL line, a record that is not an object, one without text (it checked nothing,
+    silently) and a file that is not UTF-8 were tracebacks (or an empty item); each is now a SpecError (2)."""
+    cases = {"torn.jsonl": '{"text": "a"}\n{"text": "b', "list.jsonl": "[1, 2]\n", "untexted.jsonl": '{"t": "x"}\n',
+             "latin1.txt": "caf\xe9".encode("latin-1")}
+    for name, body in cases.items():
+        p = tmp_path / name
+        p.write_bytes(body if isinstance(body, bytes) else body.encode())
+        with pytest.raises(SpecError, match=name.replace(".", r"\.")):
+            task_files.reference_items([p])
+    (tmp_path / "ok.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n')
+    (tmp_path / "ok.txt").write_text("para one\n\npara two\n")
+    assert task_files.reference_items([tmp_path / "ok.jsonl", tmp_path / "ok.txt"]) == [
+        ["one"], ["two"], ["para one"], ["para two\n"]]

@@ -226,7 +226,7 @@ def test_the_password_file_must_be_private_and_stop_signals_only_its_own_process
     p = airflow_ui.password_file()
     assert p.stat().st_mode & 0o777 == 0o600
     p.chmod(0o644)
-    with pytest.raises(PermissionError, match="mode 0600"):
+    with pytest.raises(airflow_ui.PasswordFileError, match="mode 0600"):
         airflow_ui.password_file()
     p.chmod(0o600)
     # a pid file whose pid now belongs to another process (same pid, other start time): not signalled
@@ -243,6 +243,57 @@ def test_the_password_file_must_be_private_and_stop_signals_only_its_own_process
     finally:
         if other.poll() is None:
             other.kill()
+
+
+def test_the_ui_start_refuses_what_it_cannot_use_in_one_line_and_trusts_only_its_own_server(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """An empty or torn password file (a crash between its create and its write) was accepted, and Airflow then
+    generated a password and printed it to its log; a foreign server on the port passed for our api-server; a bad
+    AIRFLOW_UI_PORT was a traceback even for `stop`; a stack that died ended `make airflow` with 0."""
+    import http.server
+
+    from conftest import free_port
+    from pipelines import airflow_ui
+
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    p = airflow_ui.password_file()
+    assert json.loads(p.read_text())["admin"] and not list(tmp_path.glob(".passwords.json.*"))
+    for torn in ("", '{"admin": ', "[1]", '{"admin": ""}'):
+        p.write_text(torn)
+        with pytest.raises(airflow_ui.PasswordFileError, match="delete it to get a new one"):
+            airflow_ui.password_file()
+    p.unlink()
+
+    class Foreign(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"metadatabase": {"status": "healthy"}, "scheduler": {"status": "healthy"}}).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Foreign)
+    port = srv.server_address[1]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert airflow_ui.health(port)["scheduler"]["status"] == "healthy"  # anyone's answer
+        assert airflow_ui.health(port, os.getpid()) != {}  # this process serves it
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            assert airflow_ui.health(port, child.pid) == {}  # not that process's server: not ours
+        finally:
+            child.kill()
+            child.wait()
+        assert airflow_ui.main(["start", "--port", str(port)]) == 2
+        assert f"port {port} is taken by another process" in capsys.readouterr().err
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    monkeypatch.setenv("AIRFLOW_UI_PORT", "abc")
+    assert airflow_ui.main(["start"]) == 2 and "AIRFLOW_UI_PORT='abc' is not a port" in capsys.readouterr().err
+    assert airflow_ui.main(["stop"]) == 0  # stop never reads it
 
 
 def test_the_stack_executor_adopts_only_a_live_task_process_and_counts_it_against_parallelism():
