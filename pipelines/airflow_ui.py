@@ -348,15 +348,22 @@ def stop() -> int:
     return len(running)
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 1-65535 (argparse's type: anything else is its one-line usage error, exit 2)."""
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipelines.airflow_ui", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="Start the UI and the components; Ctrl-C stops them.")
-    s.add_argument("--port", type=int, default=None, help="default: $AIRFLOW_UI_PORT, else 8080")
+    s.add_argument("--port", type=port_number, default=None, help="default: $AIRFLOW_UI_PORT, else 8080")
     s.add_argument("--detach", action="store_true", help="Return once healthy; stop with `make airflow-stop`.")
     sub.add_parser("stop", help="Stop what `start` started.")
     sv = sub.add_parser("supervise", help="(internal) the supervisor that `start` runs in the background.")
-    sv.add_argument("--port", type=int, default=8080)
+    sv.add_argument("--port", type=port_number, default=8080)
     args = ap.parse_args(argv)
     if args.cmd == "stop":
         print(f"airflow: stopped {stop()} component(s)")
@@ -368,10 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR
     if args.port is None:
         given = os.environ.get("AIRFLOW_UI_PORT", "8080")
-        if not given.isdigit() or not 0 < int(given) < 65536:
+        try:
+            args.port = port_number(given)
+        except argparse.ArgumentTypeError:
             print(f"airflow: AIRFLOW_UI_PORT={given!r} is not a port number", file=sys.stderr)
             return USER_ERROR
-        args.port = int(given)
     if port_taken(args.port):
         print(f"airflow: port {args.port} is taken by another process (another Airflow?): give AIRFLOW_UI_PORT or "
               "--port another one", file=sys.stderr)

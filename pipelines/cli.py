@@ -12,12 +12,14 @@ import json
 import sys
 from typing import Callable, Iterable, Optional
 
+from botocore.exceptions import ClientError, NoCredentialsError, NoRegionError, PartialCredentialsError
+
 from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_write_text, load_manifest, run_stage
 from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
 from pipelines.stages import Stage, stage
 from pipelines.storage import oserrors
-from pipelines.storage.s3 import outage, unreachable
+from pipelines.storage.s3 import EmbeddedDown, S3ConfigError, outage, wrapped
 from pipelines.tracking import log_stage, mlflow_outage
 
 
@@ -125,11 +127,25 @@ def failure_code(e: BaseException) -> Optional[int]:
     """A stage's exit status for ``e`` where it is not a bug: a path refused to this user, or an object store that
     refused these credentials or this configuration (2: no retry mends it); an object store, a tracking server or
     a disk that did not answer (75: retry). None for anything else."""
-    if oserrors.refused(e) or (unreachable(e) and not outage(e)):
+    if oserrors.refused(e) or credentials_refused(e):
         return USER_ERROR
     if outage(e) or mlflow_outage(e) or oserrors.storage_failing(e):
         return RETRY
     return None
+
+
+def credentials_refused(e: BaseException) -> bool:
+    """Did the object store refuse these credentials or this configuration (401/403, a bad key or signature; none or
+    half of a key pair; no region; the embedded endpoint not installed): no retry mends it. A credentials provider
+    that did not answer, an expired session token (refreshed on a retry) and anything else are not."""
+    e = wrapped(e) or e
+    if isinstance(e, ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        return code != "ExpiredToken" and (status in (401, 403) or code in (
+            "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"))
+    return isinstance(e, (NoCredentialsError, PartialCredentialsError, NoRegionError)) or (
+        isinstance(e, S3ConfigError) and not isinstance(e, EmbeddedDown))
 
 
 def failure_line(e: BaseException, code: int) -> str:

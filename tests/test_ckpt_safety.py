@@ -2,6 +2,7 @@
 deleted; a forged manifest cannot make a download write outside its directory; two runs of one stage key never
 write at once; Force starts a new generation and retires the old one only after the new one commits, keeping
 what a registered model points to."""
+import contextlib
 import hashlib
 import io
 import json
@@ -73,33 +74,40 @@ def test_an_endpoint_whose_port_another_process_took_starts_on_another_and_is_it
     taken.close()
 
 
-def test_an_embedded_endpoint_that_runs_but_is_slow_to_answer_is_never_started_twice(home):
+def test_an_embedded_endpoint_that_runs_but_is_slow_to_answer_is_never_started_twice(home, monkeypatch):
     """The embedded server runs but does not answer a probe at once (busy with a large upload; here stopped with
     SIGSTOP). One probe of a second made that "not running": the next start launched a second server over the
     same store and rewrote the state file, the first one orphaned. Now start waits its bound for the one that runs,
-    then says it did not answer (75); the spec's client keeps its credentials; once it answers it is used again."""
+    then says it did not answer (75); the spec's client keeps its credentials; once it answers it is used again. A
+    DAG run's acquire with no other run holding it stops the hung server and starts it again (nobody else would)."""
     from pipelines.storage import s3
 
     url = s3.start()
     state = (home / "var/s3/endpoint.json").read_text()
     pid = json.loads(state)["pid"]
     spec = load_spec(None, [], env={})
-    os.kill(pid, signal.SIGSTOP)
     try:
-        with pytest.raises(s3.EmbeddedDown, match="runs .* but has not answered") as e:
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(s3.EmbeddedDown, match="runs .* but has not answered"):
             s3.start(wait_s=1.5)
-        assert e.value.__class__.__name__ == "EmbeddedDown"
         assert (home / "var/s3/endpoint.json").read_text() == state  # no second server recorded over it
         assert s3.client_settings(spec)["endpoint_url"] == url
         assert s3.client_settings(spec)["aws_access_key_id"] == s3._EMBEDDED_CREDS["aws_access_key_id"]
         assert s3.main(["status"]) == 1
-    finally:
         os.kill(pid, signal.SIGCONT)
-    try:
         assert s3.start() == url and s3.main(["status"]) == 0
         servers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _rclone_serving(p, home)]
         assert servers == [Path(f"/proc/{pid}")], servers
+        os.kill(pid, signal.SIGSTOP)  # hung again, and no DAG run holds it
+        monkeypatch.setattr(s3, "start", lambda wait_s=1.5, _start=s3.start: _start(wait_s))
+        assert s3.acquire("run-1") and s3.main(["status"]) == 0
+        assert json.loads((home / "var/s3/endpoint.json").read_text())["pid"] != pid  # the hung one replaced
+        servers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _rclone_serving(p, home)]
+        assert len(servers) == 1, servers  # and stopped: one server over the store
+        assert s3.release("run-1")
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
         s3.stop()
 
 

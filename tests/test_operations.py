@@ -252,7 +252,6 @@ def test_the_ui_start_refuses_what_it_cannot_use_in_one_line_and_trusts_only_its
     AIRFLOW_UI_PORT was a traceback even for `stop`; a stack that died ended `make airflow` with 0."""
     import http.server
 
-    from conftest import free_port
     from pipelines import airflow_ui
 
     monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
@@ -274,7 +273,7 @@ def test_the_ui_start_refuses_what_it_cannot_use_in_one_line_and_trusts_only_its
         def log_message(self, *a):
             pass
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Foreign)
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
     port = srv.server_address[1]
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
@@ -294,6 +293,10 @@ def test_the_ui_start_refuses_what_it_cannot_use_in_one_line_and_trusts_only_its
     monkeypatch.setenv("AIRFLOW_UI_PORT", "abc")
     assert airflow_ui.main(["start"]) == 2 and "AIRFLOW_UI_PORT='abc' is not a port" in capsys.readouterr().err
     assert airflow_ui.main(["stop"]) == 0  # stop never reads it
+    for bad in ("0", "70000"):
+        with pytest.raises(SystemExit) as e:
+            airflow_ui.main(["start", "--port", bad])
+        assert e.value.code == 2
 
 
 def test_the_stack_executor_adopts_only_a_live_task_process_and_counts_it_against_parallelism():

@@ -215,6 +215,15 @@ def test_a_report_failing_after_the_commit_credentials_refused_and_an_unparsable
         err = capsys.readouterr().err
         assert err.startswith("dedup: error: the object store refused the request: ") and \
             len(err.strip().splitlines()) == 1, err
+    from botocore.exceptions import CredentialRetrievalError
+
+    expired = ClientError({"Error": {"Code": "ExpiredToken"}, "ResponseMetadata": {"HTTPStatusCode": 400}}, "GetObject")
+    for error in (CredentialRetrievalError(provider="container-role", error_msg="timed out"), expired):
+        def flaky(spec, *ups, out_dir=None, _e=error):
+            raise _e
+
+        with pytest.raises(type(error)):  # not the user's to fix: exit 1, which the operators retry
+            cli.stage_main("dedup", flaky, str, argv=[], inputs_required=False)
     (tmp_path / "torn.yaml").write_text("train: [1\n")
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00binary")
     for argv in (["--set", "train.steps=[1"], ["--spec", str(tmp_path / "torn.yaml")],

@@ -63,7 +63,8 @@ from pydantic import ValidationError
 from pipelines.cli import add_corpus_arg, corpus_arg, run_and_log, stage_dir, stage_main
 from pipelines.data.formats import Chunk, plan_chunks, range_sha256, rows
 from pipelines.data.sources import IngestError, InputUnavailable, resolve
-from pipelines.data.spark import attempt_dir, maybe_fail, prepare_attempts, publish_attempts
+from pipelines.data.spark import (attempt_dir, last_attempt, maybe_fail, prepare_attempts, publish_attempts,
+                                  task_attempts)
 from pipelines.manifest import Manifest, input_ref
 from pipelines.spec import IngestCfg, InputFieldsCfg, JobSpec, SpecError
 from pipelines.storage.s3 import ObjectChanged, missing, outage
@@ -78,12 +79,15 @@ _BATCH = 2048
 SAMPLE_PER_TASK = 20  # quarantine entries each task returns for the bounded sample the driver keeps
 
 
-def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str, fields: InputFieldsCfg | None = None) -> dict:
+def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str, fields: InputFieldsCfg | None = None,
+               attempts: int = 1) -> dict:
     """Pass 1, on an executor: one chunk → ``docs-NNNNN.parquet`` + ``quarantine-NNNNN.jsonl`` in an attempt
     directory under ``parts``; returns that directory, its counts, a few quarantine entries and the sha256 of the
     chunk's bytes; or, for an S3 object replaced or deleted since it was listed, ``{"no", "changed": why}``, and for
-    an endpoint that did not answer (past its bounded retries) ``{"no", "unavailable": why}``: the driver stops the
-    stage 75 (a retry lists the inputs again), where a raised error would fail it through Spark as any bug does."""
+    an endpoint that did not answer (past its bounded retries) on the task's last attempt (``attempts``: Spark's,
+    :func:`~pipelines.data.spark.task_attempts`; an earlier one raises, and Spark runs the chunk again)
+    ``{"no", "unavailable": why}``: the driver stops the stage 75 (a retry lists the inputs again), where a raised
+    error would fail it through Spark as any bug does."""
     try:
         return read_chunk_parts(chunk, cfg, parts, fields)
     except ObjectChanged as e:
@@ -93,6 +97,8 @@ def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str, fields: InputFieldsCfg 
             raise
         if missing(e):
             return {"no": chunk.no, "changed": f"{chunk.path} is gone since it was listed"}
+        if not last_attempt(attempts):
+            raise
         return {"no": chunk.no, "unavailable": f"{chunk.path}: the endpoint did not answer ({type(e).__name__}: {e})"}
 
 
@@ -233,7 +239,8 @@ def ingest(spark, sources: list, out_dir: Path, cfg: IngestCfg, fields: InputFie
         return totals([], 0, 0) | {"qualified_ids": 0, "cut_inputs": 0}, {}, [], []
     sc = spark.sparkContext
     results = sc.parallelize(chunks, len(chunks)).map(
-        partial(read_chunk, cfg=cfg, parts=prepare_attempts(parts), fields=fields)).collect()
+        partial(read_chunk, cfg=cfg, parts=prepare_attempts(parts), fields=fields,
+                attempts=task_attempts(spark))).collect()
     changed = [r["changed"] for r in results if "changed" in r]
     if changed:
         raise InputUnavailable(f"{len(changed)} chunk(s) read an input that changed since it was listed: "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import sys
 import zipfile
@@ -263,6 +264,26 @@ def attempt_dir(base: str) -> Path:
     d = Path(base) / "_attempts" / name
     d.mkdir()
     return d
+
+
+def task_attempts(spark) -> int:
+    """How many times Spark runs a failing task: ``local[N,F]``'s F, plain ``local[…]``'s 1, else
+    ``spark.task.maxFailures`` (default 4)."""
+    master = spark.sparkContext.master
+    m = re.fullmatch(r"local\[[^,\]]+,\s*(\d+)\]", master)
+    if m:
+        return max(1, int(m.group(1)))
+    if master.startswith("local"):
+        return 1
+    return max(1, int(spark.sparkContext.getConf().get("spark.task.maxFailures", "4")))
+
+
+def last_attempt(attempts: int) -> bool:
+    """Is this task's attempt the last Spark will make (``attempts``: :func:`task_attempts`)? True outside a task."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return ctx is None or ctx.attemptNumber() + 1 >= attempts
 
 
 def maybe_fail(point: str) -> None:

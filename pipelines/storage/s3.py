@@ -720,7 +720,14 @@ def acquire(owner: str) -> str:
     """Start the embedded endpoint unless it runs, and hold a lease on it for ``owner`` (a DAG run): DAG runs
     that overlap share one endpoint, and it stops when the last lease is released."""
     with _locked():
-        url = start()
+        try:
+            url = start()
+        except EmbeddedDown:  # it runs and does not answer: with no DAG run holding it, nobody else would stop it
+            held = _lease(owner).parent
+            if held.is_dir() and any(held.iterdir()):
+                raise
+            stop()
+            url = start()
         _lease(owner).parent.mkdir(parents=True, exist_ok=True)
         _lease(owner).write_text(url)
     return url
@@ -746,6 +753,7 @@ def stop(wait_s: float = 60.0) -> bool:
         return False
     try:
         os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)  # a stopped server (SIGSTOP, a debugger) handles the SIGTERM now
     except ProcessLookupError:
         f.unlink(missing_ok=True)
         return False
@@ -783,7 +791,11 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("uri")
     args = ap.parse_args(argv)
     if args.cmd == "start":
-        print(start())
+        try:
+            print(start())
+        except EmbeddedDown as e:
+            print(f"s3: error: {e}", file=sys.stderr)
+            return 75
     elif args.cmd == "stop":
         print("stopped" if stop() else "not running")
     elif args.cmd == "status":
