@@ -101,15 +101,11 @@ def test_lineage_follows_inputs_and_refuses_a_rewritten_upstream(home, spark, mo
         assert isinstance(e.value, AirflowFailException) == final, e.value
 
 
-def test_lineage_follows_inputs_under_a_run_root_with_a_space_and_non_ascii(home):
-    """input_ref records an upstream manifest as a file URI, which percent-encodes a space or an é: read back
-    undecoded, every stage that follows its inputs (tokenize's corpus record, the Asset hand-off) failed on a
-    run.root such as /mnt/fsx/LLM runs."""
+def _ingest_then_dedup(spec):
+    """Two committed stages, the second made from the first (its manifest records the first's as its input)."""
     from pipelines.cli import stage_dir
-    from pipelines.manifest import input_ref, lineage
-    from pipelines.spec import load_spec
+    from pipelines.manifest import input_ref
 
-    spec = load_spec(None, [f"run.root={home / 'LLM runs' / 'été'}"], env={})
     up = stage_dir(spec, "ingest", [])
     with up:
         (up.tmp / "x").write_text("x")
@@ -117,7 +113,18 @@ def test_lineage_follows_inputs_under_a_run_root_with_a_space_and_non_ascii(home
     down = stage_dir(spec, "dedup", [input_ref(ing)])
     with down:
         (down.tmp / "y").write_text("y")
-        dd = down.commit({"y": "y"})
+        return ing, down.commit({"y": "y"})
+
+
+def test_lineage_follows_inputs_under_a_run_root_with_a_space_and_non_ascii(home):
+    """input_ref records an upstream manifest as a file URI, which percent-encodes a space or an é: read back
+    undecoded, every stage that follows its inputs (tokenize's corpus record, the Asset hand-off) failed on a
+    run.root such as /mnt/fsx/LLM runs."""
+    from pipelines.manifest import input_ref, lineage
+    from pipelines.spec import load_spec
+
+    spec = load_spec(None, [f"run.root={home / 'LLM runs' / 'été'}"], env={})
+    ing, dd = _ingest_then_dedup(spec)
     assert "%20" in input_ref(ing)["uri"]
     assert lineage(dd.path) == {"dedup": dd.path, "ingest": ing.path}
 
@@ -126,19 +133,11 @@ def test_forged_or_dangling_upstream_manifests_are_refused_in_one_line_not_a_tra
     """An output without a name or checksum (KeyError in its digest), an upstream result deleted since (a bare
     FileNotFoundError) and a manifest that names itself as its input (RecursionError) were each a traceback and
     exit 1 in every stage that follows inputs; each is now a StageError (exit 2) naming the manifest."""
-    from pipelines.cli import stage_dir
     from pipelines.manifest import ManifestInvalid, StageError, input_ref, lineage, load_manifest
     from pipelines.spec import load_spec
 
     spec = load_spec(None, [], env={})
-    up = stage_dir(spec, "ingest", [])
-    with up:
-        (up.tmp / "x").write_text("x")
-        ing = up.commit({"x": "x"})
-    down = stage_dir(spec, "dedup", [input_ref(ing)])
-    with down:
-        (down.tmp / "y").write_text("y")
-        dd = down.commit({"y": "y"})
+    ing, dd = _ingest_then_dedup(spec)
     raw = json.loads(open(ing.path).read())
     nameless = home / "nameless" / "manifest.json"
     nameless.parent.mkdir()
