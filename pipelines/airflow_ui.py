@@ -26,6 +26,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -299,8 +300,6 @@ def wait_healthy(port: int, timeout: float = 280.0, alive=lambda: True, pid: Opt
 
 def port_taken(port: int) -> bool:
     """Does another process listen on ``port`` already (our api-server could not bind it)?"""
-    import socket
-
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -33,6 +33,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
+import httpx
+import httpx2
+
 from pipelines.manifest import sha256_file
 from pipelines.spec import SpecError, resolve_bundled, resolve_path
 
@@ -113,7 +116,7 @@ def spec_fault(e: BaseException) -> bool:
     not there (``FileNotFoundError``, also the hub's "no such dataset"), a dataset neither local nor in the Hugging
     Face cache while offline (``ConnectionError`` with ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` on)? Not when
     it, or an error it was raised from, is another ``OSError`` (a file lock of ``datasets`` that times out, a cache
-    on a full or failing disk, the hub unreachable while online: an ``httpx`` transport error too, which is no
+    on a full or failing disk, the hub unreachable while online: an ``httpx2`` transport error too, which is no
     ``OSError``) or a ``MemoryError``: the machine's, retryable. The chain is followed by cause and by context (the
     hub raises its "not found locally" from inside the handler of the transport error)."""
     seen: set[int] = set()
@@ -129,13 +132,9 @@ def spec_fault(e: BaseException) -> bool:
 
 
 def _transport_error(e: BaseException) -> bool:
-    """Is ``e`` an HTTP client's failure to reach a server (``httpx.TransportError``: a timeout, a refused or reset
-    connection)?"""
-    try:
-        import httpx
-    except ImportError:  # pragma: no cover - the hub's client needs it
-        return False
-    return isinstance(e, httpx.TransportError)
+    """Is ``e`` an HTTP client's failure to reach a server (a timeout, a refused or reset connection):
+    ``httpx2.TransportError`` (huggingface_hub's client) or ``httpx.TransportError``?"""
+    return isinstance(e, (httpx.TransportError, httpx2.TransportError))
 
 
 def hub_offline() -> bool:
