@@ -12,14 +12,12 @@ import json
 import sys
 from typing import Callable, Iterable, Optional
 
-from botocore.exceptions import ClientError, NoCredentialsError, NoRegionError, PartialCredentialsError
-
 from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_write_text, load_manifest, run_stage
 from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
 from pipelines.stages import Stage, stage
 from pipelines.storage import oserrors
-from pipelines.storage.s3 import EmbeddedDown, S3ConfigError, outage, wrapped
+from pipelines.storage.s3 import credentials_refused, outage
 from pipelines.tracking import log_stage, mlflow_outage
 
 
@@ -94,7 +92,7 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
     """Parse, run the stage (``run(spec, *upstream_manifests, out_dir=…)`` unless ``call`` is given), write the
     report, print the one-line summary. A :class:`StageError` or :class:`SpecError` prints ``<stage>: error: …``
     and exits with its status (an outage's, e.g. L2 not answering, is 75); any other failure that is not a bug is one
-    line and :func:`failure_code`'s status (the report's write included: the stage has committed, a retry reuses
+    line and :func:`failure`'s status (the report's write included: the stage has committed, a retry reuses
     it); :class:`Pending` (a job submitted elsewhere) reports what to wait for."""
     ap = stage_parser(name, inputs_required)
     if add_args:
@@ -114,50 +112,29 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
         print(f"{name}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
     except Exception as e:  # noqa: BLE001 - classified below; anything else is a bug's traceback
-        code = failure_code(e)
-        if code is None:
+        said = failure(e)
+        if said is None:
             raise
-        print(f"{name}: error: {failure_line(e, code)}", file=sys.stderr)
-        return code
+        print(f"{name}: error: {said[1]}", file=sys.stderr)
+        return said[0]
     print(summary(m))
     return 0
 
 
-def failure_code(e: BaseException) -> Optional[int]:
-    """A stage's exit status for ``e`` where it is not a bug: a path refused to this user, or an object store that
-    refused these credentials or this configuration (2: no retry mends it); an object store, a tracking server or
-    a disk that did not answer (75: retry). None for anything else."""
-    if oserrors.refused(e) or credentials_refused(e):
-        return USER_ERROR
-    if outage(e) or mlflow_outage(e) or oserrors.storage_failing(e):
-        return RETRY
-    return None
-
-
-def credentials_refused(e: BaseException) -> bool:
-    """Did the object store refuse these credentials or this configuration (401/403, a bad key or signature; none or
-    half of a key pair; no region; the embedded endpoint not installed): no retry mends it. A credentials provider
-    that did not answer, an expired session token (refreshed on a retry) and anything else are not."""
-    e = wrapped(e) or e
-    if isinstance(e, ClientError):
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        code = str(e.response.get("Error", {}).get("Code", ""))
-        return code != "ExpiredToken" and (status in (401, 403) or code in (
-            "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"))
-    return isinstance(e, (NoCredentialsError, PartialCredentialsError, NoRegionError)) or (
-        isinstance(e, S3ConfigError) and not isinstance(e, EmbeddedDown))
-
-
-def failure_line(e: BaseException, code: int) -> str:
-    """:func:`failure_code`'s one line for ``e``."""
+def failure(e: BaseException) -> Optional[tuple[int, str]]:
+    """A stage's exit status and one line for ``e`` where it is not a bug: a path refused to this user, or an object
+    store that refused these credentials or this configuration (2: no retry mends it); an object store, a tracking
+    server or a disk that did not answer (75: retry). None for anything else."""
     what = f"{type(e).__name__}: {str(e)[:300]}"
     if oserrors.refused(e):  # a path this user may not read or write
-        return f"{e}: this user may not; give it access"
-    if code == USER_ERROR:
-        return (f"the object store refused the request: {what}; check services.s3_endpoint_url, services.s3_bucket "
-                "and the AWS credentials this process gets")
+        return USER_ERROR, f"{e}: this user may not; give it access"
+    if credentials_refused(e):
+        return USER_ERROR, (f"the object store refused the request: {what}; check services.s3_endpoint_url, "
+                            "services.s3_bucket and the AWS credentials this process gets")
     if outage(e):
-        return f"the object store did not answer: {what}; run it again"
+        return RETRY, f"the object store did not answer: {what}; run it again"
     if mlflow_outage(e):
-        return f"the tracking server did not answer: {what}; run it again"
-    return f"storage: {e}; a retry reuses the work done"  # EIO, ESTALE, ENOSPC … under run.root or an input
+        return RETRY, f"the tracking server did not answer: {what}; run it again"
+    if oserrors.storage_failing(e):  # EIO, ESTALE, ENOSPC … under run.root or an input
+        return RETRY, f"storage: {e}; a retry reuses the work done"
+    return None

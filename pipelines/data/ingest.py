@@ -93,11 +93,9 @@ def read_chunk(chunk: Chunk, cfg: IngestCfg, parts: str, fields: InputFieldsCfg 
     except ObjectChanged as e:
         return {"no": chunk.no, "changed": str(e)}
     except Exception as e:  # noqa: BLE001 - only an S3 object's answers are read here; anything else is raised
-        if chunk.settings is None or not (outage(e) or missing(e)):
-            raise
-        if missing(e):
+        if chunk.settings is not None and missing(e):
             return {"no": chunk.no, "changed": f"{chunk.path} is gone since it was listed"}
-        if not last_attempt(attempts):
+        if chunk.settings is None or not outage(e) or not last_attempt(attempts):
             raise
         return {"no": chunk.no, "unavailable": f"{chunk.path}: the endpoint did not answer ({type(e).__name__}: {e})"}
 

@@ -46,7 +46,8 @@ from urllib.parse import urlsplit
 
 from boto3.exceptions import RetriesExceededError as Boto3RetriesExceeded, S3UploadFailedError
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as BotoConnectionError, HTTPClientError
+from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError, HTTPClientError,
+                                 NoCredentialsError, NoRegionError, PartialCredentialsError)
 from s3transfer.exceptions import RetriesExceededError
 from s3transfer.utils import ChunksizeAdjuster
 
@@ -413,8 +414,8 @@ def wrapped(e: BaseException) -> Optional[BaseException]:
 def unreachable(e: BaseException) -> bool:
     """Is ``e`` the endpoint not answering (down, refusing, resetting, timing out, throttling past the retries)
     rather than an answer about an object?"""
-    if isinstance(e, (RetriesExceededError, Boto3RetriesExceeded, S3UploadFailedError)):  # a transfer's: its cause says
-        return wrapped(e) is not None and unreachable(wrapped(e))
+    if (inner := wrapped(e)) is not None:  # a transfer's: the error it wrapped says
+        return unreachable(inner)
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
@@ -428,13 +429,27 @@ def outage(e: BaseException) -> bool:
     """Is ``e`` the endpoint failing to answer (down, refusing, resetting, timing out, 5xx, throttling), as opposed to
     credentials or a configuration that does not work (401/403, no credentials, a bad parameter), which a retry
     cannot mend? (:func:`unreachable` counts both: L2 is then unusable either way.)"""
-    if isinstance(e, (RetriesExceededError, Boto3RetriesExceeded, S3UploadFailedError)):
-        return wrapped(e) is not None and outage(wrapped(e))
+    if (inner := wrapped(e)) is not None:
+        return outage(inner)
     if isinstance(e, ClientError):
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = str(e.response.get("Error", {}).get("Code", ""))
         return status >= 500 or code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout")
     return isinstance(e, (BotoConnectionError, HTTPClientError, ConnectionError, TimeoutError, EmbeddedDown))
+
+
+def credentials_refused(e: BaseException) -> bool:
+    """Did the object store refuse these credentials or this configuration (401/403, a bad key or signature; none or
+    half of a key pair; no region; the embedded endpoint not installed): no retry mends it. A credentials provider
+    that did not answer, an expired session token (refreshed on a retry) and anything else are not."""
+    e = wrapped(e) or e
+    if isinstance(e, ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        return code != "ExpiredToken" and (status in (401, 403) or code in (
+            "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"))
+    return isinstance(e, (NoCredentialsError, PartialCredentialsError, NoRegionError)) or (
+        isinstance(e, S3ConfigError) and not isinstance(e, EmbeddedDown))
 
 
 def client(spec: JobSpec):
@@ -632,8 +647,9 @@ def serve(port: int) -> None:
 def launch_server(store: Path, log, auth: bool = True, wait_s: float = 30.0,
                   tries: int = 3) -> tuple[subprocess.Popen, str]:
     """Start a server over ``store`` in its own session; return it and its URL once it answers on a port it listens
-    on itself. A port another process took between :func:`~pipelines.procs.free_port` and rclone's bind (the server exits at once)
-    is replaced by another, up to ``tries`` times; a server that answers nowhere within ``wait_s`` is killed."""
+    on itself. A port another process took between :func:`~pipelines.procs.free_port` and rclone's bind (the server
+    exits at once) is replaced by another, up to ``tries`` times; a server that answers nowhere within ``wait_s`` is
+    killed."""
     store.mkdir(parents=True, exist_ok=True)
     for _ in range(tries):
         port = free_port()
