@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-WHEELS=$(ls .gpu/wheels/*.whl 2>/dev/null || ls .whl/*.whl 2>/dev/null)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS && export PYTHONPATH=/tmp/site:$PWD
-# GPU checks on one CUDA machine, run from the repo root. The line above installs what the machine lacks (pydantic,
+# GPU checks on one CUDA machine, run from the repo root. First it installs what the machine lacks (pydantic,
 # mlflow-skinny, botocore & co.) from .gpu/wheels/, which `make gpu-bundle` fills here together with a tokenized
 # corpus in .gpu/tokenize/ (the machine has no Spark); carry it: run(carry=[".gpu"], command="bash benchmarks/gpu_checks.sh")
+# Without .gpu/wheels it says so in one line and exits 2 before anything runs (a device session is too dear to spend
+# on import errors).
 #   1. environment (nvidia-smi; python, torch, CUDA, cuDNN, NCCL, triton versions)
 #   2. MFU + bf16: benchmarks/gpu_mfu.py on configs/gpu_350m.yaml (ours vs nanoGPT's recipe, torch.compile(model);
 #      GPU_VARIANTS="k=v …": rows of ours with a setting changed, e.g. the full-logits loss train.loss_chunk_tokens=0;
@@ -15,16 +15,38 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 #      default group (the Checkpointer's collectives on it, as in a GPU training run)
 #   5. (if time is left) the same stall with the model on the CPU, as a baseline on this machine
 # Each step has its own timeout and never stops the others; the whole run is bounded by GPU_CHECKS_BUDGET_S
-# (default 540 s; run it with timeout_s 600). Everything is logged to $OUT/gpu_checks.log as it happens.
+# (default 540 s; run it with timeout_s 600). Everything is logged to $OUT/gpu_checks.log as it happens. After each
+# step, what it left running is killed (torchrun starts its ranks in sessions of their own, out of `timeout`'s reach),
+# so no step measures beside another's leftovers. Exit status: 0 when every step ran and passed, 1 when one failed or
+# was skipped (the summary names it), 2 without the bundle.
 #
 #   bash benchmarks/gpu_checks.sh          # OUT=<dir> for the results (default var/gpu_checks)
+set -o pipefail
 
+WHEELS=$(ls .gpu/wheels/*.whl 2>/dev/null || ls .whl/*.whl 2>/dev/null)
+if [[ -z $WHEELS ]]; then
+    echo "gpu_checks: no .gpu/wheels/*.whl here: run \`make gpu-bundle\` on the development machine and carry .gpu" >&2
+    exit 2
+fi
 OUT=${OUT:-$PWD/var/gpu_checks}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LLMP_PROGRESS=0
 START=$SECONDS
 END=$((START + ${GPU_CHECKS_BUDGET_S:-540}))
 SUMMARY=()
+FAILED=0
+# what a step may leave running (its python, torchrun and the ranks): killed when the step is over
+LEFTOVER_RE='benchmarks/(gpu_mfu|trainer_gpu|ckpt_bench|nccl_check)\.py|pipelines\.(train|launch)\.|torch\.distributed\.run|torchrun'
+
+reap() {  # reap NAME: kill what step NAME left running, and say so
+    local pids
+    pids=$(pgrep -f "$LEFTOVER_RE" | grep -vx "$$" | tr '\n' ' ')
+    [[ -z ${pids// /} ]] && return 0
+    echo "### $1 left processes running: $pids; killing them"
+    kill -9 $pids 2>/dev/null
+    sleep 2
+    SUMMARY+=("$1: killed the processes it left running ($pids)")
+}
 
 step() {  # [STEP_MIN_S=S] step NAME CAP_S CMD...: run CMD under timeout min(CAP_S, time left); its rc, never fatal;
     # skipped when less than STEP_MIN_S (default 20) seconds are left: a step that cannot finish is not started
@@ -35,6 +57,7 @@ step() {  # [STEP_MIN_S=S] step NAME CAP_S CMD...: run CMD under timeout min(CAP
     if ((t < min)); then
         echo "### SKIP $name: ${left} s left of the budget, it needs ${min} s"
         SUMMARY+=("$name: skipped (budget)")
+        FAILED=1
         return 99
     fi
     echo
@@ -46,15 +69,20 @@ step() {  # [STEP_MIN_S=S] step NAME CAP_S CMD...: run CMD under timeout min(CAP
     ((rc == 124 || rc == 137)) && why=" TIMED OUT"
     echo "### [+$((SECONDS - START)) s] $name: rc=$rc$why after $((SECONDS - t0)) s"
     SUMMARY+=("$name: rc=$rc$why ($((SECONDS - t0)) s)")
+    ((rc == 0)) || FAILED=1
+    reap "$name"
     return $rc
 }
 
 main() {
     echo "### gpu_checks start $(date -u +%FT%TZ) in $PWD, OUT=$OUT, budget $((END - START)) s"
+    # shellcheck disable=SC2086  # one argument per wheel
+    timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        $WHEELS
+    export PYTHONPATH=/tmp/site:$PWD
     if ! python3 -c "import pydantic" 2>/dev/null; then  # no pip here: wheels are zip files
-        echo "### pip install of .whl/ did not take; extracting the wheels into /tmp/site"
-        for w in $WHEELS; do python3 -m zipfile -e "$w" /tmp/site; done
-        export PYTHONPATH=/tmp/site:$PWD
+        echo "### pip install of .gpu/wheels did not take; extracting the wheels into /tmp/site"
+        for w in $WHEELS; do timeout 60 python3 -m zipfile -e "$w" /tmp/site; done
     fi
     echo "PYTHONPATH=$PYTHONPATH; /tmp/site: $(ls /tmp/site 2>&1 | tr '\n' ' ')"
 
@@ -113,25 +141,33 @@ EOF
     [[ ${GPU_PROFILE:-0} == 1 ]] && EXTRA+=(--profile "$OUT/profile")
     read -ra VARIANTS <<<"${GPU_VARIANTS:-}"  # split on spaces, no glob expansion
     for kv in "${VARIANTS[@]}"; do EXTRA+=(--variant "$kv"); done
+    # the rows measured are kept whatever happens after them: gpu_mfu.py rewrites its JSON after each row
+    NOCOMPILE=()
     if step "gpu_mfu (ours vs the compiled recipe)" 300 python3 benchmarks/gpu_mfu.py --steps 50 "${EXTRA[@]}"; then
         cp var/bench/gpu_mfu.json "$OUT/gpu_mfu.json" && echo "copied gpu_mfu.json to OUT"
-    else
-        step "gpu_mfu fallback (parallel.compile=false)" 150 python3 benchmarks/gpu_mfu.py --steps 30 \
-            --set parallel.compile=false --out "$OUT/gpu_mfu_nocompile.json"
+    else  # torch.compile failed or took too long here: the same comparison with nothing compiled, and the rest so
+        [[ -f var/bench/gpu_mfu.json ]] && cp var/bench/gpu_mfu.json "$OUT/gpu_mfu_partial.json"
+        rm -f var/bench/gpu_mfu.json
+        NOCOMPILE=(--set parallel.compile=false)
+        step "gpu_mfu fallback (--no-compile: ours and the recipe eager)" 150 python3 benchmarks/gpu_mfu.py \
+            --steps 30 --no-compile
+        [[ -f var/bench/gpu_mfu.json ]] && cp var/bench/gpu_mfu.json "$OUT/gpu_mfu_nocompile.json"
     fi
 
     # 2b. the whole trainer on the same config against that step (steady wall tokens/s ÷ gpu_mfu's ours)
     if [[ -f .gpu/tokenize/manifest.json ]]; then
         STEP_MIN_S=90 step "the whole trainer vs its step (trainer_gpu)" 240 python3 benchmarks/trainer_gpu.py --steps 60 --every 30 \
-            --tokenize-manifest .gpu/tokenize/manifest.json --step-json var/bench/gpu_mfu.json --out "$OUT/trainer_gpu.json"
+            --tokenize-manifest .gpu/tokenize/manifest.json --step-json var/bench/gpu_mfu.json --out "$OUT/trainer_gpu.json" \
+            "${NOCOMPILE[@]}"
     else
         echo "### SKIP trainer_gpu: no .gpu/tokenize (make gpu-bundle here, then carry .gpu)"
         SUMMARY+=("trainer_gpu: skipped (no .gpu/tokenize)")
+        FAILED=1
     fi
 
     # 2c. the same comparison on the ~1 B config (ours and the compiled recipe)
     STEP_MIN_S=120 step "gpu_mfu 1B (ours vs the compiled recipe)" 240 python3 benchmarks/gpu_mfu.py --spec configs/gpu_1b.yaml \
-        --steps 30 --out "$OUT/gpu_mfu_1b.json"
+        --steps 30 --out "$OUT/gpu_mfu_1b.json" ${NOCOMPILE:+--no-compile}
 
     # 3. async checkpoint stall with the model + AdamW state on the GPU (default gloo group)
     step "ckpt stall, device cuda" 180 python3 benchmarks/ckpt_bench.py --only stall --device cuda \
@@ -148,7 +184,7 @@ EOF
     if ((END - SECONDS >= 90)); then
         step "ckpt stall, device cpu (baseline)" 120 python3 benchmarks/ckpt_bench.py --only stall --device cpu \
             --sizes 350m --out "$OUT/ckpt_stall_cpu.json"
-    else
+    else  # a baseline: its absence fails nothing
         SUMMARY+=("ckpt stall, device cpu (baseline): skipped (budget)")
     fi
     rm -rf var/bench/ckpt-sizes
@@ -157,7 +193,9 @@ EOF
     echo "### summary after $((SECONDS - START)) s"
     printf '  %s\n' "${SUMMARY[@]}"
     ls -la "$OUT"
+    ((FAILED == 0)) || echo "### gpu_checks: a step failed or was skipped (above); the figures measured are in $OUT"
+    return $FAILED
 }
 
 main 2>&1 | tee -a "$OUT/gpu_checks.log"
-exit 0
+exit "${PIPESTATUS[0]}"

@@ -23,11 +23,15 @@ class is not run here: the workplace does not let developers commit code fetched
 
 MFU = tokens/s × (6N + 12·L·H·d_head·T) FLOPs/token ÷ the detected GPU's dense bf16 peak
 (``pipelines.train.plan``: H100 SXM 989 TFLOP/s). Steady state: the first ``--warmup`` steps (compile,
-allocator) are excluded. Writes ``var/bench/gpu_mfu.json``.
+allocator) are excluded; every row starts from a clean slate (no compiled graph or cached memory of the row before;
+peak memory reset). Each row is printed and ``var/bench/gpu_mfu.json`` rewritten as soon as it is measured
+(``"complete": false`` until the last), so a step cap that kills the run keeps the rows before it. A row that fails
+(out of memory, a compile error) is an ``error`` row, the others still run, and the exit status is 1.
 
     python benchmarks/gpu_mfu.py [--spec configs/gpu_350m.yaml] [--steps 30] [--set train.micro_batch=4]
     python benchmarks/gpu_mfu.py --device cpu --set …   # the same rows on CPU (fp32 unless the spec says bf16)
     python benchmarks/gpu_mfu.py --variant train.loss_chunk_tokens=0   # + a row of ours with that setting
+    python benchmarks/gpu_mfu.py --no-compile           # torch.compile unusable: ours and the recipe both eager
     python benchmarks/gpu_mfu.py --cpu-smoke            # a tiny config on CPU: checks the script
 
 Without a CUDA device (and without ``--device cpu`` or ``--cpu-smoke``) it says so and exits 2, writing nothing.
@@ -203,6 +207,8 @@ def _args(argv):
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the rows run (default cuda)")
     ap.add_argument("--cpu-smoke", action="store_true", help="Tiny config on CPU: exercise the script, no MFU.")
     ap.add_argument("--eager-anchor", action="store_true", help="Also the recipe without compile (eager).")
+    ap.add_argument("--no-compile", action="store_true", help="Where torch.compile fails or is too slow: ours with "
+                    "parallel.compile=false and nanoGPT's recipe eager (so labelled), no row compiles.")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
                     help="Also our step with this setting changed (one row each; not an anchor).")
     ap.add_argument("--profile", metavar="DIR", help="Also profile 3 steps of each row (torch.profiler): a table of "
@@ -215,6 +221,10 @@ def row_builds(args, spec_with) -> list[tuple[str, object, object, str]]:
     """(label, step builder, its spec, kind: ours / anchor / variant) of every row asked for, ours first; every
     spec is loaded (and checked) here."""
     spec = spec_with([])
+    if args.no_compile:  # nothing compiles: the recipe's row is eager, and says so
+        return [("ours (trainer step)", ours_step, spec, "ours"),
+                ("nanoGPT recipe, eager (--no-compile)", eager_step, spec, "anchor")] + [
+            (f"ours with {kv}", ours_step, spec_with([kv]), "variant") for kv in args.variant]
     rows = [("ours (trainer step)", ours_step, spec, "ours"),
             ("nanoGPT recipe (torch.compile(model))", recipe_step, spec, "anchor")]
     if args.eager_anchor:
@@ -232,44 +242,84 @@ def spec_flops(spec) -> tuple[dict, int]:
     return params, flops_per_token(shape, params)
 
 
-def measure(builds, device, name: str, args) -> list[dict]:
+def measure(builds, device, name: str, args):
+    """Each row as it is measured (a generator: the caller prints and writes it at once, so that a row that fails
+    or a step cap that kills the process later loses none before it). A row that raises (out of memory, a compile
+    that fails) is an ``error`` row; the next row still runs."""
+    import gc
+
+    import torch
+
+    for label, build, spec, kind in builds:
+        # every row from a clean slate: no compiled graph, cached block or tensor of the row before counts here
+        torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        base = {"impl": label, "anchor": kind == "anchor", "loss_chunk_tokens": spec.train.loss_chunk_tokens}
+        try:
+            yield {**base, **_row(label, build, spec, device, name, kind, args)}
+        except Exception as e:  # noqa: BLE001 - the row failed; it says why and the others still run
+            yield {**base, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+
+
+def _row(label: str, build, spec, device, name: str, kind: str, args) -> dict:
     import torch
 
     from pipelines.train.plan import mfu
 
-    rows = []
-    for label, build, spec, kind in builds:
-        fpt = spec_flops(spec)[1]
-        r = _timed(build, spec, device, args.steps, args.warmup)
-        if args.profile and kind != "variant":  # where the time goes: ours and the anchors
-            where = Path(args.profile) / f"{r['mode']}-{label.split(' ')[0]}.txt"
-            print(profile(build, spec, device, args.warmup, where, label))
-        tps = r["tokens_per_step"] * len(r["times"]) / sum(r["times"])
-        u = mfu(tps, fpt, 1, name, spec.train.dtype) if device.type == "cuda" else None
-        mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        rows.append({"impl": label, "tokens_per_s": tps, "mfu": u, "step_ms": 1e3 * sum(r["times"]) / len(r["times"]),
-                     "mode": r["mode"], "peak_mem_gib": mem, "anchor": kind == "anchor", "warmup_s": r["warmup_s"],
-                     "loss_chunk_tokens": spec.train.loss_chunk_tokens, "flops_per_token": fpt})
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-    return rows
+    fpt = spec_flops(spec)[1]
+    r = _timed(build, spec, device, args.steps, args.warmup)
+    if args.profile and kind != "variant":  # where the time goes: ours and the anchors
+        where = Path(args.profile) / f"{r['mode']}-{label.split(' ')[0]}.txt"
+        print(profile(build, spec, device, args.warmup, where, label))
+    tps = r["tokens_per_step"] * len(r["times"]) / sum(r["times"])
+    u = mfu(tps, fpt, 1, name, spec.train.dtype) if device.type == "cuda" else None
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"tokens_per_s": tps, "mfu": u, "step_ms": 1e3 * sum(r["times"]) / len(r["times"]), "mode": r["mode"],
+            "peak_mem_gib": mem, "warmup_s": r["warmup_s"], "flops_per_token": fpt}
+
+
+HEADER = ("| impl | tokens/s | step ms | MFU | peak mem GiB | vs the fastest anchor | build + warm-up s |\n"
+          "|---|---|---|---|---|---|---|")
+
+
+def row_line(r: dict, best: float | None) -> str:
+    """One row of the table (``best``: the fastest anchor's tokens/s, None while no anchor is measured)."""
+    if "error" in r:
+        return f"| {r['impl']} | failed: {r['error']} | | | | | |"
+    mfu_s = f"{100 * r['mfu']:.1f} %" if r["mfu"] is not None else "— (CPU)"
+    mem_s = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "—"
+    vs = f"{r['tokens_per_s'] / best:.3f}" if best else "—"
+    return (f"| {r['impl']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {mfu_s} | {mem_s} | {vs} | "
+            f"{r['warmup_s']:.0f} |")
+
+
+def summarise(head: dict, rows: list[dict], complete: bool) -> dict:
+    """The result so far: ``head`` (the config) with ``rows``, the fastest anchor measured and the ratio (None while
+    ours or every anchor is missing or failed); ``complete`` once every row asked for has run."""
+    ok = [r for r in rows if "error" not in r]
+    anchors = [r for r in ok if r["anchor"]]
+    anchor = max(anchors, key=lambda r: r["tokens_per_s"]) if anchors else None
+    mine = rows[0] if rows and "error" not in rows[0] else None
+    return {**head, "rows": rows, "complete": complete, "anchor": anchor["impl"] if anchor else None,
+            "ratio": mine["tokens_per_s"] / anchor["tokens_per_s"] if mine and anchor else None,
+            "ratio_of": f"tokens/s ours ÷ {anchor['impl']} (the fastest anchor)" if anchor else None}
 
 
 def report(result: dict) -> None:
-    rows = result["rows"]
     print(f"gpu_mfu: {result['device']}, {result['params'] / 1e6:,.1f}M params, "
           f"{result['flops_per_token'] / 1e9:.3f} GFLOP/token, batch {result['micro_batch']} × {result['seq_len']}, "
           f"{result['dtype']}, torch {result['torch']}")
-    print("| impl | tokens/s | step ms | MFU | peak mem GiB | vs the fastest anchor | build + warm-up s |\n"
-          "|---|---|---|---|---|---|---|")
-    best = max(r["tokens_per_s"] for r in rows if r["anchor"])
-    for r in rows:
-        mfu_s = f"{100 * r['mfu']:.1f} %" if r["mfu"] is not None else "— (CPU)"
-        mem_s = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "—"
-        print(f"| {r['impl']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {mfu_s} | {mem_s} | "
-              f"{r['tokens_per_s'] / best:.3f} | {r['warmup_s']:.0f} |")
-    print(f"ratio ({result['ratio_of']}): {result['ratio']:.3f}")
+    print(HEADER)
+    best = max((r["tokens_per_s"] for r in result["rows"] if r["anchor"] and "error" not in r), default=None)
+    for r in result["rows"]:
+        print(row_line(r, best))
+    if result["ratio"] is not None:
+        print(f"ratio ({result['ratio_of']}): {result['ratio']:.3f}")
+    else:
+        print("ratio: none (ours or every anchor failed)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,14 +327,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from pipelines.manifest import atomic_write_text
     from pipelines.spec import SpecError, load_spec
-    from pipelines.train.plan import peak_flops
 
     if no_cuda(args, "gpu_mfu"):
         return 2
     on_cpu = args.cpu_smoke or args.device == "cpu"
-    overrides = (SMOKE if args.cpu_smoke else []) + args.overrides
+    overrides = (SMOKE if args.cpu_smoke else []) + args.overrides + (
+        ["parallel.compile=false"] if args.no_compile else [])
 
     def spec_with(extra: list[str]):
         return load_spec(args.spec, overrides + extra + ONE_PROCESS, env={})
@@ -294,29 +343,48 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"gpu_mfu: {e}", file=sys.stderr)
         return 2
-    spec = builds[0][2]  # ours, the spec as given
     device = torch.device("cpu") if on_cpu else torch.device("cuda:0")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    head = config_of(builds[0][2], device, args, overrides)
+    out = Path(args.out)
+    rows: list[dict] = []
+    for r in measure(builds, device, head["device"], args):
+        rows.append(r)
+        print(f"gpu_mfu: row {len(rows)}/{len(builds)}: " + row_line(r, None), flush=True)
+        write(out, summarise(head, rows, complete=len(rows) == len(builds)))  # what is measured is kept at once
+    result = summarise(head, rows, complete=True)
+    report(result)
+    print(f"wrote {out}")
+    failed = [r["impl"] for r in rows if "error" in r]
+    if failed:
+        print(f"gpu_mfu: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def config_of(spec, device, args, overrides: list[str]) -> dict:
+    """What the rows measured (ours' spec as given): the fields ``trainer_gpu.py`` matches a step figure on."""
+    import torch
+
+    from pipelines.train.plan import peak_flops
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     params, fpt = spec_flops(spec)
-    rows = measure(builds, device, name, args)
-    anchor = max((r for r in rows if r["anchor"]), key=lambda r: r["tokens_per_s"])
-    result = {"device": name, "peak_flops": peak_flops(name, spec.train.dtype) if device.type == "cuda" else None,
-              "spec": args.spec, "overrides": overrides, "params": params["total"], "flops_per_token": fpt,
-              "micro_batch": spec.train.micro_batch, "seq_len": spec.model.seq_len, "dtype": spec.train.dtype,
-              "compile": spec.parallel.compile, "activation_checkpointing": spec.parallel.activation_checkpointing,
-              "loss_chunk_tokens": spec.train.loss_chunk_tokens,
-              "steps": args.steps, "warmup": args.warmup, "rows": rows, "anchor": anchor["impl"],
-              "ratio": rows[0]["tokens_per_s"] / anchor["tokens_per_s"],
-              "ratio_of": f"tokens/s ours ÷ {anchor['impl']} (the fastest anchor)", "torch": torch.__version__}
-    report(result)
-    out = Path(args.out)
+    return {"device": name, "device_type": device.type,
+            "peak_flops": peak_flops(name, spec.train.dtype) if device.type == "cuda" else None,
+            "spec": args.spec, "overrides": overrides, "params": params["total"], "flops_per_token": fpt,
+            "micro_batch": spec.train.micro_batch, "seq_len": spec.model.seq_len, "dtype": spec.train.dtype,
+            "compile": spec.parallel.compile, "activation_checkpointing": spec.parallel.activation_checkpointing,
+            "loss_chunk_tokens": spec.train.loss_chunk_tokens, "steps": args.steps, "warmup": args.warmup,
+            "torch": torch.__version__}
+
+
+def write(out: Path, result: dict) -> None:
+    from pipelines.manifest import atomic_write_text
+
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(result, indent=2))
-    print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_mfu  # noqa: E402  (benchmarks/, beside this file)
 
 BUNDLED = ROOT / ".gpu" / "tokenize" / "manifest.json"
-MATCH = ("params", "micro_batch", "seq_len", "dtype", "compile")  # what makes a gpu_mfu.json the same config
+# what makes a gpu_mfu.json the same config (a CPU figure, another loss or recompute setting is another step)
+MATCH = ("params", "micro_batch", "seq_len", "dtype", "compile", "device_type", "loss_chunk_tokens",
+         "activation_checkpointing")
 
 
 def _args(argv):
@@ -74,7 +76,8 @@ def step_figure(path: str | None, want: dict, run_bench) -> tuple[float, str]:
     if path and Path(path).is_file():
         got = json.loads(Path(path).read_text())
         same = all(got.get(k) == want[k] for k in MATCH)
-        ours = next((r for r in got.get("rows", []) if r.get("impl", "").startswith("ours (")), None)
+        ours = next((r for r in got.get("rows", []) if r.get("impl", "").startswith("ours (") and "error" not in r),
+                    None)
         if same and ours:
             return ours["tokens_per_s"], f"{path} (ours, {got.get('steps')} steps)"
         print(f"trainer_gpu: {path} measured another config "
@@ -124,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         return r["tokens_per_step"] * len(r["times"]) / sum(r["times"])
 
     want = {"params": param_count(model_shape(bench_spec))["total"], "micro_batch": spec.train.micro_batch,
-            "seq_len": spec.model.seq_len, "dtype": spec.train.dtype, "compile": spec.parallel.compile}
+            "seq_len": spec.model.seq_len, "dtype": spec.train.dtype, "compile": spec.parallel.compile,
+            "device_type": device.type, "loss_chunk_tokens": spec.train.loss_chunk_tokens,
+            "activation_checkpointing": spec.parallel.activation_checkpointing}
     bench, source = step_figure(None if args.cpu_smoke else args.step_json, want, run_bench)
     result = {**summary(args, mpath, res, bench, source), "torch": torch.__version__, **want}
     report(result)

@@ -52,7 +52,8 @@ def test_the_whole_trainer_runs_beside_its_step_benchmark_on_cpu(home, trainer_g
 
 
 def test_the_step_figure_is_taken_from_gpu_mfu_only_when_it_measured_the_same_config(trainer_gpu, tmp_path):
-    want = {"params": 368_000_000, "micro_batch": 8, "seq_len": 2048, "dtype": "bf16", "compile": True}
+    want = {"params": 368_000_000, "micro_batch": 8, "seq_len": 2048, "dtype": "bf16", "compile": True,
+            "device_type": "cuda", "loss_chunk_tokens": "auto", "activation_checkpointing": "none"}
     rows = [{"impl": "ours (trainer step)", "tokens_per_s": 170_000.0}, {"impl": "nanoGPT recipe", "tokens_per_s": 1.0}]
     same = tmp_path / "same.json"
     same.write_text(json.dumps({**want, "steps": 50, "rows": rows}))
@@ -66,6 +67,13 @@ def test_the_step_figure_is_taken_from_gpu_mfu_only_when_it_measured_the_same_co
     assert trainer_gpu.step_figure(str(same), want, bench)[0] == 170_000.0 and not measured
     assert trainer_gpu.step_figure(str(other), want, bench) == (123.0, "measured here after the trainer")
     assert trainer_gpu.step_figure(str(tmp_path / "absent.json"), want, bench)[0] == 123.0 and len(measured) == 2
+    # a CPU figure of the same model is another step; so is a failed row of ours (no figure in it)
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({**want, "device_type": "cpu", "rows": rows}))
+    assert trainer_gpu.step_figure(str(cpu), want, bench)[0] == 123.0 and len(measured) == 3
+    failed = tmp_path / "failed.json"
+    failed.write_text(json.dumps({**want, "rows": [{"impl": "ours (trainer step)", "error": "OutOfMemoryError: x"}]}))
+    assert trainer_gpu.step_figure(str(failed), want, bench)[0] == 123.0 and len(measured) == 4
 
 
 def test_the_bundle_takes_what_the_device_lacks_and_leaves_optional_and_own_packages(tmp_path, capsys):
@@ -121,3 +129,41 @@ def test_a_new_bundle_replaces_the_old_one_whole():
         bundle.swap_in(new, out)
         assert [p.name for p in (out / "wheels").iterdir()] == ["new-2.0-py3-none-any.whl"]
         assert sorted(p.name for p in Path(d).iterdir()) == [".gpu"]  # neither the old one nor the new one's folder
+
+
+def _fake_wheel(path):
+    """A wheel pip installs (one empty module): what the script needs to find in .gpu/wheels."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("llmp_fake/__init__.py", "")
+        z.writestr("llmp_fake-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: llmp-fake\nVersion: 1.0\n")
+        z.writestr("llmp_fake-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                   "Tag: py3-none-any\n")
+        z.writestr("llmp_fake-1.0.dist-info/RECORD", "")
+
+
+def test_gpu_checks_without_the_bundle_or_a_gpu_says_so_in_its_status(tmp_path):
+    """The one GPU script: no .gpu/wheels is one line and exit 2 before anything runs; steps that fail (no GPU here)
+    or do not fit the budget make the status 1 (never 0 with figures missing), each named in the summary."""
+    import os
+    import subprocess
+    import sys
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for d in ("benchmarks", "configs", "pipelines"):
+        (tree / d).symlink_to(ROOT / d)
+    run = lambda **env: subprocess.run(["bash", "benchmarks/gpu_checks.sh"], cwd=tree, capture_output=True,  # noqa: E731
+                                       text=True, timeout=300, env={**os.environ, "OUT": str(tmp_path / "out"), **env,
+                                                                 "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"})
+    bare = run()
+    assert bare.returncode == 2 and "make gpu-bundle" in bare.stderr and not (tmp_path / "out").exists()
+    (tree / ".gpu" / "wheels").mkdir(parents=True)
+    _fake_wheel(tree / ".gpu" / "wheels" / "llmp_fake-1.0-py3-none-any.whl")
+    done = run(GPU_CHECKS_BUDGET_S="40")
+    log = (tmp_path / "out" / "gpu_checks.log").read_text()
+    assert done.returncode == 1, log
+    summary = log[log.index("### summary"):]
+    assert "gpu_mfu (ours vs the compiled recipe): rc=2" in summary  # no CUDA here: its own exit 2
+    assert "skipped (budget)" in summary and "a step failed or was skipped" in log

@@ -250,3 +250,31 @@ def test_gpu_mfu_benchmark_runs_its_cpu_smoke_and_refuses_without_a_gpu(tmp_path
     if not torch.cuda.is_available():
         assert gm.main(["--out", str(tmp_path / "x.json")]) == 2 and not (tmp_path / "x.json").exists()
         assert "no CUDA device here" in capsys.readouterr().err
+
+
+def test_gpu_mfu_without_compile_and_a_row_that_fails_keeps_the_others(tmp_path, capsys, monkeypatch):
+    """--no-compile (gpu_checks.sh's fallback where torch.compile fails): no row compiles, the recipe's says so; a
+    row that raises is an error row, the rows measured are written, exit 1."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    mod = importlib.util.spec_from_file_location("gpu_mfu_nc", ROOT / "benchmarks" / "gpu_mfu.py")
+    gm = importlib.util.module_from_spec(mod)
+    mod.loader.exec_module(gm)
+    out = tmp_path / "gpu_mfu.json"
+    assert gm.main(["--cpu-smoke", "--no-compile", "--steps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["impl"], r["mode"]) for r in res["rows"]] == [
+        ("ours (trainer step)", "single"), ("nanoGPT recipe, eager (--no-compile)", "eager")]
+    assert res["complete"] and res["compile"] is False and res["ratio"] > 0
+
+    def broken(spec, device):
+        raise RuntimeError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(gm, "eager_step", broken)
+    assert gm.main(["--cpu-smoke", "--no-compile", "--steps", "2", "--warmup", "1", "--out", str(out)]) == 1
+    res = json.loads(out.read_text())
+    assert res["rows"][0]["tokens_per_s"] > 0 and res["rows"][1]["error"].startswith("RuntimeError: CUDA out of")
+    assert res["ratio"] is None and res["anchor"] is None and res["complete"]
+    printed = capsys.readouterr()
+    assert "row 1/2" in printed.out and "ratio: none" in printed.out and "1 row(s) failed" in printed.err
