@@ -1,8 +1,10 @@
 """Processes the pipeline starts and stops: whole process groups and trees, and who a pid file's pid really is.
 
-* A stage runs in a session of its own (``start_new_session``), so one signal reaches torchrun and its ranks, or
-  spark-submit, its JVM and its Python workers: :func:`stop_group` sends SIGTERM to the group, waits up to a grace
-  period for every member to exit, then SIGKILLs what is left.
+* A stage runs in a session of its own (``start_new_session``), so one signal reaches torchrun, or spark-submit,
+  its JVM and its Python workers: :func:`stop_group` sends SIGTERM to the group, waits up to a grace period for
+  every member and every descendant of theirs to exit, then SIGKILLs what is left, descendants included: torchrun
+  starts its ranks in sessions of their own, which a signal to the group never reaches, and a torchrun killed
+  before its own shutdown is over would leave them running.
 * :func:`stop_tree` does the same for a process and its descendants when they share our group (spark-submit started
   by the Spark provider).
 * A pid file records :func:`identity` (pid, start time, command line); :func:`still_running` is true only for that
@@ -124,16 +126,61 @@ def _wait(alive, deadline: float, reap: int | None) -> bool:
 
 
 def stop_group(pgid: int, grace_s: float = 10.0, reap: int | None = None) -> bool:
-    """SIGTERM to group ``pgid``, SIGKILL to whatever is left after ``grace_s``; ``reap`` our child, its leader.
-    Returns whether the group had to be killed."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return sig == signal.SIGKILL
-        if _wait(lambda: group_members(pgid), time.monotonic() + wait, reap):
-            return sig == signal.SIGKILL
+    """SIGTERM to group ``pgid``; after ``grace_s`` SIGKILL to whatever is left of it and of its members'
+    descendants (seen before the SIGTERM or after the grace: a rank in a session of its own); ``reap`` our child,
+    its leader. Returns whether anything had to be killed."""
+    known = tree_of(group_members(pgid))
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    if _wait(lambda: group_members(pgid) or _alive(known), time.monotonic() + grace_s, reap):
+        return False
+    known.update(tree_of(group_members(pgid)))
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    kill_known(known, 0.0, reap)
+    _wait(lambda: group_members(pgid), time.monotonic() + 5.0, reap)
     return True
+
+
+def tree_of(pids: list[int]) -> dict[int, int]:
+    """``pids`` and all their descendants, each with its start ticks (:func:`start_time`): whom to stop later, and
+    the proof that a pid still names the same process then."""
+    out: dict[int, int] = {}
+    kids = _children() if pids else {}
+    for p in [*pids, *(d for p in pids for d in descendants(p, kids))]:
+        t = start_time(p)
+        if t is not None:
+            out[p] = t
+    return out
+
+
+def _alive(known: dict[int, int]) -> list[int]:
+    """Those of ``known`` (pid → start ticks) still running as the same process, zombies left out."""
+    out = []
+    for p, t in known.items():
+        st = _stat(p)
+        if st and st[2] != "Z" and int(st[21]) == t:
+            out.append(p)
+    return out
+
+
+def kill_known(known: dict[int, int], grace_s: float = 10.0, reap: int | None = None) -> int:
+    """SIGTERM those of ``known`` (pid → start ticks, :func:`tree_of`) still running as the same process, SIGKILL
+    the survivors after ``grace_s`` (at once with 0); returns how many were still running."""
+    running = len(_alive(known))
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)) if grace_s > 0 else ((signal.SIGKILL, 5.0),):
+        for p in _alive(known):
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        if _wait(lambda: _alive(known), time.monotonic() + wait, reap):
+            break
+    return running
 
 
 def stop_group_but(pgid: int, keep: Callable[[int], bool], grace_s: float = 10.0) -> list[dict]:
@@ -152,19 +199,25 @@ def stop_unless(kept: list[dict], keep: Callable[[int], bool], grace_s: float = 
     return [i for i in alive if i not in done]
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid``'s children, theirs, and so on (from /proc's parent links)."""
-    parents: dict[int, list[int]] = {}
+def _children() -> dict[int, list[int]]:
+    """Every process's children (from /proc's parent links), read once."""
+    kids: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             st = _stat(int(d.name))
             if st:
-                parents.setdefault(int(st[3]), []).append(int(d.name))
+                kids.setdefault(int(st[3]), []).append(int(d.name))
+    return kids
+
+
+def descendants(pid: int, kids: dict[int, list[int]] | None = None) -> list[int]:
+    """``pid``'s children, theirs, and so on (from /proc's parent links; ``kids``: :func:`_children` read once)."""
+    kids = _children() if kids is None else kids
     out, todo = [], [pid]
     while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
+        found = kids.get(todo.pop(), [])
+        out += found
+        todo += found
     return out
 
 
@@ -268,18 +321,6 @@ def with_env(key: str, value: str) -> list[int]:
 
 def kill_all(pids: list[int], grace_s: float = 10.0, reap: int | None = None) -> int:
     """SIGTERM ``pids``, SIGKILL the survivors after ``grace_s``; returns how many there were."""
-    members = {p: start_time(p) for p in pids}
-
-    def alive():
-        return [p for p, t in members.items() if t is not None and start_time(p) == t
-                and (_stat(p) or ["", "", "Z"])[2] != "Z"]
-
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        for p in alive():
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
-                pass
-        if _wait(alive, time.monotonic() + wait, reap):
-            break
-    return len(members)
+    known = {p: t for p in pids if (t := start_time(p)) is not None}
+    kill_known(known, grace_s, reap)
+    return len(pids)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -541,6 +542,11 @@ class TrainCfg(_Section):
         "evaluation. A phase with waits bounded by the collective timeout (start-up, restore, rollback, the first "
         "step and evaluation of a start, every save, rank 0's MLflow calls, the preemption checkpoint, the final "
         "close) is allowed checkpoint.collective_timeout_minutes more per wait (the final close 3.5 times).")
+
+    def shutdown_grace_s(self) -> int:
+        """Seconds torchrun (``--shutdown-timeout``) and a pod (terminationGracePeriodSeconds) give the ranks after a
+        preemption notice: their checkpoint (``preempt_grace_s``) and 5 s to exit."""
+        return math.ceil(self.preempt_grace_s) + 5
 
     @model_validator(mode="after")
     def _numbers(self) -> "TrainCfg":

@@ -62,6 +62,7 @@ OVERRIDES: dict[str, tuple[str, str, str, dict]] = {
 
 # SIGTERM to the train task's processes (a user marking it failed, its timeout, the worker pod evicted) is a
 # preemption notice: the ranks checkpoint to L1 within train.preempt_grace_s (default 25 s) before SIGKILL after this
+# (or after torchrun's shutdown timeout of the spec the task runs + 5 s, when longer: StageOperator.grace_from_spec)
 TRAIN_KILL_GRACE_S = 35.0
 
 
@@ -243,7 +244,7 @@ def stage_task(s: Stage, inside: set[str], ovr: list[str], incremental: bool = F
     if s.engine == "spark":
         return SparkStageOperator(name=f"llm-pipeline-{s.name}", **kw)
     if s.name == "train":  # a stopped task gives the ranks their preemption grace before SIGKILL
-        kw["kill_grace_s"] = TRAIN_KILL_GRACE_S
+        kw.update(kill_grace_s=TRAIN_KILL_GRACE_S, grace_from_spec=True)
     return StageOperator(**kw)
 
 

@@ -259,7 +259,7 @@ class StageOperator(BaseOperator):
 
     def __init__(self, *, module: str, spec: str | None = None, overrides: Sequence[str] = (),
                  stage_args: Sequence[str] = (), deferrable: bool = True, kill_grace_s: float = KILL_GRACE_S,
-                 **kwargs: Any):
+                 grace_from_spec: bool = False, **kwargs: Any):
         super().__init__(**kwargs)
         self.module = module
         self.spec = spec
@@ -267,6 +267,8 @@ class StageOperator(BaseOperator):
         self.stage_args = list(stage_args)
         self.deferrable = deferrable
         self.kill_grace_s = kill_grace_s
+        # the ranks' preemption checkpoint: at least torchrun's shutdown timeout of the spec the task runs (+ 5 s)
+        self.grace_from_spec = grace_from_spec
 
     def _args(self) -> list[str]:
         return [*spec_cli_args(self.spec, self.overrides), *self.stage_args]
@@ -279,9 +281,12 @@ class StageOperator(BaseOperator):
         from pipelines.spec import SpecError
 
         try:
-            env = resolve(self.spec, spec_sets(self.overrides), Path(scratch)).env
+            resolved = resolve(self.spec, spec_sets(self.overrides), Path(scratch))
         except SpecError:  # the stage itself rejects the spec, with the key to fix (exit 2: no retries)
-            env = {}
+            return {"LLMP_DETACH": "1" if detach else "0"}
+        if self.grace_from_spec:  # SIGKILL never before torchrun's own shutdown of the ranks is over
+            self.kill_grace_s = max(self.kill_grace_s, resolved.spec.train.shutdown_grace_s() + 5.0)
+        env = resolved.env
         return {**env, "LLMP_DETACH": "1" if detach else "0"}
 
     def execute(self, context) -> str:

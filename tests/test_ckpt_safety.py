@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 
 import pytest
@@ -274,6 +274,16 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_and_a_real_one_loads(t
     (ckpt / ".metadata").write_bytes(pickle.dumps(forged))
     with pytest.raises(ck.UnsafeCheckpoint, match="is not a shard file of this checkpoint"):
         dcp_read.load_plain_model(ckpt)
+    # a path whose private slot says a harmless name while it points at another file: str() passed the name check,
+    # the join opened /etc/hostname. A private attribute set from the stream, or a place that is not a str: refused
+    forged.storage_data[first].relative_path = _PathWithForgedSlot()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(forged))
+    with pytest.raises(ck.UnsafeCheckpoint, match="BUILD of a PurePosixPath"):
+        dcp_read.read_metadata(ckpt)
+    forged.storage_data[first].relative_path = PurePosixPath("__0_0.distcp")
+    (ckpt / ".metadata").write_bytes(pickle.dumps(forged))
+    with pytest.raises(ck.UnsafeCheckpoint, match="is not a shard file of this checkpoint"):
+        dcp_read.read_metadata(ckpt)
     (ckpt / ".metadata").write_bytes(good)
     planner, item = dcp_read.safe_classes()[1](), SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
     forged = io.BytesIO()
@@ -283,6 +293,11 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_and_a_real_one_loads(t
         planner.load_bytes(item, forged)
     assert not marker.exists()
     assert isinstance(dcp_read.read_metadata(ckpt), dcp.metadata.Metadata)
+
+
+class _PathWithForgedSlot:
+    def __reduce__(self):
+        return PurePosixPath, ("/etc/hostname",), {"_str": "__0_0.distcp"}
 
 
 def test_two_concurrent_runs_of_one_stage_key_never_write_at_once(tmp_path):

@@ -428,3 +428,37 @@ def test_the_launcher_reads_every_nodes_output_all_along_so_no_node_stops_on_a_f
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_the_launcher_waits_for_torchrun_not_for_a_rank_left_holding_its_output(monkeypatch):
+    """A rank torchrun left behind (in a session of its own, as torchrun starts them) keeps the output pipe open:
+    the launcher used to read until every holder closed it, i.e. forever. Now it waits for torchrun, gives the pipe
+    PIPE_GRACE_S, then kills what it saw under torchrun; past launcher.timeout_minutes it stops with TrainRetry."""
+    from pipelines.launch import ranks
+    from pipelines.procs import start_time
+
+    monkeypatch.setattr(ranks, "PIPE_GRACE_S", 1.0)
+    leaver = ("import subprocess, sys, time\n"
+              "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+              "print('rank', g.pid, flush=True); time.sleep(2); sys.exit(0)")
+    p = subprocess.Popen([sys.executable, "-c", leaver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: dict[int, int] = {}
+    t0 = time.monotonic()
+    codes, tail, _ = ranks._stream([p], seen)
+    rank = int(tail[0].split()[1])
+    assert codes == [0] and time.monotonic() - t0 < 30 and rank in seen
+    assert start_time(rank) is None or _zombie(rank), "the rank left behind still runs"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        with pytest.raises(ranks.TrainRetry, match="launcher.timeout_minutes"):
+            ranks._stream([sleeper], {}, deadline=time.monotonic() + 1)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def _zombie(pid: int) -> bool:
+    from pipelines.procs import state
+
+    return state(pid) == "Z"

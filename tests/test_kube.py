@@ -694,7 +694,8 @@ def test_outcome_files_of_another_attempt_are_ignored(tmp_path):
     assert rank.stdout.readline().strip() == "started"  # it read its attempt
     second = xc.new_attempt(work)
     rank.communicate("go\n", timeout=120)
-    assert second != first and json.loads((work / "exit-rank3.json").read_text())["attempt"] == first
+    # the stale rank's file is named for its attempt: it cannot replace the current attempt's rank 3 file
+    assert second != first and json.loads((work / f"exit-rank3-{first}.json").read_text())["attempt"] == first
     (work / "exit-rank2.json").write_text(json.dumps({"rank": 2, "code": 2, "reason": "diverged", "attempt": first}))
     (work / "exit-rank1.json").write_text(json.dumps({"rank": 1, "code": 75, "reason": "storage: EIO"}))  # no field
     xc.write_outcome(work, 0, xc.RETRY, "storage: ENOSPC")
@@ -704,6 +705,15 @@ def test_outcome_files_of_another_attempt_are_ignored(tmp_path):
     assert xc.failed_ranks_code(outcomes) == xc.RETRY  # nor does rank 2's stale "diverged" (it would say 2)
     xc.new_attempt(work)
     assert xc.read_outcomes(work) == [] and not list(work.glob("exit-rank*.json"))
+    # an attempt file that does not answer is no verdict (every file counting): 75, not "none named"
+    (work / xc.ATTEMPT_FILE).unlink()
+    (work / xc.ATTEMPT_FILE).mkdir()  # read as a file: IsADirectoryError, as EIO would be
+    with pytest.raises(xc.OutcomesUnreadable) as e:
+        xc.read_outcomes(work)
+    assert e.value.exit_code == 75 and xc.final_stop(work) is None
+    (work / "a-file").write_text("x")  # an --out that cannot be written: the rank learns it (it then exits 75)
+    assert xc.write_outcome(work / "a-file" / "out", 0, xc.RETRY, "preempted", step=3) is False
+    assert xc.write_outcome(tmp_path / "fine", 0, xc.RETRY, "preempted", step=3) is True
 
 
 def _gated_job(monkeypatch, spec, gate):

@@ -18,9 +18,11 @@ from conftest import ROOT, c4_docs, serving, write_jsonl
 
 SLEEPY = '''
 import json, os, subprocess, sys, time
-# a child that starts a grandchild, then both sleep: what torchrun and its ranks look like to the operator
+# a child that starts a grandchild, then both sleep: what torchrun and its ranks look like to the operator (torchrun
+# starts each rank in a session of its own: a signal to the stage's group does not reach it)
 child = subprocess.Popen([sys.executable, "-c",
-    "import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+    "start_new_session=True); "
     "open(sys.argv[1], 'w').write(str(g.pid)); time.sleep(600)", os.environ["PIDS"] + ".grandchild"])
 open(os.environ["PIDS"], "w").write(json.dumps({"stage": os.getpid(), "child": child.pid}))
 time.sleep(600)

@@ -237,7 +237,9 @@ def test_only_a_final_stop_of_this_attempt_stops_a_restarted_rank(tmp_path):
     assert xc.final_stop(k8s) is None  # another attempt's, and one that names none: not this job's verdict
     (k8s / xc.ATTEMPT_FILE).unlink()
     (k8s / xc.ATTEMPT_FILE).mkdir()  # an attempt file that cannot be read now (every outcome file would count)
-    assert xc.current_attempt(k8s) is None and xc.final_stop(k8s) is None
+    with pytest.raises(xc.OutcomesUnreadable):  # not "no attempt named"
+        xc.current_attempt(k8s)
+    assert xc.final_stop(k8s) is None
 
 
 def test_a_rank_marks_final_only_the_stops_that_would_repeat(tmp_path, monkeypatch):

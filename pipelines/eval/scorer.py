@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     stopped = xc.final_stop(work)
     if stopped is not None:  # a restart (a pod's torchrun) of ranks that would stop the same way: not loaded again
         print(f"scorer: error: rank {stopped.get('rank')} of this launch stopped for the data "
-              f"({work}/exit-rank{stopped.get('rank')}.json): {stopped.get('reason')}; not scoring again",
+              f"({work}/{xc.outcome_name(stopped.get('rank'), stopped.get('attempt'))}): {stopped.get('reason')}; "
+              "not scoring again",
               file=sys.stderr)
         return xc.USER_ERROR
     spec = spec_from_args(args)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
 import os
 import re
 import signal
@@ -132,7 +131,7 @@ class PodParts:
 def pod_grace_s(spec: JobSpec) -> int:
     """The pod's terminationGracePeriodSeconds: the ranks' preemption checkpoint (``train.preempt_grace_s``) and
     5 s for torchrun and the container to exit."""
-    return math.ceil(spec.train.preempt_grace_s) + 5
+    return spec.train.shutdown_grace_s()
 
 
 RDZV_PREFIX = "llmp-"  # PET_RDZV_ID = llmp-<the job's uid>; "llmp-" alone when the pod could not learn it

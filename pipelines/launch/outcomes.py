@@ -19,14 +19,13 @@ the directory, and every file there counts.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import uuid
 from pathlib import Path
 from typing import Optional
 
 from pipelines.exit_codes import OK, RETRY, USER_ERROR  # noqa: F401 - the ranks read the three here (xc.OK)
-from pipelines.manifest import atomic_write_text, read_small_text
+from pipelines.manifest import StageError, atomic_write_text, read_small_text
 
 # the notices a scheduler sends before it kills a job (Kubernetes, Slurm's --signal, spot reclaim agents)
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -36,6 +35,13 @@ OUTCOME_GLOB = "exit-rank*.json"  # what each rank that stopped early says, in t
 ATTEMPT_FILE = ".attempt"  # in the ranks' --out directory: the attempt whose outcome files count (new_attempt)
 _ATTEMPT_AT_START: dict[str, Optional[str]] = {}  # the attempt each --out directory named when this process first
 # looked: a rank's, at its start (clear_outcome)
+
+
+class OutcomesUnreadable(StageError):
+    """The ranks' ``--out`` directory did not answer (its attempt file exists and cannot be read): no verdict on the
+    ranks can be taken from it, and every outcome file there counting is not one either (exit 75)."""
+
+    exit_code = RETRY
 
 
 def new_attempt(out: Path) -> str:
@@ -50,11 +56,16 @@ def new_attempt(out: Path) -> str:
 
 
 def current_attempt(out: Path) -> Optional[str]:
-    """The attempt ``out`` names now; None when no launcher named one (an older launcher, a directory of a test)."""
+    """The attempt ``out`` names now; None when no launcher named one (an older launcher, a directory of a test).
+    :class:`OutcomesUnreadable` when its file is there and does not answer (EIO, a stale handle, not a file): that
+    is no "none named", under which every outcome file, stale ones too, would count."""
     try:
         return read_small_text(out / ATTEMPT_FILE).strip() or None
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError) as e:
+        raise OutcomesUnreadable(f"{out / ATTEMPT_FILE} cannot be read ({e}): the ranks' outcomes are not known; "
+                                 "a retry reads them again") from None
 
 
 def rank_attempt(out: Path) -> Optional[str]:
@@ -67,17 +78,24 @@ def rank_attempt(out: Path) -> Optional[str]:
     return _ATTEMPT_AT_START[key]
 
 
-def write_outcome(out: Path, rank: int, code: int, reason: str, **extra) -> None:
-    """A rank's outcome file (``exit-rank<R>.json``): its exit code and why, for the launcher to classify, and the
-    attempt that wrote it (:func:`rank_attempt`)."""
+def outcome_name(rank: int, attempt: Optional[str]) -> str:
+    """A rank's outcome file's name: ``exit-rank<R>.json``, or ``exit-rank<R>-<attempt>.json`` in an attempt (a
+    rank of an earlier attempt that outlived its job then never replaces the current attempt's file)."""
+    return f"exit-rank{rank}.json" if attempt is None else f"exit-rank{rank}-{attempt}.json"
+
+
+def write_outcome(out: Path, rank: int, code: int, reason: str, **extra) -> bool:
+    """A rank's outcome file (:func:`outcome_name`): its exit code and why, for the launcher to classify, and the
+    attempt that wrote it (:func:`rank_attempt`). Whether it was written: a rank that exits 0 on a preemption must
+    exit 75 instead when nobody will read that it was one."""
     try:
-        body = {"rank": rank, "code": code, "reason": reason, "attempt": rank_attempt(out), **extra}
+        attempt = rank_attempt(out)
+        body = {"rank": rank, "code": code, "reason": reason, "attempt": attempt, **extra}
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".exit-rank{rank}.json.tmp"
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, out / f"exit-rank{rank}.json")
-    except OSError:  # the status still says it; the launcher then counts the failure as infrastructure
-        pass
+        atomic_write_text(out / outcome_name(rank, attempt), json.dumps(body))  # a temp name of its own
+        return True
+    except (OSError, OutcomesUnreadable):  # the status still says it; the launcher counts it as infrastructure
+        return False
 
 
 def read_outcomes(out: Path) -> list[dict]:
@@ -105,11 +123,11 @@ def final_stop(out: Path) -> Optional[dict]:
     once instead of loading the model again; any other exit 2 (a ``ValueError``, which a torn read can raise too)
     leaves the restart to train. The launcher clears the outcomes when it starts a new attempt; an attempt file that
     cannot be read now gives no verdict."""
-    current = current_attempt(out)
     try:
+        current = current_attempt(out)
         if current is None and (out / ATTEMPT_FILE).exists():
             return None
-    except OSError:  # the directory itself does not answer: no verdict
+    except (OSError, OutcomesUnreadable):  # the directory itself does not answer: no verdict
         return None
     return next((o for o in read_outcomes(out) if o.get("code") == USER_ERROR and o.get("final") is True
                  and (current is None or o.get("attempt") == current)), None)
@@ -126,10 +144,9 @@ def clear_outcomes(out: Path) -> None:
 def clear_outcome(out: Path, rank: int) -> None:
     """At a rank's start: its file of an earlier attempt goes; the attempt it belongs to is noted
     (:func:`rank_attempt`)."""
-    rank_attempt(out)
     try:
-        (out / f"exit-rank{rank}.json").unlink(missing_ok=True)
-    except OSError:
+        (out / outcome_name(rank, rank_attempt(out))).unlink(missing_ok=True)
+    except (OSError, OutcomesUnreadable):
         pass
 
 

@@ -8,12 +8,12 @@ What the ranks say when they stop early: :mod:`pipelines.launch.outcomes`.
 """
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable, Optional
@@ -21,7 +21,7 @@ from typing import Callable, Optional
 from pipelines.launch import outcomes as xc
 from pipelines.launch.k8s import JobFailed, JobRecord, node_local_l0, run_job
 from pipelines.manifest import StageError
-from pipelines.procs import free_port
+from pipelines.procs import free_port, kill_known, tree_of
 from pipelines.spec import JobSpec, resolve_path
 
 
@@ -40,7 +40,7 @@ class TrainRetry(TrainError):
 def torchrun_flags(spec: JobSpec) -> list[str]:
     """torchrun's own handling of a preemption notice: SIGUSR1 forwarded to the ranks like SIGTERM, and the ranks
     given ``train.preempt_grace_s`` (+ 5 s) to checkpoint before torchrun kills them (its default is 30 s)."""
-    return ["--shutdown-timeout", str(math.ceil(spec.train.preempt_grace_s) + 5),
+    return ["--shutdown-timeout", str(spec.train.shutdown_grace_s()),
             "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
 
 
@@ -75,7 +75,9 @@ def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipeline
                  restarts: bool = True, env_extra: Optional[dict] = None, work: Optional[Path] = None) -> None:
     """Run torchrun (one per node) to the end, streaming node 0's output. A preemption notice to this process
     (SIGTERM, SIGUSR1) goes on to torchrun as SIGTERM, which passes it to the ranks and waits for their checkpoint.
-    A failure is :class:`TrainRetry` unless a rank's outcome file in ``work`` says the input must change."""
+    A failure is :class:`TrainRetry` unless a rank's outcome file in ``work`` says the input must change. However it
+    ends (a failure here, ``launcher.timeout_minutes``), nothing it started is left running: torchrun gets its
+    shutdown grace, then it and every rank seen (in sessions of their own) are killed."""
     env = {**os.environ, **(env_extra or {})}
     env.setdefault("OMP_NUM_THREADS", str(spec.launcher.threads_per_proc))
     env["PYTHONUNBUFFERED"] = "1"
@@ -86,21 +88,45 @@ def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipeline
         # dir, published with the result, and every rank is a child this process waits for)
         xc.clear_outcomes(work)
     store = rendezvous_store() if spec.launcher.nnodes > 1 else None  # held until every torchrun ended
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              errors="replace")  # bytes that are not UTF-8 never stop a reader
-             for cmd in torchrun_cmds(spec, trainer_args, module, restarts, store.port if store else None)]
+    procs: list[subprocess.Popen] = []
+    seen: dict[int, int] = {}  # torchrun's processes and their descendants (pid → start ticks), stopped if left
     noticed: list[int] = []
-    previous = _forward_notices(procs, noticed)
+    previous = _forward_notices(procs, noticed)  # before the start: a notice meanwhile is not lost
     try:
-        codes, tail, errors = _stream(procs)
+        for cmd in torchrun_cmds(spec, trainer_args, module, restarts, store.port if store else None):
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          errors="replace"))  # bytes that are not UTF-8 never stop a reader
+        if noticed:  # a notice came while they started
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+        t = spec.launcher.timeout_minutes
+        codes, tail, errors = _stream(procs, seen, None if t is None else time.monotonic() + 60 * t)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _stop_left(procs, seen, spec.train.shutdown_grace_s() + 5)
     outcomes = xc.read_outcomes(work) if work is not None else []
     why = "".join(errors) + f"torchrun exited with {codes}; last output:\n" + "".join(tail) if any(codes) else ""
     preempted(outcomes, noticed, bool(why), why)
     if any(codes):
         raise (TrainError if xc.failed_ranks_code(outcomes) == xc.USER_ERROR else TrainRetry)(why)
+
+
+def _stop_left(procs: list[subprocess.Popen], seen: dict[int, int], grace_s: float) -> None:
+    """Whatever of a launch still runs: every torchrun SIGTERM (it stops its ranks within its shutdown timeout),
+    SIGKILL after ``grace_s``; then every process seen under them that still runs (a rank torchrun could not stop,
+    or one left holding the output open)."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in running:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+    kill_known(seen, 5.0)
 
 
 def preempted(outcomes: list[dict], noticed: list[int], failed: bool = False, why: str = "") -> None:
@@ -130,41 +156,56 @@ def _forward_notices(procs: list[subprocess.Popen], noticed: list[int]) -> dict:
     return {sig: signal.signal(sig, forward) for sig in xc.PREEMPT_SIGNALS}
 
 
-def _stream(procs: list[subprocess.Popen]) -> tuple[list[int], deque, list[str]]:
-    """Node 0's output to stdout until every rank closed it; other nodes' output read all along (a pipe left unread
-    fills at 64 KiB and stops that node's ranks, and with them node 0's collectives) and kept for the error message.
-    Returns (exit codes, the last lines, the ranks' own "train: error: …" lines and the hung ranks' "[hang] rank …"
-    lines, ``pipelines.train.heartbeat``)."""
-    tail: deque[str] = deque(maxlen=40)
+PIPE_GRACE_S = 30.0  # after the torchruns exited: how long their output may stay open before what holds it is killed
+
+
+def _stream(procs: list[subprocess.Popen], seen: Optional[dict[int, int]] = None,
+            deadline: Optional[float] = None) -> tuple[list[int], deque, list[str]]:
+    """Every node's output read all along, by a thread each (a pipe left unread fills at 64 KiB and stops that node's
+    ranks, and with them node 0's collectives); node 0's goes on to stdout (while stdout takes it: a reader that went
+    away never stops the draining). Waits for the torchruns themselves, not for their pipes to close: a rank left
+    behind that holds the output open is killed after ``PIPE_GRACE_S``. ``seen`` collects the processes under them (pid → start
+    ticks) as they run; past ``deadline`` (monotonic) :class:`TrainRetry`. Returns (exit codes, the last lines, the
+    ranks' own "train: error: …" lines and the hung ranks' "[hang] rank …" lines, ``pipelines.train.heartbeat``)."""
+    seen = {} if seen is None else seen
     errors: list[str] = []
     lock = threading.Lock()
+    keeps: list[deque[str]] = [deque(maxlen=40)] + [deque(maxlen=10) for _ in procs[1:]]
+    echo = [True]
 
-    def note(line: str) -> None:
-        if ": error: " in line or line.startswith("[hang] rank "):
-            with lock:
-                if line not in errors:
-                    errors.append(line)
-
-    def drain(p: subprocess.Popen, keep: deque) -> None:  # another node's pipe, read all along: never full
+    def drain(n: int, p: subprocess.Popen, keep: deque) -> None:
         for line in p.stdout:  # type: ignore[union-attr]
             keep.append(line)
-            note(line)
+            if ": error: " in line or line.startswith("[hang] rank "):
+                with lock:
+                    if line not in errors:
+                        errors.append(line)
+            if n == 0 and echo[0]:
+                try:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                except (OSError, ValueError):  # our reader is gone: keep draining, or the ranks stop on a full pipe
+                    echo[0] = False
 
-    others = [deque(maxlen=10) for _ in procs[1:]]
-    readers = [threading.Thread(target=drain, args=(p, keep), daemon=True, name=f"llmp-node{n + 1}-output")
-               for n, (p, keep) in enumerate(zip(procs[1:], others))]
+    readers = [threading.Thread(target=drain, args=(n, p, keep), daemon=True, name=f"llmp-node{n}-output")
+               for n, (p, keep) in enumerate(zip(procs, keeps))]
     for t in readers:
         t.start()
-    for line in procs[0].stdout:  # type: ignore[union-attr]
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        tail.append(line)
-        note(line)
-    codes = [p.wait() for p in procs]
-    for t, keep in zip(readers, others):
-        t.join(timeout=30)  # the pipe closed with its process (a grandchild holding it open is not waited for)
+    while any(p.poll() is None for p in procs):
+        seen.update(tree_of([p.pid for p in procs if p.poll() is None]))
+        if deadline is not None and time.monotonic() > deadline:
+            raise TrainRetry("torchrun did not finish within launcher.timeout_minutes; it is stopped")
+        time.sleep(0.5)
+    for t in readers:
+        t.join(timeout=PIPE_GRACE_S)  # the pipe closes with the last process holding it
+    if any(t.is_alive() for t in readers):  # a rank left behind holds it open: it goes, and its pipe with it
+        kill_known(seen, 5.0)
+        for t in readers:
+            t.join(timeout=5)
+    tail = keeps[0]
+    for keep in keeps[1:]:
         tail.extend(list(keep))
-    return codes, tail, errors
+    return [p.returncode for p in procs], tail, errors
 
 
 def check_supported(spec: JobSpec) -> None:
@@ -192,8 +233,8 @@ def collect(work: Path, tmp: Path, names: list[str]) -> None:
     if work == tmp:
         return
     for n in names:
-        if not (work / n).is_file():
-            raise TrainError(f"the ranks finished but wrote no {n} in {work}")
+        if not (work / n).is_file():  # not visible yet on the shared filesystem, or lost with it: not the spec's
+            raise TrainRetry(f"the ranks finished but no {n} is in {work}; a retry resumes from the newest checkpoint")
         (tmp / n).write_bytes((work / n).read_bytes())
 
 

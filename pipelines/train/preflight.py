@@ -45,8 +45,9 @@ import torch
 import torch.distributed as dist
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
-from pipelines.launch.ranks import TrainError, check_supported, collect, run_ranks
-from pipelines.manifest import StageError, input_ref
+from pipelines.launch import outcomes as xc
+from pipelines.launch.ranks import TrainError, TrainRetry, check_supported, collect, run_ranks
+from pipelines.manifest import StageError, atomic_write_text, input_ref, read_small_text
 from pipelines.spec import JobSpec, add_spec_args, spec_from_args
 from pipelines.tracking import airflow_ids
 from pipelines.train.job import rank_workdir
@@ -198,7 +199,8 @@ def preflight(spec: JobSpec, out: Path, vocab: int, size_mb: float = 16.0, iters
     result["failures"] = failures
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "preflight.json").write_text(json.dumps(result, indent=2))
+        # whole or absent (temp + rename), and named for the attempt the launcher started these ranks in
+        atomic_write_text(out / "preflight.json", json.dumps({**result, "attempt": xc.rank_attempt(out)}, indent=2))
         print(f"preflight: {world} ranks ({result['backend']}): all-reduce {bw['busbw_GBps']:.2f} GB/s bus bandwidth "
               f"({bw['size_bytes'] >> 20} MiB); step {med * 1e3:.1f} ms median; smoke loss {losses[0]:.3f} → "
               f"{losses[-1]:.3f}" + ("; FAILED: " + "; ".join(failures) if failures else "; ok"), flush=True)
@@ -248,8 +250,22 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
         spec.write_work_file(spec_file)
         report = work / "preflight.json"  # a fresh temp dir's, or on Kubernetes this launch's own (kept for a resume)
 
+        def reported() -> dict | None:
+            """The report of this attempt's ranks; None when there is none (yet), or only an earlier attempt's (on
+            Kubernetes a retry's job writes into the same dir: the try before's report is not its verdict)."""
+            try:
+                res = json.loads(read_small_text(report))
+            except FileNotFoundError:
+                return None
+            except (OSError, ValueError) as e:
+                raise TrainRetry(f"{report} cannot be read ({e}); a retry measures again") from None
+            return res if isinstance(res, dict) and res.get("attempt") == xc.current_attempt(work) else None
+
         def verdict() -> dict:  # a failed check is this job's verdict: read once, a retry launches a new job
-            res = json.loads(report.read_text())
+            res = reported()
+            if res is None:
+                raise TrainRetry(f"the preflight ranks finished but no report of theirs is in {work}; a retry "
+                                 "measures again")
             if res["failures"]:
                 raise PreflightFailed("preflight failed: " + "; ".join(res["failures"]), res)
             return res
@@ -259,9 +275,9 @@ def run(spec: JobSpec, tok, out_dir: str | None = None, size_mb: float = 16.0,
                       ["--spec", str(spec_file), "--rank-out", str(work), "--vocab-size", str(tok.extra["vocab_size"]),
                        "--size-mb", str(size_mb), "--straggler-factor", str(straggler_factor)],
                       run_id=f"preflight-{sd.final.name[:8]}-{launch}", restarts=False, detachable=True, work=work,
-                      judge=lambda: report.is_file() and verdict())
+                      judge=lambda: reported() is not None and verdict())
         except TrainError:  # its own status (2: refused, 75: the nodes or the API), unless the ranks reported
-            if not report.is_file():
+            if reported() is None:
                 raise
         res = verdict()
         collect(work, tmp, ["preflight.json"])

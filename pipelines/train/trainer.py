@@ -818,7 +818,8 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
     stopped = xc.final_stop(out)
     if stopped is not None:  # torchrun (or the pod's restart policy) restarted ranks that would stop the same way
         print(f"train: error: rank {stopped.get('rank')} of this launch stopped for the spec or the data "
-              f"({out}/exit-rank{stopped.get('rank')}.json): {stopped.get('reason')}; not training again",
+              f"({out}/{xc.outcome_name(stopped.get('rank'), stopped.get('attempt'))}): {stopped.get('reason')}; "
+              "not training again",
               file=sys.stderr)
         return xc.USER_ERROR
     xc.clear_outcome(out, rank)  # an earlier attempt's
@@ -827,7 +828,9 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
     except Preempted as e:  # status 0: torchrun neither restarts the ranks nor calls it a failure; the outcome
         # file tells the launcher, which exits RETRY
         print(f"train: {e}; committed on L1: a retry resumes there", flush=True)
-        xc.write_outcome(out, rank, xc.RETRY, str(e), step=e.step)
+        if not xc.write_outcome(out, rank, xc.RETRY, str(e), step=e.step):  # status 0 would then read "done"
+            print(f"train: error: the outcome file could not be written in {out}: exiting 75 instead", file=sys.stderr)
+            return xc.RETRY
         return xc.OK
     except (TrainingDiverged, ResumeError, TokenOutOfVocab, CopyRefused, UnsafeCheckpoint) as e:
         print(f"train: error: {e}", file=sys.stderr)  # the spec, data, access or a forged copy must change: every

@@ -79,7 +79,9 @@ def check_storage(metadata, where: Path) -> None:
     if not isinstance(data, dict):
         raise UnsafeCheckpoint(f"{where}: storage_data is a {type(data).__name__}, not DCP's")
     for info in data.values():
-        ok = isinstance(info, _StorageInfo) and plain_rel(str(info.relative_path)) \
+        # a str as DCP writes it: an object whose str() differs from the path it joins to (a path with a forged
+        # private slot) would pass the name check and open another file
+        ok = isinstance(info, _StorageInfo) and type(info.relative_path) is str and plain_rel(info.relative_path) \
             and all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)) \
             and not getattr(info, "transform_descriptors", None)
         if not ok:

@@ -180,7 +180,9 @@ class _Machine:
         for attrs in (state, slots):
             if attrs is None:
                 continue
-            if not isinstance(attrs, dict) or not all(isinstance(k, str) and not k.startswith("__") for k in attrs):
+            # public fields only (DCP's dataclasses have no others): a private slot set from the stream could make
+            # an object say one thing and be another (a path whose str() is not where it points)
+            if not isinstance(attrs, dict) or not all(isinstance(k, str) and not k.startswith("_") for k in attrs):
                 raise UnsafeCheckpoint(f"BUILD of a {type(obj).__name__} with a state of {type(attrs).__name__}")
             for k, v in attrs.items():
                 object.__setattr__(obj, k, v)
