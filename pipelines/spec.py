@@ -647,8 +647,8 @@ class LauncherCfg(_Section):
     poll_seconds: float = Field(
         10.0, gt=0, description="How often the launcher polls the job's (TrainJob or PyTorchJob) status.")
     timeout_minutes: Optional[float] = Field(
-        None, gt=0, description="Delete the job (TrainJob or PyTorchJob) and fail when it has not finished by then "
-        "(None = no limit).")
+        None, gt=0, description="Delete the job (TrainJob or PyTorchJob), or stop the local torchrun and its ranks, "
+        "and fail (exit 75) when it has not finished by then (None = no limit).")
     pending_minutes: Optional[float] = Field(
         60.0, gt=0, description="Delete the job and fail (exit 75, the pods' reasons in the message) when none of its "
         "pods has started for this long: all Pending (no node with the GPUs it asks for, an image that cannot be "

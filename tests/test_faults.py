@@ -571,12 +571,13 @@ def test_a_part_read_that_did_not_answer_is_told_from_a_copy_that_answered_bad()
     assert unanswered_tier(nfs).startswith("L1 (TimeoutError")  # L1's file system, not S3
 
 
-def _preempted_with_l2_steps(home, s3_server, bucket: str):
+def _preempted_with_l2_steps(home, s3_server, bucket: str, extra: tuple[str, ...] = ()):
     """Attempt 1 of a 20-step run, preempted after step 17 while L2 kept pace with its steps (every 5): (tok, run,
     sets, spec, rel_root, {step: attempt} of what L2 committed)."""
     tok = _tok(home)
     sets = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=1", f"services.s3_endpoint_url={s3_server}",
-            f"services.s3_bucket={bucket}", "checkpoint.s3_max_attempts=2", "checkpoint.s3_connect_timeout_s=1"]
+            f"services.s3_bucket={bucket}", "checkpoint.s3_max_attempts=2", "checkpoint.s3_connect_timeout_s=1",
+            *extra]
     run = home / "run"
     preempt = _faults({"at": "step", "do": "preempt", "nth": 17})
     r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=preempt, LLMP_FAULT_STEP_DELAY_S="0.3"),
@@ -776,6 +777,43 @@ def test_l1_lost_while_l2_cannot_list_never_starts_over_and_the_next_retry_resum
     _resumes_from_l2(tok, run, sets, max(before))
     # the new L1's terms start above every term L2 records: no retry reuses attempt 1's term
     assert min(fence.read_terms(fence.fence_dir(spec, rel_root))) > old_top
+
+
+def test_a_retry_that_finds_l1_lost_is_still_a_restart_of_its_launch_and_never_clears_its_own_l2_steps(home,
+                                                                                                       s3_server):
+    """A ``train.resume=never`` run is preempted after L2 committed some of its steps; L0 and L1 are lost (a new
+    cluster, a new FSx). Its retry (the same launch) found no lineage record on L1, took itself for a new start and
+    cleared every L2 step of the run, then trained from step 0. The record is mirrored on L2: the retry reads it
+    there (L1 is newer than the run's terms on L2), is a restart of its launch, and resumes from L2's newest step."""
+    import shutil
+
+    tok, run, sets, spec, rel_root, before = _preempted_with_l2_steps(home, s3_server, "ck-l1-lost-never",
+                                                                      ("train.resume=never",))
+    shutil.rmtree(run / "l0")
+    shutil.rmtree(run / "l1")
+    _resumes_from_l2(tok, run, sets, max(before))
+    assert set(before) <= set(_l2_commits(spec, rel_root))  # nothing of attempt 1 cleared
+
+
+def test_the_generations_record_survives_losing_l1_through_its_copy_on_l2(home, s3_server):
+    """A forced run's pending generation is recorded on L1 and on L2: with L1 lost, its retry finds the same pending
+    generation (not another one, orphaning the first); an L1 that holds the key's steps and no record has none (L2
+    is not asked); an L1 that holds nothing of the key while L2 does not answer: unknown (75), not "no record"."""
+    import shutil
+
+    sets = [f"checkpoint.l1={home}/l1", f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=ck-gens"]
+    spec = load_spec(None, sets, env={})
+    pending = ckpt_tiers.generation(spec, "run/key", force=True)
+    assert pending.startswith("run/key.gen-")
+    shutil.rmtree(home / "l1")
+    assert ckpt_tiers.generation(spec, "run/key", force=True) == pending  # read back from L2's copy
+    assert ckpt_tiers.read_generations(spec, "run/key")["pending"] == pending
+    down = load_spec(None, [f"checkpoint.l1={home}/l1b", "services.s3_endpoint_url=http://127.0.0.1:9",
+                            "checkpoint.s3_connect_timeout_s=1", "checkpoint.s3_max_attempts=1"], env={})
+    with pytest.raises(ck.L2Unavailable):
+        ckpt_tiers.read_generations(down, "run/key")
+    (home / "l1b" / "run" / "key").mkdir(parents=True)  # the key's own L1 directory: its record, or none, is L1's
+    assert ckpt_tiers.read_generations(down, "run/key") == {"current": "run/key", "pending": None, "retiring": []}
 
 
 def test_a_new_l1_takes_its_first_term_above_l2s_and_waits_while_l2_does_not_answer(home, s3_server):

@@ -56,7 +56,7 @@ from pipelines.train import heartbeat
 from pipelines.train.ckpt import history
 from pipelines.train.ckpt.protocol import (CheckpointError, CopyRefused, TierUnavailable, UnsafeCheckpoint,
                                            step_name)
-from pipelines.train.ckpt.tiers import clear_run
+from pipelines.train.ckpt.tiers import clear_run, read_lineage, write_lineage
 from pipelines.train.loader import (Prefetcher, TokenOutOfVocab, mixture_keys, mixture_metrics, sampler_for,
                                    train_samples)
 from pipelines.train.plan import flops_per_token, mfu, model_shape, param_count as shape_params
@@ -364,10 +364,10 @@ class Trainer:
         if self.rank == 0:
             try:
                 box = [self._lineage_start(self.spec.train.resume)]
-            except (OSError, ValueError) as e:  # L1 cannot be read or written, or handed back a torn record:
-                # every rank stops with the reason (JSON that does not decode is storage that lied, not the spec)
-                box = [("error", f"checkpoint.l1: the lineage record cannot be read or written: "
-                                 f"{type(e).__name__}: {e}")]
+            except (OSError, ValueError, CheckpointError) as e:  # L1 or L2 cannot be read or written, or handed
+                # back a torn record: every rank stops with the reason (JSON that does not decode is storage that
+                # lied, not the spec), none waits for rank 0 in the broadcast below
+                box = [("error", f"the lineage record cannot be read or written: {type(e).__name__}: {e}")]
         dist.broadcast_object_list(box, src=0)
         rec, mode = box[0]
         if rec == "error":  # storage, not the spec: exit_codes.RETRY
@@ -389,9 +389,9 @@ class Trainer:
             box = [history.fork(rec, history.run_token(), mode) if self.rank == 0 else None]
             if self.rank == 0:
                 try:
-                    history.write(self.spec, self.rel_root, box[0])
-                except OSError as e:
-                    box = [f"checkpoint.l1: the lineage record cannot be written: {e}"]
+                    write_lineage(self.spec, self.rel_root, box[0])
+                except (OSError, CheckpointError) as e:  # L1 or L2 did not take it (a fenced-out attempt too)
+                    box = [f"the lineage record cannot be written: {e}"]
             dist.broadcast_object_list(box, src=0)
             if isinstance(box[0], str):
                 raise CheckpointError(box[0])
@@ -400,7 +400,7 @@ class Trainer:
 
     def _lineage_start(self, resume):
         """Rank 0: (this line of training's record, how to start: auto / never / a step)."""
-        token, rec = history.run_token(), history.read(self.spec, self.rel_root)
+        token, rec = history.run_token(), read_lineage(self.spec, self.rel_root)  # L1's, else L2's copy
         if history.is_restart(rec, token):
             if resume != "auto":
                 self.log(f"[ckpt] a restart of this launch: resuming its own steps (train.resume={resume} applied "
@@ -416,7 +416,7 @@ class Trainer:
         if gone:
             self.log(f"[ckpt] train.resume=never: removed this run's earlier checkpoints {gone}")
         rec = history.fresh(token)
-        history.write(self.spec, self.rel_root, rec)
+        write_lineage(self.spec, self.rel_root, rec)
         return rec, "never"
 
     def _model(self, state: Optional[dict]) -> None:

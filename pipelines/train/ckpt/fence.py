@@ -56,6 +56,7 @@ from pipelines.train.ckpt.protocol import CKPT_MANIFEST, CheckpointError
 
 FENCE_DIR = ".fence"
 TERM_PREFIX = "term-"
+FLOOR_FILE = "l2-floor"  # in the L1 fence directory: L2's highest term when this L1 first read it (fence_l2.floor)
 LEASE_PREFIX = "lease-"
 TAKE_TRIES = 1000  # terms taken by others between our listing and our exclusive create, at most
 READ_TRIES = 3  # a lease or term file read that fails (ESTALE, EIO) is tried again this many times in all

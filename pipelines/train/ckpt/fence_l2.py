@@ -22,11 +22,9 @@ from typing import Optional
 from pipelines.manifest import atomic_write_text, read_small_text
 from pipelines.spec import JobSpec
 from pipelines.storage.s3 import client, ensure_bucket, split_uri
-from pipelines.train.ckpt.fence import FENCE_DIR, TERM_PREFIX, current_term
+from pipelines.train.ckpt.fence import FENCE_DIR, FLOOR_FILE, TERM_PREFIX, current_term
 from pipelines.train.ckpt.s3_tier import answered
 from pipelines.train.ckpt.tiers import l2_in_use, tier_locations
-
-FLOOR_FILE = "l2-floor"  # in the L1 fence directory: L2's highest term when this L1 first read it
 
 
 def _prefix(spec: JobSpec, rel_root: str) -> tuple[str, str]:

@@ -40,8 +40,23 @@ def run_token() -> str:
 
 
 def read(spec: JobSpec, rel_root: str) -> Optional[dict]:
+    """The record on L1; None when there is none there (:func:`pipelines.train.ckpt.tiers.read_lineage` then reads
+    L2's copy). An L1 that does not answer raises (OSError), a torn record too (ValueError)."""
     p = record_path(spec, rel_root)
-    return json.loads(p.read_text()) if p.is_file() else None
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        return None
+    return parse(text, str(p))
+
+
+def parse(text: str, where: str) -> dict:
+    """A lineage record from its text; ValueError for one that is not (torn, forged)."""
+    rec = json.loads(text)
+    if not isinstance(rec, dict) or not isinstance(rec.get("accept"), list) or not all(
+            isinstance(a, list) and len(a) == 2 for a in rec["accept"]):
+        raise ValueError(f"{where}: not a lineage record (an object with a list of [lineage, step] 'accept')")
+    return rec
 
 
 def write(spec: JobSpec, rel_root: str, rec: dict) -> None:

@@ -25,19 +25,19 @@ from typing import Callable, Optional
 from botocore.exceptions import ClientError
 
 from pipelines import tracking
-from pipelines.manifest import atomic_write_text, plain_rel
+from pipelines.manifest import atomic_write_text, plain_rel, read_small_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults, oserrors
 from pipelines.storage.s3 import (STATE_DIR, EmbeddedDown, S3ConfigError, client, embedded_configured, embedded_holds,
-                                  endpoint_url, missing, outage, split_uri, unreachable)
+                                  endpoint_url, ensure_bucket, missing, outage, split_uri, unreachable)
 from pipelines.train.ckpt import fence, history
 from pipelines.train.ckpt.protocol import (COMMIT, TIERS, CheckpointError, L2Unavailable,
                                            TierUnavailable, is_valid_local, parse_step, read_local_manifest, step_name,
                                            verify_local)
 from pipelines.train.ckpt.local import remove_local
 from pipelines.train.ckpt.parts import merge_parts, part_of, stage_part, upload_step
-from pipelines.train.ckpt.s3_tier import (commit_at, download_checkpoint, multipart_uploads, read_s3_manifest,
-                                          remove_s3, verify_s3)
+from pipelines.train.ckpt.s3_tier import (answered, commit_at, download_checkpoint, multipart_uploads,
+                                          read_s3_manifest, remove_s3, s3_body, verify_s3)
 
 
 # ----------------------------------------------------------------------------- tier layout
@@ -304,7 +304,11 @@ def read_generations(spec: JobSpec, base_rel: str) -> dict:
     directories; a name being retired that is also current or pending is not retired."""
     path = _generations_file(spec, base_rel)
     try:
-        text = path.read_text() if path.is_file() else "{}"
+        text = path.read_text()
+    except FileNotFoundError:  # none on L1: on an L1 that holds nothing of the key (replaced, lost, or its first
+        # run) L2's copy, else no record; an L1 with the key's steps and no record has none
+        text = "{}" if Path(tier_locations(spec, base_rel)["L1"]).exists() else \
+            mirrored_on_l2(spec, base_rel, GENERATIONS_SUFFIX) or "{}"
     except OSError as e:  # L1 did not answer (EIO, ESTALE): later
         raise TierUnavailable(f"checkpoint.l1: {path}: the record of this key's generations cannot be read "
                               f"({e})") from None
@@ -327,9 +331,76 @@ def read_generations(spec: JobSpec, base_rel: str) -> dict:
 
 
 def _write_generations(spec: JobSpec, base_rel: str, state: dict) -> None:
+    text = json.dumps(state, indent=2)
+    mirror_to_l2(spec, base_rel, GENERATIONS_SUFFIX, text)  # first: L2's copy is never behind L1's
     path = _generations_file(spec, base_rel)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(state, indent=2))
+    atomic_write_text(path, text)
+
+
+# The run's records where they survive losing L1 (a retry on a new cluster, a new FSx): the lineage record
+# (``history``) and the key's generations record are mirrored on L2 beside the run's prefix, as on L1
+# (``<prefix>/<rel>.lineage.json``, ``<prefix>/<base_rel>.generations.json``), written there first. Read from L2 only
+# when L1 has none: without them a retry whose L1 was lost took itself for a new line of training (``resume=never``
+# then cleared its own L2 steps; ``run.force`` started another generation and orphaned the one in progress). An L2
+# that does not answer then is :class:`L2Unavailable` (75): unknown, not "no record".
+LINEAGE_SUFFIX, GENERATIONS_SUFFIX = ".lineage.json", ".generations.json"
+
+
+def _mirror_at(spec: JobSpec, rel: str, suffix: str) -> tuple[str, str]:
+    bucket, key = split_uri(tier_locations(spec, rel)["L2"].rstrip("/"))
+    return bucket, key + suffix
+
+
+def mirror_to_l2(spec: JobSpec, rel: str, suffix: str, text: str) -> None:
+    """Put a record's copy on L2 (nothing without an L2); raises :class:`L2Unavailable` when L2 does not answer."""
+    if not l2_in_use(spec, rel):
+        return
+    s3, (bucket, key) = client(spec), _mirror_at(spec, rel, suffix)
+
+    def put() -> dict:
+        ensure_bucket(s3, bucket, spec.services.s3_region)
+        return s3.put_object(Bucket=bucket, Key=key, Body=text.encode())
+
+    answered(f"s3://{bucket}/{key}", put)
+
+
+def mirrored_on_l2(spec: JobSpec, rel: str, suffix: str) -> Optional[str]:
+    """A record's copy on L2; None when there is none (or no L2); :class:`L2Unavailable` when L2 does not answer."""
+    if not l2_in_use(spec, rel):
+        return None
+    bucket, key = _mirror_at(spec, rel, suffix)
+    body = s3_body(client(spec), bucket, key)
+    return None if body is None else body.decode(errors="replace")
+
+
+def l1_newer_than_l2(spec: JobSpec, rel_root: str) -> bool:
+    """Whether this run's L1 is new while L2 holds its history: the record of L2's terms that a new L1 fence
+    directory wrote when it first read them (``fence_l2.floor``, before this attempt's term) names one. An
+    unreadable record: True (L2 is read then; a needless read is safe, a skipped one is not)."""
+    try:
+        return int(json.loads(read_small_text(fence.fence_dir(spec, rel_root) / fence.FLOOR_FILE))["l2_top"]) > 0
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+
+
+def read_lineage(spec: JobSpec, rel_root: str) -> Optional[dict]:
+    """This run's lineage record (:mod:`~pipelines.train.ckpt.history`): L1's; when L1 has none and is newer than
+    the run's steps on L2 (:func:`l1_newer_than_l2`), L2's copy; else None."""
+    rec = history.read(spec, rel_root)
+    if rec is not None or not l1_newer_than_l2(spec, rel_root):
+        return rec
+    text = mirrored_on_l2(spec, rel_root, LINEAGE_SUFFIX)
+    return None if text is None else history.parse(text, f"{tier_locations(spec, rel_root)['L2']}{LINEAGE_SUFFIX}")
+
+
+def write_lineage(spec: JobSpec, rel_root: str, rec: dict) -> None:
+    """The lineage record on L2 (first), then on L1 under the fence (:func:`history.write`)."""
+    fence.check("writing the lineage record", resolve_path(spec.checkpoint.l1) / rel_root)
+    mirror_to_l2(spec, rel_root, LINEAGE_SUFFIX, json.dumps(rec, indent=2))
+    history.write(spec, rel_root, rec)
 
 
 def generation(spec: JobSpec, base_rel: str, force: bool) -> str:
@@ -509,7 +580,7 @@ def promote_held(spec: JobSpec, rel_root: str, final: int, log: Callable[[str], 
     a warning (its copy was lost; the final step is the stage's). L1 that cannot be listed or L2 that does not
     answer raise :class:`TierUnavailable` (exit 75): unknown, never "nothing held"."""
     try:
-        rec = history.read(spec, rel_root)
+        rec = read_lineage(spec, rel_root)
         by_tier = accepted_steps(spec, rel_root, list_steps(spec, rel_root, ("L1", "L2")), rec, strict=True)
     except (OSError, ValueError) as e:  # L1 failing, a torn lineage record
         raise TierUnavailable(f"L1: the steps held for L2 under {rel_root} cannot be read: {type(e).__name__}: {e}") \
