@@ -293,6 +293,7 @@ def test_the_launcher_does_not_commit_a_superseded_attempts_result(tmp_path):
 
 def test_an_older_term_deletes_no_commit_on_l2(home, s3_server, installed):
     from pipelines.train.ckpt import parts as ckpt_parts
+    from pipelines.train.ckpt import s3_markers
     from pipelines.train.ckpt import s3_tier as ckpt_s3
 
     spec = load_spec(None, [f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=fence"], env={})
@@ -307,10 +308,40 @@ def test_an_older_term_deletes_no_commit_on_l2(home, s3_server, installed):
     ckpt_parts.upload_step(spec, l1, locs["L2"])
     commit = ckpt_s3.commit_at(spec, locs["L2"])
     installed(old)
-    for deed in (lambda: ckpt_s3.remove_s3(spec, locs["L2"]), lambda: ckpt_parts.upload_step(spec, l1, locs["L2"])):
+    for deed in (lambda: s3_markers.remove_step(spec, locs["L2"]),
+                 lambda: ckpt_parts.upload_step(spec, l1, locs["L2"])):
         with pytest.raises(fence.FencedOut, match="superseded by term 2"):
             deed()
         assert ckpt_s3.commit_at(spec, locs["L2"]) == commit and ckpt_s3.read_s3_manifest(spec, locs["L2"])["term"] == 2
+
+
+def test_removing_a_step_on_l2_leaves_what_another_writer_put_after_it_was_listed(home, any_key_s3, monkeypatch):
+    """The removal lists the step's objects first and deletes each only while it is the copy listed: a writer that
+    paused between its guard and its deletes (the guard stands in for the pause here) leaves the COMMIT and the file
+    a newer term put meanwhile, and stops (FencedOut). On moto, which honours If-Match on DeleteObject as AWS does
+    (the embedded endpoint, rclone, does not: there the fence checks before each write stay the protection)."""
+    import boto3
+
+    from pipelines.train.ckpt import s3_markers
+
+    spec = load_spec(None, [f"services.s3_endpoint_url={any_key_s3}", "services.s3_bucket=fence-rm"], env={})
+    s3 = boto3.client("s3", endpoint_url=any_key_s3, region_name="us-east-1")
+    s3.create_bucket(Bucket="fence-rm")
+    uri, prefix = "s3://fence-rm/ck/run/key/step-000005", "ck/run/key/step-000005"
+    for name, body in (("COMMIT", b"old"), ("a.distcp", b"old"), ("MANIFEST.json", b"{}")):
+        s3.put_object(Bucket="fence-rm", Key=f"{prefix}/{name}", Body=body)
+
+    def newer_term_writes(what, where, manifest):  # after the listing: a newer term's copy lands
+        for name in ("COMMIT", "a.distcp"):
+            s3.put_object(Bucket="fence-rm", Key=f"{prefix}/{name}", Body=b"new")
+    monkeypatch.setattr(fence, "guard", newer_term_writes)
+    with pytest.raises(fence.FencedOut, match="changed since this attempt read it"):
+        s3_markers.remove_step(spec, uri)
+    left = {k: s3.get_object(Bucket="fence-rm", Key=f"{prefix}/{k}")["Body"].read() for k in ("COMMIT", "a.distcp")}
+    assert left == {"COMMIT": b"new", "a.distcp": b"new"}
+    monkeypatch.undo()
+    s3_markers.remove_step(spec, uri)  # unfenced, nothing changed since the listing: all of it goes
+    assert "Contents" not in s3.list_objects_v2(Bucket="fence-rm", Prefix=f"{prefix}/")
 
 
 def test_a_lost_fence_directory_fences_the_attempt_and_is_not_recreated(tmp_path):

@@ -157,13 +157,15 @@ def put_part(spec: JobSpec, uri: str, src: Path, body: bytes, man: dict, digests
     first (it is no longer whole). Aborts only this part's unfinished multipart uploads (another node may be
     uploading its part there now)."""
     k, _, attempt = part_of(man)
-    fence.check(f"uploading part {k} to {uri}", uri)  # a superseded attempt sends nothing
     s3 = client(spec)
     bucket, prefix = split_uri(uri.rstrip("/"))
     ensure_bucket(s3, bucket, spec.services.s3_region)
     cond = ckpt_s3_cond.supported(s3, bucket)
     marker = f"{prefix}/{PARTS}/{part_name(k)}.json"
+    # what is there, read before the fence check: a writer paused after its check then holds tags older than a newer
+    # term's writes, and its conditional deletes below fail instead of removing them
     marker_tag, commit_tag = (object_etag(s3, bucket, key) for key in (marker, f"{prefix}/{COMMIT}"))
+    fence.check(f"uploading part {k} to {uri}", uri)  # a superseded attempt sends nothing
     if s3_body(s3, bucket, marker) == body and all_match(spec, s3, bucket, prefix, src, man["files"], digests):
         return "already-verified"
     committed = read_s3_manifest(spec, uri)
@@ -198,13 +200,16 @@ def upload_step(spec: JobSpec, l1_step: Path, uri: str, digests: Optional[dict] 
     man = verify_local(l1_step) if digests is None else read_local_manifest(l1_step)
     bucket, prefix = split_uri(uri.rstrip("/"))
     s3 = client(spec)
-    if s3_commit_body(s3, bucket, prefix) == (l1_step / COMMIT).read_text().strip():
+    commit_tag = object_etag(s3, bucket, f"{prefix}/{COMMIT}")  # read before anything is decided on it
+    if commit_tag is not None and s3_commit_body(s3, bucket, prefix) == (l1_step / COMMIT).read_text().strip():
         try:
             check_objects(s3, bucket, prefix, manifest_files(man, str(l1_step)), uri)
             return "already-verified"
-        except CheckpointError:  # no longer whole: its COMMIT goes before its objects are put again
+        except CheckpointError:  # no longer whole: its COMMIT goes before its objects are put again, only while
+            # it is still the one read (a writer paused here must not delete a newer term's COMMIT)
             fence.guard(f"deleting the COMMIT of {uri}", uri, lambda: man)
-            s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
+            ckpt_s3_cond.delete(s3, bucket, f"{prefix}/{COMMIT}", commit_tag, ckpt_s3_cond.supported(s3, bucket),
+                                f"deleting the COMMIT of {uri}")
     bodies = step_parts(man, l1_step)
     acts = [put_part(spec, uri, l1_step, b, json.loads(b), digests or {}) for b in bodies]
     if not merge_parts_s3(spec, uri, len(bodies), man.get("attempt"), checked=frozenset(range(len(bodies)))):

@@ -20,11 +20,14 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional
 
+from pipelines.spec import JobSpec
 from pipelines.storage import faults
-from pipelines.storage.s3 import conditional_conflict, conditions, missing, precondition_failed, probed, unreachable
+from pipelines.storage.s3 import (client, conditional_conflict, conditions, missing, precondition_failed, probed,
+                                  split_uri, unreachable)
+from pipelines.train.ckpt import fence
 from pipelines.train.ckpt.fence import FencedOut
-from pipelines.train.ckpt.protocol import L2Unavailable
-from pipelines.train.ckpt.s3_tier import object_etag, s3_body
+from pipelines.train.ckpt.protocol import COMMIT, L2Unavailable
+from pipelines.train.ckpt.s3_tier import object_etag, read_s3_manifest, s3_body
 
 _said: set[tuple[str, str]] = set()  # the endpoints and buckets whose probe was told (one line each)
 _lock = threading.Lock()
@@ -103,3 +106,20 @@ def delete(s3, bucket: str, key: str, expected: Optional[str], cond: bool, what:
             raise FencedOut(f"{what}: s3://{bucket}/{key} changed since this attempt read it (a newer term wrote "
                             "it): stopping before deleting it") from None
         raise
+
+
+def remove_step(spec: JobSpec, uri: str) -> None:
+    """A step's copy on L2 removed: its objects listed first (each with its ETag), then the fence's guard (never by
+    a superseded attempt, nor a copy a newer term committed: :func:`pipelines.train.ckpt.fence.guard`), then its
+    COMMIT, then each object listed, every delete on the condition that the object is still the one listed (where
+    the endpoint honours it): what another writer put after the listing, a newer term's copy of the same step, stays
+    (:class:`FencedOut`)."""
+    s3 = client(spec)
+    bucket, prefix = split_uri(uri.rstrip("/"))
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/")
+    listed = {o["Key"]: o.get("ETag") for page in pages for o in page.get("Contents", [])}
+    fence.guard(f"removing {uri}", uri, lambda: read_s3_manifest(spec, uri))
+    cond = supported(s3, bucket)
+    delete(s3, bucket, f"{prefix}/{COMMIT}", listed.pop(f"{prefix}/{COMMIT}", None), cond, f"removing {uri}")
+    for key, tag in listed.items():
+        delete(s3, bucket, key, tag, cond, f"removing {uri}")

@@ -350,15 +350,3 @@ def _object_ok(head: dict, info: dict, trusted: bool) -> Optional[str]:
     if meta.get("sha256") != info["sha256"] or not want or not remote or remote.split("-")[0] != want.split("-")[0]:
         return "a multipart object whose part checksums are not those of this file"
     return None
-
-
-def remove_s3(spec: JobSpec, uri: str) -> None:
-    """COMMIT first, then the rest of the prefix. Under a fence, never by a superseded attempt, nor a copy a newer
-    term committed (:func:`pipelines.train.ckpt.fence.guard`)."""
-    fence.guard(f"removing {uri}", uri, lambda: read_s3_manifest(spec, uri))
-    s3 = client(spec)
-    bucket, prefix = split_uri(uri.rstrip("/"))
-    s3.delete_object(Bucket=bucket, Key=f"{prefix}/{COMMIT}")
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
-        for o in page.get("Contents", []):
-            s3.delete_object(Bucket=bucket, Key=o["Key"])

@@ -36,8 +36,9 @@ from pipelines.train.ckpt.protocol import (COMMIT, TIERS, CheckpointError, L2Una
                                            verify_local)
 from pipelines.train.ckpt.local import remove_local
 from pipelines.train.ckpt.parts import merge_parts, part_of, stage_part, upload_step
+from pipelines.train.ckpt.s3_markers import remove_step
 from pipelines.train.ckpt.s3_tier import (answered, commit_at, download_checkpoint, multipart_uploads,
-                                          read_s3_manifest, remove_s3, s3_body, verify_s3)
+                                          read_s3_manifest, s3_body, verify_s3)
 
 
 # ----------------------------------------------------------------------------- tier layout
@@ -230,7 +231,7 @@ def _remove_steps(spec: JobSpec, rel_root: str, steps_by_tier: dict[str, list[in
         for s in steps:
             loc = tier_locations(spec, f"{rel_root}/{step_name(s)}")[tier]
             faults.point("retention")
-            remove_s3(spec, loc) if tier == "L2" else remove_local(Path(loc))
+            remove_step(spec, loc) if tier == "L2" else remove_local(Path(loc))
 
 
 def drop_stale_staging(spec: JobSpec, rel_root: str, rec: Optional[dict] = None,
