@@ -178,9 +178,10 @@ SEEDS ?= 20
 faults: $(DEV_STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python tests/fault_matrix.py --seeds $(SEEDS)
 
-# the lock's pins without their hashes, to constrain what the benchmarks add
+# the lock's pins without their hashes, with their markers (a package pinned twice, for two Python ranges, would
+# otherwise be two pins that no install can meet), to constrain what the benchmarks add
 var/constraints.txt: requirements-dev.lock
-	@mkdir -p var && grep -oE '^[A-Za-z0-9._-]+==[^ ;]+' requirements-dev.lock > $@
+	@mkdir -p var && grep -E '^[A-Za-z0-9._-]+==' requirements-dev.lock | sed 's/ *\\$$//' > $@
 
 bench: $(DEV_STAMP) var/constraints.txt
 	$(BIN)/pip install -q -r benchmarks/requirements.in -c var/constraints.txt
@@ -188,7 +189,7 @@ bench: $(DEV_STAMP) var/constraints.txt
 
 # What benchmarks/gpu_checks.sh needs on the lent GPU machine (no Spark, no index there): .gpu/wheels (what the trainer
 # and the benchmarks import and that machine's image lacks, for CPython 3.12) and .gpu/tokenize (the demo's corpus)
-gpu-bundle: $(DEV_STAMP)
+gpu-bundle: $(DEV_STAMP) cxx
 	@ls var/runs/tokenize/*/manifest.json >/dev/null 2>&1 || $(MAKE) demo
 	$(BIN)/python scripts/gpu_bundle.py
 

@@ -68,6 +68,14 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+SMOKE_TIMEOUT_S = 900  # each smoke run (the trainer under torchrun, the step benchmark) on this machine's CPUs
+# what pip prints when the index did not answer (then a retry may do), as opposed to answering without the wheel
+NETWORK_ERRORS = ("Could not fetch URL", "Max retries exceeded", "NewConnectionError", "ConnectTimeoutError",
+                  "ReadTimeoutError", "Temporary failure in name resolution", "Network is unreachable",
+                  "Connection refused", "ProxyError", "SSLError")
+CARRY_WARN_MIB = 56  # the device tool carries at most 64 MiB of ignored paths: say so before a session is spent
+
+
 def device_has() -> set[str]:
     lines = (ROOT / "benchmarks" / "device_packages.txt").read_text().splitlines()
     return {canonical(x.strip()) for x in lines if x.strip() and not x.startswith("#")}
@@ -85,7 +93,12 @@ def imported_modules(tok_manifest: Path) -> set[str]:
                 ["benchmarks/gpu_mfu.py", "--cpu-smoke", "--steps", "2", "--warmup", "1", "--out",
                  str(bench / "gpu_mfu.json")]]
         for argv in runs:
-            r = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+            try:
+                r = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                                   timeout=SMOKE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise BundleError(f"{argv[0]} --cpu-smoke did not finish within {SMOKE_TIMEOUT_S} s (a hung "
+                                  "rendezvous or rank?); try again", 75) from None
             if r.returncode != 0:
                 raise BundleError(f"{argv[0]} --cpu-smoke failed ({r.returncode}):\n{r.stdout[-2000:]}"
                                   f"{r.stderr[-3000:]}", r.returncode if r.returncode in (2, 75) else 1)
@@ -110,7 +123,7 @@ def download(dists: dict[str, str], into: Path, python: str) -> None:
     could not get: exit 2 when the index has no such wheel (another version or platform is the user's to choose),
     75 when the index did not answer (try again)."""
     into.mkdir(parents=True, exist_ok=True)
-    missing, absent = [], False
+    missing, unanswered = [], False
     for name, version in dists.items():
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
                python, "--implementation", "cp", *(a for p in PLATFORMS for a in ("--platform", p)), "-d", str(into),
@@ -118,12 +131,12 @@ def download(dists: dict[str, str], into: Path, python: str) -> None:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["?"])[-1]
-            # the index answered without this wheel (it lists other versions); "from versions: none" is also what an
-            # index that did not answer gives: that one is retried
-            absent |= "No matching distribution" in r.stderr and "from versions: none" not in r.stderr
+            # "from versions: none" is what pip says both when the index did not answer and when it answered with no
+            # wheel for this Python and platform: only pip's own network errors make it a retry
+            unanswered |= any(m in r.stderr for m in NETWORK_ERRORS)
             missing.append(f"{name}=={version}: {last}")
     if missing:
-        raise BundleError("no wheel for:\n  " + "\n  ".join(missing), 2 if absent else 75)
+        raise BundleError("no wheel for:\n  " + "\n  ".join(missing), 75 if unanswered else 2)
 
 
 def build(tok: Path, into: Path, python: str) -> dict:
@@ -198,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"gpu_bundle: wrote {out} ({size / 2**20:.1f} MiB: {len(list((out / 'wheels').iterdir()))} wheels, the corpus "
           f"of {tok.parent.name}); carry it: run(carry=['.gpu'], command='bash benchmarks/gpu_checks.sh')")
+    if size > CARRY_WARN_MIB * 2**20:
+        print(f"gpu_bundle: warning: {size / 2**20:.0f} MiB is near or over what the device tool carries (64 MiB of "
+              "ignored paths): use a smaller corpus (--tokenize-manifest)", file=sys.stderr)
     return 0
 
 

@@ -94,6 +94,12 @@ def read_lock(path: Path) -> list[Pin]:
     return pins
 
 
+UNANSWERED = "the index did not answer"  # a check that says so failed for the network, not for the lock (exit 75)
+NETWORK_ERRORS = ("Could not fetch URL", "Max retries exceeded", "NewConnectionError", "ConnectTimeoutError",
+                  "ReadTimeoutError", "Temporary failure in name resolution", "Network is unreachable",
+                  "Connection refused", "ProxyError", "SSLError")
+
+
 def environment(platform: str, python: str) -> dict[str, str]:
     return {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
             "platform_python_implementation": "CPython", "platform_release": "", "platform_version": "",
@@ -113,11 +119,12 @@ def pip_choice(pins: list[Pin], platform: str, python: str) -> tuple[dict[str, d
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         except subprocess.TimeoutExpired:
-            return {}, "pip did not finish within 30 minutes"
+            return {}, f"{UNANSWERED}: pip did not finish within 30 minutes"
         if done.returncode or not report.exists():
             lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
             said = [ln for ln in lines if ln.startswith(("ERROR", "error"))] or lines[-3:] or ["pip failed"]
-            return {}, " / ".join(said)[:2000]
+            offline = any(m in done.stderr for m in NETWORK_ERRORS)  # the index did not answer: not the lock's fault
+            return {}, (f"{UNANSWERED}: " if offline else "") + " / ".join(said)[:2000]
         try:
             items = json.loads(report.read_text())["install"]
             return {canonicalize_name(i["metadata"]["name"]): i for i in items}, ""
@@ -176,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(lock, plat, py) for lock in locks for plat in args.platform or PLATFORMS for py in args.python or PYTHONS]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda job: check(pins[job[0]], job[1], job[2]), jobs))
-    failed = 0
+    failed = offline = 0
     print(f"{'lock':<24} {'platform':<14} {'python':<7} {'pins':>5}  result")
     for (lock, plat, py), (problems, built) in zip(jobs, results):
         n = sum(p.applies(environment(plat, py)) for p in pins[lock])
@@ -185,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"    {problem}")
         failed += bool(problems)
+        offline += any(UNANSWERED in p for p in problems)
     for lock in locks:
         unlisted, none = nowhere(pins[lock])
         if unlisted:
@@ -195,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     unplaced = sum(len(nowhere(pins[lock])[1]) for lock in locks)
     print(f"lock-check: {len(jobs) - failed} of {len(jobs)} passed (index {INDEX})"
           + (f"; {unplaced} pins apply on no platform" if unplaced else ""))
+    if failed and failed == offline and not unplaced:  # every failure was the index not answering: try again
+        print(f"lock-check: the index did not answer ({failed} checks): exit 75, try again", file=sys.stderr)
+        return 75
     return 1 if failed or unplaced else 0
 
 

@@ -167,3 +167,21 @@ def test_gpu_checks_without_the_bundle_or_a_gpu_says_so_in_its_status(tmp_path):
     summary = log[log.index("### summary"):]
     assert "gpu_mfu (ours vs the compiled recipe): rc=2" in summary  # no CUDA here: its own exit 2
     assert "skipped (budget)" in summary and "a step failed or was skipped" in log
+
+
+def test_the_bundle_retries_only_an_index_that_did_not_answer(tmp_path, monkeypatch):
+    """pip says "from versions: none" both when the index answered with no wheel for the device's Python and
+    platform (the pin is the user's to change: 2) and when it did not answer; only its network errors are 75."""
+    import subprocess
+    from types import SimpleNamespace
+
+    bundle = _load(ROOT / "scripts" / "gpu_bundle.py")
+    said = {"no wheel": "ERROR: Could not find a version that satisfies the requirement foo==1.0 (from versions: none)\n"
+                        "ERROR: No matching distribution found for foo==1.0",
+            "no index": "WARNING: Retrying ... NewConnectionError: Failed to establish a new connection\n"
+                        "ERROR: Could not find a version that satisfies the requirement foo==1.0 (from versions: none)"}
+    for what, code in (("no wheel", 2), ("no index", 75)):
+        monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=1, stderr=said[what]))
+        with pytest.raises(bundle.BundleError) as e:
+            bundle.download({"foo": "1.0"}, tmp_path / what, "3.12")
+        assert e.value.exit_code == code, what

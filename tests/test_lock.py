@@ -127,3 +127,13 @@ def test_lock_check_passes_a_published_hash_and_fails_another(tmp_path):
     missing = lock_check.Pin("six", "0.0.999", None, frozenset({"0" * 64}))
     assert lock_check.check([missing], "linux-aarch64", "3.11")[0][0].startswith("pip: ")
     assert lock_check.check([], "linux-aarch64", "3.11")[0] == ["no pin of this lock applies here"]
+
+
+def test_lock_check_says_75_when_the_index_did_not_answer(tmp_path, monkeypatch, capsys):
+    """An index that does not answer is the network's failure, not the lock's: exit 75 (retry), not 1."""
+    lock = tmp_path / "requirements-mini.lock"
+    lock.write_text("six==1.17.0 \\\n    --hash=sha256:4721f391ed90541fddacab5acf947aa0d3dc7d27b2e1e8eda2be8970586c3274\n")
+    monkeypatch.setattr(lock_check, "INDEX", "http://127.0.0.1:9/simple")  # nothing listens on port 9
+    platform = sorted(lock_check.PLATFORMS)[0]
+    assert lock_check.main([str(lock), "--platform", platform, "--python", lock_check.PYTHONS[0]]) == 75
+    assert "the index did not answer" in capsys.readouterr().err
