@@ -15,7 +15,7 @@ from __future__ import annotations
 from airflow.executors.local_executor import LocalExecutor
 from airflow.utils.state import TaskInstanceState
 
-from pipelines.procs import started_at, state
+from pipelines.procs import start_time, started_at, state
 
 
 def _running_here(ti) -> bool:
@@ -26,16 +26,18 @@ def _running_here(ti) -> bool:
 
     if ti.state != TaskInstanceState.RUNNING or not ti.pid or ti.hostname != get_hostname() or ti.start_date is None:
         return False
-    began = started_at(ti.pid)
-    return began is not None and began <= ti.start_date.timestamp() + START_SLACK_S and _alive(ti.pid, began)
+    began = started_at(ti.pid)  # wall clock here, to compare with the API's record of the start
+    return began is not None and began <= ti.start_date.timestamp() + START_SLACK_S and \
+        _alive(ti.pid, start_time(ti.pid))
 
 
 START_SLACK_S = 30.0  # clocks and the task's start report: the process starts first, the API records it after
 
 
-def _alive(pid: int, began: float) -> bool:
-    """``pid`` is alive (not a zombie) and is still the process that started at ``began``."""
-    return state(pid) not in (None, "Z") and started_at(pid) == began
+def _alive(pid: int, ticks: int | None) -> bool:
+    """``pid`` is alive (not a zombie) and is still the process that started ``ticks`` after boot (its start ticks:
+    a wall-clock start time moves when the clock is stepped, an NTP correction, and the task would lose its slot)."""
+    return ticks is not None and state(pid) not in (None, "Z") and start_time(pid) == ticks
 
 
 class StackExecutor(LocalExecutor):
@@ -44,7 +46,7 @@ class StackExecutor(LocalExecutor):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.adopted: dict = {}  # task instance key → (the pid of its task process, when that process started)
+        self.adopted: dict = {}  # task instance key → (the pid of its task process, its start ticks)
 
     def try_adopt_task_instances(self, tis):
         """Adopt the running ones whose task process is alive here; return the rest (reset and queued again: a task
@@ -52,7 +54,7 @@ class StackExecutor(LocalExecutor):
         rest = []
         for ti in tis:
             if _running_here(ti):
-                self.adopted[ti.key] = (ti.pid, started_at(ti.pid))
+                self.adopted[ti.key] = (ti.pid, start_time(ti.pid))
                 self.running.add(ti.key)
             else:
                 rest.append(ti)
@@ -60,8 +62,8 @@ class StackExecutor(LocalExecutor):
 
     def release_adopted(self) -> None:
         """Free the slot of each adopted task whose process has ended (its worker reported the end to the API)."""
-        for key, (pid, began) in list(self.adopted.items()):
-            if not _alive(pid, began):
+        for key, (pid, ticks) in list(self.adopted.items()):
+            if not _alive(pid, ticks):
                 del self.adopted[key]
                 self.running.discard(key)
 

@@ -59,6 +59,7 @@ class Node:
         self.proc: Optional[subprocess.Popen] = None
         self.ns: Optional[str] = None
         self._lost = threading.Event()
+        self._restarting = threading.Lock()  # a restart and a loss never interleave (a lost node never comes back)
         self._start()
         self._thread = threading.Thread(target=self._supervise, daemon=True)
         self._thread.start()
@@ -71,8 +72,8 @@ class Node:
                                           f"node-{self.name}", *binds, "--", *self.cmd],
                                          env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT)
         mine = _mount_ns(os.getpid())
-        end = time.time() + 10
-        while time.time() < end:  # unshare has exec'ed into the new namespace once its link differs from ours
+        end = time.monotonic() + 10
+        while time.monotonic() < end:  # unshare has exec'ed into the new namespace once its link differs from ours
             ns = _mount_ns(self.proc.pid)
             if ns and ns != mine:
                 self.ns = ns
@@ -80,20 +81,24 @@ class Node:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.01)
+        if self.proc.poll() is None:  # not left running outside any node
+            self.proc.kill()
+            self.proc.wait(timeout=30)
         raise RuntimeError(f"node {self.name}: no mount namespace (exit {self.proc.poll()}): {self.log.read_text()[-500:]}")
 
     def _supervise(self) -> None:
         while not self._lost.is_set():
             code = self.proc.wait()
-            if self._lost.is_set():
-                return
-            self.codes.append(code)
-            if code == 0 or not self.restart_on_failure or \
-                    (self.backoff_limit is not None and len(self.codes) > self.backoff_limit):
-                return
-            with open(self.log, "a") as f:
-                f.write(f"\n[harness] node {self.name} exited {code}: starting it again (restartPolicy OnFailure)\n")
-            self._start()
+            with self._restarting:
+                if self._lost.is_set():
+                    return
+                self.codes.append(code)
+                if code == 0 or not self.restart_on_failure or \
+                        (self.backoff_limit is not None and len(self.codes) > self.backoff_limit):
+                    return
+                with open(self.log, "a") as f:
+                    f.write(f"\n[harness] node {self.name} exited {code}: starting it again (restartPolicy OnFailure)\n")
+                self._start()
 
     @property
     def finished(self) -> bool:
@@ -108,8 +113,9 @@ class Node:
         return [int(p) for p in os.listdir("/proc") if p.isdigit() and _mount_ns(int(p)) == self.ns]
 
     def lose(self) -> None:
-        """The host is gone: SIGKILL every process of its namespace."""
-        self._lost.set()
+        """The host is gone: SIGKILL every process of its namespace (after a restart under way, of the new one)."""
+        with self._restarting:
+            self._lost.set()
         for _ in range(20):
             pids = self.pids()
             if not pids:
@@ -163,6 +169,16 @@ class SparkCluster:
                                        env=env, stdout=open(root / "logs" / "master.log", "w"),
                                        stderr=subprocess.STDOUT)
         self.nodes = []
+        try:  # a node that fails to start stops the master and the nodes before it
+            self._start_nodes(workers, cores, memory, private_dirs, pin, env, bin_dir)
+            self.wait_alive(workers)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_nodes(self, workers: int, cores: int, memory: str, private_dirs: tuple[Path, ...], pin: bool,
+                     env: dict, bin_dir: Path) -> None:
+        root = self.root
         for i in range(workers):
             cpus = ",".join(str(i * cores + c) for c in range(cores))  # pin: node i gets CPUs of its own
             cmd = ["taskset", "-c", cpus] if pin else []
@@ -175,19 +191,14 @@ class SparkCluster:
             self.nodes.append(Node(f"spark{i}", root / f"node{i}" / "tmp", Path("/tmp"), cmd,
                                    {**env, "SPARK_WORKER_DIR": "/tmp/spark-work"}, root / "logs" / f"worker{i}.log",
                                    restart_on_failure=False, more_binds=binds))
-        try:
-            self.wait_alive(workers)
-        except BaseException:
-            self.stop()
-            raise
 
     def state(self) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.ui}/json/", timeout=5) as r:  # noqa: S310 - loopback
             return json.loads(r.read())
 
     def wait_alive(self, workers: int, timeout: float = 120) -> None:
-        end = time.time() + timeout
-        while time.time() < end:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
             try:
                 if self.state().get("aliveworkers") == workers:
                     return

@@ -326,6 +326,15 @@ def test_the_stack_executor_adopts_only_a_live_task_process_and_counts_it_agains
         assert ex.running == {"ours"} and ex.slots_available == 1
         ex.release_adopted()
         assert ex.running == {"ours"}  # still running: the slot stays taken
+        import pipelines.airflow_executor as ae
+        import pipelines.procs as procs
+
+        stepped = procs.started_at(task.pid) + 90  # the wall clock stepped (NTP): boot time, so each start, moves
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ae, "started_at", lambda pid: stepped)
+            mp.setattr(procs, "started_at", lambda pid: stepped)
+            ex.release_adopted()
+        assert ex.running == {"ours"}  # the same process still: its start ticks say so, whatever the clock does
         task.kill()
         task.wait(15)
         ex.release_adopted()

@@ -405,7 +405,9 @@ class Heart:
         self.log(f"[hang] rank {b.rank} (pid {b.pid}, local rank {b.local_rank} on {b.host}) silent"
                  f"{too} for {silent_s:.1f} s in {b.where()} (allowed {b.allow_s:g} s: {allowed}); killing it: "
                  f"{self._next()}. Its stack:")  # first: the line stays even if the dump goes wrong
-        stack = stack_of(b.pid, self.dir / f"stack-rank{b.rank:d}.txt")
+        # only a live rank of this node is signalled for its stack: another rank's report may have taken seconds,
+        # time enough for this pid to have ended and been reused by a process SIGUSR2 would kill
+        stack = stack_of(b.pid, self.dir / f"stack-rank{b.rank:d}.txt") if self.alive(b.pid) else "(gone)"
         self.log("\n".join(f"[hang]   {line}" for line in stack.splitlines()))
 
     def _next(self) -> str:
