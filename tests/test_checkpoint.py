@@ -192,3 +192,34 @@ def test_a_restore_from_the_nodes_disks_says_that_l2_was_not_consulted(home):
                                                  "the nodes' disks"), logs
     restore.candidates(ckpt, {0: {10: (0, 1, "aaaa1111", None)}}, 10)  # a step asked for by name: nothing to say
     assert len(logs) == 1
+
+
+def test_what_a_commit_vouches_for_is_on_the_disk_before_the_commit(home, monkeypatch):
+    """Every file of a copy and its directories are fsync'd before its COMMIT is written, on L0 (commit_local) and on
+    L1 (copy_local), and the rename that puts the copy in place is made durable in its parent: a node that crashes
+    right after a commit must not leave a COMMIT over data still in its page cache."""
+    import pathlib
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    spec = _spec("http://127.0.0.1:9")
+    rel = "run/key/step-000010"
+    l0 = _make_ckpt(spec, rel, big_mb=1)
+    l1 = pathlib.Path(ckpt_tiers.tier_locations(spec, rel)["L1"])
+
+    def durable_before_commit(copy):
+        first_commit = next(i for i, p in enumerate(synced) if "COMMIT" in pathlib.Path(p).name)
+        for name in ("model.pt", "model_args.json"):
+            assert any(pathlib.Path(p).name == name for p in synced[:first_commit]), (copy, synced)
+        assert str(copy.parent) in synced[first_commit:], synced  # the rename into place, made durable
+
+    synced.clear()
+    ckpt_local.copy_local(l0, l1)  # L1
+    durable_before_commit(l1)
+    synced.clear()
+    durable_before_commit(_make_ckpt(spec, "run/key/step-000020", big_mb=1))  # L0

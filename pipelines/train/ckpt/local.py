@@ -36,10 +36,44 @@ def commit_local(tmp_dir: Path, final_dir: Path, meta: dict | None = None) -> Pa
     files = {r: {"sha256": sums[r], "bytes": (tmp_dir / r).stat().st_size} for r in rels}
     body = json.dumps({"files": files, **(meta or {})}, indent=2, sort_keys=True)
     atomic_write_text(tmp_dir / CKPT_MANIFEST, body)
+    make_durable(tmp_dir)  # what COMMIT vouches for is on the disk before it
     fence.check(f"committing {final_dir.name}", final_dir)  # a superseded attempt writes no COMMIT
     atomic_write_text(tmp_dir / COMMIT, hashlib.sha256(body.encode()).hexdigest())
     install_dir(tmp_dir, final_dir)
     return final_dir
+
+
+def make_durable(d: Path) -> None:
+    """Every file under ``d``, then every directory of it, flushed to stable storage (fsync), before the COMMIT
+    that vouches for them: a node that crashes right after the commit must not leave a COMMIT over data still in its
+    page cache (a globally committed step that no longer verifies). A write error the filesystem kept until now
+    (NFS reports ENOSPC and EIO late) is raised here, naming the file; a directory whose filesystem cannot fsync one
+    (EINVAL) is passed over."""
+    dirs = {d}
+    for f in walk_files(d):
+        dirs.add(f.parent)
+        with naming(f):
+            fd = os.open(f, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for p in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(p)
+
+
+def fsync_dir(d: Path) -> None:
+    """The directory's entries (a rename into it, a file made there) flushed; EINVAL (a filesystem that cannot fsync
+    a directory) passed over."""
+    with naming(d):
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+        finally:
+            os.close(fd)
 
 
 def missing_shards(d: Path) -> list[str]:
@@ -104,11 +138,13 @@ def _read(f, size: int, src: Path) -> bytes:
 
 
 def _copy_small(src: Path, dst: Path) -> None:
-    """A small file copied whole, a failure naming its file (:func:`naming`)."""
+    """A small file copied whole and synced, a failure naming its file (:func:`naming`)."""
     with naming(src):
         data = src.read_bytes()
     with naming(dst), open(dst, "wb") as g:
         g.write(data)
+        g.flush()
+        os.fsync(g.fileno())
 
 
 @contextlib.contextmanager
@@ -139,6 +175,7 @@ def install_dir(tmp: Path, dst: Path) -> None:
         faults.file_op("rename", dst)
         os.rename(tmp, dst)
         faults.file_op("renamed", dst)
+        fsync_dir(dst.parent)  # the rename itself durable: the copy is where it was said to be after a crash
     except OSError as e:
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
             raise fence.FencedOut(f"{dst}: another copy was put in place after this writer's check: it stays, and "
@@ -167,6 +204,7 @@ def copy_local(src: Path, dst: Path, chunk: int = 8 << 20) -> dict[str, list[byt
                 raise CheckpointError(f"{src}: {rel} sha256 {got[rel][0][:12]}… does not match the manifest's "
                                       f"{info['sha256'][:12]}… — refusing this checkpoint")
         _copy_small(src / CKPT_MANIFEST, tmp / CKPT_MANIFEST)
+        make_durable(tmp)  # what COMMIT vouches for is on the disk before it
         _copy_small(src / COMMIT, tmp / COMMIT)  # last
         install_dir(tmp, dst)
     finally:

@@ -18,7 +18,7 @@ from pipelines.storage import faults
 from pipelines.train.ckpt import fence, s3_markers as ckpt_s3_cond
 from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, MAX_PARTS, PARTS, CheckpointError, is_valid_local,
                                         manifest_files, parse_step, part_name, read_local_manifest, verify_local)
-from pipelines.train.ckpt.local import copy_local, install_dir, missing_shards
+from pipelines.train.ckpt.local import copy_local, install_dir, make_durable, missing_shards
 from pipelines.train.ckpt.s3_tier import (abort_multipart, all_match, check_objects, object_etag, part_manifest,
                                           read_s3_manifest, s3_body, s3_commit_body, upload_files)
 from pipelines.storage.s3 import client, ensure_bucket, split_uri
@@ -128,6 +128,7 @@ def merge_parts(l1_step: Path, parts: int, attempt: Optional[str], again: bool =
             raise CheckpointError(f"{l1_step}: the parts hold no {missing}; a node's ranks wrote elsewhere")
         faults.point("merge")
         atomic_write_text(tmp / CKPT_MANIFEST, body)
+        make_durable(tmp)  # the parts' files and their links here on the disk before COMMIT
         fence.check(f"committing {l1_step.name} on L1", l1_step)
         atomic_write_text(tmp / COMMIT, hashlib.sha256(body.encode()).hexdigest())  # last
         install_dir(tmp, l1_step)

@@ -26,7 +26,7 @@ from pipelines.storage.s3 import (b64, checksums_verified, client, composite_sha
 from pipelines.train.ckpt import fence
 from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
                                         manifest_files, part_name, verify_local)
-from pipelines.train.ckpt.local import install_dir, naming
+from pipelines.train.ckpt.local import install_dir, make_durable, naming
 
 
 def transfer_config(spec: JobSpec):
@@ -268,6 +268,8 @@ def download_checkpoint(spec: JobSpec, uri: str, dest: Path, part: Optional[int]
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 faults.file_op("write", tmp / rel)
                 s3.download_file(bucket, f"{prefix}/{rel}", str(tmp / rel))
+        make_durable(tmp)  # the files on the disk before the COMMIT that vouches for them
+        with naming(tmp):
             (tmp / COMMIT).write_text(commit)
         verify_local(tmp)
         install_dir(tmp, dest)
