@@ -1,6 +1,7 @@
 """The Kubernetes launcher: the real kubernetes client against an API server stand-in on loopback
 (``fake_kube``; no cluster can run here), whose "operator" runs the job's real torchrun command."""
 import json
+import os
 import sys
 import time
 from datetime import timedelta
@@ -862,3 +863,27 @@ def test_a_refusal_that_persists_during_the_watch_exits_75_one_line(home, kube, 
     with pytest.raises(ranks.TrainError) as e:
         ranks.run_ranks(spec, "m", [], run_id="unit")
     assert type(e.value) is ranks.TrainError and e.value.exit_code == 2 and "\n" not in str(e.value)
+
+
+def test_a_stopped_launch_deletes_its_job_in_one_short_try_and_exits_75(home, kube, monkeypatch):
+    """SIGTERM to a launch that watches its job (Airflow stopping the task, 10 s before SIGKILL): the job is
+    deleted in one short try, not the watch's retries (minutes), and the launch ends as a retryable failure (exit
+    75) instead of dying by a KeyboardInterrupt's traceback."""
+    import signal
+    import threading
+
+    fake, cfg, spec, gate = _watched_with_a_token(home, kube, monkeypatch)
+    me = os.getpid()
+
+    def stop_when_created():
+        deadline = time.monotonic() + 60
+        while not fake.jobs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(me, signal.SIGTERM)
+    threading.Thread(target=stop_when_created, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(k8s.JobFailed, match="stopped .*it was deleted") as e:
+        k8s.run_job(spec, "unit", "pipelines.train.trainer", [], log=lambda m: None)
+    assert e.value.retryable and time.monotonic() - t0 < 60
+    assert any(v == "DELETE" for v, _ in fake.requests) and fake.jobs == {}

@@ -359,7 +359,10 @@ REQUEST_TIMEOUT = (10, 60)  # connect, read (s): no API call waits for ever
 TRANSIENT = (429, 500, 502, 503, 504)
 
 
-def call(fn, *args, tries: int = 5, **kwargs):
+STOP_REQUEST_TIMEOUT = (3, 5)  # the delete of a stopped launch: inside the 10 s Airflow gives a task before SIGKILL
+
+
+def call(fn, *args, tries: int = 5, request_timeout=REQUEST_TIMEOUT, **kwargs):
     """One API call with a bounded wait: transient answers (429, 5xx, a dropped connection) are retried with backoff
     (1, 2, 4, 8 s), then :class:`JobFailed` (retryable); 401/403 become :class:`Refused`, one line naming the
     identity problem; other errors (404, 409, 422) go to the caller.
@@ -375,7 +378,7 @@ def call(fn, *args, tries: int = 5, **kwargs):
 
     for attempt in range(tries):
         try:
-            return fn(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+            return fn(*args, _request_timeout=request_timeout, **kwargs)
         except ApiException as e:
             if e.status in (401, 403):
                 raise Refused(f"the Kubernetes API refused {getattr(fn, '__name__', 'a call')} ({e.status} "
@@ -610,12 +613,15 @@ def _commands(job: dict) -> list:
             for c in rs.get("template", {}).get("spec", {}).get("containers", [])]
 
 
-def delete(custom, k: JobKind, ns: str, name: str, wait_s: float = 0) -> None:
+def delete(custom, k: JobKind, ns: str, name: str, wait_s: float = 0, stopping: bool = False) -> None:
+    """Delete the job (``wait_s``: until it is gone). ``stopping``: this process was told to stop, and is killed
+    moments later: one short try (:data:`STOP_REQUEST_TIMEOUT`), not the retries a watch allows itself."""
     from kubernetes.client.exceptions import ApiException
 
     try:
         call(custom.delete_namespaced_custom_object, k.group, k.version, ns, k.plural, name,
-             body={"propagationPolicy": "Foreground"})
+             body={"propagationPolicy": "Foreground"}, tries=1 if stopping else 5,
+             request_timeout=STOP_REQUEST_TIMEOUT if stopping else REQUEST_TIMEOUT)
     except ApiException as e:
         if e.status != 404:
             raise JobFailed(f"could not delete {k.kind} {ns}/{name} ({e.status} {e.reason}): {_api_error(e)}; "
@@ -886,26 +892,32 @@ def run_job(spec: JobSpec, run_id: str, module: str, args: list[str], log: Calla
     target = kube_target(spec)
     session = Session(*api_clients_for(*target), reconnect=lambda: api_clients_for(*target), log=log)
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
-    submit(session.custom, job, log, record)
-    if detach and job_state(session.get(k, ns, name))[0] not in FINISHED:
-        L, t = spec.launcher, spec.launcher.timeout_minutes
-        raise Pending({"kind": k.name, "namespace": ns, "name": name, "poll_seconds": L.poll_seconds,
-                       "timeout_s": None if t is None else t * 60, "pending_s": _pending_s(spec),
-                       "kubeconfig": target[0],
-                       "kube_context": target[1], "kube_conn_id": spec.services.kube_conn_id})
 
     def _term(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
+    # from the submit on (a stop during it may follow the create): a stop deletes the job, in one short try
     previous = signal.signal(signal.SIGTERM, _term) if _in_main_thread() else None
     try:
+        submit(session.custom, job, log, record)
+        if detach and job_state(session.get(k, ns, name))[0] not in FINISHED:
+            L, t = spec.launcher, spec.launcher.timeout_minutes
+            raise Pending({"kind": k.name, "namespace": ns, "name": name, "poll_seconds": L.poll_seconds,
+                           "timeout_s": None if t is None else t * 60, "pending_s": _pending_s(spec),
+                           "kubeconfig": target[0],
+                           "kube_context": target[1], "kube_conn_id": spec.services.kube_conn_id})
         t = spec.launcher.timeout_minutes
         return watch(None, None, k, ns, name, spec.launcher.poll_seconds, None if t is None else t * 60, log,
                      session=session, pending_s=_pending_s(spec))
-    except KeyboardInterrupt:
-        log(f"{k.name} {ns}/{name}: stopping: deleting the job")
-        delete(session.custom, k, ns, name)
-        raise
+    except KeyboardInterrupt as e:
+        log(f"{k.name} {ns}/{name}: stopping ({e}): deleting the job")
+        try:
+            delete(session.custom, k, ns, name, stopping=True)
+            left = "it was deleted"
+        except Exception as d:  # noqa: BLE001 - stopping anyway: say what is left behind
+            left = (f"it was NOT deleted ({type(d).__name__}: {d}); delete it by hand (kubectl delete {k.name} -n "
+                    f"{ns} {name})")
+        raise JobFailed(f"stopped ({e}) while the {k.kind} {ns}/{name} ran; {left}", retryable=True) from None
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
