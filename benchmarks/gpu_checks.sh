@@ -35,14 +35,19 @@ START=$SECONDS
 END=$((START + ${GPU_CHECKS_BUDGET_S:-540}))
 SUMMARY=()
 FAILED=0
-# what a step may leave running (its python, torchrun and the ranks): killed when the step is over
-LEFTOVER_RE='benchmarks/(gpu_mfu|trainer_gpu|ckpt_bench|nccl_check)\.py|pipelines\.(train|launch)\.|torch\.distributed\.run|torchrun'
+# every step's processes carry this in their environment (ranks in sessions of their own too): what is left of a step
+# when it is over is found by it, and nothing else on the machine is touched
+STEP_MARK="LLMP_GPU_CHECKS_STEP=$$-$RANDOM$RANDOM"
 
 reap() {  # reap NAME: kill what step NAME left running, and say so
-    local pids
-    pids=$(pgrep -f "$LEFTOVER_RE" | grep -vx "$$" | tr '\n' ' ')
-    [[ -z ${pids// /} ]] && return 0
+    local pids="" d
+    for d in /proc/[0-9]*; do
+        [[ ${d#/proc/} == "$$" ]] && continue
+        { tr '\0' '\n' <"$d/environ"; } 2>/dev/null | grep -qxF "$STEP_MARK" && pids+="${d#/proc/} "
+    done
+    [[ -z $pids ]] && return 0
     echo "### $1 left processes running: $pids; killing them"
+    # shellcheck disable=SC2086  # one argument per pid
     kill -9 $pids 2>/dev/null
     sleep 2
     SUMMARY+=("$1: killed the processes it left running ($pids)")
@@ -63,7 +68,7 @@ step() {  # [STEP_MIN_S=S] step NAME CAP_S CMD...: run CMD under timeout min(CAP
     echo
     echo "### [+$((SECONDS - START)) s] $name (timeout $t s): $*"
     t0=$SECONDS
-    timeout -k 10 "$t" "$@"
+    env "$STEP_MARK" timeout -k 10 "$t" "$@"
     rc=$?
     local why=""
     ((rc == 124 || rc == 137)) && why=" TIMED OUT"
@@ -143,7 +148,10 @@ EOF
     for kv in "${VARIANTS[@]}"; do EXTRA+=(--variant "$kv"); done
     # the rows measured are kept whatever happens after them: gpu_mfu.py rewrites its JSON after each row
     NOCOMPILE=()
-    if step "gpu_mfu (ours vs the compiled recipe)" 300 python3 benchmarks/gpu_mfu.py --steps 50 "${EXTRA[@]}"; then
+    step "gpu_mfu (ours vs the compiled recipe)" 300 python3 benchmarks/gpu_mfu.py --steps 50 "${EXTRA[@]}"
+    # the comparison stands when ours and the recipe were measured (a variant's or a profile's failure aside)
+    if python3 -c 'import json, sys; sys.exit(json.load(open("var/bench/gpu_mfu.json")).get("ratio") is None)' \
+            2>/dev/null; then
         cp var/bench/gpu_mfu.json "$OUT/gpu_mfu.json" && echo "copied gpu_mfu.json to OUT"
     else  # torch.compile failed or took too long here: the same comparison with nothing compiled, and the rest so
         [[ -f var/bench/gpu_mfu.json ]] && cp var/bench/gpu_mfu.json "$OUT/gpu_mfu_partial.json"

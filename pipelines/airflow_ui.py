@@ -45,6 +45,10 @@ WORKER_TITLE = "airflow worker -- LocalExecutor"  # the title a LocalExecutor wo
 USER = "admin"
 HOST = "127.0.0.1"
 
+# SIGTERM to a component's group (a scheduler, its workers and the tasks they run), SIGKILL after this: a train
+# task's ranks checkpoint on the notice (llm_dags.TRAIN_KILL_GRACE_S, 35 s by default)
+STOP_GRACE_S = 40.0
+
 
 def home() -> Path:
     return Path(os.environ.get("AIRFLOW_HOME", "var/airflow")).resolve()
@@ -235,8 +239,8 @@ class Supervisor:
         kill_all([i["pid"] for i in self.busy_orphans if still_running(i)], 15.0)
         for c in reversed(COMPONENTS):
             p = self.procs.get(c)
-            if p is not None and p.poll() is None:
-                stop_group(p.pid, 15.0, reap=p.pid)
+            if p is not None and p.poll() is None:  # a train stage under it gets its preemption checkpoint's time
+                stop_group(p.pid, STOP_GRACE_S, reap=p.pid)
 
 
 def supervise(port: int) -> int:
@@ -330,7 +334,7 @@ def stop() -> int:
     sup = rec.get("supervisor")
     if isinstance(sup, dict) and still_running(sup):
         os.kill(int(sup["pid"]), signal.SIGTERM)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + STOP_GRACE_S + 20  # its own stop of the components (a train task's grace)
         while still_running(sup) and time.monotonic() < deadline:
             time.sleep(0.2)
         if still_running(sup):

@@ -134,9 +134,14 @@ def stop_group(pgid: int, grace_s: float = 10.0, reap: int | None = None) -> boo
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         pass
+    for p in _alive(known):  # those in sessions of their own get the notice too (torchrun forwards it as well)
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
     if _wait(lambda: group_members(pgid) or _alive(known), time.monotonic() + grace_s, reap):
         return False
-    known.update(tree_of(group_members(pgid)))
+    known.update(tree_of(group_members(pgid) + _alive(known)))
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:

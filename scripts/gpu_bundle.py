@@ -72,7 +72,7 @@ SMOKE_TIMEOUT_S = 900  # each smoke run (the trainer under torchrun, the step be
 # what pip prints when the index did not answer (then a retry may do), as opposed to answering without the wheel
 NETWORK_ERRORS = ("Could not fetch URL", "Max retries exceeded", "NewConnectionError", "ConnectTimeoutError",
                   "ReadTimeoutError", "Temporary failure in name resolution", "Network is unreachable",
-                  "Connection refused", "ProxyError", "SSLError")
+                  "Connection reset", "ProxyError")  # not SSLError: a certificate is configuration
 CARRY_WARN_MIB = 56  # the device tool carries at most 64 MiB of ignored paths: say so before a session is spent
 
 
@@ -123,7 +123,7 @@ def download(dists: dict[str, str], into: Path, python: str) -> None:
     could not get: exit 2 when the index has no such wheel (another version or platform is the user's to choose),
     75 when the index did not answer (try again)."""
     into.mkdir(parents=True, exist_ok=True)
-    missing, unanswered = [], False
+    missing, unanswered, absent = [], False, False
     for name, version in dists.items():
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
                python, "--implementation", "cp", *(a for p in PLATFORMS for a in ("--platform", p)), "-d", str(into),
@@ -133,10 +133,11 @@ def download(dists: dict[str, str], into: Path, python: str) -> None:
             last = (r.stderr.strip().splitlines() or ["?"])[-1]
             # "from versions: none" is what pip says both when the index did not answer and when it answered with no
             # wheel for this Python and platform: only pip's own network errors make it a retry
-            unanswered |= any(m in r.stderr for m in NETWORK_ERRORS)
+            offline = any(m in r.stderr for m in NETWORK_ERRORS)
+            unanswered, absent = unanswered or offline, absent or not offline
             missing.append(f"{name}=={version}: {last}")
-    if missing:
-        raise BundleError("no wheel for:\n  " + "\n  ".join(missing), 75 if unanswered else 2)
+    if missing:  # a pin the index has no wheel for is the user's to change, whatever else went wrong
+        raise BundleError("no wheel for:\n  " + "\n  ".join(missing), 75 if unanswered and not absent else 2)
 
 
 def build(tok: Path, into: Path, python: str) -> dict:

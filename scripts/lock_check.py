@@ -97,7 +97,7 @@ def read_lock(path: Path) -> list[Pin]:
 UNANSWERED = "the index did not answer"  # a check that says so failed for the network, not for the lock (exit 75)
 NETWORK_ERRORS = ("Could not fetch URL", "Max retries exceeded", "NewConnectionError", "ConnectTimeoutError",
                   "ReadTimeoutError", "Temporary failure in name resolution", "Network is unreachable",
-                  "Connection refused", "ProxyError", "SSLError")
+                  "Connection refused", "Connection reset", "ProxyError")  # not SSLError: configuration
 
 
 def environment(platform: str, python: str) -> dict[str, str]:

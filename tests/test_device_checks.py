@@ -161,7 +161,7 @@ def test_gpu_checks_without_the_bundle_or_a_gpu_says_so_in_its_status(tmp_path):
     assert bare.returncode == 2 and "make gpu-bundle" in bare.stderr and not (tmp_path / "out").exists()
     (tree / ".gpu" / "wheels").mkdir(parents=True)
     _fake_wheel(tree / ".gpu" / "wheels" / "llmp_fake-1.0-py3-none-any.whl")
-    done = run(GPU_CHECKS_BUDGET_S="40")
+    done = run(GPU_CHECKS_BUDGET_S="100")  # the 1B step (120 s minimum) never fits: skipped, whatever the pace
     log = (tmp_path / "out" / "gpu_checks.log").read_text()
     assert done.returncode == 1, log
     summary = log[log.index("### summary"):]

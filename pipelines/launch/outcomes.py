@@ -19,6 +19,7 @@ the directory, and every file there counts.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import uuid
 from pathlib import Path
@@ -60,12 +61,15 @@ def current_attempt(out: Path) -> Optional[str]:
     :class:`OutcomesUnreadable` when its file is there and does not answer (EIO, a stale handle, not a file): that
     is no "none named", under which every outcome file, stale ones too, would count."""
     try:
-        return read_small_text(out / ATTEMPT_FILE).strip() or None
+        attempt = read_small_text(out / ATTEMPT_FILE).strip() or None
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
         raise OutcomesUnreadable(f"{out / ATTEMPT_FILE} cannot be read ({e}): the ranks' outcomes are not known; "
                                  "a retry reads them again") from None
+    if attempt is not None and not re.fullmatch(r"[0-9a-f]{16}", attempt):  # it names files: only what we write
+        raise OutcomesUnreadable(f"{out / ATTEMPT_FILE} holds {attempt[:40]!r}, not an attempt id of this launcher")
+    return attempt
 
 
 def rank_attempt(out: Path) -> Optional[str]:

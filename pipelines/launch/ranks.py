@@ -102,9 +102,11 @@ def run_torchrun(spec: JobSpec, trainer_args: list[str], module: str = "pipeline
         t = spec.launcher.timeout_minutes
         codes, tail, errors = _stream(procs, seen, None if t is None else time.monotonic() + 60 * t)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _stop_left(procs, seen, spec.train.shutdown_grace_s() + 5)
+        try:  # the notices still forwarded while what is left stops
+            _stop_left(procs, seen, spec.train.shutdown_grace_s() + 5)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     outcomes = xc.read_outcomes(work) if work is not None else []
     why = "".join(errors) + f"torchrun exited with {codes}; last output:\n" + "".join(tail) if any(codes) else ""
     preempted(outcomes, noticed, bool(why), why)
@@ -125,7 +127,10 @@ def _stop_left(procs: list[subprocess.Popen], seen: dict[int, int], grace_s: flo
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait(timeout=10)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # stuck in the kernel (D state): the error that brought us here stays
+                pass
     kill_known(seen, 5.0)
 
 
@@ -184,6 +189,9 @@ def _stream(procs: list[subprocess.Popen], seen: Optional[dict[int, int]] = None
                 try:
                     sys.stdout.write(line)
                     sys.stdout.flush()
+                except UnicodeEncodeError:  # a stdout that cannot show a character: the line with a stand-in
+                    enc = sys.stdout.encoding or "ascii"
+                    sys.stdout.write(line.encode(enc, "replace").decode(enc))
                 except (OSError, ValueError):  # our reader is gone: keep draining, or the ranks stop on a full pipe
                     echo[0] = False
 

@@ -61,8 +61,9 @@ def check_mixture(spec: JobSpec, tok: Manifest) -> None:
 def judge_result(spec: JobSpec, rel_root: str, work: Path, tmp: Path) -> None:
     """The ranks are done: their result is the stage's (copied into ``tmp``), or :class:`TrainRetry` / a
     :class:`StageError` says why not."""
+    outcomes = xc.read_outcomes(work)  # unreadable: no verdict on the job (75, and it is collected again)
     try:
-        preempted(xc.read_outcomes(work), [])  # on Kubernetes: the pods' ranks stopped on a notice
+        preempted(outcomes, [])  # on Kubernetes: the pods' ranks stopped on a notice
     except StageError as e:
         e.job_verdict = True  # the job's own outcome: the next try replaces it (run_kubernetes)
         raise

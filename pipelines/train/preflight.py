@@ -311,6 +311,8 @@ def rank_main(argv: list[str]) -> int:
     _options(ap)
     args = ap.parse_args(argv)
     spec = spec_from_args(args)
+    xc.rank_attempt(Path(args.rank_out))  # the attempt these ranks belong to, read now: a rank that outlives its job
+    # does not take the next attempt's id for its report
     vocab = args.vocab_size or spec.model.vocab_size or spec.tokenizer.vocab_size
     res = preflight(spec, Path(args.rank_out), vocab, size_mb=args.size_mb, straggler_factor=args.straggler_factor)
     return 1 if res["failures"] else 0

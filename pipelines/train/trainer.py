@@ -389,7 +389,7 @@ class Trainer:
             box = [history.fork(rec, history.run_token(), mode) if self.rank == 0 else None]
             if self.rank == 0:
                 try:
-                    write_lineage(self.spec, self.rel_root, box[0])
+                    write_lineage(self.spec, self.rel_root, box[0], self.log)
                 except (OSError, CheckpointError) as e:  # L1 or L2 did not take it (a fenced-out attempt too)
                     box = [f"the lineage record cannot be written: {e}"]
             dist.broadcast_object_list(box, src=0)
@@ -416,7 +416,7 @@ class Trainer:
         if gone:
             self.log(f"[ckpt] train.resume=never: removed this run's earlier checkpoints {gone}")
         rec = history.fresh(token)
-        write_lineage(self.spec, self.rel_root, rec)
+        write_lineage(self.spec, self.rel_root, rec, self.log)
         return rec, "never"
 
     def _model(self, state: Optional[dict]) -> None:

@@ -53,9 +53,13 @@ def read(spec: JobSpec, rel_root: str) -> Optional[dict]:
 def parse(text: str, where: str) -> dict:
     """A lineage record from its text; ValueError for one that is not (torn, forged)."""
     rec = json.loads(text)
-    if not isinstance(rec, dict) or not isinstance(rec.get("accept"), list) or not all(
-            isinstance(a, list) and len(a) == 2 for a in rec["accept"]):
-        raise ValueError(f"{where}: not a lineage record (an object with a list of [lineage, step] 'accept')")
+    ok = isinstance(rec, dict) and isinstance(rec.get("token"), str) and isinstance(rec.get("lineage"), str) \
+        and isinstance(rec.get("accept"), list) and all(
+            isinstance(a, list) and len(a) == 2 and (a[0] is None or isinstance(a[0], str))
+            and (a[1] is None or type(a[1]) is int) for a in rec["accept"])
+    if not ok:
+        raise ValueError(f"{where}: not a lineage record (token and lineage strings, 'accept' a list of [lineage or "
+                         "null, step or null])")
     return rec
 
 

@@ -438,13 +438,16 @@ class Promoter:
                 self.log(f"[ckpt] L2 catch-up: step {st}: {type(e).__name__}: {e}")
 
     def record_term(self) -> None:
-        """This attempt's term on L2 (:mod:`pipelines.train.ckpt.fence_l2`), once, before its first COMMIT there: every
-        step on L2 is then committed by a term L2 records. Raises when L2 does not answer (the step stays behind)."""
+        """This attempt's term on L2 (:mod:`pipelines.train.ckpt.fence_l2`), and L1's lineage record copied there
+        (:func:`pipelines.train.ckpt.tiers.mirror_lineage`), once, before its first COMMIT there: every step on L2 is
+        then committed by a term L2 records, of a line of training whose record L2 holds. Raises when L2 does not
+        answer (the step stays behind)."""
         f = fence.active()
         if self.term_on_l2 or f is None:
             return
         fence.check("recording this attempt's term on L2", ckpt_tiers.tier_locations(self.spec, self.rel_root)["L2"])
         fence_l2.record(self.spec, self.rel_root, f.term, f.attempt, fence.launch_id())
+        ckpt_tiers.mirror_lineage(self.spec, self.rel_root)
         self.term_on_l2 = True
 
     def _catch_up_step(self, st: int, final: bool) -> None:

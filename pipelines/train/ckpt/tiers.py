@@ -331,17 +331,21 @@ def read_generations(spec: JobSpec, base_rel: str) -> dict:
     return out
 
 
-def _write_generations(spec: JobSpec, base_rel: str, state: dict) -> None:
+def _write_generations(spec: JobSpec, base_rel: str, state: dict, log: Callable[[str], None] = print) -> None:
     text = json.dumps(state, indent=2)
-    mirror_to_l2(spec, base_rel, GENERATIONS_SUFFIX, text)  # first: L2's copy is never behind L1's
     path = _generations_file(spec, base_rel)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, text)
+    try:  # its copy on L2: where an outage leaves it behind, the next write of the record puts it
+        mirror_to_l2(spec, base_rel, GENERATIONS_SUFFIX, text)
+    except L2Unavailable as e:
+        log(f"[ckpt] the generations record of {base_rel} is on L1 only for now (L2: {e})")
 
 
 # The run's records where they survive losing L1 (a retry on a new cluster, a new FSx): the lineage record
 # (``history``) and the key's generations record are mirrored on L2 beside the run's prefix, as on L1
-# (``<prefix>/<rel>.lineage.json``, ``<prefix>/<base_rel>.generations.json``), written there first. Read from L2 only
+# (``<prefix>/<rel>.lineage.json``, ``<prefix>/<base_rel>.generations.json``), after L1 (a lineage record that L2 did
+# not take then goes there before the line's first step: the promoter's ``record_term``). Read from L2 only
 # when L1 has none: without them a retry whose L1 was lost took itself for a new line of training (``resume=never``
 # then cleared its own L2 steps; ``run.force`` started another generation and orphaned the one in progress). An L2
 # that does not answer then is :class:`L2Unavailable` (75): unknown, not "no record".
@@ -397,11 +401,23 @@ def read_lineage(spec: JobSpec, rel_root: str) -> Optional[dict]:
     return None if text is None else history.parse(text, f"{tier_locations(spec, rel_root)['L2']}{LINEAGE_SUFFIX}")
 
 
-def write_lineage(spec: JobSpec, rel_root: str, rec: dict) -> None:
-    """The lineage record on L2 (first), then on L1 under the fence (:func:`history.write`)."""
-    fence.check("writing the lineage record", resolve_path(spec.checkpoint.l1) / rel_root)
-    mirror_to_l2(spec, rel_root, LINEAGE_SUFFIX, json.dumps(rec, indent=2))
+def write_lineage(spec: JobSpec, rel_root: str, rec: dict, log: Callable[[str], None] = print) -> None:
+    """The lineage record on L1 under the fence (:func:`history.write`), then its copy on L2; an L2 that does not
+    answer now leaves the copy to the promoter, which puts it before the line's first COMMIT there
+    (:func:`mirror_lineage`): a run starts while L2 is down, as before."""
     history.write(spec, rel_root, rec)
+    try:
+        mirror_lineage(spec, rel_root)
+    except L2Unavailable as e:
+        log(f"[ckpt] the lineage record is on L1 only for now (L2: {e}); it goes to L2 with the first step there")
+
+
+def mirror_lineage(spec: JobSpec, rel_root: str) -> None:
+    """L1's lineage record copied on L2 (none on L1: nothing to copy); :class:`L2Unavailable` when L2 does not
+    answer."""
+    rec = history.read(spec, rel_root)
+    if rec is not None:
+        mirror_to_l2(spec, rel_root, LINEAGE_SUFFIX, json.dumps(rec, indent=2))
 
 
 def generation(spec: JobSpec, base_rel: str, force: bool) -> str:
