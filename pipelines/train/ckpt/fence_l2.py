@@ -21,10 +21,10 @@ from typing import Optional
 
 from pipelines.manifest import atomic_write_text, read_small_text
 from pipelines.spec import JobSpec
-from pipelines.storage.s3 import client, ensure_bucket, split_uri
+from pipelines.storage.s3 import client, split_uri
 from pipelines.train.ckpt.fence import FENCE_DIR, FLOOR_FILE, TERM_PREFIX, current_term
 from pipelines.train.ckpt.s3_tier import answered
-from pipelines.train.ckpt.tiers import l2_in_use, tier_locations
+from pipelines.train.ckpt.tiers import l2_in_use, put_l2_record, tier_locations
 
 
 def _prefix(spec: JobSpec, rel_root: str) -> tuple[str, str]:
@@ -76,14 +76,5 @@ def floor(spec: JobSpec, fence_dir: Path, rel_root: str, log=print) -> int:
 def record(spec: JobSpec, rel_root: str, term: int, attempt: str, launch: Optional[str]) -> None:
     """Put this attempt's term on L2 (before its first COMMIT there); raises :class:`L2Unavailable` (a down
     embedded endpoint too: returning would let a step reach L2 once it is back without its term recorded)."""
-    if not l2_in_use(spec, rel_root):
-        return
-    s3, (bucket, prefix) = client(spec), _prefix(spec, rel_root)
-    body = json.dumps({"attempt": attempt, "launch": launch, "at": time.time()}).encode()
-    key = f"{prefix}{TERM_PREFIX}{term:09d}"
-
-    def put() -> dict:
-        ensure_bucket(s3, bucket, spec.services.s3_region)
-        return s3.put_object(Bucket=bucket, Key=key, Body=body)
-
-    answered(f"s3://{bucket}/{key}", put)
+    body = json.dumps({"attempt": attempt, "launch": launch, "at": time.time()})
+    put_l2_record(spec, rel_root, f"/{FENCE_DIR}/{TERM_PREFIX}{term:09d}", body)

@@ -309,7 +309,7 @@ def read_generations(spec: JobSpec, base_rel: str) -> dict:
     except FileNotFoundError:  # none on L1: on an L1 that holds nothing of the key (replaced, lost, or its first
         # run) L2's copy, else no record; an L1 with the key's steps and no record has none
         text = "{}" if Path(tier_locations(spec, base_rel)["L1"]).exists() else \
-            mirrored_on_l2(spec, base_rel, GENERATIONS_SUFFIX) or "{}"
+            l2_record(spec, base_rel, GENERATIONS_SUFFIX) or "{}"
     except OSError as e:  # L1 did not answer (EIO, ESTALE): later
         raise TierUnavailable(f"checkpoint.l1: {path}: the record of this key's generations cannot be read "
                               f"({e})") from None
@@ -337,7 +337,7 @@ def _write_generations(spec: JobSpec, base_rel: str, state: dict, log: Callable[
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, text)
     try:  # its copy on L2: where an outage leaves it behind, the next write of the record puts it
-        mirror_to_l2(spec, base_rel, GENERATIONS_SUFFIX, text)
+        put_l2_record(spec, base_rel, GENERATIONS_SUFFIX, text)
     except L2Unavailable as e:
         log(f"[ckpt] the generations record of {base_rel} is on L1 only for now (L2: {e})")
 
@@ -352,16 +352,17 @@ def _write_generations(spec: JobSpec, base_rel: str, state: dict, log: Callable[
 LINEAGE_SUFFIX, GENERATIONS_SUFFIX = ".lineage.json", ".generations.json"
 
 
-def _mirror_at(spec: JobSpec, rel: str, suffix: str) -> tuple[str, str]:
+def _l2_record_at(spec: JobSpec, rel: str, suffix: str) -> tuple[str, str]:
     bucket, key = split_uri(tier_locations(spec, rel)["L2"].rstrip("/"))
     return bucket, key + suffix
 
 
-def mirror_to_l2(spec: JobSpec, rel: str, suffix: str, text: str) -> None:
-    """Put a record's copy on L2 (nothing without an L2); raises :class:`L2Unavailable` when L2 does not answer."""
+def put_l2_record(spec: JobSpec, rel: str, suffix: str, text: str) -> None:
+    """Put a small record at ``<L2 of rel><suffix>`` (a copy of an L1 record, an attempt's term: ``fence_l2``;
+    nothing without an L2); raises :class:`L2Unavailable` when L2 does not answer."""
     if not l2_in_use(spec, rel):
         return
-    s3, (bucket, key) = client(spec), _mirror_at(spec, rel, suffix)
+    s3, (bucket, key) = client(spec), _l2_record_at(spec, rel, suffix)
 
     def put() -> dict:
         ensure_bucket(s3, bucket, spec.services.s3_region)
@@ -370,11 +371,12 @@ def mirror_to_l2(spec: JobSpec, rel: str, suffix: str, text: str) -> None:
     answered(f"s3://{bucket}/{key}", put)
 
 
-def mirrored_on_l2(spec: JobSpec, rel: str, suffix: str) -> Optional[str]:
-    """A record's copy on L2; None when there is none (or no L2); :class:`L2Unavailable` when L2 does not answer."""
+def l2_record(spec: JobSpec, rel: str, suffix: str) -> Optional[str]:
+    """The record at ``<L2 of rel><suffix>``; None when there is none (or no L2); :class:`L2Unavailable` when L2
+    does not answer."""
     if not l2_in_use(spec, rel):
         return None
-    bucket, key = _mirror_at(spec, rel, suffix)
+    bucket, key = _l2_record_at(spec, rel, suffix)
     body = s3_body(client(spec), bucket, key)
     return None if body is None else body.decode(errors="replace")
 
@@ -397,7 +399,7 @@ def read_lineage(spec: JobSpec, rel_root: str) -> Optional[dict]:
     rec = history.read(spec, rel_root)
     if rec is not None or not l1_newer_than_l2(spec, rel_root):
         return rec
-    text = mirrored_on_l2(spec, rel_root, LINEAGE_SUFFIX)
+    text = l2_record(spec, rel_root, LINEAGE_SUFFIX)
     return None if text is None else history.parse(text, f"{tier_locations(spec, rel_root)['L2']}{LINEAGE_SUFFIX}")
 
 
@@ -417,7 +419,7 @@ def mirror_lineage(spec: JobSpec, rel_root: str) -> None:
     answer."""
     rec = history.read(spec, rel_root)
     if rec is not None:
-        mirror_to_l2(spec, rel_root, LINEAGE_SUFFIX, json.dumps(rec, indent=2))
+        put_l2_record(spec, rel_root, LINEAGE_SUFFIX, json.dumps(rec, indent=2))
 
 
 def generation(spec: JobSpec, base_rel: str, force: bool) -> str:
