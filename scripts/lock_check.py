@@ -1,6 +1,7 @@
 """Check that every pin of every lock installs from the public index on every platform the README lists.
 
-For each lock (``requirements*.lock``), platform and Python, the pins whose environment markers hold there are
+For each lock (``requirements*.lock``), platform and Python (each listed one, and a patch release of one where a
+marker splits a pin, e.g. 3.11.5), the pins whose environment markers hold there are
 handed to pip against the public index only (no wheel folder, no constraints file, no pip configuration):
 ``pip install --dry-run --no-deps --platform … --python-version … --report``. pip picks, for each pin, the file it
 would install there; the check passes when pip found one for every pin and that file's sha256 (as the index
@@ -100,10 +101,36 @@ NETWORK_ERRORS = ("Could not fetch URL", "Max retries exceeded", "NewConnectionE
                   "Connection refused", "Connection reset", "ProxyError")  # not SSLError: configuration
 
 
+# a marker that compares the full Python version with a patch release (uv's universal lock: soupsieve below and from
+# 3.11.5): (operator, version)
+BOUNDARY = re.compile(r"python_full_version\s*([<>]=?|[=!]=)\s*[\"'](\d+\.\d+\.\d+)[\"']")
+
+
+def _sides(op: str, version: str) -> set[str]:
+    """The patch releases on the far side of a comparison from the .0 release: ``>= v`` and ``< v`` split at v,
+    ``> v`` and ``<= v`` at the next release, ``== v`` and ``!= v`` at v (and, for a .0 release, the next)."""
+    major_minor, patch = version.rsplit(".", 1)
+    after = f"{major_minor}.{int(patch) + 1}"
+    return {">": {after}, "<=": {after}, "==": {version, after}, "!=": {version, after}}.get(op, {version})
+
+
 def environment(platform: str, python: str) -> dict[str, str]:
-    return {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
-            "platform_python_implementation": "CPython", "platform_release": "", "platform_version": "",
-            "implementation_version": f"{python}.0", "extra": "", **PLATFORMS[platform][1]}
+    """The marker environment of ``platform`` and ``python`` (``3.11``: 3.11.0; or a full version, ``3.11.5``)."""
+    full = python if python.count(".") == 2 else f"{python}.0"
+    return {"python_version": ".".join(full.split(".")[:2]), "python_full_version": full,
+            "implementation_name": "cpython", "platform_python_implementation": "CPython", "platform_release": "",
+            "platform_version": "", "implementation_version": full, "extra": "", **PLATFORMS[platform][1]}
+
+
+def pythons(pins: list[Pin], listed: tuple[str, ...] | list[str] = PYTHONS) -> list[str]:
+    """The Pythons to check ``pins`` on: each listed one (its .0 release), and each patch release within one
+    that a marker splits a pin at (``3.11.5``): above it another pin applies, which the .0 release never sees."""
+    out = []
+    for py in listed:
+        cut = {v for p in pins for op, at in BOUNDARY.findall(p.marker or "") for v in _sides(op, at)
+               if v.rsplit(".", 1)[0] == py}
+        out += [py] + sorted(cut - {f"{py}.0"}, key=Version)
+    return out
 
 
 def pip_choice(pins: list[Pin], platform: str, python: str) -> tuple[dict[str, dict], str]:
@@ -165,7 +192,7 @@ def sdists(chosen: dict[str, dict]) -> list[str]:
 
 def nowhere(pins: list[Pin]) -> tuple[list[Pin], list[Pin]]:
     """Pins no listed platform and Python installs: (for an unlisted one, for none at all)."""
-    unused = [p for p in pins if not any(p.applies(environment(pl, py)) for pl in PLATFORMS for py in PYTHONS)]
+    unused = [p for p in pins if not any(p.applies(environment(pl, py)) for pl in PLATFORMS for py in pythons(pins))]
     return [p for p in unused if UNLISTED.search(p.marker or "")], [p for p in unused if not UNLISTED.search(p.marker or "")]
 
 
@@ -180,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lock-check: no requirements*.lock under {ROOT}", file=sys.stderr)
         return 1
     pins = {lock: read_lock(lock) for lock in locks}
-    jobs = [(lock, plat, py) for lock in locks for plat in args.platform or PLATFORMS for py in args.python or PYTHONS]
+    jobs = [(lock, plat, py) for lock in locks for plat in args.platform or PLATFORMS
+            for py in pythons(pins[lock], args.python or PYTHONS)]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda job: check(pins[job[0]], job[1], job[2]), jobs))
     failed = offline = 0

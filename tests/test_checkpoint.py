@@ -186,11 +186,11 @@ def test_a_restore_from_the_nodes_disks_says_that_l2_was_not_consulted(home):
 
     logs = []
     ckpt = SimpleNamespace(spec=load_spec(None, [], env={}), rel_root="run/key", rec=None, log=logs.append)
-    got = restore.candidates(ckpt, {0: {10: (0, 1, "aaaa1111", None)}}, None)
+    got = restore.candidates(ckpt, {0: {10: (0, 1, "aaaa1111", None, None)}}, None)
     assert [c["step"] for c in got] == [10] and not got[0]["l1"]
     assert len(logs) == 1 and logs[0].startswith("[ckpt] restore: L2 not consulted: step 10 can be restored from "
                                                  "the nodes' disks"), logs
-    restore.candidates(ckpt, {0: {10: (0, 1, "aaaa1111", None)}}, 10)  # a step asked for by name: nothing to say
+    restore.candidates(ckpt, {0: {10: (0, 1, "aaaa1111", None, None)}}, 10)  # a step asked for by name: nothing to say
     assert len(logs) == 1
 
 

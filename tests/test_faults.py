@@ -339,7 +339,7 @@ def test_an_abandoned_line_shadows_nothing_in_restore_or_retention(home):
         _step(home / "new", s, lin="tok")
         ckpt_local.remove_local(l0 / ck.step_name(s))
         (home / "new" / ck.step_name(s)).rename(l0 / ck.step_name(s))
-    inv = {s: (*ckpt_parts.part_of(m), history.of(m)) for s, m in ckpt_parts.local_parts(l0).items()}
+    inv = {s: (*ckpt_parts.part_of(m), history.of(m), history.term_of(m)) for s, m in ckpt_parts.local_parts(l0).items()}
     assert [x["step"] for x in candidates(_Ckpt(spec, "run/key", rec), {0: inv}, None)] == [30, 20, 10]
     assert [x["step"] for x in candidates(_Ckpt(spec, "run/key"), {0: inv}, None)][0] == 40  # by number alone
     deleted = ckpt_tiers.prune(spec, "run/key", upto=30, tiers=("L0",), rec=rec)

@@ -554,6 +554,10 @@ def test_a_zombie_attempt_stops_before_committing_and_the_retry_keeps_its_steps(
     assert not (home / "a/train/manifest.json").exists()  # the zombie's result is never the stage's
     mine = json.loads((home / "b/train/result.json").read_text())["fence"]
     assert mine["term"] == 2 and fence.current_term(home / "l1/llm-pipeline/train/.fence") == 2, mine
+    # each attempt's cutoff, recorded before its first save: A resumed from nothing, B from A's step 10; a step
+    # that A could still land above 10 counts nowhere
+    rec = json.loads((home / "l1/llm-pipeline/train.lineage.json").read_text())
+    assert rec["cutoffs"] == [[1, None], [2, 10]], rec
     for tier in ("l0", "l1"):
         steps = {p.parent.name: read_local_manifest(p.parent)
                  for p in (home / tier).glob("*/train/step-*/COMMIT")}
@@ -735,3 +739,101 @@ def test_a_writer_paused_between_its_check_and_its_act_on_l1_cannot_touch_a_newe
             ckpt_local.commit_local(_tmp_step(root, "step-000030a"), step, meta={"term": 1})
     assert acted and read_local_manifest(step)["term"] == 2
     verify_local(step)
+
+
+# ---------------------------------------------------------------- a stale writer landing a step no one else wrote
+
+
+def test_a_takeovers_cutoff_counts_no_step_an_older_term_lands_above_it():
+    """An attempt that took over at step 10 (term 2) records its cutoff: a step term 1 commits above 10 from then
+    on (a writer paused between its check and its COMMIT, with nothing at that key for S3 to compare) counts
+    nowhere; term 1's steps up to 10, term 2's own, and steps saved before terms (no term) still count. A fork
+    keeps the cutoffs; a record without them (an older version's) still reads; a forged one does not."""
+    from pipelines.train.ckpt import history
+
+    rec = history.resumed(None, "tok", 2, 10)
+    assert rec["accept"][0] == [history.ANY, None] and rec["cutoffs"] == [[2, 10]] and history.top_term(rec) == 2
+    # what a version before ANY reads in it: its own steps and those saved before any record, so a rollback resumes
+    assert rec["accept"][1:] == [["tok", None], [None, None]]
+    assert not history.accepts(rec, 20, "other", 1) and not history.accepts(rec, 11, None, 1)
+    assert history.accepts(rec, 10, "other", 1) and history.accepts(rec, 20, "tok", 2)
+    assert history.accepts(rec, 20, None, None) and history.accepts(rec, 30, "tok", 3)
+    nothing = history.resumed(rec, "tok", 3, None)  # term 3 resumed from nothing: no older term's step counts
+    assert not history.accepts(nothing, 0, "tok", 2) and history.accepts(nothing, 5, "tok", 3)
+    forked = history.fork(rec, "new", 10)
+    assert forked["cutoffs"] == [[2, 10]] and not history.accepts(forked, 20, "tok", 1)
+    assert history.parse(json.dumps({"token": "t", "lineage": "t", "accept": [["t", None]]}), "old")
+    for bad in ([["2", 10]], [[2, "10"]], [[2]], {"2": 10}):
+        with pytest.raises(ValueError, match="not a lineage record"):
+            history.parse(json.dumps({**rec, "cutoffs": bad}), "forged")
+
+
+def _committed(root: Path, step: int, term: int, attempt: str = "a", staged: bool = False) -> None:
+    """Step ``step`` (one part) of ``term`` committed under ``root``; ``staged``: its part in L1's staging."""
+    from pipelines.train.ckpt import protocol as ck
+
+    tmp = root / f".tmp-{step}-{term}"
+    tmp.mkdir(parents=True)
+    (tmp / "__0_0.distcp").write_bytes(f"step {step} of term {term}".encode())
+    dest = root / f".{ck.step_name(step)}.parts" / "part-0" if staged else root / ck.step_name(step)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    ckpt_local.commit_local(tmp, dest, {"step": step, "part": 0, "parts": 1, "attempt": attempt, "term": term})
+
+
+def test_a_step_an_older_term_landed_after_a_takeover_is_restored_kept_and_pruned_by_no_one(tmp_path):
+    """L1 holds step 10 of term 1, the step term 2 resumed from; step 20 of term 1 landed after (the stale
+    writer), as did a part of step 40 staged on L1, and term 2 committed step 30. Restore takes 30, then 10, never
+    20 nor 40; retention (keep_l1=1) counts 10 and 30 only: it removes 10, never 30, and leaves 20 alone (not this
+    line's). Before the cutoff, restore offered 40 and 20 before 10 and retention counted 20."""
+    from types import SimpleNamespace
+
+    from pipelines.train.ckpt import history
+    from pipelines.train.ckpt import restore as ckpt_restore
+
+    spec = load_spec(None, [f"checkpoint.l1={tmp_path}/l1", "checkpoint.keep_l1=1"], env={})
+    l1 = tmp_path / "l1/run/key"
+    _committed(l1, 10, 1)
+    rec = history.resumed(None, "tok", 2, 10)
+    _committed(l1, 20, 1)  # landed after the takeover
+    _committed(l1, 40, 1, staged=True)  # a part of step 40 staged on L1 after it (one part of one: whole)
+    ckpt = SimpleNamespace(spec=spec, rel_root="run/key", rec=rec, log=lambda m: None)
+    assert [c["step"] for c in ckpt_restore.candidates(ckpt, {}, None)] == [10]
+    assert [c["step"] for c in ckpt_restore.candidates(ckpt, {0: {20: (0, 1, "a", None, 1)}}, None)] == [10]
+    _committed(l1, 30, 2, "b")
+    assert [c["step"] for c in ckpt_restore.candidates(ckpt, {}, None)] == [30, 10]
+    by_tier = ckpt_tiers.list_steps(spec, "run/key", ("L1",))
+    assert by_tier == {"L1": [10, 20, 30]}
+    assert ckpt_tiers.accepted_steps(spec, "run/key", by_tier, rec) == {"L1": [10, 30]}
+    assert ckpt_tiers.prune(spec, "run/key", tiers=("L1",), rec=rec, log=lambda m: None) == {"L1": [10]}
+    assert sorted(p.name for p in l1.glob("step-*")) == ["step-000020", "step-000030"]
+    assert [c["step"] for c in ckpt_restore.candidates(SimpleNamespace(**{**vars(ckpt), "rec": None}), {}, None)] \
+        == [40, 30, 20]  # without the record, every step counts, as before
+
+
+def test_a_term_taken_again_after_the_fence_directory_was_lost_is_above_every_cutoff(home):
+    """The run's ``.fence`` on L1 is lost while its lineage record stays (a restore of L1 from a backup, an
+    operator's cleanup): terms would start again at 1, below the record's cutoff of term 3, and every step this
+    attempt saves would be an older term's above that cutoff, counted nowhere. The checkpointer takes its term above
+    every term a cutoff names."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from pipelines.train.ckpt import history
+    from pipelines.train.ckpt.checkpointer import Checkpointer
+
+    spec = load_spec(None, ["checkpoint.promote_during_run=false"], env={})
+    d = fence.fence_dir(spec, "run/key")
+    for n in range(3):
+        _take(d, f"old0000{n}")
+    history.write(spec, "run/key", history.resumed(None, "tok", 3, 20))
+    shutil.rmtree(d)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ckpt = Checkpointer(spec, "run/key", 0, 1, lambda m: None, files={})
+        assert ckpt.fence_info()["term"] == 4
+        ckpt.close(None)
+    finally:
+        dist.destroy_process_group()
+        fence.install(None)

@@ -14,6 +14,7 @@ import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -104,6 +105,25 @@ def test_lock_check_parses_markers_and_multi_line_pins(tmp_path):
     a, pywin, c = lock_check.read_lock(lock)
     assert a.marker == 'extra == "foo-bar"' and c.marker.startswith('platform_release >= "5.10.0-1057"')
     assert lock_check.nowhere([a, pywin, c]) == ([pywin], [a, c])
+
+
+def test_lock_check_checks_the_patch_release_a_pin_is_split_at():
+    """uv splits soupsieve at 3.11.5: 3.11.0's environment sees only the lower pin, so the upper one was checked for
+    3.12 alone (and a lock of 3.11 only would have called it "applies nowhere"). The split's release is a Python of
+    its own in the check."""
+    split = lock_check.read_lock(ROOT / "requirements-dev.lock")
+    low, high = sorted((p for p in split if p.name == "soupsieve"), key=lambda p: Version(p.version))
+    assert lock_check.pythons([low, high], ["3.11"]) == ["3.11", "3.11.5"]
+    assert lock_check.pythons([low, high]) == ["3.11", "3.11.5", "3.12"]
+    at = {py: [p.version for p in (low, high) if p.applies(lock_check.environment("linux-x86_64", py))]
+          for py in lock_check.pythons([low, high])}
+    assert at == {"3.11": [low.version], "3.11.5": [high.version], "3.12": [high.version]}
+    assert lock_check.environment("macos-arm64", "3.11.5")["python_version"] == "3.11"
+    assert lock_check.nowhere([low, high]) == ([], [])
+    # "> v" and "<= v" split at the next release: a pin above 3.11.5 only is checked on 3.11.6
+    above = lock_check.Pin("x", "1", "python_full_version > '3.11.5'", frozenset())
+    assert lock_check.pythons([above], ["3.11"]) == ["3.11", "3.11.6"]
+    assert above.applies(lock_check.environment("linux-x86_64", "3.11.6")) and lock_check.nowhere([above]) == ([], [])
 
 
 def _index_answers() -> bool:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from pipelines.cli import run_and_log, stage_dir, stage_main
+from pipelines.exit_codes import RETRY
 from pipelines.launch import outcomes as xc
 from pipelines.launch.ranks import TrainError, TrainRetry, check_supported, collect, run_ranks
 from pipelines.manifest import StageError, atomic_write_text, input_ref, read_small_text
@@ -54,10 +55,11 @@ from pipelines.train.job import rank_workdir
 
 
 class PreflightFailed(StageError):
-    """The ranks are unhealthy (slow all-reduce, a straggler, no progress): exit 1, a retry may land elsewhere
-    (on Kubernetes a new job: this one's verdict is read once, ``job_verdict``)."""
+    """The ranks are unhealthy (slow all-reduce, a straggler, no progress): the nodes, not the spec, so exit 75
+    (``RETRY``): a retry may land elsewhere (on Kubernetes a new job: this one's verdict is read once,
+    ``job_verdict``)."""
 
-    exit_code = 1
+    exit_code = RETRY
     job_verdict = True
 
     def __init__(self, message: str, result: dict | None = None):

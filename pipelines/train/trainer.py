@@ -381,22 +381,34 @@ class Trainer:
                 raise ResumeError(f"train.resume={mode}: no tier holds a verified copy of step {mode} (see the "
                                   "log above)", final=False)
             self.log("[ckpt] restore: no checkpoint of this run on any tier; starting at step 0")
-            return None
-        if restored.state["model_args"] != self.margs.to_dict():
+        if restored is not None and restored.state["model_args"] != self.margs.to_dict():
             raise ResumeError(f"the checkpoint at {restored.path} was written for another model "
                               f"({restored.state['model_args']}); set train.resume=never or use another checkpoint.l0")
-        if mode != "auto":  # a fork at step N: what the old line wrote after N no longer counts
-            box = [history.fork(rec, history.run_token(), mode) if self.rank == 0 else None]
-            if self.rank == 0:
-                try:
-                    write_lineage(self.spec, self.rel_root, box[0], self.log)
-                except (OSError, CheckpointError) as e:  # L1 or L2 did not take it (a fenced-out attempt too)
-                    box = [f"the lineage record cannot be written: {e}"]
-            dist.broadcast_object_list(box, src=0)
-            if isinstance(box[0], str):
-                raise CheckpointError(box[0])
-            self.ckpt.set_lineage(box[0])
+        self._take_over(rec, mode, restored.step if restored is not None else None)
         return restored
+
+    def _take_over(self, rec: Optional[dict], mode, step: Optional[int]) -> None:
+        """Every rank, before this attempt's first save: the line of training from here on. A fork at step N
+        (``train.resume=N``): what the old line wrote after N no longer counts. And this attempt's cutoff
+        (:func:`history.resumed`): a step an older term lands above ``step`` from now on (a writer paused between
+        its fence check and its COMMIT) counts nowhere. Written by rank 0 under the fence on L1; the promoter copies
+        it to L2 right after this attempt's term, before its next COMMIT there (an L2 that hangs holds up no start)."""
+        term = self.ckpt.fence_info()["term"]
+        if mode == "auto" and term is None:
+            return
+        box = [None]
+        if self.rank == 0:
+            token = history.run_token()
+            new = history.fork(rec, token, mode) if mode != "auto" else rec
+            box = [history.resumed(new, token, term, step) if term is not None else new]
+            try:
+                history.write(self.spec, self.rel_root, box[0])
+            except Exception as e:  # noqa: BLE001 - L1 did not take it (a fenced-out attempt too): every rank's
+                box = [f"the lineage record cannot be written: {type(e).__name__}: {e}"]  # reason, none waits
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise CheckpointError(box[0])
+        self.ckpt.set_lineage(box[0])
 
     def _lineage_start(self, resume):
         """Rank 0: (this line of training's record, how to start: auto / never / a step)."""

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
-from pipelines.train.ckpt import dcp_read, fence, fence_l2, local as ckpt_local, protocol as ck, tiers as ckpt_tiers
+from pipelines.train.ckpt import dcp_read, fence, fence_l2, history, local as ckpt_local, protocol as ck, tiers as ckpt_tiers
 from pipelines.train.ckpt.promoter import Events, Promoter, Topology, lower_priority
 
 KERNEL_KEYS = ("fused", "foreach")  # optimizer options a restore keeps as this run built them
@@ -221,7 +221,10 @@ class Checkpointer:
 
     def _take_term_in(self, d: Path, attempt: str) -> tuple[str, Optional[int], Optional[str], bool]:
         try:
-            floor = fence_l2.floor(self.spec, d, self.rel_root, self.log)
+            # above L2's terms (a new L1) and above every term a cutoff of the line names (a lost .fence: a term
+            # taken again below a cutoff would make this attempt's own steps an older term's, counted nowhere)
+            floor = max(fence_l2.floor(self.spec, d, self.rel_root, self.log),
+                        history.top_term(ckpt_tiers.read_lineage(self.spec, self.rel_root)))
             self.fence = fence.Fence.take(d, attempt, self.spec.checkpoint.lease_s, self._fenced_roots(), self.log,
                                           fence.launch_id(), floor)
         except fence.FencedOut as e:
@@ -250,6 +253,7 @@ class Checkpointer:
         self.rec = rec
         if self.promoter is not None:
             self.promoter.rec = rec
+            self.promoter.lineage_on_l2 = False  # L1's record copied on L2 again before the next COMMIT there
             self.promoter.check_l2()
 
     def save(self, step: int, model, opt, state: dict) -> float:

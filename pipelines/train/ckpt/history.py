@@ -10,12 +10,19 @@ A run's record on L1, ``<l1>/<rel_root>.lineage.json``::
   token equals the record's is a *restart* of that training: it resumes, whatever ``train.resume`` says.
 * ``lineage``: written into every step's manifest meta from now on.
 * ``accept``: the steps a restore, retention or staging may count: a step of lineage ``a`` up to step ``m``
-  (``null``: any). Steps that another line of training wrote are not restorable, not kept by retention and do not
-  shadow the live ones.
+  (``null``: any; lineage ``"*"``: any lineage, the record a run that had none takes at its first resume). Steps
+  that another line of training wrote are not restorable, not kept by retention and do not shadow the live ones.
+* ``cutoffs``: ``[[term, step or null], ...]``, one per attempt that took over (:func:`resumed`): the attempt of
+  ``term`` resumed from ``step`` (``null``: from nothing). A step an *older* term committed above it is a stale
+  writer's, landed after the takeover (an attempt paused between its fence check and its COMMIT, when the storage
+  could not refuse it: a new step's key holds nothing to compare), or a step of the line the takeover left: it
+  counts nowhere, as a fork's abandoned steps. Written before this attempt's first save; so a stale step never
+  becomes the step a later restore, retention or promotion takes (docs/training.md, "Fencing between attempts").
 
 ``train.resume=never`` starts a lineage of its own once (its earlier steps are cleared, best effort; those that
 stay, e.g. a step a registered model needs, are outside ``accept``); ``train.resume=N`` forks at step N (steps of
-the old line after N are abandoned). Without a record (``auto`` from the start) every step counts.
+the old line after N are abandoned). Without a record every step counts; since 2026-12-01 a run's first resume
+writes one (its cutoff), which counts every lineage.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from pipelines.manifest import atomic_write_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.train.ckpt import fence
 
+ANY = "*"  # an ``accept`` lineage that matches every lineage (a token is never "*")
 
 def record_path(spec: JobSpec, rel_root: str) -> Path:
     return resolve_path(spec.checkpoint.l1) / f"{rel_root}.lineage.json"
@@ -50,16 +58,21 @@ def read(spec: JobSpec, rel_root: str) -> Optional[dict]:
     return parse(text, str(p))
 
 
+def _pairs(v, first) -> bool:
+    """A list of ``[first, step or null]`` pairs (``first`` says what the first may be)."""
+    return isinstance(v, list) and all(isinstance(a, list) and len(a) == 2 and first(a[0])
+                                       and (a[1] is None or type(a[1]) is int) for a in v)
+
+
 def parse(text: str, where: str) -> dict:
     """A lineage record from its text; ValueError for one that is not (torn, forged)."""
     rec = json.loads(text)
     ok = isinstance(rec, dict) and isinstance(rec.get("token"), str) and isinstance(rec.get("lineage"), str) \
-        and isinstance(rec.get("accept"), list) and all(
-            isinstance(a, list) and len(a) == 2 and (a[0] is None or isinstance(a[0], str))
-            and (a[1] is None or type(a[1]) is int) for a in rec["accept"])
+        and _pairs(rec.get("accept"), lambda a: a is None or isinstance(a, str)) \
+        and _pairs(rec.get("cutoffs", []), lambda t: type(t) is int)
     if not ok:
         raise ValueError(f"{where}: not a lineage record (token and lineage strings, 'accept' a list of [lineage or "
-                         "null, step or null])")
+                         "null, step or null], 'cutoffs' one of [term, step or null])")
     return rec
 
 
@@ -71,11 +84,35 @@ def write(spec: JobSpec, rel_root: str, rec: dict) -> None:
     atomic_write_text(p, json.dumps(rec, indent=2))
 
 
-def accepts(rec: Optional[dict], step: int, lineage: Optional[str]) -> bool:
-    """Does the line of training ``rec`` describes count step ``step`` of ``lineage``?"""
+def accepts(rec: Optional[dict], step: int, lineage: Optional[str], term: Optional[int] = None) -> bool:
+    """Does the line of training ``rec`` describes count step ``step`` of ``lineage``, committed by ``term`` (the
+    manifest's: :func:`term_of`; None, a step saved before terms, passes every cutoff)?"""
     if rec is None:
         return True
-    return any(a == lineage and (m is None or step <= m) for a, m in rec["accept"])
+    if term is not None and any(term < t and (m is None or step > m) for t, m in rec.get("cutoffs", [])):
+        return False  # an older term's step above where a newer term resumed: landed after the takeover
+    return any((a == lineage or a == ANY) and (m is None or step <= m) for a, m in rec["accept"])
+
+
+def term_of(man: dict) -> Optional[int]:
+    """The term a step's (or part's) manifest records; None when it records none (or not a number)."""
+    t = man.get("term")
+    return t if type(t) is int else None
+
+
+def resumed(rec: Optional[dict], token: str, term: int, step: Optional[int]) -> dict:
+    """``rec`` with the cutoff of the attempt of ``term``, which resumed from ``step`` (None: from nothing). A run
+    without a record takes one that counts every lineage, as before (:data:`ANY`), so the cutoff has a home."""
+    # beside ANY, what a version before it reads: its own steps and those saved before any record (no lineage),
+    # so a rolled-back image still resumes
+    base = rec if rec is not None else {"token": token, "lineage": token,
+                                        "accept": [[ANY, None], [token, None], [None, None]]}
+    return {**base, "cutoffs": [*base.get("cutoffs", []), [term, step]]}
+
+
+def top_term(rec: Optional[dict]) -> int:
+    """The highest term a cutoff of ``rec`` names (0: none): a new attempt's term must be above it."""
+    return max((t for t, _ in rec.get("cutoffs", [])), default=0) if rec is not None else 0
 
 
 def is_restart(rec: Optional[dict], token: str) -> bool:
@@ -91,7 +128,7 @@ def fork(rec: Optional[dict], token: str, at: int) -> dict:
     """A new line that continues the current one's step ``at`` (``train.resume=N``): what the old line wrote after
     ``at`` is abandoned."""
     old = rec["accept"] if rec is not None else [[None, None]]
-    return {"token": token, "lineage": token,
+    return {"token": token, "lineage": token, "cutoffs": rec.get("cutoffs", []) if rec is not None else [],
             "accept": [[token, None]] + [[a, at if m is None else min(m, at)] for a, m in old if a != token]}
 
 

@@ -27,6 +27,7 @@ from pipelines.train.ckpt import parts as ckpt_parts
 from pipelines.train.ckpt import tiers as ckpt_tiers
 from pipelines.train.ckpt import fence
 from pipelines.train.ckpt import fence_l2
+from pipelines.train.ckpt import history
 
 
 
@@ -126,6 +127,7 @@ class Promoter:
         self.spec, self.rel_root, self.log, self.events, self.topo, self.rec = spec, rel_root, log, events, topo, rec
         self.attempt = attempt  # this attempt's name: its nodes' L2 marks carry it
         self.term_on_l2 = False  # this attempt's term recorded on L2 (fence_l2), before its first COMMIT there
+        self.lineage_on_l2 = False  # L1's lineage record copied there since it last changed (set_lineage)
         self.no_l2 = no_l2(spec, rel_root, log)
         if self.no_l2:
             log(f"[ckpt] promotion during the run goes to L1 only: {self.no_l2.splitlines()[0]}")
@@ -443,12 +445,14 @@ class Promoter:
         then committed by a term L2 records, of a line of training whose record L2 holds. Raises when L2 does not
         answer (the step stays behind)."""
         f = fence.active()
-        if self.term_on_l2 or f is None:
+        if self.term_on_l2 and self.lineage_on_l2 or f is None:
             return
         fence.check("recording this attempt's term on L2", ckpt_tiers.tier_locations(self.spec, self.rel_root)["L2"])
-        fence_l2.record(self.spec, self.rel_root, f.term, f.attempt, fence.launch_id())
+        if not self.term_on_l2:  # the term first: a cutoff on L2 never names a term L2 does not record
+            fence_l2.record(self.spec, self.rel_root, f.term, f.attempt, fence.launch_id())
+            self.term_on_l2 = True
         ckpt_tiers.mirror_lineage(self.spec, self.rel_root)
-        self.term_on_l2 = True
+        self.lineage_on_l2 = True
 
     def _catch_up_step(self, st: int, final: bool) -> None:
         """One step L2 lacks: its parts' manifests merged when every node's part is there, else the step put from
@@ -465,6 +469,10 @@ class Promoter:
             self.l2_behind.discard(st)
             return
         man = ck.read_local_manifest(l1)
+        if not history.accepts(self.rec, st, history.of(man), history.term_of(man)):  # queued under an older record
+            self.log(f"[ckpt] L2 catch-up: step {st} is no longer a step of this line of training; skipped")
+            self.l2_behind.discard(st)
+            return
         try:
             merged = ckpt_parts.merge_parts_s3(self.spec, locs["L2"], int(man.get("parts", 1)), man.get("attempt"))
         except ck.L2Unavailable:

@@ -213,7 +213,7 @@ def _choose(ckpt, per_node: dict[int, dict], want: Optional[int], l2_skip: Optio
 
 
 def _inventory(root: Path, log) -> tuple[dict, dict[int, str]] | str:
-    """This node's committed parts on its L0, {step: (part, parts, attempt, lineage)}, and the steps whose manifest
+    """This node's committed parts on its L0, {step: (part, parts, attempt, lineage, term)}, and the steps whose manifest
     failed to be read there ({step: why}: unknown, not absent); an L0 that cannot be listed is the reason, a string
     (a failing disk must not leave the other ranks waiting in the gather, nor read as "no parts here")."""
     failed: dict[int, str] = {}
@@ -228,12 +228,13 @@ def _inventory(root: Path, log) -> tuple[dict, dict[int, str]] | str:
 
 
 def _part_info(man: dict) -> Optional[tuple]:
-    """(part, parts, attempt, lineage) of a manifest whose part numbers make sense, else None."""
+    """(part, parts, attempt, lineage, term) of a manifest whose part numbers make sense, else None."""
     try:
         part, parts, attempt = ckpt_parts.part_of(man)
     except (TypeError, ValueError):
         return None
-    return (part, parts, attempt, history.of(man)) if 0 <= part < parts <= ck.MAX_PARTS else None
+    return (part, parts, attempt, history.of(man), history.term_of(man)) if 0 <= part < parts <= ck.MAX_PARTS \
+        else None
 
 
 def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dict]:
@@ -245,12 +246,12 @@ def candidates(ckpt, per_node: dict[int, dict], want: Optional[int]) -> list[dic
     l1 = Path(ckpt_tiers.tier_locations(spec, rel_root)["L1"])
     for s, man in ckpt_parts.local_parts(l1).items():
         info = _part_info({**man, "part": 0})
-        if info is not None and history.accepts(rec, s, info[3]):
+        if info is not None and history.accepts(rec, s, *info[3:]):
             found[s] = {"step": s, "attempt": info[2], "parts": info[1], "l1": True}
     spread: dict[tuple, set] = {}  # (step, attempt, parts) → the parts committed on some node's L0 or L1 staging
     for inv in [*per_node.values(), staged_parts(l1)]:
-        for s, (part, parts, attempt, lin) in inv.items() if isinstance(inv, dict) else inv:
-            if history.accepts(rec, s, lin):
+        for s, (part, parts, attempt, lin, term) in inv.items() if isinstance(inv, dict) else inv:
+            if history.accepts(rec, s, lin, term):
                 spread.setdefault((s, attempt, parts), set()).add(part)
     for (s, attempt, parts), have in spread.items():
         if s not in found and have == set(range(parts)):
@@ -276,7 +277,7 @@ def l2_candidates(ckpt, want: Optional[int], skip: set[int]) -> list[dict]:
             uri = ckpt_tiers.tier_locations(spec, f"{rel_root}/{ck.step_name(s)}")["L2"]
             man = ckpt_s3.read_s3_manifest(spec, uri)
             info = _part_info({**man, "part": 0}) if man is not None else None
-            if info is not None and history.accepts(rec, s, info[3]):
+            if info is not None and history.accepts(rec, s, *info[3:]):
                 found.append({"step": s, "attempt": info[2], "parts": info[1], "l1": False})
     except ck.L2Unavailable as e:
         ckpt.log(f"[ckpt] restore: L2 does not answer ({e}) and L1 and the nodes' disks hold no step to restore: "
@@ -287,7 +288,7 @@ def l2_candidates(ckpt, want: Optional[int], skip: set[int]) -> list[dict]:
 
 def staged_parts(l1_root: Path) -> list[tuple[int, tuple]]:
     """Parts committed in L1's staging (``.step-N.parts/part-K``), e.g. staged by every node before rank 0's node
-    was lost, so never merged: [(step, (part, parts, attempt, lineage))]."""
+    was lost, so never merged: [(step, (part, parts, attempt, lineage, term))]."""
     out = []
     for d in strict_glob(".step-*.parts", l1_root):  # a folder that cannot be listed raises (exit 75)
         step = ck.parse_step(d.name[1:-len(".parts")])

@@ -175,8 +175,8 @@ def newest_verified(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]])
 
 def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
                    rec: Optional[dict], strict: bool = False) -> dict[str, list[int]]:
-    """``by_tier`` less the steps another line of training wrote (:mod:`pipelines.train.ckpt.history`); every step
-    counts when there is no lineage record. A step whose manifest did not answer (L2 down, L1's EIO …) is left out
+    """``by_tier`` less the steps another line of training wrote, or an older term landed above a takeover's cutoff
+    (:mod:`pipelines.train.ckpt.history`); every step counts when there is no lineage record. A step whose manifest did not answer (L2 down, L1's EIO …) is left out
     (retention then neither removes nor counts it), or with ``strict`` raises (for a caller that must put every step
     somewhere: unknown is not "not this line's")."""
     if rec is None:
@@ -193,7 +193,7 @@ def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
                 if strict and (isinstance(e, TierUnavailable) or isinstance(e, OSError) and e.errno not in oserrors.ANSWERS):
                     raise
                 man = None
-            if man is not None and history.accepts(rec, st, history.of(man)):
+            if man is not None and history.accepts(rec, st, history.of(man), history.term_of(man)):
                 keep.append(st)
         out[tier] = keep
     return out
