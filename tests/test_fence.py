@@ -837,3 +837,31 @@ def test_a_term_taken_again_after_the_fence_directory_was_lost_is_above_every_cu
     finally:
         dist.destroy_process_group()
         fence.install(None)
+
+
+def test_a_record_put_by_a_writer_paused_after_its_check_cannot_land_over_a_newer_copy(home, any_key_s3,
+                                                                                        monkeypatch):
+    """The run's records on L2 (the lineage record with its cutoffs, a term, the generations record) are put on the
+    condition read before the fence check: a writer that pauses there (the fault point ``act``) while a newer term
+    puts its copy stops with FencedOut (exit 75), and the newer copy stays. Without a pause the copy is replaced."""
+    from pipelines.storage import faults
+    from pipelines.storage.s3 import client, split_uri
+
+    spec = load_spec(None, [f"services.s3_endpoint_url={any_key_s3}", "services.s3_bucket=ck-records",
+                            f"checkpoint.l1={home}/l1"], env={})
+    bucket, key = split_uri(ckpt_tiers.tier_locations(spec, "run/key")["L2"] + ".lineage.json")
+    ckpt_tiers.put_l2_record(spec, "run/key", ".lineage.json", "first")
+    ckpt_tiers.put_l2_record(spec, "run/key", ".lineage.json", "second")  # replaced: nobody wrote in between
+    assert ckpt_tiers.l2_record(spec, "run/key", ".lineage.json") == "second"
+    paused = []
+
+    def point(phase, **where):
+        if phase == faults.ACT and not paused:
+            paused.append(phase)
+            client(spec).put_object(Bucket=bucket, Key=key, Body=b"newer")
+
+    monkeypatch.setattr(faults, "point", point)
+    with pytest.raises(fence.FencedOut, match="changed since this attempt read it") as e:
+        ckpt_tiers.put_l2_record(spec, "run/key", ".lineage.json", "stale")
+    assert e.value.exit_code == 75 and paused
+    assert ckpt_tiers.l2_record(spec, "run/key", ".lineage.json") == "newer"

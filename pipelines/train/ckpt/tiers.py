@@ -36,9 +36,9 @@ from pipelines.train.ckpt.protocol import (COMMIT, TIERS, CheckpointError, L2Una
                                            verify_local)
 from pipelines.train.ckpt.local import remove_local
 from pipelines.train.ckpt.parts import merge_parts, part_of, stage_part, upload_step
-from pipelines.train.ckpt.s3_markers import remove_step
+from pipelines.train.ckpt.s3_markers import put as put_marker, remove_step, supported
 from pipelines.train.ckpt.s3_tier import (answered, commit_at, download_checkpoint, multipart_uploads,
-                                          read_s3_manifest, s3_body, verify_s3)
+                                          object_etag, read_s3_manifest, s3_body, verify_s3)
 
 
 # ----------------------------------------------------------------------------- tier layout
@@ -359,16 +359,21 @@ def _l2_record_at(spec: JobSpec, rel: str, suffix: str) -> tuple[str, str]:
 
 def put_l2_record(spec: JobSpec, rel: str, suffix: str, text: str) -> None:
     """Put a small record at ``<L2 of rel><suffix>`` (a copy of an L1 record, an attempt's term: ``fence_l2``;
-    nothing without an L2); raises :class:`L2Unavailable` when L2 does not answer."""
+    nothing without an L2); raises :class:`L2Unavailable` when L2 does not answer. As a step's markers are
+    (:func:`pipelines.train.ckpt.s3_markers.put`): on the condition read before the fence check, so a writer paused
+    between its check and its put cannot land over a newer term's copy (FencedOut), where the endpoint honours it."""
     if not l2_in_use(spec, rel):
         return
     s3, (bucket, key) = client(spec), _l2_record_at(spec, rel, suffix)
+    where = f"s3://{bucket}/{key}"
 
     def put() -> dict:
         ensure_bucket(s3, bucket, spec.services.s3_region)
-        return s3.put_object(Bucket=bucket, Key=key, Body=text.encode())
+        expected = object_etag(s3, bucket, key)
+        fence.check(f"putting {where}", tier_locations(spec, rel)["L2"])
+        return put_marker(s3, bucket, key, text.encode(), expected, supported(s3, bucket), f"putting {where}")
 
-    answered(f"s3://{bucket}/{key}", put)
+    answered(where, put)
 
 
 def l2_record(spec: JobSpec, rel: str, suffix: str) -> Optional[str]:
