@@ -47,6 +47,7 @@ HOST = "127.0.0.1"
 
 # SIGTERM to a component's group (a scheduler, its workers and the tasks they run), SIGKILL after this: a train
 # task's ranks checkpoint on the notice (llm_dags.TRAIN_KILL_GRACE_S, 35 s by default)
+# (tests/test_dag.py holds it at least 5 s above the train task's kill grace)
 STOP_GRACE_S = 40.0
 
 

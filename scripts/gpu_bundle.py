@@ -33,8 +33,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # also when a test loads this file by its path
 
+from pip_network import unanswered as unanswered_index  # noqa: E402  (beside this file)
 from pipelines.manifest import newest_manifest  # noqa: E402  (this checkout's package, run as a script)
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(5, 40)] + ["manylinux2014_x86_64", "manylinux2010_x86_64",
                                                                      "manylinux1_x86_64"]
@@ -69,10 +70,6 @@ def canonical(name: str) -> str:
 
 
 SMOKE_TIMEOUT_S = 900  # each smoke run (the trainer under torchrun, the step benchmark) on this machine's CPUs
-# what pip prints when the index did not answer (then a retry may do), as opposed to answering without the wheel
-NETWORK_ERRORS = ("Could not fetch URL", "Max retries exceeded", "NewConnectionError", "ConnectTimeoutError",
-                  "ReadTimeoutError", "Temporary failure in name resolution", "Network is unreachable",
-                  "Connection reset", "ProxyError")  # not SSLError: a certificate is configuration
 CARRY_WARN_MIB = 56  # the device tool carries at most 64 MiB of ignored paths: say so before a session is spent
 
 
@@ -133,7 +130,7 @@ def download(dists: dict[str, str], into: Path, python: str) -> None:
             last = (r.stderr.strip().splitlines() or ["?"])[-1]
             # "from versions: none" is what pip says both when the index did not answer and when it answered with no
             # wheel for this Python and platform: only pip's own network errors make it a retry
-            offline = any(m in r.stderr for m in NETWORK_ERRORS)
+            offline = unanswered_index(r.stderr)
             unanswered, absent = unanswered or offline, absent or not offline
             missing.append(f"{name}=={version}: {last}")
     if missing:  # a pin the index has no wheel for is the user's to change, whatever else went wrong

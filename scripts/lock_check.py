@@ -29,6 +29,7 @@ from packaging.markers import Marker
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+from pip_network import unanswered as unanswered_index  # beside this file (first on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 INDEX = os.environ.get("LOCK_INDEX", "https://pypi.org/simple")
@@ -96,9 +97,6 @@ def read_lock(path: Path) -> list[Pin]:
 
 
 UNANSWERED = "the index did not answer"  # a check that says so failed for the network, not for the lock (exit 75)
-NETWORK_ERRORS = ("Could not fetch URL", "Max retries exceeded", "NewConnectionError", "ConnectTimeoutError",
-                  "ReadTimeoutError", "Temporary failure in name resolution", "Network is unreachable",
-                  "Connection refused", "Connection reset", "ProxyError")  # not SSLError: configuration
 
 
 # a marker that compares the full Python version with a patch release (uv's universal lock: soupsieve below and from
@@ -150,7 +148,7 @@ def pip_choice(pins: list[Pin], platform: str, python: str) -> tuple[dict[str, d
         if done.returncode or not report.exists():
             lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
             said = [ln for ln in lines if ln.startswith(("ERROR", "error"))] or lines[-3:] or ["pip failed"]
-            offline = any(m in done.stderr for m in NETWORK_ERRORS)  # the index did not answer: not the lock's fault
+            offline = unanswered_index(done.stderr)  # the index did not answer: not the lock's fault
             return {}, (f"{UNANSWERED}: " if offline else "") + " / ".join(said)[:2000]
         try:
             items = json.loads(report.read_text())["install"]

@@ -47,6 +47,11 @@ def test_a_stopped_train_task_gives_the_ranks_their_preemption_grace_before_sigk
         d = bag.dags[dag_id]
         assert d.get_task("train").kill_grace_s >= grace + 5, dag_id
         assert d.get_task("promote").kill_grace_s < grace  # other stages keep the short default
+    # the UI's stop (pipelines.airflow_ui, a lower layer that may not import the DAGs) gives a running train task
+    # its kill grace before it SIGKILLs the component's group
+    from pipelines.airflow_ui import STOP_GRACE_S
+
+    assert STOP_GRACE_S >= max(bag.dags[d].get_task("train").kill_grace_s for d in ("llm_pipeline", "training")) + 5
 
 
 def test_the_split_dags_run_the_table_s_stages_and_are_linked_by_assets(bag):
