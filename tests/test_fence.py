@@ -762,6 +762,7 @@ def test_a_takeovers_cutoff_counts_no_step_an_older_term_lands_above_it():
     assert not history.accepts(nothing, 0, "tok", 2) and history.accepts(nothing, 5, "tok", 3)
     forked = history.fork(rec, "new", 10)
     assert forked["cutoffs"] == [[2, 10]] and not history.accepts(forked, 20, "tok", 1)
+    assert history.fresh("newer", forked)["cutoffs"] == [[2, 10]]  # a new line: the terms named stay taken
     assert history.parse(json.dumps({"token": "t", "lineage": "t", "accept": [["t", None]]}), "old")
     for bad in ([["2", 10]], [[2, "10"]], [[2]], {"2": 10}):
         with pytest.raises(ValueError, match="not a lineage record"):

@@ -374,6 +374,7 @@ class Trainer:
             raise TierUnavailable(mode)
         self.ckpt.set_lineage(rec)
         if mode == "never":
+            self._take_over(rec, mode, None)
             return None
         restored = self.ckpt.restore(None if mode == "auto" else mode)
         if restored is None:
@@ -394,12 +395,13 @@ class Trainer:
         its fence check and its COMMIT) counts nowhere. Written by rank 0 under the fence on L1; the promoter copies
         it to L2 right after this attempt's term, before its next COMMIT there (an L2 that hangs holds up no start)."""
         term = self.ckpt.fence_info()["term"]
-        if mode == "auto" and term is None:
+        forks = mode not in ("auto", "never")
+        if not forks and term is None:
             return
         box = [None]
         if self.rank == 0:
             token = history.run_token()
-            new = history.fork(rec, token, mode) if mode != "auto" else rec
+            new = history.fork(rec, token, mode) if forks else rec
             box = [history.resumed(new, token, term, step) if term is not None else new]
             try:
                 history.write(self.spec, self.rel_root, box[0])
@@ -427,7 +429,7 @@ class Trainer:
             self.log(f"[ckpt] train.resume=never: earlier checkpoints kept: {e}")
         if gone:
             self.log(f"[ckpt] train.resume=never: removed this run's earlier checkpoints {gone}")
-        rec = history.fresh(token)
+        rec = history.fresh(token, rec)
         write_lineage(self.spec, self.rel_root, rec, self.log)
         return rec, "never"
 

@@ -75,6 +75,8 @@ def floor(spec: JobSpec, fence_dir: Path, rel_root: str, log=print) -> int:
 
 def record(spec: JobSpec, rel_root: str, term: int, attempt: str, launch: Optional[str]) -> None:
     """Put this attempt's term on L2 (before its first COMMIT there); raises :class:`L2Unavailable` (a down
-    embedded endpoint too: returning would let a step reach L2 once it is back without its term recorded)."""
-    body = json.dumps({"attempt": attempt, "launch": launch, "at": time.time()})
+    embedded endpoint too: returning would let a step reach L2 once it is back without its term recorded). The
+    same bytes on every node (each node's leader puts it before its first COMMIT there, on the condition that it is
+    absent: a node that loses that race finds its own bytes, not another writer's)."""
+    body = json.dumps({"attempt": attempt, "launch": launch})
     put_l2_record(spec, rel_root, f"/{FENCE_DIR}/{TERM_PREFIX}{term:09d}", body)

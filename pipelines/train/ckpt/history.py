@@ -119,9 +119,11 @@ def is_restart(rec: Optional[dict], token: str) -> bool:
     return rec is not None and rec.get("token") == token
 
 
-def fresh(token: str) -> dict:
-    """A new line of training with nothing before it (``train.resume=never``)."""
-    return {"token": token, "lineage": token, "accept": [[token, None]]}
+def fresh(token: str, rec: Optional[dict] = None) -> dict:
+    """A new line of training with nothing before it (``train.resume=never``); the cutoffs of ``rec`` stay (the
+    terms they name stay taken: :func:`top_term`)."""
+    return {"token": token, "lineage": token, "accept": [[token, None]],
+            "cutoffs": rec.get("cutoffs", []) if rec is not None else []}
 
 
 def fork(rec: Optional[dict], token: str, at: int) -> dict:
