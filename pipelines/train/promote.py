@@ -16,7 +16,7 @@ from pipelines.manifest import Manifest, StageError, input_ref, plain_rel, run_s
 from pipelines.spec import JobSpec
 from pipelines.train.ckpt.s3_tier import commit_at
 from pipelines.train.ckpt.protocol import parse_step
-from pipelines.train.ckpt.tiers import mirror_lineage, promote, promote_held
+from pipelines.train.ckpt.tiers import promote, promote_held
 
 
 def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
@@ -27,10 +27,8 @@ def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
     sd = stage_dir(spec, "promote", [input_ref(train)], out_dir)
 
     def body(tmp: Path) -> Manifest:
-        root, _, name = rel.rpartition("/")
-        if root:  # the line's record on L2 before its steps (training's L2 thread may never have put it there)
-            mirror_lineage(spec, root)
         rep = promote(spec, rel)
+        root, _, name = rel.rpartition("/")
         final = parse_step(name)
         held = promote_held(spec, root, final) if root and final is not None else {"done": [], "failed": {}}
         rep["held_to_l2"], rep["held_failed"] = held["done"], held["failed"]

@@ -393,7 +393,8 @@ class Trainer:
         (``train.resume=N``): what the old line wrote after N no longer counts. And this attempt's cutoff
         (:func:`history.resumed`): a step an older term lands above ``step`` from now on (a writer paused between
         its fence check and its COMMIT) counts nowhere. Written by rank 0 under the fence on L1; the promoter copies
-        it to L2 right after this attempt's term, before its next COMMIT there (an L2 that hangs holds up no start)."""
+        it to L2 right after this attempt's term, before its next COMMIT there (an L2 that hangs holds up no start
+        but a fork's, whose record also goes there at once, as before)."""
         term = self.ckpt.fence_info()["term"]
         forks = mode not in ("auto", "never")
         if not forks and term is None:
@@ -404,7 +405,10 @@ class Trainer:
             new = history.fork(rec, token, mode) if forks else rec
             box = [history.resumed(new, token, term, step) if term is not None else new]
             try:
-                history.write(self.spec, self.rel_root, box[0])
+                if forks:  # a fork's record goes to L2 at once too, as it always did (an L2 down costs a line)
+                    write_lineage(self.spec, self.rel_root, box[0], self.log)
+                else:
+                    history.write(self.spec, self.rel_root, box[0])
             except Exception as e:  # noqa: BLE001 - L1 did not take it (a fenced-out attempt too): every rank's
                 box = [f"the lineage record cannot be written: {type(e).__name__}: {e}"]  # reason, none waits
         dist.broadcast_object_list(box, src=0)
