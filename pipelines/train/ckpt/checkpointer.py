@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import faults
-from pipelines.train.ckpt import dcp_read, fence, fence_l2, history, local as ckpt_local, protocol as ck, tiers as ckpt_tiers
+from pipelines.train.ckpt import dcp_read, fence, fence_l2, history, local as ckpt_local, protocol as ck
+from pipelines.train.ckpt import tiers as ckpt_tiers
 from pipelines.train.ckpt.promoter import Events, Promoter, Topology, lower_priority
 
 KERNEL_KEYS = ("fused", "foreach")  # optimizer options a restore keeps as this run built them

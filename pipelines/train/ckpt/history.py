@@ -38,6 +38,7 @@ from pipelines.train.ckpt import fence
 
 ANY = "*"  # an ``accept`` lineage that matches every lineage (a token is never "*")
 
+
 def record_path(spec: JobSpec, rel_root: str) -> Path:
     return resolve_path(spec.checkpoint.l1) / f"{rel_root}.lineage.json"
 
@@ -89,7 +90,7 @@ def accepts(rec: Optional[dict], step: int, lineage: Optional[str], term: Option
     manifest's: :func:`term_of`; None, a step saved before terms, passes every cutoff)?"""
     if rec is None:
         return True
-    if term is not None and any(term < t and (m is None or step > m) for t, m in rec.get("cutoffs", [])):
+    if term is not None and any(term < t and (m is None or step > m) for t, m in _cutoffs(rec)):
         return False  # an older term's step above where a newer term resumed: landed after the takeover
     return any((a == lineage or a == ANY) and (m is None or step <= m) for a, m in rec["accept"])
 
@@ -107,12 +108,17 @@ def resumed(rec: Optional[dict], token: str, term: int, step: Optional[int]) -> 
     # so a rolled-back image still resumes
     base = rec if rec is not None else {"token": token, "lineage": token,
                                         "accept": [[ANY, None], [token, None], [None, None]]}
-    return {**base, "cutoffs": [*base.get("cutoffs", []), [term, step]]}
+    return {**base, "cutoffs": [*_cutoffs(base), [term, step]]}
+
+
+def _cutoffs(rec: Optional[dict]) -> list:
+    """The cutoffs of ``rec`` (none without a record, or in a record of a version before them)."""
+    return rec.get("cutoffs", []) if rec is not None else []
 
 
 def top_term(rec: Optional[dict]) -> int:
     """The highest term a cutoff of ``rec`` names (0: none): a new attempt's term must be above it."""
-    return max((t for t, _ in rec.get("cutoffs", [])), default=0) if rec is not None else 0
+    return max((t for t, _ in _cutoffs(rec)), default=0)
 
 
 def is_restart(rec: Optional[dict], token: str) -> bool:
@@ -123,14 +129,14 @@ def fresh(token: str, rec: Optional[dict] = None) -> dict:
     """A new line of training with nothing before it (``train.resume=never``); the cutoffs of ``rec`` stay (the
     terms they name stay taken: :func:`top_term`)."""
     return {"token": token, "lineage": token, "accept": [[token, None]],
-            "cutoffs": rec.get("cutoffs", []) if rec is not None else []}
+            "cutoffs": _cutoffs(rec)}
 
 
 def fork(rec: Optional[dict], token: str, at: int) -> dict:
     """A new line that continues the current one's step ``at`` (``train.resume=N``): what the old line wrote after
     ``at`` is abandoned."""
     old = rec["accept"] if rec is not None else [[None, None]]
-    return {"token": token, "lineage": token, "cutoffs": rec.get("cutoffs", []) if rec is not None else [],
+    return {"token": token, "lineage": token, "cutoffs": _cutoffs(rec),
             "accept": [[token, None]] + [[a, at if m is None else min(m, at)] for a, m in old if a != token]}
 
 

@@ -213,8 +213,8 @@ def _choose(ckpt, per_node: dict[int, dict], want: Optional[int], l2_skip: Optio
 
 
 def _inventory(root: Path, log) -> tuple[dict, dict[int, str]] | str:
-    """This node's committed parts on its L0, {step: (part, parts, attempt, lineage, term)}, and the steps whose manifest
-    failed to be read there ({step: why}: unknown, not absent); an L0 that cannot be listed is the reason, a string
+    """This node's committed parts on its L0, {step: (part, parts, attempt, lineage, term)}, and the steps whose
+    manifest failed to be read there ({step: why}: unknown, not absent); an L0 that cannot be listed is the reason, a string
     (a failing disk must not leave the other ranks waiting in the gather, nor read as "no parts here")."""
     failed: dict[int, str] = {}
     try:

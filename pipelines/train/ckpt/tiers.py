@@ -176,9 +176,9 @@ def newest_verified(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]])
 def accepted_steps(spec: JobSpec, rel_root: str, by_tier: dict[str, list[int]],
                    rec: Optional[dict], strict: bool = False) -> dict[str, list[int]]:
     """``by_tier`` less the steps another line of training wrote, or an older term landed above a takeover's cutoff
-    (:mod:`pipelines.train.ckpt.history`); every step counts when there is no lineage record. A step whose manifest did not answer (L2 down, L1's EIO …) is left out
-    (retention then neither removes nor counts it), or with ``strict`` raises (for a caller that must put every step
-    somewhere: unknown is not "not this line's")."""
+    (:mod:`pipelines.train.ckpt.history`); every step counts when there is no lineage record. A step whose manifest
+    did not answer (L2 down, L1's EIO …) is left out (retention then neither removes nor counts it), or with
+    ``strict`` raises (for a caller that must put every step somewhere: unknown is not "not this line's")."""
     if rec is None:
         return by_tier
     out = {}
