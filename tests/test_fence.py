@@ -840,6 +840,48 @@ def test_a_term_taken_again_after_the_fence_directory_was_lost_is_above_every_cu
         fence.install(None)
 
 
+class _Checked:
+    """An attempt's fence whose check passed: the attempt paused right after it while a newer term took over (the
+    fault point ``act``)."""
+
+    def __init__(self, term: int):
+        self.term = term
+
+    def covers(self, where) -> bool:
+        return True
+
+    def check(self, what: str) -> None:
+        pass
+
+
+def test_a_lineage_record_an_older_term_writes_after_a_newer_one_drops_nothing(home):
+    """Attempt 2 paused between its fence check and its lineage record write (a fork at step 5) while attempt 3
+    took over and wrote its record (its cutoff [3, 10]). Attempt 2's write then lands, under its own term: the
+    record read is still attempt 3's, whose cutoff and line of training stay (on one shared file the older write
+    replaced it). A newer term's write removes the older terms' records; without a fence the copy is written and
+    read where no term wrote one."""
+    from pipelines.train.ckpt import history
+
+    spec = load_spec(None, [], env={})
+    base = history.resumed(None, "tok", 1, None)
+    try:
+        fence.install(_Checked(3))
+        history.write(spec, "run/key", history.resumed(base, "tok", 3, 10))
+        fence.install(_Checked(2))
+        history.write(spec, "run/key", history.resumed(history.fork(base, "other", 5), "other", 2, 5))
+        rec = history.read(spec, "run/key")
+        assert (rec["token"], rec["cutoffs"]) == ("tok", [[1, None], [3, 10]])
+        assert history.top_term(ckpt_tiers.read_lineage(spec, "run/key")) == 3
+        fence.install(_Checked(4))
+        history.write(spec, "run/key", history.resumed(rec, "tok", 4, 12))
+        assert sorted(os.listdir(history.terms_dir(spec, "run/key"))) == ["4.json"]
+        assert json.loads(history.record_path(spec, "run/key").read_text())["cutoffs"][-1] == [4, 12]
+    finally:
+        fence.install(None)
+    history.write(spec, "run/other", base)  # no fence: the copy alone, read as the record
+    assert not history.terms_dir(spec, "run/other").exists() and history.read(spec, "run/other") == base
+
+
 def test_a_record_put_by_a_writer_paused_after_its_check_cannot_land_over_a_newer_copy(home, any_key_s3,
                                                                                         monkeypatch):
     """The run's records on L2 (the lineage record with its cutoffs, a term, the generations record) are put on the

@@ -1,7 +1,13 @@
 """Which steps of a run's checkpoints belong to the training being continued: steps are known by number *and*
 lineage.
 
-A run's record on L1, ``<l1>/<rel_root>.lineage.json``::
+A run's record on L1, one per term (the attempt that wrote it, :mod:`~pipelines.train.ckpt.fence`):
+``<l1>/<rel_root>.lineage.d/<term>.json``, the highest term's the one read. A record is never replaced by another
+term's: an older attempt paused between its fence check and its write lands under its own term, below the newer
+one, and drops nothing the newer wrote (a cutoff, a fork), enforced by the names on the storage, not by a check
+before the write. ``<l1>/<rel_root>.lineage.json`` holds a copy of the last one written (what a version before
+2026-12-01's tenth session reads) and is read only where no term has written one (a run of that version, a write
+with no fence)::
 
     {"token": T, "lineage": L, "accept": [[lineage or null, last step or null], ...]}
 
@@ -28,19 +34,37 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Optional
 
-from pipelines.manifest import atomic_write_text
+from pipelines.manifest import atomic_write_text, read_small_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.train.ckpt import fence
 
 ANY = "*"  # an ``accept`` lineage that matches every lineage (a token is never "*")
 
 
+TERM_RECORD = re.compile(r"([0-9]{1,18})\.json")  # a term's record in the run's ``.lineage.d``
+
+
 def record_path(spec: JobSpec, rel_root: str) -> Path:
+    """The copy of the last record written (the only one a version before the per-term records reads)."""
     return resolve_path(spec.checkpoint.l1) / f"{rel_root}.lineage.json"
+
+
+def terms_dir(spec: JobSpec, rel_root: str) -> Path:
+    return resolve_path(spec.checkpoint.l1) / f"{rel_root}.lineage.d"
+
+
+def _term_records(d: Path) -> dict[int, Path]:
+    """The records in ``d`` by the term that wrote each (none: an empty dict); an L1 that does not answer raises."""
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return {}
+    return {int(m.group(1)): d / n for n in names if (m := TERM_RECORD.fullmatch(n))}
 
 
 def run_token() -> str:
@@ -49,8 +73,13 @@ def run_token() -> str:
 
 
 def read(spec: JobSpec, rel_root: str) -> Optional[dict]:
-    """The record on L1; None when there is none there (:func:`pipelines.train.ckpt.tiers.read_lineage` then reads
-    L2's copy). An L1 that does not answer raises (OSError), a torn record too (ValueError)."""
+    """The record on L1: the highest term's, else the unnumbered copy; None when there is none there
+    (:func:`pipelines.train.ckpt.tiers.read_lineage` then reads L2's copy). An L1 that does not answer raises
+    (OSError; a link or a FIFO in a record's place too), a torn record too (ValueError)."""
+    by_term = _term_records(terms_dir(spec, rel_root))
+    if by_term:
+        p = by_term[max(by_term)]
+        return parse(read_small_text(p), str(p))
     p = record_path(spec, rel_root)
     try:
         text = p.read_text()
@@ -78,11 +107,25 @@ def parse(text: str, where: str) -> dict:
 
 
 def write(spec: JobSpec, rel_root: str, rec: dict) -> None:
-    """Under a fence (:mod:`pipelines.train.ckpt.fence`), only while this attempt's term is current."""
+    """Under a fence (:mod:`pipelines.train.ckpt.fence`), only while this attempt's term is current, as the record
+    of its term (a record of an older term, written by a writer paused after its check, is never read over it);
+    then the unnumbered copy, and the older terms' records go (best effort). Without a fence: the copy alone."""
     fence.check("writing the lineage record", resolve_path(spec.checkpoint.l1) / rel_root)
+    term, text = fence.term(), json.dumps(rec, indent=2)
     p = record_path(spec, rel_root)
     p.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(p, json.dumps(rec, indent=2))
+    if term is not None:
+        d = terms_dir(spec, rel_root)
+        d.mkdir(exist_ok=True)
+        atomic_write_text(d / f"{term}.json", text)
+    atomic_write_text(p, text)
+    if term is not None:
+        try:
+            for t, old in _term_records(d).items():
+                if t < term:  # never a newer term's: a writer paused here removes only what is below it
+                    old.unlink(missing_ok=True)
+        except OSError:
+            pass  # they are never read over this one; the next write tries again
 
 
 def accepts(rec: Optional[dict], step: int, lineage: Optional[str], term: Optional[int] = None) -> bool:
