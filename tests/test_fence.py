@@ -908,3 +908,53 @@ def test_a_record_put_by_a_writer_paused_after_its_check_cannot_land_over_a_newe
         ckpt_tiers.put_l2_record(spec, "run/key", ".lineage.json", "stale")
     assert e.value.exit_code == 75 and paused
     assert ckpt_tiers.l2_record(spec, "run/key", ".lineage.json") == "newer"
+
+
+def test_a_conditional_write_that_meets_another_in_flight_is_sent_again_and_its_end_decides(home, any_key_s3,
+                                                                                          monkeypatch):
+    """AWS answers 409 to a conditional put while another to the same key is in flight (every node's leader puts
+    the same term record at its first promotion; botocore does not send it again). The put is sent again: the same
+    bytes landed by the other node are ours (done, where it was "L2 unavailable, later" before), another writer's
+    stop this one (FencedOut), and a conflict that outlasts every wait is L2Unavailable (75, the step later)."""
+    from botocore.exceptions import ClientError
+
+    from pipelines.storage.s3 import client
+    from pipelines.train.ckpt import s3_markers
+
+    spec = load_spec(None, [f"services.s3_endpoint_url={any_key_s3}", "services.s3_bucket=ck-conflict",
+                            f"checkpoint.l1={home}/l1"], env={})
+    s3 = client(spec)
+    s3.create_bucket(Bucket="ck-conflict")
+    conflict = ClientError({"Error": {"Code": "ConditionalRequestConflict"},
+                            "ResponseMetadata": {"HTTPStatusCode": 409}}, "PutObject")
+    monkeypatch.setattr(s3_markers, "CONFLICT_WAITS_S", (0.0, 0.0))
+
+    class InFlight:
+        """The other writer's put of ``theirs`` is in flight at our first try (409 while it lands)."""
+
+        def __init__(self, theirs, conflicts=1):
+            self.theirs, self.left, self.tries = theirs, conflicts, 0
+
+        def put_object(self, **kw):
+            self.tries += 1
+            if self.left:
+                self.left -= 1
+                s3.put_object(Bucket=kw["Bucket"], Key=kw["Key"], Body=self.theirs)
+                raise conflict
+            return s3.put_object(**kw)
+
+        def __getattr__(self, name):
+            return getattr(s3, name)
+
+    cond = s3_markers.supported(s3, "ck-conflict")
+    assert cond  # moto honours If-None-Match, as AWS does
+    same = InFlight(b"term 3")
+    s3_markers.put(same, "ck-conflict", "a/term-3", b"term 3", None, cond, "recording term 3")
+    assert same.tries == 2 and s3.get_object(Bucket="ck-conflict", Key="a/term-3")["Body"].read() == b"term 3"
+    with pytest.raises(fence.FencedOut, match="changed since this attempt read it"):
+        s3_markers.put(InFlight(b"another"), "ck-conflict", "a/rec", b"ours", None, cond, "putting a/rec")
+    assert s3.get_object(Bucket="ck-conflict", Key="a/rec")["Body"].read() == b"another"
+    stuck = InFlight(b"x", conflicts=99)
+    with pytest.raises(L2Unavailable, match=r"409\) each of 3 times") as e:
+        s3_markers.put(stuck, "ck-conflict", "a/stuck", b"ours", None, cond, "putting a/stuck")
+    assert stuck.tries == 3 and e.value.exit_code == 75

@@ -18,6 +18,7 @@ cannot spoil a newer copy's files either.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Optional
 
 from pipelines.spec import JobSpec
@@ -72,15 +73,36 @@ def _holds(s3, bucket: str, key: str, body: bytes) -> bool:
     return s3_body(s3, bucket, key) == body
 
 
+# AWS answers 409 (ConditionalRequestConflict) to a conditional write while another one to the same key is in
+# flight, and asks for the request again; botocore does not retry it. Every node's leader puts the same term record
+# (``fence_l2.record``) at its first promotion, at about the same moment: the request is sent again after each of
+# these waits, whose end decides (our bytes there: done; another writer's: its 412), and only then is it "later".
+CONFLICT_WAITS_S = (0.2, 1.0, 3.0)
+
+
+def _sent(call: Callable[[], object], where: str, what: str):
+    """``call()``, sent again after each of :data:`CONFLICT_WAITS_S` while it meets a 409; then
+    :class:`L2Unavailable`. Any other error is raised as it is."""
+    for wait in (*CONFLICT_WAITS_S, None):
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - only a 409 is sent again
+            if not conditional_conflict(e):
+                raise
+            if wait is None:
+                raise L2Unavailable(f"{what}: {where}: a concurrent conditional write (409) each of "
+                                    f"{len(CONFLICT_WAITS_S) + 1} times: later") from None
+            time.sleep(wait)
+
+
 def put(s3, bucket: str, key: str, body: bytes, expected: Optional[str], cond: bool, what: str) -> dict:
     """Put ``body`` where ``expected`` (an ETag, or None: absent) still is, else :class:`FencedOut`. A ``pause``
     between a fence check and this write is the fault point ``act`` (``LLMP_FAULTS``)."""
     faults.point(faults.ACT)
     try:
-        return s3.put_object(Bucket=bucket, Key=key, Body=body, **conditions(cond, expected))
+        return _sent(lambda: s3.put_object(Bucket=bucket, Key=key, Body=body, **conditions(cond, expected)),
+                     f"s3://{bucket}/{key}", what)
     except Exception as e:  # noqa: BLE001 - a 412 is another writer's newer copy; the rest propagates
-        if conditional_conflict(e):
-            raise L2Unavailable(f"{what}: s3://{bucket}/{key}: a concurrent conditional write (409): later") from None
         if precondition_failed(e):
             if _holds(s3, bucket, key, body):  # our own put, retried by botocore after its answer was lost
                 return {}
@@ -96,10 +118,9 @@ def delete(s3, bucket: str, key: str, expected: Optional[str], cond: bool, what:
 
     faults.point(faults.ACT)
     try:
-        s3.delete_object(Bucket=bucket, Key=key, **({"IfMatch": expected} if cond else {}))
+        _sent(lambda: s3.delete_object(Bucket=bucket, Key=key, **({"IfMatch": expected} if cond else {})),
+              f"s3://{bucket}/{key}", what)
     except Exception as e:  # noqa: BLE001 - as in put
-        if conditional_conflict(e):
-            raise L2Unavailable(f"{what}: s3://{bucket}/{key}: a concurrent conditional write (409): later") from None
         if missing(e) or (precondition_failed(e) and object_etag(s3, bucket, key) is None):
             return  # gone: our own delete, retried after its answer was lost
         if precondition_failed(e):
