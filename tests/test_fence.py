@@ -835,6 +835,15 @@ def test_a_term_taken_again_after_the_fence_directory_was_lost_is_above_every_cu
         ckpt = Checkpointer(spec, "run/key", 0, 1, lambda m: None, files={})
         assert ckpt.fence_info()["term"] == 4
         ckpt.close(None)
+        # a train.resume=never start of term 7 wrote its record (no cutoff of its own yet) and died; then .fence is
+        # lost again: the next term is above the record's, or its own record would not be the one read
+        fence.install(_Checked(7))
+        history.write(spec, "run/key", history.fresh("tok7", history.read(spec, "run/key")))
+        fence.install(None)
+        shutil.rmtree(d)
+        ckpt = Checkpointer(spec, "run/key", 0, 1, lambda m: None, files={})
+        assert ckpt.fence_info()["term"] == 8
+        ckpt.close(None)
     finally:
         dist.destroy_process_group()
         fence.install(None)
@@ -874,12 +883,29 @@ def test_a_lineage_record_an_older_term_writes_after_a_newer_one_drops_nothing(h
         assert history.top_term(ckpt_tiers.read_lineage(spec, "run/key")) == 3
         fence.install(_Checked(4))
         history.write(spec, "run/key", history.resumed(rec, "tok", 4, 12))
-        assert sorted(os.listdir(history.terms_dir(spec, "run/key"))) == ["4.json"]
+        d = history.terms_dir(spec, "run/key")
+        assert sorted(os.listdir(d)) == ["4.json"]
         assert json.loads(history.record_path(spec, "run/key").read_text())["cutoffs"][-1] == [4, 12]
+        (d / "09.json").write_text("{}")  # not a term's name (nor "-1.json", "x.json"): never read
+        assert history.read(spec, "run/key")["cutoffs"][-1] == [4, 12]
+        # a rolled-back image (the version before) ran term 5 and wrote the copy alone: read over the records
+        older = history.resumed(history.fork(rec, "rolled-back", 12), "rolled-back", 5, 12)
+        history.record_path(spec, "run/key").write_text(json.dumps(older))
+        assert history.read(spec, "run/key") == older
+        fence.install(_Checked(6))
+        history.write(spec, "run/key", history.resumed(older, "rolled-back", 6, 14))
+        assert history.read(spec, "run/key")["cutoffs"][-2:] == [[5, 12], [6, 14]]
     finally:
         fence.install(None)
-    history.write(spec, "run/other", base)  # no fence: the copy alone, read as the record
+    with pytest.raises(CheckpointError, match="kept per term"):  # no fence: it would not be read
+        history.write(spec, "run/key", base)
+    history.write(spec, "run/other", base)  # no fence, no record per term: the copy alone, read as the record
     assert not history.terms_dir(spec, "run/other").exists() and history.read(spec, "run/other") == base
+    elsewhere = home / "elsewhere"
+    elsewhere.mkdir()
+    history.terms_dir(spec, "run/linked").symlink_to(elsewhere)
+    with pytest.raises(OSError, match="a link"):
+        history.read(spec, "run/linked")
 
 
 def test_a_record_put_by_a_writer_paused_after_its_check_cannot_land_over_a_newer_copy(home, any_key_s3,
@@ -958,3 +984,23 @@ def test_a_conditional_write_that_meets_another_in_flight_is_sent_again_and_its_
     with pytest.raises(L2Unavailable, match=r"409\) each of 3 times") as e:
         s3_markers.put(stuck, "ck-conflict", "a/stuck", b"ours", None, cond, "putting a/stuck")
     assert stuck.tries == 3 and e.value.exit_code == 75
+    once = InFlight(b"x", conflicts=99)  # an unconditional put is never sent again: nothing would stop it late
+    with pytest.raises(L2Unavailable, match=r"409\) each of 1 times"):
+        s3_markers.put(once, "ck-conflict", "a/once", b"ours", None, False, "putting a/once")
+    assert once.tries == 1
+
+    class DeleteInFlight(InFlight):
+        """Another writer's delete of the same copy is in flight at our first delete (409 while it lands)."""
+
+        def delete_object(self, **kw):
+            self.tries += 1
+            if self.left:
+                self.left -= 1
+                s3.delete_object(Bucket=kw["Bucket"], Key=kw["Key"])
+                raise conflict
+            return s3.delete_object(**kw)
+
+    tag = s3.put_object(Bucket="ck-conflict", Key="a/gone", Body=b"old")["ETag"]
+    both = DeleteInFlight(b"")
+    s3_markers.delete(both, "ck-conflict", "a/gone", tag, cond, "removing a/gone")  # gone: as ours
+    assert both.tries == 2 and s3_markers.object_etag(s3, "ck-conflict", "a/gone") is None

@@ -222,10 +222,12 @@ class Checkpointer:
 
     def _take_term_in(self, d: Path, attempt: str) -> tuple[str, Optional[int], Optional[str], bool]:
         try:
-            # above L2's terms (a new L1) and above every term a cutoff of the line names (a lost .fence: a term
-            # taken again below a cutoff would make this attempt's own steps an older term's, counted nowhere)
+            # above L2's terms (a new L1), every term a cutoff of the line names and every term that wrote a record
+            # (a lost .fence: a term taken again below a cutoff would make this attempt's own steps an older term's,
+            # counted nowhere; below a record, its own record would not be the one read)
             floor = max(fence_l2.floor(self.spec, d, self.rel_root, self.log),
-                        history.top_term(ckpt_tiers.read_lineage(self.spec, self.rel_root)))
+                        history.top_term(ckpt_tiers.read_lineage(self.spec, self.rel_root)),
+                        history.top_record_term(self.spec, self.rel_root))
             self.fence = fence.Fence.take(d, attempt, self.spec.checkpoint.lease_s, self._fenced_roots(), self.log,
                                           fence.launch_id(), floor)
         except fence.FencedOut as e:

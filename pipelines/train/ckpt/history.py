@@ -6,8 +6,9 @@ A run's record on L1, one per term (the attempt that wrote it, :mod:`~pipelines.
 term's: an older attempt paused between its fence check and its write lands under its own term, below the newer
 one, and drops nothing the newer wrote (a cutoff, a fork), enforced by the names on the storage, not by a check
 before the write. ``<l1>/<rel_root>.lineage.json`` holds a copy of the last one written (what a version before
-2026-12-01's tenth session reads) and is read only where no term has written one (a run of that version, a write
-with no fence)::
+2026-12-01's tenth session reads) and is read where no term has written one (a run of that version, a write with
+no fence), or over the records when a cutoff in it names a term above theirs (that version, rolled back to, ran
+after this one)::
 
     {"token": T, "lineage": L, "accept": [[lineage or null, last step or null], ...]}
 
@@ -42,11 +43,13 @@ from typing import Optional
 from pipelines.manifest import atomic_write_text, read_small_text
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.train.ckpt import fence
+from pipelines.train.ckpt.protocol import CheckpointError
 
 ANY = "*"  # an ``accept`` lineage that matches every lineage (a token is never "*")
 
 
-TERM_RECORD = re.compile(r"([0-9]{1,18})\.json")  # a term's record in the run's ``.lineage.d``
+TERM_RECORD = re.compile(r"(0|[1-9][0-9]{0,17})\.json")  # a term's record in the run's ``.lineage.d``
+RECORD_LIMIT = 16 << 20  # bytes a record may have (one cutoff per attempt: about 40 bytes each)
 
 
 def record_path(spec: JobSpec, rel_root: str) -> Path:
@@ -58,13 +61,26 @@ def terms_dir(spec: JobSpec, rel_root: str) -> Path:
     return resolve_path(spec.checkpoint.l1) / f"{rel_root}.lineage.d"
 
 
+def _not_a_link(d: Path) -> None:
+    if d.is_symlink():  # its records, and their removal below a new one, would be another directory's
+        raise OSError(f"{d}: a link, not this run's directory of lineage records")
+
+
 def _term_records(d: Path) -> dict[int, Path]:
-    """The records in ``d`` by the term that wrote each (none: an empty dict); an L1 that does not answer raises."""
+    """The records in ``d`` by the term that wrote each (none: an empty dict); an L1 that does not answer raises,
+    and so does a link in the directory's place (OSError)."""
+    _not_a_link(d)
     try:
         names = os.listdir(d)
     except FileNotFoundError:
         return {}
     return {int(m.group(1)): d / n for n in names if (m := TERM_RECORD.fullmatch(n))}
+
+
+def top_record_term(spec: JobSpec, rel_root: str) -> int:
+    """The highest term that wrote a record of this run (0: none): a new attempt's term must be above it, or its
+    own record would not be the one read."""
+    return max(_term_records(terms_dir(spec, rel_root)), default=0)
 
 
 def run_token() -> str:
@@ -75,14 +91,25 @@ def run_token() -> str:
 def read(spec: JobSpec, rel_root: str) -> Optional[dict]:
     """The record on L1: the highest term's, else the unnumbered copy; None when there is none there
     (:func:`pipelines.train.ckpt.tiers.read_lineage` then reads L2's copy). An L1 that does not answer raises
-    (OSError; a link or a FIFO in a record's place too), a torn record too (ValueError)."""
+    (OSError; a link or a FIFO in a record's place too), a torn record too (ValueError). The copy is read over the
+    records when a cutoff of it names a term above theirs: a version before them (a rolled-back image) ran after
+    this one and wrote the copy alone."""
     by_term = _term_records(terms_dir(spec, rel_root))
-    if by_term:
-        p = by_term[max(by_term)]
-        return parse(read_small_text(p), str(p))
+    if not by_term:
+        return _copy(spec, rel_root)
+    top = max(by_term)
+    rec = parse(read_small_text(by_term[top], RECORD_LIMIT), str(by_term[top]))
+    try:
+        copy = _copy(spec, rel_root)
+    except ValueError:  # a torn copy: the records per term are the record
+        return rec
+    return copy if copy is not None and top_term(copy) > top else rec
+
+
+def _copy(spec: JobSpec, rel_root: str) -> Optional[dict]:
     p = record_path(spec, rel_root)
     try:
-        text = p.read_text()
+        text = read_small_text(p, RECORD_LIMIT)
     except FileNotFoundError:
         return None
     return parse(text, str(p))
@@ -109,23 +136,40 @@ def parse(text: str, where: str) -> dict:
 def write(spec: JobSpec, rel_root: str, rec: dict) -> None:
     """Under a fence (:mod:`pipelines.train.ckpt.fence`), only while this attempt's term is current, as the record
     of its term (a record of an older term, written by a writer paused after its check, is never read over it);
-    then the unnumbered copy, and the older terms' records go (best effort). Without a fence: the copy alone."""
-    fence.check("writing the lineage record", resolve_path(spec.checkpoint.l1) / rel_root)
-    term, text = fence.term(), json.dumps(rec, indent=2)
-    p = record_path(spec, rel_root)
+    then the unnumbered copy, and the older terms' records go (best effort). Without a fence: the copy alone, while
+    no term has written a record (it would not be read over theirs: CheckpointError)."""
+    run = resolve_path(spec.checkpoint.l1) / rel_root
+    fence.check("writing the lineage record", run)
+    f = fence.active()
+    term = f.term if f is not None and f.covers(run) else None
+    p, d, text = record_path(spec, rel_root), terms_dir(spec, rel_root), json.dumps(rec, indent=2)
     p.parent.mkdir(parents=True, exist_ok=True)
-    if term is not None:
-        d = terms_dir(spec, rel_root)
-        d.mkdir(exist_ok=True)
-        atomic_write_text(d / f"{term}.json", text)
+    if term is None:
+        if _term_records(d):
+            raise CheckpointError(f"{d}: this run's lineage records are kept per term; one written without a "
+                                  "fence (no term) would not be read")
+        atomic_write_text(p, text)
+        return
+    _not_a_link(d)
+    d.mkdir(exist_ok=True)
+    atomic_write_text(d / f"{term}.json", text)
     atomic_write_text(p, text)
-    if term is not None:
-        try:
-            for t, old in _term_records(d).items():
-                if t < term:  # never a newer term's: a writer paused here removes only what is below it
-                    old.unlink(missing_ok=True)
-        except OSError:
-            pass  # they are never read over this one; the next write tries again
+    _drop_below(d, term)
+
+
+def _drop_below(d: Path, term: int) -> None:
+    """The records of terms below ``term`` removed, each as it can be (they are never read over it anyway; the next
+    write tries again). Never a newer term's: a writer paused here removes only what is below it."""
+    try:
+        records = _term_records(d)
+    except OSError:
+        return
+    for t, old in records.items():
+        if t < term:
+            try:
+                old.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 def accepts(rec: Optional[dict], step: int, lineage: Optional[str], term: Optional[int] = None) -> bool:

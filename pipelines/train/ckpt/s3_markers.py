@@ -80,10 +80,11 @@ def _holds(s3, bucket: str, key: str, body: bytes) -> bool:
 CONFLICT_WAITS_S = (0.2, 1.0, 3.0)
 
 
-def _sent(call: Callable[[], object], where: str, what: str):
-    """``call()``, sent again after each of :data:`CONFLICT_WAITS_S` while it meets a 409; then
-    :class:`L2Unavailable`. Any other error is raised as it is."""
-    for wait in (*CONFLICT_WAITS_S, None):
+def _sent(call: Callable[[], object], cond: bool, where: str, what: str):
+    """``call()``, a conditional request (``cond``) sent again after each of :data:`CONFLICT_WAITS_S` while it
+    meets a 409 (its condition is evaluated anew each time); then :class:`L2Unavailable`. Any other error is raised
+    as it is; an unconditional request is not sent again (no condition would stop it landing late)."""
+    for wait in (*(CONFLICT_WAITS_S if cond else ()), None):
         try:
             return call()
         except Exception as e:  # noqa: BLE001 - only a 409 is sent again
@@ -91,7 +92,7 @@ def _sent(call: Callable[[], object], where: str, what: str):
                 raise
             if wait is None:
                 raise L2Unavailable(f"{what}: {where}: a concurrent conditional write (409) each of "
-                                    f"{len(CONFLICT_WAITS_S) + 1} times: later") from None
+                                    f"{len(CONFLICT_WAITS_S) + 1 if cond else 1} times: later") from None
             time.sleep(wait)
 
 
@@ -101,7 +102,7 @@ def put(s3, bucket: str, key: str, body: bytes, expected: Optional[str], cond: b
     faults.point(faults.ACT)
     try:
         return _sent(lambda: s3.put_object(Bucket=bucket, Key=key, Body=body, **conditions(cond, expected)),
-                     f"s3://{bucket}/{key}", what)
+                     cond, f"s3://{bucket}/{key}", what)
     except Exception as e:  # noqa: BLE001 - a 412 is another writer's newer copy; the rest propagates
         if precondition_failed(e):
             if _holds(s3, bucket, key, body):  # our own put, retried by botocore after its answer was lost
@@ -119,7 +120,7 @@ def delete(s3, bucket: str, key: str, expected: Optional[str], cond: bool, what:
     faults.point(faults.ACT)
     try:
         _sent(lambda: s3.delete_object(Bucket=bucket, Key=key, **({"IfMatch": expected} if cond else {})),
-              f"s3://{bucket}/{key}", what)
+              cond, f"s3://{bucket}/{key}", what)
     except Exception as e:  # noqa: BLE001 - as in put
         if missing(e) or (precondition_failed(e) and object_etag(s3, bucket, key) is None):
             return  # gone: our own delete, retried after its answer was lost
