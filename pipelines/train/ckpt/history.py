@@ -93,7 +93,7 @@ def read(spec: JobSpec, rel_root: str) -> Optional[dict]:
     (:func:`pipelines.train.ckpt.tiers.read_lineage` then reads L2's copy). An L1 that does not answer raises
     (OSError; a link or a FIFO in a record's place too), a torn record too (ValueError). The copy is read over the
     records when a cutoff of it names a term above theirs: a version before them (a rolled-back image) ran after
-    this one and wrote the copy alone."""
+    this one and wrote the copy alone. A copy that is torn is passed over; one that does not answer raises."""
     by_term = _term_records(terms_dir(spec, rel_root))
     if not by_term:
         return _copy(spec, rel_root)
@@ -153,8 +153,18 @@ def write(spec: JobSpec, rel_root: str, rec: dict) -> None:
     _not_a_link(d)
     d.mkdir(exist_ok=True)
     atomic_write_text(d / f"{term}.json", text)
-    atomic_write_text(p, text)
+    if not _newer_copy(spec, rel_root, term):
+        atomic_write_text(p, text)
     _drop_below(d, term)
+
+
+def _newer_copy(spec: JobSpec, rel_root: str, term: int) -> bool:
+    """Does the copy already name a term above ``term`` (a rolled-back image's, written after this writer's check;
+    replacing it would drop that image's cutoff and fork)? An unreadable copy: no (it is replaced)."""
+    try:
+        return top_term(_copy(spec, rel_root)) > term
+    except (OSError, ValueError):
+        return False
 
 
 def _drop_below(d: Path, term: int) -> None:

@@ -91,8 +91,8 @@ def _sent(call: Callable[[], object], cond: bool, where: str, what: str):
             if not conditional_conflict(e):
                 raise
             if wait is None:
-                raise L2Unavailable(f"{what}: {where}: a concurrent conditional write (409) each of "
-                                    f"{len(CONFLICT_WAITS_S) + 1 if cond else 1} times: later") from None
+                tries = f"each of {len(CONFLICT_WAITS_S) + 1} times" if cond else "(not sent again: unconditional)"
+                raise L2Unavailable(f"{what}: {where}: a concurrent conditional write (409) {tries}: later") from None
             time.sleep(wait)
 
 
