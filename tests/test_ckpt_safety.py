@@ -99,8 +99,15 @@ def test_an_embedded_endpoint_that_runs_but_is_slow_to_answer_is_never_started_t
         servers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _rclone_serving(p, home)]
         assert servers == [Path(f"/proc/{pid}")], servers
         os.kill(pid, signal.SIGSTOP)  # hung again, and no DAG run holds it
-        # the wait for the hung one shortened; the new server's own start keeps its bound (a loaded machine)
-        monkeypatch.setattr(s3, "answering", lambda url, wait_s, _answering=s3.answering: _answering(url, 1.5))
+        # the wait for the hung one (the first probe) shortened; every later probe keeps its own bound, the new
+        # server's start and status's 5 s, which a loaded machine needs (every probe at 1.5 s failed once in CI)
+        probes = []
+
+        def shortened(url, wait_s, _answering=s3.answering):
+            probes.append(url)
+            return _answering(url, 1.5 if len(probes) == 1 else wait_s)
+
+        monkeypatch.setattr(s3, "answering", shortened)
         assert s3.acquire("run-1") and s3.main(["status"]) == 0
         assert json.loads((home / "var/s3/endpoint.json").read_text())["pid"] != pid  # the hung one replaced
         servers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _rclone_serving(p, home)]
