@@ -1,7 +1,8 @@
 """The promote stage: the train stage's final checkpoint L0 → L1 → L2 (S3), verified at every tier, COMMIT last
 (:func:`pipelines.train.ckpt.tiers.promote`, the part protocol of training: a step of one part promoted from L0,
 a step already on L1 put on L2), with the steps L1 held for L2 while training's L2 lagged
-(:func:`pipelines.train.ckpt.tiers.promote_held`). Done only while L2 still holds the committed copy.
+(:func:`pipelines.train.ckpt.tiers.promote_held`), after the run's highest term and its lineage record
+(:func:`pipelines.train.ckpt.fence_l2.carry`). Done only while L2 still holds the committed copy.
 
     python -m pipelines.train.promote --train-manifest M [--spec S]
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from pipelines.cli import stage_dir, stage_main
 from pipelines.manifest import Manifest, StageError, input_ref, plain_rel, run_stage
 from pipelines.spec import JobSpec
+from pipelines.train.ckpt import fence_l2
 from pipelines.train.ckpt.s3_tier import commit_at
 from pipelines.train.ckpt.protocol import parse_step
 from pipelines.train.ckpt.tiers import promote, promote_held
@@ -27,8 +29,10 @@ def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
     sd = stage_dir(spec, "promote", [input_ref(train)], out_dir)
 
     def body(tmp: Path) -> Manifest:
-        rep = promote(spec, rel)
         root, _, name = rel.rpartition("/")
+        if root:  # the run's term and lineage on L2 before its step (training's L2 may have been down to its end)
+            fence_l2.carry(spec, root)
+        rep = promote(spec, rel)
         final = parse_step(name)
         held = promote_held(spec, root, final) if root and final is not None else {"done": [], "failed": {}}
         rep["held_to_l2"], rep["held_failed"] = held["done"], held["failed"]
