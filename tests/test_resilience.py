@@ -396,6 +396,27 @@ def test_retention_keeps_windows_and_never_removes_the_newest_verified_copy(home
     assert _restore(spec, rel_root)[0].step == 30
 
 
+def test_retention_keeps_each_tiers_own_newest_verified_copy(home):
+    """L1's newest step does not verify (its COMMIT is there, a file rotted) while the node's L0 copy of it does:
+    L1 keeps its newest copy that verifies, step 10. The guard was one step for every tier pruned (the newest that
+    verified anywhere: L0's 20), so L1 kept only its corrupt 20, and losing the node left no step that restores."""
+    spec = load_spec(None, ["checkpoint.keep_l0=1", "checkpoint.keep_l1=1"], env={})
+    rel_root = "run/key"
+    for s in (10, 20):
+        for tier in ("L0", "L1"):
+            tmp = home / f"t{s}{tier}"
+            tmp.mkdir()
+            (tmp / "__0_0.distcp").write_bytes(os.urandom(1000))
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": s}))
+            ckpt_local.commit_local(tmp, Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-0000{s}")[tier]),
+                                    meta={"step": s})
+    (Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-000020")["L1"]) / "__0_0.distcp").write_bytes(b"x")
+    assert ckpt_tiers.prune(spec, rel_root, tiers=("L0", "L1")) == {"L0": [10], "L1": []}
+    assert ckpt_tiers.list_steps(spec, rel_root, ("L0", "L1")) == {"L0": [20], "L1": [10, 20]}
+    ckpt_local.remove_local(Path(ckpt_tiers.tier_locations(spec, f"{rel_root}/step-000020")["L0"]))  # the node lost
+    assert _restore(spec, rel_root)[0].step == 10
+
+
 def test_a_stager_that_cannot_reuse_its_buffers_costs_a_warning_not_the_run(home, monkeypatch):
     """torch 2.11's DCP stager fails on its second stage() (KeyError: <class 'type'>, seen on an H100 with the
     machine's own torch): every later save gets a new stager, and every step still commits."""

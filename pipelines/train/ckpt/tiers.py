@@ -8,7 +8,7 @@ Tiers: L0 node-local (``checkpoint.l0``) → L1 shared FS (``checkpoint.l1``) �
 (:mod:`pipelines.train.ckpt.parts`), checking every file at every tier, COMMIT last; a tier that already holds a
 verified copy is skipped.
 :func:`prune` applies the
-per-tier retention and never deletes a copy of the newest verified step.
+per-tier retention and never deletes a tier's newest copy that verifies there.
 """
 from __future__ import annotations
 
@@ -204,7 +204,7 @@ def prune(spec: JobSpec, rel_root: str, upto: Optional[int] = None, tiers: tuple
           log: Callable[[str], None] = print, hold_l1: set[int] = frozenset()) -> dict[str, list[int]]:
     """Apply ``checkpoint.keep_l0/keep_l1/keep_l2`` and ``l2_keep_every`` to this run's checkpoints. Only steps
     ≤ ``upto`` are touched (newer ones may still be waiting for promotion), neither ``protect`` (nor ``hold_l1`` on
-    L1: steps L2 still needs) nor the newest step that verifies on these tiers is ever deleted; only the steps of
+    L1: steps L2 still needs) nor a tier's newest step whose copy there verifies is ever deleted; only the steps of
     this line of training (``rec``) count. With L2 not answering, the other tiers are pruned all the same. Returns
     the steps deleted per tier."""
     c = spec.checkpoint
@@ -220,8 +220,10 @@ def prune(spec: JobSpec, rel_root: str, upto: Optional[int] = None, tiers: tuple
             for t, v in plan.items()}
     if not any(plan.values()):
         return plan
-    guard = newest_verified(spec, rel_root, by_tier)
-    plan = {t: [s for s in v if s != guard] for t, v in plan.items()}
+    # each tier keeps its own newest copy that verifies: a good copy of that step on another tier (a node's L0,
+    # gone with the node) is no reason to delete the last good copy here
+    guards = {t: newest_verified(spec, rel_root, {t: by_tier[t]}) for t, v in plan.items() if v}
+    plan = {t: [s for s in v if s != guards.get(t)] for t, v in plan.items()}
     _remove_steps(spec, rel_root, plan)
     return plan
 
