@@ -132,13 +132,14 @@ def test_promote_stage_puts_a_step_whose_l0_is_gone_on_l2_from_l1_part_by_part(h
     assert ckpt_tiers.promote(spec, rel)["actions"] == {"L1": "already-verified", "L2": "already-verified"}
 
 
-def test_the_promote_stage_puts_the_runs_term_and_lineage_on_l2_before_its_step(home, s3_server, tmp_path,
-                                                                              monkeypatch):
-    """Training whose L2 did not answer to its end put neither its term nor its lineage record there, and the
-    promote stage then put its final step on L2 without them: once L1 was lost (a new FSx), the new L1 read no term
-    on L2, took term 1 again, the one that committed the step, and read no lineage record there. The stage now puts
-    L1's highest term (with its attempt and launch) and the record there before the step; L1 failing to answer is
-    exit 75, never "no term"."""
+def test_the_promote_stage_puts_the_runs_term_and_records_on_l2_before_its_step(home, s3_server, tmp_path,
+                                                                                 monkeypatch):
+    """A forced run (a new generation of its key) whose L2 did not answer to its end put neither its term nor its
+    records there (the lineage record, the key's generations record), and the promote stage then put its final step
+    on L2 without them: once L1 was lost (a new FSx), the new L1 read no term on L2, took term 1 again, the one
+    that committed the step, read no lineage record there, and took the key's old generation for its current one.
+    The stage now puts L1's highest term (with its attempt and launch) and both records there before the step; L1
+    failing to answer is exit 75, never "no term"."""
     import shutil
 
     from pipelines.manifest import Manifest
@@ -147,34 +148,36 @@ def test_the_promote_stage_puts_the_runs_term_and_lineage_on_l2_before_its_step(
 
     spec = _spec(s3_server, **{"services.s3_bucket": "ckpt-carry"})
     down = _spec("http://127.0.0.1:9", **{"checkpoint.s3_connect_timeout_s": 1, "checkpoint.s3_max_attempts": 1})
-    l1_run = home / "var/tiers/shared/run/key"
-    f = fence.Fence.take(fence.fence_dir(spec, "run/key"), "a1", 60, (str(l1_run),), log=lambda m: None,
-                         launch="launch-1")
+    (home / "var/tiers/shared/run/key").mkdir(parents=True)  # the key's first generation: L1's record is the record
+    gen = ckpt_tiers.generation(down, "run/key", force=True)  # on L1 only: L2 does not answer
+    f = fence.Fence.take(fence.fence_dir(spec, gen), "a1", 60, (str(home / "var/tiers/shared" / gen),),
+                         log=lambda m: None, launch="launch-1")
     fence.install(f)
     try:  # training's start, L2 down: the record on L1 only
-        ckpt_tiers.write_lineage(down, "run/key", history.resumed(None, "tok", f.term, None), log=lambda m: None)
+        ckpt_tiers.write_lineage(down, gen, history.resumed(None, "tok", f.term, None), log=lambda m: None)
     finally:
         fence.install(None)
         f.release()
-    rel = "run/key/step-000010"
+    ckpt_tiers.commit_generation(down, "run/key", gen, log=lambda m: None)
+    rel = f"{gen}/step-000010"
     _make_ckpt(spec, rel, big_mb=1)
     train = Manifest(stage="train", config_hash="c", extra={"checkpoint": rel}, path=str(tmp_path / "m.json"))
     out = promote_stage.run(spec, train)
     assert out.extra["actions"] == {"L1": "copied", "L2": "uploaded"}
-    s3 = client(spec)
-    term = json.loads(s3.get_object(Bucket="ckpt-carry", Key="checkpoints/run/key/.fence/term-000000001")["Body"].read())
-    assert term == {"attempt": "a1", "launch": "launch-1"}  # the bytes the promoter puts for that term
+    body = client(spec).get_object(Bucket="ckpt-carry", Key=f"checkpoints/{gen}/.fence/term-000000001")["Body"]
+    assert json.loads(body.read()) == {"attempt": "a1", "launch": "launch-1"}  # the bytes the promoter puts
     shutil.rmtree(home / "var/tiers/shared")  # L1 lost
-    d = fence.fence_dir(spec, "run/key")
-    assert fence.Fence.take(d, "a2", 60, (), log=lambda m: None, floor=fence_l2.floor(spec, d, "run/key")).term == 2
-    assert ckpt_tiers.read_lineage(spec, "run/key")["cutoffs"] == [[1, None]]  # read from L2's copy
+    assert ckpt_tiers.read_generations(spec, "run/key")["current"] == gen  # from L2's copy
+    d = fence.fence_dir(spec, gen)
+    assert fence.Fence.take(d, "a2", 60, (), log=lambda m: None, floor=fence_l2.floor(spec, d, gen)).term == 2
+    assert ckpt_tiers.read_lineage(spec, gen)["cutoffs"] == [[1, None]]  # from L2's copy
 
     def eio(d):
         raise OSError(errno.EIO, "Input/output error", str(d))
 
     monkeypatch.setattr(fence_l2, "read_terms", eio)  # an L1 that fails to list the run's terms: unknown, no step put
     with pytest.raises(ck.TierUnavailable, match="cannot be read"):
-        fence_l2.carry(spec, "run/key")
+        fence_l2.carry(spec, gen)
 
 
 def test_the_promote_stage_refuses_a_checkpoint_path_that_leaves_the_tiers(home, tmp_path):

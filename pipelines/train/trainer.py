@@ -395,15 +395,13 @@ class Trainer:
         its fence check and its COMMIT) counts nowhere. Written by rank 0 under the fence on L1; the promoter copies
         it to L2 right after this attempt's term, before its next COMMIT there (an L2 that hangs holds up no start
         but a fork's, whose record also goes there at once, as before)."""
-        term = self.ckpt.fence_info()["term"]
+        term = self.ckpt.fence_info()["term"]  # every attempt holds one: the Checkpointer took it at its start
         forks = mode not in ("auto", "never")
-        if not forks and term is None:
-            return
         box = [None]
         if self.rank == 0:
             token = history.run_token()
             new = history.fork(rec, token, mode) if forks else rec
-            box = [history.resumed(new, token, term, step) if term is not None else new]
+            box = [history.resumed(new, token, term, step)]
             try:
                 if forks:  # a fork's record goes to L2 at once too, as it always did (an L2 down costs a line)
                     write_lineage(self.spec, self.rel_root, box[0], self.log)

@@ -5,8 +5,8 @@ apart on L2.
 * Each attempt records its term in L2 beside the checkpoints, ``<L2 run prefix>/.fence/term-NNNNNNNNN`` (JSON: the
   attempt, its launch), before its first COMMIT there (:func:`record`, called by the promoter), so every step on L2
   was committed by a term that L2 records.
-* The promote stage, which holds no term, puts L1's highest term and the lineage record there before a step
-  (:func:`carry`): a training run whose L2 did not answer to its end recorded neither.
+* The promote stage, which holds no term, puts L1's highest term and the run's records there before a step
+  (:func:`carry`): a training run whose L2 did not answer to its end recorded none of them.
 * An L1 fence directory that has never read L2's terms and holds none (a new L1) takes its first term above the
   highest one L2 records (:func:`floor`). While L2 does not answer, that floor is unknown: the attempt does not
   start (:class:`~pipelines.train.ckpt.protocol.L2Unavailable`, exit 75), since "no answer" is never "no term". Once
@@ -27,7 +27,7 @@ from pipelines.storage.s3 import client, split_uri
 from pipelines.train.ckpt.fence import FENCE_DIR, FLOOR_FILE, TERM_PREFIX, current_term, fence_dir, read_terms
 from pipelines.train.ckpt.protocol import TierUnavailable
 from pipelines.train.ckpt.s3_tier import answered
-from pipelines.train.ckpt.tiers import l2_in_use, mirror_lineage, put_l2_record, tier_locations
+from pipelines.train.ckpt.tiers import l2_in_use, mirror_generations, mirror_lineage, put_l2_record, tier_locations
 
 
 def _prefix(spec: JobSpec, rel_root: str) -> tuple[str, str]:
@@ -88,9 +88,10 @@ def record(spec: JobSpec, rel_root: str, term: int, attempt: str, launch: Option
 def carry(spec: JobSpec, rel_root: str) -> Optional[int]:
     """The promote stage's :meth:`~pipelines.train.ckpt.promoter.Promoter.record_term`, before it puts a step on
     L2: the highest term L1 records for the run (every step on L1 was committed by a term up to it) put on L2 with
-    its attempt and launch as L1 holds them, then L1's lineage record copied there. A training run whose L2 did not
-    answer to its end put neither, and a step the stage then put there would have no term on L2 above it: once L1
-    is lost, a new L1 would take that term again and read no lineage from L2. Returns the term put (None: L1 holds
+    its attempt and launch as L1 holds them, then L1's lineage record and its key's generations record copied there.
+    A training run whose L2 did not answer to its end put none of them, and a step the stage then put there would
+    have no term on L2 above it: once L1 is lost, a new L1 would take that term again, read no lineage from L2, and
+    take the key's older generation for its current one. Returns the term put (None: L1 holds
     none, or no L2). Raises :class:`L2Unavailable`, or :class:`TierUnavailable` when L1 fails to answer."""
     if not l2_in_use(spec, rel_root):
         return None
@@ -103,7 +104,7 @@ def carry(spec: JobSpec, rel_root: str) -> Optional[int]:
         record(spec, rel_root, top, str(terms[top].get("attempt", "")), terms[top].get("launch"))
     try:
         mirror_lineage(spec, rel_root)
+        mirror_generations(spec, rel_root)
     except (OSError, ValueError) as e:  # L1 failing, a torn record: the stage's retry reads it again
-        raise TierUnavailable(f"L1: the lineage record of {rel_root} cannot be read: {type(e).__name__}: {e}") \
-            from None
+        raise TierUnavailable(f"L1: the records of {rel_root} cannot be read: {type(e).__name__}: {e}") from None
     return top

@@ -429,6 +429,19 @@ def mirror_lineage(spec: JobSpec, rel_root: str) -> None:
         put_l2_record(spec, rel_root, LINEAGE_SUFFIX, json.dumps(rec, indent=2))
 
 
+def mirror_generations(spec: JobSpec, rel_root: str) -> None:
+    """The generations record of ``rel_root``'s key (``rel_root`` itself, or the key a generation ``<key>.gen-<utc>``
+    belongs to) copied from L1 to L2 (none on L1: nothing to copy); :class:`L2Unavailable` when L2 does not
+    answer, OSError when L1 does not."""
+    m = re.fullmatch(r"(.+)\.gen-\d{8}T\d{6,12}", rel_root)
+    base_rel = m.group(1) if m else rel_root
+    try:
+        text = _generations_file(spec, base_rel).read_text()
+    except FileNotFoundError:
+        return
+    put_l2_record(spec, base_rel, GENERATIONS_SUFFIX, text)
+
+
 def generation(spec: JobSpec, base_rel: str, force: bool) -> str:
     """The rel root this run trains in: the current generation, or with ``force`` a pending new one."""
     state = read_generations(spec, base_rel)
