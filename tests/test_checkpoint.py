@@ -159,6 +159,7 @@ def test_the_promote_stage_puts_the_runs_term_and_records_on_l2_before_its_step(
         fence.install(None)
         f.release()
     ckpt_tiers.commit_generation(down, "run/key", gen, log=lambda m: None)
+    (fence.fence_dir(spec, gen) / "term-000000002").touch()  # a start that died creating its term: it committed nothing
     rel = f"{gen}/step-000010"
     _make_ckpt(spec, rel, big_mb=1)
     train = Manifest(stage="train", config_hash="c", extra={"checkpoint": rel}, path=str(tmp_path / "m.json"))
@@ -166,6 +167,7 @@ def test_the_promote_stage_puts_the_runs_term_and_records_on_l2_before_its_step(
     assert out.extra["actions"] == {"L1": "copied", "L2": "uploaded"}
     body = client(spec).get_object(Bucket="ckpt-carry", Key=f"checkpoints/{gen}/.fence/term-000000001")["Body"]
     assert json.loads(body.read()) == {"attempt": "a1", "launch": "launch-1"}  # the bytes the promoter puts
+    assert fence_l2.recorded_top(spec, gen) == 1  # not the empty term 2: another writer's bytes for a live start's
     shutil.rmtree(home / "var/tiers/shared")  # L1 lost
     assert ckpt_tiers.read_generations(spec, "run/key")["current"] == gen  # from L2's copy
     d = fence.fence_dir(spec, gen)

@@ -99,9 +99,12 @@ def carry(spec: JobSpec, rel_root: str) -> Optional[int]:
         terms = read_terms(fence_dir(spec, rel_root))
     except OSError as e:  # unknown is not "no term": the step waits for the next run of the stage
         raise TierUnavailable(f"L1: the terms of {rel_root} cannot be read: {type(e).__name__}: {e}") from None
-    top = max(terms, default=None)
+    # a term file still being written (no attempt in it yet) is a live start's, which has committed nothing: the
+    # highest term whose file is whole is above every step's, and its bytes are those its attempt puts itself
+    whole = [t for t, body in terms.items() if isinstance(body.get("attempt"), str)]
+    top = max(whole, default=None)
     if top is not None:
-        record(spec, rel_root, top, str(terms[top].get("attempt", "")), terms[top].get("launch"))
+        record(spec, rel_root, top, terms[top]["attempt"], terms[top].get("launch"))
     try:
         mirror_lineage(spec, rel_root)
         mirror_generations(spec, rel_root)
