@@ -165,9 +165,16 @@ def test_the_promote_stage_puts_the_runs_term_and_records_on_l2_before_its_step(
     train = Manifest(stage="train", config_hash="c", extra={"checkpoint": rel}, path=str(tmp_path / "m.json"))
     out = promote_stage.run(spec, train)
     assert out.extra["actions"] == {"L1": "copied", "L2": "uploaded"}
-    body = client(spec).get_object(Bucket="ckpt-carry", Key=f"checkpoints/{gen}/.fence/term-000000001")["Body"]
+    s3 = client(spec)
+    body = s3.get_object(Bucket="ckpt-carry", Key=f"checkpoints/{gen}/.fence/term-000000001")["Body"]
     assert json.loads(body.read()) == {"attempt": "a1", "launch": "launch-1"}  # the bytes the promoter puts
     assert fence_l2.recorded_top(spec, gen) == 1  # not the empty term 2: another writer's bytes for a live start's
+    # a step the stage promoted before it carried the records: its next run puts them there
+    for key in (f"checkpoints/{gen}/.fence/term-000000001", f"checkpoints/{gen}.lineage.json",
+                "checkpoints/run/key.generations.json"):
+        s3.delete_object(Bucket="ckpt-carry", Key=key)
+    assert promote_stage.run(spec, train).path == out.path
+    assert fence_l2.recorded_top(spec, gen) == 1
     shutil.rmtree(home / "var/tiers/shared")  # L1 lost
     assert ckpt_tiers.read_generations(spec, "run/key")["current"] == gen  # from L2's copy
     d = fence.fence_dir(spec, gen)
@@ -180,6 +187,32 @@ def test_the_promote_stage_puts_the_runs_term_and_records_on_l2_before_its_step(
     monkeypatch.setattr(fence_l2, "read_terms", eio)  # an L1 that fails to list the run's terms: unknown, no step put
     with pytest.raises(ck.TierUnavailable, match="cannot be read"):
         fence_l2.carry(spec, gen)
+
+
+def test_the_promote_stages_copy_of_the_records_never_replaces_a_newer_one(home, s3_server):
+    """What the promote stage copies to L2 (it holds no term): never a lineage record over L2's copy that names a
+    newer term, nor a generations record that does not name the promoted generation current (an L1 of another
+    cluster, come back after a retry elsewhere wrote newer ones); a torn record on L1 is a line, not a copy; the
+    step's own term goes there when its file on L1 is lost."""
+    from pipelines.train.ckpt import fence_l2, history
+
+    spec = _spec(s3_server, **{"services.s3_bucket": "ckpt-carry-guard"})
+    newer = history.resumed(history.resumed(None, "tok", 1, None), "tok", 5, 20)
+    ckpt_tiers.put_l2_record(spec, "run/key", ckpt_tiers.LINEAGE_SUFFIX, json.dumps(newer))
+    ckpt_tiers.put_l2_record(spec, "run/key", ckpt_tiers.GENERATIONS_SUFFIX, '{"current": "run/key"}')
+    history.write(spec, "run/key", history.resumed(None, "tok", 1, None))  # this L1's: term 1 only
+    gens = home / "var/tiers/shared/run/key.generations.json"
+    gens.write_text('{"current": "run/key.gen-20261201T000000000000"}')  # another generation is current here
+    lines = []
+    assert fence_l2.carry(spec, "run/key", step_term=3, log=lines.append) == 3  # no term file on L1: the step's
+    assert fence_l2.recorded_top(spec, "run/key") == 3
+    assert history.parse(ckpt_tiers.l2_record(spec, "run/key", ckpt_tiers.LINEAGE_SUFFIX), "") == newer
+    assert json.loads(ckpt_tiers.l2_record(spec, "run/key", ckpt_tiers.GENERATIONS_SUFFIX)) == {"current": "run/key"}
+    history.record_path(spec, "run/key").write_text('{"token": "to')  # torn
+    gens.write_text('{"current": "/etc"}')  # refused by read_generations
+    fence_l2.carry(spec, "run/key", log=lines.append)
+    assert [ln.split(" record")[0] for ln in lines] == ["[promote] warning: the lineage", "[promote] warning: the generations"]
+    assert history.parse(ckpt_tiers.l2_record(spec, "run/key", ckpt_tiers.LINEAGE_SUFFIX), "") == newer
 
 
 def test_the_promote_stage_refuses_a_checkpoint_path_that_leaves_the_tiers(home, tmp_path):

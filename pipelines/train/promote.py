@@ -1,8 +1,9 @@
 """The promote stage: the train stage's final checkpoint L0 → L1 → L2 (S3), verified at every tier, COMMIT last
 (:func:`pipelines.train.ckpt.tiers.promote`, the part protocol of training: a step of one part promoted from L0,
 a step already on L1 put on L2), with the steps L1 held for L2 while training's L2 lagged
-(:func:`pipelines.train.ckpt.tiers.promote_held`), after the run's highest term and its lineage record
-(:func:`pipelines.train.ckpt.fence_l2.carry`). Done only while L2 still holds the committed copy.
+(:func:`pipelines.train.ckpt.tiers.promote_held`); before the first step on L2, the run's term, its lineage
+record and its key's generations record (:func:`pipelines.train.ckpt.fence_l2.carry`). Done only while L2 still
+holds the committed copy.
 
     python -m pipelines.train.promote --train-manifest M [--spec S]
 """
@@ -15,10 +16,10 @@ from pathlib import Path
 from pipelines.cli import stage_dir, stage_main
 from pipelines.manifest import Manifest, StageError, input_ref, plain_rel, run_stage
 from pipelines.spec import JobSpec
-from pipelines.train.ckpt import fence_l2
+from pipelines.train.ckpt import fence_l2, history
 from pipelines.train.ckpt.s3_tier import commit_at
-from pipelines.train.ckpt.protocol import parse_step
-from pipelines.train.ckpt.tiers import promote, promote_held
+from pipelines.train.ckpt.protocol import CheckpointError, parse_step, read_local_manifest
+from pipelines.train.ckpt.tiers import promote, promote_held, tier_locations
 
 
 def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
@@ -28,11 +29,15 @@ def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
                          "the tiers; it was not written by the train stage")
     sd = stage_dir(spec, "promote", [input_ref(train)], out_dir)
 
+    root, _, name = rel.rpartition("/")
+
+    def carry(man: dict) -> None:
+        """The run's term and records on L2 before its step: training's L2 may have been down to its end."""
+        if root:
+            fence_l2.carry(spec, root, history.term_of(man))
+
     def body(tmp: Path) -> Manifest:
-        root, _, name = rel.rpartition("/")
-        if root:  # the run's term and lineage on L2 before its step (training's L2 may have been down to its end)
-            fence_l2.carry(spec, root)
-        rep = promote(spec, rel)
+        rep = promote(spec, rel, before_l2=carry)
         final = parse_step(name)
         held = promote_held(spec, root, final) if root and final is not None else {"done": [], "failed": {}}
         rep["held_to_l2"], rep["held_failed"] = held["done"], held["failed"]
@@ -46,10 +51,19 @@ def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
     done = sd.existing()
     if done is not None:  # the manifest says promoted; make sure L2 still verifies
         if commit_at(spec, done.extra["l2_uri"]) == done.extra["commit"]:
+            carry(_l1_manifest(spec, rel))  # a step promoted before the stage put the run's records there too
             print(f"[promote] up to date: {done.path}")
             return done
         sd.force = True
     return run_stage(sd, body)
+
+
+def _l1_manifest(spec: JobSpec, rel: str) -> dict:
+    """The step's manifest on L1; {} when L1 holds none that reads (the step's term is then L1's highest)."""
+    try:
+        return read_local_manifest(Path(tier_locations(spec, rel)["L1"]))
+    except (CheckpointError, OSError, ValueError):
+        return {}
 
 
 def summary(m: Manifest) -> str:

@@ -25,7 +25,7 @@ from pipelines.manifest import atomic_write_text, read_small_text
 from pipelines.spec import JobSpec
 from pipelines.storage.s3 import client, split_uri
 from pipelines.train.ckpt.fence import FENCE_DIR, FLOOR_FILE, TERM_PREFIX, current_term, fence_dir, read_terms
-from pipelines.train.ckpt.protocol import TierUnavailable
+from pipelines.train.ckpt.protocol import CheckpointError, TierUnavailable
 from pipelines.train.ckpt.s3_tier import answered
 from pipelines.train.ckpt.tiers import l2_in_use, mirror_generations, mirror_lineage, put_l2_record, tier_locations
 
@@ -85,29 +85,40 @@ def record(spec: JobSpec, rel_root: str, term: int, attempt: str, launch: Option
     put_l2_record(spec, rel_root, f"/{FENCE_DIR}/{TERM_PREFIX}{term:09d}", body)
 
 
-def carry(spec: JobSpec, rel_root: str) -> Optional[int]:
+def carry(spec: JobSpec, rel_root: str, step_term: Optional[int] = None, log=print) -> Optional[int]:
     """The promote stage's :meth:`~pipelines.train.ckpt.promoter.Promoter.record_term`, before it puts a step on
-    L2: the highest term L1 records for the run (every step on L1 was committed by a term up to it) put on L2 with
-    its attempt and launch as L1 holds them, then L1's lineage record and its key's generations record copied there.
-    A training run whose L2 did not answer to its end put none of them, and a step the stage then put there would
-    have no term on L2 above it: once L1 is lost, a new L1 would take that term again, read no lineage from L2, and
-    take the key's older generation for its current one. Returns the term put (None: L1 holds
-    none, or no L2). Raises :class:`L2Unavailable`, or :class:`TierUnavailable` when L1 fails to answer."""
+    L2: the run's term put on L2, then L1's lineage record and its key's generations record copied there. A training
+    run whose L2 did not answer to its end put none of them, and a step the stage then put there would have no term
+    on L2 above it: once L1 is lost, a new L1 would take that term again, read no lineage from L2, and take the key's
+    older generation for its current one.
+
+    The term: the highest one whose file on L1 is whole (one being written is a live start's, which has committed
+    nothing; its attempt puts it with the same bytes as here), or ``step_term`` (the step's manifest's) when higher:
+    its file was lost. The lineage record does not replace an L2 copy that names a newer term, nor the generations
+    record one whose L1 record names another generation current (an L1 of another cluster, come back); a torn or
+    refused record on L1 is a warning, and L2's copy stays. Returns the term put (None: none, or no L2). Raises
+    :class:`L2Unavailable`, or :class:`TierUnavailable` when L1 does not answer."""
     if not l2_in_use(spec, rel_root):
         return None
     try:
         terms = read_terms(fence_dir(spec, rel_root))
     except OSError as e:  # unknown is not "no term": the step waits for the next run of the stage
         raise TierUnavailable(f"L1: the terms of {rel_root} cannot be read: {type(e).__name__}: {e}") from None
-    # a term file still being written (no attempt in it yet) is a live start's, which has committed nothing: the
-    # highest term whose file is whole is above every step's, and its bytes are those its attempt puts itself
-    whole = [t for t, body in terms.items() if isinstance(body.get("attempt"), str)]
-    top = max(whole, default=None)
+    top = max((t for t, body in terms.items() if isinstance(body.get("attempt"), str)), default=None)
+    body = terms[top] if top is not None else {}
+    if step_term is not None and (top is None or step_term > top):
+        top, body = step_term, {}
     if top is not None:
-        record(spec, rel_root, top, terms[top]["attempt"], terms[top].get("launch"))
-    try:
-        mirror_lineage(spec, rel_root)
-        mirror_generations(spec, rel_root)
-    except (OSError, ValueError) as e:  # L1 failing, a torn record: the stage's retry reads it again
-        raise TierUnavailable(f"L1: the records of {rel_root} cannot be read: {type(e).__name__}: {e}") from None
+        record(spec, rel_root, top, str(body.get("attempt", "")), body.get("launch"))
+    for what, mirror in (("lineage", lambda: mirror_lineage(spec, rel_root, over_newer=False)),
+                         ("generations", lambda: mirror_generations(spec, rel_root))):
+        try:
+            mirror()
+        except TierUnavailable:
+            raise
+        except (CheckpointError, ValueError) as e:  # torn or refused: copying it would spread it
+            log(f"[promote] warning: the {what} record of {rel_root} on L1 is not copied to L2: {e}")
+        except OSError as e:  # L1 failing: the stage's retry reads it again
+            raise TierUnavailable(f"L1: the {what} record of {rel_root} cannot be read: {type(e).__name__}: {e}") \
+                from None
     return top

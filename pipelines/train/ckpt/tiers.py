@@ -340,7 +340,7 @@ def _write_generations(spec: JobSpec, base_rel: str, state: dict, log: Callable[
     atomic_write_text(path, text)
     try:  # its copy on L2: where an outage leaves it behind, the next write of the record puts it
         put_l2_record(spec, base_rel, GENERATIONS_SUFFIX, text)
-    except L2Unavailable as e:
+    except (L2Unavailable, fence.FencedOut) as e:  # (FencedOut: another writer's copy landed between our look and put)
         log(f"[ckpt] the generations record of {base_rel} is on L1 only for now (L2: {e})")
 
 
@@ -421,25 +421,43 @@ def write_lineage(spec: JobSpec, rel_root: str, rec: dict, log: Callable[[str], 
         log(f"[ckpt] the lineage record is on L1 only for now (L2: {e}); it goes to L2 with the first step there")
 
 
-def mirror_lineage(spec: JobSpec, rel_root: str) -> None:
-    """L1's lineage record copied on L2 (none on L1: nothing to copy); :class:`L2Unavailable` when L2 does not
-    answer."""
+def mirror_lineage(spec: JobSpec, rel_root: str, over_newer: bool = True) -> bool:
+    """L1's lineage record copied on L2 (none on L1: nothing to copy). A writer that holds no term (the ``promote``
+    stage) passes ``over_newer=False``: an L2 copy whose cutoffs name a newer term than L1's record stays (an L1
+    replaced since, then come back, is not the newer one). Returns whether it was put; :class:`L2Unavailable` when L2
+    does not answer, ValueError for a torn record on L1."""
     rec = history.read(spec, rel_root)
-    if rec is not None:
-        put_l2_record(spec, rel_root, LINEAGE_SUFFIX, json.dumps(rec, indent=2))
+    if rec is None:
+        return False
+    if not over_newer:
+        text = l2_record(spec, rel_root, LINEAGE_SUFFIX)
+        try:
+            on_l2 = None if text is None else history.parse(text, LINEAGE_SUFFIX)
+        except ValueError:  # a torn copy on L2: L1's replaces it
+            on_l2 = None
+        if on_l2 is not None and history.top_term(on_l2) > history.top_term(rec):
+            return False
+    put_l2_record(spec, rel_root, LINEAGE_SUFFIX, json.dumps(rec, indent=2))
+    return True
 
 
-def mirror_generations(spec: JobSpec, rel_root: str) -> None:
-    """The generations record of ``rel_root``'s key (``rel_root`` itself, or the key a generation ``<key>.gen-<utc>``
-    belongs to) copied from L1 to L2 (none on L1: nothing to copy); :class:`L2Unavailable` when L2 does not
-    answer, OSError when L1 does not."""
+def mirror_generations(spec: JobSpec, rel_root: str) -> bool:
+    """The generations record of ``rel_root``'s key (the key itself, or the key of a generation ``<key>.gen-<utc>``)
+    copied from L1 to L2 as L1 holds it, when it names ``rel_root`` the key's current generation (the ``promote``
+    stage's: the run it promotes committed it; a record that names another, an L1 of another cluster come back,
+    is not copied). Returns whether it was put; :class:`CheckpointError` for a record refused by
+    :func:`read_generations`, :class:`TierUnavailable` / :class:`L2Unavailable` when L1 / L2 does not answer."""
     m = re.fullmatch(r"(.+)\.gen-\d{8}T\d{6,12}", rel_root)
     base_rel = m.group(1) if m else rel_root
+    path = _generations_file(spec, base_rel)
+    if not path.is_file() or read_generations(spec, base_rel)["current"] != rel_root:
+        return False
     try:
-        text = _generations_file(spec, base_rel).read_text()
-    except FileNotFoundError:
-        return
+        text = path.read_text()
+    except OSError as e:
+        raise TierUnavailable(f"checkpoint.l1: {path}: {e}") from None
     put_l2_record(spec, base_rel, GENERATIONS_SUFFIX, text)
+    return True
 
 
 def generation(spec: JobSpec, base_rel: str, force: bool) -> str:
@@ -643,14 +661,18 @@ def promote_held(spec: JobSpec, rel_root: str, final: int, log: Callable[[str], 
     return out
 
 
-def promote(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2")) -> dict:
+def promote(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2"),
+            before_l2: Optional[Callable[[dict], None]] = None) -> dict:
     """Step ``rel`` L0 → L1 (→ L2) through the part protocol, each copy verified, COMMIT last; a verified copy is
-    kept. Returns what was done at each tier and each tier's COMMIT."""
+    kept; ``before_l2`` is called with the L1 copy's manifest before the L2 upload. Returns what was done at each
+    tier and each tier's COMMIT."""
     locs = tier_locations(spec, rel)
     action, digests = promote_l1(spec, rel)
     report = {"checkpoint": rel, "tiers": locs, "actions": {"L1": action}}
     report["commit"] = (Path(locs["L1"]) / COMMIT).read_text().strip()
     if "L2" in tiers:
+        if before_l2 is not None:
+            before_l2(read_local_manifest(Path(locs["L1"])))
         report["actions"]["L2"] = upload_step(spec, Path(locs["L1"]), locs["L2"], digests)
         report["l2_commit"] = commit_at(spec, locs["L2"])
     return report
