@@ -422,6 +422,8 @@ def test_force_starts_a_new_generation_and_retires_the_old_one_only_after_it_com
     third = launch.run(load_spec(None, sets, env={}), tok)
     assert third.path == second.path and ckpt_tiers.read_generations(spec, old)["retiring"] == []
     assert ckpt_tiers.list_steps(spec, old) == {"L0": [10], "L1": [10], "L2": [10]}  # only what the model needs
+    from pipelines.train.ckpt import fence
+    assert fence.fence_dir(spec, old).is_dir()  # a generation that keeps a step keeps its records
     left = [u["Key"] for u in multipart_uploads(s3, bucket, f"{prefix}/")]
     assert left == [f"{prefix}/step-000010/__0_0.distcp"]  # the retired step's upload aborted, the kept one's not
     assert ckpt_tiers.list_steps(spec, new)["L1"][-1] == 20 and ckpt_tiers.list_steps(spec, new)["L0"] == [10, 20]
@@ -447,6 +449,50 @@ def test_a_forged_generations_record_is_refused_and_nothing_is_deleted(tmp_path,
     said = []
     assert ckpt_tiers.retire_generations(spec, base, said.append) == {} and re.search(refused, said[0])
     assert (victim / "COMMIT").is_file()
+
+
+def test_a_retired_generation_that_keeps_no_step_leaves_no_record_and_no_directory(tmp_path, s3_server):
+    """Its steps go, and so do its records (L2's lineage copy and terms, L1's lineage record, per-term records and
+    fence directory) and its emptied directories; a link in a record's place goes, never what it points to; the
+    key's other generations and their records stay."""
+    from pipelines.train.ckpt import fence, fence_l2, history
+
+    spec = load_spec(None, TINY + [f"checkpoint.l0={tmp_path}/l0", f"checkpoint.l1={tmp_path}/l1",
+                                   f"services.mlflow_tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+                                   f"services.s3_endpoint_url={s3_server}", "services.s3_bucket=retire-records"],
+                     env={})
+    base = "llm-pipeline/key"
+    old, new = base, f"{base}.gen-20261201T000000000000"
+    for gen in (old, new):
+        for tier in ("L0", "L1"):
+            step = Path(ckpt_tiers.tier_locations(spec, f"{gen}/step-000010")[tier])
+            step.mkdir(parents=True)
+            (step / "COMMIT").write_text("x")
+        f = fence.Fence.take(fence.fence_dir(spec, gen), "a", 60, tuple(ckpt_tiers.tier_locations(spec, gen).values()),
+                             log=lambda m: None)
+        fence.install(f)
+        try:
+            ckpt_tiers.write_lineage(spec, gen, history.resumed(None, "tok", f.term, None), log=lambda m: None)
+        finally:
+            fence.install(None)
+            f.release()
+        fence_l2.record(spec, gen, f.term, "a", None)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.json").write_text("{}")
+    history.terms_dir(spec, old).rename(tmp_path / "moved")
+    history.terms_dir(spec, old).symlink_to(outside)  # a link in the per-term records' place
+    Path(ckpt_tiers.tier_locations(spec, base)["L1"] + ".generations.json").write_text(
+        json.dumps({"current": new, "pending": None, "retiring": [old]}))
+    done = ckpt_tiers.retire_generations(spec, base, lambda m: None)
+    assert done[old]["L1"] == [10] and done[old]["records"] == 5  # L2: lineage + a term; L1: 3
+    for tier in ("L0", "L1"):
+        assert not Path(ckpt_tiers.tier_locations(spec, old)[tier]).exists()
+    assert not history.record_path(spec, old).exists() and not history.terms_dir(spec, old).is_symlink()
+    assert (outside / "keep.json").is_file()
+    assert fence_l2.recorded_top(spec, old) == 0 and ckpt_tiers.l2_record(spec, old, ckpt_tiers.LINEAGE_SUFFIX) is None
+    assert fence_l2.recorded_top(spec, new) == 1 and history.read(spec, new) is not None  # the current one's stay
+    assert ckpt_tiers.list_steps(spec, new, ("L0", "L1")) == {"L0": [10], "L1": [10]}
 
 
 def test_retiring_stops_at_its_budget_with_one_line_and_the_next_run_finishes(tmp_path):

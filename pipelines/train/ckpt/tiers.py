@@ -493,7 +493,8 @@ def retire_generations(spec: JobSpec, base_rel: str, log: Callable[[str], None] 
                        budget_s: float = RETIRE_BUDGET_S) -> dict:
     """Remove every step of the generations being retired from every tier, committed or not (a removal cut short
     leaves steps without COMMIT), but those a registered model version points to, the retired generation's
-    staging and temp entries on L0 and L1, and the multipart uploads left in progress under its L2 prefix.
+    staging and temp entries on L0 and L1, and the multipart uploads left in progress under its L2 prefix; then,
+    when no step was kept, its records on L2 and L1 and its emptied directories.
     Housekeeping: whatever stops it (an unreadable record, a registry or tier that does not answer, ``budget_s``
     spent) is one line, and the generation stays in the record for the next run of the stage; L0 and L1 are cleared
     even while L2 is unknown. Returns {retired rel root: {tier: steps removed, "uploads_aborted": n}}."""
@@ -543,7 +544,39 @@ def _retire(spec: JobSpec, old: str, check: Callable[[str], None]) -> dict:
         gone["uploads_aborted"] = _abort_l2_uploads(spec, old, keep, check)
     if keep:
         gone["kept_registered"] = sorted(keep)
+    else:
+        check("the records")
+        gone["records"] = _retire_records(spec, old)
     return gone
+
+
+def _retire_records(spec: JobSpec, old: str) -> int:
+    """A retired generation that keeps no step: its records, L2's first (the lineage copy, the terms), then L1's
+    (the lineage record and its per-term files, the fence's terms and leases: an attempt of it still running is
+    fenced out, its directory is never made again), then its emptied directories on L0 and L1. A link in a record's
+    place goes, never what it points to. Returns how many entries were removed."""
+    n = 0
+    if l2_in_use(spec, old):
+        s3 = client(spec)
+        bucket, prefix = split_uri(tier_locations(spec, old)["L2"].rstrip("/"))
+        listed = answered(f"s3://{bucket}/{prefix}/{fence.FENCE_DIR}/", lambda: [
+            o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=f"{prefix}/{fence.FENCE_DIR}/") for o in page.get("Contents", [])]) or []
+        for key in [prefix + LINEAGE_SUFFIX, *listed]:
+            answered(f"s3://{bucket}/{key}", lambda key=key: s3.delete_object(Bucket=bucket, Key=key))
+            n += 1
+    for p in (history.record_path(spec, old), history.terms_dir(spec, old), fence.fence_dir(spec, old)):
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+        else:
+            continue
+        n += 1
+    for tier in ("L0", "L1"):
+        with contextlib.suppress(OSError):  # not empty (another key below it), or gone: it stays as it is
+            Path(tier_locations(spec, old)[tier]).rmdir()
+    return n
 
 
 @contextlib.contextmanager
