@@ -97,7 +97,8 @@ def carry(spec: JobSpec, rel_root: str, step_term: Optional[int] = None, log=pri
     its file was lost. The lineage record does not replace an L2 copy that names a newer term, nor the generations
     record one whose L1 record names another generation current (an L1 of another cluster, come back); a torn or
     refused record on L1 is a warning, and L2's copy stays. Returns the term put (None: none, or no L2). Raises
-    :class:`L2Unavailable`, or :class:`TierUnavailable` when L1 does not answer."""
+    :class:`L2Unavailable`, :class:`TierUnavailable` when L1 does not answer, and ``FencedOut`` (75) when another
+    writer's copy of a record lands between this one's look and its put (the retry reads it)."""
     if not l2_in_use(spec, rel_root):
         return None
     try:
