@@ -516,7 +516,8 @@ def test_retiring_stops_at_its_budget_with_one_line_and_the_next_run_finishes(tm
     assert ckpt_tiers.read_generations(spec, base)["retiring"] == olds
     assert all(ckpt_tiers.list_steps(spec, old)["L1"] == [10] for old in olds)
     gone = ckpt_tiers.retire_generations(spec, base, said.append)
-    assert gone == {old: {"L0": [10], "L1": [10], "L2": []} for old in olds}
+    assert gone == {old: {"L0": [10], "L1": [10], "L2": [], "records": 0} for old in olds}  # none were written
+    assert not any(Path(ckpt_tiers.tier_locations(spec, old)[t]).exists() for old in olds for t in ("L0", "L1"))
     assert ckpt_tiers.read_generations(spec, base)["retiring"] == []
 
 

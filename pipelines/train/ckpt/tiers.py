@@ -554,7 +554,8 @@ def _retire_records(spec: JobSpec, old: str) -> int:
     """A retired generation that keeps no step: its records, L2's first (the lineage copy, the terms), then L1's
     (the lineage record and its per-term files, the fence's terms and leases: an attempt of it still running is
     fenced out, its directory is never made again), then its emptied directories on L0 and L1. A link in a record's
-    place goes, never what it points to. Returns how many entries were removed."""
+    place goes, never what it points to. Returns how many entries were removed (on L2: asked to be; a DELETE of
+    an absent key answers the same)."""
     n = 0
     if l2_in_use(spec, old):
         s3 = client(spec)
