@@ -188,6 +188,14 @@ def test_the_promote_stage_puts_the_runs_term_and_records_on_l2_before_its_step(
     with pytest.raises(ck.TierUnavailable, match="cannot be read"):
         fence_l2.carry(spec, gen)
 
+    def eacces(d):
+        raise OSError(errno.EACCES, "Permission denied", str(d))
+
+    monkeypatch.setattr(fence_l2, "read_terms", eacces)  # refused to this user: no retry reads it (exit 2)
+    with pytest.raises(ck.CheckpointError, match="give this user access") as e:
+        fence_l2.carry(spec, gen)
+    assert not isinstance(e.value, ck.TierUnavailable) and e.value.exit_code == 2
+
 
 def test_the_promote_stages_copy_of_the_records_never_replaces_a_newer_one(home, s3_server):
     """What the promote stage copies to L2 (it holds no term): never a lineage record over L2's copy that names a

@@ -482,9 +482,14 @@ def test_a_retired_generation_that_keeps_no_step_leaves_no_record_and_no_directo
     (outside / "keep.json").write_text("{}")
     history.terms_dir(spec, old).rename(tmp_path / "moved")
     history.terms_dir(spec, old).symlink_to(outside)  # a link in the per-term records' place
+    linked = f"{base}.gen-20250101T000000"  # a generation whose L1 directory is a link: nothing behind it goes
+    (outside / "linked" / "step-000010").mkdir(parents=True)
+    (outside / "linked" / fence.FENCE_DIR).mkdir()
+    Path(ckpt_tiers.tier_locations(spec, linked)["L1"]).symlink_to(outside / "linked")
     Path(ckpt_tiers.tier_locations(spec, base)["L1"] + ".generations.json").write_text(
-        json.dumps({"current": new, "pending": None, "retiring": [old]}))
+        json.dumps({"current": new, "pending": None, "retiring": [old, linked]}))
     done = ckpt_tiers.retire_generations(spec, base, lambda m: None)
+    assert done[linked]["L1"] == [] and {p.name for p in (outside / "linked").iterdir()} == {"step-000010", ".fence"}
     assert done[old]["L1"] == [10] and done[old]["records"] == 5  # L2: lineage + a term; L1: 3
     for tier in ("L0", "L1"):
         assert not Path(ckpt_tiers.tier_locations(spec, old)[tier]).exists()

@@ -947,6 +947,54 @@ def test_a_record_put_by_a_writer_paused_after_its_check_cannot_land_over_a_newe
     assert ckpt_tiers.l2_record(spec, "run/key", ".lineage.json") == "newer"
 
 
+def test_the_promote_stages_copies_are_put_only_over_the_copy_they_decided_on(home, any_key_s3, monkeypatch):
+    """The promote stage (it holds no term) copies L1's records to L2 only over what it read there: a newer lineage
+    copy put between its read and its put stays (FencedOut, exit 75, out of ``carry`` too, not a warning); a
+    generations copy naming a newer generation current (another cluster's later run) stays with one line, while an
+    older one, or one L1's record retires, is replaced."""
+    from pipelines.storage.s3 import client, split_uri
+    from pipelines.train.ckpt import fence_l2, history
+
+    spec = load_spec(None, [f"services.s3_endpoint_url={any_key_s3}", "services.s3_bucket=ck-copies",
+                            f"checkpoint.l1={home}/l1"], env={})
+    base, g2, g3 = "run/key", "run/key.gen-20261201T000000000000", "run/key.gen-20261202T000000"
+    history.write(spec, g2, history.resumed(None, "tok", 1, None))
+    newer = json.dumps(history.resumed(history.resumed(None, "tok", 1, None), "tok", 4, 20))
+    bucket, key = split_uri(ckpt_tiers.tier_locations(spec, g2)["L2"] + ckpt_tiers.LINEAGE_SUFFIX)
+    client(spec).create_bucket(Bucket=bucket)
+    read = ckpt_tiers.l2_record_read
+
+    def read_then_another_writer_puts(spec_, rel, suffix):
+        got = read(spec_, rel, suffix)
+        if suffix == ckpt_tiers.LINEAGE_SUFFIX:
+            client(spec).put_object(Bucket=bucket, Key=key, Body=newer.encode())
+        return got
+
+    monkeypatch.setattr(ckpt_tiers, "l2_record_read", read_then_another_writer_puts)
+    with pytest.raises(fence.FencedOut) as e:
+        fence_l2.carry(spec, g2, log=pytest.fail)
+    assert e.value.exit_code == 75 and ckpt_tiers.l2_record(spec, g2, ckpt_tiers.LINEAGE_SUFFIX) == newer
+    monkeypatch.setattr(ckpt_tiers, "l2_record_read", read)
+
+    gens = Path(ckpt_tiers.tier_locations(spec, base)["L1"] + ckpt_tiers.GENERATIONS_SUFFIX)
+    gens.write_text(json.dumps({"current": g2, "pending": None, "retiring": []}))
+    for on_l2, replaced in (({"current": g3, "retiring": [g2]}, False), ({"current": base}, True),
+                            ({"current": g3}, True)):
+        if on_l2["current"] == g3 and replaced:  # this L1 retired g3 (a pending run it did not adopt)
+            gens.write_text(json.dumps({"current": g2, "pending": None, "retiring": [g3]}))
+        ckpt_tiers.put_l2_record(spec, base, ckpt_tiers.GENERATIONS_SUFFIX, json.dumps(on_l2))
+        lines = []
+        fence_l2.carry(spec, g2, log=lines.append)
+        got = json.loads(ckpt_tiers.l2_record(spec, base, ckpt_tiers.GENERATIONS_SUFFIX))
+        assert (got["current"] == g2) == replaced, (on_l2, got)
+        assert [bool(re.search(r"generations record .* not copied to L2: L2's copy names a newer generation", ln))
+                for ln in lines] == ([] if replaced else [True]), lines
+    assert ckpt_tiers.l2_record(spec, g2, ckpt_tiers.LINEAGE_SUFFIX) == newer  # never replaced by the older
+    monkeypatch.setattr(history, "RECORD_LIMIT", len(newer) - 1)  # a record past its bound is not read: one line
+    with pytest.raises(CheckpointError, match=rf"{len(newer)} bytes, more than the {len(newer) - 1} a record may"):
+        ckpt_tiers.l2_record(spec, g2, ckpt_tiers.LINEAGE_SUFFIX)
+
+
 def test_a_conditional_write_that_meets_another_in_flight_is_sent_again_and_its_end_decides(home, any_key_s3,
                                                                                           monkeypatch):
     """AWS answers 409 to a conditional put while another to the same key is in flight (every node's leader puts

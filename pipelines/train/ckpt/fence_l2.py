@@ -23,8 +23,10 @@ from typing import Optional
 
 from pipelines.manifest import atomic_write_text, read_small_text
 from pipelines.spec import JobSpec
+from pipelines.storage import oserrors
 from pipelines.storage.s3 import client, split_uri
-from pipelines.train.ckpt.fence import FENCE_DIR, FLOOR_FILE, TERM_PREFIX, current_term, fence_dir, read_terms
+from pipelines.train.ckpt.fence import (FENCE_DIR, FLOOR_FILE, TERM_PREFIX, FencedOut, current_term, fence_dir,
+                                       read_terms)
 from pipelines.train.ckpt.protocol import CheckpointError, TierUnavailable
 from pipelines.train.ckpt.s3_tier import answered
 from pipelines.train.ckpt.tiers import l2_in_use, mirror_generations, mirror_lineage, put_l2_record, tier_locations
@@ -104,7 +106,7 @@ def carry(spec: JobSpec, rel_root: str, step_term: Optional[int] = None, log=pri
     try:
         terms = read_terms(fence_dir(spec, rel_root))
     except OSError as e:  # unknown is not "no term": the step waits for the next run of the stage
-        raise TierUnavailable(f"L1: the terms of {rel_root} cannot be read: {type(e).__name__}: {e}") from None
+        raise _unread(f"L1: the terms of {rel_root} cannot be read", e) from None
     top = max((t for t, body in terms.items() if isinstance(body.get("attempt"), str)), default=None)
     body = terms[top] if top is not None else {}
     if step_term is not None and (top is None or step_term > top):
@@ -115,11 +117,19 @@ def carry(spec: JobSpec, rel_root: str, step_term: Optional[int] = None, log=pri
                          ("generations", lambda: mirror_generations(spec, rel_root))):
         try:
             mirror()
-        except TierUnavailable:
+        except (TierUnavailable, FencedOut):  # later: the stage's retry
             raise
         except (CheckpointError, ValueError) as e:  # torn or refused: copying it would spread it
             log(f"[promote] warning: the {what} record of {rel_root} on L1 is not copied to L2: {e}")
         except OSError as e:  # L1 failing: the stage's retry reads it again
-            raise TierUnavailable(f"L1: the {what} record of {rel_root} cannot be read: {type(e).__name__}: {e}") \
-                from None
+            raise _unread(f"L1: the {what} record of {rel_root} cannot be read", e) from None
     return top
+
+
+def _unread(what: str, e: OSError) -> CheckpointError:
+    """An L1 read that failed, as the one OSError rule says: storage failing is :class:`TierUnavailable` (75, the
+    stage's retry reads it again); a refusal, or a link where a record belongs, is the user's to fix (2)."""
+    line = f"{what}: {type(e).__name__}: {e}"
+    if oserrors.storage_failing(e):
+        return TierUnavailable(line)
+    return CheckpointError(f"{line} — give this user access to it, or move what is in its place")

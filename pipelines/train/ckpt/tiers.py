@@ -38,7 +38,7 @@ from pipelines.train.ckpt.local import remove_local
 from pipelines.train.ckpt.parts import merge_parts, part_of, stage_part, upload_step
 from pipelines.train.ckpt.s3_markers import put as put_marker, remove_step, supported
 from pipelines.train.ckpt.s3_tier import (answered, commit_at, download_checkpoint, multipart_uploads,
-                                          object_etag, read_s3_manifest, s3_body, verify_s3)
+                                          object_etag, read_s3_manifest, verify_s3)
 
 
 # ----------------------------------------------------------------------------- tier layout
@@ -315,6 +315,13 @@ def read_generations(spec: JobSpec, base_rel: str) -> dict:
     except OSError as e:  # L1 did not answer (EIO, ESTALE): later
         raise TierUnavailable(f"checkpoint.l1: {path}: the record of this key's generations cannot be read "
                               f"({e})") from None
+    return _parse_generations(text, str(path), base_rel)
+
+
+def _parse_generations(text: str, where: str, base_rel: str) -> dict:
+    """A generations record's text (read at ``where``) checked as :func:`read_generations` says
+    (:class:`CheckpointError` else)."""
+    path = where
     try:
         state = json.loads(text)
     except ValueError as e:
@@ -359,11 +366,16 @@ def _l2_record_at(spec: JobSpec, rel: str, suffix: str) -> tuple[str, str]:
     return bucket, key + suffix
 
 
-def put_l2_record(spec: JobSpec, rel: str, suffix: str, text: str) -> None:
+_READ_AT_PUT = object()  # put_l2_record's ``seen`` when its caller decided nothing on what it read
+
+
+def put_l2_record(spec: JobSpec, rel: str, suffix: str, text: str, seen: object = _READ_AT_PUT) -> None:
     """Put a small record at ``<L2 of rel><suffix>`` (a copy of an L1 record, an attempt's term: ``fence_l2``;
     nothing without an L2); raises :class:`L2Unavailable` when L2 does not answer. As a step's markers are
     (:func:`pipelines.train.ckpt.s3_markers.put`): on the condition read before the fence check, so a writer paused
-    between its check and its put cannot land over a newer term's copy (FencedOut), where the endpoint honours it."""
+    between its check and its put cannot land over a newer term's copy (FencedOut), where the endpoint honours it.
+    A caller that read the copy to decide whether to replace it (:func:`l2_record_read`) passes the ETag it read
+    as ``seen`` (None: there was none): a copy put after that read is never replaced (FencedOut)."""
     if not l2_in_use(spec, rel):
         return
     s3, (bucket, key) = client(spec), _l2_record_at(spec, rel, suffix)
@@ -371,7 +383,7 @@ def put_l2_record(spec: JobSpec, rel: str, suffix: str, text: str) -> None:
 
     def put() -> dict:
         ensure_bucket(s3, bucket, spec.services.s3_region)
-        expected = object_etag(s3, bucket, key)
+        expected = object_etag(s3, bucket, key) if seen is _READ_AT_PUT else seen
         fence.check(f"putting {where}", tier_locations(spec, rel)["L2"])
         return put_marker(s3, bucket, key, text.encode(), expected, supported(s3, bucket), f"putting {where}")
 
@@ -380,12 +392,29 @@ def put_l2_record(spec: JobSpec, rel: str, suffix: str, text: str) -> None:
 
 def l2_record(spec: JobSpec, rel: str, suffix: str) -> Optional[str]:
     """The record at ``<L2 of rel><suffix>``; None when there is none (or no L2); :class:`L2Unavailable` when L2
-    does not answer."""
+    does not answer, :class:`CheckpointError` for an object larger than a record may be."""
+    return l2_record_read(spec, rel, suffix)[0]
+
+
+def l2_record_read(spec: JobSpec, rel: str, suffix: str) -> tuple[Optional[str], Optional[str]]:
+    """The record at ``<L2 of rel><suffix>`` and its ETag, from one GET: (None, None) when there is none (or no
+    L2). :class:`L2Unavailable` when L2 does not answer; an object over :data:`history.RECORD_LIMIT` bytes is not
+    read (:class:`CheckpointError`: one line, the key to look at)."""
     if not l2_in_use(spec, rel):
-        return None
-    bucket, key = _l2_record_at(spec, rel, suffix)
-    body = s3_body(client(spec), bucket, key)
-    return None if body is None else body.decode(errors="replace")
+        return None, None
+    s3, (bucket, key) = client(spec), _l2_record_at(spec, rel, suffix)
+    where = f"s3://{bucket}/{key}"
+
+    def get() -> tuple[str, Optional[str]]:
+        got = s3.get_object(Bucket=bucket, Key=key)
+        size = got.get("ContentLength") or 0
+        if size > history.RECORD_LIMIT:
+            got["Body"].close()
+            raise CheckpointError(f"{where}: {size} bytes, more than the {history.RECORD_LIMIT} a record may have "
+                                  "— not read; look at what wrote it")
+        return got["Body"].read(history.RECORD_LIMIT + 1).decode(errors="replace"), got.get("ETag")
+
+    return answered(where, get) or (None, None)
 
 
 def l1_newer_than_l2(spec: JobSpec, rel_root: str) -> bool:
@@ -429,15 +458,16 @@ def mirror_lineage(spec: JobSpec, rel_root: str, over_newer: bool = True) -> boo
     rec = history.read(spec, rel_root)
     if rec is None:
         return False
-    if not over_newer:
-        text = l2_record(spec, rel_root, LINEAGE_SUFFIX)
+    seen = _READ_AT_PUT
+    if not over_newer:  # decided on the copy read, and put only while it is still that copy
+        text, seen = l2_record_read(spec, rel_root, LINEAGE_SUFFIX)
         try:
             on_l2 = None if text is None else history.parse(text, LINEAGE_SUFFIX)
         except ValueError:  # a torn copy on L2: L1's replaces it
             on_l2 = None
         if on_l2 is not None and history.top_term(on_l2) > history.top_term(rec):
             return False
-    put_l2_record(spec, rel_root, LINEAGE_SUFFIX, json.dumps(rec, indent=2))
+    put_l2_record(spec, rel_root, LINEAGE_SUFFIX, json.dumps(rec, indent=2), seen)
     return True
 
 
@@ -445,19 +475,46 @@ def mirror_generations(spec: JobSpec, rel_root: str) -> bool:
     """The generations record of ``rel_root``'s key (the key itself, or the key of a generation ``<key>.gen-<utc>``)
     copied from L1 to L2 as L1 holds it, when it names ``rel_root`` the key's current generation (the ``promote``
     stage's: the run it promotes committed it; a record that names another, an L1 of another cluster come back,
-    is not copied). Returns whether it was put; :class:`CheckpointError` for a record refused by
-    :func:`read_generations`, :class:`TierUnavailable` / :class:`L2Unavailable` when L1 / L2 does not answer."""
+    is not copied), and only over an L2 copy that it supersedes (:func:`_supersedes`), put while that copy is still
+    the one read. Returns whether it was put; :class:`CheckpointError` for a record refused by
+    :func:`read_generations` or an L2 copy that names a newer generation, :class:`TierUnavailable` /
+    :class:`L2Unavailable` when L1 / L2 does not answer."""
     m = re.fullmatch(r"(.+)\.gen-\d{8}T\d{6,12}", rel_root)
     base_rel = m.group(1) if m else rel_root
     path = _generations_file(spec, base_rel)
-    if not path.is_file() or read_generations(spec, base_rel)["current"] != rel_root:
+    if not path.is_file():
+        return False
+    state = read_generations(spec, base_rel)
+    if state["current"] != rel_root:
         return False
     try:
         text = path.read_text()
     except OSError as e:
         raise TierUnavailable(f"checkpoint.l1: {path}: {e}") from None
-    put_l2_record(spec, base_rel, GENERATIONS_SUFFIX, text)
+    on_l2, seen = l2_record_read(spec, base_rel, GENERATIONS_SUFFIX)
+    if on_l2 is not None and not _supersedes(state, on_l2, base_rel):
+        raise CheckpointError(f"L2's copy names a newer generation of {base_rel} current than this L1's "
+                              f"{rel_root}: it stays (an L1 of another cluster, come back?)")
+    put_l2_record(spec, base_rel, GENERATIONS_SUFFIX, text, seen)
     return True
+
+
+def _supersedes(state: dict, l2_text: str, base_rel: str) -> bool:
+    """Whether L1's generations record ``state`` may replace L2's copy: that copy is torn or refused, names the same
+    current generation, one L1's record retires, or one created before it (its ``gen-<utc>`` stamp; the key itself
+    is the first). A generation once replaced is never current again, so an older current on L2 is an outdated copy
+    and a newer one is another cluster's later run."""
+    try:
+        current = _parse_generations(l2_text, GENERATIONS_SUFFIX, base_rel)["current"]
+    except CheckpointError:
+        return True
+    return current == state["current"] or current in state["retiring"] or \
+        _created(current, base_rel) < _created(state["current"], base_rel)
+
+
+def _created(generation: str, base_rel: str) -> str:
+    """A generation's stamp, comparable as text (its sub-second digits padded); "" for the key itself."""
+    return "" if generation == base_rel else generation.rsplit(".gen-", 1)[1].ljust(8 + 1 + 12, "0")
 
 
 def generation(spec: JobSpec, base_rel: str, force: bool) -> str:
@@ -567,6 +624,8 @@ def _retire_records(spec: JobSpec, old: str) -> int:
             answered(f"s3://{bucket}/{key}", lambda key=key: s3.delete_object(Bucket=bucket, Key=key))
             n += 1
     for p in (history.record_path(spec, old), history.terms_dir(spec, old), fence.fence_dir(spec, old)):
+        if p.parent.is_symlink():  # the generation's directory is a link (_retire_local leaves it too)
+            continue
         if p.is_symlink() or p.is_file():
             p.unlink()
         elif p.is_dir():
@@ -609,10 +668,14 @@ def _abort_l2_uploads(spec: JobSpec, rel_root: str, keep: set[int], check: Calla
 
 def _retire_local(spec: JobSpec, rel_root: str, keep: set[int], check: Callable[[str], None]) -> dict[str, list[int]]:
     """L0 and L1 of a retired generation: every step directory but ``keep``'s, committed or not, then its staging
-    and temp entries (``.step-N.parts``, ``.step-N.l2``, ``.step-N.tmp-…``). Returns {tier: steps removed}."""
+    and temp entries (``.step-N.parts``, ``.step-N.l2``, ``.step-N.tmp-…``); a tier whose directory of the
+    generation is a link is left as it is. Returns {tier: steps removed}."""
     gone = {}
     for tier in ("L0", "L1"):
         root = Path(tier_locations(spec, rel_root)[tier])
+        if root.is_symlink():  # not a directory this run made: what it leads to is not ours to delete
+            gone[tier] = []
+            continue
         names = [p.name for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
         gone[tier] = sorted(s for s in map(parse_step, names) if s is not None and s not in keep)
         for s in gone[tier]:
