@@ -34,12 +34,23 @@ def built_image() -> str:
     """The CPU image's id, built (or reused from podman's layer cache) by `make image`'s script; skips where this
     machine cannot build images."""
     (ROOT / "var/image").mkdir(parents=True, exist_ok=True)
+    # a build that failed or ran out of time in this test run fails the next file at once (each would try again
+    # for up to 30 min); the run's id is pytest-xdist's, else this pytest's pid
+    failed = ROOT / "var/image" / f"failed-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"
     with open(ROOT / "var/image/build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        r = sh(str(BUILD), "build", env={"TORCH_INDEX": os.environ.get("TORCH_INDEX") or CPU_INDEX})
+        if failed.is_file():
+            pytest.fail(f"the image build failed earlier in this test run: {failed.read_text()[-3000:]}")
+        try:
+            r = sh(str(BUILD), "build", env={"TORCH_INDEX": os.environ.get("TORCH_INDEX") or CPU_INDEX})
+        except subprocess.TimeoutExpired as e:
+            failed.write_text(f"{e}")
+            raise
         # no podman and no way to install it, or no root for the base: this machine's limit, not the image's fault
         if r.returncode == 2 and ("image: missing tools" in r.stderr or "needs root" in r.stderr):
             pytest.skip(r.stderr.strip().splitlines()[-1])
+        if r.returncode != 0:
+            failed.write_text(r.stdout[-3000:] + r.stderr[-3000:])
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         return (ROOT / "var/image/iid-cpu").read_text().strip()
 
