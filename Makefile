@@ -168,9 +168,9 @@ lint: $(DEV_STAMP)
 
 # two test files at a time (pytest-xdist): a third of the suite's time is spent waiting on its processes; every
 # test's time in var/test-artifacts/junit.xml (to keep the longest files first: tests/conftest.py LONGEST_FIRST).
-# A test past pyproject.toml's faulthandler_timeout prints every stack and fails; its worker is not replaced (a new
-# one would start the hung file again) and the other runs the rest, so a hang costs the suite that bound, not CI's
-# whole budget.
+# A test past tests/conftest.py's TEST_LIMIT_S prints every stack and its worker exits; that worker is not replaced
+# (xdist would start the hung test again on the new one): the run ends there, failed, the files still queued not run
+# (conftest says how many tests never ran), so a hang costs the suite that bound, not CI's whole budget.
 TEST_WORKERS ?= 2
 test: $(DEV_STAMP) $(TF4)/.installed $(CHECKOV) browser postgres cxx lint
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(ROOT / "dags"))
 os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", str(ROOT / "plugins"))
 os.environ.setdefault("LLMP_PROGRESS", "0")
+# this test run's id, the same in pytest-xdist's workers (they inherit it): marks that last for one run only
+os.environ.setdefault("LLMP_TEST_RUN", uuid.uuid4().hex)
 logging.getLogger("py4j").setLevel(logging.WARNING)  # no "closing down" chatter at interpreter exit
 # Hermetic: a developer's shell pointing at real services must not leak into the tests.
 for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_UI_URL", "S3_ENDPOINT_URL", "S3_BUCKET", "S3_REGION",
@@ -203,3 +206,53 @@ LONGEST_FIRST = ("test_browser.py", "test_spark_nodes.py", "test_e2e.py", "test_
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file is kept
+
+
+# A hung test does not hang the suite (CI once ran out of its 90 min stuck at 42 %, with no word of where): past
+# TEST_LIMIT_S (the longest test takes about 7 min on a loaded machine) every thread's stack goes to the terminal and
+# the test's process exits, which pytest-xdist reports as that test failing ("worker crashed"). The Makefile's
+# --max-worker-restart 0 keeps xdist from starting the hung file again on a new worker: the run ends there, failed.
+TEST_LIMIT_S = float(os.environ.get("TEST_LIMIT_S", "1200"))
+_TERMINAL: dict = {}  # the terminal's stderr, kept before any test captures it
+
+
+def pytest_configure(config):
+    _TERMINAL.setdefault("fd", os.dup(2))  # capture is suspended while plugins are configured
+
+
+def bound_test(seconds: float) -> None:
+    """From now the running test may take ``seconds`` more (a test that waits on a long build says so first)."""
+    import faulthandler
+    faulthandler.dump_traceback_later(seconds, exit=True, file=_TERMINAL.get("fd", 2))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import faulthandler
+    bound_test(TEST_LIMIT_S)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+# Nothing exits 0 with tests missing: a worker that died (a hang above, a kill for memory) while another finished
+# makes xdist end the run early, and a run that ends before every collected test reported is failed here.
+_REPORTED: set = set()
+
+
+def pytest_runtest_logreport(report):
+    _REPORTED.add(report.nodeid)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput") or session.config.option.collectonly:
+        return
+    missing = session.testscollected - len(_REPORTED)
+    if missing > 0:
+        tw = session.config.get_terminal_writer()
+        tw.line()
+        tw.line(f"{missing} of {session.testscollected} collected tests never ran: the run is failed", red=True)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED

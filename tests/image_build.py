@@ -10,9 +10,10 @@ import uuid
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, TEST_LIMIT_S, bound_test
 
 BUILD = ROOT / "infra" / "image" / "build.sh"
+BUILD_S = 1800  # a build's bound (a first one, debootstrap and all, took 6 min on a loaded 2-core machine)
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 CONF = {"CONTAINERS_CONF": str(ROOT / "var/image/containers.conf")}
 
@@ -35,14 +36,16 @@ def built_image() -> str:
     machine cannot build images."""
     (ROOT / "var/image").mkdir(parents=True, exist_ok=True)
     # a build that failed or ran out of time in this test run fails the next file at once (each would try again
-    # for up to 30 min); the run's id is pytest-xdist's, else this pytest's pid
-    failed = ROOT / "var/image" / f"failed-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"
+    # for up to 30 min); named for the test run (conftest's LLMP_TEST_RUN)
+    failed = ROOT / "var/image" / f"failed-{os.environ['LLMP_TEST_RUN']}"
+    bound_test(2 * BUILD_S + TEST_LIMIT_S)  # the other worker's build, then this one's, then the test
     with open(ROOT / "var/image/build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if failed.is_file():
             pytest.fail(f"the image build failed earlier in this test run: {failed.read_text()[-3000:]}")
         try:
-            r = sh(str(BUILD), "build", env={"TORCH_INDEX": os.environ.get("TORCH_INDEX") or CPU_INDEX})
+            r = sh(str(BUILD), "build", timeout=BUILD_S,
+                   env={"TORCH_INDEX": os.environ.get("TORCH_INDEX") or CPU_INDEX})
         except subprocess.TimeoutExpired as e:
             failed.write_text(f"{e}")
             raise
