@@ -2,6 +2,7 @@
 server on 127.0.0.1, MLflow on SQLite, Airflow's `dags test`."""
 from __future__ import annotations
 
+import faulthandler
 import gzip
 import time
 import json
@@ -211,7 +212,7 @@ def pytest_collection_modifyitems(config, items):
 # A hung test does not hang the suite (CI once ran out of its 90 min stuck at 42 %, with no word of where): past
 # TEST_LIMIT_S (the longest test takes about 7 min on a loaded machine) every thread's stack goes to the terminal and
 # the test's process exits, which pytest-xdist reports as that test failing ("worker crashed"). The Makefile's
-# --max-worker-restart 0 keeps xdist from starting the hung file again on a new worker: the run ends there, failed.
+# --max-worker-restart 0 keeps xdist from starting the hung test again on a new worker: the run ends there, failed.
 TEST_LIMIT_S = float(os.environ.get("TEST_LIMIT_S", "1200"))
 _TERMINAL: dict = {}  # the terminal's stderr, kept before any test captures it
 
@@ -222,13 +223,11 @@ def pytest_configure(config):
 
 def bound_test(seconds: float) -> None:
     """From now the running test may take ``seconds`` more (a test that waits on a long build says so first)."""
-    import faulthandler
     faulthandler.dump_traceback_later(seconds, exit=True, file=_TERMINAL.get("fd", 2))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    import faulthandler
     bound_test(TEST_LIMIT_S)
     try:
         yield

@@ -53,8 +53,8 @@ def built_image() -> str:
         if r.returncode == 2 and ("image: missing tools" in r.stderr or "needs root" in r.stderr):
             pytest.skip(r.stderr.strip().splitlines()[-1])
         if r.returncode != 0:
-            failed.write_text(r.stdout[-3000:] + r.stderr[-3000:])
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            failed.write_text(out := r.stdout[-3000:] + r.stderr[-3000:])
+            pytest.fail(out)
         return (ROOT / "var/image/iid-cpu").read_text().strip()
 
 

@@ -111,7 +111,7 @@ def test_an_embedded_endpoint_that_runs_but_is_slow_to_answer_is_never_started_t
         monkeypatch.setattr(s3, "answering", shortened)
         assert s3.acquire("run-1")
         # the new server answered its start; `status` probes for 5 s, which the other test worker's load can
-        # outlast (it did once in CI), so it is asked again within a minute: answering at all is the point
+        # outlast (it did once in a fresh-clone `make test`), so it is asked again within a minute: answering at all is the point
         wait_for(lambda: s3.main(["status"]) == 0, 60, "the restarted endpoint to answer `status`", every=1)
         assert json.loads((home / "var/s3/endpoint.json").read_text())["pid"] != pid  # the hung one replaced
         servers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _rclone_serving(p, home)]
