@@ -9,6 +9,7 @@ installed fence, the checkpointer's start; at the end one real run: two launches
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -843,6 +844,50 @@ def test_a_term_taken_again_after_the_fence_directory_was_lost_is_above_every_cu
         shutil.rmtree(d)
         ckpt = Checkpointer(spec, "run/key", 0, 1, lambda m: None, files={})
         assert ckpt.fence_info()["term"] == 8
+        ckpt.close(None)
+    finally:
+        dist.destroy_process_group()
+        fence.install(None)
+
+
+def test_an_attempt_of_a_replaced_generation_takes_no_term_and_leaves_nothing_there(home):
+    """A restart of the ranks of a generation already replaced (torchrun's, a pod of the old job on a partitioned
+    node: its --ckpt-root names the old generation) would take term 1 in a fence its retirement removed and write
+    steps nobody retires. The checkpointer takes its term, reads the key's record, and stops (FencedOut: 75) with
+    what it made removed; the current generation and a root of no recorded key take terms as before."""
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from pipelines.train.ckpt.checkpointer import Checkpointer
+
+    spec = load_spec(None, ["checkpoint.promote_during_run=false"], env={})
+    base = "run/key"
+    old, new = f"{base}.gen-20261201T000000000000", f"{base}.gen-20261202T000000000000"
+    record = Path(ckpt_tiers.tier_locations(spec, base)["L1"] + ".generations.json")
+    record.parent.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ckpt = Checkpointer(spec, old, 0, 1, lambda m: None, files={})  # no record yet: a root of no recorded key
+        assert ckpt.fence_info()["term"] == 1
+        ckpt.close(None)
+        for retiring in ([old], []):  # being retired, then retired (its records and directories gone)
+            record.write_text(json.dumps({"current": new, "pending": None, "retiring": retiring}))
+            if not retiring:
+                shutil.rmtree(ckpt_tiers.tier_locations(spec, old)["L1"])
+            with pytest.raises(fence.FencedOut, match=rf"^\[fence\] {re.escape(old)} is a retired generation of "
+                                                      rf"run/key \(current: {re.escape(new)}\)"):
+                Checkpointer(spec, old, 0, 1, lambda m: None, files={})
+            assert fence.active() is None
+        assert not Path(ckpt_tiers.tier_locations(spec, old)["L1"]).exists()  # nothing made again
+        with pytest.raises(fence.FencedOut, match=r"run/key is a retired generation of run/key"):
+            Checkpointer(spec, base, 0, 1, lambda m: None, files={})  # the key's first generation, replaced too
+        ckpt = Checkpointer(spec, new, 0, 1, lambda m: None, files={})
+        assert ckpt.fence_info()["term"] == 1
+        ckpt.close(None)
+        pending = f"{base}.gen-20261203T000000000000"  # run.force's next generation, before it commits
+        record.write_text(json.dumps({"current": new, "pending": pending, "retiring": []}))
+        ckpt = Checkpointer(spec, pending, 0, 1, lambda m: None, files={})
+        assert ckpt.fence_info()["term"] == 1
         ckpt.close(None)
     finally:
         dist.destroy_process_group()

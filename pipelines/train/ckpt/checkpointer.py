@@ -230,6 +230,12 @@ class Checkpointer:
                         history.top_record_term(self.spec, self.rel_root))
             self.fence = fence.Fence.take(d, attempt, self.spec.checkpoint.lease_s, self._fenced_roots(), self.log,
                                           fence.launch_id(), floor)
+            # after the take: a retirement deletes the fence only once the record says so, so a term taken in a
+            # fence it had removed is seen here (a zombie restart of a replaced generation would start at term 1)
+            gone = ckpt_tiers.retired(self.spec, self.rel_root)
+            if gone is not None:
+                self._withdraw(d)
+                raise fence.FencedOut(f"[fence] {gone}")
         except fence.FencedOut as e:
             return attempt, None, str(e), True
         except ck.L2Unavailable as e:
@@ -241,6 +247,19 @@ class Checkpointer:
         self.log(f"[fence] attempt {attempt} holds term {self.fence.term} (lease checkpoint.lease_s="
                  f"{self.spec.checkpoint.lease_s:g} s)")
         return attempt, self.fence.term, None, False
+
+    def _withdraw(self, d: Path) -> None:
+        """Rank 0, refused after taking its term: its term and lease go, and the fence directory with its run's L1
+        directory where nothing else is left in them (a retired generation is left as the retirement left it)."""
+        f, self.fence = self.fence, None
+        f.release(give_back=False)
+        for name in (f"{fence.TERM_PREFIX}{f.term:09d}", f"{fence.LEASE_PREFIX}{f.attempt}"):
+            (d / name).unlink(missing_ok=True)
+        if not fence.read_terms(d):
+            (d / fence.FLOOR_FILE).unlink(missing_ok=True)
+            for empty in (d, d.parent):
+                with contextlib.suppress(OSError):
+                    empty.rmdir()
 
     def fence_info(self) -> dict:
         """This attempt and its term (the train stage checks at the end that no newer term superseded it)."""

@@ -318,6 +318,22 @@ def read_generations(spec: JobSpec, base_rel: str) -> dict:
     return _parse_generations(text, str(path), base_rel)
 
 
+def retired(spec: JobSpec, rel_root: str) -> Optional[str]:
+    """Why no attempt may train in ``rel_root`` any more, or None: it is a generation (``<key>.gen-<utc>``, or the
+    key itself) whose key's record names another generation current and not it pending — being retired or retired
+    already (a generation once replaced is never current again). A root of no recorded key (the key's first run, a
+    ``--ckpt-root`` made by hand) is not retired. Raises :class:`TierUnavailable` / :class:`L2Unavailable` when the
+    record's tier does not answer, :class:`CheckpointError` for a record that is not one."""
+    m = re.fullmatch(r"(.+)\.gen-\d{8}T\d{6,12}", rel_root)
+    base_rel = m.group(1) if m else rel_root
+    state = read_generations(spec, base_rel)
+    if rel_root in (state["current"], state["pending"]) or state == {"current": base_rel, "pending": None,
+                                                                     "retiring": []}:
+        return None
+    return (f"{rel_root} is a retired generation of {base_rel} (current: {state['current']}): an attempt left from "
+            "before it was replaced stops before writing there")
+
+
 def _parse_generations(text: str, where: str, base_rel: str) -> dict:
     """A generations record's text (read at ``where``) checked as :func:`read_generations` says
     (:class:`CheckpointError` else)."""
