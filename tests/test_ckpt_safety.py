@@ -530,6 +530,39 @@ def test_retiring_stops_at_its_budget_with_one_line_and_the_next_run_finishes(tm
     assert ckpt_tiers.read_generations(spec, base)["retiring"] == []
 
 
+def test_a_retirement_fences_out_an_attempt_of_the_generation_that_still_runs(tmp_path):
+    """An attempt of the generation being retired that still runs (a pod of the old job on a partitioned node) holds
+    the highest term there: the retirement takes a term above it before deleting, so that attempt stops before its
+    next commit, even where a registered step keeps the generation's fence and records."""
+    from pipelines import tracking
+    from pipelines.train.ckpt import fence
+
+    spec = load_spec(None, TINY + [f"checkpoint.l0={tmp_path}/l0", f"checkpoint.l1={tmp_path}/l1",
+                                   f"services.mlflow_tracking_uri=sqlite:///{tmp_path}/mlflow.db"], env={})
+    base = "llm-pipeline/key"
+    for step in (10, 20):
+        for tier in ("L0", "L1"):
+            d = Path(ckpt_tiers.tier_locations(spec, f"{base}/{ck.step_name(step)}")[tier])
+            d.mkdir(parents=True)
+            (d / "COMMIT").write_text("x")
+    zombie = fence.Fence.take(fence.fence_dir(spec, base), "zombie01", 60,
+                              tuple(ckpt_tiers.tier_locations(spec, base).values()), log=lambda m: None)
+    client = tracking.client(spec)
+    client.create_registered_model(spec.registry.model_name)
+    run = client.create_run(client.create_experiment("retire-fence"))
+    client.create_model_version(spec.registry.model_name, "file:///dev/null", run.info.run_id, tags={
+        "checkpoint_uri": ckpt_tiers.tier_locations(spec, f"{base}/step-000010")["L2"]})
+    Path(ckpt_tiers.tier_locations(spec, base)["L1"] + ".generations.json").write_text(json.dumps(
+        {"current": f"{base}.gen-20261202T000000000000", "pending": None, "retiring": [base]}))
+    done = ckpt_tiers.retire_generations(spec, base, lambda m: None)
+    assert done[base]["L1"] == [20] and done[base]["kept_registered"] == [10]
+    with pytest.raises(fence.FencedOut, match=r"attempt zombie01 \(term 1\) is superseded by term 2: stopping "
+                                              r"before committing step-000030"):
+        zombie.check("committing step-000030")
+    assert fence.read_terms(fence.fence_dir(spec, base))[2]["attempt"] == "retirement"
+    assert ckpt_tiers.list_steps(spec, base, ("L0", "L1")) == {"L0": [10], "L1": [10]}
+
+
 def test_a_record_retiring_the_current_generation_never_deletes_it(tmp_path):
     spec = load_spec(None, TINY + [f"checkpoint.l0={tmp_path}/l0", f"checkpoint.l1={tmp_path}/l1"], env={})
     base = "llm-pipeline/key"

@@ -23,7 +23,8 @@ from pipelines.spec import load_spec
 from pipelines.train.ckpt import local as ckpt_local
 from pipelines.train.ckpt import tiers as ckpt_tiers
 from pipelines.train.ckpt import fence
-from pipelines.train.ckpt.protocol import COMMIT, CheckpointError, L2Unavailable, read_local_manifest, verify_local
+from pipelines.train.ckpt.protocol import (COMMIT, CheckpointError, L2Unavailable, TierUnavailable,
+                                          read_local_manifest, verify_local)
 
 from conftest import ROOT, wait_for
 
@@ -879,6 +880,11 @@ def test_an_attempt_of_a_replaced_generation_takes_no_term_and_leaves_nothing_th
                 Checkpointer(spec, old, 0, 1, lambda m: None, files={})
             assert fence.active() is None
         assert not Path(ckpt_tiers.tier_locations(spec, old)["L1"]).exists()  # nothing made again
+        record.write_text("not json{")  # a record that cannot be read: no verdict, later (75), nothing made
+        with pytest.raises(TierUnavailable, match=r"the record of this key's generations cannot be read: .*not JSON"):
+            Checkpointer(spec, old, 0, 1, lambda m: None, files={})
+        assert not Path(ckpt_tiers.tier_locations(spec, old)["L1"]).exists()
+        record.write_text(json.dumps({"current": new, "pending": None, "retiring": []}))
         with pytest.raises(fence.FencedOut, match=r"run/key is a retired generation of run/key"):
             Checkpointer(spec, base, 0, 1, lambda m: None, files={})  # the key's first generation, replaced too
         ckpt = Checkpointer(spec, new, 0, 1, lambda m: None, files={})

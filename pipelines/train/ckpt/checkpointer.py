@@ -230,12 +230,6 @@ class Checkpointer:
                         history.top_record_term(self.spec, self.rel_root))
             self.fence = fence.Fence.take(d, attempt, self.spec.checkpoint.lease_s, self._fenced_roots(), self.log,
                                           fence.launch_id(), floor)
-            # after the take: a retirement deletes the fence only once the record says so, so a term taken in a
-            # fence it had removed is seen here (a zombie restart of a replaced generation would start at term 1)
-            gone = ckpt_tiers.retired(self.spec, self.rel_root)
-            if gone is not None:
-                self._withdraw(d)
-                raise fence.FencedOut(f"[fence] {gone}")
         except fence.FencedOut as e:
             return attempt, None, str(e), True
         except ck.L2Unavailable as e:
@@ -243,6 +237,16 @@ class Checkpointer:
                 False
         except (OSError, ck.CheckpointError) as e:
             return attempt, None, f"checkpoint.l1: cannot take this attempt's term: {e}", False
+        # after the take: a retirement deletes the fence only once the record says so, so a term taken in a fence it
+        # had removed is seen here (a zombie restart of a replaced generation would start at term 1 there again)
+        try:
+            gone = ckpt_tiers.retired(self.spec, self.rel_root)
+        except (OSError, ck.CheckpointError) as e:  # L1 or L2 did not answer, a record that is not one: later
+            self._withdraw(d)
+            return attempt, None, f"the record of this key's generations cannot be read: {e}", False
+        if gone is not None:
+            self._withdraw(d)
+            return attempt, None, f"[fence] {gone}", True
         self.fence.start_renewing()
         self.log(f"[fence] attempt {attempt} holds term {self.fence.term} (lease checkpoint.lease_s="
                  f"{self.spec.checkpoint.lease_s:g} s)")
@@ -253,13 +257,13 @@ class Checkpointer:
         directory where nothing else is left in them (a retired generation is left as the retirement left it)."""
         f, self.fence = self.fence, None
         f.release(give_back=False)
-        for name in (f"{fence.TERM_PREFIX}{f.term:09d}", f"{fence.LEASE_PREFIX}{f.attempt}"):
-            (d / name).unlink(missing_ok=True)
-        if not fence.read_terms(d):
-            (d / fence.FLOOR_FILE).unlink(missing_ok=True)
-            for empty in (d, d.parent):
-                with contextlib.suppress(OSError):
-                    empty.rmdir()
+        with contextlib.suppress(OSError):  # L1 failing: what stays is a term whose lease nobody renews
+            for name in (f"{fence.TERM_PREFIX}{f.term:09d}", f"{fence.LEASE_PREFIX}{f.attempt}"):
+                (d / name).unlink(missing_ok=True)
+            if not fence.read_terms(d):
+                (d / fence.FLOOR_FILE).unlink(missing_ok=True)
+                d.rmdir()
+                d.parent.rmdir()
 
     def fence_info(self) -> dict:
         """This attempt and its term (the train stage checks at the end that no newer term superseded it)."""

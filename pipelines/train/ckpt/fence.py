@@ -222,6 +222,19 @@ def _create_term(d: Path, n: int, attempt: str, launch: Optional[str]) -> bool:
     return True
 
 
+def supersede(d: Path, by: str) -> Optional[int]:
+    """Take the next term in the fence directory ``d`` for ``by`` (housekeeping about to delete the run's steps), with
+    no lease: every attempt holding a term there is fenced out at its next check, before its next commit. None
+    when ``d`` is not a directory (no attempt ever took a term there); a link in its place is not followed."""
+    if d.is_symlink() or not d.is_dir():
+        return None
+    for _ in range(TAKE_TRIES):
+        n = current_term(d) + 1
+        if _create_term(d, n, by, None):
+            return n
+    raise CheckpointError(f"{d}: no term could be taken in {TAKE_TRIES} tries")
+
+
 def superseded_launch(terms: dict[int, dict], launch: Optional[str]) -> Optional[int]:
     """The newer term of another launch that supersedes ``launch`` (a fenced-out launch's restart), else None."""
     if launch is None or not terms:

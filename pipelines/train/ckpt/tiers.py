@@ -603,6 +603,9 @@ def _retire(spec: JobSpec, old: str, check: Callable[[str], None]) -> dict:
     check("reading the registry")
     with _bounded_registry():
         keep = registered_steps(spec, old)
+    check("fencing its attempts")
+    if not Path(tier_locations(spec, old)["L1"]).is_symlink():  # (a linked generation is left as it is)
+        fence.supersede(fence.fence_dir(spec, old), "retirement")  # one still running stops before its next commit
     check("L0 and L1")
     gone = _retire_local(spec, old, keep, check)
     check("L2")
