@@ -530,10 +530,11 @@ def test_retiring_stops_at_its_budget_with_one_line_and_the_next_run_finishes(tm
     assert ckpt_tiers.read_generations(spec, base)["retiring"] == []
 
 
-def test_a_retirement_fences_out_an_attempt_of_the_generation_that_still_runs(tmp_path):
+def test_a_retirement_fences_out_an_attempt_of_the_generation_that_still_runs(tmp_path, monkeypatch):
     """An attempt of the generation being retired that still runs (a pod of the old job on a partitioned node) holds
-    the highest term there: the retirement takes a term above it before deleting, so that attempt stops before its
-    next commit, even where a registered step keeps the generation's fence and records."""
+    the highest term there: the retirement takes a term above it first, before the registry is read (a registry
+    that does not answer stops the retirement, not the fencing), so that attempt stops before its next commit, even
+    where a registered step keeps the generation's fence and records."""
     from pipelines import tracking
     from pipelines.train.ckpt import fence
 
@@ -554,12 +555,17 @@ def test_a_retirement_fences_out_an_attempt_of_the_generation_that_still_runs(tm
         "checkpoint_uri": ckpt_tiers.tier_locations(spec, f"{base}/step-000010")["L2"]})
     Path(ckpt_tiers.tier_locations(spec, base)["L1"] + ".generations.json").write_text(json.dumps(
         {"current": f"{base}.gen-20261202T000000000000", "pending": None, "retiring": [base]}))
-    done = ckpt_tiers.retire_generations(spec, base, lambda m: None)
-    assert done[base]["L1"] == [20] and done[base]["kept_registered"] == [10]
+    with monkeypatch.context() as m:
+        m.setattr(ckpt_tiers, "registered_steps", lambda *a: (_ for _ in ()).throw(ck.CheckpointError("no registry")))
+        said = []
+        assert ckpt_tiers.retire_generations(spec, base, said.append) == {} and "no registry" in said[0]
     with pytest.raises(fence.FencedOut, match=r"attempt zombie01 \(term 1\) is superseded by term 2: stopping "
                                               r"before committing step-000030"):
         zombie.check("committing step-000030")
-    assert fence.read_terms(fence.fence_dir(spec, base))[2]["attempt"] == "retirement"
+    done = ckpt_tiers.retire_generations(spec, base, lambda m: None)
+    assert done[base]["L1"] == [20] and done[base]["kept_registered"] == [10]
+    assert {n: t["attempt"] for n, t in fence.read_terms(fence.fence_dir(spec, base)).items()} == {
+        1: "zombie01", 2: "retirement", 3: "retirement"}
     assert ckpt_tiers.list_steps(spec, base, ("L0", "L1")) == {"L0": [10], "L1": [10]}
 
 

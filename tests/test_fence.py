@@ -871,15 +871,25 @@ def test_an_attempt_of_a_replaced_generation_takes_no_term_and_leaves_nothing_th
         ckpt = Checkpointer(spec, old, 0, 1, lambda m: None, files={})  # no record yet: a root of no recorded key
         assert ckpt.fence_info()["term"] == 1
         ckpt.close(None)
-        for retiring in ([old], []):  # being retired, then retired (its records and directories gone)
-            record.write_text(json.dumps({"current": new, "pending": None, "retiring": retiring}))
-            if not retiring:
-                shutil.rmtree(ckpt_tiers.tier_locations(spec, old)["L1"])
-            with pytest.raises(fence.FencedOut, match=rf"^\[fence\] {re.escape(old)} is a retired generation of "
-                                                      rf"run/key \(current: {re.escape(new)}\)"):
-                Checkpointer(spec, old, 0, 1, lambda m: None, files={})
-            assert fence.active() is None
+        refused = rf"^\[fence\] {re.escape(old)} is a retired generation of run/key \(current: {re.escape(new)}\)"
+        # being retired while an attempt of it still runs (term 2): the refused start's term 3 stays, leaseless, above
+        # it (taking it back would let that attempt commit again); only its lease goes
+        zombie = _take(fence.fence_dir(spec, old), "zombie02")
+        record.write_text(json.dumps({"current": new, "pending": None, "retiring": [old]}))
+        with pytest.raises(fence.FencedOut, match=refused):
+            Checkpointer(spec, old, 0, 1, lambda m: None, files={})
+        d = fence.fence_dir(spec, old)
+        assert sorted(fence.read_terms(d)) == [1, 2, 3] and set(fence.read_leases(d)) <= {"zombie02", ckpt.attempt}
+        with pytest.raises(fence.FencedOut, match=r"attempt zombie02 \(term 2\) is superseded by term 3"):
+            zombie.check("committing step-000030")
+        # retired: its records and directories gone, the record as a key's first record reads (only `current` left)
+        shutil.rmtree(ckpt_tiers.tier_locations(spec, old)["L1"])
+        record.write_text(json.dumps({"current": base, "pending": None, "retiring": []}))
+        with pytest.raises(fence.FencedOut, match=rf"^\[fence\] {re.escape(old)} is a retired generation of "
+                                                  r"run/key \(current: run/key\)"):
+            Checkpointer(spec, old, 0, 1, lambda m: None, files={})
         assert not Path(ckpt_tiers.tier_locations(spec, old)["L1"]).exists()  # nothing made again
+        record.write_text(json.dumps({"current": new, "pending": None, "retiring": []}))
         record.write_text("not json{")  # a record that cannot be read: no verdict, later (75), nothing made
         with pytest.raises(TierUnavailable, match=r"the record of this key's generations cannot be read: .*not JSON"):
             Checkpointer(spec, old, 0, 1, lambda m: None, files={})
@@ -894,6 +904,39 @@ def test_an_attempt_of_a_replaced_generation_takes_no_term_and_leaves_nothing_th
         record.write_text(json.dumps({"current": new, "pending": pending, "retiring": []}))
         ckpt = Checkpointer(spec, pending, 0, 1, lambda m: None, files={})
         assert ckpt.fence_info()["term"] == 1
+        ckpt.close(None)
+    finally:
+        dist.destroy_process_group()
+        fence.install(None)
+
+
+def test_a_new_l1_reads_the_generations_record_on_l2_at_the_first_attempt_only(home, s3_server):
+    """L1 lost (a new FSx) while L2 keeps the key's record naming a newer generation current: the first attempt of
+    the key's replaced first generation on the new L1 reads L2's copy and stops; a later attempt (its fence holds
+    terms) never waits on L2 for it."""
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from pipelines.storage import faults
+    from pipelines.train.ckpt.checkpointer import Checkpointer
+
+    spec = load_spec(None, ["checkpoint.promote_during_run=false", f"services.s3_endpoint_url={s3_server}",
+                            "services.s3_bucket=fence-generations"], env={})
+    base, new = "run/key", "run/key.gen-20261202T000000000000"
+    ckpt_tiers.put_l2_record(spec, base, ckpt_tiers.GENERATIONS_SUFFIX,
+                             json.dumps({"current": new, "pending": None, "retiring": []}))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(fence.FencedOut, match=r"run/key is a retired generation of run/key \(current: "):
+            Checkpointer(spec, base, 0, 1, lambda m: None, files={})
+        assert not Path(ckpt_tiers.tier_locations(spec, base)["L1"]).exists()
+        _take(fence.fence_dir(spec, base), "earlier1")  # an attempt of the key on this L1 before: not the first
+        faults.load(json.dumps([{"at": "s3", "do": "s3_down", "times": 0}]))  # this process only
+        try:
+            ckpt = Checkpointer(spec, base, 0, 1, lambda m: None, files={})
+        finally:
+            faults.load("")
+        assert ckpt.fence_info()["term"] == 2
         ckpt.close(None)
     finally:
         dist.destroy_process_group()

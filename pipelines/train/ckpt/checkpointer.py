@@ -225,6 +225,7 @@ class Checkpointer:
             # above L2's terms (a new L1), every term a cutoff of the line names and every term that wrote a record
             # (a lost .fence: a term taken again below a cutoff would make this attempt's own steps an older term's,
             # counted nowhere; below a record, its own record would not be the one read)
+            first = not d.is_dir() or fence.current_term(d) == 0  # this run's first attempt on this L1
             floor = max(fence_l2.floor(self.spec, d, self.rel_root, self.log),
                         history.top_term(ckpt_tiers.read_lineage(self.spec, self.rel_root)),
                         history.top_record_term(self.spec, self.rel_root))
@@ -240,7 +241,7 @@ class Checkpointer:
         # after the take: a retirement deletes the fence only once the record says so, so a term taken in a fence it
         # had removed is seen here (a zombie restart of a replaced generation would start at term 1 there again)
         try:
-            gone = ckpt_tiers.retired(self.spec, self.rel_root)
+            gone = ckpt_tiers.retired(self.spec, self.rel_root, first)
         except (OSError, ck.CheckpointError) as e:  # L1 or L2 did not answer, a record that is not one: later
             self._withdraw(d)
             return attempt, None, f"the record of this key's generations cannot be read: {e}", False
@@ -253,14 +254,15 @@ class Checkpointer:
         return attempt, self.fence.term, None, False
 
     def _withdraw(self, d: Path) -> None:
-        """Rank 0, refused after taking its term: its term and lease go, and the fence directory with its run's L1
-        directory where nothing else is left in them (a retired generation is left as the retirement left it)."""
+        """Rank 0, refused after taking its term: its lease goes; its term stays, leaseless, where an older term is
+        there (it supersedes an attempt that may still run: taking it back would let that one commit again), else it
+        goes too, with the fence directory and the run's L1 directory it made where nothing else is in them."""
         f, self.fence = self.fence, None
         f.release(give_back=False)
         with contextlib.suppress(OSError):  # L1 failing: what stays is a term whose lease nobody renews
-            for name in (f"{fence.TERM_PREFIX}{f.term:09d}", f"{fence.LEASE_PREFIX}{f.attempt}"):
-                (d / name).unlink(missing_ok=True)
-            if not fence.read_terms(d):
+            (d / f"{fence.LEASE_PREFIX}{f.attempt}").unlink(missing_ok=True)
+            if set(fence.read_terms(d)) == {f.term}:
+                (d / f"{fence.TERM_PREFIX}{f.term:09d}").unlink()
                 (d / fence.FLOOR_FILE).unlink(missing_ok=True)
                 d.rmdir()
                 d.parent.rmdir()

@@ -318,17 +318,28 @@ def read_generations(spec: JobSpec, base_rel: str) -> dict:
     return _parse_generations(text, str(path), base_rel)
 
 
-def retired(spec: JobSpec, rel_root: str) -> Optional[str]:
+def retired(spec: JobSpec, rel_root: str, first_on_l1: bool = False) -> Optional[str]:
     """Why no attempt may train in ``rel_root`` any more, or None: it is a generation (``<key>.gen-<utc>``, or the
     key itself) whose key's record names another generation current and not it pending — being retired or retired
-    already (a generation once replaced is never current again). A root of no recorded key (the key's first run, a
-    ``--ckpt-root`` made by hand) is not retired. Raises :class:`TierUnavailable` / :class:`L2Unavailable` when the
-    record's tier does not answer, :class:`CheckpointError` for a record that is not one."""
+    already (a generation once replaced is never current again). Where the key has no record (its first run, a
+    ``--ckpt-root`` made by hand) nothing is retired. L1's record decides; L2's copy only when L1 has none and
+    ``first_on_l1`` (the run's first attempt on this L1: a new L1 reads L2 for its terms then too), so a later
+    attempt's start never waits on L2. Raises :class:`TierUnavailable` / :class:`L2Unavailable` when the record's
+    tier does not answer, :class:`CheckpointError` for a record that is not one."""
     m = re.fullmatch(r"(.+)\.gen-\d{8}T\d{6,12}", rel_root)
     base_rel = m.group(1) if m else rel_root
-    state = read_generations(spec, base_rel)
-    if rel_root in (state["current"], state["pending"]) or state == {"current": base_rel, "pending": None,
-                                                                     "retiring": []}:
+    path = _generations_file(spec, base_rel)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        text = l2_record(spec, base_rel, GENERATIONS_SUFFIX) if first_on_l1 else None
+    except OSError as e:  # L1 did not answer (EIO, ESTALE): later
+        raise TierUnavailable(f"checkpoint.l1: {path}: the record of this key's generations cannot be read "
+                              f"({e})") from None
+    if text is None:
+        return None
+    state = _parse_generations(text, str(path), base_rel)
+    if rel_root in (state["current"], state["pending"]):
         return None
     return (f"{rel_root} is a retired generation of {base_rel} (current: {state['current']}): an attempt left from "
             "before it was replaced stops before writing there")
@@ -600,12 +611,12 @@ def _within(deadline: float, budget_s: float, what: str) -> None:
 
 def _retire(spec: JobSpec, old: str, check: Callable[[str], None]) -> dict:
     """One retired generation off every tier (``check(what)`` before each part: raises when the budget is spent)."""
+    # first, whatever answers next (deletes nothing): an attempt of it still running stops before its next commit
+    if not Path(tier_locations(spec, old)["L1"]).is_symlink():  # (a linked generation is left as it is)
+        fence.supersede(fence.fence_dir(spec, old), "retirement")
     check("reading the registry")
     with _bounded_registry():
         keep = registered_steps(spec, old)
-    check("fencing its attempts")
-    if not Path(tier_locations(spec, old)["L1"]).is_symlink():  # (a linked generation is left as it is)
-        fence.supersede(fence.fence_dir(spec, old), "retirement")  # one still running stops before its next commit
     check("L0 and L1")
     gone = _retire_local(spec, old, keep, check)
     check("L2")
