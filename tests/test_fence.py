@@ -889,7 +889,6 @@ def test_an_attempt_of_a_replaced_generation_takes_no_term_and_leaves_nothing_th
                                                   r"run/key \(current: run/key\)"):
             Checkpointer(spec, old, 0, 1, lambda m: None, files={})
         assert not Path(ckpt_tiers.tier_locations(spec, old)["L1"]).exists()  # nothing made again
-        record.write_text(json.dumps({"current": new, "pending": None, "retiring": []}))
         record.write_text("not json{")  # a record that cannot be read: no verdict, later (75), nothing made
         with pytest.raises(TierUnavailable, match=r"the record of this key's generations cannot be read: .*not JSON"):
             Checkpointer(spec, old, 0, 1, lambda m: None, files={})
@@ -910,10 +909,11 @@ def test_an_attempt_of_a_replaced_generation_takes_no_term_and_leaves_nothing_th
         fence.install(None)
 
 
-def test_a_new_l1_reads_the_generations_record_on_l2_at_the_first_attempt_only(home, s3_server):
-    """L1 lost (a new FSx) while L2 keeps the key's record naming a newer generation current: the first attempt of
-    the key's replaced first generation on the new L1 reads L2's copy and stops; a later attempt (its fence holds
-    terms) never waits on L2 for it."""
+def test_an_l1_that_holds_nothing_of_the_key_reads_its_generations_record_on_l2_as_the_launcher_does(home, s3_server):
+    """L1 lost (a new FSx) while L2 keeps the key's record naming a newer generation current: an attempt of the key's
+    replaced first generation on the new L1 reads L2's copy, as the launcher reads it to choose the generation, and
+    stops; where L1 holds the key (its directory, here with an earlier attempt's term) the launcher chose from L1
+    and so does the attempt: no start waits on L2 for it."""
     import torch.distributed as dist
 
     from conftest import free_port
@@ -930,7 +930,7 @@ def test_a_new_l1_reads_the_generations_record_on_l2_at_the_first_attempt_only(h
         with pytest.raises(fence.FencedOut, match=r"run/key is a retired generation of run/key \(current: "):
             Checkpointer(spec, base, 0, 1, lambda m: None, files={})
         assert not Path(ckpt_tiers.tier_locations(spec, base)["L1"]).exists()
-        _take(fence.fence_dir(spec, base), "earlier1")  # an attempt of the key on this L1 before: not the first
+        _take(fence.fence_dir(spec, base), "earlier1")  # the key's directory on this L1, as a launch finds it
         faults.load(json.dumps([{"at": "s3", "do": "s3_down", "times": 0}]))  # this process only
         try:
             ckpt = Checkpointer(spec, base, 0, 1, lambda m: None, files={})

@@ -225,7 +225,7 @@ class Checkpointer:
             # above L2's terms (a new L1), every term a cutoff of the line names and every term that wrote a record
             # (a lost .fence: a term taken again below a cutoff would make this attempt's own steps an older term's,
             # counted nowhere; below a record, its own record would not be the one read)
-            first = not d.is_dir() or fence.current_term(d) == 0  # this run's first attempt on this L1
+            on_l1 = ckpt_tiers.key_on_l1(self.spec, self.rel_root)  # before the take makes the run's directory
             floor = max(fence_l2.floor(self.spec, d, self.rel_root, self.log),
                         history.top_term(ckpt_tiers.read_lineage(self.spec, self.rel_root)),
                         history.top_record_term(self.spec, self.rel_root))
@@ -241,10 +241,11 @@ class Checkpointer:
         # after the take: a retirement deletes the fence only once the record says so, so a term taken in a fence it
         # had removed is seen here (a zombie restart of a replaced generation would start at term 1 there again)
         try:
-            gone = ckpt_tiers.retired(self.spec, self.rel_root, first)
-        except (OSError, ck.CheckpointError) as e:  # L1 or L2 did not answer, a record that is not one: later
+            gone = ckpt_tiers.retired(self.spec, self.rel_root, on_l1)
+        except Exception as e:  # noqa: BLE001 - L1 or L2 did not answer, a record that is not one: later (75)
             self._withdraw(d)
-            return attempt, None, f"the record of this key's generations cannot be read: {e}", False
+            return attempt, None, f"the record of this key's generations cannot be read: {type(e).__name__}: {e}", \
+                False
         if gone is not None:
             self._withdraw(d)
             return attempt, None, f"[fence] {gone}", True

@@ -318,21 +318,33 @@ def read_generations(spec: JobSpec, base_rel: str) -> dict:
     return _parse_generations(text, str(path), base_rel)
 
 
-def retired(spec: JobSpec, rel_root: str, first_on_l1: bool = False) -> Optional[str]:
+def generation_key(rel_root: str) -> str:
+    """The key whose generation ``rel_root`` is (``<key>.gen-<utc>`` → ``<key>``; a key is its own first)."""
+    m = re.fullmatch(r"(.+)\.gen-\d{8}T\d{6,12}", rel_root)
+    return m.group(1) if m else rel_root
+
+
+def key_on_l1(spec: JobSpec, rel_root: str) -> bool:
+    """Whether L1 holds anything of ``rel_root``'s key (its directory or its generations record): where it holds
+    nothing, the key's record is read from L2 (:func:`read_generations`, :func:`retired`)."""
+    base_rel = generation_key(rel_root)
+    return Path(tier_locations(spec, base_rel)["L1"]).exists() or _generations_file(spec, base_rel).exists()
+
+
+def retired(spec: JobSpec, rel_root: str, on_l1: bool) -> Optional[str]:
     """Why no attempt may train in ``rel_root`` any more, or None: it is a generation (``<key>.gen-<utc>``, or the
     key itself) whose key's record names another generation current and not it pending — being retired or retired
     already (a generation once replaced is never current again). Where the key has no record (its first run, a
-    ``--ckpt-root`` made by hand) nothing is retired. L1's record decides; L2's copy only when L1 has none and
-    ``first_on_l1`` (the run's first attempt on this L1: a new L1 reads L2 for its terms then too), so a later
-    attempt's start never waits on L2. Raises :class:`TierUnavailable` / :class:`L2Unavailable` when the record's
-    tier does not answer, :class:`CheckpointError` for a record that is not one."""
-    m = re.fullmatch(r"(.+)\.gen-\d{8}T\d{6,12}", rel_root)
-    base_rel = m.group(1) if m else rel_root
+    ``--ckpt-root`` made by hand) nothing is retired. The record is read as the launcher read it
+    (:func:`read_generations`): L1's, else L2's copy where L1 held nothing of the key (``on_l1``: :func:`key_on_l1`,
+    asked before this attempt made its directories). Raises :class:`TierUnavailable` / :class:`L2Unavailable` when the
+    record's tier does not answer, :class:`CheckpointError` for a record that is not one."""
+    base_rel = generation_key(rel_root)
     path = _generations_file(spec, base_rel)
     try:
         text = path.read_text()
     except FileNotFoundError:
-        text = l2_record(spec, base_rel, GENERATIONS_SUFFIX) if first_on_l1 else None
+        text = None if on_l1 else l2_record(spec, base_rel, GENERATIONS_SUFFIX)
     except OSError as e:  # L1 did not answer (EIO, ESTALE): later
         raise TierUnavailable(f"checkpoint.l1: {path}: the record of this key's generations cannot be read "
                               f"({e})") from None
@@ -506,8 +518,7 @@ def mirror_generations(spec: JobSpec, rel_root: str) -> bool:
     the one read. Returns whether it was put; :class:`CheckpointError` for a record refused by
     :func:`read_generations` or an L2 copy that names a newer generation, :class:`TierUnavailable` /
     :class:`L2Unavailable` when L1 / L2 does not answer."""
-    m = re.fullmatch(r"(.+)\.gen-\d{8}T\d{6,12}", rel_root)
-    base_rel = m.group(1) if m else rel_root
+    base_rel = generation_key(rel_root)
     path = _generations_file(spec, base_rel)
     if not path.is_file():
         return False
