@@ -305,17 +305,24 @@ def read_generations(spec: JobSpec, base_rel: str) -> dict:
     (``base_rel`` or ``base_rel.gen-<utc>``) and ``retiring`` a list: a record that says anything else is refused
     with one line (:class:`CheckpointError`), so no deletion follows a forged or torn record out of the key's
     directories; a name being retired that is also current or pending is not retired."""
+    text = _generations_text(spec, base_rel)
+    return _parse_generations(text or "{}", str(_generations_file(spec, base_rel)), base_rel)
+
+
+def _generations_text(spec: JobSpec, base_rel: str, on_l1: Optional[bool] = None) -> Optional[str]:
+    """The key's record as it stands: L1's; where L1 has none, L2's copy on an L1 that holds nothing of the key
+    (replaced, lost, or its first run: ``on_l1``, :func:`key_on_l1` asked now unless given), else None (no record:
+    an L1 with the key's steps and no record has none). :class:`TierUnavailable` when L1 does not answer,
+    :class:`L2Unavailable` when L2 does not."""
     path = _generations_file(spec, base_rel)
     try:
-        text = path.read_text()
-    except FileNotFoundError:  # none on L1: on an L1 that holds nothing of the key (replaced, lost, or its first
-        # run) L2's copy, else no record; an L1 with the key's steps and no record has none
-        text = "{}" if Path(tier_locations(spec, base_rel)["L1"]).exists() else \
-            l2_record(spec, base_rel, GENERATIONS_SUFFIX) or "{}"
+        return path.read_text()
+    except FileNotFoundError:
+        on_l1 = key_on_l1(spec, base_rel) if on_l1 is None else on_l1
+        return None if on_l1 else l2_record(spec, base_rel, GENERATIONS_SUFFIX)
     except OSError as e:  # L1 did not answer (EIO, ESTALE): later
         raise TierUnavailable(f"checkpoint.l1: {path}: the record of this key's generations cannot be read "
                               f"({e})") from None
-    return _parse_generations(text, str(path), base_rel)
 
 
 def generation_key(rel_root: str) -> str:
@@ -340,17 +347,10 @@ def retired(spec: JobSpec, rel_root: str, on_l1: bool) -> Optional[str]:
     asked before this attempt made its directories). Raises :class:`TierUnavailable` / :class:`L2Unavailable` when the
     record's tier does not answer, :class:`CheckpointError` for a record that is not one."""
     base_rel = generation_key(rel_root)
-    path = _generations_file(spec, base_rel)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        text = None if on_l1 else l2_record(spec, base_rel, GENERATIONS_SUFFIX)
-    except OSError as e:  # L1 did not answer (EIO, ESTALE): later
-        raise TierUnavailable(f"checkpoint.l1: {path}: the record of this key's generations cannot be read "
-                              f"({e})") from None
+    text = _generations_text(spec, base_rel, on_l1)
     if text is None:
         return None
-    state = _parse_generations(text, str(path), base_rel)
+    state = _parse_generations(text, str(_generations_file(spec, base_rel)), base_rel)
     if rel_root in (state["current"], state["pending"]):
         return None
     return (f"{rel_root} is a retired generation of {base_rel} (current: {state['current']}): an attempt left from "
