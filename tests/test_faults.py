@@ -575,9 +575,11 @@ def _preempted_with_l2_steps(home, s3_server, bucket: str, extra: tuple[str, ...
     """Attempt 1 of a 20-step run, preempted after step 17 while L2 kept pace with its steps (every 5): (tok, run,
     sets, spec, rel_root, {step: attempt} of what L2 committed)."""
     tok = _tok(home)
-    sets = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=1", f"services.s3_endpoint_url={s3_server}",
-            f"services.s3_bucket={bucket}", "checkpoint.s3_max_attempts=2", "checkpoint.s3_connect_timeout_s=1",
-            *extra]
+    # launcher.max_restarts=0: a retry that meets a fault on every read exits 75 at once (torchrun would start the
+    # ranks again three times, ~4 s each, to meet the same fault); the preemption ends torchrun either way
+    sets = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=1", "launcher.max_restarts=0",
+            f"services.s3_endpoint_url={s3_server}", f"services.s3_bucket={bucket}", "checkpoint.s3_max_attempts=2",
+            "checkpoint.s3_connect_timeout_s=1", *extra]
     run = home / "run"
     preempt = _faults({"at": "step", "do": "preempt", "nth": 17})
     r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=preempt, LLMP_FAULT_STEP_DELAY_S="0.3"),
@@ -677,7 +679,7 @@ def test_l1_copies_that_fail_to_be_read_are_never_given_up_for_an_older_step_or_
 
     tok = _tok(home)
     run = home / "run"
-    sets = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=1"]
+    sets = ["train.steps=20", "train.ckpt_every=5", "launcher.nproc_per_node=1", "launcher.max_restarts=0"]
     preempt = _faults({"at": "step", "do": "preempt", "nth": 12})
     r = subprocess.run(_launch_cmd(tok, run, sets), env=_env(LLMP_FAULTS=preempt), cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
@@ -969,7 +971,8 @@ def test_a_full_l0_disk_during_a_dcp_save_exits_75_with_one_line_naming_the_path
     tok = _tok(home)
     run = home / "run"
     (run / "l0").mkdir(parents=True)
-    cmd = " ".join(f"'{a}'" for a in _launch_cmd(tok, run, ["train.steps=10", "train.ckpt_every=5"]))
+    cmd = " ".join(f"'{a}'" for a in _launch_cmd(tok, run, ["train.steps=10", "train.ckpt_every=5",
+                                                          "launcher.max_restarts=0"]))  # (the disk stays full)
     r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                         f"mount -t tmpfs -o size=64k tmpfs '{run}/l0' && exec {cmd}"], env=_env(), cwd=ROOT,
                        capture_output=True, text=True, timeout=600)

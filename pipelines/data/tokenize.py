@@ -42,7 +42,7 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +60,7 @@ from pipelines.lineage.queries import excluded_docs, shards_holding
 from pipelines.lineage.takedowns import TakedownList, list_held, read_list, recorded_sha256, split_by_exclusion
 from pipelines.manifest import Manifest, StageError, file_ref, input_ref, lineage, load_manifest, sha256_file, under
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
-from pipelines.storage.s3 import (UPLOAD_PART, S3ConfigError, client_from, client_settings, ensure_bucket,
+from pipelines.storage.s3 import (DATA_BOUNDS, UPLOAD_PART, S3ConfigError, client_from, client_settings, ensure_bucket,
                                   object_matches, outage, split_uri, unreachable, upload_checked)
 
 SPLITS = ("train", "heldout")
@@ -372,9 +372,16 @@ class Upload:
         return True
 
 
+# A task's uploads: one retry, then the driver's publish (DATA_BOUNDS: 5 attempts) uploads what is missing. With 5
+# attempts each task spent ~17 s of backoff on a store that did not answer before leaving its shards to the driver
+# (12 tasks on 2 cores: 2 min before the stage's one line); a blip still passes in the task, an outage is the driver's.
+TASK_BOUNDS = replace(DATA_BOUNDS, attempts=2)
+
+
 def upload_shards(up: Upload, out: Path, rows: list[dict]) -> None:
-    """A task's shards (its files in ``out``) to S3, each file checked against S3's SHA-256 after upload."""
-    s3 = client_from(up.settings)
+    """A task's shards (its files in ``out``) to S3, each file checked against S3's SHA-256 after upload
+    (:data:`TASK_BOUNDS`)."""
+    s3 = client_from(up.settings, TASK_BOUNDS)
     for r in rows:
         for ext in SHARD_FILES:
             path = out / (Path(r["prefix"]).name + ext)
