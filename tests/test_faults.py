@@ -551,6 +551,34 @@ def test_a_step_whose_manifest_did_not_answer_is_unknown_to_the_callers_that_mus
         ckpt_tiers.newest_verified(spec, "run/key", {"L2": [10, 20]})
 
 
+def test_throttling_of_any_name_is_the_store_not_answering_and_an_answer_about_an_object_is_not():
+    """botocore retries 429 and every code it takes for throttling; past its retries they were an answer about the
+    object (a tokenize task's upload failed the stage through Spark, a restore took the copy for bad): now they are
+    the store not answering (75, later), as 5xx and SlowDown were."""
+    from botocore.exceptions import ClientError
+
+    from pipelines.storage.s3 import S3UploadFailedError, outage, unreachable
+
+    def err(code, status):
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    down = [err("TooManyRequests", 429), err("Throttling", 400), err("ThrottlingException", 400),
+            err("RequestLimitExceeded", 400), err("SlowDown", 503), err("InternalError", 500),
+            err("RequestTimeout", 400)]
+    assert [(outage(e), unreachable(e)) for e in down] == [(True, True)] * len(down)
+    try:
+        try:
+            raise err("TooManyRequests", 429)
+        except ClientError as e:  # as boto3's upload_file wraps it
+            raise S3UploadFailedError(f"Failed to upload: {e}")
+    except S3UploadFailedError as e:
+        assert outage(e) and unreachable(e)
+    refused = [err("AccessDenied", 403), err("InvalidAccessKeyId", 403)]
+    assert [(outage(e), unreachable(e)) for e in refused] == [(False, True)] * 2  # L2 unusable; not a retry's to mend
+    answers = [err("NoSuchKey", 404), err("PreconditionFailed", 412), err("InvalidArgument", 400)]
+    assert [(outage(e), unreachable(e)) for e in answers] == [(False, False)] * 3
+
+
 def test_a_part_read_that_did_not_answer_is_told_from_a_copy_that_answered_bad():
     import errno
 

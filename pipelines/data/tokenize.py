@@ -372,10 +372,11 @@ class Upload:
         return True
 
 
-# A task's uploads: one retry, then the driver's publish (DATA_BOUNDS: 5 attempts) uploads what is missing. With 5
-# attempts each task spent ~17 s of backoff on a store that did not answer before leaving its shards to the driver
-# (12 tasks on 2 cores: 2 min before the stage's one line); a blip still passes in the task, an outage is the driver's.
-TASK_BOUNDS = replace(DATA_BOUNDS, attempts=2)
+# A task's uploads: 3 attempts (botocore's own default: a blip or a short throttling burst passes in the task), then
+# the driver's publish (DATA_BOUNDS: 5 attempts) uploads what is missing. With 5 in the tasks each task spent ~17 s of
+# SlowDown backoff on a store that did not answer before leaving its shards to the driver (12 tasks on 2 cores: over
+# 2 min before the stage's one line).
+TASK_BOUNDS = replace(DATA_BOUNDS, attempts=3)
 
 
 def upload_shards(up: Upload, out: Path, rows: list[dict]) -> None:

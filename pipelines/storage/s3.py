@@ -9,9 +9,10 @@ The same boto3 code talks to AWS or to a local endpoint:
   ``… stop`` (its teardown task). Its address is kept in ``var/s3/endpoint.json``.
 
 Every call is bounded (:class:`Bounds`): the data stages' clients per request (5 s to connect, 60 s per read, 5
-attempts); the checkpoint path's (:func:`client`, ``checkpoint.s3_*``) also in all, retries included: its caller
-gets an answer or :class:`S3Timeout` within connect + read timeouts + N / ``s3_min_mb_per_s`` seconds for a call
-moving N MiB (:class:`BoundedClient`), so a hung endpoint costs the caller seconds, not minutes. Only the caller is
+attempts; a tokenize task's shard uploads 3, the driver's publish then uploading what they left); the checkpoint
+path's (:func:`client`, ``checkpoint.s3_*``) also in all, retries included: its caller gets an answer or
+:class:`S3Timeout` within connect + read timeouts + N / ``s3_min_mb_per_s`` seconds for a call moving N MiB
+(:class:`BoundedClient`), so a hung endpoint costs the caller seconds, not minutes. Only the caller is
 freed: the call given up on goes on in its thread (:func:`call_bounded`), and may still land later.
 
 The embedded endpoint keeps each object as a file, ``var/s3/store/<bucket>/<key>``, served from disk: it starts in
@@ -419,9 +420,8 @@ def unreachable(e: BaseException) -> bool:
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "AccessDenied",
-                        "ExpiredToken", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status >= 500 \
-            or status in (401, 403)  # credentials that do not work: L2 unusable, as if down
+        return code in ("AccessDenied", "ExpiredToken", "InvalidAccessKeyId", "SignatureDoesNotMatch") \
+            or status in (401, 403) or _not_answering(code, status)  # credentials that do not work: as if down
     return isinstance(e, (BotoCoreError, ConnectionError, TimeoutError)) or isinstance(e, S3ConfigError)
 
 
@@ -434,8 +434,23 @@ def outage(e: BaseException) -> bool:
     if isinstance(e, ClientError):
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = str(e.response.get("Error", {}).get("Code", ""))
-        return status >= 500 or code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout")
+        return _not_answering(code, status)
     return isinstance(e, (BotoConnectionError, HTTPClientError, ConnectionError, TimeoutError, EmbeddedDown))
+
+
+# the codes botocore's standard retry mode takes for throttling (botocore.retries.standard), besides any 5xx and 429
+THROTTLED = frozenset({"Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException",
+                       "TooManyRequestsException", "ProvisionedThroughputExceededException",
+                       "TransactionInProgressException", "RequestLimitExceeded", "BandwidthLimitExceeded",
+                       "LimitExceededException", "RequestThrottled", "SlowDown", "PriorRequestNotComplete",
+                       "EC2ThrottledException"})
+
+
+def _not_answering(code: str, status: int) -> bool:
+    """An answer that is the store not serving now (5xx, 429, throttled past the retries, a request timed out), not
+    an answer about an object or these credentials."""
+    return status >= 500 or status == 429 or code in THROTTLED or code in (
+        "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException")
 
 
 def credentials_refused(e: BaseException) -> bool:
