@@ -551,6 +551,13 @@ def test_a_step_whose_manifest_did_not_answer_is_unknown_to_the_callers_that_mus
         ckpt_tiers.newest_verified(spec, "run/key", {"L2": [10, 20]})
 
 
+def _client_error(code: str, status: int, op: str = "GetObject"):
+    """The ClientError botocore raises for an S3 answer of ``status`` with error ``code``."""
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, op)
+
+
 def test_throttling_of_any_name_is_the_store_not_answering_and_an_answer_about_an_object_is_not():
     """botocore retries 429 and every code it takes for throttling; past its retries they were an answer about the
     object (a tokenize task's upload failed the stage through Spark, a restore took the copy for bad): now they are
@@ -560,7 +567,7 @@ def test_throttling_of_any_name_is_the_store_not_answering_and_an_answer_about_a
     from pipelines.storage.s3 import S3UploadFailedError, outage, unreachable
 
     def err(code, status):
-        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+        return _client_error(code, status, "PutObject")
 
     down = [err("TooManyRequests", 429), err("Throttling", 400), err("ThrottlingException", 400),
             err("RequestLimitExceeded", 400), err("SlowDown", 503), err("InternalError", 500),
@@ -582,17 +589,14 @@ def test_throttling_of_any_name_is_the_store_not_answering_and_an_answer_about_a
 def test_a_part_read_that_did_not_answer_is_told_from_a_copy_that_answered_bad():
     import errno
 
-    from botocore.exceptions import ClientError, ReadTimeoutError
+    from botocore.exceptions import ReadTimeoutError
 
     from pipelines.train.ckpt.restore import unanswered_tier
 
-    def client_error(code, status):
-        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
-
-    answered_bad = [client_error("404", 404), client_error("NoSuchKey", 404), ck.CheckpointError("sha256 mismatch"),
+    answered_bad = [_client_error("404", 404), _client_error("NoSuchKey", 404), ck.CheckpointError("sha256 mismatch"),
                     ck.CheckpointError("no S3 endpoint for L2"), OSError(errno.EIO, "Input/output error", "/l1/x")]
     assert [unanswered_tier(e) for e in answered_bad] == [None] * len(answered_bad)
-    no_answer = [client_error("SlowDown", 503), client_error("AccessDenied", 403), ReadTimeoutError(endpoint_url="u"),
+    no_answer = [_client_error("SlowDown", 503), _client_error("AccessDenied", 403), ReadTimeoutError(endpoint_url="u"),
                  ck.L2Unavailable("down")]
     assert all(unanswered_tier(e).startswith("L2 (") for e in no_answer), [unanswered_tier(e) for e in no_answer]
     nfs = OSError(errno.ETIMEDOUT, "Connection timed out", "/fsx/ckpt/.step-10.parts/part-0")

@@ -444,13 +444,13 @@ THROTTLED = frozenset({"Throttling", "ThrottlingException", "ThrottledException"
                        "TransactionInProgressException", "RequestLimitExceeded", "BandwidthLimitExceeded",
                        "LimitExceededException", "RequestThrottled", "SlowDown", "PriorRequestNotComplete",
                        "EC2ThrottledException"})
+NOT_ANSWERING = THROTTLED | {"ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException"}
 
 
 def _not_answering(code: str, status: int) -> bool:
     """An answer that is the store not serving now (5xx, 429, throttled past the retries, a request timed out), not
     an answer about an object or these credentials."""
-    return status >= 500 or status == 429 or code in THROTTLED or code in (
-        "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException")
+    return status >= 500 or status == 429 or code in NOT_ANSWERING
 
 
 def credentials_refused(e: BaseException) -> bool:
