@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Callable, Iterable, Optional
 
+from pipelines import engines
 from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_write_text, load_manifest, run_stage
 from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
@@ -35,6 +36,11 @@ def stage_parser(name: str, inputs_required: bool = True) -> argparse.ArgumentPa
                         help=f"Manifest of the {up} stage ({stage(up).module}){also}.")
     ap.add_argument("--output", default=None, help="Output directory (default: content-addressed under run.root).")
     ap.add_argument("--report", default=None, help="Write {stage, manifest} JSON here (for orchestrators).")
+    if st.engine == "spark":
+        ap.add_argument("--no-spark", action="store_true",
+                        help="Start no Spark session: reuse the result committed for these inputs, or compute one that "
+                             "needs no Spark (an empty delta); else write nothing and report {\"needs\": \"spark\"} "
+                             "(exit 0). The Airflow operator runs this before it spark-submits the stage.")
     return ap
 
 
@@ -93,7 +99,8 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
     report, print the one-line summary. A :class:`StageError` or :class:`SpecError` prints ``<stage>: error: …``
     and exits with its status (an outage's, e.g. L2 not answering, is 75); any other failure that is not a bug is one
     line and :func:`failure`'s status (the report's write included: the stage has committed, a retry reuses
-    it); :class:`Pending` (a job submitted elsewhere) reports what to wait for."""
+    it); :class:`Pending` (a job submitted elsewhere) reports what to wait for; ``--no-spark`` (a Spark stage) runs
+    it with Spark refused (:mod:`pipelines.engines`) and reports ``needs`` where it stopped for want of a session."""
     ap = stage_parser(name, inputs_required)
     if add_args:
         add_args(ap)
@@ -102,10 +109,15 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
         spec = spec_from_args(args)
         ups = upstream_manifests(stage(name), args) if inputs_required else []
         try:
-            m = call(spec, args, ups) if call else run(spec, *ups, out_dir=args.output)
+            with engines.refused(*(["spark"] if getattr(args, "no_spark", False) else [])):
+                m = call(spec, args, ups) if call else run(spec, *ups, out_dir=args.output)
         except Pending as p:
             write_report(args.report, {"stage": name, "pending": p.wait})
             print(f"{name}: submitted; waiting for {p.wait}")
+            return 0
+        except engines.EngineRefused as e:
+            write_report(args.report, {"stage": name, "needs": e.engine})
+            print(f"{name}: {e}: nothing written (--no-spark); the stage runs on {e.engine}")
             return 0
         write_report(args.report, {"stage": m.stage, "manifest": m.path})  # after the commit: a retry reuses it
     except (StageError, SpecError) as e:

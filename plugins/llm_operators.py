@@ -74,12 +74,12 @@ def spec_sets(overrides: Sequence[str]) -> list[str]:
 
 
 def read_report(path: str, who: str = "the stage") -> dict:
-    """The report a stage that exited 0 wrote (``--report``): a JSON object naming its ``manifest``, or what it
-    waits for (``pending``)."""
+    """The report a stage that exited 0 wrote (``--report``): a JSON object naming its ``manifest``, what it
+    waits for (``pending``), or the engine it stopped for want of (``needs``: a run with ``--no-spark``)."""
     try:
         rep = json.loads(Path(path).read_text())
-        if not isinstance(rep, dict) or not ({"manifest", "pending"} & set(rep)):
-            raise ValueError(f"not a stage report (no manifest or pending): {str(rep)[:200]}")
+        if not isinstance(rep, dict) or not ({"manifest", "pending", "needs"} & set(rep)):
+            raise ValueError(f"not a stage report (no manifest, pending or needs): {str(rep)[:200]}")
         return rep
     except (OSError, ValueError) as e:
         raise AirflowException(f"{who} exited 0 but wrote no report at {path}: {e}") from e
@@ -388,6 +388,9 @@ class SparkStageOperator(SparkSubmitOperator):
 
         with tempfile.TemporaryDirectory(prefix="llmp-spark-") as tmp:
             r = resolve(self.spec, spec_sets(self.overrides), Path(tmp))
+            rep = self._without_spark(r)
+            if "manifest" in rep:  # committed already, or one that needed no Spark (an empty delta)
+                return finish(self, context, rep["manifest"])
             report = os.path.join(tmp, "report.json")
             self.application_args = [self.module, *spec_cli_args(self.spec, self.overrides), *self.stage_args,
                                      "--report", report]
@@ -409,6 +412,13 @@ class SparkStageOperator(SparkSubmitOperator):
                     raise
             return finish(self, context, read_report(report)["manifest"], spark_ui)
 
+    def _without_spark(self, r) -> dict:
+        """The stage run first with Spark refused (``--no-spark``, :mod:`pipelines.engines`; ~1 s where a
+        spark-submit costs 8–25): its report names the manifest where the result was committed already or needed no
+        Spark, else ``{"needs": "spark"}`` (nothing written). Its exit status fails the task as a stage's does."""
+        args = [*spec_cli_args(self.spec, self.overrides), *self.stage_args, "--no-spark"]
+        return _run_cli(self, self.module, args, r.env)
+
     def _stage_failure(self, e: BaseException) -> AirflowException | None:
         """The stage's own exit status through spark-submit (the driver runs here, and spark-submit exits with the
         Python application's status): 2 fails the task at once, 75 is a retry that says so (:func:`exit_failure`),
@@ -422,9 +432,12 @@ class SparkStageOperator(SparkSubmitOperator):
     def on_kill(self) -> None:
         """spark-submit and every process under it (the driver JVM, its Python workers): SIGTERM, then SIGKILL after
         the grace period (the provider's own ``on_kill`` also cancels the application on YARN or Kubernetes)."""
-        from pipelines.procs import stop_tree
+        from pipelines.procs import stop_group, stop_tree
 
-        sp = getattr(self._hook, "_submit_sp", None) if self._hook is not None else None
+        p = getattr(self, "_proc", None)  # the run without Spark, while it runs
+        if p is not None and p.poll() is None:
+            stop_group(p.pid, KILL_GRACE_S)
+        sp = getattr(self._hook, "_submit_sp", None) if getattr(self, "_hook", None) is not None else None
         if sp is not None and sp.poll() is None:
             stop_tree(sp.pid, KILL_GRACE_S)
         super().on_kill()

@@ -165,6 +165,9 @@ def test_a_curation_run_with_nothing_new_emits_no_event_and_training_does_not_ru
     assert stack["curated"]["manifest"] in api.log("data_curation", run["dag_run_id"], "previous_corpus")
     assert "1 of 1 inputs are in corpus version 1 already; reading 0" in api.log("data_curation", run["dag_run_id"],
                                                                              "ingest")
+    for task in ("ingest", "tokenize"):  # nothing to read: done by the run without Spark, no spark-submit
+        log = api.log("data_curation", run["dag_run_id"], task)
+        assert "--no-spark" in log and "spark-submit to master" not in log, (task, log[-3000:])
     time.sleep(10)  # a training run would be queued by now
     after = [e for e in api.call("/api/v2/assets/events?order_by=-timestamp")["asset_events"]
              if e["name"] == "curated_shards"]

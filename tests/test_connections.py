@@ -276,6 +276,7 @@ def _spark_op(spec_file: Path, monkeypatch, fail: bool) -> tuple:
         Path(report).write_text(json.dumps({"manifest": "/done/manifest.json"}))
 
     monkeypatch.setattr(SparkSubmitOperator, "execute", submit)
+    monkeypatch.setattr(SparkStageOperator, "_without_spark", lambda self, r: {"stage": "dedup", "needs": "spark"})
     return SparkStageOperator(task_id="dedup", module="pipelines.data.dedup", spec=str(spec_file)), seen
 
 
@@ -311,19 +312,52 @@ def test_a_users_spark_connection_is_the_master_and_stays_as_it_was(home, connec
     assert os.environ["AIRFLOW_CONN_SPARK_PIPELINE"] == user and "SPARK_MASTER" not in os.environ
 
 
-def test_a_spark_stage_that_rejects_its_input_fails_the_task_at_once(home, clean_env, spec_file, no_embedded_s3):
+def test_a_spark_stage_that_rejects_its_input_fails_the_task_at_once(home, clean_env, spec_file, no_embedded_s3,
+                                                                   monkeypatch):
     """A real spark-submit (client mode: the driver runs here, and spark-submit exits with the stage's status) of a
     stage that rejects its input (exit 2): the task fails with AirflowFailException (no retries) naming the stage,
     as a StageOperator's does; it was the provider's retryable AirflowException ("Error code is: 2"), retried
-    twice with backoff."""
+    twice with backoff. (The run without Spark is taken as having asked for Spark: the next test has it reject.)"""
     from airflow.sdk.exceptions import AirflowFailException
     from llm_operators import SparkStageOperator
 
+    monkeypatch.setattr(SparkStageOperator, "_without_spark", lambda self, r: {"stage": "dedup", "needs": "spark"})
     op = SparkStageOperator(task_id="dedup", module="pipelines.data.dedup", spec=str(spec_file),
                             stage_args=["--ingest-manifest", str(home / "no-such/manifest.json")])
     with pytest.raises(AirflowFailException, match=r"pipelines\.data\.dedup rejected its input \(exit 2\)") as e:
         op.execute({})
     assert "Error code is: 2" in str(e.value)
+
+
+def test_a_spark_stage_runs_without_spark_first_and_is_submitted_only_where_it_needs_it(home, clean_env, spec_file,
+                                                                                        no_embedded_s3, monkeypatch):
+    """The run without Spark (``--no-spark``) comes first: an input it rejects fails the task at once with no
+    spark-submit; a stage whose input needs Spark leaves nothing and is submitted, the same command without
+    ``--no-spark`` (what it does without Spark: tests/test_incremental.py)."""
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+    from airflow.sdk.exceptions import AirflowFailException
+    from llm_operators import SparkStageOperator
+
+    submitted = []
+
+    def submit(self, context):
+        submitted.append(list(self.application_args))
+        raise RuntimeError("spark-submit is not wanted here")
+
+    monkeypatch.setattr(SparkSubmitOperator, "execute", submit)
+    op = SparkStageOperator(task_id="dedup", module="pipelines.data.dedup", spec=str(spec_file),
+                            stage_args=["--ingest-manifest", str(home / "no-such/manifest.json")])
+    with pytest.raises(AirflowFailException, match=r"pipelines\.data\.dedup rejected its input \(exit 2\)") as e:
+        op.execute({})
+    assert "Error code" not in str(e.value) and submitted == []
+
+    (home / "in.jsonl").write_text("")  # one input: listed, not read without Spark
+    sets = [f"data.inputs=[{home / 'in.jsonl'}]"]
+    op = SparkStageOperator(task_id="ingest", module="pipelines.data.ingest", spec=str(spec_file), overrides=sets)
+    with pytest.raises(RuntimeError, match="not wanted"):
+        op.execute({})
+    assert submitted[0][:2] == ["pipelines.data.ingest", "--spec"] and "--no-spark" not in submitted[0]
+    assert not list((home / "var/runs/ingest").glob("[!.]*"))  # nothing committed, no staging left
 
 
 def test_scoped_env_puts_back_values_and_absence_on_error(clean_env):

@@ -103,6 +103,44 @@ def test_a_new_week_is_deduped_against_the_corpus_and_added_as_new_shards(home, 
     assert not (home / "dedup3").exists()
 
 
+def _without_spark(home, module: str, *args: str) -> tuple[dict, str]:
+    """``python -m module args --no-spark`` as the Airflow operator runs it first: its report and its output."""
+    rep = home / "report.json"
+    r = subprocess.run([sys.executable, "-m", module, *args, "--no-spark", "--report", str(rep),
+                        *(a for s in SETS for a in ("--set", s))], env={**os.environ, "LLMP_HOME": str(home)}, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads(rep.read_text()), r.stdout
+
+
+def test_a_run_without_spark_reuses_done_work_commits_an_empty_delta_and_stops_where_spark_is_needed(home, spark):
+    """``--no-spark`` (what SparkStageOperator runs before it spark-submits): a result committed for these inputs is
+    reused; a nothing-new ingest is committed (0 docs) and a tokenize with no new docs gives back the corpus
+    version, with no session; a stage that has docs (even none) to read on Spark stops and leaves nothing."""
+    docs = [d for d in c4_docs(200) if len(d["text"].split()) > 80][:60]
+    write_jsonl(home / "week1.jsonl", [{"text": d["text"]} for d in docs])
+    inputs = ["--set", f"data.inputs=[{home / 'week1.jsonl'}]"]
+    spec = load_spec(None, SETS + inputs[1:], env={})
+    ing, dd, v1 = _curate(spec, spark)
+
+    assert _without_spark(home, "pipelines.data.dedup", "--ingest-manifest", ing.path, *inputs)[0] == \
+        {"stage": "dedup", "manifest": dd.path}
+    rep, _ = _without_spark(home, "pipelines.data.ingest", "--corpus-manifest", v1.path, *inputs)
+    empty = load_manifest(rep["manifest"])
+    assert empty.counts["docs"] == 0 and empty.extra["spark_master"] == "none (no new input)"
+    assert pq.read_table(empty.output("docs")).num_rows == 0
+
+    before = sorted(p.name for p in dd.dir.parent.iterdir() if not p.name.endswith(".lock"))
+    rep, out = _without_spark(home, "pipelines.data.dedup", "--ingest-manifest", empty.path, *inputs)
+    assert rep == {"stage": "dedup", "needs": "spark"} and "llm-pipeline-dedup needs a spark session" in out
+    assert sorted(p.name for p in dd.dir.parent.iterdir() if not p.name.endswith(".lock")) == before
+
+    filt = filter_stage.run(spec, dedup.run(spec, empty, spark=spark, against=[dd]), spark=spark)
+    rep, out = _without_spark(home, "pipelines.data.tokenize", "--filter-manifest", filt.path,
+                              "--corpus-manifest", v1.path, *inputs)
+    assert rep == {"stage": "tokenize", "manifest": v1.path} and "no new docs; corpus version 1 stands" in out
+
+
 def _docs_parquet(path, texts, first_idx):
     import pyarrow as pa
 

@@ -326,13 +326,14 @@ def run(spec: JobSpec, out_dir: str | None = None, spark=None, corpus: Manifest 
     def body(tmp: Path) -> Manifest:
         from pipelines.data.spark import spec_session
 
-        s = spark or spec_session(spec, "llm-pipeline-ingest")
+        s = spark or (spec_session(spec, "llm-pipeline-ingest") if inputs else None)  # no new input: no Spark
         counts, digests, sample, cut = ingest(s, inputs, tmp, cfg, spec.data.input_fields)
         (tmp / "quarantine_sample.jsonl").write_text("".join(json.dumps(q, ensure_ascii=False) + "\n"
                                                              for q in sample), encoding="utf-8")
         return sd.commit({"docs": "docs", "quarantine": "quarantine", "quarantine_sample": "quarantine_sample.jsonl"},
                          counts={**counts, "refused_inputs": len(refused)},
-                         extra={"spark_master": s.sparkContext.master, "input_sha256": digests,
+                         extra={"spark_master": s.sparkContext.master if s is not None else "none (no new input)",
+                                "input_sha256": digests,
                                 "refused_inputs": refused,
                                 "cut_inputs": [i.ref()["sha256"] for i in inputs if i.name in cut]})
 

@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipelines import engines
 from pipelines.spec import SpecError, resolve_path
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -82,7 +83,9 @@ def get_spark(master: str = "local[*]", app: str = "llm-pipeline", driver_memory
 
 
 def spec_session(spec, app: str) -> "SparkSession":
-    """The session a stage of ``spec`` runs in."""
+    """The session a stage of ``spec`` runs in (:class:`pipelines.engines.EngineRefused` in a run that refuses
+    Spark: ``--no-spark``)."""
+    engines.check("spark", app)
     svc = spec.services
     return get_spark(svc.spark_master, app, svc.spark_driver_memory, conf=svc.spark_conf)
 

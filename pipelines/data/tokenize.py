@@ -651,7 +651,7 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
     by_filter = filter_takedown(filt)
     late = late_takedown(filt, applied, by_filter)
     drop, held = taken_down(corpus, applied.exclusions)
-    if corpus is not None and filt.counts.get("kept", 0) <= len(late) and not held:
+    if corpus is not None and not new_docs(filt, late) and not held:
         print(f"tokenize: no new docs; corpus version {corpus.extra['corpus']['version']} stands ({corpus.path})")
         return corpus
     inputs = [input_ref(filt), *([input_ref(corpus)] if corpus is not None else [])]
@@ -663,10 +663,15 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
     up = upload_target(spec, sd.final.name)
 
     def body(tmp: Path) -> Manifest:
+        s = spark
+        if s is None and (new_docs(filt, late) or corpus is None):  # the session before the kept shards are
+            from pipelines.data.spark import spec_session          # linked: a run that refuses Spark stops here
+
+            s = spec_session(spec, "llm-pipeline-tokenize")
         record = corpus_record(filt, corpus)
         rel = "shards" if corpus is None else f"shards/v{record['version']:04d}"
         old, removed, rewritten = keep_shards(corpus, tmp, rel, drop, held) if corpus is not None else ([], [], {})
-        r = encode_new(spec, filt, corpus, tmp, rel, spark, up, late)
+        r = encode_new(spec, filt, corpus, tmp, rel, s, up, late)
         shards = old + r["shards"]
         if shard_counts(shards)["train_tokens"] == 0:
             raise TokenizeError("no tokens left in the train split" + (" after the takedown" if drop else ""))
@@ -691,26 +696,28 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
     return m
 
 
+def new_docs(filt: Manifest, late: dict) -> bool:
+    """Whether the filter's kept docs hold any doc that ``late`` (taken down since) does not take."""
+    return filt.counts.get("kept", 0) > len(late)
+
+
 def encode_new(spec: JobSpec, filt: Manifest, corpus: Manifest | None, tmp: Path, rel: str, spark, up,
                late: dict) -> dict:
-    """The new docs (but ``late``'s) encoded into shards under ``tmp/rel`` (with ``corpus``'s tokenizer); with no
-    new doc (a takedown alone) no Spark: the tokenizer copied, no shard."""
-    none_left = filt.counts.get("kept", 0) <= len(late)
+    """The new docs (but ``late``'s) encoded into shards under ``tmp/rel`` (with ``corpus``'s tokenizer) on
+    ``spark``; with no new doc (a takedown alone) no Spark: the tokenizer copied, no shard."""
+    none_left = not new_docs(filt, late)
     if none_left and corpus is None and late:
         raise TokenizeError(f"no docs left: the takedown list takes every one of the {len(late)} docs")
     if none_left and corpus is not None:
         shutil.copyfile(corpus.output("tokenizer"), tmp / "tokenizer.model")
         return {"shards": [], "counts": {"docs": 0, "tokens": 0}, "partitions": 0, "spark_master": "none (no new docs)",
                 **{k: corpus.extra.get(k) for k in ("vocab_size", "eos_id", "dtype", "heldout")}}
-    from pipelines.data.spark import spec_session
-
-    s = spark or spec_session(spec, "llm-pipeline-tokenize")
     docs = without_docs(filt.output("kept"), late, tmp / "takedown-docs") if late else filt.output("kept")
-    r = tokenize_docs(s, docs, tmp, spec.tokenizer, spec.run.seed, up, spec.data.task_mb,
+    r = tokenize_docs(spark, docs, tmp, spec.tokenizer, spec.run.seed, up, spec.data.task_mb,
                       corpus.output("tokenizer") if corpus is not None else None, rel)
     if late:
         shutil.rmtree(docs)  # not an output: the filter stage's docs less the ones left out
-    return {**r, "spark_master": s.sparkContext.master}
+    return {**r, "spark_master": spark.sparkContext.master}
 
 
 def without_docs(src: Path, ids, dest: Path) -> Path:

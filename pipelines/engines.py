@@ -1,0 +1,43 @@
+"""Which engines a stage run may start: a run with Spark refused does what needs no Spark session and stops,
+having written nothing, where the rest would need one.
+
+An orchestrator pays a ``spark-submit`` (a JVM, a driver, a session: 8–25 s on a laptop) for every Spark stage it
+runs, also for one whose result is already committed for these inputs, or whose delta is empty (no new input, no
+new doc). ``python -m <stage> --no-spark`` (:func:`pipelines.cli.stage_main`) runs the stage with sessions refused:
+a committed result is reused, a result that needs no Spark is computed and committed as the stage always does, and
+where the stage reaches for a session (:func:`pipelines.data.spark.spec_session` calls :func:`check`) it stops with
+:class:`EngineRefused`: its staging directory goes, its key lock is released, nothing is logged, and the report says
+``{"needs": "spark"}`` (exit 0). Then the orchestrator submits the same command to Spark
+(``plugins/llm_operators.SparkStageOperator``).
+"""
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from typing import Iterator
+
+_REFUSED: ContextVar[frozenset[str]] = ContextVar("llmp_refused_engines", default=frozenset())
+
+
+class EngineRefused(Exception):
+    """A run with ``engine`` refused reached it (``what``: the session it asked for)."""
+
+    def __init__(self, engine: str, what: str):
+        super().__init__(f"{what} needs a {engine} session")
+        self.engine = engine
+
+
+@contextlib.contextmanager
+def refused(*engines: str) -> Iterator[None]:
+    """Within: :func:`check` of any of ``engines`` raises :class:`EngineRefused`."""
+    token = _REFUSED.set(_REFUSED.get() | frozenset(engines))
+    try:
+        yield
+    finally:
+        _REFUSED.reset(token)
+
+
+def check(engine: str, what: str) -> None:
+    """Before ``engine`` starts for ``what``: :class:`EngineRefused` where this run refuses it."""
+    if engine in _REFUSED.get():
+        raise EngineRefused(engine, what)
