@@ -39,8 +39,8 @@ def stage_parser(name: str, inputs_required: bool = True) -> argparse.ArgumentPa
     if st.engine == "spark":
         ap.add_argument("--no-spark", action="store_true",
                         help="Start no Spark session: reuse the result committed for these inputs, or compute one that "
-                             "needs no Spark (an empty delta); else write nothing and report {\"needs\": \"spark\"} "
-                             "(exit 0). The Airflow operator runs this before it spark-submits the stage.")
+                             "needs no Spark (an empty delta); else commit nothing and report {\"needs\": \"spark\"} "
+                             "(exit 0; --report required). The Airflow operator runs this before it spark-submits the stage.")
     return ap
 
 
@@ -105,6 +105,8 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
     if add_args:
         add_args(ap)
     args = ap.parse_args(argv)
+    if getattr(args, "no_spark", False) and not args.report:
+        ap.error("--no-spark needs --report: the report says whether the stage still needs Spark")
     try:
         spec = spec_from_args(args)
         ups = upstream_manifests(stage(name), args) if inputs_required else []
@@ -117,7 +119,7 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
             return 0
         except engines.EngineRefused as e:
             write_report(args.report, {"stage": name, "needs": e.engine})
-            print(f"{name}: {e}: nothing written (--no-spark); the stage runs on {e.engine}")
+            print(f"{name}: {e}: nothing committed (--no-spark); the stage runs on {e.engine}")
             return 0
         write_report(args.report, {"stage": m.stage, "manifest": m.path})  # after the commit: a retry reuses it
     except (StageError, SpecError) as e:

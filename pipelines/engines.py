@@ -5,18 +5,17 @@ An orchestrator pays a ``spark-submit`` (a JVM, a driver, a session: 8–25 s on
 runs, also for one whose result is already committed for these inputs, or whose delta is empty (no new input, no
 new doc). ``python -m <stage> --no-spark`` (:func:`pipelines.cli.stage_main`) runs the stage with sessions refused:
 a committed result is reused, a result that needs no Spark is computed and committed as the stage always does, and
-where the stage reaches for a session (:func:`pipelines.data.spark.spec_session` calls :func:`check`) it stops with
-:class:`EngineRefused`: its staging directory goes, its key lock is released, nothing is logged, and the report says
-``{"needs": "spark"}`` (exit 0). Then the orchestrator submits the same command to Spark
+where the stage reaches for a session (:func:`pipelines.data.spark.get_spark` calls :func:`check`) it stops with
+:class:`EngineRefused`: nothing is committed (its staging directory goes, its key lock is released, nothing is
+logged), and the report, which ``--no-spark`` requires, says ``{"needs": "spark"}`` (exit 0). Then the orchestrator submits the same command to Spark
 (``plugins/llm_operators.SparkStageOperator``).
 """
 from __future__ import annotations
 
 import contextlib
-from contextvars import ContextVar
 from typing import Iterator
 
-_REFUSED: ContextVar[frozenset[str]] = ContextVar("llmp_refused_engines", default=frozenset())
+_REFUSED: list[str] = []  # process-wide, not per thread or context: a worker thread of the run is refused too
 
 
 class EngineRefused(Exception):
@@ -30,14 +29,15 @@ class EngineRefused(Exception):
 @contextlib.contextmanager
 def refused(*engines: str) -> Iterator[None]:
     """Within: :func:`check` of any of ``engines`` raises :class:`EngineRefused`."""
-    token = _REFUSED.set(_REFUSED.get() | frozenset(engines))
+    _REFUSED.extend(engines)
     try:
         yield
     finally:
-        _REFUSED.reset(token)
+        for e in engines:
+            _REFUSED.remove(e)
 
 
 def check(engine: str, what: str) -> None:
     """Before ``engine`` starts for ``what``: :class:`EngineRefused` where this run refuses it."""
-    if engine in _REFUSED.get():
+    if engine in _REFUSED:
         raise EngineRefused(engine, what)

@@ -73,13 +73,14 @@ def spec_sets(overrides: Sequence[str]) -> list[str]:
     return [v for k, v in zip(cli[::2], cli[1::2]) if k == "--set"]
 
 
-def read_report(path: str, who: str = "the stage") -> dict:
-    """The report a stage that exited 0 wrote (``--report``): a JSON object naming its ``manifest``, what it
-    waits for (``pending``), or the engine it stopped for want of (``needs``: a run with ``--no-spark``)."""
+def read_report(path: str, who: str = "the stage", says: tuple[str, ...] = ("manifest", "pending")) -> dict:
+    """The report a stage that exited 0 wrote (``--report``): a JSON object naming its ``manifest``, or what it
+    waits for (``pending``), or, from a run with ``--no-spark``, the engine it stopped for want of (``needs``):
+    one of ``says``."""
     try:
         rep = json.loads(Path(path).read_text())
-        if not isinstance(rep, dict) or not ({"manifest", "pending", "needs"} & set(rep)):
-            raise ValueError(f"not a stage report (no manifest, pending or needs): {str(rep)[:200]}")
+        if not isinstance(rep, dict) or not (set(says) & set(rep)):
+            raise ValueError(f"not a stage report (none of {', '.join(says)}): {str(rep)[:200]}")
         return rep
     except (OSError, ValueError) as e:
         raise AirflowException(f"{who} exited 0 but wrote no report at {path}: {e}") from e
@@ -133,9 +134,11 @@ def push_links(op: BaseOperator, context, manifest_path: str, more: dict | None 
         op.log.warning("no extra links for this task: %s", e)
 
 
-def _run_cli(op: BaseOperator, module: str, args: list[str], env: dict[str, str] | None = None) -> dict:
+def _run_cli(op: BaseOperator, module: str, args: list[str], env: dict[str, str] | None = None,
+             says: tuple[str, ...] = ("manifest", "pending")) -> dict:
     """``python -m module args --report R`` with its output streamed into the task log; returns the report
-    (``{stage, manifest}``, or ``{stage, pending}`` for a job it submitted and did not wait for).
+    (``{stage, manifest}``, or ``{stage, pending}`` for a job it submitted and did not wait for; with ``--no-spark``
+    ``{stage, needs}`` where the stage needs a Spark session: :func:`read_report`'s ``says``).
 
     The stage runs in a session of its own: when the task is stopped (``execution_timeout``, ``on_kill``, any
     exception here) its whole process group (torchrun and its ranks, a Spark driver and its workers) gets SIGTERM,
@@ -166,7 +169,7 @@ def _run_cli(op: BaseOperator, module: str, args: list[str], env: dict[str, str]
         failure = exit_failure(module, p.returncode, tail)
         if failure is not None:
             raise failure
-        return read_report(report, module)
+        return read_report(report, module, says)
 
 
 def exit_failure(module: str, code: int, tail: Sequence[str] = ()) -> AirflowException | None:
@@ -388,9 +391,13 @@ class SparkStageOperator(SparkSubmitOperator):
 
         with tempfile.TemporaryDirectory(prefix="llmp-spark-") as tmp:
             r = resolve(self.spec, spec_sets(self.overrides), Path(tmp))
+            self._hook = None
             rep = self._without_spark(r)
             if "manifest" in rep:  # committed already, or one that needed no Spark (an empty delta)
                 return finish(self, context, rep["manifest"])
+            if rep.get("needs") != "spark":
+                raise AirflowException(f"{self.module} --no-spark reported {str(rep)[:200]}, neither a manifest nor "
+                                       "that it needs Spark")
             report = os.path.join(tmp, "report.json")
             self.application_args = [self.module, *spec_cli_args(self.spec, self.overrides), *self.stage_args,
                                      "--report", report]
@@ -399,7 +406,6 @@ class SparkStageOperator(SparkSubmitOperator):
                 context["ti"].xcom_push(key="links", value=spark_ui)
             self.log.info("spark-submit to master %s; Spark UI while it runs: %s", r.spec.services.spark_master,
                           spark_ui["spark_ui"])
-            self._hook = None
             # `airflow dags test` and LocalExecutor run later tasks in this process: the environment is put back
             with scoped_env(self.submit_env(r)):
                 try:
@@ -413,11 +419,15 @@ class SparkStageOperator(SparkSubmitOperator):
             return finish(self, context, read_report(report)["manifest"], spark_ui)
 
     def _without_spark(self, r) -> dict:
-        """The stage run first with Spark refused (``--no-spark``, :mod:`pipelines.engines`; ~1 s where a
-        spark-submit costs 8–25): its report names the manifest where the result was committed already or needed no
-        Spark, else ``{"needs": "spark"}`` (nothing written). Its exit status fails the task as a stage's does."""
+        """The stage run first with Spark refused (``--no-spark``, :mod:`pipelines.engines`; ~1 s, decontaminate's
+        6 s: its key holds the evaluation items): its report names the manifest where the result was committed already
+        or needed no Spark, else ``{"needs": "spark"}`` (nothing committed). Its exit status fails the task as a
+        stage's does."""
+        if "--no-spark" in self.stage_args:
+            raise AirflowFailException(f"{self.module}: --no-spark is the operator's own first run; take it out of "
+                                       "stage_args")
         args = [*spec_cli_args(self.spec, self.overrides), *self.stage_args, "--no-spark"]
-        return _run_cli(self, self.module, args, r.env)
+        return _run_cli(self, self.module, args, r.env, says=("manifest", "needs"))
 
     def _stage_failure(self, e: BaseException) -> AirflowException | None:
         """The stage's own exit status through spark-submit (the driver runs here, and spark-submit exits with the
@@ -437,7 +447,8 @@ class SparkStageOperator(SparkSubmitOperator):
         p = getattr(self, "_proc", None)  # the run without Spark, while it runs
         if p is not None and p.poll() is None:
             stop_group(p.pid, KILL_GRACE_S)
-        sp = getattr(self._hook, "_submit_sp", None) if getattr(self, "_hook", None) is not None else None
+        hook = getattr(self, "_hook", None)
+        sp = getattr(hook, "_submit_sp", None) if hook is not None else None
         if sp is not None and sp.poll() is None:
             stop_tree(sp.pid, KILL_GRACE_S)
         super().on_kill()

@@ -357,7 +357,14 @@ def test_a_spark_stage_runs_without_spark_first_and_is_submitted_only_where_it_n
     with pytest.raises(RuntimeError, match="not wanted"):
         op.execute({})
     assert submitted[0][:2] == ["pipelines.data.ingest", "--spec"] and "--no-spark" not in submitted[0]
-    assert not list((home / "var/runs/ingest").glob("[!.]*"))  # nothing committed, no staging left
+    runs = home / "var/runs/ingest"  # its key's lock, nothing committed, no staging left
+    assert runs.is_dir() and [p.name for p in runs.iterdir() if not p.name.endswith(".lock")] == []
+
+    op = SparkStageOperator(task_id="ingest", module="pipelines.data.ingest", spec=str(spec_file), overrides=sets,
+                            stage_args=["--no-spark"])
+    with pytest.raises(AirflowFailException, match="--no-spark is the operator's own first run"):
+        op.execute({})
+    assert len(submitted) == 1
 
 
 def test_scoped_env_puts_back_values_and_absence_on_error(clean_env):

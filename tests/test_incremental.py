@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from urllib.parse import urlparse
 
 import pyarrow.parquet as pq
 import pytest
@@ -139,6 +140,17 @@ def test_a_run_without_spark_reuses_done_work_commits_an_empty_delta_and_stops_w
     rep, out = _without_spark(home, "pipelines.data.tokenize", "--filter-manifest", filt.path,
                               "--corpus-manifest", v1.path, *inputs)
     assert rep == {"stage": "tokenize", "manifest": v1.path} and "no new docs; corpus version 1 stands" in out
+
+    first = urlparse(next(i["uri"] for i in v1.inputs if i.get("stage") == "filter")).path  # docs v1 holds, as new
+    before = sorted(p.name for p in v1.dir.parent.iterdir() if not p.name.endswith(".lock"))
+    rep, out = _without_spark(home, "pipelines.data.tokenize", "--filter-manifest", first, "--corpus-manifest", v1.path,
+                              *inputs)
+    assert rep == {"stage": "tokenize", "needs": "spark"} and "llm-pipeline-tokenize needs a spark session" in out
+    assert sorted(p.name for p in v1.dir.parent.iterdir() if not p.name.endswith(".lock")) == before  # no staging
+
+    r = subprocess.run([sys.executable, "-m", "pipelines.data.dedup", "--ingest-manifest", ing.path, "--no-spark"],
+                       env={**os.environ, "LLMP_HOME": str(home)}, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--no-spark needs --report" in r.stderr
 
 
 def _docs_parquet(path, texts, first_idx):

@@ -67,7 +67,9 @@ def session_conf(master: str, driver_memory: str = "2g", shuffle_partitions: int
 
 def get_spark(master: str = "local[*]", app: str = "llm-pipeline", driver_memory: str = "2g",
               shuffle_partitions: int | None = None, conf: dict[str, str] | None = None) -> "SparkSession":
-    """The session: spark-submit's as it is when one made it, else one built on ``master`` (:func:`session_conf`)."""
+    """The session: spark-submit's as it is when one made it, else one built on ``master`` (:func:`session_conf`);
+    :class:`pipelines.engines.EngineRefused` in a run that refuses Spark (``--no-spark``)."""
+    engines.check("spark", app)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # laptop default: stay on loopback
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -83,9 +85,7 @@ def get_spark(master: str = "local[*]", app: str = "llm-pipeline", driver_memory
 
 
 def spec_session(spec, app: str) -> "SparkSession":
-    """The session a stage of ``spec`` runs in (:class:`pipelines.engines.EngineRefused` in a run that refuses
-    Spark: ``--no-spark``)."""
-    engines.check("spark", app)
+    """The session a stage of ``spec`` runs in."""
     svc = spec.services
     return get_spark(svc.spark_master, app, svc.spark_driver_memory, conf=svc.spark_conf)
 

@@ -664,9 +664,9 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
 
     def body(tmp: Path) -> Manifest:
         s = spark
-        if s is None and (new_docs(filt, late) or corpus is None):  # the session before the kept shards are
-            from pipelines.data.spark import spec_session          # linked: a run that refuses Spark stops here
-
+        if s is None and (new_docs(filt, late) or corpus is None and not late):  # encode_new's Spark branch: the
+            from pipelines.data.spark import spec_session  # session before the kept shards are linked (a run that
+                                                           # refuses Spark stops here)
             s = spec_session(spec, "llm-pipeline-tokenize")
         record = corpus_record(filt, corpus)
         rel = "shards" if corpus is None else f"shards/v{record['version']:04d}"
