@@ -40,7 +40,8 @@ def stage_parser(name: str, inputs_required: bool = True) -> argparse.ArgumentPa
         ap.add_argument("--no-spark", action="store_true",
                         help="Start no Spark session: reuse the result committed for these inputs, or compute one that "
                              "needs no Spark (an empty delta); else commit nothing and report {\"needs\": \"spark\"} "
-                             "(exit 0; --report required). The Airflow operator runs this before it spark-submits the stage.")
+                             "(exit 0; --report required). The Airflow operator runs this before it spark-submits "
+                             "the stage.")
     return ap
 
 

@@ -1,14 +1,14 @@
 """Which engines a stage run may start: a run with Spark refused does what needs no Spark session and stops,
-having written nothing, where the rest would need one.
+having committed nothing, where the rest would need one.
 
-An orchestrator pays a ``spark-submit`` (a JVM, a driver, a session: 8–25 s on a laptop) for every Spark stage it
-runs, also for one whose result is already committed for these inputs, or whose delta is empty (no new input, no
-new doc). ``python -m <stage> --no-spark`` (:func:`pipelines.cli.stage_main`) runs the stage with sessions refused:
-a committed result is reused, a result that needs no Spark is computed and committed as the stage always does, and
-where the stage reaches for a session (:func:`pipelines.data.spark.get_spark` calls :func:`check`) it stops with
-:class:`EngineRefused`: nothing is committed (its staging directory goes, its key lock is released, nothing is
-logged), and the report, which ``--no-spark`` requires, says ``{"needs": "spark"}`` (exit 0). Then the orchestrator submits the same command to Spark
-(``plugins/llm_operators.SparkStageOperator``).
+An orchestrator pays a ``spark-submit`` (a JVM and a driver; a session and its jobs where the stage starts one) for
+every Spark stage it runs, also for one whose result is already committed for these inputs, or whose delta is empty
+(no new input, no new doc). ``python -m <stage> --no-spark`` (:func:`pipelines.cli.stage_main`) runs the stage with
+sessions refused: a committed result is reused, a result that needs no Spark is computed and committed as the stage
+always does, and where the stage reaches for a session (:func:`pipelines.data.spark.get_spark` calls :func:`check`)
+it stops with :class:`EngineRefused`: nothing is committed (its staging directory goes, its key lock is released,
+nothing is logged), and the report, which ``--no-spark`` requires, says ``{"needs": "spark"}`` (exit 0). Then the
+orchestrator submits the same command to Spark (``plugins/llm_operators.SparkStageOperator``).
 """
 from __future__ import annotations
 
