@@ -106,13 +106,14 @@ def stage_main(name: str, run: Callable[..., Manifest], summary: Callable[[Manif
     if add_args:
         add_args(ap)
     args = ap.parse_args(argv)
-    if getattr(args, "no_spark", False) and not args.report:
+    no_spark = getattr(args, "no_spark", False)  # a Spark stage's flag
+    if no_spark and not args.report:
         ap.error("--no-spark needs --report: the report says whether the stage still needs Spark")
     try:
         spec = spec_from_args(args)
         ups = upstream_manifests(stage(name), args) if inputs_required else []
         try:
-            with engines.refused(*(["spark"] if getattr(args, "no_spark", False) else [])):
+            with engines.refused(*(["spark"] if no_spark else [])):
                 m = call(spec, args, ups) if call else run(spec, *ups, out_dir=args.output)
         except Pending as p:
             write_report(args.report, {"stage": name, "pending": p.wait})

@@ -664,9 +664,9 @@ def run(spec: JobSpec, filt: Manifest, out_dir: str | None = None, spark=None,
 
     def body(tmp: Path) -> Manifest:
         s = spark
-        if s is None and (new_docs(filt, late) or corpus is None and not late):  # encode_new's Spark branch: the
-            from pipelines.data.spark import spec_session  # session before the kept shards are linked (a run that
-                                                           # refuses Spark stops here)
+        if s is None and encodes_on_spark(filt, corpus, late):  # before the kept shards are linked: a run that
+            from pipelines.data.spark import spec_session      # refuses Spark stops here
+
             s = spec_session(spec, "llm-pipeline-tokenize")
         record = corpus_record(filt, corpus)
         rel = "shards" if corpus is None else f"shards/v{record['version']:04d}"
@@ -701,14 +701,18 @@ def new_docs(filt: Manifest, late: dict) -> bool:
     return filt.counts.get("kept", 0) > len(late)
 
 
+def encodes_on_spark(filt: Manifest, corpus: Manifest | None, late: dict) -> bool:
+    """Whether :func:`encode_new` encodes on Spark: a new doc, or a first version that no takedown emptied."""
+    return new_docs(filt, late) or (corpus is None and not late)
+
+
 def encode_new(spec: JobSpec, filt: Manifest, corpus: Manifest | None, tmp: Path, rel: str, spark, up,
                late: dict) -> dict:
     """The new docs (but ``late``'s) encoded into shards under ``tmp/rel`` (with ``corpus``'s tokenizer) on
     ``spark``; with no new doc (a takedown alone) no Spark: the tokenizer copied, no shard."""
-    none_left = not new_docs(filt, late)
-    if none_left and corpus is None and late:
-        raise TokenizeError(f"no docs left: the takedown list takes every one of the {len(late)} docs")
-    if none_left and corpus is not None:
+    if not encodes_on_spark(filt, corpus, late):
+        if corpus is None:
+            raise TokenizeError(f"no docs left: the takedown list takes every one of the {len(late)} docs")
         shutil.copyfile(corpus.output("tokenizer"), tmp / "tokenizer.model")
         return {"shards": [], "counts": {"docs": 0, "tokens": 0}, "partitions": 0, "spark_master": "none (no new docs)",
                 **{k: corpus.extra.get(k) for k in ("vocab_size", "eos_id", "dtype", "heldout")}}
