@@ -28,8 +28,15 @@ peak memory reset). Each row is printed and ``var/bench/gpu_mfu.json`` rewritten
 (``"complete": false`` until the last), so a step cap that kills the run keeps the rows before it. A row that fails
 (out of memory, a compile error) is an ``error`` row, the others still run, and the exit status is 1.
 
+``--rounds N`` measures every row N times, odd rounds in the order asked and even ones reversed (ABBA), each row
+rebuilt from a clean slate every time: a row's figures are then its medians (``rounds_tokens_per_s``: each round's),
+and ``ratio`` is the median of each round's own ours ÷ its fastest anchor (``ratio_rounds``), so that a host whose
+speed drifts during the run (2 shared CPU cores: ±20 % between rows timed a minute apart) weighs on ours and the
+anchors alike. A row that fails in any round is an error row.
+
     python benchmarks/gpu_mfu.py [--spec configs/gpu_350m.yaml] [--steps 30] [--set train.micro_batch=4]
     python benchmarks/gpu_mfu.py --device cpu --set …   # the same rows on CPU (fp32 unless the spec says bf16)
+    python benchmarks/gpu_mfu.py --device cpu --rounds 3 --set …   # … three rounds, ABBA: the ratio's median
     python benchmarks/gpu_mfu.py --variant train.loss_chunk_tokens=0   # + a row of ours with that setting
     python benchmarks/gpu_mfu.py --no-compile           # torch.compile unusable: ours and the recipe both eager
     python benchmarks/gpu_mfu.py --cpu-smoke            # a tiny config on CPU: checks the script
@@ -196,8 +203,6 @@ def profile(build, spec, device, warmup: int, out: Path, label: str, top: int = 
     return table
 
 
-
-
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default=str(ROOT / "configs" / "gpu_350m.yaml"))
@@ -213,8 +218,18 @@ def _args(argv):
                     help="Also our step with this setting changed (one row each; not an anchor).")
     ap.add_argument("--profile", metavar="DIR", help="Also profile 3 steps of each row (torch.profiler): a table of "
                     "the ops with the most self time per row, printed and written under DIR.")
+    ap.add_argument("--rounds", type=_positive, default=1, help="Measure every row N times, alternating the "
+                    "order (ABBA); a row's figures are its medians and the ratio the median of each round's own "
+                    "(default 1; use 3 or more where the host's speed drifts, e.g. a shared CPU).")
     ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "gpu_mfu.json"))
     return ap.parse_args(argv)
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n}")
+    return n
 
 
 def row_builds(args, spec_with) -> list[tuple[str, object, object, str]]:
@@ -242,10 +257,11 @@ def spec_flops(spec) -> tuple[dict, int]:
     return params, flops_per_token(shape, params)
 
 
-def measure(builds, device, name: str, args):
+def measure(builds, device, name: str, args, profile_dir: str | None = None):
     """Each row as it is measured (a generator: the caller prints and writes it at once, so that a row that fails
     or a step cap that kills the process later loses none before it). A row that raises (out of memory, a compile
-    that fails) is an ``error`` row; the next row still runs."""
+    that fails) is an ``error`` row; the next row still runs. ``profile_dir``: also profile ours and the anchors
+    there."""
     import gc
 
     import torch
@@ -259,20 +275,20 @@ def measure(builds, device, name: str, args):
             torch.cuda.reset_peak_memory_stats(device)
         base = {"impl": label, "anchor": kind == "anchor", "loss_chunk_tokens": spec.train.loss_chunk_tokens}
         try:
-            yield {**base, **_row(label, build, spec, device, name, kind, args)}
+            yield {**base, **_row(label, build, spec, device, name, kind, args, profile_dir)}
         except Exception as e:  # noqa: BLE001 - the row failed; it says why and the others still run
             yield {**base, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
 
 
-def _row(label: str, build, spec, device, name: str, kind: str, args) -> dict:
+def _row(label: str, build, spec, device, name: str, kind: str, args, profile_dir: str | None) -> dict:
     import torch
 
     from pipelines.train.plan import mfu
 
     fpt = spec_flops(spec)[1]
     r = _timed(build, spec, device, args.steps, args.warmup)
-    if args.profile and kind != "variant":  # where the time goes: ours and the anchors
-        where = Path(args.profile) / f"{r['mode']}-{label.split(' ')[0]}.txt"
+    if profile_dir and kind != "variant":  # where the time goes: ours and the anchors
+        where = Path(profile_dir) / f"{r['mode']}-{label.split(' ')[0]}.txt"
         try:  # a profiler that fails (CUPTI) costs its table, not the row measured
             print(profile(build, spec, device, args.warmup, where, label))
         except Exception as e:  # noqa: BLE001 - said, the row stands
@@ -299,16 +315,57 @@ def row_line(r: dict, best: float | None) -> str:
             f"{r['warmup_s']:.0f} |")
 
 
-def summarise(head: dict, rows: list[dict], complete: bool) -> dict:
+def _fastest_anchor(rows: list[dict | None]) -> tuple[dict | None, float | None]:
+    """(the fastest anchor measured, ours ÷ it) of one set of rows, ours first; (None, None) while ours or every
+    anchor is missing or failed."""
+    ok = [r for r in rows if r is not None and "error" not in r]
+    anchor = max((r for r in ok if r["anchor"]), key=lambda r: r["tokens_per_s"], default=None)
+    mine = rows[0] if rows and rows[0] is not None and "error" not in rows[0] else None
+    return anchor, (mine["tokens_per_s"] / anchor["tokens_per_s"] if mine and anchor else None)
+
+
+def combine(rounds: list[list[dict | None]]) -> list[dict]:
+    """One row per row asked for (in the order asked), over the rounds measured so far (``None``: not yet measured
+    in that round): the median tokens/s, step time and MFU, the largest peak memory and build + warm-up, and
+    ``rounds_tokens_per_s``; a row that failed in any round is that round's error row."""
+    from statistics import median
+
+    if len(rounds) == 1:
+        return [r for r in rounds[0] if r is not None]
+    rows = []
+    for got in zip(*rounds):
+        got = [r for r in got if r is not None]
+        failed = next((r for r in got if "error" in r), None)
+        if failed or not got:
+            rows += [failed] if failed else []
+            continue
+        med = lambda k: median(r[k] for r in got) if got[0][k] is not None else None  # noqa: E731
+        top = lambda k: max(r[k] for r in got) if got[0][k] is not None else None  # noqa: E731
+        rows.append({**got[0], "tokens_per_s": med("tokens_per_s"), "step_ms": med("step_ms"), "mfu": med("mfu"),
+                     "peak_mem_gib": top("peak_mem_gib"), "warmup_s": top("warmup_s"),
+                     "rounds_tokens_per_s": [r["tokens_per_s"] for r in got]})
+    return rows
+
+
+def summarise(head: dict, rows: list[dict], complete: bool, rounds: list[list[dict | None]] | None = None) -> dict:
     """The result so far: ``head`` (the config) with ``rows``, the fastest anchor measured and the ratio (None while
-    ours or every anchor is missing or failed); ``complete`` once every row asked for has run."""
-    ok = [r for r in rows if "error" not in r]
-    anchors = [r for r in ok if r["anchor"]]
-    anchor = max(anchors, key=lambda r: r["tokens_per_s"]) if anchors else None
-    mine = rows[0] if rows and "error" not in rows[0] else None
-    return {**head, "rows": rows, "complete": complete, "anchor": anchor["impl"] if anchor else None,
-            "ratio": mine["tokens_per_s"] / anchor["tokens_per_s"] if mine and anchor else None,
-            "ratio_of": f"tokens/s ours ÷ {anchor['impl']} (the fastest anchor)" if anchor else None}
+    ours or every anchor is missing or failed); ``complete`` once every row asked for has run. Over more than one
+    of ``rounds`` (``rows`` = ``combine(rounds)``) the ratio is the median of each round's own ours ÷ its fastest
+    anchor (``ratio_rounds``): rows timed in the same round, so a host that drifts between rounds weighs on both."""
+    from statistics import median
+
+    anchor, ratio = _fastest_anchor(rows)
+    result = {**head, "rows": rows, "complete": complete, "anchor": anchor["impl"] if anchor else None,
+              "ratio": ratio,
+              "ratio_of": f"tokens/s ours ÷ {anchor['impl']} (the fastest anchor)" if anchor else None}
+    if rounds and len(rounds) > 1:
+        paired = [r for r in (_fastest_anchor(rd)[1] for rd in rounds) if r is not None]
+        result["ratio_rounds"] = paired
+        if ratio is not None and paired:
+            result["ratio"] = median(paired)
+            result["ratio_of"] = (f"median over {len(paired)} rounds of tokens/s ours ÷ that round's fastest anchor "
+                                  f"(overall: {anchor['impl']})")
+    return result
 
 
 def report(result: dict) -> None:
@@ -321,6 +378,8 @@ def report(result: dict) -> None:
         print(row_line(r, best))
     if result["ratio"] is not None:
         print(f"ratio ({result['ratio_of']}): {result['ratio']:.3f}")
+        if result.get("ratio_rounds"):
+            print("ratio per round: " + ", ".join(f"{r:.3f}" for r in result["ratio_rounds"]))
     else:
         print("ratio: none (ours or every anchor failed)")
 
@@ -352,18 +411,35 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     head = config_of(builds[0][2], device, args, overrides)
     out = Path(args.out)
-    rows: list[dict] = []
-    for r in measure(builds, device, head["device"], args):
-        rows.append(r)
-        print(f"gpu_mfu: row {len(rows)}/{len(builds)}: " + row_line(r, None), flush=True)
-        write(out, summarise(head, rows, complete=len(rows) == len(builds)))  # what is measured is kept at once
-    result = summarise(head, rows, complete=True)
+    rounds = measure_rounds(builds, device, head, args, out)
+    rows = combine(rounds)
+    result = summarise(head, rows, complete=True, rounds=rounds)
     report(result)
     print(f"wrote {out}")
     failed = [r["impl"] for r in rows if "error" in r]
     if failed:
         print(f"gpu_mfu: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def measure_rounds(builds, device, head: dict, args, out: Path) -> list[list[dict | None]]:
+    """Every row, ``args.rounds`` times: odd rounds in the order asked, even ones reversed (ABBA: a host that
+    speeds up or slows down during the run weighs alike on ours and the anchors); profiles only in the first.
+    Each row is printed and ``out`` rewritten as soon as it is measured. Returns the rounds, rows in the order
+    asked."""
+    n = len(builds)
+    rounds: list[list[dict | None]] = []
+    for k in range(args.rounds):
+        order = list(range(n)) if k % 2 == 0 else list(range(n - 1, -1, -1))
+        rounds.append([None] * n)
+        got = measure([builds[i] for i in order], device, head["device"], args, args.profile if k == 0 else None)
+        for j, (i, r) in enumerate(zip(order, got)):
+            rounds[-1][i] = r
+            where = f"round {k + 1}/{args.rounds}, row {j + 1}/{n}" if args.rounds > 1 else f"row {j + 1}/{n}"
+            print(f"gpu_mfu: {where}: " + row_line(r, None), flush=True)
+            last = k == args.rounds - 1 and j == n - 1
+            write(out, summarise(head, combine(rounds), complete=last, rounds=rounds))  # kept at once
+    return rounds
 
 
 def config_of(spec, device, args, overrides: list[str]) -> dict:
@@ -380,7 +456,7 @@ def config_of(spec, device, args, overrides: list[str]) -> dict:
             "micro_batch": spec.train.micro_batch, "seq_len": spec.model.seq_len, "dtype": spec.train.dtype,
             "compile": spec.parallel.compile, "activation_checkpointing": spec.parallel.activation_checkpointing,
             "loss_chunk_tokens": spec.train.loss_chunk_tokens, "steps": args.steps, "warmup": args.warmup,
-            "torch": torch.__version__}
+            "rounds": args.rounds, "torch": torch.__version__}
 
 
 def write(out: Path, result: dict) -> None:

@@ -212,16 +212,21 @@ def test_lr_schedules_warm_up_then_cosine_or_hold_and_decay_to_the_floor():
         load_spec(None, ["train.decay_fraction=0"], env={})
 
 
-def test_gpu_mfu_benchmark_runs_its_cpu_smoke_and_refuses_without_a_gpu(tmp_path, capsys):
+def _gpu_mfu(name: str):
     import importlib.util
-
-    import torch
 
     from conftest import ROOT
 
-    mod = importlib.util.spec_from_file_location("gpu_mfu", ROOT / "benchmarks" / "gpu_mfu.py")
+    mod = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "gpu_mfu.py")
     gm = importlib.util.module_from_spec(mod)
     mod.loader.exec_module(gm)
+    return gm
+
+
+def test_gpu_mfu_benchmark_runs_its_cpu_smoke_and_refuses_without_a_gpu(tmp_path, capsys):
+    import torch
+
+    gm = _gpu_mfu("gpu_mfu")
     out = tmp_path / "gpu_mfu.json"
     assert gm.main(["--cpu-smoke", "--steps", "3", "--warmup", "2", "--eager-anchor", "--out", str(out),
                     "--variant", "train.loss_chunk_tokens=0", "--variant", "model.n_layers=1"]) == 0
@@ -252,16 +257,65 @@ def test_gpu_mfu_benchmark_runs_its_cpu_smoke_and_refuses_without_a_gpu(tmp_path
         assert "no CUDA device here" in capsys.readouterr().err
 
 
+def test_gpu_mfu_rounds_combine_to_medians_and_a_paired_median_ratio():
+    """--rounds N: a row's figures are its medians over the rounds, the ratio the median of each round's own ours ÷
+    its fastest anchor (not the ratio of the medians), a row that failed in any round is an error row."""
+    gm = _gpu_mfu("gpu_mfu_rounds")
+
+    def row(impl, anchor, tps, mem=None):
+        return {"impl": impl, "anchor": anchor, "tokens_per_s": tps, "step_ms": 1e3 / tps, "mfu": None,
+                "peak_mem_gib": mem, "warmup_s": 1.0}
+
+    # the host drifts: round 2 is twice as slow, round 3 four times as fast; ours is 1.1× the anchor in each
+    rounds = [[row("ours", False, 110.0, 2.0), row("recipe", True, 100.0, 3.0)],
+              [row("ours", False, 55.0, 2.5), row("recipe", True, 50.0, 3.0)],
+              [row("ours", False, 440.0, 2.0), row("recipe", True, 400.0, 3.5)]]
+    rows = gm.combine(rounds)
+    assert [r["tokens_per_s"] for r in rows] == [110.0, 100.0] and [r["peak_mem_gib"] for r in rows] == [2.5, 3.5]
+    assert rows[0]["rounds_tokens_per_s"] == [110.0, 55.0, 440.0] and rows[0]["mfu"] is None
+    res = gm.summarise({}, rows, complete=True, rounds=rounds)
+    assert res["ratio_rounds"] == pytest.approx([1.1] * 3) and res["ratio"] == pytest.approx(1.1)
+    assert res["anchor"] == "recipe" and "median over 3 rounds" in res["ratio_of"]
+    # drift that the medians of each row would misread: the paired ratio is what ours does in the same round
+    rounds = [[row("ours", False, 100.0), row("recipe", True, 300.0)],
+              [row("ours", False, 200.0), row("recipe", True, 100.0)],
+              [row("ours", False, 300.0), row("recipe", True, 200.0)]]
+    res = gm.summarise({}, gm.combine(rounds), complete=True, rounds=rounds)
+    assert res["ratio"] == pytest.approx(1.5) and res["rows"][0]["tokens_per_s"] == 200.0
+    # a row that failed in one round is that round's error row, and there is no ratio without an anchor
+    rounds[1][1] = {"impl": "recipe", "anchor": True, "error": "RuntimeError: out of memory"}
+    res = gm.summarise({}, gm.combine(rounds), complete=True, rounds=rounds)
+    assert res["rows"][1]["error"].startswith("RuntimeError") and res["ratio"] is None and res["anchor"] is None
+    # a round measured in part (the partial JSON): only the rows measured count
+    part = [rounds[0], [None, row("recipe", True, 100.0)]]
+    rows = gm.combine(part)
+    assert rows[0]["rounds_tokens_per_s"] == [100.0] and rows[1]["tokens_per_s"] == 200.0
+    assert gm.summarise({}, rows, complete=False, rounds=part)["ratio_rounds"] == pytest.approx([1 / 3])
+
+
+def test_gpu_mfu_cpu_smoke_over_two_rounds_alternates_the_order(tmp_path, capsys):
+    gm = _gpu_mfu("gpu_mfu_two")
+    out = tmp_path / "gpu_mfu.json"
+    assert gm.main(["--cpu-smoke", "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["complete"] and res["rounds"] == 2 and len(res["ratio_rounds"]) == 2
+    assert [r["impl"] for r in res["rows"]] == ["ours (trainer step)", "nanoGPT recipe (torch.compile(model))"]
+    assert all(len(r["rounds_tokens_per_s"]) == 2 for r in res["rows"])
+    printed = capsys.readouterr().out
+    order = [line.split("| ")[1].strip() for line in printed.splitlines() if line.startswith("gpu_mfu: round")]
+    ours, recipe = "ours (trainer step)", "nanoGPT recipe (torch.compile(model))"
+    assert order == [ours, recipe, recipe, ours]  # round 2 reversed
+    assert "ratio per round" in printed
+    with pytest.raises(SystemExit) as stopped:
+        gm.main(["--cpu-smoke", "--rounds", "0", "--out", str(tmp_path / "z.json")])
+    assert stopped.value.code == 2
+    assert "must be 1 or more" in capsys.readouterr().err and not (tmp_path / "z.json").exists()
+
+
 def test_gpu_mfu_without_compile_and_a_row_that_fails_keeps_the_others(tmp_path, capsys, monkeypatch):
     """--no-compile (gpu_checks.sh's fallback where torch.compile fails): no row compiles, the recipe's says so; a
     row that raises is an error row, the rows measured are written, exit 1."""
-    import importlib.util
-
-    from conftest import ROOT
-
-    mod = importlib.util.spec_from_file_location("gpu_mfu_nc", ROOT / "benchmarks" / "gpu_mfu.py")
-    gm = importlib.util.module_from_spec(mod)
-    mod.loader.exec_module(gm)
+    gm = _gpu_mfu("gpu_mfu_nc")
     out = tmp_path / "gpu_mfu.json"
     assert gm.main(["--cpu-smoke", "--no-compile", "--steps", "2", "--warmup", "1", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
