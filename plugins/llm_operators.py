@@ -422,12 +422,14 @@ class SparkStageOperator(SparkSubmitOperator):
         """The stage run first with Spark refused (``--no-spark``, :mod:`pipelines.engines`; ~1 s, decontaminate's
         6 s: its key holds the evaluation items): its report names the manifest where the result was committed already
         or needed no Spark, else ``{"needs": "spark"}`` (nothing committed). Its exit status fails the task as a
-        stage's does."""
+        stage's does. It sees what the driver would: the connections' environment and, over it, the task's own
+        ``env_vars`` (which the provider gives spark-submit, and the driver here inherits)."""
         if "--no-spark" in self.stage_args:
             raise AirflowFailException(f"{self.module}: --no-spark is the operator's own first run; take it out of "
                                        "stage_args")
         args = [*spec_cli_args(self.spec, self.overrides), *self.stage_args, "--no-spark"]
-        return _run_cli(self, self.module, args, r.env, says=("manifest", "needs"))
+        env = {**r.env, **{k: str(v) for k, v in (self.env_vars or {}).items()}}
+        return _run_cli(self, self.module, args, env, says=("manifest", "needs"))
 
     def _stage_failure(self, e: BaseException) -> AirflowException | None:
         """The stage's own exit status through spark-submit (the driver runs here, and spark-submit exits with the

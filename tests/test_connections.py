@@ -366,6 +366,20 @@ def test_a_spark_stage_runs_without_spark_first_and_is_submitted_only_where_it_n
         op.execute({})
     assert len(submitted) == 1
 
+    # the run without Spark sees the environment the driver would: the task's env_vars over the connections'
+    seen = {}
+    monkeypatch.setenv("AWS_REGION", "from-the-worker")
+
+    def probe(op, module, args, env, says):
+        seen.update(env)
+        return {"stage": "ingest", "needs": "spark"}
+    monkeypatch.setattr("llm_operators._run_cli", probe)
+    op = SparkStageOperator(task_id="ingest", module="pipelines.data.ingest", spec=str(spec_file), overrides=sets,
+                            env_vars={"AWS_REGION": "eu-west-1", "LLMP_TASK_SETTING": 3})
+    with pytest.raises(RuntimeError, match="not wanted"):
+        op.execute({})
+    assert seen["AWS_REGION"] == "eu-west-1" and seen["LLMP_TASK_SETTING"] == "3" and len(submitted) == 2
+
 
 def test_scoped_env_puts_back_values_and_absence_on_error(clean_env):
     from llm_connections import scoped_env
