@@ -30,9 +30,9 @@ peak memory reset). Each row is printed and ``var/bench/gpu_mfu.json`` rewritten
 
 ``--rounds N`` measures every row N times, odd rounds in the order asked and even ones reversed (ABBA), each row
 rebuilt from a clean slate every time: a row's figures are then its medians (``rounds_tokens_per_s``: each round's),
-and ``ratio`` is the median of each round's own ours ÷ its fastest anchor (``ratio_rounds``), so that a host whose
-speed drifts during the run (2 shared CPU cores: ±20 % between rows timed a minute apart) weighs on ours and the
-anchors alike. A row that fails in any round is an error row.
+and ``ratio`` is the median of ours ÷ the fastest anchor (by its median) in each round (``ratio_rounds``), so that
+a host whose speed drifts during the run (2 shared CPU cores: ±20 % between rows timed a minute apart) weighs on ours
+and the anchor alike. A row that fails in any round is an error row (``failed_in_round``).
 
     python benchmarks/gpu_mfu.py [--spec configs/gpu_350m.yaml] [--steps 30] [--set train.micro_batch=4]
     python benchmarks/gpu_mfu.py --device cpu --set …   # the same rows on CPU (fp32 unless the spec says bf16)
@@ -219,7 +219,7 @@ def _args(argv):
     ap.add_argument("--profile", metavar="DIR", help="Also profile 3 steps of each row (torch.profiler): a table of "
                     "the ops with the most self time per row, printed and written under DIR.")
     ap.add_argument("--rounds", type=_positive, default=1, help="Measure every row N times, alternating the "
-                    "order (ABBA); a row's figures are its medians and the ratio the median of each round's own "
+                    "order (ABBA); a row's figures are its medians and the ratio the median of the rounds' own "
                     "(default 1; use 3 or more where the host's speed drifts, e.g. a shared CPU).")
     ap.add_argument("--out", default=str(ROOT / "var" / "bench" / "gpu_mfu.json"))
     return ap.parse_args(argv)
@@ -315,43 +315,60 @@ def row_line(r: dict, best: float | None) -> str:
             f"{r['warmup_s']:.0f} |")
 
 
-def _fastest_anchor(rows: list[dict | None]) -> tuple[dict | None, float | None]:
-    """(the fastest anchor measured, ours ÷ it) of one set of rows, ours first; (None, None) while ours or every
-    anchor is missing or failed."""
-    ok = [r for r in rows if r is not None and "error" not in r]
+def _fastest_anchor(rows: list[dict]) -> tuple[dict | None, float | None]:
+    """(the fastest anchor measured, ours ÷ it) of the rows, ours first; (None, None) while ours or every anchor is
+    missing or failed."""
+    ok = [r for r in rows if "error" not in r]
     anchor = max((r for r in ok if r["anchor"]), key=lambda r: r["tokens_per_s"], default=None)
-    mine = rows[0] if rows and rows[0] is not None and "error" not in rows[0] else None
+    mine = rows[0] if rows and "error" not in rows[0] else None
     return anchor, (mine["tokens_per_s"] / anchor["tokens_per_s"] if mine and anchor else None)
 
 
 def combine(rounds: list[list[dict | None]]) -> list[dict]:
     """One row per row asked for (in the order asked), over the rounds measured so far (``None``: not yet measured
     in that round): the median tokens/s, step time and MFU, the largest peak memory and build + warm-up, and
-    ``rounds_tokens_per_s``; a row that failed in any round is that round's error row."""
+    ``rounds_tokens_per_s``; a row that failed in any round is that round's error row (``failed_in_round``, with
+    the figures of the rounds where it ran)."""
     from statistics import median
 
     if len(rounds) == 1:
         return [r for r in rounds[0] if r is not None]
     rows = []
     for got in zip(*rounds):
-        got = [r for r in got if r is not None]
-        failed = next((r for r in got if "error" in r), None)
-        if failed or not got:
-            rows += [failed] if failed else []
-            continue
-        med = lambda k: median(r[k] for r in got) if got[0][k] is not None else None  # noqa: E731
-        top = lambda k: max(r[k] for r in got) if got[0][k] is not None else None  # noqa: E731
-        rows.append({**got[0], "tokens_per_s": med("tokens_per_s"), "step_ms": med("step_ms"), "mfu": med("mfu"),
-                     "peak_mem_gib": top("peak_mem_gib"), "warmup_s": top("warmup_s"),
-                     "rounds_tokens_per_s": [r["tokens_per_s"] for r in got]})
+        ran = [r for r in got if r is not None and "error" not in r]
+        failed = next(((k, r) for k, r in enumerate(got) if r is not None and "error" in r), None)
+        if failed:
+            rows.append({**failed[1], "failed_in_round": failed[0] + 1,
+                         "rounds_tokens_per_s": [r["tokens_per_s"] for r in ran]})
+        elif ran:
+            rows.append({**ran[0], **{k: _over(median, ran, k) for k in ("tokens_per_s", "step_ms", "mfu")},
+                         **{k: _over(max, ran, k) for k in ("peak_mem_gib", "warmup_s")},
+                         "rounds_tokens_per_s": [r["tokens_per_s"] for r in ran]})
     return rows
+
+
+def _over(how, rows: list[dict], key: str):
+    """``how`` (median, max) of ``key`` over the rows that have a figure for it; None where none has."""
+    got = [r[key] for r in rows if r[key] is not None]
+    return how(got) if got else None
+
+
+def paired_ratios(rounds: list[list[dict | None]], anchor: str) -> list[float]:
+    """Ours ÷ the anchor named ``anchor`` in each round where both ran (a round measured in part counts once both
+    have): rows timed a minute apart, not the host's state at either end of the run."""
+    out = []
+    for rd in rounds:
+        mine, theirs = rd[0], next((r for r in rd if r is not None and r["impl"] == anchor), None)
+        if mine is not None and theirs is not None and "error" not in mine and "error" not in theirs:
+            out.append(mine["tokens_per_s"] / theirs["tokens_per_s"])
+    return out
 
 
 def summarise(head: dict, rows: list[dict], complete: bool, rounds: list[list[dict | None]] | None = None) -> dict:
     """The result so far: ``head`` (the config) with ``rows``, the fastest anchor measured and the ratio (None while
     ours or every anchor is missing or failed); ``complete`` once every row asked for has run. Over more than one
-    of ``rounds`` (``rows`` = ``combine(rounds)``) the ratio is the median of each round's own ours ÷ its fastest
-    anchor (``ratio_rounds``): rows timed in the same round, so a host that drifts between rounds weighs on both."""
+    of ``rounds`` (``rows`` = ``combine(rounds)``) the ratio is the median of ours ÷ that anchor in each round
+    (``ratio_rounds``): rows timed in the same round, so a host that drifts between rounds weighs on both."""
     from statistics import median
 
     anchor, ratio = _fastest_anchor(rows)
@@ -359,12 +376,12 @@ def summarise(head: dict, rows: list[dict], complete: bool, rounds: list[list[di
               "ratio": ratio,
               "ratio_of": f"tokens/s ours ÷ {anchor['impl']} (the fastest anchor)" if anchor else None}
     if rounds and len(rounds) > 1:
-        paired = [r for r in (_fastest_anchor(rd)[1] for rd in rounds) if r is not None]
+        paired = paired_ratios(rounds, anchor["impl"]) if ratio is not None else []
         result["ratio_rounds"] = paired
-        if ratio is not None and paired:
+        if paired:
             result["ratio"] = median(paired)
-            result["ratio_of"] = (f"median over {len(paired)} rounds of tokens/s ours ÷ that round's fastest anchor "
-                                  f"(overall: {anchor['impl']})")
+            result["ratio_of"] = (f"median over {len(paired)} rounds of tokens/s ours ÷ {anchor['impl']} (the "
+                                  "fastest anchor) in the same round")
     return result
 
 
@@ -379,7 +396,8 @@ def report(result: dict) -> None:
     if result["ratio"] is not None:
         print(f"ratio ({result['ratio_of']}): {result['ratio']:.3f}")
         if result.get("ratio_rounds"):
-            print("ratio per round: " + ", ".join(f"{r:.3f}" for r in result["ratio_rounds"]))
+            print("ratio per round: " + ", ".join(f"{r:.3f}" for r in result["ratio_rounds"]) + " (the table's "
+                  "column: each row's median ÷ the anchor's median, which a drifting host can move apart)")
     else:
         print("ratio: none (ours or every anchor failed)")
 

@@ -79,7 +79,8 @@ def step_figure(path: str | None, want: dict, run_bench) -> tuple[float, str]:
         ours = next((r for r in got.get("rows", []) if r.get("impl", "").startswith("ours (") and "error" not in r),
                     None)
         if same and ours:
-            return ours["tokens_per_s"], f"{path} (ours, {got.get('steps')} steps)"
+            rounds = f", the median of {got['rounds']} rounds" if (got.get("rounds") or 1) > 1 else ""
+            return ours["tokens_per_s"], f"{path} (ours, {got.get('steps')} steps{rounds})"
         print(f"trainer_gpu: {path} measured another config "
               f"({ {k: got.get(k) for k in MATCH} } vs { {k: want[k] for k in MATCH} }); measuring the step here")
     return run_bench(), "measured here after the trainer"

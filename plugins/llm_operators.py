@@ -332,6 +332,11 @@ def kubernetes_conf(spec) -> dict[str, str]:
         raise AirflowException(str(e)) from None
 
 
+# what _submit_settings puts in env_vars over a task's own: neither the driver nor the run without Spark sees the
+# task's values of these
+OPERATOR_ENV = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "LLMP_HOME", "PATH", "PYTHONWARNINGS", "SPARK_MASTER")
+
+
 class SparkStageOperator(SparkSubmitOperator):
     """spark-submit a stage module (through ``pipelines/spark_entry.py``) with the Spark connection's master, else
     the job spec's; return its manifest path."""
@@ -422,14 +427,26 @@ class SparkStageOperator(SparkSubmitOperator):
         """The stage run first with Spark refused (``--no-spark``, :mod:`pipelines.engines`; ~1 s, decontaminate's
         6 s: its key holds the evaluation items): its report names the manifest where the result was committed already
         or needed no Spark, else ``{"needs": "spark"}`` (nothing committed). Its exit status fails the task as a
-        stage's does. It sees what the driver would: the connections' environment and, over it, the task's own
-        ``env_vars`` (which the provider gives spark-submit, and the driver here inherits)."""
+        stage's does; its environment is the driver's (:meth:`_probe_env`)."""
         if "--no-spark" in self.stage_args:
             raise AirflowFailException(f"{self.module}: --no-spark is the operator's own first run; take it out of "
                                        "stage_args")
         args = [*spec_cli_args(self.spec, self.overrides), *self.stage_args, "--no-spark"]
-        env = {**r.env, **{k: str(v) for k, v in (self.env_vars or {}).items()}}
-        return _run_cli(self, self.module, args, env, says=("manifest", "needs"))
+        return _run_cli(self, self.module, args, self._probe_env(r), says=("manifest", "needs"))
+
+    def _probe_env(self, r) -> dict[str, str]:
+        """What the driver here inherits: the connections' environment (``r.env``) and, over it, the task's own
+        ``env_vars`` where the provider gives them to spark-submit's process (not on Kubernetes, whose driver
+        conf holds them), less the keys the operator sets itself (:data:`OPERATOR_ENV`). A value that is not a
+        string fails the task, as it would fail spark-submit's start."""
+        if r.spec.services.spark_master.startswith("k8s://"):
+            return dict(r.env)
+        task = {k: v for k, v in (self.env_vars or {}).items() if k not in OPERATOR_ENV}
+        bad = next((k for k, v in task.items() if not isinstance(v, str)), None)
+        if bad is not None:
+            raise AirflowFailException(f"{self.module}: env_vars[{bad!r}] is a {type(task[bad]).__name__}, not a "
+                                       "string: a process environment holds strings only")
+        return {**r.env, **task}
 
     def _stage_failure(self, e: BaseException) -> AirflowException | None:
         """The stage's own exit status through spark-submit (the driver runs here, and spark-submit exits with the

@@ -366,19 +366,44 @@ def test_a_spark_stage_runs_without_spark_first_and_is_submitted_only_where_it_n
         op.execute({})
     assert len(submitted) == 1
 
-    # the run without Spark sees the environment the driver would: the task's env_vars over the connections'
+    # the run without Spark is given the task's env_vars (what its environment holds: the next test), less what the
+    # operator sets over them for spark-submit
+    from llm_operators import OPERATOR_ENV
     seen = {}
-    monkeypatch.setenv("AWS_REGION", "from-the-worker")
 
     def probe(op, module, args, env, says):
         seen.update(env)
         return {"stage": "ingest", "needs": "spark"}
     monkeypatch.setattr("llm_operators._run_cli", probe)
     op = SparkStageOperator(task_id="ingest", module="pipelines.data.ingest", spec=str(spec_file), overrides=sets,
-                            env_vars={"AWS_REGION": "eu-west-1", "LLMP_TASK_SETTING": 3})
+                            env_vars={"LLMP_TASK_SETTING": "3", "LLMP_HOME": "/elsewhere"})
     with pytest.raises(RuntimeError, match="not wanted"):
         op.execute({})
-    assert seen["AWS_REGION"] == "eu-west-1" and seen["LLMP_TASK_SETTING"] == "3" and len(submitted) == 2
+    assert seen["LLMP_TASK_SETTING"] == "3" and "LLMP_HOME" not in seen and len(submitted) == 2
+    assert set(OPERATOR_ENV) <= set(op.env_vars) and op.env_vars["LLMP_HOME"] != "/elsewhere"
+
+
+def test_the_run_without_spark_has_the_environment_the_driver_inherits():
+    """The driver runs in the task's process: it inherits the connections' environment and, where the provider puts
+    them on spark-submit's process (a local or YARN master), the task's env_vars over it, but never the task's
+    values of what the operator sets itself; on Kubernetes the provider gives env_vars to a driver pod's conf only."""
+    from types import SimpleNamespace
+
+    from airflow.sdk.exceptions import AirflowFailException
+    from llm_operators import OPERATOR_ENV, SparkStageOperator
+
+    def resolved(master):
+        return SimpleNamespace(env={"AWS_DEFAULT_REGION": "from-the-connection", "AWS_ACCESS_KEY_ID": "conn"},
+                               spec=SimpleNamespace(services=SimpleNamespace(spark_master=master)))
+    task = {"AWS_DEFAULT_REGION": "eu-west-1", "LLMP_HOME": "/elsewhere", "PATH": "/nothing", "X": "1"}
+    op = SparkStageOperator(task_id="t", module="pipelines.data.ingest", env_vars=task)
+    assert op._probe_env(resolved("local[1]")) == {"AWS_DEFAULT_REGION": "eu-west-1", "AWS_ACCESS_KEY_ID": "conn",
+                                                   "X": "1"}
+    assert op._probe_env(resolved("k8s://https://kube:443")) == resolved("").env
+    assert {"LLMP_HOME", "PATH"} <= set(OPERATOR_ENV)
+    op = SparkStageOperator(task_id="t", module="pipelines.data.ingest", env_vars={"N": 3})
+    with pytest.raises(AirflowFailException, match=r"env_vars\['N'\] is a int, not a string"):
+        op._probe_env(resolved("local[1]"))
 
 
 def test_scoped_env_puts_back_values_and_absence_on_error(clean_env):

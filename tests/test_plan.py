@@ -286,11 +286,21 @@ def test_gpu_mfu_rounds_combine_to_medians_and_a_paired_median_ratio():
     rounds[1][1] = {"impl": "recipe", "anchor": True, "error": "RuntimeError: out of memory"}
     res = gm.summarise({}, gm.combine(rounds), complete=True, rounds=rounds)
     assert res["rows"][1]["error"].startswith("RuntimeError") and res["ratio"] is None and res["anchor"] is None
-    # a round measured in part (the partial JSON): only the rows measured count
+    assert res["rows"][1]["failed_in_round"] == 2 and res["rows"][1]["rounds_tokens_per_s"] == [300.0, 200.0]
+    # a round measured in part (the partial JSON): only the rows measured count, a ratio once both ran in a round
     part = [rounds[0], [None, row("recipe", True, 100.0)]]
     rows = gm.combine(part)
     assert rows[0]["rounds_tokens_per_s"] == [100.0] and rows[1]["tokens_per_s"] == 200.0
     assert gm.summarise({}, rows, complete=False, rounds=part)["ratio_rounds"] == pytest.approx([1 / 3])
+    part = [rounds[0], [row("ours", False, 900.0), None]]  # round 2's anchor not yet measured: no pair of it
+    assert gm.summarise({}, gm.combine(part), complete=False, rounds=part)["ratio_rounds"] == pytest.approx([1 / 3])
+    # two anchors: every round paired with the fastest by its median, not with whichever was ahead in that round
+    rounds = [[row("ours", False, 110.0), row("recipe", True, 100.0), row("eager", True, 120.0, 1.0)],
+              [row("ours", False, 110.0), row("recipe", True, 100.0), row("eager", True, 90.0)],
+              [row("ours", False, 110.0), row("recipe", True, 100.0), row("eager", True, 90.0)]]
+    res = gm.summarise({}, gm.combine(rounds), complete=True, rounds=rounds)
+    assert res["anchor"] == "recipe" and res["ratio_rounds"] == pytest.approx([1.1] * 3)
+    assert res["rows"][2]["peak_mem_gib"] == 1.0  # a figure missing in some rounds: the others'
 
 
 def test_gpu_mfu_cpu_smoke_over_two_rounds_alternates_the_order(tmp_path, capsys):
