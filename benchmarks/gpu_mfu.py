@@ -315,15 +315,6 @@ def row_line(r: dict, best: float | None) -> str:
             f"{r['warmup_s']:.0f} |")
 
 
-def _fastest_anchor(rows: list[dict]) -> tuple[dict | None, float | None]:
-    """(the fastest anchor measured, ours ÷ it) of the rows, ours first; (None, None) while ours or every anchor is
-    missing or failed."""
-    ok = [r for r in rows if "error" not in r]
-    anchor = max((r for r in ok if r["anchor"]), key=lambda r: r["tokens_per_s"], default=None)
-    mine = rows[0] if rows and "error" not in rows[0] else None
-    return anchor, (mine["tokens_per_s"] / anchor["tokens_per_s"] if mine and anchor else None)
-
-
 def combine(rounds: list[list[dict | None]]) -> list[dict]:
     """One row per row asked for (in the order asked), over the rounds measured so far (``None``: not yet measured
     in that round): the median tokens/s, step time and MFU, the largest peak memory and build + warm-up, and
@@ -336,14 +327,13 @@ def combine(rounds: list[list[dict | None]]) -> list[dict]:
     rows = []
     for got in zip(*rounds):
         ran = [r for r in got if r is not None and "error" not in r]
+        each = {"rounds_tokens_per_s": [r["tokens_per_s"] for r in ran]}
         failed = next(((k, r) for k, r in enumerate(got) if r is not None and "error" in r), None)
         if failed:
-            rows.append({**failed[1], "failed_in_round": failed[0] + 1,
-                         "rounds_tokens_per_s": [r["tokens_per_s"] for r in ran]})
+            rows.append({**failed[1], "failed_in_round": failed[0] + 1, **each})
         elif ran:
             rows.append({**ran[0], **{k: _over(median, ran, k) for k in ("tokens_per_s", "step_ms", "mfu")},
-                         **{k: _over(max, ran, k) for k in ("peak_mem_gib", "warmup_s")},
-                         "rounds_tokens_per_s": [r["tokens_per_s"] for r in ran]})
+                         **{k: _over(max, ran, k) for k in ("peak_mem_gib", "warmup_s")}, **each})
     return rows
 
 
@@ -371,7 +361,10 @@ def summarise(head: dict, rows: list[dict], complete: bool, rounds: list[list[di
     (``ratio_rounds``): rows timed in the same round, so a host that drifts between rounds weighs on both."""
     from statistics import median
 
-    anchor, ratio = _fastest_anchor(rows)
+    ok = [r for r in rows if "error" not in r]
+    anchor = max((r for r in ok if r["anchor"]), key=lambda r: r["tokens_per_s"], default=None)
+    mine = rows[0] if rows and "error" not in rows[0] else None
+    ratio = mine["tokens_per_s"] / anchor["tokens_per_s"] if mine and anchor else None
     result = {**head, "rows": rows, "complete": complete, "anchor": anchor["impl"] if anchor else None,
               "ratio": ratio,
               "ratio_of": f"tokens/s ours ÷ {anchor['impl']} (the fastest anchor)" if anchor else None}
