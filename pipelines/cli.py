@@ -18,7 +18,7 @@ from pipelines.manifest import Manifest, Pending, StageDir, StageError, atomic_w
 from pipelines.spec import JobSpec, SpecError, add_spec_args, resolve_path, spec_from_args
 from pipelines.stages import Stage, stage
 from pipelines.storage import oserrors
-from pipelines.storage.s3 import credentials_refused, outage
+from pipelines.storage.s3 import credentials_lapsed, credentials_refused, outage
 from pipelines.tracking import log_stage, mlflow_outage
 
 
@@ -149,6 +149,9 @@ def failure(e: BaseException) -> Optional[tuple[int, str]]:
                             "services.s3_bucket and the AWS credentials this process gets")
     if outage(e):
         return RETRY, f"the object store did not answer: {what}; run it again"
+    if credentials_lapsed(e):
+        return RETRY, f"the credentials lapsed (an expired session token, or their provider did not answer): {what}; " \
+                      "run it again"
     if mlflow_outage(e):
         return RETRY, f"the tracking server did not answer: {what}; run it again"
     if oserrors.storage_failing(e):  # EIO, ESTALE, ENOSPC … under run.root or an input

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR})  # answers: the path is not there, or not a directory
+UNTOLD = ABSENT | {errno.ELOOP, errno.ENAMETOOLONG}  # answers to an entry's stat: no directory is there to list
 
 
 def _absent_or_raise(e: OSError) -> None:
@@ -36,9 +37,14 @@ def walk_files(root: Path) -> Iterator[Path]:
 
 
 def _is_dir(e: os.DirEntry) -> bool:
+    """Whether the entry is a directory (through a symlink); an answer about it (a symlink loop, ELOOP) is "no", and
+    any other error (EIO, ESTALE, EACCES on the stat a symlink or a file system without entry types needs) raises:
+    the tree under it would vanish from the answer."""
     try:
         return e.is_dir()
-    except OSError:  # a symlink loop, a dangling link: not a directory
+    except OSError as err:
+        if err.errno not in UNTOLD:
+            raise
         return False
 
 

@@ -128,8 +128,11 @@ def experiment_id(spec: JobSpec) -> str:
         else f"{spec.services.mlflow_artifact_root.rstrip('/')}/{spec.run.name}"
     try:
         return c.create_experiment(spec.run.name, artifact_location=location)
-    except Exception:  # created concurrently
-        return c.get_experiment_by_name(spec.run.name).experiment_id
+    except Exception:  # created concurrently; else (a refusal, an outage) its own error, as the stage classifies it
+        exp = c.get_experiment_by_name(spec.run.name)
+        if exp is None:
+            raise
+        return exp.experiment_id
 
 
 def start_run(spec: JobSpec, run_name: str | None = None, tags: dict | None = None) -> str:

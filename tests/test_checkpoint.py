@@ -240,6 +240,90 @@ def test_the_promote_stage_refuses_a_checkpoint_path_that_leaves_the_tiers(home,
     assert not (home / "var/runs/promote").exists()
 
 
+def test_an_object_store_refusing_these_credentials_is_the_users_to_fix_where_only_l2_answers(home, tmp_path,
+                                                                                             monkeypatch):
+    """An S3 endpoint refusing these credentials (a wrong key, a bucket policy: 401/403) was read as L2 not
+    answering wherever only L2 could answer: the promote stage, the term floor of a new L1 and a restore whose steps
+    are only on L2 exited 75, and Airflow spent its retries on what no retry mends. Now it is ``L2Refused``: still L2
+    unusable where another tier serves (an ``L2Unavailable``), exit 2 with the key to fix where only L2 answers; an
+    expired session token or an endpoint down stays a retry's (75)."""
+    from types import SimpleNamespace
+
+    from botocore.exceptions import ClientError
+
+    from pipelines.manifest import Manifest
+    from pipelines.storage.s3 import serving
+    from pipelines.train import promote as promote_stage
+    from pipelines.train.ckpt import fence, fence_l2
+    from pipelines.train.ckpt import restore as rs
+
+    with serving(tmp_path / "store", auth=True) as url:  # a key of its own: this process's credentials are refused
+        spec = _spec(url, **{"checkpoint.s3_max_attempts": 1})
+        rel = "run/key/step-000010"
+        _make_ckpt(spec, rel, big_mb=1)
+        train = Manifest(stage="train", config_hash="c", extra={"checkpoint": rel}, path=str(tmp_path / "m.json"))
+        with pytest.raises(ck.L2Refused, match=r"refused the request \(ClientError: .*\(403\).*check "
+                                               r"services.s3_endpoint_url") as e:
+            promote_stage.run(spec, train)
+        assert e.value.exit_code == 2 and isinstance(e.value, ck.L2Unavailable)  # (training: L2 skipped, as down)
+        with pytest.raises(ck.L2Refused):  # a new L1's first term: unknown, and no retry reads it
+            fence_l2.floor(spec, fence.fence_dir(spec, "run/other"), "run/other")
+        monkeypatch.setattr(rs, "_bcast", lambda obj: obj)  # one rank: rank 0's answer is every rank's
+        rank0 = SimpleNamespace(rank=0, spec=spec, rel_root="run/key", rec=None, log=lambda m: None)
+        with pytest.raises(ck.L2Refused, match="cannot list this run's checkpoints"):  # the steps only L2 holds
+            rs._choose(rank0, {}, None, set())
+    expired = ClientError({"Error": {"Code": "ExpiredToken"}, "ResponseMetadata": {"HTTPStatusCode": 400}}, "GetObject")
+    down = ClientError({"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}, "GetObject")
+    for e in (expired, down):
+        assert type(ckpt_s3.unusable("s3://b/k", e)) is ck.L2Unavailable and ckpt_s3.unusable("", e).exit_code == 75
+
+
+def test_the_promote_stage_never_records_a_promotion_without_its_commit_nor_reads_l1_failing_as_no_manifest(
+        home, s3_server, tmp_path, monkeypatch, capsys):
+    """A COMMIT removed from L2 between the upload and its read-back was recorded as ``commit: null`` and exit 0,
+    and every later run compared null with null and said "up to date" while L2 held no COMMIT. And on that path an
+    L1 that failed to answer for the step's manifest (EIO) read as "no manifest", so the step's own term was not
+    carried to L2. Now the first is a retry (75), a manifest that recorded no COMMIT is redone, and L1's failure is
+    75 (a refusal to this user 2), never {}."""
+    from pipelines.manifest import Manifest
+    from pipelines.train import promote as promote_stage
+
+    spec = _spec(s3_server, **{"services.s3_bucket": "ckpt-commit"})
+    rel = "run/key/step-000010"
+    _make_ckpt(spec, rel, big_mb=1)
+    train = Manifest(stage="train", config_hash="c", extra={"checkpoint": rel}, path=str(tmp_path / "m.json"))
+    real = ckpt_tiers.commit_at
+    monkeypatch.setattr(ckpt_tiers, "commit_at", lambda spec, uri: None)  # gone right after the upload verified
+    with pytest.raises(ck.L2Unavailable, match="its COMMIT is gone right after the upload") as e:
+        promote_stage.run(spec, train)
+    assert e.value.exit_code == 75 and not list((home / "var").rglob("promote/*/manifest.json"))
+    monkeypatch.setattr(ckpt_tiers, "commit_at", real)
+    old = promote_stage.promote
+    monkeypatch.setattr(promote_stage, "promote", lambda *a, **k: {**old(*a, **k), "l2_commit": None})  # as before
+    assert promote_stage.run(spec, train).extra["commit"] is None  # a manifest of the old code: no COMMIT recorded
+    monkeypatch.setattr(promote_stage, "promote", old)
+    capsys.readouterr()
+    done = promote_stage.run(spec, train)
+    assert done.extra["commit"] == real(spec, done.extra["l2_uri"]) and "up to date" not in capsys.readouterr().out
+    assert promote_stage.run(spec, train).path == done.path and "up to date" in capsys.readouterr().out
+
+    def failing(code):
+        def read(d):
+            raise OSError(code, os.strerror(code), str(d / ck.CKPT_MANIFEST))
+        return read
+
+    monkeypatch.setattr(promote_stage, "read_local_manifest", failing(errno.EIO))
+    with pytest.raises(ck.TierUnavailable, match=r"L1: the manifest of run/key/step-000010 cannot be read") as e:
+        promote_stage.run(spec, train)
+    assert e.value.exit_code == 75
+    monkeypatch.setattr(promote_stage, "read_local_manifest", failing(errno.EACCES))
+    with pytest.raises(ck.CheckpointError, match="give this user access") as e:
+        promote_stage.run(spec, train)
+    assert e.value.exit_code == 2
+    monkeypatch.setattr(promote_stage, "read_local_manifest", failing(errno.ENOENT))  # gone by retention: L1's term
+    assert promote_stage.run(spec, train).path == done.path
+
+
 def test_promote_refuses_one_part_of_a_step_that_l1_does_not_hold(home, s3_server):
     spec = _spec(s3_server, **{"services.s3_bucket": "ckpt-one-part"})
     rel = "run/key/step-000050"

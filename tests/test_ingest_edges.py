@@ -216,6 +216,94 @@ def test_a_folder_that_cannot_be_listed_is_never_passed_over(tmp_path, monkeypat
     assert sha256_path(root) == before
 
 
+def test_a_folder_whose_kind_cannot_be_read_is_never_passed_over(tmp_path, monkeypatch):
+    """Under a pattern of two components or more, whether an entry is a folder may take a stat (a symlink, a file
+    system that gives no entry types); that stat answering EIO read as "not a folder" dropped every file under it
+    from the corpus, exit 0. Now only an answer (a loop, a dangling link) is "not a folder"; EIO stops the stage
+    with 75, EACCES with 2, the entry named."""
+    import contextlib
+    import errno
+
+    from pipelines.data import sources
+    from pipelines.listing import strict_glob
+
+    root = tmp_path / "raw"
+    for rel in ("a/x.jsonl", "b/y.jsonl"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("{}\n")
+    (root / "loop").symlink_to("loop")  # its stat answers ELOOP: no folder, as glob says
+    (root / "gone").symlink_to("nowhere")
+    real, code = os.scandir, [errno.EIO]
+
+    class Entry:  # an entry of the real listing whose stat of b fails as the file system says
+        def __init__(self, e):
+            self.e, self.name, self.path = e, e.name, e.path
+
+        def is_dir(self, follow_symlinks=True):
+            if self.name == "b":
+                raise OSError(code[0], os.strerror(code[0]), self.path)
+            return self.e.is_dir(follow_symlinks=follow_symlinks)
+
+    @contextlib.contextmanager
+    def scandir(path="."):
+        with real(path) as it:
+            yield (Entry(e) for e in it)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    pattern = str(root / "*/*.jsonl")
+    with pytest.raises(OSError) as e:
+        strict_glob(pattern)
+    assert e.value.errno == errno.EIO and e.value.filename.endswith("raw/b")
+    for pat in (pattern, str(root / "**/*.jsonl")):
+        with pytest.raises(sources.IngestError, match=r"raw/b could not be listed now \(OSError: Input/output "
+                                                      r"error\); run it again") as e:
+            sources.local_sources(pat)
+        assert e.value.exit_code == 75
+    code[0] = errno.EACCES
+    with pytest.raises(sources.IngestError, match="raw/b cannot be read .*give this user read access") as e:
+        sources.local_sources(pattern)
+    assert e.value.exit_code == 2
+    code[0] = errno.ELOOP  # an answer: b is no folder to list, the rest is the whole answer
+    assert [p.relative_to(root).as_posix() for p in strict_glob(pattern)] == ["a/x.jsonl"]
+    monkeypatch.undo()
+    assert [p.relative_to(root).as_posix() for p in strict_glob(pattern)] == ["a/x.jsonl", "b/y.jsonl"]
+
+
+def test_an_s3_listing_whose_credentials_lapsed_is_a_retry_and_a_refused_one_the_users(home, monkeypatch):
+    """Listing an S3 input, anything but the endpoint not answering ended ingest with 2, "fix it": an expired session
+    token or a credentials provider that did not answer (the instance metadata service, a container role) too, which
+    a retry mends (75); a refusal (403) or no bucket stays the user's (2)."""
+    from botocore.exceptions import ClientError, CredentialRetrievalError, MetadataRetrievalError
+
+    from pipelines.data import sources
+    from pipelines.spec import load_spec
+
+    def answer(code, status):
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "ListObjectsV2")
+
+    class Store:  # a client whose listing raises what the endpoint or botocore said
+        def __init__(self, error):
+            self.error = error
+
+        def get_paginator(self, name):
+            return self
+
+        def paginate(self, **kw):
+            raise self.error
+
+    spec = load_spec(None, ["services.s3_endpoint_url=http://s3.example:9000"], env={})
+    cases = [(answer("ExpiredToken", 400), 75, "the credentials lapsed"),
+             (CredentialRetrievalError(provider="container-role", error_msg="timed out"), 75, "the credentials lapsed"),
+             (MetadataRetrievalError(error_msg="timed out"), 75, "the credentials lapsed"),
+             (answer("SlowDown", 503), 75, "the endpoint did not answer the listing"),
+             (answer("AccessDenied", 403), 2, "cannot list it"), (answer("NoSuchBucket", 404), 2, "cannot list it")]
+    for error, code, said in cases:
+        monkeypatch.setattr(sources, "client_from", lambda settings, e=error: Store(e))
+        with pytest.raises(sources.IngestError, match=f"input s3://b/raw/: {said}") as e:
+            sources.s3_sources(spec, "s3://b/raw/")
+        assert e.value.exit_code == code, (error, e.value)
+
+
 def test_an_s3_input_replaced_after_its_listing_is_never_read_as_the_listed_one(s3_server, home):
     """An input is identified by its listing (key, size, ETag), then read: an object replaced in between was read
     as the new bytes under the old identity (or two versions mixed in one input, chunk by chunk). Its reads ask for

@@ -185,8 +185,9 @@ def test_a_stage_meeting_a_failing_disk_exits_75_and_a_refused_path_2_each_in_on
 def test_a_report_failing_after_the_commit_credentials_refused_and_an_unparsable_spec_are_each_one_line(
         capsys, monkeypatch, tmp_path):
     """Three failures that were a traceback and exit 1: the report's write failing after the stage committed (EIO:
-    75, a retry reuses the commit), an object store refusing these credentials (403, no credentials at all: 2) and
-    a spec or a --set value that is not YAML, or a file that is not text (2)."""
+    75, a retry reuses the commit), an object store refusing these credentials (403, no credentials at all: 2),
+    credentials that lapsed (an expired session token, a provider that did not answer: 75) and a spec or a --set
+    value that is not YAML, or a file that is not text (2)."""
     import errno
     from types import SimpleNamespace
 
@@ -221,8 +222,10 @@ def test_a_report_failing_after_the_commit_credentials_refused_and_an_unparsable
         def flaky(spec, *ups, out_dir=None, _e=error):
             raise _e
 
-        with pytest.raises(type(error)):  # not the user's to fix: exit 1, which the operators retry
-            cli.stage_main("dedup", flaky, str, argv=[], inputs_required=False)
+        # not the user's to fix: a retry gets fresh credentials (75; a traceback and exit 1 until 2026-12-03)
+        assert cli.stage_main("dedup", flaky, str, argv=[], inputs_required=False) == 75
+        err = capsys.readouterr().err
+        assert err.startswith("dedup: error: the credentials lapsed ") and len(err.strip().splitlines()) == 1, err
     (tmp_path / "torn.yaml").write_text("train: [1\n")
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00binary")
     for argv in (["--set", "train.steps=[1"], ["--spec", str(tmp_path / "torn.yaml")],
@@ -235,6 +238,40 @@ def test_a_report_failing_after_the_commit_credentials_refused_and_an_unparsable
     (tmp_path / "empty.yaml").write_text("services:\n")
     assert cli.spec_from_args(SimpleNamespace(spec=str(tmp_path / "empty.yaml"), overrides=[])) \
         .services.s3_endpoint_url == "http://minio:9000"
+
+
+def test_an_experiment_the_tracking_server_will_not_create_says_why(monkeypatch):
+    """Creating the run's experiment, any failure was taken for "created meanwhile by another task" and the lookup
+    after it (None) ended the stage in ``AttributeError: 'NoneType' …``, hiding the server's own answer (a refusal,
+    an outage the stage would retry). The server's error is raised as it came; one created meanwhile is used."""
+    from types import SimpleNamespace
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, TEMPORARILY_UNAVAILABLE
+
+    from pipelines import tracking
+    from pipelines.spec import load_spec
+
+    class Server:
+        def __init__(self, error, meanwhile=None):
+            self.error, self.meanwhile, self.asked = error, meanwhile, 0
+
+        def get_experiment_by_name(self, name):
+            self.asked += 1
+            return self.meanwhile if self.asked > 1 else None
+
+        def create_experiment(self, name, artifact_location=None):
+            raise self.error
+
+    spec = load_spec(None, [], env={})
+    down = MlflowException("the server is restarting", error_code=TEMPORARILY_UNAVAILABLE)
+    monkeypatch.setattr(tracking, "client", lambda spec: Server(down))
+    with pytest.raises(MlflowException, match="restarting") as e:
+        tracking.experiment_id(spec)
+    assert tracking.mlflow_outage(e.value)  # what the stage classifies: 75
+    taken = MlflowException("already exists", error_code=RESOURCE_ALREADY_EXISTS)
+    monkeypatch.setattr(tracking, "client", lambda spec: Server(taken, SimpleNamespace(experiment_id="7")))
+    assert tracking.experiment_id(spec) == "7"
 
 
 def test_the_readme_is_short_shows_the_two_commands_and_every_doc_it_links_exists():

@@ -31,8 +31,8 @@ from pipelines.listing import ABSENT, glob_magic, strict_glob, walk_files
 from pipelines.manifest import StageError, atomic_write_text, plain_rel, read_json_record, under
 from pipelines.spec import JobSpec, resolve_path
 from pipelines.storage import oserrors
-from pipelines.storage.s3 import (EmbeddedDown, S3ConfigError, client_from, client_settings, missing, outage,
-                                  same_etag, split_uri)
+from pipelines.storage.s3 import (EmbeddedDown, S3ConfigError, client_from, client_settings, credentials_lapsed,
+                                  missing, outage, same_etag, split_uri)
 
 DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".zst", ".zstd", ".warc", ".txt", ".parquet")  # .jsonl.gz, .warc.gz …
 FORMATS = ("JSONL (.jsonl/.json, plain, .gz or .zst)", "Parquet (.parquet: a Spark task per row group)",
@@ -131,10 +131,10 @@ def s3_sources(spec: JobSpec, uri: str, refused: list[dict] | None = None) -> li
         raise InputUnavailable(f"input {uri}: {e}") from None
     except S3ConfigError as e:
         raise IngestError(f"input {uri}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - botocore's errors: no bucket, no access (2); no answer (75)
-        if outage(e):
-            raise InputUnavailable(f"input {uri}: the endpoint did not answer the listing ({type(e).__name__}: {e}); "
-                                   "run it again") from None
+    except Exception as e:  # noqa: BLE001 - botocore's errors: no bucket, no access (2); no answer, lapsed (75)
+        if outage(e) or credentials_lapsed(e):
+            what = "the endpoint did not answer the listing" if outage(e) else "the credentials lapsed"
+            raise InputUnavailable(f"input {uri}: {what} ({type(e).__name__}: {e}); run it again") from None
         raise IngestError(f"input {uri}: cannot list it ({type(e).__name__}: {e})") from None
     objects = sorted((o for o in objects if o["Key"] == prefix or is_data_file(o["Key"])), key=lambda o: o["Key"])
     bad = [o for o in objects if not plain_rel(o["Key"])]

@@ -47,8 +47,9 @@ from urllib.parse import urlsplit
 
 from boto3.exceptions import RetriesExceededError as Boto3RetriesExceeded, S3UploadFailedError
 from botocore.config import Config
-from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError, HTTPClientError,
-                                 NoCredentialsError, NoRegionError, PartialCredentialsError)
+from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError,
+                                 CredentialRetrievalError, HTTPClientError, MetadataRetrievalError, NoCredentialsError,
+                                 NoRegionError, PartialCredentialsError, TokenRetrievalError)
 from s3transfer.exceptions import RetriesExceededError
 from s3transfer.utils import ChunksizeAdjuster
 
@@ -465,6 +466,16 @@ def credentials_refused(e: BaseException) -> bool:
             "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"))
     return isinstance(e, (NoCredentialsError, PartialCredentialsError, NoRegionError)) or (
         isinstance(e, S3ConfigError) and not isinstance(e, EmbeddedDown))
+
+
+def credentials_lapsed(e: BaseException) -> bool:
+    """Did these credentials lapse rather than get refused: an expired session token, or a credentials provider (the
+    instance metadata service, a container role, STS, SSO) that did not answer? Not the user's to fix: a retry
+    fetches fresh ones (:func:`credentials_refused` holds for neither)."""
+    e = wrapped(e) or e
+    if isinstance(e, ClientError):
+        return str(e.response.get("Error", {}).get("Code", "")) in ("ExpiredToken", "ExpiredTokenException")
+    return isinstance(e, (CredentialRetrievalError, MetadataRetrievalError, TokenRetrievalError))
 
 
 def client(spec: JobSpec):

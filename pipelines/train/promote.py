@@ -16,6 +16,7 @@ from pathlib import Path
 from pipelines.cli import stage_dir, stage_main
 from pipelines.manifest import Manifest, StageError, input_ref, plain_rel, run_stage
 from pipelines.spec import JobSpec
+from pipelines.storage import oserrors
 from pipelines.train.ckpt import fence_l2, history
 from pipelines.train.ckpt.s3_tier import commit_at
 from pipelines.train.ckpt.protocol import CheckpointError, parse_step, read_local_manifest
@@ -50,7 +51,8 @@ def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
 
     done = sd.existing()
     if done is not None:  # the manifest says promoted; make sure L2 still verifies
-        if commit_at(spec, done.extra["l2_uri"]) == done.extra["commit"]:
+        said = done.extra.get("commit")  # (None: a manifest of before 2026-12-03 that recorded no COMMIT: redone)
+        if said is not None and commit_at(spec, done.extra["l2_uri"]) == said:
             carry(_l1_manifest(spec, rel))  # a step promoted before the stage put the run's records there too
             print(f"[promote] up to date: {done.path}")
             return done
@@ -59,11 +61,17 @@ def run(spec: JobSpec, train: Manifest, out_dir: str | None = None) -> Manifest:
 
 
 def _l1_manifest(spec: JobSpec, rel: str) -> dict:
-    """The step's manifest on L1; {} when L1 holds none that reads (the step's term is then L1's highest)."""
+    """The step's manifest on L1; {} when L1 holds none that reads (no COMMIT, gone by retention: the step's term is
+    then L1's highest). L1 failing to answer (EIO, ESTALE …: 75) or refusing this user (2) raises: the step's term,
+    which its file on L1 may have lost, is unknown, not none."""
     try:
         return read_local_manifest(Path(tier_locations(spec, rel)["L1"]))
-    except (CheckpointError, OSError, ValueError):
+    except (CheckpointError, ValueError):
         return {}
+    except OSError as e:
+        if e.errno in oserrors.ANSWERS:
+            return {}
+        raise fence_l2.l1_unreadable(f"L1: the manifest of {rel} cannot be read", e) from None
 
 
 def summary(m: Manifest) -> str:

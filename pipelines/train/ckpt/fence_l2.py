@@ -106,7 +106,7 @@ def carry(spec: JobSpec, rel_root: str, step_term: Optional[int] = None, log=pri
     try:
         terms = read_terms(fence_dir(spec, rel_root))
     except OSError as e:  # unknown is not "no term": the step waits for the next run of the stage
-        raise _unread(f"L1: the terms of {rel_root} cannot be read", e) from None
+        raise l1_unreadable(f"L1: the terms of {rel_root} cannot be read", e) from None
     top = max((t for t, body in terms.items() if isinstance(body.get("attempt"), str)), default=None)
     body = terms[top] if top is not None else {}
     if step_term is not None and (top is None or step_term > top):
@@ -122,11 +122,11 @@ def carry(spec: JobSpec, rel_root: str, step_term: Optional[int] = None, log=pri
         except (CheckpointError, ValueError) as e:  # torn or refused: copying it would spread it
             log(f"[promote] warning: the {what} record of {rel_root} on L1 is not copied to L2: {e}")
         except OSError as e:  # L1 failing: the stage's retry reads it again
-            raise _unread(f"L1: the {what} record of {rel_root} cannot be read", e) from None
+            raise l1_unreadable(f"L1: the {what} record of {rel_root} cannot be read", e) from None
     return top
 
 
-def _unread(what: str, e: OSError) -> CheckpointError:
+def l1_unreadable(what: str, e: OSError) -> CheckpointError:
     """An L1 read that failed, as the one OSError rule says: storage failing is :class:`TierUnavailable` (75, the
     stage's retry reads it again); a refusal, or a link where a record belongs, is the user's to fix (2)."""
     line = f"{what}: {type(e).__name__}: {e}"

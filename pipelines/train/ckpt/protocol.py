@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-from pipelines.exit_codes import RETRY
+from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.manifest import StageError, plain_rel, sha256_file
 from pipelines.storage import faults
 
@@ -82,6 +82,15 @@ class UnsafeCheckpoint(CheckpointError):
 class L2Unavailable(TierUnavailable):
     """The object store does not answer (down, refusing, throttling past the retries): L2 is skipped for now where
     another tier serves, and never read as "no COMMIT"."""
+
+
+class L2Refused(L2Unavailable):
+    """The object store refused these credentials or this configuration (401/403, a bad key or signature; not an
+    expired session token, which a retry refreshes): L2 is unusable as when it is down, skipped where another tier
+    serves; where only L2 could answer (a stage's read or put, the term floor of a new L1, a restore whose steps are
+    only there) no retry mends it: the user's to fix (exit 2)."""
+
+    exit_code = USER_ERROR
 
 
 def step_name(step: int) -> str:

@@ -120,7 +120,7 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
         except ck.TierUnavailable as e:  # (the same on every rank) name the newer step that did not answer too
             if blocked is None:
                 raise
-            raise ck.TierUnavailable(f"{e}; and {_not_older(*blocked)}") from None  # (L2 too: 75)
+            raise type(e)(f"{e}; and {_not_older(*blocked)}") from None  # (75; L2Refused: 2)
         for c in cands:
             if blocked is not None and (blocked[0] is None or c["step"] < blocked[0]):
                 raise Unanswered.stop(_not_older(*blocked, c["step"]), blocked[1])
@@ -205,10 +205,11 @@ def _choose(ckpt, per_node: dict[int, dict], want: Optional[int], l2_skip: Optio
         try:
             cands = candidates(ckpt, per_node, want) if l2_skip is None else l2_candidates(ckpt, want, l2_skip)
         except Exception as e:  # noqa: BLE001 - every rank fails with rank 0's reason, none waits for it
-            cands = {"error": f"{type(e).__name__}: {e}"}
+            cands = {"error": f"{type(e).__name__}: {e}", "refused": isinstance(e, ck.L2Refused)}
     cands = _bcast(cands)
-    if isinstance(cands, dict):  # storage that did not answer (exit 75), not a spec to fix
-        raise ck.TierUnavailable(f"restore: cannot list this run's checkpoints: {cands['error']}")
+    if isinstance(cands, dict):  # storage that did not answer (exit 75); L2 refusing these credentials (2)
+        raise (ck.L2Refused if cands["refused"] else ck.TierUnavailable)(
+            f"restore: cannot list this run's checkpoints: {cands['error']}")
     return cands
 
 
@@ -279,6 +280,10 @@ def l2_candidates(ckpt, want: Optional[int], skip: set[int]) -> list[dict]:
             info = _part_info({**man, "part": 0}) if man is not None else None
             if info is not None and history.accepts(rec, s, *info[3:]):
                 found.append({"step": s, "attempt": info[2], "parts": info[1], "l1": False})
+    except ck.L2Refused as e:  # no retry mends it: the user's (2)
+        ckpt.log(f"[ckpt] restore: L2 refused the request ({e}) and L1 and the nodes' disks hold no step to "
+                 "restore: not starting over")
+        raise
     except ck.L2Unavailable as e:
         ckpt.log(f"[ckpt] restore: L2 does not answer ({e}) and L1 and the nodes' disks hold no step to restore: "
                  "not starting over (a retry looks again)")

@@ -21,11 +21,11 @@ from botocore.exceptions import ClientError
 from pipelines.spec import JobSpec
 from pipelines.storage import faults
 from pipelines.storage.s3 import (b64, checksums_verified, client, composite_sha256, conditional_conflict, conditions,
-                                  missing, object_matches, part_digests, part_size_used, precondition_failed, probed,
-                                  split_uri, unreachable)
+                                  credentials_refused, missing, object_matches, part_digests, part_size_used,
+                                  precondition_failed, probed, split_uri, unreachable)
 from pipelines.train.ckpt import fence
-from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Unavailable,
-                                        manifest_files, part_name, verify_local)
+from pipelines.train.ckpt.protocol import (CKPT_MANIFEST, COMMIT, PARTS, PARTS_META, CheckpointError, L2Refused,
+                                        L2Unavailable, manifest_files, part_name, verify_local)
 from pipelines.train.ckpt.local import install_dir, make_durable, naming
 
 
@@ -39,15 +39,25 @@ def transfer_config(spec: JobSpec):
 
 def answered(where: str, call):
     """``call()``; None only when what it asks for is not there (no key, no bucket); an endpoint that does not
-    answer raises :class:`L2Unavailable` (an outage must never read as "absent"); any other error propagates."""
+    answer raises :class:`L2Unavailable` (an outage must never read as "absent"), one that refuses these credentials
+    :class:`L2Refused`; any other error propagates."""
     try:
         return call()
     except Exception as e:  # noqa: BLE001 - sorted into absent / unreachable / other
         if missing(e):
             return None
         if unreachable(e):
-            raise L2Unavailable(f"{where}: {type(e).__name__}: {e}") from None
+            raise unusable(where, e) from None
         raise
+
+
+def unusable(where: str, e: BaseException) -> L2Unavailable:
+    """What ``e``, an error for which :func:`~pipelines.storage.s3.unreachable` holds, says of L2 at ``where``: refused
+    credentials or configuration (:class:`L2Refused`, exit 2 where only L2 could answer), else not answering (75)."""
+    if credentials_refused(e):
+        return L2Refused(f"{where}: the object store refused the request ({type(e).__name__}: {e}); check "
+                         "services.s3_endpoint_url, services.s3_bucket and the AWS credentials this process gets")
+    return L2Unavailable(f"{where}: {type(e).__name__}: {e}")
 
 
 def s3_body(s3, bucket: str, key: str) -> Optional[bytes]:

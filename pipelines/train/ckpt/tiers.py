@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from botocore.exceptions import ClientError
-
 from pipelines import tracking
 from pipelines.manifest import atomic_write_text, plain_rel, read_small_text
 from pipelines.spec import JobSpec, resolve_path
@@ -38,7 +36,7 @@ from pipelines.train.ckpt.local import remove_local
 from pipelines.train.ckpt.parts import merge_parts, part_of, stage_part, upload_step
 from pipelines.train.ckpt.s3_markers import put as put_marker, remove_step, supported
 from pipelines.train.ckpt.s3_tier import (answered, commit_at, download_checkpoint, multipart_uploads,
-                                          object_etag, read_s3_manifest, verify_s3)
+                                          object_etag, read_s3_manifest, unusable, verify_s3)
 
 
 # ----------------------------------------------------------------------------- tier layout
@@ -89,15 +87,11 @@ def _s3_step_names(spec: JobSpec, uri: str, committed: bool = True) -> list[str]
                 parts = o["Key"][len(prefix) + 1:].split("/")
                 if len(parts) == 2 and parts[1] == COMMIT or not committed and len(parts) >= 2:
                     names.append(parts[0])
-    except ClientError as e:
-        if missing(e):  # no bucket yet: nothing promoted
+    except Exception as e:  # noqa: BLE001 - no bucket yet (nothing promoted), or the endpoint did not answer
+        if missing(e):
             return []
         if unreachable(e):
-            raise L2Unavailable(f"{uri}: {e}") from None
-        raise
-    except Exception as e:  # noqa: BLE001 - the endpoint did not answer
-        if unreachable(e):
-            raise L2Unavailable(f"{uri}: {type(e).__name__}: {e}") from None
+            raise unusable(uri, e) from None
         raise
     return sorted(set(names))
 
@@ -813,4 +807,7 @@ def promote(spec: JobSpec, rel: str, tiers: tuple[str, ...] = ("L1", "L2"),
             before_l2(read_local_manifest(Path(locs["L1"])))
         report["actions"]["L2"] = upload_step(spec, Path(locs["L1"]), locs["L2"], digests)
         report["l2_commit"] = commit_at(spec, locs["L2"])
+        if report["l2_commit"] is None:  # put and verified, then gone: never a promotion that records no COMMIT
+            raise L2Unavailable(f"{locs['L2']}: its COMMIT is gone right after the upload verified it (removed "
+                                "meanwhile); a retry looks again")
     return report
