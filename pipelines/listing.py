@@ -4,7 +4,8 @@
 the directories they may not read: the files under them vanish from the answer. What ingest lists becomes a corpus,
 and what a stage hashes says whether its done work stands, so here a directory that fails raises (its path named);
 only a path that is not there (ENOENT, ENOTDIR: one removed while it was listed too) is an answer, and so is an
-entry whose kind cannot be told (a symlink loop: not a directory).
+entry whose stat says it cannot be entered (a symlink loop, a dangling link: not a directory); an entry the pattern
+would enter whose stat fails (EIO, EACCES on a symlink's target) raises.
 
 :func:`strict_glob` matches as ``glob.glob(pattern, recursive=True)`` does and returns its paths sorted as strings:
 ``*``, ``?``, ``[…]`` within a component, ``**`` for any depth (through symlinked directories, a loop entered once),
@@ -48,10 +49,12 @@ def _is_dir(e: os.DirEntry) -> bool:
         return False
 
 
-def _entries(d: Path, dirs_only: bool) -> list[os.DirEntry]:
+def _entries(d: Path, dirs_only: bool, named=None) -> list[os.DirEntry]:
+    """The entries of ``d`` whose name ``named`` takes (all without it), only the directories among them when
+    ``dirs_only``: an entry the pattern would not enter is never asked its kind."""
     try:
         with os.scandir(d) as it:
-            return [e for e in it if not dirs_only or _is_dir(e)]
+            return [e for e in it if (named is None or named(e.name)) and (not dirs_only or _is_dir(e))]
     except OSError as e:
         _absent_or_raise(e)
         return []
@@ -89,8 +92,11 @@ def _expand(bases: list[Path], comp: str, last: bool) -> list[Path]:
     if not glob_magic(comp):
         return [b / comp for b in bases if _there(b / comp)]
     hidden = comp.startswith(".")
-    return [b / e.name for b in bases for e in _entries(b, not last)
-            if (hidden or not e.name.startswith(".")) and fnmatch.fnmatchcase(e.name, comp)]
+
+    def named(name: str) -> bool:
+        return (hidden or not name.startswith(".")) and fnmatch.fnmatchcase(name, comp)
+
+    return [b / e.name for b in bases for e in _entries(b, not last, named)]
 
 
 def _there(p: Path) -> bool:

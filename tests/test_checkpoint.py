@@ -272,9 +272,22 @@ def test_an_object_store_refusing_these_credentials_is_the_users_to_fix_where_on
         rank0 = SimpleNamespace(rank=0, spec=spec, rel_root="run/key", rec=None, log=lambda m: None)
         with pytest.raises(ck.L2Refused, match="cannot list this run's checkpoints"):  # the steps only L2 holds
             rs._choose(rank0, {}, None, set())
+        import torch.distributed as dist
+
+        from pipelines.procs import free_port
+        from pipelines.train.ckpt.checkpointer import Checkpointer
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        try:  # a training start on a new L1: its term floor is L2's to tell, and every rank stops with 2
+            with pytest.raises(ck.L2Refused, match="L2, which does, refused: .*the object store refused the request"):
+                Checkpointer(spec, "run/third", 0, 1, lambda m: None, files={})
+        finally:
+            dist.destroy_process_group()
     expired = ClientError({"Error": {"Code": "ExpiredToken"}, "ResponseMetadata": {"HTTPStatusCode": 400}}, "GetObject")
+    skewed = ClientError({"Error": {"Code": "RequestTimeTooSkewed"}, "ResponseMetadata": {"HTTPStatusCode": 403}},
+                         "GetObject")  # the node's clock, not who signed
     down = ClientError({"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}, "GetObject")
-    for e in (expired, down):
+    for e in (expired, skewed, down):
         assert type(ckpt_s3.unusable("s3://b/k", e)) is ck.L2Unavailable and ckpt_s3.unusable("", e).exit_code == 75
 
 
@@ -302,9 +315,11 @@ def test_the_promote_stage_never_records_a_promotion_without_its_commit_nor_read
     monkeypatch.setattr(promote_stage, "promote", lambda *a, **k: {**old(*a, **k), "l2_commit": None})  # as before
     assert promote_stage.run(spec, train).extra["commit"] is None  # a manifest of the old code: no COMMIT recorded
     monkeypatch.setattr(promote_stage, "promote", old)
+    client(spec).delete_object(Bucket="ckpt-commit", Key=f"checkpoints/{rel}/COMMIT")  # and none on L2: null = null
     capsys.readouterr()
     done = promote_stage.run(spec, train)
     assert done.extra["commit"] == real(spec, done.extra["l2_uri"]) and "up to date" not in capsys.readouterr().out
+    assert done.extra["commit"] is not None
     assert promote_stage.run(spec, train).path == done.path and "up to date" in capsys.readouterr().out
 
     def failing(code):

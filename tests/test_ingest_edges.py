@@ -220,7 +220,8 @@ def test_a_folder_whose_kind_cannot_be_read_is_never_passed_over(tmp_path, monke
     """Under a pattern of two components or more, whether an entry is a folder may take a stat (a symlink, a file
     system that gives no entry types); that stat answering EIO read as "not a folder" dropped every file under it
     from the corpus, exit 0. Now only an answer (a loop, a dangling link) is "not a folder"; EIO stops the stage
-    with 75, EACCES with 2, the entry named."""
+    with 75, EACCES with 2, the entry named; an entry the pattern would not enter (hidden, another name) is never
+    asked, as glob does not."""
     import contextlib
     import errno
 
@@ -228,19 +229,19 @@ def test_a_folder_whose_kind_cannot_be_read_is_never_passed_over(tmp_path, monke
     from pipelines.listing import strict_glob
 
     root = tmp_path / "raw"
-    for rel in ("a/x.jsonl", "b/y.jsonl"):
+    for rel in ("a/x.jsonl", "b/y.jsonl", ".cache/z.jsonl", "zz/w.jsonl"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("{}\n")
     (root / "loop").symlink_to("loop")  # its stat answers ELOOP: no folder, as glob says
     (root / "gone").symlink_to("nowhere")
-    real, code = os.scandir, [errno.EIO]
+    real, code, failing = os.scandir, [errno.EIO], {"b"}
 
     class Entry:  # an entry of the real listing whose stat of b fails as the file system says
         def __init__(self, e):
             self.e, self.name, self.path = e, e.name, e.path
 
         def is_dir(self, follow_symlinks=True):
-            if self.name == "b":
+            if self.name in failing:
                 raise OSError(code[0], os.strerror(code[0]), self.path)
             return self.e.is_dir(follow_symlinks=follow_symlinks)
 
@@ -264,9 +265,13 @@ def test_a_folder_whose_kind_cannot_be_read_is_never_passed_over(tmp_path, monke
         sources.local_sources(pattern)
     assert e.value.exit_code == 2
     code[0] = errno.ELOOP  # an answer: b is no folder to list, the rest is the whole answer
-    assert [p.relative_to(root).as_posix() for p in strict_glob(pattern)] == ["a/x.jsonl"]
+    assert [p.relative_to(root).as_posix() for p in strict_glob(pattern)] == ["a/x.jsonl", "zz/w.jsonl"]
+    code[0], failing = errno.EACCES, {".cache", "zz"}  # entries these patterns do not enter: not asked
+    assert [p.relative_to(root).as_posix() for p in strict_glob(str(root / "[ab]/*.jsonl"))] == ["a/x.jsonl",
+                                                                                               "b/y.jsonl"]
+    assert len(strict_glob(str(root / "[!z]*/*.jsonl"))) == 2
     monkeypatch.undo()
-    assert [p.relative_to(root).as_posix() for p in strict_glob(pattern)] == ["a/x.jsonl", "b/y.jsonl"]
+    assert [p.relative_to(root).as_posix() for p in strict_glob(pattern)] == ["a/x.jsonl", "b/y.jsonl", "zz/w.jsonl"]
 
 
 def test_an_s3_listing_whose_credentials_lapsed_is_a_retry_and_a_refused_one_the_users(home, monkeypatch):
@@ -295,6 +300,7 @@ def test_an_s3_listing_whose_credentials_lapsed_is_a_retry_and_a_refused_one_the
     cases = [(answer("ExpiredToken", 400), 75, "the credentials lapsed"),
              (CredentialRetrievalError(provider="container-role", error_msg="timed out"), 75, "the credentials lapsed"),
              (MetadataRetrievalError(error_msg="timed out"), 75, "the credentials lapsed"),
+             (answer("RequestTimeTooSkewed", 403), 75, "the credentials lapsed"),  # this node's clock
              (answer("SlowDown", 503), 75, "the endpoint did not answer the listing"),
              (answer("AccessDenied", 403), 2, "cannot list it"), (answer("NoSuchBucket", 404), 2, "cannot list it")]
     for error, code, said in cases:

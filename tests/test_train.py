@@ -249,8 +249,11 @@ def test_a_rank_marks_final_only_the_stops_that_would_repeat(tmp_path, monkeypat
     from pipelines.train import trainer as tr
     from pipelines.train.loader import TokenOutOfVocab
 
+    from pipelines.train.ckpt.protocol import L2Refused, L2Unavailable
+
     cases = [(tr.TrainingDiverged("step 9: diverged"), True), (TokenOutOfVocab("shard"), True),
-             (tr.ResumeError("another model"), True), (tr.ResumeError("no tier holds step 5", final=False), False)]
+             (tr.ResumeError("another model"), True), (tr.ResumeError("no tier holds step 5", final=False), False),
+             (L2Refused("s3://b/k: the object store refused the request"), True)]  # credentials: every try alike
     for n, (error, final) in enumerate(cases):
         def fail(*a, _e=error, **k):
             raise _e
@@ -259,6 +262,9 @@ def test_a_rank_marks_final_only_the_stops_that_would_repeat(tmp_path, monkeypat
         out = tmp_path / f"o{n}"
         assert tr._run_rank(None, SimpleNamespace(out=str(out), tokenize_manifest="m", ckpt_root=str(out)), None) == 2
         assert [o.get("final", False) for o in xc.read_outcomes(out)] == [final], error
+    monkeypatch.setattr(tr, "train", lambda *a, **k: fail(_e=L2Unavailable("s3://b/k: SlowDown")))  # down: a retry
+    assert tr._run_rank(None, SimpleNamespace(out=str(tmp_path / "d"), tokenize_manifest="m", ckpt_root="c"),
+                        None) == 75
     monkeypatch.setattr(tr, "train", lambda *a, **k: json.loads("{"))  # a torn read: not final
     with pytest.raises(ValueError):
         tr._run_rank(None, SimpleNamespace(out=str(tmp_path / "v"), tokenize_manifest="m", ckpt_root="c"), None)

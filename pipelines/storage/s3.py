@@ -454,27 +454,34 @@ def _not_answering(code: str, status: int) -> bool:
     return status >= 500 or status == 429 or code in NOT_ANSWERING
 
 
+# a request's signature refused for its time, not for who signed it: a session token expired (a retry refreshes it),
+# a node's clock off by minutes (403 RequestTimeTooSkewed: the node's, which a retry elsewhere or after NTP mends)
+LAPSED = frozenset({"ExpiredToken", "ExpiredTokenException", "RequestTimeTooSkewed"})
+
+
 def credentials_refused(e: BaseException) -> bool:
     """Did the object store refuse these credentials or this configuration (401/403, a bad key or signature; none or
     half of a key pair; no region; the embedded endpoint not installed): no retry mends it. A credentials provider
-    that did not answer, an expired session token (refreshed on a retry) and anything else are not."""
+    that did not answer, a signature refused for its time (:data:`LAPSED`: an expired session token, a skewed clock)
+    and anything else are not."""
     e = wrapped(e) or e
     if isinstance(e, ClientError):
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = str(e.response.get("Error", {}).get("Code", ""))
-        return code != "ExpiredToken" and (status in (401, 403) or code in (
+        return code not in LAPSED and (status in (401, 403) or code in (
             "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"))
     return isinstance(e, (NoCredentialsError, PartialCredentialsError, NoRegionError)) or (
         isinstance(e, S3ConfigError) and not isinstance(e, EmbeddedDown))
 
 
 def credentials_lapsed(e: BaseException) -> bool:
-    """Did these credentials lapse rather than get refused: an expired session token, or a credentials provider (the
-    instance metadata service, a container role, STS, SSO) that did not answer? Not the user's to fix: a retry
-    fetches fresh ones (:func:`credentials_refused` holds for neither)."""
+    """Did these credentials lapse rather than get refused: an expired session token or a signature dated by a skewed
+    clock (:data:`LAPSED`), or a credentials provider (the instance metadata service, a container role, STS, SSO)
+    that did not answer? Not the user's to fix: a retry signs anew with fresh ones (:func:`credentials_refused`
+    holds for none of them)."""
     e = wrapped(e) or e
     if isinstance(e, ClientError):
-        return str(e.response.get("Error", {}).get("Code", "")) in ("ExpiredToken", "ExpiredTokenException")
+        return str(e.response.get("Error", {}).get("Code", "")) in LAPSED
     return isinstance(e, (CredentialRetrievalError, MetadataRetrievalError, TokenRetrievalError))
 
 

@@ -54,8 +54,8 @@ from pipelines.storage import faults as storage_faults
 from pipelines.storage import oserrors
 from pipelines.train import heartbeat
 from pipelines.train.ckpt import history
-from pipelines.train.ckpt.protocol import (CheckpointError, CopyRefused, TierUnavailable, UnsafeCheckpoint,
-                                           step_name)
+from pipelines.train.ckpt.protocol import (CheckpointError, CopyRefused, L2Refused, TierUnavailable,
+                                           UnsafeCheckpoint, step_name)
 from pipelines.train.ckpt.tiers import clear_run, read_lineage, write_lineage
 from pipelines.train.loader import (Prefetcher, TokenOutOfVocab, mixture_keys, mixture_metrics, sampler_for,
                                    train_samples)
@@ -367,11 +367,12 @@ class Trainer:
             except (OSError, ValueError, CheckpointError) as e:  # L1 or L2 cannot be read or written, or handed
                 # back a torn record: every rank stops with the reason (JSON that does not decode is storage that
                 # lied, not the spec), none waits for rank 0 in the broadcast below
-                box = [("error", f"the lineage record cannot be read or written: {type(e).__name__}: {e}")]
+                box = [("refused" if isinstance(e, L2Refused) else "error",
+                        f"the lineage record cannot be read or written: {type(e).__name__}: {e}")]
         dist.broadcast_object_list(box, src=0)
         rec, mode = box[0]
-        if rec == "error":  # storage, not the spec: exit_codes.RETRY
-            raise TierUnavailable(mode)
+        if rec in ("error", "refused"):  # storage, not the spec: exit_codes.RETRY; L2 refusing these credentials: 2
+            raise (L2Refused if rec == "refused" else TierUnavailable)(mode)
         self.ckpt.set_lineage(rec)
         if mode == "never":
             self._take_over(rec, mode, None)
@@ -848,9 +849,9 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
             print(f"train: error: the outcome file could not be written in {out}: exiting 75 instead", file=sys.stderr)
             return xc.RETRY
         return xc.OK
-    except (TrainingDiverged, ResumeError, TokenOutOfVocab, CopyRefused, UnsafeCheckpoint) as e:
-        print(f"train: error: {e}", file=sys.stderr)  # the spec, data, access or a forged copy must change: every
-        # try would stop the same way
+    except (TrainingDiverged, ResumeError, TokenOutOfVocab, CopyRefused, UnsafeCheckpoint, L2Refused) as e:
+        print(f"train: error: {e}", file=sys.stderr)  # the spec, data, access, credentials or a forged copy must
+        # change: every try would stop the same way
         xc.write_outcome(out, rank, xc.USER_ERROR, str(e), final=getattr(e, "final", True))
         return xc.USER_ERROR
     except ValueError as e:  # a spec this world cannot run (batch sizes, vocabulary): the traceback stays

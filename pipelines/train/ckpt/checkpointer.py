@@ -189,9 +189,9 @@ class Checkpointer:
         temp dirs on its own L0 of attempts that are gone (their lease expired: a live attempt's stay)."""
         box = [self._take_term() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
-        attempt, term, why, fenced = box[0]
-        if why is not None:  # every rank stops with rank 0's reason: storage that failed or did not answer (75)
-            raise (fence.FencedOut if fenced else ck.TierUnavailable)(why)
+        attempt, term, why, stop = box[0]
+        if why is not None:  # every rank stops with rank 0's reason: storage that failed or did not answer (75),
+            raise stop(why)  # a superseded launch (FencedOut), L2 refusing these credentials (L2Refused: 2)
         lease_s = self.spec.checkpoint.lease_s
         d = fence.fence_dir(self.spec, self.rel_root)
         if self.fence is None:
@@ -210,17 +210,18 @@ class Checkpointer:
         """This run's directory on each tier (L0, L1, the L2 prefix): what its fence guards."""
         return tuple(ckpt_tiers.tier_locations(self.spec, self.rel_root).values())
 
-    def _take_term(self) -> tuple[str, Optional[int], Optional[str], bool]:
-        """Global rank 0: (a new attempt id, the term it took and renews, None, False), or (…, None, why not, whether
-        it was fenced out: a superseded launch)."""
+    def _take_term(self) -> tuple[str, Optional[int], Optional[str], Optional[type]]:
+        """Global rank 0: (a new attempt id, the term it took and renews, None, None), or (…, None, why not, the error
+        every rank stops with: ``FencedOut`` for a superseded launch, ``L2Refused`` where L2 refuses these credentials,
+        else ``TierUnavailable``)."""
         attempt = uuid.uuid4().hex[:8]
         d = fence.fence_dir(self.spec, self.rel_root)
         try:
             return self._take_term_in(d, attempt)
         except Exception as e:  # noqa: BLE001 - any failure is every rank's reason (none waits in the broadcast)
-            return attempt, None, f"cannot take this attempt's term: {type(e).__name__}: {e}", False
+            return attempt, None, f"cannot take this attempt's term: {type(e).__name__}: {e}", ck.TierUnavailable
 
-    def _take_term_in(self, d: Path, attempt: str) -> tuple[str, Optional[int], Optional[str], bool]:
+    def _take_term_in(self, d: Path, attempt: str) -> tuple[str, Optional[int], Optional[str], Optional[type]]:
         try:
             # above L2's terms (a new L1), every term a cutoff of the line names and every term that wrote a record
             # (a lost .fence: a term taken again below a cutoff would make this attempt's own steps an older term's,
@@ -232,12 +233,15 @@ class Checkpointer:
             self.fence = fence.Fence.take(d, attempt, self.spec.checkpoint.lease_s, self._fenced_roots(), self.log,
                                           fence.launch_id(), floor)
         except fence.FencedOut as e:
-            return attempt, None, str(e), True
+            return attempt, None, str(e), fence.FencedOut
+        except ck.L2Refused as e:  # no retry mends it
+            return attempt, None, f"L1 holds no record of this run's terms and L2, which does, refused: {e}", \
+                ck.L2Refused
         except ck.L2Unavailable as e:
             return attempt, None, f"L1 holds no record of this run's terms and L2, which does, did not answer: {e}", \
-                False
+                ck.TierUnavailable
         except (OSError, ck.CheckpointError) as e:
-            return attempt, None, f"checkpoint.l1: cannot take this attempt's term: {e}", False
+            return attempt, None, f"checkpoint.l1: cannot take this attempt's term: {e}", ck.TierUnavailable
         # after the take: a retirement deletes the fence only once the record says so, so a term taken in a fence it
         # had removed is seen here (a zombie restart of a replaced generation would start at term 1 there again)
         try:
@@ -245,14 +249,14 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - L1 or L2 did not answer, a record that is not one: later (75)
             self._withdraw(d)
             return attempt, None, f"the record of this key's generations cannot be read: {type(e).__name__}: {e}", \
-                False
+                ck.L2Refused if isinstance(e, ck.L2Refused) else ck.TierUnavailable
         if gone is not None:
             self._withdraw(d)
-            return attempt, None, f"[fence] {gone}", True
+            return attempt, None, f"[fence] {gone}", fence.FencedOut
         self.fence.start_renewing()
         self.log(f"[fence] attempt {attempt} holds term {self.fence.term} (lease checkpoint.lease_s="
                  f"{self.spec.checkpoint.lease_s:g} s)")
-        return attempt, self.fence.term, None, False
+        return attempt, self.fence.term, None, None
 
     def _withdraw(self, d: Path) -> None:
         """Rank 0, refused after taking its term: its lease goes; its term stays, leaseless, where an older term is

@@ -120,7 +120,8 @@ def restore(ckpt, step: Optional[int] = None) -> Optional[Restored]:
         except ck.TierUnavailable as e:  # (the same on every rank) name the newer step that did not answer too
             if blocked is None:
                 raise
-            raise type(e)(f"{e}; and {_not_older(*blocked)}") from None  # (75; L2Refused: 2)
+            raise ck.TierUnavailable(f"{e}; and {_not_older(*blocked)}") from None  # (L2 too: 75, as the other may
+            # answer a retry)
         for c in cands:
             if blocked is not None and (blocked[0] is None or c["step"] < blocked[0]):
                 raise Unanswered.stop(_not_older(*blocked, c["step"]), blocked[1])
