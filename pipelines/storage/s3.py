@@ -421,7 +421,7 @@ def unreachable(e: BaseException) -> bool:
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return code in ("AccessDenied", "ExpiredToken", "InvalidAccessKeyId", "SignatureDoesNotMatch") \
+        return code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or code in LAPSED \
             or status in (401, 403) or _not_answering(code, status)  # credentials that do not work: as if down
     return isinstance(e, (BotoCoreError, ConnectionError, TimeoutError)) or isinstance(e, S3ConfigError)
 

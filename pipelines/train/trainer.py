@@ -646,7 +646,12 @@ class Trainer:
                      f"position {position} skipped")
         else:
             skip = set(self.sampler.skip)
-            restored = self.ckpt.restore(last)
+            try:
+                restored = self.ckpt.restore(last)
+            except L2Refused as e:  # L2 refused this run all along (skipped, as when down): it holds no step of
+                # this attempt's; a retry resumes from the newest step L1 verifies (75), as with L2 down
+                raise CheckpointError(f"step {step}: {why}; the checkpoint of step {last} to roll back to verifies "
+                                      f"on neither L0 nor L1, and L2 refused: {e}") from None
             if restored is None:  # the step this attempt saved is on no tier: storage lost it (exit 75, a retry
                 # resumes from the newest step that verifies), not a run the user must change
 
@@ -834,7 +839,7 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
     out, rank = Path(args.out), int(os.environ.get("RANK", 0))
     stopped = xc.final_stop(out)
     if stopped is not None:  # torchrun (or the pod's restart policy) restarted ranks that would stop the same way
-        print(f"train: error: rank {stopped.get('rank')} of this launch stopped for the spec or the data "
+        print(f"train: error: rank {stopped.get('rank')} of this launch stopped for the spec, the data or access "
               f"({out}/{xc.outcome_name(stopped.get('rank'), stopped.get('attempt'))}): {stopped.get('reason')}; "
               "not training again",
               file=sys.stderr)
