@@ -421,8 +421,8 @@ def unreachable(e: BaseException) -> bool:
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or code in LAPSED \
-            or status in (401, 403) or _not_answering(code, status)  # credentials that do not work: as if down
+        # credentials that do not work, for good or for now: as if down
+        return code in REFUSED_CODES or code in LAPSED or status in (401, 403) or _not_answering(code, status)
     return isinstance(e, (BotoCoreError, ConnectionError, TimeoutError)) or isinstance(e, S3ConfigError)
 
 
@@ -454,6 +454,7 @@ def _not_answering(code: str, status: int) -> bool:
     return status >= 500 or status == 429 or code in NOT_ANSWERING
 
 
+REFUSED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"})  # these credentials, for good
 # a request's signature refused for its time, not for who signed it: a session token expired (a retry refreshes it),
 # a node's clock off by minutes (403 RequestTimeTooSkewed: the node's, which a retry elsewhere or after NTP mends)
 LAPSED = frozenset({"ExpiredToken", "ExpiredTokenException", "RequestTimeTooSkewed"})
@@ -468,8 +469,7 @@ def credentials_refused(e: BaseException) -> bool:
     if isinstance(e, ClientError):
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = str(e.response.get("Error", {}).get("Code", ""))
-        return code not in LAPSED and (status in (401, 403) or code in (
-            "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"))
+        return code not in LAPSED and (status in (401, 403) or code in REFUSED_CODES)
     return isinstance(e, (NoCredentialsError, PartialCredentialsError, NoRegionError)) or (
         isinstance(e, S3ConfigError) and not isinstance(e, EmbeddedDown))
 
