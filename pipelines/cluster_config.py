@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.exit_codes import USER_ERROR
+from pipelines.exit_codes import RETRY, USER_ERROR
 from pipelines.manifest import atomic_write_text
 from pipelines.spec import GPUS_PER_INSTANCE_TYPE, INSTANCE_TYPE_LABEL, SpecError, load_spec, redact
 
@@ -49,6 +49,14 @@ class WiringError(ValueError):
     pass
 
 
+class StateUnanswered(RuntimeError):
+    """``terraform output`` did not end within :data:`OUTPUT_TIMEOUT_S` (a remote state backend that does not answer):
+    a retry's (75), not the user's to fix."""
+
+
+OUTPUT_TIMEOUT_S = 300.0  # one root's `terraform output -json`: reading a remote state takes seconds
+
+
 LAYERS = ("aws", "platform")  # the roots of an environment, in apply order
 
 
@@ -61,7 +69,10 @@ def _values(raw: dict) -> dict:
 def _terraform_output(d: Path) -> dict:
     try:
         return json.loads(subprocess.run(["terraform", f"-chdir={d}", "output", "-json"], check=True,
-                                         capture_output=True, text=True).stdout)
+                                         capture_output=True, text=True, timeout=OUTPUT_TIMEOUT_S).stdout)
+    except subprocess.TimeoutExpired:
+        raise StateUnanswered(f"`terraform output -json` in {d} did not end in {OUTPUT_TIMEOUT_S / 60:g} min (its "
+                              "state backend did not answer): run it again") from None
     except (OSError, subprocess.CalledProcessError) as e:
         raise WiringError(f"`terraform output -json` failed in {d} (run `terraform init` and `terraform apply` "
                           f"there first): {e}") from None
@@ -202,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     except WiringError as e:
         print(f"cluster_config: error: {e}", file=sys.stderr)
         return USER_ERROR
+    except StateUnanswered as e:
+        print(f"cluster_config: error: {e}", file=sys.stderr)
+        return RETRY
     atomic_write_text(out_path, text)  # only once it validates: a working spec there is never replaced by a bad one
     print(f"cluster_config: wrote {out_path} (launcher.kind=trainjob, Spark {out['spark_master']}, "
           f"MLflow {redact(out['mlflow_tracking_uri'])})")

@@ -115,10 +115,15 @@ class Manifest:
         return Path(self.path).parent
 
     def output(self, name: str) -> Path:
-        """Absolute path of the output called ``name``."""
+        """Absolute path of the output called ``name``; a path the manifest names outside its own directory (``..``,
+        absolute, a symlink leading out: a manifest from storage is data) is refused (:class:`ManifestInvalid`: exit 2,
+        a ``ValueError`` too)."""
         for o in self.outputs:
             if o["name"] == name:
-                return self.dir / o["path"]
+                try:
+                    return under(self.dir, o["path"])
+                except ValueError as e:
+                    raise ManifestInvalid(f"manifest {self.path}: output {name!r}: {e}; refusing it") from None
         raise KeyError(f"{self.stage} manifest has no output {name!r}; it has {[o['name'] for o in self.outputs]}")
 
     def output_sha(self, name: str) -> str:

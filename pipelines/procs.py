@@ -7,6 +7,9 @@
   before its own shutdown is over would leave them running.
 * :func:`stop_tree` does the same for a process and its descendants when they share our group (spark-submit started
   by the Spark provider).
+* A process ending itself (a rank, a scorer) waits for its own threads a bounded time (:func:`main_bounded`): the
+  interpreter's shutdown joins every non-daemon thread and executor worker, and one stuck in I/O on a stalled disk
+  would keep the process (and the task waiting for it) alive for ever.
 * A pid file records :func:`identity` (pid, start time, command line); :func:`still_running` is true only for that
   same process (same start time), so a stop command never signals a process that reused the pid.
 
@@ -17,9 +20,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection, NoReturn
 
 
 CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" or "max <period>" (a container's CPU limit)
@@ -329,3 +334,48 @@ def kill_all(pids: list[int], grace_s: float = 10.0, reap: int | None = None) ->
     known = {p: t for p in pids if (t := start_time(p)) is not None}
     kill_known(known, grace_s, reap)
     return len(pids)
+
+
+EXIT_GRACE_S = 120.0  # how long a process that has ended its work waits for its threads before it leaves without them
+
+
+def end_process(code: int, at_once: bool = False) -> NoReturn:
+    """Exit with ``code``: at once (``os._exit``, the output flushed: a stop for storage may leave a thread stuck in
+    I/O), else through the interpreter's shutdown, bounded by :data:`EXIT_GRACE_S` (:func:`bound_shutdown`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if at_once:
+        os._exit(code)
+    bound_shutdown(code)
+    sys.exit(code)
+
+
+def bound_shutdown(code: int) -> None:
+    """Arm a daemon timer that ends the process with ``code`` if it is still alive :data:`EXIT_GRACE_S` from now: the
+    interpreter's shutdown joins non-daemon threads and executor workers (a commit worker on a stalled disk, an
+    upload given up on), and daemon threads keep running meanwhile."""
+    grace = EXIT_GRACE_S
+
+    def expire() -> None:
+        print(f"[exit] a thread of this process still runs {grace:.0f} s after its work ended: leaving without it "
+              f"(exit {code})", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    t = threading.Timer(grace, expire)
+    t.daemon = True
+    t.start()
+
+
+def main_bounded(main: Callable[[], int], at_once: Collection[int] = ()) -> NoReturn:
+    """``sys.exit(main())`` for an entry point whose threads may hang in I/O: its status through :func:`end_process`
+    (``at_once`` for the statuses that leave without waiting), and an exception that escapes ``main`` (its traceback
+    printed as usual) ends the process within the same bound."""
+    try:
+        code = main()
+    except SystemExit as e:
+        bound_shutdown(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
+        raise
+    except BaseException:
+        bound_shutdown(1)
+        raise
+    end_process(code, at_once=code in at_once)

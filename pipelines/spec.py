@@ -81,7 +81,8 @@ class _Section(BaseModel):
 
 
 class RunCfg(_Section):
-    name: str = Field("llm-pipeline", description="Run / MLflow experiment name.")
+    name: str = Field("llm-pipeline", description="Run / MLflow experiment name: letters, digits, '_', '-' and '.' "
+                      "(a path component of every checkpoint tier and of L2's keys).")
     seed: int = 1234
     root: str = Field("var/runs", description="Where stage outputs are written.")
     force: bool = Field(False, description="Re-run stages even when a verified manifest exists.")
@@ -89,6 +90,16 @@ class RunCfg(_Section):
                                   "holds the key's lock) as long as that run beats on the lock file; silent this "
                                   "long, it is taken for hung or lost and the stage exits 75 for a retry.")
     mlflow_run_id: Optional[str] = Field(None, description="MLflow run the stages log into (set by the DAG).")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        # one path component of every tier (checkpoints, lineage and fence records, L2 keys, the experiment's
+        # artifact location): a '/', '..' or a leading '/' would put them outside their roots
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}", v):
+            raise ValueError(f"{v!r} is not a run name: letters, digits, '_', '-' and '.' (no '/', spaces or other "
+                             "characters; not starting with '.' or '-'), 1 to 200 characters")
+        return v
 
 
 class InputFieldsCfg(_Section):

@@ -281,6 +281,16 @@ def test_an_object_store_refusing_these_credentials_is_the_users_to_fix_where_on
         try:  # a training start on a new L1: its term floor is L2's to tell, and every rank stops with 2
             with pytest.raises(ck.L2Refused, match="L2, which does, refused: .*the object store refused the request"):
                 Checkpointer(spec, "run/third", 0, 1, lambda m: None, files={})
+            from pipelines.train.trainer import Trainer
+
+            floor = fence.fence_dir(spec, "run/fourth") / fence.FLOOR_FILE  # a new L1 that read L2's terms once:
+            floor.parent.mkdir(parents=True, exist_ok=True)  # the line's record is L2's copy, and L2 refuses it
+            floor.write_text('{"l2_top": 3}')
+            start = Trainer.__new__(Trainer)
+            start.rank, start.spec, start.rel_root, start.log = 0, spec, "run/fourth", lambda m: None
+            with pytest.raises(ck.L2Refused, match="the lineage record cannot be read .*L2Refused") as e:
+                start._find_restore()  # every rank stops with 2 (not TierUnavailable's 75)
+            assert e.value.exit_code == 2
         finally:
             dist.destroy_process_group()
     expired = ClientError({"Error": {"Code": "ExpiredToken"}, "ResponseMetadata": {"HTTPStatusCode": 400}}, "GetObject")

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
@@ -581,9 +582,73 @@ def test_a_record_retiring_the_current_generation_never_deletes_it(tmp_path):
     assert ckpt_tiers.retire_generations(spec, base, lambda m: None) == {} and (step / "COMMIT").is_file()
 
 
+def test_the_embedded_endpoints_lock_held_by_a_stopped_process_is_a_retry_not_a_wait_without_end(home,
+                                                                                                 monkeypatch):
+    """The embedded endpoint's start/stop lock was a blocking ``flock``: a DAG run's task stopped (SIGSTOP) or hung on
+    ``var/`` while holding it left every other run's setup and teardown waiting for their task's timeout (an hour).
+    Now the wait is bounded (``s3.LOCK_WAIT_S``) and ends as ``EmbeddedDown``, exit 75."""
+    import fcntl
+
+    from pipelines.storage import s3
+
+    monkeypatch.setattr(s3, "LOCK_WAIT_S", 1.0)
+    lock = home / "var/s3/.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)", str(lock)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        os.kill(holder.pid, signal.SIGSTOP)  # a task stopped while it holds the lock
+        for call in (lambda: s3.acquire("run-1"), lambda: s3.release("run-1")):
+            got = []
+            t = threading.Thread(target=lambda: got.append(_raised(call)), daemon=True)  # noqa: B023 - joined here
+            t.start()
+            t.join(60)  # the bound, not the holder, ends the wait (before: never, while the holder stays stopped)
+            assert not t.is_alive() and isinstance(got[0], s3.EmbeddedDown), got
+            assert re.search(r"starting or stopping the embedded S3 endpoint for .* min", str(got[0]))
+    finally:
+        holder.kill()
+        holder.wait(30)
+    with open(lock, "w") as f:  # let go when its holder is gone: taken at once
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return e
+    return None
+
+
+def test_a_step_entry_that_is_a_symlink_loses_only_the_link(home):
+    """A step directory on L0/L1 that is a symlink (planted by anyone who writes the shared FS, leading to another
+    run's committed step): ``train.resume=never`` (``clear_run``) moved the link aside and then unlinked the COMMIT
+    *through* it, so the other run's step no longer verified. Now only the link goes; what it leads to is untouched."""
+    from pipelines.train.ckpt.local import remove_local
+
+    spec = load_spec(None, TINY + [f"checkpoint.l0={home}/l0", f"checkpoint.l1={home}/l1"], env={})
+    other = Path(ckpt_tiers.tier_locations(spec, "other/key/step-000010")["L1"])
+    other.mkdir(parents=True)
+    (other / "COMMIT").write_text("theirs")
+    (other / "model.pt").write_bytes(b"w")
+    mine = Path(ckpt_tiers.tier_locations(spec, "run/key")["L1"])
+    mine.mkdir(parents=True)
+    (mine / "step-000010").symlink_to(other)
+    assert ckpt_tiers.list_steps(spec, "run/key", ("L1",)) == {"L1": [10]}
+    assert ckpt_tiers.clear_run(spec, "run/key")["L1"] == [10]
+    assert not os.path.lexists(mine / "step-000010") and not list(mine.iterdir())  # no link, nothing moved aside
+    assert (other / "COMMIT").read_text() == "theirs" and (other / "model.pt").is_file()
+    (mine / "step-000020").symlink_to(other)
+    remove_local(mine / "step-000020")
+    assert not os.path.lexists(mine / "step-000020") and (other / "COMMIT").is_file()
+
+
 def test_every_page_of_the_registry_counts_for_the_steps_a_registered_model_needs(home):
     """``registered_steps`` guards deletes (``clear_run``, retiring a generation): it must read every version, not
-    the registry's first page (MLflow answers one page per call)."""
+    the registry's first page (MLflow answers one page per call), and every registered name, not only the spec's
+    ``registry.model_name`` (which is not part of the train stage's key: two names share its steps)."""
     from pipelines import tracking
 
     spec = load_spec(None, ["registry.model_name=paged"], env={})
@@ -598,3 +663,7 @@ def test_every_page_of_the_registry_counts_for_the_steps_a_registered_model_need
     assert len(client.search_model_versions("name='paged'", max_results=2)) == 2  # one page is not all of them
     assert sorted(int(v.version) for v in tracking.model_versions(client, "name='paged'", page=2)) == [1, 2, 3, 4, 5, 6]
     assert ckpt_tiers.registered_steps(spec, rel_root) == {10, 20, 30, 40, 50}
+    client.create_registered_model("renamed")  # the same training registered under another name (a spec whose
+    client.create_model_version("renamed", "file:///dev/null", run.info.run_id, tags={  # model_name changed): its
+        "checkpoint_uri": ckpt_tiers.tier_locations(spec, f"{rel_root}/{ck.step_name(60)}")["L2"]})  # step is kept
+    assert ckpt_tiers.registered_steps(spec, rel_root) == {10, 20, 30, 40, 50, 60}

@@ -461,7 +461,7 @@ def test_the_restore_never_takes_an_older_step_over_one_that_did_not_answer(monk
 
     def run(outcomes: dict, past=False, far=(), disk=({}, {}), want=None):
         """``outcomes``: step → "ok", "bad" (answered, does not verify), "unread", "refused" (EACCES), "down" (its
-        tier did not answer); ``far``: L2's own steps, or an exception its listing raises; ``disk``: what the node's
+        tier did not answer), "l2refused" (L2 refused these credentials a part); ``far``: L2's own steps, or an exception its listing raises; ``disk``: what the node's
         L0 inventory says (its parts and the steps whose manifest failed to be read, or why it cannot be listed)."""
         def choose(ck_, per_node, want, l2_skip):
             if l2_skip is None:
@@ -478,6 +478,8 @@ def test_the_restore_never_takes_an_older_step_over_one_that_did_not_answer(monk
                 missed.copy(f"L1 {ck.step_name(c['step'])} (PermissionError: [Errno 13] Permission denied)")
             elif how == "down":
                 missed.tier("L2 (ClientError: SlowDown)")
+            elif how == "l2refused":  # a policy that lets these credentials list L2 but not get its parts
+                missed.tier(rs.unanswered_tier(_client_error("AccessDenied", 403)))
             return SimpleNamespace(step=c["step"]) if how == "ok" else None
 
         monkeypatch.setattr(rs, "_gather", lambda obj: [obj])
@@ -503,6 +505,16 @@ def test_the_restore_never_takes_an_older_step_over_one_that_did_not_answer(monk
                                              "user may not read them: give it read access") as e:
         run({15: "refused", 10: "ok"})
     assert e.value.exit_code == 2
+    # L2 listed the step and then refused these credentials its parts: no retry reads them either (was 75)
+    with pytest.raises(ck.CopyRefused, match=r"L2 \(refused these credentials: ClientError.* did not answer for step "
+                                             r"15: .*give it read access \(L2: check services.s3_endpoint_url"):
+        run({15: "l2refused", 10: "ok"})
+    with pytest.raises(ck.CopyRefused, match="did not answer and no other tier holds a step"):
+        run({15: "l2refused"})
+    with pytest.raises(ck.TierUnavailable, match="L2Unavailable: down; and L2 .*refused these") as e:
+        run({15: "l2refused"}, far=ck.TierUnavailable("restore: cannot list this run's checkpoints: L2Unavailable: "
+                                                      "down"))  # beside a tier that did not answer: a retry's
+    assert e.value.exit_code == 75
     # the node's own disk: a step whose manifest failed to be read there, or a disk that cannot be listed
     eio = "OSError: [Errno 5] Input/output error"
     with pytest.raises(ck.TierUnavailable, match=r"node 0's L0 step-000020 \(OSError.*\) did not answer for step 20: "
@@ -591,7 +603,7 @@ def test_a_part_read_that_did_not_answer_is_told_from_a_copy_that_answered_bad()
 
     from botocore.exceptions import ReadTimeoutError
 
-    from pipelines.train.ckpt.restore import unanswered_tier
+    from pipelines.train.ckpt.restore import L2_REFUSED, unanswered_tier
 
     answered_bad = [_client_error("404", 404), _client_error("NoSuchKey", 404), ck.CheckpointError("sha256 mismatch"),
                     ck.CheckpointError("no S3 endpoint for L2"), OSError(errno.EIO, "Input/output error", "/l1/x")]
@@ -599,6 +611,9 @@ def test_a_part_read_that_did_not_answer_is_told_from_a_copy_that_answered_bad()
     no_answer = [_client_error("SlowDown", 503), _client_error("AccessDenied", 403), ReadTimeoutError(endpoint_url="u"),
                  ck.L2Unavailable("down")]
     assert all(unanswered_tier(e).startswith("L2 (") for e in no_answer), [unanswered_tier(e) for e in no_answer]
+    refused = [_client_error("AccessDenied", 403), ck.L2Refused("s3://b/k: the object store refused the request")]
+    assert [L2_REFUSED in unanswered_tier(e) for e in no_answer + refused] == [False, True, False, False, True, True]
+    assert L2_REFUSED not in unanswered_tier(_client_error("ExpiredToken", 400))  # lapsed: a retry signs anew
     nfs = OSError(errno.ETIMEDOUT, "Connection timed out", "/fsx/ckpt/.step-10.parts/part-0")
     assert unanswered_tier(nfs).startswith("L1 (TimeoutError")  # L1's file system, not S3
 

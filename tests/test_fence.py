@@ -1157,3 +1157,38 @@ def test_a_conditional_write_that_meets_another_in_flight_is_sent_again_and_its_
     both = DeleteInFlight(b"")
     s3_markers.delete(both, "ck-conflict", "a/gone", tag, cond, "removing a/gone")  # gone: as ours
     assert both.tries == 2 and s3_markers.object_etag(s3, "ck-conflict", "a/gone") is None
+
+
+def test_a_lease_that_cannot_be_read_is_live_and_nothing_of_its_attempt_is_removed(tmp_path, monkeypatch):
+    """A lease file whose read failed (EIO, ESTALE on L1's file system: no answer) counted as expired: start-up
+    cleanup then removed a running attempt's temp entries, and a new attempt's ``take`` deleted its lease. Now a
+    read still failing after its retries is a live lease; a file that answered but is not a lease still expired."""
+    import errno
+    import math
+
+    d = tmp_path / ".fence"
+    _take(d, "busy0001").release()  # a lease file of its own, then one that answers garbage
+    fence.write_lease(d, "busy0001", 1, time.time() - 3600)  # expired long ago by its content
+    (d / f"{fence.LEASE_PREFIX}torn0001").write_text("{not json")
+    real = fence._expiry
+    tries = []
+
+    def eio(p):
+        if p.name.endswith("busy0001"):
+            tries.append(p.name)
+            raise OSError(errno.EIO, "Input/output error", str(p))
+        return real(p)
+
+    monkeypatch.setattr(fence, "_expiry", eio)
+    leases = fence.read_leases(d)
+    assert leases == {"busy0001": math.inf, "torn0001": 0.0} and len(tries) == fence.READ_TRIES
+    stale = tmp_path / "l0" / ".step-000010.tmp-busy0001"
+    stale.mkdir(parents=True)
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    assert not fence.removable(stale, leases, lease_s=60.0)  # its attempt may be running
+    logs = []
+    f = fence.Fence.take(d, "next0001", 60.0, (), log=logs.append)
+    assert (d / f"{fence.LEASE_PREFIX}busy0001").exists() and "busy0001's lease cannot be read" in " ".join(logs)
+    f.release()
+    monkeypatch.setattr(fence, "_expiry", real)
+    assert fence.read_leases(d)["busy0001"] < time.time() and fence.removable(stale, fence.read_leases(d), 60.0)

@@ -354,3 +354,39 @@ def test_the_summary_hints_name_this_pythons_commands_in_a_checkout_and_in_the_i
     assert summary.bin_dir() == "$PWD/.venv/bin"
     monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python3")
     assert summary.bin_dir() == "/opt/venv/bin"
+
+
+BOUNDED_EXIT = r"""
+import sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pipelines import procs
+
+procs.EXIT_GRACE_S = 1.0
+stuck = threading.Event()
+
+
+def main():
+    ThreadPoolExecutor(1).submit(stuck.wait)  # a worker stuck in I/O: the interpreter's shutdown joins it
+    print("worked", flush=True)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("gloo timed out")
+    return int(sys.argv[1])
+
+
+procs.main_bounded(main, at_once=(75,))
+"""
+
+
+@pytest.mark.parametrize("how, code", [("0", 0), ("2", 2), ("75", 75), ("raise", 1)])
+def test_a_process_whose_thread_hangs_at_its_end_still_exits_with_its_status(how, code):
+    """A rank (and the scorer, the export) ended through the interpreter's shutdown, which joins every executor
+    worker: one stuck in a read on a stalled disk (a hashing worker, an upload given up on) kept a rank that had
+    finished (0), stopped for the user (2) or raised alive for ever, and its task waited for its timeout (days).
+    Now every end waits at most ``procs.EXIT_GRACE_S`` and keeps its status; 75 leaves at once."""
+    r = subprocess.run([sys.executable, "-c", BOUNDED_EXIT, how], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == code and r.stdout == "worked\n", (r.returncode, r.stdout, r.stderr[-2000:])
+    if how != "75":
+        assert f"still runs 1 s after its work ended: leaving without it (exit {code})" in r.stderr
+    if how == "raise":
+        assert "RuntimeError: gloo timed out" in r.stderr  # the traceback, as Python prints it

@@ -39,6 +39,12 @@ def test_errors_name_the_key_to_fix(tmp_path):
     with pytest.raises(SpecError, match=r"registry\.alias: 'latest' is not an alias"):
         load_spec(None, ["registry.alias=latest"], env={})
     assert load_spec(None, ["registry.model_name=My model-2.1"], env={}).registry.model_name == "My model-2.1"
+    # a run name is a path component of every tier and of L2's keys: '..' or '/x' put checkpoints, lineage records
+    # and retirement's deletions outside checkpoint.l1 (Path joins an absolute part as a new root)
+    for bad in ("..", "../x", "/abs", "a/b", ".hidden", "-x", "a b", "", "x" * 201):
+        with pytest.raises(SpecError, match=r"run\.name: .* is not a run name"):
+            load_spec(None, [f"run.name={bad}"], env={})
+    assert load_spec(None, ["run.name=My_Run.v2-7b"], env={}).run.name == "My_Run.v2-7b"
 
 
 def test_stage_hash_depends_only_on_the_sections_a_stage_reads():

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -553,6 +554,23 @@ def test_cluster_config_reads_both_roots_of_an_env_aws_then_platform(tmp_path, m
     assert ran == ["aws", "platform"] and out == {"region": "r1", "trainer_image": "t@sha256:" + "b" * 64}
     with pytest.raises(cc.WiringError, match="no Terraform environment"):
         cc.read_outputs(None, "nope")
+
+
+def test_a_terraform_output_that_never_ends_is_a_retry_not_a_wait_without_end(tmp_path, monkeypatch, capsys):
+    """``terraform output -json`` ran with no bound: a remote state backend that does not answer kept the wiring
+    command (and whoever waits for it) for ever. Now it ends after ``OUTPUT_TIMEOUT_S`` with one line, exit 75."""
+    from pipelines import cluster_config as cc
+
+    fake = tmp_path / "bin" / "terraform"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(cc, "OUTPUT_TIMEOUT_S", 1.0)
+    started = time.monotonic()
+    assert cc.main(["--env", "dev", "--out", str(tmp_path / "aws-dev.yaml")]) == 75
+    assert time.monotonic() - started < 30 and not (tmp_path / "aws-dev.yaml").exists()
+    assert "did not end in" in capsys.readouterr().err
 
 
 def _namespaces() -> dict[str, dict]:

@@ -248,3 +248,40 @@ def sha256_of(path) -> str:
     from pathlib import Path
 
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def test_a_previous_corpus_version_naming_files_outside_its_directory_is_refused(tmp_path):
+    """A new corpus version links the previous version's shards and reads its tokenizer by the names its manifest
+    gives (a manifest is data: its directory may be written by anyone who can write the shared FS). ``load_manifest``
+    refused names with ``..`` or absolute ones, but a shard or tokenizer that is a symlink leading out was linked (or
+    copied, or read) from outside into the new version, then hashed and published; now the names are checked where
+    they are used too, and a shard that is not a plain file is refused in one line, before anything is linked."""
+    prev_dir, outside = tmp_path / "v1", tmp_path / "secret"
+    (prev_dir / "shards").mkdir(parents=True)
+    outside.write_bytes(b"not a shard")
+    for ext in tokenize.SHARD_FILES:
+        (prev_dir / "shards" / f"train-00000{ext}").write_bytes(b"x")
+
+    def prev(prefix, tok="tokenizer.model"):
+        return Manifest(stage="tokenize", config_hash="c", outputs=[{"name": "tokenizer", "path": tok}],
+                        extra={"shards": [{"prefix": prefix}]}, path=str(prev_dir / "manifest.json"))
+
+    out = tmp_path / "v2"
+    assert [r["prefix"] for r in tokenize.link_shards(prev("shards/train-00000"), out)] == ["shards/train-00000"]
+    assert (out / "shards/train-00000.bin").read_bytes() == b"x"  # a plain shard links as before
+    for bad in ("../secret", "/etc/passwd", "shards/../../secret"):
+        with pytest.raises(ValueError, match="not a plain relative path"):
+            tokenize.link_shards(prev(bad), tmp_path / "v3")
+    (prev_dir / "shards" / "evil.bin").symlink_to(outside)
+    with pytest.raises(ValueError, match="leads outside"):
+        tokenize.link_shards(prev("shards/evil"), tmp_path / "v4")
+    (prev_dir / "shards" / "inner.bin").symlink_to(prev_dir / "shards" / "train-00000.bin")
+    with pytest.raises(ValueError, match="not a plain file"):  # even a link that stays inside: not linked through
+        tokenize.link_shards(prev("shards/inner"), tmp_path / "v5")
+    assert not (tmp_path / "v3").exists() and not (tmp_path / "v4").exists() and not (tmp_path / "v5").exists()
+    with pytest.raises(ValueError, match="not a plain relative path"):
+        prev("x", tok="../secret").output("tokenizer")
+    (prev_dir / "tokenizer.model").symlink_to(outside)
+    with pytest.raises(ValueError, match="leads outside") as e:
+        prev("x").output("tokenizer")
+    assert e.value.exit_code == 2  # a StageError: one line, the user's to fix

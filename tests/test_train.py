@@ -350,7 +350,7 @@ try:
 except Exception as e:
     print(json.dumps({"raised": type(e).__name__, "said": str(e), "s": time.monotonic() - t0}))
 sys.stdout.flush()
-os._exit(0)  # as the trainer's exit_now: no wait on gloo's threads at interpreter shutdown
+os._exit(0)  # as the trainer at 75: no wait on gloo's threads at interpreter shutdown
 """
 
 

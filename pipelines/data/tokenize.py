@@ -39,6 +39,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 from collections import Counter
@@ -58,7 +59,8 @@ from pipelines.data.text import canonical_text
 from pipelines.exit_codes import RETRY
 from pipelines.lineage.queries import excluded_docs, shards_holding
 from pipelines.lineage.takedowns import TakedownList, list_held, read_list, recorded_sha256, split_by_exclusion
-from pipelines.manifest import Manifest, StageError, file_ref, input_ref, lineage, load_manifest, sha256_file, under
+from pipelines.manifest import (Manifest, ManifestInvalid, StageError, file_ref, input_ref, lineage, load_manifest,
+                                sha256_file, under)
 from pipelines.spec import JobSpec, TokenizerCfg, resolve_path
 from pipelines.storage.s3 import (DATA_BOUNDS, UPLOAD_PART, S3ConfigError, client_from, client_settings, ensure_bucket,
                                   object_matches, outage, split_uri, unreachable, upload_checked)
@@ -557,18 +559,25 @@ LINK_REFUSED = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOP
 
 def link_shards(prev: Manifest, out: Path, skip: frozenset[str] = frozenset()) -> list[dict]:
     """The previous version's shards (but ``skip``), hard-linked into ``out`` under their own names (copied across
-    file systems): byte for byte the same files."""
+    file systems): byte for byte the same files. A shard the manifest names outside its directory, or that is not a
+    plain file there (a symlink leading out: the previous version is data), is refused (:class:`ManifestInvalid`, 2)."""
     rows = [sh for sh in prev.extra["shards"] if sh["prefix"] not in skip]
     for sh in rows:
         for ext in SHARD_FILES:
-            dest = out / (sh["prefix"] + ext)
+            try:
+                src, dest = under(prev.dir, sh["prefix"] + ext), under(out, sh["prefix"] + ext)
+            except ValueError as e:
+                raise ManifestInvalid(f"manifest {prev.path}: shard {sh['prefix']!r}: {e}; refusing it") from None
+            if not stat.S_ISREG(src.lstat().st_mode):
+                raise ManifestInvalid(f"manifest {prev.path}: {src}: a shard of this corpus version that is not a "
+                                      "plain file; refusing it")
             dest.parent.mkdir(parents=True, exist_ok=True)
             try:
-                os.link(prev.dir / (sh["prefix"] + ext), dest)
+                os.link(src, dest)
             except OSError as e:  # another file system, or one without hard links: a copy; anything else is raised
                 if e.errno not in LINK_REFUSED:
                     raise
-                shutil.copyfile(prev.dir / (sh["prefix"] + ext), dest)
+                shutil.copyfile(src, dest)
     return rows
 
 

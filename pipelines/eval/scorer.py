@@ -22,6 +22,7 @@ from pipelines.eval.bpb import bits_per_byte, combine, read_text, window_nats, w
 from pipelines.eval_sets import set_sha256
 from pipelines.launch import outcomes as xc
 from pipelines.manifest import StageError, atomic_write_text
+from pipelines.procs import main_bounded
 from pipelines.spec import add_spec_args, spec_from_args
 
 PARTS = ("reference", "heldout", "harness", "sample")
@@ -160,4 +161,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main_bounded(main)  # a thread stuck in I/O at the end keeps the process at most procs.EXIT_GRACE_S

@@ -753,11 +753,27 @@ def serving(store: Path, auth: bool = False):
             proc.wait()
 
 
+LOCK_WAIT_S = 300.0  # the embedded endpoint's start/stop lock: a holder needs seconds (a start waits 30 s at most)
+
+
 @contextlib.contextmanager
 def _locked():
+    """The embedded endpoint's start/stop lock, waited for without blocking (a blocking ``flock`` could not be
+    bounded): a holder that keeps it :data:`LOCK_WAIT_S` (stopped, hung on ``var/``) is :class:`EmbeddedDown`, a
+    retry's (75), never a DAG run's setup or teardown waiting out its task's timeout."""
     _state_dir().mkdir(parents=True, exist_ok=True)
     with open(_state_dir() / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise EmbeddedDown(f"{_state_dir() / '.lock'}: another process has been starting or stopping the "
+                                       f"embedded S3 endpoint for {LOCK_WAIT_S / 60:g} min (stopped or hung): a retry "
+                                       "looks again") from None
+                time.sleep(0.2)
         yield
 
 

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 from pipelines.exit_codes import USER_ERROR
+from pipelines.procs import main_bounded
 from pipelines.train.ckpt.dcp_read import load_plain_model
 from pipelines.train.ckpt.protocol import CheckpointError, verify_local
 
@@ -57,4 +58,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main_bounded(main)  # a thread stuck in I/O at the end keeps the process at most procs.EXIT_GRACE_S

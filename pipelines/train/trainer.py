@@ -47,7 +47,7 @@ from pipelines.exit_codes import RETRY
 from pipelines.launch import outcomes as xc
 from pipelines.launch.outcomes import PREEMPT_SIGNALS
 from pipelines.manifest import load_manifest
-from pipelines.procs import usable_cores
+from pipelines.procs import main_bounded, usable_cores
 from pipelines.progress import progress
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 from pipelines.storage import faults as storage_faults
@@ -884,16 +884,9 @@ def _run_rank(spec: JobSpec, args, notice: Notice) -> int:
     return xc.OK
 
 
-def exit_now(code: int) -> None:
-    """End the rank with ``code``. A rank that stops for storage (75) may leave a thread stuck in I/O that never
-    returns (a save's commit on a stalled disk: a worker that interpreter shutdown would join for ever): it leaves
-    without waiting for it, its outcome file and output already written."""
-    if code == RETRY:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
 if __name__ == "__main__":
-    exit_now(main())
+    # a rank that stops for storage (75) may leave a thread stuck in I/O that never returns (a save's commit on a
+    # stalled disk): it leaves at once, its outcome file and output already written; any other end (0, 2, an
+    # exception) waits for its threads at most procs.EXIT_GRACE_S (a promotion to L2 still running at the end, a
+    # hashing worker stuck in a read)
+    main_bounded(main, at_once=(RETRY,))

@@ -150,12 +150,18 @@ def _expiry(p: Path) -> float:
 
 
 def read_leases(d: Path) -> dict[str, float]:
-    """{attempt: expiry (time.time())}; an unreadable lease counts as expired."""
+    """{attempt: expiry (time.time())}. A lease file that answered but is not a lease counts as expired; one whose
+    read still fails after :func:`_retried` (EIO, ESTALE: no answer) as live (``inf``): its attempt may be running,
+    so nothing of it is removed on that read; one gone since the listing is left out."""
     out = {}
     for p in strict_glob(f"{LEASE_PREFIX}*", d):
         try:
-            out[p.name[len(LEASE_PREFIX):]] = _expiry(p)
-        except (OSError, ValueError):
+            out[p.name[len(LEASE_PREFIX):]] = _retried(lambda: _expiry(p))  # noqa: B023 - called at once
+        except FileNotFoundError:
+            continue
+        except OSError:
+            out[p.name[len(LEASE_PREFIX):]] = math.inf
+        except ValueError:
             out[p.name[len(LEASE_PREFIX):]] = 0.0
     return out
 
@@ -282,7 +288,10 @@ class Fence:
             raise CheckpointError(f"{d}: no term could be taken in {TAKE_TRIES} tries")
         now = faults.now()
         for other, exp in read_leases(d).items():
-            if exp > now and other != attempt:
+            if exp == math.inf and other != attempt:
+                log(f"[fence] attempt {other}'s lease cannot be read: attempt {attempt} takes over with term {n}; "
+                    "the other, if it runs, stops before its next commit")
+            elif exp > now and other != attempt:
                 log(f"[fence] attempt {other} still holds a lease ({exp - now:.0f} s left): attempt {attempt} "
                     f"takes over with term {n}; the other stops before its next commit")
             elif exp < now - lease_s:  # long gone: its temp files are older than lease_s (removable without it)

@@ -89,7 +89,12 @@ def remove_local(d: Path) -> None:
     the copy is moved aside in one rename (atomic on POSIX filesystems, NFS and Lustre included), its recorded term
     is read where it now lies, and a newer term's copy is put back (:class:`~pipelines.train.ckpt.fence.FencedOut`);
     else COMMIT first, so a half-removed copy is never read as a checkpoint, then the rest. Under a fence, never by
-    a superseded attempt either (:func:`pipelines.train.ckpt.fence.guard`)."""
+    a superseded attempt either (:func:`pipelines.train.ckpt.fence.guard`). An entry that is a symlink (not a copy
+    this run made: anyone who writes the tier may plant one) loses only the link, never what it leads to."""
+    if d.is_symlink():
+        fence.check(f"removing {d}", d)
+        d.unlink(missing_ok=True)
+        return
     fence.guard(f"removing {d}", d, lambda: fence.local_manifest(d))
     faults.point(faults.ACT)
     aside = d.with_name(f".{d.name}.tmp-{fence.tmp_tag()}")  # a temp name: start-up cleanup knows whose it is

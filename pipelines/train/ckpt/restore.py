@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from pipelines.listing import strict_glob
 from pipelines.storage import faults, oserrors
-from pipelines.storage.s3 import unreachable
+from pipelines.storage.s3 import credentials_refused, unreachable
 from pipelines.train.ckpt import protocol as ck
 from pipelines.train.ckpt import parts as ckpt_parts
 from pipelines.train.ckpt import s3_tier as ckpt_s3
@@ -191,11 +191,17 @@ def _not_older(newer: Optional[int], why: list[str], older: Optional[int] = None
 
 def _again(why: list[str]) -> str:
     """What brings the copies back: a retry, or for copies refused to this user (no retry reads them) access."""
-    return "this user may not read them: give it read access" if _refused(why) else "a retry looks again"
+    if not _refused(why):
+        return "a retry looks again"
+    l2 = any(L2_REFUSED in w for w in why)
+    return "this user may not read them: give it read access" + (
+        " (L2: check services.s3_endpoint_url, services.s3_bucket and the AWS credentials this process gets)"
+        if l2 else "")
 
 
 def _refused(why: list[str]) -> bool:
-    return bool(why) and all(REFUSED in w for w in why)
+    """Is every reason a copy refused to this user: a file it may not read, or L2 refusing its credentials?"""
+    return bool(why) and all(REFUSED in w or L2_REFUSED in w for w in why)
 
 
 def _choose(ckpt, per_node: dict[int, dict], want: Optional[int], l2_skip: Optional[set[int]]) -> list[dict]:
@@ -446,6 +452,7 @@ def _unread(e: BaseException, copy: Path, tier: str = "L1") -> Optional[str]:
 
 
 REFUSED = "(PermissionError: "  # in a reason: a copy this user may not read (EACCES, EPERM)
+L2_REFUSED = "(refused these credentials: "  # in a reason: L2 refusing this process's credentials (401/403)
 UNANSWERED = "?"  # what _stage returns before the tier and the error when that tier did not answer
 
 
@@ -490,12 +497,15 @@ def l1_failed(e: BaseException, l1_root: Path) -> Optional[str]:
 
 def unanswered_tier(e: BaseException) -> Optional[str]:
     """``'L2 (…)'`` or ``'L1 (…)'`` when ``e``, raised while a part was fetched from L2 onto L1, is a tier that did
-    not answer (an S3 endpoint down, throttling, timing out or refusing past its retries; L1's file system timing out
-    or dropping the connection); None when a tier answered with a copy that is missing or does not verify."""
+    not answer (an S3 endpoint down, throttling, timing out past its retries; L1's file system timing out or dropping
+    the connection); None when a tier answered with a copy that is missing or does not verify. L2 refusing these
+    credentials (a policy that lets them list but not get) says :data:`L2_REFUSED`: no retry reads the parts."""
     if not (isinstance(e, ck.TierUnavailable) or unreachable(e)):
         return None
-    tier = "L1" if isinstance(e, OSError) and e.filename else "L2"  # a file of L1's staging, not an S3 request
-    return f"{tier} ({type(e).__name__}: {str(e)[:240]})"
+    if isinstance(e, OSError) and e.filename:  # a file of L1's staging, not an S3 request
+        return f"L1 ({type(e).__name__}: {str(e)[:240]})"
+    said = L2_REFUSED if isinstance(e, ck.L2Refused) or credentials_refused(e) else "("
+    return f"L2 {said}{type(e).__name__}: {str(e)[:240]})"
 
 
 def _view(ckpt, c: dict, mine: set[int], l0: Path, l1: Path) -> Path:

@@ -261,11 +261,13 @@ def clear_run(spec: JobSpec, rel_root: str) -> dict[str, list[int]]:
 
 
 def registered_steps(spec: JobSpec, rel_root: str) -> set[int]:
-    """Steps of this run that a registered model version points to (its ``checkpoint_uri`` tag). Raises
-    CheckpointError when the registry cannot be read: then nothing may be deleted."""
+    """Steps of this run that a registered model version points to (its ``checkpoint_uri`` tag), under any name: a
+    version registered under another name (a spec whose ``registry.model_name`` changed, a version copied to another
+    model) shares the steps of the same training. Raises CheckpointError when the registry cannot be read: then
+    nothing may be deleted."""
     prefix = tier_locations(spec, rel_root)["L2"] + "/"
     try:
-        versions = list(tracking.model_versions(tracking.client(spec), f"name='{spec.registry.model_name}'"))
+        versions = list(tracking.model_versions(tracking.client(spec)))
     except Exception as e:  # noqa: BLE001 - unknown = everything may be needed
         raise CheckpointError(f"cannot read the model registry ({type(e).__name__}: {e}); deleting no checkpoint")
     steps = set()
