@@ -353,7 +353,8 @@ def end_process(code: int, at_once: bool = False) -> NoReturn:
 def bound_shutdown(code: int) -> None:
     """Arm a daemon timer that ends the process with ``code`` if it is still alive :data:`EXIT_GRACE_S` from now: the
     interpreter's shutdown joins non-daemon threads and executor workers (a commit worker on a stalled disk, an
-    upload given up on), and daemon threads keep running meanwhile."""
+    upload given up on) and runs the exit handlers, and daemon threads keep running meanwhile. Not covered: a
+    destructor that blocks in the interpreter's last teardown, when no thread runs any more."""
     grace = EXIT_GRACE_S
 
     def expire() -> None:

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -622,10 +623,11 @@ def _raised(call):
     return None
 
 
-def test_a_step_entry_that_is_a_symlink_loses_only_the_link(home):
+def test_a_step_entry_that_is_a_symlink_loses_only_the_link(home, monkeypatch):
     """A step directory on L0/L1 that is a symlink (planted by anyone who writes the shared FS, leading to another
-    run's committed step): ``train.resume=never`` (``clear_run``) moved the link aside and then unlinked the COMMIT
-    *through* it, so the other run's step no longer verified. Now only the link goes; what it leads to is untouched."""
+    run's committed step) was listed as this run's step, and removing it (``train.resume=never``'s ``clear_run``,
+    retention, retirement) moved the link aside and then unlinked the COMMIT *through* it, so the other run's step no
+    longer verified. Now it is no step of this run, and a removal takes only the link, never what it leads to."""
     from pipelines.train.ckpt.local import remove_local
 
     spec = load_spec(None, TINY + [f"checkpoint.l0={home}/l0", f"checkpoint.l1={home}/l1"], env={})
@@ -636,13 +638,27 @@ def test_a_step_entry_that_is_a_symlink_loses_only_the_link(home):
     mine = Path(ckpt_tiers.tier_locations(spec, "run/key")["L1"])
     mine.mkdir(parents=True)
     (mine / "step-000010").symlink_to(other)
-    assert ckpt_tiers.list_steps(spec, "run/key", ("L1",)) == {"L1": [10]}
-    assert ckpt_tiers.clear_run(spec, "run/key")["L1"] == [10]
-    assert not os.path.lexists(mine / "step-000010") and not list(mine.iterdir())  # no link, nothing moved aside
+    assert ckpt_tiers.list_steps(spec, "run/key", ("L1",)) == {"L1": []}  # not restored from, nor counted
+    assert ckpt_tiers.clear_run(spec, "run/key")["L1"] == []
     assert (other / "COMMIT").read_text() == "theirs" and (other / "model.pt").is_file()
-    (mine / "step-000020").symlink_to(other)
+    remove_local(mine / "step-000010")  # retention or retirement removing that entry: the link alone
+    assert not os.path.lexists(mine / "step-000010") and not list(mine.iterdir())  # nothing moved aside either
+    assert (other / "COMMIT").read_text() == "theirs" and (other / "model.pt").is_file()
+    real, swapped = os.rename, []
+
+    def swap(src, dst):  # a link put in the step's place between the check and the rename
+        if not swapped:
+            swapped.append(src)
+            shutil.rmtree(src)
+            os.symlink(other, src)
+        return real(src, dst)
+
+    (mine / "step-000020").mkdir()
+    (mine / "step-000020" / "COMMIT").write_text("mine")
+    monkeypatch.setattr(os, "rename", swap)
     remove_local(mine / "step-000020")
-    assert not os.path.lexists(mine / "step-000020") and (other / "COMMIT").is_file()
+    monkeypatch.setattr(os, "rename", real)
+    assert swapped and not list(mine.iterdir()) and (other / "COMMIT").read_text() == "theirs"
 
 
 def test_every_page_of_the_registry_counts_for_the_steps_a_registered_model_needs(home):

@@ -1170,6 +1170,7 @@ def test_a_lease_that_cannot_be_read_is_live_and_nothing_of_its_attempt_is_remov
     _take(d, "busy0001").release()  # a lease file of its own, then one that answers garbage
     fence.write_lease(d, "busy0001", 1, time.time() - 3600)  # expired long ago by its content
     (d / f"{fence.LEASE_PREFIX}torn0001").write_text("{not json")
+    (d / f"{fence.LEASE_PREFIX}dirs0001").mkdir()  # a path that answers: no lease (EISDIR), so expired
     real = fence._expiry
     tries = []
 
@@ -1181,7 +1182,7 @@ def test_a_lease_that_cannot_be_read_is_live_and_nothing_of_its_attempt_is_remov
 
     monkeypatch.setattr(fence, "_expiry", eio)
     leases = fence.read_leases(d)
-    assert leases == {"busy0001": math.inf, "torn0001": 0.0} and len(tries) == fence.READ_TRIES
+    assert leases == {"busy0001": math.inf, "torn0001": 0.0, "dirs0001": 0.0} and len(tries) == fence.READ_TRIES
     stale = tmp_path / "l0" / ".step-000010.tmp-busy0001"
     stale.mkdir(parents=True)
     os.utime(stale, (time.time() - 7200, time.time() - 7200))

@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import pyarrow as pa
@@ -250,12 +252,14 @@ def sha256_of(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def test_a_previous_corpus_version_naming_files_outside_its_directory_is_refused(tmp_path):
+def test_a_previous_corpus_version_naming_files_outside_its_directory_is_refused(tmp_path, monkeypatch):
     """A new corpus version links the previous version's shards and reads its tokenizer by the names its manifest
     gives (a manifest is data: its directory may be written by anyone who can write the shared FS). ``load_manifest``
     refused names with ``..`` or absolute ones, but a shard or tokenizer that is a symlink leading out was linked (or
     copied, or read) from outside into the new version, then hashed and published; now the names are checked where
-    they are used too, and a shard that is not a plain file is refused in one line, before anything is linked."""
+    they are used too, and a shard or tokenizer that is not a plain file (a symlink, a FIFO that would block its
+    reader) is refused in one line, every shard before any is linked, and a file swapped between the check and the
+    link is never linked."""
     prev_dir, outside = tmp_path / "v1", tmp_path / "secret"
     (prev_dir / "shards").mkdir(parents=True)
     outside.write_bytes(b"not a shard")
@@ -285,3 +289,26 @@ def test_a_previous_corpus_version_naming_files_outside_its_directory_is_refused
     with pytest.raises(ValueError, match="leads outside") as e:
         prev("x").output("tokenizer")
     assert e.value.exit_code == 2  # a StageError: one line, the user's to fix
+    os.mkfifo(prev_dir / "fifo.model")  # a FIFO would block its reader (SentencePiece, a copy) for ever
+    with pytest.raises(ValueError, match="is not a plain file"):
+        tokenize.plain_file(prev("x", tok="fifo.model").output("tokenizer"), "m")
+    two = prev("shards/train-00000")  # every row checked before any is linked
+    two.extra["shards"].append({"prefix": "shards/evil"})
+    with pytest.raises(ValueError, match="leads outside"):
+        tokenize.link_shards(two, tmp_path / "v6")
+    assert not (tmp_path / "v6").exists()
+    real, swapped = os.link, []
+
+    def swap(src, dst, **kw):  # the checked file replaced by a link leading out between the check and the link
+        if not swapped:
+            swapped.append(src)
+            os.unlink(src)
+            os.symlink(outside, src)
+        return real(src, dst, **kw)
+
+    monkeypatch.setattr(os, "link", swap)
+    with pytest.raises(ValueError, match="changed while it was linked"):
+        tokenize.link_shards(prev("shards/train-00000"), tmp_path / "v7")
+    monkeypatch.setattr(os, "link", real)
+    assert swapped and not any(p.is_symlink() or p.read_bytes() == b"not a shard"
+                               for p in (tmp_path / "v7").rglob("*") if p.is_file() or p.is_symlink())

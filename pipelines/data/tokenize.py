@@ -557,28 +557,57 @@ def contamination_record(filt: Manifest, prev: Manifest | None) -> dict:
 LINK_REFUSED = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}  # a copy
 
 
+def plain_file(p: Path, where: str) -> Path:
+    """``p``, a file a corpus version's manifest names (``where``: that manifest), when it is a plain file: a symlink,
+    a FIFO (which would block its reader), a directory is refused (:class:`ManifestInvalid`: a manifest is data, and
+    its directory may be written by anyone who writes the shared FS)."""
+    if not stat.S_ISREG(p.lstat().st_mode):
+        raise ManifestInvalid(f"manifest {where}: {p} is not a plain file; refusing it")
+    return p
+
+
 def link_shards(prev: Manifest, out: Path, skip: frozenset[str] = frozenset()) -> list[dict]:
     """The previous version's shards (but ``skip``), hard-linked into ``out`` under their own names (copied across
-    file systems): byte for byte the same files. A shard the manifest names outside its directory, or that is not a
-    plain file there (a symlink leading out: the previous version is data), is refused (:class:`ManifestInvalid`, 2)."""
+    file systems): byte for byte the same files. Every name is checked before any is linked: one outside the
+    version's directory, or not a plain file there (:func:`plain_file`), is refused (:class:`ManifestInvalid`, 2)."""
     rows = [sh for sh in prev.extra["shards"] if sh["prefix"] not in skip]
+    pairs = []
     for sh in rows:
         for ext in SHARD_FILES:
             try:
-                src, dest = under(prev.dir, sh["prefix"] + ext), under(out, sh["prefix"] + ext)
+                pairs.append((under(prev.dir, sh["prefix"] + ext), under(out, sh["prefix"] + ext)))
             except ValueError as e:
                 raise ManifestInvalid(f"manifest {prev.path}: shard {sh['prefix']!r}: {e}; refusing it") from None
-            if not stat.S_ISREG(src.lstat().st_mode):
-                raise ManifestInvalid(f"manifest {prev.path}: {src}: a shard of this corpus version that is not a "
-                                      "plain file; refusing it")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src, dest)
-            except OSError as e:  # another file system, or one without hard links: a copy; anything else is raised
-                if e.errno not in LINK_REFUSED:
-                    raise
-                shutil.copyfile(src, dest)
+            plain_file(pairs[-1][0], str(prev.path))
+    for src, dest in pairs:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _link_checked(src, dest, str(prev.path))
     return rows
+
+
+def _link_checked(src: Path, dest: Path, where: str) -> None:
+    """``src`` hard-linked at ``dest`` (copied where the file system refuses a link), and only the plain file that
+    was checked: opened without following a link, and the link's inode compared with it, so an entry swapped in
+    between (a symlink leading out) is never linked nor copied."""
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: opened, never waited on
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestInvalid(f"manifest {where}: {src} is not a plain file; refusing it")
+        try:
+            os.link(src, dest, follow_symlinks=False)
+        except OSError as e:  # another file system, or one without hard links: a copy of the file opened
+            if e.errno not in LINK_REFUSED:
+                raise
+            with os.fdopen(os.dup(fd), "rb") as r, open(dest, "xb") as w:
+                shutil.copyfileobj(r, w, 16 << 20)
+            return
+        got = os.lstat(dest)
+        if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):  # another entry put in its place meanwhile
+            dest.unlink()
+            raise ManifestInvalid(f"manifest {where}: {src} changed while it was linked; refusing it")
+    finally:
+        os.close(fd)
 
 
 def keep_shards(prev: Manifest, out: Path, rel: str, drop: dict, held: dict) -> tuple[list, list, dict]:
@@ -586,7 +615,8 @@ def keep_shards(prev: Manifest, out: Path, rel: str, drop: dict, held: dict) -> 
     hold entries of ``drop``: id → exclusion index) written again as ``rel/takedown-<split>-NNNNN`` without them (a
     shard left empty is dropped); the entries each exclusion removed, and the shards rewritten (old prefix → new, or
     None)."""
-    sp = spm.SentencePieceProcessor(model_file=str(prev.output("tokenizer"))) if held else None
+    sp = spm.SentencePieceProcessor(model_file=str(plain_file(prev.output("tokenizer"), str(prev.path)))) \
+        if held else None
     linked = {sh["prefix"]: sh for sh in link_shards(prev, out, frozenset(held))}
     removed, rows, rewritten = [0] * (max(drop.values(), default=-1) + 1), [], {}
     for sh in prev.extra["shards"]:
@@ -605,6 +635,8 @@ def strip_shard(src: Path, row: dict, drop: dict[str, int], dest: Path, prefix: 
     """Shard ``row`` of the directory ``src`` written again as ``dest/prefix`` without the entries in ``drop`` (ids
     beside it; ``removed[k]`` counts exclusion k's; the text bytes of each are its tokens decoded by ``sp``, the
     corpus's tokenizer); its new row, or None when no entry is left."""
+    for ext in SHARD_FILES:  # read by name: plain files only (a FIFO would block the read for ever)
+        plain_file(under(src, row["prefix"] + ext), str(src))
     shard = Shard.open(under(src, row["prefix"]))
     beside = pq.read_table(under(src, row["prefix"] + ".ids.parquet"))
     ids = beside.column("id").to_pylist()
@@ -722,12 +754,12 @@ def encode_new(spec: JobSpec, filt: Manifest, corpus: Manifest | None, tmp: Path
     if not encodes_on_spark(filt, corpus, late):
         if corpus is None:
             raise TokenizeError(f"no docs left: the takedown list takes every one of the {len(late)} docs")
-        shutil.copyfile(corpus.output("tokenizer"), tmp / "tokenizer.model")
+        shutil.copyfile(plain_file(corpus.output("tokenizer"), str(corpus.path)), tmp / "tokenizer.model")
         return {"shards": [], "counts": {"docs": 0, "tokens": 0}, "partitions": 0, "spark_master": "none (no new docs)",
                 **{k: corpus.extra.get(k) for k in ("vocab_size", "eos_id", "dtype", "heldout")}}
     docs = without_docs(filt.output("kept"), late, tmp / "takedown-docs") if late else filt.output("kept")
     r = tokenize_docs(spark, docs, tmp, spec.tokenizer, spec.run.seed, up, spec.data.task_mb,
-                      corpus.output("tokenizer") if corpus is not None else None, rel)
+                      plain_file(corpus.output("tokenizer"), str(corpus.path)) if corpus is not None else None, rel)
     if late:
         shutil.rmtree(docs)  # not an output: the filter stage's docs less the ones left out
     return {**r, "spark_master": spark.sparkContext.master}

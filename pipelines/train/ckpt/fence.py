@@ -37,6 +37,7 @@ names it and it is older than ``lease_s``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -50,7 +51,7 @@ from typing import Callable, Optional, TypeVar
 from pipelines.exit_codes import RETRY
 from pipelines.listing import strict_glob
 from pipelines.spec import JobSpec, resolve_path
-from pipelines.storage import faults
+from pipelines.storage import faults, oserrors
 from pipelines.storage.s3 import abandoned_writes
 from pipelines.train.ckpt.protocol import CKPT_MANIFEST, CheckpointError
 
@@ -150,19 +151,19 @@ def _expiry(p: Path) -> float:
 
 
 def read_leases(d: Path) -> dict[str, float]:
-    """{attempt: expiry (time.time())}. A lease file that answered but is not a lease counts as expired; one whose
-    read still fails after :func:`_retried` (EIO, ESTALE: no answer) as live (``inf``): its attempt may be running,
-    so nothing of it is removed on that read; one gone since the listing is left out."""
+    """{attempt: expiry (time.time())}. A lease path that answers but holds no lease (not one's JSON, a directory, a
+    symlink loop: :data:`~pipelines.storage.oserrors.ANSWERS`) counts as expired; one whose read still fails after
+    :func:`_retried` without an answer (EIO, ESTALE, a refusal: :func:`~pipelines.storage.oserrors.unanswered`) as
+    live (``inf``): its attempt may be running, so nothing of it is removed on that read; one gone since the listing
+    is left out."""
     out = {}
     for p in strict_glob(f"{LEASE_PREFIX}*", d):
         try:
             out[p.name[len(LEASE_PREFIX):]] = _retried(lambda: _expiry(p))  # noqa: B023 - called at once
         except FileNotFoundError:
             continue
-        except OSError:
-            out[p.name[len(LEASE_PREFIX):]] = math.inf
-        except ValueError:
-            out[p.name[len(LEASE_PREFIX):]] = 0.0
+        except (OSError, ValueError) as e:
+            out[p.name[len(LEASE_PREFIX):]] = math.inf if oserrors.unanswered(e) else 0.0
     return out
 
 
@@ -295,7 +296,8 @@ class Fence:
                 log(f"[fence] attempt {other} still holds a lease ({exp - now:.0f} s left): attempt {attempt} "
                     f"takes over with term {n}; the other stops before its next commit")
             elif exp < now - lease_s:  # long gone: its temp files are older than lease_s (removable without it)
-                (d / f"{LEASE_PREFIX}{other}").unlink(missing_ok=True)
+                with contextlib.suppress(IsADirectoryError):  # a directory in a lease's place: no lease, left there
+                    (d / f"{LEASE_PREFIX}{other}").unlink(missing_ok=True)
         f = cls(d, attempt, n, lease_s, roots, log)
         write_lease(d, attempt, n, now + lease_s)
         f.renewed = _clock()

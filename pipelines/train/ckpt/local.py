@@ -102,6 +102,9 @@ def remove_local(d: Path) -> None:
         os.rename(d, aside)
     except FileNotFoundError:
         return
+    if aside.is_symlink():  # a link put in its place since the check: the link goes, what it leads to stays
+        aside.unlink(missing_ok=True)
+        return
     try:
         fence.guard(f"removing {d}", aside, lambda: fence.local_manifest(aside))
     except fence.FencedOut:

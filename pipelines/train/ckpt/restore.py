@@ -93,7 +93,8 @@ class Unanswered:
     @staticmethod
     def stop(msg: str, why: list[str]) -> ck.CheckpointError:
         """The restore's stop over ``why``: the user's to fix (exit 2) when every reason is a copy refused to this
-        user (``PermissionError``: no retry reads it), else exit 75."""
+        user (``PermissionError``, or L2 refusing these credentials, :data:`L2_REFUSED`: no retry reads it), else
+        exit 75."""
         return ck.CopyRefused(msg) if _refused(why) else ck.TierUnavailable(msg)
 
     def of(self, kind: str) -> list[str]:

@@ -59,15 +59,18 @@ def l2_available(spec: JobSpec) -> Optional[str]:
 
 
 def list_steps(spec: JobSpec, rel_root: str, tiers: tuple[str, ...] = TIERS) -> dict[str, list[int]]:
-    """Steps that have a COMMIT marker at each tier (not yet verified), oldest first. An L2 that does not answer
-    (an endpoint down, or the embedded one started here once and down now) raises :class:`L2Unavailable`; only a
-    setup without any L2 lists none there."""
+    """Steps that have a COMMIT marker at each tier (not yet verified), oldest first; on L0/L1 a step entry that is
+    a symlink is none of this run's (anyone who writes the tier may plant one: restored from, it would resume another
+    run's weights; counted, retention would drop a real step for it). An L2 that does not answer (an endpoint down,
+    or the embedded one started here once and down now) raises :class:`L2Unavailable`; only a setup without any L2
+    lists none there."""
     out: dict[str, list[int]] = {}
     for tier in tiers:
         loc = tier_locations(spec, rel_root)[tier]
         if tier != "L2":
             root = Path(loc)
-            names = [p.name for p in root.iterdir() if (p / COMMIT).is_file()] if root.is_dir() else []
+            names = [p.name for p in root.iterdir() if not p.is_symlink() and (p / COMMIT).is_file()] \
+                if root.is_dir() else []
         elif l2_in_use(spec, rel_root):
             names = _s3_step_names(spec, loc)
         else:
@@ -266,8 +269,11 @@ def registered_steps(spec: JobSpec, rel_root: str) -> set[int]:
     model) shares the steps of the same training. Raises CheckpointError when the registry cannot be read: then
     nothing may be deleted."""
     prefix = tier_locations(spec, rel_root)["L2"] + "/"
+    # the registry's own search narrows it to this run's steps (LIKE's '_' may match more: the prefix test below
+    # keeps only this run's); a prefix with a quote cannot be put in a filter: every version is read
+    narrowed = None if "'" in prefix or "\\" in prefix else f"tags.checkpoint_uri LIKE '{prefix}%'"
     try:
-        versions = list(tracking.model_versions(tracking.client(spec)))
+        versions = list(tracking.model_versions(tracking.client(spec), narrowed))
     except Exception as e:  # noqa: BLE001 - unknown = everything may be needed
         raise CheckpointError(f"cannot read the model registry ({type(e).__name__}: {e}); deleting no checkpoint")
     steps = set()
