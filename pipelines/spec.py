@@ -80,6 +80,13 @@ class _Section(BaseModel):
         return d
 
 
+def name_like(v: str, pattern: str, says: str) -> str:
+    """``v`` when the whole of it matches ``pattern``; else ``ValueError('<v> <says>')``, the field's one line."""
+    if not re.fullmatch(pattern, v):
+        raise ValueError(f"{v!r} {says}")
+    return v
+
+
 class RunCfg(_Section):
     name: str = Field("llm-pipeline", description="Run / MLflow experiment name: letters, digits, '_', '-' and '.' "
                       "(a path component of every checkpoint tier and of L2's keys).")
@@ -96,10 +103,8 @@ class RunCfg(_Section):
     def _plain_name(cls, v: str) -> str:
         # one path component of every tier (checkpoints, lineage and fence records, L2 keys, the experiment's
         # artifact location): a '/', '..' or a leading '/' would put them outside their roots
-        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}", v):
-            raise ValueError(f"{v!r} is not a run name: letters, digits, '_', '-' and '.' (no '/', spaces or other "
-                             "characters; not starting with '.' or '-'), 1 to 200 characters")
-        return v
+        return name_like(v, r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}", "is not a run name: letters, digits, '_', '-' and "
+                         "'.' (no '/', spaces or other characters; not starting with '.' or '-'), 1 to 200 characters")
 
 
 class InputFieldsCfg(_Section):
@@ -803,10 +808,9 @@ class RegistryCfg(_Section):
     @field_validator("model_name")
     @classmethod
     def _plain_name(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\- ]{0,199}", v):
-            raise ValueError(f"{v!r} is not a model name this pipeline can search for and load: use letters, digits, "
-                             "'_', '-', '.' and spaces (no quotes, '/', ':' or '@'), 1 to 200 characters")
-        return v
+        return name_like(v, r"[A-Za-z0-9_][A-Za-z0-9_.\- ]{0,199}", "is not a model name this pipeline can search for "
+                         "and load: use letters, digits, '_', '-', '.' and spaces (no quotes, '/', ':' or '@'), 1 to 200 "
+                         "characters")
 
     @field_validator("alias")
     @classmethod
@@ -820,6 +824,9 @@ class RegistryCfg(_Section):
 class ServicesCfg(_Section):
     spark_master: str = "local[*]"
     spark_driver_memory: str = "2g"
+    spark_executor_wait_minutes: float = Field(
+        10.0, gt=0, description="A stage on a cluster master (k8s://, spark://) waits this long for an executor to "
+        "run its first task (pods Pending for want of a node, an image that cannot be pulled) before it exits 75.")
     spark_conf: dict[str, str] = Field(
         default_factory=dict, description="Extra Spark conf for the sessions the stages build themselves and for "
         "spark-submit (e.g. spark.speculation: 'true'); under spark-submit its own --conf stand.")

@@ -125,3 +125,35 @@ def test_tokenization_is_the_same_on_local_1_local_2_and_the_standalone_cluster(
         for s in o.extra["shards"]:
             sh = Shard.open(o.dir / s["prefix"])
             assert (sh.num_docs, sh.num_tokens) == (s["docs"], s["tokens"]) and s["tokens"] <= 30000
+
+
+def test_a_cluster_master_whose_executors_never_come_is_a_retry_within_the_bound(tmp_path):
+    """A stage on a cluster master whose executors never start (Pending pods: no node fits, an image that cannot be
+    pulled; here a standalone master without workers) waited with Spark's "Initial job has not accepted any
+    resources" until its task's timeout (hours). Now a one-task probe is waited for at most
+    ``services.spark_executor_wait_minutes``: ExecutorsMissing, exit 75, the session stopped."""
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+    port, ui = free_port(), free_port()
+    master = subprocess.Popen([str(BIN / "spark-class"), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                               "--port", str(port), "--webui-port", str(ui)], env=env,
+                              stdout=open(tmp_path / "master.log", "w"), stderr=subprocess.STDOUT)
+    probe = ("import sys, time\n"
+             "from pipelines.spec import load_spec\n"
+             "from pipelines.data.spark import ExecutorsMissing, spec_session\n"
+             "spec = load_spec(None, [f'services.spark_master={sys.argv[1]}', "
+             "'services.spark_executor_wait_minutes=0.1'], env={})\n"
+             "t0 = time.monotonic()\n"
+             "try:\n"
+             "    spec_session(spec, 'llmp-no-executors')\n"
+             "except ExecutorsMissing as e:\n"
+             "    print(e.exit_code, round(time.monotonic() - t0), e, flush=True)\n")
+    try:
+        _wait_http(f"http://127.0.0.1:{ui}/json/")
+        r = subprocess.run([sys.executable, "-c", probe, f"spark://127.0.0.1:{port}"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+        code, secs, said = r.stdout.split(" ", 2) if r.stdout else ("", "0", "")
+        assert code == "75" and "no executor of spark://" in said, (r.stdout, r.stderr[-3000:])
+        assert int(secs) < 120  # the bound (6 s) and the session's stop, not the task's timeout
+    finally:
+        master.terminate()
+        master.wait(timeout=30)

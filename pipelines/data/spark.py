@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines import engines
+from pipelines.exit_codes import RETRY
+from pipelines.manifest import StageError
 from pipelines.spec import SpecError, resolve_path
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,10 +68,18 @@ def session_conf(master: str, driver_memory: str = "2g", shuffle_partitions: int
     return {**out, **(conf or {})}
 
 
+class ExecutorsMissing(StageError):
+    """No executor of a cluster master ran a task within the bound: pods Pending for want of a node, an image that
+    cannot be pulled, a standalone master without workers. Not the user's input: a retry's (75)."""
+    exit_code = RETRY
+
+
 def get_spark(master: str = "local[*]", app: str = "llm-pipeline", driver_memory: str = "2g",
-              shuffle_partitions: int | None = None, conf: dict[str, str] | None = None) -> "SparkSession":
+              shuffle_partitions: int | None = None, conf: dict[str, str] | None = None,
+              executor_wait_s: float | None = None) -> "SparkSession":
     """The session: spark-submit's as it is when one made it, else one built on ``master`` (:func:`session_conf`);
-    :class:`pipelines.engines.EngineRefused` in a run that refuses Spark (``--no-spark``)."""
+    :class:`pipelines.engines.EngineRefused` in a run that refuses Spark (``--no-spark``). With ``executor_wait_s``
+    on a cluster master, an executor must run a task within that many seconds (:func:`await_executors`)."""
     engines.check("spark", app)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # laptop default: stay on loopback
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -81,13 +92,46 @@ def get_spark(master: str = "local[*]", app: str = "llm-pipeline", driver_memory
             b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    if executor_wait_s is not None:
+        await_executors(spark, executor_wait_s)
     return spark
 
 
+def await_executors(spark, wait_s: float) -> None:
+    """On a cluster master, a one-task job, waited for at most ``wait_s``: it runs as soon as one executor has
+    registered. Executors that never come (Spark only logs "Initial job has not accepted any resources" and waits)
+    are :class:`ExecutorsMissing` (75), the job cancelled, never a stage waiting out its task's timeout (hours).
+    Nothing on ``local[…]``."""
+    sc = spark.sparkContext
+    if sc.master.startswith("local"):
+        return
+    done, failed = threading.Event(), []
+
+    def probe() -> None:
+        try:
+            sc.parallelize([0], 1).count()
+        except Exception as e:  # noqa: BLE001 - raised below, or the cancel's own
+            failed.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=probe, name="llmp-spark-executors", daemon=True).start()
+    if not done.wait(wait_s):
+        sc.cancelAllJobs()  # the session is new: the probe is its only job
+        spark.stop()  # and its executors asked for no longer (on Kubernetes: the Pending pods deleted)
+        raise ExecutorsMissing(f"no executor of {sc.master} ran a task in {wait_s / 60:g} min "
+                               "(services.spark_executor_wait_minutes): pods Pending (no node fits, an image that "
+                               "cannot be pulled) or a master without workers; see the cluster's events, then retry")
+    if failed:
+        raise failed[0]
+
+
 def spec_session(spec, app: str) -> "SparkSession":
-    """The session a stage of ``spec`` runs in."""
+    """The session a stage of ``spec`` runs in; on a cluster master, one whose executors answer within
+    ``services.spark_executor_wait_minutes``."""
     svc = spec.services
-    return get_spark(svc.spark_master, app, svc.spark_driver_memory, conf=svc.spark_conf)
+    return get_spark(svc.spark_master, app, svc.spark_driver_memory, conf=svc.spark_conf,
+                     executor_wait_s=svc.spark_executor_wait_minutes * 60)
 
 
 def task_count(spark, nbytes: int, task_mb: int, fixed: int = 0, at_least: int = 0) -> int:
