@@ -825,7 +825,7 @@ class ServicesCfg(_Section):
     spark_master: str = "local[*]"
     spark_driver_memory: str = "2g"
     spark_executor_wait_minutes: float = Field(
-        10.0, gt=0, description="A stage on a cluster master (k8s://, spark://) waits this long for an executor to "
+        10.0, gt=0, le=1440, allow_inf_nan=False, description="A stage on a cluster master (k8s://, spark://) waits this long for an executor to "
         "run its first task (pods Pending for want of a node, an image that cannot be pulled) before it exits 75.")
     spark_conf: dict[str, str] = Field(
         default_factory=dict, description="Extra Spark conf for the sessions the stages build themselves and for "

@@ -631,19 +631,26 @@ def test_a_step_entry_that_is_a_symlink_loses_only_the_link(home, monkeypatch):
     from pipelines.train.ckpt.local import remove_local
 
     spec = load_spec(None, TINY + [f"checkpoint.l0={home}/l0", f"checkpoint.l1={home}/l1"], env={})
+    from pipelines.train.ckpt import local as ckpt_local
+
     other = Path(ckpt_tiers.tier_locations(spec, "other/key/step-000010")["L1"])
-    other.mkdir(parents=True)
-    (other / "COMMIT").write_text("theirs")
-    (other / "model.pt").write_bytes(b"w")
+    made = other.with_name(".made")
+    made.mkdir(parents=True)
+    (made / "model.pt").write_bytes(b"w")
+    ckpt_local.commit_local(made, other, meta={"step": 10})  # another run's committed step, manifest and all
+    theirs = (other / "COMMIT").read_text()
     mine = Path(ckpt_tiers.tier_locations(spec, "run/key")["L1"])
     mine.mkdir(parents=True)
     (mine / "step-000010").symlink_to(other)
     assert ckpt_tiers.list_steps(spec, "run/key", ("L1",)) == {"L1": []}  # not restored from, nor counted
+    from pipelines.train.ckpt.parts import local_parts
+
+    assert local_parts(mine) == {} and list(local_parts(other.parent)) == [10]  # restore's own listing
     assert ckpt_tiers.clear_run(spec, "run/key")["L1"] == []
-    assert (other / "COMMIT").read_text() == "theirs" and (other / "model.pt").is_file()
+    assert (other / "COMMIT").read_text() == theirs and (other / "model.pt").is_file()
     remove_local(mine / "step-000010")  # retention or retirement removing that entry: the link alone
     assert not os.path.lexists(mine / "step-000010") and not list(mine.iterdir())  # nothing moved aside either
-    assert (other / "COMMIT").read_text() == "theirs" and (other / "model.pt").is_file()
+    assert (other / "COMMIT").read_text() == theirs and (other / "model.pt").is_file()
     real, swapped = os.rename, []
 
     def swap(src, dst):  # a link put in the step's place between the check and the rename
@@ -658,7 +665,7 @@ def test_a_step_entry_that_is_a_symlink_loses_only_the_link(home, monkeypatch):
     monkeypatch.setattr(os, "rename", swap)
     remove_local(mine / "step-000020")
     monkeypatch.setattr(os, "rename", real)
-    assert swapped and not list(mine.iterdir()) and (other / "COMMIT").read_text() == "theirs"
+    assert swapped and not list(mine.iterdir()) and (other / "COMMIT").read_text() == theirs
 
 
 def test_every_page_of_the_registry_counts_for_the_steps_a_registered_model_needs(home):

@@ -292,6 +292,12 @@ def test_a_previous_corpus_version_naming_files_outside_its_directory_is_refused
     os.mkfifo(prev_dir / "fifo.model")  # a FIFO would block its reader (SentencePiece, a copy) for ever
     with pytest.raises(ValueError, match="is not a plain file"):
         tokenize.plain_file(prev("x", tok="fifo.model").output("tokenizer"), "m")
+    with pytest.raises(ValueError, match="is not a plain file"):  # opened, never waited on
+        tokenize.plain_bytes(prev_dir / "fifo.model", "m")
+    (prev_dir / "inner.model").symlink_to(prev_dir / "shards" / "train-00000.bin")
+    with pytest.raises(ValueError, match="is a symlink, not a plain file") as e:  # read without following it
+        tokenize.plain_bytes(prev_dir / "inner.model", "m")
+    assert e.value.exit_code == 2 and tokenize.plain_bytes(prev_dir / "shards" / "train-00000.bin", "m") == b"x"
     two = prev("shards/train-00000")  # every row checked before any is linked
     two.extra["shards"].append({"prefix": "shards/evil"})
     with pytest.raises(ValueError, match="leads outside"):

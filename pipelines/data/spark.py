@@ -90,9 +90,10 @@ def get_spark(master: str = "local[*]", app: str = "llm-pipeline", driver_memory
     if not _under_spark_submit():
         for k, v in session_conf(master, driver_memory, shuffle_partitions, conf).items():
             b = b.config(k, v)
+    had = SparkSession.getActiveSession()
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
-    if executor_wait_s is not None:
+    if executor_wait_s is not None and had is None:  # a session this call made (one in use is another's to stop)
         await_executors(spark, executor_wait_s)
     return spark
 
@@ -105,10 +106,11 @@ def await_executors(spark, wait_s: float) -> None:
     sc = spark.sparkContext
     if sc.master.startswith("local"):
         return
-    done, failed = threading.Event(), []
+    done, failed, group = threading.Event(), [], f"llmp-executors-{os.getpid()}"
 
     def probe() -> None:
         try:
+            sc.setJobGroup(group, "an executor runs a task", interruptOnCancel=True)  # this thread's jobs
             sc.parallelize([0], 1).count()
         except Exception as e:  # noqa: BLE001 - raised below, or the cancel's own
             failed.append(e)
@@ -117,11 +119,14 @@ def await_executors(spark, wait_s: float) -> None:
 
     threading.Thread(target=probe, name="llmp-spark-executors", daemon=True).start()
     if not done.wait(wait_s):
-        sc.cancelAllJobs()  # the session is new: the probe is its only job
-        spark.stop()  # and its executors asked for no longer (on Kubernetes: the Pending pods deleted)
-        raise ExecutorsMissing(f"no executor of {sc.master} ran a task in {wait_s / 60:g} min "
-                               "(services.spark_executor_wait_minutes): pods Pending (no node fits, an image that "
-                               "cannot be pulled) or a master without workers; see the cluster's events, then retry")
+        try:
+            sc.cancelJobGroup(group)
+            spark.stop()  # its executors asked for no longer (on Kubernetes: the Pending pods deleted)
+        finally:
+            raise ExecutorsMissing(f"no executor of {sc.master} ran a task in {wait_s / 60:g} min "
+                                   "(services.spark_executor_wait_minutes): pods Pending (no node fits, an image that "
+                                   "cannot be pulled) or a master without workers; see the cluster's events, then "
+                                   "retry")
     if failed:
         raise failed[0]
 

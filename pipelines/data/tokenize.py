@@ -267,8 +267,10 @@ def _model_row(model: bytes | None, refused: str | None) -> pa.RecordBatch:
 def tokenizer_model(docs, out: Path, cfg: TokenizerCfg, seed: int, split: Splitter, given: Path | None = None) -> bytes:
     """``out/tokenizer.model``: ``given`` (a corpus version's), tokenizer.model_path, or one trained on the
     deterministic sample; returns its bytes."""
-    if given is not None or cfg.model_path:
-        src = given if given is not None else resolve_path(cfg.model_path)
+    if given is not None:  # a corpus version's: read as a plain file only (plain_bytes)
+        (out / "tokenizer.model").write_bytes(plain_bytes(given, "of the corpus version this one extends"))
+    elif cfg.model_path:
+        src = resolve_path(cfg.model_path)
         if not src.is_file():
             raise TokenizeError(f"tokenizer.model_path {src} does not exist")
         shutil.copyfile(src, out / "tokenizer.model")
@@ -566,6 +568,27 @@ def plain_file(p: Path, where: str) -> Path:
     return p
 
 
+def _open_plain(p: Path, where: str) -> int:
+    """``p`` opened for reading without following a link (ELOOP: a symlink, refused in one line) nor waiting on a
+    FIFO."""
+    try:
+        return os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ManifestInvalid(f"manifest {where}: {p} is a symlink, not a plain file; refusing it") from None
+        raise
+
+
+def plain_bytes(p: Path, where: str) -> bytes:
+    """The bytes of ``p`` when, opened, it is a plain file: opened without following a link and without waiting on a
+    FIFO, then checked (:func:`plain_file`'s rule, with no moment between the check and the read)."""
+    fd = _open_plain(p, where)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ManifestInvalid(f"manifest {where}: {p} is not a plain file; refusing it")
+        return f.read()
+
+
 def link_shards(prev: Manifest, out: Path, skip: frozenset[str] = frozenset()) -> list[dict]:
     """The previous version's shards (but ``skip``), hard-linked into ``out`` under their own names (copied across
     file systems): byte for byte the same files. Every name is checked before any is linked: one outside the
@@ -589,7 +612,7 @@ def _link_checked(src: Path, dest: Path, where: str) -> None:
     """``src`` hard-linked at ``dest`` (copied where the file system refuses a link), and only the plain file that
     was checked: opened without following a link, and the link's inode compared with it, so an entry swapped in
     between (a symlink leading out) is never linked nor copied."""
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: opened, never waited on
+    fd = _open_plain(src, where)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -615,7 +638,7 @@ def keep_shards(prev: Manifest, out: Path, rel: str, drop: dict, held: dict) -> 
     hold entries of ``drop``: id → exclusion index) written again as ``rel/takedown-<split>-NNNNN`` without them (a
     shard left empty is dropped); the entries each exclusion removed, and the shards rewritten (old prefix → new, or
     None)."""
-    sp = spm.SentencePieceProcessor(model_file=str(plain_file(prev.output("tokenizer"), str(prev.path)))) \
+    sp = spm.SentencePieceProcessor(model_proto=plain_bytes(prev.output("tokenizer"), str(prev.path))) \
         if held else None
     linked = {sh["prefix"]: sh for sh in link_shards(prev, out, frozenset(held))}
     removed, rows, rewritten = [0] * (max(drop.values(), default=-1) + 1), [], {}
@@ -754,12 +777,12 @@ def encode_new(spec: JobSpec, filt: Manifest, corpus: Manifest | None, tmp: Path
     if not encodes_on_spark(filt, corpus, late):
         if corpus is None:
             raise TokenizeError(f"no docs left: the takedown list takes every one of the {len(late)} docs")
-        shutil.copyfile(plain_file(corpus.output("tokenizer"), str(corpus.path)), tmp / "tokenizer.model")
+        (tmp / "tokenizer.model").write_bytes(plain_bytes(corpus.output("tokenizer"), str(corpus.path)))
         return {"shards": [], "counts": {"docs": 0, "tokens": 0}, "partitions": 0, "spark_master": "none (no new docs)",
                 **{k: corpus.extra.get(k) for k in ("vocab_size", "eos_id", "dtype", "heldout")}}
     docs = without_docs(filt.output("kept"), late, tmp / "takedown-docs") if late else filt.output("kept")
     r = tokenize_docs(spark, docs, tmp, spec.tokenizer, spec.run.seed, up, spec.data.task_mb,
-                      plain_file(corpus.output("tokenizer"), str(corpus.path)) if corpus is not None else None, rel)
+                      corpus.output("tokenizer") if corpus is not None else None, rel)  # read by plain_bytes
     if late:
         shutil.rmtree(docs)  # not an output: the filter stage's docs less the ones left out
     return {**r, "spark_master": spark.sparkContext.master}

@@ -162,8 +162,9 @@ def read_leases(d: Path) -> dict[str, float]:
             out[p.name[len(LEASE_PREFIX):]] = _retried(lambda: _expiry(p))  # noqa: B023 - called at once
         except FileNotFoundError:
             continue
-        except (OSError, ValueError) as e:
-            out[p.name[len(LEASE_PREFIX):]] = math.inf if oserrors.unanswered(e) else 0.0
+        except (OSError, ValueError) as e:  # (an OSError without an errno is no answer either)
+            answered = not isinstance(e, OSError) or e.errno in oserrors.ANSWERS
+            out[p.name[len(LEASE_PREFIX):]] = 0.0 if answered else math.inf
     return out
 
 
@@ -296,8 +297,8 @@ class Fence:
                 log(f"[fence] attempt {other} still holds a lease ({exp - now:.0f} s left): attempt {attempt} "
                     f"takes over with term {n}; the other stops before its next commit")
             elif exp < now - lease_s:  # long gone: its temp files are older than lease_s (removable without it)
-                with contextlib.suppress(IsADirectoryError):  # a directory in a lease's place: no lease, left there
-                    (d / f"{LEASE_PREFIX}{other}").unlink(missing_ok=True)
+                with contextlib.suppress(IsADirectoryError, PermissionError):  # a directory in a lease's place
+                    (d / f"{LEASE_PREFIX}{other}").unlink(missing_ok=True)  # (EISDIR; EPERM on macOS): left there
         f = cls(d, attempt, n, lease_s, roots, log)
         write_lease(d, attempt, n, now + lease_s)
         f.renewed = _clock()

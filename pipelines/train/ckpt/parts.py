@@ -59,9 +59,11 @@ def merged_manifest(mans: list[dict]) -> str:
 def local_parts(root: Path, failed: Optional[dict[int, str]] = None) -> dict[int, dict]:
     """This node's committed parts under ``root`` (a run's L0 directory): {step: manifest}, not yet hashed. A step
     whose manifest fails to be read (an OSError but a missing file) raises, or with ``failed`` is put there
-    (step → why) and left out."""
+    (step → why) and left out. A step entry that is a symlink is none of this run's (as in ``tiers.list_steps``)."""
     out = {}
     for d in strict_glob("step-*", root):  # a folder refused to this user raises (Path.glob says "none")
+        if d.is_symlink():
+            continue
         step = parse_step(d.name)
         try:
             if step is not None:

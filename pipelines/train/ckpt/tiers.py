@@ -270,8 +270,9 @@ def registered_steps(spec: JobSpec, rel_root: str) -> set[int]:
     nothing may be deleted."""
     prefix = tier_locations(spec, rel_root)["L2"] + "/"
     # the registry's own search narrows it to this run's steps (LIKE's '_' may match more: the prefix test below
-    # keeps only this run's); a prefix with a quote cannot be put in a filter: every version is read
-    narrowed = None if "'" in prefix or "\\" in prefix else f"tags.checkpoint_uri LIKE '{prefix}%'"
+    # keeps only this run's); a prefix with a quote, a backslash or '[' (a class in some SQL dialects) cannot be put
+    # in a filter as it is: every version is read
+    narrowed = None if any(c in prefix for c in "'\\[") else f"tags.checkpoint_uri LIKE '{prefix}%'"
     try:
         versions = list(tracking.model_versions(tracking.client(spec), narrowed))
     except Exception as e:  # noqa: BLE001 - unknown = everything may be needed
