@@ -568,24 +568,27 @@ def plain_file(p: Path, where: str) -> Path:
     return p
 
 
-def _open_plain(p: Path, where: str) -> int:
-    """``p`` opened for reading without following a link (ELOOP: a symlink, refused in one line) nor waiting on a
-    FIFO."""
+def _open_plain(p: Path, where: str) -> tuple[int, os.stat_result]:
+    """``p`` opened for reading without following a link (ELOOP: a symlink) nor waiting on a FIFO, and its status,
+    when what was opened is a plain file (:func:`plain_file`'s rule, with no moment between the check and the use);
+    else refused in one line."""
     try:
-        return os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise ManifestInvalid(f"manifest {where}: {p} is a symlink, not a plain file; refusing it") from None
         raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ManifestInvalid(f"manifest {where}: {p} is not a plain file; refusing it")
+    return fd, st
 
 
 def plain_bytes(p: Path, where: str) -> bytes:
-    """The bytes of ``p`` when, opened, it is a plain file: opened without following a link and without waiting on a
-    FIFO, then checked (:func:`plain_file`'s rule, with no moment between the check and the read)."""
-    fd = _open_plain(p, where)
+    """The bytes of ``p``, read only as a plain file (:func:`_open_plain`)."""
+    fd, _ = _open_plain(p, where)
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ManifestInvalid(f"manifest {where}: {p} is not a plain file; refusing it")
         return f.read()
 
 
@@ -612,11 +615,8 @@ def _link_checked(src: Path, dest: Path, where: str) -> None:
     """``src`` hard-linked at ``dest`` (copied where the file system refuses a link), and only the plain file that
     was checked: opened without following a link, and the link's inode compared with it, so an entry swapped in
     between (a symlink leading out) is never linked nor copied."""
-    fd = _open_plain(src, where)
+    fd, st = _open_plain(src, where)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ManifestInvalid(f"manifest {where}: {src} is not a plain file; refusing it")
         try:
             os.link(src, dest, follow_symlinks=False)
         except OSError as e:  # another file system, or one without hard links: a copy of the file opened
