@@ -23,6 +23,7 @@ from pipelines.exit_codes import RETRY
 from pipelines.lineage.keys import Exclusion, Matcher, check_text, source_key
 from pipelines.manifest import StageError, now_iso
 from pipelines.storage import oserrors
+from pipelines.storage.flock import flock_within
 
 TAG = "takedown.pending"
 LOCK_WAIT_S = 120.0  # the longest a stage or an --exclude-source waits for the list's lock (each holds it briefly)
@@ -131,27 +132,18 @@ def _claim(fd: int, line: str) -> None:
 def _take(fd: int, lock: Path, exclusive: bool, wait_s: float) -> None:
     """``flock`` without blocking, tried again until ``wait_s`` has passed (one line on stderr while it waits);
     :class:`ListUnavailable` then, or at once when the file system refuses ``flock``."""
-    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-    deadline, pause, told = time.monotonic() + wait_s, 0.01, False
-    while True:
-        try:
-            fcntl.flock(fd, mode)
-            return
-        except BlockingIOError:
-            pass
-        except OSError as e:  # ENOLCK, EOPNOTSUPP, EINVAL: not a lock this file system keeps
-            raise ListUnavailable(f"cannot lock {lock} ({e.strerror or e}): the directory of data.exclusions must "
-                                  "support flock (a local disk, NFSv4, Lustre mounted with -o flock); nothing was "
-                                  "done") from None
-        if time.monotonic() >= deadline:
-            raise ListUnavailable(f"the takedown list's lock {lock} is still held after {wait_s:g} s "
-                                  f"({_holder(fd)}); nothing was done; run it again once its holder is done")
-        if not told:
-            print(f"takedown list: waiting up to {wait_s:g} s for {lock} ({_holder(fd)})", file=sys.stderr,
-                  flush=True)
-            told = True
-        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
-        pause = min(2 * pause, 1.0)
+    def waiting() -> None:
+        print(f"takedown list: waiting up to {wait_s:g} s for {lock} ({_holder(fd)})", file=sys.stderr, flush=True)
+
+    try:
+        taken = flock_within(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, wait_s, waiting)
+    except OSError as e:  # ENOLCK, EOPNOTSUPP, EINVAL: not a lock this file system keeps
+        raise ListUnavailable(f"cannot lock {lock} ({e.strerror or e}): the directory of data.exclusions must "
+                              "support flock (a local disk, NFSv4, Lustre mounted with -o flock); nothing was "
+                              "done") from None
+    if not taken:
+        raise ListUnavailable(f"the takedown list's lock {lock} is still held after {wait_s:g} s "
+                              f"({_holder(fd)}); nothing was done; run it again once its holder is done")
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ from pipelines.listing import walk_files
 from pipelines.procs import free_port, identity, listens_on, still_running
 from pipelines.spec import JobSpec, add_spec_args, resolve_path, spec_from_args
 from pipelines.storage import faults
+from pipelines.storage.flock import flock_within
 
 STATE_DIR = "var/s3"
 _EMBEDDED_CREDS = {"aws_access_key_id": "embedded", "aws_secret_access_key": "embedded-secret"}
@@ -763,17 +764,10 @@ def _locked():
     retry's (75), never a DAG run's setup or teardown waiting out its task's timeout."""
     _state_dir().mkdir(parents=True, exist_ok=True)
     with open(_state_dir() / ".lock", "w") as f:
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise EmbeddedDown(f"{_state_dir() / '.lock'}: another process has been starting or stopping the "
-                                       f"embedded S3 endpoint for {LOCK_WAIT_S / 60:g} min (stopped or hung): a retry "
-                                       "looks again") from None
-                time.sleep(0.2)
+        if not flock_within(f.fileno(), fcntl.LOCK_EX, LOCK_WAIT_S):
+            raise EmbeddedDown(f"{_state_dir() / '.lock'}: another process has been starting or stopping the "
+                               f"embedded S3 endpoint for {LOCK_WAIT_S / 60:g} min (stopped or hung): a retry looks "
+                               "again")
         yield
 
 
